@@ -1,0 +1,41 @@
+"""A real local Kubernetes control plane, built from Go modules, for development and tests."""
+
+from ._build import (
+    BuildFailed,
+    GoToolchainMissing,
+    cached_binaries,
+    ensure_binaries,
+    kubernetes_version,
+)
+from ._cluster import (
+    COMPONENTS,
+    Cluster,
+    ClusterExists,
+    ClusterNotFound,
+    PortInUse,
+    StartupFailed,
+    list_clusters,
+    state_root,
+    write_kubeconfig,
+)
+from ._errors import DevClusterError
+from ._proc import processes_mentioning
+
+__all__ = [
+    "COMPONENTS",
+    "BuildFailed",
+    "Cluster",
+    "ClusterExists",
+    "ClusterNotFound",
+    "DevClusterError",
+    "GoToolchainMissing",
+    "PortInUse",
+    "StartupFailed",
+    "cached_binaries",
+    "ensure_binaries",
+    "kubernetes_version",
+    "list_clusters",
+    "processes_mentioning",
+    "state_root",
+    "write_kubeconfig",
+]

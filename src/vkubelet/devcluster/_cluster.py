@@ -1,0 +1,692 @@
+"""A real, local Kubernetes control plane: etcd, kube-apiserver, kube-scheduler, controller-manager.
+
+Everything listens on 127.0.0.1 on free ports and speaks TLS with certificates from a per-cluster
+CA, so that the Node authorizer, NodeRestriction, the CSR signer and the apiserver's calls to
+kubelets behave as in a production cluster. Each cluster lives in its own directory (PKI, etcd
+data, logs, kubeconfigs, `cluster.json`), so several can run side by side.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import http.client
+import json
+import os
+import re
+import shutil
+import socket
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cryptography.hazmat.primitives import serialization
+
+from . import _pki, _proc
+from ._build import Binaries, Progress, ensure_binaries
+from ._errors import DevClusterError
+
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+SERVICE_CIDR = "10.96.0.0/16"  # only an allocation range for ClusterIPs; nothing is routed to it
+SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service, a SAN of the apiserver certificate
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
+
+
+class ClusterExists(DevClusterError):
+    pass
+
+
+class ClusterNotFound(DevClusterError):
+    pass
+
+
+class PortInUse(DevClusterError):
+    pass
+
+
+class StartupFailed(DevClusterError):
+    pass
+
+
+def state_root() -> Path:
+    env = os.environ.get("VKUBELET_STATE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_STATE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "state") / "vkubelet"
+
+
+def validate_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise DevClusterError(
+            f"invalid cluster name {name!r}: use 1-40 lower-case letters, digits and '-', "
+            "starting and ending with a letter or digit"
+        )
+    return name
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Ports:
+    apiserver: int
+    etcd_client: int
+    etcd_peer: int
+    scheduler: int
+    controller_manager: int
+
+    @classmethod
+    def pick(cls, apiserver: int | None) -> Ports:
+        if apiserver is not None and not _port_free(apiserver):
+            raise PortInUse(
+                f"--apiserver-port {apiserver}: 127.0.0.1:{apiserver} is already in use; "
+                "choose another port or leave it out to get a free one"
+            )
+        chosen: set[int] = set() if apiserver is None else {apiserver}
+
+        def fresh() -> int:
+            while (port := _free_port()) in chosen:
+                pass
+            chosen.add(port)
+            return port
+
+        return cls(apiserver or fresh(), fresh(), fresh(), fresh(), fresh())
+
+
+@dataclass
+class Cluster:
+    """A named local cluster: its directory, ports and processes.
+
+    `up()` starts it and returns when it can schedule pods; `down()` stops every process and
+    removes the directory. The same object backs the CLI and the pytest fixture.
+    """
+
+    name: str
+    root: Path = field(default_factory=state_root)
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+
+    # -- paths ---------------------------------------------------------------------------------
+    @property
+    def directory(self) -> Path:
+        return self.root / "clusters" / self.name
+
+    @property
+    def kubeconfig(self) -> Path:
+        """Admin kubeconfig (system:masters)."""
+        return self.directory / "kubeconfig"
+
+    @property
+    def pki(self) -> Path:
+        return self.directory / "pki"
+
+    @property
+    def _state_file(self) -> Path:
+        return self.directory / "cluster.json"
+
+    def log_path(self, component: str) -> Path:
+        return self.directory / "logs" / f"{component}.log"
+
+    # -- state -----------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads(self._state_file.read_text())
+        except FileNotFoundError:
+            return None
+        return data
+
+    def _write_state(self, state: dict[str, Any]) -> None:
+        tmp = self._state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self._state_file)
+
+    def exists(self) -> bool:
+        return self._state_file.exists()
+
+    def running_components(self) -> dict[str, bool]:
+        state = self.state() or {}
+        return {
+            name: _proc.is_alive(_proc.ProcessRef.from_json(ref))
+            for name, ref in state.get("components", {}).items()
+        }
+
+    def is_up(self) -> bool:
+        running = self.running_components()
+        return bool(running) and any(running.values())
+
+    @property
+    def server(self) -> str:
+        state = self.state()
+        if state is None:
+            raise ClusterNotFound(self._not_found_message())
+        url: str = state["server"]
+        return url
+
+    @property
+    def kubernetes_version(self) -> str:
+        return str((self.state() or {}).get("kubernetesVersion", "unknown"))
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """One `up`/`down` per name at a time, across processes."""
+        lock_path = self.root / "clusters" / f".{self.name}.lock"
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with lock_path.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    # -- up ----------------------------------------------------------------------------------------
+    def up(
+        self,
+        *,
+        apiserver_port: int | None = None,
+        progress: Progress = print,
+        tie_to_parent: bool = False,
+        extra_args: dict[str, list[str]] | None = None,
+        binaries: Binaries | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        """Start the cluster; on any failure stop what was started and leave nothing behind.
+
+        `tie_to_parent` makes the kernel kill the components when this process dies (for tests).
+        `extra_args` appends flags per component, e.g. a shorter node-monitor grace period.
+        """
+        extra_args = extra_args or {}
+        unknown = set(extra_args) - set(COMPONENTS)
+        if unknown:
+            raise DevClusterError(f"extra_args: unknown component(s) {sorted(unknown)}")
+        with self._lock():
+            if self.exists():
+                if self.is_up():
+                    raise ClusterExists(
+                        f"cluster {self.name!r} is already up ({self.server}); "
+                        f"use it with KUBECONFIG={self.kubeconfig} or stop it with "
+                        f"`vkubelet dev cluster down --name {self.name}`"
+                    )
+                progress(f"Removing stale state of cluster {self.name!r} (no process running)")
+                shutil.rmtree(self.directory)
+            Ports.pick(apiserver_port)  # fail fast, before a possibly long build
+            bins = binaries or ensure_binaries(progress)
+            ports = Ports.pick(apiserver_port)
+            progress(f"Starting cluster {self.name!r} (Kubernetes {bins.kubernetes_version})")
+            try:
+                self._prepare(ports, bins)
+                self._start_all(ports, bins, extra_args, tie_to_parent, progress, timeout)
+            except BaseException:
+                self._teardown()
+                raise
+
+    def _prepare(self, ports: Ports, bins: Binaries) -> None:
+        for sub in ("pki", "logs", "etcd"):
+            (self.directory / sub).mkdir(parents=True, exist_ok=True)
+        self.directory.chmod(0o700)
+        self._write_pki()
+        server = f"https://127.0.0.1:{ports.apiserver}"
+        self._write_kubeconfigs(server)
+        self._write_state(
+            {
+                "name": self.name,
+                "server": server,
+                "kubernetesVersion": bins.kubernetes_version,
+                "binaries": str(bins.directory),
+                "ports": ports.__dict__,
+                "created": time.time(),
+                "components": {},
+                "argv": {},
+            }
+        )
+
+    def _write_pki(self) -> None:
+        pki = self.pki
+        ca = _pki.new_ca(f"vkubelet-dev-{self.name}-ca")
+        ca.write(pki, "ca")
+        _pki.issue(
+            ca,
+            "kube-apiserver",
+            server=True,
+            dns_names=(
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ),
+            ip_addresses=("127.0.0.1", SERVICE_IP),
+        ).write(pki, "apiserver")
+        _pki.issue(ca, "etcd", server=True, client=True, dns_names=("localhost",),
+                   ip_addresses=("127.0.0.1",)).write(pki, "etcd")  # fmt: skip
+        _pki.issue(ca, "kube-apiserver-etcd-client", client=True).write(
+            pki, "apiserver-etcd-client"
+        )
+        # How the apiserver proves itself to kubelets (and so to vkubelet's kubelet port).
+        _pki.issue(ca, "kube-apiserver-kubelet-client", client=True).write(
+            pki, "apiserver-kubelet-client"
+        )
+        # The aggregation layer (metrics-server behind `kubectl top`) authenticates the
+        # apiserver's proxied requests with a separate CA, as in kubeadm clusters.
+        front_proxy_ca = _pki.new_ca(f"vkubelet-dev-{self.name}-front-proxy-ca")
+        front_proxy_ca.write(pki, "front-proxy-ca")
+        _pki.issue(front_proxy_ca, "front-proxy-client", client=True).write(
+            pki, "front-proxy-client"
+        )
+        sa_key = _pki.new_key()
+        _pki.write_private(
+            pki / "sa.key",
+            sa_key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            ),
+        )
+        (pki / "sa.pub").write_bytes(
+            sa_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+        for stem, cn, orgs in (
+            ("admin", "kubernetes-admin", ("system:masters",)),
+            ("controller-manager", "system:kube-controller-manager", ()),
+            ("scheduler", "system:kube-scheduler", ()),
+        ):
+            _pki.issue(ca, cn, organizations=orgs, client=True).write(pki, stem)
+
+    def _write_kubeconfigs(self, server: str) -> None:
+        ca = (self.pki / "ca.crt").read_bytes()
+        for stem, path in (
+            ("admin", self.kubeconfig),
+            ("controller-manager", self.directory / "controller-manager.kubeconfig"),
+            ("scheduler", self.directory / "scheduler.kubeconfig"),
+        ):
+            write_kubeconfig(
+                path,
+                cluster=f"vkubelet-{self.name}",
+                server=server,
+                ca_pem=ca,
+                user=stem,
+                cert_pem=(self.pki / f"{stem}.crt").read_bytes(),
+                key_pem=(self.pki / f"{stem}.key").read_bytes(),
+            )
+
+    def _argv(self, component: str, ports: Ports, bins: Binaries) -> list[str]:
+        pki = self.pki
+        d = self.directory
+        binary = str(bins.path(component))
+        if component == "etcd":
+            client = f"https://127.0.0.1:{ports.etcd_client}"
+            peer = f"http://127.0.0.1:{ports.etcd_peer}"
+            return [
+                binary,
+                "--name=default",
+                f"--data-dir={d / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=default={peer}",
+                f"--cert-file={pki / 'etcd.crt'}",
+                f"--key-file={pki / 'etcd.key'}",
+                f"--trusted-ca-file={pki / 'ca.crt'}",
+                "--client-cert-auth=true",
+                # A throw-away dev cluster: fsync per write would make etcd, not the code under
+                # test, the bottleneck of every benchmark on a slow disk.
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+            ]
+        if component == "kube-apiserver":
+            return [
+                binary,
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                # Loopback cannot back the `kubernetes` Service endpoints; nothing in a dev
+                # cluster dials them (pods run elsewhere, through providers).
+                "--endpoint-reconciler-type=none",
+                f"--secure-port={ports.apiserver}",
+                f"--etcd-servers=https://127.0.0.1:{ports.etcd_client}",
+                f"--etcd-cafile={pki / 'ca.crt'}",
+                f"--etcd-certfile={pki / 'apiserver-etcd-client.crt'}",
+                f"--etcd-keyfile={pki / 'apiserver-etcd-client.key'}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname,ExternalIP",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+                f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                "--enable-bootstrap-token-auth=true",
+                "--allow-privileged=true",
+                "--profiling=false",
+                "--v=1",
+            ]
+        common = [
+            "--bind-address=127.0.0.1",
+            "--leader-elect=false",
+            "--profiling=false",
+            "--v=1",
+        ]
+        if component == "kube-scheduler":
+            kubeconfig = d / "scheduler.kubeconfig"
+            return [
+                binary,
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                f"--secure-port={ports.scheduler}",
+                *common,
+            ]
+        if component == "kube-controller-manager":
+            kubeconfig = d / "controller-manager.kubeconfig"
+            return [
+                binary,
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                f"--secure-port={ports.controller_manager}",
+                # The CSR signer: kubelet client and serving certificates are signed by the
+                # cluster CA, which the apiserver trusts for clients and for kubelets.
+                f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+                f"--cluster-signing-key-file={pki / 'ca.key'}",
+                f"--root-ca-file={pki / 'ca.crt'}",
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--use-service-account-credentials=true",
+                "--controllers=*,bootstrapsigner,tokencleaner",
+                *common,
+            ]
+        raise DevClusterError(f"unknown component {component!r}")
+
+    def _start_all(
+        self,
+        ports: Ports,
+        bins: Binaries,
+        extra_args: dict[str, list[str]],
+        tie_to_parent: bool,
+        progress: Progress,
+        timeout: float,
+    ) -> None:
+        started = time.monotonic()
+        state = self.state() or {}
+        for component in COMPONENTS:
+            argv = self._argv(component, ports, bins) + extra_args.get(component, [])
+            state["argv"][component] = argv
+            ref = _proc.start(
+                argv, self.log_path(component), cwd=self.directory, tie_to_parent=tie_to_parent
+            )
+            state["components"][component] = ref.to_json()
+            self._write_state(state)
+            self._wait_healthy(component, ports, timeout)
+            if component == "kube-apiserver":
+                self._grant_kubelet_api_access()
+        self._wait(
+            "the controller-manager to create the default ServiceAccount",
+            lambda: (
+                self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200
+            ),
+            timeout,
+            "kube-controller-manager",
+        )
+        progress(f"Cluster {self.name!r} is up in {time.monotonic() - started:.1f}s: {self.server}")
+
+    def _grant_kubelet_api_access(self) -> None:
+        """Let the apiserver's kubelet-client identity use kubelet APIs, as kubeadm does.
+
+        Kubelets (and vkubelet) authorize callers with SubjectAccessReviews on `nodes/proxy`
+        and friends; without this binding `kubectl logs/exec` would be refused with 403.
+        """
+        binding = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "vkubelet:apiserver-kubelet-api-admin"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "system:kubelet-api-admin",
+            },
+            "subjects": [
+                {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "User",
+                    "name": "kube-apiserver-kubelet-client",
+                }
+            ],
+        }
+        path = "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"
+        status, body = self.request("POST", path, binding)
+        if status not in (201, 409):
+            raise StartupFailed(f"could not create the kubelet API ClusterRoleBinding: {body}")
+
+    def _health_url(self, component: str, ports: Ports) -> str:
+        return {
+            "etcd": f"https://127.0.0.1:{ports.etcd_client}/health",
+            "kube-apiserver": f"https://127.0.0.1:{ports.apiserver}/readyz",
+            "kube-scheduler": f"https://127.0.0.1:{ports.scheduler}/healthz",
+            "kube-controller-manager": f"https://127.0.0.1:{ports.controller_manager}/healthz",
+        }[component]
+
+    def _wait_healthy(self, component: str, ports: Ports, timeout: float) -> None:
+        url = self._health_url(component, ports)
+        # The scheduler and controller-manager serve with self-signed certificates.
+        verify = component in ("etcd", "kube-apiserver")
+        self._wait(
+            f"{component} to become healthy",
+            lambda: _probe(url, self._ssl_context(verify=verify)) == 200,
+            timeout,
+            component,
+        )
+
+    def _wait(self, what: str, check: Callable[[], bool], timeout: float, component: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ref = (self.state() or {}).get("components", {}).get(component)
+            if ref and not _proc.is_alive(_proc.ProcessRef.from_json(ref)):
+                raise StartupFailed(
+                    f"{component} exited while waiting for {what}; "
+                    f"last lines of {self.log_path(component)}:\n{self._log_tail(component)}"
+                )
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                if check():
+                    return
+            time.sleep(0.2)
+        raise StartupFailed(
+            f"timed out after {timeout:.0f}s waiting for {what}; last lines of "
+            f"{self.log_path(component)}:\n{self._log_tail(component)}"
+        )
+
+    def _log_tail(self, component: str, lines: int = 20) -> str:
+        try:
+            text = self.log_path(component).read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _ssl_context(self, *, verify: bool = True) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        if not verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        ctx.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
+        return ctx
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """A minimal admin call to the apiserver, for readiness checks without extra clients."""
+        state = self.state()
+        if state is None:
+            raise ClusterNotFound(self._not_found_message())
+        conn = http.client.HTTPSConnection(
+            "127.0.0.1", state["ports"]["apiserver"], context=self._ssl_context(), timeout=5
+        )
+        try:
+            payload = None if body is None else json.dumps(body)
+            headers = {"Content-Type": "application/json"} if payload else {}
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+            raw = response.read()
+        finally:
+            conn.close()
+        try:
+            return response.status, json.loads(raw)
+        except ValueError:
+            return response.status, raw.decode(errors="replace")
+
+    # -- components, for tests that break and heal the control plane ------------------------------
+    def stop_component(self, component: str) -> None:
+        state = self._require_state()
+        ref = state["components"].get(component)
+        if ref:
+            _proc.stop(_proc.ProcessRef.from_json(ref))
+
+    def start_component(self, component: str, *, tie_to_parent: bool = False) -> None:
+        state = self._require_state()
+        ref = state["components"].get(component)
+        if ref and _proc.is_alive(_proc.ProcessRef.from_json(ref)):
+            return
+        argv = state["argv"][component]
+        new = _proc.start(
+            argv, self.log_path(component), cwd=self.directory, tie_to_parent=tie_to_parent
+        )
+        state["components"][component] = new.to_json()
+        self._write_state(state)
+        ports = Ports(**state["ports"])
+        self._wait_healthy(component, ports, 120)
+
+    def _require_state(self) -> dict[str, Any]:
+        state = self.state()
+        if state is None:
+            raise ClusterNotFound(self._not_found_message())
+        return state
+
+    # -- status / down ---------------------------------------------------------------------------
+    def status(self) -> dict[str, str]:
+        """Per component: 'healthy', 'unhealthy' (running but not answering) or 'stopped'."""
+        state = self._require_state()
+        ports = Ports(**state["ports"])
+        result = {}
+        for component, alive in self.running_components().items():
+            if not alive:
+                result[component] = "stopped"
+                continue
+            verify = component in ("etcd", "kube-apiserver")
+            try:
+                ok = _probe(self._health_url(component, ports), self._ssl_context(verify=verify))
+            except (OSError, http.client.HTTPException):
+                ok = 0
+            result[component] = "healthy" if ok == 200 else "unhealthy"
+        return result
+
+    def down(self) -> None:
+        """Stop every process of the cluster and delete its directory."""
+        with self._lock():
+            if not self.exists():
+                raise ClusterNotFound(self._not_found_message())
+            self._teardown()
+
+    def _teardown(self) -> None:
+        state = self.state() or {}
+        # Reverse start order: clients first, etcd last, so nothing logs spurious errors.
+        for component in reversed(COMPONENTS):
+            ref = state.get("components", {}).get(component)
+            if ref:
+                _proc.stop(_proc.ProcessRef.from_json(ref))
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _not_found_message(self) -> str:
+        known = [c.name for c in list_clusters(self.root)]
+        listing = ", ".join(known) if known else "none"
+        return f"no cluster named {self.name!r} (known clusters: {listing})"
+
+
+def list_clusters(root: Path | None = None) -> list[Cluster]:
+    base = (root or state_root()) / "clusters"
+    if not base.is_dir():
+        return []
+    return [
+        Cluster(p.name, root or state_root())
+        for p in sorted(base.iterdir())
+        if (p / "cluster.json").exists()
+    ]
+
+
+def _probe(url: str, ctx: ssl.SSLContext) -> int:
+    without_scheme = url.removeprefix("https://")
+    hostport, _, path = without_scheme.partition("/")
+    host, _, port = hostport.partition(":")
+    conn = http.client.HTTPSConnection(host, int(port), context=ctx, timeout=3)
+    try:
+        conn.request("GET", "/" + path)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def write_kubeconfig(
+    path: Path,
+    *,
+    cluster: str,
+    server: str,
+    ca_pem: bytes,
+    user: str,
+    cert_pem: bytes | None = None,
+    key_pem: bytes | None = None,
+    token: str | None = None,
+) -> None:
+    """A self-contained kubeconfig (credentials embedded), so it can be copied elsewhere."""
+    credentials: dict[str, str] = {}
+    if cert_pem is not None and key_pem is not None:
+        credentials["client-certificate-data"] = base64.b64encode(cert_pem).decode()
+        credentials["client-key-data"] = base64.b64encode(key_pem).decode()
+    if token is not None:
+        credentials["token"] = token
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": cluster,
+                "cluster": {
+                    "server": server,
+                    "certificate-authority-data": base64.b64encode(ca_pem).decode(),
+                },
+            }
+        ],
+        "users": [{"name": user, "user": credentials}],
+        "contexts": [{"name": cluster, "context": {"cluster": cluster, "user": user}}],
+        "current-context": cluster,
+    }
+    _pki.write_private(path, yaml.safe_dump(config, sort_keys=False).encode())

@@ -1,0 +1,12 @@
+"""Shared test configuration: vkubelet's own pytest plugin (`vkubelet.testing`) provides
+`kube_cluster` and `kubectl`; integration tests are marked automatically by folder."""
+
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "integration" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.integration)
