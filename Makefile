@@ -17,17 +17,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@rm -f $(VENV)/.installed-*; touch $@
 
-# Builds (once, then cached) and starts a local control plane named "demo".
+# A local control plane (built once, then cached), a mock virtual node and an example Deployment.
 demo: install
-	$(BIN)/vkubelet dev cluster up --name demo
-	@echo
-	@echo "A virtual node with the mock provider joins this cluster once the core agent lands."
-	@echo "Try:  export KUBECONFIG=$$($(BIN)/python -c 'from vkubelet.devcluster import Cluster; print(Cluster("demo").kubeconfig)')"
-	@echo "      kubectl get --raw /readyz; kubectl get nodes; kubectl get pods -A -o wide"
-	@echo "Stop: make demo-down"
+	examples/demo.sh up
 
 demo-down: install
-	$(BIN)/vkubelet dev cluster down --name demo
+	examples/demo.sh down
 
 build: install
 	$(BIN)/vkubelet dev build

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -10,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
+from ._logging import LogFormat, setup_logging
 from .devcluster import Cluster, DevClusterError, ensure_binaries, list_clusters
 
 app = typer.Typer(
@@ -47,6 +51,110 @@ def _progress(message: str) -> None:
 def version() -> None:
     """Print vkubelet's version."""
     out.print(__version__)
+
+
+@app.command()
+def run(
+    provider: Annotated[
+        str | None,
+        typer.Option(envvar="VKUBELET_PROVIDER", help="Provider name (see `providers`)."),
+    ] = None,
+    provider_config: Annotated[
+        Path | None, typer.Option(envvar="VKUBELET_PROVIDER_CONFIG", help="Provider config file.")
+    ] = None,
+    nodename: Annotated[
+        str, typer.Option(envvar="VKUBELET_NODENAME", help="Name of the virtual node.")
+    ] = "vkubelet",
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(envvar="KUBECONFIG", help="Default: ~/.kube/config or in-cluster."),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(envvar="VKUBELET_CONFIG", help="Agent config (YAML) listing several nodes."),
+    ] = None,
+    kubelet_port: Annotated[int, typer.Option(envvar="KUBELET_PORT", min=0, max=65535)] = 10250,
+    internal_ip: Annotated[
+        str, typer.Option(envvar="VKUBELET_POD_IP", help="The node's InternalIP address.")
+    ] = "127.0.0.1",
+    label: Annotated[list[str], typer.Option(help="Extra node label key=value (repeatable).")] = [],  # noqa: B006
+    taint: Annotated[
+        list[str], typer.Option(help="Replace the default taint: key=value:Effect (repeatable).")
+    ] = [],  # noqa: B006
+    disable_taint: Annotated[bool, typer.Option(help="Register the node without taints.")] = False,
+    kube_api_qps: Annotated[float | None, typer.Option(help="Client-side request limit.")] = None,
+    kube_api_burst: Annotated[int, typer.Option()] = 1000,
+    pod_sync_workers: Annotated[int, typer.Option(min=1)] = 32,
+    log_format: Annotated[LogFormat, typer.Option(help="Log line format.")] = LogFormat.text,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+) -> None:
+    """Run the node agent: register virtual node(s) and run their pods with a provider."""
+    # Imported here so that `vkubelet dev ...` starts without loading the agent's dependencies.
+    from .node import (
+        Agent,
+        AgentConfig,
+        ClientOptions,
+        ConfigError,
+        NodeSettings,
+        NodeSpec,
+        UnknownProvider,
+        load_agent_config,
+        parse_taint,
+    )
+
+    setup_logging(log_format, log_level)
+    try:
+        if config is not None:
+            agent_config = load_agent_config(config)
+            if kubeconfig and agent_config.kubeconfig is None:
+                agent_config.kubeconfig = kubeconfig
+        else:
+            if provider is None:
+                raise ConfigError("--provider is required (or --config with a list of nodes)")
+            labels = {}
+            for item in label:
+                key, sep, value = item.partition("=")
+                if not sep or not key:
+                    raise ConfigError(f"--label {item!r}: expected key=value")
+                labels[key] = value
+            taints: list[dict[str, str]] | None = [parse_taint(t) for t in taint] or None
+            if disable_taint:
+                taints = []
+            agent_config = AgentConfig(
+                nodes=[
+                    NodeSpec(
+                        NodeSettings(
+                            name=nodename,
+                            provider=provider,
+                            labels=labels,
+                            taints=taints,
+                            kubelet_port=kubelet_port,
+                            addresses=[
+                                {"type": "InternalIP", "address": internal_ip},
+                                {"type": "Hostname", "address": nodename},
+                            ],
+                        ),
+                        provider_config,
+                    )
+                ],
+                kubeconfig=kubeconfig,
+                client=ClientOptions(qps=kube_api_qps, burst=kube_api_burst),
+                workers=pod_sync_workers,
+            )
+        agent = Agent(agent_config)
+    except (ConfigError, UnknownProvider, ValueError, OSError) as e:
+        raise _fail(e) from None
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(agent.run())
+
+
+@app.command()
+def providers() -> None:
+    """List the providers installed (entry points `vkubelet.providers`)."""
+    from .node import available_providers
+
+    for name, entry in sorted(available_providers().items()):
+        out.print(f"{name}\t{entry.value}", highlight=False)
 
 
 @dev.command("build")

@@ -1,0 +1,44 @@
+"""The node agent: node controller, pod controller, events and the provider API."""
+
+from ._agent import Agent, AgentConfig, NodeAgent, NodeSpec
+from ._config import ConfigError, load_agent_config, parse_taint
+from ._kube import ApiError, ClientOptions, KubeClient, Unreachable
+from ._nodecontroller import NodeSettings
+from ._registry import ProviderContext, UnknownProvider, available_providers, load_provider
+from .provider import (
+    ContainerLogOptions,
+    ContainerLogs,
+    NodeProvider,
+    NodeStatusNotifier,
+    PodLifecycleHandler,
+    PodNotifier,
+    ProviderError,
+    ResolvedPod,
+)
+
+__all__ = [
+    "Agent",
+    "AgentConfig",
+    "ApiError",
+    "ClientOptions",
+    "ConfigError",
+    "ContainerLogOptions",
+    "ContainerLogs",
+    "KubeClient",
+    "NodeAgent",
+    "NodeProvider",
+    "NodeSettings",
+    "NodeSpec",
+    "NodeStatusNotifier",
+    "PodLifecycleHandler",
+    "PodNotifier",
+    "ProviderContext",
+    "ProviderError",
+    "ResolvedPod",
+    "UnknownProvider",
+    "Unreachable",
+    "available_providers",
+    "load_agent_config",
+    "load_provider",
+    "parse_taint",
+]

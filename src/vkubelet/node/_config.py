@@ -1,0 +1,137 @@
+"""The agent's configuration file (YAML), for one process serving several virtual nodes.
+
+    kubeconfig: ~/.kube/config          # optional; else $KUBECONFIG / in-cluster
+    kubeApiQps: 500                     # optional client-side limit (default: none)
+    kubeApiBurst: 1000
+    podSyncWorkers: 32
+    nodes:
+      - name: vk-mock-0
+        provider: mock
+        providerConfig: mock.json       # relative to this file
+        kubeletPort: 10250
+        internalIP: 127.0.0.1
+        labels: {zone: lab-1}
+        taints: []                      # omit for the default provider taint; [] for none
+
+Errors name the file and the field, e.g. `agent.yaml: nodes[1].kubeletPort: expected an integer`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ._agent import AgentConfig, NodeSpec
+from ._kube import ClientOptions
+from ._nodecontroller import NodeSettings
+
+_NODE_KEYS = {"name", "provider", "providerConfig", "kubeletPort", "internalIP", "labels", "taints"}
+_TOP_KEYS = {"kubeconfig", "kubeApiQps", "kubeApiBurst", "podSyncWorkers", "nodes"}
+_EFFECTS = {"NoSchedule", "PreferNoSchedule", "NoExecute"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_taint(text: str) -> dict[str, str]:
+    """`key=value:Effect` or `key:Effect`, as kubectl taint writes them."""
+    spec, sep, effect = text.rpartition(":")
+    if not sep or effect not in _EFFECTS:
+        raise ConfigError(
+            f"taint {text!r}: expected key[=value]:Effect with Effect one of {sorted(_EFFECTS)}"
+        )
+    key, _, value = spec.partition("=")
+    if not key:
+        raise ConfigError(f"taint {text!r}: empty key")
+    taint = {"key": key, "effect": effect}
+    if value:
+        taint["value"] = value
+    return taint
+
+
+def load_agent_config(path: Path) -> AgentConfig:
+    where = str(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping at the top level")
+    _no_unknown(where, "", data, _TOP_KEYS)
+    nodes = data.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise ConfigError(f"{where}: nodes: expected a non-empty list")
+    specs = [_node(where, f"nodes[{i}]", raw, path.parent) for i, raw in enumerate(nodes)]
+    names = [s.settings.name for s in specs]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        raise ConfigError(f"{where}: nodes: duplicate name {sorted(duplicates)[0]!r}")
+    kubeconfig = data.get("kubeconfig")
+    return AgentConfig(
+        nodes=specs,
+        kubeconfig=(path.parent / Path(kubeconfig).expanduser()) if kubeconfig else None,
+        client=ClientOptions(
+            qps=_number(where, "kubeApiQps", data.get("kubeApiQps")),
+            burst=int(_number(where, "kubeApiBurst", data.get("kubeApiBurst")) or 1000),
+        ),
+        workers=int(_number(where, "podSyncWorkers", data.get("podSyncWorkers")) or 32),
+    )
+
+
+def _node(where: str, at: str, raw: Any, base: Path) -> NodeSpec:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: {at}: expected a mapping")
+    _no_unknown(where, at + ".", raw, _NODE_KEYS)
+    for required in ("name", "provider"):
+        if not isinstance(raw.get(required), str) or not raw[required]:
+            raise ConfigError(f"{where}: {at}.{required}: required (a string)")
+    port = raw.get("kubeletPort", 10250)
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"{where}: {at}.kubeletPort: expected an integer port")
+    labels = raw.get("labels") or {}
+    if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+        raise ConfigError(f"{where}: {at}.labels: expected a mapping of strings")
+    taints = raw.get("taints")
+    parsed_taints = None
+    if taints is not None:
+        if not isinstance(taints, list):
+            raise ConfigError(f"{where}: {at}.taints: expected a list of key=value:Effect")
+        try:
+            parsed_taints = [parse_taint(str(t)) for t in taints]
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {at}.taints: {e}") from None
+    ip = raw.get("internalIP", "127.0.0.1")
+    provider_config = raw.get("providerConfig")
+    return NodeSpec(
+        settings=NodeSettings(
+            name=raw["name"],
+            provider=raw["provider"],
+            labels=labels,
+            taints=parsed_taints,
+            kubelet_port=port,
+            addresses=[
+                {"type": "InternalIP", "address": str(ip)},
+                {"type": "Hostname", "address": raw["name"]},
+            ],
+        ),
+        provider_config=(base / provider_config) if provider_config else None,
+    )
+
+
+def _no_unknown(where: str, at: str, raw: dict[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{where}: {at}{unknown[0]}: unknown field (known: {sorted(known)})")
+
+
+def _number(where: str, name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"{where}: {name}: expected a positive number")
+    return float(value)

@@ -1,0 +1,121 @@
+"""Kubernetes Events for pods, written in the background so they never slow a pod down.
+
+Repeats of the same (object, reason, message) within ten minutes bump the count of the existing
+Event instead of creating a new one, as client-go's recorder does. The queue is bounded: when the
+apiserver cannot keep up, the oldest unsent events are dropped (and counted), never the pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+from ._kube import ApiError, KubeClient, Unreachable
+from ._nodecontroller import now_rfc3339
+
+log = logging.getLogger(__name__)
+
+NORMAL = "Normal"
+WARNING = "Warning"
+_DEDUP_WINDOW = 600.0
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    kind: str
+    namespace: str
+    name: str
+    uid: str
+    api_version: str = "v1"
+
+
+@dataclass
+class _Pending:
+    ref: ObjectRef
+    type: str
+    reason: str
+    message: str
+
+
+class EventRecorder:
+    def __init__(
+        self, client: KubeClient, *, component: str, host: str, max_pending: int = 10_000
+    ) -> None:
+        self._client = client
+        self._component = component
+        self._host = host
+        self._pending: deque[_Pending] = deque(maxlen=max_pending)
+        self._wake = asyncio.Event()
+        # (uid, reason, message) -> (event name, namespace, count, first seen)
+        self._recent: OrderedDict[tuple[str, str, str], tuple[str, int, float]] = OrderedDict()
+        self.dropped = 0
+        self.sent = 0
+
+    def emit(self, ref: ObjectRef, type: str, reason: str, message: str) -> None:
+        if len(self._pending) == self._pending.maxlen:
+            self.dropped += 1
+        self._pending.append(_Pending(ref, type, reason, message[:1024]))
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                item = self._pending.popleft()
+                try:
+                    await self._send(item)
+                except (ApiError, Unreachable) as e:
+                    log.debug("event %s/%s not recorded: %s", item.ref.name, item.reason, e)
+
+    async def _send(self, item: _Pending) -> None:
+        key = (item.ref.uid, item.reason, item.message)
+        now = time.monotonic()
+        recent = self._recent.get(key)
+        path = f"/api/v1/namespaces/{item.ref.namespace}/events"
+        if recent and now - recent[2] < _DEDUP_WINDOW:
+            name, count, first = recent
+            try:
+                await self._client.patch(
+                    f"{path}/{name}", {"count": count + 1, "lastTimestamp": now_rfc3339()}
+                )
+                self._recent[key] = (name, count + 1, first)
+                self.sent += 1
+                return
+            except ApiError as e:
+                if not e.not_found:
+                    raise
+        name = f"{item.ref.name}.{uuid.uuid4().hex[:16]}"
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": name, "namespace": item.ref.namespace},
+            "involvedObject": {
+                "apiVersion": item.ref.api_version,
+                "kind": item.ref.kind,
+                "namespace": item.ref.namespace,
+                "name": item.ref.name,
+                "uid": item.ref.uid,
+            },
+            "reason": item.reason,
+            "message": item.message,
+            "type": item.type,
+            "count": 1,
+            "firstTimestamp": now_rfc3339(),
+            "lastTimestamp": now_rfc3339(),
+            "eventTime": None,
+            "source": {"component": self._component, "host": self._host},
+            "reportingComponent": self._component,
+            "reportingInstance": self._host,
+        }
+        await self._client.create(path, body)
+        self.sent += 1
+        self._recent[key] = (name, 1, now)
+        self._recent.move_to_end(key)
+        while len(self._recent) > 5000:
+            self._recent.popitem(last=False)

@@ -1,0 +1,393 @@
+"""Registers one virtual Node and keeps it alive: lease renewals, status updates, re-creation.
+
+Ownership is explicit so that other actors' edits survive: we patch only the labels, taints and
+condition types we set (the node-lifecycle controller's taints, an admin's labels and other
+controllers' conditions stay), and status goes through strategic-merge patches keyed by
+condition type. If someone deletes the Node, the next renewal notices (its Lease is garbage
+collected with it) and the Node is registered again — the reference does this only opt-in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import platform
+import random
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+from lightkube.resources.core_v1 import Node
+
+from .. import __version__
+from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
+from .provider import NodeProvider, NodeStatusNotifier
+
+log = logging.getLogger(__name__)
+
+LEASE_NAMESPACE = "kube-node-lease"
+MANAGED_LABELS_ANNOTATION = "vkubelet.io/managed-labels"
+MANAGED_TAINTS_ANNOTATION = "vkubelet.io/managed-taints"
+OUR_CONDITIONS = ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable")
+
+
+@dataclass
+class NodeSettings:
+    name: str
+    provider: str
+    labels: dict[str, str] = field(default_factory=dict)
+    taints: list[dict[str, str]] | None = None  # None: the default provider taint
+    kubelet_port: int = 10250
+    addresses: list[dict[str, str]] = field(
+        default_factory=lambda: [{"type": "InternalIP", "address": "127.0.0.1"}]
+    )
+    os: str = "linux"
+    arch: str = "amd64"
+    lease_duration_seconds: int = 40
+    renew_interval: float = 10.0
+    status_interval: float = 60.0
+    ping_interval: float = 10.0
+    ping_timeout: float = 5.0
+
+    def effective_taints(self) -> list[dict[str, str]]:
+        if self.taints is not None:
+            return self.taints
+        return [
+            {"key": "virtual-kubelet.io/provider", "value": self.provider, "effect": "NoSchedule"}
+        ]
+
+    def effective_labels(self) -> dict[str, str]:
+        return {
+            "type": "virtual-kubelet",
+            "kubernetes.io/role": "agent",
+            "kubernetes.io/hostname": self.name,
+            "kubernetes.io/os": self.os,
+            "kubernetes.io/arch": self.arch,
+            "beta.kubernetes.io/os": self.os,
+            "beta.kubernetes.io/arch": self.arch,
+            **self.labels,
+        }
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def now_micro() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class NodeController:
+    def __init__(self, client: KubeClient, settings: NodeSettings, provider: object) -> None:
+        self._client = client
+        self.settings = settings
+        self._provider = provider
+        self._path = f"/api/v1/nodes/{settings.name}"
+        self._lease_path = (
+            f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{settings.name}"
+        )
+        self._wake = asyncio.Event()
+        self.uid: str | None = None
+        self.healthy = True
+        self.ping_error: str | None = None
+        self.registered = asyncio.Event()
+        self.allocatable: dict[str, str] = {}
+        self.renewals = 0
+        self.late_renewals = 0  # renewals that happened later than renew_interval * 1.5
+
+    # -- desired state ------------------------------------------------------------------------
+    def desired(self) -> dict[str, Any]:
+        """The Node as we want it, after the provider has had its say (capacity, addresses...)."""
+        s = self.settings
+        node: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": s.name, "labels": s.effective_labels()},
+            "spec": {"taints": s.effective_taints()},
+            "status": {
+                "capacity": {"cpu": "20", "memory": "100Gi", "pods": "110"},
+                "allocatable": {},
+                "addresses": s.addresses,
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": s.kubelet_port}},
+                "nodeInfo": {
+                    "architecture": s.arch,
+                    "operatingSystem": s.os,
+                    "kubeletVersion": f"v1.37.0-vkubelet-{__version__}",
+                    "kernelVersion": platform.release(),
+                    "osImage": f"vkubelet {s.provider} provider",
+                    "containerRuntimeVersion": f"vkubelet://{s.provider}",
+                    "machineID": "",
+                    "systemUUID": "",
+                    "bootID": "",
+                    "kubeProxyVersion": "",
+                },
+            },
+        }
+        if isinstance(self._provider, NodeProvider):
+            typed = msgspec.convert(node, Node)
+            self._provider.configure_node(typed)
+            node = msgspec.to_builtins(typed)
+            node["metadata"].pop("creationTimestamp", None)
+        status = node["status"]
+        if not status.get("allocatable"):
+            status["allocatable"] = dict(status["capacity"])
+        self.allocatable = dict(status["allocatable"])
+        return node
+
+    def _conditions(self) -> list[dict[str, str]]:
+        now = now_rfc3339()
+        ready = {
+            "type": "Ready",
+            "status": "True" if self.healthy else "False",
+            "reason": "KubeletReady" if self.healthy else "ProviderUnhealthy",
+            "message": "vkubelet is ready"
+            if self.healthy
+            else f"provider ping failed: {self.ping_error}",
+            "lastHeartbeatTime": now,
+        }
+        pressure = [
+            {
+                "type": kind,
+                "status": "False",
+                "reason": f"KubeletHas{label}",
+                "message": f"vkubelet reports no {label.lower()}",
+                "lastHeartbeatTime": now,
+            }
+            for kind, label in (
+                ("MemoryPressure", "SufficientMemory"),
+                ("DiskPressure", "NoDiskPressure"),
+                ("PIDPressure", "SufficientPID"),
+            )
+        ]
+        network = {
+            "type": "NetworkUnavailable",
+            "status": "False",
+            "reason": "RouteCreated",
+            "message": "the provider manages networking",
+            "lastHeartbeatTime": now,
+        }
+        return [ready, *pressure, network]
+
+    # -- registration -------------------------------------------------------------------------
+    async def register(self) -> None:
+        """Create the Node, or take over an existing one without clobbering others' edits."""
+        desired = self.desired()
+        desired["status"]["conditions"] = self._conditions()
+        labels = desired["metadata"]["labels"]
+        taints = desired["spec"]["taints"]
+        desired["metadata"]["annotations"] = {
+            MANAGED_LABELS_ANNOTATION: ",".join(sorted(labels)),
+            MANAGED_TAINTS_ANNOTATION: ",".join(sorted(_taint_id(t) for t in taints)),
+        }
+        try:
+            current = await self._client.get(self._path)
+        except ApiError as e:
+            if not e.not_found:
+                raise
+            created = await self._client.create("/api/v1/nodes", desired)
+            self.uid = created["metadata"]["uid"]
+            # Status in a create is dropped by the apiserver: set it through the subresource.
+            await self._patch_status(desired["status"])
+            log.info("registered node %s", self.settings.name)
+        else:
+            await self._adopt(current, desired)
+        self.registered.set()
+        await self._ensure_lease()
+
+    async def _adopt(self, current: dict[str, Any], desired: dict[str, Any]) -> None:
+        """Patch only the labels/taints we manage; drop ones we set earlier but no longer want."""
+        for _ in range(5):
+            meta = current["metadata"]
+            annotations = meta.get("annotations") or {}
+            previously = set(
+                filter(None, annotations.get(MANAGED_LABELS_ANNOTATION, "").split(","))
+            )
+            labels: dict[str, str | None] = dict(desired["metadata"]["labels"])
+            for stale in previously - set(labels):
+                labels[stale] = None
+            old_taints = set(
+                filter(None, annotations.get(MANAGED_TAINTS_ANNOTATION, "").split(","))
+            )
+            ours = desired["spec"]["taints"]
+            ours_ids = {_taint_id(t) for t in ours}
+            kept = [
+                t
+                for t in (current.get("spec") or {}).get("taints") or []
+                if _taint_id(t) not in old_taints and _taint_id(t) not in ours_ids
+            ]
+            patch = {
+                "metadata": {
+                    "resourceVersion": meta["resourceVersion"],  # optimistic concurrency
+                    "labels": labels,
+                    "annotations": desired["metadata"]["annotations"],
+                },
+                "spec": {"taints": kept + ours},
+            }
+            try:
+                updated = await self._client.patch(self._path, patch)
+            except ApiError as e:
+                if not e.conflict:
+                    raise
+                current = await self._client.get(self._path)
+                continue
+            self.uid = updated["metadata"]["uid"]
+            await self._patch_status(desired["status"])
+            log.info("took over existing node %s", self.settings.name)
+            return
+        raise RuntimeError(f"node {self.settings.name}: too many conflicting updates")
+
+    async def _patch_status(self, status: dict[str, Any]) -> None:
+        status = {**status, "conditions": self._conditions()}
+        await self._client.patch(
+            f"{self._path}/status", {"status": status}, content_type=STRATEGIC_MERGE_PATCH
+        )
+
+    async def _ensure_lease(self) -> None:
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": self.settings.name,
+                "namespace": LEASE_NAMESPACE,
+                "ownerReferences": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Node",
+                        "name": self.settings.name,
+                        "uid": self.uid,
+                    }
+                ],
+            },
+            "spec": {
+                "holderIdentity": self.settings.name,
+                "leaseDurationSeconds": self.settings.lease_duration_seconds,
+                "renewTime": now_micro(),
+            },
+        }
+        try:
+            await self._client.create(
+                f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases", lease
+            )
+        except ApiError as e:
+            if not e.conflict:
+                raise
+            await self._renew()
+
+    async def _renew(self) -> None:
+        await self._client.patch(
+            self._lease_path,
+            {
+                "spec": {
+                    "holderIdentity": self.settings.name,
+                    "leaseDurationSeconds": self.settings.lease_duration_seconds,
+                    "renewTime": now_micro(),
+                }
+            },
+        )
+
+    # -- loops ----------------------------------------------------------------------------------
+    def notify_status_changed(self) -> None:
+        """Ask for a status update now (provider push, health change)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Register (retrying until it works), then run the lease, status and ping loops."""
+        backoff = 0.5
+        while not self.registered.is_set():
+            try:
+                await self.register()
+            except (ApiError, Unreachable) as e:
+                log.warning(
+                    "node %s: registration failed (%s); retrying in %.1fs",
+                    self.settings.name,
+                    e,
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30)
+        if isinstance(self._provider, NodeStatusNotifier):
+            self._provider.notify_node_status(lambda _node: self.notify_status_changed())
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._lease_loop())
+            group.create_task(self._status_loop())
+            if isinstance(self._provider, NodeProvider):
+                group.create_task(self._ping_loop())
+
+    async def _lease_loop(self) -> None:
+        interval = self.settings.renew_interval
+        loop = asyncio.get_running_loop()
+        # Spread many nodes' renewals over the interval instead of renewing them all at once.
+        await asyncio.sleep(random.uniform(0, interval))  # noqa: S311
+        last = loop.time()
+        while True:
+            if self.healthy:
+                try:
+                    await self._renew()
+                except ApiError as e:
+                    if e.not_found:
+                        await self._reregister("its Lease is gone")
+                    else:
+                        log.warning("node %s: lease renewal failed: %s", self.settings.name, e)
+                except Unreachable as e:
+                    log.warning("node %s: lease renewal failed: %s", self.settings.name, e)
+                else:
+                    now = loop.time()
+                    if self.renewals and now - last > interval * 1.5:
+                        self.late_renewals += 1
+                    last = now
+                    self.renewals += 1
+            await asyncio.sleep(interval)
+
+    async def _status_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.status_interval)
+            self._wake.clear()
+            try:
+                await self._patch_status(self.desired()["status"])
+            except ApiError as e:
+                if e.not_found:
+                    await self._reregister("the Node object is gone")
+                else:
+                    log.warning("node %s: status update failed: %s", self.settings.name, e)
+            except Unreachable as e:
+                log.warning("node %s: status update failed: %s", self.settings.name, e)
+
+    async def _ping_loop(self) -> None:
+        assert isinstance(self._provider, NodeProvider)
+        while True:
+            try:
+                await asyncio.wait_for(self._provider.ping(), self.settings.ping_timeout)
+            except Exception as e:
+                if self.healthy:
+                    log.warning(
+                        "node %s: provider ping failed: %s; stopping lease renewals",
+                        self.settings.name,
+                        e,
+                    )
+                    self.ping_error = str(e) or type(e).__name__
+                    self.healthy = False
+                    self.notify_status_changed()
+            else:
+                if not self.healthy:
+                    log.info("node %s: provider healthy again", self.settings.name)
+                    self.healthy = True
+                    self.ping_error = None
+                    self.notify_status_changed()
+                    with contextlib.suppress(ApiError, Unreachable):
+                        await self._renew()
+            await asyncio.sleep(self.settings.ping_interval)
+
+    async def _reregister(self, why: str) -> None:
+        log.warning("node %s: %s; registering it again", self.settings.name, why)
+        try:
+            self.registered.clear()
+            await self.register()
+        except (ApiError, Unreachable) as e:
+            log.warning("node %s: re-registration failed: %s", self.settings.name, e)
+
+
+def _taint_id(taint: dict[str, str]) -> str:
+    return f"{taint.get('key')}:{taint.get('effect')}"

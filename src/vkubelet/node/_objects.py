@@ -1,0 +1,164 @@
+"""ConfigMaps and Secrets that this node's pods reference, kept current with one watch each.
+
+The reference implementation watches every ConfigMap and Secret in the cluster (memory grows with
+the cluster, and a node identity under the Node authorizer may not even list them). Like the real
+kubelet, we watch exactly the objects our pods use — `fieldSelector=metadata.name=<name>`, which
+the Node authorizer permits for objects referenced by pods bound to the node — and tell the pod
+controller which pods to re-sync when one changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from ._kube import ApiError, KubeClient, Unreachable, status_error
+
+log = logging.getLogger(__name__)
+
+Ref = tuple[str, str, str]  # (kind, namespace, name); kind is "ConfigMap" or "Secret"
+
+_PLURAL = {"ConfigMap": "configmaps", "Secret": "secrets"}
+
+
+class _Meta(msgspec.Struct):
+    resourceVersion: str | None = None
+
+
+class _List(msgspec.Struct):
+    metadata: _Meta
+    items: list[dict[str, Any]]
+
+
+class ReadFailed(Exception):
+    """The object could not be read (forbidden, apiserver down) — distinct from 'not found'."""
+
+
+@dataclass
+class _Entry:
+    loaded: asyncio.Event = field(default_factory=asyncio.Event)
+    obj: dict[str, Any] | None = None
+    error: str | None = None
+    users: set[str] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+
+
+class ObjectCache:
+    def __init__(self, client: KubeClient, on_change: Callable[[Ref, set[str]], None]) -> None:
+        self._client = client
+        self._on_change = on_change
+        self._entries: dict[Ref, _Entry] = {}
+        self._by_user: dict[str, set[Ref]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def use(self, user: str, refs: set[Ref], *, wait: float = 10.0) -> None:
+        """Make `user` (a pod key) depend on exactly `refs`, and wait until they are loaded."""
+        previous = self._by_user.get(user, set())
+        for ref in previous - refs:
+            self._release(user, ref)
+        self._by_user[user] = set(refs)
+        entries = []
+        for ref in refs:
+            entry = self._entries.get(ref)
+            if entry is None:
+                entry = self._entries[ref] = _Entry()
+                entry.task = asyncio.create_task(self._watch(ref, entry), name=f"watch {ref}")
+            entry.users.add(user)
+            entries.append(entry)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                for entry in entries:
+                    await entry.loaded.wait()
+
+    def release(self, user: str) -> None:
+        for ref in self._by_user.pop(user, set()):
+            self._release(user, ref)
+
+    def _release(self, user: str, ref: Ref) -> None:
+        entry = self._entries.get(ref)
+        if entry is None:
+            return
+        entry.users.discard(user)
+        if not entry.users:
+            del self._entries[ref]
+            if entry.task:
+                entry.task.cancel()
+
+    def get(self, ref: Ref) -> dict[str, Any] | None:
+        """The object, None if it does not exist; ReadFailed if we could not tell."""
+        entry = self._entries.get(ref)
+        if entry is None or not entry.loaded.is_set():
+            raise ReadFailed(f"{ref[0]} {ref[1]}/{ref[2]} has not been read yet")
+        if entry.error is not None:
+            raise ReadFailed(entry.error)
+        return entry.obj
+
+    async def aclose(self) -> None:
+        tasks = [e.task for e in self._entries.values() if e.task]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._entries.clear()
+
+    async def _watch(self, ref: Ref, entry: _Entry) -> None:
+        kind, namespace, name = ref
+        path = f"/api/v1/namespaces/{namespace}/{_PLURAL[kind]}"
+        params = {"fieldSelector": f"metadata.name={name}"}
+        version: str | None = None
+        backoff = 0.5
+        while True:
+            try:
+                if version is None:
+                    raw = await self._client.request_raw("GET", path, params=params)
+                    listed = msgspec.json.decode(raw, type=_List)
+                    self._store(ref, entry, listed.items[0] if listed.items else None)
+                    version = listed.metadata.resourceVersion
+                async for kind_, raw_obj in self._client.watch(
+                    path,
+                    {**params, "resourceVersion": version or "", "allowWatchBookmarks": "true"},
+                    timeout_seconds=random.randint(300, 600),  # noqa: S311
+                ):
+                    if kind_ == "ERROR":
+                        raise status_error(raw_obj)
+                    obj = msgspec.json.decode(raw_obj)
+                    version = obj.get("metadata", {}).get("resourceVersion", version)
+                    if kind_ == "BOOKMARK":
+                        continue
+                    self._store(ref, entry, None if kind_ == "DELETED" else obj)
+                backoff = 0.5
+                continue
+            except ApiError as e:
+                if e.gone:
+                    version = None
+                    continue
+                if not entry.loaded.is_set() or e.status in (401, 403):
+                    entry.error = f"{kind} {namespace}/{name}: {e}"
+                    entry.loaded.set()
+            except Unreachable as e:
+                if not entry.loaded.is_set():
+                    entry.error = f"{kind} {namespace}/{name}: {e}"
+                    entry.loaded.set()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+    def _store(self, ref: Ref, entry: _Entry, obj: dict[str, Any] | None) -> None:
+        first = not entry.loaded.is_set() or entry.error is not None
+        changed = entry.obj is None or obj is None or _data(entry.obj) != _data(obj)
+        entry.obj = obj
+        entry.error = None
+        entry.loaded.set()
+        if changed and not first:
+            self._on_change(ref, set(entry.users))
+
+
+def _data(obj: dict[str, Any]) -> tuple[Any, Any]:
+    return obj.get("data"), obj.get("binaryData")

@@ -1,0 +1,50 @@
+"""Providers are found by name through the `vkubelet.providers` entry-point group.
+
+A third-party package ships a provider by declaring, in its pyproject.toml:
+
+    [project.entry-points."vkubelet.providers"]
+    mine = "my_package.provider:create"
+
+where `create(context: ProviderContext)` returns an object implementing `PodLifecycleHandler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+
+from .provider import PodLifecycleHandler
+
+GROUP = "vkubelet.providers"
+
+
+@dataclass(frozen=True)
+class ProviderContext:
+    """What a provider factory gets: enough to find its config and describe its node."""
+
+    node_name: str
+    config_path: Path | None
+    internal_ip: str
+    kubelet_port: int
+
+
+ProviderFactory = Callable[[ProviderContext], PodLifecycleHandler]
+
+
+class UnknownProvider(LookupError):
+    pass
+
+
+def available_providers() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=GROUP)}
+
+
+def load_provider(name: str) -> ProviderFactory:
+    providers = available_providers()
+    if name not in providers:
+        known = ", ".join(sorted(providers)) or "none installed"
+        raise UnknownProvider(f"unknown provider {name!r} (available: {known})")
+    factory: ProviderFactory = providers[name].load()
+    return factory

@@ -1,0 +1,112 @@
+"""A keyed work queue: each key is processed by one worker at a time, adds are de-duplicated.
+
+Unlike the reference implementation's queue there is no global token bucket: a burst of 10,000
+pods is worked off as fast as the provider and the apiserver allow. Only failures slow down, per
+key, with exponential back-off that never gives up (dropping a key after N retries, as the
+reference does, leaves pods stuck forever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+class WorkQueue:
+    def __init__(
+        self,
+        process: Callable[[str], Awaitable[None]],
+        *,
+        name: str,
+        workers: int = 32,
+        base_delay: float = 0.05,
+        max_delay: float = 300.0,
+    ) -> None:
+        self._process = process
+        self.name = name
+        self._workers = workers
+        self._base_delay = base_delay
+        self._max_delay = max_delay
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._queued: set[str] = set()
+        self._processing: set[str] = set()
+        self._dirty: set[str] = set()  # added again while being processed
+        self._failures: dict[str, int] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self.processed = 0
+
+    def add(self, key: str) -> None:
+        if key in self._processing:
+            self._dirty.add(key)
+            return
+        if key in self._queued:
+            return
+        self._queued.add(key)
+        self._queue.put_nowait(key)
+
+    def add_after(self, key: str, delay: float) -> None:
+        """Add `key` after `delay` seconds; an earlier pending timer for the key wins."""
+        if delay <= 0:
+            self.add(key)
+            return
+        loop = asyncio.get_running_loop()
+        existing = self._timers.get(key)
+        if existing is not None and existing.when() <= loop.time() + delay:
+            return
+        if existing is not None:
+            existing.cancel()
+        self._timers[key] = loop.call_later(delay, self._fire, key)
+
+    def _fire(self, key: str) -> None:
+        self._timers.pop(key, None)
+        self.add(key)
+
+    def forget(self, key: str) -> None:
+        """Drop retry state for a key that no longer exists."""
+        self._failures.pop(key, None)
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
+    def __len__(self) -> int:
+        return len(self._queued) + len(self._processing)
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(self._workers):
+                group.create_task(self._worker())
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            self._processing.add(key)
+            try:
+                await self._process(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                failures = self._failures.get(key, 0) + 1
+                self._failures[key] = failures
+                delay = min(self._base_delay * 2 ** (failures - 1), self._max_delay)
+                log.warning(
+                    "%s: %s failed (%s); retry %d in %.2fs",
+                    self.name,
+                    key,
+                    e,
+                    failures,
+                    delay,
+                    exc_info=failures == 1,
+                )
+                self.add_after(key, delay)
+            else:
+                self._failures.pop(key, None)
+            finally:
+                self.processed += 1
+                self._processing.discard(key)
+                if key in self._dirty:
+                    self._dirty.discard(key)
+                    self.add(key)

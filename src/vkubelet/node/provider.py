@@ -1,0 +1,147 @@
+"""The provider API: what a backend implements to run pods for a virtual node.
+
+It mirrors Go virtual-kubelet's `PodLifecycleHandler`, `PodNotifier` and `NodeProvider` so that
+their users feel at home, as async Python protocols over lightkube's typed models. Only the pod
+lifecycle is required; everything else is an optional capability that the agent detects with
+`isinstance` and falls back from (polling instead of push, a naive ping, 501 for a missing
+kubectl verb).
+
+The pod a provider receives is already *resolved*: every container's `env` holds literal values
+(ConfigMap/Secret references, the downward API, `$(VAR)` expansion and service links done), and
+the pod's volumes are available as file contents through `ResolvedPod.volumes`. A provider never
+talks to the apiserver for that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from lightkube.models.core_v1 import PodStatus
+from lightkube.resources.core_v1 import Node, Pod
+
+from .resolve import ResolvedVolume
+
+__all__ = [
+    "ContainerLogOptions",
+    "ContainerLogs",
+    "Node",
+    "NodeProvider",
+    "NodeStatusNotifier",
+    "Pod",
+    "PodLifecycleHandler",
+    "PodNotifier",
+    "PodStatus",
+    "ProviderError",
+    "ResolvedPod",
+]
+
+
+class ProviderError(Exception):
+    """A provider cannot run a pod as asked. `reason` becomes the pod's status reason.
+
+    Raise it for permanent problems (an unsupported field, a rejected image); the agent marks the
+    pod with the reason and message and emits a Warning event. Any other exception is treated as
+    transient and retried with back-off.
+    """
+
+    def __init__(self, reason: str, message: str, *, permanent: bool = True) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.permanent = permanent
+
+
+@dataclass(frozen=True)
+class ResolvedPod:
+    """A pod ready to run: `pod` with literal env values, plus its volumes' contents."""
+
+    pod: Pod
+    volumes: Mapping[str, ResolvedVolume] = field(default_factory=dict)
+
+    @property
+    def namespace(self) -> str:
+        return str(self.pod.metadata.namespace)  # type: ignore[union-attr]
+
+    @property
+    def name(self) -> str:
+        return str(self.pod.metadata.name)  # type: ignore[union-attr]
+
+    @property
+    def uid(self) -> str:
+        return str(self.pod.metadata.uid)  # type: ignore[union-attr]
+
+
+@runtime_checkable
+class PodLifecycleHandler(Protocol):
+    """Required. Calls for one pod never overlap; calls for different pods do."""
+
+    async def create_pod(self, pod: ResolvedPod) -> None:
+        """Start the pod. Return once it is accepted; report progress through its status."""
+
+    async def update_pod(self, pod: ResolvedPod) -> None:
+        """The pod's mutable fields, env sources or volume contents changed."""
+
+    async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        """Stop the pod's containers (SIGTERM, then SIGKILL after the grace period).
+
+        May be called more than once. The agent removes the API object as soon as the pod's
+        status shows every container terminated, so report that as soon as it is true.
+        """
+
+    async def get_pod(self, namespace: str, name: str) -> Pod | None:
+        """The pod as the provider runs it (status included), or None if it does not."""
+
+    async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
+        """Current status, or None if the provider does not run the pod."""
+
+    async def list_pods(self) -> list[Pod]:
+        """Every pod the provider runs for this node (used to adopt and clean up on start)."""
+
+
+@runtime_checkable
+class PodNotifier(Protocol):
+    """Optional: push status changes instead of being polled."""
+
+    def notify_pods(self, callback: Callable[[Pod], None]) -> None:
+        """Register `callback`; call it (without blocking) with the pod whenever status changes."""
+
+
+@runtime_checkable
+class NodeProvider(Protocol):
+    """Optional: the backend's health, and the node it presents."""
+
+    async def ping(self) -> None:
+        """Raise if the backend is unhealthy; the node then goes NotReady."""
+
+    def configure_node(self, node: Node) -> None:
+        """Set capacity, allocatable, labels, taints, addresses, nodeInfo before registration."""
+
+
+@runtime_checkable
+class NodeStatusNotifier(Protocol):
+    """Optional: push node changes (capacity, conditions) instead of waiting for the next update."""
+
+    def notify_node_status(self, callback: Callable[[Node], None]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ContainerLogOptions:
+    tail_lines: int | None = None
+    limit_bytes: int | None = None
+    since_seconds: int | None = None
+    since_time: datetime | None = None
+    timestamps: bool = False
+    follow: bool = False
+    previous: bool = False
+
+
+@runtime_checkable
+class ContainerLogs(Protocol):
+    """Optional capability behind `kubectl logs`."""
+
+    def container_logs(
+        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
+    ) -> AsyncIterator[bytes]: ...
