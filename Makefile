@@ -28,8 +28,8 @@ build: install
 	$(BIN)/vkubelet dev build
 
 lint: install
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -93,10 +93,28 @@ def stop(ref: ProcessRef, *, grace: float = 10.0) -> None:
         time.sleep(0.05)
     _signal_group(ref.pid, signal.SIGKILL)  # also catches children that outlived their leader
     deadline = time.monotonic() + 5
-    while is_alive(ref) and time.monotonic() < deadline:
+    # Signals are delivered asynchronously: wait until every member of the group is gone, so
+    # that a caller who checks right after `stop` (as `down` and the tests do) finds nothing.
+    while (is_alive(ref) or _group_members(ref.pid)) and time.monotonic() < deadline:
         _reap(ref.pid)
         time.sleep(0.05)
     _reap(ref.pid)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
