@@ -1,8 +1,11 @@
 """Kubernetes Events for pods, written in the background so they never slow a pod down.
 
+Events are the lowest-priority writes an agent makes: like the kubelet (`--event-qps=50`,
+`--event-burst=100`) we cap their rate, so that a burst of thousands of pods spends the
+apiserver's capacity on pod status, not on "Created" events. Warnings go before normal events;
+each kind has a bounded queue whose oldest entries are dropped (and counted) when it is full.
 Repeats of the same (object, reason, message) within ten minutes bump the count of the existing
-Event instead of creating a new one, as client-go's recorder does. The queue is bounded: when the
-apiserver cannot keep up, the oldest unsent events are dropped (and counted), never the pods.
+Event instead of creating a new one, as client-go's recorder does.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from ._kube import ApiError, KubeClient, Unreachable
+from ._kube import ApiError, KubeClient, TokenBucket, Unreachable
 from ._nodecontroller import now_rfc3339
 
 log = logging.getLogger(__name__)
@@ -44,12 +47,21 @@ class _Pending:
 
 class EventRecorder:
     def __init__(
-        self, client: KubeClient, *, component: str, host: str, max_pending: int = 10_000
+        self,
+        client: KubeClient,
+        *,
+        component: str,
+        host: str,
+        qps: float = 50.0,
+        burst: int = 100,
+        max_pending: int = 1000,
     ) -> None:
         self._client = client
         self._component = component
         self._host = host
-        self._pending: deque[_Pending] = deque(maxlen=max_pending)
+        self._bucket = TokenBucket(qps, burst)
+        self._warnings: deque[_Pending] = deque(maxlen=max_pending)
+        self._normal: deque[_Pending] = deque(maxlen=max_pending)
         self._wake = asyncio.Event()
         # (uid, reason, message) -> (event name, namespace, count, first seen)
         self._recent: OrderedDict[tuple[str, str, str], tuple[str, int, float]] = OrderedDict()
@@ -57,17 +69,23 @@ class EventRecorder:
         self.sent = 0
 
     def emit(self, ref: ObjectRef, type: str, reason: str, message: str) -> None:
-        if len(self._pending) == self._pending.maxlen:
+        queue = self._warnings if type == WARNING else self._normal
+        if len(queue) == queue.maxlen:
             self.dropped += 1
-        self._pending.append(_Pending(ref, type, reason, message[:1024]))
+        queue.append(_Pending(ref, type, reason, message[:1024]))
         self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._warnings) + len(self._normal)
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending:
-                item = self._pending.popleft()
+            while self._warnings or self._normal:
+                await self._bucket.take()
+                item = (self._warnings or self._normal).popleft()
                 try:
                     await self._send(item)
                 except (ApiError, Unreachable) as e:
@@ -117,5 +135,5 @@ class EventRecorder:
         self.sent += 1
         self._recent[key] = (name, 1, now)
         self._recent.move_to_end(key)
-        while len(self._recent) > 5000:
+        while len(self._recent) > 1000:
             self._recent.popitem(last=False)

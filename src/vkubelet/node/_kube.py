@@ -57,7 +57,9 @@ class Unreachable(Exception):
     """The apiserver could not be reached (connection refused, TLS failure, timeout)."""
 
 
-class _TokenBucket:
+class TokenBucket:
+    """Requests per second with bursts; waiters are served in order."""
+
     def __init__(self, qps: float, burst: int) -> None:
         self._rate = qps
         self._burst = float(burst)
@@ -108,7 +110,7 @@ class KubeClient:
             **params.httpx_params(config),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
-        self._bucket = _TokenBucket(options.qps, options.burst) if options.qps else None
+        self._bucket = TokenBucket(options.qps, options.burst) if options.qps else None
 
     @classmethod
     def from_kubeconfig(

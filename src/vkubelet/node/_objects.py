@@ -65,6 +65,9 @@ class ObjectCache:
         previous = self._by_user.get(user, set())
         for ref in previous - refs:
             self._release(user, ref)
+        if not refs:
+            self._by_user.pop(user, None)  # most pods reference nothing: keep no entry for them
+            return
         self._by_user[user] = set(refs)
         entries = []
         for ref in refs:

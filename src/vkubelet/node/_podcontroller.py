@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +26,8 @@ from lightkube.resources.core_v1 import Pod
 from ._events import NORMAL, WARNING, EventRecorder, ObjectRef
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 from ._objects import ObjectCache
-from ._reflector import Handler, Reflector, key_of
+from ._podrecord import PodRecord, digest, visible_status
+from ._reflector import Handler, Reflector
 from ._resolution import Resolution, ResolutionFailed, Resolver
 from ._workqueue import WorkQueue
 from .provider import PodLifecycleHandler, PodNotifier, ProviderError, ResolvedPod
@@ -35,10 +35,6 @@ from .provider import PodLifecycleHandler, PodNotifier, ProviderError, ResolvedP
 log = logging.getLogger(__name__)
 
 TERMINAL = ("Succeeded", "Failed")
-
-
-def _builtins(obj: Any) -> Any:
-    return msgspec.to_builtins(obj) if obj is not None else None
 
 
 class PodController:
@@ -58,13 +54,14 @@ class PodController:
         self._provider = provider
         self._recorder = recorder
         self._status_poll_interval = status_poll_interval
-        self.reflector: Reflector[Pod] = Reflector(
+        self.reflector: Reflector[PodRecord] = Reflector(
             client,
             "/api/v1/pods",
-            Pod,
+            PodRecord,
             Handler(self._on_add, self._on_update, self._on_delete),
             params={"fieldSelector": f"spec.nodeName={node_name}"},
             name=f"pods of {node_name}",
+            decode=PodRecord.from_json,
         )
         self.objects = ObjectCache(client, self._on_object_change)
         self._resolver = resolver_factory(self.objects)
@@ -73,37 +70,32 @@ class PodController:
             self._sync_status, name=f"{node_name}/status", workers=workers
         )
         self._known: dict[str, str] = {}  # pod key -> UID the provider runs
-        self._gone: dict[str, Pod] = {}  # last API state of pods deleted from the API
-        self._applied: dict[str, str] = {}  # pod key -> digest of what the provider was given
+        self._gone: dict[str, PodRecord] = {}  # last API state of pods deleted from the API
+        self._applied: dict[str, bytes] = {}  # pod key -> digest of what the provider was given
         self._deleting: dict[str, str] = {}  # pod key -> UID we asked the provider to stop
-        self._reported: dict[str, dict[str, Any]] = {}  # pod key -> latest provider status
+        # Latest provider status not yet reconciled with the API; dropped once it is, so that
+        # memory per running pod stays small.
+        self._reported: dict[str, dict[str, Any]] = {}
+        self._terminated: set[str] = set()  # pods whose containers have all stopped
         self.ready = asyncio.Event()
         self.creates = 0
         self.updates = 0
         self.deletes = 0
 
     # -- inputs -----------------------------------------------------------------------------------
-    def _on_add(self, pod: Pod) -> None:
-        self.sync_queue.add(key_of(pod))
+    def _on_add(self, record: PodRecord) -> None:
+        self.sync_queue.add(record.key)
 
-    def _on_update(self, old: Pod, new: Pod) -> None:
+    def _on_update(self, old: PodRecord, new: PodRecord) -> None:
         # Our own status writes come back as updates; only spec and metadata changes need a sync.
-        om, nm = old.metadata, new.metadata
-        if (
-            old.spec != new.spec
-            or om.deletionTimestamp != nm.deletionTimestamp  # type: ignore[union-attr]
-            or om.labels != nm.labels  # type: ignore[union-attr]
-            or om.annotations != nm.annotations  # type: ignore[union-attr]
-            or om.uid != nm.uid  # type: ignore[union-attr]
-        ):
-            self.sync_queue.add(key_of(new))
-        elif nm.deletionTimestamp is not None:  # type: ignore[union-attr]
-            self.status_queue.add(key_of(new))
+        if new.spec_or_meta_changed(old):
+            self.sync_queue.add(new.key)
+        elif new.deleting:
+            self.status_queue.add(new.key)
 
-    def _on_delete(self, pod: Pod) -> None:
-        key = key_of(pod)
-        self._gone[key] = pod
-        self.sync_queue.add(key)
+    def _on_delete(self, record: PodRecord) -> None:
+        self._gone[record.key] = record
+        self.sync_queue.add(record.key)
 
     def _on_object_change(self, ref: tuple[str, str, str], users: set[str]) -> None:
         log.info("%s %s/%s changed; re-syncing %d pod(s)", *ref, len(users))
@@ -112,10 +104,16 @@ class PodController:
 
     def _on_provider_pod(self, pod: Pod) -> None:
         """Push notification from the provider: remember the latest status and schedule a write."""
-        if pod.status is None:
-            return
-        key = key_of(pod)
-        self._reported[key] = _builtins(pod.status)
+        if pod.status is not None and pod.metadata is not None:
+            self._take_report(f"{pod.metadata.namespace}/{pod.metadata.name}", pod.status)
+
+    def _take_report(self, key: str, status: PodStatus) -> None:
+        reported: dict[str, Any] = msgspec.to_builtins(status)
+        self._reported[key] = reported
+        if _all_terminated(reported):
+            self._terminated.add(key)
+        else:
+            self._terminated.discard(key)
         self.status_queue.add(key)
 
     # -- run --------------------------------------------------------------------------------------
@@ -136,19 +134,22 @@ class PodController:
         """Adopt the provider's pods that the API still has; remove those provably orphaned."""
         running = await self._provider.list_pods()
         for pod in running:
-            key = key_of(pod)
-            uid = pod.metadata.uid  # type: ignore[union-attr]
-            api_pod = self.reflector.items.get(key)
-            if api_pod is not None and api_pod.metadata.uid == uid:  # type: ignore[union-attr]
-                self._known[key] = str(uid)
+            meta = pod.metadata
+            if meta is None:
+                continue
+            key = f"{meta.namespace}/{meta.name}"
+            record = self.reflector.items.get(key)
+            if record is not None and record.uid == meta.uid:
+                self._known[key] = record.uid
                 if pod.status is not None:
-                    self._reported[key] = _builtins(pod.status)
-                    self.status_queue.add(key)
+                    self._take_report(key, pod.status)
                 continue
             node = pod.spec.nodeName if pod.spec else None
-            if node == self.node_name and uid:
+            if node == self.node_name and meta.uid:
                 log.info(
-                    "pod %s (uid %s) runs in the provider but not in the API; deleting it", key, uid
+                    "pod %s (uid %s) runs in the provider but not in the API; deleting it",
+                    key,
+                    meta.uid,
                 )
                 await self._provider.delete_pod(pod, 0)
             else:
@@ -159,102 +160,104 @@ class PodController:
         """For providers without push notifications: ask for every live pod's status."""
         while True:
             await asyncio.sleep(self._status_poll_interval)
-            for key, pod in list(self.reflector.items.items()):
-                if key not in self._known or (pod.status and pod.status.phase in TERMINAL):
+            for key, record in list(self.reflector.items.items()):
+                if key not in self._known or record.terminal:
                     continue
-                meta = pod.metadata
                 with contextlib.suppress(Exception):
-                    status = await self._provider.get_pod_status(meta.namespace, meta.name)  # type: ignore[union-attr, arg-type]
+                    status = await self._provider.get_pod_status(record.namespace, record.name)
                     if status is not None:
-                        self._reported[key] = _builtins(status)
-                        self.status_queue.add(key)
+                        self._take_report(key, status)
 
     # -- API -> provider --------------------------------------------------------------------------
     async def _sync(self, key: str) -> None:
-        pod = self.reflector.items.get(key)
+        record = self.reflector.items.get(key)
         known_uid = self._known.get(key)
-        if pod is None:
+        if record is None:
             await self._forget(key)
             return
-        uid = str(pod.metadata.uid)  # type: ignore[union-attr]
-        if known_uid is not None and known_uid != uid:
+        if known_uid is not None and known_uid != record.uid:
             # Same name, new pod: the old one must stop before the new one starts.
-            await self._provider_delete(key, self._gone.get(key) or pod, 0)
-        if pod.metadata.deletionTimestamp is not None:  # type: ignore[union-attr]
-            await self._sync_deletion(key, pod)
+            old = self._gone.get(key) or record
+            await self._provider_delete(key, old.pod(), known_uid, 0)
+            self._known.pop(key, None)
+            self._applied.pop(key, None)
+        if record.deleting:
+            await self._sync_deletion(key, record)
             return
-        if pod.status is not None and pod.status.phase in TERMINAL:
+        if record.terminal:
             return
+        pod = record.pod()
         try:
             resolved = await self._resolver.resolve(key, pod)
         except ResolutionFailed as e:
             for reason, message in e.events or [(e.reason, e.message)]:
-                self._event(pod, WARNING, reason, message)
-            await self._write_waiting(pod, e.reason, e.message)
+                self._event(record, WARNING, reason, message)
+            await self._write_waiting(record, pod, e.reason, e.message)
             raise
         for reason, message in resolved.warnings:
-            self._event(pod, WARNING, reason, message)
+            self._event(record, WARNING, reason, message)
         if resolved.refresh_after is not None:
             self.sync_queue.add_after(key, resolved.refresh_after)
-        digest = _digest(resolved.pod)
+        applied = _digest(resolved.pod)
         if key not in self._known:
-            existing = await self._provider.get_pod(*key.split("/", 1))
-            if existing is not None and existing.metadata.uid == uid:  # type: ignore[union-attr]
-                self._known[key] = uid  # adopted; never re-create
-                self._applied.setdefault(key, digest)
+            existing = await self._provider.get_pod(record.namespace, record.name)
+            if existing is not None and existing.metadata and existing.metadata.uid == record.uid:
+                self._known[key] = record.uid  # adopted; never re-create
+                self._applied.setdefault(key, applied)
                 return
-            await self._create(key, pod, resolved, digest)
-        elif self._applied.get(key) != digest:
+            await self._create(key, record, resolved, applied)
+        elif self._applied.get(key) != applied:
             if key not in self._applied:  # adopted after a restart: remember, don't disturb
-                self._applied[key] = digest
+                self._applied[key] = applied
                 return
             try:
                 await self._provider.update_pod(resolved.pod)
             except ProviderError as e:
-                self._event(pod, WARNING, "ProviderUpdateFailed", e.message)
+                self._event(record, WARNING, "ProviderUpdateFailed", e.message)
                 if e.permanent:
                     return
                 raise
-            self._applied[key] = digest
+            self._applied[key] = applied
             self.updates += 1
-            self._event(pod, NORMAL, "Updated", "provider updated the pod")
+            self._event(record, NORMAL, "Updated", "provider updated the pod")
 
-    async def _create(self, key: str, pod: Pod, resolved: Resolution, digest: str) -> None:
+    async def _create(
+        self, key: str, record: PodRecord, resolved: Resolution, applied: bytes
+    ) -> None:
         try:
             await self._provider.create_pod(resolved.pod)
         except ProviderError as e:
-            self._event(pod, WARNING, e.reason or "ProviderCreateFailed", e.message)
+            self._event(record, WARNING, e.reason or "ProviderCreateFailed", e.message)
             if e.permanent:
-                await self._write_failed(pod, e.reason or "ProviderFailed", e.message)
-                self._known[key] = str(pod.metadata.uid)  # type: ignore[union-attr]
+                await self._write_failed(record, e.reason or "ProviderFailed", e.message)
+                self._known[key] = record.uid
                 return
             raise
         except Exception as e:
-            self._event(pod, WARNING, "ProviderCreateFailed", f"{type(e).__name__}: {e}")
+            self._event(record, WARNING, "ProviderCreateFailed", f"{type(e).__name__}: {e}")
             raise
-        self._known[key] = str(pod.metadata.uid)  # type: ignore[union-attr]
-        self._applied[key] = digest
+        self._known[key] = record.uid
+        self._applied[key] = applied
         self.creates += 1
-        self._event(pod, NORMAL, "Created", "pod started by the provider")
+        self._event(record, NORMAL, "Created", "pod started by the provider")
 
-    async def _sync_deletion(self, key: str, pod: Pod) -> None:
-        uid = str(pod.metadata.uid)  # type: ignore[union-attr]
-        if self._known.get(key) != uid:
+    async def _sync_deletion(self, key: str, record: PodRecord) -> None:
+        if self._known.get(key) != record.uid:
             # The provider never ran it (or already forgot it): nothing to wait for.
-            await self._remove_from_api(pod)
+            await self._remove_from_api(record)
             return
-        if self._deleting.get(key) != uid:
-            grace = pod.metadata.deletionGracePeriodSeconds  # type: ignore[union-attr]
-            await self._provider_delete(key, pod, 30 if grace is None else int(grace))
-            self._event(pod, NORMAL, "Killing", "stopping the pod's containers")
+        if self._deleting.get(key) != record.uid:
+            grace = 30 if record.deletion_grace is None else int(record.deletion_grace)
+            await self._provider_delete(key, record.pod(), record.uid, grace)
+            self._event(record, NORMAL, "Killing", "stopping the pod's containers")
         self.status_queue.add(key)
 
-    async def _provider_delete(self, key: str, pod: Pod, grace: int) -> None:
-        self._deleting[key] = str(pod.metadata.uid)  # type: ignore[union-attr]
+    async def _provider_delete(self, key: str, pod: Pod, uid: str, grace: int) -> None:
+        self._deleting[key] = uid
         try:
             await self._provider.delete_pod(pod, grace)
         except ProviderError as e:
-            self._event(pod, WARNING, "ProviderDeleteFailed", e.message)
+            log.warning("pod %s: the provider could not delete it: %s", key, e.message)
             if not e.permanent:
                 raise
         self.deletes += 1
@@ -262,16 +265,17 @@ class PodController:
     async def _forget(self, key: str) -> None:
         """The API object is gone: make sure the provider stops the pod, then drop our state."""
         last = self._gone.pop(key, None)
-        if key in self._known and last is not None:
-            uid = self._known[key]
-            if self._deleting.get(key) != uid or not self._all_terminated(key):
-                existing = await self._provider.get_pod(*key.split("/", 1))
-                if existing is not None and existing.metadata.uid == uid:  # type: ignore[union-attr]
-                    await self._provider_delete(key, last, 0)
+        uid = self._known.get(key)
+        stopped = self._deleting.get(key) == uid and key in self._terminated
+        if uid is not None and last is not None and not stopped:
+            existing = await self._provider.get_pod(last.namespace, last.name)
+            if existing is not None and existing.metadata and existing.metadata.uid == uid:
+                await self._provider_delete(key, last.pod(), uid, 0)
         self._known.pop(key, None)
         self._applied.pop(key, None)
         self._deleting.pop(key, None)
         self._reported.pop(key, None)
+        self._terminated.discard(key)
         self.objects.release(key)
         self._resolver.forget(key)
         self.sync_queue.forget(key)
@@ -279,32 +283,29 @@ class PodController:
 
     # -- provider -> API --------------------------------------------------------------------------
     async def _sync_status(self, key: str) -> None:
-        pod = self.reflector.items.get(key)
-        reported = self._reported.get(key)
-        if pod is None or reported is None:
+        record = self.reflector.items.get(key)
+        if record is None or self._known.get(key) != record.uid:
+            return  # gone, or a report about an older pod of the same name
+        terminated = key in self._terminated
+        if record.deleting and terminated and not record.finalizers:
+            # The object is about to disappear: its final status would be one more write that
+            # nobody can read, so go straight to removing it.
+            await self._remove_from_api(record)
             return
-        api_status = _builtins(pod.status) or {}
-        uid = str(pod.metadata.uid)  # type: ignore[union-attr]
-        if self._known.get(key) != uid:
-            return  # a report about an older pod of the same name
-        if api_status.get("phase") not in TERMINAL and _visible(api_status) != _visible(reported):
-            await self._patch_status(pod, reported)
-        if pod.metadata.deletionTimestamp is not None and self._all_terminated(key):  # type: ignore[union-attr]
-            await self._remove_from_api(pod)
+        reported = self._reported.get(key)
+        if reported is not None:
+            if not record.terminal and record.status_digest != visible_status(reported):
+                await self._patch_status(record, reported)
+            if self._reported.get(key) is reported:
+                del self._reported[key]
+        if record.deleting and terminated:
+            await self._remove_from_api(record)
 
-    def _all_terminated(self, key: str) -> bool:
-        reported = self._reported.get(key) or {}
-        if reported.get("phase") in TERMINAL:
-            return True
-        statuses = reported.get("containerStatuses") or []
-        return bool(statuses) and all("terminated" in (s.get("state") or {}) for s in statuses)
-
-    async def _patch_status(self, pod: Pod, status: dict[str, Any]) -> None:
-        meta = pod.metadata
-        patch = {"metadata": {"uid": meta.uid}, "status": status}  # type: ignore[union-attr]
+    async def _patch_status(self, record: PodRecord, status: dict[str, Any]) -> None:
+        patch = {"metadata": {"uid": record.uid}, "status": status}
         try:
             await self._client.patch(
-                f"/api/v1/namespaces/{meta.namespace}/pods/{meta.name}/status",  # type: ignore[union-attr]
+                f"/api/v1/namespaces/{record.namespace}/pods/{record.name}/status",
                 patch,
                 content_type=STRATEGIC_MERGE_PATCH,
             )
@@ -313,19 +314,17 @@ class PodController:
                 return  # deleted or replaced meanwhile; the watch will tell us
             raise
 
-    async def _remove_from_api(self, pod: Pod) -> None:
-        meta = pod.metadata
-        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": meta.uid}}  # type: ignore[union-attr]
+    async def _remove_from_api(self, record: PodRecord) -> None:
+        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": record.uid}}
         try:
             await self._client.delete(
-                f"/api/v1/namespaces/{meta.namespace}/pods/{meta.name}",  # type: ignore[union-attr]
-                body,
+                f"/api/v1/namespaces/{record.namespace}/pods/{record.name}", body
             )
         except ApiError as e:
             if not (e.not_found or e.conflict):
                 raise
 
-    async def _write_waiting(self, pod: Pod, reason: str, message: str) -> None:
+    async def _write_waiting(self, record: PodRecord, pod: Pod, reason: str, message: str) -> None:
         containers = pod.spec.containers if pod.spec else []
         status = {
             "phase": "Pending",
@@ -342,56 +341,26 @@ class PodController:
             ],
         }
         with contextlib.suppress(ApiError, Unreachable):
-            await self._patch_status(pod, status)
+            await self._patch_status(record, status)
 
-    async def _write_failed(self, pod: Pod, reason: str, message: str) -> None:
-        await self._patch_status(pod, {"phase": "Failed", "reason": reason, "message": message})
+    async def _write_failed(self, record: PodRecord, reason: str, message: str) -> None:
+        await self._patch_status(record, {"phase": "Failed", "reason": reason, "message": message})
 
-    def _event(self, pod: Pod, type: str, reason: str, message: str) -> None:
-        meta = pod.metadata
-        ref = ObjectRef("Pod", str(meta.namespace), str(meta.name), str(meta.uid))  # type: ignore[union-attr]
+    def _event(self, record: PodRecord, type: str, reason: str, message: str) -> None:
+        ref = ObjectRef("Pod", record.namespace, record.name, record.uid)
         self._recorder.emit(ref, type, reason, message)
 
 
-def _digest(pod: ResolvedPod) -> str:
+def _all_terminated(status: dict[str, Any]) -> bool:
+    if status.get("phase") in TERMINAL:
+        return True
+    statuses = status.get("containerStatuses") or []
+    return bool(statuses) and all("terminated" in (s.get("state") or {}) for s in statuses)
+
+
+def _digest(pod: ResolvedPod) -> bytes:
     """What the provider was given: a change means it must hear about it (update_pod)."""
-    digest = hashlib.sha256(msgspec.json.encode(pod.pod))
-    digest.update(msgspec.json.encode(pod.volumes))
-    return digest.hexdigest()
-
-
-def _visible(status: dict[str, Any]) -> Any:
-    """The parts of a status a user sees; equal projections mean no write is needed."""
-
-    def conditions(items: list[dict[str, Any]] | None) -> list[tuple[Any, ...]]:
-        return sorted(
-            (c.get("type"), c.get("status"), c.get("reason"), c.get("message")) for c in items or []
-        )
-
-    def containers(items: list[dict[str, Any]] | None) -> list[tuple[Any, ...]]:
-        return sorted(
-            (
-                c.get("name"),
-                c.get("ready"),
-                c.get("started"),
-                c.get("restartCount"),
-                msgspec.json.encode(c.get("state") or {}),
-                msgspec.json.encode(c.get("lastState") or {}),
-            )
-            for c in items or []
-        )
-
-    return (
-        status.get("phase"),
-        status.get("reason"),
-        status.get("message"),
-        status.get("podIP"),
-        status.get("hostIP"),
-        status.get("startTime"),
-        conditions(status.get("conditions")),
-        containers(status.get("containerStatuses")),
-        containers(status.get("initContainerStatuses")),
-    )
+    return digest((pod.pod, pod.volumes))
 
 
 __all__ = ["PodController", "PodStatus", "ResolvedPod"]

@@ -65,6 +65,14 @@ class _ListMeta(msgspec.Struct):
     continue_: str | None = msgspec.field(name="continue", default=None)
 
 
+class _List(msgspec.Struct):
+    metadata: _ListMeta
+    items: list[msgspec.Raw]
+
+
+_list_decoder = msgspec.json.Decoder(_List)
+
+
 class Reflector(Generic[T]):
     def __init__(
         self,
@@ -77,7 +85,9 @@ class Reflector(Generic[T]):
         page_size: int = 500,
         watch_timeout: tuple[int, int] = (300, 600),
         name: str = "",
+        decode: Callable[[bytes], T] | None = None,
     ) -> None:
+        """`decode` turns one object's JSON into T (default: msgspec into `cls`)."""
         self._client = client
         self._path = path
         self._cls = cls
@@ -90,10 +100,7 @@ class Reflector(Generic[T]):
         self.resource_version: str | None = None
         self.synced = asyncio.Event()
         self.relists = 0  # observable in tests and metrics
-        self._list_type = msgspec.defstruct(
-            f"{cls.__name__}ListForReflector",
-            [("metadata", _ListMeta), ("items", list[cls])],  # type: ignore[valid-type]
-        )
+        self._decode: Callable[[bytes], T] = decode or msgspec.json.Decoder(cls).decode
 
     async def run(self) -> None:
         """Run until cancelled."""
@@ -128,9 +135,9 @@ class Reflector(Generic[T]):
         version: str | None = None
         while True:
             page = await self._client.request_raw("GET", self._path, params=params)
-            decoded: Any = msgspec.json.decode(page, type=self._list_type)
+            decoded = _list_decoder.decode(page)
             for item in decoded.items:
-                obj = self._prepare(item)
+                obj = self._prepare(self._decode(item))
                 seen[key_of(obj)] = obj
             version = decoded.metadata.resourceVersion
             if not decoded.metadata.continue_:
@@ -166,7 +173,7 @@ class Reflector(Generic[T]):
                 continue
             if kind == "ERROR":
                 raise status_error(raw)
-            obj = self._prepare(msgspec.json.decode(raw, type=self._cls))
+            obj = self._prepare(self._decode(raw))
             key = key_of(obj)
             if kind == "DELETED":
                 self.items.pop(key, None)

@@ -217,6 +217,9 @@ class Resolver:
                             int(token.get("expirationSeconds") or 3600),
                         )
                     )
+        if not wanted:
+            self._tokens.pop(key, None)
+            return {}
         cache = self._tokens.setdefault(key, {})
         for stale in set(cache) - wanted:
             del cache[stale]

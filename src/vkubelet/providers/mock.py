@@ -140,7 +140,7 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Container:
     name: str
     image: str
@@ -148,7 +148,7 @@ class _Container:
     init: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _MockPod:
     """The little a fake backend must remember about a pod."""
 
