@@ -78,8 +78,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 class _Meta(msgspec.Struct):
-    name: str
-    resourceVersion: str
+    name: str = ""
+    resourceVersion: str = ""
 
 
 class _Status(msgspec.Struct):
@@ -119,7 +119,9 @@ class Watcher:
                         continue
                     now = time.monotonic()
                     event = msgspec.json.decode(line, type=_Event)
-                    version = event.object.metadata.resourceVersion
+                    if event.type == "ERROR":  # e.g. 410 Gone after a long burst: relist
+                        break
+                    version = event.object.metadata.resourceVersion or version
                     name = event.object.metadata.name
                     if event.type == "DELETED":
                         self.deleted_at.setdefault(name, now)
@@ -177,14 +179,22 @@ async def create_pods(
     return created
 
 
-async def delete_all(client: httpx.AsyncClient, ns: str) -> None:
-    response = await client.request(
-        "DELETE",
-        f"/api/v1/namespaces/{ns}/pods",
-        params={"labelSelector": "bench=yes"},
-        json={"gracePeriodSeconds": 30},
-    )
-    response.raise_for_status()
+async def delete_all(client: httpx.AsyncClient, ns: str, names: list[str]) -> None:
+    """Delete every pod with the default grace period, as a scale-down would, 64 at a time."""
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for name in names:
+        queue.put_nowait(name)
+
+    async def worker() -> None:
+        while not queue.empty():
+            name = queue.get_nowait()
+            response = await client.request(
+                "DELETE", f"/api/v1/namespaces/{ns}/pods/{name}", json={"gracePeriodSeconds": 30}
+            )
+            if response.status_code != 404:
+                response.raise_for_status()
+
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
 
 
 async def wait_until(predicate: Any, limit: float, what: str) -> None:
@@ -406,7 +416,7 @@ async def agent_run(kubeconfig: Path, pods: int, rate: float | None, idle_s: flo
             await asyncio.sleep(idle_s)
             idle_pct = 100 * (cpu_seconds(agent.pid) - idle_start) / idle_s
             deleting = time.monotonic()
-            await delete_all(client, ns)
+            await delete_all(client, ns, names)
             await wait_until(lambda: len(watcher.deleted_at) >= pods, 600, "all pods deleted")
             delete_s = max(watcher.deleted_at.values()) - deleting
             watch_task.cancel()

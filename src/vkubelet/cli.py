@@ -85,13 +85,30 @@ def run(
     kube_api_qps: Annotated[float | None, typer.Option(help="Client-side request limit.")] = None,
     kube_api_burst: Annotated[int, typer.Option()] = 1000,
     pod_sync_workers: Annotated[int, typer.Option(min=1)] = 32,
+    tls_cert_file: Annotated[
+        Path | None, typer.Option(help="Kubelet serving certificate (default: from a CSR).")
+    ] = None,
+    tls_private_key_file: Annotated[Path | None, typer.Option()] = None,
+    client_ca_file: Annotated[
+        Path | None, typer.Option(help="CA of the apiserver's kubelet client certificate.")
+    ] = None,
+    cert_dir: Annotated[
+        Path | None, typer.Option(help="Where CSR-issued certificates are kept.")
+    ] = None,
+    approve_own_csrs: Annotated[
+        bool, typer.Option(help="Approve our serving CSRs ourselves (development clusters).")
+    ] = False,
+    insecure_kubelet_api: Annotated[
+        bool, typer.Option(help="Serve the kubelet API without authentication (DANGEROUS).")
+    ] = False,
+    kubelet_api: Annotated[bool, typer.Option(help="Serve the kubelet API at all.")] = True,
     log_format: Annotated[LogFormat, typer.Option(help="Log line format.")] = LogFormat.text,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
 ) -> None:
     """Run the node agent: register virtual node(s) and run their pods with a provider."""
     # Imported here so that `vkubelet dev ...` starts without loading the agent's dependencies.
+    from .agent import Agent
     from .node import (
-        Agent,
         AgentConfig,
         ClientOptions,
         ConfigError,
@@ -141,6 +158,22 @@ def run(
                 client=ClientOptions(qps=kube_api_qps, burst=kube_api_burst),
                 workers=pod_sync_workers,
             )
+        if tls_cert_file or tls_private_key_file:
+            if not (tls_cert_file and tls_private_key_file):
+                raise ConfigError("--tls-cert-file and --tls-private-key-file go together")
+            agent_config.tls_cert_file, agent_config.tls_key_file = (
+                tls_cert_file,
+                tls_private_key_file,
+            )
+        if client_ca_file:
+            agent_config.client_ca_file = client_ca_file
+        if cert_dir:
+            agent_config.cert_dir = cert_dir
+        agent_config.approve_csrs = agent_config.approve_csrs or approve_own_csrs
+        agent_config.insecure_kubelet_api = (
+            agent_config.insecure_kubelet_api or insecure_kubelet_api
+        )
+        agent_config.kubelet_api = agent_config.kubelet_api and kubelet_api
         agent = Agent(agent_config)
     except (ConfigError, UnknownProvider, ValueError, OSError) as e:
         raise _fail(e) from None

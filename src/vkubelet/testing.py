@@ -14,12 +14,15 @@ and keep it running after the tests, which makes the edit-test loop fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -141,6 +144,35 @@ def node_ready(kubectl: Kubectl, node: str) -> bool:
         return False
     conditions = json.loads(result.stdout)["status"].get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+@contextlib.contextmanager
+def local_test_address(name: str | None = None) -> Iterator[str]:
+    """A non-loopback address on this machine: the host end of a veth pair to a fresh netns.
+
+    The apiserver refuses to proxy `nodes/<name>/proxy/...` to loopback addresses, so a virtual
+    node whose kubelet API must be reachable that way needs another address. Traffic to it never
+    leaves the machine. Needs root and iproute2.
+    """
+    tag = name or f"vkt{uuid.uuid4().hex[:6]}"
+    subnet = random.randrange(0, 250)  # noqa: S311 - not security sensitive
+    host_ip = f"10.250.{subnet}.1"
+    commands = [
+        ["ip", "netns", "add", tag],
+        ["ip", "link", "add", f"{tag}h", "type", "veth", "peer", "name", f"{tag}n"],
+        ["ip", "link", "set", f"{tag}n", "netns", tag],
+        ["ip", "addr", "add", f"{host_ip}/30", "dev", f"{tag}h"],
+        ["ip", "link", "set", f"{tag}h", "up"],
+        ["ip", "-n", tag, "addr", "add", f"10.250.{subnet}.2/30", "dev", f"{tag}n"],
+        ["ip", "-n", tag, "link", "set", f"{tag}n", "up"],
+    ]
+    try:
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True)
+        yield host_ip
+    finally:
+        subprocess.run(["ip", "link", "del", f"{tag}h"], check=False, capture_output=True)
+        subprocess.run(["ip", "netns", "del", tag], check=False, capture_output=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -65,7 +65,19 @@ def mock_node(
     )
     agent = AgentProcess(
         kube_cluster.kubeconfig,
-        ["--provider", "mock", "--provider-config", str(config), "--nodename", name],
+        [
+            "--provider",
+            "mock",
+            "--provider-config",
+            str(config),
+            "--nodename",
+            name,
+            "--kubelet-port",
+            "0",
+            "--approve-own-csrs",
+            "--cert-dir",
+            str(work / "pki"),
+        ],
         work / "agent.log",
     ).start()
     node = MockNode(name, state_file, agent)

@@ -1,6 +1,6 @@
 """The node agent: node controller, pod controller, events and the provider API."""
 
-from ._agent import Agent, AgentConfig, NodeAgent, NodeSpec
+from ._agent import AgentConfig, NodeAgent, NodeSpec
 from ._config import ConfigError, load_agent_config, parse_taint
 from ._kube import ApiError, ClientOptions, KubeClient, Unreachable
 from ._nodecontroller import NodeSettings
@@ -17,7 +17,6 @@ from .provider import (
 )
 
 __all__ = [
-    "Agent",
     "AgentConfig",
     "ApiError",
     "ClientOptions",

@@ -1,13 +1,12 @@
-"""One process, many virtual nodes: each with its own provider, lease, pods and events.
+"""One virtual node's agent, and the configuration of a process serving many of them.
 
-All nodes share one API client (one HTTP/2 connection pool) and one event loop. A node whose
-provider crashes is restarted with back-off; the others carry on.
+All nodes of a process share one API client (one connection pool) and one event loop; the
+process itself (kubelet API servers, certificates, supervision) is `vkubelet.agent`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,11 +14,8 @@ from ._events import EventRecorder
 from ._kube import ClientOptions, KubeClient
 from ._nodecontroller import NodeController, NodeSettings
 from ._podcontroller import PodController
-from ._registry import ProviderContext, load_provider
 from ._resolution import Resolver, ServiceCache
 from .provider import PodLifecycleHandler
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +32,16 @@ class AgentConfig:
     kubeconfig: Path | None = None
     client: ClientOptions = field(default_factory=ClientOptions)
     workers: int = 32
+    # The kubelet API (logs, exec, port-forward, stats) on each node's kubelet port.
+    kubelet_api: bool = True
+    tls_cert_file: Path | None = None  # serving certificate; default: obtained with a CSR
+    tls_key_file: Path | None = None
+    client_ca_file: Path | None = None  # verifies the apiserver's client certificate
+    cert_dir: Path = field(
+        default_factory=lambda: Path.home() / ".local" / "state" / "vkubelet" / "pki"
+    )
+    approve_csrs: bool = False  # approve our own serving CSRs (development clusters only)
+    insecure_kubelet_api: bool = False  # no authentication or authorization (loud warning)
 
 
 class NodeAgent:
@@ -54,10 +60,7 @@ class NodeAgent:
         self.provider = provider
         self.events = EventRecorder(client, component="vkubelet", host=settings.name)
         self.node = NodeController(client, settings, provider)
-        host_ip = next(
-            (a["address"] for a in settings.addresses if a.get("type") == "InternalIP"),
-            "127.0.0.1",
-        )
+        host_ip = settings.internal_ip
         self.pods = PodController(
             client,
             settings.name,
@@ -80,62 +83,3 @@ class NodeAgent:
             group.create_task(self.node.run())
             await self.node.registered.wait()
             group.create_task(self.pods.run())
-
-
-def build_provider(spec: NodeSpec) -> PodLifecycleHandler:
-    factory = load_provider(spec.settings.provider)
-    internal_ip = next(
-        (a["address"] for a in spec.settings.addresses if a.get("type") == "InternalIP"),
-        "127.0.0.1",
-    )
-    return factory(
-        ProviderContext(
-            node_name=spec.settings.name,
-            config_path=spec.provider_config,
-            internal_ip=internal_ip,
-            kubelet_port=spec.settings.kubelet_port,
-        )
-    )
-
-
-class Agent:
-    def __init__(self, config: AgentConfig, client: KubeClient | None = None) -> None:
-        self.config = config
-        self.client = client or KubeClient.from_kubeconfig(config.kubeconfig, options=config.client)
-        # Providers are built up front so that a bad config fails the start, loudly.
-        services = ServiceCache(self.client)  # one Service watch for all nodes
-        self.nodes = [
-            NodeAgent(
-                self.client,
-                spec.settings,
-                build_provider(spec),
-                services=services,
-                workers=config.workers,
-            )
-            for spec in config.nodes
-        ]
-
-    async def run(self) -> None:
-        try:
-            async with asyncio.TaskGroup() as group:
-                for node in self.nodes:
-                    group.create_task(_supervise(node), name=f"node {node.settings.name}")
-        finally:
-            await self.client.aclose()
-
-
-async def _supervise(node: NodeAgent) -> None:
-    backoff = 1.0
-    while True:
-        try:
-            await node.run()
-            return
-        except* Exception as group:
-            log.error(
-                "node %s crashed; restarting in %.0fs",
-                node.settings.name,
-                backoff,
-                exc_info=group.exceptions[0],
-            )
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, 60)

@@ -28,7 +28,20 @@ from ._kube import ClientOptions
 from ._nodecontroller import NodeSettings
 
 _NODE_KEYS = {"name", "provider", "providerConfig", "kubeletPort", "internalIP", "labels", "taints"}
-_TOP_KEYS = {"kubeconfig", "kubeApiQps", "kubeApiBurst", "podSyncWorkers", "nodes"}
+_TOP_KEYS = {
+    "kubeconfig",
+    "kubeApiQps",
+    "kubeApiBurst",
+    "podSyncWorkers",
+    "nodes",
+    "kubeletAPI",
+    "tlsCertFile",
+    "tlsPrivateKeyFile",
+    "clientCAFile",
+    "certDir",
+    "approveOwnCSRs",
+    "insecureKubeletAPI",
+}
 _EFFECTS = {"NoSchedule", "PreferNoSchedule", "NoExecute"}
 
 
@@ -72,7 +85,34 @@ def load_agent_config(path: Path) -> AgentConfig:
     if duplicates:
         raise ConfigError(f"{where}: nodes: duplicate name {sorted(duplicates)[0]!r}")
     kubeconfig = data.get("kubeconfig")
+
+    def file_option(name: str) -> Path | None:
+        value = data.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: {name}: expected a path")
+        return path.parent / Path(value).expanduser()  # relative to this file
+
+    def flag(name: str, default: bool) -> bool:
+        value = data.get(name, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {name}: expected true or false")
+        return value
+
+    if (data.get("tlsCertFile") is None) != (data.get("tlsPrivateKeyFile") is None):
+        raise ConfigError(f"{where}: tlsCertFile and tlsPrivateKeyFile go together")
+    extra: dict[str, Any] = {}
+    if data.get("certDir") is not None:
+        extra["cert_dir"] = file_option("certDir")
     return AgentConfig(
+        kubelet_api=flag("kubeletAPI", True),
+        tls_cert_file=file_option("tlsCertFile"),
+        tls_key_file=file_option("tlsPrivateKeyFile"),
+        client_ca_file=file_option("clientCAFile"),
+        approve_csrs=flag("approveOwnCSRs", False),
+        insecure_kubelet_api=flag("insecureKubeletAPI", False),
+        **extra,
         nodes=specs,
         kubeconfig=(path.parent / Path(kubeconfig).expanduser()) if kubeconfig else None,
         client=ClientOptions(

@@ -51,6 +51,15 @@ class NodeSettings:
     ping_interval: float = 10.0
     ping_timeout: float = 5.0
 
+    @property
+    def internal_ip(self) -> str:
+        found = [a["address"] for a in self.addresses if a.get("type") == "InternalIP"]
+        return found[0] if found else "127.0.0.1"
+
+    def address_list(self) -> list[str]:
+        """Every address and name the node is reached at (the serving certificate's SANs)."""
+        return list(dict.fromkeys([*(a["address"] for a in self.addresses), self.name]))
+
     def effective_taints(self) -> list[dict[str, str]]:
         if self.taints is not None:
             return self.taints

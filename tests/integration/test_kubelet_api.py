@@ -1,0 +1,161 @@
+"""The kubelet API of a virtual node, reached the way users reach it: kubectl through the real
+apiserver, and direct HTTPS requests to check authentication and authorization."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import AgentProcess, Kubectl, local_test_address, node_ready, wait_for
+
+
+@dataclass
+class KubeletNode:
+    name: str
+    address: str
+    agent: AgentProcess
+
+    def port(self, kubectl: Kubectl) -> int:
+        node = kubectl.json("get", "node", self.name)
+        return int(node["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"])
+
+
+@pytest.fixture(scope="module")
+def kubelet_node(
+    kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KubeletNode]:
+    name = f"vk-api-{uuid.uuid4().hex[:6]}"
+    work = tmp_path_factory.mktemp(name)
+    config = work / "mock.json"
+    config.write_text(json.dumps({name: {"pods": "100"}}))
+    with local_test_address() as address:
+        agent = AgentProcess(
+            kube_cluster.kubeconfig,
+            [
+                "--provider",
+                "mock",
+                "--provider-config",
+                str(config),
+                "--nodename",
+                name,
+                "--internal-ip",
+                address,
+                "--kubelet-port",
+                "0",
+                "--approve-own-csrs",
+                "--cert-dir",
+                str(work / "pki"),
+            ],
+            work / "agent.log",
+        ).start()
+        node = KubeletNode(name, address, agent)
+        try:
+            wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")
+            wait_for(lambda: "listening on port" in agent.log(), timeout=60, what="kubelet API up")
+            yield node
+        finally:
+            agent.stop()
+            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def pod(kubelet_node: KubeletNode, kubectl: Kubectl) -> Iterator[str]:
+    name = f"p-{uuid.uuid4().hex[:6]}"
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": kubelet_node.name,
+            "containers": [{"name": "main", "image": "registry.example/app:1"}],
+        },
+    }
+    kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    wait_for(
+        lambda: kubectl.json("get", "pod", name)["status"].get("phase") == "Running",
+        what="pod Running",
+    )
+    yield name
+    kubectl("delete", "pod", name, "--wait=false")
+
+
+def test_kubectl_logs_reaches_the_provider_through_the_apiserver(
+    pod: str, kubectl: Kubectl
+) -> None:
+    logs = kubectl("logs", pod).stdout
+    assert f"mock: container main of default/{pod} started" in logs
+    tail = kubectl("logs", pod, "--tail=1").stdout.splitlines()
+    assert len(tail) == 1
+    stamped = kubectl("logs", pod, "--timestamps", "--tail=1").stdout
+    assert stamped[:4].isdigit() and "T" in stamped.split()[0]
+
+
+def test_logs_of_an_unknown_container_are_a_clear_error(pod: str, kubectl: Kubectl) -> None:
+    result = kubectl("logs", pod, "-c", "nope", check=False)
+    assert result.returncode != 0
+    assert "nope" in result.stderr
+
+
+def test_node_proxy_reaches_the_kubelet_api(kubelet_node: KubeletNode, kubectl: Kubectl) -> None:
+    base = f"/api/v1/nodes/{kubelet_node.name}/proxy"
+    assert kubectl("get", "--raw", f"{base}/healthz").stdout.strip() == "ok"
+    pods = json.loads(kubectl("get", "--raw", f"{base}/pods").stdout)
+    assert pods["kind"] == "PodList"
+
+
+def _get(url: str, context: ssl.SSLContext, token: str | None = None) -> int:
+    request = urllib.request.Request(url)  # noqa: S310 - https to our own test node
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=10) as response:  # noqa: S310
+            status: int = response.status
+            return status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_direct_requests_are_authenticated_and_authorized(
+    kube_cluster: Cluster, kubelet_node: KubeletNode, kubectl: Kubectl, tmp_path: Path
+) -> None:
+    port = kubelet_node.port(kubectl)
+    url = f"https://{kubelet_node.address}:{port}/pods"
+    anonymous = ssl.create_default_context(cafile=str(kube_cluster.pki / "ca.crt"))
+    anonymous.check_hostname = False  # the certificate names the node's IP; we are testing auth
+    assert _get(url, anonymous) == 401
+
+    ns = f"t-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", ns)
+    kubectl("-n", ns, "create", "serviceaccount", "nobody")
+    token = kubectl("-n", ns, "create", "token", "nobody").stdout.strip()
+    assert _get(url, anonymous, token) == 403
+
+    apiserver = ssl.create_default_context(cafile=str(kube_cluster.pki / "ca.crt"))
+    apiserver.check_hostname = False
+    apiserver.load_cert_chain(
+        kube_cluster.pki / "apiserver-kubelet-client.crt",
+        kube_cluster.pki / "apiserver-kubelet-client.key",
+    )
+    assert _get(url, apiserver) == 200
+    kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_the_serving_certificate_came_from_an_approved_csr(
+    kubelet_node: KubeletNode, kubectl: Kubectl
+) -> None:
+    csrs: list[dict[str, Any]] = kubectl.json("get", "csr")["items"]
+    ours = [
+        c for c in csrs if c["metadata"]["name"].startswith(f"vkubelet-serving-{kubelet_node.name}")
+    ]
+    assert ours and ours[0]["spec"]["signerName"] == "kubernetes.io/kubelet-serving"
+    assert ours[0]["status"].get("certificate")
