@@ -67,7 +67,44 @@ class Agent:
         ]
         self.servers: list[KubeletServer] = []
 
+    async def identify(self) -> str:
+        """Who the apiserver says we are; a node identity switches on NodeRestriction's rules.
+
+        Waits (with back-off, saying so) while the apiserver is unreachable.
+        """
+        backoff = 0.5
+        while True:
+            try:
+                review = await self.client.create(
+                    "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                    {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+                )
+                break
+            except Unreachable as e:
+                log.warning("apiserver unreachable (%s); retrying in %.1fs", e, backoff)
+            except ApiError as e:
+                log.warning("cannot tell who we are (%s); assuming an unrestricted identity", e)
+                return ""
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30)
+        user: str = review.get("status", {}).get("userInfo", {}).get("username", "")
+        if user.startswith("system:node:"):
+            own = user.removeprefix("system:node:")
+            for node in self.nodes:
+                node.settings.node_restricted = True
+                if node.settings.name != own:
+                    log.error(
+                        "running as %s, which may only manage node %s, not %s: use one agent "
+                        "(or one identity) per node, or an identity with RBAC rights",
+                        user,
+                        own,
+                        node.settings.name,
+                    )
+            log.info("running as %s under the Node authorizer and NodeRestriction", user)
+        return user
+
     async def run(self) -> None:
+        await self.identify()
         try:
             async with asyncio.TaskGroup() as group:
                 for node in self.nodes:

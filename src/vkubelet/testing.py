@@ -14,6 +14,7 @@ and keep it running after the tests, which makes the edit-test loop fast.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -136,6 +137,50 @@ class AgentProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def node_kubeconfig(cluster: Cluster, kubectl: Kubectl, node: str, path: Path) -> Path:
+    """A kubeconfig for `system:node:<node>`: a client certificate from an approved CSR for the
+    signer kubernetes.io/kube-apiserver-client-kubelet, as a real kubelet's identity."""
+    from cryptography.hazmat.primitives import serialization
+
+    from .devcluster import write_kubeconfig
+    from .devcluster._pki import csr_pem, new_key
+
+    key = new_key()
+    name = f"{node}-client-{uuid.uuid4().hex[:6]}"
+    request = csr_pem(key, f"system:node:{node}", ("system:nodes",))
+    kubectl.apply(
+        {
+            "apiVersion": "certificates.k8s.io/v1",
+            "kind": "CertificateSigningRequest",
+            "metadata": {"name": name},
+            "spec": {
+                "request": base64.b64encode(request).decode(),
+                "signerName": "kubernetes.io/kube-apiserver-client-kubelet",
+                "usages": ["digital signature", "client auth"],
+            },
+        }
+    )
+    kubectl("certificate", "approve", name)
+    cert = wait_for(
+        lambda: kubectl.json("get", "csr", name).get("status", {}).get("certificate"),
+        what="the signed node client certificate",
+    )
+    write_kubeconfig(
+        path,
+        cluster="dev",
+        server=cluster.server,
+        ca_pem=(cluster.pki / "ca.crt").read_bytes(),
+        user=f"system:node:{node}",
+        cert_pem=base64.b64decode(cert),
+        key_pem=key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+    )
+    return path
 
 
 def node_ready(kubectl: Kubectl, node: str) -> bool:

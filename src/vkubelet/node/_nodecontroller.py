@@ -50,6 +50,9 @@ class NodeSettings:
     status_interval: float = 60.0
     ping_interval: float = 10.0
     ping_timeout: float = 5.0
+    # Running as system:node:<name>: the NodeRestriction admission plugin then forbids most
+    # labels under kubernetes.io/ and k8s.io/, and changes to the node's own taints.
+    node_restricted: bool = False
 
     @property
     def internal_ip(self) -> str:
@@ -68,7 +71,7 @@ class NodeSettings:
         ]
 
     def effective_labels(self) -> dict[str, str]:
-        return {
+        labels = {
             "type": "virtual-kubelet",
             "kubernetes.io/role": "agent",
             "kubernetes.io/hostname": self.name,
@@ -78,6 +81,42 @@ class NodeSettings:
             "beta.kubernetes.io/arch": self.arch,
             **self.labels,
         }
+        if self.node_restricted:
+            return {k: v for k, v in labels.items() if node_may_set_label(k)}
+        return labels
+
+
+_NODE_LABEL_NAMESPACES = ("kubernetes.io/", "k8s.io/")
+_NODE_ALLOWED_LABELS = {
+    "kubernetes.io/hostname",
+    "kubernetes.io/arch",
+    "kubernetes.io/os",
+    "beta.kubernetes.io/arch",
+    "beta.kubernetes.io/os",
+    "beta.kubernetes.io/instance-type",
+    "node.kubernetes.io/instance-type",
+    "failure-domain.beta.kubernetes.io/region",
+    "failure-domain.beta.kubernetes.io/zone",
+    "topology.kubernetes.io/region",
+    "topology.kubernetes.io/zone",
+}
+_NODE_ALLOWED_PREFIXES = ("kubelet.kubernetes.io/", "node.kubernetes.io/")
+
+
+def node_may_set_label(key: str) -> bool:
+    """What NodeRestriction lets a node set on itself (the kubelet's own rule)."""
+    prefix, slash, _ = key.rpartition("/")
+    if not slash:
+        return True
+    namespace = prefix + "/"
+    restricted = any(
+        namespace == ns or namespace.endswith("." + ns) for ns in _NODE_LABEL_NAMESPACES
+    )
+    return (
+        not restricted
+        or key in _NODE_ALLOWED_LABELS
+        or any(key.startswith(p) for p in _NODE_ALLOWED_PREFIXES)
+    )
 
 
 def now_rfc3339() -> str:
@@ -221,19 +260,22 @@ class NodeController:
             )
             ours = desired["spec"]["taints"]
             ours_ids = {_taint_id(t) for t in ours}
+            present = (current.get("spec") or {}).get("taints") or []
             kept = [
                 t
-                for t in (current.get("spec") or {}).get("taints") or []
+                for t in present
                 if _taint_id(t) not in old_taints and _taint_id(t) not in ours_ids
             ]
-            patch = {
+            patch: dict[str, Any] = {
                 "metadata": {
                     "resourceVersion": meta["resourceVersion"],  # optimistic concurrency
                     "labels": labels,
                     "annotations": desired["metadata"]["annotations"],
                 },
-                "spec": {"taints": kept + ours},
             }
+            if _taint_set(kept + ours) != _taint_set(present):
+                # Only when they differ: NodeRestriction refuses a node any taint change.
+                patch["spec"] = {"taints": kept + ours}
             try:
                 updated = await self._client.patch(self._path, patch)
             except ApiError as e:
@@ -396,6 +438,10 @@ class NodeController:
             await self.register()
         except (ApiError, Unreachable) as e:
             log.warning("node %s: re-registration failed: %s", self.settings.name, e)
+
+
+def _taint_set(taints: list[dict[str, str]]) -> set[tuple[str, str, str]]:
+    return {(t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in taints}
 
 
 def _taint_id(taint: dict[str, str]) -> str:
