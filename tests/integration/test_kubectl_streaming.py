@@ -1,0 +1,283 @@
+"""kubectl exec / attach / port-forward / cp / top-style stats on a virtual node, through the real
+apiserver (which speaks SPDY/3.1 to the kubelet port, or proxies WebSocket clients unchanged)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import websocket  # websocket-client, the library the official Python client streams with
+from prometheus_client.parser import text_string_to_metric_families
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import AgentProcess, Kubectl, local_test_address, node_ready, wait_for
+
+
+@pytest.fixture(scope="module")
+def node(
+    kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    name = f"vk-stream-{uuid.uuid4().hex[:6]}"
+    work = tmp_path_factory.mktemp(name)
+    (work / "mock.json").write_text(json.dumps({name: {"pods": "100"}}))
+    with local_test_address() as address:
+        agent = AgentProcess(
+            kube_cluster.kubeconfig,
+            [
+                "--provider",
+                "mock",
+                "--provider-config",
+                str(work / "mock.json"),
+                "--nodename",
+                name,
+                "--internal-ip",
+                address,
+                "--kubelet-port",
+                "0",
+                "--approve-own-csrs",
+                "--cert-dir",
+                str(work / "pki"),
+            ],
+            work / "agent.log",
+        ).start()
+        try:
+            wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")
+            wait_for(lambda: "listening on port" in agent.log(), timeout=60, what="kubelet API")
+            yield name
+        finally:
+            agent.stop()
+            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def pod(node: str, kubectl: Kubectl) -> Iterator[str]:
+    name = f"p-{uuid.uuid4().hex[:6]}"
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.example/app:1",
+                    "env": [{"name": "GREETING", "value": "hi there"}],
+                }
+            ],
+        },
+    }
+    kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    wait_for(
+        lambda: kubectl.json("get", "pod", name)["status"].get("phase") == "Running",
+        what="pod Running",
+    )
+    yield name
+    kubectl("delete", "pod", name, "--wait=false")
+
+
+def test_exec_runs_a_command_and_returns_its_output(pod: str, kubectl: Kubectl) -> None:
+    assert kubectl("exec", pod, "--", "echo", "hello", "world").stdout == "hello world\n"
+    assert "GREETING=hi there" in kubectl("exec", pod, "--", "env").stdout
+
+
+def test_exec_propagates_a_non_zero_exit_code(pod: str, kubectl: Kubectl) -> None:
+    result = kubectl("exec", pod, "--", "exit", "3", check=False)
+    assert result.returncode == 3
+    assert kubectl("exec", pod, "--", "false", check=False).returncode == 1
+
+
+def test_exec_with_stdin_streams_it_through(pod: str, kubectl: Kubectl) -> None:
+    data = "".join(f"line {i}\n" for i in range(2000))
+    assert kubectl("exec", "-i", pod, "--", "cat", input=data).stdout == data
+
+
+def test_attach_talks_to_the_main_process(pod: str, kubectl: Kubectl) -> None:
+    result = kubectl("attach", "-i", pod, input="hello attach\n", timeout=30)
+    assert "HELLO ATTACH" in result.stdout
+
+
+def test_cp_copies_files_both_ways(pod: str, kubectl: Kubectl, tmp_path: Path) -> None:
+    source = tmp_path / "payload.bin"
+    source.write_bytes(os.urandom(300_000))
+    kubectl("cp", str(source), f"{pod}:/tmp/payload.bin")
+    back = tmp_path / "back.bin"
+    kubectl("cp", f"{pod}:/tmp/payload.bin", str(back))
+    assert back.read_bytes() == source.read_bytes()
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by .ci/run")
+def test_exec_with_a_terminal_sees_its_size_and_resizes(pod: str, kubectl: Kubectl) -> None:
+    session = f"vkt-{uuid.uuid4().hex[:6]}"
+    command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} exec -it {pod} -- stty size"
+    subprocess.run(
+        [
+            "tmux",
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            "120",
+            "-y",
+            "40",
+            f"{command}; sleep 30",
+        ],
+        check=True,
+    )
+    try:
+
+        def screen() -> str:
+            return subprocess.run(
+                ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True
+            ).stdout
+
+        wait_for(lambda: "40 120" in screen(), timeout=30, what="the terminal size in the pod")
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+
+
+class EchoServer:
+    """A TCP echo server on this machine: what the mock's pods forward ports to."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        ready = threading.Event()
+
+        async def serve() -> None:
+            async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+                writer.close()
+
+            server = await asyncio.start_server(echo, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+            ready.set()
+            await server.serve_forever()
+
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(serve(),))
+        self.thread.daemon = True
+        self.thread.start()
+        ready.wait(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_port_forward_moves_many_concurrent_connections_byte_exact(
+    pod: str, kubectl: Kubectl
+) -> None:
+    echo = EchoServer()
+    local = _free_port()
+    forward = subprocess.Popen(
+        [
+            kubectl.binary,
+            "--kubeconfig",
+            str(kubectl.kubeconfig),
+            "port-forward",
+            pod,
+            f"{local}:{echo.port}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert forward.stdout is not None
+        assert "Forwarding from" in forward.stdout.readline()
+        size = 10 * 1024 * 1024
+        results: dict[int, bool] = {}
+
+        def one(i: int) -> None:
+            payload = hashlib.sha256(str(i).encode()).digest() * (size // 32)
+            with socket.create_connection(("127.0.0.1", local), timeout=60) as conn:
+                sender = threading.Thread(target=conn.sendall, args=(payload,))
+                sender.start()
+                received = bytearray()
+                while len(received) < size:
+                    chunk = conn.recv(1 << 20)
+                    if not chunk:
+                        break
+                    received += chunk
+                sender.join()
+            results[i] = bytes(received) == payload
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        elapsed = time.monotonic() - started
+        assert results == dict.fromkeys(range(20), True), results
+        print(f"port-forward: 20 x 10 MiB each way in {elapsed:.1f} s")
+    finally:
+        forward.terminate()
+        forward.wait(10)
+
+
+def test_stats_summary_and_resource_metrics_parse(node: str, pod: str, kubectl: Kubectl) -> None:
+    base = f"/api/v1/nodes/{node}/proxy"
+    summary = json.loads(kubectl("get", "--raw", f"{base}/stats/summary").stdout)
+    assert summary["node"]["nodeName"] == node
+    assert any(p["podRef"]["name"] == pod for p in summary["pods"])
+    text = kubectl("get", "--raw", f"{base}/metrics/resource").stdout
+    names = {family.name for family in text_string_to_metric_families(text)}
+    assert {"node_cpu_usage_seconds", "container_memory_working_set_bytes"} <= names
+
+
+def test_a_websocket_v4_client_can_exec(kube_cluster: Cluster, pod: str) -> None:
+    """Clients other than kubectl (here websocket-client, which the official Python client uses)
+    speak v4.channel.k8s.io; the apiserver proxies them to the kubelet port unchanged."""
+    server = kube_cluster.server.replace("https://", "wss://")
+    url = (
+        f"{server}/api/v1/namespaces/default/pods/{pod}/exec"
+        "?command=echo&command=over&command=websocket&stdout=true&stderr=true"
+    )
+    ws = websocket.create_connection(
+        url,
+        subprotocols=["v4.channel.k8s.io"],
+        sslopt={
+            "ca_certs": str(kube_cluster.pki / "ca.crt"),
+            "certfile": str(kube_cluster.pki / "admin.crt"),
+            "keyfile": str(kube_cluster.pki / "admin.key"),
+            "cert_reqs": ssl.CERT_REQUIRED,
+        },
+        timeout=30,
+    )
+    stdout = b""
+    status = b""
+    try:
+        while True:
+            try:
+                frame = ws.recv()
+            except websocket.WebSocketConnectionClosedException:
+                break
+            if not frame:
+                break
+            data = frame if isinstance(frame, bytes) else frame.encode()
+            if data[:1] == b"\x01":
+                stdout += data[1:]
+            elif data[:1] == b"\x03":
+                status += data[1:]
+    finally:
+        ws.close()
+    assert stdout == b"over websocket\n"
+    assert json.loads(status)["status"] == "Success"
