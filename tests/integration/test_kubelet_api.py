@@ -106,6 +106,16 @@ def test_logs_of_an_unknown_container_are_a_clear_error(pod: str, kubectl: Kubec
     assert "nope" in result.stderr
 
 
+def test_logs_of_a_previous_container_show_the_providers_message(
+    pod: str, kubectl: Kubectl
+) -> None:
+    """The node answers 400 as a kubelet does, so the apiserver passes the message on."""
+    result = kubectl("logs", pod, "--previous", check=False)
+    assert result.returncode != 0
+    assert "(BadRequest)" in result.stderr
+    assert f'previous terminated container "main" in pod "{pod}" not found' in result.stderr
+
+
 def test_node_proxy_reaches_the_kubelet_api(kubelet_node: KubeletNode, kubectl: Kubectl) -> None:
     base = f"/api/v1/nodes/{kubelet_node.name}/proxy"
     assert kubectl("get", "--raw", f"{base}/healthz").stdout.strip() == "ok"

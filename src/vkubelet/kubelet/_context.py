@@ -61,7 +61,7 @@ class ServerConfig:
     stream_buffer: int = 1 << 20  # unread input per stream before the connection stalls
     run_output_limit: int = 16 << 20  # `/run` collects output in memory
     # A log request answers at once with headers; but an error found this quickly still gets
-    # a proper status code (404 for an unknown container) instead of a broken stream.
+    # a proper status code (400 with the message, as from a kubelet) instead of a broken stream.
     logs_first_chunk_wait: float = 0.25
 
 

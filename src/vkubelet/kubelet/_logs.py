@@ -3,18 +3,26 @@
 `kubectl logs -f` shows lines as the apiserver relays them, and the apiserver relays as the
 kubelet flushes, so every chunk is written out at once. The connection layer cancels the stream
 when the client hangs up, which ends the provider's iterator too.
+
+An error from the provider before the first chunk is a 400 whose body is the provider's message,
+whatever the error: the kubelet answers every container-log error so, and the apiserver passes
+a 400's message on to kubectl (`Error from server (BadRequest): previous terminated container
+"main" in pod "x" not found`), where a 404 or 500 would become a generic message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
 
-from ..node.provider import ContainerLogOptions, ContainerLogs
+from ..node.provider import ContainerLogOptions, ContainerLogs, ProviderError
 from ._context import Call
 from ._http import HttpError, Request
+
+log = logging.getLogger(__name__)
 
 _TRUE = {"1", "t", "true"}
 _FALSE = {"0", "f", "false", ""}
@@ -76,22 +84,38 @@ async def _next(chunks: AsyncIterator[bytes]) -> bytes | None:
         return None
 
 
+async def _reject(call: Call, error: Exception) -> None:
+    """The 400 for an error of the provider's: its message alone, as the kubelet's body is."""
+    if not isinstance(error, ProviderError):  # more likely a bug than a user's mistake
+        request = call.request
+        log.warning("%s %s failed: %s", request.method, request.path, error, exc_info=error)
+    await call.exchange.respond(400, str(error) or type(error).__name__)
+
+
 async def handle_logs(call: Call) -> None:
     provider = call.provider
     if not isinstance(provider, ContainerLogs):
         raise call.missing(ContainerLogs, "kubectl logs")
     options = log_options(call.request)
-    chunks = provider.container_logs(
-        call.params["namespace"], call.params["pod"], call.params["container"], options
-    )
+    try:
+        chunks = provider.container_logs(
+            call.params["namespace"], call.params["pod"], call.params["container"], options
+        )
+    except Exception as exc:  # a provider that is not a generator may check before it returns
+        await _reject(call, exc)
+        return
     first = asyncio.create_task(_next(chunks))
     try:
-        # Errors the provider finds at once (no such container) become a status code; a
-        # follower with nothing to say yet gets its headers anyway.
+        # Errors the provider finds at once (no such container) become a 400; a follower with
+        # nothing to say yet gets its headers anyway, and a later error can only cut the stream.
         await asyncio.wait({first}, timeout=call.config.logs_first_chunk_wait)
-        if first.done() and first.result() is None:  # result() raises the provider's error
-            await call.exchange.respond(200, b"")
-            return
+        if first.done() and not first.cancelled():
+            if isinstance(error := first.exception(), Exception):
+                await _reject(call, error)
+                return
+            if first.result() is None:  # result() raises any other BaseException
+                await call.exchange.respond(200, b"")
+                return
         exchange = call.exchange
         await exchange.start(
             200, [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-cache")]

@@ -5,9 +5,10 @@ request is for it. With several, the Host header picks the node (the apiserver d
 the node reports), and pod-scoped requests fall back to whichever node the pod is bound to.
 
 Errors never leave a client waiting: a missing provider capability is a 501 that names it,
-"not found" from a provider is a 404, anything else a 500 with the message. Once a streamed
-response has started the status can no longer change, so the connection is cut instead and
-the client sees a truncated body.
+"not found" from a provider is a 404, anything else a 500 with the message (but `_logs`
+answers a provider's log errors with 400, as the kubelet does). Once a streamed response has
+started the status can no longer change, so the connection is cut instead and the client sees
+a truncated body.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from ._registry import ProviderContext, UnknownProvider, available_providers, lo
 from .provider import (
     ContainerLogOptions,
     ContainerLogs,
+    NodeConfigurer,
     NodeProvider,
     NodeStatusNotifier,
     PodLifecycleHandler,
@@ -25,6 +26,7 @@ __all__ = [
     "ContainerLogs",
     "KubeClient",
     "NodeAgent",
+    "NodeConfigurer",
     "NodeProvider",
     "NodeSettings",
     "NodeSpec",

@@ -18,6 +18,8 @@ Errors name the file and the field, e.g. `agent.yaml: nodes[1].kubeletPort: expe
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,8 @@ _TOP_KEYS = {
     "insecureKubeletAPI",
 }
 _EFFECTS = {"NoSchedule", "PreferNoSchedule", "NoExecute"}
+# A node name is a DNS-1123 subdomain.
+_DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 class ConfigError(ValueError):
@@ -84,7 +88,6 @@ def load_agent_config(path: Path) -> AgentConfig:
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:
         raise ConfigError(f"{where}: nodes: duplicate name {sorted(duplicates)[0]!r}")
-    kubeconfig = data.get("kubeconfig")
 
     def file_option(name: str) -> Path | None:
         value = data.get(name)
@@ -114,12 +117,12 @@ def load_agent_config(path: Path) -> AgentConfig:
         insecure_kubelet_api=flag("insecureKubeletAPI", False),
         **extra,
         nodes=specs,
-        kubeconfig=(path.parent / Path(kubeconfig).expanduser()) if kubeconfig else None,
+        kubeconfig=file_option("kubeconfig"),
         client=ClientOptions(
             qps=_number(where, "kubeApiQps", data.get("kubeApiQps")),
-            burst=int(_number(where, "kubeApiBurst", data.get("kubeApiBurst")) or 1000),
+            burst=_count(where, "kubeApiBurst", data.get("kubeApiBurst"), 1000),
         ),
-        workers=int(_number(where, "podSyncWorkers", data.get("podSyncWorkers")) or 32),
+        workers=_count(where, "podSyncWorkers", data.get("podSyncWorkers"), 32),
     )
 
 
@@ -130,8 +133,13 @@ def _node(where: str, at: str, raw: Any, base: Path) -> NodeSpec:
     for required in ("name", "provider"):
         if not isinstance(raw.get(required), str) or not raw[required]:
             raise ConfigError(f"{where}: {at}.{required}: required (a string)")
+    if len(raw["name"]) > 253 or not _DNS1123.fullmatch(raw["name"]):
+        raise ConfigError(
+            f"{where}: {at}.name: {raw['name']!r} is not a valid node name "
+            "(lowercase letters, digits, '-' and '.')"
+        )
     port = raw.get("kubeletPort", 10250)
-    if not isinstance(port, int) or not 0 <= port <= 65535:
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"{where}: {at}.kubeletPort: expected an integer port")
     labels = raw.get("labels") or {}
     if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
@@ -146,7 +154,13 @@ def _node(where: str, at: str, raw: Any, base: Path) -> NodeSpec:
         except ConfigError as e:
             raise ConfigError(f"{where}: {at}.taints: {e}") from None
     ip = raw.get("internalIP", "127.0.0.1")
+    try:
+        ipaddress.ip_address(ip if isinstance(ip, str) else "")
+    except ValueError:
+        raise ConfigError(f"{where}: {at}.internalIP: {ip!r} is not an IP address") from None
     provider_config = raw.get("providerConfig")
+    if provider_config is not None and not isinstance(provider_config, str):
+        raise ConfigError(f"{where}: {at}.providerConfig: expected a path")
     return NodeSpec(
         settings=NodeSettings(
             name=raw["name"],
@@ -169,9 +183,17 @@ def _no_unknown(where: str, at: str, raw: dict[str, Any], known: set[str]) -> No
         raise ConfigError(f"{where}: {at}{unknown[0]}: unknown field (known: {sorted(known)})")
 
 
+def _count(where: str, name: str, value: Any, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{where}: {name}: expected a positive integer")
+    return value
+
+
 def _number(where: str, name: str, value: Any) -> float | None:
     if value is None:
         return None
-    if not isinstance(value, int | float) or value <= 0:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{where}: {name}: expected a positive number")
     return float(value)

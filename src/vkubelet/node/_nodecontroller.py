@@ -23,7 +23,7 @@ from lightkube.resources.core_v1 import Node
 
 from .. import __version__
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
-from .provider import NodeProvider, NodeStatusNotifier
+from .provider import NodeConfigurer, NodeProvider, NodeStatusNotifier
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class NodeController:
                 },
             },
         }
-        if isinstance(self._provider, NodeProvider):
+        if isinstance(self._provider, NodeConfigurer):
             typed = msgspec.convert(node, Node)
             self._provider.configure_node(typed)
             node = msgspec.to_builtins(typed)
@@ -296,20 +296,14 @@ class NodeController:
         )
 
     async def _ensure_lease(self) -> None:
+        owners = [{"apiVersion": "v1", "kind": "Node", "name": self.settings.name, "uid": self.uid}]
         lease = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
             "metadata": {
                 "name": self.settings.name,
                 "namespace": LEASE_NAMESPACE,
-                "ownerReferences": [
-                    {
-                        "apiVersion": "v1",
-                        "kind": "Node",
-                        "name": self.settings.name,
-                        "uid": self.uid,
-                    }
-                ],
+                "ownerReferences": owners,
             },
             "spec": {
                 "holderIdentity": self.settings.name,
@@ -324,6 +318,12 @@ class NodeController:
         except ApiError as e:
             if not e.conflict:
                 raise
+            # An existing lease may belong to an earlier Node object of the same name (deleted
+            # and registered again): point it at this one, or garbage collection deletes it.
+            await self._client.patch(
+                self._lease_path,
+                {"metadata": {"ownerReferences": owners}},
+            )
             await self._renew()
 
     async def _renew(self) -> None:
@@ -373,7 +373,9 @@ class NodeController:
         await asyncio.sleep(random.uniform(0, interval))  # noqa: S311
         last = loop.time()
         while True:
-            if self.healthy:
+            if not self.healthy:
+                last = loop.time()  # renewals stopped on purpose: the next one is not late
+            else:
                 try:
                     await self._renew()
                 except ApiError as e:
@@ -393,8 +395,11 @@ class NodeController:
 
     async def _status_loop(self) -> None:
         while True:
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives just
+            # as the awaited call completes, and the loop would then never stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.status_interval)
+                async with asyncio.timeout(self.settings.status_interval):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self._patch_status(self.desired()["status"])
@@ -410,7 +415,8 @@ class NodeController:
         assert isinstance(self._provider, NodeProvider)
         while True:
             try:
-                await asyncio.wait_for(self._provider.ping(), self.settings.ping_timeout)
+                async with asyncio.timeout(self.settings.ping_timeout):  # not wait_for: see above
+                    await self._provider.ping()
             except Exception as e:
                 if self.healthy:
                     log.warning(

@@ -154,8 +154,11 @@ class ObjectCache:
             backoff = min(backoff * 2, 30.0)
 
     def _store(self, ref: Ref, entry: _Entry, obj: dict[str, Any] | None) -> None:
-        first = not entry.loaded.is_set() or entry.error is not None
-        changed = entry.obj is None or obj is None or _data(entry.obj) != _data(obj)
+        first = not entry.loaded.is_set()
+        # Readable again after an error: the pods that failed to read it must hear of it now,
+        # not at their next back-off retry (which may be minutes away).
+        recovered = entry.error is not None
+        changed = recovered or entry.obj is None or obj is None or _data(entry.obj) != _data(obj)
         entry.obj = obj
         entry.error = None
         entry.loaded.set()

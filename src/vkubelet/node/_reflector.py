@@ -137,7 +137,11 @@ class Reflector(Generic[T]):
             page = await self._client.request_raw("GET", self._path, params=params)
             decoded = _list_decoder.decode(page)
             for item in decoded.items:
-                obj = self._prepare(self._decode(item))
+                try:
+                    obj = self._prepare(self._decode(item))
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    log.error("%s: skipping an object that cannot be decoded: %s", self.name, e)
+                    continue
                 seen[key_of(obj)] = obj
             version = decoded.metadata.resourceVersion
             if not decoded.metadata.continue_:
@@ -173,7 +177,13 @@ class Reflector(Generic[T]):
                 continue
             if kind == "ERROR":
                 raise status_error(raw)
-            obj = self._prepare(self._decode(raw))
+            try:
+                obj = self._prepare(self._decode(raw))
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                # Never crash on one bad object; relist so that nothing after it is missed.
+                log.error("%s: undecodable watch event (%s); relisting", self.name, e)
+                self.resource_version = None
+                return
             key = key_of(obj)
             if kind == "DELETED":
                 self.items.pop(key, None)

@@ -68,10 +68,19 @@ class ServiceCache:
         )
         self._task: asyncio.Task[None] | None = None
 
-    async def ready(self) -> None:
+    async def ready(self, wait: float = 2.0) -> None:
+        """Wait (a little) for the first list; ResolutionFailed if Services cannot be read."""
         if self._task is None:
             self._task = asyncio.create_task(self._reflector.run(), name="services reflector")
-        await self._reflector.synced.wait()
+        try:
+            async with asyncio.timeout(wait):
+                await self._reflector.synced.wait()
+        except TimeoutError:
+            # What the kubelet says; the pod is retried, and no worker waits forever.
+            raise ResolutionFailed(
+                "CreateContainerConfigError",
+                "services have not yet been read at least once, cannot construct envvars",
+            ) from None
 
     def in_namespace(self, namespace: str) -> list[JSON]:
         prefix = f"{namespace}/"

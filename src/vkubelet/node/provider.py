@@ -28,6 +28,7 @@ __all__ = [
     "ContainerLogOptions",
     "ContainerLogs",
     "Node",
+    "NodeConfigurer",
     "NodeProvider",
     "NodeStatusNotifier",
     "Pod",
@@ -111,10 +112,15 @@ class PodNotifier(Protocol):
 
 @runtime_checkable
 class NodeProvider(Protocol):
-    """Optional: the backend's health, and the node it presents."""
+    """Optional: the backend's health."""
 
     async def ping(self) -> None:
         """Raise if the backend is unhealthy; the node then goes NotReady."""
+
+
+@runtime_checkable
+class NodeConfigurer(Protocol):
+    """Optional: the node the backend presents."""
 
     def configure_node(self, node: Node) -> None:
         """Set capacity, allocatable, labels, taints, addresses, nodeInfo before registration."""

@@ -23,7 +23,8 @@ from vkubelet.node.capabilities import (
     StatsProvider,
     TerminalSize,
 )
-from vkubelet.providers.mock import MockConfig, MockProvider, _go_float
+from vkubelet.providers.mock import MockConfig, MockProvider
+from vkubelet.providers.mock._stats import _go_float
 
 from ..kubelet.harness import start_echo_server
 from .helpers import NS, POD, UID, Connection, Input, make_tar, read_tar, resolved, stdio

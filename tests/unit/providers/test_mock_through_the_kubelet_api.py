@@ -228,4 +228,7 @@ async def test_kubectl_logs_follow_streams_ticks(node: Served) -> None:
     assert received == b"mock: 1 lines\nmock: tick 1\nmock: tick 2\n"
     await client.close()
     previous = await fetch(node.port, node.context, f"/containerLogs/{NS}/{POD}/app?previous=1")
-    assert previous.status == 404
+    assert (previous.status, previous.text) == (
+        400,
+        f'previous terminated container "app" in pod "{POD}" not found',
+    )

@@ -1,0 +1,401 @@
+"""The mock provider itself: pod lifecycle, node configuration, status, persistence, and the
+entry points of the capabilities, which the sibling modules implement.
+
+All state changes happen on the event loop, so concurrent calls for different pods cannot race
+(the reference mock's map has no lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import random
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from lightkube.models.core_v1 import PodStatus
+from lightkube.resources.core_v1 import Node, Pod
+
+from ...node import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
+from ...node.capabilities import AttachIO, ByteStream
+from ._config import MockConfig
+from ._fs import Filesystem, container_filesystem, mount_volumes
+from ._records import MockContainer, MockPod, containers_of, files_of, now
+from ._shell import environment, run_command
+from ._stats import NodeStats
+from ._streams import attach, forward, log_lines
+
+PRINT_ENV_ANNOTATION = "mock.vkubelet.io/print-env"
+# Makes create_pod fail with this reason: lets tests prove how rejected pods are reported.
+FAIL_ANNOTATION = "mock.vkubelet.io/fail"
+
+
+class _State(msgspec.Struct):
+    """What the state file holds."""
+
+    creates: int
+    pods: list[MockPod]
+
+
+class MockProvider:
+    """Implements the pod lifecycle, push notifications, node configuration and every optional
+    capability: logs, exec, attach, port-forward, stats and resource metrics."""
+
+    def __init__(self, node_name: str, config: MockConfig, *, host_ip: str = "127.0.0.1") -> None:
+        self.node_name = node_name
+        self.config = config
+        self.host_ip = host_ip
+        self._pods: dict[str, MockPod] = {}
+        self._notify: Callable[[Pod], None] | None = None
+        self._network = ipaddress.ip_network(config.pod_cidr)
+        self._next_ip = 0
+        self._ips: dict[str, str] = {}  # uid -> reserved IP
+        self._starting: dict[str, asyncio.Task[None]] = {}
+        self._stops: dict[str, asyncio.Event] = {}  # uid -> set when the pod stops
+        self._random = random.Random(node_name)  # noqa: S311 - deterministic fake failures
+        self._filesystems: dict[str, dict[str, Filesystem]] = {}  # uid -> container -> files
+        self._stats = NodeStats(node_name, config.memory)
+        # How often `logs -f` and an attach without stdin print a line; tests shorten it.
+        self.tick_seconds = 1.0
+        self.creates = 0
+        self._save_pending = False
+        self._load_state()
+
+    # -- persistence (optional) -------------------------------------------------------------------
+    def _load_state(self) -> None:
+        path = self.config.state_file
+        if path is None or not path.exists():
+            return
+        state = msgspec.json.decode(path.read_bytes(), type=_State)
+        self.creates = state.creates
+        for pod in state.pods:
+            self._pods[f"{pod.namespace}/{pod.name}"] = pod
+            self._ips[pod.uid] = pod.ip
+
+    def _save_state(self) -> None:
+        """Write the state file soon; many changes in a burst cost one write."""
+        if self.config.state_file is None or self._save_pending:
+            return
+        self._save_pending = True
+        asyncio.get_running_loop().call_later(0.1, self._write_state)
+
+    def _write_state(self) -> None:
+        self._save_pending = False
+        path = self.config.state_file
+        assert path is not None
+        tmp = path.with_suffix(".tmp")
+        state = _State(self.creates, list(self._pods.values()))
+        # The fake backend's disk holds secret-derived env and files: owner-only, like a kubelet's.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.encode(state))
+        tmp.replace(path)
+
+    # -- node -------------------------------------------------------------------------------------
+    def configure_node(self, node: Node) -> None:
+        capacity = {"cpu": self.config.cpu, "memory": self.config.memory, "pods": self.config.pods}
+        capacity.update(self.config.others)
+        assert node.status is not None and node.spec is not None
+        node.status.capacity = dict(capacity)
+        node.status.allocatable = dict(capacity)
+        if self.config.provider_id:
+            node.spec.providerID = self.config.provider_id
+
+    async def ping(self) -> None:
+        fail = self.config.ping_fail_file
+        if fail is not None and fail.exists():
+            raise RuntimeError(f"mock backend unhealthy ({fail} exists)")
+
+    # -- network ----------------------------------------------------------------------------------
+    async def pod_ips(self, pod: Pod) -> list[str]:
+        """Reserve the pod's IP before it starts, so `status.podIP` env vars can be resolved."""
+        uid = str(pod.metadata.uid)  # type: ignore[union-attr]
+        if uid not in self._ips:
+            self._next_ip += 1
+            self._ips[uid] = str(self._network[self._next_ip % self._network.num_addresses])
+        return [self._ips[uid]]
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def create_pod(self, resolved: ResolvedPod) -> None:
+        pod = resolved.pod
+        annotations = pod.metadata.annotations or {}  # type: ignore[union-attr]
+        if FAIL_ANNOTATION in annotations:
+            raise ProviderError(
+                annotations[FAIL_ANNOTATION], f"rejected because of {FAIL_ANNOTATION}"
+            )
+        if self.config.failure_ratio and self._random.random() < self.config.failure_ratio:
+            raise ProviderError("MockFailure", "the mock provider failed this pod on purpose")
+        key = f"{resolved.namespace}/{resolved.name}"
+        mock = MockPod(
+            namespace=resolved.namespace,
+            name=resolved.name,
+            uid=resolved.uid,
+            node=self.node_name,
+            ip=(await self.pod_ips(pod))[0],
+            containers=containers_of(pod),
+            created=now(),
+            print_env=annotations.get(PRINT_ENV_ANNOTATION) == "true",
+            files=files_of(resolved),
+        )
+        self._pods[key] = mock
+        self.creates += 1
+        if self.config.start_delay:
+            self._report(mock)  # Pending first
+            self._starting[key] = asyncio.create_task(self._start_later(key, mock))
+        else:
+            mock.started = now()
+            self._report(mock)
+            self._save_state()
+
+    async def _start_later(self, key: str, mock: MockPod) -> None:
+        await asyncio.sleep(self.config.start_delay)
+        self._starting.pop(key, None)
+        if self._pods.get(key) is mock and mock.stopped is None:
+            mock.started = now()
+            self._report(mock)
+            self._save_state()
+
+    async def update_pod(self, resolved: ResolvedPod) -> None:
+        key = f"{resolved.namespace}/{resolved.name}"
+        mock = self._pods.get(key)
+        if mock is None or mock.uid != resolved.uid:
+            raise ProviderError("NotFound", f"mock provider does not run {key}", permanent=False)
+        mock.containers = containers_of(resolved.pod)
+        mock.files = files_of(resolved)
+        mock.updates += 1
+        for container in mock.containers:  # the kubelet updates mounted volumes in place too
+            fs = self._filesystems.get(mock.uid, {}).get(container.name)
+            if fs is not None:
+                mount_volumes(fs, mock, container, refresh=True)
+        self._save_state()
+
+    async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        key = f"{pod.metadata.namespace}/{pod.metadata.name}"  # type: ignore[union-attr]
+        mock = self._pods.get(key)
+        if mock is None or mock.uid != pod.metadata.uid:  # type: ignore[union-attr]
+            return
+        task = self._starting.pop(key, None)
+        if task:
+            task.cancel()
+        self._stats.retire(mock)
+        mock.stopped = now()
+        self._stop_event(mock.uid).set()
+        self._stops.pop(mock.uid, None)
+        self._filesystems.pop(mock.uid, None)
+        self._report(mock)
+        del self._pods[key]
+        self._ips.pop(mock.uid, None)
+        self._save_state()
+
+    async def get_pod(self, namespace: str, name: str) -> Pod | None:
+        mock = self._pods.get(f"{namespace}/{name}")
+        return None if mock is None else self._to_pod(mock)
+
+    async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
+        pod = await self.get_pod(namespace, name)
+        return None if pod is None else pod.status
+
+    async def list_pods(self) -> list[Pod]:
+        return [self._to_pod(m) for m in self._pods.values()]
+
+    def _stop_event(self, uid: str) -> asyncio.Event:
+        return self._stops.setdefault(uid, asyncio.Event())
+
+    def notify_pods(self, callback: Callable[[Pod], None]) -> None:
+        self._notify = callback
+
+    def _report(self, mock: MockPod) -> None:
+        if self._notify is not None:
+            self._notify(self._to_pod(mock))
+
+    # -- views ------------------------------------------------------------------------------------
+    def _to_pod(self, mock: MockPod) -> Pod:
+        return msgspec.convert(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"namespace": mock.namespace, "name": mock.name, "uid": mock.uid},
+                "spec": {
+                    "nodeName": mock.node,
+                    "containers": [
+                        {"name": c.name, "image": c.image} for c in mock.containers if not c.init
+                    ],
+                },
+                "status": _status(mock, self.host_ip),
+            },
+            Pod,
+        )
+
+    # -- logs, exec, attach, port-forward -------------------------------------------------------
+    def _pod(self, namespace: str, pod: str) -> MockPod:
+        mock = self._pods.get(f"{namespace}/{pod}")
+        if mock is None:
+            raise ProviderError("NotFound", f"pod {namespace}/{pod} is not running here")
+        return mock
+
+    def _running_pod(self, namespace: str, pod: str) -> MockPod:
+        mock = self._pod(namespace, pod)
+        if not mock.running:
+            raise ProviderError("NotFound", f"pod {namespace}/{pod} is not running")
+        return mock
+
+    def _running_container(
+        self, namespace: str, pod: str, container: str
+    ) -> tuple[MockPod, MockContainer]:
+        mock = self._running_pod(namespace, pod)
+        found = mock.container(container)
+        if found.init:
+            raise ProviderError(
+                "NotFound", f"container {container} of {namespace}/{pod} has completed"
+            )
+        return mock, found
+
+    def _filesystem(self, mock: MockPod, container: MockContainer) -> Filesystem:
+        per_pod = self._filesystems.setdefault(mock.uid, {})
+        fs = per_pod.get(container.name)
+        if fs is None:
+            fs = per_pod[container.name] = container_filesystem(mock, container)
+        return fs
+
+    async def container_logs(
+        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
+    ) -> AsyncIterator[bytes]:
+        """A few lines the container "printed" when it started (with the print-env annotation,
+        its env too); `logs -f` then prints `mock: tick N` every `tick_seconds` until the pod
+        stops."""
+        mock = self._pod(namespace, pod)
+        found = mock.container(container)
+        if options.previous:  # mock containers never restart
+            raise ProviderError(
+                "NotFound", f'previous terminated container "{container}" in pod "{pod}" not found'
+            )
+        stopped = self._stop_event(mock.uid) if options.follow and mock.stopped is None else None
+        remaining = options.limit_bytes
+        lines = log_lines(mock, found, options, stopped, self.tick_seconds)
+        async with contextlib.aclosing(lines):
+            async for line in lines:
+                if remaining is not None:
+                    line = line[:remaining]
+                    remaining -= len(line)
+                yield line
+                if remaining == 0:
+                    return
+
+    async def exec_in_container(
+        self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
+    ) -> int:
+        """Run one of the built-in commands against the container's in-memory filesystem:
+
+        `true`, `false`, `exit N`, `echo [-n]`, `env`, `printenv`, `cat`, `ls`, `hostname`,
+        `whoami`, `pwd`, `cd`, `sleep`, `test`/`[`, `mkdir`, `rm`, `head`, `tail`, `wc`,
+        `stty size`, `tar` (c/x/t with f, C, z: what `kubectl cp` runs) and `sh`/`bash`: with
+        `-c SCRIPT` or interactively, understanding quotes, `$VAR`, `$?`, `|`, `;`, `&&`, `||`
+        and `<`, `>`, `>>`, `2>`, `2>&1`, `>&2`. Pipelines run one stage after the other.
+        Anything else exits 127 with `mock: NAME: command not found`. With a TTY, ^C ends the
+        command with 130; it is killed (137) if the pod stops.
+        """
+        mock, found = self._running_container(namespace, pod, container)
+        fs = self._filesystem(mock, found)
+        env = environment(mock, found)
+        return await run_command(fs, env, mock.name, command, io, self._stop_event(mock.uid))
+
+    async def attach_to_container(
+        self, namespace: str, pod: str, container: str, io: AttachIO
+    ) -> None:
+        """The container's main process echoes each line of stdin upper-cased, until stdin
+        ends (or ^C with a TTY); without stdin it prints a line every `tick_seconds`."""
+        mock, _ = self._running_container(namespace, pod, container)
+        await attach(container, io, self._stop_event(mock.uid), self.tick_seconds)
+
+    async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
+        """Connect to `port` on 127.0.0.1 (the mock's pods "are" this machine; a real backend
+        would dial the pod's own address) and copy both ways."""
+        self._running_pod(namespace, pod)
+        await forward(port, stream, f"{namespace}/{pod}")
+
+    # -- stats and metrics ----------------------------------------------------------------------
+    async def stats_summary(self) -> dict[str, Any]:
+        """A `stats/v1alpha1` Summary of deterministic, plausible usage (see `_stats`)."""
+        return self._stats.summary(self._pods.values())
+
+    async def metrics_resource(self) -> str:
+        """The kubelet's `/metrics/resource` (v1.37): the summary's numbers as Prometheus text."""
+        return self._stats.resource_metrics(self._pods.values())
+
+
+def _terminated(started: str, finished: str) -> dict[str, Any]:
+    return {
+        "terminated": {
+            "exitCode": 0,
+            "reason": "Completed",
+            "startedAt": started,
+            "finishedAt": finished,
+        }
+    }
+
+
+def _status(mock: MockPod, host_ip: str) -> dict[str, Any]:
+    running = mock.running
+    if mock.stopped is not None:
+        phase = "Succeeded"
+    elif running:
+        phase = "Running"
+    else:
+        phase = "Pending"
+    since = mock.started or mock.created
+
+    def state(c: MockContainer) -> dict[str, Any]:
+        if mock.stopped is not None and not c.init:
+            return _terminated(since, mock.stopped)
+        if c.init and mock.started is not None:
+            return _terminated(mock.created, mock.started)
+        if running:
+            return {"running": {"startedAt": mock.started}}
+        return {"waiting": {"reason": "ContainerCreating"}}
+
+    def status_of(c: MockContainer) -> dict[str, Any]:
+        return {
+            "name": c.name,
+            "image": c.image,
+            "imageID": f"mock://{c.image}",
+            "containerID": f"mock://{mock.uid}/{c.name}",
+            "ready": running and not c.init,
+            "started": running and not c.init,
+            "restartCount": 0,
+            "state": state(c),
+        }
+
+    ready = "True" if running else "False"
+    conditions = [
+        {"type": "PodReadyToStartContainers", "status": "True", "lastTransitionTime": mock.created},
+        {
+            "type": "Initialized",
+            "status": "True" if mock.started else "False",
+            "lastTransitionTime": since,
+        },
+        {"type": "ContainersReady", "status": ready, "lastTransitionTime": since},
+        {"type": "Ready", "status": ready, "lastTransitionTime": since},
+    ]
+    status: dict[str, Any] = {
+        "phase": phase,
+        "hostIP": host_ip,
+        "hostIPs": [{"ip": host_ip}],
+        "podIP": mock.ip,
+        "podIPs": [{"ip": mock.ip}],
+        "startTime": mock.created,
+        "conditions": conditions,
+        "containerStatuses": [status_of(c) for c in mock.containers if not c.init],
+    }
+    inits = [status_of(c) for c in mock.containers if c.init]
+    if inits:
+        status["initContainerStatuses"] = inits
+    return status
+
+
+def create(context: ProviderContext) -> MockProvider:
+    """Entry point (`vkubelet.providers`: mock)."""
+    config = MockConfig.load(context.config_path, context.node_name)
+    return MockProvider(context.node_name, config, host_ip=context.internal_ip)

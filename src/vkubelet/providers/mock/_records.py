@@ -1,0 +1,94 @@
+"""What the fake backend remembers of a pod, and the time stamps it writes.
+
+A mock pod keeps only what it needs (names, images, env, mounted files, times), so the mock
+itself is cheap enough not to distort memory figures in benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from lightkube.models.core_v1 import Container
+from lightkube.resources.core_v1 import Pod
+
+from ...node import ProviderError, ResolvedPod
+from ...node.resolve import FilesVolume
+
+
+def format_time(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp)
+
+
+def now() -> str:
+    return format_time(datetime.now(UTC))
+
+
+@dataclass(slots=True)
+class MockContainer:
+    name: str
+    image: str
+    env: list[tuple[str, str]]
+    init: bool = False
+    mounts: list[tuple[str, str, str]] = field(default_factory=list)  # (volume, path, subPath)
+
+    @classmethod
+    def of(cls, c: Container, *, init: bool) -> MockContainer:
+        return cls(
+            c.name,
+            c.image or "",
+            [(e.name, e.value or "") for e in c.env or []],
+            init=init,
+            mounts=[(m.name, m.mountPath, m.subPath or "") for m in c.volumeMounts or []],
+        )
+
+
+@dataclass(slots=True)
+class MockPod:
+    """The little a fake backend must remember about a pod."""
+
+    namespace: str
+    name: str
+    uid: str
+    node: str
+    ip: str
+    containers: list[MockContainer]
+    created: str
+    print_env: bool = False
+    files: dict[str, str] = field(default_factory=dict)  # "volume/path" -> text, as mounted
+    started: str | None = None
+    stopped: str | None = None
+    updates: int = 0
+
+    @property
+    def running(self) -> bool:
+        return self.started is not None and self.stopped is None
+
+    def container(self, name: str) -> MockContainer:
+        """The container called `name` (init containers included), or ProviderError NotFound."""
+        for container in self.containers:
+            if container.name == name:
+                return container
+        raise ProviderError("NotFound", f"pod {self.namespace}/{self.name} has no container {name}")
+
+
+def containers_of(pod: Pod) -> list[MockContainer]:
+    spec = pod.spec
+    assert spec is not None
+    result = [MockContainer.of(c, init=True) for c in spec.initContainers or []]
+    result += [MockContainer.of(c, init=False) for c in spec.containers]
+    return result
+
+
+def files_of(resolved: ResolvedPod) -> dict[str, str]:
+    """The resolved pod's volume files, keyed "volume/path"."""
+    return {
+        f"{name}/{path}": content.data.decode(errors="replace")
+        for name, volume in resolved.volumes.items()
+        if isinstance(volume, FilesVolume)
+        for path, content in volume.files.items()
+    }

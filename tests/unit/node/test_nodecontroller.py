@@ -1,0 +1,354 @@
+"""The node controller against the fake apiserver: registration of the Node and its Lease,
+co-existence with other actors' labels, taints and conditions, health-driven lease renewals and
+re-registration of a deleted Node. Also the agent serving several nodes in one process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+import pytest
+from lightkube.resources.core_v1 import Node
+
+from vkubelet.agent import Agent
+from vkubelet.node import AgentConfig, NodeSettings, NodeSpec
+from vkubelet.node._nodecontroller import LEASE_NAMESPACE, NodeController
+from vkubelet.providers.mock import MockConfig, MockProvider
+
+from .fakeapi import JSON, FakeApiServer
+from .helpers import NODE, NS, always, cancel_and_wait, eventually, phase_of, pod
+
+
+def settings(**overrides: object) -> NodeSettings:
+    values: dict[str, object] = {
+        "name": NODE,
+        "provider": "mock",
+        "renew_interval": 0.05,
+        "status_interval": 0.2,
+        "ping_interval": 0.02,
+        "ping_timeout": 0.2,
+    }
+    values.update(overrides)
+    return NodeSettings(**values)  # type: ignore[arg-type]
+
+
+class NodeHarness:
+    def __init__(self, api: FakeApiServer, node_settings: NodeSettings, provider: object) -> None:
+        self.client = api.client()
+        self.controller = NodeController(self.client, node_settings, provider)
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> NodeController:
+        self._task = asyncio.create_task(self.controller.run())
+        await asyncio.wait_for(self.controller.registered.wait(), 5)
+        return self.controller
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._task is not None
+        crashed = self._task.done() and not self._task.cancelled()
+        await cancel_and_wait(self._task)
+        await self.client.aclose()
+        if crashed and exc is None:
+            self._task.result()
+
+
+@pytest.fixture
+def api() -> FakeApiServer:
+    return FakeApiServer()
+
+
+def node_of(api: FakeApiServer, name: str = NODE) -> JSON:
+    found = api.get("nodes", name)
+    assert found is not None, f"node {name} does not exist"
+    return found
+
+
+def lease_of(api: FakeApiServer, name: str = NODE) -> JSON | None:
+    return api.get("leases", name, LEASE_NAMESPACE)
+
+
+def conditions(api: FakeApiServer, name: str = NODE) -> dict[str, JSON]:
+    return {c["type"]: c for c in node_of(api, name)["status"].get("conditions") or []}
+
+
+def taint_ids(api: FakeApiServer) -> set[str]:
+    return {
+        f"{t['key']}={t.get('value', '')}:{t['effect']}" for t in node_of(api)["spec"]["taints"]
+    }
+
+
+def renewals(api: FakeApiServer, name: str = NODE) -> int:
+    return len(api.calls_to("PATCH", f"/namespaces/{LEASE_NAMESPACE}/leases/{name}$"))
+
+
+async def test_registration_creates_the_node_and_its_lease(api: FakeApiServer) -> None:
+    mock = MockProvider(NODE, MockConfig(cpu="8", memory="32Gi", pods="500", others={"gpu": "1"}))
+    async with NodeHarness(api, settings(kubelet_port=10555), mock) as controller:
+        node = node_of(api)
+        labels = node["metadata"]["labels"]
+        assert labels["type"] == "virtual-kubelet"
+        assert labels["kubernetes.io/role"] == "agent"
+        assert labels["kubernetes.io/hostname"] == NODE
+        assert labels["kubernetes.io/os"] == "linux"
+        assert labels["kubernetes.io/arch"] == "amd64"
+        assert node["spec"]["taints"] == [
+            {"key": "virtual-kubelet.io/provider", "value": "mock", "effect": "NoSchedule"}
+        ]
+        status = node["status"]
+        assert status["capacity"] == {"cpu": "8", "memory": "32Gi", "pods": "500", "gpu": "1"}
+        assert status["allocatable"] == status["capacity"]
+        assert status["daemonEndpoints"]["kubeletEndpoint"]["Port"] == 10555
+        assert status["addresses"] == [{"type": "InternalIP", "address": "127.0.0.1"}]
+        assert status["nodeInfo"]["kubeletVersion"]
+        ready = conditions(api)["Ready"]
+        assert (ready["status"], ready["reason"]) == ("True", "KubeletReady")
+        assert {"MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable"} <= set(
+            conditions(api)
+        )
+        assert controller.uid == node["metadata"]["uid"]
+
+        lease = lease_of(api)
+        assert lease is not None
+        assert lease["spec"]["holderIdentity"] == NODE
+        assert lease["spec"]["leaseDurationSeconds"] == 40
+        assert lease["spec"]["renewTime"]
+        [owner] = lease["metadata"]["ownerReferences"]
+        assert owner == {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": controller.uid}
+
+        await eventually(lambda: renewals(api) >= 3, what="lease renewals")
+        assert controller.late_renewals == 0
+
+
+async def test_the_taint_can_be_replaced_or_removed(api: FakeApiServer) -> None:
+    taint = {"key": "example.com/virtual", "effect": "NoExecute"}
+    async with NodeHarness(api, settings(taints=[taint]), MockProvider(NODE, MockConfig())):
+        assert node_of(api)["spec"]["taints"] == [taint]
+    async with NodeHarness(api, settings(taints=[]), MockProvider(NODE, MockConfig())):
+        assert node_of(api)["spec"].get("taints") in (None, [])
+
+
+async def test_others_labels_taints_and_conditions_survive_a_restart(api: FakeApiServer) -> None:
+    first = settings(labels={"zone": "a", "pool": "blue"})
+    async with NodeHarness(api, first, MockProvider(NODE, MockConfig())):
+        pass
+    # Meanwhile an admin and the control plane edit the node.
+    node = node_of(api)
+    api.patch(
+        "nodes",
+        NODE,
+        {
+            "metadata": {"labels": {"team": "payments"}, "annotations": {"note": "keep me"}},
+            "spec": {
+                "taints": [
+                    *node["spec"]["taints"],
+                    {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"},
+                    {"key": "example.com/dedicated", "value": "ml", "effect": "NoSchedule"},
+                ]
+            },
+        },
+    )
+    api.patch(
+        "nodes",
+        NODE,
+        {"status": {"conditions": [{"type": "ExternalCheck", "status": "True"}]}},
+        strategic=True,
+        subresource="status",
+    )
+    second = settings(
+        labels={"zone": "b"}, taints=[{"key": "example.com/virtual", "effect": "NoSchedule"}]
+    )
+    async with NodeHarness(api, second, MockProvider(NODE, MockConfig())):
+        await asyncio.sleep(0.3)  # a status update or two
+        labels = node_of(api)["metadata"]["labels"]
+        assert labels["team"] == "payments", "someone else's label"
+        assert labels["zone"] == "b", "ours, changed"
+        assert "pool" not in labels, "ours, no longer wanted"
+        assert node_of(api)["metadata"]["annotations"]["note"] == "keep me"
+        assert taint_ids(api) == {
+            "node.kubernetes.io/unreachable=:NoExecute",
+            "example.com/dedicated=ml:NoSchedule",
+            "example.com/virtual=:NoSchedule",
+        }
+        assert conditions(api)["ExternalCheck"]["status"] == "True"
+        assert conditions(api)["Ready"]["status"] == "True"
+
+
+async def test_taking_over_a_node_retries_on_a_conflicting_write(api: FakeApiServer) -> None:
+    async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())):
+        pass
+    client = api.client()
+    controller = NodeController(
+        client, settings(labels={"zone": "c"}), MockProvider(NODE, MockConfig())
+    )
+    original = client.get
+
+    async def get_then_race(path: str, params: object = None) -> JSON:
+        result = await original(path)
+        if path.endswith(f"/nodes/{NODE}") and "raced" not in result["metadata"].get("labels", {}):
+            api.patch("nodes", NODE, {"metadata": {"labels": {"raced": "yes"}}})
+        return result
+
+    client.get = get_then_race  # type: ignore[method-assign]
+    try:
+        await controller.register()
+    finally:
+        await client.aclose()
+    labels = node_of(api)["metadata"]["labels"]
+    assert labels["zone"] == "c" and labels["raced"] == "yes"
+
+
+async def test_status_is_updated_periodically(api: FakeApiServer) -> None:
+    async with NodeHarness(api, settings(status_interval=0.05), MockProvider(NODE, MockConfig())):
+        before = len(api.calls_to("PATCH", f"/nodes/{NODE}/status$"))
+        await eventually(lambda: len(api.calls_to("PATCH", f"/nodes/{NODE}/status$")) >= before + 3)
+
+
+class PushingNode:
+    """A node provider that pushes a capacity change."""
+
+    def __init__(self) -> None:
+        self.cpu = "4"
+        self.callback: Callable[[Node], None] | None = None
+
+    async def ping(self) -> None:
+        pass
+
+    def configure_node(self, node: Node) -> None:
+        assert node.status is not None
+        node.status.capacity = {"cpu": self.cpu, "memory": "8Gi", "pods": "110"}
+
+    def notify_node_status(self, callback: Callable[[Node], None]) -> None:
+        self.callback = callback
+
+
+async def test_a_node_status_push_is_written_at_once(api: FakeApiServer) -> None:
+    provider = PushingNode()
+    async with NodeHarness(api, settings(status_interval=60), provider) as controller:
+        assert node_of(api)["status"]["capacity"]["cpu"] == "4"
+        assert provider.callback is not None
+        provider.cpu = "16"
+        provider.callback(Node())
+        await eventually(lambda: node_of(api)["status"]["capacity"]["cpu"] == "16", within=2)
+        assert controller.allocatable["cpu"] == "16"
+
+
+async def test_a_failing_ping_stops_lease_renewals_until_it_recovers(
+    api: FakeApiServer, tmp_path: Path
+) -> None:
+    sick = tmp_path / "sick"
+    mock = MockProvider(NODE, MockConfig(ping_fail_file=sick))
+    async with NodeHarness(api, settings(), mock) as controller:
+        await eventually(lambda: renewals(api) >= 2)
+        sick.touch()
+        await eventually(lambda: conditions(api)["Ready"]["status"] == "False", what="NotReady")
+        assert conditions(api)["Ready"]["reason"] == "ProviderUnhealthy"
+        assert "unhealthy" in conditions(api)["Ready"]["message"]
+        stopped_at = renewals(api)
+        lease = lease_of(api)
+        assert lease is not None
+        await always(lambda: renewals(api) <= stopped_at + 1, duration=0.4, what="no renewals")
+        sick.unlink()
+        await eventually(lambda: conditions(api)["Ready"]["status"] == "True", what="Ready again")
+        await eventually(lambda: renewals(api) >= stopped_at + 3, what="renewals again")
+        assert controller.healthy
+
+
+async def test_a_deleted_node_is_registered_again(api: FakeApiServer) -> None:
+    async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())) as controller:
+        old_uid = node_of(api)["metadata"]["uid"]
+        api.delete("nodes", NODE)
+        api.collect_garbage()  # the Lease, owned by the Node, goes with it
+        assert lease_of(api) is None
+
+        def registered_again() -> bool:
+            node = api.get("nodes", NODE)
+            lease = lease_of(api)
+            return (
+                node is not None
+                and node["metadata"]["uid"] != old_uid
+                and lease is not None
+                and lease["metadata"]["ownerReferences"][0]["uid"] == node["metadata"]["uid"]
+            )
+
+        await eventually(registered_again, within=3, what="the node and lease to be back")
+        assert controller.uid == node_of(api)["metadata"]["uid"]
+        assert conditions(api)["Ready"]["status"] == "True"
+        assert node_of(api)["metadata"]["labels"]["type"] == "virtual-kubelet"
+
+
+async def test_registration_waits_for_an_unreachable_apiserver(api: FakeApiServer) -> None:
+    client = api.client()
+    controller = NodeController(client, settings(), MockProvider(NODE, MockConfig()))
+    with api.down():
+        task = asyncio.create_task(controller.run())
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        assert not controller.registered.is_set()
+    try:
+        await asyncio.wait_for(controller.registered.wait(), 5)
+        assert lease_of(api) is not None
+        with api.down():  # a later outage is survived too
+            await asyncio.sleep(0.2)
+        before = renewals(api)
+        await eventually(lambda: renewals(api) > before)
+        assert not task.done()
+    finally:
+        await cancel_and_wait(task)
+        await client.aclose()
+
+
+async def test_one_agent_serves_several_nodes(api: FakeApiServer) -> None:
+    nodes = [
+        NodeSpec(settings(name="vk-a", labels={"zone": "a"})),
+        NodeSpec(settings(name="vk-b", taints=[])),
+    ]
+    agent = Agent(AgentConfig(nodes=nodes, workers=4, kubelet_api=False), client=api.client())
+    task = asyncio.create_task(agent.run())
+    try:
+        await eventually(
+            lambda: lease_of(api, "vk-a") is not None and lease_of(api, "vk-b") is not None,
+            what="both nodes registered",
+        )
+        assert node_of(api, "vk-a")["metadata"]["labels"]["zone"] == "a"
+        assert node_of(api, "vk-b")["spec"].get("taints") in (None, [])
+        api.create("pods", pod("on-a", node="vk-a"))
+        api.create("pods", pod("on-b", node="vk-b"))
+        await eventually(lambda: phase_of(api, "on-a") == phase_of(api, "on-b") == "Running")
+        assert api.get("pods", "on-a", NS) is not None
+        assert not task.done()
+    finally:
+        await cancel_and_wait(task)
+
+
+class InstantPing:
+    """A healthy backend whose ping answers at once."""
+
+    async def ping(self) -> None:
+        pass
+
+    def configure_node(self, node: Node) -> None:
+        pass
+
+
+async def test_cancelling_the_node_controller_stops_it(api: FakeApiServer) -> None:
+    client = api.client()
+    try:
+        for _ in range(20):
+            controller = NodeController(client, settings(ping_interval=0.0), InstantPing())
+            task = asyncio.create_task(controller.run())
+            await asyncio.wait_for(controller.registered.wait(), 5)
+            await asyncio.sleep(0.01)
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=1.0)
+            if not done:
+                await cancel_and_wait(task)
+            assert done, "the node controller ignored its cancellation"
+    finally:
+        await client.aclose()

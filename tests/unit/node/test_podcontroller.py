@@ -1,0 +1,723 @@
+"""The pod controller against the fake apiserver: pods bound to the node run in the provider and
+their status comes back; deletion is prompt; restarts adopt; referenced objects are followed;
+one bad pod never stops the others."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from lightkube.models.core_v1 import PodStatus
+from lightkube.resources.core_v1 import Pod
+
+from vkubelet.node import ContainerLogOptions, ProviderError
+from vkubelet.node.resolve import FilesVolume
+from vkubelet.providers.mock import PRINT_ENV_ANNOTATION, MockConfig, MockProvider
+
+from .fakeapi import JSON, FakeApiServer
+from .helpers import (
+    HOST_IP,
+    NODE,
+    NS,
+    PodHarness,
+    PollingProvider,
+    PushProvider,
+    always,
+    configmap,
+    event_reasons,
+    events_for,
+    eventually,
+    phase_of,
+    pod,
+    status_of,
+    status_patches,
+    terminated_status,
+)
+
+
+@pytest.fixture
+def api() -> FakeApiServer:
+    return FakeApiServer()
+
+
+@pytest.fixture
+def mock() -> MockProvider:
+    return MockProvider(NODE, MockConfig(), host_ip=HOST_IP)
+
+
+@pytest.fixture
+async def mock_node(api: FakeApiServer, mock: MockProvider) -> AsyncIterator[PodHarness]:
+    async with PodHarness(api, mock) as harness:
+        yield harness
+
+
+@pytest.fixture
+def push() -> PushProvider:
+    return PushProvider()
+
+
+@pytest.fixture
+async def push_node(api: FakeApiServer, push: PushProvider) -> AsyncIterator[PodHarness]:
+    async with PodHarness(api, push) as harness:
+        yield harness
+
+
+def uid_of(api: FakeApiServer, name: str) -> str:
+    found = api.get("pods", name, NS)
+    assert found is not None
+    return str(found["metadata"]["uid"])
+
+
+def running(api: FakeApiServer, name: str) -> bool:
+    return phase_of(api, name) == "Running"
+
+
+async def logs(mock: MockProvider, name: str, container: str = "app") -> list[str]:
+    lines = mock.container_logs(NS, name, container, ContainerLogOptions())
+    return [line.decode().rstrip("\n") async for line in lines]
+
+
+# -- creation and status --------------------------------------------------------------------------
+async def test_a_pod_bound_to_the_node_is_created_in_the_provider_and_reported_running(
+    api: FakeApiServer, mock: MockProvider, mock_node: PodHarness
+) -> None:
+    api.create("pods", pod("web"))
+    api.create("pods", pod("elsewhere", node="other-node"))
+    await eventually(lambda: running(api, "web"), what="web Running")
+    status = status_of(api, "web")
+    assert status["hostIP"] == HOST_IP
+    assert ipaddress.ip_address(status["podIP"]) in ipaddress.ip_network("10.244.0.0/16")
+    assert status["startTime"]
+    [container] = status["containerStatuses"]
+    assert container["name"] == "app" and container["ready"] is True
+    assert "running" in container["state"]
+    ready = {c["type"]: c["status"] for c in status["conditions"]}
+    assert ready["Ready"] == "True" and ready["ContainersReady"] == "True"
+    assert mock.creates == 1
+    assert phase_of(api, "elsewhere") == "Pending"
+    await eventually(lambda: "Created" in event_reasons(api, "web"), what="a Created event")
+    # the status patch carries the pod's UID as a precondition
+    patch = api.calls_to("PATCH", "/pods/web/status$")[-1]
+    assert patch.body["metadata"]["uid"] == uid_of(api, "web")
+
+
+async def test_env_is_resolved_before_the_provider_sees_the_pod(
+    api: FakeApiServer, mock: MockProvider, mock_node: PodHarness
+) -> None:
+    api.create("configmaps", configmap("settings", {"mode": "fast"}))
+    raw = pod(
+        "env",
+        containers=[
+            {
+                "name": "app",
+                "image": "registry.test/app:1",
+                "resources": {"limits": {"cpu": "2"}},
+                "env": [
+                    {
+                        "name": "MODE",
+                        "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}},
+                    },
+                    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    {"name": "NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {
+                        "name": "CPUS",
+                        "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}},
+                    },
+                    {"name": "GREETING", "value": "$(NAME) runs in $(MODE) mode"},
+                ],
+            }
+        ],
+    )
+    raw["metadata"]["annotations"] = {PRINT_ENV_ANNOTATION: "true"}
+    api.create("pods", raw)
+    await eventually(lambda: running(api, "env"))
+    env = dict(line.split("=", 1) for line in await logs(mock, "env") if "=" in line)
+    assert env["MODE"] == "fast"
+    assert env["NAME"] == "env"
+    assert env["CPUS"] == "2"
+    assert env["GREETING"] == "env runs in fast mode"
+    assert env["POD_IP"] == status_of(api, "env")["podIP"]  # the IP the pod actually got
+
+
+async def test_status_is_not_rewritten_when_nothing_changed(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("pods", pod("web"))
+    await eventually(lambda: running(api, "web"))
+    writes = status_patches(api, "web")
+    assert writes == 1
+    for _ in range(3):
+        push.report(f"{NS}/web")  # the provider says the same thing again
+    api.patch("pods", "web", {"metadata": {"labels": {"tier": "front"}}}, NS)  # a spec-side sync
+    await eventually(lambda: push.count("update") == 1)
+    await asyncio.sleep(0.2)
+    assert status_patches(api, "web") == writes
+
+
+async def test_a_status_change_is_written(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("pods", pod("web"))
+    await eventually(lambda: running(api, "web"))
+    running_pod = push.pods[f"{NS}/web"]
+    status = msgspec.to_builtins(running_pod.status)
+    status["containerStatuses"][0]["restartCount"] = 1
+    running_pod.status = msgspec.convert(status, PodStatus)
+    push.report(f"{NS}/web")
+    await eventually(lambda: status_of(api, "web")["containerStatuses"][0]["restartCount"] == 1)
+
+
+async def test_a_status_changed_by_someone_else_is_restored_at_the_next_report(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("pods", pod("web"))
+    await eventually(lambda: running(api, "web"))
+    # the node-lifecycle controller marks the pods of a NotReady node not ready
+    not_ready = {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    api.patch("pods", "web", not_ready, NS, strategic=True, subresource="status")
+    push.report(f"{NS}/web")  # the node is back; the provider says what it said before
+
+    def ready() -> str:
+        return str({c["type"]: c["status"] for c in status_of(api, "web")["conditions"]}["Ready"])
+
+    await eventually(lambda: ready() == "True", what="Ready restored")
+
+
+async def test_the_mock_start_delay_reports_pending_then_running(api: FakeApiServer) -> None:
+    mock = MockProvider(NODE, MockConfig(start_delay=0.3), host_ip=HOST_IP)
+    async with PodHarness(api, mock):
+        api.create("pods", pod("slow"))
+
+        def waiting() -> bool:
+            statuses = status_of(api, "slow").get("containerStatuses") or []
+            return bool(statuses) and "waiting" in statuses[0]["state"]
+
+        await eventually(waiting, what="ContainerCreating first")
+        assert phase_of(api, "slow") == "Pending"
+        await eventually(lambda: running(api, "slow"))
+
+
+async def test_a_polling_provider_gets_its_status_written(api: FakeApiServer) -> None:
+    provider = PollingProvider()
+    async with PodHarness(api, provider, poll=0.05):
+        api.create("pods", pod("web"))
+        await eventually(lambda: running(api, "web"), what="Running through polling")
+
+
+async def test_many_pods_start_without_a_throttle(
+    api: FakeApiServer, mock: MockProvider, mock_node: PodHarness
+) -> None:
+    for i in range(200):
+        api.create("pods", pod(f"p-{i}"))
+    await eventually(
+        lambda: all(running(api, f"p-{i}") for i in range(200)), within=10, what="200 pods"
+    )
+    assert mock.creates == 200
+
+
+# -- deletion -------------------------------------------------------------------------------------
+async def test_graceful_deletion_removes_the_pod_as_soon_as_its_containers_stopped(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("pods", pod("web", grace=30))
+    await eventually(lambda: running(api, "web"))
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    api.delete("pods", "web", NS)  # graceful: the API sets deletionTimestamp, grace 30 s
+    await eventually(lambda: api.get("pods", "web", NS) is None, what="the pod to be gone")
+    assert loop.time() - start < 2.0, "not after the 30 s grace period"
+    assert push.deleted_grace[f"{NS}/web"] == 30
+    assert f"{NS}/web" not in push.pods
+    final = api.calls_to("DELETE", "/pods/web$")[-1]
+    assert final.body["gracePeriodSeconds"] == 0
+    assert "Killing" in event_reasons(api, "web")
+
+
+async def test_graceful_deletion_with_the_mock_provider(
+    api: FakeApiServer, mock: MockProvider, mock_node: PodHarness
+) -> None:
+    api.create("pods", pod("web", grace=30))
+    await eventually(lambda: running(api, "web"))
+    api.delete("pods", "web", NS)
+    await eventually(lambda: api.get("pods", "web", NS) is None, within=2)
+    assert await mock.get_pod(NS, "web") is None
+
+
+class StopsOnRequest(PushProvider):
+    """Accepts delete_pod at once; the containers stop when the test says so."""
+
+    async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        key = f"{pod.metadata.namespace}/{pod.metadata.name}"  # type: ignore[union-attr]
+        self.calls.append(("delete", key))
+
+    def stop(self, key: str) -> None:
+        stopping = self.pods[key]
+        status = terminated_status(msgspec.to_builtins(stopping.status))
+        stopping.status = msgspec.convert(status, PodStatus)
+        self._report(stopping)
+
+
+async def test_a_terminating_pod_stays_while_its_containers_run(api: FakeApiServer) -> None:
+    provider = StopsOnRequest()
+    async with PodHarness(api, provider):
+        api.create("pods", pod("web", grace=30))
+        await eventually(lambda: running(api, "web"))
+        api.delete("pods", "web", NS)
+        await eventually(lambda: provider.count("delete") == 1)
+        await always(lambda: api.get("pods", "web", NS) is not None, duration=0.3)
+        provider.stop(f"{NS}/web")
+        await eventually(lambda: api.get("pods", "web", NS) is None)
+
+
+async def test_force_delete_stops_the_pod_in_the_provider(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("pods", pod("web", grace=30))
+    await eventually(lambda: running(api, "web"))
+    api.delete("pods", "web", NS, grace=0)  # the object is gone at once
+    await eventually(lambda: f"{NS}/web" not in push.pods, what="the provider to stop it")
+    assert push.deleted_grace[f"{NS}/web"] == 0
+
+
+async def test_a_pod_deleted_before_it_ever_ran_is_removed_at_once(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    raw = pod("stuck")
+    raw["spec"]["containers"][0]["env"] = [
+        {"name": "X", "valueFrom": {"configMapKeyRef": {"name": "absent", "key": "x"}}}
+    ]
+    api.create("pods", raw)
+    await eventually(lambda: "MandatoryConfigMapNotFound" in event_reasons(api, "stuck"))
+    api.delete("pods", "stuck", NS)
+    await eventually(lambda: api.get("pods", "stuck", NS) is None, within=2)
+    assert push.count("create") == 0
+
+
+# -- restarts -------------------------------------------------------------------------------------
+async def test_a_restarted_agent_adopts_running_pods_without_creating_them(
+    api: FakeApiServer, mock: MockProvider
+) -> None:
+    async with PodHarness(api, mock):
+        api.create("pods", pod("web"))
+        await eventually(lambda: running(api, "web"))
+    writes = status_patches(api, "web")
+    async with PodHarness(api, mock) as second:
+        await asyncio.sleep(0.3)
+        assert second.controller.creates == 0
+        assert second.controller.updates == 0
+        assert second.controller.deletes == 0
+    assert mock.creates == 1
+    assert running(api, "web")
+    assert status_patches(api, "web") == writes, "an unchanged status is not written again"
+
+
+async def test_a_restart_with_a_fresh_provider_process_adopts_by_uid(api: FakeApiServer) -> None:
+    web = api.create("pods", pod("web"))
+    provider = PushProvider()  # the backend kept running the pod while the agent was down
+    provider.add_running(pod("web"), uid=web["metadata"]["uid"])
+    async with PodHarness(api, provider):
+        await eventually(lambda: running(api, "web"), what="the status of the running pod")
+        await asyncio.sleep(0.2)
+    assert provider.count("create") == 0
+    assert provider.count("delete") == 0
+    assert provider.count("update") == 0
+
+
+async def test_provider_pods_unknown_to_the_api_are_deleted_only_if_provably_ours(
+    api: FakeApiServer,
+) -> None:
+    provider = PushProvider()
+    provider.add_running(pod("orphan"), uid="uid-orphan")  # ours, the API has no such pod
+    provider.add_running(pod("foreign", node="other-node"), uid="uid-foreign", node="other-node")
+    async with PodHarness(api, provider):
+        await eventually(lambda: f"{NS}/orphan" not in provider.pods)
+        await asyncio.sleep(0.1)
+    assert f"{NS}/foreign" in provider.pods
+    assert provider.count("delete", f"{NS}/foreign") == 0
+    assert provider.deleted_grace[f"{NS}/orphan"] == 0
+
+
+async def test_a_provider_pod_whose_name_now_has_a_new_uid_is_replaced_on_start(
+    api: FakeApiServer,
+) -> None:
+    api.create("pods", pod("db-0"))  # a StatefulSet re-created it while the agent was down
+    provider = PushProvider()
+    provider.add_running(pod("db-0"), uid="uid-of-the-old-pod")
+    async with PodHarness(api, provider):
+        await eventually(lambda: running(api, "db-0"))
+    running_pod = provider.pods[f"{NS}/db-0"]
+    assert running_pod.metadata is not None
+    assert running_pod.metadata.uid == uid_of(api, "db-0")
+    assert provider.calls.index(("delete", f"{NS}/db-0")) < provider.calls.index(
+        ("create", f"{NS}/db-0")
+    )
+
+
+# -- referenced objects ---------------------------------------------------------------------------
+def with_config_volume(name: str, configmap_name: str = "conf") -> JSON:
+    raw = pod(name, volumes=[{"name": "conf", "configMap": {"name": configmap_name}}])
+    raw["spec"]["containers"][0]["volumeMounts"] = [{"name": "conf", "mountPath": "/etc/conf"}]
+    return raw
+
+
+def volume_file(push: PushProvider, key: str, volume: str, path: str) -> bytes | None:
+    resolved = push.resolved.get(key)
+    found = resolved.volumes.get(volume) if resolved else None
+    if not isinstance(found, FilesVolume) or path not in found.files:
+        return None
+    return found.files[path].data
+
+
+async def test_a_configmap_change_seen_by_a_volume_reaches_the_provider(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("configmaps", configmap("conf", {"level": "info"}))
+    api.create("pods", with_config_volume("web"))
+    await eventually(lambda: running(api, "web"))
+    assert volume_file(push, f"{NS}/web", "conf", "level") == b"info"
+    api.patch("configmaps", "conf", {"metadata": {"labels": {"unrelated": "edit"}}}, NS)
+    await asyncio.sleep(0.2)
+    assert push.count("update") == 0, "a change that is not in the data is not pushed"
+    api.patch("configmaps", "conf", {"data": {"level": "debug"}}, NS)
+    await eventually(lambda: push.count("update") == 1, what="update_pod")
+    assert volume_file(push, f"{NS}/web", "conf", "level") == b"debug"
+    assert push.count("create") == 1
+    # one watch per referenced object, named exactly
+    watches = api.calls_to("GET", f"/namespaces/{NS}/configmaps$", watch=True)
+    assert watches and all(w.params["fieldSelector"] == "metadata.name=conf" for w in watches)
+
+
+async def test_a_missing_mandatory_configmap_holds_the_pod_until_it_appears(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    raw = pod("web")
+    raw["spec"]["containers"][0]["env"] = [
+        {"name": "LEVEL", "valueFrom": {"configMapKeyRef": {"name": "conf", "key": "level"}}}
+    ]
+    api.create("pods", raw)
+
+    def waiting_reason() -> str | None:
+        statuses = status_of(api, "web").get("containerStatuses") or []
+        return statuses[0]["state"].get("waiting", {}).get("reason") if statuses else None
+
+    await eventually(lambda: waiting_reason() == "CreateContainerConfigError")
+    assert phase_of(api, "web") == "Pending"
+    await eventually(lambda: "MandatoryConfigMapNotFound" in event_reasons(api, "web"))
+    warning = next(e for e in events_for(api, "web") if e["reason"] == "MandatoryConfigMapNotFound")
+    assert warning["type"] == "Warning"
+    assert push.count("create") == 0
+
+    api.create("configmaps", configmap("conf", {"level": "debug"}))
+    await eventually(lambda: running(api, "web"), what="the pod to start once the map exists")
+    resolved = push.resolved[f"{NS}/web"].pod
+    assert resolved.spec is not None
+    env = {e.name: e.value for e in resolved.spec.containers[0].env or []}
+    assert env["LEVEL"] == "debug"
+    assert "waiting" not in status_of(api, "web")["containerStatuses"][0]["state"]
+
+
+async def test_a_projected_service_account_token_is_requested_for_the_pod(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    raw = pod(
+        "web",
+        volumes=[
+            {
+                "name": "token",
+                "projected": {
+                    "sources": [
+                        {
+                            "serviceAccountToken": {
+                                "path": "token",
+                                "audience": "vault",
+                                "expirationSeconds": 3600,
+                            }
+                        }
+                    ]
+                },
+            }
+        ],
+    )
+    api.create("pods", raw)
+    await eventually(lambda: running(api, "web"))
+    assert volume_file(push, f"{NS}/web", "token", "token") == b"token-default-1"
+    [request] = api.calls_to("POST", f"/namespaces/{NS}/serviceaccounts/default/token$")
+    assert request.body["spec"]["audiences"] == ["vault"]
+    assert request.body["spec"]["boundObjectRef"]["uid"] == uid_of(api, "web")
+
+
+async def test_a_short_lived_token_is_refreshed_and_handed_to_the_provider(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    source = {"serviceAccountToken": {"path": "token", "expirationSeconds": 1}}
+    api.create("pods", pod("web", volumes=[{"name": "t", "projected": {"sources": [source]}}]))
+    await eventually(lambda: running(api, "web"))
+    first = volume_file(push, f"{NS}/web", "t", "token")
+    await eventually(lambda: push.count("update") >= 1, within=4, what="a refresh")
+    assert volume_file(push, f"{NS}/web", "t", "token") not in (None, first)
+
+
+# -- failures -------------------------------------------------------------------------------------
+async def test_a_provider_error_fails_the_pod_with_its_reason_and_other_pods_run(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    push.create_failures[f"{NS}/bad"] = [
+        ProviderError("UnsupportedField", "hostNetwork is not supported by this backend")
+    ]
+    api.create("pods", pod("bad"))
+    api.create("pods", pod("good"))
+    await eventually(lambda: phase_of(api, "bad") == "Failed")
+    status = status_of(api, "bad")
+    assert status["reason"] == "UnsupportedField"
+    assert status["message"] == "hostNetwork is not supported by this backend"
+    await eventually(lambda: "UnsupportedField" in event_reasons(api, "bad"))
+    event = next(e for e in events_for(api, "bad") if e["reason"] == "UnsupportedField")
+    assert event["type"] == "Warning"
+    await eventually(lambda: running(api, "good"))
+    await asyncio.sleep(0.2)
+    assert push.count("create", f"{NS}/bad") == 1, "a permanent error is not retried"
+    assert push_node.crashed() is None
+
+
+async def test_a_plain_exception_from_the_provider_is_retried(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    push.create_failures[f"{NS}/web"] = [RuntimeError("backend busy"), TimeoutError()]
+    api.create("pods", pod("web"))
+    await eventually(lambda: running(api, "web"), what="Running after retries")
+    assert push.count("create", f"{NS}/web") == 3
+    await eventually(lambda: "ProviderCreateFailed" in event_reasons(api, "web"))
+
+
+async def test_the_mock_failure_ratio_fails_pods_with_its_reason(api: FakeApiServer) -> None:
+    mock = MockProvider(NODE, MockConfig(failure_ratio=1.0), host_ip=HOST_IP)
+    async with PodHarness(api, mock):
+        api.create("pods", pod("unlucky"))
+        await eventually(lambda: phase_of(api, "unlucky") == "Failed")
+        assert status_of(api, "unlucky")["reason"] == "MockFailure"
+
+
+async def test_the_apiserver_going_away_does_not_lose_a_deletion(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("pods", pod("web"))
+    api.create("pods", pod("kept"))
+    await eventually(lambda: running(api, "web") and running(api, "kept"))
+    with api.down():
+        api.delete("pods", "web", NS, grace=0)
+        api.patch("pods", "kept", {"spec": {"activeDeadlineSeconds": 60}}, NS)
+        await asyncio.sleep(0.3)
+    await eventually(lambda: f"{NS}/web" not in push.pods, within=5)
+    await eventually(lambda: push.count("update", f"{NS}/kept") == 1, within=5)
+    assert push_node.crashed() is None
+
+
+# -- bugs -----------------------------------------------------------------------------------------
+class AcknowledgesLater(PushProvider):
+    """Reports Running from inside create_pod, then takes a moment before returning (as any
+    provider that does I/O after starting the pod would)."""
+
+    async def _started(self, pod: Pod) -> None:
+        self._report(pod)
+        await asyncio.sleep(0.05)
+
+
+async def test_a_status_pushed_while_create_pod_is_still_running_is_written(
+    api: FakeApiServer,
+) -> None:
+    provider = AcknowledgesLater()
+    async with PodHarness(api, provider):
+        api.create("pods", pod("web"))
+        await eventually(lambda: provider.count("create") == 1)
+        await eventually(lambda: running(api, "web"), within=2)
+
+
+async def test_a_pod_replaced_by_a_same_name_pod_while_disconnected_is_restarted(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("pods", pod("db-0"))
+    await eventually(lambda: running(api, "db-0"))
+    old_uid = uid_of(api, "db-0")
+    with api.down():
+        api.delete("pods", "db-0", NS, grace=0)
+        api.create("pods", pod("db-0"))  # the StatefulSet controller re-creates it
+        api.compact()  # ...and the agent's resourceVersion is too old to resume from
+        await asyncio.sleep(0.2)
+    new_uid = uid_of(api, "db-0")
+    await eventually(
+        lambda: (
+            (p := push.pods.get(f"{NS}/db-0")) is not None
+            and p.metadata is not None
+            and p.metadata.uid == new_uid
+        ),
+        within=3,
+        what="the new pod to run in the provider",
+    )
+    await eventually(lambda: running(api, "db-0"))
+    assert old_uid in push.deleted_uids, "the old pod must be stopped"
+
+
+class ReportsStopLater(PushProvider):
+    """Stops a pod in the background and reports the terminated status a little later."""
+
+    async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        key = f"{pod.metadata.namespace}/{pod.metadata.name}"  # type: ignore[union-attr]
+        self.calls.append(("delete", key))
+        old = self.pods.pop(key, None)
+        if old is None or old.metadata.uid != pod.metadata.uid:  # type: ignore[union-attr]
+            if old is not None:
+                self.pods[key] = old
+            return
+        old.status = msgspec.convert(terminated_status(msgspec.to_builtins(old.status)), PodStatus)
+        asyncio.get_running_loop().call_later(0.3, self._report, old)
+
+
+async def test_a_late_report_about_a_deleted_pod_does_not_change_its_successor(
+    api: FakeApiServer,
+) -> None:
+    provider = ReportsStopLater()
+    async with PodHarness(api, provider):
+        api.create("pods", pod("db-0"))
+        await eventually(lambda: running(api, "db-0"))
+        api.delete("pods", "db-0", NS, grace=0)
+        await eventually(lambda: provider.count("delete") == 1)
+        await asyncio.sleep(0.05)
+        api.create("pods", pod("db-0"))  # the successor, same name, new UID
+        await eventually(lambda: running(api, "db-0"))
+        await asyncio.sleep(0.5)  # the old pod's terminated report arrives meanwhile
+        assert phase_of(api, "db-0") == "Running"
+
+
+async def test_a_failed_provider_delete_is_retried(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    push.delete_failures[f"{NS}/web"] = [RuntimeError("backend timeout")]
+    api.create("pods", pod("web", grace=30))
+    await eventually(lambda: running(api, "web"))
+    api.delete("pods", "web", NS)
+    await eventually(lambda: push.count("delete") == 1)
+    await eventually(lambda: api.get("pods", "web", NS) is None, within=3)
+
+
+async def test_a_polling_provider_that_keeps_stopped_pods_gets_them_removed(
+    api: FakeApiServer,
+) -> None:
+    provider = PollingProvider()
+    provider.forget_on_delete = False
+    async with PodHarness(api, provider, poll=0.05):
+        api.create("pods", pod("web", grace=30))
+        await eventually(lambda: running(api, "web"))
+        api.delete("pods", "web", NS)
+        await eventually(lambda: api.get("pods", "web", NS) is None, within=3)
+
+
+async def test_a_polling_provider_that_forgets_stopped_pods_gets_them_removed(
+    api: FakeApiServer,
+) -> None:
+    provider = PollingProvider()  # forget_on_delete: the pod is gone once stopped
+    async with PodHarness(api, provider, poll=0.05):
+        api.create("pods", pod("web", grace=1))
+        await eventually(lambda: running(api, "web"))
+        api.delete("pods", "web", NS)
+        await eventually(lambda: api.get("pods", "web", NS) is None, within=4)
+
+
+async def test_deleting_a_configmap_a_running_pod_uses_keeps_it_running(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("configmaps", configmap("conf", {"level": "info"}))
+    raw = pod("web")
+    raw["spec"]["containers"][0]["env"] = [
+        {"name": "LEVEL", "valueFrom": {"configMapKeyRef": {"name": "conf", "key": "level"}}}
+    ]
+    api.create("pods", raw)
+    await eventually(lambda: running(api, "web"))
+    api.delete("configmaps", "conf", NS)
+    await eventually(lambda: "MandatoryConfigMapNotFound" in event_reasons(api, "web"))
+    await always(lambda: running(api, "web"), duration=0.3, what="the pod shown Running")
+
+
+async def test_the_waiting_status_is_written_once_while_a_configmap_is_missing(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    raw = pod("web")
+    raw["spec"]["containers"][0]["env"] = [
+        {"name": "LEVEL", "valueFrom": {"configMapKeyRef": {"name": "conf", "key": "level"}}}
+    ]
+    api.create("pods", raw)
+    await eventually(lambda: status_patches(api, "web") >= 1)
+    await asyncio.sleep(1.0)  # several retries (back-off 0.05, 0.1, 0.2, 0.4 s)
+    assert status_patches(api, "web") == 1
+
+
+async def test_an_orphan_the_provider_cannot_delete_does_not_stop_the_node(
+    api: FakeApiServer,
+) -> None:
+    provider = PushProvider()
+    provider.add_running(pod("orphan"), uid="uid-orphan")
+    provider.delete_failures[f"{NS}/orphan"] = [
+        ProviderError("BackendError", "cannot stop it right now", permanent=False)
+    ]
+    async with PodHarness(api, provider):
+        api.create("pods", pod("web"))
+        await eventually(lambda: running(api, "web"))
+
+
+async def test_unreadable_services_do_not_hang_the_pod_workers(api: FakeApiServer) -> None:
+    api.fail("GET", "^/api/v1/services$", status=403, times=None)
+    provider = PushProvider()
+    async with PodHarness(api, provider):
+        api.create("pods", pod("web"))
+        await asyncio.sleep(0.3)
+        api.delete("pods", "web", NS)
+        await eventually(lambda: api.get("pods", "web", NS) is None, within=3)
+
+
+async def test_an_unchanged_status_of_a_scheduled_pod_is_not_rewritten_by_polling(
+    api: FakeApiServer,
+) -> None:
+    provider = PollingProvider()
+    async with PodHarness(api, provider, poll=0.05):
+        api.create("pods", pod("web"))
+        # what the scheduler writes when it binds a pod
+        scheduled = {"status": {"conditions": [{"type": "PodScheduled", "status": "True"}]}}
+        api.patch("pods", "web", scheduled, NS, strategic=True, subresource="status")
+        await eventually(lambda: running(api, "web"))
+        writes = status_patches(api, "web")
+        await asyncio.sleep(0.5)  # about ten polls, nothing changes
+        assert status_patches(api, "web") == writes
+
+
+async def test_a_configmap_edited_while_the_agent_was_down_reaches_the_provider(
+    api: FakeApiServer, push: PushProvider
+) -> None:
+    api.create("configmaps", configmap("conf", {"level": "info"}))
+    api.create("pods", with_config_volume("web"))
+    async with PodHarness(api, push):
+        await eventually(lambda: running(api, "web"))
+    api.patch("configmaps", "conf", {"data": {"level": "debug"}}, NS)  # while the agent is down
+    async with PodHarness(api, push):
+        await eventually(
+            lambda: volume_file(push, f"{NS}/web", "conf", "level") == b"debug",
+            within=2,
+            what="the edit to reach the provider",
+        )
+    assert push.count("create") == 1
+
+
+async def test_a_change_to_an_unused_key_does_not_update_the_provider(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("configmaps", configmap("conf", {"used": "1", "unused": "1"}))
+    raw = pod("web")
+    raw["spec"]["containers"][0]["env"] = [
+        {"name": "USED", "valueFrom": {"configMapKeyRef": {"name": "conf", "key": "used"}}}
+    ]
+    api.create("pods", raw)
+    await eventually(lambda: running(api, "web"))
+    api.patch("configmaps", "conf", {"data": {"unused": "2"}}, NS)
+    await asyncio.sleep(0.3)
+    assert push.count("update") == 0

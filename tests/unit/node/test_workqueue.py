@@ -1,0 +1,186 @@
+"""The keyed work queue: one worker per key at a time, de-duplicated adds, back-off per key on
+failure and no global rate limit."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from vkubelet.node._workqueue import WorkQueue
+
+from .helpers import always, eventually
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Callable[[WorkQueue], None]]:
+    tasks: list[asyncio.Task[None]] = []
+
+    def start(queue: WorkQueue) -> None:
+        tasks.append(asyncio.create_task(queue.run()))
+
+    yield start
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def recorder() -> tuple[list[str], Callable[[str], Awaitable[None]]]:
+    seen: list[str] = []
+
+    async def process(key: str) -> None:
+        seen.append(key)
+
+    return seen, process
+
+
+async def test_a_key_is_never_processed_by_two_workers_at_once(
+    running: Callable[[WorkQueue], None],
+) -> None:
+    active: Counter[str] = Counter()
+    overlaps: list[str] = []
+    done: Counter[str] = Counter()
+
+    async def process(key: str) -> None:
+        active[key] += 1
+        if active[key] > 1:
+            overlaps.append(key)
+        await asyncio.sleep(0.01)
+        active[key] -= 1
+        done[key] += 1
+
+    queue = WorkQueue(process, name="test", workers=8)
+    running(queue)
+    for _ in range(20):
+        queue.add("a")
+        queue.add("b")
+        await asyncio.sleep(0.003)
+    await eventually(lambda: len(queue) == 0 and done["a"] >= 2, what="the queue to drain")
+    assert overlaps == []
+
+
+async def test_adds_of_a_queued_key_are_merged(running: Callable[[WorkQueue], None]) -> None:
+    seen, process = recorder()
+    queue = WorkQueue(process, name="test", workers=2)
+    for _ in range(5):
+        queue.add("a")
+    queue.add("b")
+    queue.add("a")
+    running(queue)
+    await eventually(lambda: len(queue) == 0 and len(seen) >= 2)
+    await asyncio.sleep(0.05)
+    assert sorted(seen) == ["a", "b"]
+
+
+async def test_a_key_added_while_processing_is_processed_again(
+    running: Callable[[WorkQueue], None],
+) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+    runs = 0
+
+    async def process(key: str) -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            started.set()
+            await release.wait()
+
+    queue = WorkQueue(process, name="test", workers=4)
+    running(queue)
+    queue.add("a")
+    await asyncio.wait_for(started.wait(), 2)
+    queue.add("a")  # the change arrived after the worker read the state: it must run again
+    queue.add("a")
+    release.set()
+    await eventually(lambda: runs == 2 and len(queue) == 0)
+    await asyncio.sleep(0.05)
+    assert runs == 2
+
+
+async def test_a_failing_key_is_retried_with_growing_delays_until_it_succeeds(
+    running: Callable[[WorkQueue], None],
+) -> None:
+    stamps: list[float] = []
+
+    async def process(key: str) -> None:
+        stamps.append(time.monotonic())
+        if len(stamps) <= 3:
+            raise RuntimeError("transient")
+
+    queue = WorkQueue(process, name="test", workers=2, base_delay=0.02)
+    running(queue)
+    queue.add("a")
+    await eventually(lambda: len(stamps) == 4, what="three retries")
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    assert gaps[0] >= 0.015
+    assert gaps[1] >= 0.035
+    assert gaps[2] >= 0.075
+    await asyncio.sleep(0.2)
+    assert len(stamps) == 4, "a key that succeeded must not be retried"
+
+
+async def test_back_off_is_per_key(running: Callable[[WorkQueue], None]) -> None:
+    seen: list[str] = []
+
+    async def process(key: str) -> None:
+        seen.append(key)
+        if key == "bad":
+            raise RuntimeError("always")
+
+    queue = WorkQueue(process, name="test", workers=2, base_delay=0.5)
+    running(queue)
+    queue.add("bad")
+    await eventually(lambda: "bad" in seen)
+    for i in range(10):
+        queue.add(f"good-{i}")
+    await eventually(lambda: sum(k.startswith("good") for k in seen) == 10, within=0.4)
+
+
+async def test_add_after_runs_the_key_after_the_delay_and_earliest_timer_wins(
+    running: Callable[[WorkQueue], None],
+) -> None:
+    stamps: dict[str, float] = {}
+
+    async def process(key: str) -> None:
+        stamps[key] = time.monotonic()
+
+    queue = WorkQueue(process, name="test", workers=2)
+    running(queue)
+    start = time.monotonic()
+    queue.add_after("late", 0.15)
+    queue.add_after("late", 5.0)  # a later timer does not postpone the earlier one
+    queue.add_after("soon", 5.0)
+    queue.add_after("soon", 0.05)  # an earlier timer replaces the later one
+    await eventually(lambda: "late" in stamps and "soon" in stamps, within=2)
+    assert stamps["soon"] - start >= 0.045
+    assert stamps["late"] - start >= 0.145
+    assert stamps["soon"] < stamps["late"]
+
+
+async def test_forget_cancels_a_pending_retry(running: Callable[[WorkQueue], None]) -> None:
+    seen, process = recorder()
+    queue = WorkQueue(process, name="test", workers=1)
+    running(queue)
+    queue.add_after("gone", 0.05)
+    queue.forget("gone")
+    await always(lambda: seen == [], duration=0.15)
+
+
+async def test_no_global_rate_limit_a_thousand_keys_are_processed_quickly(
+    running: Callable[[WorkQueue], None],
+) -> None:
+    seen, process = recorder()
+    queue = WorkQueue(process, name="test", workers=32)
+    running(queue)
+    start = time.monotonic()
+    for i in range(1000):
+        queue.add(f"ns/pod-{i}")
+    await eventually(lambda: len(seen) == 1000, within=5)
+    # The reference's 10/s token bucket (burst 100) would need 90 s for this.
+    assert time.monotonic() - start < 2.0
+    assert queue.processed == 1000
