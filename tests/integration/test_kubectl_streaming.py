@@ -121,30 +121,31 @@ def test_cp_copies_files_both_ways(pod: str, kubectl: Kubectl, tmp_path: Path) -
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by .ci/run")
 def test_exec_with_a_terminal_sees_its_size_and_resizes(pod: str, kubectl: Kubectl) -> None:
     session = f"vkt-{uuid.uuid4().hex[:6]}"
-    command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} exec -it {pod} -- stty size"
+    command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} exec -it {pod} -- sh"
     subprocess.run(
-        [
-            "tmux",
-            "new-session",
-            "-d",
-            "-s",
-            session,
-            "-x",
-            "120",
-            "-y",
-            "40",
-            f"{command}; sleep 30",
-        ],
+        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command],
         check=True,
     )
+
+    def screen() -> str:
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True
+        ).stdout
+
+    def typed(text: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", session, text, "Enter"], check=True)
+
     try:
-
-        def screen() -> str:
-            return subprocess.run(
-                ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True
-            ).stdout
-
+        time.sleep(2)  # the interactive shell in the pod is ready
+        typed("stty size")
         wait_for(lambda: "40 120" in screen(), timeout=30, what="the terminal size in the pod")
+        subprocess.run(
+            ["tmux", "resize-window", "-t", session, "-x", "100", "-y", "30"], check=True
+        )
+        time.sleep(1)
+        typed("stty size")
+        wait_for(lambda: "30 100" in screen(), timeout=30, what="the new size after a resize")
+        typed("exit 4")
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
 
@@ -243,17 +244,11 @@ def test_stats_summary_and_resource_metrics_parse(node: str, pod: str, kubectl: 
     assert {"node_cpu_usage_seconds", "container_memory_working_set_bytes"} <= names
 
 
-def test_a_websocket_v4_client_can_exec(kube_cluster: Cluster, pod: str) -> None:
-    """Clients other than kubectl (here websocket-client, which the official Python client uses)
-    speak v4.channel.k8s.io; the apiserver proxies them to the kubelet port unchanged."""
+def _websocket(kube_cluster: Cluster, path: str, protocol: str) -> websocket.WebSocket:
     server = kube_cluster.server.replace("https://", "wss://")
-    url = (
-        f"{server}/api/v1/namespaces/default/pods/{pod}/exec"
-        "?command=echo&command=over&command=websocket&stdout=true&stderr=true"
-    )
-    ws = websocket.create_connection(
-        url,
-        subprotocols=["v4.channel.k8s.io"],
+    return websocket.create_connection(
+        f"{server}{path}",
+        subprotocols=[protocol],
         sslopt={
             "ca_certs": str(kube_cluster.pki / "ca.crt"),
             "certfile": str(kube_cluster.pki / "admin.crt"),
@@ -261,6 +256,48 @@ def test_a_websocket_v4_client_can_exec(kube_cluster: Cluster, pod: str) -> None
             "cert_reqs": ssl.CERT_REQUIRED,
         },
         timeout=30,
+    )
+
+
+def test_a_websocket_v4_client_can_port_forward(kube_cluster: Cluster, pod: str) -> None:
+    """port-forward over v4.channel.k8s.io: channel 0 carries data, channel 1 errors; the first
+    frame on each channel is the port (little-endian)."""
+    echo = EchoServer()
+    ws = _websocket(
+        kube_cluster,
+        f"/api/v1/namespaces/default/pods/{pod}/portforward?ports={echo.port}",
+        "v4.channel.k8s.io",
+    )
+    try:
+        payload = os.urandom(100_000)
+        received = bytearray()
+        greeted = set()
+        ws.send_binary(b"\x00" + payload)
+        while len(received) < len(payload):
+            frame = ws.recv()
+            data = frame if isinstance(frame, bytes) else frame.encode()
+            channel, body = data[0], data[1:]
+            if channel not in greeted:  # the port announcement
+                greeted.add(channel)
+                assert int.from_bytes(body[:2], "little") == echo.port
+                body = body[2:]
+            if channel == 1 and body:
+                pytest.fail(f"port-forward error: {body!r}")
+            if channel == 0:
+                received += body
+        assert bytes(received) == payload
+    finally:
+        ws.close()
+
+
+def test_a_websocket_v4_client_can_exec(kube_cluster: Cluster, pod: str) -> None:
+    """Clients other than kubectl (here websocket-client, which the official Python client uses)
+    speak v4.channel.k8s.io; the apiserver proxies them to the kubelet port unchanged."""
+    ws = _websocket(
+        kube_cluster,
+        f"/api/v1/namespaces/default/pods/{pod}/exec"
+        "?command=echo&command=over&command=websocket&stdout=true&stderr=true",
+        "v4.channel.k8s.io",
     )
     stdout = b""
     status = b""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import ssl
+import subprocess
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -98,6 +100,33 @@ def test_kubectl_logs_reaches_the_provider_through_the_apiserver(
     assert len(tail) == 1
     stamped = kubectl("logs", pod, "--timestamps", "--tail=1").stdout
     assert stamped[:4].isdigit() and "T" in stamped.split()[0]
+
+
+def test_kubectl_logs_follow_streams_lines_as_they_come(pod: str, kubectl: Kubectl) -> None:
+    follow = subprocess.Popen(
+        [kubectl.binary, "--kubeconfig", str(kubectl.kubeconfig), "logs", "-f", pod],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert follow.stdout is not None
+        seen: list[tuple[float, str]] = []
+        while len([line for _, line in seen if "tick" in line]) < 2:
+            line = follow.stdout.readline()
+            assert line, "the follow stream ended early"
+            seen.append((time.monotonic(), line))
+        ticks = [t for t, line in seen if "tick" in line]
+        # Flushed one by one while following: the second tick came about a second later.
+        assert ticks[1] - ticks[0] > 0.5
+    finally:
+        follow.terminate()
+        follow.wait(10)
+
+
+def test_kubectl_logs_since_filters_by_time(pod: str, kubectl: Kubectl) -> None:
+    assert "started" in kubectl("logs", pod, "--since=1h").stdout
+    time.sleep(2)
+    assert "started" not in kubectl("logs", pod, "--since=1s").stdout
 
 
 def test_logs_of_an_unknown_container_are_a_clear_error(pod: str, kubectl: Kubectl) -> None:
