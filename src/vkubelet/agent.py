@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .kubelet import KubeletAuth, KubeletNode, KubeletServer, serve_nodes, server_ssl_context
-from .node import AgentConfig, ApiError, KubeClient, NodeAgent, NodeSpec, Unreachable
-from .node._certs import ServingCertificate
+from .node import AgentConfig, ApiError, ConfigError, KubeClient, NodeAgent, NodeSpec, Unreachable
+from .node._certs import ClientIdentity, ServingCertificate
 from .node._registry import ProviderContext, load_provider
 from .node._resolution import ServiceCache
 from .node.provider import PodLifecycleHandler
@@ -49,23 +49,49 @@ def _free_port() -> int:
 class Agent:
     def __init__(self, config: AgentConfig, client: KubeClient | None = None) -> None:
         self.config = config
-        self.client = client or KubeClient.from_kubeconfig(config.kubeconfig, options=config.client)
+        self.identity: ClientIdentity | None = None
+        if config.bootstrap_kubeconfig is not None:
+            if len(config.nodes) != 1:
+                raise ConfigError("a bootstrap kubeconfig gives one node identity: serve one node")
+            name = config.nodes[0].settings.name
+            self.identity = ClientIdentity(
+                kubeconfig=config.kubeconfig or config.cert_dir / f"{name}.kubeconfig",
+                bootstrap=config.bootstrap_kubeconfig,
+                node_name=name,
+            )
         for spec in config.nodes:
             if spec.settings.kubelet_port == 0:  # tests and many-node setups: any free port
                 spec.settings.kubelet_port = _free_port()
         # Providers are built up front so that a bad config fails the start, loudly.
+        self.providers = [build_provider(spec) for spec in config.nodes]
+        self._client = client
+        self.nodes: list[NodeAgent] = []
+        self.servers: list[KubeletServer] = []
+
+    @property
+    def client(self) -> KubeClient:
+        assert self._client is not None, "the agent's client exists once run() started"
+        return self._client
+
+    async def _connect(self) -> None:
+        """Get a client identity if bootstrapping, then the client and the node agents."""
+        kubeconfig = self.config.kubeconfig
+        if self.identity is not None:
+            await self.identity.ensure()
+            kubeconfig = self.identity.kubeconfig
+        if self._client is None:
+            self._client = KubeClient.from_kubeconfig(kubeconfig, options=self.config.client)
         services = ServiceCache(self.client)  # one Service watch for all nodes
         self.nodes = [
             NodeAgent(
                 self.client,
                 spec.settings,
-                build_provider(spec),
+                provider,
                 services=services,
-                workers=config.workers,
+                workers=self.config.workers,
             )
-            for spec in config.nodes
+            for spec, provider in zip(self.config.nodes, self.providers, strict=True)
         ]
-        self.servers: list[KubeletServer] = []
 
     async def identify(self) -> str:
         """Who the apiserver says we are; a node identity switches on NodeRestriction's rules.
@@ -104,9 +130,12 @@ class Agent:
         return user
 
     async def run(self) -> None:
+        await self._connect()
         await self.identify()
         try:
             async with asyncio.TaskGroup() as group:
+                if self.identity is not None:
+                    group.create_task(self.identity.renew_forever(self.client))
                 for node in self.nodes:
                     group.create_task(_supervise(node), name=f"node {node.settings.name}")
                 if self.config.kubelet_api:

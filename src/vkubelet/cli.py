@@ -102,6 +102,13 @@ def run(
         bool, typer.Option(help="Serve the kubelet API without authentication (DANGEROUS).")
     ] = False,
     kubelet_api: Annotated[bool, typer.Option(help="Serve the kubelet API at all.")] = True,
+    bootstrap_kubeconfig: Annotated[
+        Path | None,
+        typer.Option(
+            help="Bootstrap-token kubeconfig: obtain a system:node client certificate with a CSR "
+            "and write --kubeconfig with it (like a kubelet)."
+        ),
+    ] = None,
     log_format: Annotated[LogFormat, typer.Option(help="Log line format.")] = LogFormat.text,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
 ) -> None:
@@ -170,6 +177,8 @@ def run(
         if cert_dir:
             agent_config.cert_dir = cert_dir
         agent_config.approve_csrs = agent_config.approve_csrs or approve_own_csrs
+        if bootstrap_kubeconfig:
+            agent_config.bootstrap_kubeconfig = bootstrap_kubeconfig
         agent_config.insecure_kubelet_api = (
             agent_config.insecure_kubelet_api or insecure_kubelet_api
         )
@@ -260,6 +269,20 @@ def cluster_status(name: NameOption = "default") -> None:
     out.print(f"KUBECONFIG={cluster.kubeconfig}", highlight=False)
     if any(state != "healthy" for state in status.values()):
         raise typer.Exit(1)
+
+
+@cluster_app.command("bootstrap-kubeconfig")
+def cluster_bootstrap_kubeconfig(
+    output: Annotated[Path, typer.Option("--out", help="Where to write the kubeconfig.")],
+    name: NameOption = "default",
+) -> None:
+    """Write a kubeconfig with a new bootstrap token, for `vkubelet run --bootstrap-kubeconfig`."""
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        path = Cluster(name).bootstrap_kubeconfig(output)
+    except DevClusterError as e:
+        raise _fail(e) from None
+    out.print(f"Bootstrap kubeconfig written to {path} (valid 24 h).", highlight=False)
 
 
 @cluster_app.command("list")

@@ -108,3 +108,61 @@ def test_agent_runs_pods_and_serves_logs_as_a_node_identity(
             approver.join()
             agent.stop()
             kubectl("delete", "node", node, "--ignore-not-found", "--wait=false")
+
+
+def test_agent_bootstraps_its_node_identity_from_a_bootstrap_token(
+    kube_cluster: Cluster, kubectl: Kubectl, tmp_path: Path
+) -> None:
+    node = f"vk-boot-{uuid.uuid4().hex[:6]}"
+    bootstrap = kube_cluster.bootstrap_kubeconfig(tmp_path / "bootstrap.kubeconfig")
+    node_config = tmp_path / "node.kubeconfig"
+    (tmp_path / "mock.json").write_text(json.dumps({node: {"pods": "10"}}))
+    stop = threading.Event()
+    approver = threading.Thread(target=approve_serving_csrs, args=(kubectl, node, stop))
+    approver.start()
+    agent = AgentProcess(
+        node_config,
+        [
+            "--bootstrap-kubeconfig",
+            str(bootstrap),
+            "--provider",
+            "mock",
+            "--provider-config",
+            str(tmp_path / "mock.json"),
+            "--nodename",
+            node,
+            "--kubelet-port",
+            "0",
+            "--cert-dir",
+            str(tmp_path / "pki"),
+        ],
+        tmp_path / "agent.log",
+    ).start()
+    try:
+        wait_for(lambda: node_ready(kubectl, node), timeout=90, what="node Ready")
+        whoami = Kubectl(node_config)("auth", "whoami", "-o", "json").stdout
+        assert json.loads(whoami)["status"]["userInfo"]["username"] == f"system:node:{node}"
+        client_csrs = [
+            c
+            for c in kubectl.json("get", "csr")["items"]
+            if c["metadata"]["name"].startswith(f"vkubelet-client-{node}")
+        ]
+        assert client_csrs
+        conditions = client_csrs[0]["status"]["conditions"]
+        assert conditions[0]["type"] == "Approved"  # by the controller-manager, not by us
+        assert client_csrs[0]["spec"]["username"].startswith("system:bootstrap:")
+        # A restart reuses the certificate: no second client CSR.
+        agent.stop()
+        agent.start()
+        wait_for(lambda: "reusing the client certificate" in agent.log(), what="reuse")
+        again = [
+            c
+            for c in kubectl.json("get", "csr")["items"]
+            if c["metadata"]["name"].startswith(f"vkubelet-client-{node}")
+        ]
+        assert len(again) == 1
+    finally:
+        stop.set()
+        approver.join()
+        agent.stop()
+        kubectl("delete", "node", node, "--ignore-not-found", "--wait=false")

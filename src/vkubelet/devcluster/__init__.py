@@ -1,5 +1,6 @@
 """A real local Kubernetes control plane, built from Go modules, for development and tests."""
 
+from .._files import write_kubeconfig
 from ._build import (
     BuildFailed,
     GoToolchainMissing,
@@ -16,7 +17,6 @@ from ._cluster import (
     StartupFailed,
     list_clusters,
     state_root,
-    write_kubeconfig,
 )
 from ._errors import DevClusterError
 from ._proc import processes_mentioning

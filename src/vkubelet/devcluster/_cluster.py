@@ -8,13 +8,13 @@ data, logs, kubeconfigs, `cluster.json`), so several can run side by side.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import http.client
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import ssl
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from cryptography.hazmat.primitives import serialization
 
+from .._files import write_kubeconfig, write_private
 from . import _pki, _proc
 from ._build import Binaries, Progress, ensure_binaries
 from ._errors import DevClusterError
@@ -276,8 +276,14 @@ class Cluster:
             ),
             ip_addresses=("127.0.0.1", SERVICE_IP),
         ).write(pki, "apiserver")
-        _pki.issue(ca, "etcd", server=True, client=True, dns_names=("localhost",),
-                   ip_addresses=("127.0.0.1",)).write(pki, "etcd")  # fmt: skip
+        _pki.issue(
+            ca,
+            "etcd",
+            server=True,
+            client=True,
+            dns_names=("localhost",),
+            ip_addresses=("127.0.0.1",),
+        ).write(pki, "etcd")
         _pki.issue(ca, "kube-apiserver-etcd-client", client=True).write(
             pki, "apiserver-etcd-client"
         )
@@ -293,7 +299,7 @@ class Cluster:
             pki, "front-proxy-client"
         )
         sa_key = _pki.new_key()
-        _pki.write_private(
+        write_private(
             pki / "sa.key",
             sa_key.private_bytes(
                 serialization.Encoding.PEM,
@@ -485,10 +491,60 @@ class Cluster:
                 }
             ],
         }
+        # And what kubeadm sets up for TLS bootstrapping: bootstrap tokens may request node
+        # client certificates, which the controller-manager approves, as are nodes' renewals.
+        bindings = [
+            binding,
+            _group_binding(
+                "vkubelet:node-bootstrapper", "system:node-bootstrapper", "system:bootstrappers"
+            ),
+            _group_binding(
+                "vkubelet:node-autoapprove-bootstrap",
+                "system:certificates.k8s.io:certificatesigningrequests:nodeclient",
+                "system:bootstrappers",
+            ),
+            _group_binding(
+                "vkubelet:node-autoapprove-certificate-rotation",
+                "system:certificates.k8s.io:certificatesigningrequests:selfnodeclient",
+                "system:nodes",
+            ),
+        ]
         path = "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"
-        status, body = self.request("POST", path, binding)
-        if status not in (201, 409):
-            raise StartupFailed(f"could not create the kubelet API ClusterRoleBinding: {body}")
+        for item in bindings:
+            status, body = self.request("POST", path, item)
+            if status not in (201, 409):
+                raise StartupFailed(f"could not create a ClusterRoleBinding: {body}")
+
+    def bootstrap_kubeconfig(self, path: Path, *, ttl_hours: int = 24) -> Path:
+        """A kubeconfig with a fresh bootstrap token, for an agent's `--bootstrap-kubeconfig`."""
+        token_id = secrets.token_hex(3)
+        token_secret = secrets.token_hex(8)
+        expiry = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + ttl_hours * 3600))
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "bootstrap.kubernetes.io/token",
+            "metadata": {"name": f"bootstrap-token-{token_id}", "namespace": "kube-system"},
+            "stringData": {
+                "token-id": token_id,
+                "token-secret": token_secret,
+                "expiration": expiry,
+                "usage-bootstrap-authentication": "true",
+                "usage-bootstrap-signing": "true",
+            },
+        }
+        status, body = self.request("POST", "/api/v1/namespaces/kube-system/secrets", secret)
+        if status != 201:
+            raise DevClusterError(f"could not create a bootstrap token: {body}")
+        write_kubeconfig(
+            path,
+            cluster=f"vkubelet-{self.name}",
+            server=self.server,
+            ca_pem=(self.pki / "ca.crt").read_bytes(),
+            user=f"bootstrap-{token_id}",
+            token=f"{token_id}.{token_secret}",
+        )
+        return path
 
     def _health_url(self, component: str, ports: Ports) -> str:
         return {
@@ -630,6 +686,16 @@ class Cluster:
         return f"no cluster named {self.name!r} (known clusters: {listing})"
 
 
+def _group_binding(name: str, role: str, group: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}],
+    }
+
+
 def list_clusters(root: Path | None = None) -> list[Cluster]:
     base = (root or state_root()) / "clusters"
     if not base.is_dir():
@@ -653,40 +719,3 @@ def _probe(url: str, ctx: ssl.SSLContext) -> int:
         return response.status
     finally:
         conn.close()
-
-
-def write_kubeconfig(
-    path: Path,
-    *,
-    cluster: str,
-    server: str,
-    ca_pem: bytes,
-    user: str,
-    cert_pem: bytes | None = None,
-    key_pem: bytes | None = None,
-    token: str | None = None,
-) -> None:
-    """A self-contained kubeconfig (credentials embedded), so it can be copied elsewhere."""
-    credentials: dict[str, str] = {}
-    if cert_pem is not None and key_pem is not None:
-        credentials["client-certificate-data"] = base64.b64encode(cert_pem).decode()
-        credentials["client-key-data"] = base64.b64encode(key_pem).decode()
-    if token is not None:
-        credentials["token"] = token
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": cluster,
-                "cluster": {
-                    "server": server,
-                    "certificate-authority-data": base64.b64encode(ca_pem).decode(),
-                },
-            }
-        ],
-        "users": [{"name": user, "user": credentials}],
-        "contexts": [{"name": cluster, "context": {"cluster": cluster, "user": user}}],
-        "current-context": cluster,
-    }
-    _pki.write_private(path, yaml.safe_dump(config, sort_keys=False).encode())

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .._files import write_private
 
 # Long enough that a dev cluster never expires under a user; short enough to be obviously a dev CA.
 _VALIDITY = dt.timedelta(days=365)
@@ -45,13 +46,6 @@ class KeyPair:
         cert_path.write_bytes(self.cert_pem())
         write_private(key_path, self.key_pem())
         return cert_path, key_path
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Create a file that only its owner can read, without a window where it is world-readable."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def _name(common_name: str, organizations: tuple[str, ...] = ()) -> x509.Name:

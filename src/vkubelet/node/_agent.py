@@ -41,6 +41,9 @@ class AgentConfig:
         default_factory=lambda: Path.home() / ".local" / "state" / "vkubelet" / "pki"
     )
     approve_csrs: bool = False  # approve our own serving CSRs (development clusters only)
+    # A bootstrap token kubeconfig: the agent then obtains its own system:node client
+    # certificate and writes `kubeconfig` (default: <cert_dir>/<node>.kubeconfig) with it.
+    bootstrap_kubeconfig: Path | None = None
     insecure_kubelet_api: bool = False  # no authentication or authorization (loud warning)
 
 

@@ -98,19 +98,24 @@ class KubeClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config = config
+        self._options = options
+        self._transport = transport
+        self._http = self._new_http(config)
+        self._bucket = TokenBucket(options.qps, options.burst) if options.qps else None
+
+    def _new_http(self, config: SingleConfig) -> httpx.AsyncClient:
         params = ConnectionParams(
-            timeout=httpx.Timeout(options.timeout),
+            timeout=httpx.Timeout(self._options.timeout),
             trust_env=False,
-            transport=transport,  # type: ignore[arg-type]  # lightkube annotates the sync type
-            http2=options.http2,
+            transport=self._transport,  # type: ignore[arg-type]  # lightkube annotates the sync type
+            http2=self._options.http2,
         )
         # No cap on connections: each watch holds one for minutes (one per node and per watched
         # ConfigMap/Secret), and a cap would make ordinary requests queue behind them.
-        self._http = httpx.AsyncClient(
+        return httpx.AsyncClient(
             **params.httpx_params(config),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
-        self._bucket = TokenBucket(options.qps, options.burst) if options.qps else None
 
     @classmethod
     def from_kubeconfig(
@@ -126,6 +131,17 @@ class KubeClient:
         if config is None:
             raise ValueError(f"kubeconfig {path or '(from environment)'}: no context {context!r}")
         return cls(config, options)
+
+    def reload(self, config: SingleConfig) -> None:
+        """Switch to new credentials (a renewed client certificate). Requests in flight finish on
+        the old connections; long watches end when those close, and their owners resume."""
+        old = self._http
+        self.config = config
+        self._http = self._new_http(config)
+        asyncio.get_running_loop().call_later(
+            30,
+            lambda: asyncio.ensure_future(old.aclose()),
+        )
 
     @property
     def server(self) -> str:
