@@ -322,17 +322,38 @@ async def plain_patcher(kubeconfig: Path, ns: str) -> None:
         while True:
             name = await todo.get()
             path = f"/api/v1/namespaces/{ns}/pods/{name}/status"
-            (await client.patch(path, content=body, headers=headers)).raise_for_status()
+            for _ in range(20):  # a plain client still retries what the apiserver sheds
+                try:
+                    response = await client.patch(path, content=body, headers=headers)
+                except httpx.TransportError:
+                    await asyncio.sleep(0.1)
+                    continue
+                if response.status_code < 300:
+                    break
+                await asyncio.sleep(0.1)
 
     workers = [asyncio.create_task(worker()) for _ in range(CONCURRENCY)]
     path = f"/api/v1/namespaces/{ns}/pods"
-    version = (await client.get(path)).json()["metadata"]["resourceVersion"]
-    params = {"watch": "true", "resourceVersion": version}
-    async with client.stream("GET", path, params=params, timeout=None) as response:
-        async for line in response.aiter_lines():
-            event = msgspec.json.decode(line, type=_Event) if line else None
-            if event is not None and event.type == "ADDED":
-                todo.put_nowait(event.object.metadata.name)
+    seen: set[str] = set()
+    while True:  # re-list and re-watch whenever a watch ends, as any controller must
+        listed = (await client.get(path)).json()
+        for item in listed["items"]:
+            name = item["metadata"]["name"]
+            if name not in seen and (item.get("status") or {}).get("phase") != "Running":
+                seen.add(name)
+                todo.put_nowait(name)
+        params = {"watch": "true", "resourceVersion": listed["metadata"]["resourceVersion"]}
+        try:
+            async with client.stream("GET", path, params=params, timeout=None) as response:
+                async for line in response.aiter_lines():
+                    event = msgspec.json.decode(line, type=_Event) if line else None
+                    if event is not None and event.type == "ADDED":
+                        name = event.object.metadata.name
+                        if name not in seen:
+                            seen.add(name)
+                            todo.put_nowait(name)
+        except httpx.TransportError as e:
+            print(f"plain patcher: watch ended ({e!r}); re-listing", file=sys.stderr)
     del workers
 
 

@@ -25,6 +25,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,83 @@ class AgentProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class MockNode:
+    """A virtual node served by `vkubelet run --provider mock` in a child process."""
+
+    name: str
+    agent: AgentProcess
+    workdir: Path
+    address: str
+
+
+@contextlib.contextmanager
+def mock_node(
+    cluster: Cluster,
+    kubectl: Kubectl,
+    workdir: Path,
+    *,
+    prefix: str = "vk-mock",
+    mock_config: dict[str, Any] | None = None,
+    address: str = "127.0.0.1",
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[MockNode]:
+    """Start a mock node the way an operator would, wait until it is Ready and its kubelet API
+    listens, and remove it afterwards (agent stopped, Node deleted)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "mock.json"
+    config.write_text(json.dumps({name: {"pods": "500", **(mock_config or {})}}))
+    args = [
+        "--provider",
+        "mock",
+        "--provider-config",
+        str(config),
+        "--nodename",
+        name,
+        "--internal-ip",
+        address,
+        "--kubelet-port",
+        "0",
+        "--approve-own-csrs",
+        "--cert-dir",
+        str(workdir / "pki"),
+        *extra_args,
+    ]
+    agent = AgentProcess(cluster.kubeconfig, args, workdir / "agent.log").start()
+    try:
+        wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")
+        wait_for(lambda: "listening on port" in agent.log(), timeout=60, what="kubelet API")
+        yield MockNode(name, agent, workdir, address)
+    finally:
+        agent.stop()
+        kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+
+
+def running_pod(
+    kubectl: Kubectl, node: str, *, namespace: str = "default", **container: Any
+) -> str:
+    """Create a pod bound to `node` (one container, fields from `container`); wait for Running."""
+    name = f"p-{uuid.uuid4().hex[:6]}"
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": node,
+            "containers": [{"name": "main", "image": "registry.example/app:1", **container}],
+        },
+    }
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(manifest))
+    wait_for(
+        lambda: (
+            kubectl.json("-n", namespace, "get", "pod", name)["status"].get("phase") == "Running"
+        ),
+        what=f"pod {name} Running",
+    )
+    return name
 
 
 def node_kubeconfig(cluster: Cluster, kubectl: Kubectl, node: str, path: Path) -> Path:

@@ -18,16 +18,26 @@ from typing import Any
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import AgentProcess, Kubectl, node_ready, wait_for
+from vkubelet.testing import AgentProcess, Kubectl, MockNode, node_ready, wait_for
+from vkubelet.testing import mock_node as start_mock_node
 
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 
 
 @dataclass
-class MockNode:
-    name: str
+class StatefulMockNode:
+    """A mock node whose fake backend keeps its pods in a state file the tests can read."""
+
+    node: MockNode
     state_file: Path
-    agent: AgentProcess
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def agent(self) -> AgentProcess:
+        return self.node.agent
 
     def state(self) -> dict[str, Any]:
         try:
@@ -53,40 +63,12 @@ class MockNode:
 @pytest.fixture(scope="module")
 def mock_node(
     kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[MockNode]:
-    name = f"vk-mock-{uuid.uuid4().hex[:6]}"
-    work = tmp_path_factory.mktemp(name)
+) -> Iterator[StatefulMockNode]:
+    work = tmp_path_factory.mktemp("node")
     state_file = work / "mock-state.json"
-    config = work / "mock.json"
-    config.write_text(
-        json.dumps(
-            {name: {"cpu": "16", "memory": "64Gi", "pods": "500", "stateFile": str(state_file)}}
-        )
-    )
-    agent = AgentProcess(
-        kube_cluster.kubeconfig,
-        [
-            "--provider",
-            "mock",
-            "--provider-config",
-            str(config),
-            "--nodename",
-            name,
-            "--kubelet-port",
-            "0",
-            "--approve-own-csrs",
-            "--cert-dir",
-            str(work / "pki"),
-        ],
-        work / "agent.log",
-    ).start()
-    node = MockNode(name, state_file, agent)
-    try:
-        wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")
-        yield node
-    finally:
-        agent.stop()
-        kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+    config = {"cpu": "16", "memory": "64Gi", "stateFile": str(state_file)}
+    with start_mock_node(kube_cluster, kubectl, work, mock_config=config) as node:
+        yield StatefulMockNode(node, state_file)
 
 
 @pytest.fixture
@@ -120,7 +102,7 @@ def phase(kubectl: Kubectl, ns: str, name: str) -> str | None:
 
 
 def test_deployment_runs_on_the_virtual_node_and_scale_to_zero_removes_pods_promptly(
-    mock_node: MockNode, kubectl: Kubectl, ns: str
+    mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
 ) -> None:
     deployment = {
         "apiVersion": "apps/v1",
@@ -174,7 +156,7 @@ def test_deployment_runs_on_the_virtual_node_and_scale_to_zero_removes_pods_prom
 
 
 def test_every_env_source_reaches_the_provider_resolved(
-    mock_node: MockNode, kubectl: Kubectl, ns: str
+    mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
 ) -> None:
     kubectl(
         "-n",
@@ -255,7 +237,7 @@ def test_every_env_source_reaches_the_provider_resolved(
 
 
 def test_missing_mandatory_configmap_holds_the_pod_until_it_appears(
-    mock_node: MockNode, kubectl: Kubectl, ns: str
+    mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
 ) -> None:
     container = {
         "name": "main",
@@ -294,7 +276,7 @@ def test_missing_mandatory_configmap_holds_the_pod_until_it_appears(
 
 
 def test_editing_a_mounted_configmap_reaches_the_provider(
-    mock_node: MockNode, kubectl: Kubectl, ns: str
+    mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
 ) -> None:
     kubectl("-n", ns, "create", "configmap", "site", "--from-literal=index.html=v1")
     manifest = pod_manifest(
@@ -324,7 +306,7 @@ def test_editing_a_mounted_configmap_reaches_the_provider(
 
 
 def test_a_pod_the_provider_rejects_fails_with_its_reason_and_others_still_run(
-    mock_node: MockNode, kubectl: Kubectl, ns: str
+    mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
 ) -> None:
     bad = pod_manifest(
         "bad", mock_node.name, annotations={"mock.vkubelet.io/fail": "UnsupportedImage"}
@@ -350,7 +332,7 @@ def test_a_pod_the_provider_rejects_fails_with_its_reason_and_others_still_run(
 
 
 def test_deleting_the_node_object_gets_it_registered_again(
-    mock_node: MockNode, kubectl: Kubectl
+    mock_node: StatefulMockNode, kubectl: Kubectl
 ) -> None:
     before = kubectl.json("get", "node", mock_node.name)["metadata"]["uid"]
     kubectl("delete", "node", mock_node.name)
@@ -364,7 +346,7 @@ def test_deleting_the_node_object_gets_it_registered_again(
 
 
 def test_agent_restart_keeps_every_pod_without_recreating_it(
-    mock_node: MockNode, kubectl: Kubectl, ns: str
+    mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
 ) -> None:
     for name in ("keep-1", "keep-2"):
         kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(pod_manifest(name, mock_node.name)))
@@ -399,7 +381,7 @@ def test_agent_restart_keeps_every_pod_without_recreating_it(
 
 
 def test_apiserver_outage_is_survived_and_no_change_is_missed(
-    kube_cluster: Cluster, mock_node: MockNode, kubectl: Kubectl, ns: str
+    kube_cluster: Cluster, mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
 ) -> None:
     for name in ("a", "b"):
         kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(pod_manifest(name, mock_node.name)))

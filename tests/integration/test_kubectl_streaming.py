@@ -22,68 +22,29 @@ import websocket  # websocket-client, the library the official Python client str
 from prometheus_client.parser import text_string_to_metric_families
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import AgentProcess, Kubectl, local_test_address, node_ready, wait_for
+from vkubelet.testing import Kubectl, local_test_address, mock_node, running_pod, wait_for
 
 
 @pytest.fixture(scope="module")
 def node(
     kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    name = f"vk-stream-{uuid.uuid4().hex[:6]}"
-    work = tmp_path_factory.mktemp(name)
-    (work / "mock.json").write_text(json.dumps({name: {"pods": "100"}}))
-    with local_test_address() as address:
-        agent = AgentProcess(
-            kube_cluster.kubeconfig,
-            [
-                "--provider",
-                "mock",
-                "--provider-config",
-                str(work / "mock.json"),
-                "--nodename",
-                name,
-                "--internal-ip",
-                address,
-                "--kubelet-port",
-                "0",
-                "--approve-own-csrs",
-                "--cert-dir",
-                str(work / "pki"),
-            ],
-            work / "agent.log",
-        ).start()
-        try:
-            wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")
-            wait_for(lambda: "listening on port" in agent.log(), timeout=60, what="kubelet API")
-            yield name
-        finally:
-            agent.stop()
-            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+    with (
+        local_test_address() as address,
+        mock_node(
+            kube_cluster,
+            kubectl,
+            tmp_path_factory.mktemp("node"),
+            prefix="vk-stream",
+            address=address,
+        ) as node,
+    ):
+        yield node.name
 
 
 @pytest.fixture(scope="module")
 def pod(node: str, kubectl: Kubectl) -> Iterator[str]:
-    name = f"p-{uuid.uuid4().hex[:6]}"
-    manifest = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeName": node,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "registry.example/app:1",
-                    "env": [{"name": "GREETING", "value": "hi there"}],
-                }
-            ],
-        },
-    }
-    kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    wait_for(
-        lambda: kubectl.json("get", "pod", name)["status"].get("phase") == "Running",
-        what="pod Running",
-    )
+    name = running_pod(kubectl, node, env=[{"name": "GREETING", "value": "hi there"}])
     yield name
     kubectl("delete", "pod", name, "--wait=false")
 

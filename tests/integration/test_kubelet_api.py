@@ -11,82 +11,40 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import AgentProcess, Kubectl, local_test_address, node_ready, wait_for
+from vkubelet.testing import Kubectl, MockNode, local_test_address, mock_node, running_pod
 
 
-@dataclass
-class KubeletNode:
-    name: str
-    address: str
-    agent: AgentProcess
-
-    def port(self, kubectl: Kubectl) -> int:
-        node = kubectl.json("get", "node", self.name)
-        return int(node["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"])
+def kubelet_port(node: MockNode, kubectl: Kubectl) -> int:
+    status = kubectl.json("get", "node", node.name)["status"]
+    return int(status["daemonEndpoints"]["kubeletEndpoint"]["Port"])
 
 
 @pytest.fixture(scope="module")
 def kubelet_node(
     kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KubeletNode]:
-    name = f"vk-api-{uuid.uuid4().hex[:6]}"
-    work = tmp_path_factory.mktemp(name)
-    config = work / "mock.json"
-    config.write_text(json.dumps({name: {"pods": "100"}}))
-    with local_test_address() as address:
-        agent = AgentProcess(
-            kube_cluster.kubeconfig,
-            [
-                "--provider",
-                "mock",
-                "--provider-config",
-                str(config),
-                "--nodename",
-                name,
-                "--internal-ip",
-                address,
-                "--kubelet-port",
-                "0",
-                "--approve-own-csrs",
-                "--cert-dir",
-                str(work / "pki"),
-            ],
-            work / "agent.log",
-        ).start()
-        node = KubeletNode(name, address, agent)
-        try:
-            wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")
-            wait_for(lambda: "listening on port" in agent.log(), timeout=60, what="kubelet API up")
-            yield node
-        finally:
-            agent.stop()
-            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+) -> Iterator[MockNode]:
+    with (
+        local_test_address() as address,
+        mock_node(
+            kube_cluster,
+            kubectl,
+            tmp_path_factory.mktemp("node"),
+            prefix="vk-api",
+            address=address,
+        ) as node,
+    ):
+        yield node
 
 
 @pytest.fixture(scope="module")
-def pod(kubelet_node: KubeletNode, kubectl: Kubectl) -> Iterator[str]:
-    name = f"p-{uuid.uuid4().hex[:6]}"
-    manifest = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeName": kubelet_node.name,
-            "containers": [{"name": "main", "image": "registry.example/app:1"}],
-        },
-    }
-    kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    wait_for(
-        lambda: kubectl.json("get", "pod", name)["status"].get("phase") == "Running",
-        what="pod Running",
-    )
+def pod(kubelet_node: MockNode, kubectl: Kubectl) -> Iterator[str]:
+    name = running_pod(kubectl, kubelet_node.name)
     yield name
     kubectl("delete", "pod", name, "--wait=false")
 
@@ -145,7 +103,7 @@ def test_logs_of_a_previous_container_show_the_providers_message(
     assert f'previous terminated container "main" in pod "{pod}" not found' in result.stderr
 
 
-def test_node_proxy_reaches_the_kubelet_api(kubelet_node: KubeletNode, kubectl: Kubectl) -> None:
+def test_node_proxy_reaches_the_kubelet_api(kubelet_node: MockNode, kubectl: Kubectl) -> None:
     base = f"/api/v1/nodes/{kubelet_node.name}/proxy"
     assert kubectl("get", "--raw", f"{base}/healthz").stdout.strip() == "ok"
     pods = json.loads(kubectl("get", "--raw", f"{base}/pods").stdout)
@@ -165,9 +123,9 @@ def _get(url: str, context: ssl.SSLContext, token: str | None = None) -> int:
 
 
 def test_direct_requests_are_authenticated_and_authorized(
-    kube_cluster: Cluster, kubelet_node: KubeletNode, kubectl: Kubectl, tmp_path: Path
+    kube_cluster: Cluster, kubelet_node: MockNode, kubectl: Kubectl, tmp_path: Path
 ) -> None:
-    port = kubelet_node.port(kubectl)
+    port = kubelet_port(kubelet_node, kubectl)
     url = f"https://{kubelet_node.address}:{port}/pods"
     anonymous = ssl.create_default_context(cafile=str(kube_cluster.pki / "ca.crt"))
     anonymous.check_hostname = False  # the certificate names the node's IP; we are testing auth
@@ -190,7 +148,7 @@ def test_direct_requests_are_authenticated_and_authorized(
 
 
 def test_the_serving_certificate_came_from_an_approved_csr(
-    kubelet_node: KubeletNode, kubectl: Kubectl
+    kubelet_node: MockNode, kubectl: Kubectl
 ) -> None:
     csrs: list[dict[str, Any]] = kubectl.json("get", "csr")["items"]
     ours = [
