@@ -546,7 +546,7 @@ def cluster_for(name: str | None) -> tuple[Cluster, bool]:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pods", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--pods", type=int, nargs="*", default=[1000, 10000])
     parser.add_argument("--paced-rate", type=float, default=100.0)
     parser.add_argument("--paced-pods", type=int, default=1000)
     parser.add_argument("--idle-seconds", type=float, default=30.0)

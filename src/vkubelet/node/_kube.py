@@ -89,6 +89,13 @@ class ClientOptions:
     timeout: float = 30.0
 
 
+# Ordinary requests: a bounded pool (httpcore checks every pooled connection on each request, so
+# a large pool costs more than it brings; the apiserver is the limit anyway). Watches: no cap,
+# since each holds its connection for minutes, and none kept idle once a watch ends.
+_REQUESTS = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+_WATCHES = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+
+
 class KubeClient:
     def __init__(
         self,
@@ -100,22 +107,22 @@ class KubeClient:
         self.config = config
         self._options = options
         self._transport = transport
-        self._http = self._new_http(config)
+        # Two pools: long-lived watches (one per node and per watched object) in one, ordinary
+        # requests in the other. httpcore scans a pool's connections for every request, so a
+        # request sharing a pool with a thousand watches pays for each of them.
+        self._http = self._new_http(config, _REQUESTS)
+        self._watch_http = self._new_http(config, _WATCHES)
+        self._closing: set[asyncio.Future[None]] = set()
         self._bucket = TokenBucket(options.qps, options.burst) if options.qps else None
 
-    def _new_http(self, config: SingleConfig) -> httpx.AsyncClient:
+    def _new_http(self, config: SingleConfig, limits: httpx.Limits) -> httpx.AsyncClient:
         params = ConnectionParams(
             timeout=httpx.Timeout(self._options.timeout),
             trust_env=False,
             transport=self._transport,  # type: ignore[arg-type]  # lightkube annotates the sync type
             http2=self._options.http2,
         )
-        # No cap on connections: each watch holds one for minutes (one per node and per watched
-        # ConfigMap/Secret), and a cap would make ordinary requests queue behind them.
-        return httpx.AsyncClient(
-            **params.httpx_params(config),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        return httpx.AsyncClient(**params.httpx_params(config), limits=limits)
 
     @classmethod
     def from_kubeconfig(
@@ -135,13 +142,17 @@ class KubeClient:
     def reload(self, config: SingleConfig) -> None:
         """Switch to new credentials (a renewed client certificate). Requests in flight finish on
         the old connections; long watches end when those close, and their owners resume."""
-        old = self._http
+        old = (self._http, self._watch_http)
         self.config = config
-        self._http = self._new_http(config)
-        asyncio.get_running_loop().call_later(
-            30,
-            lambda: asyncio.ensure_future(old.aclose()),
-        )
+        self._http = self._new_http(config, _REQUESTS)
+        self._watch_http = self._new_http(config, _WATCHES)
+        asyncio.get_running_loop().call_later(30, self._close_later, old)
+
+    def _close_later(self, clients: tuple[httpx.AsyncClient, ...]) -> None:
+        for client in clients:
+            task = asyncio.ensure_future(client.aclose())
+            self._closing.add(task)  # keep a reference until it is done
+            task.add_done_callback(self._closing.discard)
 
     @property
     def server(self) -> str:
@@ -149,6 +160,7 @@ class KubeClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        await self._watch_http.aclose()
 
     async def request(
         self,
@@ -219,7 +231,9 @@ class KubeClient:
         query = {**params, "watch": "true", "timeoutSeconds": str(timeout_seconds)}
         timeout = httpx.Timeout(30.0, read=timeout_seconds + 30.0)
         try:
-            async with self._http.stream("GET", path, params=query, timeout=timeout) as response:
+            async with self._watch_http.stream(
+                "GET", path, params=query, timeout=timeout
+            ) as response:
                 if response.status_code >= 300:
                     raise _api_error(response.status_code, await response.aread())
                 async for line in response.aiter_lines():
