@@ -136,8 +136,13 @@ class Agent:
             async with asyncio.TaskGroup() as group:
                 if self.identity is not None:
                     group.create_task(self.identity.renew_forever(self.client))
-                for node in self.nodes:
-                    group.create_task(_supervise(node), name=f"node {node.settings.name}")
+                # Many nodes start spread over a few seconds rather than in one burst, which
+                # would delay every node's first lease renewals behind a thousand registrations.
+                spread = min(5.0 / max(len(self.nodes), 1), 0.05)
+                for index, node in enumerate(self.nodes):
+                    group.create_task(
+                        _supervise(node, delay=index * spread), name=f"node {node.settings.name}"
+                    )
                 if self.config.kubelet_api:
                     group.create_task(self._serve_kubelet_api(), name="kubelet API")
         finally:
@@ -254,7 +259,8 @@ def _pod_source(node: NodeAgent) -> Callable[[], list[bytes]]:
     return pods
 
 
-async def _supervise(node: NodeAgent) -> None:
+async def _supervise(node: NodeAgent, *, delay: float = 0.0) -> None:
+    await asyncio.sleep(delay)
     backoff = 1.0
     while True:
         try:

@@ -94,6 +94,7 @@ class ClientOptions:
 # since each holds its connection for minutes, and none kept idle once a watch ends.
 _REQUESTS = httpx.Limits(max_connections=64, max_keepalive_connections=64)
 _WATCHES = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+_HEARTBEATS = httpx.Limits(max_connections=16, max_keepalive_connections=16)
 
 
 class KubeClient:
@@ -112,6 +113,7 @@ class KubeClient:
         # request sharing a pool with a thousand watches pays for each of them.
         self._http = self._new_http(config, _REQUESTS)
         self._watch_http = self._new_http(config, _WATCHES)
+        self._heartbeat_http = self._new_http(config, _HEARTBEATS)
         self._closing: set[asyncio.Future[None]] = set()
         self._bucket = TokenBucket(options.qps, options.burst) if options.qps else None
 
@@ -142,10 +144,11 @@ class KubeClient:
     def reload(self, config: SingleConfig) -> None:
         """Switch to new credentials (a renewed client certificate). Requests in flight finish on
         the old connections; long watches end when those close, and their owners resume."""
-        old = (self._http, self._watch_http)
+        old = (self._http, self._watch_http, self._heartbeat_http)
         self.config = config
         self._http = self._new_http(config, _REQUESTS)
         self._watch_http = self._new_http(config, _WATCHES)
+        self._heartbeat_http = self._new_http(config, _HEARTBEATS)
         asyncio.get_running_loop().call_later(30, self._close_later, old)
 
     def _close_later(self, clients: tuple[httpx.AsyncClient, ...]) -> None:
@@ -161,6 +164,7 @@ class KubeClient:
     async def aclose(self) -> None:
         await self._http.aclose()
         await self._watch_http.aclose()
+        await self._heartbeat_http.aclose()
 
     async def request(
         self,
@@ -215,6 +219,22 @@ class KubeClient:
 
     async def patch(self, path: str, body: Any, content_type: str = MERGE_PATCH) -> JSON:
         return await self.request("PATCH", path, body=body, content_type=content_type)
+
+    async def heartbeat(self, path: str, body: Any, content_type: str = MERGE_PATCH) -> JSON:
+        """A PATCH on the heartbeat pool (lease renewals, node status), as the kubelet keeps a
+        separate heartbeat client: a node must not look dead because pod work is queued."""
+        if self._bucket:
+            await self._bucket.take()
+        try:
+            response = await self._heartbeat_http.request(
+                "PATCH", path, content=_encode(body), headers={"Content-Type": content_type}
+            )
+        except httpx.TransportError as e:
+            raise Unreachable(f"{self.server}: {e!r}") from e
+        if response.status_code >= 300:
+            raise _api_error(response.status_code, response.content)
+        decoded: JSON = _decode(response.content)
+        return decoded
 
     async def delete(self, path: str, body: Any = None) -> JSON:
         return await self.request("DELETE", path, body=body)

@@ -291,7 +291,7 @@ class NodeController:
 
     async def _patch_status(self, status: dict[str, Any]) -> None:
         status = {**status, "conditions": self._conditions()}
-        await self._client.patch(
+        await self._client.heartbeat(
             f"{self._path}/status", {"status": status}, content_type=STRATEGIC_MERGE_PATCH
         )
 
@@ -327,7 +327,7 @@ class NodeController:
             await self._renew()
 
     async def _renew(self) -> None:
-        await self._client.patch(
+        await self._client.heartbeat(
             self._lease_path,
             {
                 "spec": {
@@ -391,7 +391,9 @@ class NodeController:
                         self.late_renewals += 1
                     last = now
                     self.renewals += 1
-            await asyncio.sleep(interval)
+            # Keep the rhythm from the last renewal, not from the end of this one: a slow
+            # round-trip must not push every later renewal back by as much.
+            await asyncio.sleep(max(0.0, last + interval - loop.time()))
 
     async def _status_loop(self) -> None:
         while True:
