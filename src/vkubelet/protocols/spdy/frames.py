@@ -112,6 +112,13 @@ class SynStreamFrame:
         return _control_header(FrameType.SYN_STREAM, flags, len(payload)) + payload
 
 
+def _stream_header_frame(kind: FrameType, stream_id: int, block: bytes, fin: bool) -> bytes:
+    """SYN_REPLY and HEADERS share a layout: stream id, then a header block."""
+    _check_stream_id(stream_id)
+    payload = _U32.pack(stream_id) + block
+    return _control_header(kind, FLAG_FIN if fin else 0, len(payload)) + payload
+
+
 @dataclass(frozen=True, slots=True)
 class SynReplyFrame:
     stream_id: int
@@ -119,10 +126,9 @@ class SynReplyFrame:
     fin: bool = False
 
     def serialize(self) -> bytes:
-        _check_stream_id(self.stream_id)
-        payload = _U32.pack(self.stream_id) + self.header_block
-        flags = FLAG_FIN if self.fin else 0
-        return _control_header(FrameType.SYN_REPLY, flags, len(payload)) + payload
+        return _stream_header_frame(
+            FrameType.SYN_REPLY, self.stream_id, self.header_block, self.fin
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,10 +189,7 @@ class HeadersFrame:
     fin: bool = False
 
     def serialize(self) -> bytes:
-        _check_stream_id(self.stream_id)
-        payload = _U32.pack(self.stream_id) + self.header_block
-        flags = FLAG_FIN if self.fin else 0
-        return _control_header(FrameType.HEADERS, flags, len(payload)) + payload
+        return _stream_header_frame(FrameType.HEADERS, self.stream_id, self.header_block, self.fin)
 
 
 @dataclass(frozen=True, slots=True)
