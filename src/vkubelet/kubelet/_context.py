@@ -10,9 +10,11 @@ from typing import Any
 from lightkube.resources.core_v1 import Pod
 
 from ..node.provider import PodLifecycleHandler
+from ..protocols.remotecommand import HEADER_ACCEPTED_PROTOCOL_VERSIONS, HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import SpdyLimits
 from ._http import Exchange, HttpError, Request
 from ._metrics import ServerMetrics
+from ._spdy import SpdySession
 from ._websocket import accept_token
 
 PodSource = Callable[[], Iterable[Pod | bytes]]
@@ -159,3 +161,31 @@ def websocket_accept_headers(request: Request, subprotocol: str) -> list[tuple[s
     if subprotocol:
         headers.append(("Sec-WebSocket-Protocol", subprotocol))
     return headers
+
+
+async def start_spdy_session(
+    call: Call, chosen: str | None, offered: list[str], accepted: list[str]
+) -> SpdySession:
+    """Answer an `Upgrade: SPDY/3.1` request: 400 (with the versions we accept) when the
+    negotiation found nothing, else 101 and a running session over the same connection."""
+    if chosen is None:
+        raise HttpError(
+            400,
+            f"unable to upgrade: unable to negotiate protocol: client supports {offered}, "
+            f"server accepts {accepted}",
+            [(HEADER_ACCEPTED_PROTOCOL_VERSIONS, p) for p in accepted],
+        )
+    trailing = await call.exchange.switch_protocols(
+        [("Connection", "Upgrade"), ("Upgrade", "SPDY/3.1"), (HEADER_PROTOCOL_VERSION, chosen)]
+    )
+    config = call.config
+    session = SpdySession(
+        call.exchange.reader,
+        call.exchange.writer,
+        trailing,
+        limits=config.spdy_limits,
+        idle_timeout=config.stream_idle_timeout,
+        stream_buffer=config.stream_buffer,
+    )
+    session.start()
+    return session

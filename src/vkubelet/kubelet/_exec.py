@@ -23,7 +23,6 @@ from ..node.capabilities import (
     ResizeQueue,
 )
 from ..protocols.remotecommand import (
-    HEADER_ACCEPTED_PROTOCOL_VERSIONS,
     HEADER_PROTOCOL_VERSION,
     SPDY_EXEC_PROTOCOLS,
     WEBSOCKET_EXEC_PROTOCOLS,
@@ -40,7 +39,13 @@ from ..protocols.remotecommand import (
     stream_type,
 )
 from ..protocols.spdy import RstStatus
-from ._context import Call, upgrade_kind, websocket_accept_headers, websocket_subprotocols
+from ._context import (
+    Call,
+    start_spdy_session,
+    upgrade_kind,
+    websocket_accept_headers,
+    websocket_subprotocols,
+)
 from ._http import HttpError
 from ._spdy import SpdySession, SpdyStream
 from ._websocket import WebSocketSession
@@ -118,30 +123,11 @@ async def _serve(call: Call, kind: str, run: Runner) -> None:
 async def _serve_spdy(call: Call, options: StreamOptions, run: Runner) -> None:
     offered = call.request.header_values(HEADER_PROTOCOL_VERSION)
     protocol = negotiate_spdy_exec(offered)
-    if protocol is None:
-        raise HttpError(
-            400,
-            f"unable to upgrade: unable to negotiate protocol: client supports {offered}, "
-            f"server accepts {list(SPDY_EXEC_PROTOCOLS)}",
-            [(HEADER_ACCEPTED_PROTOCOL_VERSIONS, p) for p in SPDY_EXEC_PROTOCOLS],
-        )
-    trailing = await call.exchange.switch_protocols(
-        [
-            ("Connection", "Upgrade"),
-            ("Upgrade", "SPDY/3.1"),
-            (HEADER_PROTOCOL_VERSION, protocol.name),
-        ]
+    session = await start_spdy_session(
+        call, protocol.name if protocol else None, offered, list(SPDY_EXEC_PROTOCOLS)
     )
+    assert protocol is not None  # start_spdy_session refused the request otherwise
     config = call.config
-    session = SpdySession(
-        call.exchange.reader,
-        call.exchange.writer,
-        trailing,
-        limits=config.spdy_limits,
-        idle_timeout=config.stream_idle_timeout,
-        stream_buffer=config.stream_buffer,
-    )
-    session.start()
     refuser: asyncio.Task[None] | None = None
     streams: dict[StreamType, SpdyStream] = {}
     grace = 0.0  # nothing worth waiting for unless we get to report a status

@@ -28,11 +28,17 @@ from ..protocols.portforward import (
     negotiate_websocket_portforward,
     parse_port_query,
 )
-from ..protocols.remotecommand import HEADER_ACCEPTED_PROTOCOL_VERSIONS, HEADER_PROTOCOL_VERSION
+from ..protocols.remotecommand import HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import RstStatus
-from ._context import Call, upgrade_kind, websocket_accept_headers, websocket_subprotocols
+from ._context import (
+    Call,
+    start_spdy_session,
+    upgrade_kind,
+    websocket_accept_headers,
+    websocket_subprotocols,
+)
 from ._http import HttpError
-from ._spdy import SpdySession, SpdyStream
+from ._spdy import SpdyStream
 from ._websocket import WebSocketSession, WsChannel
 
 log = logging.getLogger(__name__)
@@ -77,30 +83,9 @@ async def _forward(
 
 async def _serve_spdy(call: Call, forwarder: PortForwarder, uid: str) -> None:
     offered = call.request.header_values(HEADER_PROTOCOL_VERSION)
-    if negotiate_spdy_portforward(offered) is None:
-        raise HttpError(
-            400,
-            f"unable to upgrade: unable to negotiate protocol: client supports {offered}, "
-            f"server accepts {[PORT_FORWARD_PROTOCOL]}",
-            [(HEADER_ACCEPTED_PROTOCOL_VERSIONS, PORT_FORWARD_PROTOCOL)],
-        )
-    trailing = await call.exchange.switch_protocols(
-        [
-            ("Connection", "Upgrade"),
-            ("Upgrade", "SPDY/3.1"),
-            (HEADER_PROTOCOL_VERSION, PORT_FORWARD_PROTOCOL),
-        ]
-    )
+    chosen = PORT_FORWARD_PROTOCOL if negotiate_spdy_portforward(offered) else None
+    session = await start_spdy_session(call, chosen, offered, [PORT_FORWARD_PROTOCOL])
     config = call.config
-    session = SpdySession(
-        call.exchange.reader,
-        call.exchange.writer,
-        trailing,
-        limits=config.spdy_limits,
-        idle_timeout=config.stream_idle_timeout,
-        stream_buffer=config.stream_buffer,
-    )
-    session.start()
     pairer = StreamPairer()
     timers: dict[str, asyncio.TimerHandle] = {}
     tasks: set[asyncio.Task[None]] = set()
