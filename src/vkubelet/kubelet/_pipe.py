@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
+from collections.abc import Callable
 
 
 class InboundPipe:
@@ -69,3 +71,18 @@ class InboundPipe:
         if self._size <= self._high_water:
             self._writable.set()
         return chunk
+
+
+async def shut_down(
+    reader: asyncio.Task[None] | None, end: Callable[[], None], writer: asyncio.StreamWriter
+) -> None:
+    """The last step of closing a streaming session (SPDY or WebSocket): stop its read loop,
+    end every stream (`end`), then close the socket."""
+    if reader is not None:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+    end()
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()

@@ -24,7 +24,7 @@ from ..protocols.spdy import (
     StreamReset,
     StreamStateError,
 )
-from ._pipe import InboundPipe
+from ._pipe import InboundPipe, shut_down
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +125,7 @@ class SpdySession:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(grace):
                     await self.closed.wait()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._end()
-        self._writer.close()
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
+        await shut_down(self._task, self._end, self._writer)
 
     async def accept(self) -> SpdyStream | None:
         """The next stream the client opens, or None once the connection has ended."""

@@ -19,7 +19,7 @@ from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import LocalProtocolError, generate_accept_token
 
 from ..protocols.channel import ChannelClose, ChannelData, ChannelError, ChannelFraming
-from ._pipe import InboundPipe
+from ._pipe import InboundPipe, shut_down
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +137,7 @@ class WebSocketSession:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(grace):
                     await self.closed.wait()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._end()
-        self._writer.close()
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
+        await shut_down(self._task, self._end, self._writer)
 
     # --- input ----------------------------------------------------------------------------
 
