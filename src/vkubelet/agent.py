@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import dataclasses
 import logging
 import socket
 import ssl
@@ -22,12 +24,12 @@ from .node import AgentConfig, ApiError, ConfigError, KubeClient, NodeAgent, Nod
 from .node._certs import ClientIdentity, ServingCertificate
 from .node._registry import ProviderContext, load_provider
 from .node._resolution import ServiceCache
-from .node.provider import PodLifecycleHandler
+from .node.provider import FleetNode, NodeFleet, PodLifecycleHandler
 
 log = logging.getLogger(__name__)
 
 
-def build_provider(spec: NodeSpec) -> PodLifecycleHandler:
+def build_provider(spec: NodeSpec) -> PodLifecycleHandler | NodeFleet:
     factory = load_provider(spec.settings.provider)
     return factory(
         ProviderContext(
@@ -63,10 +65,29 @@ class Agent:
             if spec.settings.kubelet_port == 0:  # tests and many-node setups: any free port
                 spec.settings.kubelet_port = _free_port()
         # Providers are built up front so that a bad config fails the start, loudly.
-        self.providers = [build_provider(spec) for spec in config.nodes]
+        self.providers: list[PodLifecycleHandler] = []
+        self._single: list[NodeSpec] = []
+        self.fleets: list[tuple[NodeSpec, NodeFleet]] = []
+        for spec in config.nodes:
+            built = build_provider(spec)
+            if isinstance(built, NodeFleet):
+                if self.identity is not None:
+                    raise ConfigError(
+                        f"{spec.settings.name}: a fleet of nodes cannot run under one node's "
+                        "bootstrap identity; give the agent an identity with RBAC rights"
+                    )
+                self.fleets.append((spec, built))
+            else:
+                self.providers.append(built)
+                self._single.append(spec)
         self._client = client
         self.nodes: list[NodeAgent] = []
         self.servers: list[KubeletServer] = []
+        self._fleet_members: dict[str, _Member] = {}
+        self._servers_ready = asyncio.Event()
+        self._fleet_tls: dict[str, ssl.SSLContext] = {}  # fleet name -> its serving context
+        self._auth: KubeletAuth | None = None
+        self._services: ServiceCache | None = None
 
     @property
     def client(self) -> KubeClient:
@@ -81,16 +102,16 @@ class Agent:
             kubeconfig = self.identity.kubeconfig
         if self._client is None:
             self._client = KubeClient.from_kubeconfig(kubeconfig, options=self.config.client)
-        services = ServiceCache(self.client)  # one Service watch for all nodes
+        self._services = ServiceCache(self.client)  # one Service watch for all nodes
         self.nodes = [
             NodeAgent(
                 self.client,
                 spec.settings,
                 provider,
-                services=services,
+                services=self._services,
                 workers=self.config.workers,
             )
-            for spec, provider in zip(self.config.nodes, self.providers, strict=True)
+            for spec, provider in zip(self._single, self.providers, strict=True)
         ]
 
     async def identify(self) -> str:
@@ -145,9 +166,18 @@ class Agent:
                     )
                 if self.config.kubelet_api:
                     group.create_task(self._serve_kubelet_api(), name="kubelet API")
+                else:
+                    self._servers_ready.set()
+                for spec, fleet in self.fleets:
+                    group.create_task(
+                        self._run_fleet(spec, fleet), name=f"fleet {spec.settings.name}"
+                    )
         finally:
-            for server in self.servers:
-                await server.close()
+            for member in self._fleet_members.values():
+                member.task.cancel()
+            for server in [*self.servers, *(m.server for m in self._fleet_members.values())]:
+                if server is not None:
+                    await server.close()
             await self.client.aclose()
 
     async def _serve_kubelet_api(self) -> None:
@@ -163,51 +193,208 @@ class Agent:
                 backoff = min(backoff * 2, 60)
 
     async def _start_servers(self) -> None:
-        config = self.config
         by_port: dict[int, list[NodeAgent]] = {}
         for node in self.nodes:
             by_port.setdefault(node.settings.kubelet_port, []).append(node)
         client_ca = await self._client_ca_file()
         renewals = []
-        for port, nodes in by_port.items():
-            if config.tls_cert_file and config.tls_key_file:
-                cert, key = config.tls_cert_file, config.tls_key_file
-                certificate = None
-            else:
-                addresses = [a for n in nodes for a in n.settings.address_list()]
-                certificate = ServingCertificate(
-                    self.client,
-                    node_name=nodes[0].settings.name,
-                    addresses=addresses,
-                    cert_dir=config.cert_dir,
-                    approve=config.approve_csrs,
-                )
-                await certificate.ensure()
-                cert, key = certificate.cert_path, certificate.key_path
-            context = server_ssl_context(cert, key, client_ca_file=client_ca)
-            auth = (
-                KubeletAuth.insecure_allow_all()
-                if config.insecure_kubelet_api
-                else KubeletAuth.webhook(self.client)
+        self._auth = self._kubelet_auth()
+        for spec, _ in self.fleets:
+            # Every member of a fleet is served at the fleet's address, each on a port of its
+            # own (so node-level requests such as /stats/summary reach the right member): one
+            # certificate for the address serves them all.
+            context, certificate = await self._serving_context(
+                spec.settings.name, spec.settings.address_list(), client_ca
             )
-            kubelet_nodes = [
-                KubeletNode(
-                    n.settings.name,
-                    n.provider,
-                    pods=_pod_source(n),
-                    port=port,
-                    addresses=tuple(n.settings.address_list()),
-                )
-                for n in nodes
-            ]
+            self._fleet_tls[spec.settings.name] = context
+            if certificate is not None:
+                renewals.append(asyncio.create_task(certificate.renew_forever()))
+        self._servers_ready.set()
+        for port, nodes in by_port.items():
+            addresses = [a for n in nodes for a in n.settings.address_list()]
+            context, certificate = await self._serving_context(
+                nodes[0].settings.name, addresses, client_ca
+            )
+            kubelet_nodes = [_kubelet_node(n, port) for n in nodes]
+            auth = self._auth
             for server in serve_nodes(kubelet_nodes, ssl_context=context, auth=auth):
                 await server.start()
                 self.servers.append(server)
             if certificate is not None:
-                certificate.on_renewed = _reloader(context)
                 renewals.append(asyncio.create_task(certificate.renew_forever()))
         if renewals:
             await asyncio.gather(*renewals)
+
+    def _kubelet_auth(self) -> KubeletAuth:
+        if self.config.insecure_kubelet_api:
+            return KubeletAuth.insecure_allow_all()
+        return KubeletAuth.webhook(self.client)
+
+    async def _serving_context(
+        self, name: str, addresses: list[str], client_ca: Path | None
+    ) -> tuple[ssl.SSLContext, ServingCertificate | None]:
+        """The TLS context of a kubelet port: given files, or a certificate from a CSR (whose
+        renewals reach the context: new connections get the new certificate)."""
+        config = self.config
+        if config.tls_cert_file and config.tls_key_file:
+            return server_ssl_context(
+                config.tls_cert_file, config.tls_key_file, client_ca_file=client_ca
+            ), None
+        certificate = ServingCertificate(
+            self.client,
+            node_name=name,
+            addresses=addresses,
+            cert_dir=config.cert_dir,
+            approve=config.approve_csrs,
+        )
+        await certificate.ensure()
+        context = server_ssl_context(
+            certificate.cert_path, certificate.key_path, client_ca_file=client_ca
+        )
+        certificate.on_renewed = _reloader(context)
+        return context, certificate
+
+    # -- fleets -------------------------------------------------------------------------------
+    async def _run_fleet(self, spec: NodeSpec, fleet: NodeFleet) -> None:
+        """Keep one node agent per member of the fleet: start new members, drain gone ones,
+        and restart (without draining) the agent of a member that changed."""
+        mine: set[str] = set()
+        drains: dict[str, asyncio.Task[None]] = {}
+        async for members in fleet.watch_nodes():
+            wanted = {m.name: m for m in members}
+            for name in sorted(mine - set(wanted)):
+                mine.discard(name)
+                drains[name] = asyncio.create_task(self._drain(name), name=f"drain {name}")
+            for name, member in wanted.items():
+                running = self._fleet_members.get(name)
+                if name in mine and running is not None:
+                    if running.member is not member:
+                        await self._stop_member(name)
+                        await self._start_member(spec, member)
+                    continue
+                if name in drains:
+                    await drains.pop(name)  # gone and back: the old node finishes draining first
+                elif name in self._fleet_members or any(
+                    n.settings.name == name for n in self.nodes
+                ):
+                    log.error("fleet %s: node %s exists already; skipped", spec.settings.name, name)
+                    continue
+                mine.add(name)
+                await self._start_member(spec, member)
+            for name in [n for n, t in drains.items() if t.done()]:
+                drains.pop(name)
+
+    async def _stop_member(self, name: str) -> None:
+        member = self._fleet_members.pop(name)
+        member.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await member.task
+        if member.server is not None:
+            await member.server.close()
+        closer = getattr(member.node.provider, "aclose", None)
+        if closer is not None:
+            with contextlib.suppress(Exception):
+                await closer()
+
+    async def _start_member(self, spec: NodeSpec, member: FleetNode) -> None:
+        settings = dataclasses.replace(
+            spec.settings,
+            name=member.name,
+            labels={**spec.settings.labels, **member.labels},
+            taints=[dict(t) for t in member.taints]
+            if member.taints is not None
+            else spec.settings.taints,
+            addresses=[dict(a) for a in spec.settings.addresses],
+            kubelet_port=_free_port() if self.config.kubelet_api else 0,
+        )
+        assert self._services is not None
+        node = NodeAgent(
+            self.client,
+            settings,
+            member.provider,
+            services=self._services,
+            workers=self.config.workers,
+        )
+        server: KubeletServer | None = None
+        if self.config.kubelet_api:
+            await self._servers_ready.wait()
+            assert self._auth is not None
+            [server] = serve_nodes(
+                [_kubelet_node(node, settings.kubelet_port)],
+                ssl_context=self._fleet_tls[spec.settings.name],
+                auth=self._auth,
+            )
+            await server.start()
+        task = asyncio.create_task(_supervise(node), name=f"node {member.name}")
+        self._fleet_members[member.name] = _Member(member, node, task, server)
+        log.info("fleet %s: node %s started", spec.settings.name, member.name)
+
+    async def _drain(self, name: str) -> None:
+        """A member left its fleet: cordon its node, evict its pods, then delete the node.
+
+        The node's agent keeps running meanwhile, so the evicted pods stop gracefully on the
+        member's backend; disruption budgets are respected (an eviction they refuse is retried).
+        """
+        member = self._fleet_members[name]
+        path = f"/api/v1/nodes/{name}"
+        log.info("node %s left its fleet: draining it", name)
+        while True:
+            try:
+                await self.client.patch(path, {"spec": {"unschedulable": True}})
+                break
+            except ApiError as e:
+                if e.not_found:
+                    break
+                log.warning("node %s: cannot cordon it (%s); retrying", name, e)
+            except Unreachable:
+                pass
+            await asyncio.sleep(5)
+        while pods := [r for r in member.node.pods.reflector.items.values()]:
+            for record in pods:
+                if record.deleting:
+                    continue
+                eviction = {
+                    "apiVersion": "policy/v1",
+                    "kind": "Eviction",
+                    "metadata": {"name": record.name, "namespace": record.namespace},
+                }
+                with contextlib.suppress(Unreachable):
+                    try:
+                        await self.client.create(
+                            f"/api/v1/namespaces/{record.namespace}/pods/{record.name}/eviction",
+                            eviction,
+                        )
+                    except ApiError as e:
+                        if e.status == 429:
+                            log.info(
+                                "node %s: eviction of %s/%s refused for now: %s",
+                                name,
+                                record.namespace,
+                                record.name,
+                                e,
+                            )
+                        elif not e.not_found:
+                            log.warning(
+                                "node %s: cannot evict %s/%s: %s",
+                                name,
+                                record.namespace,
+                                record.name,
+                                e,
+                            )
+            await asyncio.sleep(2)
+        await self._stop_member(name)
+        while True:
+            try:
+                await self.client.delete(path)
+                break
+            except ApiError as e:
+                if e.not_found:
+                    break
+                log.warning("node %s: cannot delete it (%s); retrying", name, e)
+            except Unreachable:
+                pass
+            await asyncio.sleep(5)
+        log.info("node %s drained and deleted", name)
 
     async def _client_ca_file(self) -> Path | None:
         """The CA that signs the apiserver's kubelet client certificate.
@@ -250,6 +437,24 @@ def _reloader(context: ssl.SSLContext) -> Callable[[Path, Path], None]:
         log.info("serving certificate renewed")
 
     return reload
+
+
+@dataclasses.dataclass
+class _Member:
+    member: FleetNode
+    node: NodeAgent
+    task: asyncio.Task[None]
+    server: KubeletServer | None
+
+
+def _kubelet_node(node: NodeAgent, port: int) -> KubeletNode:
+    return KubeletNode(
+        node.settings.name,
+        node.provider,
+        pods=_pod_source(node),
+        port=port,
+        addresses=tuple(node.settings.address_list()),
+    )
 
 
 def _pod_source(node: NodeAgent) -> Callable[[], list[bytes]]:

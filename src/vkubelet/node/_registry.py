@@ -5,7 +5,8 @@ A third-party package ships a provider by declaring, in its pyproject.toml:
     [project.entry-points."vkubelet.providers"]
     mine = "my_package.provider:create"
 
-where `create(context: ProviderContext)` returns an object implementing `PodLifecycleHandler`.
+where `create(context: ProviderContext)` returns an object implementing `PodLifecycleHandler`
+(one node) or `NodeFleet` (a changing set of nodes, e.g. one per device).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
-from .provider import PodLifecycleHandler
+from .provider import NodeFleet, PodLifecycleHandler
 
 GROUP = "vkubelet.providers"
 
@@ -30,7 +31,7 @@ class ProviderContext:
     kubelet_port: int
 
 
-ProviderFactory = Callable[[ProviderContext], PodLifecycleHandler]
+ProviderFactory = Callable[[ProviderContext], PodLifecycleHandler | NodeFleet]
 
 
 class UnknownProvider(LookupError):

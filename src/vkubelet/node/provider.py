@@ -14,7 +14,7 @@ talks to the apiserver for that.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol, runtime_checkable
@@ -27,8 +27,10 @@ from .resolve import ResolvedVolume
 __all__ = [
     "ContainerLogOptions",
     "ContainerLogs",
+    "FleetNode",
     "Node",
     "NodeConfigurer",
+    "NodeFleet",
     "NodeProvider",
     "NodeStatusNotifier",
     "Pod",
@@ -151,3 +153,36 @@ class ContainerLogs(Protocol):
     def container_logs(
         self, namespace: str, pod: str, container: str, options: ContainerLogOptions
     ) -> AsyncIterator[bytes]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class FleetNode:
+    """One node of a fleet: its name, its own labels and taints, and the provider that runs it.
+
+    The agent's node settings (kubelet port, address, provider taint) apply to every member;
+    `labels` are added to them and `taints`, when given, replace them.
+    """
+
+    name: str
+    provider: PodLifecycleHandler
+    labels: Mapping[str, str] = field(default_factory=dict)
+    taints: Sequence[Mapping[str, str]] | None = None
+
+
+@runtime_checkable
+class NodeFleet(Protocol):
+    """Optional, instead of a single provider: a provider config that stands for a changing set
+    of nodes, such as one node per device in an inventory file that is edited at run time.
+
+    A provider factory may return a `NodeFleet`. The agent then runs one node per member: a new
+    member is registered as soon as it appears; a member that disappears is cordoned, its pods
+    are evicted (respecting disruption budgets) and, once none is left, its Node is deleted.
+    """
+
+    def watch_nodes(self) -> AsyncIterator[Sequence[FleetNode]]:
+        """Yield the whole current set of members at once, then again after every change.
+
+        A member is identified by its name: yield the same `FleetNode` (or one with the same
+        name) to keep a node as it is.
+        """
+        ...

@@ -434,6 +434,9 @@ class FakeApiServer:
             return _json(200, found)
         if method == "POST" and resource == "serviceaccounts" and sub == "token":
             return _json(201, self._token(namespace or "", name, body))
+        if method == "POST" and resource == "pods" and sub == "eviction":
+            self._delete(resource, namespace, name, dict((body or {}).get("deleteOptions") or {}))
+            return _json(201, {"kind": "Status", "status": "Success"})
         if method == "PATCH":
             return _json(200, self._patch(resource, namespace, name, sub, body, content_type))
         if method == "PUT":

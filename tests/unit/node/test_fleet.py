@@ -1,0 +1,115 @@
+"""A fleet provider: nodes that come and go with the provider's inventory."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+import vkubelet.agent
+from vkubelet.agent import Agent
+from vkubelet.node import AgentConfig, FleetNode, NodeSpec
+from vkubelet.providers.mock import MockConfig, MockProvider
+
+from .fakeapi import FakeApiServer
+from .helpers import NS, cancel_and_wait, eventually, phase_of, pod
+from .test_nodecontroller import lease_of, settings
+
+
+class Fleet:
+    """A fleet whose members the test sets; each change is published at once."""
+
+    def __init__(self) -> None:
+        self.members: list[FleetNode] = []
+        self._changed = asyncio.Event()
+
+    def publish(self, members: list[FleetNode]) -> None:
+        self.members = members
+        self._changed.set()
+
+    async def watch_nodes(self) -> AsyncIterator[Sequence[FleetNode]]:
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            yield list(self.members)
+
+
+def member(name: str, **labels: str) -> FleetNode:
+    return FleetNode(name=name, provider=MockProvider(name, MockConfig()), labels=labels)
+
+
+@pytest.fixture
+def api() -> FakeApiServer:
+    return FakeApiServer()
+
+
+@pytest.fixture
+def fleet(monkeypatch: pytest.MonkeyPatch) -> Fleet:
+    made = Fleet()
+    monkeypatch.setattr(vkubelet.agent, "build_provider", lambda spec: made)
+    return made
+
+
+async def start(api: FakeApiServer) -> tuple[Agent, asyncio.Task[None]]:
+    config = AgentConfig(nodes=[NodeSpec(settings(name="lab"))], workers=4, kubelet_api=False)
+    agent = Agent(config, client=api.client())
+    return agent, asyncio.create_task(agent.run())
+
+
+async def test_each_member_of_a_fleet_becomes_a_node_with_its_labels(
+    api: FakeApiServer, fleet: Fleet
+) -> None:
+    agent, task = await start(api)
+    try:
+        fleet.publish([member("dev-a", model="rpi4"), member("dev-b")])
+        await eventually(
+            lambda: lease_of(api, "dev-a") and lease_of(api, "dev-b"), what="both registered"
+        )
+        assert api.get("nodes", "dev-a")["metadata"]["labels"]["model"] == "rpi4"  # type: ignore[index]
+        assert api.get("nodes", "lab") is None  # the fleet's own name is no node
+        api.create("pods", pod("on-b", node="dev-b"))
+        await eventually(lambda: phase_of(api, "on-b") == "Running")
+    finally:
+        await cancel_and_wait(task)
+
+
+async def test_a_member_that_leaves_is_cordoned_drained_then_deleted(
+    api: FakeApiServer, fleet: Fleet
+) -> None:
+    agent, task = await start(api)
+    try:
+        a, b = member("dev-a"), member("dev-b")
+        fleet.publish([a, b])
+        await eventually(lambda: lease_of(api, "dev-a") and lease_of(api, "dev-b"))
+        api.create("pods", pod("on-a", node="dev-a"))
+        await eventually(lambda: phase_of(api, "on-a") == "Running")
+        fleet.publish([b])
+        await eventually(
+            lambda: (api.get("nodes", "dev-a") or {}).get("spec", {}).get("unschedulable"),
+            what="dev-a cordoned",
+        )
+        await eventually(lambda: api.get("pods", "on-a", NS) is None, within=15)
+        await eventually(lambda: api.get("nodes", "dev-a") is None, within=10, what="node deleted")
+        assert api.get("nodes", "dev-b") is not None
+        assert not task.done()
+    finally:
+        await cancel_and_wait(task)
+
+
+async def test_a_changed_member_keeps_its_node_and_pods(api: FakeApiServer, fleet: Fleet) -> None:
+    agent, task = await start(api)
+    try:
+        provider = MockProvider("dev-a", MockConfig())
+        fleet.publish([FleetNode("dev-a", provider, labels={"v": "1"})])
+        await eventually(lambda: lease_of(api, "dev-a"))
+        api.create("pods", pod("p", node="dev-a"))
+        await eventually(lambda: phase_of(api, "p") == "Running")
+        fleet.publish([FleetNode("dev-a", provider, labels={"v": "2"})])
+        await eventually(
+            lambda: api.get("nodes", "dev-a")["metadata"]["labels"].get("v") == "2"  # type: ignore[index]
+        )
+        assert api.get("pods", "p", NS) is not None
+        assert provider.creates == 1
+    finally:
+        await cancel_and_wait(task)
