@@ -10,24 +10,33 @@ the same fixtures vkubelet's own suite uses:
 test session (the first run builds them from Go modules and caches them). Pass
 `--vkubelet-cluster NAME` to reuse a cluster started with `vkubelet dev cluster up --name NAME`
 and keep it running after the tests, which makes the edit-test loop fast.
+
+`ssh_devices` makes SSH "devices" for providers that manage machines over SSH: each a real sshd
+in its own network namespace, running as its own user, with a key to log in and a known_hosts
+file to verify it, and a link the test can take down (`ssh_lab` outside of pytest). Needs root.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import ipaddress
 import json
 import os
+import pwd
 import random
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -298,6 +307,488 @@ def local_test_address(name: str | None = None) -> Iterator[str]:
         subprocess.run(["ip", "netns", "del", tag], check=False, capture_output=True)
 
 
+# --- SSH device lab --------------------------------------------------------------------------
+#
+# Real sshd processes, one per "device", each in its own network namespace and running as its own
+# unprivileged user, so the SSH provider is tested against what it meets in the field: a separate
+# host it reaches over a network link that can fail, a user without root, host keys to verify.
+
+SSHD = "/usr/sbin/sshd"
+SSH_DEVICE_PORT = 2222
+_STD_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+@dataclass
+class TestDevice:
+    """One SSH device of an `ssh_lab`: an sshd in its own netns, reachable from the host."""
+
+    __test__ = False  # a helper that tests import, not a test class for pytest to collect
+
+    name: str  # dev-<lab>-<index>
+    netns: str
+    address: str  # the device's address in its netns, reachable from the host
+    host_address: str  # the host's end of the link
+    port: int  # sshd's port
+    user: str  # the device's own user; "root" for a root device
+    home: Path  # the user's home; for a root device a fresh directory (a pod directory)
+    key_path: Path  # ed25519 private key (mode 0600) that logs in as `user`
+    known_hosts: Path  # the device's host key for "[address]:port"
+    host_veth: str  # the host's end of the veth pair, which link_down() takes down
+
+    def run(self, script: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        """Run a sh script on the device as its user, in its netns, without going through SSH.
+
+        Assertions must not depend on the link or sshd the test is exercising. The working
+        directory is `home`; HOME and PATH are what an SSH session gets. Output goes to files,
+        not pipes, so a script may leave background processes behind without blocking here.
+        """
+        argv = ["ip", "netns", "exec", self.netns]
+        if self.user != "root":
+            argv += [_runuser(), "-u", self.user, "--"]
+        argv += ["/bin/sh", "-c", script]
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            done = subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=self.home,
+                env=_session_env(self.user),
+                timeout=timeout,
+                check=False,
+            )
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(
+                argv,
+                done.returncode,
+                out.read().decode(errors="replace"),
+                err.read().decode(errors="replace"),
+            )
+
+    def link_down(self) -> None:
+        """Cut the device off the network; it and its processes keep running."""
+        subprocess.run(["ip", "link", "set", self.host_veth, "down"], check=True)
+
+    def link_up(self) -> None:
+        subprocess.run(["ip", "link", "set", self.host_veth, "up"], check=True)
+
+    def pids(self, pattern: str) -> list[int]:
+        """Live processes of the device user, inside the device's netns, whose command line
+        (arguments joined with spaces) contains `pattern`. The netns filter keeps a root
+        device from matching the host's own processes."""
+        uid = pwd.getpwnam(self.user).pw_uid
+        inode = _netns_inode(self.netns)
+        if inode is None:  # the lab is gone
+            return []
+        found = []
+        for proc in _processes(inode):
+            if proc.uid == uid and not proc.zombie and pattern in proc.cmdline:
+                found.append(proc.pid)
+        return found
+
+
+@dataclass
+class _Proc:
+    pid: int
+    ppid: int
+    uid: int
+    netns: int  # 0 when unknown: a zombie has no namespaces left
+    zombie: bool
+    cmdline: str
+
+
+def _processes(netns_inode: int | None = None) -> Iterator[_Proc]:
+    """All processes, or those in the network namespace with inode `netns_inode`."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = Path(entry.path, "status").read_text()
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            try:
+                netns = Path(entry.path, "ns", "net").stat().st_ino
+            except OSError:
+                netns = 0
+            raw = Path(entry.path, "cmdline").read_bytes()
+        except OSError:
+            continue  # exited while we looked
+        if netns_inode is not None and netns != netns_inode:
+            continue
+        yield _Proc(
+            pid=int(entry.name),
+            ppid=int(fields["PPid"]),
+            uid=int(fields["Uid"].split()[0]),
+            netns=netns,
+            zombie=fields.get("State", "").strip().startswith(("Z", "X")),
+            cmdline=raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace"),
+        )
+
+
+def _netns_inode(netns: str) -> int | None:
+    try:
+        return Path("/run/netns", netns).stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _session_env(user: str) -> dict[str, str]:
+    """The environment an SSH session of `user` gets, not the test runner's (whose PATH may
+    point into /root, which the device user cannot read)."""
+    entry = pwd.getpwnam(user)
+    return {
+        "PATH": _STD_PATH,
+        "HOME": entry.pw_dir,
+        "USER": user,
+        "LOGNAME": user,
+        "SHELL": "/bin/sh",
+        "LANG": "C.UTF-8",
+    }
+
+
+def _runuser() -> str:
+    """runuser's absolute path: `ip netns exec` searches the session PATH, which has no sbin."""
+    return shutil.which("runuser") or "/usr/sbin/runuser"
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+
+
+def _must(result: subprocess.CompletedProcess[str]) -> None:
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, result.args))}: {result.stderr.strip()}")
+
+
+def _retry_shadow_tool(argv: list[str], busy_codes: tuple[int, ...]) -> int:
+    """Run useradd/userdel, retrying while another one (a parallel test run) holds the
+    /etc/passwd lock (exit 10) or for the codes in `busy_codes`."""
+    deadline = time.monotonic() + 30
+    while True:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode not in (10, *busy_codes) or time.monotonic() > deadline:
+            return done.returncode
+        time.sleep(0.2)
+
+
+class _DeviceSetup:
+    """What has been created for one device so far, so teardown undoes exactly that even when
+    setup failed halfway (and never deletes a user or netns it did not create)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.user: str | None = None  # set once *we* created the user
+        self.netns: str | None = None
+        self.veth: str | None = None
+        self.sshd: subprocess.Popen[bytes] | None = None
+
+    def close(self) -> None:
+        problems = []
+        survivors = self._kill_processes()
+        if survivors:
+            problems.append(f"processes still alive: {survivors}")
+        if self.sshd is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.sshd.wait(timeout=5)
+        if self.veth is not None:
+            _ip("link", "del", self.veth)  # also removes the peer; fine if already gone
+        if self.netns is not None:
+            result = _ip("netns", "del", self.netns)
+            if result.returncode != 0 and Path("/run/netns", self.netns).exists():
+                problems.append(f"ip netns del {self.netns}: {result.stderr.strip()}")
+        if self.user is not None:
+            code = _retry_shadow_tool(["userdel", "--remove", self.user], busy_codes=(8,))
+            if code == 8:  # "currently used by process": a zombie nobody reaped yet
+                code = _retry_shadow_tool(["userdel", "--force", "--remove", self.user], ())
+            # 6: no such user (someone removed it already); 12: home could not be removed
+            if code not in (0, 6, 12):
+                problems.append(f"userdel {self.user} exited {code}")
+        if problems:
+            raise RuntimeError(f"ssh_lab teardown of {self.name}: " + "; ".join(problems))
+
+    def _kill_processes(self) -> list[int]:
+        """SIGKILL everything of the device user and everything inside its netns, until none
+        is left: processes detach (setsid, double fork) and fork while we kill.
+
+        Leaves go first, so their parents (sshd, shells, runuser) are still alive to reap them
+        instead of leaving zombies for init; after a second, or for a shell loop that forks
+        new children as fast as we kill them, whatever is left goes at once.
+        """
+        uid = pwd.getpwnam(self.user).pw_uid if self.user else None
+        inode = _netns_inode(self.netns) if self.netns else None
+        if uid is None and inode is None:
+            return []
+        start = time.monotonic()
+        while True:
+            if self.sshd is not None:
+                self.sshd.poll()  # reap our own child
+            alive: dict[int, _Proc] = {}
+            for p in _processes():
+                mine = (uid is not None and p.uid == uid) or (inode and p.netns == inode)
+                if mine and not p.zombie:  # zombies are for their parent or init to reap
+                    alive[p.pid] = p
+            elapsed = time.monotonic() - start
+            if not alive or elapsed > 15:
+                return sorted(alive)
+            parents = {p.ppid for p in alive.values()}
+            leaves = [pid for pid in alive if pid not in parents]
+            for pid in alive if elapsed > 1 or not leaves else leaves:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+
+
+def _free_tag() -> str:
+    """6 hex digits not used by any user, netns or interface: names derive from it."""
+    existing_users = {entry.pw_name for entry in pwd.getpwall()}
+    for _ in range(100):
+        tag = uuid.uuid4().hex[:6]
+        if (
+            f"vkd-{tag}" not in existing_users
+            and not Path("/run/netns", f"vkd-{tag}").exists()
+            and not Path("/sys/class/net", f"vkd{tag}h").exists()
+        ):
+            return tag
+    raise RuntimeError("no free device tag")  # pragma: no cover - 16M names
+
+
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    result = _ip("-4", "-o", "addr", "show")
+    networks = []
+    for line in result.stdout.splitlines():
+        words = line.split()
+        if "inet" in words:
+            networks.append(ipaddress.ip_interface(words[words.index("inet") + 1]).network)
+    return [n for n in networks if isinstance(n, ipaddress.IPv4Network)]
+
+
+def _address_veth(veth: str) -> ipaddress.IPv4Network:
+    """Put a random free 10.251-254.x.y/30 on the host end `veth`.
+
+    Another lab (a parallel test run) may pick the same subnet between our check and our
+    `ip addr add`; each side then sees two holders and the later one moves on.
+    """
+    for _ in range(50):
+        net = ipaddress.IPv4Network(
+            (
+                f"10.{random.randrange(251, 255)}.{random.randrange(256)}"  # noqa: S311
+                f".{4 * random.randrange(64)}",  # noqa: S311
+                30,
+            )
+        )
+        if any(net.overlaps(used) for used in _used_networks()):
+            continue
+        added = _ip("addr", "add", f"{net[1]}/30", "dev", veth)
+        if added.returncode != 0:
+            if "File exists" in added.stderr:
+                continue
+            _must(added)
+        holders = _ip("-4", "-o", "addr", "show", "to", str(net)).stdout.splitlines()
+        if len(holders) == 1:
+            return net
+        _ip("addr", "del", f"{net[1]}/30", "dev", veth)
+        time.sleep(random.random() / 10)  # noqa: S311
+    raise RuntimeError("no free 10.251-254.x.y/30 subnet for a test device")
+
+
+def _keygen(path: Path, comment: str) -> str:
+    """A fresh ed25519 key pair at `path` (mode 0600) and `path.pub`; returns the public line."""
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        capture_output=True,
+    )
+    path.chmod(0o600)
+    return Path(f"{path}.pub").read_text().strip()
+
+
+def _wait_for_sshd(setup: _DeviceSetup, address: str, port: int, log: Path) -> None:
+    """Until sshd sends its banner to a connection from the host's side of the link, which
+    proves the listener, the route and the veth all work."""
+    deadline = time.monotonic() + 30
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        assert setup.sshd is not None
+        if setup.sshd.poll() is not None:
+            raise RuntimeError(
+                f"sshd of {setup.name} exited {setup.sshd.returncode}:\n"
+                + log.read_text(errors="replace")[-3000:]
+            )
+        try:
+            with socket.create_connection((address, port), timeout=2) as conn:
+                if conn.recv(64).startswith(b"SSH-"):
+                    return
+        except OSError as e:
+            last = e
+        time.sleep(0.05)
+    raise RuntimeError(
+        f"sshd of {setup.name} not accepting on {address}:{port} ({last}):\n"
+        + log.read_text(errors="replace")[-3000:]
+    )
+
+
+def _ensure_root_login_possible() -> None:
+    """sshd without PAM refuses accounts whose password field starts with "!" (locked), even
+    for public keys. Debian images ship root as "*", which is fine; fail clearly otherwise."""
+    with contextlib.suppress(OSError):
+        for line in Path("/etc/shadow").read_text().splitlines():
+            if line.startswith("root:") and line.split(":")[1].startswith("!"):
+                raise RuntimeError(
+                    "root's account is locked in /etc/shadow ('!'), so sshd (UsePAM no) refuses "
+                    "root logins; unlock it for key logins with `usermod -p '*' root`"
+                )
+
+
+@contextlib.contextmanager
+def _ssh_device(name: str, workdir: Path, *, root: bool) -> Iterator[TestDevice]:
+    tag = _free_tag()
+    setup = _DeviceSetup(name)
+    try:
+        if root:
+            _ensure_root_login_possible()
+            user = "root"
+            home = workdir / f"{name}-home"
+            home.mkdir(mode=0o755)
+            sshd_dir = workdir / f"{name}-sshd"
+            sshd_dir.mkdir(mode=0o700)
+        else:
+            user = f"vkd-{tag}"
+            skel = workdir / ".vkd-empty-skel"  # no .bashrc/.profile: every exec stays cheap
+            skel.mkdir(exist_ok=True)
+            argv = ["useradd", "--create-home", "--skel", str(skel), "--shell", "/bin/sh"]
+            # "*", not useradd's locked "!": sshd without PAM refuses locked accounts.
+            argv += ["--password", "*", "--comment", f"vkubelet test device {name}", user]
+            code = _retry_shadow_tool(argv, busy_codes=())
+            if code != 0:
+                raise RuntimeError(f"useradd {user} exited {code}")
+            setup.user = user
+            home = Path(pwd.getpwnam(user).pw_dir)
+            sshd_dir = home / ".vkd-sshd"
+            sshd_dir.mkdir(mode=0o700)
+
+        netns, veth, peer = f"vkd-{tag}", f"vkd{tag}h", f"vkd{tag}n"
+        _must(_ip("netns", "add", netns))
+        setup.netns = netns
+        _must(_ip("link", "add", veth, "type", "veth", "peer", "name", peer))
+        setup.veth = veth
+        _must(_ip("link", "set", peer, "netns", netns))
+        net = _address_veth(veth)
+        host_address, address = str(net[1]), str(net[2])
+        _must(_ip("link", "set", veth, "up"))
+        _must(_ip("-n", netns, "addr", "add", f"{address}/30", "dev", peer))
+        _must(_ip("-n", netns, "link", "set", peer, "up"))
+        _must(_ip("-n", netns, "link", "set", "lo", "up"))  # pods listen on the device's lo
+
+        port = SSH_DEVICE_PORT
+        host_public = _keygen(sshd_dir / "ssh_host_ed25519_key", f"{name} host key")
+        key_path = workdir / f"{name}-id_ed25519"
+        authorized_keys = sshd_dir / "authorized_keys"
+        authorized_keys.write_text(_keygen(key_path, f"vkubelet-test@{name}") + "\n")
+        known_hosts = workdir / f"{name}-known_hosts"
+        host_key = " ".join(host_public.split()[:2])
+        patterns = f"[{address}]:{port}" if port != 22 else f"{address},[{address}]:22"
+        known_hosts.write_text(f"{patterns} {host_key}\n")
+        config = sshd_dir / "sshd_config"
+        config.write_text(
+            f"""\
+Port {port}
+ListenAddress {address}
+HostKey {sshd_dir / "ssh_host_ed25519_key"}
+PidFile {sshd_dir / "sshd.pid"}
+AuthorizedKeysFile {authorized_keys}
+UsePAM no
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PubkeyAuthentication yes
+PermitRootLogin {"prohibit-password" if root else "no"}
+AllowTcpForwarding yes
+MaxSessions 64
+MaxStartups 100
+StrictModes no
+LogLevel VERBOSE
+PrintMotd no
+PrintLastLog no
+UseDNS no
+Subsystem sftp /usr/lib/openssh/sftp-server
+"""
+        )
+        if not root:
+            # sshd loads its host key only when the key belongs to the uid it runs as
+            shutil.chown(sshd_dir, user, user)
+            for item in sshd_dir.iterdir():
+                shutil.chown(item, user, user)
+        # sshd running as root checks its privilege separation directory; as a user it does not
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+
+        log = workdir / f"{name}-sshd.log"
+        argv = ["ip", "netns", "exec", netns]
+        if not root:
+            argv += [_runuser(), "-u", user, "--"]
+        argv += [SSHD, "-D", "-e", "-f", str(config)]  # sshd re-execs itself: absolute path
+        with log.open("ab") as log_file:
+            setup.sshd = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                cwd="/",
+                env=_session_env(user),
+                start_new_session=True,  # the test runner's Ctrl-C is for the runner
+            )
+        _wait_for_sshd(setup, address, port, log)
+        yield TestDevice(
+            name=name,
+            netns=netns,
+            address=address,
+            host_address=host_address,
+            port=port,
+            user=user,
+            home=home,
+            key_path=key_path,
+            known_hosts=known_hosts,
+            host_veth=veth,
+        )
+    finally:
+        setup.close()
+
+
+@contextlib.contextmanager
+def ssh_lab(count: int, workdir: Path, *, root: bool = False) -> Iterator[list[TestDevice]]:
+    """`count` SSH devices, each an sshd in its own netns behind a veth, logged in to with a
+    key and verified with a known_hosts file, as the SSH provider meets real boards.
+
+    Each device runs as its own fresh user (`root=True`: as root, for providers that need it;
+    `home` is then a fresh directory to use as the pod directory). Everything is removed on
+    exit, also after a failed setup: processes of the user and of the netns, the veth, the
+    netns, the user and its home. sshd logs to `workdir/<name>-sshd.log`. Needs root.
+    """
+    if count < 1:
+        raise ValueError(f"count must be at least 1, not {count}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    lab = uuid.uuid4().hex[:6]
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(_ssh_device(f"dev-{lab}-{i}", workdir, root=root))
+            for i in range(count)
+        ]
+
+
+def ssh_lab_unavailable() -> str | None:
+    """Why `ssh_lab` cannot run here (a pytest skip reason), or None when it can."""
+    if os.geteuid() != 0:
+        return "the SSH device lab needs root (network namespaces, users, sshd)"
+    if not Path(SSHD).is_file():
+        return f"the SSH device lab needs OpenSSH's server ({SSHD}): apt-get install openssh-server"
+    for tool in ("ip", "runuser", "useradd", "userdel", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            return f"the SSH device lab needs `{tool}` on PATH"
+    return None
+
+
+class SshDeviceFactory(Protocol):
+    def __call__(self, count: int = 1, *, root: bool = False) -> list[TestDevice]: ...
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("vkubelet")
     group.addoption(
@@ -338,3 +829,25 @@ def kube_cluster(
 def kubectl(kube_cluster: Cluster) -> Kubectl:
     """Real kubectl bound to the session's cluster with admin credentials."""
     return Kubectl(kube_cluster.kubeconfig)
+
+
+@pytest.fixture
+def ssh_devices(tmp_path: Path) -> Iterator[SshDeviceFactory]:
+    """A factory of SSH devices (see `ssh_lab`) that are all removed when the test ends:
+
+    def test_my_device(ssh_devices):
+        [device] = ssh_devices()
+        boards = ssh_devices(3, root=True)
+    """
+    reason = ssh_lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    labs = 0
+    with contextlib.ExitStack() as stack:
+
+        def make(count: int = 1, *, root: bool = False) -> list[TestDevice]:
+            nonlocal labs
+            labs += 1
+            return stack.enter_context(ssh_lab(count, tmp_path / f"ssh-lab-{labs}", root=root))
+
+        yield make

@@ -51,16 +51,16 @@ def fleet(monkeypatch: pytest.MonkeyPatch) -> Fleet:
     return made
 
 
-async def start(api: FakeApiServer) -> tuple[Agent, asyncio.Task[None]]:
+async def start(api: FakeApiServer) -> asyncio.Task[None]:
     config = AgentConfig(nodes=[NodeSpec(settings(name="lab"))], workers=4, kubelet_api=False)
     agent = Agent(config, client=api.client())
-    return agent, asyncio.create_task(agent.run())
+    return asyncio.create_task(agent.run())
 
 
 async def test_each_member_of_a_fleet_becomes_a_node_with_its_labels(
     api: FakeApiServer, fleet: Fleet
 ) -> None:
-    agent, task = await start(api)
+    task = await start(api)
     try:
         fleet.publish([member("dev-a", model="rpi4"), member("dev-b")])
         await eventually(
@@ -77,7 +77,7 @@ async def test_each_member_of_a_fleet_becomes_a_node_with_its_labels(
 async def test_a_member_that_leaves_is_cordoned_drained_then_deleted(
     api: FakeApiServer, fleet: Fleet
 ) -> None:
-    agent, task = await start(api)
+    task = await start(api)
     try:
         a, b = member("dev-a"), member("dev-b")
         fleet.publish([a, b])
@@ -98,7 +98,7 @@ async def test_a_member_that_leaves_is_cordoned_drained_then_deleted(
 
 
 async def test_a_changed_member_keeps_its_node_and_pods(api: FakeApiServer, fleet: Fleet) -> None:
-    agent, task = await start(api)
+    task = await start(api)
     try:
         provider = MockProvider("dev-a", MockConfig())
         fleet.publish([FleetNode("dev-a", provider, labels={"v": "1"})])
