@@ -39,6 +39,6 @@ def setup_logging(fmt: LogFormat, level: str) -> None:
         root.setLevel(level.upper())
     except ValueError:
         raise SystemExit(f"--log-level {level!r}: use debug, info, warning or error") from None
-    # httpx logs every request at INFO: far too chatty for an agent doing thousands per second.
-    for noisy in ("httpx", "httpx2", "httpcore", "hpack"):
+    # httpx logs every request and asyncssh every channel at INFO: far too chatty for an agent.
+    for noisy in ("httpx", "httpx2", "httpcore", "hpack", "asyncssh"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -701,6 +701,7 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 PubkeyAuthentication yes
 PermitRootLogin {"prohibit-password" if root else "no"}
+AllowUsers {user}
 AllowTcpForwarding yes
 MaxSessions 64
 MaxStartups 100
@@ -712,18 +713,16 @@ UseDNS no
 Subsystem sftp /usr/lib/openssh/sftp-server
 """
         )
+        # sshd runs as root, as on a real device, and lets in only the device's user: an
+        # unprivileged sshd cannot give a session a terminal (it aborts writing login records).
+        # It reads authorized_keys as that user; the host key stays root's.
         if not root:
-            # sshd loads its host key only when the key belongs to the uid it runs as
-            shutil.chown(sshd_dir, user, user)
-            for item in sshd_dir.iterdir():
-                shutil.chown(item, user, user)
-        # sshd running as root checks its privilege separation directory; as a user it does not
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+            sshd_dir.chmod(0o711)
+            shutil.chown(authorized_keys, user, user)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # its privilege separation directory
 
         log = workdir / f"{name}-sshd.log"
         argv = ["ip", "netns", "exec", netns]
-        if not root:
-            argv += [_runuser(), "-u", user, "--"]
         argv += [SSHD, "-D", "-e", "-f", str(config)]  # sshd re-execs itself: absolute path
         with log.open("ab") as log_file:
             setup.sshd = subprocess.Popen(

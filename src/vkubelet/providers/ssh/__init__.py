@@ -1,0 +1,47 @@
+"""SSH devices as nodes: machines that cannot run a kubelet run pods as supervised processes.
+
+One virtual node per device of an inventory file (`_inventory`), which is re-read when it
+changes. Each device has one multiplexed SSH connection (`_link`); a pod becomes a supervisor
+script on the device (`_remote`) that starts its containers' commands as process groups,
+restarts them by the pod's restart policy and keeps their states, exit codes and logs in files,
+so pods outlive SSH drops and agent restarts. The provider (`_provider`) mirrors those files
+into pod statuses and serves logs, exec, attach and port-forward over the same connection.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ...node import ConfigError, ProviderContext
+
+if TYPE_CHECKING:
+    from ._fleet import SshFleet
+
+__all__ = ["DeviceConfig", "DeviceProvider", "Inventory", "SshFleet", "create", "load_inventory"]
+
+
+def create(context: ProviderContext) -> SshFleet:
+    """Entry point (`vkubelet.providers`: ssh): the inventory is `--provider-config`."""
+    from ._fleet import SshFleet
+    from ._inventory import load_inventory
+
+    if context.config_path is None:
+        raise ConfigError("the ssh provider needs --provider-config: the inventory of devices")
+    return SshFleet(context.config_path, load_inventory(context.config_path))
+
+
+def __getattr__(name: str) -> Any:
+    # Loaded on first use: `vkubelet providers` lists this provider without importing asyncssh.
+    if name in ("DeviceConfig", "Inventory", "load_inventory"):
+        from . import _inventory
+
+        return getattr(_inventory, name)
+    if name == "DeviceProvider":
+        from ._provider import DeviceProvider
+
+        return DeviceProvider
+    if name == "SshFleet":
+        from ._fleet import SshFleet
+
+        return SshFleet
+    raise AttributeError(name)

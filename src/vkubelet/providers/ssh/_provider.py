@@ -1,0 +1,791 @@
+"""One device, one virtual node: its pods run as supervised process groups over SSH.
+
+The device keeps the truth: each pod's supervisor (`_remote`) writes container states, exit
+codes and logs to files in the pod's directory, so they survive SSH drops and agent restarts.
+The provider mirrors those files: a `tail -F` of the device's event file tells it within
+milliseconds that something changed, a status sweep (one SSH channel for all pods) reads what,
+and a periodic sweep catches up after a disconnect. Nothing about a pod lives only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import json
+import logging
+import re
+import shlex
+import signal
+import tarfile
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncssh
+import msgspec
+from lightkube.models.core_v1 import NodeSpec, NodeStatus, PodStatus
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Node, Pod
+
+from ...node import ContainerLogOptions, ProviderError, ResolvedPod
+from ...node.capabilities import AttachIO, ByteStream
+from ...node.resolve import EmptyDirVolume, FilesVolume, HostPathVolume
+from . import _remote
+from ._inventory import DeviceConfig
+from ._link import DeviceLink, Unreachable
+from ._logs import LogParser, render, select_lines
+
+log = logging.getLogger(__name__)
+
+_UID = re.compile(r"[a-z0-9][-a-z0-9]{0,62}")
+_SWEEP_INTERVAL = 5.0  # catch-up sweep; changes normally arrive through the event file
+_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "armv6l": "arm", "i686": "386"}
+
+
+class _PodEntry:
+    """What the provider knows of one pod: the API object and the device's last report."""
+
+    def __init__(self, pod: Pod, uid: str) -> None:
+        self.pod = pod
+        self.uid = uid
+        self.remote: _remote.RemotePod | None = None
+        self.created = datetime.now(UTC)
+        self.deleting = False
+        self.ready: dict[str, bool] = {}  # readiness probe results by container
+        self.status: dict[str, Any] | None = None
+
+
+class DeviceProvider:
+    """Pod lifecycle, node description and kubectl verbs for one SSH device."""
+
+    def __init__(self, config: DeviceConfig, *, link: DeviceLink | None = None) -> None:
+        self.config = config
+        self.link = link or DeviceLink(config)
+        self.root = config.pod_dir
+        self._pods: dict[str, _PodEntry] = {}  # "namespace/name"
+        self._notify: Callable[[Pod], None] | None = None
+        self._node_notify: Callable[[Node], None] | None = None
+        self._facts: dict[str, str] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._poked: set[str] = set()
+        self._poke = asyncio.Event()
+        self._swept = asyncio.Event()  # set after the first full sweep of a connection
+        self.link.on_connected.append(self._on_connected)
+
+    # -- running ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._tasks:
+            return
+        self._tasks = [
+            asyncio.create_task(self.link.maintain(), name=f"ssh {self.config.name}"),
+            asyncio.create_task(self._follow_events(), name=f"events {self.config.name}"),
+            asyncio.create_task(self._sweep_forever(), name=f"sweep {self.config.name}"),
+        ]
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        self.link.close()
+
+    def _on_connected(self) -> None:
+        self._swept.clear()
+        self._poke.set()
+
+    async def _follow_events(self) -> None:
+        """Tail the device's event file: a line per container state change, a poke to sweep."""
+        while True:
+            await self.link.wait_connected()
+            events = f"{_remote_dir(self.root)}/events"
+            command = (
+                f"mkdir -p {_remote_dir(self.root)} && touch {events} && "
+                f"exec tail -n 0 -F {events} 2>/dev/null"
+            )
+            try:
+                async with self.link.process(command, stdin=False, reserved=True) as proc:
+                    async for line in proc.stdout:
+                        uid = line.split(b" ", 1)[0].decode(errors="replace").strip()
+                        if _UID.fullmatch(uid):
+                            self._poked.add(uid)
+                            self._poke.set()
+            except (Unreachable, OSError, asyncssh.Error) as e:
+                log.debug("device %s: event stream ended: %s", self.config.name, e)
+            await asyncio.sleep(1)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), _SWEEP_INTERVAL)
+            self._poke.clear()
+            await asyncio.sleep(0.01)  # a burst of events costs one sweep
+            uids = None if not self._swept.is_set() else (set(self._poked) or None)
+            self._poked.clear()
+            try:
+                await self._sweep(uids)
+            except (Unreachable, RuntimeError) as e:
+                log.debug("device %s: sweep failed: %s", self.config.name, e)
+                await asyncio.sleep(1)
+                continue
+            if uids is None:
+                self._swept.set()
+                if not self._facts:
+                    await self._discover()
+
+    async def _sweep(self, uids: set[str] | None) -> None:
+        if not self.link.connected:
+            return
+        script = _remote.sweep_script(self.root, sorted(uids) if uids else None)
+        result = await self.link.run(script)
+        found = _remote.parse_sweep(result.check("status sweep"))
+        by_uid = {entry.uid: entry for entry in self._pods.values()}
+        for uid, remote in found.items():
+            entry = by_uid.get(uid)
+            if entry is None:
+                entry = self._adopt(remote)
+                if entry is None:
+                    continue
+            entry.remote = remote
+            self._publish(entry)
+
+    def _adopt(self, remote: _remote.RemotePod) -> _PodEntry | None:
+        """A pod found on the device that this process did not start: after an agent restart."""
+        try:
+            meta = json.loads(remote.metadata_json)
+            pod = msgspec.convert(meta, Pod)
+        except (ValueError, msgspec.ValidationError):
+            log.warning("device %s: pod %s has unreadable metadata", self.config.name, remote.uid)
+            return None
+        if pod.metadata is None:
+            return None
+        key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+        if key in self._pods:  # an older pod of the same name: kept apart by uid
+            return None
+        entry = _PodEntry(pod, remote.uid)
+        entry.created = pod.metadata.creationTimestamp or entry.created
+        self._pods[key] = entry
+        log.info("device %s: adopted pod %s (%s)", self.config.name, key, remote.uid)
+        return entry
+
+    async def _discover(self) -> None:
+        """CPU count, memory, architecture and OS, for the node's capacity and labels."""
+        script = (
+            "echo cpus=$(getconf _NPROCESSORS_ONLN 2>/dev/null || nproc)\n"
+            "echo mem=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)\n"
+            "echo arch=$(uname -m)\necho kernel=$(uname -r)\necho os=$(uname -s)\n"
+            "( . /etc/os-release 2>/dev/null && echo image=$PRETTY_NAME )\n"
+        )
+        try:
+            out = (await self.link.run(script, deadline=10)).check("discovery")
+        except (Unreachable, RuntimeError) as e:
+            log.warning("device %s: cannot discover its resources: %s", self.config.name, e)
+            return
+        facts = dict(line.partition("=")[::2] for line in out.decode(errors="replace").splitlines())
+        self._facts = {k: v.strip() for k, v in facts.items() if v.strip()}
+        if self._node_notify is not None:  # the capacity is now known
+            node = Node(metadata=ObjectMeta(labels={}), spec=NodeSpec(), status=NodeStatus())
+            self.configure_node(node)
+            self._node_notify(node)
+
+    # -- node ---------------------------------------------------------------------------------
+    def configure_node(self, node: Node) -> None:
+        assert node.status is not None and node.metadata is not None
+        capacity: dict[str, str] = {"cpu": "1", "memory": "1Gi", "pods": "110"}
+        if "cpus" in self._facts:
+            capacity["cpu"] = self._facts["cpus"]
+        if self._facts.get("mem", "").isdigit():
+            capacity["memory"] = f"{self._facts['mem']}Ki"
+        capacity.update(dict(self.config.capacity))
+        node.status.capacity = dict(capacity)
+        node.status.allocatable = dict(capacity)
+        labels = dict(node.metadata.labels or {})
+        arch = _ARCH.get(self._facts.get("arch", ""), self._facts.get("arch"))
+        if arch:
+            labels["kubernetes.io/arch"] = labels["beta.kubernetes.io/arch"] = arch
+        node.metadata.labels = labels
+        info = node.status.nodeInfo
+        if info is not None:
+            info.architecture = arch or info.architecture
+            info.kernelVersion = self._facts.get("kernel", info.kernelVersion)
+            info.osImage = self._facts.get("image", info.osImage)
+            info.containerRuntimeVersion = "vkubelet-ssh://host"
+        addresses = list(node.status.addresses or [])
+        node.status.addresses = addresses
+
+    def notify_node_status(self, callback: Callable[[Node], None]) -> None:
+        self._node_notify = callback
+
+    async def ping(self) -> None:
+        await self.link.ping()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def notify_pods(self, callback: Callable[[Pod], None]) -> None:
+        self._notify = callback
+
+    async def create_pod(self, pod: ResolvedPod) -> None:
+        uid = pod.uid
+        if not _UID.fullmatch(uid):
+            raise ProviderError("InvalidPod", f"pod uid {uid!r} is not a Kubernetes UID")
+        plan = self._plan(pod)
+        key = f"{pod.namespace}/{pod.name}"
+        entry = _PodEntry(pod.pod, uid)
+        # The device may run it already (the agent restarted before its first sweep): adopt.
+        existing = _remote.parse_sweep(
+            (await self.link.run(_remote.sweep_script(self.root, [uid]))).check("status sweep")
+        )
+        self._pods[key] = entry
+        if uid in existing:
+            entry.remote = existing[uid]
+            self._publish(entry)
+            return
+        try:
+            await self._write_volumes(pod, uid, replace=False)
+            backoff = (
+                f"export VKUBELET_BACKOFF_BASE={max(1, round(self.config.backoff_initial))}\n"
+                f"export VKUBELET_BACKOFF_MAX={max(1, round(self.config.backoff_max))}\n"
+            )
+            result = await self.link.run(backoff + _remote.start_pod_script(self.root, plan))
+            result.check("starting the pod")
+        except BaseException:
+            self._pods.pop(key, None)
+            raise
+        self._poked.add(uid)
+        self._poke.set()
+
+    def _plan(self, resolved: ResolvedPod) -> _remote.PodPlan:
+        pod = resolved.pod
+        spec = pod.spec
+        assert spec is not None and pod.metadata is not None
+        for volume in resolved.volumes.values():
+            if isinstance(volume, HostPathVolume) and not self.config.allow_host_path:
+                raise ProviderError(
+                    "HostPathNotAllowed",
+                    f"volume {volume.name}: hostPath volumes are not allowed on device "
+                    f"{self.config.name} (allowHostPath in the inventory)",
+                )
+        mounts = {
+            m.name: m
+            for c in [*(spec.initContainers or []), *spec.containers]
+            for m in (c.volumeMounts or [])
+        }
+        for name in mounts:
+            if name not in resolved.volumes:
+                raise ProviderError("VolumeNotSupported", f"volume {name}: not available")
+
+        def plan(container: Any) -> _remote.ContainerPlan:
+            image = container.image or ""
+            if not self.config.runs_image(image):
+                raise ProviderError(
+                    "ImageNotSupported",
+                    f"container {container.name}: image {image!r} cannot run on device "
+                    f"{self.config.name}: its pods run on the host; use an image named in "
+                    f"hostImages ({', '.join(self.config.host_images)})",
+                )
+            argv = [*(container.command or []), *(container.args or [])]
+            if not argv:
+                raise ProviderError(
+                    "NoCommand",
+                    f"container {container.name}: a device runs commands, not images: "
+                    "set command (and args)",
+                )
+            env = {e.name: e.value or "" for e in container.env or []}
+            return _remote.ContainerPlan(
+                name=container.name, argv=argv, env=env, working_dir=container.workingDir
+            )
+
+        metadata = {
+            "metadata": {
+                "name": pod.metadata.name,
+                "namespace": pod.metadata.namespace,
+                "uid": pod.metadata.uid,
+                "annotations": pod.metadata.annotations or {},
+                "creationTimestamp": _rfc3339(pod.metadata.creationTimestamp),
+            },
+            "spec": {
+                "nodeName": spec.nodeName,
+                "restartPolicy": spec.restartPolicy or "Always",
+                "containers": [{"name": c.name} for c in spec.containers],
+                "initContainers": [{"name": c.name} for c in spec.initContainers or []],
+            },
+        }
+        try:
+            return _remote.PodPlan(
+                uid=resolved.uid,
+                restart_policy=spec.restartPolicy or "Always",
+                init_containers=[plan(c) for c in spec.initContainers or []],
+                containers=[plan(c) for c in spec.containers],
+                metadata_json=json.dumps(metadata).encode(),
+                extra_env={},
+            )
+        except ValueError as e:
+            raise ProviderError("InvalidPod", str(e)) from None
+
+    async def _write_volumes(self, resolved: ResolvedPod, uid: str, *, replace: bool) -> None:
+        """Volume files go as one tar to the device; mount paths become links into them.
+
+        Without a mount namespace a process cannot see a file at its mountPath, so the pod's
+        working directory (`$VKUBELET_POD_DIR/fs`) holds the mount paths as symlinks:
+        `/etc/config` is `fs/etc/config`.
+        """
+        spec = resolved.pod.spec
+        assert spec is not None
+        buffer = io.BytesIO()
+        names: list[str] = []
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for volume in resolved.volumes.values():
+                if not isinstance(volume, FilesVolume):
+                    continue
+                names.append(volume.name)
+                for rel, content in volume.files.items():
+                    info = tarfile.TarInfo(f"{volume.name}.new/{rel}")
+                    info.size = len(content.data)
+                    info.mode = content.mode & 0o700  # only the device user reads pod files
+                    info.mtime = int(time.time())
+                    tar.addfile(info, io.BytesIO(content.data))
+        pod_dir = f"{_remote_dir(self.root)}/pods/{uid}"
+        lines = [
+            "set -e",
+            "umask 077",
+            f"mkdir -p {pod_dir}/volumes {pod_dir}/fs",
+            f"cd {pod_dir}/volumes",
+            "tar -x -f - 2>&1 </dev/stdin",
+        ]
+        for name in names:
+            q = shlex.quote(name)
+            lines += [
+                f"mkdir -p {q}.new",
+                f"rm -rf {q}.old",
+                f"[ ! -e {q} ] || mv {q} {q}.old",
+                f"mv {q}.new {q}",
+                f"rm -rf {q}.old",
+            ]
+        if not replace:
+            for volume in resolved.volumes.values():
+                if isinstance(volume, EmptyDirVolume):
+                    lines.append(f"mkdir -p {shlex.quote(volume.name)}")
+            for container in [*(spec.initContainers or []), *spec.containers]:
+                for mount in container.volumeMounts or []:
+                    source = resolved.volumes.get(mount.name)
+                    if isinstance(source, HostPathVolume):
+                        target = source.path
+                    else:
+                        target = f"{pod_dir}/volumes/{mount.name}"
+                        if mount.subPath:
+                            target += "/" + mount.subPath.strip("/")
+                    link = mount.mountPath.strip("/")
+                    if not link or ".." in link.split("/"):
+                        raise ProviderError(
+                            "InvalidMountPath", f"volume {mount.name}: bad mountPath {link!r}"
+                        )
+                    q_link = shlex.quote(f"{pod_dir}/fs/{link}")
+                    q_target = _quote_path(target)
+                    lines += [f'mkdir -p "$(dirname {q_link})"', f"ln -sfn {q_target} {q_link}"]
+        tar_bytes = buffer.getvalue()
+        # The archive travels on stdin, the script as a base64 argument of a constant wrapper.
+        script = "\n".join(lines) + "\n"
+        wrapper = f'sh -c "$(echo {base64.b64encode(script.encode()).decode()} | base64 -d)"'
+        async with self.link.process(wrapper) as proc:
+            proc.stdin.write(tar_bytes)
+            proc.stdin.write_eof()
+            out = await proc.stdout.read()
+            err = await proc.stderr.read()
+            await proc.wait()
+        if proc.exit_status != 0:
+            detail = (out + err).decode(errors="replace").strip()[-300:]
+            raise RuntimeError(f"writing volumes failed (exit {proc.exit_status}): {detail}")
+
+    async def update_pod(self, pod: ResolvedPod) -> None:
+        key = f"{pod.namespace}/{pod.name}"
+        entry = self._pods.get(key)
+        if entry is None or entry.uid != pod.uid:
+            return
+        entry.pod = pod.pod
+        await self._write_volumes(pod, pod.uid, replace=True)
+
+    async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        assert pod.metadata is not None
+        key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+        entry = self._pods.get(key)
+        if entry is None or entry.uid != pod.metadata.uid:
+            return
+        entry.deleting = True
+        await self.link.run(_remote.stop_pod_script(self.root, entry.uid, grace_period_seconds))
+        self._poked.add(entry.uid)
+        self._poke.set()
+        self._tasks.append(asyncio.create_task(self._remove_when_stopped(key, entry)))
+
+    async def _remove_when_stopped(self, key: str, entry: _PodEntry) -> None:
+        """Once its processes are gone, the pod's directory goes too (logs included)."""
+        while True:
+            remote = entry.remote
+            if remote is not None and not remote.supervisor_alive and _all_done(remote):
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1)  # the final status is reported first
+        while True:
+            try:
+                await self.link.run(_remote.remove_pod_script(self.root, entry.uid))
+                break
+            except Unreachable:
+                await asyncio.sleep(5)
+        if self._pods.get(key) is entry:
+            del self._pods[key]
+            if self._notify is not None:
+                self._notify(self._pod_object(entry))
+
+    async def get_pod(self, namespace: str, name: str) -> Pod | None:
+        entry = self._pods.get(f"{namespace}/{name}")
+        return None if entry is None else self._pod_object(entry)
+
+    async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
+        entry = self._pods.get(f"{namespace}/{name}")
+        if entry is None:
+            return None
+        return msgspec.convert(self._status(entry), PodStatus)
+
+    async def list_pods(self) -> list[Pod]:
+        # Right after a start, wait (a little) for the device so that its pods are adopted.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._swept.wait(), self.config.connect_timeout + 5)
+        return [self._pod_object(e) for e in self._pods.values()]
+
+    def _pod_object(self, entry: _PodEntry) -> Pod:
+        pod = msgspec.convert(msgspec.to_builtins(entry.pod), Pod)
+        pod.status = msgspec.convert(self._status(entry), PodStatus)
+        return pod
+
+    def _publish(self, entry: _PodEntry) -> None:
+        status = self._status(entry)
+        if status != entry.status:
+            entry.status = status
+            if self._notify is not None:
+                self._notify(self._pod_object(entry))
+
+    def _status(self, entry: _PodEntry) -> dict[str, Any]:
+        return pod_status(entry, self.config.address)
+
+    # -- kubectl verbs -------------------------------------------------------------------------
+    def _entry(self, namespace: str, pod: str, container: str | None = None) -> _PodEntry:
+        entry = self._pods.get(f"{namespace}/{pod}")
+        if entry is None:
+            raise ProviderError("NotFound", f"pod {namespace}/{pod} does not run here")
+        if container is not None:
+            spec = entry.pod.spec
+            names = (
+                [c.name for c in [*(spec.initContainers or []), *spec.containers]] if spec else []
+            )
+            if container not in names:
+                raise ProviderError("NotFound", f"container {container} is not valid for pod {pod}")
+        return entry
+
+    def _container(self, entry: _PodEntry, name: str) -> _remote.ContainerStatus | None:
+        if entry.remote is None:
+            return None
+        for status in [*entry.remote.init_containers, *entry.remote.containers]:
+            if status.name == name:
+                return status
+        return None
+
+    async def container_logs(
+        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
+    ) -> AsyncIterator[bytes]:
+        entry = self._entry(namespace, pod, container)
+        state = self._container(entry, container)
+        run = state.restart_count if state is not None else 0
+        if options.previous:
+            if run == 0:
+                raise ProviderError(
+                    "BadRequest",
+                    f'previous terminated container "{container}" in pod "{pod}" not found',
+                )
+            run -= 1
+        path = _remote.log_path(self.root, entry.uid, container, run)
+        result = await self.link.run(f"cat {path} 2>/dev/null || true\n")
+        data = result.stdout
+        parser = LogParser()
+        lines = parser.feed(data)
+        since = _since(options)
+        for line in select_lines(lines, tail_lines=options.tail_lines, since=since):
+            yield render(line, timestamps=options.timestamps)
+        if not options.follow or options.previous:
+            return
+        offset = len(data)  # a partial last line stays in the parser until its end comes
+        async for chunk in self._follow(entry, container, run, path, offset, parser):
+            for line in chunk:
+                if since is None or line.time >= since:
+                    yield render(line, timestamps=options.timestamps)
+
+    async def _follow(
+        self,
+        entry: _PodEntry,
+        container: str,
+        run: int,
+        path: str,
+        offset: int,
+        parser: LogParser,
+    ) -> AsyncIterator[list[Any]]:
+        """New log lines of run `run` until that run has ended and its log is complete."""
+
+        def ended() -> bool:
+            state = self._container(entry, container)
+            if state is None or self._pods.get(_key(entry)) is not entry:
+                return entry.remote is None and entry.deleting
+            return state.restart_count != run or state.state == "terminated"
+
+        while not ended():
+            command = f"exec tail -c +{offset + 1} -f {path}"
+            try:
+                async with self.link.process(command, stdin=False) as proc:
+                    reader = asyncio.ensure_future(proc.stdout.read(65536))
+                    while True:
+                        done, _ = await asyncio.wait({reader}, timeout=0.5)
+                        if done:
+                            data = reader.result()
+                            if not data:
+                                break
+                            offset += len(data)
+                            yield parser.feed(data)
+                            reader = asyncio.ensure_future(proc.stdout.read(65536))
+                        elif ended():
+                            reader.cancel()
+                            break
+            except Unreachable:
+                await asyncio.sleep(1)
+        # The run is over and its log complete: whatever tail had not shown yet.
+        with contextlib.suppress(Unreachable):
+            rest = await self.link.run(f"tail -c +{offset + 1} {path} 2>/dev/null || true\n")
+            yield parser.feed(rest.stdout)
+
+    async def exec_in_container(
+        self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
+    ) -> int:
+        entry = self._entry(namespace, pod, container)
+        if not command:
+            raise ProviderError("BadRequest", "no command given")
+        line = _remote.exec_command(self.root, entry.uid, container, command)
+        term: tuple[int, int] | None = None
+        if io.tty:  # the client's window size comes first, right away
+            term = (80, 24)
+            with contextlib.suppress(TimeoutError, StopAsyncIteration):
+                size = await asyncio.wait_for(anext(io.resizes), 0.5)
+                term = (size.width, size.height)
+        async with self.link.process(line, term_size=term, stdin=io.stdin is not None) as proc:
+            helpers = []
+            if io.stdin is not None:
+                helpers.append(asyncio.create_task(_pump_in(io.stdin, proc)))
+            if io.tty:
+                helpers.append(asyncio.create_task(_resizes(io, proc)))
+            try:
+                outputs = [_pump_out(proc.stdout, io.stdout)]
+                if not io.tty:
+                    outputs.append(_pump_out(proc.stderr, io.stderr))
+                await asyncio.gather(*outputs)
+                await proc.wait()
+            finally:
+                for task in helpers:
+                    task.cancel()
+            return _exit_code(proc)
+
+    async def attach_to_container(
+        self, namespace: str, pod: str, container: str, io: AttachIO
+    ) -> None:
+        """The main process's output as it comes (its stdin is /dev/null on a device)."""
+        options = ContainerLogOptions(follow=True, tail_lines=0)
+        async for data in self.container_logs(namespace, pod, container, options):
+            out = io.stdout or io.stderr
+            if out is not None:
+                await out.write(data)
+
+    async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
+        self._entry(namespace, pod)
+        reader, writer = await self.link.open_connection("127.0.0.1", port)
+
+        async def upstream() -> None:
+            while data := await stream.read():
+                writer.write(data)
+                await writer.drain()
+            writer.write_eof()
+
+        async def downstream() -> None:
+            while data := await reader.read(65536):
+                await stream.write(data)
+            await stream.close()
+
+        try:
+            await asyncio.gather(upstream(), downstream())
+        finally:
+            writer.close()
+
+
+def _exit_code(proc: asyncssh.SSHClientProcess[bytes]) -> int:
+    """The exit status, or -N for a process killed by signal N (sshd reports its name)."""
+    if proc.exit_status is not None and proc.exit_status >= 0:
+        return proc.exit_status
+    if proc.exit_signal is not None:
+        name = proc.exit_signal[0]
+        number = getattr(signal, f"SIG{name}", None)
+        return -int(number) if number is not None else 255
+    return 255
+
+
+async def _pump_in(source: Any, proc: asyncssh.SSHClientProcess[bytes]) -> None:
+    while data := await source.read():
+        proc.stdin.write(data)
+        await proc.stdin.drain()
+    proc.stdin.write_eof()
+
+
+async def _pump_out(source: Any, target: Any) -> None:
+    while data := await source.read(65536):
+        if target is not None:
+            await target.write(data)
+
+
+async def _resizes(io: AttachIO, proc: asyncssh.SSHClientProcess[bytes]) -> None:
+    async for size in io.resizes:
+        proc.change_terminal_size(size.width, size.height)
+
+
+def _key(entry: _PodEntry) -> str:
+    meta = entry.pod.metadata
+    assert meta is not None
+    return f"{meta.namespace}/{meta.name}"
+
+
+def _remote_dir(root: str) -> str:
+    """The pod root as a shell word: relative paths are relative to the home directory."""
+    return _quote_path(root if root.startswith("/") else f"$HOME/{root}")
+
+
+def _quote_path(path: str) -> str:
+    if path.startswith("$HOME/"):
+        return '"$HOME"/' + shlex.quote(path.removeprefix("$HOME/"))
+    return shlex.quote(path)
+
+
+def _rfc3339(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _since(options: ContainerLogOptions) -> datetime | None:
+    if options.since_time is not None:
+        since = options.since_time
+        return since if since.tzinfo is not None else since.replace(tzinfo=UTC)
+    if options.since_seconds is not None:
+        return datetime.now(UTC) - timedelta(seconds=options.since_seconds)
+    return None
+
+
+def _all_done(remote: _remote.RemotePod) -> bool:
+    return all(c.state != "running" for c in [*remote.init_containers, *remote.containers])
+
+
+def pod_status(entry: _PodEntry, address: str) -> dict[str, Any]:
+    """The pod's status as a kubelet would report it, from the device's container states."""
+    spec = entry.pod.spec
+    assert spec is not None
+    policy = spec.restartPolicy or "Always"
+    remote = entry.remote
+    inits = {c.name: c for c in (remote.init_containers if remote else [])}
+    mains = {c.name: c for c in (remote.containers if remote else [])}
+    init_statuses = [
+        _container_status(c.name, c.image or "", inits.get(c.name), entry, init=True)
+        for c in spec.initContainers or []
+    ]
+    statuses = [
+        _container_status(c.name, c.image or "", mains.get(c.name), entry, init=False)
+        for c in spec.containers
+    ]
+    init_done = all(
+        s.get("state", {}).get("terminated", {}).get("exitCode") == 0 for s in init_statuses
+    )
+    init_failed = any(
+        "terminated" in s.get("state", {}) and s["state"]["terminated"].get("exitCode") != 0
+        for s in init_statuses
+    )
+    states = [s.get("state", {}) for s in statuses]
+    phase = "Pending"
+    if policy == "Never" and init_failed:
+        phase = "Failed"
+    elif init_done and any("running" in st for st in states):
+        phase = "Running"
+    elif init_done and states and all("terminated" in st for st in states):
+        codes = [st["terminated"].get("exitCode", 1) for st in states]
+        if policy == "Always" and not entry.deleting:
+            phase = "Running"  # between restarts
+        elif all(c == 0 for c in codes):
+            phase = "Succeeded"
+        elif policy == "OnFailure" and not entry.deleting:
+            phase = "Running"
+        else:
+            phase = "Failed"
+    elif init_done and any(s.get("restartCount", 0) > 0 for s in statuses):
+        phase = "Running"  # waiting out a back-off after an earlier run
+    ready = phase == "Running" and all(s.get("ready") for s in statuses)
+    conditions = [
+        {"type": "PodScheduled", "status": "True"},
+        {"type": "Initialized", "status": "True" if init_done else "False"},
+        {"type": "ContainersReady", "status": "True" if ready else "False"},
+        {"type": "Ready", "status": "True" if ready else "False"},
+    ]
+    status: dict[str, Any] = {
+        "phase": phase,
+        "hostIP": address,
+        "hostIPs": [{"ip": address}],
+        "podIP": address,
+        "podIPs": [{"ip": address}],
+        "startTime": _rfc3339(entry.created),
+        "conditions": conditions,
+        "containerStatuses": statuses,
+    }
+    if init_statuses:
+        status["initContainerStatuses"] = init_statuses
+    return status
+
+
+def _container_status(
+    name: str, image: str, state: _remote.ContainerStatus | None, entry: _PodEntry, *, init: bool
+) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "name": name,
+        "image": image,
+        "imageID": "",
+        "restartCount": state.restart_count if state else 0,
+        "ready": False,
+        "started": False,
+    }
+    if state is None:
+        reason = "PodInitializing" if not init else "ContainerCreating"
+        status["state"] = {"waiting": {"reason": reason}}
+        return status
+    status["containerID"] = f"ssh://{entry.uid}/{name}"
+    status["state"] = _state(state)
+    if state.last is not None:
+        status["lastState"] = _state(state.last)
+    if state.state == "running":
+        status["started"] = True
+        status["ready"] = entry.ready.get(name, True) and not init
+    return status
+
+
+def _state(state: _remote.ContainerStatus) -> dict[str, Any]:
+    if state.state == "running":
+        return {"running": {"startedAt": _rfc3339(state.started_at)}}
+    if state.state == "terminated":
+        return {
+            "terminated": {
+                "exitCode": state.exit_code if state.exit_code is not None else 0,
+                "reason": state.reason or ("Completed" if state.exit_code == 0 else "Error"),
+                "startedAt": _rfc3339(state.started_at),
+                "finishedAt": _rfc3339(state.finished_at),
+            }
+        }
+    waiting: dict[str, Any] = {"reason": state.reason or "ContainerCreating"}
+    return {"waiting": waiting}

@@ -1,0 +1,846 @@
+"""The device's side of a pod, sans I/O: the POSIX sh scripts the agent sends and their outputs.
+
+A device has no kubelet, only a POSIX sh, coreutils or busybox (`setsid`, `mkfifo`, `base64`,
+`date`, `tail`) and awk. Each pod becomes a supervisor script, `run.sh`, started detached (own
+session, stdin from /dev/null) so that it outlives the SSH session and the agent. It keeps
+everything in files, so the agent can be restarted, or lose the device for a while, and read
+the truth again with one sweep. Scripts reach the device as `sh -s` with the script on stdin:
+pod fields never appear in an SSH command line (but `exec_command`'s argv, which must).
+
+Every value that comes from a pod reaches the shell through `shlex.quote` or is checked first
+against a safe alphabet (uids, container names). Environment values, which may be secrets, are
+never in an argv: they are written to a 0600 file that the container's shell sources before it
+execs the command.
+
+On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
+
+    events                  one line per state change, "<uid> <container> <word>", appended in a
+                            single write; the agent follows it with `tail -F` as a poke to sweep.
+                            The container is "-" for the pod itself ("stopping", "done").
+    pods/<uid>/pod.json     the agent's metadata, opaque bytes (0600)
+    pods/<uid>/containers   the containers in plan order: "init <name>" or "main <name>" lines;
+                            written last, so a pod is listed by sweeps once its files are whole
+    pods/<uid>/env/<name>   0600, sourced by the container's shell: `cd` to its working directory
+                            (relative ones start from fs/), then `export NAME='value'` lines
+    pods/<uid>/run.sh       the supervisor (generated); pods/<uid>/supervisor.log its output
+    pods/<uid>/supervisor.pid  "<pid> <boot id> <start time>": the supervisor is alive if that
+                            very process runs (the boot id and the start time from /proc tell it
+                            from a later process with the same pid; "-" where /proc lacks them)
+    pods/<uid>/stop         exists once a stop was requested: nothing (re)starts any more
+    pods/<uid>/done         the supervisor has finished: every container is done or stopped
+    pods/<uid>/fs/          the default working directory
+    pods/<uid>/c/<name>/cmd       the container's start script (its argv, quoted; no env)
+    pods/<uid>/c/<name>/state     one line, replaced atomically (tmp + mv):
+                                    waiting <Reason>
+                                    running <pid> <startedAt>
+                                    terminated <exitCode> <startedAt> <finishedAt>
+                                  times are RFC 3339 UTC to the second; a process killed by
+                                  signal N exited with 128+N
+    pods/<uid>/c/<name>/last      the previous termination (lastState), same format
+    pods/<uid>/c/<name>/restarts  the restart count
+    pods/<uid>/c/<name>/pid       the running process's pid, which is its process group's id;
+                                  removed when it has ended
+    pods/<uid>/c/<name>/backoff   the pid of the `sleep` of a back-off in progress
+    pods/<uid>/c/<name>/<n>.log   the log of run n (n = the restart count when it started), in
+                                  the CRI format (see `_logs`); the current and previous run's
+    pods/<uid>/c/<name>/out, err  the FIFOs from the process to its log stampers
+
+The supervisor reads VKUBELET_BACKOFF_BASE (10), VKUBELET_BACKOFF_MAX (300) and
+VKUBELET_BACKOFF_RESET (600), in seconds, from its environment: a restart waits BASE seconds,
+then twice as long each time up to MAX, and BASE again after a run of RESET seconds. Containers
+inherit its environment (the SSH session's), VKUBELET_POD_DIR, then their own env.
+
+Containers get their own process group and session from `setsid` (util-linux, busybox); `set -m`
+cannot stand in for it, since dash and busybox ash turn job control off without a terminal.
+Without setsid a container shares the supervisor's group and only its main process is
+signalled. When a container's main process ends, what is left of its group is killed, as a
+runtime does with a container's cgroup.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import shlex
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+from ._logs import parse_rfc3339
+
+__all__ = [
+    "ContainerPlan",
+    "ContainerStatus",
+    "PodPlan",
+    "RemotePod",
+    "exec_command",
+    "log_path",
+    "logs_script",
+    "parse_sweep",
+    "remove_pod_script",
+    "restart_container_script",
+    "start_pod_script",
+    "stop_pod_script",
+    "sweep_script",
+]
+
+_UID = re.compile(r"[a-z0-9][-a-z0-9]{0,62}")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_POLICIES = ("Always", "OnFailure", "Never")
+_REASON = re.compile(r"[A-Za-z]+")
+
+
+# -- plans ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContainerPlan:
+    """A container as the device runs it. Checked when made, so that a pod the device could not
+    run faithfully (an env name sh cannot export, a NUL no argv can hold) fails with a message
+    that names the container and the field rather than running differently."""
+
+    name: str
+    argv: list[str]  # command + args, non-empty
+    env: dict[str, str]  # literal values (may contain secrets)
+    working_dir: str | None  # None or "": the pod's fs/ directory; relative: from there
+
+    def __post_init__(self) -> None:
+        _check_container(self.name)
+        if not self.argv:
+            raise ValueError(f"container {self.name}: no command to run")
+        for arg in self.argv:
+            _check_text(arg, f"container {self.name}: command")
+        for name, value in self.env.items():
+            _check_env(self.name, name, value)
+        if self.working_dir is not None:
+            _check_text(self.working_dir, f"container {self.name}: workingDir")
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    uid: str
+    restart_policy: str  # "Always" | "OnFailure" | "Never"
+    init_containers: list[ContainerPlan]
+    containers: list[ContainerPlan]
+    metadata_json: bytes  # written to pod.json
+    extra_env: dict[str, str] = field(default_factory=dict)  # for every container, before its own
+
+    def __post_init__(self) -> None:
+        _check_uid(self.uid)
+        if self.restart_policy not in _POLICIES:
+            raise ValueError(f"pod {self.uid}: unknown restartPolicy {self.restart_policy!r}")
+        if not self.containers:
+            raise ValueError(f"pod {self.uid}: no containers")
+        names = [c.name for c in self.all_containers]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"pod {self.uid}: two containers are named {name}")
+        for container in self.all_containers:
+            for name, value in self.extra_env.items():
+                _check_env(container.name, name, value)
+
+    @property
+    def all_containers(self) -> list[ContainerPlan]:
+        return [*self.init_containers, *self.containers]
+
+
+def _check_text(text: str, what: str) -> None:
+    if "\0" in text:
+        raise ValueError(f"{what}: {text!r} contains a NUL character")
+
+
+def _check_env(container: str, name: str, value: str) -> None:
+    if not _ENV_NAME.fullmatch(name):
+        raise ValueError(
+            f"container {container}: environment variable {name!r} cannot be set on a device: "
+            "its name must be letters, digits and _, not starting with a digit"
+        )
+    _check_text(value, f"container {container}: environment variable {name}")
+
+
+def _check_uid(uid: str) -> None:
+    if not _UID.fullmatch(uid):
+        raise ValueError(f"pod uid {uid!r} is not a Kubernetes UID")
+
+
+def _check_container(name: str) -> None:
+    if not _DNS_LABEL.fullmatch(name):
+        raise ValueError(f"container name {name!r} is not a DNS-1123 label")
+
+
+# -- statuses -------------------------------------------------------------------------------------
+@dataclass
+class ContainerStatus:
+    name: str
+    state: Literal["waiting", "running", "terminated"]
+    # waiting: ContainerCreating | PodInitializing | CrashLoopBackOff; terminated: Completed | Error
+    reason: str
+    pid: int | None
+    started_at: datetime | None  # UTC, aware
+    finished_at: datetime | None
+    exit_code: int | None  # killed by signal N: 128+N
+    restart_count: int
+    last: ContainerStatus | None = None  # the previous termination
+
+
+@dataclass
+class RemotePod:
+    uid: str
+    supervisor_alive: bool
+    stopping: bool
+    metadata_json: bytes
+    init_containers: list[ContainerStatus]  # in plan order
+    containers: list[ContainerStatus]
+
+
+# -- paths as shell words -------------------------------------------------------------------------
+def _root_word(root: str) -> str:
+    """The root as one shell word; a relative root is relative to $HOME, expanded on the device."""
+    if "\0" in root or "\n" in root:
+        raise ValueError(f"pod directory {root!r} must be a single-line path")
+    if root.startswith("/"):
+        return shlex.quote(root.rstrip("/") or "/")
+    for home in ("~", "$HOME", "${HOME}"):
+        if root == home:
+            root = ""
+        root = root.removeprefix(home + "/")
+    root = root.strip("/")
+    return '"$HOME"/' + shlex.quote(root) if root else '"$HOME"'
+
+
+def _pod_word(root: str, uid: str) -> str:
+    _check_uid(uid)
+    return f"{_root_word(root)}/pods/{uid}"
+
+
+def log_path(root: str, uid: str, container: str, run: int) -> str:
+    """The log of run `run` of a container, as a shell word (it may expand $HOME): to be used
+    in a command line as it is, never quoted again."""
+    _check_container(container)
+    return f"{_pod_word(root, uid)}/c/{container}/{int(run)}.log"
+
+
+# -- shell building blocks ------------------------------------------------------------------------
+def _heredoc(command: str, text: str) -> str:
+    """`command` with `text` on its stdin, verbatim: the delimiter is quoted (no expansion) and
+    is no line of the text. Through a here-document, no value is ever in an argv."""
+    lines = set(text.split("\n"))
+    delimiter = "VKUBELET_EOF"
+    while delimiter in lines:
+        delimiter += "_"
+    body = text if text.endswith("\n") else text + "\n"
+    return f"{command} <<'{delimiter}'\n{body}{delimiter}\n"
+
+
+# Functions shared by the scripts: finding out whether the supervisor runs, signalling groups.
+_HELPERS = r"""
+# -- helpers ------------------------------------------------------------------------------------
+BOOT=-
+read -r BOOT 2>/dev/null </proc/sys/kernel/random/boot_id || BOOT=-
+
+# is_pid WORD: a pid that is safe to signal as a group: not empty, not 0 or 1 (which kill reads
+# as "my own group" and "every process"), no leading zero.
+is_pid() { case $1 in '' | 0* | 1 | *[!0-9]*) return 1 ;; esac; }
+
+# signal_group SIG PID: SIG to the process group PID, or to PID alone if it leads no group (no
+# setsid on this device). `kill -SIG -PID` is the one form dash, ash and bash all accept.
+signal_group() {
+	is_pid "$2" || return 1
+	kill -"$1" -"$2" 2>/dev/null || kill -"$1" "$2" 2>/dev/null
+}
+
+# proc_start PID: sets PSTATE and START, PID's state and start time (ticks since boot) from
+# /proc, "-" without it. With the boot id the start time tells a process from a later one that
+# got the same pid; the state tells a zombie (which kill -0 finds) from a live process.
+proc_start() {
+	PSTATE=- START=-
+	if read -r START 2>/dev/null <"/proc/$1/stat"; then
+		set -- ${START##*)}
+		PSTATE=${1:--} START=${20:--}
+	fi
+}
+
+# supervisor_alive POD_DIR: the pod's supervisor is the process that was started, still runs
+# and has not finished. Sets SPID.
+supervisor_alive() {
+	[ ! -e "$1/done" ] || return 1
+	read -r SPID s_boot s_start 2>/dev/null <"$1/supervisor.pid" || return 1
+	[ "$s_boot" = "$BOOT" ] && is_pid "$SPID" && kill -0 "$SPID" 2>/dev/null || return 1
+	proc_start "$SPID"
+	[ "$START" = "$s_start" ] && [ "$PSTATE" != Z ]
+}
+
+SETSID=
+if command -v setsid >/dev/null 2>&1; then SETSID=setsid; fi
+"""
+
+# A detached killer: after "$1" seconds, SIGKILL each group in the "FILE PID" pairs that follow
+# if FILE (a container's pid file) still names it, i.e. the same run has not ended yet.
+_KILLER = (
+    'cd / && sleep "$1" && shift && while [ $# -ge 2 ]; do '
+    'if read -r p 2>/dev/null <"$1" && [ "$p" = "$2" ]; then '
+    'kill -KILL -"$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null; fi; shift 2; done'
+)
+
+
+def _terminate(pid_files: str, grace_seconds: int) -> str:
+    """TERM the groups of the containers whose pid files `pid_files` (a glob) finds, then KILL
+    those still running after the grace period, from a detached process: the script returns
+    at once, and works whoever runs it since these are plain kills of the user's processes."""
+    grace = max(0, int(grace_seconds))
+    # Only the killer itself in the background: a backgrounded `a || b` is a subshell, which bash
+    # keeps around (with this script's stdout, so the SSH channel would stay open) until b ends.
+    kill_later = (
+        "if [ $# -gt 0 ]; then\n"
+        f"\t$SETSID sh -c {shlex.quote(_KILLER)} vkubelet-killer {grace} "
+        '"$@" </dev/null >/dev/null 2>&1 &\n'
+        "fi"
+    )
+    return (
+        "set --\n"
+        f"for f in {pid_files}; do\n"
+        '\tif read -r p 2>/dev/null <"$f" && is_pid "$p"; then\n'
+        f'\t\tsignal_group {"TERM" if grace else "KILL"} "$p" && set -- "$@" "$f" "$p"\n'
+        "\tfi\n"
+        "done\n" + (kill_later + "\n" if grace else "")
+    )
+
+
+# -- start ----------------------------------------------------------------------------------------
+def start_pod_script(root: str, plan: PodPlan) -> str:
+    """Write the pod's files and start its supervisor, detached; print the supervisor's pid.
+
+    Idempotent: a pod whose supervisor runs, has finished or is being stopped is left alone. A
+    pod whose supervisor died (killed, or the device rebooted) starts over, its restart counts
+    and logs kept; the containers it left running in this boot are killed first.
+    """
+    reason = "PodInitializing" if plan.init_containers else "ContainerCreating"
+    names = [c.name for c in plan.all_containers]
+    dirs = " ".join(f'"$P/c/{name}"' for name in names)
+    metadata = base64.encodebytes(plan.metadata_json).decode()
+    order = "".join(f"init {c.name}\n" for c in plan.init_containers) + "".join(
+        f"main {c.name}\n" for c in plan.containers
+    )
+    parts = [
+        f"# vkubelet: start pod {plan.uid}\n",
+        "umask 077\n",
+        'fail() { echo "vkubelet: cannot start the pod: $*" >&2; exit 1; }\n',
+        f"R={_root_word(root)}\n",
+        f'mkdir -p "$R/pods/{plan.uid}" && P=$(cd "$R/pods/{plan.uid}" && pwd) '
+        '|| fail "cannot create the pod directory"\n',
+        _HELPERS,
+        ': >>"$R/events" || fail "cannot write $R/events"\n',
+        "\n# Started before: its supervisor runs, has finished, or the pod is being stopped.\n",
+        'if supervisor_alive "$P" || [ -e "$P/done" ] || [ -e "$P/stop" ]; then\n',
+        '\tread -r SPID rest 2>/dev/null <"$P/supervisor.pid" && echo "$SPID"\n',
+        "\texit 0\n",
+        "fi\n",
+        "# An earlier supervisor is gone: what it left running in this boot goes too.\n",
+        'if read -r o_pid o_boot o_rest 2>/dev/null <"$P/supervisor.pid" '
+        '&& [ "$o_boot" = "$BOOT" ]; then\n',
+        '\tfor f in "$P"/c/*/pid; do\n',
+        '\t\tif read -r p 2>/dev/null <"$f"; then signal_group KILL "$p"; fi\n',
+        "\tdone\n",
+        "fi\n\n",
+        f'mkdir -p "$P/fs" "$P/env" {dirs} || fail "cannot create $P"\n',
+        _heredoc('base64 -d >"$P/pod.json.tmp"', metadata),
+        'mv -f "$P/pod.json.tmp" "$P/pod.json" || fail "cannot write pod.json"\n',
+    ]
+    for container in plan.all_containers:
+        name = container.name
+        parts += [
+            _heredoc(f'cat >"$P/env/{name}"', _profile(plan, container)),
+            '[ -s "$P/env/' + name + '" ] || fail "cannot write env/' + name + '"\n',
+            _heredoc(f'cat >"$P/c/{name}/cmd"', _container_script(plan.uid, container)),
+            f'd="$P/c/{name}"; rm -f "$d/pid" "$d/backoff"\n',
+            '[ -s "$d/restarts" ] || echo 0 >"$d/restarts"\n',
+            f'echo "waiting {reason}" >"$d/state.tmp" && mv -f "$d/state.tmp" "$d/state" '
+            f'|| fail "cannot write $d/state"\n',
+        ]
+    parts += [
+        _heredoc('cat >"$P/run.sh"', _supervisor(plan)),
+        _heredoc('cat >"$P/containers"', order),
+        "\n# The supervisor: in its own session, attached to nothing of this SSH session.\n",
+        'rm -f "$P/supervisor.pid"\n',
+        '$SETSID sh "$P/run.sh" "$P" </dev/null >>"$P/supervisor.log" 2>&1 &\n',
+        "SPID=$!\n",
+        'proc_start "$SPID"\n',
+        'echo "$SPID $BOOT $START" >"$P/supervisor.pid.tmp" '
+        '&& mv -f "$P/supervisor.pid.tmp" "$P/supervisor.pid" || fail "no supervisor.pid"\n',
+        'echo "$SPID"\n',
+    ]
+    return "".join(parts)
+
+
+def _profile(plan: PodPlan, container: ContainerPlan) -> str:
+    """The env file: the working directory first, while no pod value can have replaced
+    VKUBELET_POD_DIR, then the environment. A directory that is not there fails the run like a
+    runtime's StartError (exit 128), its message in the log."""
+    lines = [
+        f"# vkubelet: working directory and environment of container {container.name} (secret)",
+        'cd -- "$VKUBELET_POD_DIR/fs" || exit 128',
+    ]
+    if container.working_dir:
+        lines.append(f"cd -- {shlex.quote(container.working_dir)} || exit 128")
+    env = {**plan.extra_env, **container.env}
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _container_script(uid: str, container: ContainerPlan) -> str:
+    """The script run.sh starts under setsid, with the log FIFOs as stdout and stderr. It
+    records its pid (its group's id) and the running state before it becomes the command."""
+    name = container.name
+    argv = " ".join(shlex.quote(arg) for arg in container.argv)
+    return f"""\
+# vkubelet: container {name} of pod {uid}; argument 1 is the pod directory.
+P=$1
+d=$P/c/{name}
+echo $$ >"$d/pid"
+# A stop may have come since the supervisor looked: the stop scripts create stop (and removal
+# deletes run.sh) before they read pid files, and this pid file is written before this check.
+if [ -e "$P/stop" ] || [ ! -e "$P/run.sh" ]; then exit 143; fi
+echo "running $$ $(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$d/state.tmp" && mv -f "$d/state.tmp" "$d/state"
+echo "{uid} {name} running" >>"${{P%/pods/*}}/events"
+umask 022
+# Working directory and environment (which may replace any variable: only literals follow).
+. "$P/env/{name}"
+exec {argv}
+"""
+
+
+def _supervisor(plan: PodPlan) -> str:
+    inits = " ".join(c.name for c in plan.init_containers)
+    mains = " ".join(c.name for c in plan.containers)
+    header = f"""\
+#!/bin/sh
+# vkubelet: supervisor of pod {plan.uid}, generated; argument 1 is the pod directory.
+POD={plan.uid}
+POLICY={plan.restart_policy}
+INITS='{inits}'
+MAINS='{mains}'
+"""
+    return header + _SUPERVISOR_BODY
+
+
+_SUPERVISOR_BODY = r"""
+# Like a kubelet: init containers one after the other, each until it succeeds (or, with
+# restartPolicy Never, until it fails: the pod has failed), then every container in parallel,
+# restarted as the policy says with the kubelet's back-off, until each is done or the pod is
+# stopped. The truth is in files (see vkubelet/providers/ssh/_remote.py): the agent may come and go.
+P=$1
+EVENTS=${P%/pods/*}/events
+BASE=${VKUBELET_BACKOFF_BASE:-10}
+MAX=${VKUBELET_BACKOFF_MAX:-300}
+RESET=${VKUBELET_BACKOFF_RESET:-600}
+export VKUBELET_POD_DIR="$P"
+cd "$P" || exit 1
+
+# Each container gets its own process group (and session) from setsid, so that signalling the
+# group reaches its children too. `set -m` would not do: dash and ash turn job control off
+# without a terminal. Without setsid a container stays in this group and is signalled alone.
+SETSID=
+if command -v setsid >/dev/null 2>&1; then SETSID=setsid; fi
+
+now() { date -u +%Y-%m-%dT%H:%M:%SZ; }
+
+# set_state CTR WORD...: replace CTR's state at once (the agent reads it at any time), then
+# poke the agent: a short line in one write is appended whole.
+set_state() {
+	s_dir=$P/c/$1
+	shift
+	echo "$*" >"$s_dir/state.tmp" && mv -f "$s_dir/state.tmp" "$s_dir/state"
+	echo "$POD ${s_dir##*/} $1" >>"$EVENTS"
+}
+
+# stamp STREAM LOG: appends what comes on stdin to LOG in the CRI log format, one line
+# "<time> <stream> F <line>" as soon as it comes. Both streams' stampers append to the same file,
+# so each line must be one write: awk writes to the file (stdout may be unbuffered, see below)
+# and flushes every line, and lines longer than 4000 bytes go in pieces tagged P (partial), as
+# containerd does past 16 KiB. mawk waits for a full input buffer unless told -W interactive.
+# An awk without strftime (checked once, here) is replaced by a slower shell loop.
+AWK_OPTS=
+case $(awk -W version 2>&1 </dev/null) in *mawk*) AWK_OPTS='-W interactive' ;; esac
+year=$(TZ=UTC awk 'BEGIN { print strftime("%Y") }' </dev/null 2>/dev/null)
+if [ "$year" -gt 1970 ] 2>/dev/null; then
+	stamp() {
+		export VKUBELET_LOG="$2" LC_ALL=C TZ=UTC
+		exec awk $AWK_OPTS -v s="$1" '
+			function put(tag, text) {
+				print strftime("%Y-%m-%dT%H:%M:%SZ"), s, tag, text >>ENVIRON["VKUBELET_LOG"]
+				fflush(ENVIRON["VKUBELET_LOG"])
+			}
+			{
+				line = $0
+				for (; length(line) > 4000; line = substr(line, 4001))
+					put("P", substr(line, 1, 4000))
+				put("F", line)
+			}'
+	}
+else
+	stamp() {
+		while IFS= read -r line || [ -n "$line" ]; do
+			printf '%s %s F %s\n' "$(now)" "$1" "$line" >>"$2"
+			line=
+		done
+	}
+fi
+
+# run CTR: one run of CTR, until it has ended and its log is complete (the agent relies on
+# "terminated" meaning that). Sets CODE, RAN (seconds it ran) and TERMINATED (its state).
+run() {
+	d=$P/c/$1
+	read -r n 2>/dev/null <"$d/restarts" || n=0
+	if [ -e "$d/$n.log" ]; then # run n happened: this is a restart
+		n=$((n + 1))
+		echo "$n" >"$d/restarts.tmp" && mv -f "$d/restarts.tmp" "$d/restarts"
+		rm -f "$d/$((n - 2)).log" # the current and the previous run's logs are kept
+	fi
+	# One FIFO per stream, read by a stamper that always consumes: the process never blocks.
+	rm -f "$d/out" "$d/err"
+	mkfifo "$d/out" "$d/err" || echo "vkubelet: mkfifo failed in $d" >&2
+	true >>"$d/$n.log" # the log exists from the start: it marks run n as begun
+	stamp stdout "$d/$n.log" <"$d/out" &
+	o=$!
+	stamp stderr "$d/$n.log" <"$d/err" &
+	e=$!
+	t0=$(date +%s)
+	$SETSID sh "$d/cmd" "$P" </dev/null >"$d/out" 2>"$d/err" &
+	cpid=$!
+	wait "$cpid" 2>/dev/null # (no "Terminated" note in supervisor.log)
+	CODE=$?
+	finished=$(now)
+	RAN=$(($(date +%s) - t0))
+	# As with a container's cgroup, what the main process leaves behind goes with it.
+	kill -KILL -"$cpid" 2>/dev/null
+	rm -f "$d/pid"
+	# Both stampers end at the end of their pipe. A process that left the group may hold it
+	# open: they get 2 seconds, then the log is complete as far as anyone can tell.
+	(sleep 2 && kill "$o" "$e") 2>/dev/null &
+	w=$!
+	wait "$o" "$e"
+	{ kill "$w" && wait "$w"; } 2>/dev/null
+	rm -f "$d/out" "$d/err"
+	started=$finished
+	if read -r word pid at 2>/dev/null <"$d/state" && [ "$word" = running ]; then started=$at; fi
+	TERMINATED="terminated $CODE $started $finished"
+	set_state "$1" $TERMINATED
+}
+
+# backoff CTR SECONDS: wait before a restart, unless the pod is stopped meanwhile (the stop
+# scripts create stop, then kill the sleep named in the backoff file: one of the two is seen).
+backoff() {
+	sleep "$2" &
+	echo $! >"$P/c/$1/backoff"
+	[ ! -e "$P/stop" ] || kill $! 2>/dev/null
+	wait $! 2>/dev/null
+	rm -f "$P/c/$1/backoff"
+}
+
+# supervise CTR POLICY: run CTR as POLICY says, backing off between runs like the kubelet (BASE
+# seconds, doubling up to MAX, BASE again after a run of RESET seconds), until it is done or the
+# pod is stopped. Returns the last exit code.
+supervise() {
+	delay=$BASE
+	CODE=1
+	while [ ! -e "$P/stop" ]; do
+		run "$1"
+		case $2 in
+		Never) break ;;
+		OnFailure) [ "$CODE" -ne 0 ] || break ;;
+		esac
+		[ ! -e "$P/stop" ] || break
+		[ "$RAN" -lt "$RESET" ] || delay=$BASE
+		echo "$TERMINATED" >"$P/c/$1/last.tmp" && mv -f "$P/c/$1/last.tmp" "$P/c/$1/last"
+		set_state "$1" waiting CrashLoopBackOff
+		backoff "$1" "$delay"
+		delay=$((delay * 2))
+		[ "$delay" -le "$MAX" ] || delay=$MAX
+	done
+	return "$CODE"
+}
+
+finish() {
+	: >"$P/done"
+	echo "$POD - done" >>"$EVENTS"
+	exit 0
+}
+
+init_policy=OnFailure
+[ "$POLICY" != Never ] || init_policy=Never
+for ctr in $INITS; do
+	supervise "$ctr" "$init_policy" || finish # failed for good, or stopped
+	[ ! -e "$P/stop" ] || finish
+done
+for ctr in $MAINS; do
+	supervise "$ctr" "$POLICY" &
+done
+wait
+finish
+"""
+
+
+# -- sweep ----------------------------------------------------------------------------------------
+def sweep_script(root: str, uids: list[str] | None = None) -> str:
+    """Print the state of every pod (or of `uids`) in one go, for `parse_sweep`.
+
+    Only shell builtins run per container, and one base64 per pod: a sweep of many pods is
+    cheap. The output is line-based and each pod's record ends with "end <uid>", so a record cut
+    short (a dropped connection) is recognised and left out.
+    """
+    base = _root_word(root)
+    if uids is None:
+        targets = f"{base}/pods/*"
+    else:
+        for uid in uids:
+            _check_uid(uid)
+        targets = " ".join(f"{base}/pods/{uid}" for uid in uids)
+    return (
+        "# vkubelet: status sweep\n"
+        + _HELPERS
+        + f"""
+echo "vkubelet-sweep 1"
+for P in {targets}; do
+	[ -f "$P/containers" ] || continue # not started, or not completely
+	uid=${{P##*/}}
+	alive=0
+	! supervisor_alive "$P" || alive=1
+	stopping=0
+	[ ! -e "$P/stop" ] || stopping=1
+	echo "pod $uid $alive $stopping"
+	echo json
+	base64 <"$P/pod.json" 2>/dev/null
+	echo .
+	while read -r kind name; do
+		d=$P/c/$name
+		restarts=0
+		read -r restarts 2>/dev/null <"$d/restarts"
+		echo "$kind $name $restarts"
+		state=
+		read -r state 2>/dev/null <"$d/state"
+		echo "state $state"
+		if read -r last 2>/dev/null <"$d/last"; then echo "last $last"; fi
+	done <"$P/containers"
+	echo "end $uid"
+done
+"""
+    )
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def parse_sweep(output: str | bytes) -> dict[str, RemotePod]:
+    """The pods of a sweep's output, by uid. Never raises: a record with anything unexpected in
+    it, or cut short, is left out (the next sweep tells), and text between records is ignored."""
+    data = output.encode(errors="surrogateescape") if isinstance(output, str) else output
+    pods: dict[str, RemotePod] = {}
+    record: list[str] | None = None
+    for raw in data.split(b"\n"):
+        try:
+            line = raw.decode("ascii").rstrip("\r")
+        except UnicodeDecodeError:
+            record = None
+            continue
+        if line.startswith("pod "):
+            record = [line]
+        elif record is not None and line.startswith("end "):
+            try:
+                pod = _parse_record(record, line[4:])
+            except (_Malformed, ValueError, IndexError, binascii.Error):
+                pass
+            else:
+                pods[pod.uid] = pod
+            record = None
+        elif record is not None:
+            record.append(line)
+    return pods
+
+
+def _parse_record(lines: list[str], end_uid: str) -> RemotePod:
+    words = lines[0].split(" ")
+    if len(words) != 4 or words[1] != end_uid or not _UID.fullmatch(end_uid):
+        raise _Malformed("pod line")
+    uid, alive, stopping = words[1], _flag(words[2]), _flag(words[3])
+    if lines[1] != "json" or "." not in lines:
+        raise _Malformed("json")
+    dot = lines.index(".")
+    metadata = base64.b64decode("".join(lines[2:dot]), validate=True)
+    pod = RemotePod(uid, alive, stopping, metadata, [], [])
+    rest = lines[dot + 1 :]
+    i = 0
+    while i < len(rest):
+        kind, name, restarts = _words(rest[i], 3)
+        if kind not in ("init", "main") or not _DNS_LABEL.fullmatch(name):
+            raise _Malformed("container line")
+        state = rest[i + 1]
+        if state != "state" and not state.startswith("state "):
+            raise _Malformed("state line")
+        status = _status(name, state[len("state ") :].split(), _count(restarts or "0"))
+        i += 2
+        if i < len(rest) and rest[i].startswith("last "):
+            status.last = _status(name, rest[i][len("last ") :].split(), status.restart_count)
+            if status.last.state != "terminated":
+                raise _Malformed("last")
+            i += 1
+        (pod.init_containers if kind == "init" else pod.containers).append(status)
+    return pod
+
+
+def _words(line: str, count: int) -> list[str]:
+    words = line.split(" ")
+    if len(words) != count:
+        raise _Malformed(line)
+    return words
+
+
+def _flag(word: str) -> bool:
+    if word not in ("0", "1"):
+        raise _Malformed(word)
+    return word == "1"
+
+
+def _count(word: str) -> int:
+    if not word.isdigit() or not word.isascii():
+        raise _Malformed(word)
+    return int(word)
+
+
+def _time(word: str) -> datetime:
+    moment = parse_rfc3339(word)
+    if moment is None:
+        raise _Malformed(word)
+    return moment
+
+
+def _status(name: str, words: list[str], restarts: int) -> ContainerStatus:
+    """A state line's words; no state file yet reads as a container being created."""
+    if not words:
+        words = ["waiting", "ContainerCreating"]
+    match words:
+        case ["waiting", reason] if _REASON.fullmatch(reason):
+            return ContainerStatus(name, "waiting", reason, None, None, None, None, restarts)
+        case ["running", pid, started]:
+            return ContainerStatus(
+                name, "running", "", _count(pid), _time(started), None, None, restarts
+            )
+        case ["terminated", code, started, finished]:
+            exit_code = _count(code)
+            reason = "Completed" if exit_code == 0 else "Error"
+            return ContainerStatus(
+                name,
+                "terminated",
+                reason,
+                None,
+                _time(started),
+                _time(finished),
+                exit_code,
+                restarts,
+            )
+    raise _Malformed(" ".join(words))
+
+
+# -- stopping ---------------------------------------------------------------------------------
+def stop_pod_script(root: str, uid: str, grace_seconds: int) -> str:
+    """Stop the pod: no more (re)starts, TERM to every running container's process group, KILL
+    after `grace_seconds` to those still running. Returns at once; the supervisor then ends."""
+    pod = _pod_word(root, uid)
+    return (
+        f"# vkubelet: stop pod {uid}\n"
+        + _HELPERS
+        + f"""
+P={pod}
+[ -d "$P" ] || exit 0
+: >"$P/stop" || exit 1
+# Back-offs end now (see backoff in run.sh), then the running containers.
+for f in "$P"/c/*/backoff; do
+	if read -r p 2>/dev/null <"$f" && is_pid "$p"; then kill "$p" 2>/dev/null; fi
+done
+"""
+        + _terminate('"$P"/c/*/pid', grace_seconds)
+        + f'echo "{uid} - stopping" >>"${{P%/pods/*}}/events"\n'
+    )
+
+
+def restart_container_script(root: str, uid: str, container: str, grace_seconds: int) -> str:
+    """End the container's current run (a failed liveness probe): TERM, KILL after the grace
+    period. The supervisor then restarts it or not, as the restart policy says."""
+    _check_container(container)
+    pod = _pod_word(root, uid)
+    return (
+        f"# vkubelet: restart container {container} of pod {uid}\n"
+        + _HELPERS
+        + f"\nP={pod}\n"
+        + _terminate(f'"$P"/c/{container}/pid', grace_seconds)
+    )
+
+
+def remove_pod_script(root: str, uid: str) -> str:
+    """Kill whatever of the pod still runs and delete its directory, logs included."""
+    pod = _pod_word(root, uid)
+    return (
+        f"# vkubelet: remove pod {uid}\n"
+        + _HELPERS
+        + f"""
+P={pod}
+[ -d "$P" ] || exit 0
+# Nothing may start any more: containers check for stop and run.sh before they exec.
+: >"$P/stop"
+rm -f "$P/run.sh"
+# The supervisor's group first (its shells, log stampers, back-off sleeps), so that nothing
+# restarts, then the containers' own groups.
+if supervisor_alive "$P"; then signal_group KILL "$SPID"; fi
+for f in "$P"/c/*/pid; do
+	if read -r p 2>/dev/null <"$f"; then signal_group KILL "$p"; fi
+done
+rm -rf "$P"
+"""
+    )
+
+
+# -- exec and logs --------------------------------------------------------------------------------
+def exec_command(root: str, uid: str, container: str, argv: list[str]) -> str:
+    """A command line for an SSH exec channel (with or without a PTY): `argv` in the
+    container's working directory and environment, as a container process would see them.
+
+    The device user's login shell reads this line, so it must be a POSIX-like shell (sh, bash,
+    dash, ash, zsh). The env file is sourced by a `sh -c` whose script is a constant of this
+    pod; argv follows as its arguments, each one quoted.
+    """
+    _check_container(container)
+    if not argv:
+        raise ValueError("exec: no command")
+    for arg in argv:
+        _check_text(arg, "exec: command")
+    script = (
+        f'P={_pod_word(root, uid)}; export VKUBELET_POD_DIR="$P"; '
+        f'. "$P/env/{container}" && exec "$@"'
+    )
+    args = " ".join(shlex.quote(arg) for arg in argv)
+    return f"exec sh -c {shlex.quote(script)} vkubelet-exec {args}"
+
+
+def logs_script(root: str, uid: str, container: str, *, previous: bool, follow: bool) -> str:
+    """Print the log of the container's current run (or the one before), in the CRI format.
+
+    With `follow`, new lines are printed as they come (`tail -F`, which also waits for a log not
+    there yet) until the channel is closed: the caller closes it once the run has ended. Without
+    a previous run, `previous` prints an error and exits 1.
+    """
+    _check_container(container)
+    pod = _pod_word(root, uid)
+    show = 'exec tail -n +1 -F "$log" 2>/dev/null' if follow else 'cat "$log" 2>/dev/null || true'
+    pick = (
+        '[ "$n" -gt 0 ] || { echo "no previous run" >&2; exit 1; }\nn=$((n - 1))\n'
+        if previous
+        else ""
+    )
+    return f"""\
+# vkubelet: log of container {container} of pod {uid}
+d={pod}/c/{container}
+n=0
+read -r n 2>/dev/null <"$d/restarts" || n=0
+{pick}log=$d/$n.log
+{show}
+"""

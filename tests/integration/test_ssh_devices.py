@@ -1,0 +1,577 @@
+"""SSH devices as nodes, end to end: real sshd devices (network namespaces, non-root users),
+`vkubelet run --provider ssh` with an inventory file, the real control plane and kubectl."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    TestDevice,
+    local_test_address,
+    node_ready,
+    wait_for,
+)
+
+TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def inventory(devices: list[TestDevice], **extra: Any) -> dict[str, Any]:
+    return {
+        "devices": [
+            {
+                "name": d.name,
+                "address": d.address,
+                "port": d.port,
+                "user": d.user,
+                "identityFile": str(d.key_path),
+                "knownHosts": str(d.known_hosts),
+                "labels": {"lab.vkubelet.io/device": d.name},
+                "podDir": str(d.home / ".vkubelet"),
+                **extra,
+            }
+            for d in devices
+        ]
+    }
+
+
+@dataclass
+class Lab:
+    devices: list[TestDevice]
+    agent: AgentProcess
+    inventory_path: Path
+    address: str
+
+    def write_inventory(self, devices: list[TestDevice], **extra: Any) -> None:
+        tmp = self.inventory_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(inventory(devices, **extra)))
+        tmp.replace(self.inventory_path)
+
+
+def start_agent(cluster: Cluster, workdir: Path, path: Path, address: str) -> AgentProcess:
+    args = [
+        "--provider",
+        "ssh",
+        "--provider-config",
+        str(path),
+        "--nodename",
+        "lab",
+        "--internal-ip",
+        address,
+        "--kubelet-port",
+        "0",
+        "--approve-own-csrs",
+        "--cert-dir",
+        str(workdir / "pki"),
+        "--log-level",
+        "debug",
+    ]
+    return AgentProcess(cluster.kubeconfig, args, workdir / "agent.log").start()
+
+
+@pytest.fixture(scope="module")
+def lab(
+    kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Lab]:
+    from vkubelet.testing import ssh_lab
+
+    workdir = tmp_path_factory.mktemp("ssh-lab")
+    with local_test_address() as address, ssh_lab(3, workdir) as devices:
+        path = workdir / "inventory.yaml"
+        path.write_text(yaml.safe_dump(inventory(devices)))
+        agent = start_agent(kube_cluster, workdir, path, address)
+        try:
+            for device in devices:
+                wait_for(
+                    lambda d=device: node_ready(kubectl, d.name),  # type: ignore[misc]
+                    timeout=60,
+                    what=f"node {device.name} Ready",
+                )
+            yield Lab(devices, agent, path, address)
+        finally:
+            agent.stop()
+            for device in devices:
+                kubectl("delete", "node", device.name, "--ignore-not-found", "--wait=false")
+
+
+def apply(kubectl: Kubectl, manifest: dict[str, Any]) -> None:
+    kubectl("apply", "-f", "-", input=json.dumps(manifest))
+
+
+def pod_manifest(
+    name: str, node: str, command: list[str], *, restart: str = "Always", **extra: Any
+) -> dict[str, Any]:
+    container = {"name": "main", "image": "host", "command": command, **extra.pop("container", {})}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": node,
+            "restartPolicy": restart,
+            "tolerations": TOLERATE,
+            "terminationGracePeriodSeconds": 5,
+            "containers": [container],
+            **extra,
+        },
+    }
+
+
+def status(kubectl: Kubectl, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = kubectl.json("get", "pod", name).get("status") or {}
+    return found
+
+
+def container(kubectl: Kubectl, name: str) -> dict[str, Any]:
+    statuses = status(kubectl, name).get("containerStatuses") or [{}]
+    first: dict[str, Any] = statuses[0]
+    return first
+
+
+def run_pod(kubectl: Kubectl, node: str, command: list[str], **extra: Any) -> str:
+    name = f"p-{uuid.uuid4().hex[:6]}"
+    apply(kubectl, pod_manifest(name, node, command, **extra))
+    wait_for(lambda: status(kubectl, name).get("phase") == "Running", what=f"{name} Running")
+    return name
+
+
+def delete(kubectl: Kubectl, *names: str) -> None:
+    kubectl("delete", "pod", *names, "--wait=false", "--ignore-not-found")
+
+
+# -- scheduling -------------------------------------------------------------------------
+def test_a_deployment_spreads_over_the_devices_its_node_selector_picks(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    picked = {d.name for d in lab.devices[:2]}
+    name = f"d-{uuid.uuid4().hex[:6]}"
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 4,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "tolerations": TOLERATE,
+                    "terminationGracePeriodSeconds": 5,
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchExpressions": [
+                                            {
+                                                "key": "lab.vkubelet.io/device",
+                                                "operator": "In",
+                                                "values": sorted(picked),
+                                            }
+                                        ]
+                                    }
+                                ]
+                            }
+                        }
+                    },
+                    "topologySpreadConstraints": [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "DoNotSchedule",
+                            "labelSelector": {"matchLabels": {"app": name}},
+                        }
+                    ],
+                    "containers": [
+                        {
+                            "name": "app",
+                            "image": "host",
+                            "command": ["sh", "-c", f"sleep 3600; : {name}"],
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    apply(kubectl, deployment)
+    try:
+
+        def running() -> list[dict[str, Any]]:
+            pods = kubectl.json("get", "pods", "-l", f"app={name}")["items"]
+            return [p for p in pods if p["status"].get("phase") == "Running"]
+
+        wait_for(lambda: len(running()) == 4, timeout=60, what="4 replicas Running")
+        nodes = [p["spec"]["nodeName"] for p in running()]
+        assert set(nodes) == picked
+        assert sorted(nodes.count(n) for n in picked) == [2, 2]
+        for device in lab.devices:
+            expected = 2 if device.name in picked else 0
+            assert len(device.pids(f": {name}")) in (expected, expected * 2)
+        for pod in running():
+            assert pod["status"]["podIP"] in {d.address for d in lab.devices}
+    finally:
+        kubectl("delete", "deployment", name, "--wait=false")
+
+
+# -- lifecycle -------------------------------------------------------------------------
+def test_exit_codes_and_restart_policies_are_reported_like_a_kubelet(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    node = lab.devices[0].name
+    names = {
+        policy: f"exit-{policy.lower()}-{uuid.uuid4().hex[:4]}"
+        for policy in ("Never", "OnFailure", "Always")
+    }
+    for policy, name in names.items():
+        apply(kubectl, pod_manifest(name, node, ["sh", "-c", "echo ran; exit 3"], restart=policy))
+    ok = f"exit-ok-{uuid.uuid4().hex[:4]}"
+    apply(kubectl, pod_manifest(ok, node, ["true"], restart="OnFailure"))
+    try:
+        wait_for(lambda: status(kubectl, names["Never"]).get("phase") == "Failed", what="Failed")
+        terminated = container(kubectl, names["Never"])["state"]["terminated"]
+        assert (terminated["exitCode"], terminated["reason"]) == (3, "Error")
+        wait_for(lambda: status(kubectl, ok).get("phase") == "Succeeded", what="Succeeded")
+        assert container(kubectl, ok)["state"]["terminated"]["exitCode"] == 0
+        for policy in ("OnFailure", "Always"):
+            name = names[policy]
+            wait_for(
+                lambda n=name: container(kubectl, n).get("restartCount", 0) >= 1,  # type: ignore[misc]
+                timeout=60,
+                what=f"{policy}: restarted",
+            )
+            found = container(kubectl, name)
+            assert found["lastState"]["terminated"]["exitCode"] == 3
+            assert status(kubectl, name)["phase"] == "Running"
+    finally:
+        delete(kubectl, *names.values(), ok)
+
+
+def test_deleting_a_pod_stops_its_whole_process_group(lab: Lab, kubectl: Kubectl) -> None:
+    device = lab.devices[1]
+    tag = str(100000 + int(uuid.uuid4().hex[:6], 16) % 100000)
+    # A process that ignores TERM, and its children (which inherit that): KILL after the grace
+    # period, for the whole group.
+    name = run_pod(
+        kubectl,
+        device.name,
+        ["sh", "-c", f"trap '' TERM; sleep {tag}1 & sleep {tag}2 & wait"],
+    )
+    wait_for(lambda: len(device.pids(f"sleep {tag}")) >= 2, what="the processes on the device")
+    started = time.monotonic()
+    kubectl("delete", "pod", name, "--wait=true", timeout=60)
+    assert time.monotonic() - started < 30
+    wait_for(lambda: not device.pids(f"sleep {tag}"), timeout=20, what="processes gone")
+
+
+# -- kubectl verbs -------------------------------------------------------------------------
+def test_logs_follow_a_process_while_it_prints(lab: Lab, kubectl: Kubectl) -> None:
+    node = lab.devices[0].name
+    name = run_pod(
+        kubectl,
+        node,
+        [
+            "sh",
+            "-c",
+            "i=0; while [ $i -lt 6 ]; do echo tick $i; echo err $i >&2; "
+            "i=$((i+1)); sleep 0.5; done; sleep 3600",
+        ],
+    )
+    try:
+        proc = subprocess.Popen(
+            [kubectl.binary, "--kubeconfig", str(kubectl.kubeconfig), "logs", "-f", name],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        seen: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(seen) < 12 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line:
+                seen.append(line.strip())
+        proc.kill()
+        assert [s for s in seen if s.startswith("tick")] == [f"tick {i}" for i in range(6)]
+        assert "err 5" in seen
+        tail = kubectl("logs", name, "--tail=1", "--timestamps").stdout
+        assert tail.endswith(" err 5\n") or tail.endswith(" tick 5\n")
+        assert tail[:4].isdigit()
+    finally:
+        delete(kubectl, name)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by .ci/run")
+def test_exec_with_a_terminal_on_a_device(lab: Lab, kubectl: Kubectl) -> None:
+    node = lab.devices[2].name
+    name = run_pod(
+        kubectl,
+        node,
+        ["sleep", "3600"],
+        container={"env": [{"name": "GREETING", "value": "hello device"}]},
+    )
+    assert kubectl("exec", name, "--", "sh", "-c", "echo $GREETING").stdout == "hello device\n"
+    assert kubectl("exec", name, "--", "sh", "-c", "exit 7", check=False).returncode == 7
+    assert kubectl("exec", "-i", name, "--", "cat", input="abc\n").stdout == "abc\n"
+    session = f"vkt-{uuid.uuid4().hex[:6]}"
+    command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} exec -it {name} -- sh"
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command], check=True
+    )
+
+    def screen() -> str:
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True
+        ).stdout
+
+    def typed(text: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", session, text, "Enter"], check=True)
+
+    try:
+        time.sleep(2)
+        typed("stty size; id -un")
+        wait_for(lambda: "40 120" in screen(), timeout=30, what="the terminal size on the device")
+        assert lab.devices[2].user in screen()
+        subprocess.run(
+            ["tmux", "resize-window", "-t", session, "-x", "100", "-y", "30"], check=True
+        )
+        time.sleep(1)
+        typed("stty size")
+        wait_for(lambda: "30 100" in screen(), timeout=30, what="the size after a resize")
+        typed("exit")
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+        delete(kubectl, name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_port_forward_reaches_a_server_on_the_device(lab: Lab, kubectl: Kubectl) -> None:
+    node = lab.devices[1].name
+    remote = 18000 + int(uuid.uuid4().hex[:3], 16) % 1000
+    name = run_pod(
+        kubectl,
+        node,
+        ["python3", "-m", "http.server", str(remote), "--bind", "127.0.0.1"],
+    )
+    local = _free_port()
+    forward = subprocess.Popen(
+        [
+            kubectl.binary,
+            "--kubeconfig",
+            str(kubectl.kubeconfig),
+            "port-forward",
+            name,
+            f"{local}:{remote}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+
+        def fetch() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=5) as reply:
+                    return reply.status == 200 and b"Directory listing" in reply.read()
+            except OSError:
+                return False
+
+        wait_for(fetch, timeout=30, what="HTTP through port-forward")
+    finally:
+        forward.kill()
+        delete(kubectl, name)
+
+
+def test_a_configmap_update_reaches_the_file_on_the_device(lab: Lab, kubectl: Kubectl) -> None:
+    node = lab.devices[0].name
+    cm = f"cm-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "configmap", cm, "--from-literal=greeting=first")
+    name = run_pod(
+        kubectl,
+        node,
+        ["sh", "-c", "while :; do cat etc/app/greeting; echo; sleep 0.5; done"],
+        volumes=[{"name": "config", "configMap": {"name": cm}}],
+        container={"volumeMounts": [{"name": "config", "mountPath": "/etc/app"}]},
+    )
+    try:
+        wait_for(lambda: "first" in kubectl("logs", name, "--tail=1").stdout, what="first value")
+        patch = json.dumps({"data": {"greeting": "second"}})
+        kubectl("patch", "configmap", cm, "--type=merge", "-p", patch)
+        wait_for(
+            lambda: "second" in kubectl("logs", name, "--tail=1").stdout,
+            timeout=60,
+            what="the updated value in the file",
+        )
+    finally:
+        delete(kubectl, name)
+        kubectl("delete", "configmap", cm, "--wait=false")
+
+
+# -- hostile input -------------------------------------------------------------------------
+HOSTILE = [
+    "; touch {canary}",
+    "$(touch {canary})",
+    "`touch {canary}`",
+    "' ; touch {canary} ; '",
+    '" ; touch {canary} ; "',
+    '\\"; touch {canary}',
+    "line1\ntouch {canary}",
+    "$HOME && touch {canary}",
+    "*",
+    "-n",
+    "",
+    "ünïcødé ✓",
+]
+
+
+def test_hostile_commands_args_and_env_run_literally(lab: Lab, kubectl: Kubectl) -> None:
+    device = lab.devices[2]
+    canary = f"/tmp/vk-canary-{uuid.uuid4().hex[:6]}"
+    args = [h.format(canary=canary) for h in HOSTILE]
+    env = [{"name": f"HOSTILE_{i}", "value": a} for i, a in enumerate(args)]
+    script = (
+        "import json, os, sys; "
+        "print(json.dumps([sys.argv[1:], {k: v for k, v in os.environ.items() "
+        "if k.startswith('HOSTILE_')}, os.getcwd()]), flush=True)"
+    )
+    workdir = device.home / f"w d'$(touch {canary})"
+    device.run(f"mkdir -p {shlex.quote(str(workdir))}")
+    name = run_pod(
+        kubectl,
+        device.name,
+        ["python3", "-c", script + "; import time; time.sleep(3600)", *args],
+        container={"env": env, "workingDir": str(workdir)},
+    )
+    try:
+        wait_for(lambda: kubectl("logs", name).stdout.strip(), what="the program's output")
+        argv, seen_env, cwd = json.loads(kubectl("logs", name).stdout.splitlines()[0])
+        assert argv == args
+        assert seen_env == {e["name"]: e["value"] for e in env}
+        assert cwd == str(workdir)
+        out = kubectl("exec", name, "--", "printf", "%s|", *args).stdout
+        assert out == "".join(f"{a}|" for a in args)
+        assert device.run(f"test -e {canary} && echo FOUND || echo none").stdout.strip() == "none"
+    finally:
+        delete(kubectl, name)
+
+
+def test_an_unsupported_image_is_refused_with_a_clear_reason(lab: Lab, kubectl: Kubectl) -> None:
+    name = f"img-{uuid.uuid4().hex[:6]}"
+    manifest = pod_manifest(name, lab.devices[0].name, ["true"])
+    manifest["spec"]["containers"][0]["image"] = "busybox:1.36"
+    apply(kubectl, manifest)
+    try:
+        wait_for(lambda: status(kubectl, name).get("phase") == "Failed", what="Failed")
+        assert status(kubectl, name).get("reason") == "ImageNotSupported"
+        assert "hostImages" in status(kubectl, name).get("message", "")
+    finally:
+        delete(kubectl, name)
+
+
+# -- device health, restarts, inventory -----------------------------------------------------------
+def _ready(kubectl: Kubectl, node: str) -> bool:
+    return node_ready(kubectl, node)
+
+
+def test_a_device_whose_link_goes_down_is_not_ready_and_keeps_its_processes(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    device = lab.devices[2]
+    name = run_pod(
+        kubectl,
+        device.name,
+        ["sh", "-c", "i=0; while :; do echo beat $i; i=$((i+1)); sleep 1; done"],
+    )
+    try:
+        wait_for(lambda: "beat 2" in kubectl("logs", name).stdout, what="beats")
+        pid = container(kubectl, name).get("containerID")
+        before = device.pids("while :; do echo beat")
+        device.link_down()
+        try:
+            wait_for(lambda: not _ready(kubectl, device.name), timeout=60, what="NotReady")
+            time.sleep(120)
+            assert device.pids("while :; do echo beat") == before
+        finally:
+            device.link_up()
+        wait_for(lambda: _ready(kubectl, device.name), timeout=90, what="Ready again")
+        assert status(kubectl, name)["phase"] == "Running"
+        assert container(kubectl, name).get("containerID") == pid
+        assert container(kubectl, name).get("restartCount") == 0
+        beats = [int(line.split()[1]) for line in kubectl("logs", name).stdout.splitlines()]
+        assert beats == list(range(len(beats))) and len(beats) > 120
+    finally:
+        delete(kubectl, name)
+
+
+def test_pods_are_adopted_after_the_agent_is_killed_and_restarted(
+    lab: Lab, kubectl: Kubectl, kube_cluster: Cluster, tmp_path: Path
+) -> None:
+    device = lab.devices[0]
+    tag = uuid.uuid4().hex[:8]
+    running = run_pod(kubectl, device.name, ["sh", "-c", f"sleep 3600; : {tag}"])
+    short = run_pod(kubectl, device.name, ["sh", "-c", "sleep 4; exit 5"], restart="Never")
+    pids = device.pids(tag)
+    lab.agent.stop(9)
+    time.sleep(6)  # `short` ends while no agent watches
+    lab.agent.start()
+    try:
+        wait_for(
+            lambda: status(kubectl, short).get("phase") == "Failed",
+            timeout=60,
+            what="the exit seen while the agent was down",
+        )
+        assert container(kubectl, short)["state"]["terminated"]["exitCode"] == 5
+        assert device.pids(tag) == pids
+        assert status(kubectl, running)["phase"] == "Running"
+        assert container(kubectl, running).get("restartCount") == 0
+    finally:
+        delete(kubectl, running, short)
+
+
+def test_a_device_removed_from_the_inventory_is_drained_then_its_node_deleted(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    keep, gone = lab.devices[:2], lab.devices[2]
+    tag = uuid.uuid4().hex[:8]
+    name = run_pod(kubectl, gone.name, ["sh", "-c", f"sleep 3600; : {tag}"])
+    lab.write_inventory(keep)
+    try:
+        wait_for(
+            lambda: kubectl.json("get", "node", gone.name)["spec"].get("unschedulable"),
+            timeout=30,
+            what="cordoned",
+        )
+        wait_for(
+            lambda: kubectl("get", "pod", name, "--ignore-not-found").stdout == "",
+            timeout=60,
+            what="the pod evicted",
+        )
+        assert not gone.pids(tag)
+        wait_for(
+            lambda: kubectl("get", "node", gone.name, "--ignore-not-found").stdout == "",
+            timeout=60,
+            what="the node deleted",
+        )
+        assert all(node_ready(kubectl, d.name) for d in keep)
+    finally:
+        lab.write_inventory(lab.devices)
+        wait_for(lambda: node_ready(kubectl, gone.name), timeout=60, what="the device back")
