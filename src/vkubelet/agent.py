@@ -29,6 +29,10 @@ from .node.provider import FleetNode, NodeFleet, PodLifecycleHandler
 log = logging.getLogger(__name__)
 
 
+# Nodes starting at once (registration, first pod list, adoption); the others wait their turn.
+_STARTING_NODES = 32
+
+
 def build_provider(spec: NodeSpec) -> PodLifecycleHandler | NodeFleet:
     factory = load_provider(spec.settings.provider)
     return factory(
@@ -88,6 +92,7 @@ class Agent:
         self._fleet_tls: dict[str, ssl.SSLContext] = {}  # fleet name -> its serving context
         self._auth: KubeletAuth | None = None
         self._services: ServiceCache | None = None
+        self._startup = asyncio.Semaphore(_STARTING_NODES)
 
     @property
     def client(self) -> KubeClient:
@@ -110,6 +115,7 @@ class Agent:
                 provider,
                 services=self._services,
                 workers=self.config.workers,
+                startup=self._startup,
             )
             for spec, provider in zip(self._single, self.providers, strict=True)
         ]
@@ -314,6 +320,7 @@ class Agent:
             member.provider,
             services=self._services,
             workers=self.config.workers,
+            startup=self._startup,
         )
         server: KubeletServer | None = None
         if self.config.kubelet_api:

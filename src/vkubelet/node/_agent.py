@@ -58,9 +58,14 @@ class NodeAgent:
         *,
         services: ServiceCache,
         workers: int = 32,
+        startup: asyncio.Semaphore | None = None,
     ) -> None:
         self.settings = settings
         self.provider = provider
+        # Shared by the nodes of one process: how many may be starting (registering, listing
+        # their pods, adopting) at once. A thousand starting together would fill the event loop
+        # with work that delays the lease renewals of the nodes already up.
+        self._startup = startup or asyncio.Semaphore(1_000_000)
         self.events = EventRecorder(client, component="vkubelet", host=settings.name)
         self.node = NodeController(client, settings, provider)
         host_ip = settings.internal_ip
@@ -82,7 +87,9 @@ class NodeAgent:
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
-            group.create_task(self.events.run())
-            group.create_task(self.node.run())
-            await self.node.registered.wait()
-            group.create_task(self.pods.run())
+            async with self._startup:
+                group.create_task(self.events.run())
+                group.create_task(self.node.run())
+                await self.node.registered.wait()
+                group.create_task(self.pods.run())
+                await self.pods.ready.wait()
