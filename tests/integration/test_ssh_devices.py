@@ -575,3 +575,50 @@ def test_a_device_removed_from_the_inventory_is_drained_then_its_node_deleted(
     finally:
         lab.write_inventory(lab.devices)
         wait_for(lambda: node_ready(kubectl, gone.name), timeout=60, what="the device back")
+
+
+# -- probes ---------------------------------------------------------------------------------------
+def _pod_ready(kubectl: Kubectl, name: str) -> bool:
+    conditions = status(kubectl, name).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def test_a_readiness_probe_holds_a_pod_unready_until_its_command_succeeds(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    probe = {"exec": {"command": ["test", "-f", "ready"]}, "periodSeconds": 1}
+    name = run_pod(
+        kubectl, lab.devices[1].name, ["sleep", "3600"], container={"readinessProbe": probe}
+    )
+    try:
+        time.sleep(3)  # a few probes have failed
+        assert not _pod_ready(kubectl, name)
+        assert container(kubectl, name)["ready"] is False
+        kubectl("exec", name, "--", "touch", "ready")  # in the pod's working directory
+        wait_for(lambda: _pod_ready(kubectl, name), timeout=30, what="Ready")
+        kubectl("exec", name, "--", "rm", "ready")
+        wait_for(lambda: not _pod_ready(kubectl, name), timeout=30, what="not Ready again")
+        assert container(kubectl, name)["restartCount"] == 0
+    finally:
+        delete(kubectl, name)
+
+
+def test_a_failing_http_liveness_probe_restarts_the_container(lab: Lab, kubectl: Kubectl) -> None:
+    port = 19000 + int(uuid.uuid4().hex[:3], 16) % 1000  # nothing listens there
+    probe = {"httpGet": {"port": "web", "path": "/healthz"}, "periodSeconds": 1}
+    name = run_pod(
+        kubectl,
+        lab.devices[1].name,
+        ["sleep", "3600"],
+        container={"ports": [{"name": "web", "containerPort": port}], "livenessProbe": probe},
+    )
+    try:
+        wait_for(
+            lambda: container(kubectl, name).get("restartCount", 0) >= 1,
+            timeout=90,
+            what="restarted by its liveness probe",
+        )
+        last = container(kubectl, name)["lastState"]["terminated"]
+        assert last["exitCode"] == 128 + 15  # SIGTERM: ended by the agent, not by itself
+    finally:
+        delete(kubectl, name)

@@ -86,10 +86,9 @@ class NodeAgent:
         )
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as group:
-            async with self._startup:
-                group.create_task(self.events.run())
-                group.create_task(self.node.run())
-                await self.node.registered.wait()
-                group.create_task(self.pods.run())
-                await self.pods.ready.wait()
+        async with asyncio.TaskGroup() as group, self._startup:
+            group.create_task(self.events.run())
+            group.create_task(self.node.run())
+            await self.node.registered.wait()
+            group.create_task(self.pods.run())
+            await self.pods.ready.wait()

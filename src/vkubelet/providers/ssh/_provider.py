@@ -37,6 +37,7 @@ from . import _remote
 from ._inventory import DeviceConfig
 from ._link import DeviceLink, Unreachable
 from ._logs import LogParser, render, select_lines
+from ._probes import Prober
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class _PodEntry:
         self.created = datetime.now(UTC)
         self.deleting = False
         self.ready: dict[str, bool] = {}  # readiness probe results by container
+        self.prober: Prober | None = None
         self.status: dict[str, Any] | None = None
 
 
@@ -86,6 +88,9 @@ class DeviceProvider:
         ]
 
     async def aclose(self) -> None:
+        for entry in self._pods.values():
+            if entry.prober is not None:
+                entry.prober.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -151,6 +156,7 @@ class DeviceProvider:
                 if entry is None:
                     continue
             entry.remote = remote
+            self._probe(entry)
             self._publish(entry)
 
     def _adopt(self, remote: _remote.RemotePod) -> _PodEntry | None:
@@ -241,6 +247,7 @@ class DeviceProvider:
         self._pods[key] = entry
         if uid in existing:
             entry.remote = existing[uid]
+            self._probe(entry)
             self._publish(entry)
             return
         try:
@@ -414,6 +421,7 @@ class DeviceProvider:
         if entry is None or entry.uid != pod.metadata.uid:
             return
         entry.deleting = True
+        self._probe(entry)
         await self.link.run(_remote.stop_pod_script(self.root, entry.uid, grace_period_seconds))
         self._poked.add(entry.uid)
         self._poke.set()
@@ -458,6 +466,14 @@ class DeviceProvider:
         pod = msgspec.convert(msgspec.to_builtins(entry.pod), Pod)
         pod.status = msgspec.convert(self._status(entry), PodStatus)
         return pod
+
+    def _probe(self, entry: _PodEntry) -> None:
+        """Keep the pod's probe workers in step with the runs the device last reported."""
+        if entry.prober is None:
+            entry.prober = Prober(
+                self.link, self.root, entry.uid, entry.ready, lambda: self._publish(entry)
+            )
+        entry.prober.sync(entry.pod, entry.remote, stopping=entry.deleting)
 
     def _publish(self, entry: _PodEntry) -> None:
         status = self._status(entry)
