@@ -16,7 +16,7 @@ import logging
 import socket
 import ssl
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from .kubelet import KubeletAuth, KubeletNode, KubeletServer, serve_nodes, server_ssl_context
@@ -345,17 +345,10 @@ class Agent:
         member = self._fleet_members[name]
         path = f"/api/v1/nodes/{name}"
         log.info("node %s left its fleet: draining it", name)
-        while True:
-            try:
-                await self.client.patch(path, {"spec": {"unschedulable": True}})
-                break
-            except ApiError as e:
-                if e.not_found:
-                    break
-                log.warning("node %s: cannot cordon it (%s); retrying", name, e)
-            except Unreachable:
-                pass
-            await asyncio.sleep(5)
+        await _until_done(
+            f"node {name}: cordon",
+            lambda: self.client.patch(path, {"spec": {"unschedulable": True}}),
+        )
         while pods := [r for r in member.node.pods.reflector.items.values()]:
             for record in pods:
                 if record.deleting:
@@ -390,17 +383,7 @@ class Agent:
                             )
             await asyncio.sleep(2)
         await self._stop_member(name)
-        while True:
-            try:
-                await self.client.delete(path)
-                break
-            except ApiError as e:
-                if e.not_found:
-                    break
-                log.warning("node %s: cannot delete it (%s); retrying", name, e)
-            except Unreachable:
-                pass
-            await asyncio.sleep(5)
+        await _until_done(f"node {name}: delete", lambda: self.client.delete(path))
         log.info("node %s drained and deleted", name)
 
     async def _client_ca_file(self) -> Path | None:
@@ -444,6 +427,21 @@ def _reloader(context: ssl.SSLContext) -> Callable[[Path, Path], None]:
         log.info("serving certificate renewed")
 
     return reload
+
+
+async def _until_done(what: str, call: Callable[[], Awaitable[object]]) -> None:
+    """Retry an API call until it succeeds or its object is gone (both mean: done)."""
+    while True:
+        try:
+            await call()
+            return
+        except ApiError as e:
+            if e.not_found:
+                return
+            log.warning("%s failed (%s); retrying", what, e)
+        except Unreachable:
+            pass
+        await asyncio.sleep(5)
 
 
 @dataclasses.dataclass

@@ -278,6 +278,41 @@ def node_ready(kubectl: Kubectl, node: str) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
+class TerminalSession:
+    """A command in a real terminal (a detached tmux session), for `kubectl exec -it` tests."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def screen(self) -> str:
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", "-t", self.name], capture_output=True, text=True
+        ).stdout
+
+    def type(self, text: str) -> None:
+        """Type a line (Enter included)."""
+        subprocess.run(["tmux", "send-keys", "-t", self.name, text, "Enter"], check=True)
+
+    def resize(self, cols: int, rows: int) -> None:
+        subprocess.run(
+            ["tmux", "resize-window", "-t", self.name, "-x", str(cols), "-y", str(rows)],
+            check=True,
+        )
+
+
+@contextlib.contextmanager
+def terminal_session(command: str, *, cols: int = 120, rows: int = 40) -> Iterator[TerminalSession]:
+    name = f"vkt-{uuid.uuid4().hex[:6]}"
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", name, "-x", str(cols), "-y", str(rows), command],
+        check=True,
+    )
+    try:
+        yield TerminalSession(name)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], check=False)
+
+
 @contextlib.contextmanager
 def local_test_address(name: str | None = None) -> Iterator[str]:
     """A non-loopback address on this machine: the host end of a veth pair to a fresh netns.

@@ -13,7 +13,6 @@ import ssl
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,14 @@ import websocket  # websocket-client, the library the official Python client str
 from prometheus_client.parser import text_string_to_metric_families
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import Kubectl, local_test_address, mock_node, running_pod, wait_for
+from vkubelet.testing import (
+    Kubectl,
+    local_test_address,
+    mock_node,
+    running_pod,
+    terminal_session,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,34 +87,16 @@ def test_cp_copies_files_both_ways(pod: str, kubectl: Kubectl, tmp_path: Path) -
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by .ci/run")
 def test_exec_with_a_terminal_sees_its_size_and_resizes(pod: str, kubectl: Kubectl) -> None:
-    session = f"vkt-{uuid.uuid4().hex[:6]}"
     command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} exec -it {pod} -- sh"
-    subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command],
-        check=True,
-    )
-
-    def screen() -> str:
-        return subprocess.run(
-            ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True
-        ).stdout
-
-    def typed(text: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", session, text, "Enter"], check=True)
-
-    try:
+    with terminal_session(command, cols=120, rows=40) as terminal:
         time.sleep(2)  # the interactive shell in the pod is ready
-        typed("stty size")
-        wait_for(lambda: "40 120" in screen(), timeout=30, what="the terminal size in the pod")
-        subprocess.run(
-            ["tmux", "resize-window", "-t", session, "-x", "100", "-y", "30"], check=True
-        )
+        terminal.type("stty size")
+        wait_for(lambda: "40 120" in terminal.screen(), timeout=30, what="the size in the pod")
+        terminal.resize(100, 30)
         time.sleep(1)
-        typed("stty size")
-        wait_for(lambda: "30 100" in screen(), timeout=30, what="the new size after a resize")
-        typed("exit 4")
-    finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+        terminal.type("stty size")
+        wait_for(lambda: "30 100" in terminal.screen(), timeout=30, what="the size after resize")
+        terminal.type("exit 4")
 
 
 class EchoServer:

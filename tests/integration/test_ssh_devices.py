@@ -26,6 +26,7 @@ from vkubelet.testing import (
     TestDevice,
     local_test_address,
     node_ready,
+    terminal_session,
     wait_for,
 )
 
@@ -43,7 +44,9 @@ def inventory(devices: list[TestDevice], **extra: Any) -> dict[str, Any]:
                 "identityFile": str(d.key_path),
                 "knownHosts": str(d.known_hosts),
                 "labels": {"lab.vkubelet.io/device": d.name},
-                "podDir": str(d.home / ".vkubelet"),
+                # The default podDir (relative to the user's home) for the device users; root's
+                # devices share /root and get a directory each.
+                **({"podDir": str(d.home / ".vkubelet")} if d.user == "root" else {}),
                 **extra,
             }
             for d in devices
@@ -327,34 +330,23 @@ def test_exec_with_a_terminal_on_a_device(lab: Lab, kubectl: Kubectl) -> None:
     assert kubectl("exec", name, "--", "sh", "-c", "echo $GREETING").stdout == "hello device\n"
     assert kubectl("exec", name, "--", "sh", "-c", "exit 7", check=False).returncode == 7
     assert kubectl("exec", "-i", name, "--", "cat", input="abc\n").stdout == "abc\n"
-    session = f"vkt-{uuid.uuid4().hex[:6]}"
     command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} exec -it {name} -- sh"
-    subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command], check=True
-    )
-
-    def screen() -> str:
-        return subprocess.run(
-            ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True
-        ).stdout
-
-    def typed(text: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", session, text, "Enter"], check=True)
-
     try:
-        time.sleep(2)
-        typed("stty size; id -un")
-        wait_for(lambda: "40 120" in screen(), timeout=30, what="the terminal size on the device")
-        assert lab.devices[2].user in screen()
-        subprocess.run(
-            ["tmux", "resize-window", "-t", session, "-x", "100", "-y", "30"], check=True
-        )
-        time.sleep(1)
-        typed("stty size")
-        wait_for(lambda: "30 100" in screen(), timeout=30, what="the size after a resize")
-        typed("exit")
+        with terminal_session(command, cols=120, rows=40) as terminal:
+            time.sleep(2)
+            terminal.type("stty size; id -un")
+            wait_for(
+                lambda: "40 120" in terminal.screen(), timeout=30, what="the size on the device"
+            )
+            assert lab.devices[2].user in terminal.screen()
+            terminal.resize(100, 30)
+            time.sleep(1)
+            terminal.type("stty size")
+            wait_for(
+                lambda: "30 100" in terminal.screen(), timeout=30, what="the size after resize"
+            )
+            terminal.type("exit")
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
         delete(kubectl, name)
 
 

@@ -107,9 +107,9 @@ class DeviceProvider:
         """Tail the device's event file: a line per container state change, a poke to sweep."""
         while True:
             await self.link.wait_connected()
-            events = f"{_remote_dir(self.root)}/events"
+            events = f"{_remote.root_word(self.root)}/events"
             command = (
-                f"mkdir -p {_remote_dir(self.root)} && touch {events} && "
+                f"mkdir -p {_remote.root_word(self.root)} && touch {events} && "
                 f"exec tail -n 0 -F {events} 2>/dev/null"
             )
             try:
@@ -354,7 +354,7 @@ class DeviceProvider:
                     info.mode = content.mode & 0o700  # only the device user reads pod files
                     info.mtime = int(time.time())
                     tar.addfile(info, io.BytesIO(content.data))
-        pod_dir = f"{_remote_dir(self.root)}/pods/{uid}"
+        pod_dir = _remote.pod_word(self.root, uid)  # a shell word: joined, never quoted again
         lines = [
             "set -e",
             "umask 077",
@@ -377,20 +377,22 @@ class DeviceProvider:
                     lines.append(f"mkdir -p {shlex.quote(volume.name)}")
             for container in [*(spec.initContainers or []), *spec.containers]:
                 for mount in container.volumeMounts or []:
+                    link = mount.mountPath.strip("/")
+                    sub = (mount.subPath or "").strip("/")
+                    if not link or ".." in link.split("/") or ".." in sub.split("/"):
+                        raise ProviderError(
+                            "InvalidMountPath",
+                            f"volume {mount.name}: mountPath {mount.mountPath!r} or subPath "
+                            f"{mount.subPath!r} leaves the pod directory",
+                        )
+                    # Shell words: the pod directory's (it may expand $HOME), then quoted parts.
                     source = resolved.volumes.get(mount.name)
                     if isinstance(source, HostPathVolume):
-                        target = source.path
+                        q_target = shlex.quote(source.path)
                     else:
-                        target = f"{pod_dir}/volumes/{mount.name}"
-                        if mount.subPath:
-                            target += "/" + mount.subPath.strip("/")
-                    link = mount.mountPath.strip("/")
-                    if not link or ".." in link.split("/"):
-                        raise ProviderError(
-                            "InvalidMountPath", f"volume {mount.name}: bad mountPath {link!r}"
-                        )
-                    q_link = shlex.quote(f"{pod_dir}/fs/{link}")
-                    q_target = _quote_path(target)
+                        rest = f"{mount.name}/{sub}" if sub else mount.name
+                        q_target = f"{pod_dir}/volumes/{shlex.quote(rest)}"
+                    q_link = f"{pod_dir}/fs/{shlex.quote(link)}"
                     lines += [f'mkdir -p "$(dirname {q_link})"', f"ln -sfn {q_target} {q_link}"]
         tar_bytes = buffer.getvalue()
         # The archive travels on stdin, the script as a base64 argument of a constant wrapper.
@@ -671,17 +673,6 @@ def _key(entry: _PodEntry) -> str:
     meta = entry.pod.metadata
     assert meta is not None
     return f"{meta.namespace}/{meta.name}"
-
-
-def _remote_dir(root: str) -> str:
-    """The pod root as a shell word: relative paths are relative to the home directory."""
-    return _quote_path(root if root.startswith("/") else f"$HOME/{root}")
-
-
-def _quote_path(path: str) -> str:
-    if path.startswith("$HOME/"):
-        return '"$HOME"/' + shlex.quote(path.removeprefix("$HOME/"))
-    return shlex.quote(path)
 
 
 def _rfc3339(value: datetime | None) -> str | None:

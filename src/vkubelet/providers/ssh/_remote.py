@@ -78,8 +78,10 @@ __all__ = [
     "log_path",
     "logs_script",
     "parse_sweep",
+    "pod_word",
     "remove_pod_script",
     "restart_container_script",
+    "root_word",
     "start_pod_script",
     "stop_pod_script",
     "sweep_script",
@@ -194,7 +196,7 @@ class RemotePod:
 
 
 # -- paths as shell words -------------------------------------------------------------------------
-def _root_word(root: str) -> str:
+def root_word(root: str) -> str:
     """The root as one shell word; a relative root is relative to $HOME, expanded on the device."""
     if "\0" in root or "\n" in root:
         raise ValueError(f"pod directory {root!r} must be a single-line path")
@@ -208,16 +210,16 @@ def _root_word(root: str) -> str:
     return '"$HOME"/' + shlex.quote(root) if root else '"$HOME"'
 
 
-def _pod_word(root: str, uid: str) -> str:
+def pod_word(root: str, uid: str) -> str:
     _check_uid(uid)
-    return f"{_root_word(root)}/pods/{uid}"
+    return f"{root_word(root)}/pods/{uid}"
 
 
 def log_path(root: str, uid: str, container: str, run: int) -> str:
     """The log of run `run` of a container, as a shell word (it may expand $HOME): to be used
     in a command line as it is, never quoted again."""
     _check_container(container)
-    return f"{_pod_word(root, uid)}/c/{container}/{int(run)}.log"
+    return f"{pod_word(root, uid)}/c/{container}/{int(run)}.log"
 
 
 # -- shell building blocks ------------------------------------------------------------------------
@@ -325,7 +327,7 @@ def start_pod_script(root: str, plan: PodPlan) -> str:
         f"# vkubelet: start pod {plan.uid}\n",
         "umask 077\n",
         'fail() { echo "vkubelet: cannot start the pod: $*" >&2; exit 1; }\n',
-        f"R={_root_word(root)}\n",
+        f"R={root_word(root)}\n",
         f'mkdir -p "$R/pods/{plan.uid}" && P=$(cd "$R/pods/{plan.uid}" && pwd) '
         '|| fail "cannot create the pod directory"\n',
         _HELPERS,
@@ -588,7 +590,7 @@ def sweep_script(root: str, uids: list[str] | None = None) -> str:
     cheap. The output is line-based and each pod's record ends with "end <uid>", so a record cut
     short (a dropped connection) is recognised and left out.
     """
-    base = _root_word(root)
+    base = root_word(root)
     if uids is None:
         targets = f"{base}/pods/*"
     else:
@@ -745,7 +747,7 @@ def _status(name: str, words: list[str], restarts: int) -> ContainerStatus:
 def stop_pod_script(root: str, uid: str, grace_seconds: int) -> str:
     """Stop the pod: no more (re)starts, TERM to every running container's process group, KILL
     after `grace_seconds` to those still running. Returns at once; the supervisor then ends."""
-    pod = _pod_word(root, uid)
+    pod = pod_word(root, uid)
     return (
         f"# vkubelet: stop pod {uid}\n"
         + _HELPERS
@@ -767,7 +769,7 @@ def restart_container_script(root: str, uid: str, container: str, grace_seconds:
     """End the container's current run (a failed liveness probe): TERM, KILL after the grace
     period. The supervisor then restarts it or not, as the restart policy says."""
     _check_container(container)
-    pod = _pod_word(root, uid)
+    pod = pod_word(root, uid)
     return (
         f"# vkubelet: restart container {container} of pod {uid}\n"
         + _HELPERS
@@ -778,7 +780,7 @@ def restart_container_script(root: str, uid: str, container: str, grace_seconds:
 
 def remove_pod_script(root: str, uid: str) -> str:
     """Kill whatever of the pod still runs and delete its directory, logs included."""
-    pod = _pod_word(root, uid)
+    pod = pod_word(root, uid)
     return (
         f"# vkubelet: remove pod {uid}\n"
         + _HELPERS
@@ -814,7 +816,7 @@ def exec_command(root: str, uid: str, container: str, argv: list[str]) -> str:
     for arg in argv:
         _check_text(arg, "exec: command")
     script = (
-        f'P={_pod_word(root, uid)}; export VKUBELET_POD_DIR="$P"; '
+        f'P={pod_word(root, uid)}; export VKUBELET_POD_DIR="$P"; '
         f'. "$P/env/{container}" && exec "$@"'
     )
     args = " ".join(shlex.quote(arg) for arg in argv)
@@ -829,7 +831,7 @@ def logs_script(root: str, uid: str, container: str, *, previous: bool, follow: 
     a previous run, `previous` prints an error and exits 1.
     """
     _check_container(container)
-    pod = _pod_word(root, uid)
+    pod = pod_word(root, uid)
     show = 'exec tail -n +1 -F "$log" 2>/dev/null' if follow else 'cat "$log" 2>/dev/null || true'
     pick = (
         '[ "$n" -gt 0 ] || { echo "no previous run" >&2; exit 1; }\nn=$((n - 1))\n'
