@@ -41,6 +41,7 @@ from ._probes import Prober
 
 log = logging.getLogger(__name__)
 
+_ARCHIVE_END = "VKUBELET_ARCHIVE_END"  # base64 never contains it
 _UID = re.compile(r"[a-z0-9][-a-z0-9]{0,62}")
 _SWEEP_INTERVAL = 5.0  # catch-up sweep; changes normally arrive through the event file
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "armv6l": "arm", "i686": "386"}
@@ -239,27 +240,23 @@ class DeviceProvider:
             raise ProviderError("InvalidPod", f"pod uid {uid!r} is not a Kubernetes UID")
         plan = self._plan(pod)
         key = f"{pod.namespace}/{pod.name}"
-        entry = _PodEntry(pod.pod, uid)
-        # The device may run it already (the agent restarted before its first sweep): adopt.
-        existing = _remote.parse_sweep(
-            (await self.link.run(_remote.sweep_script(self.root, [uid]))).check("status sweep")
+        # One SSH session: volumes, then the supervisor. Starting is idempotent on the device
+        # (a pod it runs already, e.g. after an agent restart, is left alone), so there is
+        # nothing to ask first.
+        script = (
+            f"export VKUBELET_BACKOFF_BASE={max(1, round(self.config.backoff_initial))}\n"
+            f"export VKUBELET_BACKOFF_MAX={max(1, round(self.config.backoff_max))}\n"
+            + self._volume_script(pod, uid, replace=False)
+            + _remote.start_pod_script(self.root, plan)
         )
-        self._pods[key] = entry
-        if uid in existing:
-            entry.remote = existing[uid]
-            self._probe(entry)
-            self._publish(entry)
-            return
+        entry = self._pods.get(key)
+        if entry is None or entry.uid != uid:  # an older pod of that name may still be leaving
+            self._pods[key] = _PodEntry(pod.pod, uid)
         try:
-            await self._write_volumes(pod, uid, replace=False)
-            backoff = (
-                f"export VKUBELET_BACKOFF_BASE={max(1, round(self.config.backoff_initial))}\n"
-                f"export VKUBELET_BACKOFF_MAX={max(1, round(self.config.backoff_max))}\n"
-            )
-            result = await self.link.run(backoff + _remote.start_pod_script(self.root, plan))
-            result.check("starting the pod")
+            (await self.link.run(script)).check("starting the pod")
         except BaseException:
-            self._pods.pop(key, None)
+            if (entry := self._pods.get(key)) is not None and entry.remote is None:
+                del self._pods[key]
             raise
         self._poked.add(uid)
         self._poke.set()
@@ -332,8 +329,10 @@ class DeviceProvider:
         except ValueError as e:
             raise ProviderError("InvalidPod", str(e)) from None
 
-    async def _write_volumes(self, resolved: ResolvedPod, uid: str, *, replace: bool) -> None:
-        """Volume files go as one tar to the device; mount paths become links into them.
+    def _volume_script(self, resolved: ResolvedPod, uid: str, *, replace: bool) -> str:
+        """A script part that writes the volumes' files on the device (a tar, in base64 in a
+        quoted here-document: nothing of it is expanded, nor in any command line); mount paths
+        become links into them.
 
         Without a mount namespace a process cannot see a file at its mountPath, so the pod's
         working directory (`$VKUBELET_POD_DIR/fs`) holds the mount paths as symlinks:
@@ -355,12 +354,13 @@ class DeviceProvider:
                     info.mtime = int(time.time())
                     tar.addfile(info, io.BytesIO(content.data))
         pod_dir = _remote.pod_word(self.root, uid)  # a shell word: joined, never quoted again
+        archive = base64.encodebytes(buffer.getvalue()).decode()
         lines = [
             "set -e",
             "umask 077",
             f"mkdir -p {pod_dir}/volumes {pod_dir}/fs",
             f"cd {pod_dir}/volumes",
-            "tar -x -f - 2>&1 </dev/stdin",
+            f"base64 -d <<'{_ARCHIVE_END}' | tar -x -f -\n{archive}{_ARCHIVE_END}",
         ]
         for name in names:
             q = shlex.quote(name)
@@ -394,19 +394,9 @@ class DeviceProvider:
                         q_target = f"{pod_dir}/volumes/{shlex.quote(rest)}"
                     q_link = f"{pod_dir}/fs/{shlex.quote(link)}"
                     lines += [f'mkdir -p "$(dirname {q_link})"', f"ln -sfn {q_target} {q_link}"]
-        tar_bytes = buffer.getvalue()
-        # The archive travels on stdin, the script as a base64 argument of a constant wrapper.
-        script = "\n".join(lines) + "\n"
-        wrapper = f'sh -c "$(echo {base64.b64encode(script.encode()).decode()} | base64 -d)"'
-        async with self.link.process(wrapper) as proc:
-            proc.stdin.write(tar_bytes)
-            proc.stdin.write_eof()
-            out = await proc.stdout.read()
-            err = await proc.stderr.read()
-            await proc.wait()
-        if proc.exit_status != 0:
-            detail = (out + err).decode(errors="replace").strip()[-300:]
-            raise RuntimeError(f"writing volumes failed (exit {proc.exit_status}): {detail}")
+        # In a subshell: `set -e` and `cd` stay there; its failure fails the whole script.
+        body = "\n".join(lines)
+        return f"(\n{body}\n) || {{ echo 'writing the volumes failed' >&2; exit 1; }}\n"
 
     async def update_pod(self, pod: ResolvedPod) -> None:
         key = f"{pod.namespace}/{pod.name}"
@@ -414,7 +404,8 @@ class DeviceProvider:
         if entry is None or entry.uid != pod.uid:
             return
         entry.pod = pod.pod
-        await self._write_volumes(pod, pod.uid, replace=True)
+        script = self._volume_script(pod, pod.uid, replace=True)
+        (await self.link.run(script)).check("updating the volumes")
 
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
         assert pod.metadata is not None
