@@ -109,8 +109,10 @@ class DeviceProvider:
         while True:
             await self.link.wait_connected()
             events = f"{_remote.root_word(self.root)}/events"
+            # Only pokes: the file is emptied when it grows large (the sweeps have the truth).
             command = (
                 f"mkdir -p {_remote.root_word(self.root)} && touch {events} && "
+                f"{{ [ $(wc -c < {events}) -lt 1048576 ] || : > {events}; }} && "
                 f"exec tail -n 0 -F {events} 2>/dev/null"
             )
             try:
