@@ -128,6 +128,11 @@ class Prober:
             if current is not None and container.name not in self._runs:
                 self._runs[container.name] = self._start(pod, container, _run_key(current))
 
+    def started(self, container: str) -> bool:
+        """Whether the container's startup probe (if it has one) has succeeded in this run."""
+        run = self._runs.get(container)
+        return run is None or run.started.is_set()
+
     def stop(self) -> None:
         for run in self._runs.values():
             run.stop()

@@ -770,7 +770,7 @@ def _container_status(
     if state.last is not None:
         status["lastState"] = _state(state.last)
     if state.state == "running":
-        status["started"] = True
+        status["started"] = entry.prober is None or entry.prober.started(name)
         status["ready"] = entry.ready.get(name, True) and not init
     return status
 
