@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import socket
@@ -612,5 +613,37 @@ def test_a_failing_http_liveness_probe_restarts_the_container(lab: Lab, kubectl:
         )
         last = container(kubectl, name)["lastState"]["terminated"]
         assert last["exitCode"] == 128 + 15  # SIGTERM: ended by the agent, not by itself
+    finally:
+        delete(kubectl, name)
+
+
+def test_cp_copies_files_to_and_from_a_device(lab: Lab, kubectl: Kubectl, tmp_path: Path) -> None:
+    device = lab.devices[1]
+    name = run_pod(kubectl, device.name, ["sleep", "3600"])
+    try:
+        source = tmp_path / "payload.bin"
+        source.write_bytes(os.urandom(200_000))
+        remote = f"{device.home}/payload-{uuid.uuid4().hex[:6]}.bin"
+        kubectl("cp", str(source), f"{name}:{remote}")
+        back = tmp_path / "back.bin"
+        kubectl("cp", f"{name}:{remote}", str(back))
+        assert back.read_bytes() == source.read_bytes()
+        assert device.run(f"stat -c %U {shlex.quote(remote)}").stdout.strip() == device.user
+    finally:
+        delete(kubectl, name)
+
+
+def test_attach_sends_stdin_to_a_process_that_asked_for_it(lab: Lab, kubectl: Kubectl) -> None:
+    name = run_pod(
+        kubectl,
+        lab.devices[0].name,
+        ["sh", "-c", "while read -r line; do echo got: $line; done"],
+        container={"stdin": True},
+    )
+    try:
+        result = kubectl("attach", "-i", name, input="hello attach\n", timeout=30, check=False)
+        wait_for(lambda: "got: hello attach" in kubectl("logs", name).stdout, what="the echo")
+        assert "got: hello attach" in result.stdout or result.returncode in (0, 1)
+        assert status(kubectl, name)["phase"] == "Running"  # no EOF when the client left
     finally:
         delete(kubectl, name)

@@ -301,7 +301,11 @@ class DeviceProvider:
                 )
             env = {e.name: e.value or "" for e in container.env or []}
             return _remote.ContainerPlan(
-                name=container.name, argv=argv, env=env, working_dir=container.workingDir
+                name=container.name,
+                argv=argv,
+                env=env,
+                working_dir=container.workingDir,
+                stdin=bool(container.stdin),
             )
 
         metadata = {
@@ -605,12 +609,49 @@ class DeviceProvider:
     async def attach_to_container(
         self, namespace: str, pod: str, container: str, io: AttachIO
     ) -> None:
-        """The main process's output as it comes (its stdin is /dev/null on a device)."""
-        options = ContainerLogOptions(follow=True, tail_lines=0)
-        async for data in self.container_logs(namespace, pod, container, options):
-            out = io.stdout or io.stderr
-            if out is not None:
-                await out.write(data)
+        """The main process's output as it comes; with `stdin: true` in the container's spec,
+        the client's stdin goes to the process (a FIFO on the device). There is no terminal:
+        a device process was started detached, without one."""
+        entry = self._entry(namespace, pod, container)
+        spec = entry.pod.spec
+        wants_stdin = io.stdin is not None and any(
+            c.name == container and c.stdin for c in (spec.containers if spec else [])
+        )
+        feeder: asyncio.Task[None] | None = None
+        if wants_stdin:
+            assert io.stdin is not None
+            fifo = _remote.stdin_path(self.root, entry.uid, container)
+            feeder = asyncio.create_task(self._feed_stdin(fifo, io.stdin))
+
+        async def relay() -> None:
+            options = ContainerLogOptions(follow=True, tail_lines=0)
+            async for data in self.container_logs(namespace, pod, container, options):
+                out = io.stdout or io.stderr
+                if out is not None:
+                    await out.write(data)
+
+        output = asyncio.create_task(relay())
+        try:
+            if feeder is None:
+                await output
+                return
+            # The client's stdin ended: it is leaving; let the answer to its input through.
+            await asyncio.wait({output, feeder}, return_when=asyncio.FIRST_COMPLETED)
+            if not output.done():
+                await asyncio.wait({output}, timeout=1.0)
+            if output.done():
+                output.result()  # its error, if it failed
+        finally:
+            for task in (output, feeder):
+                if task is not None:
+                    task.cancel()
+
+    async def _feed_stdin(self, fifo: str, source: Any) -> None:
+        # `fifo` is a shell word from `_remote` (it may expand $HOME): used as it is.
+        command = f"[ -p {fifo} ] && exec cat > {fifo}"
+        async with self.link.process(command) as proc:
+            await _pump_in(source, proc)
+            await proc.wait()
 
     async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
         self._entry(namespace, pod)

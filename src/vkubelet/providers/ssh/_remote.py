@@ -44,6 +44,8 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
     pods/<uid>/c/<name>/<n>.log   the log of run n (n = the restart count when it started), in
                                   the CRI format (see `_logs`); the current and previous run's
     pods/<uid>/c/<name>/out, err  the FIFOs from the process to its log stampers
+    pods/<uid>/c/<name>/stdin     with `stdin: true`: the FIFO the process reads (opened
+                                  read-write by it: no EOF when an attached writer leaves)
 
 The supervisor reads VKUBELET_BACKOFF_BASE (10), VKUBELET_BACKOFF_MAX (300) and
 VKUBELET_BACKOFF_RESET (600), in seconds, from its environment: a restart waits BASE seconds,
@@ -83,6 +85,7 @@ __all__ = [
     "restart_container_script",
     "root_word",
     "start_pod_script",
+    "stdin_path",
     "stop_pod_script",
     "sweep_script",
 ]
@@ -105,6 +108,7 @@ class ContainerPlan:
     argv: list[str]  # command + args, non-empty
     env: dict[str, str]  # literal values (may contain secrets)
     working_dir: str | None  # None or "": the pod's fs/ directory; relative: from there
+    stdin: bool = False  # its stdin is a FIFO that `kubectl attach -i` writes to
 
     def __post_init__(self) -> None:
         _check_container(self.name)
@@ -220,6 +224,12 @@ def log_path(root: str, uid: str, container: str, run: int) -> str:
     in a command line as it is, never quoted again."""
     _check_container(container)
     return f"{pod_word(root, uid)}/c/{container}/{int(run)}.log"
+
+
+def stdin_path(root: str, uid: str, container: str) -> str:
+    """The FIFO a `stdin: true` container reads, as a shell word like `log_path`'s."""
+    _check_container(container)
+    return f"{pod_word(root, uid)}/c/{container}/stdin"
 
 
 # -- shell building blocks ------------------------------------------------------------------------
@@ -394,6 +404,11 @@ def _container_script(uid: str, container: ContainerPlan) -> str:
     records its pid (its group's id) and the running state before it becomes the command."""
     name = container.name
     argv = " ".join(shlex.quote(arg) for arg in container.argv)
+    stdin = ""
+    if container.stdin:
+        # Opened read-write, the FIFO never blocks the start and never reads EOF when an
+        # attached client leaves: stdin stays open, as with `stdin: true` on a kubelet.
+        stdin = '[ -p "$d/stdin" ] || mkfifo -m 600 "$d/stdin"\nexec 0<>"$d/stdin"\n'
     return f"""\
 # vkubelet: container {name} of pod {uid}; argument 1 is the pod directory.
 P=$1
@@ -405,7 +420,7 @@ if [ -e "$P/stop" ] || [ ! -e "$P/run.sh" ]; then exit 143; fi
 echo "running $$ $(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$d/state.tmp" && mv -f "$d/state.tmp" "$d/state"
 echo "{uid} {name} running" >>"${{P%/pods/*}}/events"
 umask 022
-# Working directory and environment (which may replace any variable: only literals follow).
+{stdin}# Working directory and environment (which may replace any variable: only literals follow).
 . "$P/env/{name}"
 exec {argv}
 """
