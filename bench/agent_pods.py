@@ -34,13 +34,12 @@ from typing import Any
 
 import httpx2 as httpx
 import msgspec
-from lightkube.config.kubeconfig import KubeConfig
+from _common import WatchEvent, cpu_seconds, http_client, new_namespace, pct, wait_until
 
 from vkubelet.devcluster import Cluster, list_clusters
 from vkubelet.node._kube import ClientOptions, KubeClient
 
 CONCURRENCY = 64
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def pod_body(name: str, node: str) -> dict[str, Any]:
@@ -65,37 +64,6 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-class _Meta(msgspec.Struct):
-    name: str = ""
-    resourceVersion: str = ""
-
-
-class _Status(msgspec.Struct):
-    phase: str | None = None
-
-
-class _Pod(msgspec.Struct):
-    metadata: _Meta
-    status: _Status | None = None
-
-
-class _Event(msgspec.Struct):
-    type: str
-    object: _Pod
-
-
 class Watcher:
     """Watches the namespace's pods and records when each was first seen Running, or deleted."""
 
@@ -118,7 +86,7 @@ class Watcher:
                     if not line:
                         continue
                     now = time.monotonic()
-                    event = msgspec.json.decode(line, type=_Event)
+                    event = msgspec.json.decode(line, type=WatchEvent)
                     if event.type == "ERROR":  # e.g. 410 Gone after a long burst: relist
                         break
                     version = event.object.metadata.resourceVersion or version
@@ -127,18 +95,6 @@ class Watcher:
                         self.deleted_at.setdefault(name, now)
                     elif event.object.status and event.object.status.phase == "Running":
                         self.running_at.setdefault(name, now)
-
-
-def http_client(kubeconfig: Path) -> httpx.AsyncClient:
-    from lightkube.config.client_adapter import ConnectionParams
-
-    config = KubeConfig.from_file(kubeconfig).get()
-    assert config is not None
-    params = ConnectionParams(timeout=httpx.Timeout(60.0), trust_env=False)
-    return httpx.AsyncClient(
-        **params.httpx_params(config),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=CONCURRENCY * 2),
-    )
 
 
 async def create_pods(
@@ -197,26 +153,6 @@ async def delete_all(client: httpx.AsyncClient, ns: str, names: list[str]) -> No
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
 
 
-async def wait_until(predicate: Any, limit: float, what: str) -> None:
-    deadline = time.monotonic() + limit
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-async def new_namespace(client: httpx.AsyncClient) -> str:
-    ns = f"bench-{uuid.uuid4().hex[:6]}"
-    body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
-    (await client.post("/api/v1/namespaces", json=body)).raise_for_status()
-    # The ServiceAccount admission plugin refuses pods until the namespace's account exists.
-    for _ in range(100):
-        if (await client.get(f"/api/v1/namespaces/{ns}/serviceaccounts/default")).is_success:
-            break
-        await asyncio.sleep(0.1)
-    return ns
-
-
 @dataclass
 class Ceiling:
     pods: int
@@ -227,8 +163,8 @@ class Ceiling:
 
 async def apiserver_ceiling(kubeconfig: Path, pods: int) -> Ceiling:
     """A plain client, no agent: create pods bound to a node, then patch each to Running."""
-    client = http_client(kubeconfig)
-    ns = await new_namespace(client)
+    client = http_client(kubeconfig, CONCURRENCY)
+    ns = await new_namespace(client, "bench")
     names = [f"c-{i}" for i in range(pods)]
     started = time.monotonic()
     await create_pods(client, ns, names, "no-such-node", None)
@@ -259,7 +195,7 @@ async def apiserver_ceiling(kubeconfig: Path, pods: int) -> Ceiling:
     # The same job as the agent's, done by the thinnest possible client in its own process (as
     # the agent is): pods are created as in the agent run, and a watch-driven patcher marks each
     # Running as soon as it appears.
-    ns = await new_namespace(client)
+    ns = await new_namespace(client, "bench")
     watcher = Watcher(client, ns)
     watch_task = asyncio.create_task(watcher.run())
     await watcher.ready.wait()
@@ -313,7 +249,7 @@ def running_status() -> dict[str, Any]:
 
 async def plain_patcher(kubeconfig: Path, ns: str) -> None:
     """Watch a namespace and patch each new pod to Running, CONCURRENCY at a time, until killed."""
-    client = http_client(kubeconfig)
+    client = http_client(kubeconfig, CONCURRENCY)
     todo: asyncio.Queue[str] = asyncio.Queue()
     body = json.dumps(running_status())
     headers = {"Content-Type": "application/strategic-merge-patch+json"}
@@ -346,7 +282,7 @@ async def plain_patcher(kubeconfig: Path, ns: str) -> None:
         try:
             async with client.stream("GET", path, params=params, timeout=None) as response:
                 async for line in response.aiter_lines():
-                    event = msgspec.json.decode(line, type=_Event) if line else None
+                    event = msgspec.json.decode(line, type=WatchEvent) if line else None
                     if event is not None and event.type == "ADDED":
                         name = event.object.metadata.name
                         if name not in seen:
@@ -412,10 +348,10 @@ async def agent_run(kubeconfig: Path, pods: int, rate: float | None, idle_s: flo
     node = f"vk-bench-{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as tmp:
         agent = start_agent(kubeconfig, node, Path(tmp))
-        client = http_client(kubeconfig)
+        client = http_client(kubeconfig, CONCURRENCY)
         try:
             await wait_node_ready(client, node)
-            ns = await new_namespace(client)
+            ns = await new_namespace(client, "bench")
             await asyncio.sleep(2)  # let the agent settle before measuring its baseline
             rss_before = rss_kib(agent.pid)
             cpu_before = cpu_seconds(agent.pid)

@@ -42,7 +42,6 @@ import socket
 import socketserver
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,18 +52,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from vkubelet.devcluster import Cluster, _pki, list_clusters
+from _common import cluster_for, cpu_seconds, log, pct, print_table
+
+from vkubelet.devcluster import Cluster, _pki
 from vkubelet.devcluster._build import cache_root
 from vkubelet.testing import AgentProcess, Kubectl, node_ready
 
 GOVK_DIR = Path(__file__).resolve().parent / "govk"
-TICKS = os.sysconf("SC_CLK_TCK")
 CHUNK = os.urandom(1 << 20)
 WARMUP_EXECS = 3
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- the Go reference binary ----------------------------------------------------------------------
@@ -109,11 +105,6 @@ def build_govk() -> Path:
 
 
 # -- processes and nodes --------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def free_port() -> int:
@@ -470,13 +461,6 @@ def forward_round(
 # -- report ---------------------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def versions(kubectl: Kubectl, cluster: Cluster, govk: Path) -> list[str]:
     client = json.loads(kubectl("version", "--client", "-o", "json").stdout)["clientVersion"]
     go_line = subprocess.run(
@@ -539,15 +523,8 @@ def report(
             else "-"
         ),
     )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print()
-    for r in rows:
-        print(
-            "  ".join(
-                cell.ljust(w) if i == 0 else cell.rjust(w)
-                for i, (cell, w) in enumerate(zip(r, widths, strict=True))
-            ).rstrip()
-        )
+    print_table(rows)
     print(
         f"\nexec: {count} sequential calls per node (p99 = nearest rank). port-forward: "
         f"{connections} concurrent connections x {mib} MiB each way, MB/s = 10^6 B/s, "
@@ -563,17 +540,6 @@ def report(
 # -- main -----------------------------------------------------------------------------------------
 
 
-def cluster_for(name: str | None) -> tuple[Cluster, bool]:
-    if name:
-        found = {c.name: c for c in list_clusters()}
-        if name not in found or not found[name].is_up():
-            raise SystemExit(f"--cluster {name}: no such cluster is up")
-        return found[name], False
-    cluster = Cluster(f"bench-ef-{os.getpid()}")
-    cluster.up(progress=log, tie_to_parent=True)
-    return cluster, True
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--execs", type=int, default=200, help="kubectl exec calls per node")
@@ -585,7 +551,7 @@ def main() -> None:
     args = parser.parse_args()
 
     govk = build_govk()
-    cluster, owned = cluster_for(args.cluster)
+    cluster, owned = cluster_for(args.cluster, "bench-ef")
     try:
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)

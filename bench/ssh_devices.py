@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import math
 import os
 import platform
 import signal
@@ -60,36 +59,36 @@ import httpx2 as httpx
 import msgspec
 import websocket
 import yaml
-from lightkube.config.kubeconfig import KubeConfig
+from _common import (
+    TICKS,
+    Pod,
+    PodList,
+    WatchEvent,
+    cluster_for,
+    cpu_seconds,
+    http_client,
+    log,
+    new_namespace,
+    pct,
+    print_table,
+    wait_until,
+)
 
-from vkubelet.devcluster import Cluster, list_clusters
+from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     AgentProcess,
     TestDevice,
     find_kubectl,
     local_test_address,
+    ssh_inventory,
     ssh_lab,
     ssh_lab_unavailable,
 )
 
 CONCURRENCY = 32  # creates in flight in the all-at-once run
-TICKS = os.sysconf("SC_CLK_TCK")
 TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
 STARTED = 'date +%s.%N >"$VKUBELET_POD_DIR/started"; exec sleep 3600'
 WARMUP = 3
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest rank: the smallest value with at least q of the values at or below it (so with
-    100 values p99 is the second largest, and with 50 the largest)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def ms(seconds: float) -> str:
@@ -107,11 +106,6 @@ def busy_since(before: tuple[float, float]) -> float:
     """The share of the machine's CPU time (all CPUs) that was busy since `before`."""
     busy, total = machine_cpu()
     return (busy - before[0]) / max(total - before[1], 1e-9)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def tree_cpu(selected: Callable[[Path], bool]) -> float:
@@ -147,30 +141,11 @@ def control_plane_cpu(cluster: Cluster) -> float:
 # -- the lab and the agent ------------------------------------------------------------------------
 
 
-def inventory(devices: list[TestDevice]) -> dict[str, Any]:
-    """As tests/integration/test_ssh_devices.py writes it; maxSessions stays at its default."""
-    return {
-        "devices": [
-            {
-                "name": d.name,
-                "address": d.address,
-                "port": d.port,
-                "user": d.user,
-                "identityFile": str(d.key_path),
-                "knownHosts": str(d.known_hosts),
-                "labels": {"lab.vkubelet.io/device": d.name},
-                "podDir": str(d.home / ".vkubelet"),
-            }
-            for d in devices
-        ]
-    }
-
-
 def start_agent(
     cluster: Cluster, work: Path, devices: list[TestDevice], address: str, level: str
 ) -> AgentProcess:
     path = work / "inventory.yaml"
-    path.write_text(yaml.safe_dump(inventory(devices)))
+    path.write_text(yaml.safe_dump(ssh_inventory(devices)))  # maxSessions: the default
     args = ["--provider", "ssh", "--provider-config", str(path), "--nodename", "ssh-bench"]
     args += ["--internal-ip", address, "--kubelet-port", "0", "--approve-own-csrs"]
     args += ["--cert-dir", str(work / "pki"), "--log-level", level]
@@ -178,7 +153,8 @@ def start_agent(
 
 
 def pod_dir(device: TestDevice, uid: str) -> Path:
-    """The pod's directory on the device, which is a directory of this machine too."""
+    """The pod's directory on the device (under the inventory's default podDir, relative to the
+    device user's home), which is a directory of this machine too."""
     return device.home / ".vkubelet" / "pods" / uid
 
 
@@ -233,42 +209,6 @@ def ssh_master(device: TestDevice, work: Path) -> Iterator[list[str]]:
 # -- the API --------------------------------------------------------------------------------------
 
 
-def http_client(kubeconfig: Path) -> httpx.AsyncClient:
-    from lightkube.config.client_adapter import ConnectionParams
-
-    config = KubeConfig.from_file(kubeconfig).get()
-    assert config is not None
-    params = ConnectionParams(timeout=httpx.Timeout(60.0), trust_env=False)
-    return httpx.AsyncClient(
-        **params.httpx_params(config),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=CONCURRENCY * 2),
-    )
-
-
-class _Meta(msgspec.Struct):
-    name: str = ""
-    resourceVersion: str = ""
-
-
-class _Status(msgspec.Struct):
-    phase: str | None = None
-
-
-class _Pod(msgspec.Struct):
-    metadata: _Meta
-    status: _Status | None = None
-
-
-class _Event(msgspec.Struct):
-    type: str
-    object: _Pod
-
-
-class _List(msgspec.Struct):
-    metadata: _Meta
-    items: list[_Pod]
-
-
 class Watcher:
     """Watches the namespace's pods; records (wall clock) when each was first seen Running, and
     when it was deleted."""
@@ -280,7 +220,7 @@ class Watcher:
         self.deleted_at: dict[str, float] = {}
         self.ready = asyncio.Event()
 
-    def _saw(self, kind: str, pod: _Pod, now: float) -> None:
+    def _saw(self, kind: str, pod: Pod, now: float) -> None:
         if kind == "DELETED":
             self.deleted_at.setdefault(pod.metadata.name, now)
         elif pod.status is not None and pod.status.phase == "Running":
@@ -290,7 +230,7 @@ class Watcher:
         while True:  # list, then watch from there; again whenever the watch ends
             response = await self.client.get(self.path)
             response.raise_for_status()
-            listed = msgspec.json.decode(response.content, type=_List)
+            listed = msgspec.json.decode(response.content, type=PodList)
             for pod in listed.items:
                 self._saw("ADDED", pod, time.time())
             params = {"watch": "true", "resourceVersion": listed.metadata.resourceVersion}
@@ -301,30 +241,10 @@ class Watcher:
                         if not line:
                             continue
                         now = time.time()
-                        event = msgspec.json.decode(line, type=_Event)
+                        event = msgspec.json.decode(line, type=WatchEvent)
                         if event.type == "ERROR":  # 410 Gone: list again
                             break
                         self._saw(event.type, event.object, now)
-
-
-async def wait_until(check: Callable[[], bool], limit: float, what: str) -> None:
-    deadline = time.monotonic() + limit
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {limit:.0f} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-async def new_namespace(client: httpx.AsyncClient) -> str:
-    ns = f"bench-ssh-{uuid.uuid4().hex[:6]}"
-    body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
-    (await client.post("/api/v1/namespaces", json=body)).raise_for_status()
-    # The ServiceAccount admission plugin refuses pods until the namespace's account exists.
-    for _ in range(200):
-        if (await client.get(f"/api/v1/namespaces/{ns}/serviceaccounts/default")).is_success:
-            break
-        await asyncio.sleep(0.1)
-    return ns
 
 
 async def nodes_ready(client: httpx.AsyncClient, names: list[str], limit: float) -> None:
@@ -550,16 +470,6 @@ def report_bind(runs: list[BindRun], devices: int) -> None:
     for run in runs:
         if run.missing:
             print(f"({run.label}: the device files of {run.missing} pods were incomplete)")
-
-
-def print_table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = [
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        print("  ".join(cells).rstrip())
 
 
 # -- exec -----------------------------------------------------------------------------------------
@@ -809,7 +719,7 @@ async def start_pod(
 async def benchmark(
     cluster: Cluster, devices: list[TestDevice], address: str, work: Path, args: argparse.Namespace
 ) -> None:
-    client = http_client(cluster.kubeconfig)
+    client = http_client(cluster.kubeconfig, CONCURRENCY)
     agent = start_agent(cluster, work, devices, address, args.agent_log_level)
     assert agent.proc is not None
     ns = ""
@@ -817,7 +727,7 @@ async def benchmark(
     try:
         log(f"Waiting for {len(devices)} device nodes to be Ready ...")
         await nodes_ready(client, [d.name for d in devices], 180)
-        ns = await new_namespace(client)
+        ns = await new_namespace(client, "bench-ssh")
         watcher = Watcher(client, ns)
         watch_task = asyncio.create_task(watcher.run())
         await watcher.ready.wait()
@@ -904,17 +814,6 @@ async def cleanup(
     await client.aclose()
 
 
-def cluster_for(name: str | None) -> tuple[Cluster, bool]:
-    if name:
-        found = {c.name: c for c in list_clusters()}
-        if name not in found or not found[name].is_up():
-            raise SystemExit(f"--cluster {name}: no such cluster is up")
-        return found[name], False
-    cluster = Cluster(f"bench-ssh-{os.getpid()}")
-    cluster.up(progress=log, tie_to_parent=True)
-    return cluster, True
-
-
 @contextlib.contextmanager
 def work_directory(keep: Path | None) -> Iterator[Path]:
     if keep is not None:
@@ -948,7 +847,7 @@ def main() -> None:
         raise SystemExit(reason)
     # A plain `kill` must still clean up: the lab's users, namespaces and sshd's, the cluster.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cluster, owned = cluster_for(args.cluster)
+    cluster, owned = cluster_for(args.cluster, "bench-ssh")
     try:
         with (
             work_directory(args.logs) as work,

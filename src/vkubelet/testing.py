@@ -807,6 +807,29 @@ def ssh_lab(count: int, workdir: Path, *, root: bool = False) -> Iterator[list[T
         ]
 
 
+def ssh_inventory(devices: list[TestDevice], **extra: Any) -> dict[str, Any]:
+    """The SSH provider's inventory (for `yaml.safe_dump` to a `--provider-config` file) of
+    `devices`: each labelled `lab.vkubelet.io/device=<name>`; `extra` adds keys to every device."""
+    return {
+        "devices": [
+            {
+                "name": d.name,
+                "address": d.address,
+                "port": d.port,
+                "user": d.user,
+                "identityFile": str(d.key_path),
+                "knownHosts": str(d.known_hosts),
+                "labels": {"lab.vkubelet.io/device": d.name},
+                # The default podDir (relative to the user's home) for the device users; root's
+                # devices share /root and get a directory each.
+                **({"podDir": str(d.home / ".vkubelet")} if d.user == "root" else {}),
+                **extra,
+            }
+            for d in devices
+        ]
+    }
+
+
 def ssh_lab_unavailable() -> str | None:
     """Why `ssh_lab` cannot run here (a pytest skip reason), or None when it can."""
     if os.geteuid() != 0:

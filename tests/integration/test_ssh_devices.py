@@ -27,6 +27,7 @@ from vkubelet.testing import (
     TestDevice,
     local_test_address,
     node_ready,
+    ssh_inventory,
     terminal_session,
     wait_for,
 )
@@ -34,25 +35,7 @@ from vkubelet.testing import (
 TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
 
 
-def inventory(devices: list[TestDevice], **extra: Any) -> dict[str, Any]:
-    return {
-        "devices": [
-            {
-                "name": d.name,
-                "address": d.address,
-                "port": d.port,
-                "user": d.user,
-                "identityFile": str(d.key_path),
-                "knownHosts": str(d.known_hosts),
-                "labels": {"lab.vkubelet.io/device": d.name},
-                # The default podDir (relative to the user's home) for the device users; root's
-                # devices share /root and get a directory each.
-                **({"podDir": str(d.home / ".vkubelet")} if d.user == "root" else {}),
-                **extra,
-            }
-            for d in devices
-        ]
-    }
+inventory = ssh_inventory  # test_ssh_root_device.py imports it from here
 
 
 @dataclass
@@ -64,7 +47,7 @@ class Lab:
 
     def write_inventory(self, devices: list[TestDevice], **extra: Any) -> None:
         tmp = self.inventory_path.with_suffix(".tmp")
-        tmp.write_text(yaml.safe_dump(inventory(devices, **extra)))
+        tmp.write_text(yaml.safe_dump(ssh_inventory(devices, **extra)))
         tmp.replace(self.inventory_path)
 
 
@@ -98,7 +81,7 @@ def lab(
     workdir = tmp_path_factory.mktemp("ssh-lab")
     with local_test_address() as address, ssh_lab(3, workdir) as devices:
         path = workdir / "inventory.yaml"
-        path.write_text(yaml.safe_dump(inventory(devices)))
+        path.write_text(yaml.safe_dump(ssh_inventory(devices)))
         agent = start_agent(kube_cluster, workdir, path, address)
         try:
             for device in devices:
