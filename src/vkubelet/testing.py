@@ -364,8 +364,8 @@ class TestDevice:
     address: str  # the device's address in its netns, reachable from the host
     host_address: str  # the host's end of the link
     port: int  # sshd's port
-    user: str  # the device's own user; "root" for a root device
-    home: Path  # the user's home; for a root device a fresh directory (a pod directory)
+    user: str  # the device's own user; for a root device a uid-0 alias of root
+    home: Path  # the user's home (for a root device's alias: a fresh directory)
     key_path: Path  # ed25519 private key (mode 0600) that logs in as `user`
     known_hosts: Path  # the device's host key for "[address]:port"
     host_veth: str  # the host's end of the veth pair, which link_down() takes down
@@ -377,9 +377,7 @@ class TestDevice:
         directory is `home`; HOME and PATH are what an SSH session gets. Output goes to files,
         not pipes, so a script may leave background processes behind without blocking here.
         """
-        argv = ["ip", "netns", "exec", self.netns]
-        if self.user != "root":
-            argv += [_runuser(), "-u", self.user, "--"]
+        argv = ["ip", "netns", "exec", self.netns, _runuser(), "-u", self.user, "--"]
         argv += ["/bin/sh", "-c", script]
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             done = subprocess.run(
@@ -513,6 +511,7 @@ class _DeviceSetup:
     def __init__(self, name: str) -> None:
         self.name = name
         self.user: str | None = None  # set once *we* created the user
+        self.root = False  # the user is a uid-0 alias: never kill by uid, never remove a home
         self.netns: str | None = None
         self.veth: str | None = None
         self.sshd: subprocess.Popen[bytes] | None = None
@@ -531,7 +530,12 @@ class _DeviceSetup:
             result = _ip("netns", "del", self.netns)
             if result.returncode != 0 and Path("/run/netns", self.netns).exists():
                 problems.append(f"ip netns del {self.netns}: {result.stderr.strip()}")
-        if self.user is not None:
+        if self.user is not None and self.root:
+            # uid 0 is always "in use": --force, and no --remove (the home is the test's)
+            code = _retry_shadow_tool(["userdel", "--force", self.user], ())
+            if code not in (0, 6):
+                problems.append(f"userdel {self.user} exited {code}")
+        elif self.user is not None:
             code = _retry_shadow_tool(["userdel", "--remove", self.user], busy_codes=(8,))
             if code == 8:  # "currently used by process": a zombie nobody reaped yet
                 code = _retry_shadow_tool(["userdel", "--force", "--remove", self.user], ())
@@ -549,7 +553,7 @@ class _DeviceSetup:
         instead of leaving zombies for init; after a second, or for a shell loop that forks
         new children as fast as we kill them, whatever is left goes at once.
         """
-        uid = pwd.getpwnam(self.user).pw_uid if self.user else None
+        uid = pwd.getpwnam(self.user).pw_uid if self.user and not self.root else None
         inode = _netns_inode(self.netns) if self.netns else None
         if uid is None and inode is None:
             return []
@@ -681,9 +685,20 @@ def _ssh_device(name: str, workdir: Path, *, root: bool) -> Iterator[TestDevice]
     try:
         if root:
             _ensure_root_login_possible()
-            user = "root"
+            # A uid-0 alias with its own home and /bin/sh: root as sshd sees it (signal requests
+            # ignored), without root's real rc files, which may be slow or take locks (pyenv)
+            # that a killed session leaves behind.
+            user = f"vkr-{tag}"
             home = workdir / f"{name}-home"
             home.mkdir(mode=0o755)
+            argv = ["useradd", "--non-unique", "--uid", "0", "--gid", "0", "--no-create-home"]
+            argv += ["--home-dir", str(home), "--shell", "/bin/sh", "--password", "*"]
+            argv += ["--comment", f"vkubelet test device {name} (root)", user]
+            code = _retry_shadow_tool(argv, busy_codes=())
+            if code != 0:
+                raise RuntimeError(f"useradd {user} exited {code}")
+            setup.user = user
+            setup.root = True
             sshd_dir = workdir / f"{name}-sshd"
             sshd_dir.mkdir(mode=0o700)
         else:
@@ -820,9 +835,6 @@ def ssh_inventory(devices: list[TestDevice], **extra: Any) -> dict[str, Any]:
                 "identityFile": str(d.key_path),
                 "knownHosts": str(d.known_hosts),
                 "labels": {"lab.vkubelet.io/device": d.name},
-                # The default podDir (relative to the user's home) for the device users; root's
-                # devices share /root and get a directory each.
-                **({"podDir": str(d.home / ".vkubelet")} if d.user == "root" else {}),
                 **extra,
             }
             for d in devices
