@@ -278,6 +278,36 @@ def node_ready(kubectl: Kubectl, node: str) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
+@contextlib.contextmanager
+def port_forward(kubectl: Kubectl, pod: str, remote: int) -> Iterator[int]:
+    """`kubectl port-forward` from a free local port to `remote` in `pod`; yields the local
+    port once kubectl says it is forwarding, and stops kubectl afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        local: int = s.getsockname()[1]
+    forward = subprocess.Popen(
+        [
+            kubectl.binary,
+            "--kubeconfig",
+            str(kubectl.kubeconfig),
+            "port-forward",
+            pod,
+            f"{local}:{remote}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert forward.stdout is not None
+        first = forward.stdout.readline()
+        assert "Forwarding from" in first, first
+        yield local
+    finally:
+        forward.kill()
+        forward.wait()
+
+
 class TerminalSession:
     """A command in a real terminal (a detached tmux session), for `kubectl exec -it` tests."""
 

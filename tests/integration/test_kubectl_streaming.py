@@ -10,7 +10,6 @@ import os
 import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from vkubelet.testing import (
     Kubectl,
     local_test_address,
     mock_node,
+    port_forward,
     running_pod,
     terminal_session,
     wait_for,
@@ -125,33 +125,11 @@ class EchoServer:
         ready.wait(10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_port_forward_moves_many_concurrent_connections_byte_exact(
     pod: str, kubectl: Kubectl
 ) -> None:
     echo = EchoServer()
-    local = _free_port()
-    forward = subprocess.Popen(
-        [
-            kubectl.binary,
-            "--kubeconfig",
-            str(kubectl.kubeconfig),
-            "port-forward",
-            pod,
-            f"{local}:{echo.port}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert forward.stdout is not None
-        assert "Forwarding from" in forward.stdout.readline()
+    with port_forward(kubectl, pod, echo.port) as local:
         size = 10 * 1024 * 1024
         results: dict[int, bool] = {}
 
@@ -178,9 +156,6 @@ def test_port_forward_moves_many_concurrent_connections_byte_exact(
         elapsed = time.monotonic() - started
         assert results == dict.fromkeys(range(20), True), results
         print(f"port-forward: 20 x 10 MiB each way in {elapsed:.1f} s")
-    finally:
-        forward.terminate()
-        forward.wait(10)
 
 
 def test_stats_summary_and_resource_metrics_parse(node: str, pod: str, kubectl: Kubectl) -> None:

@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -27,6 +26,7 @@ from vkubelet.testing import (
     TestDevice,
     local_test_address,
     node_ready,
+    port_forward,
     ssh_inventory,
     terminal_session,
     wait_for,
@@ -334,13 +334,6 @@ def test_exec_with_a_terminal_on_a_device(lab: Lab, kubectl: Kubectl) -> None:
         delete(kubectl, name)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_port_forward_reaches_a_server_on_the_device(lab: Lab, kubectl: Kubectl) -> None:
     node = lab.devices[1].name
     remote = 18000 + int(uuid.uuid4().hex[:3], 16) % 1000
@@ -349,31 +342,18 @@ def test_port_forward_reaches_a_server_on_the_device(lab: Lab, kubectl: Kubectl)
         node,
         ["python3", "-m", "http.server", str(remote), "--bind", "127.0.0.1"],
     )
-    local = _free_port()
-    forward = subprocess.Popen(
-        [
-            kubectl.binary,
-            "--kubeconfig",
-            str(kubectl.kubeconfig),
-            "port-forward",
-            name,
-            f"{local}:{remote}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
     try:
+        with port_forward(kubectl, name, remote) as local:
 
-        def fetch() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=5) as reply:
-                    return reply.status == 200 and b"Directory listing" in reply.read()
-            except OSError:
-                return False
+            def fetch() -> bool:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=5) as reply:
+                        return reply.status == 200 and b"Directory listing" in reply.read()
+                except OSError:
+                    return False
 
-        wait_for(fetch, timeout=30, what="HTTP through port-forward")
+            wait_for(fetch, timeout=30, what="HTTP through port-forward")
     finally:
-        forward.kill()
         delete(kubectl, name)
 
 

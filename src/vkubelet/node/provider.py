@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
 
 from lightkube.models.core_v1 import PodStatus
@@ -144,6 +144,15 @@ class ContainerLogOptions:
     timestamps: bool = False
     follow: bool = False
     previous: bool = False
+
+    def earliest(self) -> datetime | None:
+        """The oldest log time asked for (`sinceTime`, or now minus `sinceSeconds`), in UTC."""
+        if self.since_time is not None:
+            since = self.since_time
+            return since if since.tzinfo is not None else since.replace(tzinfo=UTC)
+        if self.since_seconds is not None:
+            return datetime.now(UTC) - timedelta(seconds=self.since_seconds)
+        return None
 
 
 @runtime_checkable

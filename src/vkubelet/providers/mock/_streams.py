@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncGenerator
-from datetime import UTC, datetime, timedelta
 
 from ...node import ContainerLogOptions
 from ...node.capabilities import AttachIO, ByteStream
@@ -42,7 +41,7 @@ async def log_lines(
     if options.tail_lines is not None:
         lines = lines[-options.tail_lines :] if options.tail_lines else []
     written = mock.started or mock.created  # when the container "printed" these lines
-    since = _since(options)
+    since = options.earliest()
     if since is not None and parse_time(written) < since:
         lines = []
     for line in lines:
@@ -55,15 +54,6 @@ async def log_lines(
         count += 1
         stamp = f"{now()} " if options.timestamps else ""
         yield f"{stamp}mock: tick {count}\n".encode()
-
-
-def _since(options: ContainerLogOptions) -> datetime | None:
-    if options.since_time is not None:
-        since = options.since_time
-        return since if since.tzinfo is not None else since.replace(tzinfo=UTC)
-    if options.since_seconds is not None:
-        return datetime.now(UTC) - timedelta(seconds=options.since_seconds)
-    return None
 
 
 # -- attach ---------------------------------------------------------------------------------------

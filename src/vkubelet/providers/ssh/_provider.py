@@ -21,7 +21,7 @@ import signal
 import tarfile
 import time
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncssh
@@ -524,7 +524,7 @@ class DeviceProvider:
         data = result.stdout
         parser = LogParser()
         lines = parser.feed(data)
-        since = _since(options)
+        since = options.earliest()
         for line in select_lines(lines, tail_lines=options.tail_lines, since=since):
             yield render(line, timestamps=options.timestamps)
         if not options.follow or options.previous:
@@ -713,15 +713,6 @@ def _rfc3339(value: datetime | None) -> str | None:
     if value is None:
         return None
     return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _since(options: ContainerLogOptions) -> datetime | None:
-    if options.since_time is not None:
-        since = options.since_time
-        return since if since.tzinfo is not None else since.replace(tzinfo=UTC)
-    if options.since_seconds is not None:
-        return datetime.now(UTC) - timedelta(seconds=options.since_seconds)
-    return None
 
 
 def _all_done(remote: _remote.RemotePod) -> bool:
