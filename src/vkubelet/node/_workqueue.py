@@ -13,6 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
+# Failures of an item logged at INFO before they become warnings (~6 s at the default delays).
+_QUIET_RETRIES = 7
 
 
 class WorkQueue:
@@ -92,14 +94,19 @@ class WorkQueue:
                 failures = self._failures.get(key, 0) + 1
                 self._failures[key] = failures
                 delay = min(self._base_delay * 2 ** (failures - 1), self._max_delay)
-                log.warning(
+                # The first few seconds of failures are often races that retrying settles (the
+                # Node authorizer learns of a new pod's objects a moment after the pod appears):
+                # a warning only once an item has kept failing.
+                level = logging.WARNING if failures > _QUIET_RETRIES else logging.INFO
+                log.log(
+                    level,
                     "%s: %s failed (%s); retry %d in %.2fs",
                     self.name,
                     key,
                     e,
                     failures,
                     delay,
-                    exc_info=failures == 1,
+                    exc_info=failures == _QUIET_RETRIES + 1,
                 )
                 self.add_after(key, delay)
             else:
