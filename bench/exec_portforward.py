@@ -36,7 +36,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import queue
 import shutil
 import socket
 import socketserver
@@ -46,7 +45,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -56,7 +55,7 @@ from _common import cluster_for, cpu_seconds, log, pct, print_table
 
 from vkubelet.devcluster import Cluster, _pki
 from vkubelet.devcluster._build import cache_root
-from vkubelet.testing import AgentProcess, Kubectl, node_ready
+from vkubelet.testing import AgentProcess, Kubectl, node_ready, port_forward
 
 GOVK_DIR = Path(__file__).resolve().parent / "govk"
 CHUNK = os.urandom(1 << 20)
@@ -381,47 +380,6 @@ def concurrently(port: int, direction: bytes, connections: int, size: int) -> fl
     if errors:
         raise errors[0]
     return elapsed
-
-
-@contextlib.contextmanager
-def port_forward(kubectl: Kubectl, pod: str, remote: int) -> Iterator[int]:
-    local = free_port()
-    proc = subprocess.Popen(
-        [
-            kubectl.binary,
-            "--kubeconfig",
-            str(kubectl.kubeconfig),
-            "port-forward",
-            pod,
-            f"{local}:{remote}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    assert proc.stdout is not None
-    stdout = proc.stdout
-
-    def read() -> None:  # keep draining: kubectl prints a line per connection
-        for line in stdout:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        line = lines.get(timeout=60)
-        if "Forwarding from" not in line:
-            raise RuntimeError(f"kubectl port-forward: {line.strip() or 'exited'}")
-        yield local
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @dataclass

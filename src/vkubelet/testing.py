@@ -24,6 +24,7 @@ import ipaddress
 import json
 import os
 import pwd
+import queue
 import random
 import shutil
 import signal
@@ -31,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -280,12 +282,13 @@ def node_ready(kubectl: Kubectl, node: str) -> bool:
 
 @contextlib.contextmanager
 def port_forward(kubectl: Kubectl, pod: str, remote: int) -> Iterator[int]:
-    """`kubectl port-forward` from a free local port to `remote` in `pod`; yields the local
-    port once kubectl says it is forwarding, and stops kubectl afterwards."""
+    """`kubectl port-forward` from a free local port to `remote` in `pod`: yields the local
+    port once kubectl says it forwards. Its output is drained meanwhile (a line per connection,
+    which would otherwise fill the pipe and stall kubectl)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         local: int = s.getsockname()[1]
-    forward = subprocess.Popen(
+    proc = subprocess.Popen(
         [
             kubectl.binary,
             "--kubeconfig",
@@ -296,16 +299,31 @@ def port_forward(kubectl: Kubectl, pod: str, remote: int) -> Iterator[int]:
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
         text=True,
     )
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def read() -> None:  # keep draining: kubectl prints a line per connection
+        for line in stdout:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
     try:
-        assert forward.stdout is not None
-        first = forward.stdout.readline()
-        assert "Forwarding from" in first, first
+        line = lines.get(timeout=60)
+        if "Forwarding from" not in line:
+            raise RuntimeError(f"kubectl port-forward: {line.strip() or 'exited'}")
         yield local
     finally:
-        forward.kill()
-        forward.wait()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class TerminalSession:
