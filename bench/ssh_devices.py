@@ -84,6 +84,7 @@ from vkubelet.testing import (
     ssh_lab,
     ssh_lab_unavailable,
 )
+from vkubelet.testing import start_agent as start_agent_process
 
 CONCURRENCY = 32  # creates in flight in the all-at-once run
 TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
@@ -146,10 +147,15 @@ def start_agent(
 ) -> AgentProcess:
     path = work / "inventory.yaml"
     path.write_text(yaml.safe_dump(ssh_inventory(devices)))  # maxSessions: the default
-    args = ["--provider", "ssh", "--provider-config", str(path), "--nodename", "ssh-bench"]
-    args += ["--internal-ip", address, "--kubelet-port", "0", "--approve-own-csrs"]
-    args += ["--cert-dir", str(work / "pki"), "--log-level", level]
-    return AgentProcess(cluster.kubeconfig, args, work / "agent.log").start()
+    return start_agent_process(
+        cluster,
+        work,
+        provider="ssh",
+        config=path,
+        name="ssh-bench",
+        address=address,
+        extra_args=("--log-level", level),
+    )
 
 
 def pod_dir(device: TestDevice, uid: str) -> Path:

@@ -151,6 +151,24 @@ class AgentProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+def start_agent(
+    cluster: Cluster,
+    workdir: Path,
+    *,
+    provider: str,
+    config: Path,
+    name: str,
+    address: str,
+    extra_args: tuple[str, ...] = (),
+) -> AgentProcess:
+    """`vkubelet run` with a provider and its config, as an operator starts it for a dev
+    cluster: a free kubelet port, serving certificates from CSRs it approves, log in workdir."""
+    args = ["--provider", provider, "--provider-config", str(config), "--nodename", name]
+    args += ["--internal-ip", address, "--kubelet-port", "0", "--approve-own-csrs"]
+    args += ["--cert-dir", str(workdir / "pki"), *extra_args]
+    return AgentProcess(cluster.kubeconfig, args, workdir / "agent.log").start()
+
+
 @dataclass
 class MockNode:
     """A virtual node served by `vkubelet run --provider mock` in a child process."""
@@ -178,23 +196,15 @@ def mock_node(
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "mock.json"
     config.write_text(json.dumps({name: {"pods": "500", **(mock_config or {})}}))
-    args = [
-        "--provider",
-        "mock",
-        "--provider-config",
-        str(config),
-        "--nodename",
-        name,
-        "--internal-ip",
-        address,
-        "--kubelet-port",
-        "0",
-        "--approve-own-csrs",
-        "--cert-dir",
-        str(workdir / "pki"),
-        *extra_args,
-    ]
-    agent = AgentProcess(cluster.kubeconfig, args, workdir / "agent.log").start()
+    agent = start_agent(
+        cluster,
+        workdir,
+        provider="mock",
+        config=config,
+        name=name,
+        address=address,
+        extra_args=extra_args,
+    )
     try:
         wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")
         wait_for(lambda: "listening on port" in agent.log(), timeout=60, what="kubelet API")

@@ -31,6 +31,9 @@ from vkubelet.testing import (
     terminal_session,
     wait_for,
 )
+from vkubelet.testing import (
+    start_agent as start_agent_process,
+)
 
 TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
 
@@ -52,24 +55,15 @@ class Lab:
 
 
 def start_agent(cluster: Cluster, workdir: Path, path: Path, address: str) -> AgentProcess:
-    args = [
-        "--provider",
-        "ssh",
-        "--provider-config",
-        str(path),
-        "--nodename",
-        "lab",
-        "--internal-ip",
-        address,
-        "--kubelet-port",
-        "0",
-        "--approve-own-csrs",
-        "--cert-dir",
-        str(workdir / "pki"),
-        "--log-level",
-        "debug",
-    ]
-    return AgentProcess(cluster.kubeconfig, args, workdir / "agent.log").start()
+    return start_agent_process(
+        cluster,
+        workdir,
+        provider="ssh",
+        config=path,
+        name="lab",
+        address=address,
+        extra_args=("--log-level", "debug"),
+    )
 
 
 @pytest.fixture(scope="module")
