@@ -22,9 +22,9 @@ from pathlib import Path
 from .kubelet import KubeletAuth, KubeletNode, KubeletServer, serve_nodes, server_ssl_context
 from .node import AgentConfig, ApiError, ConfigError, KubeClient, NodeAgent, NodeSpec, Unreachable
 from .node._certs import ClientIdentity, ServingCertificate
-from .node._registry import ProviderContext, load_provider
+from .node._registry import load_provider
 from .node._resolution import ServiceCache
-from .node.provider import FleetNode, NodeFleet, PodLifecycleHandler
+from .sdk.provider import FleetNode, NodeFleet, PodLifecycleHandler, ProviderContext
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..sdk.provider import PodLifecycleHandler
 from ._events import EventRecorder
 from ._kube import ClientOptions, KubeClient
 from ._nodecontroller import NodeController, NodeSettings
 from ._podcontroller import PodController
 from ._resolution import Resolver, ServiceCache
-from .provider import PodLifecycleHandler
 
 
 @dataclass

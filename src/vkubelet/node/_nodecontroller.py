@@ -22,8 +22,8 @@ import msgspec
 from lightkube.resources.core_v1 import Node
 
 from .. import __version__
+from ..sdk.provider import NodeConfigurer, NodeProvider, NodeStatusNotifier
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
-from .provider import NodeConfigurer, NodeProvider, NodeStatusNotifier
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ import msgspec
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Pod
 
+from ..sdk.provider import PodLifecycleHandler, PodNotifier, ProviderError, ResolvedPod
 from ._events import NORMAL, WARNING, EventRecorder, ObjectRef
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 from ._objects import ObjectCache
@@ -31,7 +32,6 @@ from ._podrecord import PodRecord, digest, visible_status
 from ._reflector import Handler, Reflector
 from ._resolution import Resolution, ResolutionFailed, Resolver
 from ._workqueue import WorkQueue
-from .provider import PodLifecycleHandler, PodNotifier, ProviderError, ResolvedPod
 
 log = logging.getLogger(__name__)
 

@@ -12,23 +12,11 @@ where `create(context: ProviderContext)` returns an object implementing `PodLife
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from pathlib import Path
 
-from .provider import NodeFleet, PodLifecycleHandler
+from ..sdk.provider import NodeFleet, PodLifecycleHandler, ProviderContext
 
 GROUP = "vkubelet.providers"
-
-
-@dataclass(frozen=True)
-class ProviderContext:
-    """What a provider factory gets: enough to find its config and describe its node."""
-
-    node_name: str
-    config_path: Path | None
-    internal_ip: str
-    kubelet_port: int
 
 
 ProviderFactory = Callable[[ProviderContext], PodLifecycleHandler | NodeFleet]

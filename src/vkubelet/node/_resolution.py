@@ -19,10 +19,10 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 from lightkube.resources.core_v1 import Pod, Service
 
+from ..sdk.provider import ResolvedPod
 from ._kube import ApiError, KubeClient, Unreachable
 from ._objects import ObjectCache, ReadFailed
 from ._reflector import Handler, Reflector
-from .provider import ResolvedPod
 from .resolve import (
     EnvResolutionError,
     SourceReadError,

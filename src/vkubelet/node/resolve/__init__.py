@@ -6,6 +6,15 @@ latter three through `Sources`), environments and volume files come out. The age
 `referenced_objects` to know which objects to watch for changes.
 """
 
+from ...sdk.quantity import Quantity, QuantityError, divide_ceil, parse_quantity
+from ...sdk.volumes import (
+    EmptyDirVolume,
+    FileContent,
+    FilesVolume,
+    HostPathVolume,
+    OtherVolume,
+    ResolvedVolume,
+)
 from .env import (
     DEFAULT_MASTER_SERVICES_NAMESPACE,
     FAILED_TO_READ_MANDATORY_CONFIGMAP,
@@ -25,25 +34,15 @@ from .env import (
     EnvResult,
     Event,
     FieldSelectorError,
-    Quantity,
-    QuantityError,
     SourceReadError,
     Sources,
-    divide_ceil,
     expand,
     expand_command_and_args,
-    parse_quantity,
     resolve_env,
 )
 from .volumes import (
     FAILED_MOUNT,
-    EmptyDirVolume,
-    FileContent,
-    FilesVolume,
-    HostPathVolume,
     ObjectRef,
-    OtherVolume,
-    ResolvedVolume,
     TokenSource,
     VolumeError,
     VolumeResult,

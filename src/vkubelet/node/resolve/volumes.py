@@ -18,6 +18,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal, Protocol
 
+from ...sdk.volumes import (
+    EmptyDirVolume,
+    FileContent,
+    FileKind,
+    FilesVolume,
+    HostPathVolume,
+    OtherVolume,
+    ResolvedVolume,
+)
 from .env import (
     JSON,
     FieldSelectorError,
@@ -36,6 +45,13 @@ from .env import (
 )
 
 FAILED_MOUNT: Final = "FailedMount"
+
+_FILE_KINDS: Final[dict[str, FileKind]] = {
+    "configMap": "configMap",
+    "secret": "secret",
+    "downwardAPI": "downwardAPI",
+    "projected": "projected",
+}
 
 # The API server defaults every configMap/secret/downwardAPI/projected defaultMode to 0644.
 DEFAULT_MODE: Final = 0o644
@@ -64,67 +80,6 @@ class TokenSource(Protocol):
         `audience` None means the API server's default audiences.
         """
         ...
-
-
-@dataclass(frozen=True)
-class FileContent:
-    """One file of a volume. `owner_uid` is set where the kubelet chowns the file (token and
-    trust-bundle files, when all containers run as the same user)."""
-
-    data: bytes
-    mode: int
-    owner_uid: int | None = None
-
-
-FileKind = Literal["configMap", "secret", "downwardAPI", "projected"]
-_FILE_KINDS: Final[dict[str, FileKind]] = {
-    "configMap": "configMap",
-    "secret": "secret",
-    "downwardAPI": "downwardAPI",
-    "projected": "projected",
-}
-
-
-@dataclass(frozen=True)
-class FilesVolume:
-    """A configMap, secret, downwardAPI or projected volume: a read-only tree of files.
-
-    `files` maps clean relative paths ("a/b.txt") to contents. `fs_group`, when set, is the
-    group that should own the files (their modes already include the group-read bits).
-    """
-
-    name: str
-    kind: FileKind
-    files: Mapping[str, FileContent]
-    fs_group: int | None = None
-
-
-@dataclass(frozen=True)
-class EmptyDirVolume:
-    """A scratch directory; `medium` "" (node disk), "Memory" or "HugePages[-<size>]"."""
-
-    name: str
-    medium: str = ""
-    size_limit: str | None = None
-
-
-@dataclass(frozen=True)
-class HostPathVolume:
-    name: str
-    path: str
-    type: str = ""
-
-
-@dataclass(frozen=True)
-class OtherVolume:
-    """Any other volume type (persistentVolumeClaim, csi, image, ...), as declared."""
-
-    name: str
-    kind: str
-    source: JSON
-
-
-ResolvedVolume = FilesVolume | EmptyDirVolume | HostPathVolume | OtherVolume
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
-from ...node.capabilities import AttachIO, ByteStream
+from ...sdk.capabilities import AttachIO, ByteStream
 from ._config import MockConfig
 from ._fs import Filesystem, container_filesystem, mount_volumes
 from ._records import MockContainer, MockPod, containers_of, files_of, now

@@ -13,7 +13,7 @@ from lightkube.models.core_v1 import Container
 from lightkube.resources.core_v1 import Pod
 
 from ...node import ProviderError, ResolvedPod
-from ...node.resolve import FilesVolume
+from ...sdk.volumes import FilesVolume
 
 
 def format_time(moment: datetime) -> str:

@@ -31,8 +31,8 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ContainerLogOptions, ProviderError, ResolvedPod
-from ...node.capabilities import AttachIO, ByteStream
-from ...node.resolve import EmptyDirVolume, FilesVolume, HostPathVolume
+from ...sdk.capabilities import AttachIO, ByteStream
+from ...sdk.volumes import EmptyDirVolume, FilesVolume, HostPathVolume
 from . import _remote
 from ._inventory import DeviceConfig
 from ._link import DeviceLink, Unreachable
