@@ -1,0 +1,233 @@
+"""The lower cluster's API, through the agent's own `KubeClient`, with errors a user can act on.
+
+Two mistakes are common when pointing a provider at another cluster, and both used to show up
+only as pods Pending forever (Admiralty #52, tensile-kube #56): a kubeconfig path that does not
+resolve, and credentials that lack a permission. `open_lower` names the file and the field for
+the first; `check_permissions` asks the lower apiserver (SelfSubjectAccessReview, which every
+authorizer answers precisely) about each verb the provider uses and names the missing ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from lightkube.config.kubeconfig import KubeConfig
+from lightkube.core.exceptions import ConfigError as KubeConfigError
+
+from ...node import ApiError, ClientOptions, ConfigError, KubeClient
+from ._config import LowerConfig
+from ._stamps import Owner, stamp
+
+__all__ = [
+    "REQUIRED_PERMISSIONS",
+    "LowerCluster",
+    "MissingPermissions",
+    "Permission",
+    "open_lower",
+    "resource_path",
+]
+
+JSON = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Permission:
+    verb: str
+    resource: str  # "pods" or "pods/exec"
+    group: str = ""
+
+    def __str__(self) -> str:
+        group = f".{self.group}" if self.group else ""
+        return f"{self.verb} {self.resource}{group}"
+
+
+def _all(resource: str, verbs: str, group: str = "") -> list[Permission]:
+    return [Permission(verb, resource, group) for verb in verbs.split()]
+
+
+# Cluster-wide: the provider lists and watches its pods across namespaces by owner label.
+REQUIRED_PERMISSIONS: tuple[Permission, ...] = (
+    *_all("pods", "get list watch create update patch delete"),
+    *_all("pods/log", "get"),
+    *_all("pods/exec", "create"),
+    *_all("pods/attach", "create"),
+    *_all("pods/portforward", "create"),
+    *_all("configmaps", "get list watch create update delete"),
+    *_all("secrets", "get list watch create update delete"),
+    *_all("serviceaccounts", "get list watch create update delete"),
+    *_all("persistentvolumeclaims", "get list watch create delete"),
+    *_all("namespaces", "get create"),
+    *_all("nodes", "get list watch"),
+    *_all("nodes/proxy", "get"),
+    *_all("events", "list watch"),
+    *_all("services", "get list watch create update delete"),
+    *_all("endpointslices", "get list watch create update delete", "discovery.k8s.io"),
+)
+
+
+class MissingPermissions(Exception):
+    """The lower credentials lack permissions the provider needs."""
+
+    def __init__(self, where: str, missing: Sequence[Permission]) -> None:
+        self.missing = tuple(missing)
+        listing = ", ".join(str(p) for p in missing)
+        super().__init__(
+            f"{where}: the lower cluster denies {listing} (cluster-wide); grant them, "
+            "see the ClusterRole in docs/cluster-provider.md"
+        )
+
+
+_CORE = {
+    "Pod": "pods",
+    "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "ServiceAccount": "serviceaccounts",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Service": "services",
+    "Event": "events",
+}
+
+
+def resource_path(kind: str, namespace: str | None = None, name: str | None = None) -> str:
+    """The API path of a core kind (namespaced, or across namespaces when `namespace` is None)."""
+    if kind == "Namespace":
+        return "/api/v1/namespaces" + (f"/{name}" if name else "")
+    if kind == "Node":
+        return "/api/v1/nodes" + (f"/{name}" if name else "")
+    plural = _CORE[kind]
+    base = f"/api/v1/namespaces/{namespace}/{plural}" if namespace else f"/api/v1/{plural}"
+    return base + (f"/{name}" if name else "")
+
+
+class LowerCluster:
+    """Plain API I/O against the lower cluster; every write path is a stamped object's."""
+
+    def __init__(self, client: KubeClient, config: LowerConfig) -> None:
+        self.client = client
+        self.config = config
+
+    @property
+    def where(self) -> str:
+        user = self.client.config.context.user if self.client.config.context else "?"
+        return f"{self.config.source}: lower cluster {self.client.server} (kubeconfig " + (
+            f"{self.config.kubeconfig}, user {user})"
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def check_permissions(self, needed: Sequence[Permission] = REQUIRED_PERMISSIONS) -> None:
+        """Raise MissingPermissions naming every permission the lower apiserver denies."""
+        answers = await asyncio.gather(*(self._allowed(p) for p in needed))
+        missing = [p for p, allowed in zip(needed, answers, strict=True) if not allowed]
+        if missing:
+            raise MissingPermissions(self.where, missing)
+
+    async def _allowed(self, permission: Permission) -> bool:
+        resource, _, subresource = permission.resource.partition("/")
+        attributes = {"verb": permission.verb, "group": permission.group, "resource": resource}
+        if subresource:
+            attributes["subresource"] = subresource
+        review = await self.client.create(
+            "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+            {
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": attributes},
+            },
+        )
+        return bool((review.get("status") or {}).get("allowed"))
+
+    async def server_version(self) -> JSON:
+        """The cheapest request that proves the lower apiserver answers (the ping)."""
+        return await self.client.get("/version")
+
+    async def get(self, kind: str, namespace: str | None, name: str) -> JSON | None:
+        try:
+            return await self.client.get(resource_path(kind, namespace, name))
+        except ApiError as e:
+            if e.not_found:
+                return None
+            raise
+
+    async def list(
+        self, kind: str, *, selector: str | None = None, namespace: str | None = None
+    ) -> list[JSON]:
+        params = {"labelSelector": selector} if selector else None
+        answer = await self.client.get(resource_path(kind, namespace), params)
+        items: list[JSON] = answer.get("items") or []
+        return items
+
+    async def create(self, body: Mapping[str, Any]) -> JSON:
+        metadata = body["metadata"]
+        path = resource_path(str(body["kind"]), metadata.get("namespace"))
+        return await self.client.create(path, body)
+
+    async def replace(self, body: Mapping[str, Any]) -> JSON:
+        metadata = body["metadata"]
+        path = resource_path(str(body["kind"]), metadata.get("namespace"), metadata["name"])
+        return await self.client.replace(path, body)
+
+    async def delete(
+        self, kind: str, namespace: str | None, name: str, *, grace_period: int | None = None
+    ) -> bool:
+        """Delete; False if it was already gone. Callers pass only names `is_ours` approved."""
+        body = None
+        if grace_period is not None:
+            body = {
+                "apiVersion": "v1",
+                "kind": "DeleteOptions",
+                "gracePeriodSeconds": max(0, grace_period),
+            }
+        try:
+            await self.client.delete(resource_path(kind, namespace, name), body)
+        except ApiError as e:
+            if e.not_found:
+                return False
+            raise
+        return True
+
+    async def ensure_namespace(self, name: str, owner: Owner) -> None:
+        """Create the lower namespace when missing (stamped, never deleted: other owners and
+        the user may put objects there too)."""
+        if not self.config.namespaces.create:
+            return
+        if await self.get("Namespace", None, name) is not None:
+            return
+        body = stamp(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+            owner,
+            namespace="",
+            name=name,
+            uid="",
+        )
+        try:
+            await self.client.create("/api/v1/namespaces", body)
+        except ApiError as e:
+            if not e.conflict:
+                raise
+
+
+def open_lower(config: LowerConfig) -> LowerCluster:
+    """Load the lower kubeconfig; a ConfigError names lower.yaml, the field and the file."""
+    at = f"{config.source}: kubeconfig: {config.kubeconfig}"
+    if not config.kubeconfig.is_file():
+        raise ConfigError(f"{at}: no such file")
+    try:
+        kubeconfig = KubeConfig.from_file(config.kubeconfig)
+    except (KubeConfigError, OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{at}: not a usable kubeconfig: {e}") from None
+    try:
+        loaded = kubeconfig.get(config.context)
+    except KubeConfigError:
+        loaded = None
+    if loaded is None:
+        raise ConfigError(
+            f"{config.source}: context: {config.context!r} is not in {config.kubeconfig}"
+        )
+    options = ClientOptions(qps=config.kube_api_qps, burst=config.kube_api_burst)
+    return LowerCluster(KubeClient(loaded, options), config)

@@ -1,0 +1,185 @@
+"""Upper pod (as written) -> lower pod: the same workload, for the lower cluster's scheduler.
+
+Pure: it sees the upper pod as the API stores it (references unresolved, see `PassThroughPods`)
+and never the referenced objects, so no Secret value can reach the lower pod spec: env stays
+`valueFrom`/`envFrom` and volumes stay `secret:`/`configMap:`, renamed to the lower copies the
+dependency planner maintains.
+
+What changes on the way down, and why:
+- identity and bookkeeping of the upper API (uid, resourceVersion, ownerReferences, finalizers,
+  managedFields, status, nodeName) would be rejected or would lie below; the owner stamps
+  replace them;
+- scheduling terms that only select the *virtual* node (its name, its own labels such as
+  `type=virtual-kubelet`, its taints) are dropped, the rest steer the lower scheduler;
+- fields an admission plugin computed upstairs (`priority`, `preemptionPolicy`, `overhead`)
+  are dropped and recomputed below; `schedulerName` and `priorityClassName` name upper objects;
+- the upper service-account token volume (`kube-api-access-*`) is dropped: the lower
+  apiserver's ServiceAccount admission mounts a token of the lower service account instead, so
+  no upper credential goes down;
+- `readinessGates` are kept upstairs only: nobody below would ever set their conditions;
+- `ephemeralContainers` cannot be set on create.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ._config import NamespaceMapping
+from ._refs import rename_references
+from ._stamps import Owner, dependency_name, stamp
+
+__all__ = ["PodTranslation", "translate_pod"]
+
+JSON = dict[str, Any]
+
+_TOKEN_VOLUME_PREFIX = "kube-api-access-"
+_DROPPED_SPEC_FIELDS = (
+    "nodeName",
+    "priority",
+    "preemptionPolicy",
+    "overhead",
+    "schedulerName",
+    "priorityClassName",
+    "readinessGates",
+    "ephemeralContainers",
+    "schedulingGates",
+    "serviceAccount",  # deprecated alias of serviceAccountName, which we set
+)
+# The virtual node's taint that every pod scheduled to it tolerates; meaningless below.
+VIRTUAL_TAINT_KEYS: frozenset[str] = frozenset({"virtual-kubelet.io/provider"})
+
+
+@dataclass(frozen=True)
+class PodTranslation:
+    """How pods of one virtual node map onto its lower cluster."""
+
+    owner: Owner
+    namespaces: NamespaceMapping = NamespaceMapping()
+    dependency_names: Literal["suffixed", "same"] = "suffixed"
+    service_accounts: Literal["lower", "none"] = "lower"
+    # The virtual node's own labels (not those published from the lower nodes): terms on them
+    # only chose this virtual node.
+    virtual_labels: Mapping[str, str] = field(default_factory=dict)
+    virtual_taint_keys: Collection[str] = VIRTUAL_TAINT_KEYS
+
+    def lower_namespace(self, upper: str) -> str:
+        return self.namespaces.lower(upper)
+
+    def lower_name(self, kind: str, name: str) -> str:
+        return dependency_name(self.owner, kind, name, self.dependency_names)
+
+
+def translate_pod(upper: Mapping[str, Any], how: PodTranslation) -> JSON:
+    """The lower pod for `upper` (an API pod as JSON). Raises nothing: whatever the lower API
+    still rejects comes back as its own message."""
+    metadata = upper.get("metadata") or {}
+    namespace, name = str(metadata.get("namespace", "default")), str(metadata["name"])
+    spec: JSON = copy.deepcopy(dict(upper.get("spec") or {}))
+    for key in _DROPPED_SPEC_FIELDS:
+        spec.pop(key, None)
+    _drop_token_volume(spec)
+    _service_account(spec, how)
+    rename_references(spec, how.lower_name)
+    _scheduling(spec, how)
+    lower_metadata: JSON = {
+        "name": name,
+        "namespace": how.lower_namespace(namespace),
+        "labels": dict(metadata.get("labels") or {}),
+        "annotations": dict(metadata.get("annotations") or {}),
+    }
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": lower_metadata, "spec": spec}
+    return stamp(pod, how.owner, namespace=namespace, name=name, uid=str(metadata.get("uid", "")))
+
+
+def _drop_token_volume(spec: JSON) -> None:
+    """Remove the upper ServiceAccount admission's token volume and its mounts."""
+    dropped = {
+        v.get("name")
+        for v in spec.get("volumes") or []
+        if str(v.get("name", "")).startswith(_TOKEN_VOLUME_PREFIX)
+        and any("serviceAccountToken" in s for s in (v.get("projected") or {}).get("sources") or [])
+    }
+    if not dropped:
+        return
+    spec["volumes"] = [v for v in spec["volumes"] if v.get("name") not in dropped]
+    for list_name in ("initContainers", "containers"):
+        for container in spec.get(list_name) or []:
+            mounts = container.get("volumeMounts")
+            if mounts:
+                container["volumeMounts"] = [m for m in mounts if m.get("name") not in dropped]
+
+
+def _service_account(spec: JSON, how: PodTranslation) -> None:
+    if how.service_accounts == "none":
+        spec["serviceAccountName"] = "default"
+        spec["automountServiceAccountToken"] = False
+    else:
+        spec["serviceAccountName"] = spec.get("serviceAccountName") or "default"
+
+
+def _scheduling(spec: JSON, how: PodTranslation) -> None:
+    virtual_keys = set(how.virtual_labels)
+    selector = spec.get("nodeSelector")
+    if selector:
+        kept = {
+            k: v
+            for k, v in selector.items()
+            if not (k in virtual_keys and how.virtual_labels.get(k) == v)
+        }
+        _set_or_drop(spec, "nodeSelector", kept)
+    tolerations = spec.get("tolerations")
+    if tolerations:
+        kept_tolerations = [t for t in tolerations if t.get("key") not in how.virtual_taint_keys]
+        _set_or_drop(spec, "tolerations", kept_tolerations)
+    affinity = spec.get("affinity")
+    if isinstance(affinity, dict):
+        node_affinity = affinity.get("nodeAffinity")
+        if isinstance(node_affinity, dict):
+            _node_affinity(node_affinity, lambda key: key in virtual_keys)
+            _set_or_drop(affinity, "nodeAffinity", node_affinity)
+        _set_or_drop(spec, "affinity", affinity)
+
+
+def _node_affinity(node_affinity: JSON, virtual: Callable[[str], bool]) -> None:
+    """Drop the expressions on the virtual node's own labels and name.
+
+    Required terms are ORed: a term left empty was satisfied by the virtual node alone, so the
+    lower scheduler is unconstrained (an empty term would match nothing, not everything).
+    """
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
+    if isinstance(required, dict):
+        terms = [_term(t, virtual) for t in required.get("nodeSelectorTerms") or []]
+        if any(not t for t in terms):
+            node_affinity.pop("requiredDuringSchedulingIgnoredDuringExecution")
+        else:
+            required["nodeSelectorTerms"] = terms
+    preferred = node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution")
+    if isinstance(preferred, list):
+        kept = []
+        for item in preferred:
+            term = _term(item.get("preference") or {}, virtual)
+            if term:
+                kept.append({**item, "preference": term})
+        _set_or_drop(node_affinity, "preferredDuringSchedulingIgnoredDuringExecution", kept)
+
+
+def _term(term: Mapping[str, Any], virtual: Callable[[str], bool]) -> JSON:
+    expressions = [e for e in term.get("matchExpressions") or [] if not virtual(str(e.get("key")))]
+    # matchFields only supports metadata.name: the virtual node's name.
+    fields = [f for f in term.get("matchFields") or [] if f.get("key") != "metadata.name"]
+    out: JSON = {}
+    if expressions:
+        out["matchExpressions"] = expressions
+    if fields:
+        out["matchFields"] = fields
+    return out
+
+
+def _set_or_drop(holder: JSON, key: str, value: Any) -> None:
+    if value:
+        holder[key] = value
+    else:
+        holder.pop(key, None)
