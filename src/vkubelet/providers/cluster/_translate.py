@@ -35,7 +35,7 @@ __all__ = ["PodTranslation", "translate_pod"]
 
 JSON = dict[str, Any]
 
-_TOKEN_VOLUME_PREFIX = "kube-api-access-"
+_TOKEN_VOLUME_PREFIX = "kube-api-access-"  # noqa: S105  (a volume name)
 _DROPPED_SPEC_FIELDS = (
     "nodeName",
     "priority",
@@ -57,7 +57,7 @@ class PodTranslation:
     """How pods of one virtual node map onto its lower cluster."""
 
     owner: Owner
-    namespaces: NamespaceMapping = NamespaceMapping()
+    namespaces: NamespaceMapping = field(default_factory=NamespaceMapping)
     dependency_names: Literal["suffixed", "same"] = "suffixed"
     service_accounts: Literal["lower", "none"] = "lower"
     # The virtual node's own labels (not those published from the lower nodes): terms on them
