@@ -20,10 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._refs import pod_references
 from ._stamps import Claim, claim, describe_owner, is_ours, stamp
 from ._status import copy_of
-from ._translate import PodTranslation
+from ._translate import PodTranslation, needed_references
 
 __all__ = [
     "KINDS",
@@ -98,10 +97,8 @@ def plan_dependencies(
         namespace = str(metadata.get("namespace", "default"))
         pod_name = f"{namespace}/{metadata.get('name')}"
         plan.namespaces.add(how.lower_namespace(namespace))
-        for ref in pod_references(dict(pod.get("spec") or {})):
-            if ref.kind == "ServiceAccount" and (
-                how.service_accounts == "none" or ref.name == "default"
-            ):
+        for ref in needed_references(pod, how):
+            if ref.kind == "ServiceAccount" and ref.name == "default":
                 continue  # the lower namespace's own account
             key = (ref.kind, namespace, ref.name)
             users[key].append(pod_name)

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._config import NamespaceMapping
-from ._refs import rename_references
+from ._refs import Reference, pod_references, rename_references
 from ._stamps import Owner, dependency_name, stamp
 
-__all__ = ["PodTranslation", "translate_pod"]
+__all__ = ["PodTranslation", "needed_references", "translate_pod"]
 
 JSON = dict[str, Any]
 
@@ -77,11 +77,7 @@ def translate_pod(upper: Mapping[str, Any], how: PodTranslation) -> JSON:
     still rejects comes back as its own message."""
     metadata = upper.get("metadata") or {}
     namespace, name = str(metadata.get("namespace", "default")), str(metadata["name"])
-    spec: JSON = copy.deepcopy(dict(upper.get("spec") or {}))
-    for key in _DROPPED_SPEC_FIELDS:
-        spec.pop(key, None)
-    _drop_token_volume(spec)
-    _service_account(spec, how)
+    spec = _prepared_spec(upper, how)
     rename_references(spec, how.lower_name)
     _scheduling(spec, how)
     lower_metadata: JSON = {
@@ -92,6 +88,23 @@ def translate_pod(upper: Mapping[str, Any], how: PodTranslation) -> JSON:
     }
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": lower_metadata, "spec": spec}
     return stamp(pod, how.owner, namespace=namespace, name=name, uid=str(metadata.get("uid", "")))
+
+
+def needed_references(upper: Mapping[str, Any], how: PodTranslation) -> set[Reference]:
+    """The objects the *lower* pod will reference (by their upper names): what the dependency
+    planner must provide. Not the upper pod's own list: its token volume's `kube-root-ca.crt`,
+    say, is not wanted below."""
+    return pod_references(_prepared_spec(upper, how))
+
+
+def _prepared_spec(upper: Mapping[str, Any], how: PodTranslation) -> JSON:
+    """The upper spec minus what does not go down, references still under their upper names."""
+    spec: JSON = copy.deepcopy(dict(upper.get("spec") or {}))
+    for key in _DROPPED_SPEC_FIELDS:
+        spec.pop(key, None)
+    _drop_token_volume(spec)
+    _service_account(spec, how)
+    return spec
 
 
 def _drop_token_volume(spec: JSON) -> None:
