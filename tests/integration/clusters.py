@@ -1,0 +1,107 @@
+"""A second, "lower" dev cluster for the cluster provider's integration tests.
+
+The cluster provider makes a whole lower cluster appear as one node of the upper cluster (the
+`kube_cluster` fixture). Its tests need a lower cluster whose scheduler has real choices: a few
+vkubelet mock nodes with different capacities and labels, untainted so that ordinary pods land on
+them. Starting one costs tens of seconds, so it is made once per test session and torn down at
+its end. `VKUBELET_LOWER_CLUSTER=NAME` reuses a running `vkubelet dev cluster up --name NAME`
+instead (its mock nodes are still started and stopped by the session).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vkubelet.devcluster import Cluster, list_clusters
+from vkubelet.testing import Kubectl, MockNode, mock_node, node_ready
+
+__all__ = ["LOWER_NODES", "LowerCluster", "LowerNodeSpec", "lower_cluster_session"]
+
+
+@dataclass(frozen=True)
+class LowerNodeSpec:
+    prefix: str
+    capacity: dict[str, Any]
+    labels: dict[str, str]
+
+
+# Different sizes and one zone each; a region they all share (published on the virtual node).
+LOWER_NODES = (
+    LowerNodeSpec(
+        "lower-a",
+        {"cpu": "4", "memory": "8Gi", "pods": "30", "others": {"example.com/gpu": "2"}},
+        {"topology.kubernetes.io/region": "eu", "topology.kubernetes.io/zone": "a", "disk": "ssd"},
+    ),
+    LowerNodeSpec(
+        "lower-b",
+        {"cpu": "2", "memory": "4Gi", "pods": "20"},
+        {"topology.kubernetes.io/region": "eu", "topology.kubernetes.io/zone": "b", "disk": "hdd"},
+    ),
+    LowerNodeSpec(
+        "lower-c",
+        {"cpu": "1", "memory": "2Gi", "pods": "10"},
+        {"topology.kubernetes.io/region": "eu", "topology.kubernetes.io/zone": "c"},
+    ),
+)
+
+
+@dataclass
+class LowerCluster:
+    """The lower cluster, admin kubectl for it, and its mock nodes by prefix."""
+
+    cluster: Cluster
+    kubectl: Kubectl
+    nodes: dict[str, MockNode]
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.cluster.kubeconfig
+
+    def node(self, prefix: str) -> MockNode:
+        return self.nodes[prefix]
+
+    def all_ready(self) -> bool:
+        return all(node_ready(self.kubectl, n.name) for n in self.nodes.values())
+
+
+@contextlib.contextmanager
+def lower_cluster_session(
+    workdir: Path, specs: tuple[LowerNodeSpec, ...] = LOWER_NODES
+) -> Iterator[LowerCluster]:
+    """Start (or reuse) the lower cluster and its mock nodes; stop what was started at the end."""
+    with contextlib.ExitStack() as stack:
+        reuse = os.environ.get("VKUBELET_LOWER_CLUSTER")
+        if reuse:
+            existing = {c.name: c for c in list_clusters()}
+            if reuse not in existing or not existing[reuse].is_up():
+                raise RuntimeError(f"VKUBELET_LOWER_CLUSTER={reuse}: no such cluster is up")
+            cluster = existing[reuse]
+        else:
+            cluster = Cluster(f"lower-{os.getpid()}", root=workdir / "state")
+            cluster.up(
+                progress=lambda m: print(f"[lower] {m}", file=sys.stderr, flush=True),
+                tie_to_parent=True,
+                extra_args={"kube-controller-manager": ["--node-monitor-grace-period=20s"]},
+            )
+            stack.callback(cluster.down)
+        kubectl = Kubectl(cluster.kubeconfig)
+        nodes: dict[str, MockNode] = {}
+        for spec in specs:
+            labels = [arg for k, v in spec.labels.items() for arg in ("--label", f"{k}={v}")]
+            nodes[spec.prefix] = stack.enter_context(
+                mock_node(
+                    cluster,
+                    kubectl,
+                    workdir / spec.prefix,
+                    prefix=spec.prefix,
+                    mock_config=spec.capacity,
+                    extra_args=("--disable-taint", *labels),
+                )
+            )
+        yield LowerCluster(cluster, kubectl, nodes)
