@@ -70,6 +70,9 @@ class DependencyPlan:
     replace: list[JSON] = field(default_factory=list)  # immutable or retyped: delete, create
     delete: list[Key] = field(default_factory=list)
     release: list[Key] = field(default_factory=list)  # unused PVCs; delete once gone upstairs
+    # UIDs of the lower objects in `delete`, `release` and `replace`: deletes are made with a
+    # UID precondition, so an object re-created by someone else meanwhile is never removed.
+    uids: dict[Key, str] = field(default_factory=dict)
     missing: list[Missing] = field(default_factory=list)
     conflicts: list[Conflict] = field(default_factory=list)
     refused: list[tuple[Key, str]] = field(default_factory=list)
@@ -146,6 +149,7 @@ def plan_dependencies(
         if lower_key in wanted or lower_key[0] not in KINDS or not is_ours(obj, how.owner):
             continue
         (plan.release if lower_key[0] == "PersistentVolumeClaim" else plan.delete).append(lower_key)
+        plan.uids[lower_key] = str((obj.get("metadata") or {}).get("uid", ""))
     return plan
 
 
@@ -160,6 +164,9 @@ def _plan_change(
     retyped = kind == "Secret" and existing.get("type", "Opaque") != desired.get("type", "Opaque")
     if existing.get("immutable") or retyped:
         plan.replace.append(desired)
+        metadata = desired["metadata"]
+        key = (kind, str(metadata["namespace"]), str(metadata["name"]))
+        plan.uids[key] = str((existing.get("metadata") or {}).get("uid", ""))
         return
     desired["metadata"]["resourceVersion"] = (existing.get("metadata") or {}).get("resourceVersion")
     plan.update.append(desired)

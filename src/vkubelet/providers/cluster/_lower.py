@@ -10,7 +10,7 @@ authorizer answers precisely) about each verb the provider uses and names the mi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from lightkube.core.exceptions import ConfigError as KubeConfigError
 
 from ...node import ApiError, ClientOptions, ConfigError, KubeClient
 from ._config import LowerConfig
+from ._deps import DependencyPlan
 from ._stamps import Owner, stamp
 
 __all__ = [
@@ -154,7 +155,7 @@ class LowerCluster:
                 return None
             raise
 
-    async def list(
+    async def list_objects(
         self, kind: str, *, selector: str | None = None, namespace: str | None = None
     ) -> list[JSON]:
         params = {"labelSelector": selector} if selector else None
@@ -173,23 +174,64 @@ class LowerCluster:
         return await self.client.replace(path, body)
 
     async def delete(
-        self, kind: str, namespace: str | None, name: str, *, grace_period: int | None = None
+        self,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        *,
+        grace_period: int | None = None,
+        uid: str | None = None,
     ) -> bool:
-        """Delete; False if it was already gone. Callers pass only names `is_ours` approved."""
-        body = None
-        if grace_period is not None:
-            body = {
-                "apiVersion": "v1",
-                "kind": "DeleteOptions",
-                "gracePeriodSeconds": max(0, grace_period),
-            }
+        """Delete; False if it was already gone, or (with `uid`) replaced by another object.
+
+        Callers pass only objects `is_ours` approved, with their UID, so that an object someone
+        else created at the same name since is never removed (a precondition the API checks).
+        """
+        body: JSON | None = None
+        if grace_period is not None or uid:
+            body = {"apiVersion": "v1", "kind": "DeleteOptions"}
+            if grace_period is not None:
+                body["gracePeriodSeconds"] = max(0, grace_period)
+            if uid:
+                body["preconditions"] = {"uid": uid}
         try:
             await self.client.delete(resource_path(kind, namespace, name), body)
         except ApiError as e:
-            if e.not_found:
+            if e.not_found or (uid and e.conflict):
                 return False
             raise
         return True
+
+    async def apply_dependencies(self, plan: DependencyPlan, owner: Owner) -> list[str]:
+        """Carry out a dependency plan (namespaces first, then copies); return the problems
+        met, one line each, without stopping at the first (the next pass retries them)."""
+        problems: list[str] = []
+
+        async def attempt(what: str, action: Awaitable[object]) -> None:
+            try:
+                await action
+            except ApiError as e:
+                if not e.conflict or not what.startswith("create"):
+                    problems.append(f"{what}: {e.message or e.reason}")
+
+        for namespace in sorted(plan.namespaces):
+            await attempt(f"namespace {namespace}", self.ensure_namespace(namespace, owner))
+        for obj in plan.create:
+            await attempt(f"create {_describe(obj)}", self.create(obj))
+        for obj in plan.update:
+            await attempt(f"update {_describe(obj)}", self.replace(obj))
+        for obj in plan.replace:
+            metadata = obj["metadata"]
+            key = (str(obj["kind"]), str(metadata["namespace"]), str(metadata["name"]))
+            await attempt(
+                f"replace {_describe(obj)}", self.delete(*key, uid=plan.uids.get(key) or None)
+            )
+            await attempt(f"create {_describe(obj)}", self.create(obj))
+        for key in plan.delete:
+            await attempt(
+                f"delete {key[0]} {key[1]}/{key[2]}", self.delete(*key, uid=plan.uids[key])
+            )
+        return problems
 
     async def ensure_namespace(self, name: str, owner: Owner) -> None:
         """Create the lower namespace when missing (stamped, never deleted: other owners and
@@ -231,3 +273,8 @@ def open_lower(config: LowerConfig) -> LowerCluster:
         )
     options = ClientOptions(qps=config.kube_api_qps, burst=config.kube_api_burst)
     return LowerCluster(KubeClient(loaded, options), config)
+
+
+def _describe(obj: Mapping[str, Any]) -> str:
+    metadata = obj.get("metadata") or {}
+    return f"{obj.get('kind')} {metadata.get('namespace')}/{metadata.get('name')}"

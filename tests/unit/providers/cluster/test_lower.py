@@ -126,3 +126,18 @@ def test_a_missing_namespace_is_created_with_our_stamps(tmp_path: Path) -> None:
     [namespace] = created
     assert namespace["metadata"]["name"] == "up-shop"
     assert is_ours(namespace, OWNER)
+
+
+def test_a_delete_is_conditional_on_the_uid_we_saw(tmp_path: Path) -> None:
+    bodies: list[Any] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        # What the apiserver answers when the object at that name has another UID.
+        return httpx.Response(409, json={"reason": "Conflict", "message": "Precondition failed"})
+
+    lower = fake_lower(tmp_path, handler)
+    assert not asyncio.run(lower.delete("ConfigMap", "shop", "cfg", uid="u-1"))
+    assert bodies == [
+        {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": "u-1"}}
+    ]
