@@ -1,0 +1,479 @@
+"""The cluster provider: the parts (`_translate`, `_deps`, `_status`, `_capacity`) wired to the
+agent's provider protocols over one lower-cluster client.
+
+Not registered as an entry point yet: it needs the agent to honour `PassThroughPods` (hand over
+pods as written plus their references). An agent that resolves env would give it pods with
+Secret values written into `env`, which this provider would then copy into the lower pod spec.
+
+State is kept in the lower cluster, not in this process: the lower pods carry owner stamps, so a
+restarted agent finds them by label (`list_pods`) and adopts them; nothing is re-created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+from lightkube.models.core_v1 import PodStatus
+from lightkube.resources.core_v1 import Node, Pod
+
+from ...node import ApiError, Unreachable
+from ...sdk.provider import NodeCondition, ProviderContext, ProviderError, ResolvedPod
+from ...sdk.tasks import TaskSet, supervise
+from ._capacity import LowerCapacity, lower_capacity
+from ._config import LowerConfig
+from ._deps import KINDS, Key, plan_dependencies
+from ._lower import LowerCluster
+from ._stamps import (
+    ANNOTATION_NAME,
+    ANNOTATION_NAMESPACE,
+    ANNOTATION_UID,
+    Claim,
+    Owner,
+    claim,
+    describe_owner,
+    is_ours,
+    upper_identity,
+)
+from ._status import gone_status, status_up, vanished_reason
+from ._translate import PodTranslation, translate_pod
+
+__all__ = ["ClusterProvider"]
+
+log = logging.getLogger(__name__)
+JSON = dict[str, Any]
+_TERMINAL = {"Succeeded", "Failed"}
+_VIRTUAL_LABELS = ("type", "kubernetes.io/role", "kubernetes.io/hostname")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ClusterProvider:
+    """One virtual node standing for a whole lower cluster."""
+
+    pass_through = True
+
+    def __init__(self, config: LowerConfig, context: ProviderContext, lower: LowerCluster) -> None:
+        self.config = config
+        self.context = context
+        self.lower = lower
+        self.owner = Owner(config.upper_cluster_id or "", context.node_name)
+        self.how = PodTranslation(
+            owner=self.owner,
+            namespaces=config.namespaces,
+            dependency_names=config.dependency_names,
+            service_accounts=config.service_accounts,
+            virtual_labels={"type": "virtual-kubelet", "kubernetes.io/hostname": context.node_name},
+        )
+        self._pods: dict[str, ResolvedPod] = {}  # upper "namespace/name" -> what we were given
+        self._lower_pods: dict[str, JSON] = {}  # upper "namespace/name" -> lower pod, if seen
+        self._deleting: set[str] = set()
+        self._failed: dict[str, JSON] = {}  # upper pods whose lower pod vanished: final status
+        self._notify: Callable[[Pod], None] | None = None
+        self._node_notify: Callable[[Node], None] | None = None
+        self._capacity = LowerCapacity(allocatable={})
+        self._unreachable: str | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._spawned = TaskSet(f"cluster {context.node_name}")
+        self._deps_lock = asyncio.Lock()
+
+    # -- start and stop ----------------------------------------------------------------
+    def _start(self) -> None:
+        if self._tasks:
+            return
+        name = self.context.node_name
+        self._tasks = [
+            supervise(self._follow_pods, name=f"cluster {name}: lower pods"),
+            supervise(self._follow_capacity, name=f"cluster {name}: capacity"),
+            supervise(self._resync_dependencies, name=f"cluster {name}: dependencies"),
+        ]
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        await self._spawned.aclose()
+        await self.lower.aclose()
+
+    # -- pod lifecycle ----------------------------------------------------------------
+    async def create_pod(self, pod: ResolvedPod) -> None:
+        self._start()
+        key = f"{pod.namespace}/{pod.name}"
+        self._pods[key] = pod
+        self._failed.pop(key, None)
+        await self._sync_dependencies(block_for=key)
+        upper = _to_json(pod.pod)
+        body = translate_pod(upper, self.how)
+        namespace = body["metadata"]["namespace"]
+        existing = await self._call(self.lower.get("Pod", namespace, pod.name))
+        verdict = claim(existing, self.owner, pod.uid)
+        if verdict is Claim.OURS:
+            assert existing is not None
+            self._lower_pods[key] = existing  # adopted: never created twice
+            return
+        if verdict is Claim.TAKEN:
+            assert existing is not None
+            raise ProviderError(
+                "LowerNameConflict",
+                f"lower pod {namespace}/{pod.name} already exists and is "
+                f"{describe_owner(existing)}; it is left alone",
+            )
+        if verdict is Claim.STALE:
+            assert existing is not None
+            uid = str(existing["metadata"].get("uid", ""))
+            await self._call(self.lower.delete("Pod", namespace, pod.name, grace_period=0, uid=uid))
+            raise ProviderError(
+                "LowerPodReplacing",
+                f"an earlier lower pod {namespace}/{pod.name} is being removed first",
+                permanent=False,
+            )
+        created = await self._call(self.lower.create(body), what="create the lower pod")
+        self._lower_pods[key] = created
+
+    async def update_pod(self, pod: ResolvedPod) -> None:
+        key = f"{pod.namespace}/{pod.name}"
+        self._pods[key] = pod
+        await self._sync_dependencies()
+        body = translate_pod(_to_json(pod.pod), self.how)
+        spec = body["spec"]
+        patch: JSON = {
+            "metadata": {
+                "labels": body["metadata"]["labels"],
+                "annotations": body["metadata"]["annotations"],
+            },
+            "spec": {
+                kind: [{"name": c["name"], "image": c["image"]} for c in spec.get(kind) or []]
+                for kind in ("initContainers", "containers")
+            },
+        }
+        for field in ("activeDeadlineSeconds", "tolerations"):
+            if field in spec:
+                patch["spec"][field] = spec[field]
+        namespace = body["metadata"]["namespace"]
+        current = self._lower_pods.get(key) or await self._call(
+            self.lower.get("Pod", namespace, pod.name)
+        )
+        if not is_ours(current, self.owner):
+            return  # not (or no longer) ours: nothing to update
+        path = f"/api/v1/namespaces/{namespace}/pods/{pod.name}"
+        patch["metadata"]["uid"] = (current or {}).get("metadata", {}).get("uid")
+        await self._call(
+            self.lower.client.patch(path, patch, "application/strategic-merge-patch+json"),
+            what="update the lower pod",
+        )
+
+    async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        meta = pod.metadata
+        assert meta is not None
+        key = f"{meta.namespace}/{meta.name}"
+        self._deleting.add(key)
+        namespace = self.how.lower_namespace(str(meta.namespace))
+        current = await self._call(self.lower.get("Pod", namespace, str(meta.name)))
+        if current is not None and is_ours(current, self.owner):
+            identity = upper_identity(current)
+            if identity is None or identity[2] == meta.uid:
+                uid = str(current["metadata"].get("uid", ""))
+                await self._call(
+                    self.lower.delete(
+                        "Pod", namespace, str(meta.name), grace_period=grace_period_seconds, uid=uid
+                    )
+                )
+
+    async def get_pod(self, namespace: str, name: str) -> Pod | None:
+        key = f"{namespace}/{name}"
+        status = await self.get_pod_status(namespace, name)
+        if status is None:
+            return None
+        lower = self._lower_pods.get(key)
+        given = self._pods.get(key)
+        if given is not None:
+            upper = _to_json(given.pod)
+            upper["status"] = _to_json(status)
+            return _convert_pod(upper)
+        assert lower is not None
+        return _upper_view(lower, status)
+
+    async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
+        key = f"{namespace}/{name}"
+        if key in self._failed:
+            return _convert_podstatus(self._failed[key])
+        lower = self._lower_pods.get(key)
+        given = self._pods.get(key)
+        upper = _to_json(given.pod) if given is not None else {}
+        if lower is None:
+            return None
+        return _convert_podstatus(
+            status_up(lower, upper, host_ip=self.context.internal_ip, now=_now())
+        )
+
+    async def list_pods(self) -> list[Pod]:
+        self._start()
+        pods = await self._call(self.lower.list_objects("Pod", selector=self.owner.selector))
+        found = []
+        for lower in pods:
+            if not is_ours(lower, self.owner):
+                continue
+            identity = upper_identity(lower)
+            if identity is None:
+                continue
+            self._lower_pods[f"{identity[0]}/{identity[1]}"] = lower
+            status = status_up(lower, {}, host_ip=self.context.internal_ip, now=_now())
+            found.append(_upper_view(lower, _convert_podstatus(status)))
+        return found
+
+    def notify_pods(self, callback: Callable[[Pod], None]) -> None:
+        self._notify = callback
+        self._start()
+
+    # -- node ----------------------------------------------------------------
+    async def ping(self) -> None:
+        try:
+            await self.lower.server_version()
+        except (Unreachable, ApiError) as e:
+            self._unreachable = str(e)
+            raise
+        self._unreachable = None
+
+    def node_conditions(self) -> Sequence[NodeCondition]:
+        if self._unreachable:
+            return [
+                NodeCondition(
+                    "Ready",
+                    "False",
+                    "LowerClusterUnreachable",
+                    f"lower cluster {self.lower.client.server}: {self._unreachable}",
+                )
+            ]
+        return []
+
+    def configure_node(self, node: Node) -> None:
+        assert node.status is not None and node.metadata is not None
+        allocatable = dict(self._capacity.allocatable)
+        node.status.capacity = dict(allocatable)
+        node.status.allocatable = dict(allocatable)
+        if self.config.publish_common_labels:
+            labels = dict(node.metadata.labels or {})
+            for key, value in self._capacity.labels.items():
+                if not self.config.label_excluded(key):
+                    labels.setdefault(key, value)
+            node.metadata.labels = labels
+
+    def notify_node_status(self, callback: Callable[[Node], None]) -> None:
+        self._node_notify = callback
+
+    # -- background ----------------------------------------------------------------
+    async def _follow_pods(self) -> None:
+        """List, then watch, this owner's lower pods; re-list every `resync.pods` seconds so a
+        pod that vanished without an event is noticed."""
+        while True:
+            answer = await self.lower.client.get(
+                "/api/v1/pods", {"labelSelector": self.owner.selector}
+            )
+            seen = {}
+            for lower in answer.get("items") or []:
+                key = self._key_of(lower)
+                if key is not None:
+                    seen[key] = lower
+            version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
+            for key, known in list(self._lower_pods.items()):
+                if key not in seen and not _newer(known, version):
+                    self._vanished(key)
+            for key, lower in seen.items():
+                self._observed(key, lower)
+            timeout = max(1, int(self.config.resync.pods))
+            params = {"labelSelector": self.owner.selector, "resourceVersion": version}
+            params["allowWatchBookmarks"] = "true"
+            try:
+                async for kind, raw in self.lower.client.watch(
+                    "/api/v1/pods", params, timeout_seconds=timeout
+                ):
+                    if kind == "ERROR":
+                        break
+                    if kind == "BOOKMARK":
+                        continue
+                    lower = msgspec.json.decode(raw)
+                    key = self._key_of(lower)
+                    if key is None:
+                        continue
+                    if kind == "DELETED":
+                        self._vanished(key)
+                    else:
+                        self._observed(key, lower)
+            except ApiError as e:
+                if not e.gone:
+                    raise
+
+    def _key_of(self, lower: Mapping[str, Any]) -> str | None:
+        if not is_ours(lower, self.owner):
+            return None
+        identity = upper_identity(lower)
+        return None if identity is None else f"{identity[0]}/{identity[1]}"
+
+    def _observed(self, key: str, lower: JSON) -> None:
+        previous = self._lower_pods.get(key)
+        self._lower_pods[key] = lower
+        if previous is not None and previous.get("status") == lower.get("status"):
+            return
+        self._push(key)
+
+    def _vanished(self, key: str) -> None:
+        last = self._lower_pods.pop(key, None)
+        given = self._pods.get(key)
+        if key in self._deleting or given is None:
+            self._push_gone(key, last)
+            return
+        reason, message = vanished_reason(last)
+        upper = _to_json(given.pod)
+        if last is not None:
+            upper["status"] = status_up(last, upper, host_ip=self.context.internal_ip, now=_now())
+        self._failed[key] = gone_status(upper, reason=reason, message=message, now=_now())
+        log.warning("pod %s: %s", key, message)
+        self.context.events.pod_event(given.pod, "Warning", reason, message)
+        self._push(key)
+
+    def _push(self, key: str) -> None:
+        if self._notify is None:
+            return
+        namespace, _, name = key.partition("/")
+        self._spawned.spawn(self._push_now(namespace, name), name=f"push {key}")
+
+    async def _push_now(self, namespace: str, name: str) -> None:
+        pod = await self.get_pod(namespace, name)
+        if pod is not None and self._notify is not None:
+            self._notify(pod)
+
+    def _push_gone(self, key: str, last: JSON | None) -> None:
+        """Our own deletion finished: report the containers stopped, so the agent removes it."""
+        given = self._pods.pop(key, None)
+        self._deleting.discard(key)
+        if given is None or self._notify is None:
+            return
+        upper = _to_json(given.pod)
+        if last is not None:
+            upper["status"] = status_up(last, upper, host_ip=self.context.internal_ip, now=_now())
+        status = gone_status(upper, reason="Deleted", message="", now=_now())
+        pod = _convert_pod({**upper, "status": status})
+        self._notify(pod)
+
+    async def _follow_capacity(self) -> None:
+        while True:
+            nodes = await self.lower.list_objects("Node")
+            pods = await self.lower.list_objects("Pod")
+            capacity = lower_capacity(
+                nodes,
+                pods,
+                lambda p: is_ours(p, self.owner),
+                label_excluded=self.config.label_excluded,
+            )
+            if capacity != self._capacity:
+                self._capacity = capacity
+                if self._node_notify is not None:
+                    self._node_notify(_convert_node({"metadata": {"name": self.context.node_name}}))
+            await asyncio.sleep(self.config.resync.nodes)
+
+    async def _resync_dependencies(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.resync.dependencies)
+            await self._sync_dependencies()
+
+    async def _sync_dependencies(self, block_for: str | None = None) -> None:
+        """Make the lower copies match what the pods need; raise for `block_for`'s blockers."""
+        async with self._deps_lock:
+            running = [
+                p
+                for k, p in self._pods.items()
+                if k not in self._deleting and k not in self._failed
+            ]
+            references: dict[Key, Mapping[str, Any] | None] = {}
+            for pod in running:
+                references.update(pod.references)
+            existing: dict[Key, JSON] = {}
+            for kind in KINDS:
+                for obj in await self._call(
+                    self.lower.list_objects(kind, selector=self.owner.selector)
+                ):
+                    meta = obj["metadata"]
+                    existing[(kind, meta["namespace"], meta["name"])] = obj
+            pods = [_to_json(p.pod) for p in running]
+            plan = plan_dependencies(
+                pods,
+                references,
+                existing,
+                self.how,
+                pvc_storage_class=self.config.pvc_storage_class,
+            )
+            problems = await self.lower.apply_dependencies(plan, self.owner)
+        if block_for is not None and block_for in plan.blocked:
+            why = plan.blocked[block_for]
+            permanent = "not found" not in why
+            reason = "LowerDependencyConflict" if permanent else "DependencyMissing"
+            raise ProviderError(reason, why, permanent=permanent)
+        if block_for is not None and problems:
+            raise ProviderError("LowerDependencyFailed", "; ".join(problems), permanent=False)
+
+    async def _call(self, action: Any, *, what: str = "") -> Any:
+        """Await a lower API call; the lower API's refusals become the pod's reason."""
+        try:
+            return await action
+        except ApiError as e:
+            if e.status in (400, 403, 422) or (e.status == 404 and what):
+                raise ProviderError(
+                    "LowerRejected" if e.status != 403 else "LowerForbidden",
+                    f"lower cluster: {what or 'request'}: {e.message or e.reason}",
+                ) from None
+            raise
+
+
+def _to_json(obj: Any) -> JSON:
+    result: JSON = msgspec.to_builtins(obj) if obj is not None else {}
+    return result
+
+
+def _convert_pod(data: Mapping[str, Any]) -> Pod:
+    return msgspec.convert(data, Pod)
+
+
+def _convert_podstatus(data: Mapping[str, Any]) -> PodStatus:
+    return msgspec.convert(data, PodStatus)
+
+
+def _convert_node(data: Mapping[str, Any]) -> Node:
+    return msgspec.convert(data, Node)
+
+
+def _upper_view(lower: Mapping[str, Any], status: PodStatus) -> Pod:
+    """The upper pod a stamped lower pod stands for, as far as the lower copy tells."""
+    annotations = (lower.get("metadata") or {}).get("annotations") or {}
+    return _convert_pod(
+        {
+            "metadata": {
+                "namespace": annotations.get(ANNOTATION_NAMESPACE),
+                "name": annotations.get(ANNOTATION_NAME),
+                "uid": annotations.get(ANNOTATION_UID),
+                "annotations": {
+                    k: v for k, v in annotations.items() if not k.startswith("vkubelet.io/upper")
+                },
+            },
+            "spec": {"containers": (lower.get("spec") or {}).get("containers") or []},
+            "status": _to_json(status),
+        }
+    )
+
+
+def _newer(obj: Mapping[str, Any], version: str) -> bool:
+    """Whether `obj` was written after a list at `version` (a pod created while the list ran
+    is missing from it without having vanished). Resource versions are etcd revisions."""
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion", "0")) > int(version)
+    except ValueError:
+        return True  # cannot tell: never conclude that a pod vanished

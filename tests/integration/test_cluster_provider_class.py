@@ -1,0 +1,213 @@
+"""The ClusterProvider class driven as the agent would drive a pass-through provider, against
+two real clusters: the upper pod as its apiserver stores it, plus its references, becomes a
+running lower pod; status comes up pushed; an image update reaches it; a restarted provider
+adopts it without re-creating it; a lower pod deleted behind its back fails the upper pod; the
+lower scheduler's refusal is visible; the node's capacity and labels come from the lower nodes.
+
+(The agent does not yet hand providers pods as written, so this test plays the agent's part.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+from lightkube.resources.core_v1 import Node, Pod
+
+from vkubelet.providers.cluster import load_lower_config, open_lower
+from vkubelet.providers.cluster._provider import ClusterProvider
+from vkubelet.sdk import ProviderContext, ResolvedPod
+from vkubelet.testing import Kubectl
+
+from .clusters import LowerCluster as LowerTestCluster
+
+JSON = dict[str, Any]
+
+
+async def until(check: Callable[[], Awaitable[Any]], what: str, limit: float = 60) -> Any:
+    """Poll an async condition until it holds (the async twin of vkubelet.testing.wait_for)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(0.3)
+    pytest.fail(f"timed out after {limit}s waiting for {what}")
+
+
+@pytest.fixture
+def shop(kubectl: Kubectl) -> Iterator[str]:
+    namespace = f"shop-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", namespace)
+    yield namespace
+    kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
+    kubectl: Kubectl, lower_cluster: LowerTestCluster, shop: str, tmp_path: Path
+) -> None:
+    node_name = f"vk-{uuid.uuid4().hex[:6]}"
+    kubectl("-n", shop, "create", "configmap", "web-config", "--from-literal=color=blue")
+    kubectl("-n", shop, "create", "secret", "generic", "web-secret", "--from-literal=pw=hunter2x")
+
+    def upper_pod(name: str, cpu: str = "100m") -> tuple[Pod, dict[Any, Any]]:
+        manifest = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": {"app": "web"}},
+            "spec": {
+                "nodeName": node_name,
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": "registry.example/web:1",
+                        "resources": {"requests": {"cpu": cpu}},
+                        "envFrom": [{"configMapRef": {"name": "web-config"}}],
+                        "env": [
+                            {
+                                "name": "PW",
+                                "valueFrom": {"secretKeyRef": {"name": "web-secret", "key": "pw"}},
+                            }
+                        ],
+                    }
+                ],
+            },
+        }
+        kubectl("-n", shop, "apply", "-f", "-", input=json.dumps(manifest))
+        stored = kubectl.json("-n", shop, "get", "pod", name)
+        refs = {
+            (kind, shop, ref): kubectl.json("-n", shop, "get", kind.lower(), ref)
+            for kind, ref in (("ConfigMap", "web-config"), ("Secret", "web-secret"))
+        }
+        return msgspec.convert(stored, Pod), refs
+
+    config_path = tmp_path / "lower.yaml"
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "kubeconfig": str(lower_cluster.kubeconfig),
+                "upperClusterID": "upper-test",
+                "namespaces": {"prefix": "up-"},
+                "resync": {"pods": 5, "nodes": 1},
+            }
+        )
+    )
+    context = ProviderContext(
+        node_name=node_name, config_path=config_path, internal_ip="10.0.0.9", kubelet_port=0
+    )
+    lk = lower_cluster.kubectl
+    lower_ns = "up-" + shop
+
+    def new_provider() -> ClusterProvider:
+        config = load_lower_config(config_path)
+        return ClusterProvider(config, context, open_lower(config))
+
+    async def scenario() -> None:
+        provider = new_provider()
+        pushed: list[Pod] = []
+        provider.notify_pods(pushed.append)
+        web, refs = upper_pod("web-0")
+        await provider.create_pod(ResolvedPod(web, references=refs))
+
+        async def phase(p: ClusterProvider, name: str) -> str | None:
+            status = await p.get_pod_status(shop, name)
+            return None if status is None else status.phase
+
+        await until(lambda: _eq(phase(provider, "web-0"), "Running"), "web-0 Running")
+        await until(
+            lambda: _true(any(p.status and p.status.podIP for p in pushed)),
+            "a pushed status with the lower pod IP",
+        )
+        below = lk.json("-n", lower_ns, "get", "pod", "web-0")
+        assert "hunter2x" not in json.dumps(below)
+        status = await provider.get_pod_status(shop, "web-0")
+        assert status is not None and status.podIP == below["status"]["podIP"]
+        assert status.hostIP == "10.0.0.9"
+
+        # An image change upstairs reaches the lower pod.
+        updated = kubectl.json("-n", shop, "get", "pod", "web-0")
+        updated["spec"]["containers"][0]["image"] = "registry.example/web:2"
+        await provider.update_pod(ResolvedPod(msgspec.convert(updated, Pod), references=refs))
+        image = lk.json("-n", lower_ns, "get", "pod", "web-0")["spec"]["containers"][0]["image"]
+        assert image == "registry.example/web:2"
+
+        # Capacity and labels come from the lower nodes.
+        node = msgspec.convert(
+            {"metadata": {"name": node_name, "labels": {"type": "virtual-kubelet"}}, "status": {}},
+            Node,
+        )
+
+        async def configured() -> bool:
+            provider.configure_node(node)
+            return bool(node.status and node.status.allocatable)
+
+        await until(configured, "capacity from the lower cluster")
+        assert node.metadata is not None and node.metadata.labels is not None
+        assert node.metadata.labels["topology.kubernetes.io/region"] == "eu"
+        assert node.status is not None and node.status.allocatable is not None
+        assert node.status.allocatable["example.com/gpu"] == "2"
+        await provider.aclose()
+
+        # A restarted provider adopts the pod: same lower pod, nothing re-created.
+        lower_uid = lk.json("-n", lower_ns, "get", "pod", "web-0")["metadata"]["uid"]
+        provider = new_provider()
+        pushed = []
+        provider.notify_pods(pushed.append)
+        listed = await provider.list_pods()
+        assert [(p.metadata.name, p.metadata.uid) for p in listed if p.metadata] == [
+            ("web-0", web.metadata.uid if web.metadata else None)
+        ]
+        await provider.create_pod(ResolvedPod(msgspec.convert(updated, Pod), references=refs))
+        assert lk.json("-n", lower_ns, "get", "pod", "web-0")["metadata"]["uid"] == lower_uid
+
+        # Deleted below behind our back: the upper pod fails, with the reason.
+        lk("-n", lower_ns, "delete", "pod", "web-0", "--grace-period=0", "--force")
+        await until(lambda: _eq(phase(provider, "web-0"), "Failed"), "web-0 Failed")
+        failed = await provider.get_pod_status(shop, "web-0")
+        assert failed is not None and failed.reason == "LowerPodDeleted"
+
+        # Too big for any lower node: the lower scheduler's reason shows upstairs.
+        big, refs = upper_pod("big-0", cpu="64")
+        await provider.create_pod(ResolvedPod(big, references=refs))
+
+        async def unschedulable() -> bool:
+            status = await provider.get_pod_status(shop, "big-0")
+            return status is not None and status.reason == "Unschedulable"
+
+        await until(unschedulable, "big-0 Unschedulable below")
+        status = await provider.get_pod_status(shop, "big-0")
+        assert status is not None and status.phase == "Pending"
+        assert status.message is not None and "Insufficient cpu" in status.message
+
+        # Deleting through the provider removes the lower pod and reports it stopped.
+        await provider.delete_pod(big, 0)
+        await until(
+            lambda: _true(
+                any(
+                    p.metadata and p.metadata.name == "big-0" and p.status and p.status.phase
+                    for p in pushed
+                )
+            ),
+            "big-0's final status pushed",
+        )
+        assert lk("-n", lower_ns, "get", "pod", "big-0", check=False).returncode != 0
+        await provider.aclose()
+
+    asyncio.run(scenario())
+    lk("delete", "namespace", lower_ns, "--wait=false")
+
+
+async def _eq(value: Awaitable[Any], expected: Any) -> bool:
+    return bool((await value) == expected)
+
+
+async def _true(value: object) -> bool:
+    return bool(value)
