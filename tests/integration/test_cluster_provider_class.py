@@ -22,8 +22,7 @@ import pytest
 import yaml
 from lightkube.resources.core_v1 import Node, Pod
 
-from vkubelet.providers.cluster import load_lower_config, open_lower
-from vkubelet.providers.cluster._provider import ClusterProvider
+from vkubelet.providers.cluster import ClusterProvider, load_lower_config, open_lower
 from vkubelet.sdk import ProviderContext, ResolvedPod
 from vkubelet.testing import Kubectl
 

@@ -1,8 +1,9 @@
-"""The cluster provider's building blocks: a whole lower Kubernetes cluster as one virtual node.
+"""The cluster provider: a whole lower Kubernetes cluster as one virtual node.
 
-Not registered as a provider yet (no entry point): the provider class that runs pods with these
-parts needs the pass-through pods, node conditions, event sink and client-side streaming of the
-provider SDK. What is here is pure logic and plain API I/O, each part in its own module:
+Not registered as a provider yet (no entry point): `ClusterProvider` (`_provider`) needs the
+agent to hand it pods as written (`PassThroughPods`); an agent that resolves env first would give
+it Secret values to copy into the lower pod spec. `create` is the factory to register then. The
+parts, each pure logic or plain API I/O in its own module:
 
 - `_config`: `lower.yaml` (kubeconfig, namespace mapping, upper identity, resync, options);
 - `_stamps`: owner stamps and the "is this lower object ours" predicate every write path asks;
@@ -11,11 +12,13 @@ provider SDK. What is here is pure logic and plain API I/O, each part in its own
 - `_status`: lower pod status -> upper status, and the verdict on a vanished lower pod;
 - `_capacity`: the virtual node's allocatable and labels from the lower nodes and pods;
 - `_deps`: which dependencies must exist below (reference-counted, stamped objects only);
-- `_lower`: the lower API client, with clear errors for a bad kubeconfig or missing RBAC.
+- `_lower`: the lower API client, with clear errors for a bad kubeconfig or missing RBAC;
+- `_provider`: the provider class wiring them to the agent's protocols.
 
 See docs/cluster-provider.md.
 """
 
+from ...node import ConfigError, ProviderContext
 from ._capacity import LowerCapacity, common_labels, lower_capacity, node_usable, pod_requests
 from ._config import LowerConfig, NamespaceMapping, Resync, load_lower_config
 from ._deps import DependencyPlan, lower_copy, plan_dependencies
@@ -26,6 +29,7 @@ from ._lower import (
     Permission,
     open_lower,
 )
+from ._provider import ClusterProvider
 from ._refs import Reference, pod_references, rename_references
 from ._stamps import Claim, Owner, claim, dependency_name, is_ours, stamp
 from ._status import LOWER_POD_DELETED, gone_status, status_up, vanished_reason
@@ -35,6 +39,7 @@ __all__ = [
     "LOWER_POD_DELETED",
     "REQUIRED_PERMISSIONS",
     "Claim",
+    "ClusterProvider",
     "DependencyPlan",
     "LowerCapacity",
     "LowerCluster",
@@ -48,6 +53,7 @@ __all__ = [
     "Resync",
     "claim",
     "common_labels",
+    "create",
     "dependency_name",
     "gone_status",
     "is_ours",
@@ -65,3 +71,13 @@ __all__ = [
     "translate_pod",
     "vanished_reason",
 ]
+
+
+def create(context: ProviderContext) -> ClusterProvider:
+    """Factory for the `vkubelet.providers` entry point (`cluster`), once the agent passes pods
+    through. It does not contact the lower cluster: an unreachable one only makes the node
+    NotReady until it answers."""
+    if context.config_path is None:
+        raise ConfigError("the cluster provider needs --provider-config: lower.yaml")
+    config = load_lower_config(context.config_path)
+    return ClusterProvider(config, context, open_lower(config))

@@ -28,7 +28,7 @@ from ...sdk.tasks import TaskSet, supervise
 from ._capacity import LowerCapacity, lower_capacity
 from ._config import LowerConfig
 from ._deps import KINDS, Key, plan_dependencies
-from ._lower import LowerCluster
+from ._lower import LowerCluster, MissingPermissions
 from ._stamps import (
     ANNOTATION_NAME,
     ANNOTATION_NAMESPACE,
@@ -60,8 +60,17 @@ class ClusterProvider:
 
     pass_through = True
 
-    def __init__(self, config: LowerConfig, context: ProviderContext, lower: LowerCluster) -> None:
+    def __init__(
+        self,
+        config: LowerConfig,
+        context: ProviderContext,
+        lower: LowerCluster,
+        *,
+        background: bool = True,
+    ) -> None:
+        """`background=False` leaves out the watch, capacity and resync loops (unit tests)."""
         self.config = config
+        self._background = background
         self.context = context
         self.lower = lower
         self.owner = Owner(config.upper_cluster_id or "", context.node_name)
@@ -80,16 +89,18 @@ class ClusterProvider:
         self._node_notify: Callable[[Node], None] | None = None
         self._capacity = LowerCapacity(allocatable={})
         self._unreachable: str | None = None
+        self._denied: str | None = None  # missing lower permissions, as MissingPermissions says
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned = TaskSet(f"cluster {context.node_name}")
         self._deps_lock = asyncio.Lock()
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
-        if self._tasks:
+        if self._tasks or not self._background:
             return
         name = self.context.node_name
         self._tasks = [
+            supervise(self._check_access, name=f"cluster {name}: lower permissions"),
             supervise(self._follow_pods, name=f"cluster {name}: lower pods"),
             supervise(self._follow_capacity, name=f"cluster {name}: capacity"),
             supervise(self._resync_dependencies, name=f"cluster {name}: dependencies"),
@@ -245,6 +256,8 @@ class ClusterProvider:
         self._unreachable = None
 
     def node_conditions(self) -> Sequence[NodeCondition]:
+        if self._denied:
+            return [NodeCondition("Ready", "False", "LowerPermissionsMissing", self._denied)]
         if self._unreachable:
             return [
                 NodeCondition(
@@ -270,6 +283,20 @@ class ClusterProvider:
 
     def notify_node_status(self, callback: Callable[[Node], None]) -> None:
         self._node_notify = callback
+
+    async def _check_access(self) -> None:
+        """Once the lower apiserver answers, name every permission it denies (the node stays
+        NotReady with them until the agent is restarted with better credentials)."""
+        try:
+            await self.lower.check_permissions()
+        except MissingPermissions as e:
+            self._denied = str(e)
+            log.error("%s", e)
+            self.context.events.node_event(
+                self.context.node_name, "Warning", "LowerPermissionsMissing", str(e)
+            )
+            if self._node_notify is not None:
+                self._node_notify(_convert_node({"metadata": {"name": self.context.node_name}}))
 
     # -- background ----------------------------------------------------------------
     async def _follow_pods(self) -> None:
@@ -353,9 +380,11 @@ class ClusterProvider:
             self._notify(pod)
 
     def _push_gone(self, key: str, last: JSON | None) -> None:
-        """Our own deletion finished: report the containers stopped, so the agent removes it."""
+        """Our own deletion finished: report the containers stopped, so the agent removes it,
+        and drop the copies no other pod needs."""
         given = self._pods.pop(key, None)
         self._deleting.discard(key)
+        self._spawned.spawn(self._sync_dependencies(), name=f"release {key}")
         if given is None or self._notify is None:
             return
         upper = _to_json(given.pod)
