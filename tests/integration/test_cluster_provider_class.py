@@ -23,7 +23,7 @@ import yaml
 from lightkube.resources.core_v1 import Node, Pod
 
 from vkubelet.providers.cluster import ClusterProvider, load_lower_config, open_lower
-from vkubelet.sdk import ProviderContext, ResolvedPod
+from vkubelet.sdk import ContainerLogOptions, ProviderContext, ResolvedPod
 from vkubelet.testing import Kubectl
 
 from .clusters import LowerCluster as LowerTestCluster
@@ -61,7 +61,12 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         manifest = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": name, "labels": {"app": "web"}},
+            "metadata": {
+                "name": name,
+                "labels": {"app": "web"},
+                # The lower mock node "prints" the env it resolved: proof the copies work below.
+                "annotations": {"mock.vkubelet.io/print-env": "true"},
+            },
             "spec": {
                 "nodeName": node_name,
                 "containers": [
@@ -130,6 +135,27 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         status = await provider.get_pod_status(shop, "web-0")
         assert status is not None and status.podIP == below["status"]["podIP"]
         assert status.hostIP == "10.0.0.9"
+
+        # `kubectl logs` upstairs reads the lower pod's log: the env the lower node resolved
+        # from the lower copies, though the lower pod spec holds no value.
+        logs = b"".join(
+            [
+                chunk
+                async for chunk in provider.container_logs(
+                    shop, "web-0", "app", ContainerLogOptions(timestamps=True)
+                )
+            ]
+        ).decode()
+        assert "PW=hunter2x" in logs and "color=blue" in logs, logs
+        tail = b"".join(
+            [
+                c
+                async for c in provider.container_logs(
+                    shop, "web-0", "app", ContainerLogOptions(tail_lines=1)
+                )
+            ]
+        )
+        assert tail.count(b"\n") == 1
 
         # An image change upstairs reaches the lower pod.
         updated = kubectl.json("-n", shop, "get", "pod", "web-0")

@@ -239,6 +239,25 @@ class KubeClient:
     async def delete(self, path: str, body: Any = None) -> JSON:
         return await self.request("DELETE", path, body=body)
 
+    async def stream(
+        self, path: str, params: Mapping[str, str] | None = None
+    ) -> AsyncIterator[bytes]:
+        """GET `path` and yield the body as it arrives (a followed pod log, say), on the watch
+        pool since such a response may stay open indefinitely."""
+        if self._bucket:
+            await self._bucket.take()
+        timeout = httpx.Timeout(30.0, read=None)
+        try:
+            async with self._watch_http.stream(
+                "GET", path, params=params, timeout=timeout
+            ) as response:
+                if response.status_code >= 300:
+                    raise _api_error(response.status_code, await response.aread())
+                async for chunk in response.aiter_bytes():
+                    yield chunk
+        except httpx.TransportError as e:
+            raise Unreachable(f"{self.server}: {e!r}") from e
+
     async def watch(
         self, path: str, params: Mapping[str, str], *, timeout_seconds: int
     ) -> AsyncIterator[tuple[str, bytes]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,7 +23,13 @@ from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ApiError, Unreachable
-from ...sdk.provider import NodeCondition, ProviderContext, ProviderError, ResolvedPod
+from ...sdk.provider import (
+    ContainerLogOptions,
+    NodeCondition,
+    ProviderContext,
+    ProviderError,
+    ResolvedPod,
+)
 from ...sdk.tasks import TaskSet, supervise
 from ._capacity import LowerCapacity, lower_capacity
 from ._config import LowerConfig
@@ -241,6 +247,41 @@ class ClusterProvider:
             status = status_up(lower, {}, host_ip=self.context.internal_ip, now=_now())
             found.append(_upper_view(lower, _convert_podstatus(status)))
         return found
+
+    async def container_logs(
+        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
+    ) -> AsyncIterator[bytes]:
+        """`kubectl logs` upstairs is the lower apiserver's pod log, options passed through."""
+        params = {"container": container}
+        if options.tail_lines is not None:
+            params["tailLines"] = str(options.tail_lines)
+        if options.limit_bytes is not None:
+            params["limitBytes"] = str(options.limit_bytes)
+        if options.since_seconds is not None:
+            params["sinceSeconds"] = str(options.since_seconds)
+        elif options.since_time is not None:
+            since = options.earliest()
+            assert since is not None
+            params["sinceTime"] = since.strftime("%Y-%m-%dT%H:%M:%SZ")
+        for flag, on in (
+            ("timestamps", options.timestamps),
+            ("follow", options.follow),
+            ("previous", options.previous),
+        ):
+            if on:
+                params[flag] = "true"
+        lower_ns = self.how.lower_namespace(namespace)
+        current = self._lower_pods.get(f"{namespace}/{pod}")
+        if current is None or not is_ours(current, self.owner):
+            raise ProviderError("NotFound", f"pod {namespace}/{pod} does not run here")
+        path = f"/api/v1/namespaces/{lower_ns}/pods/{pod}/log"
+        try:
+            async for chunk in self.lower.client.stream(path, params):
+                yield chunk
+        except ApiError as e:
+            raise ProviderError(
+                e.reason or "LowerLogsFailed", f"lower cluster: {e.message}"
+            ) from None
 
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
         self._notify = callback
