@@ -104,8 +104,13 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
             }
         )
     )
+    events = RecordedEvents()
     context = ProviderContext(
-        node_name=node_name, config_path=config_path, internal_ip="10.0.0.9", kubelet_port=0
+        node_name=node_name,
+        config_path=config_path,
+        internal_ip="10.0.0.9",
+        kubelet_port=0,
+        events=events,
     )
     lk = lower_cluster.kubectl
     lower_ns = "up-" + shop
@@ -135,6 +140,15 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         status = await provider.get_pod_status(shop, "web-0")
         assert status is not None and status.podIP == below["status"]["podIP"]
         assert status.hostIP == "10.0.0.9"
+
+        # The lower scheduler's event comes up, naming the lower node.
+        await until(
+            lambda: _true(any(e[1] == "Scheduled" for e in events.pods if e[0] == "web-0")),
+            "the lower Scheduled event mirrored",
+        )
+        scheduled = next(e for e in events.pods if e[0] == "web-0" and e[1] == "Scheduled")
+        assert scheduled[2].startswith("lower cluster: Successfully assigned")
+        assert below["spec"]["nodeName"] in scheduled[2]
 
         # `kubectl logs` upstairs reads the lower pod's log: the env the lower node resolved
         # from the lower copies, though the lower pod spec holds no value.
@@ -228,6 +242,17 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
 
     asyncio.run(scenario())
     lk("delete", "namespace", lower_ns, "--wait=false")
+
+
+class RecordedEvents:
+    def __init__(self) -> None:
+        self.pods: list[tuple[str, str, str]] = []
+
+    def pod_event(self, pod: Pod, type: str, reason: str, message: str) -> None:
+        self.pods.append((str(pod.metadata.name if pod.metadata else ""), reason, message))
+
+    def node_event(self, node_name: str, type: str, reason: str, message: str) -> None:
+        pass
 
 
 async def _eq(value: Awaitable[Any], expected: Any) -> bool:

@@ -25,6 +25,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from ...node import ApiError, Unreachable
 from ...sdk.provider import (
     ContainerLogOptions,
+    EventType,
     NodeCondition,
     ProviderContext,
     ProviderError,
@@ -110,6 +111,7 @@ class ClusterProvider:
             supervise(self._follow_pods, name=f"cluster {name}: lower pods"),
             supervise(self._follow_capacity, name=f"cluster {name}: capacity"),
             supervise(self._resync_dependencies, name=f"cluster {name}: dependencies"),
+            supervise(self._follow_events, name=f"cluster {name}: lower events"),
         ]
 
     async def aclose(self) -> None:
@@ -434,6 +436,48 @@ class ClusterProvider:
         status = gone_status(upper, reason="Deleted", message="", now=_now())
         pod = _convert_pod({**upper, "status": status})
         self._notify(pod)
+
+    async def _follow_events(self) -> None:
+        """Mirror the lower cluster's Events about our lower pods onto the upper pods (the
+        agent's event sink aggregates and rate-limits them). Only new ones: a restart does not
+        replay history."""
+        selector = {"fieldSelector": "involvedObject.kind=Pod"}
+        answer = await self.lower.client.get("/api/v1/events", {**selector, "limit": "1"})
+        version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
+        while True:
+            params = {**selector, "resourceVersion": version, "allowWatchBookmarks": "true"}
+            try:
+                async for kind, raw in self.lower.client.watch(
+                    "/api/v1/events", params, timeout_seconds=300
+                ):
+                    if kind == "ERROR":
+                        return  # expired: start again from now (supervised restart)
+                    event = msgspec.json.decode(raw)
+                    version = str(event.get("metadata", {}).get("resourceVersion", version))
+                    if kind in ("ADDED", "MODIFIED"):
+                        self._mirror(event)
+            except ApiError as e:
+                if e.gone:
+                    return
+                raise
+
+    def _mirror(self, event: Mapping[str, Any]) -> None:
+        involved = event.get("involvedObject") or {}
+        for key, lower in self._lower_pods.items():
+            metadata = lower.get("metadata") or {}
+            if (metadata.get("namespace"), metadata.get("name")) != (
+                involved.get("namespace"),
+                involved.get("name"),
+            ) or involved.get("uid") not in (None, metadata.get("uid")):
+                continue
+            given = self._pods.get(key)
+            if given is not None:
+                kind: EventType = "Warning" if event.get("type") == "Warning" else "Normal"
+                message = f"lower cluster: {event.get('message') or ''}".strip()
+                self.context.events.pod_event(
+                    given.pod, kind, str(event.get("reason") or "Lower"), message
+                )
+            return
 
     async def _follow_capacity(self) -> None:
         while True:
