@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vkubelet.devcluster import Cluster, list_clusters
-from vkubelet.testing import Kubectl, MockNode, mock_node, node_ready
+from vkubelet.testing import Kubectl, MockNode, local_test_address, mock_node, node_ready
 
 __all__ = ["LOWER_NODES", "LowerCluster", "LowerNodeSpec", "lower_cluster_session"]
 
@@ -94,6 +94,11 @@ def lower_cluster_session(
         nodes: dict[str, MockNode] = {}
         for spec in specs:
             labels = [arg for k, v in spec.labels.items() for arg in ("--label", f"{k}={v}")]
+            # The apiserver proxies nodes/<name>/proxy/... (stats for `kubectl top`) only to
+            # non-loopback addresses; making one needs root.
+            address = (
+                stack.enter_context(local_test_address()) if os.geteuid() == 0 else "127.0.0.1"
+            )
             nodes[spec.prefix] = stack.enter_context(
                 mock_node(
                     cluster,
@@ -101,6 +106,7 @@ def lower_cluster_session(
                     workdir / spec.prefix,
                     prefix=spec.prefix,
                     mock_config=spec.capacity,
+                    address=address,
                     extra_args=("--disable-taint", *labels),
                 )
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -170,6 +171,19 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
             ]
         )
         assert tail.count(b"\n") == 1
+
+        # `kubectl top`: the lower kubelets' numbers for our pod, under its upper name.
+        if os.geteuid() == 0:  # the lower nodes have proxiable addresses (see clusters.py)
+            summary = await provider.stats_summary()
+            [stats] = summary["pods"]
+            assert web.metadata is not None
+            assert stats["podRef"] == {"namespace": shop, "name": "web-0", "uid": web.metadata.uid}
+            assert summary["node"]["nodeName"] == node_name
+            assert summary["node"]["cpu"]["usageNanoCores"] == stats["cpu"]["usageNanoCores"] > 0
+            metrics = await provider.metrics_resource()
+            assert f'namespace="{shop}",pod="web-0"' in metrics
+            assert lower_ns not in metrics
+            assert "\nnode_cpu_usage_seconds_total " in metrics
 
         # An image change upstairs reaches the lower pod.
         updated = kubectl.json("-n", shop, "get", "pod", "web-0")

@@ -47,6 +47,7 @@ from ._stamps import (
     is_ours,
     upper_identity,
 )
+from ._stats import merge_resource_metrics, merge_summaries
 from ._status import gone_status, status_up, vanished_reason
 from ._translate import PodTranslation, translate_pod
 
@@ -284,6 +285,44 @@ class ClusterProvider:
             raise ProviderError(
                 e.reason or "LowerLogsFailed", f"lower cluster: {e.message}"
             ) from None
+
+    async def stats_summary(self) -> dict[str, Any]:
+        """`kubectl top pod/node`: our pods' numbers from the lower kubelets (see `_stats`)."""
+        nodes, renames = self._placement()
+        answers = await asyncio.gather(
+            *(self.lower.client.get(f"/api/v1/nodes/{n}/proxy/stats/summary") for n in nodes),
+            return_exceptions=True,
+        )
+        summaries = [a for a in answers if isinstance(a, dict)]
+        return merge_summaries(self.context.node_name, summaries, renames)
+
+    async def metrics_resource(self) -> str:
+        """The metrics-server's scrape: the lower kubelets' `/metrics/resource`, our pods only."""
+        nodes, renames = self._placement()
+        answers = await asyncio.gather(
+            *(
+                self.lower.client.request_raw("GET", f"/api/v1/nodes/{n}/proxy/metrics/resource")
+                for n in nodes
+            ),
+            return_exceptions=True,
+        )
+        texts = [a.decode(errors="replace") for a in answers if isinstance(a, bytes)]
+        return merge_resource_metrics(texts, renames)
+
+    def _placement(self) -> tuple[set[str], dict[tuple[str, str], tuple[str, str, str]]]:
+        """The lower nodes running our pods, and lower (namespace, name) -> upper pod."""
+        nodes: set[str] = set()
+        renames: dict[tuple[str, str], tuple[str, str, str]] = {}
+        for lower in self._lower_pods.values():
+            identity = upper_identity(lower)
+            metadata = lower.get("metadata") or {}
+            if identity is None:
+                continue
+            renames[(str(metadata.get("namespace")), str(metadata.get("name")))] = identity
+            node = (lower.get("spec") or {}).get("nodeName")
+            if node:
+                nodes.add(str(node))
+        return nodes, renames
 
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
         self._notify = callback
