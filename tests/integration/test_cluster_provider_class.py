@@ -275,3 +275,91 @@ async def _eq(value: Awaitable[Any], expected: Any) -> bool:
 
 async def _true(value: object) -> bool:
     return bool(value)
+
+
+def test_an_unreachable_lower_cluster_makes_the_node_not_ready_and_fails_no_pod(
+    kubectl: Kubectl, lower_cluster: LowerTestCluster, shop: str, tmp_path: Path
+) -> None:
+    node_name = f"vk-{uuid.uuid4().hex[:6]}"
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "steady"},
+        "spec": {"nodeName": node_name, "containers": [{"name": "app", "image": "busybox"}]},
+    }
+    kubectl("-n", shop, "apply", "-f", "-", input=json.dumps(manifest))
+    upper = msgspec.convert(kubectl.json("-n", shop, "get", "pod", "steady"), Pod)
+    config_path = tmp_path / "lower.yaml"
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "kubeconfig": str(lower_cluster.kubeconfig),
+                "upperClusterID": "upper-outage",
+                "resync": {"pods": 2, "nodes": 1},
+            }
+        )
+    )
+    context = ProviderContext(
+        node_name=node_name, config_path=config_path, internal_ip="10.0.0.9", kubelet_port=0
+    )
+    cluster = lower_cluster.cluster
+    reused = bool(os.environ.get("VKUBELET_LOWER_CLUSTER"))
+
+    async def scenario() -> None:
+        config = load_lower_config(config_path)
+        provider = ClusterProvider(config, context, open_lower(config))
+        pushed: list[Pod] = []
+        provider.notify_pods(pushed.append)
+        await provider.create_pod(ResolvedPod(upper))
+
+        async def phase() -> str | None:
+            status = await provider.get_pod_status(shop, "steady")
+            return None if status is None else status.phase
+
+        await until(lambda: _eq(phase(), "Running"), "steady Running")
+        lower_uid = lower_cluster.kubectl.json("-n", shop, "get", "pod", "steady")["metadata"][
+            "uid"
+        ]
+        await provider.ping()
+        assert provider.node_conditions() == []
+
+        cluster.stop_component("kube-apiserver")
+        try:
+            with pytest.raises(Exception):  # noqa: B017  (Unreachable, whatever the cause)
+                await provider.ping()
+            [condition] = provider.node_conditions()
+            assert (condition.type, condition.status) == ("Ready", "False")
+            assert condition.reason == "LowerClusterUnreachable"
+            # Over a window longer than the pod resync: the pod is never declared lost.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                assert await phase() == "Running"
+                await asyncio.sleep(0.5)
+        finally:
+            cluster.start_component("kube-apiserver", tie_to_parent=not reused)
+
+        async def healthy() -> bool:
+            try:
+                await provider.ping()
+            except Exception:
+                return False
+            return provider.node_conditions() == []
+
+        await until(healthy, "the lower cluster answering again", limit=90)
+        # The pod watch is back (it sees a change made after the outage) and, having re-listed,
+        # still finds the pod: nothing failed or redone.
+        lower_cluster.kubectl("-n", shop, "annotate", "pod", "steady", "healed=yes")
+
+        async def watch_back() -> bool:
+            seen = provider._lower_pods.get(f"{shop}/steady") or {}
+            return bool((seen.get("metadata") or {}).get("annotations", {}).get("healed") == "yes")
+
+        await until(watch_back, "the pod watch to see a change after the outage", limit=90)
+        assert await phase() == "Running"
+        assert not any(p.status and p.status.phase == "Failed" for p in pushed)
+        below = lower_cluster.kubectl.json("-n", shop, "get", "pod", "steady")
+        assert below["metadata"]["uid"] == lower_uid
+        await provider.delete_pod(upper, 0)
+        await provider.aclose()
+
+    asyncio.run(scenario())

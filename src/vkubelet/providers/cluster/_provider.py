@@ -176,15 +176,20 @@ class ClusterProvider:
                 for kind in ("initContainers", "containers")
             },
         }
-        for field in ("activeDeadlineSeconds", "tolerations"):
-            if field in spec:
-                patch["spec"][field] = spec[field]
+        if "activeDeadlineSeconds" in spec:
+            patch["spec"]["activeDeadlineSeconds"] = spec["activeDeadlineSeconds"]
         namespace = body["metadata"]["namespace"]
         current = self._lower_pods.get(key) or await self._call(
             self.lower.get("Pod", namespace, pod.name)
         )
-        if not is_ours(current, self.owner):
+        if current is None or not is_ours(current, self.owner):
             return  # not (or no longer) ours: nothing to update
+        # The API only lets tolerations be added, and lower admission may have added its own:
+        # send the lower list plus the new ones, never a shorter list.
+        existing = list((current.get("spec") or {}).get("tolerations") or [])
+        added = [t for t in spec.get("tolerations") or [] if t not in existing]
+        if added:
+            patch["spec"]["tolerations"] = existing + added
         path = f"/api/v1/namespaces/{namespace}/pods/{pod.name}"
         patch["metadata"]["uid"] = (current or {}).get("metadata", {}).get("uid")
         await self._call(
