@@ -24,7 +24,7 @@ import yaml
 from lightkube.resources.core_v1 import Node, Pod
 
 from vkubelet.providers.cluster import ClusterProvider, load_lower_config, open_lower
-from vkubelet.sdk import ContainerLogOptions, ProviderContext, ResolvedPod
+from vkubelet.sdk import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
 from vkubelet.testing import Kubectl
 
 from .clusters import LowerCluster as LowerTestCluster
@@ -363,3 +363,95 @@ def test_an_unreachable_lower_cluster_makes_the_node_not_ready_and_fails_no_pod(
         await provider.aclose()
 
     asyncio.run(scenario())
+
+
+def test_two_upper_clusters_share_a_lower_cluster_without_touching_each_other(
+    kubectl: Kubectl, lower_cluster: LowerTestCluster, shop: str, tmp_path: Path
+) -> None:
+    """Two providers standing for two upper clusters (same pod and ConfigMap names upstairs, as
+    two real clusters would have): each runs its pods, copies its own dependencies, and cleaning
+    up one leaves the other's alone; a pod name both want in one lower namespace is refused to
+    the second, with the first one's name in the message."""
+    kubectl("-n", shop, "create", "configmap", "app-config", "--from-literal=k=v")
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "app-0"},
+        "spec": {
+            "nodeName": "vk-shared",
+            "containers": [
+                {
+                    "name": "app",
+                    "image": "busybox",
+                    "envFrom": [{"configMapRef": {"name": "app-config"}}],
+                }
+            ],
+        },
+    }
+    kubectl("-n", shop, "apply", "-f", "-", input=json.dumps(manifest))
+    upper = msgspec.convert(kubectl.json("-n", shop, "get", "pod", "app-0"), Pod)
+    refs = {("ConfigMap", shop, "app-config"): kubectl.json("-n", shop, "get", "cm", "app-config")}
+    lk = lower_cluster.kubectl
+
+    def provider(cluster_id: str, prefix: str) -> ClusterProvider:
+        path = tmp_path / f"{cluster_id}.yaml"
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "kubeconfig": str(lower_cluster.kubeconfig),
+                    "upperClusterID": cluster_id,
+                    "namespaces": {"prefix": prefix},
+                }
+            )
+        )
+        config = load_lower_config(path)
+        context = ProviderContext(
+            node_name="vk-shared", config_path=path, internal_ip="10.0.0.9", kubelet_port=0
+        )
+        return ClusterProvider(config, context, open_lower(config))
+
+    async def scenario() -> None:
+        a, b = provider("upper-a", "shared-"), provider("upper-b", "shared-")
+        await a.create_pod(ResolvedPod(upper, references=refs))
+        with pytest.raises(ProviderError) as raised:
+            await b.create_pod(ResolvedPod(upper, references=refs))
+        assert raised.value.reason == "LowerNameConflict"
+        assert (
+            "owned by virtual node 'vk-shared' of upper cluster 'upper-a'" in raised.value.message
+        )
+        await b.aclose()
+        # In a namespace of its own, b's pod runs beside a's.
+        b = provider("upper-b", "b-")
+        await b.create_pod(ResolvedPod(upper, references=refs))
+        await until(lambda: _eq(_phase(a, shop, "app-0"), "Running"), "a's app-0 Running")
+        await until(lambda: _eq(_phase(b, shop, "app-0"), "Running"), "b's app-0 Running")
+        copies = {
+            item["metadata"]["namespace"]: item["metadata"]["name"]
+            for ns in ("shared-" + shop, "b-" + shop)
+            for item in lk.json("-n", ns, "get", "configmaps", "-l", "vkubelet.io/owner")["items"]
+        }
+        assert len(copies) == 2 and len(set(copies.values())) == 2
+        # a stops its pod: its copy goes, b's pod and copy stay.
+        await a.delete_pod(upper, 0)
+        await until(
+            lambda: _true(
+                not lk.json("-n", "shared-" + shop, "get", "configmaps", "-l", "vkubelet.io/owner")[
+                    "items"
+                ]
+            ),
+            "a's copy removed once its pod is gone",
+        )
+        assert lk.json("-n", "b-" + shop, "get", "pod", "app-0")["status"]["phase"] == "Running"
+        assert lk.json("-n", "b-" + shop, "get", "configmap", copies["b-" + shop])
+        await b.delete_pod(upper, 0)
+        await a.aclose()
+        await b.aclose()
+
+    asyncio.run(scenario())
+    for ns in ("shared-" + shop, "b-" + shop):
+        lk("delete", "namespace", ns, "--wait=false", "--ignore-not-found")
+
+
+async def _phase(provider: ClusterProvider, namespace: str, name: str) -> str | None:
+    status = await provider.get_pod_status(namespace, name)
+    return None if status is None else status.phase
