@@ -125,7 +125,7 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         pushed: list[Pod] = []
         provider.notify_pods(pushed.append)
         web, refs = upper_pod("web-0")
-        await provider.create_pod(ResolvedPod(web, references=refs))
+        await create(provider, ResolvedPod(web, references=refs))
 
         async def phase(p: ClusterProvider, name: str) -> str | None:
             status = await p.get_pod_status(shop, name)
@@ -218,7 +218,7 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         assert [(p.metadata.name, p.metadata.uid) for p in listed if p.metadata] == [
             ("web-0", web.metadata.uid if web.metadata else None)
         ]
-        await provider.create_pod(ResolvedPod(msgspec.convert(updated, Pod), references=refs))
+        await create(provider, ResolvedPod(msgspec.convert(updated, Pod), references=refs))
         assert lk.json("-n", lower_ns, "get", "pod", "web-0")["metadata"]["uid"] == lower_uid
 
         # Deleted below behind our back: the upper pod fails, with the reason.
@@ -229,7 +229,7 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
 
         # Too big for any lower node: the lower scheduler's reason shows upstairs.
         big, refs = upper_pod("big-0", cpu="64")
-        await provider.create_pod(ResolvedPod(big, references=refs))
+        await create(provider, ResolvedPod(big, references=refs))
 
         async def unschedulable() -> bool:
             status = await provider.get_pod_status(shop, "big-0")
@@ -256,6 +256,19 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
 
     asyncio.run(scenario())
     lk("delete", "namespace", lower_ns, "--wait=false")
+
+
+async def create(provider: ClusterProvider, pod: ResolvedPod) -> None:
+    """create_pod, retried on transient errors as the agent's queue does."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            await provider.create_pod(pod)
+            return
+        except ProviderError as e:
+            if e.permanent or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.5)
 
 
 class RecordedEvents:
@@ -310,7 +323,7 @@ def test_an_unreachable_lower_cluster_makes_the_node_not_ready_and_fails_no_pod(
         provider = ClusterProvider(config, context, open_lower(config))
         pushed: list[Pod] = []
         provider.notify_pods(pushed.append)
-        await provider.create_pod(ResolvedPod(upper))
+        await create(provider, ResolvedPod(upper))
 
         async def phase() -> str | None:
             status = await provider.get_pod_status(shop, "steady")
@@ -412,9 +425,9 @@ def test_two_upper_clusters_share_a_lower_cluster_without_touching_each_other(
 
     async def scenario() -> None:
         a, b = provider("upper-a", "shared-"), provider("upper-b", "shared-")
-        await a.create_pod(ResolvedPod(upper, references=refs))
+        await create(a, ResolvedPod(upper, references=refs))
         with pytest.raises(ProviderError) as raised:
-            await b.create_pod(ResolvedPod(upper, references=refs))
+            await create(b, ResolvedPod(upper, references=refs))
         assert raised.value.reason == "LowerNameConflict"
         assert (
             "owned by virtual node 'vk-shared' of upper cluster 'upper-a'" in raised.value.message
@@ -422,7 +435,7 @@ def test_two_upper_clusters_share_a_lower_cluster_without_touching_each_other(
         await b.aclose()
         # In a namespace of its own, b's pod runs beside a's.
         b = provider("upper-b", "b-")
-        await b.create_pod(ResolvedPod(upper, references=refs))
+        await create(b, ResolvedPod(upper, references=refs))
         await until(lambda: _eq(_phase(a, shop, "app-0"), "Running"), "a's app-0 Running")
         await until(lambda: _eq(_phase(b, shop, "app-0"), "Running"), "b's app-0 Running")
         copies = {

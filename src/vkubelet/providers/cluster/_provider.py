@@ -584,6 +584,13 @@ class ClusterProvider:
         try:
             return await action
         except ApiError as e:
+            if e.status == 403 and "service account" in e.message and "not found" in e.message:
+                # A namespace just created below gets its `default` account a moment later.
+                raise ProviderError(
+                    "LowerServiceAccountPending",
+                    f"lower cluster: {what or 'request'}: {e.message}",
+                    permanent=False,
+                ) from None
             if e.status in (400, 403, 422) or (e.status == 404 and what):
                 raise ProviderError(
                     "LowerRejected" if e.status != 403 else "LowerForbidden",
