@@ -101,7 +101,8 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
                 "kubeconfig": str(lower_cluster.kubeconfig),
                 "upperClusterID": "upper-test",
                 "namespaces": {"prefix": "up-"},
-                "resync": {"pods": 5, "nodes": 1},
+                # A long capacity resync: changes must come through the watches.
+                "resync": {"pods": 5, "nodes": 120},
             }
         )
     )
@@ -207,6 +208,21 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         assert node.metadata.labels["topology.kubernetes.io/region"] == "eu"
         assert node.status is not None and node.status.allocatable is not None
         assert node.status.allocatable["example.com/gpu"] == "2"
+        pods_before = int(node.status.allocatable["pods"])
+
+        # A cordon below shows upstairs within seconds.
+        node_c = lower_cluster.node("lower-c").name
+        lk("cordon", node_c)
+        try:
+
+            async def shrunk() -> bool:
+                provider.configure_node(node)
+                assert node.status is not None and node.status.allocatable is not None
+                return int(node.status.allocatable["pods"]) < pods_before
+
+            await until(shrunk, "the cordon reflected in the capacity", limit=10)
+        finally:
+            lk("uncordon", node_c)
         await provider.aclose()
 
         # A restarted provider adopts the pod: same lower pod, nothing re-created.
