@@ -606,7 +606,8 @@ class ClusterProvider:
             ]
             references: dict[Key, Mapping[str, Any] | None] = {}
             for pod in running:
-                references.update(pod.references)
+                for key, obj in pod.references.items():
+                    references[key] = _newest(references.get(key), obj)
             existing: dict[Key, JSON] = {}
             for kind in KINDS:
                 for obj in await self._call(
@@ -649,6 +650,21 @@ class ClusterProvider:
                     f"lower cluster: {what or 'request'}: {e.message or e.reason}",
                 ) from None
             raise
+
+
+def _newest(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """Of two pods' copies of one referenced object, the later one: a pod not yet updated
+    must not roll a lower copy back to what it saw."""
+    if a is None or b is None:
+        return a or b
+
+    def version(obj: Mapping[str, Any]) -> int:
+        try:
+            return int((obj.get("metadata") or {}).get("resourceVersion", "0"))
+        except ValueError:
+            return 0
+
+    return b if version(b) >= version(a) else a
 
 
 def _uid(obj: Mapping[str, Any]) -> str:

@@ -125,3 +125,53 @@ def test_a_namespace_forbidden_below_fails_the_pod_with_the_lower_apis_message(
     assert (
         error.message == 'lower cluster: create the lower pod: pods is forbidden: namespace "shop"'
     )
+
+
+def test_a_pod_with_an_older_copy_of_a_configmap_does_not_roll_the_lower_copy_back(
+    tmp_path: Path,
+) -> None:
+    config = load_lower_config(lower_yaml(tmp_path))
+    written: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and request.url.params.get("labelSelector"):
+            return httpx.Response(200, json={"items": [], "metadata": {"resourceVersion": "1"}})
+        if request.method == "GET":
+            return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
+        body = json.loads(request.content)
+        if body["kind"] == "ConfigMap":
+            written.append(body["metadata"]["annotations"]["vkubelet.io/upper-resource-version"])
+        return httpx.Response(201, json=body)
+
+    real = open_lower(config)
+    lower = LowerCluster(
+        KubeClient(real.client.config, transport=httpx.MockTransport(handler)), config
+    )
+    provider = ClusterProvider(config, context(tmp_path), lower, background=False)
+
+    def pod(name: str, version: str) -> ResolvedPod:
+        spec = upper_pod(
+            volumes=[], imagePullSecrets=[], serviceAccountName="default", initContainers=[]
+        )
+        spec["metadata"]["name"] = name
+        spec["metadata"]["uid"] = "uid-" + name
+        spec["spec"]["containers"][0].update(
+            env=[], volumeMounts=[], envFrom=[{"configMapRef": {"name": "web-config"}}]
+        )
+        config_map = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "web-config", "namespace": "shop", "resourceVersion": version},
+            "data": {"v": version},
+        }
+        return ResolvedPod(
+            msgspec.convert(spec, Pod), references={("ConfigMap", "shop", "web-config"): config_map}
+        )
+
+    async def scenario() -> None:
+        await provider.create_pod(pod("fresh", "7"))
+        await provider.create_pod(pod("stale", "5"))
+        await provider.aclose()
+
+    asyncio.run(scenario())
+    assert written and set(written) == {"7"}
