@@ -193,6 +193,16 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         image = lk.json("-n", lower_ns, "get", "pod", "web-0")["spec"]["containers"][0]["image"]
         assert image == "registry.example/web:2"
 
+        # An in-place resize upstairs is sent to the lower pod's resize subresource. (Upstairs
+        # it needs the node to exist, so the test edits the stored pod.) The lower mock nodes do
+        # not declare resize support, so the lower API refuses: that refusal is what comes back.
+        resized = json.loads(json.dumps(updated))
+        resized["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "200m"
+        with pytest.raises(ProviderError) as refused:
+            await provider.update_pod(ResolvedPod(msgspec.convert(resized, Pod), references=refs))
+        assert refused.value.message.startswith("lower cluster: resize the lower pod: ")
+        assert "resize" in refused.value.message.split(": ", 2)[2]
+
         # Capacity and labels come from the lower nodes.
         node = msgspec.convert(
             {"metadata": {"name": node_name, "labels": {"type": "virtual-kubelet"}}, "status": {}},

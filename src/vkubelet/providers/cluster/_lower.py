@@ -54,6 +54,7 @@ def _all(resource: str, verbs: str, group: str = "") -> list[Permission]:
 REQUIRED_PERMISSIONS: tuple[Permission, ...] = (
     *_all("pods", "get list watch create update patch delete"),
     *_all("pods/log", "get"),
+    *_all("pods/resize", "patch"),
     *_all("pods/exec", "create"),
     *_all("pods/attach", "create"),
     *_all("pods/portforward", "create"),

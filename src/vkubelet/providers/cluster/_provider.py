@@ -31,6 +31,7 @@ from ...sdk.provider import (
     ProviderError,
     ResolvedPod,
 )
+from ...sdk.quantity import parse_quantity
 from ...sdk.tasks import TaskSet, supervise
 from ._capacity import LowerCapacity, lower_capacity
 from ._config import LowerConfig
@@ -192,10 +193,30 @@ class ClusterProvider:
             patch["spec"]["tolerations"] = existing + added
         path = f"/api/v1/namespaces/{namespace}/pods/{pod.name}"
         patch["metadata"]["uid"] = (current or {}).get("metadata", {}).get("uid")
-        await self._call(
+        patched = await self._call(
             self.lower.client.patch(path, patch, "application/strategic-merge-patch+json"),
             what="update the lower pod",
         )
+        # In-place resize goes through its own subresource (Kubernetes 1.33+).
+        lower_resources = {
+            c["name"]: c.get("resources") or {}
+            for c in (patched.get("spec") or {}).get("containers") or []
+        }
+        resized = [
+            {"name": c["name"], "resources": c.get("resources") or {}}
+            for c in spec.get("containers") or []
+            if _requests_and_limits(c.get("resources"))
+            != _requests_and_limits(lower_resources.get(c["name"]))
+        ]
+        if resized:
+            await self._call(
+                self.lower.client.patch(
+                    path + "/resize",
+                    {"spec": {"containers": resized}},
+                    "application/strategic-merge-patch+json",
+                ),
+                what="resize the lower pod",
+            )
 
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
         meta = pod.metadata
@@ -665,6 +686,17 @@ def _newest(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> Mapping
             return 0
 
     return b if version(b) >= version(a) else a
+
+
+def _requests_and_limits(resources: Mapping[str, Any] | None) -> tuple[Any, Any]:
+    """Comparable requests and limits (quantities as the API canonicalises them may differ in
+    spelling, "1000m" vs "1", so compare exact values)."""
+
+    def values(section: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {k: parse_quantity(v).to_fraction() for k, v in (section or {}).items()}
+
+    resources = resources or {}
+    return values(resources.get("requests")), values(resources.get("limits"))
 
 
 def _uid(obj: Mapping[str, Any]) -> str:
