@@ -142,7 +142,8 @@ def test_an_upper_pod_runs_below_with_its_dependencies_and_without_secret_values
     async def sync(lower: LowerCluster, pods: list[JSON]) -> list[str]:
         plan = plan_dependencies(pods, references(), await ours_below(lower), how)
         assert not (plan.missing or plan.conflicts or plan.refused), plan
-        return await lower.apply_dependencies(plan, owner)
+        applied = await lower.apply_dependencies(plan, owner)
+        return applied.problems + list(applied.conflicts.values())
 
     async def start(lower: LowerCluster) -> None:
         await lower.check_permissions()  # the admin may do everything

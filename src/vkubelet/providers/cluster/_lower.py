@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -21,10 +21,11 @@ from lightkube.core.exceptions import ConfigError as KubeConfigError
 from ...node import ApiError, ClientOptions, ConfigError, KubeClient
 from ._config import LowerConfig
 from ._deps import DependencyPlan
-from ._stamps import Owner, stamp
+from ._stamps import Owner, describe_owner, is_ours, stamp
 
 __all__ = [
     "REQUIRED_PERMISSIONS",
+    "Applied",
     "LowerCluster",
     "MissingPermissions",
     "Permission",
@@ -69,6 +70,16 @@ REQUIRED_PERMISSIONS: tuple[Permission, ...] = (
     *_all("services", "get list watch create update delete"),
     *_all("endpointslices", "get list watch create update delete", "discovery.k8s.io"),
 )
+
+
+@dataclass
+class Applied:
+    """What applying a dependency plan did: the lower objects as now written (None: deleted),
+    names found held by someone else, and errors to retry."""
+
+    written: dict[tuple[str, str, str], JSON | None] = field(default_factory=dict)
+    conflicts: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
 
 
 class MissingPermissions(Exception):
@@ -203,36 +214,56 @@ class LowerCluster:
             raise
         return True
 
-    async def apply_dependencies(self, plan: DependencyPlan, owner: Owner) -> list[str]:
-        """Carry out a dependency plan (namespaces first, then copies); return the problems
-        met, one line each, without stopping at the first (the next pass retries them)."""
-        problems: list[str] = []
+    async def apply_dependencies(self, plan: DependencyPlan, owner: Owner) -> Applied:
+        """Carry out a dependency plan (namespaces first, then copies), without stopping at the
+        first problem (the next pass retries). A name found taken on create (someone else's
+        object, not in our owner-label listing) is a conflict, never used or touched."""
+        done = Applied()
 
-        async def attempt(what: str, action: Awaitable[object]) -> None:
+        async def attempt(what: str, action: Awaitable[object]) -> object:
             try:
-                await action
+                return await action
             except ApiError as e:
-                if not e.conflict or not what.startswith("create"):
-                    problems.append(f"{what}: {e.message or e.reason}")
+                done.problems.append(f"{what}: {e.message or e.reason}")
+                return None
+
+        async def create(obj: JSON) -> None:
+            key = _key(obj)
+            try:
+                done.written[key] = await self.create(obj)
+            except ApiError as e:
+                if not e.conflict:
+                    done.problems.append(f"create {_describe(obj)}: {e.message or e.reason}")
+                    return
+                found = await attempt(f"read {_describe(obj)}", self.get(*key))
+                if isinstance(found, dict) and is_ours(found, owner):
+                    done.written[key] = found
+                elif isinstance(found, dict):
+                    done.conflicts[key] = (
+                        f"lower {key[0]} {key[1]}/{key[2]} already exists and is "
+                        f"{describe_owner(found)}; it is left alone"
+                    )
 
         for namespace in sorted(plan.namespaces):
             await attempt(f"namespace {namespace}", self.ensure_namespace(namespace, owner))
         for obj in plan.create:
-            await attempt(f"create {_describe(obj)}", self.create(obj))
+            await create(obj)
         for obj in plan.update:
-            await attempt(f"update {_describe(obj)}", self.replace(obj))
+            written = await attempt(f"update {_describe(obj)}", self.replace(obj))
+            if isinstance(written, dict):
+                done.written[_key(obj)] = written
         for obj in plan.replace:
-            metadata = obj["metadata"]
-            key = (str(obj["kind"]), str(metadata["namespace"]), str(metadata["name"]))
-            await attempt(
-                f"replace {_describe(obj)}", self.delete(*key, uid=plan.uids.get(key) or None)
-            )
-            await attempt(f"create {_describe(obj)}", self.create(obj))
+            key = _key(obj)
+            await attempt(f"replace {_describe(obj)}", self.delete(*key, uid=plan.uids.get(key)))
+            done.written[key] = None
+            await create(obj)
         for key in plan.delete:
-            await attempt(
+            deleted = await attempt(
                 f"delete {key[0]} {key[1]}/{key[2]}", self.delete(*key, uid=plan.uids[key])
             )
-        return problems
+            if deleted is not None:
+                done.written[key] = None
+        return done
 
     async def ensure_namespace(self, name: str, owner: Owner) -> None:
         """Create the lower namespace when missing (stamped, never deleted: other owners and
@@ -279,3 +310,8 @@ def open_lower(config: LowerConfig) -> LowerCluster:
 def _describe(obj: Mapping[str, Any]) -> str:
     metadata = obj.get("metadata") or {}
     return f"{obj.get('kind')} {metadata.get('namespace')}/{metadata.get('name')}"
+
+
+def _key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    metadata = obj.get("metadata") or {}
+    return (str(obj.get("kind")), str(metadata.get("namespace")), str(metadata.get("name")))

@@ -50,7 +50,7 @@ from ._stamps import (
 )
 from ._stats import merge_resource_metrics, merge_summaries
 from ._status import gone_status, status_up, vanished_reason
-from ._translate import PodTranslation, translate_pod
+from ._translate import PodTranslation, needed_references, translate_pod
 
 __all__ = ["ClusterProvider"]
 
@@ -102,6 +102,7 @@ class ClusterProvider:
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned = TaskSet(f"cluster {context.node_name}")
         self._deps_lock = asyncio.Lock()
+        self._copies: dict[Key, JSON] | None = None  # our lower dependency copies
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
@@ -615,10 +616,16 @@ class ClusterProvider:
     async def _resync_dependencies(self) -> None:
         while True:
             await asyncio.sleep(self.config.resync.dependencies)
-            await self._sync_dependencies()
+            await self._sync_dependencies(relist=True)
 
-    async def _sync_dependencies(self, block_for: str | None = None) -> None:
-        """Make the lower copies match what the pods need; raise for `block_for`'s blockers."""
+    async def _sync_dependencies(
+        self, block_for: str | None = None, *, relist: bool = False
+    ) -> None:
+        """Make the lower copies match what the pods need; raise for `block_for`'s blockers.
+
+        The copies we own are listed (by owner label) once and on every periodic resync, and
+        otherwise known from our own writes, so starting a pod costs no list requests.
+        """
         async with self._deps_lock:
             running = [
                 p
@@ -629,29 +636,53 @@ class ClusterProvider:
             for pod in running:
                 for key, obj in pod.references.items():
                     references[key] = _newest(references.get(key), obj)
-            existing: dict[Key, JSON] = {}
-            for kind in KINDS:
-                for obj in await self._call(
-                    self.lower.list_objects(kind, selector=self.owner.selector)
-                ):
-                    meta = obj["metadata"]
-                    existing[(kind, meta["namespace"], meta["name"])] = obj
+            if self._copies is None or relist:
+                copies: dict[Key, JSON] = {}
+                for kind in KINDS:
+                    for obj in await self._call(
+                        self.lower.list_objects(kind, selector=self.owner.selector)
+                    ):
+                        meta = obj["metadata"]
+                        copies[(kind, meta["namespace"], meta["name"])] = obj
+                self._copies = copies
             pods = [_to_json(p.pod) for p in running]
             plan = plan_dependencies(
                 pods,
                 references,
-                existing,
+                self._copies,
                 self.how,
                 pvc_storage_class=self.config.pvc_storage_class,
             )
-            problems = await self.lower.apply_dependencies(plan, self.owner)
-        if block_for is not None and block_for in plan.blocked:
-            why = plan.blocked[block_for]
+            applied = await self.lower.apply_dependencies(plan, self.owner)
+            for key, obj in applied.written.items():
+                if obj is None:
+                    self._copies.pop(key, None)
+                else:
+                    self._copies[key] = obj
+        if block_for is None:
+            return
+        why = plan.blocked.get(block_for)
+        if why is not None:
             permanent = "not found" not in why
             reason = "LowerDependencyConflict" if permanent else "DependencyMissing"
             raise ProviderError(reason, why, permanent=permanent)
-        if block_for is not None and problems:
-            raise ProviderError("LowerDependencyFailed", "; ".join(problems), permanent=False)
+        given = self._pods.get(block_for)
+        if given is not None and applied.conflicts:
+            needed = {
+                (
+                    r.kind,
+                    self.how.lower_namespace(given.namespace),
+                    self.how.lower_name(r.kind, r.name),
+                )
+                for r in needed_references(_to_json(given.pod), self.how)
+            }
+            for key, message in applied.conflicts.items():
+                if key in needed:
+                    raise ProviderError("LowerDependencyConflict", message)
+        if applied.problems:
+            raise ProviderError(
+                "LowerDependencyFailed", "; ".join(applied.problems), permanent=False
+            )
 
     async def _call(self, action: Any, *, what: str = "") -> Any:
         """Await a lower API call; the lower API's refusals become the pod's reason."""

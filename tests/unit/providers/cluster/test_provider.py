@@ -175,3 +175,54 @@ def test_a_pod_with_an_older_copy_of_a_configmap_does_not_roll_the_lower_copy_ba
 
     asyncio.run(scenario())
     assert written and set(written) == {"7"}
+
+
+def test_a_dependency_name_taken_by_the_user_blocks_the_pod_and_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    config = load_lower_config(lower_yaml(tmp_path, dependencyNames="same"))
+    writes: list[tuple[str, str]] = []
+    users = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "web-config"}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "GET" and request.url.params.get("labelSelector"):
+            return httpx.Response(200, json={"items": [], "metadata": {"resourceVersion": "1"}})
+        if request.method == "GET" and path.endswith("/configmaps/web-config"):
+            return httpx.Response(200, json=users)
+        if request.method == "GET":
+            return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
+        writes.append((request.method, path))
+        if path.endswith("/configmaps"):
+            return httpx.Response(409, json={"reason": "AlreadyExists", "message": "exists"})
+        return httpx.Response(201, json=json.loads(request.content))
+
+    real = open_lower(config)
+    lower = LowerCluster(
+        KubeClient(real.client.config, transport=httpx.MockTransport(handler)), config
+    )
+    provider = ClusterProvider(config, context(tmp_path), lower, background=False)
+    pod = resolved()
+    spec = msgspec.to_builtins(pod.pod)
+    spec["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "web-config"}}]
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "web-config", "namespace": "shop", "resourceVersion": "3"},
+        "data": {},
+    }
+    refs = {("ConfigMap", "shop", "web-config"): config_map}
+
+    async def scenario() -> ProviderError:
+        try:
+            with pytest.raises(ProviderError) as raised:
+                await provider.create_pod(ResolvedPod(msgspec.convert(spec, Pod), references=refs))
+            return raised.value
+        finally:
+            await provider.aclose()
+
+    error = asyncio.run(scenario())
+    assert (error.reason, error.permanent) == ("LowerDependencyConflict", True)
+    assert "lower cluster's own object" in error.message
+    assert not any(m in ("PUT", "PATCH", "DELETE") for m, _ in writes)
+    assert not any(p.endswith("/pods") for _, p in writes)  # the pod is not created
