@@ -122,6 +122,7 @@ class LowerCluster:
     def __init__(self, client: KubeClient, config: LowerConfig) -> None:
         self.client = client
         self.config = config
+        self._namespaces: set[str] = set()  # known to exist below
 
     @property
     def where(self) -> str:
@@ -178,7 +179,12 @@ class LowerCluster:
     async def create(self, body: Mapping[str, Any]) -> JSON:
         metadata = body["metadata"]
         path = resource_path(str(body["kind"]), metadata.get("namespace"))
-        return await self.client.create(path, body)
+        try:
+            return await self.client.create(path, body)
+        except ApiError as e:
+            if e.not_found:  # the namespace was deleted below: create it again next time
+                self._namespaces.discard(str(metadata.get("namespace")))
+            raise
 
     async def replace(self, body: Mapping[str, Any]) -> JSON:
         metadata = body["metadata"]
@@ -268,9 +274,10 @@ class LowerCluster:
     async def ensure_namespace(self, name: str, owner: Owner) -> None:
         """Create the lower namespace when missing (stamped, never deleted: other owners and
         the user may put objects there too)."""
-        if not self.config.namespaces.create:
+        if not self.config.namespaces.create or name in self._namespaces:
             return
         if await self.get("Namespace", None, name) is not None:
+            self._namespaces.add(name)
             return
         body = stamp(
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
@@ -284,6 +291,7 @@ class LowerCluster:
         except ApiError as e:
             if not e.conflict:
                 raise
+        self._namespaces.add(name)
 
 
 def open_lower(config: LowerConfig) -> LowerCluster:

@@ -696,6 +696,12 @@ class ClusterProvider:
                     f"lower cluster: {what or 'request'}: {e.message}",
                     permanent=False,
                 ) from None
+            if e.status == 404 and "namespaces" in e.message:
+                raise ProviderError(
+                    "LowerNamespaceMissing",
+                    f"lower cluster: {what or 'request'}: {e.message}",
+                    permanent=not self.config.namespaces.create,  # else: re-created, retried
+                ) from None
             if e.status in (400, 403, 422) or (e.status == 404 and what):
                 raise ProviderError(
                     "LowerRejected" if e.status != 403 else "LowerForbidden",
