@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime
@@ -56,8 +57,6 @@ __all__ = ["ClusterProvider"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
-_TERMINAL = {"Succeeded", "Failed"}
-_VIRTUAL_LABELS = ("type", "kubernetes.io/role", "kubernetes.io/hostname")
 
 
 def _now() -> str:
@@ -383,6 +382,12 @@ class ClusterProvider:
         allocatable = dict(self._capacity.allocatable)
         node.status.capacity = dict(allocatable)
         node.status.allocatable = dict(allocatable)
+        # The node's own labels (the agent's and the operator's, not those published from
+        # below): scheduling terms on them only chose this node and are dropped on the way down.
+        common = self._capacity.labels
+        own = {k: v for k, v in (node.metadata.labels or {}).items() if common.get(k) != v}
+        own.setdefault("kubernetes.io/hostname", self.context.node_name)
+        self.how = dataclasses.replace(self.how, virtual_labels=own)
         if self.config.publish_common_labels:
             labels = dict(node.metadata.labels or {})
             for key, value in self._capacity.labels.items():
