@@ -16,8 +16,9 @@ class Collected:
         self.data += data
         self._grew.set()
 
-    async def wait_until_it_ends_with(self, suffix: bytes) -> None:
-        while not self.data.endswith(suffix):
+    async def wait_until_it_ends_with(self, suffix: bytes, *, beyond: int = 0) -> None:
+        """Until the data ends with `suffix` and is longer than `beyond` bytes."""
+        while len(self.data) <= beyond or not self.data.endswith(suffix):
             self._grew.clear()
             await self._grew.wait()
 
