@@ -173,6 +173,7 @@ async def echo_port() -> AsyncIterator[int]:
     server = await asyncio.start_server(echo, "127.0.0.1", 0)
     yield server.sockets[0].getsockname()[1]
     server.close()
+    await server.wait_closed()
 
 
 @pytest.mark.parametrize("transport", BOTH)

@@ -197,9 +197,10 @@ async def _attempt(
             )
     except (OSError, ssl.SSLError, TimeoutError) as exc:
         raise StreamingError(f"cannot connect to {endpoint.server}: {exc}") from exc
+    upgraded = Upgraded(reader, writer, b"", {})
     try:
         async with asyncio.timeout(endpoint.connect_timeout):
-            return await _exchange(reader, writer, method, target, all_headers)
+            answer = await _exchange(reader, writer, method, target, all_headers)
     except BaseException as exc:
         writer.close()
         if isinstance(exc, TimeoutError):
@@ -207,6 +208,11 @@ async def _attempt(
         if isinstance(exc, OSError | ssl.SSLError | h11.ProtocolError):
             raise StreamingError(f"upgrade to {endpoint.server} failed: {exc}") from exc
         raise
+    if isinstance(answer, _Refused):
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await upgraded.aclose()
+    return answer
 
 
 async def _exchange(
@@ -232,9 +238,7 @@ async def _exchange(
                 answer = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
                 return Upgraded(reader, writer, bytes(conn.trailing_data[0]), answer)
         elif isinstance(event, h11.Response):
-            refused = _Refused(event.status_code, await _body(conn, reader))
-            writer.close()
-            return refused
+            return _Refused(event.status_code, await _body(conn, reader))
         elif isinstance(event, h11.ConnectionClosed):
             raise ConnectionResetError("the server closed the connection")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tracemalloc
 
 import pytest
 
@@ -23,7 +24,7 @@ from vkubelet.streaming import (
 
 from ..kubelet.conftest import Kubelet
 from ..kubelet.harness import CONTAINER, NAMESPACE, POD
-from .stdio import Collected, Feed, Payload
+from .stdio import Collected, Feed, Payload, SlowSink
 
 BOTH: list[Transport] = ["websocket", "spdy"]
 
@@ -178,3 +179,27 @@ async def test_an_interactive_stdin_is_relayed_as_it_is_typed(
         stdin.end()
         assert await call == 0
     assert bytes(stdout.data) == b"one\ntwo\n"
+
+
+@pytest.mark.parametrize("transport", BOTH)
+async def test_a_slow_stdout_holds_the_command_back_instead_of_being_buffered_for(
+    kubelet: Kubelet, transport: Transport
+) -> None:
+    """16 MiB through `cat` into a stdout slower than stdin: without back-pressure the client
+    (and the kubelet in this same process) would end up holding most of it."""
+    size = 16 * 1024 * 1024
+    pipe = SlowSink(size, delay=0.002)
+    io = AttachIO(stdin=pipe, stdout=pipe, stderr=None)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        async with asyncio.timeout(120):
+            code = await exec_command(
+                endpoint(kubelet), NAMESPACE, POD, CONTAINER, ["cat"], io, transport=transport
+            )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert code == 0
+    assert pipe.received_bytes == size and pipe.intact
+    assert peak < 8 * 1024 * 1024, f"peak {peak / 2**20:.1f} MiB"

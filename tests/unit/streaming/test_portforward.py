@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import tracemalloc
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -18,16 +20,18 @@ from vkubelet.streaming import (
 
 from ..kubelet.conftest import Kubelet
 from ..kubelet.harness import NAMESPACE, POD, start_echo_server
-from .stdio import Loopback
+from .stdio import Loopback, SlowSink
 
 ECHO_PORT = 8080
 
 
 @pytest.fixture
-async def echo(kubelet: Kubelet) -> asyncio.Server:
+async def echo(kubelet: Kubelet) -> AsyncIterator[asyncio.Server]:
     server = await start_echo_server()
     kubelet.provider.echo_ports[ECHO_PORT] = server.sockets[0].getsockname()[1]
-    return server
+    yield server
+    server.close()
+    await server.wait_closed()
 
 
 def endpoint(kubelet: Kubelet) -> Endpoint:
@@ -105,3 +109,22 @@ async def test_reading_and_writing_a_forwarded_connection_directly(
         async with asyncio.timeout(10):
             assert await conn.read() == b""  # the echo server saw our end and hung up
             assert await conn.error() == ""
+
+
+async def test_a_slow_reader_holds_the_sender_back_instead_of_being_buffered_for(
+    kubelet: Kubelet, echo: asyncio.Server
+) -> None:
+    """24 MiB through a reader slower than the sender: without back-pressure the client (and
+    the kubelet in this same process) would end up holding most of it."""
+    size = 24 * 1024 * 1024
+    stream = SlowSink(size, delay=0.002)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        async with asyncio.timeout(120):
+            await port_forward(endpoint(kubelet), NAMESPACE, POD, ECHO_PORT, stream)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert stream.received_bytes == size and stream.intact
+    assert peak < 8 * 1024 * 1024, f"peak {peak / 2**20:.1f} MiB"
