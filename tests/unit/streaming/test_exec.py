@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tracemalloc
+from typing import NoReturn
 
 import pytest
 
@@ -21,6 +22,7 @@ from vkubelet.streaming import (
     attach,
     exec_command,
 )
+from vkubelet.streaming import _exec as streaming_exec
 
 from ..kubelet.conftest import Kubelet
 from ..kubelet.harness import CONTAINER, NAMESPACE, POD
@@ -203,3 +205,30 @@ async def test_a_slow_stdout_holds_the_command_back_instead_of_being_buffered_fo
     assert code == 0
     assert pipe.received_bytes == size and pipe.intact
     assert peak < 8 * 1024 * 1024, f"peak {peak / 2**20:.1f} MiB"
+
+
+async def test_auto_falls_back_to_spdy_when_the_websocket_upgrade_is_refused(
+    kubelet: Kubelet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As kubectl does against a server without the v5 translation (a real kubelet, an old
+    apiserver, a proxy that drops WebSockets)."""
+
+    async def refuse(*args: object, **kwargs: object) -> NoReturn:
+        raise UpgradeFailed(400, "BadRequest", "unable to upgrade: no v5.channel.k8s.io")
+
+    monkeypatch.setattr(streaming_exec, "open_websocket", refuse)
+    stdin, stdout = Feed(), Collected()
+    io = AttachIO(stdin=stdin, stdout=stdout, stderr=None)
+    call = asyncio.create_task(
+        exec_command(endpoint(kubelet), NAMESPACE, POD, CONTAINER, ["cat"], io)
+    )
+    async with asyncio.timeout(10):
+        stdin.send(b"over spdy\n")
+        await stdout.wait_until_it_ends_with(b"over spdy\n")
+        assert sessions(kubelet, "spdy") == 1
+        stdin.end()
+        assert await call == 0
+    with pytest.raises(UpgradeFailed, match="no v5"):
+        await exec_command(
+            endpoint(kubelet), NAMESPACE, POD, CONTAINER, ["true"], io, transport="websocket"
+        )
