@@ -73,6 +73,7 @@ node_address() {
 if [ "${1:-up}" = down ]; then
   stop_agent
   remove_address
+  rm -rf "$STATE/pki"
   "$BIN/vkubelet" dev cluster down --name demo || true
   exit 0
 fi
@@ -86,7 +87,9 @@ if [ -f "$STATE/agent.pid" ] && kill -0 "$(cat "$STATE/agent.pid")" 2>/dev/null;
   echo "vkubelet agent already running (pid $(cat "$STATE/agent.pid"))"
 else
   # --approve-own-csrs: on this dev cluster nobody else approves the kubelet serving certificate
-  # that `kubectl logs/exec` and metrics-server verify.
+  # that `kubectl logs/exec` and metrics-server verify. A fresh --cert-dir: a certificate kept
+  # from an earlier demo was signed by that cluster's CA, which this cluster does not trust.
+  rm -rf "$STATE/pki"
   nohup "$BIN/vkubelet" run --provider mock --provider-config examples/mock.json \
     --nodename "$NODE" --internal-ip "$ADDRESS" --approve-own-csrs \
     --cert-dir "$STATE/pki" >"$STATE/agent.log" 2>&1 &
@@ -105,19 +108,22 @@ for _ in $(seq 1 60); do
 done
 POD=$("$BIN/kubectl" get pods -l app=hello-virtual -o jsonpath='{.items[0].metadata.name}')
 
+PROXY_LINE="
+  kubectl get --raw /api/v1/nodes/$NODE/proxy/stats/summary"
+NOTE=""
 if [ "$ADDRESS" = 127.0.0.1 ]; then
-  PROXY_NOTE="
-Not available here: node-proxy paths (kubectl get --raw /api/v1/nodes/$NODE/proxy/...). The
-apiserver refuses to proxy to a loopback address, and giving the node another one (on a veth
-interface) needs root: run \`make demo\` as root for them. Everything else works."
-else
-  PROXY_NOTE="
-  kubectl get --raw /api/v1/nodes/$NODE/proxy/stats/summary   # via the node's address $ADDRESS"
+  PROXY_LINE=""
+  NOTE="
+Not available: node-proxy paths (kubectl get --raw /api/v1/nodes/$NODE/proxy/...). The apiserver
+refuses to proxy them to a loopback address, and giving the node another address (on a veth
+interface this script creates) needs root, iproute2 and a free address (see CANDIDATES in
+examples/demo.sh). Everything else above works."
 fi
 
 cat <<MSG
 
-vkubelet demo is running: a local cluster, the virtual node $NODE (mock provider) and a Deployment.
+vkubelet demo is running: a local cluster, the virtual node $NODE (mock provider, address
+$ADDRESS) and a Deployment.
 Try:
   export KUBECONFIG=$KUBECONFIG PATH=$PWD/$BIN:\$PATH
   kubectl get nodes -o wide
@@ -125,9 +131,9 @@ Try:
   kubectl logs $POD
   kubectl exec $POD -- env
   kubectl top node
-  kubectl top pod
+  kubectl top pod$PROXY_LINE
   kubectl describe node $NODE
-  kubectl scale deployment hello-virtual --replicas=10$PROXY_NOTE
+  kubectl scale deployment hello-virtual --replicas=10
   tail -f $STATE/agent.log
-Stop everything: make demo-down
+Stop everything: make demo-down$NOTE
 MSG
