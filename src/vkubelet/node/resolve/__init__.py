@@ -16,7 +16,6 @@ from ...sdk.volumes import (
     ResolvedVolume,
 )
 from .env import (
-    DEFAULT_MASTER_SERVICES_NAMESPACE,
     FAILED_TO_READ_MANDATORY_CONFIGMAP,
     FAILED_TO_READ_MANDATORY_SECRET,
     FAILED_TO_READ_OPTIONAL_CONFIGMAP,
@@ -33,13 +32,12 @@ from .env import (
     EnvResolutionError,
     EnvResult,
     Event,
-    FieldSelectorError,
-    SourceReadError,
-    Sources,
-    expand,
-    expand_command_and_args,
     resolve_env,
 )
+from .expansion import expand, expand_command_and_args
+from .fieldpath import FieldSelectorError
+from .servicelinks import DEFAULT_MASTER_SERVICES_NAMESPACE
+from .sources import SourceReadError, Sources
 from .volumes import (
     FAILED_MOUNT,
     ObjectRef,

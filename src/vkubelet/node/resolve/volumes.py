@@ -27,22 +27,10 @@ from ...sdk.volumes import (
     OtherVolume,
     ResolvedVolume,
 )
-from .env import (
-    JSON,
-    FieldSelectorError,
-    SourceReadError,
-    Sources,
-    decode_base64_map,
-    default_limits,
-    extract_field_path,
-    find_container,
-    obj,
-    resource_field_value,
-    seq,
-    string_map,
-    text,
-    utf8_bytes,
-)
+from .fieldpath import FieldSelectorError, extract_field_path
+from .jsonvalues import decode_base64_map, obj, seq, string_map, text, utf8_bytes
+from .resourcefields import default_limits, find_container, resource_field_value
+from .sources import JSON, SourceReadError, Sources
 
 FAILED_MOUNT: Final = "FailedMount"
 
