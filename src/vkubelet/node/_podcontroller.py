@@ -96,8 +96,9 @@ class PodController:
         self.sync_queue.add(record.key)
 
     def _on_update(self, old: PodRecord, new: PodRecord) -> None:
-        # Our own status writes come back as updates; only spec and metadata changes need a sync.
-        if new.spec_or_meta_changed(old):
+        # Our own status writes come back as updates; only spec and metadata changes need a sync,
+        # and becoming terminal (which releases the pod's object watches).
+        if new.spec_or_meta_changed(old) or (new.terminal and not old.terminal):
             self.sync_queue.add(new.key)
         elif new.deleting:
             self.status_queue.add(new.key)
