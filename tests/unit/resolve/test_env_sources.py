@@ -188,7 +188,7 @@ def test_secret_value_no_environment_can_hold_fails_permanently_naming_the_key_n
         resolve(container, sources)
     assert caught.value.permanent
     message = str(caught.value)
-    assert f'secret "shop/creds" key \'blob\': value {problem}' in message
+    assert f"secret \"shop/creds\" key 'blob': value {problem}" in message
     assert "hunter2" not in message
     assert all("hunter2" not in event.message for event in caught.value.events)
 

@@ -27,7 +27,6 @@ from ..node.helpers import (
     PushProvider,
     always,
     configmap,
-    events_for,
     eventually,
     phase_of,
     pod,
@@ -58,7 +57,10 @@ def running(api: FakeApiServer, name: str) -> bool:
 
 
 def secret(name: str, data: dict[str, bytes]) -> JSON:
-    return {"metadata": {"name": name, "namespace": NS}, "data": {k: b64(v) for k, v in data.items()}}
+    return {
+        "metadata": {"name": name, "namespace": NS},
+        "data": {k: b64(v) for k, v in data.items()},
+    }
 
 
 def service(name: str, ip: str, *, namespace: str = NS) -> JSON:
@@ -156,7 +158,9 @@ async def test_service_links_are_listed_once_per_pod_and_services_converted_once
         api.create("services", service(f"svc-{i}", f"10.96.1.{i}"))
         api.create("services", service(f"other-{i}", f"10.96.2.{i}", namespace="elsewhere"))
     for name in ("a", "b"):
-        resolved = (await resolver.resolve(f"{NS}/{name}", three_container_pod(name, links=True))).pod
+        resolved = (
+            await resolver.resolve(f"{NS}/{name}", three_container_pod(name, links=True))
+        ).pod
         for index in range(3):
             env = env_of(resolved, index)
             assert env["KUBERNETES_SERVICE_HOST"] == "10.96.0.1"
@@ -211,7 +215,7 @@ async def test_a_pod_that_has_terminated_closes_the_watch_of_the_configmap_it_us
 
 
 # -- secrets that cannot be environment variables ---------------------------------------------
-async def test_a_secret_that_is_not_utf8_fails_the_pod_once_and_its_value_reaches_no_status_event_or_log(
+async def test_a_non_utf8_secret_fails_the_pod_once_and_its_value_reaches_no_status_event_or_log(
     api: FakeApiServer, push: PushProvider, node: PodHarness, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
@@ -238,7 +242,7 @@ async def test_a_secret_that_is_not_utf8_fails_the_pod_once_and_its_value_reache
 
     await eventually(lambda: waiting().get("reason") == "CreateContainerConfigError")
     message = waiting()["message"]
-    assert 'secret "shop/creds" key \'password\'' in message
+    assert "secret \"shop/creds\" key 'password'" in message
     assert "is not valid UTF-8 and cannot be an environment variable" in message
     # permanent: not retried (each retry would emit its event again) while the Secret stays so
     await always(lambda: len(emitted) == 1, duration=1.0, what="a single attempt")
@@ -255,3 +259,95 @@ async def test_a_secret_that_is_not_utf8_fails_the_pod_once_and_its_value_reache
     api.patch("secrets", "creds", {"data": {"password": b64("hunter3")}}, NS)
     await eventually(lambda: running(api, "web"), what="the pod to start once the Secret is valid")
     assert env_of(push.resolved[f"{NS}/web"], 0)["PW"] == "hunter3"
+
+
+# -- pass-through pods ------------------------------------------------------------------------
+class PassThroughProvider(PushProvider):
+    pass_through = True
+
+
+def pass_through_pod() -> JSON:
+    raw = pod(
+        "web",
+        volumes=[
+            {"name": "conf", "configMap": {"name": "conf"}},
+            {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+            {"name": "certs", "projected": {"sources": [{"secret": {"name": "tls"}}]}},
+        ],
+    )
+    raw["spec"]["serviceAccountName"] = "app"
+    raw["spec"]["imagePullSecrets"] = [{"name": "registry"}]
+    raw["spec"]["containers"][0].update(
+        command=["run", "$(LEVEL)"],
+        env=[
+            {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "pw"}}},
+            {"name": "LEVEL", "value": "$(PW)"},
+        ],
+        envFrom=[{"configMapRef": {"name": "env"}}],
+    )
+    return raw
+
+
+def named(name: str, **fields: Any) -> JSON:
+    return {"metadata": {"name": name, "namespace": NS}, **fields}
+
+
+async def test_a_pass_through_provider_gets_the_pod_as_written_and_the_objects_it_references(
+    api: FakeApiServer,
+) -> None:
+    provider = PassThroughProvider()
+    api.create("configmaps", configmap("conf", {"level": "info"}))
+    api.create("configmaps", configmap("env", {"MODE": "prod"}))
+    api.create("secrets", secret("creds", {"pw": b"hunter2"}))
+    api.create("secrets", secret("tls", {"tls.key": b"KEY"}))
+    api.create("serviceaccounts", named("app"))
+    # the image pull Secret and the claim do not exist (yet): the provider decides
+    raw = pass_through_pod()
+    async with PodHarness(api, provider) as harness:
+        harness.controller.objects._poll_interval = 0.1
+        api.create("pods", raw)
+        await eventually(lambda: running(api, "web"))
+        given = provider.resolved[f"{NS}/web"]
+        spec = msgspec.to_builtins(given.pod.spec)
+        container = spec["containers"][0]
+        assert container["env"] == raw["spec"]["containers"][0]["env"], "references unresolved"
+        assert container["envFrom"] == raw["spec"]["containers"][0]["envFrom"]
+        assert container["command"] == ["run", "$(LEVEL)"], "not even expanded"
+        assert spec["imagePullSecrets"] == [{"name": "registry"}]
+        assert [v["name"] for v in spec["volumes"]] == ["conf", "data", "certs"]
+        assert given.volumes == {}
+        assert "hunter2" not in msgspec.json.encode(given.pod).decode()
+        assert set(given.references) == {
+            ("ConfigMap", NS, "conf"),
+            ("ConfigMap", NS, "env"),
+            ("Secret", NS, "creds"),
+            ("Secret", NS, "tls"),
+            ("Secret", NS, "registry"),
+            ("ServiceAccount", NS, "app"),
+            ("PersistentVolumeClaim", NS, "data"),
+        }
+        creds = given.references[("Secret", NS, "creds")]
+        assert creds is not None and creds["data"] == {"pw": b64("hunter2")}
+        assert given.references[("Secret", NS, "registry")] is None
+        assert given.references[("PersistentVolumeClaim", NS, "data")] is None
+        # only objects named by the pod were read, each by name
+        assert not api.calls_to("GET", f"/namespaces/{NS}/serviceaccounts$")
+        watches = api.calls_to("GET", f"/namespaces/{NS}/secrets$", watch=True)
+        assert {w.params["fieldSelector"] for w in watches} == {
+            f"metadata.name={n}" for n in ("creds", "tls", "registry")
+        }
+
+        # a change to any referenced object is an update_pod with the new copy
+        api.patch("secrets", "creds", {"data": {"pw": b64("hunter3")}}, NS)
+        await eventually(lambda: provider.count("update") == 1, what="update after the Secret")
+        creds = provider.resolved[f"{NS}/web"].references[("Secret", NS, "creds")]
+        assert creds is not None and creds["data"] == {"pw": b64("hunter3")}
+        api.patch("configmaps", "env", {"data": {"MODE": "dev"}}, NS)
+        await eventually(lambda: provider.count("update") == 2, what="update after the ConfigMap")
+        api.create("persistentvolumeclaims", named("data", spec={"volumeName": "pv-1"}))
+        await eventually(lambda: provider.count("update") == 3, what="update after the claim")
+        claim = provider.resolved[f"{NS}/web"].references[("PersistentVolumeClaim", NS, "data")]
+        assert claim is not None and claim["spec"] == {"volumeName": "pv-1"}
+        # polling an unchanged object is not a change
+        await always(lambda: provider.count("update") == 3, duration=0.5)
+        assert provider.count("create") == 1
