@@ -465,8 +465,10 @@ def _digest(pod: ResolvedPod) -> bytes:
     labels = meta.labels if meta else None
     annotations = dict((meta.annotations if meta else None) or {})
     annotations.pop(APPLIED_ANNOTATION, None)
-    references = [(ref, content(ref[0], pod.references[ref])) for ref in sorted(pod.references)]
-    return digest((pod.pod.spec, labels, annotations, pod.volumes, references))
+    parts: tuple[Any, ...] = (pod.pod.spec, labels, annotations, pod.volumes)
+    if pod.references:  # only then: digests of pods adopted from an older agent stay the same
+        parts += ([(ref, content(ref[0], pod.references[ref])) for ref in sorted(pod.references)],)
+    return digest(parts)
 
 
 __all__ = ["PodController", "PodStatus", "ResolvedPod"]
