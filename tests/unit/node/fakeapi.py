@@ -59,6 +59,7 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "services": ("/api/v1", True, "Service"),
     "events": ("/api/v1", True, "Event"),
     "serviceaccounts": ("/api/v1", True, "ServiceAccount"),
+    "persistentvolumeclaims": ("/api/v1", True, "PersistentVolumeClaim"),
     "leases": ("/apis/coordination.k8s.io/v1", True, "Lease"),
 }
 _API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1"}
