@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-import vkubelet.agent
+import vkubelet.agent._providers
 from vkubelet.agent import Agent
 from vkubelet.node import AgentConfig, FleetNode, NodeSpec
 from vkubelet.providers.mock import MockConfig, MockProvider
@@ -47,7 +47,7 @@ def api() -> FakeApiServer:
 @pytest.fixture
 def fleet(monkeypatch: pytest.MonkeyPatch) -> Fleet:
     made = Fleet()
-    monkeypatch.setattr(vkubelet.agent, "build_provider", lambda spec: made)
+    monkeypatch.setattr(vkubelet.agent._providers, "build_provider", lambda spec, events: made)
     return made
 
 
