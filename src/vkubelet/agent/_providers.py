@@ -10,7 +10,7 @@ import logging
 
 from ..node import NodeFleet, NodeSpec, PodLifecycleHandler, ProviderContext
 from ..node._events import EventRecorder, ObjectRef
-from ..node._registry import ProviderLoadError, load_provider
+from ..node._registry import ProviderLoadError, load_provider, provider_label
 from ..sdk.provider import EventType, Pod
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,14 @@ class NodeEventRouter:
 
 
 def build_provider(spec: NodeSpec, events: NodeEventRouter) -> PodLifecycleHandler | NodeFleet:
-    """The provider of one configured node (or fleet); ProviderLoadError says what went wrong."""
+    """The provider of one configured node (or fleet); ProviderLoadError says what went wrong.
+
+    A provider given as module or file gets a short name (`spec.settings.provider`, used in the
+    node's taint and nodeInfo) from its module or file name.
+    """
     given = spec.settings.provider
     factory = load_provider(given)
+    spec.settings.provider = provider_label(given)
     try:
         built = factory(
             ProviderContext(

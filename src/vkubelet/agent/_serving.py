@@ -23,7 +23,7 @@ from cryptography import x509
 
 from ..kubelet import KubeletAuth, KubeletNode, KubeletServer, serve_nodes, server_ssl_context
 from ..node import AgentConfig, ApiError, KubeClient, NodeAgent
-from ..node._certs import ServingCertificate, cluster_cert_dir, load_ca_bundle
+from ..node._certs import SIGNER, ServingCertificate, cluster_cert_dir, load_ca_bundle
 from ..sdk.provider import NodeCondition
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,51 @@ async def approves_own_csrs(client: KubeClient, setting: bool | None) -> bool:
             log.info("cannot tell whether this is a vkubelet dev cluster (%s)", e)
         return False
     name = (marker.get("data") or {}).get("name", "?")
+    if not await _may_approve_serving_csrs(client):
+        log.info(
+            "vkubelet dev cluster %s, but our identity may not approve CSRs (a node identity "
+            "never may): a cluster admin approves our serving CSR",
+            name,
+        )
+        return False
     log.info("vkubelet dev cluster %s: approving our own serving CSRs", name)
+    return True
+
+
+_APPROVAL_RIGHTS = (
+    {
+        "group": "certificates.k8s.io",
+        "resource": "certificatesigningrequests",
+        "subresource": "approval",
+        "verb": "update",
+    },
+    {
+        "group": "certificates.k8s.io",
+        "resource": "signers",
+        "verb": "approve",
+        "name": SIGNER,
+    },
+)
+
+
+async def _may_approve_serving_csrs(client: KubeClient) -> bool:
+    """Asked with SelfSubjectAccessReviews; an apiserver that cannot tell lets us try (a refused
+    approval is then logged, and the CSR waits for an admin)."""
+    for attributes in _APPROVAL_RIGHTS:
+        try:
+            review = await client.create(
+                "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                {
+                    "apiVersion": "authorization.k8s.io/v1",
+                    "kind": "SelfSubjectAccessReview",
+                    "spec": {"resourceAttributes": attributes},
+                },
+            )
+        except ApiError as e:
+            log.debug("cannot review our rights (%s); trying to approve anyway", e)
+            return True
+        if not (review.get("status") or {}).get("allowed"):
+            return False
     return True
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
@@ -62,6 +63,18 @@ def load_provider(name: str) -> ProviderFactory:
             "module:factory, nor a path to a .py file"
         )
     return _factory(name, module, attribute or DEFAULT_FACTORY)
+
+
+def provider_label(given: str) -> str:
+    """A name for the provider fit for a taint value and a label (the node's
+    `virtual-kubelet.io/provider` taint): an entry point's name as it is, else the module's or
+    the file's last name, e.g. `my_provider` for `./lab/my_provider.py:make`."""
+    if ":" not in given and not given.endswith(".py") and "/" not in given:
+        return given
+    target = given.partition(":")[0]
+    stem = Path(target).stem if target.endswith(".py") or "/" in target else target
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", stem.rsplit(".", 1)[-1])[:63].strip("-_.")
+    return name or "custom"
 
 
 def _import(given: str, module_name: str) -> ModuleType:

@@ -9,6 +9,7 @@ import pytest
 
 from vkubelet.agent import NodeEventRouter, build_provider
 from vkubelet.node import NodeSpec, ProviderLoadError, UnknownProvider, load_provider
+from vkubelet.node._registry import provider_label
 from vkubelet.providers.mock import MockProvider, create
 
 from ..node.test_nodecontroller import settings
@@ -78,3 +79,17 @@ def test_a_factory_that_returns_no_provider_is_a_clear_error(tmp_path: Path) -> 
     path.write_text("def create(context):\n    return 42\n")
     with pytest.raises(ProviderLoadError, match="returned a int, neither"):
         build_provider(spec(str(path)), NodeEventRouter())
+
+
+@pytest.mark.parametrize(
+    ("given", "label"),
+    [
+        ("mock", "mock"),
+        ("my_pkg.lab_provider:create", "lab_provider"),
+        ("/very/long/path/to/the/tests/recording.py:make", "recording"),
+        ("./my provider.py", "my-provider"),
+    ],
+)
+def test_a_provider_given_as_module_or_file_is_named_after_it(given: str, label: str) -> None:
+    """The name goes into the node's taint value, which must be a valid label value."""
+    assert provider_label(given) == label
