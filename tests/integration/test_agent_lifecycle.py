@@ -109,10 +109,11 @@ def test_the_node_says_why_its_kubelet_api_waits_until_an_admin_approves_the_csr
         )
         try:
             condition = wait_for(
-                lambda: (c := ready_condition(kubectl, node)).get("reason")
-                == "KubeletAPINotServing"
-                and "certificate approve" in c.get("message", "")
-                and c,
+                lambda: (
+                    (c := ready_condition(kubectl, node)).get("reason") == "KubeletAPINotServing"
+                    and "certificate approve" in c.get("message", "")
+                    and c
+                ),
                 what="NotReady with the reason",
             )
             assert condition["status"] == "False"
