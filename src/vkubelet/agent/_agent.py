@@ -87,6 +87,7 @@ class Agent:
         self.fleets: list[FleetRunner] = []
         self.servers: list[KubeletServer] = []
         self._readiness: dict[int, KubeletApiReadiness] = {}
+        self._serving: dict[int, ServingCertificate | None] = {}  # port -> its certificate
         self._client_ca = ClientCA(config.client_ca_file)
         self._tls: ServingTLS | None = None
         self._tls_lock = asyncio.Lock()
@@ -164,7 +165,15 @@ class Agent:
             await self.identify()
             async with asyncio.TaskGroup() as group:
                 if self.identity is not None:
-                    group.create_task(self.identity.renew_forever(self.client), name="identity")
+                    identity, client = self.identity, self.client
+                    group.create_task(
+                        run_supervised(
+                            lambda: identity.renew_forever(client),
+                            name="client certificate renewal",
+                            logger=log,
+                        ),
+                        name="identity",
+                    )
                 # Many nodes start spread over a few seconds rather than in one burst, which
                 # would delay every node's first lease renewals behind a thousand registrations.
                 spread = min(5.0 / max(len(self.nodes), 1), 0.05)
@@ -243,14 +252,17 @@ class Agent:
     async def _serve_port(self, port: int, nodes: list[NodeAgent]) -> None:
         """Certificate, then listen, then renew: retried from the start (by the supervisor) if
         obtaining the certificate or listening fails; a failed renewal only retries itself."""
-        readiness = self._readiness[port]
-        addresses = [a for n in nodes for a in n.settings.address_list()]
-        context, certificate = await self.tls_context(
-            nodes[0].settings.name, addresses, readiness.waiting_for
-        )
-        servers = await start_servers(
-            [kubelet_node(n, port) for n in nodes], context, self.kubelet_auth(), readiness
-        )
-        self.servers.extend(servers)
+        if port not in self._serving:  # once listening, a retry never binds again
+            readiness = self._readiness[port]
+            addresses = [a for n in nodes for a in n.settings.address_list()]
+            context, certificate = await self.tls_context(
+                nodes[0].settings.name, addresses, readiness.waiting_for
+            )
+            servers = await start_servers(
+                [kubelet_node(n, port) for n in nodes], context, self.kubelet_auth(), readiness
+            )
+            self.servers.extend(servers)
+            self._serving[port] = certificate
+        certificate = self._serving[port]
         if certificate is not None:
             await certificate.renew_forever()

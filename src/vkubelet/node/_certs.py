@@ -195,7 +195,8 @@ class ServingCertificate:
             await asyncio.sleep(max((renew_at - dt.datetime.now(dt.UTC)).total_seconds(), 1.0))
             try:
                 cert = await self._request()
-            except Exception as e:
+                self.on_renewed(self.cert_path, self.key_path)
+            except Exception as e:  # any failure: retried, the current certificate serves
                 log.warning(
                     "node %s: serving certificate renewal failed (%s); the current one serves "
                     "until %s; retrying in %.0fs",
@@ -208,7 +209,6 @@ class ServingCertificate:
                 backoff = min(backoff * 2, RENEW_RETRY_MAX_SECONDS)
                 continue
             backoff = self.retry_seconds
-            self.on_renewed(self.cert_path, self.key_path)
 
     async def _request(self) -> x509.Certificate:
         self._cert_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

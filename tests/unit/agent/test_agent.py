@@ -5,6 +5,7 @@ providers' events reach the right node's recorder."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -16,7 +17,9 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod
 
 import vkubelet.agent._providers
+import vkubelet.node._certs
 from vkubelet.agent import Agent
+from vkubelet.agent._clientca import ClientCA
 from vkubelet.node import AgentConfig, FleetNode, NodeSpec, ProviderContext
 from vkubelet.providers.mock import MockConfig, MockProvider
 
@@ -216,3 +219,57 @@ async def test_a_providers_events_reach_the_recorder_of_the_pods_node(
         assert found["Rebooted"]["source"]["host"] == "vk-a"
     finally:
         await cancel_and_wait(task)
+
+
+async def test_a_failed_renewal_leaves_the_kubelet_api_serving_and_never_rebinds(
+    api: FakeApiServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(vkubelet.node._certs, "RENEW_RETRY_SECONDS", 0.05)
+    caplog.set_level(logging.INFO)
+    agent = Agent(agent_config(tmp_path), client=api.client())
+    port = agent.config.nodes[0].settings.kubelet_port
+    task = asyncio.create_task(agent.run())
+    try:
+        # Certificates of 4 s: renewed about 3 s after they were signed.
+        async with signer(api, TestCA("cluster"), only_approved=False, seconds=4):
+            await eventually(lambda: ready(api).get("status") == "True", what="Ready")
+            api.fail("POST", "certificatesigningrequests$", status=500, times=3)
+            await eventually(
+                lambda: len(api.objects("certificatesigningrequests")) >= 2,
+                within=15,
+                what="renewed after the failures",
+            )
+            await eventually(lambda: "serving certificate renewed" in caplog.text, within=5)
+        assert answers(port)
+        assert ready(api)["status"] == "True"
+        assert "renewal failed" in caplog.text
+        assert "address already in use" not in caplog.text.lower()
+        assert len(agent.servers) == 1
+    finally:
+        await cancel_and_wait(task)
+
+
+async def test_the_client_ca_file_is_one_per_process_and_removed_at_the_end(
+    api: FakeApiServer,
+) -> None:
+    api.create(
+        "configmaps",
+        {
+            "metadata": {"name": "extension-apiserver-authentication", "namespace": "kube-system"},
+            "data": {"client-ca-file": TestCA("clients").pem.decode()},
+        },
+    )
+    client_ca = ClientCA(None)
+    client = api.client()
+    try:
+        first = await client_ca.file(client)
+        second = await client_ca.file(client)
+        assert first is not None and first == second
+        assert list(first.parent.iterdir()) == [first]
+        client_ca.close()
+        assert not first.parent.exists()
+    finally:
+        await client.aclose()
