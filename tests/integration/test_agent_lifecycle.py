@@ -5,9 +5,13 @@ a certificate from another cluster is never served, and SIGTERM closes the provi
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +216,47 @@ def test_sigterm_stops_the_agent_and_closes_its_provider_once(
     finally:
         process.stop()
         kubectl("delete", "node", node, "--ignore-not-found", "--wait=false")
+
+
+def _cli(*args: str) -> None:
+    exe = Path(sys.prefix) / "bin" / "vkubelet"
+    subprocess.run([str(exe), *args], check=True, capture_output=True, timeout=600)
+
+
+def test_after_dev_cluster_down_and_up_logs_and_exec_still_work_with_the_default_cert_dir(
+    tmp_path: Path,
+) -> None:
+    """The acceptance of issue 9: a new cluster of the same name has a new CA; the serving
+    certificate the agent stored for the old one (under the default --cert-dir) is not reused."""
+    from vkubelet.node import AgentConfig
+    from vkubelet.node._certs import cluster_cert_dir
+
+    name = f"vkt-{uuid.uuid4().hex[:6]}"
+    node = f"vk-again-{uuid.uuid4().hex[:6]}"
+    cluster = Cluster(name)
+    default_dir = AgentConfig(nodes=[]).cert_dir
+    used: list[Path] = []
+    try:
+        with local_test_address() as address:
+            for round_ in ("first", "second"):
+                _cli("dev", "cluster", "up", "--name", name)
+                kubectl = Kubectl(cluster.kubeconfig)
+                if kubectl("get", *MARKER, check=False).returncode != 0:
+                    kubectl("create", *MARKER, f"--from-literal=name={name}")
+                ca = (cluster.pki / "ca.crt").read_bytes()
+                used.append(cluster_cert_dir(default_dir, ca, cluster.server))
+                workdir = tmp_path / round_
+                workdir.mkdir()
+                process = agent(cluster, workdir, node, address)  # no --cert-dir: the default
+                try:
+                    wait_for(partial(node_ready, kubectl, node), timeout=90, what="node Ready")
+                    logs_and_exec_work(kubectl, node)
+                finally:
+                    process.stop()
+                if round_ == "first":
+                    _cli("dev", "cluster", "down", "--name", name)
+        assert used[0] != used[1]
+    finally:
+        _cli("dev", "cluster", "down", "--name", name)
+        for directory in used:
+            shutil.rmtree(directory, ignore_errors=True)

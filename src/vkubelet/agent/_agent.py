@@ -10,6 +10,7 @@ its pods running for the next start to adopt.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import ssl
@@ -185,7 +186,7 @@ class Agent:
                     for port, nodes in self._by_port().items():
                         group.create_task(
                             run_supervised(
-                                lambda p=port, n=nodes: self._serve_port(p, n),  # type: ignore[misc]
+                                functools.partial(self._serve_port, port, nodes),
                                 name=f"kubelet API on port {port}",
                                 logger=log,
                             ),
