@@ -198,3 +198,33 @@ async def test_a_member_back_while_its_node_drains_starts_again_after_the_drain(
         await always(lambda: not task.done(), duration=0.2)
     finally:
         await cancel_and_wait(task)
+
+
+class FlakyFleet(Fleet):
+    """Its inventory cannot be read the first time (a half-written file, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 1
+
+    async def watch_nodes(self) -> AsyncIterator[Sequence[FleetNode]]:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("inventory unreadable")
+        async for members in super().watch_nodes():
+            yield members
+
+
+async def test_a_failing_fleet_watch_is_logged_and_restarted_not_fatal(
+    api: FakeApiServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    flaky = FlakyFleet()
+    monkeypatch.setattr(vkubelet.agent._providers, "build_provider", lambda spec, events: flaky)
+    task = await start(api)
+    try:
+        await eventually(lambda: "inventory unreadable" in caplog.text, what="the failure logged")
+        flaky.publish([member("dev-a")])
+        await eventually(lambda: lease_of(api, "dev-a"), within=5, what="restarted watch")
+        assert not task.done()
+    finally:
+        await cancel_and_wait(task)
