@@ -367,6 +367,24 @@ async def _wait_signed(
 CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
 
 
+def _cluster_of(kubeconfig: Path) -> tuple[str, bytes] | None:
+    """(server, CA PEM) of a kubeconfig's current cluster; None if unreadable."""
+    try:
+        config = KubeConfig.from_file(kubeconfig).get()
+        if config is None:
+            return None
+        cluster = config.cluster
+        if cluster.certificate_auth_data:
+            ca = base64.b64decode(cluster.certificate_auth_data)
+        elif cluster.certificate_auth:
+            ca = Path(cluster.certificate_auth).read_bytes()
+        else:
+            ca = b""
+    except (OSError, KeyError, ValueError, TypeError, yaml.YAMLError):
+        return None
+    return cluster.server, ca
+
+
 class ClientIdentity:
     """The agent's own client certificate, obtained like a kubelet's `--bootstrap-kubeconfig`.
 
@@ -394,6 +412,17 @@ class ClientIdentity:
             return None
         start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
         if dt.datetime.now(dt.UTC) > start + (end - start) * 0.8:
+            return None
+        if self.bootstrap is not None and _cluster_of(self.bootstrap) != _cluster_of(
+            self.kubeconfig
+        ):
+            # Another cluster now (say after `dev cluster down && up`): this identity is void.
+            log.info(
+                "node %s: %s is for another cluster than %s; obtaining a new identity",
+                self.node_name,
+                self.kubeconfig,
+                self.bootstrap,
+            )
             return None
         return cert
 

@@ -245,3 +245,29 @@ async def test_a_csr_we_may_not_approve_waits_for_an_admin_and_says_how(
         await asyncio.wait_for(task, 5)
     finally:
         await cancel_and_wait(task)
+
+
+def test_a_stored_client_identity_for_another_cluster_is_not_reused(tmp_path: Path) -> None:
+    old, new = TestCA("old cluster"), TestCA("new cluster")
+    old.issue(tmp_path / "c.crt", tmp_path / "c.key", name="vk-a", addresses=[])
+    kubeconfig, bootstrap = tmp_path / "node.kubeconfig", tmp_path / "bootstrap.kubeconfig"
+    write_kubeconfig(
+        kubeconfig,
+        cluster="default",
+        server="https://127.0.0.1:6443",
+        ca_pem=old.pem,
+        user="system:node:vk-a",
+        cert_pem=(tmp_path / "c.crt").read_bytes(),
+        key_pem=(tmp_path / "c.key").read_bytes(),
+    )
+    identity = ClientIdentity(kubeconfig=kubeconfig, bootstrap=bootstrap, node_name="vk-a")
+    for ca, reused in ((old, True), (new, False)):
+        write_kubeconfig(
+            bootstrap,
+            cluster="default",
+            server="https://127.0.0.1:6443",
+            ca_pem=ca.pem,
+            user="kubelet-bootstrap",
+            token="abcdef.0123456789abcdef",
+        )
+        assert (identity.current() is not None) == reused
