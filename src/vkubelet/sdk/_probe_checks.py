@@ -272,6 +272,25 @@ async def _request(
 # -- grpc ------------------------------------------------------------------------------------------
 _GRPC_PATH = "/grpc.health.v1.Health/Check"
 _SERVING_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+_GRPC_CODES = [
+    "OK",
+    "Canceled",
+    "Unknown",
+    "InvalidArgument",
+    "DeadlineExceeded",
+    "NotFound",
+    "AlreadyExists",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "FailedPrecondition",
+    "Aborted",
+    "OutOfRange",
+    "Unimplemented",
+    "Internal",
+    "Unavailable",
+    "DataLoss",
+    "Unauthenticated",
+]
 
 
 async def grpc_check(transport: ProbeTransport, host: str, port: int, service: str) -> Result:
@@ -335,10 +354,11 @@ async def _grpc_call(stream: _Stream, address: str, service: str) -> Result:
             f"(grpc.health.v1.Health): {metadata.get('grpc-message', '')}",
         )
     if code != 0:
+        name = _GRPC_CODES[code] if 0 <= code < len(_GRPC_CODES) else f"Code({code})"
         desc = metadata.get("grpc-message", "")
         return Result(
             Outcome.FAILURE,
-            f"error: health rpc probe failed: rpc error: code = {code} desc = {desc}",
+            f"error: health rpc probe failed: rpc error: code = {name} desc = {desc}",
         )
     status = _proto_varint_field(bytes(data[5:]), 1) if len(data) >= 5 else 0
     if status != 1:

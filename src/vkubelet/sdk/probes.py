@@ -340,8 +340,9 @@ async def _sleep_until(
     if wake is None:
         await asyncio.sleep(delay)
         return
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(wake.wait(), delay)
+    with contextlib.suppress(TimeoutError):  # not wait_for: it may swallow a cancellation (3.11)
+        async with asyncio.timeout(delay):
+            await wake.wait()
     wake.clear()
 
 

@@ -142,8 +142,11 @@ class DeviceProvider:
 
     async def _sweep_forever(self) -> None:
         while True:
+            # Not wait_for: on Python 3.11 it may swallow a cancellation that comes as the event
+            # is set, and aclose() then waits for this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), _SWEEP_INTERVAL)
+                async with asyncio.timeout(_SWEEP_INTERVAL):
+                    await self._poke.wait()
             self._poke.clear()
             await asyncio.sleep(0.01)  # a burst of events costs one sweep
             uids = None if not self._swept.is_set() else (set(self._poked) or None)
