@@ -4,7 +4,7 @@ The apiserver reaches a node's kubelet port for `kubectl logs/exec/attach/port-f
 and for `nodes/<name>/proxy/...`. This package serves that port with asyncio only: h11 for
 HTTP/1.1, the sans-I/O SPDY/3.1 and channel cores of `vkubelet.protocols` for the streaming
 verbs (wsproto for WebSocket), and the kubelet's webhook authentication and authorization.
-What each verb does is up to the node's provider (`vkubelet.node.capabilities`).
+What each verb does is up to the node's provider (`vkubelet.sdk.capabilities`).
 
 Typical use, one server per port for all of an agent's nodes::
 

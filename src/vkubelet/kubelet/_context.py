@@ -9,9 +9,9 @@ from typing import Any
 
 from lightkube.resources.core_v1 import Pod
 
-from ..node.provider import PodLifecycleHandler
 from ..protocols.remotecommand import HEADER_ACCEPTED_PROTOCOL_VERSIONS, HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import SpdyLimits
+from ..sdk.provider import PodLifecycleHandler
 from ._http import Exchange, HttpError, Request
 from ._metrics import ServerMetrics
 from ._spdy import SpdySession

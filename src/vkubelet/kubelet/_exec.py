@@ -14,14 +14,6 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from ..node.capabilities import (
-    AttachIO,
-    ContainerAttach,
-    ContainerExec,
-    InputStream,
-    OutputStream,
-    ResizeQueue,
-)
 from ..protocols.remotecommand import (
     HEADER_PROTOCOL_VERSION,
     SPDY_EXEC_PROTOCOLS,
@@ -39,6 +31,14 @@ from ..protocols.remotecommand import (
     stream_type,
 )
 from ..protocols.spdy import RstStatus
+from ..sdk.capabilities import (
+    AttachIO,
+    ContainerAttach,
+    ContainerExec,
+    InputStream,
+    OutputStream,
+    ResizeQueue,
+)
 from ._context import (
     Call,
     start_spdy_session,

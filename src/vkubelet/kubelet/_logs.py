@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
 
-from ..node.provider import ContainerLogOptions, ContainerLogs, ProviderError
+from ..sdk.provider import ContainerLogOptions, ContainerLogs, ProviderError
 from ._context import Call
 from ._http import HttpError, Request
 

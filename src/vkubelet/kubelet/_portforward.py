@@ -15,7 +15,6 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from ..node.capabilities import ByteStream, PortForwarder
 from ..protocols.channel import port_channels, port_greetings
 from ..protocols.portforward import (
     PORT_FORWARD_PROTOCOL,
@@ -30,6 +29,7 @@ from ..protocols.portforward import (
 )
 from ..protocols.remotecommand import HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import RstStatus
+from ..sdk.capabilities import ByteStream, PortForwarder
 from ._context import (
     Call,
     start_spdy_session,

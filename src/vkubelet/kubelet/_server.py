@@ -28,8 +28,8 @@ from lightkube.resources.core_v1 import Pod
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ..node.capabilities import MetricsProvider, StatsProvider
-from ..node.provider import ProviderError
+from ..sdk.capabilities import MetricsProvider, StatsProvider
+from ..sdk.provider import ProviderError
 from ._auth import (
     AuthenticationError,
     Credentials,

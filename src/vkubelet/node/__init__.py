@@ -1,11 +1,6 @@
 """The node agent: node controller, pod controller, events and the provider API."""
 
-from ._agent import AgentConfig, NodeAgent, NodeSpec
-from ._config import ConfigError, load_agent_config, parse_taint
-from ._kube import ApiError, ClientOptions, KubeClient, Unreachable
-from ._nodecontroller import NodeSettings
-from ._registry import ProviderContext, UnknownProvider, available_providers, load_provider
-from .provider import (
+from ..sdk.provider import (
     ContainerLogOptions,
     ContainerLogs,
     FleetNode,
@@ -15,9 +10,15 @@ from .provider import (
     NodeStatusNotifier,
     PodLifecycleHandler,
     PodNotifier,
+    ProviderContext,
     ProviderError,
     ResolvedPod,
 )
+from ._agent import AgentConfig, NodeAgent, NodeSpec
+from ._config import ConfigError, load_agent_config, parse_taint
+from ._kube import ApiError, ClientOptions, KubeClient, Unreachable
+from ._nodecontroller import NodeSettings
+from ._registry import ProviderLoadError, UnknownProvider, available_providers, load_provider
 
 __all__ = [
     "AgentConfig",
@@ -39,6 +40,7 @@ __all__ = [
     "PodNotifier",
     "ProviderContext",
     "ProviderError",
+    "ProviderLoadError",
     "ResolvedPod",
     "UnknownProvider",
     "Unreachable",

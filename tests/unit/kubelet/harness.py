@@ -33,9 +33,9 @@ from wsproto.events import (
 
 from vkubelet.devcluster import _pki
 from vkubelet.kubelet import Attributes, AuthenticationError, Credentials, Decision, UserInfo
-from vkubelet.node.capabilities import AttachIO, ByteStream, ContainerLogOptions
-from vkubelet.node.provider import PodStatus, ProviderError, ResolvedPod
 from vkubelet.protocols.spdy.frames import DataFrame, GoAwayFrame, PingFrame, RstStreamFrame
+from vkubelet.sdk.capabilities import AttachIO, ByteStream, ContainerLogOptions
+from vkubelet.sdk.provider import PodStatus, ProviderError, ResolvedPod
 
 from ..protocols.spdy_peer import Peer
 

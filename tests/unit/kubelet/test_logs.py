@@ -11,8 +11,8 @@ import h11
 import pytest
 
 from vkubelet.kubelet import KubeletNode
-from vkubelet.node.capabilities import ContainerLogOptions
-from vkubelet.node.provider import ProviderError
+from vkubelet.sdk.capabilities import ContainerLogOptions
+from vkubelet.sdk.provider import ProviderError
 
 from .conftest import Kubelet, StartKubelet
 from .harness import FakeProvider, HttpClient, make_pod

@@ -10,8 +10,8 @@ import msgspec
 from lightkube.resources.core_v1 import Pod
 
 from vkubelet.node import ResolvedPod
-from vkubelet.node.capabilities import AttachIO
 from vkubelet.node.resolve import EmptyDirVolume, FileContent, FilesVolume
+from vkubelet.sdk.capabilities import AttachIO
 
 NS, POD, UID = "default", "web", "uid-web"
 

@@ -15,7 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vkubelet.node import ContainerLogOptions, ProviderError
-from vkubelet.node.capabilities import (
+from vkubelet.providers.mock import MockConfig, MockProvider
+from vkubelet.providers.mock._stats import _go_float
+from vkubelet.sdk.capabilities import (
     ContainerAttach,
     ContainerExec,
     MetricsProvider,
@@ -23,8 +25,6 @@ from vkubelet.node.capabilities import (
     StatsProvider,
     TerminalSize,
 )
-from vkubelet.providers.mock import MockConfig, MockProvider
-from vkubelet.providers.mock._stats import _go_float
 
 from ..kubelet.harness import start_echo_server
 from .helpers import NS, POD, UID, Connection, Input, make_tar, read_tar, resolved, stdio

@@ -14,28 +14,32 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Protocol
 
-from .env import (
-    JSON,
-    FieldSelectorError,
-    SourceReadError,
-    Sources,
-    decode_base64_map,
-    default_limits,
-    extract_field_path,
-    find_container,
-    obj,
-    resource_field_value,
-    seq,
-    string_map,
-    text,
-    utf8_bytes,
+from ...sdk.volumes import (
+    EmptyDirVolume,
+    FileContent,
+    FileKind,
+    FilesVolume,
+    HostPathVolume,
+    OtherVolume,
+    ResolvedVolume,
 )
+from .fieldpath import FieldSelectorError, extract_field_path
+from .jsonvalues import decode_base64_map, obj, seq, string_map, text, utf8_bytes
+from .resourcefields import default_limits, find_container, resource_field_value
+from .sources import JSON, SourceReadError, Sources
 
 FAILED_MOUNT: Final = "FailedMount"
+
+_FILE_KINDS: Final[dict[str, FileKind]] = {
+    "configMap": "configMap",
+    "secret": "secret",
+    "downwardAPI": "downwardAPI",
+    "projected": "projected",
+}
 
 # The API server defaults every configMap/secret/downwardAPI/projected defaultMode to 0644.
 DEFAULT_MODE: Final = 0o644
@@ -64,67 +68,6 @@ class TokenSource(Protocol):
         `audience` None means the API server's default audiences.
         """
         ...
-
-
-@dataclass(frozen=True)
-class FileContent:
-    """One file of a volume. `owner_uid` is set where the kubelet chowns the file (token and
-    trust-bundle files, when all containers run as the same user)."""
-
-    data: bytes
-    mode: int
-    owner_uid: int | None = None
-
-
-FileKind = Literal["configMap", "secret", "downwardAPI", "projected"]
-_FILE_KINDS: Final[dict[str, FileKind]] = {
-    "configMap": "configMap",
-    "secret": "secret",
-    "downwardAPI": "downwardAPI",
-    "projected": "projected",
-}
-
-
-@dataclass(frozen=True)
-class FilesVolume:
-    """A configMap, secret, downwardAPI or projected volume: a read-only tree of files.
-
-    `files` maps clean relative paths ("a/b.txt") to contents. `fs_group`, when set, is the
-    group that should own the files (their modes already include the group-read bits).
-    """
-
-    name: str
-    kind: FileKind
-    files: Mapping[str, FileContent]
-    fs_group: int | None = None
-
-
-@dataclass(frozen=True)
-class EmptyDirVolume:
-    """A scratch directory; `medium` "" (node disk), "Memory" or "HugePages[-<size>]"."""
-
-    name: str
-    medium: str = ""
-    size_limit: str | None = None
-
-
-@dataclass(frozen=True)
-class HostPathVolume:
-    name: str
-    path: str
-    type: str = ""
-
-
-@dataclass(frozen=True)
-class OtherVolume:
-    """Any other volume type (persistentVolumeClaim, csi, image, ...), as declared."""
-
-    name: str
-    kind: str
-    source: JSON
-
-
-ResolvedVolume = FilesVolume | EmptyDirVolume | HostPathVolume | OtherVolume
 
 
 @dataclass(frozen=True)
@@ -492,48 +435,3 @@ def resolve_volumes(
 
 # --------------------------------------------------------------------------------------------
 # What a pod depends on
-# --------------------------------------------------------------------------------------------
-
-ObjectRef = tuple[Literal["ConfigMap", "Secret"], str, str]
-
-
-@dataclass
-class _Refs:
-    namespace: str
-    found: set[ObjectRef] = field(default_factory=set)
-
-    def add(self, kind: Literal["ConfigMap", "Secret"], name: Any) -> None:
-        if isinstance(name, str) and name:
-            self.found.add((kind, self.namespace, name))
-
-
-def referenced_objects(
-    pod: JSON, *, include_env: bool = True, include_volumes: bool = True
-) -> set[ObjectRef]:
-    """The ConfigMaps and Secrets `pod` reads, as (kind, namespace, name).
-
-    When one of them changes, the agent re-resolves and tells the provider. Note the kubelet's
-    own semantics: volume contents follow changes while the pod runs, but a container's
-    environment is fixed when it starts; pass `include_env=False` to watch only what can be
-    updated live. Service links also depend on the namespace's Services, which are not listed.
-    """
-    spec = obj(pod.get("spec"))
-    refs = _Refs(text(obj(pod.get("metadata")).get("namespace")))
-    if include_env:
-        for key in ("initContainers", "containers", "ephemeralContainers"):
-            for container in (obj(c) for c in seq(spec.get(key))):
-                for source in (obj(s) for s in seq(container.get("envFrom"))):
-                    refs.add("ConfigMap", obj(source.get("configMapRef")).get("name"))
-                    refs.add("Secret", obj(source.get("secretRef")).get("name"))
-                for var in (obj(v) for v in seq(container.get("env"))):
-                    value_from = obj(var.get("valueFrom"))
-                    refs.add("ConfigMap", obj(value_from.get("configMapKeyRef")).get("name"))
-                    refs.add("Secret", obj(value_from.get("secretKeyRef")).get("name"))
-    if include_volumes:
-        for volume in (obj(v) for v in seq(spec.get("volumes"))):
-            refs.add("ConfigMap", obj(volume.get("configMap")).get("name"))
-            refs.add("Secret", obj(volume.get("secret")).get("secretName"))
-            for projection in (obj(p) for p in seq(obj(volume.get("projected")).get("sources"))):
-                refs.add("ConfigMap", obj(projection.get("configMap")).get("name"))
-                refs.add("Secret", obj(projection.get("secret")).get("name"))
-    return refs.found

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...node.resolve import parse_quantity
+from ...sdk.quantity import parse_quantity
 
 _KNOWN_KEYS = {
     "cpu",

@@ -9,7 +9,7 @@ import posixpath
 import re
 from collections.abc import Awaitable, Callable
 
-from ...node.capabilities import AttachIO, OutputStream
+from ...sdk.capabilities import AttachIO, OutputStream
 from ._fs import Filesystem, FsError, NoSpace, join
 from ._records import MockContainer, MockPod
 from ._syntax import ASSIGNMENT, Command, ShellSyntaxError, Word, parse

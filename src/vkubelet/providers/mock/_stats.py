@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from ...node.resolve import parse_quantity
+from ...sdk.quantity import parse_quantity
 from ._records import MockContainer, MockPod, format_time, parse_time
 
 _SYSTEM_NANOCORES = 50_000_000  # the node's own CPU use (50m) ...

@@ -14,7 +14,7 @@ import os
 from collections.abc import AsyncGenerator
 
 from ...node import ContainerLogOptions
-from ...node.capabilities import AttachIO, ByteStream
+from ...sdk.capabilities import AttachIO, ByteStream
 from ._records import MockContainer, MockPod, now, parse_time
 from ._terminal import LineReader, Terminal, unless, wait
 

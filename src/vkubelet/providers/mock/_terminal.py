@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ...node.capabilities import AttachIO, InputStream, OutputStream, TerminalSize
+from ...sdk.capabilities import AttachIO, InputStream, OutputStream, TerminalSize
 from ._fs import NoSpace
 
 T = TypeVar("T")

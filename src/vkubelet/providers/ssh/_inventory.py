@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from ...node import ConfigError, parse_taint
-from ...node.resolve import parse_quantity
+from ...sdk.quantity import parse_quantity
 
 __all__ = ["DeviceConfig", "Inventory", "load_inventory"]
 

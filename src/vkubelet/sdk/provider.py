@@ -17,26 +17,35 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
-from .resolve import ResolvedVolume
+from .volumes import ResolvedVolume
 
 __all__ = [
+    "Closeable",
+    "ConditionStatus",
     "ContainerLogOptions",
     "ContainerLogs",
+    "EventSink",
+    "EventType",
     "FleetNode",
     "Node",
+    "NodeCondition",
+    "NodeConditions",
     "NodeConfigurer",
     "NodeFleet",
     "NodeProvider",
     "NodeStatusNotifier",
+    "PassThroughPods",
     "Pod",
     "PodLifecycleHandler",
     "PodNotifier",
     "PodStatus",
+    "ProviderContext",
     "ProviderError",
     "ResolvedPod",
 ]
@@ -59,10 +68,19 @@ class ProviderError(Exception):
 
 @dataclass(frozen=True)
 class ResolvedPod:
-    """A pod ready to run: `pod` with literal env values, plus its volumes' contents."""
+    """A pod ready to run: `pod` with literal env values, plus its volumes' contents.
+
+    For a `PassThroughPods` provider, `pod` is the API's pod as written, `volumes` is empty and
+    `references` maps `(kind, namespace, name)` of each object the pod references (ConfigMap,
+    Secret, ServiceAccount, PersistentVolumeClaim) to the API's current JSON of it, or None while
+    it does not exist.
+    """
 
     pod: Pod
     volumes: Mapping[str, ResolvedVolume] = field(default_factory=dict)
+    references: Mapping[tuple[str, str, str], Mapping[str, Any] | None] = field(
+        default_factory=dict
+    )
 
     @property
     def namespace(self) -> str:
@@ -133,6 +151,96 @@ class NodeStatusNotifier(Protocol):
     """Optional: push node changes (capacity, conditions) instead of waiting for the next update."""
 
     def notify_node_status(self, callback: Callable[[Node], None]) -> None: ...
+
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+@dataclass(frozen=True)
+class NodeCondition:
+    """A node condition as the provider sees it; the agent keeps the transition times.
+
+    Standard types (`Ready`, `MemoryPressure`, `DiskPressure`, `PIDPressure`,
+    `NetworkUnavailable`) are merged with the agent's own view: a provider's `Ready=False` makes
+    the node NotReady with the provider's reason, whatever the agent thinks. Any other type is
+    published as the provider states it (say `Accelerator` with reason `TCGFallback`).
+    """
+
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str = ""
+
+
+@runtime_checkable
+class NodeConditions(Protocol):
+    """Optional: conditions the backend reports about itself ("lower cluster unreachable",
+    "KVM unusable, running under TCG"). Read at every node status update; call the
+    `notify_node_status` callback (if implemented) to have a change published at once."""
+
+    def node_conditions(self) -> Sequence[NodeCondition]: ...
+
+
+@runtime_checkable
+class PassThroughPods(Protocol):
+    """Optional: the provider forwards pods to another Kubernetes API and wants them as written.
+
+    With `pass_through = True` the agent does not resolve env, envFrom or volumes: `ResolvedPod.pod`
+    is the API's pod unchanged (references, imagePullSecrets and all) and `ResolvedPod.references`
+    holds the current copies of exactly the objects it references (ConfigMaps and Secrets are
+    watched; ServiceAccounts and PVCs, which the Node authorizer lets a node get but not watch,
+    are re-read every 30 s); `update_pod` is called when one of them changes. No secret value is
+    ever copied into a pod spec by the agent, so none can leak into another system's pod spec.
+    """
+
+    pass_through: bool
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """Optional: release what the provider holds when the agent stops (SIGTERM/SIGINT).
+
+    Called once, after the node's controllers have stopped, with the provider's pods left
+    running: a restarted agent adopts them through `list_pods`. So a provider must keep, outside
+    the process, whatever lets it find its pods again, and must make `create_pod` idempotent for a
+    pod it already runs (same UID).
+    """
+
+    async def aclose(self) -> None: ...
+
+
+EventType = Literal["Normal", "Warning"]
+
+
+class EventSink(Protocol):
+    """Where a provider records Kubernetes Events about its pods and its node.
+
+    Non-blocking; events are aggregated and rate-limited with the agent's own, so a provider may
+    report freely. Never put a secret value in a message.
+    """
+
+    def pod_event(self, pod: Pod, type: EventType, reason: str, message: str) -> None: ...
+
+    def node_event(self, node_name: str, type: EventType, reason: str, message: str) -> None: ...
+
+
+class _NoEvents:
+    def pod_event(self, pod: Pod, type: EventType, reason: str, message: str) -> None:
+        pass
+
+    def node_event(self, node_name: str, type: EventType, reason: str, message: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ProviderContext:
+    """What a provider factory gets: enough to find its config, describe its node, report."""
+
+    node_name: str
+    config_path: Path | None
+    internal_ip: str
+    kubelet_port: int
+    events: EventSink = field(default_factory=_NoEvents)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""The provider SDK: everything a provider imports, from one place, without the agent's internals.
+
+`vkubelet.sdk` (re-exported by `vkubelet`) holds the provider protocols, the types a provider
+receives (`ResolvedPod`, resolved volumes, stdio streams), and the helpers every provider shares.
+Importing it loads lightkube's models and nothing of the node agent, the kubelet API or the CLI.
+"""
+
+from .capabilities import (
+    AttachIO,
+    ByteStream,
+    ContainerAttach,
+    ContainerExec,
+    InputStream,
+    MetricsProvider,
+    OutputStream,
+    PortForwarder,
+    ResizeQueue,
+    StatsProvider,
+    TerminalSize,
+)
+from .probes import ExecResult, PodProbes, ProbeEvent, ProbeTransport, ProbeUnknown
+from .provider import (
+    Closeable,
+    ConditionStatus,
+    ContainerLogOptions,
+    ContainerLogs,
+    EventSink,
+    EventType,
+    FleetNode,
+    NodeCondition,
+    NodeConditions,
+    NodeConfigurer,
+    NodeFleet,
+    NodeProvider,
+    NodeStatusNotifier,
+    PassThroughPods,
+    PodLifecycleHandler,
+    PodNotifier,
+    ProviderContext,
+    ProviderError,
+    ResolvedPod,
+)
+from .quantity import Quantity, QuantityError, parse_quantity
+from .tasks import TaskSet, run_supervised, supervise
+from .volumes import (
+    EmptyDirVolume,
+    FileContent,
+    FilesVolume,
+    HostPathVolume,
+    OtherVolume,
+    ResolvedVolume,
+)
+
+__all__ = [
+    "AttachIO",
+    "ByteStream",
+    "Closeable",
+    "ConditionStatus",
+    "ContainerAttach",
+    "ContainerExec",
+    "ContainerLogOptions",
+    "ContainerLogs",
+    "EmptyDirVolume",
+    "EventSink",
+    "EventType",
+    "ExecResult",
+    "FileContent",
+    "FilesVolume",
+    "FleetNode",
+    "HostPathVolume",
+    "InputStream",
+    "MetricsProvider",
+    "NodeCondition",
+    "NodeConditions",
+    "NodeConfigurer",
+    "NodeFleet",
+    "NodeProvider",
+    "NodeStatusNotifier",
+    "OtherVolume",
+    "OutputStream",
+    "PassThroughPods",
+    "PodLifecycleHandler",
+    "PodNotifier",
+    "PodProbes",
+    "PortForwarder",
+    "ProbeEvent",
+    "ProbeTransport",
+    "ProbeUnknown",
+    "ProviderContext",
+    "ProviderError",
+    "Quantity",
+    "QuantityError",
+    "ResizeQueue",
+    "ResolvedPod",
+    "ResolvedVolume",
+    "StatsProvider",
+    "TaskSet",
+    "TerminalSize",
+    "parse_quantity",
+    "run_supervised",
+    "supervise",
+]

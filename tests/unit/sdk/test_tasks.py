@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from vkubelet.sdk import TaskSet, run_supervised
+
+
+async def test_a_failing_supervised_task_is_logged_and_restarted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    runs = 0
+
+    async def work() -> None:
+        nonlocal runs
+        runs += 1
+        if runs < 3:
+            raise RuntimeError(f"boom {runs}")
+
+    with caplog.at_level(logging.ERROR):
+        await asyncio.wait_for(
+            run_supervised(work, name="flaky", initial_backoff=0.01, max_backoff=0.02), 5
+        )
+    assert runs == 3
+    assert [r.message for r in caplog.records].count("flaky failed; restarting in 0.0s") == 2
+    assert "boom 1" in caplog.text
+
+
+async def test_finished_tasks_are_forgotten_and_their_failures_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tasks = TaskSet("pods")
+
+    async def fail() -> None:
+        raise ValueError("lost before")
+
+    with caplog.at_level(logging.ERROR):
+        done = [tasks.spawn(asyncio.sleep(0), name=f"ok {i}") for i in range(100)]
+        failed = tasks.spawn(fail(), name="bad")
+        await asyncio.gather(*done, failed, return_exceptions=True)
+        await asyncio.sleep(0)  # done callbacks run on the next loop iteration
+    assert len(tasks) == 0
+    assert "pods: bad failed" in caplog.text
+    assert "lost before" in caplog.text
+
+
+async def test_closing_a_task_set_cancels_what_still_runs() -> None:
+    tasks = TaskSet("x")
+    task = tasks.spawn(asyncio.sleep(3600), name="forever")
+    await tasks.aclose()
+    assert task.cancelled()
+    assert len(tasks) == 0
+
+
+def test_the_sdk_imports_without_the_agent_internals() -> None:
+    code = (
+        "import sys, vkubelet; "
+        "bad = [m for m in sys.modules if m.startswith(('vkubelet.node', 'vkubelet.kubelet', "
+        "'vkubelet.agent', 'vkubelet.cli'))]; print(bad); assert not bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
