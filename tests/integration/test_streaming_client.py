@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.node.capabilities import AttachIO, ResizeQueue, TerminalSize
+from vkubelet.sdk.capabilities import AttachIO, ResizeQueue, TerminalSize
 from vkubelet.streaming import (
     Endpoint,
     PortForwardError,

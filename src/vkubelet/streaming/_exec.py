@@ -16,7 +16,6 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any, Literal, Protocol
 
-from ..node.capabilities import AttachIO, InputStream, OutputStream, ResizeQueue
 from ..protocols.channel import ChannelClose, ChannelData, ChannelError, ChannelFraming
 from ..protocols.remotecommand import (
     CLIENT_SPDY_EXEC_PROTOCOLS,
@@ -30,6 +29,7 @@ from ..protocols.remotecommand import (
     decode_exit_status,
     encode_resize,
 )
+from ..sdk.capabilities import AttachIO, InputStream, OutputStream, ResizeQueue
 from ._connect import Endpoint, upgrade
 from ._errors import RemoteCommandError, StreamingError, UpgradeFailed
 from ._pipe import Inbox

@@ -14,13 +14,13 @@ import asyncio
 import logging
 from types import TracebackType
 
-from ..node.capabilities import ByteStream
 from ..protocols.portforward import (
     PORT_FORWARD_PROTOCOL,
     WEBSOCKET_SPDY_TUNNEL_PROTOCOL,
     pair_headers,
 )
 from ..protocols.remotecommand import HEADER_PROTOCOL_VERSION
+from ..sdk.capabilities import ByteStream
 from ._connect import Endpoint, upgrade
 from ._errors import PortForwardError, StreamingError, UpgradeFailed
 from ._exec import Transport

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vkubelet._files import write_kubeconfig
-from vkubelet.node.capabilities import AttachIO
+from vkubelet.sdk.capabilities import AttachIO
 from vkubelet.streaming import Endpoint, StreamingError, UpgradeFailed, exec_command
 from vkubelet.streaming._exec import _target
 from vkubelet.streaming._pipe import Inbox

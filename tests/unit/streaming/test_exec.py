@@ -13,7 +13,7 @@ from typing import NoReturn
 
 import pytest
 
-from vkubelet.node.capabilities import AttachIO, ResizeQueue, TerminalSize
+from vkubelet.sdk.capabilities import AttachIO, ResizeQueue, TerminalSize
 from vkubelet.streaming import (
     Endpoint,
     RemoteCommandError,
