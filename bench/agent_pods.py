@@ -325,6 +325,8 @@ def start_agent(kubeconfig: Path, node: str, work: Path) -> subprocess.Popen[byt
             str(config),
             "--nodename",
             node,
+            # Ready waits for the kubelet API, whose serving CSR nobody else approves here.
+            "--approve-own-csrs",
             "--log-level",
             "warning",
         ],

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import signal
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -57,7 +58,11 @@ def version() -> None:
 def run(
     provider: Annotated[
         str | None,
-        typer.Option(envvar="VKUBELET_PROVIDER", help="Provider name (see `providers`)."),
+        typer.Option(
+            envvar="VKUBELET_PROVIDER",
+            help="An installed provider's name (see `providers`), module:factory, or a path to "
+            "a .py file (factory `create`, or path.py:factory).",
+        ),
     ] = None,
     provider_config: Annotated[
         Path | None, typer.Option(envvar="VKUBELET_PROVIDER_CONFIG", help="Provider config file.")
@@ -93,11 +98,22 @@ def run(
         Path | None, typer.Option(help="CA of the apiserver's kubelet client certificate.")
     ] = None,
     cert_dir: Annotated[
-        Path | None, typer.Option(help="Where CSR-issued certificates are kept.")
+        Path | None,
+        typer.Option(
+            help="Where CSR-issued certificates are kept, in a subdirectory per cluster CA "
+            "[default: ~/.local/state/vkubelet/pki]."
+        ),
     ] = None,
     approve_own_csrs: Annotated[
-        bool, typer.Option(help="Approve our serving CSRs ourselves (development clusters).")
-    ] = False,
+        bool | None,
+        typer.Option(
+            "--approve-own-csrs/--no-approve-own-csrs",
+            help="Approve our serving CSRs ourselves. Default: only on a vkubelet dev cluster "
+            "(ConfigMap kube-public/vkubelet-dev-cluster); elsewhere a cluster admin approves "
+            "them (the log says how).",
+            show_default=False,
+        ),
+    ] = None,
     insecure_kubelet_api: Annotated[
         bool, typer.Option(help="Serve the kubelet API without authentication (DANGEROUS).")
     ] = False,
@@ -121,7 +137,7 @@ def run(
         ConfigError,
         NodeSettings,
         NodeSpec,
-        UnknownProvider,
+        ProviderLoadError,
         load_agent_config,
         parse_taint,
     )
@@ -176,7 +192,8 @@ def run(
             agent_config.client_ca_file = client_ca_file
         if cert_dir:
             agent_config.cert_dir = cert_dir
-        agent_config.approve_csrs = agent_config.approve_csrs or approve_own_csrs
+        if approve_own_csrs is not None:
+            agent_config.approve_csrs = approve_own_csrs
         if bootstrap_kubeconfig:
             agent_config.bootstrap_kubeconfig = bootstrap_kubeconfig
         agent_config.insecure_kubelet_api = (
@@ -184,10 +201,32 @@ def run(
         )
         agent_config.kubelet_api = agent_config.kubelet_api and kubelet_api
         agent = Agent(agent_config)
-    except (ConfigError, UnknownProvider, ValueError, OSError) as e:
+    except (ConfigError, ProviderLoadError, ValueError, OSError) as e:
         raise _fail(e) from None
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(agent.run())
+    asyncio.run(_run_until_signalled(agent.run))
+
+
+async def _run_until_signalled(run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run the agent until SIGTERM or SIGINT, then let it stop in order (its controllers, its
+    kubelet servers, every provider's `aclose`) and return: the process exits 0."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(run(), name="agent")
+    stopping = False
+
+    def stop(sig: signal.Signals) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            err.print(f"{sig.name}: stopping", highlight=False, markup=False)
+            task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop, sig)
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not stopping:
+            raise
 
 
 @app.command()

@@ -331,6 +331,31 @@ def test_a_pod_the_provider_rejects_fails_with_its_reason_and_others_still_run(
     assert mock_node.agent.running
 
 
+def test_a_readiness_probe_gates_a_mock_pod_s_ready_condition(
+    mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
+) -> None:
+    probe = {"exec": {"command": ["test", "-f", "/tmp/ready"]}, "periodSeconds": 1}
+    container = {"name": "main", "image": "registry.example/app:1", "readinessProbe": probe}
+    manifest = pod_manifest("probed", mock_node.name, containers=[container])
+    kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(manifest))
+
+    def ready() -> bool:
+        conditions = kubectl.json("-n", ns, "get", "pod", "probed")["status"].get("conditions")
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions or [])
+
+    wait_for(lambda: phase(kubectl, ns, "probed") == "Running", what="Running")
+    time.sleep(3)  # a few probes have failed
+    assert not ready()
+    wait_for(
+        lambda: kubectl("-n", ns, "exec", "probed", "--", "sh", "-c", "echo > /tmp/ready"),
+        timeout=30,
+        what="the file the probe looks for",
+    )
+    wait_for(ready, timeout=30, what="Ready once the probe succeeds")
+    kubectl("-n", ns, "exec", "probed", "--", "rm", "/tmp/ready")
+    wait_for(lambda: not ready(), timeout=30, what="not Ready again")
+
+
 def test_deleting_the_node_object_gets_it_registered_again(
     mock_node: StatefulMockNode, kubectl: Kubectl
 ) -> None:

@@ -121,3 +121,34 @@ def test_kubelet_csr_is_signed_and_its_identity_is_limited_by_the_node_authorize
         assert "Forbidden" in refused.stderr
     finally:
         kubectl("delete", "node", node, f"{node}-other", "--ignore-not-found")
+
+
+def test_any_authenticated_user_can_read_the_dev_cluster_marker_and_nothing_else_there(
+    kube_cluster: Cluster, kubectl: Kubectl, tmp_path: Path
+) -> None:
+    from vkubelet.testing import node_kubeconfig
+
+    marker = kubectl.json("-n", "kube-public", "get", "configmap", "vkubelet-dev-cluster")
+    assert marker["data"] == {"name": kube_cluster.name}
+    kubectl("-n", "kube-public", "create", "configmap", "other", "--from-literal=k=v")
+    try:
+        # A node's identity has no RBAC of its own; the marker's Role is for system:authenticated.
+        node = f"marker-node-{uuid.uuid4().hex[:6]}"
+        as_node = Kubectl(
+            node_kubeconfig(kube_cluster, kubectl, node, tmp_path / "node.kubeconfig")
+        )
+        seen = json.loads(
+            as_node(
+                "-n", "kube-public", "get", "configmap", "vkubelet-dev-cluster", "-o", "json"
+            ).stdout
+        )
+        assert seen["data"]["name"] == kube_cluster.name
+        for denied in (
+            ("-n", "kube-public", "get", "configmap", "other"),
+            ("-n", "kube-public", "get", "configmaps"),
+            ("-n", "kube-public", "delete", "configmap", "vkubelet-dev-cluster"),
+        ):
+            result = as_node(*denied, check=False)
+            assert result.returncode != 0 and "Forbidden" in result.stderr, denied
+    finally:
+        kubectl("-n", "kube-public", "delete", "configmap", "other", "--ignore-not-found")

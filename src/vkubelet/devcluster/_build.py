@@ -1,9 +1,11 @@
 """Build the control-plane binaries from their Go modules, once per version.
 
-No package registry ships kube-apiserver, so the Go module next to this file pins one Kubernetes
-release (and the etcd it was tested with) and we compile it. A cold build takes many minutes on
-two cores; the result is cached under a key derived from go.mod/go.sum so that later runs start
-in seconds and a change of version rebuilds by itself.
+No package registry ships kube-apiserver, so a Go module next to this file (`go/`) pins one
+Kubernetes release (and the etcd it was tested with) and we compile it; another (`go-metrics/`)
+pins metrics-server, which `kubectl top` needs. metrics-server has a module of its own because it
+pins its own k8s.io libraries, which need not match the control plane's. A cold build takes many
+minutes on two cores; each module's binaries are cached under a key derived from its
+go.mod/go.sum, so later runs start in seconds and a change of version rebuilds by itself.
 """
 
 from __future__ import annotations
@@ -23,17 +25,6 @@ from pathlib import Path
 
 from ._errors import DevClusterError
 
-GO_MODULE_DIR = Path(__file__).parent / "go"
-
-# Binary name -> Go package. etcd comes from the same module graph as the apiserver, so it is
-# exactly the etcd release this Kubernetes version requires (Debian's 3.4 is too old).
-PACKAGES: dict[str, str] = {
-    "etcd": "go.etcd.io/etcd/server/v3",
-    "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
-    "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
-    "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
-}
-
 Progress = Callable[[str], None]
 
 
@@ -46,28 +37,84 @@ class BuildFailed(DevClusterError):
 
 
 @dataclass(frozen=True)
-class Binaries:
+class GoModule:
+    """A Go module directory next to this file and the binaries built from it."""
+
+    cache_prefix: str  # the cache directory is <prefix>-<version>-<key of go.mod/go.sum>
     directory: Path
+    pinned: str  # the module whose version names the build
+    packages: dict[str, str]  # binary name -> Go package
+    version_packages: tuple[str, ...]  # packages whose version variables we stamp
+
+    def go_mod(self) -> str:
+        return (self.directory / "go.mod").read_text()
+
+    def version(self) -> str:
+        pattern = rf"^(?:require\s+|\t){re.escape(self.pinned)} (v\S+)"
+        match = re.search(pattern, self.go_mod(), re.MULTILINE)
+        if not match:
+            raise BuildFailed(f"{self.directory / 'go.mod'} does not pin {self.pinned}")
+        return match.group(1)
+
+    def required_go(self) -> tuple[int, int]:
+        match = re.search(r"^go (\d+)\.(\d+)", self.go_mod(), re.MULTILINE)
+        return (int(match.group(1)), int(match.group(2))) if match else (1, 0)
+
+    def cache_dir(self) -> Path:
+        digest = hashlib.sha256()
+        for name in ("go.mod", "go.sum"):
+            digest.update((self.directory / name).read_bytes())
+        return cache_root() / f"{self.cache_prefix}-{self.version()}-{digest.hexdigest()[:12]}"
+
+    def missing(self) -> list[str]:
+        directory = self.cache_dir()
+        return [name for name in self.packages if not (directory / name).is_file()]
+
+
+KUBERNETES = GoModule(
+    cache_prefix="k8s",
+    directory=Path(__file__).parent / "go",
+    pinned="k8s.io/kubernetes",
+    # etcd comes from the same module graph as the apiserver, so it is exactly the etcd release
+    # this Kubernetes version requires (Debian's 3.4 is too old).
+    packages={
+        "etcd": "go.etcd.io/etcd/server/v3",
+        "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
+        "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
+        "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
+    },
+    version_packages=("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"),
+)
+METRICS_SERVER = GoModule(
+    cache_prefix="metrics-server",
+    directory=Path(__file__).parent / "go-metrics",
+    pinned="sigs.k8s.io/metrics-server",
+    packages={"metrics-server": "sigs.k8s.io/metrics-server/cmd/metrics-server"},
+    # As metrics-server's own Makefile stamps it (its user agent and `--version`).
+    version_packages=("k8s.io/client-go/pkg/version",),
+)
+MODULES = (KUBERNETES, METRICS_SERVER)
+GO_MODULE_DIR = KUBERNETES.directory
+PACKAGES: dict[str, str] = {name: pkg for m in MODULES for name, pkg in m.packages.items()}
+
+
+@dataclass(frozen=True)
+class Binaries:
+    paths: dict[str, Path]  # binary name -> file
     kubernetes_version: str
+    metrics_server_version: str
+
+    @property
+    def directory(self) -> Path:
+        """Where the Kubernetes binaries are."""
+        return self.paths["kube-apiserver"].parent
 
     def path(self, name: str) -> Path:
-        return self.directory / name
+        return self.paths[name]
 
 
 def kubernetes_version() -> str:
-    match = re.search(r"^require k8s\.io/kubernetes (v\S+)", _go_mod(), re.MULTILINE)
-    if not match:
-        raise BuildFailed(f"{GO_MODULE_DIR / 'go.mod'} does not pin k8s.io/kubernetes")
-    return match.group(1)
-
-
-def _go_mod() -> str:
-    return (GO_MODULE_DIR / "go.mod").read_text()
-
-
-def _required_go() -> tuple[int, int]:
-    match = re.search(r"^go (\d+)\.(\d+)", _go_mod(), re.MULTILINE)
-    return (int(match.group(1)), int(match.group(2))) if match else (1, 0)
+    return KUBERNETES.version()
 
 
 def cache_root() -> Path:
@@ -78,40 +125,37 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "vkubelet"
 
 
-def _build_key() -> str:
-    digest = hashlib.sha256()
-    for name in ("go.mod", "go.sum"):
-        digest.update((GO_MODULE_DIR / name).read_bytes())
-    return digest.hexdigest()[:12]
+def _binaries() -> Binaries:
+    paths = {name: m.cache_dir() / name for m in MODULES for name in m.packages}
+    return Binaries(paths, KUBERNETES.version(), METRICS_SERVER.version())
 
 
 def cached_binaries() -> Binaries | None:
-    """The cached build for the pinned version, if it is complete."""
-    version = kubernetes_version()
-    directory = cache_root() / f"k8s-{version}-{_build_key()}"
-    if all((directory / name).is_file() for name in PACKAGES):
-        return Binaries(directory, version)
-    return None
+    """The cached builds of the pinned versions, if they are complete."""
+    if any(m.missing() for m in MODULES):
+        return None
+    return _binaries()
 
 
-def find_go() -> Path:
+def find_go(need: tuple[int, int] | None = None) -> Path:
+    """The Go toolchain on PATH, if it is at least `need` (default: what every module needs)."""
+    need = need or max(m.required_go() for m in MODULES)
     go = shutil.which("go")
     if go is None:
         raise GoToolchainMissing(
             "the Go toolchain ('go') is not on PATH. vkubelet builds kube-apiserver, "
-            "kube-scheduler, kube-controller-manager and etcd from their Go modules the first "
-            f"time (then caches them under {cache_root()}); install Go "
-            f"{'.'.join(map(str, _required_go()))} or newer and try again."
+            "kube-scheduler, kube-controller-manager, etcd and metrics-server from their Go "
+            f"modules the first time (then caches them under {cache_root()}); install Go "
+            f"{'.'.join(map(str, need))} or newer and try again."
         )
     out = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True, check=False)
     match = re.match(r"go(\d+)\.(\d+)", out.stdout.strip())
     if out.returncode != 0 or not match:
         raise GoToolchainMissing(f"{go} does not work: {out.stderr.strip() or out.stdout.strip()}")
     have = (int(match.group(1)), int(match.group(2)))
-    need = _required_go()
     if have < need:
         raise GoToolchainMissing(
-            f"{go} is {out.stdout.strip()}, but Kubernetes {kubernetes_version()} needs "
+            f"{go} is {out.stdout.strip()}, but the pinned control plane needs "
             f"go{need[0]}.{need[1]} or newer"
         )
     return Path(go)
@@ -134,30 +178,30 @@ def ensure_binaries(progress: Progress = print) -> Binaries:
     found = cached_binaries()
     if found:
         return found
-    version = kubernetes_version()
-    directory = cache_root() / f"k8s-{version}-{_build_key()}"
-    go = find_go()
+    go = find_go(max(m.required_go() for m in MODULES if m.missing()))
     with _locked(cache_root() / "build.lock"):
-        missing = [name for name in PACKAGES if not (directory / name).is_file()]
-        if not missing:  # another process built them while we waited for the lock
-            return Binaries(directory, version)
-        directory.mkdir(parents=True, exist_ok=True)
+        # Another process may have built some while we waited for the lock.
+        todo = [(m, name) for m in MODULES for name in m.missing()]
+        if not todo:
+            return _binaries()
+        names = ", ".join(name for _, name in todo)
         progress(
-            f"Building Kubernetes {version} control plane from Go modules into {directory} "
-            "(first time only; a cold build takes 10-25 minutes on 2 cores)"
+            f"Building {names} from Go modules into {cache_root()} (first time only; "
+            "a cold build of the whole control plane takes 10-25 minutes on 2 cores)"
         )
         started = time.monotonic()
-        for index, name in enumerate(missing, 1):
-            _build_one(go, name, version, directory, progress, f"{index}/{len(missing)}")
-        progress(f"Control plane built in {_minutes(time.monotonic() - started)}")
-    return Binaries(directory, version)
+        for index, (module, name) in enumerate(todo, 1):
+            _build_one(go, module, name, progress, f"{index}/{len(todo)}")
+        progress(f"Built in {_minutes(time.monotonic() - started)}")
+    return _binaries()
 
 
-def _ldflags(version: str) -> str:
-    """Stamp the version like Kubernetes' own build does, so `kubectl version` tells the truth."""
+def _ldflags(module: GoModule) -> str:
+    """Stamp the version like the projects' own builds do, so `kubectl version` tells the truth."""
+    version = module.version()
     major, minor = version.lstrip("v").split(".")[:2]
     flags = ["-s", "-w"]
-    for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+    for pkg in module.version_packages:
         flags += [
             f"-X {pkg}.gitVersion={version}",
             f"-X {pkg}.gitMajor={major}",
@@ -167,11 +211,11 @@ def _ldflags(version: str) -> str:
     return " ".join(flags)
 
 
-def _build_one(
-    go: Path, name: str, version: str, directory: Path, progress: Progress, counter: str
-) -> None:
+def _build_one(go: Path, module: GoModule, name: str, progress: Progress, counter: str) -> None:
     started = time.monotonic()
-    progress(f"[{counter}] go build {PACKAGES[name]} ...")
+    directory = module.cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    progress(f"[{counter}] go build {module.packages[name]} ({module.version()}) ...")
     env = os.environ | {
         "GOTOOLCHAIN": "local",  # never try to download another toolchain
         "CGO_ENABLED": "0",
@@ -179,11 +223,11 @@ def _build_one(
     }
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         out = Path(tmp) / name
-        cmd = [str(go), "build", "-v", "-trimpath", "-ldflags", _ldflags(version)]
-        cmd += ["-o", str(out), PACKAGES[name]]
+        cmd = [str(go), "build", "-v", "-trimpath", "-ldflags", _ldflags(module)]
+        cmd += ["-o", str(out), module.packages[name]]
         proc = subprocess.Popen(
             cmd,
-            cwd=GO_MODULE_DIR,
+            cwd=module.directory,
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -1,9 +1,10 @@
-"""A real, local Kubernetes control plane: etcd, kube-apiserver, kube-scheduler, controller-manager.
+"""A real, local Kubernetes control plane: etcd, kube-apiserver, kube-scheduler, controller-manager
+and metrics-server (so that `kubectl top` works).
 
 Everything listens on 127.0.0.1 on free ports and speaks TLS with certificates from a per-cluster
-CA, so that the Node authorizer, NodeRestriction, the CSR signer and the apiserver's calls to
-kubelets behave as in a production cluster. Each cluster lives in its own directory (PKI, etcd
-data, logs, kubeconfigs, `cluster.json`), so several can run side by side.
+CA, so that the Node authorizer, NodeRestriction, the CSR signer, the apiserver's calls to
+kubelets and the aggregation layer behave as in a production cluster. Each cluster lives in its
+own directory (PKI, etcd data, logs, kubeconfigs, `cluster.json`), so several can run side by side.
 """
 
 from __future__ import annotations
@@ -27,13 +28,21 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 
 from .._files import write_kubeconfig, write_private
-from . import _pki, _proc
+from . import _objects, _pki, _proc
 from ._build import Binaries, Progress, ensure_binaries
 from ._errors import DevClusterError
 
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "metrics-server",
+)
 SERVICE_CIDR = "10.96.0.0/16"  # only an allocation range for ClusterIPs; nothing is routed to it
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service, a SAN of the apiserver certificate
+# Components serving with a certificate from the cluster CA (the others' are self-signed).
+_VERIFIED = ("etcd", "kube-apiserver", "metrics-server")
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 
 
@@ -93,6 +102,7 @@ class Ports:
     etcd_peer: int
     scheduler: int
     controller_manager: int
+    metrics_server: int = 0  # 0: a cluster started before metrics-server was part of it
 
     @classmethod
     def pick(cls, apiserver: int | None) -> Ports:
@@ -109,7 +119,7 @@ class Ports:
             chosen.add(port)
             return port
 
-        return cls(apiserver or fresh(), fresh(), fresh(), fresh(), fresh())
+        return cls(apiserver or fresh(), fresh(), fresh(), fresh(), fresh(), fresh())
 
 
 @dataclass
@@ -316,8 +326,18 @@ class Cluster:
             ("admin", "kubernetes-admin", ("system:masters",)),
             ("controller-manager", "system:kube-controller-manager", ()),
             ("scheduler", "system:kube-scheduler", ()),
+            # For the apiserver and for kubelets, which authorize it on nodes/metrics.
+            ("metrics-server", _objects.METRICS_SERVER_USER, ()),
         ):
             _pki.issue(ca, cn, organizations=orgs, client=True).write(pki, stem)
+        # The aggregator checks this certificate for the Service's name, whatever it dials.
+        _pki.issue(
+            ca,
+            "metrics-server",
+            server=True,
+            dns_names=(f"{_objects.METRICS_SERVER_SERVICE}.kube-system.svc", "localhost"),
+            ip_addresses=("127.0.0.1",),
+        ).write(pki, "metrics-server-serving")
 
     def _write_kubeconfigs(self, server: str) -> None:
         ca = (self.pki / "ca.crt").read_bytes()
@@ -325,6 +345,7 @@ class Cluster:
             ("admin", self.kubeconfig),
             ("controller-manager", self.directory / "controller-manager.kubeconfig"),
             ("scheduler", self.directory / "scheduler.kubeconfig"),
+            ("metrics-server", self.directory / "metrics-server.kubeconfig"),
         ):
             write_kubeconfig(
                 path,
@@ -399,6 +420,30 @@ class Cluster:
                 "--profiling=false",
                 "--v=1",
             ]
+        if component == "metrics-server":
+            kubeconfig = d / "metrics-server.kubeconfig"
+            return [
+                binary,
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={ports.metrics_server}",
+                f"--tls-cert-file={pki / 'metrics-server-serving.crt'}",
+                f"--tls-private-key-file={pki / 'metrics-server-serving.key'}",
+                # Kubelets are scraped directly, at the node's address and kubelet port, with
+                # their serving certificates verified against the cluster CA (which signs the
+                # CSRs for kubernetes.io/kubelet-serving).
+                "--kubelet-preferred-address-types=InternalIP,ExternalIP,Hostname",
+                "--kubelet-use-node-status-port",
+                f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+                f"--kubelet-client-certificate={pki / 'metrics-server.crt'}",
+                f"--kubelet-client-key={pki / 'metrics-server.key'}",
+                # Usage is a rate over two scrapes: a short resolution lets `kubectl top`
+                # answer ~30 s after a node starts instead of two minutes.
+                "--metric-resolution=15s",
+                "--v=1",
+            ]
         common = [
             "--bind-address=127.0.0.1",
             "--leader-elect=false",
@@ -457,7 +502,14 @@ class Cluster:
             self._write_state(state)
             self._wait_healthy(component, ports, timeout)
             if component == "kube-apiserver":
-                self._grant_kubelet_api_access()
+                self._create(
+                    _objects.kubelet_access()
+                    + _objects.metrics_server_access()
+                    + _objects.dev_cluster_marker(self.name),
+                    timeout,
+                )
+            if component == "metrics-server":
+                self._register_metrics_api(ports, timeout)
         self._wait(
             "the controller-manager to create the default ServiceAccount",
             lambda: (
@@ -468,52 +520,45 @@ class Cluster:
         )
         progress(f"Cluster {self.name!r} is up in {time.monotonic() - started:.1f}s: {self.server}")
 
-    def _grant_kubelet_api_access(self) -> None:
-        """Let the apiserver's kubelet-client identity use kubelet APIs, as kubeadm does.
+    def _create(self, items: list[_objects.Item], timeout: float) -> None:
+        """POST each object, keeping any that exists (a restarted `up` or a user's own).
 
-        Kubelets (and vkubelet) authorize callers with SubjectAccessReviews on `nodes/proxy`
-        and friends; without this binding `kubectl logs/exec` would be refused with 403.
+        A 404 is retried: the apiserver creates kube-public and kube-system just after it
+        becomes ready.
         """
-        binding = {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": "vkubelet:apiserver-kubelet-api-admin"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "system:kubelet-api-admin",
-            },
-            "subjects": [
-                {
-                    "apiGroup": "rbac.authorization.k8s.io",
-                    "kind": "User",
-                    "name": "kube-apiserver-kubelet-client",
-                }
-            ],
-        }
-        # And what kubeadm sets up for TLS bootstrapping: bootstrap tokens may request node
-        # client certificates, which the controller-manager approves, as are nodes' renewals.
-        bindings = [
-            binding,
-            _group_binding(
-                "vkubelet:node-bootstrapper", "system:node-bootstrapper", "system:bootstrappers"
-            ),
-            _group_binding(
-                "vkubelet:node-autoapprove-bootstrap",
-                "system:certificates.k8s.io:certificatesigningrequests:nodeclient",
-                "system:bootstrappers",
-            ),
-            _group_binding(
-                "vkubelet:node-autoapprove-certificate-rotation",
-                "system:certificates.k8s.io:certificatesigningrequests:selfnodeclient",
-                "system:nodes",
-            ),
-        ]
-        path = "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"
-        for item in bindings:
-            status, body = self.request("POST", path, item)
-            if status not in (201, 409):
-                raise StartupFailed(f"could not create a ClusterRoleBinding: {body}")
+        for path, obj in items:
+            what = f"{obj['kind']} {obj['metadata']['name']}"
+
+            def created(path: str = path, obj: dict[str, Any] = obj, what: str = what) -> bool:
+                status, body = self.request("POST", path, obj)
+                if status == 404:
+                    return False
+                if status not in (201, 409):
+                    raise StartupFailed(f"could not create {what}: {body}")
+                return True
+
+            self._wait(f"the apiserver to accept {what}", created, timeout, "kube-apiserver")
+
+    def _register_metrics_api(self, ports: Ports, timeout: float) -> None:
+        """Register metrics-server with the aggregator; wait until the apiserver reaches it."""
+        self._create(
+            _objects.metrics_api(ports.metrics_server, (self.pki / "ca.crt").read_bytes()),
+            timeout,
+        )
+
+        def available() -> bool:
+            status, body = self.request(
+                "GET", "/apis/apiregistration.k8s.io/v1/apiservices/v1beta1.metrics.k8s.io"
+            )
+            conditions = body.get("status", {}).get("conditions", []) if status == 200 else []
+            return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
+
+        self._wait(
+            "the metrics.k8s.io APIService to become available",
+            available,
+            timeout,
+            "metrics-server",
+        )
 
     def bootstrap_kubeconfig(self, path: Path, *, ttl_hours: int = 24) -> Path:
         """A kubeconfig with a fresh bootstrap token, for an agent's `--bootstrap-kubeconfig`."""
@@ -552,12 +597,14 @@ class Cluster:
             "kube-apiserver": f"https://127.0.0.1:{ports.apiserver}/readyz",
             "kube-scheduler": f"https://127.0.0.1:{ports.scheduler}/healthz",
             "kube-controller-manager": f"https://127.0.0.1:{ports.controller_manager}/healthz",
+            # /readyz waits for the first scrapes of kubelets; /livez means it serves.
+            "metrics-server": f"https://127.0.0.1:{ports.metrics_server}/livez",
         }[component]
 
     def _wait_healthy(self, component: str, ports: Ports, timeout: float) -> None:
         url = self._health_url(component, ports)
         # The scheduler and controller-manager serve with self-signed certificates.
-        verify = component in ("etcd", "kube-apiserver")
+        verify = component in _VERIFIED
         self._wait(
             f"{component} to become healthy",
             lambda: _probe(url, self._ssl_context(verify=verify)) == 200,
@@ -656,7 +703,7 @@ class Cluster:
             if not alive:
                 result[component] = "stopped"
                 continue
-            verify = component in ("etcd", "kube-apiserver")
+            verify = component in _VERIFIED
             try:
                 ok = _probe(self._health_url(component, ports), self._ssl_context(verify=verify))
             except (OSError, http.client.HTTPException):
@@ -684,16 +731,6 @@ class Cluster:
         known = [c.name for c in list_clusters(self.root)]
         listing = ", ".join(known) if known else "none"
         return f"no cluster named {self.name!r} (known clusters: {listing})"
-
-
-def _group_binding(name: str, role: str, group: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": {"name": name},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}],
-    }
 
 
 def list_clusters(root: Path | None = None) -> list[Cluster]:

@@ -18,7 +18,7 @@ from ._agent import AgentConfig, NodeAgent, NodeSpec
 from ._config import ConfigError, load_agent_config, parse_taint
 from ._kube import ApiError, ClientOptions, KubeClient, Unreachable
 from ._nodecontroller import NodeSettings
-from ._registry import UnknownProvider, available_providers, load_provider
+from ._registry import ProviderLoadError, UnknownProvider, available_providers, load_provider
 
 __all__ = [
     "AgentConfig",
@@ -40,6 +40,7 @@ __all__ = [
     "PodNotifier",
     "ProviderContext",
     "ProviderError",
+    "ProviderLoadError",
     "ResolvedPod",
     "UnknownProvider",
     "Unreachable",

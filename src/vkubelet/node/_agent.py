@@ -7,10 +7,11 @@ process itself (kubelet API servers, certificates, supervision) is `vkubelet.age
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..sdk.provider import PodLifecycleHandler
+from ..sdk.provider import NodeConditions, PodLifecycleHandler
 from ._events import EventRecorder
 from ._kube import ClientOptions, KubeClient
 from ._nodecontroller import NodeController, NodeSettings
@@ -40,7 +41,8 @@ class AgentConfig:
     cert_dir: Path = field(
         default_factory=lambda: Path.home() / ".local" / "state" / "vkubelet" / "pki"
     )
-    approve_csrs: bool = False  # approve our own serving CSRs (development clusters only)
+    # Approve our own serving CSRs: True, False, or None (auto: on a vkubelet dev cluster).
+    approve_csrs: bool | None = None
     # A bootstrap token kubeconfig: the agent then obtains its own system:node client
     # certificate and writes `kubeconfig` (default: <cert_dir>/<node>.kubeconfig) with it.
     bootstrap_kubeconfig: Path | None = None
@@ -59,6 +61,7 @@ class NodeAgent:
         services: ServiceCache,
         workers: int = 32,
         startup: asyncio.Semaphore | None = None,
+        extra_conditions: Sequence[NodeConditions] = (),
     ) -> None:
         self.settings = settings
         self.provider = provider
@@ -67,7 +70,7 @@ class NodeAgent:
         # with work that delays the lease renewals of the nodes already up.
         self._startup = startup or asyncio.Semaphore(1_000_000)
         self.events = EventRecorder(client, component="vkubelet", host=settings.name)
-        self.node = NodeController(client, settings, provider)
+        self.node = NodeController(client, settings, provider, extra_conditions=extra_conditions)
         host_ip = settings.internal_ip
         self.pods = PodController(
             client,

@@ -3,8 +3,17 @@
 The reference implementation wants certificate files made by hand with openssl (its most
 reported set-up problem). vkubelet asks the cluster instead: it sends a CertificateSigningRequest
 for signer `kubernetes.io/kubelet-serving` as `system:node:<name>` with the node's addresses as
-SANs, waits for approval (or approves it itself when told to, for dev clusters), keeps the result
-in its cert directory so a restart reuses it, and renews it at 80 % of its lifetime.
+SANs, waits for approval (or approves it itself on a vkubelet dev cluster, or when told to), keeps
+the result in its cert directory so a restart reuses it, and renews it at 80 % of its lifetime.
+
+Stored certificates are kept apart per cluster (a subdirectory named after the cluster CA's
+fingerprint) and checked before reuse: signed by the current cluster's CA, matching their key,
+covering the node's addresses. A certificate from an earlier dev cluster of the same name, or
+from another cluster altogether, would otherwise be served and refused by the apiserver
+("x509: certificate signed by unknown authority").
+
+While a CSR waits for approval, a warning with the exact `kubectl certificate approve` command is
+logged every minute: a kubelet API that never comes up must never be a silent mystery.
 """
 
 from __future__ import annotations
@@ -12,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime as dt
+import hashlib
 import ipaddress
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
@@ -32,6 +44,53 @@ log = logging.getLogger(__name__)
 
 SIGNER = "kubernetes.io/kubelet-serving"
 _CSR_PATH = "/apis/certificates.k8s.io/v1/certificatesigningrequests"
+# How often a CSR that nobody approves is brought up again in the log.
+PENDING_REMINDER_SECONDS = 60.0
+# Renewal retries: a failed renewal is retried after this, doubling up to the maximum, while the
+# current certificate keeps serving.
+RENEW_RETRY_SECONDS = 5.0
+RENEW_RETRY_MAX_SECONDS = 300.0
+
+
+def cluster_cert_dir(cert_dir: Path, ca_pem: bytes | None, server: str) -> Path:
+    """The subdirectory of `cert_dir` for one cluster: named after its CA's fingerprint (or its
+    server's URL without a CA), so certificates of different clusters never meet."""
+    ca = load_ca_bundle(ca_pem)
+    if ca:
+        digest = hashlib.sha256(b"".join(c.fingerprint(hashes.SHA256()) for c in ca)).hexdigest()
+    else:
+        digest = hashlib.sha256(server.encode()).hexdigest()
+    return cert_dir / f"cluster-{digest[:16]}"
+
+
+def load_ca_bundle(pem: bytes | None) -> list[x509.Certificate]:
+    """The certificates of a PEM bundle; none for None or unreadable data."""
+    if not pem:
+        return []
+    try:
+        return x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        return []
+
+
+def _issued_by_one_of(cert: x509.Certificate, cas: Sequence[x509.Certificate]) -> bool:
+    for ca in cas:
+        try:
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+        return True
+    return False
+
+
+def _key_matches(cert: x509.Certificate, key_path: Path) -> bool:
+    try:
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError):
+        return False
+    der = serialization.Encoding.DER
+    info = serialization.PublicFormat.SubjectPublicKeyInfo
+    return key.public_key().public_bytes(der, info) == cert.public_key().public_bytes(der, info)
 
 
 def _sans(addresses: Sequence[str]) -> list[x509.GeneralName]:
@@ -44,22 +103,39 @@ def _sans(addresses: Sequence[str]) -> list[x509.GeneralName]:
     return names
 
 
-def _still_good(cert_path: Path, addresses: Sequence[str]) -> x509.Certificate | None:
-    """The stored certificate, if it covers `addresses` and has more than 20 % of its life left."""
+def stored_certificate_problem(
+    cert_path: Path,
+    key_path: Path,
+    addresses: Sequence[str],
+    cluster_ca: Sequence[x509.Certificate] = (),
+) -> str | None:
+    """Why the stored certificate cannot be reused (None: it can). It must exist, have more than
+    20 % of its life left, cover `addresses`, match its key and, when the cluster's CA is known,
+    be signed by it."""
     try:
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-    except (OSError, ValueError):
-        return None
+    except OSError:
+        return "none stored"
+    except ValueError:
+        return "unreadable"
     start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
     if dt.datetime.now(dt.UTC) > start + (end - start) * 0.8:
-        return None
+        return "due for renewal"
     try:
         present = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
-        return None
+        return "no subject alternative names"
     if not set(_sans(addresses)) <= set(present):
-        return None
-    return cert
+        return "does not cover the node's addresses"
+    if not _key_matches(cert, key_path):
+        return "its key is missing or does not match"
+    if cluster_ca and not _issued_by_one_of(cert, cluster_ca):
+        return "not signed by the current cluster's CA"
+    return None
+
+
+def _load(cert_path: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(cert_path.read_bytes())
 
 
 class ServingCertificate:
@@ -72,47 +148,84 @@ class ServingCertificate:
         node_name: str,
         addresses: Sequence[str],
         cert_dir: Path,
+        cluster_ca: Sequence[x509.Certificate] = (),
         approve: bool = False,
         on_renewed: Callable[[Path, Path], None] = lambda cert, key: None,
+        on_csr: Callable[[str | None], None] = lambda name: None,
     ) -> None:
+        """`cert_dir` is this cluster's directory (see `cluster_cert_dir`); `on_csr` hears the
+        name of a CSR sent and waiting for its certificate, then None once it is signed."""
         self._client = client
         self.node_name = node_name
         self.addresses = list(addresses)
         self.cert_path = cert_dir / f"{node_name}-serving.crt"
         self.key_path = cert_dir / f"{node_name}-serving.key"
+        self._cluster_ca = list(cluster_ca)
         self._approve = approve
         self.on_renewed = on_renewed
+        self.on_csr = on_csr
         self._cert_dir = cert_dir
+        self.retry_seconds = RENEW_RETRY_SECONDS
 
     async def ensure(self) -> x509.Certificate:
         """A valid certificate on disk: the stored one, or a freshly signed one."""
-        cert = _still_good(self.cert_path, self.addresses)
-        if cert is not None:
+        problem = stored_certificate_problem(
+            self.cert_path, self.key_path, self.addresses, self._cluster_ca
+        )
+        if problem is None:
             log.info("node %s: reusing serving certificate %s", self.node_name, self.cert_path)
-            return cert
+            return _load(self.cert_path)
+        if problem != "none stored":
+            log.info(
+                "node %s: stored serving certificate %s not reused (%s); requesting a new one",
+                self.node_name,
+                self.cert_path,
+                problem,
+            )
         return await self._request()
 
     async def renew_forever(self) -> None:
+        """Renew at 80 % of the lifetime. A failed renewal is retried with back-off while the
+        current certificate keeps serving; it never ends this loop."""
+        cert = _load(self.cert_path)
+        backoff = self.retry_seconds
         while True:
-            cert = _still_good(self.cert_path, self.addresses) or await self.ensure()
             start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
             renew_at = start + (end - start) * 0.8
-            wait = (renew_at - dt.datetime.now(dt.UTC)).total_seconds()
-            await asyncio.sleep(max(wait, 1.0))
-            await self._request()
-            self.on_renewed(self.cert_path, self.key_path)
+            await asyncio.sleep(max((renew_at - dt.datetime.now(dt.UTC)).total_seconds(), 1.0))
+            try:
+                cert = await self._request()
+                self.on_renewed(self.cert_path, self.key_path)
+            except Exception as e:  # any failure: retried, the current certificate serves
+                log.warning(
+                    "node %s: serving certificate renewal failed (%s); the current one serves "
+                    "until %s; retrying in %.0fs",
+                    self.node_name,
+                    e,
+                    end.isoformat(),
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RENEW_RETRY_MAX_SECONDS)
+                continue
+            backoff = self.retry_seconds
 
     async def _request(self) -> x509.Certificate:
         self._cert_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        key_pem, pem = await request_certificate(
-            self._client,
-            node_name=self.node_name,
-            signer=SIGNER,
-            usages=["digital signature", "server auth"],
-            sans=_sans(self.addresses),
-            approve=self._approve,
-            purpose="serving",
-        )
+        try:
+            key_pem, pem = await request_certificate(
+                self._client,
+                node_name=self.node_name,
+                signer=SIGNER,
+                usages=["digital signature", "server auth"],
+                sans=_sans(self.addresses),
+                approve=self._approve,
+                purpose="serving",
+                on_sent=self.on_csr,
+            )
+        finally:
+            self.on_csr(None)
+        # Key first, then the certificate: a reader that sees the new certificate finds its key.
         write_private(self.key_path, key_pem)
         self.cert_path.write_bytes(pem)
         return x509.load_pem_x509_certificate(pem)
@@ -127,8 +240,13 @@ async def request_certificate(
     sans: list[x509.GeneralName],
     approve: bool,
     purpose: str,
+    on_sent: Callable[[str], None] = lambda name: None,
 ) -> tuple[bytes, bytes]:
-    """(key PEM, certificate PEM) for `system:node:<name>` from the CSR API."""
+    """(key PEM, certificate PEM) for `system:node:<name>` from the CSR API.
+
+    With `approve`, the CSR is approved with our own identity; if that is refused (no rights),
+    we wait for someone else to approve it, saying how.
+    """
     key = ec.generate_private_key(ec.SECP256R1())
     builder = x509.CertificateSigningRequestBuilder().subject_name(
         x509.Name(
@@ -154,11 +272,23 @@ async def request_certificate(
     }
     await client.create(_CSR_PATH, body)
     log.info("node %s: sent CSR %s for its %s certificate", node_name, name, purpose)
+    on_sent(name)
+    approved = False
     if approve:
-        await _approve_csr(client, name)
-    else:
-        log.info("waiting for CSR %s to be approved (kubectl certificate approve %s)", name, name)
-    pem = await _wait_signed(client, name)
+        try:
+            await _approve_csr(client, name)
+            approved = True
+        except ApiError as e:
+            log.warning("node %s: cannot approve CSR %s ourselves: %s", node_name, name, e)
+    # A client certificate is the controller-manager's to approve (bootstrap tokens): say so only
+    # when it takes long. A serving certificate is nobody's to approve by default: say so now.
+    pem = await _wait_signed(
+        client,
+        name,
+        node_name=node_name,
+        purpose=purpose,
+        first_reminder=0.0 if (purpose == "serving" and not approved) else None,
+    )
     cert = x509.load_pem_x509_certificate(pem)
     log.info(
         "node %s: %s certificate signed, valid until %s",
@@ -187,8 +317,31 @@ async def _approve_csr(client: KubeClient, name: str) -> None:
     await client.replace(f"{_CSR_PATH}/{name}/approval", csr)
 
 
-async def _wait_signed(client: KubeClient, name: str) -> bytes:
+def _remind(name: str, node_name: str, purpose: str) -> None:
+    log.warning(
+        "node %s: CSR %s for its %s certificate is waiting for approval; a cluster admin "
+        "approves it with: kubectl certificate approve %s",
+        node_name,
+        name,
+        purpose,
+        name,
+    )
+
+
+async def _wait_signed(
+    client: KubeClient,
+    name: str,
+    *,
+    node_name: str = "",
+    purpose: str = "",
+    first_reminder: float | None = None,
+) -> bytes:
+    """The signed certificate, once there. A WARNING with the approve command comes after
+    `first_reminder` seconds (default: a minute) and then every minute while it is pending."""
     delay = 0.2
+    next_reminder = time.monotonic() + (
+        PENDING_REMINDER_SECONDS if first_reminder is None else first_reminder
+    )
     while True:
         try:
             csr = await client.get(f"{_CSR_PATH}/{name}")
@@ -203,11 +356,33 @@ async def _wait_signed(client: KubeClient, name: str) -> bytes:
                     )
             if status.get("certificate"):
                 return base64.b64decode(status["certificate"])
+            approved = any(c.get("type") == "Approved" for c in status.get("conditions") or [])
+            if not approved and time.monotonic() >= next_reminder:
+                _remind(name, node_name, purpose)
+                next_reminder = time.monotonic() + PENDING_REMINDER_SECONDS
         await asyncio.sleep(delay)
         delay = min(delay * 1.5, 10.0)
 
 
 CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
+
+
+def _cluster_of(kubeconfig: Path) -> tuple[str, bytes] | None:
+    """(server, CA PEM) of a kubeconfig's current cluster; None if unreadable."""
+    try:
+        config = KubeConfig.from_file(kubeconfig).get()
+        if config is None:
+            return None
+        cluster = config.cluster
+        if cluster.certificate_auth_data:
+            ca = base64.b64decode(cluster.certificate_auth_data)
+        elif cluster.certificate_auth:
+            ca = Path(cluster.certificate_auth).read_bytes()
+        else:
+            ca = b""
+    except (OSError, KeyError, ValueError, TypeError, yaml.YAMLError):
+        return None
+    return cluster.server, ca
 
 
 class ClientIdentity:
@@ -238,6 +413,17 @@ class ClientIdentity:
         start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
         if dt.datetime.now(dt.UTC) > start + (end - start) * 0.8:
             return None
+        if self.bootstrap is not None and _cluster_of(self.bootstrap) != _cluster_of(
+            self.kubeconfig
+        ):
+            # Another cluster now (say after `dev cluster down && up`): this identity is void.
+            log.info(
+                "node %s: %s is for another cluster than %s; obtaining a new identity",
+                self.node_name,
+                self.kubeconfig,
+                self.bootstrap,
+            )
+            return None
         return cert
 
     async def ensure(self) -> None:
@@ -258,15 +444,30 @@ class ClientIdentity:
             await client.aclose()
 
     async def renew_forever(self, client: KubeClient) -> None:
-        """Renew with the current identity; `client` switches to the new certificate."""
+        """Renew with the current identity; `client` switches to the new certificate. A failed
+        renewal is retried with back-off while the current certificate still works; it never
+        ends this loop (nor the process)."""
+        backoff = RENEW_RETRY_SECONDS
         while True:
             cert = self.current()
             if cert is not None:
                 start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
                 wait = (start + (end - start) * 0.8 - dt.datetime.now(dt.UTC)).total_seconds()
                 await asyncio.sleep(max(wait, 1.0))
-            await self._obtain(client)
-            renewed = KubeConfig.from_file(self.kubeconfig).get()
+            try:
+                await self._obtain(client)
+                renewed = KubeConfig.from_file(self.kubeconfig).get()
+            except Exception as e:
+                log.warning(
+                    "node %s: client certificate renewal failed (%s); retrying in %.0fs",
+                    self.node_name,
+                    e,
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RENEW_RETRY_MAX_SECONDS)
+                continue
+            backoff = RENEW_RETRY_SECONDS
             if renewed is not None:
                 client.reload(renewed)
 

@@ -4,6 +4,8 @@
     kubeApiQps: 500                     # optional client-side limit (default: none)
     kubeApiBurst: 1000
     podSyncWorkers: 32
+    certDir: pki                        # default ~/.local/state/vkubelet/pki (a subdir per cluster)
+    approveOwnCSRs: auto                # auto (on a vkubelet dev cluster), true or false
     nodes:
       - name: vk-mock-0
         provider: mock
@@ -103,6 +105,9 @@ def load_agent_config(path: Path) -> AgentConfig:
             raise ConfigError(f"{where}: {name}: expected true or false")
         return value
 
+    approve = data.get("approveOwnCSRs", "auto")
+    if approve not in ("auto", True, False):
+        raise ConfigError(f"{where}: approveOwnCSRs: expected auto, true or false")
     if (data.get("tlsCertFile") is None) != (data.get("tlsPrivateKeyFile") is None):
         raise ConfigError(f"{where}: tlsCertFile and tlsPrivateKeyFile go together")
     extra: dict[str, Any] = {}
@@ -113,7 +118,7 @@ def load_agent_config(path: Path) -> AgentConfig:
         tls_cert_file=file_option("tlsCertFile"),
         tls_key_file=file_option("tlsPrivateKeyFile"),
         client_ca_file=file_option("clientCAFile"),
-        approve_csrs=flag("approveOwnCSRs", False),
+        approve_csrs=None if approve == "auto" else bool(approve),
         insecure_kubelet_api=flag("insecureKubeletAPI", False),
         **extra,
         nodes=specs,

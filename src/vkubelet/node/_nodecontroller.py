@@ -14,6 +14,7 @@ import contextlib
 import logging
 import platform
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -22,7 +23,7 @@ import msgspec
 from lightkube.resources.core_v1 import Node
 
 from .. import __version__
-from ..sdk.provider import NodeConfigurer, NodeProvider, NodeStatusNotifier
+from ..sdk.provider import NodeConditions, NodeConfigurer, NodeProvider, NodeStatusNotifier
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 
 log = logging.getLogger(__name__)
@@ -128,8 +129,16 @@ def now_micro() -> str:
 
 
 class NodeController:
-    def __init__(self, client: KubeClient, settings: NodeSettings, provider: object) -> None:
+    def __init__(
+        self,
+        client: KubeClient,
+        settings: NodeSettings,
+        provider: object,
+        *,
+        extra_conditions: Sequence[NodeConditions] = (),
+    ) -> None:
         self._client = client
+        self._extra_conditions = list(extra_conditions)
         self.settings = settings
         self._provider = provider
         self._path = f"/api/v1/nodes/{settings.name}"
@@ -195,6 +204,16 @@ class NodeController:
             else f"provider ping failed: {self.ping_error}",
             "lastHeartbeatTime": now,
         }
+        # Minimal merge (the agent's own sources, e.g. the kubelet API not serving yet): a
+        # Ready=False from a source makes the node NotReady with that source's reason.
+        for source in self._extra_conditions:
+            for condition in source.node_conditions():
+                if condition.type == "Ready" and condition.status != "True":
+                    ready.update(
+                        status=condition.status,
+                        reason=condition.reason,
+                        message=condition.message,
+                    )
         pressure = [
             {
                 "type": kind,

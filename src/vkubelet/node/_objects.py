@@ -1,10 +1,13 @@
-"""ConfigMaps and Secrets that this node's pods reference, kept current with one watch each.
+"""The API objects this node's pods reference, kept current, one watch (or poll) each.
 
 The reference implementation watches every ConfigMap and Secret in the cluster (memory grows with
 the cluster, and a node identity under the Node authorizer may not even list them). Like the real
 kubelet, we watch exactly the objects our pods use — `fieldSelector=metadata.name=<name>`, which
 the Node authorizer permits for objects referenced by pods bound to the node — and tell the pod
 controller which pods to re-sync when one changes.
+
+ServiceAccounts and PersistentVolumeClaims (which pass-through providers need) the Node
+authorizer lets a node only `get`, by name: those are polled instead.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +26,17 @@ from ._kube import ApiError, KubeClient, Unreachable, status_error
 
 log = logging.getLogger(__name__)
 
-Ref = tuple[str, str, str]  # (kind, namespace, name); kind is "ConfigMap" or "Secret"
+Ref = tuple[str, str, str]  # (kind, namespace, name); kind is one of _PLURAL's keys
 
-_PLURAL = {"ConfigMap": "configmaps", "Secret": "secrets"}
+_PLURAL = {
+    "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "ServiceAccount": "serviceaccounts",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+}
+_WATCHABLE = frozenset({"ConfigMap", "Secret"})
+# How often an object that cannot be watched is read again.
+POLL_INTERVAL = 30.0
 
 
 class _Meta(msgspec.Struct):
@@ -51,8 +62,15 @@ class _Entry:
 
 
 class ObjectCache:
-    def __init__(self, client: KubeClient, on_change: Callable[[Ref, set[str]], None]) -> None:
+    def __init__(
+        self,
+        client: KubeClient,
+        on_change: Callable[[Ref, set[str]], None],
+        *,
+        poll_interval: float = POLL_INTERVAL,
+    ) -> None:
         self._client = client
+        self._poll_interval = poll_interval
         self._on_change = on_change
         self._entries: dict[Ref, _Entry] = {}
         self._by_user: dict[str, set[Ref]] = {}
@@ -74,7 +92,8 @@ class ObjectCache:
             entry = self._entries.get(ref)
             if entry is None:
                 entry = self._entries[ref] = _Entry()
-                entry.task = asyncio.create_task(self._watch(ref, entry), name=f"watch {ref}")
+                follow = self._watch if ref[0] in _WATCHABLE else self._poll
+                entry.task = asyncio.create_task(follow(ref, entry), name=f"watch {ref}")
             entry.users.add(user)
             entries.append(entry)
         with contextlib.suppress(TimeoutError):
@@ -83,6 +102,8 @@ class ObjectCache:
                     await entry.loaded.wait()
 
     def release(self, user: str) -> None:
+        """`user` needs none of its objects any more (it was deleted or has terminated); an
+        object's watch stops when its last user releases it."""
         for ref in self._by_user.pop(user, set()):
             self._release(user, ref)
 
@@ -153,12 +174,36 @@ class ObjectCache:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
 
+    async def _poll(self, ref: Ref, entry: _Entry) -> None:
+        kind, namespace, name = ref
+        path = f"/api/v1/namespaces/{namespace}/{_PLURAL[kind]}/{name}"
+        while True:
+            try:
+                raw = await self._client.request_raw("GET", path)
+                self._store(ref, entry, msgspec.json.decode(raw))
+            except ApiError as e:
+                if e.not_found:
+                    self._store(ref, entry, None)
+                elif not entry.loaded.is_set() or e.status in (401, 403):
+                    entry.error = f"{kind} {namespace}/{name}: {e}"
+                    entry.loaded.set()
+            except Unreachable as e:
+                if not entry.loaded.is_set():
+                    entry.error = f"{kind} {namespace}/{name}: {e}"
+                    entry.loaded.set()
+            await asyncio.sleep(self._poll_interval)
+
     def _store(self, ref: Ref, entry: _Entry, obj: dict[str, Any] | None) -> None:
         first = not entry.loaded.is_set()
         # Readable again after an error: the pods that failed to read it must hear of it now,
         # not at their next back-off retry (which may be minutes away).
         recovered = entry.error is not None
-        changed = recovered or entry.obj is None or obj is None or _data(entry.obj) != _data(obj)
+        changed = (
+            recovered
+            or entry.obj is None
+            or obj is None
+            or content(ref[0], entry.obj) != content(ref[0], obj)
+        )
         entry.obj = obj
         entry.error = None
         entry.loaded.set()
@@ -166,5 +211,16 @@ class ObjectCache:
             self._on_change(ref, set(entry.users))
 
 
-def _data(obj: dict[str, Any]) -> tuple[Any, Any]:
-    return obj.get("data"), obj.get("binaryData")
+def content(kind: str, obj: Mapping[str, Any] | None) -> Any:
+    """What a pod can depend on in `obj`: a change here is a change to tell its pods about.
+
+    ConfigMaps and Secrets: their data. Other kinds: everything but the metadata that changes
+    with every write (resourceVersion, managedFields...), so a PVC's binding is seen.
+    """
+    if obj is None:
+        return None
+    if kind in _WATCHABLE:
+        return obj.get("data"), obj.get("binaryData")
+    meta = obj.get("metadata") or {}
+    kept = {k: v for k, v in obj.items() if k != "metadata"}
+    return kept, meta.get("labels"), meta.get("annotations"), meta.get("uid")

@@ -27,7 +27,7 @@ from lightkube.resources.core_v1 import Pod
 from ..sdk.provider import PodLifecycleHandler, PodNotifier, ProviderError, ResolvedPod
 from ._events import NORMAL, WARNING, EventRecorder, ObjectRef
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
-from ._objects import ObjectCache
+from ._objects import ObjectCache, content
 from ._podrecord import PodRecord, digest, visible_status
 from ._reflector import Handler, Reflector
 from ._resolution import Resolution, ResolutionFailed, Resolver
@@ -96,8 +96,9 @@ class PodController:
         self.sync_queue.add(record.key)
 
     def _on_update(self, old: PodRecord, new: PodRecord) -> None:
-        # Our own status writes come back as updates; only spec and metadata changes need a sync.
-        if new.spec_or_meta_changed(old):
+        # Our own status writes come back as updates; only spec and metadata changes need a sync,
+        # and becoming terminal (which releases the pod's object watches).
+        if new.spec_or_meta_changed(old) or (new.terminal and not old.terminal):
             self.sync_queue.add(new.key)
         elif new.deleting:
             self.status_queue.add(new.key)
@@ -207,6 +208,7 @@ class PodController:
             await self._sync_deletion(key, record)
             return
         if record.terminal:
+            self.objects.release(key)  # its ConfigMap/Secret watches close once no pod uses them
             return
         pod = record.pod()
         if await self._deadline_exceeded(key, record, pod):
@@ -224,6 +226,8 @@ class PodController:
             # created" (the FailedMount event says why); bad env config is its own reason.
             waiting = "ContainerCreating" if e.reason == "FailedMount" else e.reason
             await self._write_waiting(record, pod, waiting, e.message)
+            if e.permanent:
+                return  # no retry helps; the object's watch re-syncs the pod when it changes
             raise
         for reason, message in resolved.warnings:
             self._event(record, WARNING, reason, message)
@@ -452,15 +456,19 @@ def _mark_applied(pod: ResolvedPod, applied: bytes) -> None:
 def _digest(pod: ResolvedPod) -> bytes:
     """What the provider was given: a change means it must hear about it (update_pod).
 
-    Only what a provider acts on: the resolved spec, labels, annotations and volume contents —
-    not the status or resourceVersion, which change with every status write (a digest of the
-    whole pod made each re-sync of a running pod an update_pod).
+    Only what a provider acts on: the resolved spec, labels, annotations, volume contents and
+    (for a pass-through provider) the content of the objects the pod references — not the
+    status or resourceVersion, which change with every status write (a digest of the whole pod
+    made each re-sync of a running pod an update_pod).
     """
     meta = pod.pod.metadata
     labels = meta.labels if meta else None
     annotations = dict((meta.annotations if meta else None) or {})
     annotations.pop(APPLIED_ANNOTATION, None)
-    return digest((pod.pod.spec, labels, annotations, pod.volumes))
+    parts: tuple[Any, ...] = (pod.pod.spec, labels, annotations, pod.volumes)
+    if pod.references:  # only then: digests of pods adopted from an older agent stay the same
+        parts += ([(ref, content(ref[0], pod.references[ref])) for ref in sorted(pod.references)],)
+    return digest(parts)
 
 
 __all__ = ["PodController", "PodStatus", "ResolvedPod"]

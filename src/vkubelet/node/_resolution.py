@@ -5,11 +5,15 @@ sure every referenced ConfigMap and Secret is loaded (and watched), keeps the Se
 service-link variables, asks the provider for the pod's IPs before it starts (so `status.podIP`
 can be resolved, which the reference cannot do), and obtains service-account tokens with the
 TokenRequest API, bound to the pod and refreshed at 80 % of their lifetime like the kubelet does.
+
+A pass-through provider (`PassThroughPods`) gets none of that: the pod as written, plus the
+current copies of the objects it references, so that no secret value is ever copied into a spec.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,29 +23,44 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 from lightkube.resources.core_v1 import Pod, Service
 
-from ..sdk.provider import ResolvedPod
+from ..sdk.provider import PassThroughPods, ResolvedPod
 from ._kube import ApiError, KubeClient, Unreachable
 from ._objects import ObjectCache, ReadFailed
 from ._reflector import Handler, Reflector
 from .resolve import (
     EnvResolutionError,
     SourceReadError,
+    expand_command_and_args,
+    pass_through_references,
     referenced_objects,
     resolve_env,
     resolve_volumes,
 )
+from .resolve.servicelinks import pod_service_env
 
 JSON = dict[str, Any]
 
 
 class ResolutionFailed(Exception):
-    """The pod cannot start yet; `reason` is the kubelet's (CreateContainerConfigError...)."""
+    """The pod cannot start yet; `reason` is the kubelet's (CreateContainerConfigError...).
 
-    def __init__(self, reason: str, message: str, events: Sequence[tuple[str, str]] = ()) -> None:
+    `permanent`: retrying cannot help until a referenced object changes, and its watch re-syncs
+    the pod then (a Secret value that cannot be an environment variable).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        events: Sequence[tuple[str, str]] = (),
+        *,
+        permanent: bool = False,
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
         self.events = list(events)
+        self.permanent = permanent
 
 
 @dataclass
@@ -59,14 +78,38 @@ class PodNetwork(Protocol):
 
 
 class ServiceCache:
-    """All Services, for service-link env vars; one watch per process, started on first use."""
+    """All Services, for service-link env vars; one watch per process, started on first use.
+
+    Indexed by namespace and converted to JSON once per change, not once per container: a pod
+    reads its own namespace's Services and the master `kubernetes` Service only.
+    """
 
     def __init__(self, client: KubeClient) -> None:
-        noop: Callable[..., None] = lambda *_: None  # noqa: E731
+        self._by_namespace: dict[str, dict[str, JSON]] = {}
         self._reflector: Reflector[Service] = Reflector(
-            client, "/api/v1/services", Service, Handler(noop, noop, noop), name="services"
+            client,
+            "/api/v1/services",
+            Service,
+            Handler(self._put, lambda _old, new: self._put(new), self._drop),
+            name="services",
         )
         self._task: asyncio.Task[None] | None = None
+
+    def _put(self, service: Service) -> None:
+        meta = service.metadata
+        if meta is not None and meta.namespace and meta.name:
+            self._by_namespace.setdefault(meta.namespace, {})[meta.name] = msgspec.to_builtins(
+                service
+            )
+
+    def _drop(self, service: Service) -> None:
+        meta = service.metadata
+        if meta is None or not meta.namespace:
+            return
+        services = self._by_namespace.get(meta.namespace, {})
+        services.pop(meta.name or "", None)
+        if not services:
+            self._by_namespace.pop(meta.namespace, None)
 
     async def ready(self, wait: float = 2.0) -> None:
         """Wait (a little) for the first list; ResolutionFailed if Services cannot be read."""
@@ -82,11 +125,11 @@ class ServiceCache:
                 "services have not yet been read at least once, cannot construct envvars",
             ) from None
 
+    def get(self, namespace: str, name: str) -> JSON | None:
+        return self._by_namespace.get(namespace, {}).get(name)
+
     def in_namespace(self, namespace: str) -> list[JSON]:
-        prefix = f"{namespace}/"
-        return [
-            msgspec.to_builtins(s) for k, s in self._reflector.items.items() if k.startswith(prefix)
-        ]
+        return list(self._by_namespace.get(namespace, {}).values())
 
 
 class _Sources:
@@ -105,6 +148,9 @@ class _Sources:
 
     def get_secret(self, namespace: str, name: str) -> JSON | None:
         return self._get("Secret", namespace, name)
+
+    def get_service(self, namespace: str, name: str) -> JSON | None:
+        return self._services.get(namespace, name)
 
     def list_services(self, namespace: str) -> list[JSON]:
         return self._services.in_namespace(namespace)
@@ -156,12 +202,15 @@ class Resolver:
         self._host_ip = host_ip
         self._allocatable = allocatable
         self._tokens: dict[str, dict[tuple[str, str | None, int], _Token]] = {}
+        self._pass_through = isinstance(provider, PassThroughPods) and provider.pass_through is True
 
     def forget(self, key: str) -> None:
         self._tokens.pop(key, None)
 
     async def resolve(self, key: str, pod: Pod) -> Resolution:
         raw: JSON = msgspec.to_builtins(pod)
+        if self._pass_through:
+            return await self._pass_through_pod(key, raw)
         refs = referenced_objects(raw)
         await self._objects.use(key, {(r[0], r[1], r[2]) for r in refs})
         spec = raw["spec"]
@@ -177,6 +226,13 @@ class Resolver:
             *(spec.get("containers") or []),
             *(spec.get("ephemeralContainers") or []),
         ]
+        try:  # the same for every container: computed once per pod
+            service_env = pod_service_env(raw, self._sources)
+        except SourceReadError as e:
+            raise ResolutionFailed(
+                "CreateContainerConfigError",
+                f"failed to list services when setting up env vars: {e}",
+            ) from None
         for container in containers:
             try:
                 result = resolve_env(
@@ -186,16 +242,24 @@ class Resolver:
                     node_allocatable=allocatable,
                     pod_ips=pod_ips,
                     host_ips=[self._host_ip],
+                    service_env=service_env,
                 )
             except EnvResolutionError as e:
                 raise ResolutionFailed(
                     "CreateContainerConfigError",
                     str(e),
                     [(ev.reason, ev.message) for ev in e.events],
+                    permanent=e.permanent,
                 ) from None
             warnings += [(ev.reason, ev.message) for ev in result.events if ev.type == "Warning"]
             container["env"] = result.as_env_list()
             container.pop("envFrom", None)
+            # As the kubelet does before it starts a container: a provider runs these as given.
+            command, args = expand_command_and_args(container, result.env)
+            if container.get("command") is not None:
+                container["command"] = command
+            if container.get("args") is not None:
+                container["args"] = args
         volumes = resolve_volumes(
             raw, self._sources, token_source=_Tokens(tokens), node_allocatable=allocatable
         )
@@ -211,6 +275,19 @@ class Resolver:
             warnings=warnings,
             refresh_after=None if refresh is None else max(refresh - time.monotonic(), 1.0),
         )
+
+    async def _pass_through_pod(self, key: str, raw: JSON) -> Resolution:
+        """The pod as written, and current copies of what it references (None: missing)."""
+        refs = pass_through_references(raw)
+        await self._objects.use(key, set(refs))
+        references: dict[tuple[str, str, str], JSON | None] = {}
+        for ref in sorted(refs):
+            try:
+                # A copy: the provider may change what it gets, the cache must stay as read.
+                references[ref] = copy.deepcopy(self._objects.get(ref))
+            except ReadFailed as e:
+                raise ResolutionFailed("CreateContainerConfigError", str(e)) from None
+        return Resolution(pod=ResolvedPod(pod=msgspec.convert(raw, Pod), references=references))
 
     async def _fetch_tokens(self, key: str, raw: JSON) -> dict[tuple[str, str | None, int], _Token]:
         wanted: set[tuple[str, str | None, int]] = set()

@@ -4,7 +4,7 @@ Bytes in, events out; no sockets, no asyncio. They are the bottom layer: they im
 else from vkubelet, so they can be fuzzed and tested byte for byte, and one core serves every
 transport (a TLS socket, the apiserver's WebSocket tunnel, a test).
 
-- ``spdy``: SPDY/3.1 framing, header compression and the server connection state machine.
+- ``spdy``: SPDY/3.1 framing, header compression and the connection state machine (both roles).
 - ``channel``: the ``channel.k8s.io`` WebSocket framing and the port-forward channel layout.
 - ``remotecommand``: exec/attach semantics shared by both transports.
 - ``portforward``: pairing of SPDY port-forward streams and port parsing.
@@ -24,6 +24,7 @@ from .channel import (
 )
 from .portforward import (
     PORT_FORWARD_PROTOCOL,
+    WEBSOCKET_SPDY_TUNNEL_PROTOCOL,
     PairComplete,
     PairExpired,
     PairPending,
@@ -33,17 +34,22 @@ from .portforward import (
     forward_error_message,
     negotiate_spdy_portforward,
     negotiate_websocket_portforward,
+    pair_headers,
     parse_port,
     parse_port_query,
 )
 from .remotecommand import (
+    CLIENT_SPDY_EXEC_PROTOCOLS,
+    CLIENT_WEBSOCKET_EXEC_PROTOCOLS,
     Channel,
     ExecProtocol,
+    ExitStatus,
     ResizeDecoder,
     ResizeError,
     StreamOptions,
     StreamType,
     TerminalSize,
+    decode_exit_status,
     encode_exit_status,
     encode_internal_error,
     encode_resize,
@@ -63,12 +69,16 @@ from .spdy import (
     SpdyConnection,
     SpdyLimits,
     StreamOpened,
+    StreamReplied,
     StreamReset,
     StreamStateError,
 )
 
 __all__ = [
+    "CLIENT_SPDY_EXEC_PROTOCOLS",
+    "CLIENT_WEBSOCKET_EXEC_PROTOCOLS",
     "PORT_FORWARD_PROTOCOL",
+    "WEBSOCKET_SPDY_TUNNEL_PROTOCOL",
     "Channel",
     "ChannelClose",
     "ChannelData",
@@ -77,6 +87,7 @@ __all__ = [
     "ConnectionFailed",
     "DataReceived",
     "ExecProtocol",
+    "ExitStatus",
     "GoAwayReceived",
     "GoAwayStatus",
     "PairComplete",
@@ -94,11 +105,13 @@ __all__ = [
     "StreamOptions",
     "StreamPairer",
     "StreamRejected",
+    "StreamReplied",
     "StreamReset",
     "StreamStateError",
     "StreamType",
     "TerminalSize",
     "WireMessage",
+    "decode_exit_status",
     "encode_exit_status",
     "encode_internal_error",
     "encode_port_prefix",
@@ -110,6 +123,7 @@ __all__ = [
     "negotiate_spdy_portforward",
     "negotiate_websocket_exec",
     "negotiate_websocket_portforward",
+    "pair_headers",
     "parse_port",
     "parse_port_query",
     "port_channels",

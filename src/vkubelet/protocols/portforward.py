@@ -26,6 +26,10 @@ PORT_FORWARD_PROTOCOL: Final = "portforward.k8s.io"
 # unversioned channel.k8s.io names that exec accepts.
 WEBSOCKET_PORT_FORWARD_PROTOCOLS: Final = ("v4.channel.k8s.io", "v4.base64.channel.k8s.io", "")
 
+# Since 1.31 kubectl asks the apiserver for a WebSocket with this subprotocol and tunnels the
+# SPDY connection through it, one SPDY byte run per binary message; the apiserver unwraps it.
+WEBSOCKET_SPDY_TUNNEL_PROTOCOL: Final = "SPDY/3.1+" + PORT_FORWARD_PROTOCOL
+
 HEADER_STREAM_TYPE: Final = "streamtype"
 HEADER_PORT: Final = "port"
 HEADER_REQUEST_ID: Final = "requestid"
@@ -76,6 +80,18 @@ def parse_port_query(values: Sequence[str]) -> list[int]:
 def forward_error_message(port: int, pod: str, uid: str, error: str) -> str:
     """The text the kubelet writes on a pair's error stream when forwarding fails."""
     return f"error forwarding port {port} to pod {pod}, uid {uid}: {error}"
+
+
+def pair_headers(port: int, request_id: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The headers of a client's (error, data) streams for one forwarded connection. The
+    error stream goes first, as client-go opens it."""
+    if not 0 < port <= 0xFFFF:
+        raise ValueError(f"port {port} is outside 1..65535")
+    common = {HEADER_PORT: str(port), HEADER_REQUEST_ID: str(request_id)}
+    return (
+        {HEADER_STREAM_TYPE: PortForwardStreamType.ERROR.value, **common},
+        {HEADER_STREAM_TYPE: PortForwardStreamType.DATA.value, **common},
+    )
 
 
 # --- SPDY stream pairing -----------------------------------------------------------------------

@@ -105,6 +105,13 @@ WEBSOCKET_EXEC_PROTOCOLS: Final[Mapping[str, ExecProtocol]] = {
 }
 
 
+# What a client offers. Over WebSocket only v5: a v4 server (reached when the apiserver proxies
+# rather than translates) has no way to hear that stdin ended, so client-go refuses it and falls
+# back to SPDY instead. Over SPDY everything, newest first, as client-go's SPDY executor does.
+CLIENT_WEBSOCKET_EXEC_PROTOCOLS: Final = ("v5.channel.k8s.io",)
+CLIENT_SPDY_EXEC_PROTOCOLS: Final = tuple(SPDY_EXEC_PROTOCOLS)
+
+
 def split_protocol_header(values: Iterable[str]) -> list[str]:
     """Flatten repeated, comma-separated header values into a list, dropping blanks."""
     return [p.strip() for v in values for p in v.split(",") if p.strip()]
@@ -228,6 +235,49 @@ def encode_internal_error(protocol: ExecProtocol, error: str) -> bytes:
             "code": 500,
         }
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    """What a client makes of the error stream once the command is over (client-go's rules).
+
+    ``exit_code`` is None when the command failed for a reason other than its exit code (it
+    could not be started, the container is gone...); ``message`` then says why.
+    """
+
+    exit_code: int | None
+    message: str = ""
+
+
+def decode_exit_status(protocol: ExecProtocol, payload: bytes) -> ExitStatus:
+    """Read what the server wrote on the error stream or channel.
+
+    v4 and later always write a metav1.Status, so an empty payload there means the session was
+    cut short, which is reported as a failure rather than taken for success. v1-v3 write nothing
+    on success and plain text otherwise, which carries no exit code.
+    """
+    text = payload.decode("utf-8", errors="replace").strip()
+    if not protocol.json_status:
+        return ExitStatus(0) if not text else ExitStatus(None, text)
+    if not text:
+        return ExitStatus(None, "the connection ended before the command's exit status arrived")
+    try:
+        status = json.loads(text)
+    except ValueError:
+        return ExitStatus(None, f"error stream: {text[:500]}")
+    if not isinstance(status, dict):
+        return ExitStatus(None, f"error stream: {text[:500]}")
+    message = str(status.get("message") or "")
+    if status.get("status") == "Success":
+        return ExitStatus(0)
+    if status.get("reason") == "NonZeroExitCode":
+        causes = (status.get("details") or {}).get("causes") or []
+        for cause in causes:
+            if isinstance(cause, dict) and cause.get("reason") == "ExitCode":
+                code = str(cause.get("message", ""))
+                if code.isdigit() and int(code) <= 255:
+                    return ExitStatus(int(code), message)
+    return ExitStatus(None, message or f"error stream: {text[:500]}")
 
 
 # --- terminal resize -----------------------------------------------------------------------

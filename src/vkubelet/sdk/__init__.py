@@ -18,6 +18,7 @@ from .capabilities import (
     StatsProvider,
     TerminalSize,
 )
+from .probes import ExecResult, PodProbes, ProbeEvent, ProbeTransport, ProbeUnknown
 from .provider import (
     Closeable,
     ConditionStatus,
@@ -62,6 +63,7 @@ __all__ = [
     "EmptyDirVolume",
     "EventSink",
     "EventType",
+    "ExecResult",
     "FileContent",
     "FilesVolume",
     "FleetNode",
@@ -79,7 +81,11 @@ __all__ = [
     "PassThroughPods",
     "PodLifecycleHandler",
     "PodNotifier",
+    "PodProbes",
     "PortForwarder",
+    "ProbeEvent",
+    "ProbeTransport",
+    "ProbeUnknown",
     "ProviderContext",
     "ProviderError",
     "Quantity",

@@ -187,9 +187,10 @@ class PassThroughPods(Protocol):
 
     With `pass_through = True` the agent does not resolve env, envFrom or volumes: `ResolvedPod.pod`
     is the API's pod unchanged (references, imagePullSecrets and all) and `ResolvedPod.references`
-    holds the current copies of exactly the objects it references, which the agent watches;
-    `update_pod` is called when one of them changes. No secret value is ever copied into a pod
-    spec by the agent, so none can leak into another system's pod spec.
+    holds the current copies of exactly the objects it references (ConfigMaps and Secrets are
+    watched; ServiceAccounts and PVCs, which the Node authorizer lets a node get but not watch,
+    are re-read every 30 s); `update_pod` is called when one of them changes. No secret value is
+    ever copied into a pod spec by the agent, so none can leak into another system's pod spec.
     """
 
     pass_through: bool

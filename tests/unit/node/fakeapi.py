@@ -59,9 +59,19 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "services": ("/api/v1", True, "Service"),
     "events": ("/api/v1", True, "Event"),
     "serviceaccounts": ("/api/v1", True, "ServiceAccount"),
+    "persistentvolumeclaims": ("/api/v1", True, "PersistentVolumeClaim"),
     "leases": ("/apis/coordination.k8s.io/v1", True, "Lease"),
+    "certificatesigningrequests": (
+        "/apis/certificates.k8s.io/v1",
+        False,
+        "CertificateSigningRequest",
+    ),
 }
-_API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1"}
+_API_VERSION = {
+    "/api/v1": "v1",
+    "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
+    "/apis/certificates.k8s.io/v1": "certificates.k8s.io/v1",
+}
 
 # Strategic merge patch: lists merged by key (path of the list -> merge key). Every other list
 # is replaced, which is what Kubernetes does for lists without a patch strategy — notably
@@ -76,7 +86,8 @@ MERGE_KEYS: dict[tuple[str, ...], str] = {
     ("spec", "initContainers"): "name",
 }
 
-_WITH_STATUS = {"pods", "nodes"}  # resources whose status is a subresource
+# Resources whose status is a subresource.
+_WITH_STATUS = {"pods", "nodes", "certificatesigningrequests"}
 _REASONS = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 410: "Expired"}
 
 
@@ -166,7 +177,7 @@ class _Fault:
 
 def _parse(path: str) -> tuple[str, str | None, str | None, str | None]:
     """(resource, namespace, name, subresource) of an API path."""
-    for prefix in ("/api/v1", "/apis/coordination.k8s.io/v1"):
+    for prefix in _API_VERSION:
         if path.startswith(prefix + "/"):
             parts = [unquote(p) for p in path[len(prefix) + 1 :].split("/") if p]
             break
@@ -637,7 +648,7 @@ class FakeApiServer:
     def _store(
         self, resource: str, key: tuple[str, str], current: JSON, updated: JSON, sub: str | None
     ) -> JSON:
-        if sub == "status":
+        if sub in ("status", "approval"):  # a CSR's approval is a status subresource too
             result = copy.deepcopy(current)
             result["status"] = updated.get("status") or {}
         elif sub is None:

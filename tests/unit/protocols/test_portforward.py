@@ -10,6 +10,7 @@ from vkubelet.protocols.portforward import (
     forward_error_message,
     negotiate_spdy_portforward,
     negotiate_websocket_portforward,
+    pair_headers,
     parse_port,
     parse_port_query,
 )
@@ -156,3 +157,15 @@ def test_forward_error_message_matches_the_kubelets_wording() -> None:
     assert forward_error_message(80, "web", "u-1", "connection refused") == (
         "error forwarding port 80 to pod web, uid u-1: connection refused"
     )
+
+
+def test_client_pair_headers_complete_a_pair_at_the_server() -> None:
+    error, data = pair_headers(8080, 7)
+    pairer = StreamPairer()
+    assert pairer.add_stream(1, error) == PairPending("7")
+    assert pairer.add_stream(3, data) == PairComplete("7", 8080, 3, 1)
+
+
+def test_client_pair_headers_refuse_a_bad_port() -> None:
+    with pytest.raises(ValueError):
+        pair_headers(0, 1)

@@ -7,12 +7,14 @@ from vkubelet.protocols.remotecommand import (
     SPDY_EXEC_PROTOCOLS,
     WEBSOCKET_EXEC_PROTOCOLS,
     ExecProtocol,
+    ExitStatus,
     ResizeDecoder,
     ResizeError,
     StreamOptions,
     StreamType,
     TerminalSize,
     choose_protocol,
+    decode_exit_status,
     encode_exit_status,
     encode_internal_error,
     encode_resize,
@@ -217,3 +219,37 @@ def test_resize_decoder_holds_at_most_its_buffer_limit() -> None:
     decoder.feed(b'{"Width": 1' + b" " * 40)
     with pytest.raises(ResizeError, match="longer than 64"):
         decoder.feed(b" " * 40)
+
+
+# --- the client's reading of the status ------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", [V4, V5, V4_WS])
+@pytest.mark.parametrize("code", [0, 1, 3, 255])
+def test_a_client_reads_back_every_exit_code_a_server_writes(
+    protocol: ExecProtocol, code: int
+) -> None:
+    assert decode_exit_status(protocol, encode_exit_status(protocol, code)).exit_code == code
+
+
+def test_a_failure_without_exit_code_is_reported_with_its_message() -> None:
+    status = decode_exit_status(V4, encode_internal_error(V4, "no such binary"))
+    assert status == ExitStatus(None, "Internal error occurred: no such binary")
+
+
+def test_an_empty_v4_status_means_the_session_was_cut_short_not_success() -> None:
+    status = decode_exit_status(V4, b"")
+    assert status.exit_code is None and "ended before" in status.message
+
+
+@pytest.mark.parametrize("payload", [b"not json", b"[1]", b'{"status": "Failure"}'])
+def test_an_unreadable_v4_status_is_a_failure_that_shows_the_payload(payload: bytes) -> None:
+    status = decode_exit_status(V4, payload)
+    assert status.exit_code is None and status.message
+
+
+def test_pre_v4_status_text_is_a_failure_without_code_and_silence_is_success() -> None:
+    assert decode_exit_status(V2, b"") == ExitStatus(0)
+    failed = decode_exit_status(V2, encode_exit_status(V2, 3))
+    assert failed.exit_code is None
+    assert "non-zero exit code" in failed.message

@@ -72,6 +72,8 @@ class FakeSources:
     unreadable: set[tuple[str, str]] = field(default_factory=set)
     services_unreadable: bool = False
     reads: list[tuple[str, str, str]] = field(default_factory=list)
+    service_gets: int = 0
+    service_lists: int = 0
 
     def _find(self, items: list[dict[str, Any]], kind: str, ns: str, name: str) -> Any:
         self.reads.append((kind, ns, name))
@@ -91,7 +93,17 @@ class FakeSources:
         found: dict[str, Any] | None = self._find(self.secrets, "Secret", namespace, name)
         return found
 
+    def get_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        if self.services_unreadable:
+            raise SourceReadError("watch cache not synced")
+        self.service_gets += 1
+        for item in self.services:
+            if item["metadata"]["namespace"] == namespace and item["metadata"]["name"] == name:
+                return item
+        return None
+
     def list_services(self, namespace: str) -> list[dict[str, Any]]:
+        self.service_lists += 1
         if self.services_unreadable:
             raise SourceReadError("watch cache not synced")
         return [s for s in self.services if s["metadata"]["namespace"] == namespace]

@@ -172,15 +172,42 @@ def test_secret_key_ref_is_base64_decoded() -> None:
     assert resolve(container, sources).as_dict() == {"PW": "s3cr3t\n"}
 
 
-def test_secret_bytes_that_are_not_utf8_survive_byte_for_byte() -> None:
-    raw = b"\xff\xfebinary"
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [(b"\xff\xfehunter2", "is not valid UTF-8"), (b"hunter2\x00tail", "contains a NUL byte")],
+)
+def test_secret_value_no_environment_can_hold_fails_permanently_naming_the_key_not_the_value(
+    raw: bytes, problem: str
+) -> None:
     sources = FakeSources(secrets=[secret("creds", {"blob": raw})])
     container = {
         "name": "app",
         "env": [{"name": "B", "valueFrom": key_ref("secretKeyRef", "creds", "blob")}],
     }
-    value = resolve(container, sources).as_dict()["B"]
-    assert value.encode("utf-8", "surrogateescape") == raw
+    with pytest.raises(EnvResolutionError) as caught:
+        resolve(container, sources)
+    assert caught.value.permanent
+    message = str(caught.value)
+    assert f"secret \"shop/creds\" key 'blob': value {problem}" in message
+    assert "hunter2" not in message
+    assert all("hunter2" not in event.message for event in caught.value.events)
+
+
+def test_secret_in_env_from_with_an_unusable_value_fails_naming_that_key() -> None:
+    sources = FakeSources(secrets=[secret("creds", {"good": "ok", "bad": b"\xc3\x28"})])
+    container = {"name": "app", "envFrom": [{"secretRef": {"name": "creds"}}]}
+    with pytest.raises(EnvResolutionError, match="key 'bad': value is not valid UTF-8") as caught:
+        resolve(container, sources)
+    assert caught.value.permanent
+
+
+def test_an_unusable_secret_key_the_container_does_not_read_is_ignored() -> None:
+    sources = FakeSources(secrets=[secret("creds", {"good": "ok", "bad": b"\xff"})])
+    container = {
+        "name": "app",
+        "env": [{"name": "G", "valueFrom": key_ref("secretKeyRef", "creds", "good")}],
+    }
+    assert resolve(container, sources).as_dict()["G"] == "ok"
 
 
 @pytest.mark.parametrize(

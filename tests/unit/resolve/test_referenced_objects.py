@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from vkubelet.node.resolve import referenced_objects
+from typing import Any
+
+from vkubelet.node.resolve import pass_through_references, referenced_objects
 
 from .fakes import pod
 
@@ -72,3 +74,25 @@ def test_only_live_updatable_volume_sources_can_be_asked_for() -> None:
 
 def test_a_pod_without_references_has_none() -> None:
     assert referenced_objects(pod()) == set()
+
+
+def test_a_pass_through_provider_is_given_every_object_the_node_may_read_for_the_pod() -> None:
+    raw = full_pod()
+    spec: dict[str, Any] = raw["spec"]  # type: ignore[assignment]
+    spec["imagePullSecrets"] = [{"name": "registry"}, {"name": ""}]
+    spec["volumes"] += [
+        {"name": "data", "persistentVolumeClaim": {"claimName": "data-0"}},
+        {"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}},
+    ]
+    assert pass_through_references(raw) == VOLUME_REFS | ENV_REFS | {
+        ("Secret", "shop", "registry"),
+        ("ServiceAccount", "shop", "app"),
+        ("PersistentVolumeClaim", "shop", "data-0"),
+        ("PersistentVolumeClaim", "shop", "web-0-scratch"),  # <pod>-<volume>, as the kubelet
+    }
+
+
+def test_a_pod_without_a_service_account_name_references_the_default_one() -> None:
+    raw = pod()
+    del raw["spec"]["serviceAccountName"]
+    assert pass_through_references(raw) == {("ServiceAccount", "shop", "default")}

@@ -3,7 +3,10 @@
 Pure and synchronous: pods, ConfigMaps, Secrets and Services go in as the API's JSON dicts (the
 latter three through `Sources`), environments and volume files come out. The agent calls
 `resolve_env` for each container and `resolve_volumes` once per pod, and uses
-`referenced_objects` to know which objects to watch for changes.
+`referenced_objects` to know which objects to watch for changes (`pass_through_references` for
+providers that forward pods unresolved). Each concern has its module: `env` (variables),
+`expansion` ($(VAR)), `fieldpath` (downward API), `resourcefields`, `podips`, `servicelinks`,
+`volumes`, `references`, `jsonvalues` (typed views of untrusted JSON), `sources` (the inputs).
 """
 
 from ...sdk.quantity import Quantity, QuantityError, divide_ceil, parse_quantity
@@ -16,7 +19,6 @@ from ...sdk.volumes import (
     ResolvedVolume,
 )
 from .env import (
-    DEFAULT_MASTER_SERVICES_NAMESPACE,
     FAILED_TO_READ_MANDATORY_CONFIGMAP,
     FAILED_TO_READ_MANDATORY_SECRET,
     FAILED_TO_READ_OPTIONAL_CONFIGMAP,
@@ -33,21 +35,19 @@ from .env import (
     EnvResolutionError,
     EnvResult,
     Event,
-    FieldSelectorError,
-    SourceReadError,
-    Sources,
-    expand,
-    expand_command_and_args,
     resolve_env,
 )
+from .expansion import expand, expand_command_and_args
+from .fieldpath import FieldSelectorError
+from .references import ObjectRef, Reference, pass_through_references, referenced_objects
+from .servicelinks import DEFAULT_MASTER_SERVICES_NAMESPACE
+from .sources import SourceReadError, Sources
 from .volumes import (
     FAILED_MOUNT,
-    ObjectRef,
     TokenSource,
     VolumeError,
     VolumeResult,
     clean_volume_path,
-    referenced_objects,
     resolve_volumes,
 )
 
@@ -79,6 +79,7 @@ __all__ = [
     "OtherVolume",
     "Quantity",
     "QuantityError",
+    "Reference",
     "ResolvedVolume",
     "SourceReadError",
     "Sources",
@@ -90,6 +91,7 @@ __all__ = [
     "expand",
     "expand_command_and_args",
     "parse_quantity",
+    "pass_through_references",
     "referenced_objects",
     "resolve_env",
     "resolve_volumes",

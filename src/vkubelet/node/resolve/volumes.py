@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Protocol
 
 from ...sdk.volumes import (
     EmptyDirVolume,
@@ -27,22 +27,10 @@ from ...sdk.volumes import (
     OtherVolume,
     ResolvedVolume,
 )
-from .env import (
-    JSON,
-    FieldSelectorError,
-    SourceReadError,
-    Sources,
-    decode_base64_map,
-    default_limits,
-    extract_field_path,
-    find_container,
-    obj,
-    resource_field_value,
-    seq,
-    string_map,
-    text,
-    utf8_bytes,
-)
+from .fieldpath import FieldSelectorError, extract_field_path
+from .jsonvalues import decode_base64_map, obj, seq, string_map, text, utf8_bytes
+from .resourcefields import default_limits, find_container, resource_field_value
+from .sources import JSON, SourceReadError, Sources
 
 FAILED_MOUNT: Final = "FailedMount"
 
@@ -447,48 +435,3 @@ def resolve_volumes(
 
 # --------------------------------------------------------------------------------------------
 # What a pod depends on
-# --------------------------------------------------------------------------------------------
-
-ObjectRef = tuple[Literal["ConfigMap", "Secret"], str, str]
-
-
-@dataclass
-class _Refs:
-    namespace: str
-    found: set[ObjectRef] = field(default_factory=set)
-
-    def add(self, kind: Literal["ConfigMap", "Secret"], name: Any) -> None:
-        if isinstance(name, str) and name:
-            self.found.add((kind, self.namespace, name))
-
-
-def referenced_objects(
-    pod: JSON, *, include_env: bool = True, include_volumes: bool = True
-) -> set[ObjectRef]:
-    """The ConfigMaps and Secrets `pod` reads, as (kind, namespace, name).
-
-    When one of them changes, the agent re-resolves and tells the provider. Note the kubelet's
-    own semantics: volume contents follow changes while the pod runs, but a container's
-    environment is fixed when it starts; pass `include_env=False` to watch only what can be
-    updated live. Service links also depend on the namespace's Services, which are not listed.
-    """
-    spec = obj(pod.get("spec"))
-    refs = _Refs(text(obj(pod.get("metadata")).get("namespace")))
-    if include_env:
-        for key in ("initContainers", "containers", "ephemeralContainers"):
-            for container in (obj(c) for c in seq(spec.get(key))):
-                for source in (obj(s) for s in seq(container.get("envFrom"))):
-                    refs.add("ConfigMap", obj(source.get("configMapRef")).get("name"))
-                    refs.add("Secret", obj(source.get("secretRef")).get("name"))
-                for var in (obj(v) for v in seq(container.get("env"))):
-                    value_from = obj(var.get("valueFrom"))
-                    refs.add("ConfigMap", obj(value_from.get("configMapKeyRef")).get("name"))
-                    refs.add("Secret", obj(value_from.get("secretKeyRef")).get("name"))
-    if include_volumes:
-        for volume in (obj(v) for v in seq(spec.get("volumes"))):
-            refs.add("ConfigMap", obj(volume.get("configMap")).get("name"))
-            refs.add("Secret", obj(volume.get("secret")).get("secretName"))
-            for projection in (obj(p) for p in seq(obj(volume.get("projected")).get("sources"))):
-                refs.add("ConfigMap", obj(projection.get("configMap")).get("name"))
-                refs.add("Secret", obj(projection.get("secret")).get("name"))
-    return refs.found

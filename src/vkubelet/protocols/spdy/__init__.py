@@ -1,4 +1,5 @@
-"""Sans-I/O SPDY/3.1, the server half that kube-apiserver needs from a kubelet.
+"""Sans-I/O SPDY/3.1: the server half kube-apiserver needs from a kubelet, and the client half
+a relay needs to call an apiserver or kubelet.
 
 Split like h2: ``frames`` (wire codec), ``headers`` (zlib-compressed header blocks) and
 ``connection`` (stream state machine emitting events). Nothing here touches a socket.
@@ -14,6 +15,7 @@ from .connection import (
     SpdyConnection,
     SpdyLimits,
     StreamOpened,
+    StreamReplied,
     StreamReset,
     StreamStateError,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "SpdyConnection",
     "SpdyLimits",
     "StreamOpened",
+    "StreamReplied",
     "StreamReset",
     "StreamStateError",
 ]

@@ -1,9 +1,11 @@
-"""Server side of a SPDY/3.1 connection as the kubelet sees it: bytes in, events out.
+"""A SPDY/3.1 connection as the kubelet and its clients use it: bytes in, events out.
 
-The apiserver (through client-go and moby/spdystream) opens every stream; we only answer. So
-this state machine accepts client streams (odd ids, strictly increasing), replies to them,
-moves data both ways, echoes the client's pings and closes with GOAWAY. Like spdystream, it
-does no flow control: the peer never sends WINDOW_UPDATE and does not wait for one.
+As a server (the kubelet's role) it accepts the peer's streams (odd ids, strictly increasing),
+replies to them, moves data both ways, echoes the peer's pings and closes with GOAWAY. As a
+client (``client=True``: a relay calling another apiserver or kubelet) it opens the streams
+itself with ``open_stream`` (odd ids), learns of each acceptance from a ``StreamReplied`` event,
+and pings with odd ids. The rules are otherwise shared. Like spdystream, it does no flow
+control: neither peer sends WINDOW_UPDATE or waits for one.
 
 It performs no I/O. An adapter feeds received bytes to ``receive_data``, acts on the returned
 events, and writes out ``data_to_send()`` after every call that may have queued frames.
@@ -21,6 +23,7 @@ from typing import Final
 
 from .frames import (
     MAX_PAYLOAD,
+    MAX_STREAM_ID,
     DataFrame,
     Frame,
     FrameError,
@@ -79,6 +82,14 @@ class StreamOpened:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamReplied:
+    """The peer accepted a stream we opened (client-go waits for this before it writes)."""
+
+    stream_id: int
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
 class DataReceived:
     """Bytes for a stream; ``fin`` means the peer will send no more (data may be empty)."""
 
@@ -128,6 +139,7 @@ class ConnectionFailed:
 
 Event = (
     StreamOpened
+    | StreamReplied
     | DataReceived
     | StreamReset
     | PingReceived
@@ -143,14 +155,19 @@ class StreamStateError(Exception):
 
 @dataclass(slots=True)
 class _Stream:
-    replied: bool = False
+    replied: bool = False  # we may send data: we replied to the peer's stream, or opened it
     local_closed: bool = False
     remote_closed: bool = False
+    awaiting_reply: bool = False  # a stream we opened that the peer has not answered yet
 
 
 class SpdyConnection:
-    def __init__(self, limits: SpdyLimits | None = None) -> None:
+    def __init__(self, limits: SpdyLimits | None = None, *, client: bool = False) -> None:
         self.limits = limits or SpdyLimits()
+        self.client = client
+        # Clients open odd stream ids and ping with odd ids; servers use even ones for both.
+        self._own_parity = 1 if client else 0
+        self._next_stream_id = 1 if client else 2
         self._parser = FrameParser(self.limits.max_frame_payload)
         # Created on first use: a connection that never carries headers (most fuzz inputs,
         # and every connection that fails early) skips zlib's ~300 KiB of state.
@@ -159,9 +176,10 @@ class SpdyConnection:
         self._streams: dict[int, _Stream] = {}
         self._last_peer_stream_id = 0  # highest id the peer used; ids must keep increasing
         self._last_accepted_stream_id = 0  # what GOAWAY reports: refused streams do not count
-        self._next_ping_id = 2  # server pings are even; the client's are odd
+        self._next_ping_id = 1 if client else 2
         self._outbox = bytearray()
         self._goaway_sent = False
+        self._goaway_received = False
         self._failed = False
 
     # --- state the adapter may want --------------------------------------------------
@@ -173,6 +191,10 @@ class SpdyConnection:
     @property
     def goaway_sent(self) -> bool:
         return self._goaway_sent
+
+    @property
+    def goaway_received(self) -> bool:
+        return self._goaway_received
 
     @property
     def open_streams(self) -> frozenset[int]:
@@ -206,9 +228,7 @@ class SpdyConnection:
             case SynStreamFrame():
                 self._on_syn_stream(frame, events)
             case SynReplyFrame():
-                # We never open streams, so a reply answers nothing. Inflate it anyway to keep
-                # the compression context in step, then drop it.
-                self._header_decoder().decompress(frame.header_block)
+                self._on_syn_reply(frame, events)
             case HeadersFrame():
                 self._header_decoder().decompress(frame.header_block)
                 if frame.fin:
@@ -217,12 +237,13 @@ class SpdyConnection:
                 if self._streams.pop(frame.stream_id, None) is not None:
                     events.append(StreamReset(frame.stream_id, frame.status))
             case PingFrame():
-                if frame.ping_id % 2 == 1:
+                if frame.ping_id % 2 != self._own_parity:
                     self._outbox += frame.serialize()
                     events.append(PingReceived(frame.ping_id))
                 else:
                     events.append(PingAcknowledged(frame.ping_id))
             case GoAwayFrame():
+                self._goaway_received = True
                 events.append(GoAwayReceived(frame.last_good_stream_id, frame.status))
             case _:
                 pass  # SETTINGS, WINDOW_UPDATE and unknown types: nothing for us to do
@@ -231,8 +252,9 @@ class SpdyConnection:
         # Inflate first, whatever becomes of the stream: the context must see every block.
         headers = self._header_decoder().decode(frame.header_block)
         sid = frame.stream_id
-        if sid % 2 == 0:
-            raise FrameError(f"client opened even stream id {sid}")
+        if sid % 2 == self._own_parity:
+            side, parity = ("server", "odd") if self.client else ("client", "even")
+            raise FrameError(f"{side} opened {parity} stream id {sid}")
         if sid <= self._last_peer_stream_id:
             raise FrameError(f"stream id {sid} does not exceed {self._last_peer_stream_id}")
         self._last_peer_stream_id = sid
@@ -245,11 +267,27 @@ class SpdyConnection:
             self._streams[sid] = stream
         events.append(StreamOpened(sid, headers, frame.fin, frame.unidirectional))
 
+    def _on_syn_reply(self, frame: SynReplyFrame, events: list[Event]) -> None:
+        # Inflate first, whatever the reply answers: the context must see every block.
+        headers = self._header_decoder().decode(frame.header_block)
+        stream = self._streams.get(frame.stream_id)
+        if stream is None or not stream.awaiting_reply:
+            return  # a reply to a stream that is gone, or not ours to be answered: drop it
+        stream.awaiting_reply = False
+        events.append(StreamReplied(frame.stream_id, headers))
+        if frame.fin:
+            self._on_remote_fin(frame.stream_id, b"", events)
+
+    def _never_opened(self, sid: int) -> bool:
+        if sid % 2 == self._own_parity:
+            return sid >= self._next_stream_id
+        return sid > self._last_peer_stream_id
+
     def _on_data(self, frame: DataFrame, events: list[Event]) -> None:
         sid = frame.stream_id
         stream = self._streams.get(sid)
         if stream is None:
-            if sid > self._last_peer_stream_id:
+            if self._never_opened(sid):
                 # Never opened: tell the peer. Data for streams that closed or were reset is
                 # normal in-flight traffic and is dropped quietly.
                 self._outbox += RstStreamFrame(sid, RstStatus.INVALID_STREAM).serialize()
@@ -309,17 +347,39 @@ class SpdyConnection:
             return None
         return self._streams.get(stream_id)
 
+    def open_stream(self, headers: dict[str, str], *, fin: bool = False) -> int:
+        """Open a stream with SYN_STREAM and return its id. Data may follow at once, though
+        client-go's habit, which peers may rely on, is to wait for ``StreamReplied``."""
+        if self._failed or self._goaway_sent or self._goaway_received:
+            raise StreamStateError("the connection accepts no new streams")
+        if len(self._streams) >= self.limits.max_concurrent_streams:
+            raise StreamStateError("too many open streams")
+        sid = self._next_stream_id
+        if sid > MAX_STREAM_ID:
+            raise StreamStateError("stream ids are exhausted; open a new connection")
+        self._next_stream_id = sid + 2
+        self._outbox += SynStreamFrame(
+            sid, self._header_encoder().encode(headers), fin=fin
+        ).serialize()
+        self._streams[sid] = _Stream(replied=True, local_closed=fin, awaiting_reply=True)
+        return sid
+
+    def _header_encoder(self) -> HeaderEncoder:
+        if self._encoder is None:
+            self._encoder = HeaderEncoder()
+        return self._encoder
+
     def reply(self, stream_id: int, headers: dict[str, str] | None = None) -> bool:
         """Accept a stream with SYN_REPLY. Returns False if the stream is already gone."""
         stream = self._writable(stream_id)
         if stream is None:
             return False
         if stream.replied:
-            raise StreamStateError(f"stream {stream_id} was already replied to")
-        if self._encoder is None:
-            self._encoder = HeaderEncoder()
+            raise StreamStateError(f"stream {stream_id} was already replied to (or is ours)")
         stream.replied = True
-        self._outbox += SynReplyFrame(stream_id, self._encoder.encode(headers or {})).serialize()
+        self._outbox += SynReplyFrame(
+            stream_id, self._header_encoder().encode(headers or {})
+        ).serialize()
         return True
 
     def send_data(self, stream_id: int, data: bytes, fin: bool = False) -> bool:
@@ -358,7 +418,7 @@ class SpdyConnection:
     def ping(self) -> int:
         """Queue a PING and return its id; a ``PingAcknowledged`` with that id answers it."""
         ping_id = self._next_ping_id
-        self._next_ping_id = ping_id + 2 if ping_id < 0x7FFFFFFE else 2
+        self._next_ping_id = ping_id + 2 if ping_id < 0x7FFFFFFE else 2 - self._own_parity
         if not self._failed:
             self._outbox += PingFrame(ping_id).serialize()
         return ping_id

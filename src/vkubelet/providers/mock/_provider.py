@@ -21,8 +21,11 @@ from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
 from ...sdk.capabilities import AttachIO, ByteStream
+from ...sdk.probes import PodProbes, ProbeEvent, ProbeKind
+from ...sdk.provider import EventSink
 from ._config import MockConfig
 from ._fs import Filesystem, container_filesystem, mount_volumes
+from ._probes import MockProbes
 from ._records import MockContainer, MockPod, containers_of, files_of, now
 from ._shell import environment, run_command
 from ._stats import NodeStats
@@ -44,10 +47,20 @@ class MockProvider:
     """Implements the pod lifecycle, push notifications, node configuration and every optional
     capability: logs, exec, attach, port-forward, stats and resource metrics."""
 
-    def __init__(self, node_name: str, config: MockConfig, *, host_ip: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        node_name: str,
+        config: MockConfig,
+        *,
+        host_ip: str = "127.0.0.1",
+        events: EventSink | None = None,
+    ) -> None:
         self.node_name = node_name
         self.config = config
         self.host_ip = host_ip
+        self.events = events
+        self._probes: dict[str, PodProbes] = {}  # uid -> the pod's probe workers
+        self.probe_second = 1.0  # how long a second of probe settings lasts; tests shorten it
         self._pods: dict[str, MockPod] = {}
         self._notify: Callable[[Pod], None] | None = None
         self._network = ipaddress.ip_network(config.pod_cidr)
@@ -182,6 +195,9 @@ class MockProvider:
             task.cancel()
         self._stats.retire(mock)
         mock.stopped = now()
+        probes = self._probes.pop(mock.uid, None)
+        if probes is not None:
+            await probes.aclose()
         self._stop_event(mock.uid).set()
         self._stops.pop(mock.uid, None)
         self._filesystems.pop(mock.uid, None)
@@ -199,7 +215,48 @@ class MockProvider:
         return None if pod is None else pod.status
 
     async def list_pods(self) -> list[Pod]:
+        for mock in self._pods.values():  # pods of the state file: their probes run again
+            self._sync_probes(mock)
         return [self._to_pod(m) for m in self._pods.values()]
+
+    async def aclose(self) -> None:
+        probes, self._probes = list(self._probes.values()), {}
+        for workers in probes:
+            await workers.aclose()
+
+    # -- probes -----------------------------------------------------------------------------------
+    def _sync_probes(self, mock: MockPod) -> None:
+        """Start, keep or stop the pod's probe workers as its containers run."""
+        probes = self._probes.get(mock.uid)
+        if probes is None:
+            if not any(c.probes for c in mock.containers) or not mock.running:
+                return
+            pod = self._to_pod(mock, with_status=False)
+            probes = PodProbes(
+                pod,
+                MockProbes(mock, self._filesystem, self._stop_event(mock.uid)),
+                lambda name, grace, kind: self._restart(mock, name, kind),
+                on_change=lambda: self._report(mock),
+                on_event=lambda event: self._probe_event(mock, event),
+                second=self.probe_second,
+            )
+            self._probes[mock.uid] = probes
+        running = {c.name: c.restarts for c in mock.containers if not c.init and mock.running}
+        probes.sync(running)
+
+    async def _restart(self, mock: MockPod, container: str, kind: ProbeKind) -> None:
+        """A failed liveness or startup probe: the container "restarts" at once (a new run with
+        a fresh filesystem), whatever the restart policy, as the mock's processes are fake."""
+        found = mock.container(container)
+        found.restarts += 1
+        found.restarted = now()
+        self._filesystems.get(mock.uid, {}).pop(container, None)
+        self._report(mock)
+        self._save_state()
+
+    def _probe_event(self, mock: MockPod, event: ProbeEvent) -> None:
+        if self.events is not None:
+            self.events.pod_event(self._to_pod(mock), event.type, event.reason, event.message)
 
     def _stop_event(self, uid: str) -> asyncio.Event:
         return self._stops.setdefault(uid, asyncio.Event())
@@ -208,26 +265,24 @@ class MockProvider:
         self._notify = callback
 
     def _report(self, mock: MockPod) -> None:
+        self._sync_probes(mock)  # first: a new run is not ready before its probe says so
         if self._notify is not None:
             self._notify(self._to_pod(mock))
 
     # -- views ------------------------------------------------------------------------------------
-    def _to_pod(self, mock: MockPod) -> Pod:
-        return msgspec.convert(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"namespace": mock.namespace, "name": mock.name, "uid": mock.uid},
-                "spec": {
-                    "nodeName": mock.node,
-                    "containers": [
-                        {"name": c.name, "image": c.image} for c in mock.containers if not c.init
-                    ],
-                },
-                "status": _status(mock, self.host_ip),
-            },
-            Pod,
-        )
+    def _to_pod(self, mock: MockPod, *, with_status: bool = True) -> Pod:
+        containers = [
+            {"name": c.name, "image": c.image, **c.probes} for c in mock.containers if not c.init
+        ]
+        pod: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"namespace": mock.namespace, "name": mock.name, "uid": mock.uid},
+            "spec": {"nodeName": mock.node, "containers": containers},
+        }
+        if with_status:
+            pod["status"] = _status(mock, self.host_ip, self._probes.get(mock.uid))
+        return msgspec.convert(pod, Pod)
 
     # -- logs, exec, attach, port-forward -------------------------------------------------------
     def _pod(self, namespace: str, pod: str) -> MockPod:
@@ -337,7 +392,7 @@ def _terminated(started: str, finished: str) -> dict[str, Any]:
     }
 
 
-def _status(mock: MockPod, host_ip: str) -> dict[str, Any]:
+def _status(mock: MockPod, host_ip: str, probes: PodProbes | None = None) -> dict[str, Any]:
     running = mock.running
     if mock.stopped is not None:
         phase = "Succeeded"
@@ -353,22 +408,29 @@ def _status(mock: MockPod, host_ip: str) -> dict[str, Any]:
         if c.init and mock.started is not None:
             return _terminated(mock.created, mock.started)
         if running:
-            return {"running": {"startedAt": mock.started}}
+            return {"running": {"startedAt": c.restarted or mock.started}}
         return {"waiting": {"reason": "ContainerCreating"}}
 
     def status_of(c: MockContainer) -> dict[str, Any]:
-        return {
+        probed = None if c.init else probes
+        status = {
             "name": c.name,
             "image": c.image,
             "imageID": f"mock://{c.image}",
             "containerID": f"mock://{mock.uid}/{c.name}",
-            "ready": running and not c.init,
-            "started": running and not c.init,
-            "restartCount": 0,
+            "ready": running and not c.init and (probed is None or probed.ready(c.name)),
+            "started": running and not c.init and (probed is None or probed.started(c.name)),
+            "restartCount": c.restarts,
             "state": state(c),
         }
+        if c.restarted is not None:  # killed after a failed liveness or startup probe
+            status["lastState"] = {
+                "terminated": {"exitCode": 137, "reason": "Error", "finishedAt": c.restarted}
+            }
+        return status
 
-    ready = "True" if running else "False"
+    statuses = [status_of(c) for c in mock.containers if not c.init]
+    ready = "True" if running and all(s["ready"] for s in statuses) else "False"
     conditions = [
         {"type": "PodReadyToStartContainers", "status": "True", "lastTransitionTime": mock.created},
         {
@@ -387,7 +449,7 @@ def _status(mock: MockPod, host_ip: str) -> dict[str, Any]:
         "podIPs": [{"ip": mock.ip}],
         "startTime": mock.created,
         "conditions": conditions,
-        "containerStatuses": [status_of(c) for c in mock.containers if not c.init],
+        "containerStatuses": statuses,
     }
     inits = [status_of(c) for c in mock.containers if c.init]
     if inits:
@@ -398,4 +460,6 @@ def _status(mock: MockPod, host_ip: str) -> dict[str, Any]:
 def create(context: ProviderContext) -> MockProvider:
     """Entry point (`vkubelet.providers`: mock)."""
     config = MockConfig.load(context.config_path, context.node_name)
-    return MockProvider(context.node_name, config, host_ip=context.internal_ip)
+    return MockProvider(
+        context.node_name, config, host_ip=context.internal_ip, events=context.events
+    )

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
+import msgspec
 from lightkube.models.core_v1 import Container
 from lightkube.resources.core_v1 import Pod
 
@@ -35,16 +37,24 @@ class MockContainer:
     env: list[tuple[str, str]]
     init: bool = False
     mounts: list[tuple[str, str, str]] = field(default_factory=list)  # (volume, path, subPath)
+    probes: dict[str, Any] = field(default_factory=dict)  # its probes and ports, as JSON
+    restarts: int = 0  # by a failed liveness or startup probe
+    restarted: str | None = None  # when it last was
 
     @classmethod
     def of(cls, c: Container, *, init: bool) -> MockContainer:
+        fields: dict[str, Any] = msgspec.to_builtins(c)
         return cls(
             c.name,
             c.image or "",
             [(e.name, e.value or "") for e in c.env or []],
             init=init,
             mounts=[(m.name, m.mountPath, m.subPath or "") for m in c.volumeMounts or []],
+            probes={k: v for k, v in fields.items() if k in _PROBE_FIELDS and v is not None},
         )
+
+
+_PROBE_FIELDS = ("livenessProbe", "readinessProbe", "startupProbe", "ports")
 
 
 @dataclass(slots=True)

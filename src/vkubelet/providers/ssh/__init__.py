@@ -27,7 +27,8 @@ def create(context: ProviderContext) -> SshFleet:
 
     if context.config_path is None:
         raise ConfigError("the ssh provider needs --provider-config: the inventory of devices")
-    return SshFleet(context.config_path, load_inventory(context.config_path))
+    inventory = load_inventory(context.config_path)
+    return SshFleet(context.config_path, inventory, events=context.events)
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from ...node import ConfigError, FleetNode
+from ...sdk.provider import EventSink
 from ._inventory import DeviceConfig, Inventory, load_inventory
 from ._provider import DeviceProvider
 
@@ -20,8 +21,16 @@ class SshFleet:
     """Implements `NodeFleet`: the inventory file is polled for changes (a stat every
     `poll_interval` seconds, cheap and portable across editors that replace files)."""
 
-    def __init__(self, path: Path, inventory: Inventory, *, poll_interval: float = 2.0) -> None:
+    def __init__(
+        self,
+        path: Path,
+        inventory: Inventory,
+        *,
+        poll_interval: float = 2.0,
+        events: EventSink | None = None,
+    ) -> None:
         self.path = path
+        self.events = events  # probe events of the devices' pods
         self.inventory = inventory
         self.poll_interval = poll_interval
         self._members_by_name: dict[str, tuple[DeviceConfig, FleetNode]] = {}
@@ -37,7 +46,7 @@ class SshFleet:
         members = []
         for device in self.inventory.devices:
             if device.name not in self._members_by_name:
-                provider = DeviceProvider(device)
+                provider = DeviceProvider(device, events=self.events)
                 provider.start()
                 member = FleetNode(
                     name=device.name,

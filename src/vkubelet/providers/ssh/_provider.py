@@ -32,12 +32,15 @@ from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ContainerLogOptions, ProviderError, ResolvedPod
 from ...sdk.capabilities import AttachIO, ByteStream
+from ...sdk.probes import PodProbes, ProbeEvent
+from ...sdk.provider import EventSink
+from ...sdk.tasks import TaskSet
 from ...sdk.volumes import EmptyDirVolume, FilesVolume, HostPathVolume
 from . import _remote
 from ._inventory import DeviceConfig
 from ._link import DeviceLink, Unreachable
 from ._logs import LogParser, render, select_lines
-from ._probes import Prober
+from ._probes import DEFAULT_HOST, DeviceProbes
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +59,27 @@ class _PodEntry:
         self.remote: _remote.RemotePod | None = None
         self.created = datetime.now(UTC)
         self.deleting = False
-        self.ready: dict[str, bool] = {}  # readiness probe results by container
-        self.prober: Prober | None = None
+        self.removing = False  # a task removes it once its processes are gone
+        self.prober: PodProbes | None = None
         self.status: dict[str, Any] | None = None
 
 
 class DeviceProvider:
     """Pod lifecycle, node description and kubectl verbs for one SSH device."""
 
-    def __init__(self, config: DeviceConfig, *, link: DeviceLink | None = None) -> None:
+    def __init__(
+        self,
+        config: DeviceConfig,
+        *,
+        link: DeviceLink | None = None,
+        events: EventSink | None = None,
+        probe_second: float = 1.0,
+    ) -> None:
         self.config = config
         self.link = link or DeviceLink(config)
+        self.events = events
+        self.probe_second = probe_second  # how long a second of probe settings lasts (tests)
+        self._removals = TaskSet(f"removals {config.name}", logger=log)
         self.root = config.pod_dir
         self._pods: dict[str, _PodEntry] = {}  # "namespace/name"
         self._notify: Callable[[Pod], None] | None = None
@@ -91,7 +104,8 @@ class DeviceProvider:
     async def aclose(self) -> None:
         for entry in self._pods.values():
             if entry.prober is not None:
-                entry.prober.stop()
+                await entry.prober.aclose()
+        await self._removals.aclose()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -128,8 +142,11 @@ class DeviceProvider:
 
     async def _sweep_forever(self) -> None:
         while True:
+            # Not wait_for: on Python 3.11 it may swallow a cancellation that comes as the event
+            # is set, and aclose() then waits for this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), _SWEEP_INTERVAL)
+                async with asyncio.timeout(_SWEEP_INTERVAL):
+                    await self._poke.wait()
             self._poke.clear()
             await asyncio.sleep(0.01)  # a burst of events costs one sweep
             uids = None if not self._swept.is_set() else (set(self._poked) or None)
@@ -254,6 +271,8 @@ class DeviceProvider:
         entry = self._pods.get(key)
         if entry is None or entry.uid != uid:  # an older pod of that name may still be leaving
             self._pods[key] = _PodEntry(pod.pod, uid)
+        else:  # adopted: the API's spec replaces what the device kept of it
+            entry.pod = pod.pod
         try:
             (await self.link.run(script)).check("starting the pod")
         except BaseException:
@@ -319,8 +338,9 @@ class DeviceProvider:
             "spec": {
                 "nodeName": spec.nodeName,
                 "restartPolicy": spec.restartPolicy or "Always",
-                "containers": [{"name": c.name} for c in spec.containers],
-                "initContainers": [{"name": c.name} for c in spec.initContainers or []],
+                "terminationGracePeriodSeconds": spec.terminationGracePeriodSeconds,
+                "containers": [_adoptable(c) for c in spec.containers],
+                "initContainers": [_adoptable(c) for c in spec.initContainers or []],
             },
         }
         try:
@@ -424,7 +444,14 @@ class DeviceProvider:
         await self.link.run(_remote.stop_pod_script(self.root, entry.uid, grace_period_seconds))
         self._poked.add(entry.uid)
         self._poke.set()
-        self._tasks.append(asyncio.create_task(self._remove_when_stopped(key, entry)))
+        if not entry.removing:  # delete_pod may come again: one removal is enough
+            entry.removing = True
+            self._removals.spawn(self._remove_when_stopped(key, entry), name=f"remove {key}")
+
+    @property
+    def pending_removals(self) -> int:
+        """Removal tasks still running (finished ones are forgotten)."""
+        return len(self._removals)
 
     async def _remove_when_stopped(self, key: str, entry: _PodEntry) -> None:
         """Once its processes are gone, the pod's directory goes too (logs included)."""
@@ -440,6 +467,8 @@ class DeviceProvider:
                 break
             except Unreachable:
                 await asyncio.sleep(5)
+        if entry.prober is not None:
+            entry.prober.stop()
         if self._pods.get(key) is entry:
             del self._pods[key]
             if self._notify is not None:
@@ -469,10 +498,30 @@ class DeviceProvider:
     def _probe(self, entry: _PodEntry) -> None:
         """Keep the pod's probe workers in step with the runs the device last reported."""
         if entry.prober is None:
-            entry.prober = Prober(
-                self.link, self.root, entry.uid, entry.ready, lambda: self._publish(entry)
+            transport = DeviceProbes(self.link, self.root, entry.uid)
+
+            def event(e: ProbeEvent) -> None:
+                if self.events is not None:
+                    self.events.pod_event(entry.pod, e.type, e.reason, e.message)
+
+            entry.prober = PodProbes(
+                entry.pod,
+                transport,
+                transport.restart,
+                host=DEFAULT_HOST,
+                on_change=lambda: self._publish(entry),
+                on_event=event,
+                second=self.probe_second,
             )
-        entry.prober.sync(entry.pod, entry.remote, stopping=entry.deleting)
+        entry.prober.update(entry.pod)
+        remote = entry.remote
+        running = {
+            c.name: (c.restart_count, c.started_at)
+            for c in (remote.containers if remote is not None else [])
+            if c.state == "running"
+        }
+        stopping = entry.deleting or (remote is not None and remote.stopping)
+        entry.prober.sync(running, terminating=stopping)
 
     def _publish(self, entry: _PodEntry) -> None:
         status = self._status(entry)
@@ -709,6 +758,25 @@ def _key(entry: _PodEntry) -> str:
     return f"{meta.namespace}/{meta.name}"
 
 
+# What the device keeps of a container, for a pod adopted after an agent restart: enough for its
+# probes, ports and image. Never env or command: they hold resolved (Secret) values.
+_ADOPTED_FIELDS = (
+    "name",
+    "image",
+    "imagePullPolicy",
+    "ports",
+    "livenessProbe",
+    "readinessProbe",
+    "startupProbe",
+    "stdin",
+)
+
+
+def _adoptable(container: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = msgspec.to_builtins(container)
+    return {k: v for k, v in fields.items() if k in _ADOPTED_FIELDS and v is not None}
+
+
 def _rfc3339(value: datetime | None) -> str | None:
     if value is None:
         return None
@@ -802,8 +870,9 @@ def _container_status(
     if state.last is not None:
         status["lastState"] = _state(state.last)
     if state.state == "running":
-        status["started"] = entry.prober is None or entry.prober.started(name)
-        status["ready"] = entry.ready.get(name, True) and not init
+        probes = entry.prober
+        status["started"] = init or probes is None or probes.started(name)
+        status["ready"] = not init and (probes is None or probes.ready(name))
     return status
 
 

@@ -114,8 +114,8 @@ class ContainerPlan:
         _check_container(self.name)
         if not self.argv:
             raise ValueError(f"container {self.name}: no command to run")
-        for arg in self.argv:
-            _check_text(arg, f"container {self.name}: command")
+        for i, arg in enumerate(self.argv):
+            _check_text(arg, f"container {self.name}: command (word {i + 1} of command and args)")
         for name, value in self.env.items():
             _check_env(self.name, name, value)
         if self.working_dir is not None:
@@ -151,8 +151,13 @@ class PodPlan:
 
 
 def _check_text(text: str, what: str) -> None:
+    """`what` names the field; the text itself never goes into the message: an env value or an
+    argument (after `$(VAR)` expansion) may hold a Secret's value, and this message becomes the
+    pod's status message and a Warning event."""
     if "\0" in text:
-        raise ValueError(f"{what}: {text!r} contains a NUL character")
+        raise ValueError(
+            f"{what} contains a NUL character, which a device cannot pass to a process"
+        )
 
 
 def _check_env(container: str, name: str, value: str) -> None:

@@ -1,0 +1,18 @@
+"""The vkubelet process: node agents, their kubelet API servers and certificates, one event loop.
+
+This package sits above both `vkubelet.node` (node and pod controllers) and `vkubelet.kubelet`
+(the HTTPS API), which do not know each other. Each concern has a module of its own:
+
+- `_agent`: the `Agent`, which puts the others together and stops them in order;
+- `_identity`: the agent's own client identity (bootstrap token, renewal) and who it is;
+- `_serving`: each kubelet port's serving certificate, server and readiness condition;
+- `_clientca`: the CA that the kubelet API trusts for the apiserver's client certificate;
+- `_providers`: building providers (entry point, module or file) and routing their events;
+- `_supervision`: running node agents so that one node's failure never stops the others;
+- `_fleet`: fleets of nodes that come and go, and the drain of a node that left.
+"""
+
+from ._agent import Agent
+from ._providers import NodeEventRouter, build_provider
+
+__all__ = ["Agent", "NodeEventRouter", "build_provider"]

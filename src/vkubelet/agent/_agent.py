@@ -1,0 +1,269 @@
+"""The `Agent`: one process serving its nodes, from start to an orderly stop.
+
+Start: build every provider (a bad config fails here, loudly), obtain the client identity,
+connect, then run supervised: each node agent, each kubelet port's server and certificate, each
+fleet. Stop (SIGTERM/SIGINT, see the CLI): the controllers stop, the kubelet servers close, and
+every provider — single nodes and fleet members alike — is closed once with `aclose()`, leaving
+its pods running for the next start to adopt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import ssl
+from collections.abc import Callable
+
+from ..kubelet import KubeletAuth, KubeletServer
+from ..node import (
+    AgentConfig,
+    ConfigError,
+    KubeClient,
+    NodeAgent,
+    NodeFleet,
+    NodeSettings,
+    NodeSpec,
+    PodLifecycleHandler,
+)
+from ..node._certs import ServingCertificate
+from ..node._resolution import ServiceCache
+from ..sdk.provider import Closeable
+from ..sdk.tasks import run_supervised
+from . import _providers
+from ._clientca import ClientCA
+from ._fleet import FleetRunner
+from ._identity import bootstrap_identity, identify
+from ._serving import (
+    KubeletApiReadiness,
+    ServingTLS,
+    approves_own_csrs,
+    kubelet_node,
+    start_servers,
+)
+from ._supervision import run_node
+
+log = logging.getLogger(__name__)
+
+# Nodes starting at once (registration, first pod list, adoption); the others wait their turn.
+_STARTING_NODES = 32
+# How long one provider's aclose() may take at shutdown before the agent gives up on it.
+CLOSE_TIMEOUT_SECONDS = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, client: KubeClient | None = None) -> None:
+        self.config = config
+        self.identity = bootstrap_identity(config)
+        for spec in config.nodes:
+            if spec.settings.kubelet_port == 0:  # tests and many-node setups: any free port
+                spec.settings.kubelet_port = _free_port()
+        self.events = _providers.NodeEventRouter()
+        # Providers are built up front so that a bad config fails the start, loudly.
+        self.providers: list[PodLifecycleHandler] = []
+        self._single: list[NodeSpec] = []
+        self._fleet_specs: list[tuple[NodeSpec, NodeFleet]] = []
+        for spec in config.nodes:
+            built = _providers.build_provider(spec, self.events)
+            if isinstance(built, NodeFleet):
+                if self.identity is not None:
+                    raise ConfigError(
+                        f"{spec.settings.name}: a fleet of nodes cannot run under one node's "
+                        "bootstrap identity; give the agent an identity with RBAC rights"
+                    )
+                self._fleet_specs.append((spec, built))
+            else:
+                self.providers.append(built)
+                self._single.append(spec)
+        self._client = client
+        self.nodes: list[NodeAgent] = []
+        self.fleets: list[FleetRunner] = []
+        self.servers: list[KubeletServer] = []
+        self._readiness: dict[int, KubeletApiReadiness] = {}
+        self._serving: dict[int, ServingCertificate | None] = {}  # port -> its certificate
+        self._client_ca = ClientCA(config.client_ca_file)
+        self._tls: ServingTLS | None = None
+        self._tls_lock = asyncio.Lock()
+        self._auth: KubeletAuth | None = None
+        self._services: ServiceCache | None = None
+        self._startup = asyncio.Semaphore(_STARTING_NODES)
+        self._closed: set[int] = set()
+
+    @property
+    def client(self) -> KubeClient:
+        assert self._client is not None, "the agent's client exists once run() started"
+        return self._client
+
+    # -- nodes --------------------------------------------------------------------------------
+    def free_port(self) -> int:
+        return _free_port()
+
+    def make_node(
+        self,
+        settings: NodeSettings,
+        provider: PodLifecycleHandler,
+        readiness: KubeletApiReadiness | None,
+    ) -> NodeAgent:
+        """A node agent whose Ready condition also waits for its kubelet API (`readiness`)."""
+        assert self._services is not None
+        node = NodeAgent(
+            self.client,
+            settings,
+            provider,
+            services=self._services,
+            workers=self.config.workers,
+            startup=self._startup,
+            extra_conditions=[readiness] if readiness is not None else [],
+        )
+        if readiness is not None:
+            readiness.listen(node.node.notify_status_changed)
+        self.events.add(settings.name, node.events)
+        return node
+
+    def forget_node(self, node: NodeAgent) -> None:
+        self.events.remove(node.settings.name)
+
+    def node_exists(self, name: str) -> bool:
+        return any(n.settings.name == name for n in self.nodes) or any(
+            name in f.members or name in f.draining for f in self.fleets
+        )
+
+    async def _connect(self) -> None:
+        """Get a client identity if bootstrapping, then the client and the node agents."""
+        kubeconfig = self.config.kubeconfig
+        if self.identity is not None:
+            await self.identity.ensure()
+            kubeconfig = self.identity.kubeconfig
+        if self._client is None:
+            self._client = KubeClient.from_kubeconfig(kubeconfig, options=self.config.client)
+        self._services = ServiceCache(self.client)  # one Service watch for all nodes
+        for spec in self._single:
+            port = spec.settings.kubelet_port
+            if self.config.kubelet_api and port not in self._readiness:
+                self._readiness[port] = KubeletApiReadiness(port)
+        self.nodes = [
+            self.make_node(spec.settings, provider, self._readiness.get(spec.settings.kubelet_port))
+            for spec, provider in zip(self._single, self.providers, strict=True)
+        ]
+        self.fleets = [FleetRunner(self, spec, fleet) for spec, fleet in self._fleet_specs]
+
+    async def identify(self) -> str:
+        return await identify(self.client, self.nodes)
+
+    # -- running and stopping -----------------------------------------------------------------
+    async def run(self) -> None:
+        """Run until cancelled; then stop in order (see the module's docstring)."""
+        try:
+            await self._connect()
+            await self.identify()
+            async with asyncio.TaskGroup() as group:
+                if self.identity is not None:
+                    identity, client = self.identity, self.client
+                    group.create_task(
+                        run_supervised(
+                            lambda: identity.renew_forever(client),
+                            name="client certificate renewal",
+                            logger=log,
+                        ),
+                        name="identity",
+                    )
+                # Many nodes start spread over a few seconds rather than in one burst, which
+                # would delay every node's first lease renewals behind a thousand registrations.
+                spread = min(5.0 / max(len(self.nodes), 1), 0.05)
+                for index, node in enumerate(self.nodes):
+                    group.create_task(
+                        run_node(node, delay=index * spread), name=f"node {node.settings.name}"
+                    )
+                if self.config.kubelet_api:
+                    for port, nodes in self._by_port().items():
+                        group.create_task(
+                            run_supervised(
+                                functools.partial(self._serve_port, port, nodes),
+                                name=f"kubelet API on port {port}",
+                                logger=log,
+                            ),
+                            name=f"kubelet API {port}",
+                        )
+                for fleet in self.fleets:
+                    group.create_task(
+                        run_supervised(fleet.run, name=f"fleet {fleet.name}", logger=log),
+                        name=f"fleet {fleet.name}",
+                    )
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        """Controllers are stopped (the task group is done); close servers, then providers."""
+        log.info("stopping: closing the kubelet API and the providers")
+        for fleet in self.fleets:
+            await fleet.aclose()
+        for server in self.servers:
+            await server.close()
+        self.servers.clear()
+        for provider in self.providers:
+            await self.close_provider(provider)
+        self._client_ca.close()
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def close_provider(self, provider: object) -> None:
+        """`aclose()` a provider once (if it has one); its failure is logged, never raised."""
+        if id(provider) in self._closed or not isinstance(provider, Closeable):
+            return
+        self._closed.add(id(provider))
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_SECONDS):
+                await provider.aclose()
+        except Exception:
+            log.exception("closing provider %s failed", type(provider).__name__)
+
+    # -- the kubelet API ------------------------------------------------------------------------
+    def _by_port(self) -> dict[int, list[NodeAgent]]:
+        by_port: dict[int, list[NodeAgent]] = {}
+        for node in self.nodes:
+            by_port.setdefault(node.settings.kubelet_port, []).append(node)
+        return by_port
+
+    def kubelet_auth(self) -> KubeletAuth:
+        if self._auth is None:
+            if self.config.insecure_kubelet_api:
+                self._auth = KubeletAuth.insecure_allow_all()
+            else:
+                self._auth = KubeletAuth.webhook(self.client)
+        return self._auth
+
+    async def tls_context(
+        self, name: str, addresses: list[str], on_csr: Callable[[str | None], None]
+    ) -> tuple[ssl.SSLContext, ServingCertificate | None]:
+        async with self._tls_lock:
+            if self._tls is None:
+                approve = await approves_own_csrs(self.client, self.config.approve_csrs)
+                self._tls = ServingTLS(self.client, self.config, approve)
+        client_ca = await self._client_ca.file(self.client)
+        return await self._tls.context(name, addresses, client_ca, on_csr)
+
+    async def _serve_port(self, port: int, nodes: list[NodeAgent]) -> None:
+        """Certificate, then listen, then renew: retried from the start (by the supervisor) if
+        obtaining the certificate or listening fails; a failed renewal only retries itself."""
+        if port not in self._serving:  # once listening, a retry never binds again
+            readiness = self._readiness[port]
+            addresses = [a for n in nodes for a in n.settings.address_list()]
+            context, certificate = await self.tls_context(
+                nodes[0].settings.name, addresses, readiness.waiting_for
+            )
+            servers = await start_servers(
+                [kubelet_node(n, port) for n in nodes], context, self.kubelet_auth(), readiness
+            )
+            self.servers.extend(servers)
+            self._serving[port] = certificate
+        certificate = self._serving[port]
+        if certificate is not None:
+            await certificate.renew_forever()

@@ -1,0 +1,65 @@
+"""Who the agent is: a node's client identity obtained from a bootstrap token (like a kubelet's
+`--bootstrap-kubeconfig`), and what the apiserver says about us, since a node identity brings the
+Node authorizer's and NodeRestriction's rules with it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from ..node import AgentConfig, ApiError, ConfigError, KubeClient, NodeAgent, Unreachable
+from ..node._certs import ClientIdentity
+
+log = logging.getLogger(__name__)
+
+
+def bootstrap_identity(config: AgentConfig) -> ClientIdentity | None:
+    """The node identity to obtain, when a bootstrap kubeconfig is given."""
+    if config.bootstrap_kubeconfig is None:
+        return None
+    if len(config.nodes) != 1:
+        raise ConfigError("a bootstrap kubeconfig gives one node identity: serve one node")
+    name = config.nodes[0].settings.name
+    return ClientIdentity(
+        kubeconfig=config.kubeconfig or config.cert_dir / f"{name}.kubeconfig",
+        bootstrap=config.bootstrap_kubeconfig,
+        node_name=name,
+    )
+
+
+async def identify(client: KubeClient, nodes: Sequence[NodeAgent]) -> str:
+    """Who the apiserver says we are; a node identity switches on NodeRestriction's rules.
+
+    Waits (with back-off, saying so) while the apiserver is unreachable.
+    """
+    backoff = 0.5
+    while True:
+        try:
+            review = await client.create(
+                "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+            )
+            break
+        except Unreachable as e:
+            log.warning("apiserver unreachable (%s); retrying in %.1fs", e, backoff)
+        except ApiError as e:
+            log.warning("cannot tell who we are (%s); assuming an unrestricted identity", e)
+            return ""
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, 30)
+    user: str = review.get("status", {}).get("userInfo", {}).get("username", "")
+    if user.startswith("system:node:"):
+        own = user.removeprefix("system:node:")
+        for node in nodes:
+            node.settings.node_restricted = True
+            if node.settings.name != own:
+                log.error(
+                    "running as %s, which may only manage node %s, not %s: use one agent "
+                    "(or one identity) per node, or an identity with RBAC rights",
+                    user,
+                    own,
+                    node.settings.name,
+                )
+        log.info("running as %s under the Node authorizer and NodeRestriction", user)
+    return user

@@ -1,0 +1,172 @@
+"""The device provider as a whole against a local "device" (`LocalLink`: its scripts run with the
+local sh in a temporary HOME): deletions, values it cannot carry, adoption after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightkube.models.core_v1 import (
+    Container,
+    EnvVar,
+    ExecAction,
+    PodSpec,
+    PodStatus,
+    Probe,
+)
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Pod
+
+from vkubelet.providers.ssh._inventory import DeviceConfig
+from vkubelet.providers.ssh._provider import DeviceProvider
+from vkubelet.sdk import ProviderError, ResolvedPod
+
+from .local_link import LocalLink
+
+pytestmark = pytest.mark.timeout(60)
+
+SECOND = 0.05  # a probe second
+
+
+class Device:
+    """A device's home, and the providers (agent processes) that run its pods one after the
+    other."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.link = LocalLink(home)
+        self.providers: list[DeviceProvider] = []
+
+    def provider(self) -> DeviceProvider:
+        config = DeviceConfig(name="dev", address="127.0.0.1", backoff_initial=1)
+        provider = DeviceProvider(config, link=self.link, probe_second=SECOND)  # type: ignore[arg-type]
+        provider.start()
+        self.providers.append(provider)
+        return provider
+
+    def pod_fs(self, uid: str) -> Path:
+        return self.home / ".vkubelet" / "pods" / uid / "fs"
+
+
+@pytest.fixture
+async def device(tmp_path: Path) -> AsyncIterator[Device]:
+    home = tmp_path / "home"
+    home.mkdir()
+    dev = Device(home)
+    yield dev
+    for provider in dev.providers:
+        await provider.aclose()
+    await dev.link.aclose()
+
+
+def make_pod(name: str, uid: str, **container: Any) -> ResolvedPod:
+    container.setdefault("command", ["sleep", "3600"])
+    pod = Pod(
+        metadata=ObjectMeta(name=name, namespace="ns", uid=uid),
+        spec=PodSpec(
+            containers=[Container(name="main", image="host", **container)],
+            terminationGracePeriodSeconds=1,
+        ),
+    )
+    return ResolvedPod(pod)
+
+
+async def eventually(condition: Callable[[], Any], within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def status(provider: DeviceProvider, name: str) -> PodStatus | None:
+    return await provider.get_pod_status("ns", name)
+
+
+def main_status(s: PodStatus | None) -> Any:
+    assert s is not None and s.containerStatuses
+    return s.containerStatuses[0]
+
+
+async def wait_running(provider: DeviceProvider, name: str) -> None:
+    async def running() -> bool:
+        s = await status(provider, name)
+        return s is not None and s.phase == "Running"
+
+    deadline = time.monotonic() + 15
+    while not await running():
+        assert time.monotonic() < deadline, f"{name} never ran"
+        await asyncio.sleep(0.05)
+
+
+# -- deletions ------------------------------------------------------------------------------------
+async def test_deleted_pods_leave_no_task_behind(device: Device) -> None:
+    provider = device.provider()
+    names = [f"p{i}" for i in range(3)]
+    for i, name in enumerate(names):
+        await provider.create_pod(make_pod(name, f"u{i}"))
+    for name in names:
+        await wait_running(provider, name)
+    for i, name in enumerate(names):
+        pod = make_pod(name, f"u{i}").pod
+        await provider.delete_pod(pod, 0)
+        await provider.delete_pod(pod, 0)  # again, as the agent may: still one removal
+    assert provider.pending_removals == 3
+    await eventually(lambda: not provider._pods, within=20)
+    await eventually(lambda: provider.pending_removals == 0)
+    assert all(not task.done() for task in provider._tasks)  # only the long-lived ones
+
+
+# -- values a device cannot carry -----------------------------------------------------------------
+SECRET = "s3cr3t-value"
+
+
+@pytest.mark.parametrize(
+    ("container", "named"),
+    [
+        ({"env": [EnvVar(name="TOKEN", value=f"{SECRET}\0rest")]}, "environment variable TOKEN"),
+        ({"command": ["sh", "-c", f"echo {SECRET}\0"]}, "word 3 of command and args"),
+    ],
+)
+async def test_a_secret_value_the_device_cannot_carry_is_named_never_echoed(
+    device: Device, caplog: pytest.LogCaptureFixture, container: dict[str, Any], named: str
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    provider = device.provider()
+    with pytest.raises(ProviderError) as raised:
+        await provider.create_pod(make_pod("p", "u1", **container))
+    message = raised.value.message
+    assert named in message and "NUL" in message
+    assert SECRET not in message and SECRET not in str(raised.value)
+    assert SECRET not in caplog.text
+
+
+# -- adoption -------------------------------------------------------------------------------------
+async def test_an_adopted_pod_keeps_its_probes_and_image(device: Device) -> None:
+    probe = Probe(exec=ExecAction(command=["test", "-f", "ready"]), periodSeconds=1)
+    first = device.provider()
+    await first.create_pod(make_pod("p", "u1", readinessProbe=probe))
+    await wait_running(first, "p")
+    (device.pod_fs("u1") / "ready").touch()
+    await eventually(lambda: first._pods["ns/p"].prober is not None)
+    await first.aclose()  # the agent stops; the pod runs on
+
+    second = device.provider()  # the agent restarted: it adopts the pod
+    [pod] = await second.list_pods()
+    assert pod.spec is not None
+    [container] = pod.spec.containers
+    assert container.image == "host"
+    assert container.readinessProbe is not None
+    assert container.env is None and container.command is None  # never kept on the device
+    await wait_running(second, "p")
+    entry = second._pods["ns/p"]
+    await eventually(lambda: entry.prober is not None and entry.prober.ready("main"))
+    ready = main_status(await status(second, "p"))
+    assert ready.ready and ready.image == "host"
+    (device.pod_fs("u1") / "ready").unlink()  # the readiness probe still runs: not ready
+    await eventually(lambda: entry.status and not entry.status["containerStatuses"][0]["ready"])
+    assert not main_status(await status(second, "p")).ready

@@ -1,0 +1,145 @@
+"""The mock provider's probes, on the shared engine: exec probes run in the container's in-memory
+shell, network probes reach 127.0.0.1; readiness shows in the pod's status, a failed liveness
+probe restarts the container. A probe second lasts 50 ms here."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from lightkube.resources.core_v1 import Pod
+
+from vkubelet.providers.mock import MockConfig, MockProvider
+from vkubelet.sdk import ResolvedPod
+
+from .helpers import Input, stdio
+
+pytestmark = pytest.mark.timeout(30)
+
+NS, NAME, UID = "default", "web", "uid-web"
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, str]] = []
+
+    def pod_event(self, pod: Pod, type: str, reason: str, message: str) -> None:
+        self.seen.append((type, reason, message))
+
+    def node_event(self, node_name: str, type: str, reason: str, message: str) -> None:
+        pass
+
+
+@pytest.fixture
+async def events() -> Events:
+    return Events()
+
+
+@pytest.fixture
+async def mock(events: Events, tmp_path: Path) -> AsyncIterator[MockProvider]:
+    provider = MockProvider("n1", MockConfig(state_file=tmp_path / "state.json"), events=events)
+    provider.probe_second = 0.05
+    reports: list[Pod] = []
+    provider.notify_pods(reports.append)
+    yield provider
+    await provider.aclose()
+
+
+def pod(**container: Any) -> ResolvedPod:
+    spec = {"name": "app", "image": "busybox", **container}
+    raw = {"metadata": {"namespace": NS, "name": NAME, "uid": UID}, "spec": {"containers": [spec]}}
+    return ResolvedPod(msgspec.convert(raw, Pod))
+
+
+async def app_status(mock: MockProvider) -> Any:
+    status = await mock.get_pod_status(NS, NAME)
+    assert status is not None and status.containerStatuses
+    return status.containerStatuses[0]
+
+
+async def eventually(check: Callable[[], Any], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not await check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def sh(mock: MockProvider, script: str) -> int:
+    io_, _, _ = stdio(Input(closed=True))
+    return await mock.exec_in_container(NS, NAME, "app", ["sh", "-c", script], io_)
+
+
+async def test_a_mock_pod_is_ready_when_its_exec_readiness_probe_succeeds(
+    mock: MockProvider,
+) -> None:
+    probe = {"exec": {"command": ["test", "-f", "/tmp/ready"]}, "periodSeconds": 1}
+    await mock.create_pod(pod(readinessProbe=probe))
+    assert not (await app_status(mock)).ready
+    await asyncio.sleep(0.3)  # a few probes fail
+    assert not (await app_status(mock)).ready
+    status = await mock.get_pod_status(NS, NAME)
+    assert status is not None and status.conditions
+    assert {c.type: c.status for c in status.conditions}["Ready"] == "False"
+    assert await sh(mock, "mkdir -p /tmp && echo > /tmp/ready") == 0
+    await eventually(lambda: _ready(mock))
+    assert await sh(mock, "rm /tmp/ready") == 0
+    await eventually(lambda: _unready(mock))
+
+
+async def _ready(mock: MockProvider) -> bool:
+    return bool((await app_status(mock)).ready)
+
+
+async def _unready(mock: MockProvider) -> bool:
+    return not (await app_status(mock)).ready
+
+
+async def test_a_failed_liveness_probe_restarts_a_mock_container(
+    mock: MockProvider, events: Events
+) -> None:
+    probe = {"exec": {"command": ["false"]}, "periodSeconds": 1, "failureThreshold": 2}
+    await mock.create_pod(pod(livenessProbe=probe))
+
+    async def restarted() -> bool:
+        return bool((await app_status(mock)).restartCount >= 1)
+
+    await eventually(restarted)
+    status = await app_status(mock)
+    assert status.lastState.terminated.exitCode == 137
+    assert ("Warning", "Unhealthy", "Liveness probe failed: ") in events.seen
+    assert ("Normal", "Killing", "Container app failed liveness probe, will be restarted") in (
+        events.seen
+    )
+
+
+async def test_a_tcp_readiness_probe_reaches_a_port_on_this_machine(mock: MockProvider) -> None:
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        probe = {"tcpSocket": {"port": "web"}, "periodSeconds": 1}
+        await mock.create_pod(
+            pod(readinessProbe=probe, ports=[{"name": "web", "containerPort": port}])
+        )
+        await eventually(lambda: _ready(mock))
+
+
+async def test_probes_of_a_mock_pod_run_again_after_a_restart_of_the_agent(
+    mock: MockProvider, events: Events, tmp_path: Path
+) -> None:
+    probe = {"exec": {"command": ["test", "-f", "/tmp/ready"]}, "periodSeconds": 1}
+    await mock.create_pod(pod(readinessProbe=probe))
+    await asyncio.sleep(0.3)  # the state file is written
+    again = MockProvider("n1", MockConfig(state_file=tmp_path / "state.json"), events=events)
+    again.probe_second = 0.05
+    try:
+        [listed] = await again.list_pods()
+        assert listed.spec is not None and listed.spec.containers[0].readinessProbe is not None
+        await asyncio.sleep(0.3)
+        assert not (await app_status(again)).ready  # its readiness probe runs, and fails
+    finally:
+        await again.aclose()
