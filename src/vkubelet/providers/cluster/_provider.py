@@ -24,6 +24,7 @@ from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ApiError, Unreachable
+from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.provider import (
     ContainerLogOptions,
     EventType,
@@ -34,6 +35,8 @@ from ...sdk.provider import (
 )
 from ...sdk.quantity import parse_quantity
 from ...sdk.tasks import TaskSet, supervise
+from ...streaming import Endpoint, UpgradeFailed, attach, exec_command
+from ...streaming import port_forward as streaming_port_forward
 from ._capacity import LowerCapacity, lower_capacity
 from ._config import LowerConfig
 from ._deps import KINDS, Key, plan_dependencies
@@ -102,6 +105,7 @@ class ClusterProvider:
         self._spawned = TaskSet(f"cluster {context.node_name}")
         self._deps_lock = asyncio.Lock()
         self._copies: dict[Key, JSON] | None = None  # our lower dependency copies
+        self._stream_endpoint: Endpoint | None = None
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
@@ -311,6 +315,43 @@ class ClusterProvider:
             raise ProviderError(
                 e.reason or "LowerLogsFailed", f"lower cluster: {e.message}"
             ) from None
+
+    async def exec_in_container(
+        self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
+    ) -> int:
+        """`kubectl exec` (and `cp`) upstairs: the same exec on the lower pod, through the lower
+        apiserver (WebSocket v5, or SPDY)."""
+        lower_ns, name = self._lower_ref(namespace, pod)
+        try:
+            return await exec_command(self._endpoint(), lower_ns, name, container, command, io)
+        except UpgradeFailed as e:
+            raise ProviderError("LowerExecFailed", f"lower cluster: {e}") from None
+
+    async def attach_to_container(
+        self, namespace: str, pod: str, container: str, io: AttachIO
+    ) -> None:
+        lower_ns, name = self._lower_ref(namespace, pod)
+        try:
+            await attach(self._endpoint(), lower_ns, name, container, io)
+        except UpgradeFailed as e:
+            raise ProviderError("LowerAttachFailed", f"lower cluster: {e}") from None
+
+    async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
+        lower_ns, name = self._lower_ref(namespace, pod)
+        await streaming_port_forward(self._endpoint(), lower_ns, name, port, stream)
+
+    def _lower_ref(self, namespace: str, pod: str) -> tuple[str, str]:
+        """Where the upper pod runs below; only our own pods are reachable this way."""
+        current = self._lower_pods.get(f"{namespace}/{pod}")
+        if current is None or not is_ours(current, self.owner):
+            raise ProviderError("NotFound", f"pod {namespace}/{pod} does not run here")
+        metadata = current.get("metadata") or {}
+        return str(metadata.get("namespace")), str(metadata.get("name"))
+
+    def _endpoint(self) -> Endpoint:
+        if self._stream_endpoint is None:
+            self._stream_endpoint = Endpoint.from_config(self.lower.client.config)
+        return self._stream_endpoint
 
     async def stats_summary(self) -> dict[str, Any]:
         """`kubectl top pod/node`: our pods' numbers from the lower kubelets (see `_stats`)."""
