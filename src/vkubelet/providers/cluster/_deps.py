@@ -129,7 +129,7 @@ def plan_dependencies(
             continue
         wanted.add(lower_key)
         existing = lower.get(lower_key)
-        desired = lower_copy(source, how, pvc_storage_class=pvc_storage_class)
+        desired = lower_copy(source, how, key=key, pvc_storage_class=pvc_storage_class)
         verdict = claim(existing, how.owner, None)
         if verdict is Claim.TAKEN:
             assert existing is not None
@@ -173,12 +173,21 @@ def _plan_change(
 
 
 def lower_copy(
-    source: Mapping[str, Any], how: PodTranslation, *, pvc_storage_class: str | None = None
+    source: Mapping[str, Any],
+    how: PodTranslation,
+    *,
+    key: Key | None = None,
+    pvc_storage_class: str | None = None,
 ) -> JSON:
-    """The stamped lower copy of an upper ConfigMap, Secret, ServiceAccount or PVC."""
-    kind = str(source.get("kind"))
+    """The stamped lower copy of an upper ConfigMap, Secret, ServiceAccount or PVC.
+
+    `key` says what it is: objects from a list or watch carry no `kind` of their own."""
     metadata = source.get("metadata") or {}
-    namespace, name = str(metadata.get("namespace")), str(metadata.get("name"))
+    kind, namespace, name = key or (
+        str(source.get("kind")),
+        str(metadata.get("namespace")),
+        str(metadata.get("name")),
+    )
     body: JSON = {
         "apiVersion": "v1",
         "kind": kind,

@@ -194,3 +194,21 @@ def test_the_pvc_storage_class_option_overrides_the_upper_class() -> None:
     named = plan_dependencies([upper_pod()], references(), {}, how(), pvc_storage_class="local")
     [claim] = [o for o in named.create if o["kind"] == "PersistentVolumeClaim"]
     assert claim["spec"]["storageClassName"] == "local"
+
+
+def test_objects_without_kind_as_lists_and_watches_deliver_them_are_copied_by_their_key() -> None:
+    refs = {
+        key: {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
+        for key, obj in references().items()
+    }
+    plan = plan_dependencies([upper_pod()], refs, {}, how())
+    kinds = sorted(o["kind"] for o in plan.create)
+    assert kinds == [
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Secret",
+        "Secret",
+        "Secret",
+        "Secret",
+        "ServiceAccount",
+    ]

@@ -1,0 +1,162 @@
+"""`vkubelet run --provider cluster` end to end: a whole lower dev cluster as one node of the upper
+dev cluster, with the real agent, real kubectl on both sides."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import Kubectl, node_ready, start_agent, wait_for
+
+from .clusters import LowerCluster
+
+TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
+
+
+@pytest.fixture
+def cluster_node(
+    kube_cluster: Cluster, kubectl: Kubectl, lower_cluster: LowerCluster, tmp_path: Path
+) -> Iterator[str]:
+    name = f"vk-lower-{uuid.uuid4().hex[:6]}"
+    config = tmp_path / "lower.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "kubeconfig": str(lower_cluster.kubeconfig),
+                "upperClusterID": f"e2e-{uuid.uuid4().hex[:6]}",
+            }
+        )
+    )
+    agent = start_agent(
+        kube_cluster, tmp_path, provider="cluster", config=config, name=name, address="127.0.0.1"
+    )
+    try:
+        wait_for(lambda: node_ready(kubectl, name), what=f"node {name} Ready")
+        wait_for(
+            lambda: (
+                int(kubectl.json("get", "node", name)["status"]["allocatable"].get("pods", "0")) > 0
+            ),
+            what="the virtual node's capacity from the lower cluster",
+        )
+        yield name
+    finally:
+        agent.stop()
+        kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+        print(agent.log()[-5000:])
+
+
+def test_a_deployment_on_the_virtual_node_runs_in_the_lower_cluster(
+    kubectl: Kubectl, lower_cluster: LowerCluster, cluster_node: str
+) -> None:
+    namespace = f"web-{uuid.uuid4().hex[:6]}"
+    secret_value = f"s3cret-{uuid.uuid4().hex}"
+    kubectl("create", "namespace", namespace)
+    lk = lower_cluster.kubectl
+    try:
+        kubectl("-n", namespace, "create", "configmap", "cfg", "--from-literal=COLOR=blue")
+        kubectl(
+            "-n",
+            namespace,
+            "create",
+            "secret",
+            "generic",
+            "creds",
+            f"--from-literal=pw={secret_value}",
+        )
+        deployment = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "web"},
+            "spec": {
+                "replicas": 3,
+                "selector": {"matchLabels": {"app": "web"}},
+                "template": {
+                    "metadata": {
+                        "labels": {"app": "web"},
+                        "annotations": {"mock.vkubelet.io/print-env": "true"},
+                    },
+                    "spec": {
+                        "nodeSelector": {"kubernetes.io/hostname": cluster_node},
+                        "tolerations": [TOLERATION],
+                        "containers": [
+                            {
+                                "name": "app",
+                                "image": "registry.example/web:1",
+                                "resources": {"requests": {"cpu": "100m"}},
+                                "envFrom": [{"configMapRef": {"name": "cfg"}}],
+                                "volumeMounts": [{"name": "creds", "mountPath": "/creds"}],
+                            }
+                        ],
+                        "volumes": [{"name": "creds", "secret": {"secretName": "creds"}}],
+                    },
+                },
+            },
+        }
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(deployment))
+
+        def running() -> list[dict[str, object]] | None:
+            pods = kubectl.json("-n", namespace, "get", "pods", "-l", "app=web")["items"]
+            ok = [
+                p
+                for p in pods
+                if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+            ]
+            return pods if len(pods) == 3 and len(ok) == 3 else None
+
+        pods = wait_for(running, timeout=120, what="3 upper pods Running")
+        below = {p["metadata"]["name"]: p for p in lk.json("-n", namespace, "get", "pods")["items"]}
+        for pod in pods:
+            lower = below[pod["metadata"]["name"]]
+            assert pod["status"]["podIP"] == lower["status"]["podIP"]
+            assert lower["spec"]["nodeName"] in {n.name for n in lower_cluster.nodes.values()}
+            text = json.dumps(lower)
+            assert secret_value not in text
+            assert base64.b64encode(secret_value.encode()).decode() not in text
+
+        first = pods[0]["metadata"]["name"]
+        logs = kubectl("-n", namespace, "logs", first).stdout
+        assert "COLOR=blue" in logs
+        assert (
+            kubectl("-n", namespace, "exec", first, "--", "echo", "hello").stdout.strip() == "hello"
+        )
+
+        # Editing the ConfigMap reaches the lower copy.
+        kubectl("-n", namespace, "patch", "configmap", "cfg", "-p", '{"data":{"COLOR":"red"}}')
+        wait_for(
+            lambda: any(
+                cm["data"].get("COLOR") == "red"
+                for cm in lk.json("-n", namespace, "get", "configmaps", "-l", "vkubelet.io/owner")[
+                    "items"
+                ]
+            ),
+            what="the ConfigMap edit in the lower copy",
+        )
+
+        # Scaling to zero leaves no stamped object behind.
+        kubectl("-n", namespace, "scale", "deployment", "web", "--replicas=0")
+        wait_for(
+            lambda: not kubectl.json("-n", namespace, "get", "pods")["items"],
+            timeout=120,
+            what="the upper pods gone",
+        )
+
+        def stamped_left() -> list[str]:
+            return [
+                f"{kind}/{item['metadata']['name']}"
+                for kind in ("pods", "configmaps", "secrets", "serviceaccounts")
+                for item in lk.json("-n", namespace, "get", kind, "-l", "vkubelet.io/owner")[
+                    "items"
+                ]
+            ]
+
+        wait_for(lambda: not stamped_left(), timeout=60, what="no stamped object left below")
+    finally:
+        kubectl("delete", "namespace", namespace, "--wait=false")
+        lk("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
