@@ -1,9 +1,9 @@
 """The cluster provider: a whole lower Kubernetes cluster as one virtual node.
 
-Not registered as a provider yet (no entry point): `ClusterProvider` (`_provider`) needs the
-agent to hand it pods as written (`PassThroughPods`); an agent that resolves env first would give
-it Secret values to copy into the lower pod spec. `create` is the factory to register then. The
-parts, each pure logic or plain API I/O in its own module:
+Registered as `cluster` (`vkubelet run --provider cluster --provider-config lower.yaml`).
+`ClusterProvider` (`_provider`) is a pass-through provider: the agent hands it pods as written,
+so no Secret value is ever copied into a lower pod spec. The parts, each pure logic or plain
+API I/O in its own module:
 
 - `_config`: `lower.yaml` (kubeconfig, namespace mapping, upper identity, resync, options);
 - `_stamps`: owner stamps and the "is this lower object ours" predicate every write path asks;
@@ -13,6 +13,7 @@ parts, each pure logic or plain API I/O in its own module:
 - `_capacity`: the virtual node's allocatable and labels from the lower nodes and pods;
 - `_deps`: which dependencies must exist below (reference-counted, stamped objects only);
 - `_lower`: the lower API client, with clear errors for a bad kubeconfig or missing RBAC;
+- `_stats`: `kubectl top` numbers of our pods from the lower kubelets, renamed upstairs;
 - `_provider`: the provider class wiring them to the agent's protocols.
 
 See docs/cluster-provider.md.
@@ -74,9 +75,8 @@ __all__ = [
 
 
 def create(context: ProviderContext) -> ClusterProvider:
-    """Factory for the `vkubelet.providers` entry point (`cluster`), once the agent passes pods
-    through. It does not contact the lower cluster: an unreachable one only makes the node
-    NotReady until it answers."""
+    """Factory for the `vkubelet.providers` entry point (`cluster`). It does not contact the
+    lower cluster: an unreachable one only makes the node NotReady until it answers."""
     if context.config_path is None:
         raise ConfigError("the cluster provider needs --provider-config: lower.yaml")
     config = load_lower_config(context.config_path)

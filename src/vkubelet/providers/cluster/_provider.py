@@ -1,9 +1,8 @@
 """The cluster provider: the parts (`_translate`, `_deps`, `_status`, `_capacity`) wired to the
 agent's provider protocols over one lower-cluster client.
 
-Not registered as an entry point yet: it needs the agent to honour `PassThroughPods` (hand over
-pods as written plus their references). An agent that resolves env would give it pods with
-Secret values written into `env`, which this provider would then copy into the lower pod spec.
+It must be a pass-through provider (`PassThroughPods`): an agent that resolved env first would
+give it pods with Secret values written into `env`, to be copied into the lower pod spec.
 
 State is kept in the lower cluster, not in this process: the lower pods carry owner stamps, so a
 restarted agent finds them by label (`list_pods`) and adopts them; nothing is re-created.
