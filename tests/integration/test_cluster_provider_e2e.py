@@ -4,7 +4,12 @@ dev cluster, with the real agent, real kubectl on both sides."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import shutil
+import socket
+import socketserver
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +18,29 @@ import pytest
 import yaml
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import Kubectl, node_ready, start_agent, wait_for
+from vkubelet.testing import Kubectl, node_ready, port_forward, start_agent, wait_for
 
 from .clusters import LowerCluster
+
+
+@contextlib.contextmanager
+def echo_server() -> Iterator[int]:
+    """A TCP echo server on 127.0.0.1 (a thread: test scaffolding), yielding its port."""
+
+    class Echo(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            for line in self.rfile:
+                self.wfile.write(line)
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo) as server:
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield server.server_address[1]
+        finally:
+            server.shutdown()
+
 
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 
@@ -53,7 +78,7 @@ def cluster_node(
 
 
 def test_a_deployment_on_the_virtual_node_runs_in_the_lower_cluster(
-    kubectl: Kubectl, lower_cluster: LowerCluster, cluster_node: str
+    kubectl: Kubectl, lower_cluster: LowerCluster, cluster_node: str, tmp_path: Path
 ) -> None:
     namespace = f"web-{uuid.uuid4().hex[:6]}"
     secret_value = f"s3cret-{uuid.uuid4().hex}"
@@ -126,6 +151,20 @@ def test_a_deployment_on_the_virtual_node_runs_in_the_lower_cluster(
         assert (
             kubectl("-n", namespace, "exec", first, "--", "echo", "hello").stdout.strip() == "hello"
         )
+
+        # port-forward: through the upper apiserver, the agent, the lower apiserver and the lower
+        # mock node, whose pods "are" this machine: it dials 127.0.0.1:<port>.
+        scoped = tmp_path / "upper-in-namespace.kubeconfig"
+        shutil.copy(kubectl.kubeconfig, scoped)
+        in_namespace = Kubectl(scoped)
+        in_namespace("config", "set-context", "--current", f"--namespace={namespace}")
+        with (
+            echo_server() as port,
+            port_forward(in_namespace, first, port) as local,
+            socket.create_connection(("127.0.0.1", local), timeout=10) as conn,
+        ):
+            conn.sendall(b"ping through two clusters\n")
+            assert conn.makefile("rb").readline() == b"ping through two clusters\n"
 
         # Editing the ConfigMap reaches the lower copy.
         kubectl("-n", namespace, "patch", "configmap", "cfg", "-p", '{"data":{"COLOR":"red"}}')
