@@ -152,6 +152,15 @@ def test_a_deployment_on_the_virtual_node_runs_in_the_lower_cluster(
             kubectl("-n", namespace, "exec", first, "--", "echo", "hello").stdout.strip() == "hello"
         )
 
+        # exit codes and `kubectl cp` (tar over exec) go through too.
+        failed = kubectl("-n", namespace, "exec", first, "--", "sh", "-c", "exit 3", check=False)
+        assert failed.returncode == 3
+        local_file = tmp_path / "note.txt"
+        local_file.write_text("carried down\n")
+        kubectl("-n", namespace, "cp", str(local_file), f"{first}:/tmp/note.txt")
+        copied = kubectl("-n", namespace, "exec", first, "--", "cat", "/tmp/note.txt").stdout
+        assert copied == "carried down\n"
+
         # port-forward: through the upper apiserver, the agent, the lower apiserver and the lower
         # mock node, whose pods "are" this machine: it dials 127.0.0.1:<port>.
         scoped = tmp_path / "upper-in-namespace.kubeconfig"
