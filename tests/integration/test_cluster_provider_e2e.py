@@ -7,18 +7,28 @@ import base64
 import contextlib
 import json
 import shutil
+import signal
 import socket
 import socketserver
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import Kubectl, node_ready, port_forward, start_agent, wait_for
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    node_ready,
+    port_forward,
+    start_agent,
+    wait_for,
+)
 
 from .clusters import LowerCluster
 
@@ -42,13 +52,20 @@ def echo_server() -> Iterator[int]:
             server.shutdown()
 
 
+JSON = dict[str, Any]
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
+
+
+@dataclass
+class ClusterNode:
+    name: str
+    agent: AgentProcess
 
 
 @pytest.fixture
 def cluster_node(
     kube_cluster: Cluster, kubectl: Kubectl, lower_cluster: LowerCluster, tmp_path: Path
-) -> Iterator[str]:
+) -> Iterator[ClusterNode]:
     name = f"vk-lower-{uuid.uuid4().hex[:6]}"
     config = tmp_path / "lower.yaml"
     config.write_text(
@@ -70,15 +87,88 @@ def cluster_node(
             ),
             what="the virtual node's capacity from the lower cluster",
         )
-        yield name
+        yield ClusterNode(name, agent)
     finally:
         agent.stop()
         kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
         print(agent.log()[-5000:])
 
 
+def deploy(kubectl: Kubectl, namespace: str, node: str, replicas: int) -> list[JSON]:
+    """A Deployment pinned to the virtual node; its pods once all are Running with an IP."""
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "web"},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": node},
+                    "tolerations": [TOLERATION],
+                    "containers": [{"name": "app", "image": "registry.example/web:1"}],
+                },
+            },
+        },
+    }
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(deployment))
+
+    def running() -> list[JSON] | None:
+        pods: list[JSON] = kubectl.json("-n", namespace, "get", "pods", "-l", "app=web")["items"]
+        ok = [p for p in pods if p["status"].get("phase") == "Running" and p["status"].get("podIP")]
+        return pods if len(pods) == replicas == len(ok) else None
+
+    found: list[JSON] = wait_for(running, timeout=120, what=f"{replicas} upper pods Running")
+    return found
+
+
+def test_the_agent_killed_and_restarted_adopts_every_lower_pod(
+    kubectl: Kubectl, lower_cluster: LowerCluster, cluster_node: ClusterNode
+) -> None:
+    namespace = f"kill-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", namespace)
+    lk = lower_cluster.kubectl
+    try:
+        pods = deploy(kubectl, namespace, cluster_node.name, 3)
+        before = {
+            p["metadata"]["name"]: p["metadata"]["uid"]
+            for p in lk.json("-n", namespace, "get", "pods")["items"]
+        }
+        assert len(before) == 3
+        cluster_node.agent.stop(signal.SIGKILL)
+        # Deleted upstairs while the agent is down: removed below once it is back.
+        gone = pods[0]["metadata"]["name"]
+        kubectl("-n", namespace, "scale", "deployment", "web", "--replicas=2")
+        kubectl("-n", namespace, "delete", "pod", gone, "--grace-period=0", "--force", check=False)
+        cluster_node.agent.start()
+        wait_for(
+            lambda: (
+                gone
+                not in {
+                    p["metadata"]["name"] for p in lk.json("-n", namespace, "get", "pods")["items"]
+                }
+            ),
+            timeout=90,
+            what=f"{gone} removed below after the restart",
+        )
+        wait_for(lambda: node_ready(kubectl, cluster_node.name), what="the node Ready again")
+        after = {
+            p["metadata"]["name"]: p["metadata"]["uid"]
+            for p in lk.json("-n", namespace, "get", "pods")["items"]
+        }
+        # The survivors are the very same lower pods: adopted, none re-created.
+        assert after == {k: v for k, v in before.items() if k != gone}
+        for name in after:
+            assert kubectl.json("-n", namespace, "get", "pod", name)["status"]["phase"] == "Running"
+    finally:
+        kubectl("delete", "namespace", namespace, "--wait=false")
+        lk("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
+
+
 def test_a_deployment_on_the_virtual_node_runs_in_the_lower_cluster(
-    kubectl: Kubectl, lower_cluster: LowerCluster, cluster_node: str, tmp_path: Path
+    kubectl: Kubectl, lower_cluster: LowerCluster, cluster_node: ClusterNode, tmp_path: Path
 ) -> None:
     namespace = f"web-{uuid.uuid4().hex[:6]}"
     secret_value = f"s3cret-{uuid.uuid4().hex}"
@@ -108,7 +198,7 @@ def test_a_deployment_on_the_virtual_node_runs_in_the_lower_cluster(
                         "annotations": {"mock.vkubelet.io/print-env": "true"},
                     },
                     "spec": {
-                        "nodeSelector": {"kubernetes.io/hostname": cluster_node},
+                        "nodeSelector": {"kubernetes.io/hostname": cluster_node.name},
                         "tolerations": [TOLERATION],
                         "containers": [
                             {

@@ -43,6 +43,7 @@ from ._lower import LowerCluster, MissingPermissions
 from ._stamps import (
     ANNOTATION_NAME,
     ANNOTATION_NAMESPACE,
+    ANNOTATION_NODE,
     ANNOTATION_UID,
     Claim,
     Owner,
@@ -816,7 +817,12 @@ def _upper_view(lower: Mapping[str, Any], status: PodStatus) -> Pod:
                     k: v for k, v in annotations.items() if not k.startswith("vkubelet.io/upper")
                 },
             },
-            "spec": {"containers": (lower.get("spec") or {}).get("containers") or []},
+            # The virtual node it was stamped for: the agent deletes an orphan only if provably
+            # its own.
+            "spec": {
+                "nodeName": annotations.get(ANNOTATION_NODE),
+                "containers": (lower.get("spec") or {}).get("containers") or [],
+            },
             "status": _to_json(status),
         }
     )
