@@ -174,6 +174,8 @@ class PodController:
 
     async def _reconcile_provider(self) -> None:
         """Adopt the provider's pods that the API still has; remove those provably orphaned."""
+        # Reports pushed while list_pods runs may be newer than its answer; earlier ones are not.
+        before = {key: state.report for key, state in self.states.items()}
         running = await self._provider.list_pods()
         adopted = 0
         for pod in running:
@@ -183,10 +185,14 @@ class PodController:
             key = f"{meta.namespace}/{meta.name}"
             record = self.reflector.items.get(key)
             if record is not None and record.uid == meta.uid:
-                self._state(key).adopted(record.uid)
+                state = self._state(key)
+                state.adopted(record.uid)
                 adopted += 1
-                if pod.status is not None:
+                pushed = state.report is not None and state.report is not before.get(key)
+                if pod.status is not None and not pushed:
                     self._take_report(key, record.uid, pod.status)
+                elif pushed:
+                    self.status_queue.add(key)
                 continue
             node = pod.spec.nodeName if pod.spec else None
             if node == self.node_name and meta.uid:
