@@ -8,6 +8,7 @@ import asyncio
 import ipaddress
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 
 import msgspec
 import pytest
@@ -786,9 +787,12 @@ async def test_the_status_poll_never_overlaps_another_call_for_the_same_pod(
         await eventually(lambda: running(api, "web"), what="web Running")
         for i in range(10):  # each label change is an update_pod while the poll runs on
             api.patch("pods", "web", {"metadata": {"labels": {"round": str(i)}}}, NS)
-            updated = i + 1
-            await eventually(lambda: provider.count("update") >= updated, what=f"update {i}")
+            await eventually(partial(_updated_at_least, provider, i + 1), what=f"update {i}")
     assert provider.overlaps == []
+
+
+def _updated_at_least(provider: PollingProvider, times: int) -> bool:
+    return provider.count("update") >= times
 
 
 class FailingStatus(PollingProvider):
