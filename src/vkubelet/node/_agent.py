@@ -7,10 +7,11 @@ process itself (kubelet API servers, certificates, supervision) is `vkubelet.age
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..sdk.provider import PodLifecycleHandler
+from ..sdk.provider import NodeConditions, PodLifecycleHandler
 from ._events import EventRecorder
 from ._kube import ClientOptions, KubeClient
 from ._nodecontroller import NodeController, NodeSettings
@@ -59,7 +60,10 @@ class NodeAgent:
         services: ServiceCache,
         workers: int = 32,
         startup: asyncio.Semaphore | None = None,
+        extra_conditions: Sequence[NodeConditions] = (),
     ) -> None:
+        """`extra_conditions`: node conditions from the agent's other parts (its kubelet API,
+        say), merged with the provider's and the node controller's own."""
         self.settings = settings
         self.provider = provider
         # Shared by the nodes of one process: how many may be starting (registering, listing
@@ -67,7 +71,7 @@ class NodeAgent:
         # with work that delays the lease renewals of the nodes already up.
         self._startup = startup or asyncio.Semaphore(1_000_000)
         self.events = EventRecorder(client, component="vkubelet", host=settings.name)
-        self.node = NodeController(client, settings, provider)
+        self.node = NodeController(client, settings, provider, extra_conditions=extra_conditions)
         host_ip = settings.internal_ip
         self.pods = PodController(
             client,
