@@ -8,7 +8,22 @@ all stopped — at once, not after the whole grace period as in the reference). 
   UID): restarting the agent adopts running pods and never re-creates them;
 - a provider pod is deleted without an API request only when it is provably ours: its node is this
   node and the API, after a complete list, has no pod with its UID;
-- status is written only when something a user can see changed.
+- status is written only when something a user can see changed, and counts as written only
+  once the API accepted it;
+- provider calls for one pod never overlap (the sync queue and the status poll share a per-pod
+  lock), as the provider contract promises.
+
+What the controller knows of each pod beyond the API's copy is one `PodState` (`_podstate`),
+changed only through its named transitions. A provider's status push is accepted from the very
+start (the callback is registered before the API's pods are listed and running pods adopted)
+and kept until the pod it is about exists.
+
+Pod IPs: a provider that learns the pod's address only after `create_pod` (a VM, a lower
+cluster) reports `podIP` or `podIPs` in a later status; the agent fills in the other and writes
+both. The downward API's `status.podIP` in env is resolved once, before `create_pod`, as the
+kubelet does with the sandbox's address: from the provider's `PodNetwork.pod_ips` if it has
+that capability, else the node's InternalIP (as for a host-network pod). A later address does
+not change the env of a running pod (it would mean an `update_pod` with a different env).
 """
 
 from __future__ import annotations
@@ -116,7 +131,7 @@ class PodController:
             state = self.states[key] = PodState()
         return state
 
-    def _uid_run(self, key: str) -> str | None:
+    def _running_uid(self, key: str) -> str | None:
         state = self.states.get(key)
         return None if state is None else state.uid
 
@@ -221,7 +236,7 @@ class PodController:
             await asyncio.sleep(self._status_poll_interval)
             failed: list[tuple[str, Exception]] = []
             for key, record in list(self.reflector.items.items()):
-                if self._uid_run(key) != record.uid or record.terminal or self._calls.busy(key):
+                if self._running_uid(key) != record.uid or record.terminal or self._calls.busy(key):
                     continue
                 async with self._calls.hold(key):
                     try:
@@ -229,7 +244,7 @@ class PodController:
                     except Exception as e:
                         failed.append((key, e))
                         continue
-                if status is not None and self._uid_run(key) == record.uid:
+                if status is not None and self._running_uid(key) == record.uid:
                     self._take_report(key, record.uid, status)
             if failed:
                 now = loop.time()

@@ -157,8 +157,3 @@ class PodState:
 
     def waiting_written(self, uid: str, reason: str, message: str) -> None:
         self.waiting = (uid, reason, message)
-
-    @property
-    def idle(self) -> bool:
-        """Nothing worth keeping: the provider runs no pod and no report or record is pending."""
-        return self.uid is None and self.report is None and self.gone is None

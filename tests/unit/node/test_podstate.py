@@ -67,8 +67,7 @@ def test_replacement_forgets_everything_about_the_old_pod() -> None:
     state.deletion_requested("uid-1")
     state.replaced()
     assert (state.uid, state.applied, state.deleting, state.stopped) == (None, None, False, False)
-    assert state.report is None and state.written is None
-    assert state.idle
+    assert state.report is None and state.written is None and state.gone is None
 
 
 def test_running_another_uid_resets_what_was_known_of_the_previous_one() -> None:
