@@ -124,6 +124,10 @@ class PodController:
         self.creates = 0
         self.updates = 0
         self.deletes = 0
+        if isinstance(provider, PodNotifier):
+            # First of all, before the node is even registered: a provider may push as soon as
+            # it has somewhere to push to, and its reports are kept until their pods are known.
+            provider.notify_pods(self._on_provider_pod)
 
     def _state(self, key: str) -> PodState:
         state = self.states.get(key)
@@ -158,8 +162,8 @@ class PodController:
     def _on_provider_pod(self, pod: Pod) -> None:
         """Push notification from the provider: remember the latest status and schedule a write.
 
-        Registered before anything else runs, so a report may come before the API's pods are
-        listed or the pod adopted: it is kept in the pod's state until then.
+        Registered when the controller is made, so a report may come before the API's pods
+        are listed or the pod adopted: it is kept in the pod's state until then.
         """
         meta = pod.metadata
         if pod.status is not None and meta is not None:
@@ -173,9 +177,6 @@ class PodController:
 
     # -- run --------------------------------------------------------------------------------------
     async def run(self) -> None:
-        if isinstance(self._provider, PodNotifier):
-            # First of all: a provider may push as soon as it has somewhere to push to.
-            self._provider.notify_pods(self._on_provider_pod)
         async with asyncio.TaskGroup() as group:
             group.create_task(self.reflector.run(), name=f"{self.node_name} reflector")
             await self.reflector.synced.wait()
