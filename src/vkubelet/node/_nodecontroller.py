@@ -13,7 +13,9 @@ wins over health — Ready other than True, any other standard type True — so 
 Ready=False makes the node NotReady with the provider's reason; without a problem the agent's
 own statement stands, and types only a provider knows are published as it states them. A
 condition's lastTransitionTime changes only when its status does, and survives an agent restart
-(it is read back from the Node).
+(it is read back from the Node). A type a provider stops stating is deleted from the Node (a
+type published before an agent restart and not stated since is left alone: it may be another
+actor's).
 """
 
 from __future__ import annotations
@@ -203,6 +205,7 @@ class NodeController:
         self._extra_conditions = tuple(extra_conditions)
         # condition type -> (status, lastTransitionTime) as last published
         self._transitions: dict[str, tuple[str, str]] = {}
+        self._published: set[str] = set()  # condition types the API has from us
         self._path = f"/api/v1/nodes/{settings.name}"
         self._lease_path = (
             f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{settings.name}"
@@ -272,9 +275,16 @@ class NodeController:
         return merge_conditions([ready, *_HEALTHY], *sources)
 
     def _conditions(self) -> list[dict[str, str]]:
+        """The conditions to publish, with their times, and a delete directive for each type
+        we published before but no source states any more (a strategic merge patch would
+        otherwise keep it forever)."""
         now = now_rfc3339()
-        published = []
-        for condition in self.conditions():
+        current = self.conditions()
+        published: list[dict[str, str]] = []
+        for kind in sorted(self._published - {c.type for c in current}):
+            published.append({"type": kind, "$patch": "delete"})
+            self._transitions.pop(kind, None)
+        for condition in current:
             previous = self._transitions.get(condition.type)
             since = previous[1] if previous and previous[0] == condition.status else now
             self._transitions[condition.type] = (condition.status, since)
@@ -371,10 +381,13 @@ class NodeController:
         raise RuntimeError(f"node {self.settings.name}: too many conflicting updates")
 
     async def _patch_status(self, status: dict[str, Any]) -> None:
-        status = {**status, "conditions": self._conditions()}
+        conditions = self._conditions()
         await self._client.heartbeat(
-            f"{self._path}/status", {"status": status}, content_type=STRATEGIC_MERGE_PATCH
+            f"{self._path}/status",
+            {"status": {**status, "conditions": conditions}},
+            content_type=STRATEGIC_MERGE_PATCH,
         )
+        self._published = {c["type"] for c in conditions if "$patch" not in c}
 
     async def _ensure_lease(self) -> None:
         owners = [{"apiVersion": "v1", "kind": "Node", "name": self.settings.name, "uid": self.uid}]

@@ -492,3 +492,12 @@ def test_merging_keeps_the_first_problem_and_otherwise_the_agents_view() -> None
     assert merged["Ready"].reason == "NotServing"
     assert merged["DiskPressure"].reason == "DiskFull"
     assert merged["Accelerator"].status == "False"
+
+
+async def test_a_condition_the_provider_no_longer_states_is_removed(api: FakeApiServer) -> None:
+    provider = ReportsConditions(NodeCondition("Accelerator", "False", "TCGFallback"))
+    async with NodeHarness(api, settings(status_interval=60), provider):
+        assert "Accelerator" in conditions(api)
+        provider.change()
+        await eventually(lambda: "Accelerator" not in conditions(api), within=2)
+        assert conditions(api)["Ready"]["status"] == "True"
