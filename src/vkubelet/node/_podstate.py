@@ -6,8 +6,10 @@ its invariants hold by construction instead of by resetting eight dicts by hand:
 - `uid` is the pod the provider runs for the key (None: none, as far as we know). Everything
   else but `waiting`, `gone` and a pending report is about that pod, and a transition that
   changes `uid` (`created`, `adopted`, `replaced`) resets it;
-- `stopped` is true only after `deletion_requested` or a report/observation that the pod's
-  containers have all stopped; a report about another pod never changes it;
+- `stopped` says that the containers of `uid` have all stopped, as its latest report showed
+  (or the provider no longer runs it); a report about another pod never changes it. The API
+  object of a pod being deleted is removed once `stopped` holds; the provider's copy is
+  deleted when the API's is gone unless `stopped_pod()` (asked to stop, and stopped);
 - a report is kept until the status queue has reconciled it with the API (`report_done`), and
   a report that arrives before the provider's `create_pod` returned (or before the agent knew
   of the pod at all) is kept for the pod it names, or for the next one if it names none;
