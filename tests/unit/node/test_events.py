@@ -12,8 +12,8 @@ from lightkube.resources.core_v1 import Pod
 
 from vkubelet.node._events import EventRecorder
 from vkubelet.sdk import EventSink
+from vkubelet.testing.fakeapi import FakeApiServer
 
-from .fakeapi import FakeApiServer
 from .helpers import NODE, NS, cancel_and_wait, eventually, pod
 
 

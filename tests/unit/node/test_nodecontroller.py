@@ -17,8 +17,8 @@ from vkubelet.node import AgentConfig, NodeSettings, NodeSpec
 from vkubelet.node._nodecontroller import LEASE_NAMESPACE, NodeController, merge_conditions
 from vkubelet.providers.mock import MockConfig, MockProvider
 from vkubelet.sdk import NodeCondition
+from vkubelet.testing.fakeapi import JSON, FakeApiServer
 
-from .fakeapi import JSON, FakeApiServer
 from .helpers import NODE, NS, always, cancel_and_wait, eventually, phase_of, pod
 
 

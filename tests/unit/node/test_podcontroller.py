@@ -19,8 +19,8 @@ from vkubelet.node import ContainerLogOptions, ProviderError
 from vkubelet.node import ResolvedPod as ResolvedPodT
 from vkubelet.node.resolve import FilesVolume
 from vkubelet.providers.mock import PRINT_ENV_ANNOTATION, MockConfig, MockProvider
+from vkubelet.testing.fakeapi import JSON, FakeApiServer
 
-from .fakeapi import JSON, FakeApiServer
 from .helpers import (
     HOST_IP,
     NODE,
