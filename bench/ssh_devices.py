@@ -77,14 +77,11 @@ from _common import (
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     AgentProcess,
-    TestDevice,
     find_kubectl,
     local_test_address,
-    ssh_inventory,
-    ssh_lab,
-    ssh_lab_unavailable,
 )
 from vkubelet.testing import start_agent as start_agent_process
+from vkubelet.testing.sshlab import TestDevice, ssh_inventory, ssh_lab, ssh_lab_unavailable
 
 CONCURRENCY = 32  # creates in flight in the all-at-once run
 TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]

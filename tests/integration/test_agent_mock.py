@@ -75,6 +75,14 @@ def mock_node(
 def ns(kubectl: Kubectl) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     kubectl("create", "namespace", name)
+    # Pods are refused until the namespace's default service account exists.
+    wait_for(
+        lambda: (
+            kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode == 0
+        ),
+        timeout=30,
+        what="the default service account",
+    )
     yield name
     kubectl("delete", "namespace", name, "--wait=false")
 
@@ -403,6 +411,34 @@ def test_agent_restart_keeps_every_pod_without_recreating_it(
     assert after == uids
     assert all(phase(kubectl, ns, n) == "Running" for n in uids)
     assert mock_node.state()["creates"] == creates
+
+
+def test_exec_of_a_missing_command_prints_one_plain_message_and_exits_127(
+    mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
+) -> None:
+    kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(pod_manifest("shell", mock_node.name)))
+    wait_for(lambda: phase(kubectl, ns, "shell") == "Running", timeout=30, what="shell Running")
+    log_before = mock_node.agent.log_path.read_text()
+    for command in ("nope", "/nope"):
+        result = kubectl("-n", ns, "exec", "shell", "--", command, check=False)
+        assert result.returncode == 127, result
+        assert result.stderr.count(f"{command}: command not found") == 1, result.stderr
+        assert "command terminated with exit code 127" in result.stderr
+        assert "Internal error" not in result.stderr
+    log_after = mock_node.agent.log_path.read_text()[len(log_before) :]
+    assert "Traceback" not in log_after
+
+
+def test_node_conditions_read_like_the_kubelets_with_transition_times(
+    mock_node: StatefulMockNode, kubectl: Kubectl
+) -> None:
+    node = kubectl.json("get", "node", mock_node.name)
+    found = {c["type"]: c for c in node["status"]["conditions"]}
+    assert found["Ready"]["message"] == "kubelet is posting ready status"
+    assert found["MemoryPressure"]["message"] == "kubelet has sufficient memory available"
+    for condition in found.values():
+        assert condition.get("lastTransitionTime"), condition
+        assert condition.get("lastHeartbeatTime"), condition
 
 
 def test_apiserver_outage_is_survived_and_no_change_is_missed(

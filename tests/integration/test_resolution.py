@@ -26,14 +26,13 @@ from vkubelet.node._nodecontroller import NodeSettings
 from vkubelet.node._resolution import ServiceCache
 from vkubelet.testing import (
     Kubectl,
-    SshDeviceFactory,
     local_test_address,
     node_kubeconfig,
     node_ready,
-    ssh_inventory,
     start_agent,
     wait_for,
 )
+from vkubelet.testing.sshlab import SshDeviceFactory, ssh_inventory
 
 TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
 

@@ -23,17 +23,16 @@ from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     AgentProcess,
     Kubectl,
-    TestDevice,
     local_test_address,
     node_ready,
     port_forward,
-    ssh_inventory,
     terminal_session,
     wait_for,
 )
 from vkubelet.testing import (
     start_agent as start_agent_process,
 )
+from vkubelet.testing.sshlab import TestDevice, ssh_inventory
 
 TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
 
@@ -70,7 +69,7 @@ def start_agent(cluster: Cluster, workdir: Path, path: Path, address: str) -> Ag
 def lab(
     kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Lab]:
-    from vkubelet.testing import ssh_lab
+    from vkubelet.testing.sshlab import ssh_lab
 
     workdir = tmp_path_factory.mktemp("ssh-lab")
     with local_test_address() as address, ssh_lab(3, workdir) as devices:

@@ -15,7 +15,7 @@ from typing import Any
 import asyncssh
 import pytest
 
-from vkubelet.testing import SshDeviceFactory, TestDevice, ssh_lab, ssh_lab_unavailable
+from vkubelet.testing.sshlab import SshDeviceFactory, TestDevice, ssh_lab, ssh_lab_unavailable
 
 
 def connect(device: TestDevice, **overrides: Any) -> Any:

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import Kubectl, local_test_address, node_ready, ssh_lab, wait_for
+from vkubelet.testing import Kubectl, local_test_address, node_ready, wait_for
+from vkubelet.testing.sshlab import ssh_lab
 
 from .test_ssh_devices import apply, inventory, pod_manifest, start_agent, status
 

@@ -39,6 +39,7 @@ from ..sdk.capabilities import (
     OutputStream,
     ResizeQueue,
 )
+from ..sdk.provider import ProviderError
 from ._context import (
     Call,
     start_spdy_session,
@@ -53,6 +54,9 @@ from ._websocket import WebSocketSession
 log = logging.getLogger(__name__)
 
 Runner = Callable[[AttachIO], Coroutine[Any, Any, int]]
+
+# A command that cannot be started is reported as a shell reports it (ContainerExec's contract).
+START_FAILURES = {"CommandNotFound": 127, "CommandNotExecutable": 126}
 
 _TRUE = ("1", "true")
 
@@ -328,8 +332,21 @@ async def _outcome(
         return encode_exit_status(protocol, exit_status(work.result()))
     if isinstance(exc, OSError) and hangup.is_set():
         return None  # the provider noticed the hang-up first
-    log.warning("exec/attach failed: %s", exc, exc_info=exc)
+    if isinstance(exc, ProviderError) and exc.reason in START_FAILURES:
+        await _say(io.stderr or io.stdout, exc.message)
+        return encode_exit_status(protocol, START_FAILURES[exc.reason])
+    # An ordinary failure (the backend refused or failed): one line in the log, the message to
+    # the client; the traceback only at debug level, for a provider's author.
+    level = logging.INFO if isinstance(exc, ProviderError) else logging.WARNING
+    log.log(level, "exec/attach failed: %s: %s", type(exc).__name__, exc)
+    log.debug("exec/attach failure", exc_info=exc)
     return encode_internal_error(protocol, f"error executing command in container: {exc}")
+
+
+async def _say(stream: OutputStream | None, message: str) -> None:
+    if stream is not None and message:
+        with contextlib.suppress(OSError):
+            await stream.write(message.rstrip("\n").encode() + b"\n")
 
 
 async def _stop(task: asyncio.Task[None] | None) -> None:
@@ -368,9 +385,15 @@ async def handle_run(call: Call) -> None:
     output = _Collector(call.config.run_output_limit)
     io = AttachIO(stdin=None, stdout=output, stderr=output, tty=False)
     io.resizes.close()
-    code = await provider.exec_in_container(
-        call.params["namespace"], call.params["pod"], container, command, io
-    )
+    try:
+        code = await provider.exec_in_container(
+            call.params["namespace"], call.params["pod"], container, command, io
+        )
+    except ProviderError as exc:
+        if exc.reason not in START_FAILURES:
+            raise
+        await _say(output, exc.message)
+        code = START_FAILURES[exc.reason]
     if code == 0:
         await call.exchange.respond(200, bytes(output.data))
     else:

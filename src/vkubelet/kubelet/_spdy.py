@@ -24,7 +24,8 @@ from ..protocols.spdy import (
     StreamReset,
     StreamStateError,
 )
-from ._pipe import InboundPipe, shut_down
+from ..sdk._pipe import InboundPipe
+from ._pipe import shut_down
 
 log = logging.getLogger(__name__)
 

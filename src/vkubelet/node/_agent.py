@@ -63,6 +63,8 @@ class NodeAgent:
         startup: asyncio.Semaphore | None = None,
         extra_conditions: Sequence[NodeConditions] = (),
     ) -> None:
+        """`extra_conditions`: node conditions from the agent's other parts (its kubelet API,
+        say), merged with the provider's and the node controller's own."""
         self.settings = settings
         self.provider = provider
         # Shared by the nodes of one process: how many may be starting (registering, listing

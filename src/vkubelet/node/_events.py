@@ -5,7 +5,11 @@ Events are the lowest-priority writes an agent makes: like the kubelet (`--event
 apiserver's capacity on pod status, not on "Created" events. Warnings go before normal events;
 each kind has a bounded queue whose oldest entries are dropped (and counted) when it is full.
 Repeats of the same (object, reason, message) within ten minutes bump the count of the existing
-Event instead of creating a new one, as client-go's recorder does.
+Event instead of creating a new one, as client-go's recorder does; repeats that arrive while
+the first is still queued are folded into it, so a burst costs one write, not one per repeat.
+
+The recorder is also the provider's `EventSink` (`pod_event`, `node_event`): a provider's events
+share the node's queues, rate limit and aggregation with the agent's own.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+from lightkube.resources.core_v1 import Pod
+
+from ..sdk.provider import EventType
 from ._kube import ApiError, KubeClient, TokenBucket, Unreachable
 from ._nodecontroller import now_rfc3339
 
@@ -37,12 +44,21 @@ class ObjectRef:
     api_version: str = "v1"
 
 
+def node_ref(node_name: str) -> ObjectRef:
+    return ObjectRef("Node", "", node_name, node_name)
+
+
 @dataclass
 class _Pending:
     ref: ObjectRef
     type: str
     reason: str
     message: str
+    count: int = 1
+
+    @property
+    def key(self) -> tuple[str, str, str, str, str]:
+        return (self.ref.kind, self.ref.uid, self.type, self.reason, self.message)
 
 
 class EventRecorder:
@@ -63,17 +79,40 @@ class EventRecorder:
         self._warnings: deque[_Pending] = deque(maxlen=max_pending)
         self._normal: deque[_Pending] = deque(maxlen=max_pending)
         self._wake = asyncio.Event()
-        # (uid, reason, message) -> (event name, namespace, count, first seen)
+        self._queued: dict[tuple[str, str, str, str, str], _Pending] = {}
+        # (uid, reason, message) -> (event name, count, first seen)
         self._recent: OrderedDict[tuple[str, str, str], tuple[str, int, float]] = OrderedDict()
         self.dropped = 0
         self.sent = 0
 
     def emit(self, ref: ObjectRef, type: str, reason: str, message: str) -> None:
+        item = _Pending(ref, type, reason, message[:1024])
+        queued = self._queued.get(item.key)
+        if queued is not None:
+            queued.count += 1  # the same event, not yet written: one write for both
+            return
         queue = self._warnings if type == WARNING else self._normal
         if len(queue) == queue.maxlen:
             self.dropped += 1
-        queue.append(_Pending(ref, type, reason, message[:1024]))
+            self._queued.pop(queue.popleft().key, None)
+        queue.append(item)
+        self._queued[item.key] = item
         self._wake.set()
+
+    def pod_event(self, pod: Pod, type: EventType, reason: str, message: str) -> None:
+        """An event about one of the node's pods, from the provider (`EventSink`)."""
+        meta = pod.metadata
+        if meta is None or not meta.name or not meta.namespace:
+            log.debug("event %s about a pod without a name dropped", reason)
+            return
+        self.emit(
+            ObjectRef("Pod", meta.namespace, meta.name, meta.uid or ""), type, reason, message
+        )
+
+    def node_event(self, node_name: str, type: EventType, reason: str, message: str) -> None:
+        """An event about the node, from the provider (`EventSink`). Like the kubelet's, it is
+        recorded in the default namespace and refers to the node by name."""
+        self.emit(node_ref(node_name), type, reason, message)
 
     @property
     def pending(self) -> int:
@@ -86,6 +125,7 @@ class EventRecorder:
             while self._warnings or self._normal:
                 await self._bucket.take()
                 item = (self._warnings or self._normal).popleft()
+                self._queued.pop(item.key, None)
                 try:
                     await self._send(item)
                 except (ApiError, Unreachable) as e:
@@ -95,14 +135,15 @@ class EventRecorder:
         key = (item.ref.uid, item.reason, item.message)
         now = time.monotonic()
         recent = self._recent.get(key)
-        path = f"/api/v1/namespaces/{item.ref.namespace}/events"
+        namespace = item.ref.namespace or "default"
+        path = f"/api/v1/namespaces/{namespace}/events"
         if recent and now - recent[2] < _DEDUP_WINDOW:
             name, count, first = recent
             try:
                 await self._client.patch(
-                    f"{path}/{name}", {"count": count + 1, "lastTimestamp": now_rfc3339()}
+                    f"{path}/{name}", {"count": count + item.count, "lastTimestamp": now_rfc3339()}
                 )
-                self._recent[key] = (name, count + 1, first)
+                self._recent[key] = (name, count + item.count, first)
                 self.sent += 1
                 return
             except ApiError as e:
@@ -112,7 +153,7 @@ class EventRecorder:
         body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"name": name, "namespace": item.ref.namespace},
+            "metadata": {"name": name, "namespace": namespace},
             "involvedObject": {
                 "apiVersion": item.ref.api_version,
                 "kind": item.ref.kind,
@@ -123,7 +164,7 @@ class EventRecorder:
             "reason": item.reason,
             "message": item.message,
             "type": item.type,
-            "count": 1,
+            "count": item.count,
             "firstTimestamp": now_rfc3339(),
             "lastTimestamp": now_rfc3339(),
             "eventTime": None,
@@ -133,7 +174,7 @@ class EventRecorder:
         }
         await self._client.create(path, body)
         self.sent += 1
-        self._recent[key] = (name, 1, now)
+        self._recent[key] = (name, item.count, now)
         self._recent.move_to_end(key)
         while len(self._recent) > 1000:
             self._recent.popitem(last=False)

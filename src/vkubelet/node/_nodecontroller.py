@@ -5,6 +5,17 @@ condition types we set (the node-lifecycle controller's taints, an admin's label
 controllers' conditions stay), and status goes through strategic-merge patches keyed by
 condition type. If someone deletes the Node, the next renewal notices (its Lease is garbage
 collected with it) and the Node is registered again — the reference does this only opt-in.
+
+Conditions come from three sources, merged at every status update: the agent's own view (the
+kubelet's wording; Ready follows the provider's ping), the provider's `NodeConditions`, and
+`extra_conditions` (the agent's other parts, such as its kubelet API). For each type a problem
+wins over health — Ready other than True, any other standard type True — so a provider's
+Ready=False makes the node NotReady with the provider's reason; without a problem the agent's
+own statement stands, and types only a provider knows are published as it states them. A
+condition's lastTransitionTime changes only when its status does, and survives an agent restart
+(it is read back from the Node). A type a provider stops stating is deleted from the Node (a
+type published before an agent restart and not stated since is left alone: it may be another
+actor's).
 """
 
 from __future__ import annotations
@@ -23,7 +34,13 @@ import msgspec
 from lightkube.resources.core_v1 import Node
 
 from .. import __version__
-from ..sdk.provider import NodeConditions, NodeConfigurer, NodeProvider, NodeStatusNotifier
+from ..sdk.provider import (
+    NodeCondition,
+    NodeConditions,
+    NodeConfigurer,
+    NodeProvider,
+    NodeStatusNotifier,
+)
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 
 log = logging.getLogger(__name__)
@@ -32,6 +49,51 @@ LEASE_NAMESPACE = "kube-node-lease"
 MANAGED_LABELS_ANNOTATION = "vkubelet.io/managed-labels"
 MANAGED_TAINTS_ANNOTATION = "vkubelet.io/managed-taints"
 OUR_CONDITIONS = ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable")
+
+# The agent's own view, in the kubelet's words (its node status setters).
+_READY = NodeCondition("Ready", "True", "KubeletReady", "kubelet is posting ready status")
+_HEALTHY = (
+    NodeCondition(
+        "MemoryPressure",
+        "False",
+        "KubeletHasSufficientMemory",
+        "kubelet has sufficient memory available",
+    ),
+    NodeCondition(
+        "DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"
+    ),
+    NodeCondition(
+        "PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"
+    ),
+    NodeCondition(
+        "NetworkUnavailable", "False", "RouteCreated", "the provider manages the pods' network"
+    ),
+)
+
+
+def _is_problem(condition: NodeCondition) -> bool:
+    if condition.type == "Ready":
+        return condition.status != "True"
+    if condition.type in OUR_CONDITIONS:
+        return condition.status != "False"
+    return False  # a type only the provider knows: published as stated, never "a problem"
+
+
+def merge_conditions(
+    own: Sequence[NodeCondition], *others: Sequence[NodeCondition]
+) -> list[NodeCondition]:
+    """One condition per type: the first problem any source states, else the agent's own
+    statement, else the last one stated (the order of the sources, then of their lists)."""
+    merged: dict[str, NodeCondition] = {c.type: c for c in own}
+    ours = set(merged)
+    for source in others:
+        for condition in source:
+            current = merged.get(condition.type)
+            if current is None or (
+                not _is_problem(current) and (_is_problem(condition) or condition.type not in ours)
+            ):
+                merged[condition.type] = condition
+    return list(merged.values())
 
 
 @dataclass
@@ -138,9 +200,12 @@ class NodeController:
         extra_conditions: Sequence[NodeConditions] = (),
     ) -> None:
         self._client = client
-        self._extra_conditions = list(extra_conditions)
         self.settings = settings
         self._provider = provider
+        self._extra_conditions = tuple(extra_conditions)
+        # condition type -> (status, lastTransitionTime) as last published
+        self._transitions: dict[str, tuple[str, str]] = {}
+        self._published: set[str] = set()  # condition types the API has from us
         self._path = f"/api/v1/nodes/{settings.name}"
         self._lease_path = (
             f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{settings.name}"
@@ -193,55 +258,60 @@ class NodeController:
         self.allocatable = dict(status["allocatable"])
         return node
 
-    def _conditions(self) -> list[dict[str, str]]:
-        now = now_rfc3339()
-        ready = {
-            "type": "Ready",
-            "status": "True" if self.healthy else "False",
-            "reason": "KubeletReady" if self.healthy else "ProviderUnhealthy",
-            "message": "vkubelet is ready"
-            if self.healthy
-            else f"provider ping failed: {self.ping_error}",
-            "lastHeartbeatTime": now,
-        }
-        # Minimal merge (the agent's own sources, e.g. the kubelet API not serving yet): a
-        # Ready=False from a source makes the node NotReady with that source's reason.
-        for source in self._extra_conditions:
-            for condition in source.node_conditions():
-                if condition.type == "Ready" and condition.status != "True":
-                    ready.update(
-                        status=condition.status,
-                        reason=condition.reason,
-                        message=condition.message,
-                    )
-        pressure = [
-            {
-                "type": kind,
-                "status": "False",
-                "reason": f"KubeletHas{label}",
-                "message": f"vkubelet reports no {label.lower()}",
-                "lastHeartbeatTime": now,
-            }
-            for kind, label in (
-                ("MemoryPressure", "SufficientMemory"),
-                ("DiskPressure", "NoDiskPressure"),
-                ("PIDPressure", "SufficientPID"),
+    def conditions(self) -> list[NodeCondition]:
+        """The node's conditions as they should be published now (merged, without times)."""
+        ready = _READY
+        if not self.healthy:
+            ready = NodeCondition(
+                "Ready", "False", "ProviderUnhealthy", f"provider ping failed: {self.ping_error}"
             )
-        ]
-        network = {
-            "type": "NetworkUnavailable",
-            "status": "False",
-            "reason": "RouteCreated",
-            "message": "the provider manages networking",
-            "lastHeartbeatTime": now,
-        }
-        return [ready, *pressure, network]
+        sources: list[Sequence[NodeCondition]] = []
+        for source in (self._provider, *self._extra_conditions):
+            if isinstance(source, NodeConditions):
+                try:
+                    sources.append(list(source.node_conditions()))
+                except Exception as e:  # a provider's bug must not stop the node's heartbeat
+                    log.warning("node %s: node_conditions failed: %s", self.settings.name, e)
+        return merge_conditions([ready, *_HEALTHY], *sources)
+
+    def _conditions(self) -> list[dict[str, str]]:
+        """The conditions to publish, with their times, and a delete directive for each type
+        we published before but no source states any more (a strategic merge patch would
+        otherwise keep it forever)."""
+        now = now_rfc3339()
+        current = self.conditions()
+        published: list[dict[str, str]] = []
+        for kind in sorted(self._published - {c.type for c in current}):
+            published.append({"type": kind, "$patch": "delete"})
+            self._transitions.pop(kind, None)
+        for condition in current:
+            previous = self._transitions.get(condition.type)
+            since = previous[1] if previous and previous[0] == condition.status else now
+            self._transitions[condition.type] = (condition.status, since)
+            published.append(
+                {
+                    "type": condition.type,
+                    "status": condition.status,
+                    "reason": condition.reason,
+                    "message": condition.message,
+                    "lastHeartbeatTime": now,
+                    "lastTransitionTime": since,
+                }
+            )
+        return published
+
+    def _remember_transitions(self, node: dict[str, Any]) -> None:
+        """Keep the transition times of an existing Node (an agent restart is no transition)."""
+        for condition in (node.get("status") or {}).get("conditions") or []:
+            kind, status = condition.get("type"), condition.get("status")
+            since = condition.get("lastTransitionTime")
+            if kind and status and since and kind not in self._transitions:
+                self._transitions[kind] = (status, since)
 
     # -- registration -------------------------------------------------------------------------
     async def register(self) -> None:
         """Create the Node, or take over an existing one without clobbering others' edits."""
         desired = self.desired()
-        desired["status"]["conditions"] = self._conditions()
         labels = desired["metadata"]["labels"]
         taints = desired["spec"]["taints"]
         desired["metadata"]["annotations"] = {
@@ -253,12 +323,14 @@ class NodeController:
         except ApiError as e:
             if not e.not_found:
                 raise
+            desired["status"]["conditions"] = self._conditions()
             created = await self._client.create("/api/v1/nodes", desired)
             self.uid = created["metadata"]["uid"]
             # Status in a create is dropped by the apiserver: set it through the subresource.
             await self._patch_status(desired["status"])
             log.info("registered node %s", self.settings.name)
         else:
+            self._remember_transitions(current)
             await self._adopt(current, desired)
         self.registered.set()
         await self._ensure_lease()
@@ -309,10 +381,13 @@ class NodeController:
         raise RuntimeError(f"node {self.settings.name}: too many conflicting updates")
 
     async def _patch_status(self, status: dict[str, Any]) -> None:
-        status = {**status, "conditions": self._conditions()}
+        conditions = self._conditions()
         await self._client.heartbeat(
-            f"{self._path}/status", {"status": status}, content_type=STRATEGIC_MERGE_PATCH
+            f"{self._path}/status",
+            {"status": {**status, "conditions": conditions}},
+            content_type=STRATEGIC_MERGE_PATCH,
         )
+        self._published = {c["type"] for c in conditions if "$patch" not in c}
 
     async def _ensure_lease(self) -> None:
         owners = [{"apiVersion": "v1", "kind": "Node", "name": self.settings.name, "uid": self.uid}]
@@ -377,8 +452,9 @@ class NodeController:
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30)
-        if isinstance(self._provider, NodeStatusNotifier):
-            self._provider.notify_node_status(lambda _node: self.notify_status_changed())
+        for source in (self._provider, *self._extra_conditions):
+            if isinstance(source, NodeStatusNotifier):
+                source.notify_node_status(lambda _node: self.notify_status_changed())
         async with asyncio.TaskGroup() as group:
             group.create_task(self._lease_loop())
             group.create_task(self._status_loop())

@@ -8,7 +8,22 @@ all stopped — at once, not after the whole grace period as in the reference). 
   UID): restarting the agent adopts running pods and never re-creates them;
 - a provider pod is deleted without an API request only when it is provably ours: its node is this
   node and the API, after a complete list, has no pod with its UID;
-- status is written only when something a user can see changed.
+- status is written only when something a user can see changed, and counts as written only
+  once the API accepted it;
+- provider calls for one pod never overlap (the sync queue and the status poll share a per-pod
+  lock), as the provider contract promises.
+
+What the controller knows of each pod beyond the API's copy is one `PodState` (`_podstate`),
+changed only through its named transitions. A provider's status push is accepted from the very
+start (the callback is registered before the API's pods are listed and running pods adopted)
+and kept until the pod it is about exists.
+
+Pod IPs: a provider that learns the pod's address only after `create_pod` (a VM, a lower
+cluster) reports `podIP` or `podIPs` in a later status; the agent fills in the other and writes
+both. The downward API's `status.podIP` in env is resolved once, before `create_pod`, as the
+kubelet does with the sandbox's address: from the provider's `PodNetwork.pod_ips` if it has
+that capability, else the node's InternalIP (as for a host-network pod). A later address does
+not change the env of a running pod (it would mean an `update_pod` with a different env).
 """
 
 from __future__ import annotations
@@ -16,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,20 +40,49 @@ from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Pod
 
 from ..sdk.provider import PodLifecycleHandler, PodNotifier, ProviderError, ResolvedPod
+from ..sdk.tasks import run_supervised
 from ._events import NORMAL, WARNING, EventRecorder, ObjectRef
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 from ._objects import ObjectCache, content
 from ._podrecord import PodRecord, digest, visible_status
+from ._podstate import PodState
 from ._reflector import Handler, Reflector
 from ._resolution import Resolution, ResolutionFailed, Resolver
 from ._workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 
-TERMINAL = ("Succeeded", "Failed")
+# Failures of the status poll are logged at most this often (the poll runs every few seconds).
+POLL_ERROR_LOG_INTERVAL = 60.0
 # On the provider's copy of a pod (never the API's): a digest of what the provider was given,
 # so that after a restart the agent can tell whether the pod it adopts is up to date.
 APPLIED_ANNOTATION = "vkubelet.io/applied"
+
+
+class _ProviderCalls:
+    """Per-pod mutual exclusion of provider calls: the provider contract promises that calls
+    for one pod never overlap, and the sync queue and the status poll both call it. A lock
+    exists only while some call for its pod is under way or waiting."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def busy(self, key: str) -> bool:
+        return key in self._locks
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key) or (asyncio.Lock(), 0)
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
 
 
 class PodController:
@@ -73,23 +117,27 @@ class PodController:
         self.status_queue = WorkQueue(
             self._sync_status, name=f"{node_name}/status", workers=workers
         )
-        self._known: dict[str, str] = {}  # pod key -> UID the provider runs
-        self._gone: dict[str, PodRecord] = {}  # last API state of pods deleted from the API
-        self._applied: dict[str, bytes] = {}  # pod key -> digest of what the provider was given
-        self._deleting: dict[str, str] = {}  # pod key -> UID we asked the provider to stop
-        # Latest provider status (and the UID it is about) not yet reconciled with the API;
-        # dropped once it is, so that memory per running pod stays small.
-        self._reported: dict[str, tuple[str, dict[str, Any]]] = {}
-        self._terminated: dict[str, str] = {}  # pod key -> UID whose containers have all stopped
-        self._waiting: dict[str, tuple[str, str, str]] = {}  # pod key -> (UID, reason, message)
-        # pod key -> (UID, digest of the status we wrote, digest of the API's status after it):
-        # the API's status also holds conditions the provider does not report (PodScheduled),
-        # so comparing a report with it alone would find a difference every time.
-        self._written: dict[str, tuple[str, bytes, bytes]] = {}
+        self.states: dict[str, PodState] = {}  # pod key -> what we know beyond the API's copy
+        self._calls = _ProviderCalls()
+        self._poll_errors_logged = -POLL_ERROR_LOG_INTERVAL
         self.ready = asyncio.Event()
         self.creates = 0
         self.updates = 0
         self.deletes = 0
+        if isinstance(provider, PodNotifier):
+            # First of all, before the node is even registered: a provider may push as soon as
+            # it has somewhere to push to, and its reports are kept until their pods are known.
+            provider.notify_pods(self._on_provider_pod)
+
+    def _state(self, key: str) -> PodState:
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = PodState()
+        return state
+
+    def _running_uid(self, key: str) -> str | None:
+        state = self.states.get(key)
+        return None if state is None else state.uid
 
     # -- inputs -----------------------------------------------------------------------------------
     def _on_add(self, record: PodRecord) -> None:
@@ -104,7 +152,7 @@ class PodController:
             self.status_queue.add(new.key)
 
     def _on_delete(self, record: PodRecord) -> None:
-        self._gone[record.key] = record
+        self._state(record.key).deleted_from_api(record)
         self.sync_queue.add(record.key)
 
     def _on_object_change(self, ref: tuple[str, str, str], users: set[str]) -> None:
@@ -113,21 +161,20 @@ class PodController:
             self.sync_queue.add(key)
 
     def _on_provider_pod(self, pod: Pod) -> None:
-        """Push notification from the provider: remember the latest status and schedule a write."""
+        """Push notification from the provider: remember the latest status and schedule a write.
+
+        Registered when the controller is made, so a report may come before the API's pods
+        are listed or the pod adopted: it is kept in the pod's state until then.
+        """
         meta = pod.metadata
         if pod.status is not None and meta is not None:
             key = f"{meta.namespace}/{meta.name}"
             # A provider that does not say which pod it means is talking about the one it runs.
-            self._take_report(key, meta.uid or self._known.get(key, ""), pod.status)
+            self._take_report(key, meta.uid or "", pod.status)
 
     def _take_report(self, key: str, uid: str, status: PodStatus) -> None:
-        reported: dict[str, Any] = msgspec.to_builtins(status)
-        self._reported[key] = (uid, reported)
-        if _all_terminated(reported):
-            self._terminated[key] = uid
-        else:
-            self._terminated.pop(key, None)
-        self.status_queue.add(key)
+        if self._state(key).reported(uid, _with_ips(msgspec.to_builtins(status))):
+            self.status_queue.add(key)
 
     # -- run --------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -135,17 +182,19 @@ class PodController:
             group.create_task(self.reflector.run(), name=f"{self.node_name} reflector")
             await self.reflector.synced.wait()
             await self._reconcile_provider()
-            if isinstance(self._provider, PodNotifier):
-                self._provider.notify_pods(self._on_provider_pod)
-            else:
-                group.create_task(self._poll_status())
+            if not isinstance(self._provider, PodNotifier):
+                name = f"{self.node_name} status poll"
+                group.create_task(run_supervised(self._poll_status, name=name), name=name)
             group.create_task(self.sync_queue.run())
             group.create_task(self.status_queue.run())
             self.ready.set()
 
     async def _reconcile_provider(self) -> None:
         """Adopt the provider's pods that the API still has; remove those provably orphaned."""
+        # Reports pushed while list_pods runs may be newer than its answer; earlier ones are not.
+        before = {key: state.report for key, state in self.states.items()}
         running = await self._provider.list_pods()
+        adopted = 0
         for pod in running:
             meta = pod.metadata
             if meta is None:
@@ -153,9 +202,14 @@ class PodController:
             key = f"{meta.namespace}/{meta.name}"
             record = self.reflector.items.get(key)
             if record is not None and record.uid == meta.uid:
-                self._known[key] = record.uid
-                if pod.status is not None:
+                state = self._state(key)
+                state.adopted(record.uid)
+                adopted += 1
+                pushed = state.report is not None and state.report is not before.get(key)
+                if pod.status is not None and not pushed:
                     self._take_report(key, record.uid, pod.status)
+                elif pushed:
+                    self.status_queue.add(key)
                 continue
             node = pod.spec.nodeName if pod.spec else None
             if node == self.node_name and meta.uid:
@@ -170,62 +224,90 @@ class PodController:
                     log.warning("pod %s: the provider could not delete the orphan: %s", key, e)
             else:
                 log.warning("provider pod %s is not provably this node's; leaving it alone", key)
-        log.info("node %s: adopted %d running pod(s)", self.node_name, len(self._known))
+        log.info("node %s: adopted %d running pod(s)", self.node_name, adopted)
 
     async def _poll_status(self) -> None:
-        """For providers without push notifications: ask for every live pod's status."""
+        """For providers without push notifications: ask for every live pod's status.
+
+        Each call holds the pod's provider lock, so it never overlaps a create, update or delete
+        of the same pod; a pod whose sync is under way is skipped until the next round. Failures
+        are logged (at most once a minute, with how many pods failed) and never end the poll.
+        """
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self._status_poll_interval)
+            failed: list[tuple[str, Exception]] = []
             for key, record in list(self.reflector.items.items()):
-                if key not in self._known or record.terminal:
+                if self._running_uid(key) != record.uid or record.terminal or self._calls.busy(key):
                     continue
-                with contextlib.suppress(Exception):
-                    status = await self._provider.get_pod_status(record.namespace, record.name)
-                    if status is not None:
-                        self._take_report(key, record.uid, status)
+                async with self._calls.hold(key):
+                    try:
+                        status = await self._provider.get_pod_status(record.namespace, record.name)
+                    except Exception as e:
+                        failed.append((key, e))
+                        continue
+                if status is not None and self._running_uid(key) == record.uid:
+                    self._take_report(key, record.uid, status)
+            if failed:
+                now = loop.time()
+                quiet = now - self._poll_errors_logged < POLL_ERROR_LOG_INTERVAL
+                if not quiet:
+                    self._poll_errors_logged = now
+                key, error = failed[0]
+                log.log(
+                    logging.DEBUG if quiet else logging.WARNING,
+                    "node %s: get_pod_status failed for %d pod(s), e.g. %s: %s: %s",
+                    self.node_name,
+                    len(failed),
+                    key,
+                    type(error).__name__,
+                    error,
+                )
 
     # -- API -> provider --------------------------------------------------------------------------
     async def _sync(self, key: str) -> None:
+        async with self._calls.hold(key):
+            await self._sync_pod(key)
+
+    async def _sync_pod(self, key: str) -> None:
         record = self.reflector.items.get(key)
-        known_uid = self._known.get(key)
         if record is None:
             await self._forget(key)
             return
+        state = self._state(key)
+        known_uid = state.uid
         if known_uid is not None and known_uid != record.uid:
             # Same name, new pod: the old one must stop before the new one starts. After a relist
             # the API's old pod may never have been seen deleted: ask the provider for its own.
-            gone = self._gone.pop(key, None)
+            gone = state.gone
             old = gone.pod() if gone is not None and gone.uid == known_uid else None
             if old is None:
                 old = await self._provider.get_pod(record.namespace, record.name)
             if old is not None and old.metadata is not None and old.metadata.uid == known_uid:
                 await self._provider_delete(key, old, known_uid, 0)
-            for state in (self._known, self._applied, self._deleting, self._reported):
-                state.pop(key, None)
-            self._terminated.pop(key, None)
-            self._written.pop(key, None)
+            state.replaced()
         if record.deleting:
-            await self._sync_deletion(key, record)
+            await self._sync_deletion(key, record, state)
             return
         if record.terminal:
             self.objects.release(key)  # its ConfigMap/Secret watches close once no pod uses them
             return
         pod = record.pod()
-        if await self._deadline_exceeded(key, record, pod):
+        if await self._deadline_exceeded(key, record, pod, state):
             return
         try:
             resolved = await self._resolver.resolve(key, pod)
         except ResolutionFailed as e:
             for reason, message in e.events or [(e.reason, e.message)]:
                 self._event(record, WARNING, reason, message)
-            if key in self._known:
+            if state.uid is not None:
                 # Already running: its containers keep the environment and files they have (as
                 # with the kubelet); the object's watch re-syncs the pod when it is back.
                 return
             # Like the kubelet: a volume that cannot be set up leaves the container "being
             # created" (the FailedMount event says why); bad env config is its own reason.
             waiting = "ContainerCreating" if e.reason == "FailedMount" else e.reason
-            await self._write_waiting(record, pod, waiting, e.message)
+            await self._write_waiting(record, pod, state, waiting, e.message)
             if e.permanent:
                 return  # no retry helps; the object's watch re-syncs the pod when it changes
             raise
@@ -236,14 +318,14 @@ class PodController:
         applied = _digest(resolved.pod)
         _mark_applied(resolved.pod, applied)
         existing: Pod | None = None
-        if key not in self._known:
+        if state.uid is None:
             existing = await self._provider.get_pod(record.namespace, record.name)
             if existing is None or existing.metadata is None or existing.metadata.uid != record.uid:
-                await self._create(key, record, resolved, applied)
+                await self._create(key, record, resolved, applied, state)
                 return
-            self._known[key] = record.uid  # adopted; never re-create
-        if self._applied.get(key) != applied:
-            if key not in self._applied:
+            state.adopted(record.uid)  # never re-create
+        if state.applied != applied:
+            if state.applied is None:
                 # Adopted after a restart: update only if the provider's copy says it was given
                 # something else; a provider that keeps no annotations is not disturbed.
                 if existing is None:
@@ -252,7 +334,7 @@ class PodController:
                     existing.metadata.annotations if existing and existing.metadata else None
                 ) or {}
                 if annotations.get(APPLIED_ANNOTATION) in (None, applied.hex()):
-                    self._applied[key] = applied
+                    state.applied_now(applied)
                     return
             try:
                 await self._provider.update_pod(resolved.pod)
@@ -261,11 +343,13 @@ class PodController:
                 if e.permanent:
                     return
                 raise
-            self._applied[key] = applied
+            state.applied_now(applied)
             self.updates += 1
             self._event(record, NORMAL, "Updated", "provider updated the pod")
 
-    async def _deadline_exceeded(self, key: str, record: PodRecord, pod: Pod) -> bool:
+    async def _deadline_exceeded(
+        self, key: str, record: PodRecord, pod: Pod, state: PodState
+    ) -> bool:
         """Enforce spec.activeDeadlineSeconds as the kubelet does: stop the pod, mark it Failed."""
         deadline = pod.spec.activeDeadlineSeconds if pod.spec else None
         started = pod.status.startTime if pod.status else None
@@ -276,14 +360,14 @@ class PodController:
             self.sync_queue.add_after(key, left)
             return False
         message = "Pod was active on the node longer than the specified deadline"
-        if key in self._known and self._deleting.get(key) != record.uid:
+        if state.uid == record.uid and not state.deleting:
             await self._provider_delete(key, pod, record.uid, 0)
         await self._write_failed(record, "DeadlineExceeded", message)
         self._event(record, WARNING, "DeadlineExceeded", message)
         return True
 
     async def _create(
-        self, key: str, record: PodRecord, resolved: Resolution, applied: bytes
+        self, key: str, record: PodRecord, resolved: Resolution, applied: bytes, state: PodState
     ) -> None:
         try:
             await self._provider.create_pod(resolved.pod)
@@ -291,26 +375,24 @@ class PodController:
             self._event(record, WARNING, e.reason or "ProviderCreateFailed", e.message)
             if e.permanent:
                 await self._write_failed(record, e.reason or "ProviderFailed", e.message)
-                self._known[key] = record.uid
+                state.adopted(record.uid)  # refused for good: never created again
                 return
             raise
         except Exception as e:
             self._event(record, WARNING, "ProviderCreateFailed", f"{type(e).__name__}: {e}")
             raise
-        self._known[key] = record.uid
-        self._applied[key] = applied
-        self._waiting.pop(key, None)
+        state.created(record.uid, applied)
         self.creates += 1
         self._event(record, NORMAL, "Created", "pod started by the provider")
-        if key in self._reported:
+        if state.report_for(record.uid) is not None:
             self.status_queue.add(key)  # reported before create_pod returned
 
-    async def _sync_deletion(self, key: str, record: PodRecord) -> None:
-        if self._known.get(key) != record.uid:
+    async def _sync_deletion(self, key: str, record: PodRecord, state: PodState) -> None:
+        if state.uid != record.uid:
             # The provider never ran it (or already forgot it): nothing to wait for.
             await self._remove_from_api(record)
             return
-        if self._deleting.get(key) != record.uid:
+        if not state.deleting:
             grace = 30 if record.deletion_grace is None else int(record.deletion_grace)
             await self._provider_delete(key, record.pod(), record.uid, grace)
             self._event(record, NORMAL, "Killing", "stopping the pod's containers")
@@ -319,7 +401,7 @@ class PodController:
         else:
             running = await self._provider.get_pod(record.namespace, record.name)
             if running is None or running.metadata is None or running.metadata.uid != record.uid:
-                self._terminated[key] = record.uid  # the provider no longer runs it
+                state.provider_stopped(record.uid)
         self.status_queue.add(key)
 
     async def _provider_delete(self, key: str, pod: Pod, uid: str, grace: int) -> None:
@@ -329,25 +411,19 @@ class PodController:
             log.warning("pod %s: the provider could not delete it: %s", key, e.message)
             if not e.permanent:
                 raise
-        self._deleting[key] = uid  # only now: a failed call is retried by the queue
+        self._state(key).deletion_requested(uid)  # only now: a failed call is retried
         self.deletes += 1
 
     async def _forget(self, key: str) -> None:
         """The API object is gone: make sure the provider stops the pod, then drop our state."""
-        last = self._gone.pop(key, None)
-        uid = self._known.get(key)
-        stopped = uid is not None and self._deleting.get(key) == uid == self._terminated.get(key)
-        if uid is not None and last is not None and not stopped:
-            existing = await self._provider.get_pod(last.namespace, last.name)
-            if existing is not None and existing.metadata and existing.metadata.uid == uid:
-                await self._provider_delete(key, last.pod(), uid, 0)
-        self._known.pop(key, None)
-        self._applied.pop(key, None)
-        self._deleting.pop(key, None)
-        self._reported.pop(key, None)
-        self._terminated.pop(key, None)
-        self._waiting.pop(key, None)
-        self._written.pop(key, None)
+        state = self.states.get(key)
+        if state is not None:
+            uid, last = state.uid, state.gone
+            if uid is not None and last is not None and not state.stopped_pod():
+                existing = await self._provider.get_pod(last.namespace, last.name)
+                if existing is not None and existing.metadata and existing.metadata.uid == uid:
+                    await self._provider_delete(key, last.pod(), uid, 0)
+            self.states.pop(key, None)
         self.objects.release(key)
         self._resolver.forget(key)
         self.sync_queue.forget(key)
@@ -356,31 +432,36 @@ class PodController:
     # -- provider -> API --------------------------------------------------------------------------
     async def _sync_status(self, key: str) -> None:
         record = self.reflector.items.get(key)
-        if record is None or self._known.get(key) != record.uid:
-            return  # gone, or a report about an older pod of the same name
-        terminated = self._terminated.get(key) == record.uid
+        state = self.states.get(key)
+        if state is None:
+            return
+        if record is None:
+            if state.uid is None and state.gone is None:
+                # A report about a pod the API does not have (any more): nobody will read it.
+                self.states.pop(key, None)
+            return
+        if state.uid != record.uid:
+            return  # not running yet (the report waits for create_pod), or an older pod's report
+        terminated = state.stopped
         if record.deleting and terminated and not record.finalizers:
             # The object is about to disappear: its final status would be one more write that
             # nobody can read, so go straight to removing it.
             await self._remove_from_api(record)
             return
-        entry = self._reported.get(key)
-        if entry is not None:
-            uid, reported = entry
+        reported = state.report_for(record.uid)
+        if reported is not None:
             wanted = visible_status(reported)
             if (
-                uid == record.uid
-                and not record.terminal
+                not record.terminal
                 and record.status_digest != wanted
-                and self._written.get(key) != (uid, wanted, record.status_digest)
+                and state.written != (wanted, record.status_digest)
             ):
                 answer = await self._patch_status(record, reported)
-                if reported.get("phase") == "Running" and record.phase != "Running":
-                    self._event(record, NORMAL, "Started", "the pod's containers are running")
-                if answer is not None:
-                    self._written[key] = (uid, wanted, visible_status(answer.get("status")))
-            if self._reported.get(key) is entry:
-                del self._reported[key]
+                if answer is not None:  # only what the API accepted counts as written
+                    state.written_status(wanted, visible_status(answer.get("status")))
+                    if reported.get("phase") == "Running" and record.phase != "Running":
+                        self._event(record, NORMAL, "Started", "the pod's containers are running")
+            state.report_done(reported)
         if record.deleting and terminated:
             await self._remove_from_api(record)
 
@@ -410,8 +491,10 @@ class PodController:
             if not (e.not_found or e.conflict):
                 raise
 
-    async def _write_waiting(self, record: PodRecord, pod: Pod, reason: str, message: str) -> None:
-        if self._waiting.get(record.key) == (record.uid, reason, message):
+    async def _write_waiting(
+        self, record: PodRecord, pod: Pod, state: PodState, reason: str, message: str
+    ) -> None:
+        if state.waiting == (record.uid, reason, message):
             return  # written already: retries do not rewrite an unchanged status
         containers = pod.spec.containers if pod.spec else []
         status = {
@@ -428,9 +511,13 @@ class PodController:
                 for c in containers
             ],
         }
-        with contextlib.suppress(ApiError, Unreachable):
-            await self._patch_status(record, status)
-            self._waiting[record.key] = (record.uid, reason, message)
+        try:
+            answer = await self._patch_status(record, status)
+        except (ApiError, Unreachable) as e:
+            log.info("pod %s: waiting status not written: %s", record.key, e)
+            return
+        if answer is not None:
+            state.waiting_written(record.uid, reason, message)
 
     async def _write_failed(self, record: PodRecord, reason: str, message: str) -> None:
         await self._patch_status(record, {"phase": "Failed", "reason": reason, "message": message})
@@ -440,11 +527,18 @@ class PodController:
         self._recorder.emit(ref, type, reason, message)
 
 
-def _all_terminated(status: dict[str, Any]) -> bool:
-    if status.get("phase") in TERMINAL:
-        return True
-    statuses = status.get("containerStatuses") or []
-    return bool(statuses) and all("terminated" in (s.get("state") or {}) for s in statuses)
+def _with_ips(status: dict[str, Any]) -> dict[str, Any]:
+    """A report with `podIP` and `podIPs` (and `hostIP`/`hostIPs`) consistent, as the API wants
+    them: a provider that learns the pod's address after `create_pod` may report either."""
+    for single, plural in (("podIP", "podIPs"), ("hostIP", "hostIPs")):
+        one, many = status.get(single), status.get(plural)
+        if one and not many:
+            status[plural] = [{"ip": one}]
+        elif many and not one:
+            first = many[0].get("ip") if isinstance(many[0], dict) else None
+            if first:
+                status[single] = first
+    return status
 
 
 def _mark_applied(pod: ResolvedPod, applied: bytes) -> None:

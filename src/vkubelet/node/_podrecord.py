@@ -54,6 +54,7 @@ def visible_status(status: dict[str, Any] | None) -> bytes:
             status.get("reason"),
             status.get("message"),
             status.get("podIP"),
+            _ips(status.get("podIPs")),
             status.get("hostIP"),
             _normal_time(status.get("startTime")),
             conditions(status.get("conditions")),
@@ -61,6 +62,10 @@ def visible_status(status: dict[str, Any] | None) -> bytes:
             containers(status.get("initContainerStatuses")),
         )
     )
+
+
+def _ips(entries: Any) -> list[Any]:
+    return [e.get("ip") if isinstance(e, dict) else e for e in entries or []]
 
 
 def _normal_time(value: Any) -> Any:

@@ -125,8 +125,16 @@ class ContainerExec(Protocol):
 
         The client sees the code: 0 is success, anything else makes kubectl exit with it.
         The protocol carries 0..255: a negative code -N means "killed by signal N" and is
-        reported as 128+N, as shells do, and larger codes as 255. Raise for failures to start
-        the command; the client gets the exception's message as an internal error.
+        reported as 128+N, as shells do, and larger codes as 255.
+
+        A command that cannot be started is an ordinary outcome, as in a shell: raise
+        `ProviderError("CommandNotFound", message)` (exit code 127) or
+        `ProviderError("CommandNotExecutable", message)` (126) — or write the message to
+        stderr and return the code yourself. kubectl prints the message and "command terminated
+        with exit code 127". (A real kubelet reports an internal error instead, which kubectl
+        1.30+ shows as "Internal error occurred: Internal error occurred: ... exec: "/nope":
+        stat /nope: no such file or directory" and exit code 1.) Any other exception means the
+        backend failed: the client gets its message as an internal error.
         """
         ...
 

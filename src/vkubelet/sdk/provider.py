@@ -127,7 +127,13 @@ class PodNotifier(Protocol):
     """Optional: push status changes instead of being polled."""
 
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
-        """Register `callback`; call it (without blocking) with the pod whenever status changes."""
+        """Register `callback`; call it (without blocking) with the pod whenever status changes.
+
+        Called before the node registers; reports made before the agent knows the pod are kept.
+        An address learnt after `create_pod` (a VM's, a lower cluster's pod) goes in a later
+        report as `podIP` or `podIPs`; `status.podIP` in the env keeps the address known at the
+        start (the node's, unless the provider implements `pod_ips`).
+        """
 
 
 @runtime_checkable

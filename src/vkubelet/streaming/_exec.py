@@ -29,10 +29,10 @@ from ..protocols.remotecommand import (
     decode_exit_status,
     encode_resize,
 )
+from ..sdk._pipe import InboundPipe
 from ..sdk.capabilities import AttachIO, InputStream, OutputStream, ResizeQueue
 from ._connect import Endpoint, upgrade
 from ._errors import RemoteCommandError, StreamingError, UpgradeFailed
-from ._pipe import Inbox
 from ._spdy import SocketTransport, SpdyClient, SpdyClientStream
 from ._websocket import WebSocket, open_websocket
 
@@ -159,7 +159,7 @@ class ChannelMux:
     ) -> None:
         self.ws = ws
         self.framing = framing
-        self.inboxes = {channel: Inbox(buffer) for channel in inbound}
+        self.inboxes = {channel: InboundPipe(buffer) for channel in inbound}
         self.max_message = max_message
         self.error: str | None = None  # why the session ended, when it was not orderly
         self.closed = asyncio.Event()
@@ -331,7 +331,7 @@ async def _relay(
     stdout: _Source | None,
     stderr: _Source | None,
     resize: _Sink | None,
-    status: Inbox,
+    status: InboundPipe,
 ) -> bytes:
     """Copy both ways until the server has finished: output streams and the status ended.
     Returns the status bytes. The first failure (a caller's stream that broke) ends it all."""

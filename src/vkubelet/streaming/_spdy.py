@@ -3,7 +3,7 @@
 The SPDY bytes are the same whichever way they travel: straight over the upgraded TLS socket,
 or (port-forward through an apiserver since 1.31) inside WebSocket binary messages. A
 `ByteTransport` hides which. One read loop turns frames into events and feeds each stream's
-bounded `Inbox`; a full inbox stops the loop, which stops reading the socket (back-pressure,
+bounded `InboundPipe`; a full inbox stops the loop, which stops reading the socket (back-pressure,
 as spdystream does it). Writes are flushed at once and awaited with `drain`.
 """
 
@@ -27,9 +27,9 @@ from ..protocols.spdy import (
     StreamReset,
     StreamStateError,
 )
+from ..sdk._pipe import InboundPipe
 from ._connect import READ_SIZE, Upgraded
 from ._errors import StreamingError
-from ._pipe import Inbox
 from ._websocket import WebSocket
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class SpdyClientStream:
         self.session = session
         self.id = stream_id
         self.headers = headers
-        self.inbox = Inbox(session.stream_buffer)
+        self.inbox = InboundPipe(session.stream_buffer)
         self.replied = asyncio.Event()
         self.refused: str | None = None  # why the stream ended before or instead of a reply
         self.remote_fin = False  # the peer ended its side in order (not reset, not lost)

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ..node.fakeapi import FakeApiServer
+from vkubelet.testing.fakeapi import FakeApiServer
 
 
 class TestCA:

@@ -21,8 +21,8 @@ from vkubelet.node._certs import (
     cluster_cert_dir,
     stored_certificate_problem,
 )
+from vkubelet.testing.fakeapi import FakeApiServer
 
-from ..node.fakeapi import FakeApiServer
 from ..node.helpers import cancel_and_wait, eventually
 from .pki import TestCA, approved, pending_csrs, sign_pending, signer
 

@@ -230,6 +230,8 @@ class FakeProvider(LifecycleOnly):
                     self.cancelled.set()
                     raise
                 return 0
+            case ["nope"]:
+                raise ProviderError("CommandNotFound", 'exec: "nope": executable file not found')
             case _:
                 raise RuntimeError(f"cannot run {command}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
@@ -132,6 +133,32 @@ async def test_provider_exception_becomes_an_internal_error_status(kubelet: Kube
     status = await finish(client, ids)
     assert status["reason"] == "InternalError"
     assert "cannot run ['boom']" in str(status["message"])
+
+
+async def test_a_command_that_cannot_be_started_exits_127_with_its_message_once(
+    kubelet: Kubelet, caplog: pytest.LogCaptureFixture
+) -> None:
+    client, ids = await start_exec(
+        kubelet, "command=nope&output=1&error=1", ["error", "stdout", "stderr"]
+    )
+    status = await finish(client, ids)
+    assert status["reason"] == "NonZeroExitCode"
+    assert status["details"] == {"causes": [{"reason": "ExitCode", "message": "127"}]}
+    assert bytes(client.data[ids["stderr"]]) == b'exec: "nope": executable file not found\n'
+    assert bytes(client.data[ids["stdout"]]) == b""
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+
+
+async def test_a_provider_failure_is_one_log_line_without_a_traceback(
+    kubelet: Kubelet, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="vkubelet.kubelet")
+    client, ids = await start_exec(kubelet, "command=boom&output=1", ["error", "stdout"])
+    status = await finish(client, ids)
+    assert str(status["message"]).count("Internal error occurred") == 1
+    [line] = [r for r in caplog.records if "exec/attach failed" in r.getMessage()]
+    assert "cannot run ['boom']" in line.getMessage()
+    assert line.exc_info is None
 
 
 async def test_client_hang_up_cancels_the_provider_call(kubelet: Kubelet) -> None:

@@ -185,6 +185,16 @@ async def test_run_with_a_failing_command_is_500_with_output_and_code(kubelet: K
     assert reply.text == "partial\noops\ncommand terminated with non-zero exit code: 3\n"
 
 
+async def test_run_of_a_command_that_cannot_be_started_is_500_with_its_message_and_127(
+    kubelet: Kubelet,
+) -> None:
+    reply = await kubelet.get("/run/default/web/app?cmd=nope", method="POST")
+    assert reply.status == 500
+    assert reply.text == (
+        'exec: "nope": executable file not found\ncommand terminated with non-zero exit code: 127\n'
+    )
+
+
 async def test_run_in_an_unknown_pod_is_404(kubelet: Kubelet) -> None:
     reply = await kubelet.get("/run/default/nope/app?cmd=echo", method="POST")
     assert reply.status == 404

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vkubelet.node import ApiError, Unreachable
+from vkubelet.testing.fakeapi import FakeApiServer, merge_patch, strategic_merge_patch
 
-from .fakeapi import FakeApiServer, merge_patch, strategic_merge_patch
 from .helpers import NS, pod
 
 

@@ -12,8 +12,8 @@ import vkubelet.agent._providers
 from vkubelet.agent import Agent
 from vkubelet.node import AgentConfig, FleetNode, NodeSpec
 from vkubelet.providers.mock import MockConfig, MockProvider
+from vkubelet.testing.fakeapi import FakeApiServer
 
-from .fakeapi import FakeApiServer
 from .helpers import NS, always, cancel_and_wait, eventually, phase_of, pod
 from .test_nodecontroller import lease_of, settings
 

@@ -14,10 +14,11 @@ from lightkube.resources.core_v1 import Node
 
 from vkubelet.agent import Agent
 from vkubelet.node import AgentConfig, NodeSettings, NodeSpec
-from vkubelet.node._nodecontroller import LEASE_NAMESPACE, NodeController
+from vkubelet.node._nodecontroller import LEASE_NAMESPACE, NodeController, merge_conditions
 from vkubelet.providers.mock import MockConfig, MockProvider
+from vkubelet.sdk import NodeCondition
+from vkubelet.testing.fakeapi import JSON, FakeApiServer
 
-from .fakeapi import JSON, FakeApiServer
 from .helpers import NODE, NS, always, cancel_and_wait, eventually, phase_of, pod
 
 
@@ -352,3 +353,151 @@ async def test_cancelling_the_node_controller_stops_it(api: FakeApiServer) -> No
             assert done, "the node controller ignored its cancellation"
     finally:
         await client.aclose()
+
+
+# -- conditions (issue 9) -------------------------------------------------------------------------
+async def test_conditions_use_the_kubelets_words_and_carry_both_times(api: FakeApiServer) -> None:
+    async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())):
+        found = conditions(api)
+        assert found["Ready"]["message"] == "kubelet is posting ready status"
+        assert found["MemoryPressure"]["reason"] == "KubeletHasSufficientMemory"
+        assert found["MemoryPressure"]["message"] == "kubelet has sufficient memory available"
+        assert found["DiskPressure"]["message"] == "kubelet has no disk pressure"
+        assert found["PIDPressure"]["message"] == "kubelet has sufficient PID available"
+        for condition in found.values():
+            assert condition["lastHeartbeatTime"], condition
+            assert condition["lastTransitionTime"], condition
+
+
+class ReportsConditions:
+    """A provider stating its own conditions, and pushing when they change."""
+
+    def __init__(self, *stated: NodeCondition) -> None:
+        self.stated = list(stated)
+        self.callback: Callable[[Node], None] | None = None
+
+    def node_conditions(self) -> list[NodeCondition]:
+        return list(self.stated)
+
+    def notify_node_status(self, callback: Callable[[Node], None]) -> None:
+        self.callback = callback
+
+    def change(self, *stated: NodeCondition) -> None:
+        self.stated = list(stated)
+        assert self.callback is not None
+        self.callback(Node())
+
+
+async def test_the_transition_time_changes_only_when_the_status_does(api: FakeApiServer) -> None:
+    provider = ReportsConditions(NodeCondition("Accelerator", "True", "KVM", "KVM available"))
+    async with NodeHarness(api, settings(status_interval=0.05), provider):
+        first = conditions(api)["Accelerator"]
+        await eventually(
+            lambda: (
+                conditions(api)["Accelerator"]["lastHeartbeatTime"] != first["lastHeartbeatTime"]
+            ),
+            what="a later heartbeat",
+        )
+        assert conditions(api)["Accelerator"]["lastTransitionTime"] == first["lastTransitionTime"]
+        provider.change(NodeCondition("Accelerator", "False", "TCGFallback", "running under TCG"))
+        await eventually(lambda: conditions(api)["Accelerator"]["status"] == "False")
+        after = conditions(api)["Accelerator"]
+        assert after["lastTransitionTime"] > first["lastTransitionTime"]
+        assert (after["reason"], after["message"]) == ("TCGFallback", "running under TCG")
+
+
+async def test_a_providers_not_ready_makes_the_node_not_ready_with_its_reason(
+    api: FakeApiServer,
+) -> None:
+    provider = ReportsConditions(NodeCondition("Ready", "True", "LowerClusterReachable"))
+    async with NodeHarness(api, settings(status_interval=60), provider):
+        ready = conditions(api)["Ready"]
+        assert (ready["status"], ready["reason"]) == ("True", "KubeletReady")
+        provider.change(
+            NodeCondition("Ready", "False", "LowerClusterUnreachable", "lower cluster unreachable")
+        )
+        await eventually(lambda: conditions(api)["Ready"]["status"] == "False", within=2)
+        ready = conditions(api)["Ready"]
+        assert (ready["reason"], ready["message"]) == (
+            "LowerClusterUnreachable",
+            "lower cluster unreachable",
+        )
+
+
+class Serving:
+    def __init__(self) -> None:
+        self.serving = False
+
+    def node_conditions(self) -> list[NodeCondition]:
+        if self.serving:
+            return []
+        return [NodeCondition("Ready", "False", "KubeletNotServing", "kubelet API not serving yet")]
+
+
+async def test_extra_conditions_are_merged_like_the_providers(api: FakeApiServer) -> None:
+    extra = Serving()
+    client = api.client()
+    controller = NodeController(
+        client,
+        settings(status_interval=0.05),
+        MockProvider(NODE, MockConfig()),
+        extra_conditions=[extra],
+    )
+    task = asyncio.create_task(controller.run())
+    try:
+        await eventually(lambda: api.get("nodes", NODE) is not None, what="registration")
+        ready = conditions(api)["Ready"]
+        assert (ready["status"], ready["reason"]) == ("False", "KubeletNotServing")
+        extra.serving = True
+        await eventually(lambda: conditions(api)["Ready"]["status"] == "True", what="Ready")
+    finally:
+        await cancel_and_wait(task)
+        await client.aclose()
+
+
+async def test_the_transition_times_of_an_existing_node_survive_an_agent_restart(
+    api: FakeApiServer,
+) -> None:
+    async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())):
+        assert conditions(api)["Ready"]["lastTransitionTime"]
+    long_ago = "2020-01-01T00:00:00Z"
+    ready = {"type": "Ready", "status": "True", "lastTransitionTime": long_ago}
+    api.patch(
+        "nodes", NODE, {"status": {"conditions": [ready]}}, strategic=True, subresource="status"
+    )
+    async with NodeHarness(api, settings(status_interval=0.05), MockProvider(NODE, MockConfig())):
+        heartbeat = conditions(api)["Ready"]["lastHeartbeatTime"]
+        await eventually(
+            lambda: conditions(api)["Ready"]["lastHeartbeatTime"] != heartbeat,
+            what="a later heartbeat",
+        )
+        assert conditions(api)["Ready"]["lastTransitionTime"] == long_ago
+
+
+def test_merging_keeps_the_first_problem_and_otherwise_the_agents_view() -> None:
+    own = [
+        NodeCondition("Ready", "True", "KubeletReady"),
+        NodeCondition("DiskPressure", "False", "Ok"),
+    ]
+    provider = [
+        NodeCondition("Ready", "True", "ProviderReady"),
+        NodeCondition("DiskPressure", "True", "DiskFull", "the backend's disk is full"),
+        NodeCondition("Accelerator", "False", "TCGFallback"),
+    ]
+    extra = [
+        NodeCondition("Ready", "False", "NotServing"),
+        NodeCondition("DiskPressure", "False", "x"),
+    ]
+    merged = {c.type: c for c in merge_conditions(own, provider, extra)}
+    assert merged["Ready"].reason == "NotServing"
+    assert merged["DiskPressure"].reason == "DiskFull"
+    assert merged["Accelerator"].status == "False"
+
+
+async def test_a_condition_the_provider_no_longer_states_is_removed(api: FakeApiServer) -> None:
+    provider = ReportsConditions(NodeCondition("Accelerator", "False", "TCGFallback"))
+    async with NodeHarness(api, settings(status_interval=60), provider):
+        assert "Accelerator" in conditions(api)
+        provider.change()
+        await eventually(lambda: "Accelerator" not in conditions(api), within=2)
+        assert conditions(api)["Ready"]["status"] == "True"

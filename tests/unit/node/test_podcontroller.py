@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 from collections.abc import AsyncIterator
+from functools import partial
 
 import msgspec
 import pytest
-from lightkube.models.core_v1 import PodStatus
+from lightkube.models.core_v1 import PodIP, PodStatus
 from lightkube.resources.core_v1 import Pod
 
 from vkubelet.node import ContainerLogOptions, ProviderError
+from vkubelet.node import ResolvedPod as ResolvedPodT
 from vkubelet.node.resolve import FilesVolume
 from vkubelet.providers.mock import PRINT_ENV_ANNOTATION, MockConfig, MockProvider
+from vkubelet.testing.fakeapi import JSON, FakeApiServer
 
-from .fakeapi import JSON, FakeApiServer
 from .helpers import (
     HOST_IP,
     NODE,
@@ -721,3 +724,182 @@ async def test_a_change_to_an_unused_key_does_not_update_the_provider(
     api.patch("configmaps", "conf", {"data": {"unused": "2"}}, NS)
     await asyncio.sleep(0.3)
     assert push.count("update") == 0
+
+
+# -- the status poll and status writes (issue 9) --------------------------------------------
+class DetectsOverlap(PollingProvider):
+    """A polling backend whose every call takes a moment and which records any two calls for
+    the same pod that overlap (the provider contract promises they never do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: dict[str, str] = {}
+        self.overlaps: list[tuple[str, str, str]] = []
+
+    async def _enter(self, what: str, key: str) -> None:
+        if key in self.in_flight:
+            self.overlaps.append((key, self.in_flight[key], what))
+        self.in_flight[key] = what
+        await asyncio.sleep(0.02)
+
+    def _leave(self, key: str) -> None:
+        self.in_flight.pop(key, None)
+
+    async def create_pod(self, pod: ResolvedPodT) -> None:
+        key = f"{pod.namespace}/{pod.name}"
+        await self._enter("create", key)
+        try:
+            await super().create_pod(pod)
+        finally:
+            self._leave(key)
+
+    async def update_pod(self, pod: ResolvedPodT) -> None:
+        key = f"{pod.namespace}/{pod.name}"
+        await self._enter("update", key)
+        try:
+            await super().update_pod(pod)
+        finally:
+            self._leave(key)
+
+    async def get_pod(self, namespace: str, name: str) -> Pod | None:
+        key = f"{namespace}/{name}"
+        await self._enter("get", key)
+        try:
+            return await super().get_pod(namespace, name)
+        finally:
+            self._leave(key)
+
+    async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
+        key = f"{namespace}/{name}"
+        await self._enter("status", key)
+        try:
+            return await super().get_pod_status(namespace, name)
+        finally:
+            self._leave(key)
+
+
+async def test_the_status_poll_never_overlaps_another_call_for_the_same_pod(
+    api: FakeApiServer,
+) -> None:
+    provider = DetectsOverlap()
+    async with PodHarness(api, provider, poll=0.01):
+        api.create("pods", pod("web"))
+        await eventually(lambda: running(api, "web"), what="web Running")
+        for i in range(10):  # each label change is an update_pod while the poll runs on
+            api.patch("pods", "web", {"metadata": {"labels": {"round": str(i)}}}, NS)
+            await eventually(partial(_updated_at_least, provider, i + 1), what=f"update {i}")
+    assert provider.overlaps == []
+
+
+def _updated_at_least(provider: PollingProvider, times: int) -> bool:
+    return provider.count("update") >= times
+
+
+class FailingStatus(PollingProvider):
+    def __init__(self) -> None:
+        super().__init__()
+        self.status_calls = 0
+
+    async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
+        self.status_calls += 1
+        raise RuntimeError("backend lost the pod's status")
+
+
+async def test_status_poll_failures_are_logged_once_in_a_while_not_swallowed(
+    api: FakeApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    provider = FailingStatus()
+    caplog.set_level(logging.DEBUG, logger="vkubelet.node._podcontroller")
+    async with PodHarness(api, provider, poll=0.01) as harness:
+        api.create("pods", pod("web"))
+        await eventually(lambda: provider.status_calls >= 20, what="many failed polls")
+        assert harness.crashed() is None
+    failures = [r for r in caplog.records if "get_pod_status failed" in r.getMessage()]
+    assert any("backend lost the pod's status" in r.getMessage() for r in failures)
+    assert sum(r.levelno == logging.WARNING for r in failures) == 1  # then rate-limited
+    assert len(failures) > 1  # the later ones at debug level
+
+
+class PushesWhileListing(PushProvider):
+    """After an agent restart: `list_pods` answers with the status it had when the call began
+    (Pending), and the backend pushes the newer Running status while the call is under way."""
+
+    async def list_pods(self) -> list[Pod]:
+        stale = []
+        for running_pod in self.pods.values():
+            copy_ = msgspec.convert(msgspec.to_builtins(running_pod), Pod)
+            copy_.status = msgspec.convert({"phase": "Pending"}, PodStatus)
+            stale.append(copy_)
+        for running_pod in self.pods.values():
+            self._report(running_pod)  # lost if nobody listens yet
+        return stale
+
+
+async def test_a_status_pushed_before_adoption_finishes_is_written(api: FakeApiServer) -> None:
+    provider = PushesWhileListing()
+    created = api.create("pods", pod("web"))
+    provider.add_running(pod("web"), uid=created["metadata"]["uid"])
+    async with PodHarness(api, provider):
+        await eventually(lambda: running(api, "web"), within=2, what="the pushed Running")
+    assert provider.count("create") == 0
+
+
+async def test_a_status_write_the_api_refused_is_written_again(api: FakeApiServer) -> None:
+    provider = PushProvider()
+    api.fail("PATCH", "/pods/web/status$", status=409)
+    async with PodHarness(api, provider):
+        api.create("pods", pod("web", containers=[_needs_configmap()]))
+
+        def waiting_reason() -> str | None:
+            statuses = status_of(api, "web").get("containerStatuses") or []
+            return statuses[0]["state"].get("waiting", {}).get("reason") if statuses else None
+
+        await eventually(
+            lambda: waiting_reason() == "CreateContainerConfigError",
+            what="the waiting status, written again after a refused write",
+        )
+
+
+def _needs_configmap() -> JSON:
+    ref = {"configMapKeyRef": {"name": "absent", "key": "k"}}
+    return {"name": "app", "image": "registry.test/app:1", "env": [{"name": "K", "valueFrom": ref}]}
+
+
+class LearnsItsAddressLater(PushProvider):
+    """A backend (a VM, a lower cluster) that knows the pod's IP only after it started: the
+    first report has none, a later push brings `podIPs` alone."""
+
+    async def _started(self, pod: Pod) -> None:
+        assert pod.status is not None
+        pod.status.podIP = None
+        pod.status.podIPs = None
+        self._report(pod)
+
+    def address_known(self, key: str, ip: str) -> None:
+        found = self.pods[key]
+        assert found.status is not None
+        found.status.podIPs = [PodIP(ip=ip)]
+        self._report(found)
+
+
+async def test_a_pod_ip_reported_after_creation_reaches_the_api_and_keeps_the_env(
+    api: FakeApiServer,
+) -> None:
+    provider = LearnsItsAddressLater()
+    field = {"fieldRef": {"fieldPath": "status.podIP"}}
+    container = {"name": "app", "image": "i", "env": [{"name": "MY_IP", "valueFrom": field}]}
+    async with PodHarness(api, provider):
+        api.create("pods", pod("vm", containers=[container]))
+        await eventually(lambda: running(api, "vm"))
+        assert "podIP" not in status_of(api, "vm")
+        provider.address_known(f"{NS}/vm", "192.0.2.7")
+        await eventually(lambda: status_of(api, "vm").get("podIP") == "192.0.2.7")
+        assert status_of(api, "vm")["podIPs"] == [{"ip": "192.0.2.7"}]
+        # A provider without PodNetwork: the env got the address known at start (the node's,
+        # as for a host-network pod), and a later address does not restart the container.
+        env = provider.resolved[f"{NS}/vm"].pod.spec.containers[0].env  # type: ignore[union-attr]
+        assert [(e.name, e.value) for e in env or []] == [("MY_IP", HOST_IP)]
+        api.patch("pods", "vm", {"metadata": {"labels": {"touch": "1"}}}, NS)
+        await eventually(lambda: provider.count("update") == 1, what="the label update")
+        env = provider.resolved[f"{NS}/vm"].pod.spec.containers[0].env  # type: ignore[union-attr]
+        assert [(e.name, e.value) for e in env or []] == [("MY_IP", HOST_IP)]

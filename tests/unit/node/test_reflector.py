@@ -13,8 +13,8 @@ from lightkube.resources.core_v1 import Pod
 
 from vkubelet.node import KubeClient
 from vkubelet.node._reflector import Handler, Reflector, key_of
+from vkubelet.testing.fakeapi import FakeApiServer
 
-from .fakeapi import FakeApiServer
 from .helpers import NODE, NS, eventually, pod
 
 

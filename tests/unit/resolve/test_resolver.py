@@ -17,8 +17,8 @@ from lightkube.resources.core_v1 import Pod
 from vkubelet.node import ResolvedPod
 from vkubelet.node._objects import ObjectCache
 from vkubelet.node._resolution import Resolver, ServiceCache
+from vkubelet.testing.fakeapi import JSON, FakeApiServer
 
-from ..node.fakeapi import JSON, FakeApiServer
 from ..node.helpers import (
     ALLOCATABLE,
     HOST_IP,

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from vkubelet._files import write_kubeconfig
+from vkubelet.sdk._pipe import InboundPipe
 from vkubelet.sdk.capabilities import AttachIO
 from vkubelet.streaming import Endpoint, StreamingError, UpgradeFailed, exec_command
 from vkubelet.streaming._exec import _target
-from vkubelet.streaming._pipe import Inbox
 
 from ..kubelet.conftest import Kubelet, StartKubelet
 from ..kubelet.harness import CONTAINER, NAMESPACE, POD, Pki
@@ -101,7 +101,7 @@ def test_endpoints_refuse_urls_that_are_not_http() -> None:
 
 async def test_an_inbox_holds_no_more_than_its_high_water_mark() -> None:
     """The brake behind bounded memory: a writer waits while the reader lags."""
-    inbox = Inbox(high_water=1000)
+    inbox = InboundPipe(high_water=1000)
     await inbox.put(b"x" * 1001)
     blocked = asyncio.create_task(inbox.put(b"y" * 10))
     await asyncio.sleep(0.05)

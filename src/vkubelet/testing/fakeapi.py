@@ -228,7 +228,8 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -> Any:
     """A simplified strategic merge patch: merge-keyed lists from MERGE_KEYS, `null` deletes,
-    directives (`$patch`, `$setElementOrder/...`, `$retainKeys`) are ignored."""
+    `{key: ..., "$patch": "delete"}` removes an element of such a list; other directives
+    (`$setElementOrder/...`, `$retainKeys`) are ignored."""
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
     result = dict(target) if isinstance(target, dict) else {}
@@ -252,7 +253,10 @@ def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -
                     ),
                     None,
                 )
-                if index is None:
+                if item.get("$patch") == "delete":
+                    if index is not None:
+                        del merged[index]
+                elif index is None:
                     merged.append(strategic_merge_patch({}, item, here))
                 else:
                     merged[index] = strategic_merge_patch(merged[index], item, here)
