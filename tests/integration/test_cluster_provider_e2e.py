@@ -131,35 +131,40 @@ def test_the_agent_killed_and_restarted_adopts_every_lower_pod(
     kubectl("create", "namespace", namespace)
     lk = lower_cluster.kubectl
     try:
-        pods = deploy(kubectl, namespace, cluster_node.name, 3)
-        before = {
-            p["metadata"]["name"]: p["metadata"]["uid"]
-            for p in lk.json("-n", namespace, "get", "pods")["items"]
+        deploy(kubectl, namespace, cluster_node.name, 2)
+        # A pod without a controller, deleted upstairs while the agent is down.
+        lonely = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "lonely"},
+            "spec": {
+                "nodeName": cluster_node.name,
+                "containers": [{"name": "app", "image": "registry.example/web:1"}],
+            },
         }
-        assert len(before) == 3
-        cluster_node.agent.stop(signal.SIGKILL)
-        # Deleted upstairs while the agent is down: removed below once it is back.
-        gone = pods[0]["metadata"]["name"]
-        kubectl("-n", namespace, "scale", "deployment", "web", "--replicas=2")
-        kubectl("-n", namespace, "delete", "pod", gone, "--grace-period=0", "--force", check=False)
-        cluster_node.agent.start()
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(lonely))
         wait_for(
             lambda: (
-                gone
-                not in {
-                    p["metadata"]["name"] for p in lk.json("-n", namespace, "get", "pods")["items"]
-                }
+                kubectl.json("-n", namespace, "get", "pod", "lonely")["status"].get("phase")
+                == "Running"
             ),
-            timeout=90,
-            what=f"{gone} removed below after the restart",
+            what="lonely Running",
         )
+
+        def lower_pods() -> dict[str, str]:
+            items = lk.json("-n", namespace, "get", "pods")["items"]
+            return {p["metadata"]["name"]: p["metadata"]["uid"] for p in items}
+
+        before = lower_pods()
+        assert len(before) == 3 and "lonely" in before
+        cluster_node.agent.stop(signal.SIGKILL)
+        kubectl("-n", namespace, "delete", "pod", "lonely", "--grace-period=0", "--force")
+        cluster_node.agent.start()
+        wait_for(lambda: "lonely" not in lower_pods(), timeout=90, what="lonely removed below")
         wait_for(lambda: node_ready(kubectl, cluster_node.name), what="the node Ready again")
-        after = {
-            p["metadata"]["name"]: p["metadata"]["uid"]
-            for p in lk.json("-n", namespace, "get", "pods")["items"]
-        }
+        after = lower_pods()
         # The survivors are the very same lower pods: adopted, none re-created.
-        assert after == {k: v for k, v in before.items() if k != gone}
+        assert after == {k: v for k, v in before.items() if k != "lonely"}
         for name in after:
             assert kubectl.json("-n", namespace, "get", "pod", name)["status"]["phase"] == "Running"
     finally:
