@@ -28,7 +28,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vkubelet.providers.ssh._logs import LogLine, LogParser
+from vkubelet.sdk.logs import LogLine, LogParser
 from vkubelet.providers.ssh._remote import (
     ContainerPlan,
     ContainerStatus,
