@@ -189,7 +189,7 @@ def test_a_tail_is_found_from_the_end_without_reading_the_whole_file(tmp_path: P
     with path.open("rb") as f:
         real_read = f.read
 
-        def counting_read(n: int = -1) -> bytes:
+        def counting_read(n: int | None = -1) -> bytes:
             data = real_read(n)
             reads.append(len(data))
             return data
