@@ -8,13 +8,21 @@ state is `waiting` with reason `CrashLoopBackOff` and the message
 "back-off 20s restarting failed container=NAME pod=NAME_NAMESPACE(UID)".
 
 `RestartBackoff` keeps that per container; it takes times as arguments, so it is tested without
-waiting. The ssh provider's device-side supervisor implements the same numbers in shell
-(`SHELL_ENV` hands them over).
+waiting. `supervise_container` is the whole loop for a provider that runs a container's process
+itself: run, report, decide, back off, run again. The ssh provider's device-side supervisor
+implements the same numbers in shell (`SHELL_ENV` hands them over).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from .status import ContainerReport, Running, Terminated, Waiting
 
 __all__ = [
     "CRASH_LOOP_BACK_OFF",
@@ -26,6 +34,7 @@ __all__ = [
     "crash_loop_message",
     "go_duration",
     "restarts",
+    "supervise_container",
 ]
 
 INITIAL_SECONDS = 10.0
@@ -110,3 +119,45 @@ def crash_loop_message(delay: float, container: str, pod: str, namespace: str, u
         f"back-off {go_duration(delay)} restarting failed container={container} "
         f"pod={pod}_{namespace}({uid})"
     )
+
+
+async def supervise_container(
+    run: Callable[[int], Awaitable[int]],
+    report: Callable[[ContainerReport], None],
+    *,
+    restart_policy: str | None,
+    stop: asyncio.Event,
+    names: tuple[str, str, str, str],
+    init: bool = False,
+    backoff: RestartBackoff | None = None,
+) -> bool:
+    """Run a container as its pod's restart policy says, with the kubelet's back-off, until it
+    is done or `stop` is set; True if its last run succeeded.
+
+    `run(n)` runs the container's run `n` (its restart count) to the end and returns the exit
+    code (-N for a signal N); `report` gets each state change: running, terminated, waiting in
+    `CrashLoopBackOff` with the kubelet's message. `names` is (container, pod, namespace, uid),
+    for that message.
+    """
+    backoff = backoff or RestartBackoff()
+    last: Terminated | None = None
+    count = 0
+    while not stop.is_set():
+        started = datetime.now(UTC)
+        report(ContainerReport(Running(started), count, last))
+        code = await run(count)
+        finished = time.monotonic()
+        last = Terminated(code if code >= 0 else 128 - code, started, datetime.now(UTC))
+        report(ContainerReport(last, count))
+        if stop.is_set() or not restarts(restart_policy, last.exit_code, init=init):
+            return last.succeeded
+        if delay := backoff.delay(finished):
+            message = crash_loop_message(delay, *names)
+            report(ContainerReport(Waiting(CRASH_LOOP_BACK_OFF, message), count, last))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff.remaining(finished, time.monotonic()))
+            if stop.is_set():
+                return False
+        backoff.restarted(finished, time.monotonic())
+        count += 1
+    return False

@@ -13,8 +13,9 @@ The rules follow the kubelet (pkg/kubelet/kubelet_pods.go `getPhase`, pkg/kubele
   containers have not all completed or any container waits for its first start; `Running` while a
   container runs; once none runs, `Always` stays `Running` (they restart), all exit codes 0 is
   `Succeeded`, `Never` is `Failed` and `OnFailure` is `Running` (a failed one restarts). A pod
-  being stopped (`terminating`) restarts nothing: all-zero is `Succeeded`, anything else
-  `Failed`. A terminal phase never changes back (the apiserver would refuse it).
+  being stopped (`terminating`) restarts nothing: a container waiting to restart is reported
+  with its last run, and all-zero is `Succeeded`, anything else `Failed`. A terminal phase
+  never changes back (the apiserver would refuse it).
 - A container is `started` once running and past its startup probe, `ready` once started and
   passing its readiness probe; a completed init container is ready.
 - Conditions: `PodScheduled`, `PodReadyToStartContainers`, `Initialized`, `ContainersReady` and
@@ -25,7 +26,7 @@ The rules follow the kubelet (pkg/kubelet/kubelet_pods.go `getPhase`, pkg/kubele
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from lightkube.models.core_v1 import (
@@ -82,6 +83,12 @@ class Terminated:
 
 
 State = Waiting | Running | Terminated
+
+_NEVER_RAN = Terminated(
+    137,
+    reason="ContainerStatusUnknown",
+    message="The container could not be located when the pod was terminated",
+)
 
 
 @dataclass(frozen=True)
@@ -223,6 +230,16 @@ def _container_status(
     )
 
 
+def _final(report: ContainerReport) -> ContainerReport:
+    """A stopping pod starts nothing: a container waiting to restart ends with its last run, one
+    that never ran as the kubelet reports it (137, `ContainerStatusUnknown`)."""
+    if not isinstance(report.state, Waiting):
+        return report
+    if report.last_terminated is None:
+        return replace(report, state=_NEVER_RAN)
+    return replace(report, state=report.last_terminated, last_terminated=None)
+
+
 def _names(statuses: Sequence[str]) -> str:
     return "[" + " ".join(statuses) + "]"
 
@@ -251,6 +268,9 @@ def build_pod_status(
     """
     now = _second(now or datetime.now(UTC))
     inits = spec.initContainers or []
+    if terminating:
+        names = [c.name for c in [*inits, *spec.containers]]
+        reports = {name: _final(reports.get(name) or ContainerReport()) for name in names}
     phase = phase_of(spec, reports, terminating=terminating)
     if previous is not None and previous.phase in TERMINAL_PHASES:
         phase = previous.phase

@@ -125,6 +125,25 @@ def test_a_pod_being_stopped_ends_succeeded_or_failed_whatever_its_policy() -> N
     assert killed.phase == "Failed"
 
 
+def test_a_stopping_pod_reports_a_container_in_back_off_with_its_last_run() -> None:
+    last = Terminated(0, T0, T0 + timedelta(seconds=1))
+    report = ContainerReport(
+        state=Waiting("CrashLoopBackOff"), restart_count=1, last_terminated=last
+    )
+    status = build(spec("Always"), {"c0": report}, terminating=True)
+    [c] = status.containerStatuses or []
+    assert c.state and c.state.terminated and c.state.terminated.exitCode == 0
+    assert status.phase == "Succeeded"
+
+
+def test_a_stopping_pod_reports_a_container_that_never_ran_as_the_kubelet_does() -> None:
+    status = build(spec(mains=2), {"c0": exited(0)}, terminating=True)
+    never = (status.containerStatuses or [])[1].state
+    assert never and never.terminated
+    assert (never.terminated.exitCode, never.terminated.reason) == (137, "ContainerStatusUnknown")
+    assert status.phase == "Failed"
+
+
 def test_a_container_waiting_to_restart_keeps_the_pod_running_and_shows_its_last_state() -> None:
     last = Terminated(3, T0, T0 + timedelta(seconds=1))
     waiting = Waiting("CrashLoopBackOff", "back-off 10s restarting failed container=c0 pod=p")
