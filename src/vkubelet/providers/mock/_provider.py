@@ -13,17 +13,20 @@ import ipaddress
 import os
 import random
 from collections.abc import AsyncIterator, Callable
+from datetime import datetime
 from typing import Any
 
 import msgspec
-from lightkube.models.core_v1 import PodStatus
+from lightkube.models.core_v1 import Container, PodSpec, PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
 from ...sdk.capabilities import AttachIO, ByteStream
+from ...sdk.logs import previous_not_found
+from ...sdk.status import ContainerReport, Running, Terminated, build_pod_status
 from ._config import MockConfig
 from ._fs import Filesystem, container_filesystem, mount_volumes
-from ._records import MockContainer, MockPod, containers_of, files_of, now
+from ._records import MockContainer, MockPod, containers_of, files_of, now, parse_time
 from ._shell import environment, run_command
 from ._stats import NodeStats
 from ._streams import attach, forward, log_lines
@@ -213,7 +216,7 @@ class MockProvider:
 
     # -- views ------------------------------------------------------------------------------------
     def _to_pod(self, mock: MockPod) -> Pod:
-        return msgspec.convert(
+        pod = msgspec.convert(
             {
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -224,10 +227,11 @@ class MockProvider:
                         {"name": c.name, "image": c.image} for c in mock.containers if not c.init
                     ],
                 },
-                "status": _status(mock, self.host_ip),
             },
             Pod,
         )
+        pod.status = _status(mock, self.host_ip)
+        return pod
 
     # -- logs, exec, attach, port-forward -------------------------------------------------------
     def _pod(self, namespace: str, pod: str) -> MockPod:
@@ -269,9 +273,7 @@ class MockProvider:
         mock = self._pod(namespace, pod)
         found = mock.container(container)
         if options.previous:  # mock containers never restart
-            raise ProviderError(
-                "NotFound", f'previous terminated container "{container}" in pod "{pod}" not found'
-            )
+            raise previous_not_found(container, pod)
         stopped = self._stop_event(mock.uid) if options.follow and mock.stopped is None else None
         remaining = options.limit_bytes
         lines = log_lines(mock, found, options, stopped, self.tick_seconds)
@@ -326,72 +328,50 @@ class MockProvider:
         return self._stats.resource_metrics(self._pods.values())
 
 
-def _terminated(started: str, finished: str) -> dict[str, Any]:
-    return {
-        "terminated": {
-            "exitCode": 0,
-            "reason": "Completed",
-            "startedAt": started,
-            "finishedAt": finished,
-        }
+def _status(mock: MockPod, host_ip: str) -> PodStatus:
+    """The kubelet's status for the mock's pod, replayed from its life: created, started (the
+    init containers completed, the others running), stopped (every container exited 0). The
+    replay gives each condition its real transition time without keeping any status around."""
+    spec = PodSpec(
+        containers=[Container(name=c.name, image=c.image) for c in mock.containers if not c.init],
+        initContainers=[Container(name=c.name, image=c.image) for c in mock.containers if c.init],
+    )
+    created = parse_time(mock.created)
+
+    def report(c: MockContainer, state: Running | Terminated) -> ContainerReport:
+        return ContainerReport(
+            state=state, container_id=f"mock://{mock.uid}/{c.name}", image_id=f"mock://{c.image}"
+        )
+
+    def build(
+        reports: dict[str, ContainerReport], now: datetime, previous: PodStatus | None
+    ) -> PodStatus:
+        return build_pod_status(
+            spec,
+            reports,
+            host_ip=host_ip,
+            pod_ips=[mock.ip],
+            start_time=created,
+            previous=previous,
+            now=now,
+            terminating=mock.stopped is not None,
+        )
+
+    status = build({}, created, None)
+    if mock.started is None:
+        return status
+    started = parse_time(mock.started)
+    reports = {
+        c.name: report(c, Terminated(0, created, started) if c.init else Running(started))
+        for c in mock.containers
     }
-
-
-def _status(mock: MockPod, host_ip: str) -> dict[str, Any]:
-    running = mock.running
+    status = build(reports, started, status)
     if mock.stopped is not None:
-        phase = "Succeeded"
-    elif running:
-        phase = "Running"
-    else:
-        phase = "Pending"
-    since = mock.started or mock.created
-
-    def state(c: MockContainer) -> dict[str, Any]:
-        if mock.stopped is not None and not c.init:
-            return _terminated(since, mock.stopped)
-        if c.init and mock.started is not None:
-            return _terminated(mock.created, mock.started)
-        if running:
-            return {"running": {"startedAt": mock.started}}
-        return {"waiting": {"reason": "ContainerCreating"}}
-
-    def status_of(c: MockContainer) -> dict[str, Any]:
-        return {
-            "name": c.name,
-            "image": c.image,
-            "imageID": f"mock://{c.image}",
-            "containerID": f"mock://{mock.uid}/{c.name}",
-            "ready": running and not c.init,
-            "started": running and not c.init,
-            "restartCount": 0,
-            "state": state(c),
-        }
-
-    ready = "True" if running else "False"
-    conditions = [
-        {"type": "PodReadyToStartContainers", "status": "True", "lastTransitionTime": mock.created},
-        {
-            "type": "Initialized",
-            "status": "True" if mock.started else "False",
-            "lastTransitionTime": since,
-        },
-        {"type": "ContainersReady", "status": ready, "lastTransitionTime": since},
-        {"type": "Ready", "status": ready, "lastTransitionTime": since},
-    ]
-    status: dict[str, Any] = {
-        "phase": phase,
-        "hostIP": host_ip,
-        "hostIPs": [{"ip": host_ip}],
-        "podIP": mock.ip,
-        "podIPs": [{"ip": mock.ip}],
-        "startTime": mock.created,
-        "conditions": conditions,
-        "containerStatuses": [status_of(c) for c in mock.containers if not c.init],
-    }
-    inits = [status_of(c) for c in mock.containers if c.init]
-    if inits:
-        status["initContainerStatuses"] = inits
+        stopped = parse_time(mock.stopped)
+        for c in mock.containers:
+            if not c.init:
+                reports[c.name] = report(c, Terminated(0, started, stopped))
+        status = build(reports, stopped, status)
     return status
 
 
