@@ -263,7 +263,7 @@ def run_log_path(directory: Path, container: str, restart_count: int) -> Path:
 def previous_not_found(container: str, pod: str) -> ProviderError:
     """The kubelet's error for `kubectl logs -p` of a container that never restarted."""
     return ProviderError(
-        "BadRequest", f'previous terminated container "{container}" in pod "{pod}" not found'
+        "NotFound", f'previous terminated container "{container}" in pod "{pod}" not found'
     )
 
 
