@@ -42,7 +42,8 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
                                   removed when it has ended
     pods/<uid>/c/<name>/backoff   the pid of the `sleep` of a back-off in progress
     pods/<uid>/c/<name>/<n>.log   the log of run n (n = the restart count when it started), in
-                                  the CRI format (see `vkubelet.sdk.logs`); the current and previous run's
+                                  the CRI format (see `vkubelet.sdk.logs`); the current and
+                                  previous run's
     pods/<uid>/c/<name>/out, err  the FIFOs from the process to its log stampers
     pods/<uid>/c/<name>/stdin     with `stdin: true`: the FIFO the process reads (opened
                                   read-write by it: no EOF when an attached writer leaves)
