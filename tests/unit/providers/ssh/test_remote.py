@@ -28,7 +28,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vkubelet.sdk.logs import LogLine, LogParser
 from vkubelet.providers.ssh._remote import (
     ContainerPlan,
     ContainerStatus,
@@ -44,6 +43,7 @@ from vkubelet.providers.ssh._remote import (
     stop_pod_script,
     sweep_script,
 )
+from vkubelet.sdk.logs import LogLine, LogParser
 
 pytestmark = pytest.mark.timeout(60)
 
