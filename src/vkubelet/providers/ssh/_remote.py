@@ -49,8 +49,9 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
                                   read-write by it: no EOF when an attached writer leaves)
 
 The supervisor reads VKUBELET_BACKOFF_BASE (10), VKUBELET_BACKOFF_MAX (300) and
-VKUBELET_BACKOFF_RESET (600), in seconds, from its environment: a restart waits BASE seconds,
-then twice as long each time up to MAX, and BASE again after a run of RESET seconds. Containers
+VKUBELET_BACKOFF_RESET (600), in seconds, from its environment: the kubelet's rule
+(`vkubelet.sdk.backoff`): the first restart is at once, the next waits BASE seconds, then twice
+as long each time up to MAX, and a restart RESET seconds after the last one is at once. Containers
 inherit its environment (the SSH session's), VKUBELET_POD_DIR, then their own env.
 
 Containers get their own process group and session from `setsid` (util-linux, busybox); `set -m`
@@ -555,11 +556,13 @@ backoff() {
 	rm -f "$P/c/$1/backoff"
 }
 
-# supervise CTR POLICY: run CTR as POLICY says, backing off between runs like the kubelet (BASE
-# seconds, doubling up to MAX, BASE again after a run of RESET seconds), until it is done or the
-# pod is stopped. Returns the last exit code.
+# supervise CTR POLICY: run CTR as POLICY says, backing off between runs like the kubelet (see
+# vkubelet.sdk.backoff): the first restart at once, then after BASE seconds, doubling up to MAX;
+# at once again when RESET seconds passed since the last restart. Until it is done or the pod is
+# stopped. Returns the last exit code.
 supervise() {
-	delay=$BASE
+	delay=0     # the back-off in force: none before the first restart
+	restarted=0 # when the last restart happened, in seconds since the epoch
 	CODE=1
 	while [ ! -e "$P/stop" ]; do
 		run "$1"
@@ -568,12 +571,17 @@ supervise() {
 		OnFailure) [ "$CODE" -ne 0 ] || break ;;
 		esac
 		[ ! -e "$P/stop" ] || break
-		[ "$RAN" -lt "$RESET" ] || delay=$BASE
+		[ $(($(date +%s) - restarted)) -lt "$RESET" ] || delay=0
 		echo "$TERMINATED" >"$P/c/$1/last.tmp" && mv -f "$P/c/$1/last.tmp" "$P/c/$1/last"
-		set_state "$1" waiting CrashLoopBackOff
-		backoff "$1" "$delay"
-		delay=$((delay * 2))
+		if [ "$delay" -gt 0 ]; then
+			set_state "$1" waiting CrashLoopBackOff
+			backoff "$1" "$delay"
+			delay=$((delay * 2))
+		else
+			delay=$BASE
+		fi
 		[ "$delay" -le "$MAX" ] || delay=$MAX
+		restarted=$(date +%s)
 	done
 	return "$CODE"
 }
