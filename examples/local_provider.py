@@ -26,7 +26,14 @@ from pathlib import Path
 from lightkube.models.core_v1 import Container, PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
-from vkubelet.sdk import AttachIO, ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
+from vkubelet.sdk import (
+    AttachIO,
+    ContainerLogOptions,
+    ProviderContext,
+    ProviderError,
+    ResolvedPod,
+    TaskSet,
+)
 from vkubelet.sdk.backoff import supervise_container
 from vkubelet.sdk.logs import LogWriter, copy_to_log, previous_not_found, read_log, run_log_path
 from vkubelet.sdk.status import ContainerReport, Running, build_pod_status
@@ -37,7 +44,8 @@ PIPE = asyncio.subprocess.PIPE
 
 class LocalPod:
     def __init__(self, resolved: ResolvedPod, logs: Path) -> None:
-        self.pod, self.logs, self.started = resolved.pod, logs, datetime.now(UTC)
+        self.pod, self.uid, self.logs = resolved.pod, resolved.uid, logs
+        self.started = datetime.now(UTC)
         self.reports: dict[str, ContainerReport] = {}
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.stop = asyncio.Event()
@@ -51,6 +59,7 @@ class LocalProvider:
         self.logs = Path(tempfile.gettempdir()) / "vkubelet-local" / node_name
         self._pods: dict[str, LocalPod] = {}  # "namespace/name"
         self._notify: Callable[[Pod], None] = lambda pod: None
+        self._tasks = TaskSet("local provider")
 
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
         self._notify = callback
@@ -69,11 +78,12 @@ class LocalProvider:
         if any(not c.command for c in [*(spec.initContainers or []), *spec.containers]):
             raise ProviderError("CommandRequired", "the local provider runs `command`, not images")
         key = f"{resolved.namespace}/{resolved.name}"
+        if key in self._pods and self._pods[key].uid == resolved.uid:
+            return  # runs already
         local = self._pods[key] = LocalPod(resolved, self.logs / resolved.uid)
         self._report(local)
-        local.task = asyncio.create_task(
-            self._run(local, spec.initContainers or [], spec.containers)
-        )
+        run = self._run(local, spec.initContainers or [], spec.containers)
+        local.task = self._tasks.spawn(run, name=key)  # its failures are logged
 
     async def _run(self, local: LocalPod, inits: list[Container], mains: list[Container]) -> None:
         for container in inits:  # one after the other, each until it succeeds
@@ -87,14 +97,21 @@ class LocalProvider:
         assert meta is not None and local.pod.spec is not None
 
         async def run(count: int) -> int:
+            run_log_path(local.logs, c.name, count - 2).unlink(missing_ok=True)  # keep two runs
+            log = LogWriter(run_log_path(local.logs, c.name, count))
             env = {e.name: e.value or "" for e in c.env or []}  # resolved: literal values
             argv = [*(c.command or []), *(c.args or [])]  # exec'd directly: no shell sees them
-            proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=PIPE, stderr=PIPE)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, env=env, stdout=PIPE, stderr=PIPE
+                )
+            except OSError as e:  # no such command: the run fails, as a runtime's would
+                log.write("stderr", f"{argv[0]}: {e.strerror}\n".encode())
+                log.close()
+                return 127
             local.procs[c.name] = proc
             if local.stop.is_set():  # deleted while it was starting
                 proc.terminate()
-            run_log_path(local.logs, c.name, count - 2).unlink(missing_ok=True)  # keep two runs
-            log = LogWriter(run_log_path(local.logs, c.name, count))
             assert proc.stdout and proc.stderr
             out, err = (
                 copy_to_log(proc.stdout, log, "stdout"),
