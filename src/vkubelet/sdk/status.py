@@ -296,6 +296,8 @@ def build_pod_status(
         status = "True" if ok else "False"
         before = old.get(kind)
         since = before.lastTransitionTime if before and before.status == status else None
+        if before is None and kind == "PodScheduled":  # it was scheduled before it started
+            since = _second(start_time)
         conditions.append(
             PodCondition(
                 type=kind,

@@ -187,6 +187,12 @@ def test_transition_times_move_only_when_a_condition_changes() -> None:
     assert third.conditions == second.conditions
 
 
+def test_pod_scheduled_dates_from_the_start_when_nothing_older_is_known() -> None:
+    status = build(spec(), {}, start_time=T0, now=T0 + timedelta(minutes=5))
+    times = {c.type: c.lastTransitionTime for c in status.conditions or []}
+    assert times["PodScheduled"] == T0 and times["Ready"] == T0 + timedelta(minutes=5)
+
+
 def test_times_are_whole_seconds_as_the_api_stores_them() -> None:
     moment = T0 + timedelta(microseconds=123456)
     status = build(spec(), {"c0": ContainerReport(state=Running(moment))}, now=moment)
