@@ -31,6 +31,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ContainerLogOptions, ProviderError, ResolvedPod
+from ...sdk.backoff import crash_loop_message
 from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.logs import LogParser, previous_not_found, render, render_chunks
 from ...sdk.status import ContainerReport, Running, Terminated, Waiting, build_pod_status
@@ -716,12 +717,18 @@ def pod_status(entry: _PodEntry, address: str) -> PodStatus:
     """The pod's status as a kubelet would report it, from the device's container states."""
     spec = entry.pod.spec
     assert spec is not None
-    remote = entry.remote
+    remote, meta = entry.remote, entry.pod.metadata
+    assert meta is not None
     reports: dict[str, ContainerReport] = {}
     for state in [*remote.init_containers, *remote.containers] if remote else []:
         running = state.state == "running"
+        current = _state(state)
+        if isinstance(current, Waiting) and state.backoff_seconds is not None:
+            names = (str(meta.name), str(meta.namespace), entry.uid)
+            message = crash_loop_message(state.backoff_seconds, state.name, *names)
+            current = Waiting(current.reason, message)
         reports[state.name] = ContainerReport(
-            state=_state(state),
+            state=current,
             restart_count=state.restart_count,
             last_terminated=_terminated(state.last) if state.last is not None else None,
             ready=entry.ready.get(state.name, True),

@@ -31,7 +31,7 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
     pods/<uid>/fs/          the default working directory
     pods/<uid>/c/<name>/cmd       the container's start script (its argv, quoted; no env)
     pods/<uid>/c/<name>/state     one line, replaced atomically (tmp + mv):
-                                    waiting <Reason>
+                                    waiting <Reason> [<back-off seconds>]
                                     running <pid> <startedAt>
                                     terminated <exitCode> <startedAt> <finishedAt>
                                   times are RFC 3339 UTC to the second; a process killed by
@@ -189,6 +189,7 @@ class ContainerStatus:
     exit_code: int | None  # killed by signal N: 128+N
     restart_count: int
     last: ContainerStatus | None = None  # the previous termination
+    backoff_seconds: int | None = None  # waiting in CrashLoopBackOff: the back-off in force
 
 
 @dataclass
@@ -574,7 +575,7 @@ supervise() {
 		[ $(($(date +%s) - restarted)) -lt "$RESET" ] || delay=0
 		echo "$TERMINATED" >"$P/c/$1/last.tmp" && mv -f "$P/c/$1/last.tmp" "$P/c/$1/last"
 		if [ "$delay" -gt 0 ]; then
-			set_state "$1" waiting CrashLoopBackOff
+			set_state "$1" waiting CrashLoopBackOff "$delay"
 			backoff "$1" "$delay"
 			delay=$((delay * 2))
 		else
@@ -747,6 +748,10 @@ def _status(name: str, words: list[str], restarts: int) -> ContainerStatus:
     match words:
         case ["waiting", reason] if _REASON.fullmatch(reason):
             return ContainerStatus(name, "waiting", reason, None, None, None, None, restarts)
+        case ["waiting", reason, seconds] if _REASON.fullmatch(reason):
+            status = ContainerStatus(name, "waiting", reason, None, None, None, None, restarts)
+            status.backoff_seconds = _count(seconds)
+            return status
         case ["running", pid, started]:
             return ContainerStatus(
                 name, "running", "", _count(pid), _time(started), None, None, restarts

@@ -281,7 +281,7 @@ def test_restart_policy_always_restarts_even_a_success_at_once_then_backing_off_
     any_device.start(pod_plan(ctr("main", "exit 0"), policy="Always"))
     pod = any_device.wait(lambda p: status(p).state == "waiting" and status(p).restart_count == 1)
     main = status(pod)
-    assert main.reason == "CrashLoopBackOff"
+    assert (main.reason, main.backoff_seconds) == ("CrashLoopBackOff", 1)  # BASE, after at once
     assert main.last is not None and (main.last.state, main.last.exit_code) == ("terminated", 0)
     assert main.last.reason == "Completed"
     any_device.wait(lambda p: status(p).restart_count == 3)
@@ -800,7 +800,7 @@ pod u2 0 1
 json
 .
 main main 0
-state waiting CrashLoopBackOff
+state waiting CrashLoopBackOff 20
 end u2
 """
 
@@ -821,7 +821,8 @@ def test_parse_sweep_reads_states_times_and_order() -> None:
     assert (side.state, side.reason) == ("waiting", "ContainerCreating")
     u2 = pods["u2"]
     assert (u2.supervisor_alive, u2.stopping, u2.metadata_json) == (False, True, b"")
-    assert status(u2).reason == "CrashLoopBackOff"
+    assert (status(u2).reason, status(u2).backoff_seconds) == ("CrashLoopBackOff", 20)
+    assert side.backoff_seconds is None
     assert parse_sweep(SAMPLE.decode()) == pods
 
 
