@@ -167,7 +167,7 @@ def phase_of(
             failed_init += 1
         else:
             pending_init += 1
-    if failed_init and policy == "Never":
+    if failed_init and (policy == "Never" or terminating):
         return "Failed"
     if pending_init or failed_init:
         return "Pending"

@@ -136,6 +136,12 @@ def test_a_stopping_pod_reports_a_container_in_back_off_with_its_last_run() -> N
     assert status.phase == "Succeeded"
 
 
+def test_a_pod_stopped_during_its_init_containers_fails() -> None:
+    assert build(spec("Always", inits=1), {"init0": running()}).phase == "Pending"
+    stopped = build(spec("Always", inits=1), {"init0": exited(143)}, terminating=True)
+    assert stopped.phase == "Failed"
+
+
 def test_a_stopping_pod_reports_a_container_that_never_ran_as_the_kubelet_does() -> None:
     status = build(spec(mains=2), {"c0": exited(0)}, terminating=True)
     never = (status.containerStatuses or [])[1].state

@@ -344,7 +344,11 @@ def _status(mock: MockPod, host_ip: str) -> PodStatus:
         )
 
     def build(
-        reports: dict[str, ContainerReport], now: datetime, previous: PodStatus | None
+        reports: dict[str, ContainerReport],
+        now: datetime,
+        previous: PodStatus | None,
+        *,
+        stopped: bool = False,  # only the replay's last step may end the pod
     ) -> PodStatus:
         return build_pod_status(
             spec,
@@ -354,12 +358,14 @@ def _status(mock: MockPod, host_ip: str) -> PodStatus:
             start_time=created,
             previous=previous,
             now=now,
-            terminating=mock.stopped is not None,
+            terminating=stopped,
         )
 
+    if mock.started is None:  # stopped before it started, maybe
+        if mock.stopped is None:
+            return build({}, created, None)
+        return build({}, parse_time(mock.stopped), None, stopped=True)
     status = build({}, created, None)
-    if mock.started is None:
-        return status
     started = parse_time(mock.started)
     reports = {
         c.name: report(c, Terminated(0, created, started) if c.init else Running(started))
@@ -371,7 +377,7 @@ def _status(mock: MockPod, host_ip: str) -> PodStatus:
         for c in mock.containers:
             if not c.init:
                 reports[c.name] = report(c, Terminated(0, started, stopped))
-        status = build(reports, stopped, status)
+        status = build(reports, stopped, status, stopped=True)
     return status
 
 
