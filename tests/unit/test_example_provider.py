@@ -3,13 +3,21 @@
 import asyncio
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from lightkube.resources.core_v1 import Pod
 
-from vkubelet.node import PodLifecycleHandler, PodNotifier, ProviderContext, ResolvedPod
+from vkubelet.sdk import (
+    AttachIO,
+    ContainerLogOptions,
+    PodLifecycleHandler,
+    PodNotifier,
+    ProviderContext,
+    ResolvedPod,
+)
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "local_provider.py"
 
@@ -23,11 +31,12 @@ def load_example() -> Any:
     return module
 
 
-def pod(name: str, command: list[str]) -> ResolvedPod:
+def pod(name: str, command: list[str], policy: str = "Always") -> ResolvedPod:
     raw = {
         "metadata": {"namespace": "default", "name": name, "uid": f"uid-{name}"},
         "spec": {
             "nodeName": "n",
+            "restartPolicy": policy,
             "containers": [
                 {
                     "name": "c",
@@ -41,19 +50,64 @@ def pod(name: str, command: list[str]) -> ResolvedPod:
     return ResolvedPod(msgspec.convert(raw, Pod))
 
 
+async def until(check: Callable[[], bool]) -> None:
+    async with asyncio.timeout(10):
+        while not check():  # noqa: ASYNC110 - polling what the provider reported
+            await asyncio.sleep(0.02)
+
+
 async def test_example_provider_reports_running_then_the_exit_code() -> None:
     provider = load_example().create(ProviderContext("n", None, "127.0.0.1", 10250))
     assert isinstance(provider, PodLifecycleHandler) and isinstance(provider, PodNotifier)
     seen: list[dict[str, Any]] = []
     provider.notify_pods(lambda p: seen.append(msgspec.to_builtins(p)["status"]))
-    await provider.create_pod(pod("fails", [sys.executable, "-c", "raise SystemExit(3)"]))
-    assert seen[0]["phase"] == "Running"
-    for _ in range(100):
-        if seen[-1]["phase"] == "Failed":
-            break
-        await asyncio.sleep(0.05)
+    code = "import time; time.sleep(0.3); raise SystemExit(3)"
+    await provider.create_pod(pod("fails", [sys.executable, "-c", code], "Never"))
+    await until(lambda: seen[-1]["phase"] == "Failed")
+    assert "Running" in [s["phase"] for s in seen]
     terminated = seen[-1]["containerStatuses"][0]["state"]["terminated"]
-    assert seen[-1]["phase"] == "Failed" and terminated["exitCode"] == 3
+    assert terminated["exitCode"] == 3 and terminated["reason"] == "Error"
+
+
+async def test_example_provider_restarts_a_failed_container_and_keeps_its_logs() -> None:
+    provider = load_example().create(ProviderContext("n", None, "127.0.0.1", 10250))
+    seen: list[dict[str, Any]] = []
+    provider.notify_pods(lambda p: seen.append(msgspec.to_builtins(p)["status"]))
+    code = "print('run', flush=True); raise SystemExit(1)"
+    resolved = pod("crashes", [sys.executable, "-c", code], "OnFailure")
+    await provider.create_pod(resolved)
+    await until(lambda: seen[-1]["containerStatuses"][0]["restartCount"] >= 1)
+    await until(lambda: "waiting" in seen[-1]["containerStatuses"][0]["state"])
+    status = seen[-1]["containerStatuses"][0]
+    assert status["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+    assert status["state"]["waiting"]["message"].startswith("back-off 10s restarting failed")
+    assert status["lastState"]["terminated"]["exitCode"] == 1 and seen[-1]["phase"] == "Running"
+    previous = provider.container_logs(
+        "default", "crashes", "c", ContainerLogOptions(previous=True)
+    )
+    assert b"".join([chunk async for chunk in previous]) == b"run\n"
+    await provider.delete_pod(resolved.pod, 1)
+    assert "terminated" in seen[-1]["containerStatuses"][0]["state"]
+
+
+async def test_example_provider_execs_in_the_container_s_environment() -> None:
+    provider = load_example().create(ProviderContext("n", None, "127.0.0.1", 10250))
+    provider.notify_pods(lambda _: None)
+    resolved = pod("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+    await provider.create_pod(resolved)
+
+    class Out:
+        data = b""
+
+        async def write(self, data: bytes) -> None:
+            self.data += data
+
+    out = Out()
+    command = [sys.executable, "-c", "import os; print(os.environ['X'])"]
+    io = AttachIO(None, out, Out())
+    assert await provider.exec_in_container("default", "sleeper", "c", command, io) == 0
+    assert out.data == b"1\n"
+    await provider.delete_pod(resolved.pod, 1)
 
 
 async def test_example_provider_stops_a_pod_within_its_grace_period() -> None:

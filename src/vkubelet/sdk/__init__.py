@@ -5,6 +5,7 @@ receives (`ResolvedPod`, resolved volumes, stdio streams), and the helpers every
 Importing it loads lightkube's models and nothing of the node agent, the kubelet API or the CLI.
 """
 
+from .backoff import RestartBackoff, crash_loop_message, restarts, supervise_container
 from .capabilities import (
     AttachIO,
     ByteStream,
@@ -18,6 +19,7 @@ from .capabilities import (
     StatsProvider,
     TerminalSize,
 )
+from .logs import LogWriter, copy_to_log, previous_not_found, read_log, run_log_path
 from .probes import ExecResult, PodProbes, ProbeEvent, ProbeTransport, ProbeUnknown
 from .provider import (
     Closeable,
@@ -41,6 +43,8 @@ from .provider import (
     ResolvedPod,
 )
 from .quantity import Quantity, QuantityError, parse_quantity
+from .status import ContainerReport, Running, Terminated, Waiting, build_pod_status
+from .stdio import relay, relay_process
 from .tasks import TaskSet, run_supervised, supervise
 from .volumes import (
     EmptyDirVolume,
@@ -60,6 +64,7 @@ __all__ = [
     "ContainerExec",
     "ContainerLogOptions",
     "ContainerLogs",
+    "ContainerReport",
     "EmptyDirVolume",
     "EventSink",
     "EventType",
@@ -69,6 +74,7 @@ __all__ = [
     "FleetNode",
     "HostPathVolume",
     "InputStream",
+    "LogWriter",
     "MetricsProvider",
     "NodeCondition",
     "NodeConditions",
@@ -93,10 +99,24 @@ __all__ = [
     "ResizeQueue",
     "ResolvedPod",
     "ResolvedVolume",
+    "RestartBackoff",
+    "Running",
     "StatsProvider",
     "TaskSet",
     "TerminalSize",
+    "Terminated",
+    "Waiting",
+    "build_pod_status",
+    "copy_to_log",
+    "crash_loop_message",
     "parse_quantity",
+    "previous_not_found",
+    "read_log",
+    "relay",
+    "relay_process",
+    "restarts",
+    "run_log_path",
     "run_supervised",
     "supervise",
+    "supervise_container",
 ]

@@ -578,3 +578,17 @@ async def test_mounts_survive_a_restart_through_the_state_file(tmp_path: Path) -
     first._write_state()
     second = MockProvider("n1", MockConfig(state_file=state))
     assert await run(second, "cat", "/etc/config/mode") == (0, b"fast", b"")
+
+
+def test_a_mock_pod_stopped_in_the_second_it_started_ends_succeeded() -> None:
+    """The status is replayed from the pod's life; only its last step may end the pod."""
+    from vkubelet.providers.mock._provider import _status
+    from vkubelet.providers.mock._records import MockContainer, MockPod, now
+
+    t = now()
+    containers = [MockContainer("setup", "img", [], init=True), MockContainer("app", "img", [])]
+    mock = MockPod("ns", "p", "u", "node", "10.0.0.1", containers, t, started=t, stopped=t)
+    status = _status(mock, "10.0.0.2")
+    assert status.phase == "Succeeded"
+    [app] = status.containerStatuses or []
+    assert app.state and app.state.terminated and app.state.terminated.exitCode == 0

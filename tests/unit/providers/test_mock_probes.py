@@ -99,6 +99,25 @@ async def _unready(mock: MockProvider) -> bool:
     return not (await app_status(mock)).ready
 
 
+async def test_the_ready_condition_moves_when_the_probe_verdict_does_not_at_each_poll(
+    mock: MockProvider,
+) -> None:
+    probe = {"exec": {"command": ["test", "-f", "/tmp/ready"]}, "periodSeconds": 1}
+    await mock.create_pod(pod(readinessProbe=probe))
+    assert await sh(mock, "mkdir -p /tmp && echo > /tmp/ready") == 0
+    await eventually(lambda: _ready(mock))
+    became_ready = await _ready_condition(mock)
+    assert became_ready.status == "True"
+    await asyncio.sleep(1.5)  # the API's times are whole seconds: a poll-dated one would move
+    assert await _ready_condition(mock) == became_ready
+
+
+async def _ready_condition(mock: MockProvider) -> Any:
+    status = await mock.get_pod_status(NS, NAME)
+    assert status is not None and status.conditions
+    return {c.type: c for c in status.conditions}["Ready"]
+
+
 async def test_a_failed_liveness_probe_restarts_a_mock_container(
     mock: MockProvider, events: Events
 ) -> None:

@@ -13,20 +13,24 @@ import ipaddress
 import os
 import random
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
-from lightkube.models.core_v1 import PodStatus
+from lightkube.models.core_v1 import Container, PodSpec, PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
 from ...sdk.capabilities import AttachIO, ByteStream
+from ...sdk.logs import previous_not_found
 from ...sdk.probes import PodProbes, ProbeEvent, ProbeKind
 from ...sdk.provider import EventSink
+from ...sdk.status import ContainerReport, Running, Terminated, build_pod_status
 from ._config import MockConfig
 from ._fs import Filesystem, container_filesystem, mount_volumes
 from ._probes import MockProbes
-from ._records import MockContainer, MockPod, containers_of, files_of, now
+from ._records import MockContainer, MockPod, containers_of, files_of, now, parse_time
 from ._shell import environment, run_command
 from ._stats import NodeStats
 from ._streams import attach, forward, log_lines
@@ -60,6 +64,7 @@ class MockProvider:
         self.host_ip = host_ip
         self.events = events
         self._probes: dict[str, PodProbes] = {}  # uid -> the pod's probe workers
+        self._probed: dict[str, datetime] = {}  # uid -> when a probe verdict last changed
         self.probe_second = 1.0  # how long a second of probe settings lasts; tests shorten it
         self._pods: dict[str, MockPod] = {}
         self._notify: Callable[[Pod], None] | None = None
@@ -196,6 +201,7 @@ class MockProvider:
         self._stats.retire(mock)
         mock.stopped = now()
         probes = self._probes.pop(mock.uid, None)
+        self._probed.pop(mock.uid, None)
         if probes is not None:
             await probes.aclose()
         self._stop_event(mock.uid).set()
@@ -236,13 +242,18 @@ class MockProvider:
                 pod,
                 MockProbes(mock, self._filesystem, self._stop_event(mock.uid)),
                 lambda name, grace, kind: self._restart(mock, name, kind),
-                on_change=lambda: self._report(mock),
+                on_change=lambda: self._probe_changed(mock),
                 on_event=lambda event: self._probe_event(mock, event),
                 second=self.probe_second,
             )
             self._probes[mock.uid] = probes
         running = {c.name: c.restarts for c in mock.containers if not c.init and mock.running}
         probes.sync(running)
+
+    def _probe_changed(self, mock: MockPod) -> None:
+        """Remembered so the status's conditions change at the verdict's time, not at a poll's."""
+        self._probed[mock.uid] = datetime.now(UTC)
+        self._report(mock)
 
     async def _restart(self, mock: MockPod, container: str, kind: ProbeKind) -> None:
         """A failed liveness or startup probe: the container "restarts" at once (a new run with
@@ -274,15 +285,20 @@ class MockProvider:
         containers = [
             {"name": c.name, "image": c.image, **c.probes} for c in mock.containers if not c.init
         ]
-        pod: dict[str, Any] = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"namespace": mock.namespace, "name": mock.name, "uid": mock.uid},
-            "spec": {"nodeName": mock.node, "containers": containers},
-        }
+        pod = msgspec.convert(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"namespace": mock.namespace, "name": mock.name, "uid": mock.uid},
+                "spec": {"nodeName": mock.node, "containers": containers},
+            },
+            Pod,
+        )
         if with_status:
-            pod["status"] = _status(mock, self.host_ip, self._probes.get(mock.uid))
-        return msgspec.convert(pod, Pod)
+            pod.status = _status(
+                mock, self.host_ip, self._probes.get(mock.uid), self._probed.get(mock.uid)
+            )
+        return pod
 
     # -- logs, exec, attach, port-forward -------------------------------------------------------
     def _pod(self, namespace: str, pod: str) -> MockPod:
@@ -324,9 +340,7 @@ class MockProvider:
         mock = self._pod(namespace, pod)
         found = mock.container(container)
         if options.previous:  # mock containers never restart
-            raise ProviderError(
-                "NotFound", f'previous terminated container "{container}" in pod "{pod}" not found'
-            )
+            raise previous_not_found(container, pod)
         stopped = self._stop_event(mock.uid) if options.follow and mock.stopped is None else None
         remaining = options.limit_bytes
         lines = log_lines(mock, found, options, stopped, self.tick_seconds)
@@ -381,79 +395,104 @@ class MockProvider:
         return self._stats.resource_metrics(self._pods.values())
 
 
-def _terminated(started: str, finished: str) -> dict[str, Any]:
-    return {
-        "terminated": {
-            "exitCode": 0,
-            "reason": "Completed",
-            "startedAt": started,
-            "finishedAt": finished,
-        }
+def _status(
+    mock: MockPod,
+    host_ip: str,
+    probes: PodProbes | None = None,
+    probed: datetime | None = None,
+) -> PodStatus:
+    """The kubelet's status for the mock's pod, replayed from its life: created, started (the
+    init containers completed, the others running, not yet past their probes), the latest probe
+    verdicts and liveness restarts (at `probed` or the last restart, whichever came later), and
+    stopped (every container exited 0). The replay gives each condition its real transition time
+    without keeping any status around."""
+    spec = PodSpec(
+        containers=[Container(name=c.name, image=c.image) for c in mock.containers if not c.init],
+        initContainers=[Container(name=c.name, image=c.image) for c in mock.containers if c.init],
+    )
+    created = parse_time(mock.created)
+
+    def report(
+        c: MockContainer,
+        state: Running | Terminated,
+        *,
+        first: bool = False,  # the first run: no restart yet
+        verdict: tuple[bool, bool] = (True, True),  # ready, started
+    ) -> ContainerReport:
+        restarted = None if first or c.restarted is None else parse_time(c.restarted)
+        return ContainerReport(
+            state=state,
+            restart_count=0 if first else c.restarts,
+            # killed after a failed liveness or startup probe: the kubelet's 137, as by SIGKILL
+            last_terminated=None if restarted is None else Terminated(137, finished_at=restarted),
+            ready=verdict[0],
+            started=verdict[1],
+            container_id=f"mock://{mock.uid}/{c.name}",
+            image_id=f"mock://{c.image}",
+        )
+
+    def build(
+        reports: dict[str, ContainerReport],
+        now: datetime,
+        previous: PodStatus | None,
+        *,
+        stopped: bool = False,  # only the replay's last step may end the pod
+    ) -> PodStatus:
+        return build_pod_status(
+            spec,
+            reports,
+            host_ip=host_ip,
+            pod_ips=[mock.ip],
+            start_time=created,
+            previous=previous,
+            now=now,
+            terminating=stopped,
+        )
+
+    if mock.started is None:  # stopped before it started, maybe
+        if mock.stopped is None:
+            return build({}, created, None)
+        return build({}, parse_time(mock.stopped), None, stopped=True)
+    status = build({}, created, None)
+    started = parse_time(mock.started)
+
+    def run_of(c: MockContainer) -> Running:
+        return Running(parse_time(c.restarted) if c.restarted else started)
+
+    def unprobed(c: MockContainer) -> tuple[bool, bool]:
+        """A run no probe has passed yet: neither started (with a startup probe) nor ready
+        (with a readiness or startup probe)."""
+        startup = "startupProbe" in c.probes
+        return (not startup and "readinessProbe" not in c.probes, not startup)
+
+    def verdict(c: MockContainer) -> tuple[bool, bool]:
+        """The probe engine's, while it runs (none once the pod stopped)."""
+        if probes is None:
+            return unprobed(c)
+        return (probes.ready(c.name), probes.started(c.name))
+
+    # The first runs as they began, before any probe.
+    reports = {
+        c.name: report(c, Terminated(0, created, started), first=True)
+        if c.init
+        else report(c, Running(started), first=True, verdict=unprobed(c))
+        for c in mock.containers
     }
-
-
-def _status(mock: MockPod, host_ip: str, probes: PodProbes | None = None) -> dict[str, Any]:
-    running = mock.running
+    status = build(reports, started, status)
+    # Then as they are now: liveness restarts, the probe engine's verdicts.
+    for c in mock.containers:
+        if not c.init:
+            reports[c.name] = report(c, run_of(c), verdict=verdict(c))
+    latest = max([started, *(run_of(c).started_at for c in mock.containers)])
+    status = build(reports, max(latest, probed or latest), status)
     if mock.stopped is not None:
-        phase = "Succeeded"
-    elif running:
-        phase = "Running"
-    else:
-        phase = "Pending"
-    since = mock.started or mock.created
-
-    def state(c: MockContainer) -> dict[str, Any]:
-        if mock.stopped is not None and not c.init:
-            return _terminated(since, mock.stopped)
-        if c.init and mock.started is not None:
-            return _terminated(mock.created, mock.started)
-        if running:
-            return {"running": {"startedAt": c.restarted or mock.started}}
-        return {"waiting": {"reason": "ContainerCreating"}}
-
-    def status_of(c: MockContainer) -> dict[str, Any]:
-        probed = None if c.init else probes
-        status = {
-            "name": c.name,
-            "image": c.image,
-            "imageID": f"mock://{c.image}",
-            "containerID": f"mock://{mock.uid}/{c.name}",
-            "ready": running and not c.init and (probed is None or probed.ready(c.name)),
-            "started": running and not c.init and (probed is None or probed.started(c.name)),
-            "restartCount": c.restarts,
-            "state": state(c),
-        }
-        if c.restarted is not None:  # killed after a failed liveness or startup probe
-            status["lastState"] = {
-                "terminated": {"exitCode": 137, "reason": "Error", "finishedAt": c.restarted}
-            }
-        return status
-
-    statuses = [status_of(c) for c in mock.containers if not c.init]
-    ready = "True" if running and all(s["ready"] for s in statuses) else "False"
-    conditions = [
-        {"type": "PodReadyToStartContainers", "status": "True", "lastTransitionTime": mock.created},
-        {
-            "type": "Initialized",
-            "status": "True" if mock.started else "False",
-            "lastTransitionTime": since,
-        },
-        {"type": "ContainersReady", "status": ready, "lastTransitionTime": since},
-        {"type": "Ready", "status": ready, "lastTransitionTime": since},
-    ]
-    status: dict[str, Any] = {
-        "phase": phase,
-        "hostIP": host_ip,
-        "hostIPs": [{"ip": host_ip}],
-        "podIP": mock.ip,
-        "podIPs": [{"ip": mock.ip}],
-        "startTime": mock.created,
-        "conditions": conditions,
-        "containerStatuses": statuses,
-    }
-    inits = [status_of(c) for c in mock.containers if c.init]
-    if inits:
-        status["initContainerStatuses"] = inits
+        stopped = parse_time(mock.stopped)
+        for c in mock.containers:
+            if not c.init:
+                reports[c.name] = replace(
+                    reports[c.name], state=Terminated(0, run_of(c).started_at, stopped)
+                )
+        status = build(reports, stopped, status, stopped=True)
     return status
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from ...node import ConfigError, parse_taint
+from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
 from ...sdk.quantity import parse_quantity
 
 __all__ = ["DeviceConfig", "Inventory", "load_inventory"]
@@ -81,8 +82,8 @@ class DeviceConfig:
     labels: tuple[tuple[str, str], ...] = ()
     taints: tuple[tuple[tuple[str, str], ...], ...] | None = None
     capacity: tuple[tuple[str, str], ...] = ()
-    backoff_initial: float = 10.0
-    backoff_max: float = 300.0
+    backoff_initial: float = INITIAL_SECONDS  # the kubelet's restart back-off
+    backoff_max: float = MAX_SECONDS
 
     def runs_image(self, image: str) -> bool:
         return any(fnmatch.fnmatchcase(image, pattern) for pattern in self.host_images)
@@ -214,7 +215,8 @@ def _device(where: str, at: str, raw: dict[str, Any], base: Path) -> DeviceConfi
     backoff = raw.get("restartBackoff") or {}
     if not isinstance(backoff, dict) or set(backoff) - {"initial", "max"}:
         raise fail("restartBackoff", "expected {initial: seconds, max: seconds}")
-    initial, most = backoff.get("initial", 10), backoff.get("max", 300)
+    initial = backoff.get("initial", INITIAL_SECONDS)
+    most = backoff.get("max", MAX_SECONDS)
     for key, value in (("initial", initial), ("max", most)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86400:
             raise fail(f"restartBackoff.{key}", "expected seconds in (0, 86400]")

@@ -31,15 +31,18 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ContainerLogOptions, ProviderError, ResolvedPod
+from ...sdk.backoff import crash_loop_message
 from ...sdk.capabilities import AttachIO, ByteStream
+from ...sdk.logs import LogParser, previous_not_found, render, render_chunks
 from ...sdk.probes import PodProbes, ProbeEvent
 from ...sdk.provider import EventSink
+from ...sdk.status import ContainerReport, Running, Terminated, Waiting, build_pod_status
+from ...sdk.stdio import initial_size, relay
 from ...sdk.tasks import TaskSet
 from ...sdk.volumes import EmptyDirVolume, FilesVolume, HostPathVolume
 from . import _remote
 from ._inventory import DeviceConfig
 from ._link import DeviceLink, Unreachable
-from ._logs import LogParser, render, select_lines
 from ._probes import DEFAULT_HOST, DeviceProbes
 
 log = logging.getLogger(__name__)
@@ -61,7 +64,7 @@ class _PodEntry:
         self.deleting = False
         self.removing = False  # a task removes it once its processes are gone
         self.prober: PodProbes | None = None
-        self.status: dict[str, Any] | None = None
+        self.status: PodStatus | None = None  # the last one reported
 
 
 class DeviceProvider:
@@ -265,6 +268,7 @@ class DeviceProvider:
         script = (
             f"export VKUBELET_BACKOFF_BASE={max(1, round(self.config.backoff_initial))}\n"
             f"export VKUBELET_BACKOFF_MAX={max(1, round(self.config.backoff_max))}\n"
+            f"export VKUBELET_BACKOFF_RESET={max(2, round(2 * self.config.backoff_max))}\n"
             + self._volume_script(pod, uid, replace=False)
             + _remote.start_pod_script(self.root, plan)
         )
@@ -482,7 +486,7 @@ class DeviceProvider:
         entry = self._pods.get(f"{namespace}/{name}")
         if entry is None:
             return None
-        return msgspec.convert(self._status(entry), PodStatus)
+        return self._status(entry)
 
     async def list_pods(self) -> list[Pod]:
         # Right after a start, wait (a little) for the device so that its pods are adopted.
@@ -492,7 +496,7 @@ class DeviceProvider:
 
     def _pod_object(self, entry: _PodEntry) -> Pod:
         pod = msgspec.convert(msgspec.to_builtins(entry.pod), Pod)
-        pod.status = msgspec.convert(self._status(entry), PodStatus)
+        pod.status = self._status(entry)
         return pod
 
     def _probe(self, entry: _PodEntry) -> None:
@@ -530,7 +534,7 @@ class DeviceProvider:
             if self._notify is not None:
                 self._notify(self._pod_object(entry))
 
-    def _status(self, entry: _PodEntry) -> dict[str, Any]:
+    def _status(self, entry: _PodEntry) -> PodStatus:
         return pod_status(entry, self.config.address)
 
     # -- kubectl verbs -------------------------------------------------------------------------
@@ -563,22 +567,34 @@ class DeviceProvider:
         run = state.restart_count if state is not None else 0
         if options.previous:
             if run == 0:
-                raise ProviderError(
-                    "BadRequest",
-                    f'previous terminated container "{container}" in pod "{pod}" not found',
-                )
+                raise previous_not_found(container, pod)
             run -= 1
         path = _remote.log_path(self.root, entry.uid, container, run)
-        result = await self.link.run(f"cat {path} 2>/dev/null || true\n")
-        data = result.stdout
-        parser = LogParser()
-        lines = parser.feed(data)
         since = options.earliest()
-        for line in select_lines(lines, tail_lines=options.tail_lines, since=since):
-            yield render(line, timestamps=options.timestamps)
+        tail = options.tail_lines
+        pick = f" | tail -n {int(tail)}" if tail is not None and tail >= 0 else ""
+        # The file's size first, then its bytes up to that size (the last lines only, for a
+        # tail): streamed, never the whole log in memory. A follower goes on from that size.
+        command = (
+            f"size=$(wc -c 2>/dev/null < {path}) || size=0; echo $size; "
+            f"head -c $size 2>/dev/null {path}{pick}"
+        )
+        parser = LogParser()  # a partial last line waits in it for its end
+        async with self.link.process(command, stdin=False) as proc:
+            size = (await proc.stdout.readline()).strip()
+            offset = int(size) if size.isdigit() else 0
+
+            async def chunks() -> AsyncIterator[bytes]:
+                while data := await proc.stdout.read(65536):
+                    yield data
+
+            lines = render_chunks(
+                chunks(), since=since, timestamps=options.timestamps, parser=parser
+            )
+            async for out in lines:
+                yield out
         if not options.follow or options.previous:
             return
-        offset = len(data)  # a partial last line stays in the parser until its end comes
         async for chunk in self._follow(entry, container, run, path, offset, parser):
             for line in chunk:
                 if since is None or line.time >= since:
@@ -632,27 +648,16 @@ class DeviceProvider:
         if not command:
             raise ProviderError("BadRequest", "no command given")
         line = _remote.exec_command(self.root, entry.uid, container, command)
-        term: tuple[int, int] | None = None
-        if io.tty:  # the client's window size comes first, right away
-            term = (80, 24)
-            with contextlib.suppress(TimeoutError, StopAsyncIteration):
-                size = await asyncio.wait_for(anext(io.resizes), 0.5)
-                term = (size.width, size.height)
+        term = await initial_size(io) if io.tty else None  # the client sends it first
         async with self.link.process(line, term_size=term, stdin=io.stdin is not None) as proc:
-            helpers = []
-            if io.stdin is not None:
-                helpers.append(asyncio.create_task(_pump_in(io.stdin, proc)))
-            if io.tty:
-                helpers.append(asyncio.create_task(_resizes(io, proc)))
-            try:
-                outputs = [_pump_out(proc.stdout, io.stdout)]
-                if not io.tty:
-                    outputs.append(_pump_out(proc.stderr, io.stderr))
-                await asyncio.gather(*outputs)
-                await proc.wait()
-            finally:
-                for task in helpers:
-                    task.cancel()
+            await relay(
+                io,
+                stdin=proc.stdin if io.stdin is not None else None,
+                stdout=proc.stdout,
+                stderr=None if io.tty else proc.stderr,
+                resize=proc.change_terminal_size,
+            )
+            await proc.wait()
             return _exit_code(proc)
 
     async def attach_to_container(
@@ -741,17 +746,6 @@ async def _pump_in(source: Any, proc: asyncssh.SSHClientProcess[bytes]) -> None:
     proc.stdin.write_eof()
 
 
-async def _pump_out(source: Any, target: Any) -> None:
-    while data := await source.read(65536):
-        if target is not None:
-            await target.write(data)
-
-
-async def _resizes(io: AttachIO, proc: asyncssh.SSHClientProcess[bytes]) -> None:
-    async for size in io.resizes:
-        proc.change_terminal_size(size.width, size.height)
-
-
 def _key(entry: _PodEntry) -> str:
     meta = entry.pod.metadata
     assert meta is not None
@@ -787,106 +781,47 @@ def _all_done(remote: _remote.RemotePod) -> bool:
     return all(c.state != "running" for c in [*remote.init_containers, *remote.containers])
 
 
-def pod_status(entry: _PodEntry, address: str) -> dict[str, Any]:
+def pod_status(entry: _PodEntry, address: str) -> PodStatus:
     """The pod's status as a kubelet would report it, from the device's container states."""
     spec = entry.pod.spec
     assert spec is not None
-    policy = spec.restartPolicy or "Always"
-    remote = entry.remote
-    inits = {c.name: c for c in (remote.init_containers if remote else [])}
-    mains = {c.name: c for c in (remote.containers if remote else [])}
-    init_statuses = [
-        _container_status(c.name, c.image or "", inits.get(c.name), entry, init=True)
-        for c in spec.initContainers or []
-    ]
-    statuses = [
-        _container_status(c.name, c.image or "", mains.get(c.name), entry, init=False)
-        for c in spec.containers
-    ]
-    init_done = all(
-        s.get("state", {}).get("terminated", {}).get("exitCode") == 0 for s in init_statuses
+    remote, meta = entry.remote, entry.pod.metadata
+    assert meta is not None
+    reports: dict[str, ContainerReport] = {}
+    inits = {state.name for state in remote.init_containers} if remote else set()
+    for state in [*remote.init_containers, *remote.containers] if remote else []:
+        probes = None if state.name in inits else entry.prober  # the engine probes main ones
+        current = _state(state)
+        if isinstance(current, Waiting) and state.backoff_seconds is not None:
+            names = (str(meta.name), str(meta.namespace), entry.uid)
+            message = crash_loop_message(state.backoff_seconds, state.name, *names)
+            current = Waiting(current.reason, message)
+        reports[state.name] = ContainerReport(
+            state=current,
+            restart_count=state.restart_count,
+            last_terminated=_terminated(state.last) if state.last is not None else None,
+            ready=probes is None or probes.ready(state.name),
+            started=probes is None or probes.started(state.name),
+            container_id=f"ssh://{entry.uid}/{state.name}",
+        )
+    return build_pod_status(
+        spec,
+        reports,
+        host_ip=address,
+        start_time=entry.created,
+        previous=entry.status,
+        terminating=entry.deleting,
     )
-    init_failed = any(
-        "terminated" in s.get("state", {}) and s["state"]["terminated"].get("exitCode") != 0
-        for s in init_statuses
-    )
-    states = [s.get("state", {}) for s in statuses]
-    phase = "Pending"
-    if policy == "Never" and init_failed:
-        phase = "Failed"
-    elif init_done and any("running" in st for st in states):
-        phase = "Running"
-    elif init_done and states and all("terminated" in st for st in states):
-        codes = [st["terminated"].get("exitCode", 1) for st in states]
-        if policy == "Always" and not entry.deleting:
-            phase = "Running"  # between restarts
-        elif all(c == 0 for c in codes):
-            phase = "Succeeded"
-        elif policy == "OnFailure" and not entry.deleting:
-            phase = "Running"
-        else:
-            phase = "Failed"
-    elif init_done and any(s.get("restartCount", 0) > 0 for s in statuses):
-        phase = "Running"  # waiting out a back-off after an earlier run
-    ready = phase == "Running" and all(s.get("ready") for s in statuses)
-    conditions = [
-        {"type": "PodScheduled", "status": "True"},
-        {"type": "Initialized", "status": "True" if init_done else "False"},
-        {"type": "ContainersReady", "status": "True" if ready else "False"},
-        {"type": "Ready", "status": "True" if ready else "False"},
-    ]
-    status: dict[str, Any] = {
-        "phase": phase,
-        "hostIP": address,
-        "hostIPs": [{"ip": address}],
-        "podIP": address,
-        "podIPs": [{"ip": address}],
-        "startTime": _rfc3339(entry.created),
-        "conditions": conditions,
-        "containerStatuses": statuses,
-    }
-    if init_statuses:
-        status["initContainerStatuses"] = init_statuses
-    return status
 
 
-def _container_status(
-    name: str, image: str, state: _remote.ContainerStatus | None, entry: _PodEntry, *, init: bool
-) -> dict[str, Any]:
-    status: dict[str, Any] = {
-        "name": name,
-        "image": image,
-        "imageID": "",
-        "restartCount": state.restart_count if state else 0,
-        "ready": False,
-        "started": False,
-    }
-    if state is None:
-        reason = "PodInitializing" if not init else "ContainerCreating"
-        status["state"] = {"waiting": {"reason": reason}}
-        return status
-    status["containerID"] = f"ssh://{entry.uid}/{name}"
-    status["state"] = _state(state)
-    if state.last is not None:
-        status["lastState"] = _state(state.last)
-    if state.state == "running":
-        probes = entry.prober
-        status["started"] = init or probes is None or probes.started(name)
-        status["ready"] = not init and (probes is None or probes.ready(name))
-    return status
+def _terminated(state: _remote.ContainerStatus) -> Terminated:
+    code = state.exit_code if state.exit_code is not None else 0
+    return Terminated(code, state.started_at, state.finished_at)
 
 
-def _state(state: _remote.ContainerStatus) -> dict[str, Any]:
-    if state.state == "running":
-        return {"running": {"startedAt": _rfc3339(state.started_at)}}
+def _state(state: _remote.ContainerStatus) -> Running | Terminated | Waiting:
+    if state.state == "running" and state.started_at is not None:
+        return Running(state.started_at)
     if state.state == "terminated":
-        return {
-            "terminated": {
-                "exitCode": state.exit_code if state.exit_code is not None else 0,
-                "reason": state.reason or ("Completed" if state.exit_code == 0 else "Error"),
-                "startedAt": _rfc3339(state.started_at),
-                "finishedAt": _rfc3339(state.finished_at),
-            }
-        }
-    waiting: dict[str, Any] = {"reason": state.reason or "ContainerCreating"}
-    return {"waiting": waiting}
+        return _terminated(state)
+    return Waiting(state.reason or "ContainerCreating")

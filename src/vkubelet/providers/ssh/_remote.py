@@ -31,7 +31,7 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
     pods/<uid>/fs/          the default working directory
     pods/<uid>/c/<name>/cmd       the container's start script (its argv, quoted; no env)
     pods/<uid>/c/<name>/state     one line, replaced atomically (tmp + mv):
-                                    waiting <Reason>
+                                    waiting <Reason> [<back-off seconds>]
                                     running <pid> <startedAt>
                                     terminated <exitCode> <startedAt> <finishedAt>
                                   times are RFC 3339 UTC to the second; a process killed by
@@ -42,14 +42,16 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
                                   removed when it has ended
     pods/<uid>/c/<name>/backoff   the pid of the `sleep` of a back-off in progress
     pods/<uid>/c/<name>/<n>.log   the log of run n (n = the restart count when it started), in
-                                  the CRI format (see `_logs`); the current and previous run's
+                                  the CRI format (see `vkubelet.sdk.logs`); the current and
+                                  previous run's
     pods/<uid>/c/<name>/out, err  the FIFOs from the process to its log stampers
     pods/<uid>/c/<name>/stdin     with `stdin: true`: the FIFO the process reads (opened
                                   read-write by it: no EOF when an attached writer leaves)
 
 The supervisor reads VKUBELET_BACKOFF_BASE (10), VKUBELET_BACKOFF_MAX (300) and
-VKUBELET_BACKOFF_RESET (600), in seconds, from its environment: a restart waits BASE seconds,
-then twice as long each time up to MAX, and BASE again after a run of RESET seconds. Containers
+VKUBELET_BACKOFF_RESET (600), in seconds, from its environment: the kubelet's rule
+(`vkubelet.sdk.backoff`): the first restart is at once, the next waits BASE seconds, then twice
+as long each time up to MAX, and a restart RESET seconds after the last one is at once. Containers
 inherit its environment (the SSH session's), VKUBELET_POD_DIR, then their own env.
 
 Containers get their own process group and session from `setsid` (util-linux, busybox); `set -m`
@@ -69,7 +71,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
-from ._logs import parse_rfc3339
+from ...sdk.logs import parse_rfc3339
 
 __all__ = [
     "ContainerPlan",
@@ -192,6 +194,7 @@ class ContainerStatus:
     exit_code: int | None  # killed by signal N: 128+N
     restart_count: int
     last: ContainerStatus | None = None  # the previous termination
+    backoff_seconds: int | None = None  # waiting in CrashLoopBackOff: the back-off in force
 
 
 @dataclass
@@ -559,11 +562,13 @@ backoff() {
 	rm -f "$P/c/$1/backoff"
 }
 
-# supervise CTR POLICY: run CTR as POLICY says, backing off between runs like the kubelet (BASE
-# seconds, doubling up to MAX, BASE again after a run of RESET seconds), until it is done or the
-# pod is stopped. Returns the last exit code.
+# supervise CTR POLICY: run CTR as POLICY says, backing off between runs like the kubelet (see
+# vkubelet.sdk.backoff): the first restart at once, then after BASE seconds, doubling up to MAX;
+# at once again when RESET seconds passed since the last restart. Until it is done or the pod is
+# stopped. Returns the last exit code.
 supervise() {
-	delay=$BASE
+	delay=0     # the back-off in force: none before the first restart
+	restarted=0 # when the last restart happened, in seconds since the epoch
 	CODE=1
 	while [ ! -e "$P/stop" ]; do
 		run "$1"
@@ -572,12 +577,17 @@ supervise() {
 		OnFailure) [ "$CODE" -ne 0 ] || break ;;
 		esac
 		[ ! -e "$P/stop" ] || break
-		[ "$RAN" -lt "$RESET" ] || delay=$BASE
+		[ $(($(date +%s) - restarted)) -lt "$RESET" ] || delay=0
 		echo "$TERMINATED" >"$P/c/$1/last.tmp" && mv -f "$P/c/$1/last.tmp" "$P/c/$1/last"
-		set_state "$1" waiting CrashLoopBackOff
-		backoff "$1" "$delay"
-		delay=$((delay * 2))
+		if [ "$delay" -gt 0 ]; then
+			set_state "$1" waiting CrashLoopBackOff "$delay"
+			backoff "$1" "$delay"
+			delay=$((delay * 2))
+		else
+			delay=$BASE
+		fi
 		[ "$delay" -le "$MAX" ] || delay=$MAX
+		restarted=$(date +%s)
 	done
 	return "$CODE"
 }
@@ -743,6 +753,10 @@ def _status(name: str, words: list[str], restarts: int) -> ContainerStatus:
     match words:
         case ["waiting", reason] if _REASON.fullmatch(reason):
             return ContainerStatus(name, "waiting", reason, None, None, None, None, restarts)
+        case ["waiting", reason, seconds] if _REASON.fullmatch(reason):
+            status = ContainerStatus(name, "waiting", reason, None, None, None, None, restarts)
+            status.backoff_seconds = _count(seconds)
+            return status
         case ["running", pid, started]:
             return ContainerStatus(
                 name, "running", "", _count(pid), _time(started), None, None, restarts

@@ -168,5 +168,11 @@ async def test_an_adopted_pod_keeps_its_probes_and_image(device: Device) -> None
     ready = main_status(await status(second, "p"))
     assert ready.ready and ready.image == "host"
     (device.pod_fs("u1") / "ready").unlink()  # the readiness probe still runs: not ready
-    await eventually(lambda: entry.status and not entry.status["containerStatuses"][0]["ready"])
+    await eventually(
+        lambda: (
+            entry.status is not None
+            and entry.status.containerStatuses is not None
+            and not entry.status.containerStatuses[0].ready
+        )
+    )
     assert not main_status(await status(second, "p")).ready

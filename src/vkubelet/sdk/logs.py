@@ -1,0 +1,368 @@
+"""Container logs as the kubelet keeps them (the CRI log format) and as `kubectl logs` shows them.
+
+A runtime writes one record per output line, `<RFC3339Nano time> <stream> <tag> <line>` (stream
+`stdout` or `stderr`; tag `F` for a full line, `P` for a piece of a longer one, or of a last line
+that never got its newline), the format containerd and CRI-O write and the kubelet reads. A
+provider that keeps logs in files gets both halves here:
+
+- writing: `LogEncoder` (sans I/O) and `LogWriter`/`copy_to_log`, one file per container run;
+- reading: `read_log` serves a `ContainerLogOptions` from such a file with bounded memory: a tail
+  is found by reading backwards from the end, `since` by scanning lines, and `follow` waits for
+  appends (and for a rotated file) until the run has ended; `previous` is the caller's choice of
+  file (`run_log_path`).
+
+A provider whose files live elsewhere (the ssh provider's, on a device) streams their bytes
+through `LogParser`, `select_lines`/`render_chunks` and `render` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import BinaryIO
+
+from .provider import ContainerLogOptions, ProviderError
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "LogEncoder",
+    "LogLine",
+    "LogParser",
+    "LogWriter",
+    "copy_to_log",
+    "format_rfc3339_nano",
+    "parse_rfc3339",
+    "previous_not_found",
+    "read_log",
+    "render",
+    "render_chunks",
+    "run_log_path",
+    "select_lines",
+    "tail_offset",
+]
+
+MAX_LINE_BYTES = 16 * 1024  # containerd's default: longer lines are written in P pieces
+_BLOCK = 64 * 1024
+
+_TIME = re.compile(
+    rb"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?(?:([Zz])|([+-])(\d\d):(\d\d))"
+)
+_STREAMS = (b"stdout", b"stderr")
+
+
+@dataclass(frozen=True)
+class LogLine:
+    time: datetime  # aware, UTC
+    stream: str  # "stdout" | "stderr"
+    partial: bool  # a piece of a longer line: the next piece follows without a newline
+    content: bytes  # without the newline
+
+
+def parse_rfc3339(text: str | bytes) -> datetime | None:
+    """An RFC 3339 time as an aware UTC datetime; None unless `text` is exactly one.
+
+    Nanoseconds (which containerd writes) are cut to microseconds, all datetime can hold.
+    """
+    raw = text.encode() if isinstance(text, str) else text
+    match = _TIME.fullmatch(raw)
+    if match is None:
+        return None
+    year, month, day, hour, minute, second, fraction, zulu, sign, off_h, off_m = match.groups()
+    micros = int((fraction or b"0")[:6].ljust(6, b"0"))
+    try:
+        moment = datetime(
+            int(year), int(month), int(day), int(hour), int(minute), int(second), micros, UTC
+        )
+        if zulu is None:
+            offset = timedelta(hours=int(off_h), minutes=int(off_m))
+            moment = moment - offset if sign == b"+" else moment + offset
+    except (ValueError, OverflowError):
+        return None
+    return moment
+
+
+def format_rfc3339_nano(moment: datetime) -> str:
+    """Go's RFC3339Nano, as the kubelet prints `--timestamps`: no trailing zeros in the fraction."""
+    moment = moment.astimezone(UTC) if moment.tzinfo is not None else moment
+    text = moment.strftime("%Y-%m-%dT%H:%M:%S")
+    if moment.microsecond:
+        text += f".{moment.microsecond:06d}".rstrip("0")
+    return text + "Z"
+
+
+def _parse_line(raw: bytes) -> LogLine | None:
+    parts = raw.split(b" ", 3)
+    if len(parts) < 3:
+        return None
+    stamp, stream, tags = parts[:3]
+    time = parse_rfc3339(stamp)
+    tag = tags.split(b":", 1)[0]
+    if time is None or stream not in _STREAMS or tag not in (b"F", b"P"):
+        return None
+    content = parts[3] if len(parts) == 4 else b""
+    return LogLine(time=time, stream=stream.decode(), partial=tag == b"P", content=content)
+
+
+class LogParser:
+    """Lines out of a log file's bytes as they arrive, in chunks cut anywhere.
+
+    A line that is not in the CRI format is skipped rather than failing the whole stream: a log
+    is shown even if a device wrote something odd into it. A last line without its newline waits
+    for the next chunk.
+    """
+
+    def __init__(self) -> None:
+        self._rest = bytearray()
+
+    def feed(self, data: bytes) -> list[LogLine]:
+        self._rest += data
+        end = self._rest.rfind(b"\n")
+        if end < 0:
+            return []
+        complete = bytes(self._rest[:end])
+        del self._rest[: end + 1]
+        return [line for raw in complete.split(b"\n") if (line := _parse_line(raw)) is not None]
+
+
+def select_lines(
+    lines: list[LogLine], *, tail_lines: int | None, since: datetime | None
+) -> list[LogLine]:
+    """What `--tail` and `--since`/`--since-time` keep, in the kubelet's order: tail first.
+
+    A negative tail means all lines, as it does for the kubelet.
+    """
+    if tail_lines is not None and tail_lines >= 0:
+        lines = lines[len(lines) - tail_lines :] if tail_lines else []
+    if since is not None:
+        since = since if since.tzinfo is not None else since.replace(tzinfo=UTC)
+        lines = [line for line in lines if line.time >= since]
+    return lines
+
+
+def render(line: LogLine, *, timestamps: bool) -> bytes:
+    """One line as kubectl prints it: a partial line gets no newline, so pieces join up."""
+    data = line.content if line.partial else line.content + b"\n"
+    if timestamps:
+        data = format_rfc3339_nano(line.time).encode() + b" " + data
+    return data
+
+
+async def render_chunks(
+    chunks: AsyncIterable[bytes],
+    *,
+    since: datetime | None = None,
+    timestamps: bool = False,
+    parser: LogParser | None = None,
+) -> AsyncIterator[bytes]:
+    """A CRI log's bytes, arriving in chunks cut anywhere, as kubectl prints them: one output
+    per chunk, lines before `since` left out. Memory is bounded by a chunk and a line."""
+    parser = parser or LogParser()
+    since = since if since is None or since.tzinfo is not None else since.replace(tzinfo=UTC)
+    async for chunk in chunks:
+        out = b"".join(
+            render(line, timestamps=timestamps)
+            for line in parser.feed(chunk)
+            if since is None or line.time >= since
+        )
+        if out:
+            yield out
+
+
+# -- writing -----------------------------------------------------------------------------------
+class LogEncoder:
+    """One stream's output as CRI log records, sans I/O: a line is written once complete, a
+    longer one than `max_line` in `P` pieces, and whatever is left at the end as a `P` record,
+    as containerd does."""
+
+    def __init__(self, stream: str, max_line: int = MAX_LINE_BYTES) -> None:
+        if stream not in ("stdout", "stderr"):
+            raise ValueError(f"unknown stream {stream!r}")
+        self._prefix = stream.encode()
+        self._max = max_line
+        self._rest = bytearray()
+
+    def _record(self, now: datetime, tag: bytes, content: bytes | bytearray) -> bytes:
+        return b" ".join((format_rfc3339_nano(now).encode(), self._prefix, tag, content)) + b"\n"
+
+    def feed(self, data: bytes, now: datetime | None = None) -> bytes:
+        now = now or datetime.now(UTC)
+        self._rest += data
+        out: list[bytes] = []
+        while True:
+            end = self._rest.find(b"\n", 0, self._max + 1)
+            if end >= 0:
+                out.append(self._record(now, b"F", self._rest[:end]))
+                del self._rest[: end + 1]
+            elif len(self._rest) >= self._max:
+                out.append(self._record(now, b"P", self._rest[: self._max]))
+                del self._rest[: self._max]
+            else:
+                return b"".join(out)
+
+    def flush(self, now: datetime | None = None) -> bytes:
+        """The end of the stream: a last line without its newline, as a partial record."""
+        if not self._rest:
+            return b""
+        record = self._record(now or datetime.now(UTC), b"P", self._rest)
+        self._rest.clear()
+        return record
+
+
+class LogWriter:
+    """Appends a container run's stdout and stderr to one CRI log file.
+
+    Each record is one `write` to a file opened for appending, so the two streams' records never
+    interleave within a line. The file is created owner-only: logs may hold secrets.
+    """
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._encoders = {name: LogEncoder(name) for name in ("stdout", "stderr")}
+
+    def write(self, stream: str, data: bytes, now: datetime | None = None) -> None:
+        if records := self._encoders[stream].feed(data, now):
+            os.write(self._fd, records)
+
+    def end(self, stream: str, now: datetime | None = None) -> None:
+        """`stream` has ended: write what is left of its last line."""
+        if records := self._encoders[stream].flush(now):
+            os.write(self._fd, records)
+
+    def close(self) -> None:
+        for stream in self._encoders:
+            self.end(stream)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+async def copy_to_log(source: asyncio.StreamReader, writer: LogWriter, stream: str) -> None:
+    """Copy a process's stdout or stderr into its log until it ends."""
+    while data := await source.read(_BLOCK):
+        writer.write(stream, data)
+    writer.end(stream)
+
+
+def run_log_path(directory: Path, container: str, restart_count: int) -> Path:
+    """Where a container's run `restart_count` logs: `<directory>/<container>/<n>.log`.
+
+    `kubectl logs -p` reads run n-1; a provider keeps the current and the previous run's files
+    and deletes older ones when a run starts.
+    """
+    return directory / container / f"{int(restart_count)}.log"
+
+
+def previous_not_found(container: str, pod: str) -> ProviderError:
+    """The kubelet's error for `kubectl logs -p` of a container that never restarted."""
+    return ProviderError(
+        "NotFound", f'previous terminated container "{container}" in pod "{pod}" not found'
+    )
+
+
+# -- reading --------------------------------------------------------------------------------------
+def tail_offset(file: BinaryIO, lines: int, block: int = _BLOCK) -> int:
+    """Where the last `lines` complete lines of `file` begin, read backwards a block at a time:
+    the cost is the tail's size, not the file's. A last line without its newline is not yet a
+    line and is not counted."""
+    file.seek(0, os.SEEK_END)
+    size = file.tell()
+    position, end, found = size, None, 0
+    while position > 0:
+        start = max(0, position - block)
+        file.seek(start)
+        data = file.read(position - start)
+        index = len(data)
+        while (index := data.rfind(b"\n", 0, index)) >= 0:
+            if end is None:
+                end = start + index + 1  # after the last complete line
+                if lines == 0:
+                    return end
+                continue
+            found += 1
+            if found == lines:
+                return start + index + 1
+        position = start
+    return 0 if end is not None else size
+
+
+def _same_file(file: BinaryIO, path: Path) -> bool:
+    try:
+        now = path.stat()
+    except FileNotFoundError:
+        return True  # gone, and nothing new yet: keep reading what we have
+    then = os.fstat(file.fileno())
+    return (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino)
+
+
+async def read_log(
+    path: Path,
+    options: ContainerLogOptions,
+    *,
+    running: Callable[[], bool] | None = None,
+    poll_seconds: float = 0.2,
+) -> AsyncIterator[bytes]:
+    """A CRI log file as `kubectl logs` with `options` shows it (`previous` aside: pass the
+    previous run's path), in chunks, with bounded memory.
+
+    With `follow`, appended lines are shown as they come (the file is polled every
+    `poll_seconds`; one that is rotated, i.e. replaced by a new file at `path`, is finished and
+    the new one read from its start) until `running()` turns false — the run has ended — and
+    everything it wrote has been shown. Without `running`, following lasts until cancelled.
+    """
+    since = options.earliest()
+    remaining = options.limit_bytes
+    tail = options.tail_lines
+    parser = LogParser()
+    file: BinaryIO | None = None
+    try:
+        while file is None:
+            try:
+                file = path.open("rb")
+            except FileNotFoundError:
+                if not options.follow or (running is not None and not running()):
+                    return
+                await asyncio.sleep(poll_seconds)
+        if tail is not None and tail >= 0:
+            file.seek(tail_offset(file, tail))
+        ending = False
+        while True:
+            data = file.read(_BLOCK)
+            if data:
+                out = b"".join(
+                    render(line, timestamps=options.timestamps)
+                    for line in parser.feed(data)
+                    if since is None or line.time >= since
+                )
+                if remaining is not None:
+                    out = out[:remaining]
+                    remaining -= len(out)
+                if out:
+                    yield out
+                if remaining == 0:
+                    return
+                continue
+            if not options.follow or ending:
+                return
+            if not _same_file(file, path):  # rotated: the old file is complete
+                file.close()
+                file = path.open("rb")
+                parser = LogParser()
+                continue
+            if file.tell() > os.fstat(file.fileno()).st_size:  # truncated in place
+                file.seek(0)
+            # One more read after the run has ended: whatever it wrote last.
+            ending = running is not None and not running()
+            if not ending:
+                await asyncio.sleep(poll_seconds)
+    finally:
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
