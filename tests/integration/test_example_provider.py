@@ -1,6 +1,7 @@
-"""The documented example provider (examples/local_provider.py), on the SDK's helpers, against
-the real control plane: a Deployment becomes Available, a Job Complete, restarts show in the
-status, and `kubectl logs` (--tail, --since, -f, -p) reads the CRI log files it writes."""
+"""The documented example providers (examples/local_provider.py, and the 50-line
+examples/tiny_provider.py of docs/providers.md), on the SDK's helpers, against the real control
+plane: a Deployment becomes Available, a Job Complete, restarts show in the status, and
+`kubectl logs` (--tail, --since, -f, -p) reads the CRI log files they write."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 PY = sys.executable  # the example runs commands as they are, without a PATH
 
 
-@pytest.fixture
+@pytest.fixture(params=["local", "tiny"])
 def node(
-    kube_cluster: Cluster, kubectl: Kubectl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest,
+    kube_cluster: Cluster,
+    kubectl: Kubectl,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[str]:
-    """A node run by the example provider, registered the way its docstring says (an entry
-    point named `local`), here by a throw-away distribution on the agent's PYTHONPATH."""
+    """A node run by an example provider, loaded the way its docstring says: `local` by an entry
+    point (here a throw-away distribution on the agent's PYTHONPATH), `tiny` by its file path."""
     dist = tmp_path / "site" / "local_provider_example-0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: local-provider-example\n")
@@ -34,8 +39,9 @@ def node(
     name = f"vk-local-{uuid.uuid4().hex[:6]}"
     config = tmp_path / "none.json"
     config.write_text("{}")
+    provider = "local" if request.param == "local" else str(EXAMPLES / "tiny_provider.py")
     agent = start_agent(
-        kube_cluster, tmp_path, provider="local", config=config, name=name, address="127.0.0.1"
+        kube_cluster, tmp_path, provider=provider, config=config, name=name, address="127.0.0.1"
     )
     try:
         wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")

@@ -20,6 +20,7 @@ from .capabilities import (
     TerminalSize,
 )
 from .logs import LogWriter, copy_to_log, previous_not_found, read_log, run_log_path
+from .podrunner import PodRunner, RunContainer, RunnerProvider, SignalContainer
 from .probes import ExecResult, PodProbes, ProbeEvent, ProbeTransport, ProbeUnknown
 from .provider import (
     Closeable,
@@ -88,6 +89,7 @@ __all__ = [
     "PodLifecycleHandler",
     "PodNotifier",
     "PodProbes",
+    "PodRunner",
     "PortForwarder",
     "ProbeEvent",
     "ProbeTransport",
@@ -100,7 +102,10 @@ __all__ = [
     "ResolvedPod",
     "ResolvedVolume",
     "RestartBackoff",
+    "RunContainer",
+    "RunnerProvider",
     "Running",
+    "SignalContainer",
     "StatsProvider",
     "TaskSet",
     "TerminalSize",

@@ -1,0 +1,310 @@
+"""The kubelet's pod worker, for providers that run a pod's containers themselves.
+
+A provider that starts processes (locally, in a VM, on a board) needs the same loop for every
+pod: init containers one after the other, each until it succeeds; then the containers side by
+side, each restarted as the pod's restart policy says with the kubelet's back-off; the pod's
+status rebuilt at every change; and, on deletion, a signal to each running container, a grace
+period, then a kill. `PodRunner` is that loop. The provider supplies two things: how to run one
+container to its exit code, and how to signal a running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from lightkube.models.core_v1 import Container, PodStatus
+from lightkube.resources.core_v1 import Pod
+
+from .backoff import supervise_container
+from .logs import previous_not_found, read_log, run_log_path
+from .probes import PodProbes, ProbeEvent, ProbeTransport
+from .provider import ContainerLogOptions, EventSink, ProviderError, ResolvedPod
+from .status import ContainerReport, Running, build_pod_status
+from .tasks import TaskSet
+
+__all__ = ["PodRunner", "RunContainer", "RunnerProvider", "SignalContainer"]
+
+log = logging.getLogger(__name__)
+
+# Runs container `c` (its run number `n`, i.e. its restart count) to the end: the exit code, or
+# -N for a signal N. An exception means the run could not start (the kubelet's StartError).
+RunContainer = Callable[[Container, int], Awaitable[int]]
+# Sends a signal to container `name`'s running process; nothing if it does not run.
+SignalContainer = Callable[[str, int], None]
+
+_START_ERROR = 128  # what the kubelet reports for a container that could not start
+
+
+class PodRunner:
+    """One pod's containers, run and restarted as the kubelet would, and its status."""
+
+    def __init__(
+        self,
+        pod: Pod,
+        run: RunContainer,
+        signal_container: SignalContainer,
+        *,
+        host_ip: str,
+        pod_ips: Sequence[str] = (),
+        on_change: Callable[[], None] = lambda: None,
+        probe_transport: ProbeTransport | None = None,
+        on_event: Callable[[ProbeEvent], None] | None = None,
+    ) -> None:
+        """`probe_transport`: how the probe engine reaches the containers; with it, the pod's
+        liveness, readiness and startup probes run (a liveness failure ends the run: SIGTERM,
+        SIGKILL after the grace period, and the restart policy decides) and `on_event` gets
+        their Events."""
+        assert pod.metadata is not None and pod.spec is not None
+        self.pod = pod
+        self.reports: dict[str, ContainerReport] = {}
+        self.probes: PodProbes | None = None
+        if probe_transport is not None:
+            self.probes = PodProbes(
+                pod,
+                probe_transport,
+                self._end_run,
+                host=(list(pod_ips) or [host_ip])[0],
+                on_change=on_change,
+                on_event=on_event,
+            )
+        self._run, self._signal = run, signal_container
+        self._host_ip, self._pod_ips = host_ip, list(pod_ips)
+        self._on_change = on_change
+        self._stop = asyncio.Event()
+        self._changed = asyncio.Event()  # set at every container state change
+        self._started = datetime.now(UTC)
+        self._status: PodStatus | None = None
+        self._tasks = TaskSet(f"pod {pod.metadata.namespace}/{pod.metadata.name}")
+        self._life: asyncio.Task[None] | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        """Start the containers; the Pending status (containers being created) is pushed now."""
+        self._on_change()
+        self._life = self._tasks.spawn(self._pod_life(), name="containers")
+
+    def restart_count(self, container: str) -> int:
+        report = self.reports.get(container)
+        return report.restart_count if report is not None else 0
+
+    def running(self, container: str, run: int | None = None) -> bool:
+        """Whether `container` runs (its run number `run`, if given)."""
+        report = self.reports.get(container)
+        if report is None or not isinstance(report.state, Running):
+            return False
+        return run is None or report.restart_count == run
+
+    def status(self) -> PodStatus:
+        spec = self.pod.spec
+        assert spec is not None
+        reports = self.reports
+        if (probes := self.probes) is not None:
+            reports = {
+                name: _with_probes(report, probes, name) if self.running(name) else report
+                for name, report in reports.items()
+            }
+        self._status = build_pod_status(
+            spec,
+            reports,
+            host_ip=self._host_ip,
+            pod_ips=self._pod_ips,
+            start_time=self._started,
+            previous=self._status,
+            terminating=self.stopping,
+        )
+        return self._status
+
+    def as_pod(self) -> Pod:
+        """The pod with its current status, as `get_pod`/`list_pods`/`notify_pods` report it."""
+        return Pod(metadata=self.pod.metadata, spec=self.pod.spec, status=self.status())
+
+    async def stop(self, grace_period_seconds: int) -> None:
+        """SIGTERM every running container, SIGKILL what is left after the grace period, and
+        return once every container has exited. Calling it again just waits."""
+        first = not self._stop.is_set()
+        self._stop.set()
+        if first:
+            self._signal_running(signal.SIGTERM)
+            self._sync_probes()
+            self._on_change()
+        if self._life is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._life), grace_period_seconds)
+        except TimeoutError:
+            self._signal_running(signal.SIGKILL)
+            await self._life
+        if self.probes is not None:
+            await self.probes.aclose()
+        self._on_change()
+
+    async def _end_run(self, container: str, grace_seconds: int, kind: str) -> None:
+        """A failed liveness or startup probe: end the container's run as the kubelet kills a
+        container (SIGTERM, SIGKILL after the grace period)."""
+        run = self.restart_count(container)
+        with contextlib.suppress(ProcessLookupError):
+            self._signal(container, signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_seconds
+        while self.running(container, run) and (left := deadline - loop.time()) > 0:
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        if self.running(container, run):
+            with contextlib.suppress(ProcessLookupError):
+                self._signal(container, signal.SIGKILL)
+
+    def _sync_probes(self) -> None:
+        """Probe workers follow the runs: a new run (restart count) gets fresh ones."""
+        if self.probes is not None:
+            running = {n: r.restart_count for n, r in self.reports.items() if self.running(n)}
+            self.probes.sync(running, terminating=self.stopping)
+
+    def _signal_running(self, signum: int) -> None:
+        for name in list(self.reports):
+            if self.running(name):
+                with contextlib.suppress(ProcessLookupError):
+                    self._signal(name, signum)
+
+    async def _pod_life(self) -> None:
+        spec = self.pod.spec
+        assert spec is not None
+        for init in spec.initContainers or []:
+            if not await self._container(init, init=True):
+                return
+        await asyncio.gather(*(self._container(c, init=False) for c in spec.containers))
+
+    async def _container(self, container: Container, *, init: bool) -> bool:
+        meta, spec = self.pod.metadata, self.pod.spec
+        assert meta is not None and spec is not None
+
+        async def once(count: int) -> int:
+            if self._stop.is_set():  # deleted while waiting to start: this run never happens
+                return -int(signal.SIGTERM)
+            try:
+                return await self._run(container, count)
+            except Exception as e:  # the provider should also say why in the container's log
+                log.warning(
+                    "%s/%s: container %s did not start: %s",
+                    meta.namespace,
+                    meta.name,
+                    container.name,
+                    e,
+                )
+                return _START_ERROR
+
+        def report(state: ContainerReport) -> None:
+            self.reports[container.name] = state
+            self._sync_probes()
+            self._changed.set()
+            self._on_change()
+
+        names = (container.name, str(meta.name), str(meta.namespace), str(meta.uid))
+        return await supervise_container(
+            once, report, restart_policy=spec.restartPolicy, stop=self._stop, names=names, init=init
+        )
+
+
+def _with_probes(report: ContainerReport, probes: PodProbes, name: str) -> ContainerReport:
+    return replace(report, ready=probes.ready(name), started=probes.started(name))
+
+
+class RunnerProvider:
+    """The provider API but `create_pod`, for a provider whose pods are `PodRunner`s.
+
+    Bookkeeping every such provider would write again: the pods by key, status push
+    (`notify_pods`), `get_pod`/`get_pod_status`/`list_pods` from the runners, graceful
+    `delete_pod`, and `kubectl logs` (follow, tail, since, previous) from the CRI log files the
+    provider writes at `log_path(...)`. A subclass implements `create_pod` with `start_runner`,
+    and overrides `update_pod` if its pods can take changes in place.
+    """
+
+    def __init__(self, *, host_ip: str, log_dir: Path, events: EventSink | None = None) -> None:
+        self.host_ip, self.log_dir, self.events = host_ip, log_dir, events
+        self.runners: dict[str, PodRunner] = {}  # "namespace/name"
+        self._notify: Callable[[Pod], None] = lambda pod: None
+
+    def notify_pods(self, callback: Callable[[Pod], None]) -> None:
+        self._notify = callback
+
+    def log_path(self, uid: str, container: str, run: int) -> Path:
+        """Where run `run` of `container` of the pod with `uid` writes its CRI log."""
+        return run_log_path(self.log_dir / uid, container, run)
+
+    def start_runner(
+        self,
+        resolved: ResolvedPod,
+        run: RunContainer,
+        signal_container: SignalContainer,
+        *,
+        pod_ips: Sequence[str] = (),
+        probe_transport: ProbeTransport | None = None,
+    ) -> PodRunner:
+        key, pod, events = f"{resolved.namespace}/{resolved.name}", resolved.pod, self.events
+
+        def on_event(e: ProbeEvent) -> None:
+            if events is not None:
+                events.pod_event(pod, e.type, e.reason, e.message)
+
+        runner = PodRunner(
+            pod,
+            run,
+            signal_container,
+            host_ip=self.host_ip,
+            pod_ips=pod_ips,
+            on_change=lambda: self._notify(runner.as_pod()),
+            probe_transport=probe_transport,
+            on_event=on_event,
+        )
+        self.runners[key] = runner
+        runner.start()
+        return runner
+
+    async def update_pod(self, pod: ResolvedPod) -> None:
+        """Processes cannot take new env or files in place: the default keeps them as they are."""
+
+    async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        meta = pod.metadata
+        assert meta is not None
+        key = f"{meta.namespace}/{meta.name}"
+        runner = self.runners.get(key)
+        if runner is None or runner.pod.metadata.uid != meta.uid:  # type: ignore[union-attr]
+            return
+        await runner.stop(grace_period_seconds)  # its last status: every container terminated
+        del self.runners[key]
+        shutil.rmtree(self.log_dir / str(meta.uid), ignore_errors=True)
+
+    async def get_pod(self, namespace: str, name: str) -> Pod | None:
+        runner = self.runners.get(f"{namespace}/{name}")
+        return runner.as_pod() if runner is not None else None
+
+    async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
+        pod = await self.get_pod(namespace, name)
+        return pod.status if pod is not None else None
+
+    async def list_pods(self) -> list[Pod]:
+        return [runner.as_pod() for runner in self.runners.values()]
+
+    def container_logs(
+        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
+    ) -> AsyncIterator[bytes]:
+        runner = self.runners.get(f"{namespace}/{pod}")
+        spec = runner.pod.spec if runner is not None else None
+        if runner is None or spec is None or container not in [c.name for c in spec.containers]:
+            raise ProviderError("NotFound", f"container {container} is not valid for pod {pod}")
+        run = runner.restart_count(container) - options.previous
+        if run < 0:
+            raise previous_not_found(container, pod)
+        path = self.log_path(str(runner.pod.metadata.uid), container, run)  # type: ignore[union-attr]
+        return read_log(path, options, running=lambda: runner.running(container, run))

@@ -1,0 +1,139 @@
+"""PodRunner: the kubelet's pod worker for providers that run containers themselves."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from lightkube.models.core_v1 import Container
+from lightkube.resources.core_v1 import Pod
+
+from vkubelet.sdk import PodRunner
+from vkubelet.sdk.probes import ExecResult, ProbeReader, ProbeWriter
+from vkubelet.testing.harness import eventually
+
+
+def pod(containers: list[dict[str, Any]], inits: Sequence[dict[str, Any]] = (), **spec: Any) -> Pod:
+    raw = {
+        "metadata": {"namespace": "ns", "name": "p", "uid": "u1"},
+        "spec": {"containers": containers, "initContainers": list(inits), **spec},
+    }
+    return msgspec.convert(raw, Pod)
+
+
+class Fake:
+    """Containers that run until signalled, or exit with a scripted code at once."""
+
+    def __init__(self, exits: dict[str, int] | None = None) -> None:
+        self.exits = exits or {}
+        self.started: list[tuple[str, int]] = []
+        self.signals: list[tuple[str, int]] = []
+        self.ending: dict[str, asyncio.Future[int]] = {}
+        self.ignore_term = False
+
+    async def run(self, c: Container, count: int) -> int:
+        self.started.append((c.name, count))
+        if c.name in self.exits:
+            return self.exits[c.name]
+        self.ending[c.name] = asyncio.get_running_loop().create_future()
+        return await self.ending[c.name]
+
+    def signal(self, name: str, signum: int) -> None:
+        self.signals.append((name, signum))
+        if signum == signal.SIGKILL or not self.ignore_term:
+            self.ending[name].set_result(-signum)
+
+
+async def test_init_containers_run_in_order_then_the_containers_together() -> None:
+    fake = Fake(exits={"i1": 0, "i2": 0})
+    runner = PodRunner(
+        pod([{"name": "a"}, {"name": "b"}], [{"name": "i1"}, {"name": "i2"}]),
+        fake.run,
+        fake.signal,
+        host_ip="10.0.0.1",
+    )
+    runner.start()
+    await eventually(lambda: runner.running("a") and runner.running("b"))
+    assert [name for name, _ in fake.started] == ["i1", "i2", "a", "b"]
+    assert runner.status().phase == "Running"
+    await runner.stop(5)
+
+
+async def test_a_failed_init_container_under_never_fails_the_pod_without_starting_the_rest() -> (
+    None
+):
+    fake = Fake(exits={"init": 2})
+    runner = PodRunner(
+        pod([{"name": "a"}], [{"name": "init"}], restartPolicy="Never"),
+        fake.run,
+        fake.signal,
+        host_ip="10.0.0.1",
+    )
+    runner.start()
+    await eventually(lambda: runner.status().phase == "Failed")
+    assert [name for name, _ in fake.started] == ["init"]
+
+
+async def test_stop_terms_then_kills_a_container_that_outlives_the_grace_period() -> None:
+    fake = Fake()
+    fake.ignore_term = True
+    runner = PodRunner(pod([{"name": "a"}]), fake.run, fake.signal, host_ip="10.0.0.1")
+    runner.start()
+    await eventually(lambda: runner.running("a"))
+    await runner.stop(1)
+    assert fake.signals == [("a", signal.SIGTERM), ("a", signal.SIGKILL)]
+    [state] = runner.status().containerStatuses or []
+    assert state.state is not None and state.state.terminated is not None
+    assert state.state.terminated.exitCode == 128 + signal.SIGKILL
+
+
+async def test_a_container_that_cannot_start_is_a_start_error_and_restarts_by_policy() -> None:
+    async def run(c: Container, count: int) -> int:
+        raise FileNotFoundError("no such command")
+
+    runner = PodRunner(
+        pod([{"name": "a"}], restartPolicy="Never"), run, lambda *_: None, host_ip="h"
+    )
+    runner.start()
+    await eventually(lambda: runner.status().phase == "Failed")
+    [state] = runner.status().containerStatuses or []
+    assert state.state is not None and state.state.terminated is not None
+    assert state.state.terminated.exitCode == 128
+
+
+class FailingExec:
+    """A probe transport whose exec probes always fail."""
+
+    def available(self) -> bool:
+        return True
+
+    async def exec(self, container: str, command: Sequence[str], limit: float) -> ExecResult:
+        return ExecResult(1, b"unhealthy")
+
+    async def open_connection(self, host: str, port: int) -> tuple[ProbeReader, ProbeWriter]:
+        raise OSError("no network here")
+
+
+async def test_a_failing_liveness_probe_ends_the_run_and_the_restart_policy_restarts_it() -> None:
+    fake = Fake()
+    probe = {"exec": {"command": ["check"]}, "periodSeconds": 1, "failureThreshold": 1}
+    events: list[str] = []
+    runner = PodRunner(
+        pod([{"name": "a", "livenessProbe": probe}], terminationGracePeriodSeconds=1),
+        fake.run,
+        fake.signal,
+        host_ip="10.0.0.1",
+        probe_transport=FailingExec(),
+        on_event=lambda e: events.append(e.reason),
+    )
+    runner.start()
+    runner.status()  # the provider publishes a status: the probes start with the run
+    await eventually(lambda: runner.restart_count("a") >= 1 and runner.status(), within=10)
+    assert ("a", signal.SIGTERM) in fake.signals
+    assert "Unhealthy" in events
+    [state] = runner.status().containerStatuses or []
+    assert state.lastState is not None and state.lastState.terminated is not None
+    await runner.stop(1)
