@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import AgentProcess, Kubectl, MockNode, node_ready, wait_for
+from vkubelet.testing import AgentProcess, Kubectl, MockNode, create_namespace, node_ready, wait_for
 from vkubelet.testing import mock_node as start_mock_node
 
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
@@ -74,15 +74,7 @@ def mock_node(
 @pytest.fixture
 def ns(kubectl: Kubectl) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    # Pods are refused until the namespace's default service account exists.
-    wait_for(
-        lambda: (
-            kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode == 0
-        ),
-        timeout=30,
-        what="the default service account",
-    )
+    create_namespace(kubectl, name)
     yield name
     kubectl("delete", "namespace", name, "--wait=false")
 

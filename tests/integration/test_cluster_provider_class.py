@@ -25,7 +25,7 @@ from lightkube.resources.core_v1 import Node, Pod
 
 from vkubelet.providers.cluster import ClusterProvider, load_lower_config, open_lower
 from vkubelet.sdk import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
-from vkubelet.testing import Kubectl
+from vkubelet.testing import Kubectl, create_namespace
 
 from .clusters import LowerCluster as LowerTestCluster
 
@@ -46,7 +46,7 @@ async def until(check: Callable[[], Awaitable[Any]], what: str, limit: float = 6
 @pytest.fixture
 def shop(kubectl: Kubectl) -> Iterator[str]:
     namespace = f"shop-{uuid.uuid4().hex[:6]}"
-    kubectl("create", "namespace", namespace)
+    create_namespace(kubectl, namespace)
     yield namespace
     kubectl("delete", "namespace", namespace, "--wait=false")
 

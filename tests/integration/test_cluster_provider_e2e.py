@@ -24,6 +24,7 @@ from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     AgentProcess,
     Kubectl,
+    create_namespace,
     node_ready,
     port_forward,
     start_agent,
@@ -128,7 +129,7 @@ def test_the_agent_killed_and_restarted_adopts_every_lower_pod(
     kubectl: Kubectl, lower_cluster: LowerCluster, cluster_node: ClusterNode
 ) -> None:
     namespace = f"kill-{uuid.uuid4().hex[:6]}"
-    kubectl("create", "namespace", namespace)
+    create_namespace(kubectl, namespace)
     lk = lower_cluster.kubectl
     try:
         deploy(kubectl, namespace, cluster_node.name, 2)
@@ -177,7 +178,7 @@ def test_a_deployment_on_the_virtual_node_runs_in_the_lower_cluster(
 ) -> None:
     namespace = f"web-{uuid.uuid4().hex[:6]}"
     secret_value = f"s3cret-{uuid.uuid4().hex}"
-    kubectl("create", "namespace", namespace)
+    create_namespace(kubectl, namespace)
     lk = lower_cluster.kubectl
     try:
         kubectl("-n", namespace, "create", "configmap", "cfg", "--from-literal=COLOR=blue")

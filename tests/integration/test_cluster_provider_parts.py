@@ -34,7 +34,7 @@ from vkubelet.providers.cluster import (
     translate_pod,
 )
 from vkubelet.sdk import parse_quantity
-from vkubelet.testing import Kubectl, wait_for
+from vkubelet.testing import Kubectl, create_namespace, wait_for
 
 from .clusters import LOWER_NODES
 from .clusters import LowerCluster as LowerTestCluster
@@ -65,7 +65,7 @@ async def with_lower(config_path: Path, work: Any) -> Any:
 @pytest.fixture
 def shop(kubectl: Kubectl) -> Iterator[str]:
     namespace = f"shop-{uuid.uuid4().hex[:6]}"
-    kubectl("create", "namespace", namespace)
+    create_namespace(kubectl, namespace)
     yield namespace
     kubectl("delete", "namespace", namespace, "--wait=false")
 
@@ -151,7 +151,7 @@ def test_an_upper_pod_runs_below_with_its_dependencies_and_without_secret_values
         await lower.create(translate_pod(upper, how))
 
     # A user's own object in the same lower namespace, with the name a copy would have had.
-    lk("create", "namespace", lower_ns)
+    create_namespace(lk, lower_ns)
     lk("-n", lower_ns, "create", "configmap", "web-config", "--from-literal=mine=yes")
 
     run(with_lower(config, start))

@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import Kubectl, MockNode, local_test_address, mock_node, running_pod
+from vkubelet.testing import (
+    Kubectl,
+    MockNode,
+    create_namespace,
+    local_test_address,
+    mock_node,
+    running_pod,
+)
 
 
 def kubelet_port(node: MockNode, kubectl: Kubectl) -> int:
@@ -132,7 +139,7 @@ def test_direct_requests_are_authenticated_and_authorized(
     assert _get(url, anonymous) == 401
 
     ns = f"t-{uuid.uuid4().hex[:6]}"
-    kubectl("create", "namespace", ns)
+    create_namespace(kubectl, ns)
     kubectl("-n", ns, "create", "serviceaccount", "nobody")
     token = kubectl("-n", ns, "create", "token", "nobody").stdout.strip()
     assert _get(url, anonymous, token) == 403

@@ -12,6 +12,7 @@ from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     AgentProcess,
     Kubectl,
+    create_namespace,
     local_test_address,
     node_kubeconfig,
     node_ready,
@@ -64,7 +65,7 @@ def test_agent_runs_pods_and_serves_logs_as_a_node_identity(
             assert labels["type"] == "virtual-kubelet"
             assert "kubernetes.io/role" not in labels  # NodeRestriction forbids it to nodes
             ns = f"t-{uuid.uuid4().hex[:6]}"
-            kubectl("create", "namespace", ns)
+            create_namespace(kubectl, ns)
             kubectl("-n", ns, "create", "configmap", "cfg", "--from-literal=k=v")
             pod = {
                 "apiVersion": "v1",

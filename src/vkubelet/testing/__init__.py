@@ -108,6 +108,20 @@ def wait_for(
     pytest.fail(f"timed out after {timeout}s waiting for {what or check}{detail}")
 
 
+def create_namespace(kubectl: Kubectl, name: str, *, timeout: float = 60) -> str:
+    """Create a namespace and wait until pods can be created in it: the apiserver refuses pods
+    until the controller-manager has made the namespace's `default` service account."""
+    kubectl("create", "namespace", name)
+    wait_for(
+        lambda: (
+            kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode == 0
+        ),
+        timeout=timeout,
+        what=f"the default service account of namespace {name}",
+    )
+    return name
+
+
 class AgentProcess:
     """`vkubelet run` as a child process, driven the way an operator would drive it."""
 
