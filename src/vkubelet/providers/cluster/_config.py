@@ -70,7 +70,8 @@ class NamespaceMapping:
         return self.prefix + upper
 
     def upper(self, lower: str) -> str | None:
-        """The upper namespace that maps to `lower`, if any (for a human-readable message)."""
+        """The upper namespace that maps to `lower`, if any. A pod is run only when this gives
+        its own namespace back: the mapping must never send two upper namespaces to one."""
         for name, mapped in self.explicit:
             if mapped == lower:
                 return name

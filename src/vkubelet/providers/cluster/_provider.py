@@ -134,6 +134,16 @@ class ClusterProvider:
     async def create_pod(self, pod: ResolvedPod) -> None:
         self._start()
         key = f"{pod.namespace}/{pod.name}"
+        lower_namespace = self.how.namespaces.lower(pod.namespace)
+        if self.how.namespaces.upper(lower_namespace) != pod.namespace:
+            # Two upper namespaces would share one lower namespace: their pods would replace
+            # each other and their Secrets would be one copy. Refuse, never merge them.
+            raise ProviderError(
+                "NamespaceMappingConflict",
+                f"upper namespace {pod.namespace} maps to lower namespace {lower_namespace}, "
+                f"which another upper namespace ({self.how.namespaces.upper(lower_namespace)}) "
+                "maps to as well; give it its own lower namespace in the provider config",
+            )
         self._pods[key] = pod
         self._failed.pop(key, None)
         await self._sync_dependencies(block_for=key)

@@ -98,3 +98,12 @@ def test_errors_name_the_file_and_the_field(tmp_path: Path, text: str, error: st
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"lower\.yaml: no such file"):
         load_lower_config(tmp_path / "lower.yaml")
+
+
+def test_a_namespace_mapping_that_sends_two_upper_namespaces_to_one_is_detected() -> None:
+    from vkubelet.providers.cluster._config import NamespaceMapping
+
+    mapping = NamespaceMapping(prefix="", explicit=(("default", "team-a"),))
+    assert mapping.upper(mapping.lower("default")) == "default"  # runs
+    assert mapping.upper(mapping.lower("team-a")) != "team-a"  # refused: it would share team-a
+    assert mapping.upper(mapping.lower("shop")) == "shop"
