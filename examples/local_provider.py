@@ -69,7 +69,7 @@ class LocalTransport:
 
 class LocalProvider(RunnerProvider):
     def __init__(self, context: ProviderContext) -> None:
-        logs = Path(tempfile.gettempdir()) / "vkubelet-local" / context.node_name
+        logs = Path(tempfile.mkdtemp(prefix=f"vkubelet-local-{context.node_name}-"))  # 0700, ours
         super().__init__(host_ip=context.internal_ip, log_dir=logs, events=context.events)
 
     def configure_node(self, node: Node) -> None:
@@ -110,12 +110,12 @@ class LocalProvider(RunnerProvider):
             log.close()
             return await proc.wait()
 
-        self.start_runner(
-            resolved,
-            run,
-            lambda name, signum: processes[name].send_signal(signum),
-            probe_transport=LocalTransport(spec.containers),
-        )
+        def signal(name: str, signum: int) -> None:
+            if (proc := processes.get(name)) is None or proc.returncode is not None:
+                raise ProcessLookupError(name)  # not started yet, or exited: the runner retries
+            proc.send_signal(signum)
+
+        self.start_runner(resolved, run, signal, probe_transport=LocalTransport(spec.containers))
 
     async def exec_in_container(
         self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO

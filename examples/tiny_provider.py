@@ -27,9 +27,9 @@ class TinyProvider(RunnerProvider):
         async def run(c: Container, count: int) -> int:  # one run of a container: its exit code
             env = {e.name: e.value or "" for e in c.env or []}  # literal: the agent resolved them
             argv = [*(c.command or []), *(c.args or [])]  # exec'd directly: no shell sees them
-            log = LogWriter(self.log_path(resolved.uid, c.name, count))
             proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=-1, stderr=-1)
             processes[c.name] = proc
+            log = LogWriter(self.log_path(resolved.uid, c.name, count))
             assert proc.stdout is not None and proc.stderr is not None
             await asyncio.gather(
                 copy_to_log(proc.stdout, log, "stdout"), copy_to_log(proc.stderr, log, "stderr")
@@ -37,7 +37,12 @@ class TinyProvider(RunnerProvider):
             log.close()
             return await proc.wait()
 
-        self.start_runner(resolved, run, lambda name, signum: processes[name].send_signal(signum))
+        def signal(name: str, signum: int) -> None:
+            if (proc := processes.get(name)) is None or proc.returncode is not None:
+                raise ProcessLookupError(name)  # not started yet, or exited: the runner retries
+            proc.send_signal(signum)
+
+        self.start_runner(resolved, run, signal)
 
 
 create = TinyProvider  # the factory vkubelet calls with the ProviderContext

@@ -86,8 +86,8 @@ async def test_example_provider_restarts_a_failed_container_and_keeps_its_logs()
         "default", "crashes", "c", ContainerLogOptions(previous=True)
     )
     assert b"".join([chunk async for chunk in previous]) == b"run\n"
-    await provider.delete_pod(resolved.pod, 1)
-    assert "terminated" in seen[-1]["containerStatuses"][0]["state"]
+    await provider.delete_pod(resolved.pod, 1)  # returns at once; the stop is reported
+    await until(lambda: "terminated" in seen[-1]["containerStatuses"][0]["state"])
 
 
 async def test_example_provider_execs_in_the_container_s_environment() -> None:
@@ -107,7 +107,7 @@ async def test_example_provider_execs_in_the_container_s_environment() -> None:
     io = AttachIO(None, out, Out())
     assert await provider.exec_in_container("default", "sleeper", "c", command, io) == 0
     assert out.data == b"1\n"
-    await provider.delete_pod(resolved.pod, 1)
+    await provider.aclose()  # stops its pods: processes a restarted agent could not adopt
 
 
 async def test_example_provider_stops_a_pod_within_its_grace_period() -> None:
@@ -117,5 +117,6 @@ async def test_example_provider_stops_a_pod_within_its_grace_period() -> None:
     await provider.create_pod(resolved)
     started = asyncio.get_running_loop().time()
     await provider.delete_pod(resolved.pod, 5)
+    await until(lambda: not provider.runners)
     assert asyncio.get_running_loop().time() - started < 5
     assert await provider.get_pod("default", "sleeper") is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import shutil
 import signal
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 # Runs container `c` (its run number `n`, i.e. its restart count) to the end: the exit code, or
 # -N for a signal N. An exception means the run could not start (the kubelet's StartError).
 RunContainer = Callable[[Container, int], Awaitable[int]]
-# Sends a signal to container `name`'s running process; nothing if it does not run.
+# Sends a signal to container `name`'s current process; raises ProcessLookupError when there is
+# none (not started yet, or already exited): the runner then tries again.
 SignalContainer = Callable[[str, int], None]
 
 _START_ERROR = 128  # what the kubelet reports for a container that could not start
@@ -80,6 +82,7 @@ class PodRunner:
         self._on_change = on_change
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()  # set at every container state change
+        self._signalled: set[tuple[str, int, int]] = set()  # (container, run, signal) sent
         self._started = datetime.now(UTC)
         self._status: PodStatus | None = None
         self._tasks = TaskSet(f"pod {pod.metadata.namespace}/{pod.metadata.name}")
@@ -134,17 +137,24 @@ class PodRunner:
         return once every container has exited. Calling it again just waits."""
         first = not self._stop.is_set()
         self._stop.set()
+        self._changed.set()
         if first:
             self._signal_running(signal.SIGTERM)
             self._sync_probes()
             self._on_change()
         if self._life is None:
             return
-        try:
-            await asyncio.wait_for(asyncio.shield(self._life), grace_period_seconds)
-        except TimeoutError:
-            self._signal_running(signal.SIGKILL)
-            await self._life
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_period_seconds
+        signum = signal.SIGTERM
+        while not self._life.done():
+            # Again and again: a run that was starting when the pod was stopped has its process
+            # only now (each run is signalled once with each signal).
+            left = deadline - loop.time()
+            if left <= 0:
+                signum = signal.SIGKILL
+            await asyncio.wait({self._life}, timeout=min(max(left, 0.0), 0.5) or 0.5)
+            self._signal_running(signum)
         if self.probes is not None:
             await self.probes.aclose()
         self._on_change()
@@ -172,20 +182,46 @@ class PodRunner:
             self.probes.sync(running, terminating=self.stopping)
 
     def _signal_running(self, signum: int) -> None:
-        for name in list(self.reports):
-            if self.running(name):
+        for name, report in list(self.reports.items()):
+            sent = (name, report.restart_count, signum)
+            if self.running(name) and sent not in self._signalled:
                 with contextlib.suppress(ProcessLookupError):
                     self._signal(name, signum)
+                    self._signalled.add(sent)
 
     async def _pod_life(self) -> None:
         spec = self.pod.spec
         assert spec is not None
-        for init in spec.initContainers or []:
-            if not await self._container(init, init=True):
-                return
-        await asyncio.gather(*(self._container(c, init=False) for c in spec.containers))
+        sidecars: list[asyncio.Task[bool]] = []
+        try:
+            for init in spec.initContainers or []:
+                if init.restartPolicy == "Always":
+                    # A sidecar: started in order, then it runs (and restarts) beside the
+                    # containers; the next init container waits only for it to be running.
+                    sidecar = self._container(init, init=False, policy="Always")
+                    sidecars.append(asyncio.create_task(sidecar, name=f"sidecar {init.name}"))
+                    await self._until(functools.partial(self._up_or_stopping, init.name))
+                elif not await self._container(init, init=True):
+                    return
+            await asyncio.gather(
+                *sidecars, *(self._container(c, init=False) for c in spec.containers)
+            )
+        finally:
+            for task in sidecars:
+                task.cancel()
+            await asyncio.gather(*sidecars, return_exceptions=True)
 
-    async def _container(self, container: Container, *, init: bool) -> bool:
+    def _up_or_stopping(self, container: str) -> bool:
+        return self.running(container) or self.stopping
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def _container(
+        self, container: Container, *, init: bool, policy: str | None = None
+    ) -> bool:
         meta, spec = self.pod.metadata, self.pod.spec
         assert meta is not None and spec is not None
 
@@ -212,7 +248,12 @@ class PodRunner:
 
         names = (container.name, str(meta.name), str(meta.namespace), str(meta.uid))
         return await supervise_container(
-            once, report, restart_policy=spec.restartPolicy, stop=self._stop, names=names, init=init
+            once,
+            report,
+            restart_policy=policy or spec.restartPolicy,
+            stop=self._stop,
+            names=names,
+            init=init,
         )
 
 
@@ -234,6 +275,7 @@ class RunnerProvider:
         self.host_ip, self.log_dir, self.events = host_ip, log_dir, events
         self.runners: dict[str, PodRunner] = {}  # "namespace/name"
         self._notify: Callable[[Pod], None] = lambda pod: None
+        self._stopping = TaskSet("stopping pods")
 
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
         self._notify = callback
@@ -281,9 +323,26 @@ class RunnerProvider:
         runner = self.runners.get(key)
         if runner is None or runner.pod.metadata.uid != meta.uid:  # type: ignore[union-attr]
             return
+        if not runner.stopping:  # stopping takes up to the grace period: not in the agent's worker
+            self._stopping.spawn(self._stop(key, runner, grace_period_seconds), name=key)
+
+    async def _stop(self, key: str, runner: PodRunner, grace_period_seconds: int) -> None:
         await runner.stop(grace_period_seconds)  # its last status: every container terminated
-        del self.runners[key]
-        shutil.rmtree(self.log_dir / str(meta.uid), ignore_errors=True)
+        if self.runners.get(key) is runner:
+            del self.runners[key]
+        shutil.rmtree(self.log_dir / str(runner.pod.metadata.uid), ignore_errors=True)  # type: ignore[union-attr]
+
+    async def aclose(self) -> None:
+        """The agent stops: these pods are processes of the agent's machine that a restarted
+        agent could not adopt, so they are stopped (each with its grace period) rather than
+        orphaned and started twice."""
+        stops = []
+        for key, runner in list(self.runners.items()):
+            spec = runner.pod.spec
+            grace = spec.terminationGracePeriodSeconds if spec else None
+            stops.append(self._stop(key, runner, 30 if grace is None else grace))
+        await asyncio.gather(*stops, return_exceptions=True)  # stopping ones: stop() just waits
+        await self._stopping.aclose()
 
     async def get_pod(self, namespace: str, name: str) -> Pod | None:
         runner = self.runners.get(f"{namespace}/{name}")
@@ -301,7 +360,8 @@ class RunnerProvider:
     ) -> AsyncIterator[bytes]:
         runner = self.runners.get(f"{namespace}/{pod}")
         spec = runner.pod.spec if runner is not None else None
-        if runner is None or spec is None or container not in [c.name for c in spec.containers]:
+        names = [c.name for c in [*(spec.initContainers or []), *spec.containers]] if spec else []
+        if runner is None or container not in names:
             raise ProviderError("NotFound", f"container {container} is not valid for pod {pod}")
         run = runner.restart_count(container) - options.previous
         if run < 0:

@@ -167,8 +167,9 @@ class NodeCondition:
     """A node condition as the provider sees it; the agent keeps the transition times.
 
     Standard types (`Ready`, `MemoryPressure`, `DiskPressure`, `PIDPressure`,
-    `NetworkUnavailable`) are merged with the agent's own view: a provider's `Ready=False` makes
-    the node NotReady with the provider's reason, whatever the agent thinks. Any other type is
+    `NetworkUnavailable`) are merged with the agent's own view: any problem wins, so a provider's
+    `Ready=False` makes the node NotReady with the provider's reason (unless the agent has a
+    problem of its own to report first, such as a failing `ping`). Any other type is
     published as the provider states it (say `Accelerator` with reason `TCGFallback`).
     """
 

@@ -137,3 +137,37 @@ async def test_a_failing_liveness_probe_ends_the_run_and_the_restart_policy_rest
     [state] = runner.status().containerStatuses or []
     assert state.lastState is not None and state.lastState.terminated is not None
     await runner.stop(1)
+
+
+async def test_a_sidecar_init_container_keeps_running_beside_the_containers() -> None:
+    fake = Fake(exits={"setup": 0})
+    inits = [{"name": "setup"}, {"name": "proxy", "restartPolicy": "Always"}]
+    runner = PodRunner(pod([{"name": "app"}], inits), fake.run, fake.signal, host_ip="10.0.0.1")
+    runner.start()
+    await eventually(lambda: runner.running("app"))
+    assert [name for name, _ in fake.started] == ["setup", "proxy", "app"]
+    assert runner.running("proxy")
+    assert runner.status().phase == "Running"
+    await runner.stop(5)
+    assert not runner.running("proxy")
+
+
+async def test_a_run_that_was_starting_when_the_pod_was_stopped_still_gets_its_sigterm() -> None:
+    fake = Fake()
+    starting = asyncio.Event()
+
+    async def slow_start(c: Container, count: int) -> int:
+        starting.set()
+        await asyncio.sleep(0.3)  # the process does not exist yet when stop() comes
+        return await fake.run(c, count)
+
+    def signal_container(name: str, signum: int) -> None:
+        if name not in fake.ending:
+            raise ProcessLookupError(name)
+        fake.signal(name, signum)
+
+    runner = PodRunner(pod([{"name": "a"}]), slow_start, signal_container, host_ip="h")
+    runner.start()
+    await starting.wait()
+    await runner.stop(30)  # returns once the late-born process got its SIGTERM and ended
+    assert fake.signals == [("a", signal.SIGTERM)]
