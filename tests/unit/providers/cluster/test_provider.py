@@ -419,3 +419,32 @@ def test_a_pod_whose_lower_pod_vanished_is_forgotten_when_deleted(tmp_path: Path
     assert ("POST", "/api/v1/namespaces/shop/configmaps") in fake.written
     failed = [p for p in reports if p.metadata and p.metadata.uid == "upper-first"]
     assert failed and failed[-1].status is not None and failed[-1].status.phase == "Failed"
+
+
+def test_deleting_an_earlier_pod_after_its_successor_was_given_leaves_the_successor_alone(
+    tmp_path: Path,
+) -> None:
+    """The agent may delete the old web-0 after the new one's create began (which found the
+    old lower pod and removed it): the new pod stays ours, is not reported stopped, and keeps
+    its ConfigMap copy through the next dependency resync."""
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    reports: list[Pod] = []
+    provider.notify_pods(reports.append)
+
+    async def scenario() -> None:
+        old, new = web_0("upper-old"), web_0("upper-new", config_map=True)
+        await provider.create_pod(old)
+        with pytest.raises(ProviderError, match="being removed first"):
+            await provider.create_pod(new)
+        await provider.delete_pod(old.pod, 0)
+        await provider.create_pod(new)  # the agent's retry
+        await provider._sync_dependencies()  # what the periodic resync does
+        await provider.aclose()
+
+    asyncio.run(scenario())
+    assert not [p for p in reports if p.metadata and p.metadata.uid == "upper-new"]
+    assert ("POST", "/api/v1/namespaces/shop/configmaps") in fake.written
+    assert not [p for m, p in fake.written if m == "DELETE" and "/configmaps/" in p]
+    created = fake.pods["web-0"]["metadata"]["annotations"]["vkubelet.io/upper-uid"]
+    assert created == "upper-new"
