@@ -93,8 +93,11 @@ class ClusterProvider:
             virtual_labels={"type": "virtual-kubelet", "kubernetes.io/hostname": context.node_name},
         )
         self._pods: dict[str, ResolvedPod] = {}  # upper "namespace/name" -> what we were given
+        # Both keyed by name, as the lower pod's name is the upper one: only one lower pod can
+        # exist per key, but an upper pod deleted and re-created at once (a StatefulSet) has
+        # late lower events about the old UID, so every event is checked against the UID.
         self._lower_pods: dict[str, JSON] = {}  # upper "namespace/name" -> lower pod, if seen
-        self._deleting: set[str] = set()
+        self._deleting: dict[str, str] = {}  # upper "namespace/name" -> UID we are deleting
         self._failed: dict[str, JSON] = {}  # upper pods whose lower pod vanished: final status
         self._notify: Callable[[Pod], None] | None = None
         self._node_notify: Callable[[Node], None] | None = None
@@ -146,6 +149,9 @@ class ClusterProvider:
             )
         self._pods[key] = pod
         self._failed.pop(key, None)
+        self._deleting.pop(key, None)  # an earlier pod's deletion is not this pod's
+        if self._about_another(key, self._lower_pods.get(key)):
+            del self._lower_pods[key]  # an earlier pod's lower pod: not this pod's status
         await self._sync_dependencies(block_for=key)
         upper = _to_json(pod.pod)
         body = translate_pod(upper, self.how)
@@ -235,19 +241,46 @@ class ClusterProvider:
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
         meta = pod.metadata
         assert meta is not None
-        key = f"{meta.namespace}/{meta.name}"
-        self._deleting.add(key)
+        key, upper_uid = f"{meta.namespace}/{meta.name}", str(meta.uid or "")
+        self._deleting[key] = upper_uid  # before the lookup: its DELETED event may come first
         namespace = self.how.lower_namespace(str(meta.namespace))
         current = await self._call(self.lower.get("Pod", namespace, str(meta.name)))
         if current is not None and is_ours(current, self.owner):
             identity = upper_identity(current)
-            if identity is None or identity[2] == meta.uid:
+            if identity is None or identity[2] == upper_uid:
                 uid = str(current["metadata"].get("uid", ""))
-                await self._call(
+                deleted = await self._call(
                     self.lower.delete(
                         "Pod", namespace, str(meta.name), grace_period=grace_period_seconds, uid=uid
                     )
                 )
+                if deleted:
+                    return  # its DELETED event finishes the deletion (`_push_gone`)
+        self._gone_without_lower(key, upper_uid, pod)
+
+    def _gone_without_lower(self, key: str, uid: str, pod: Pod) -> None:
+        """No lower pod of ours stands for `pod` (refused for good, vanished, or never made), so
+        no lower DELETED event will finish its deletion: forget it now (a later pod of its name
+        would otherwise be left out of the dependency copies) and report it stopped."""
+        if self._deleting.get(key) == uid:
+            del self._deleting[key]
+        given = self._pods.get(key)
+        if given is not None and given.uid != uid:
+            return  # the pod of this name is a newer one: only the deletion mark was ours
+        self._pods.pop(key, None)
+        tracked = self._lower_pods.get(key)
+        identity = None if tracked is None else upper_identity(tracked)
+        if identity is None or identity[2] == uid:
+            self._lower_pods.pop(key, None)  # deleted below before we saw its DELETED event
+        failed = self._failed.pop(key, None)
+        self._spawned.spawn(self._sync_dependencies(), name=f"release {key}")
+        if self._notify is None:
+            return
+        upper = _to_json(given.pod if given is not None else pod)
+        if failed is not None:
+            upper["status"] = failed
+        status = gone_status(upper, reason="Deleted", message="", now=_now())
+        self._notify(_convert_pod({**upper, "status": status}))
 
     async def get_pod(self, namespace: str, name: str) -> Pod | None:
         key = f"{namespace}/{name}"
@@ -286,7 +319,9 @@ class ClusterProvider:
             identity = upper_identity(lower)
             if identity is None:
                 continue
-            self._lower_pods[f"{identity[0]}/{identity[1]}"] = lower
+            key = f"{identity[0]}/{identity[1]}"
+            if not self._about_another(key, lower):
+                self._lower_pods[key] = lower
             status = status_up(lower, {}, host_ip=self.context.internal_ip, now=_now())
             found.append(_upper_view(lower, _convert_podstatus(status)))
         return found
@@ -474,12 +509,12 @@ class ClusterProvider:
             seen = {}
             for lower in answer.get("items") or []:
                 key = self._key_of(lower)
-                if key is not None:
+                if key is not None and not self._about_another(key, lower):
                     seen[key] = lower
             version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
             for key, known in list(self._lower_pods.items()):
                 if key not in seen and not _newer(known, version):
-                    self._vanished(key)
+                    self._vanished(key, known)
             for key, lower in seen.items():
                 self._observed(key, lower)
             timeout = max(1, int(self.config.resync.pods))
@@ -498,7 +533,7 @@ class ClusterProvider:
                     if key is None:
                         continue
                     if kind == "DELETED":
-                        self._vanished(key)
+                        self._vanished(key, lower)
                     else:
                         self._observed(key, lower)
             except ApiError as e:
@@ -511,17 +546,35 @@ class ClusterProvider:
         identity = upper_identity(lower)
         return None if identity is None else f"{identity[0]}/{identity[1]}"
 
+    def _about_another(self, key: str, lower: Mapping[str, Any] | None) -> bool:
+        """Whether `lower` stands for another upper pod than the one we run under `key`: an
+        earlier pod of the same name, whose late events must not touch the current one."""
+        given = self._pods.get(key)
+        identity = None if lower is None else upper_identity(lower)
+        return given is not None and identity is not None and identity[2] != given.uid
+
     def _observed(self, key: str, lower: JSON) -> None:
+        if self._about_another(key, lower):
+            return
         previous = self._lower_pods.get(key)
         self._lower_pods[key] = lower
         if previous is not None and previous.get("status") == lower.get("status"):
             return
         self._push(key)
 
-    def _vanished(self, key: str) -> None:
+    def _vanished(self, key: str, lower: Mapping[str, Any]) -> None:
+        identity = upper_identity(lower)
+        if self._about_another(key, lower):
+            assert identity is not None
+            if self._deleting.get(key) == identity[2]:
+                del self._deleting[key]  # an earlier pod's deletion finished
+            return
+        tracked = self._lower_pods.get(key)
+        if tracked is not None and identity is not None and upper_identity(tracked) != identity:
+            return  # an orphan's lower pod of another UID: not the one we know
         last = self._lower_pods.pop(key, None)
         given = self._pods.get(key)
-        if key in self._deleting or given is None:
+        if given is None or self._deleting.get(key) == given.uid:
             self._push_gone(key, last)
             return
         reason, message = vanished_reason(last)
@@ -548,7 +601,7 @@ class ClusterProvider:
         """Our own deletion finished: report the containers stopped, so the agent removes it,
         and drop the copies no other pod needs."""
         given = self._pods.pop(key, None)
-        self._deleting.discard(key)
+        self._deleting.pop(key, None)
         self._spawned.spawn(self._sync_dependencies(), name=f"release {key}")
         if given is None or self._notify is None:
             return
@@ -686,7 +739,7 @@ class ClusterProvider:
             running = [
                 p
                 for k, p in self._pods.items()
-                if k not in self._deleting and k not in self._failed
+                if self._deleting.get(k) != p.uid and k not in self._failed
             ]
             references: dict[Key, Mapping[str, Any] | None] = {}
             for pod in running:

@@ -226,3 +226,225 @@ def test_a_dependency_name_taken_by_the_user_blocks_the_pod_and_is_left_alone(
     assert "lower cluster's own object" in error.message
     assert not any(m in ("PUT", "PATCH", "DELETE") for m, _ in writes)
     assert not any(p.endswith("/pods") for _, p in writes)  # the pod is not created
+
+
+class FakeLower:
+    """A lower API that keeps its pods, and whose first pod watch delivers `events` (later
+    watches stay open and silent): the late events of a pod deleted and re-created upstairs."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.written: list[tuple[str, str]] = []
+        self.watches = 0
+        self.watching_again = asyncio.Event()
+        self._version = 10
+
+    def _next(self) -> str:
+        self._version += 1
+        return str(self._version)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        path, method = request.url.path, request.method
+        name = path.rsplit("/", 1)[-1]
+        if request.url.params.get("watch"):
+            self.watches += 1
+            if self.watches == 1:
+                lines = b"".join(
+                    msgspec.json.encode({"type": kind, "object": obj}) + b"\n"
+                    for kind, obj in self.events
+                )
+                return httpx.Response(200, content=lines)
+            self.watching_again.set()
+            await asyncio.Event().wait()  # open and silent until cancelled
+        if method == "GET" and request.url.params.get("labelSelector"):
+            items = list(self.pods.values()) if path == "/api/v1/pods" else []
+            return httpx.Response(200, json={"items": items, "metadata": {"resourceVersion": "9"}})
+        if method == "GET" and "/pods/" in path:
+            if name not in self.pods:
+                return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
+            return httpx.Response(200, json=self.pods[name])
+        if method == "GET" and path.startswith("/api/v1/namespaces/") and path.count("/") == 4:
+            return httpx.Response(200, json={"metadata": {"name": name}})
+        if method == "GET":
+            return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
+        self.written.append((method, path))
+        if method == "DELETE":
+            self.pods.pop(name, None)
+            return httpx.Response(200, json={"kind": "Status", "status": "Success"})
+        body = json.loads(request.content)
+        if body.get("kind") == "Pod":
+            body["metadata"].update(uid=f"lower-{self._next()}", resourceVersion=self._next())
+            body["status"] = {"phase": "Pending"}
+            self.pods[body["metadata"]["name"]] = body
+        return httpx.Response(201, json=body)
+
+    def provider(self, tmp_path: Path) -> ClusterProvider:
+        config = load_lower_config(lower_yaml(tmp_path))
+        real = open_lower(config)
+        transport = httpx.MockTransport(self.handle)
+        lower = LowerCluster(KubeClient(real.client.config, transport=transport), config)
+        return ClusterProvider(config, context(tmp_path), lower, background=False)
+
+
+def web_0(uid: str, *, config_map: bool = False) -> ResolvedPod:
+    pod = msgspec.to_builtins(resolved().pod)
+    pod["metadata"].update(name="web-0", uid=uid)
+    references: dict[Any, Any] = {}
+    if config_map:
+        pod["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "web-config"}}]
+        references[("ConfigMap", "shop", "web-config")] = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "web-config", "namespace": "shop", "resourceVersion": "3"},
+            "data": {},
+        }
+    return ResolvedPod(msgspec.convert(pod, Pod), references=references)
+
+
+def with_phase(lower: dict[str, Any], phase: str) -> dict[str, Any]:
+    changed: dict[str, Any] = json.loads(json.dumps(lower))
+    changed["status"] = {"phase": phase}
+    return changed
+
+
+def test_late_events_of_a_force_deleted_pod_do_not_touch_its_successor_of_the_same_name(
+    tmp_path: Path,
+) -> None:
+    """`kubectl delete pod web-0 --force --grace-period=0`, and the StatefulSet re-creates
+    web-0 at once: the old lower pod's late MODIFIED and DELETED events arrive after the new
+    pod was created. The new pod is neither reported stopped nor given the old one's status,
+    and keeps its ConfigMap copy."""
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    reports: list[Pod] = []
+
+    def reported(uid: str, phase: str) -> bool:
+        return any(
+            p.metadata is not None
+            and p.metadata.uid == uid
+            and p.status is not None
+            and p.status.phase == phase
+            for p in reports
+        )
+
+    async def scenario() -> None:
+        running = asyncio.Event()  # reports are pushed in event order: the last event's ends it
+
+        def report(pod: Pod) -> None:
+            reports.append(pod)
+            if reported("upper-new", "Running"):
+                running.set()
+
+        provider.notify_pods(report)
+        old, new = web_0("upper-old", config_map=True), web_0("upper-new", config_map=True)
+        await provider.create_pod(old)
+        old_lower = fake.pods["web-0"]
+        await provider.delete_pod(old.pod, 0)
+        await provider.create_pod(new)
+        new_lower = fake.pods["web-0"] = with_phase(fake.pods["web-0"], "Running")
+        fake.events = [
+            ("MODIFIED", with_phase(old_lower, "Succeeded")),
+            ("DELETED", with_phase(old_lower, "Succeeded")),
+            ("MODIFIED", new_lower),
+        ]
+        follow = asyncio.create_task(provider._follow_pods())
+        try:
+            async with asyncio.timeout(10):
+                await fake.watching_again.wait()
+                await running.wait()
+            await provider._sync_dependencies()  # what the periodic resync would do
+        finally:
+            follow.cancel()
+            await provider.aclose()
+        status = await provider.get_pod_status("shop", "web-0")
+        assert status is not None and status.phase == "Running"
+
+    asyncio.run(scenario())
+    assert not reported("upper-new", "Failed")
+    assert not reported("upper-new", "Succeeded")  # the old lower pod's status
+    assert not [p for m, p in fake.written if m == "DELETE" and "/configmaps/" in p]
+
+
+def test_a_pod_refused_for_good_is_forgotten_when_deleted_and_its_successor_gets_its_copies(
+    tmp_path: Path,
+) -> None:
+    """No lower pod stands for a pod refused with LowerNameConflict, so no lower DELETED event
+    ends its deletion: delete_pod reports it stopped at once, and a later pod of its name is
+    not left out of the dependency copies (its ConfigMap would never be copied)."""
+    fake = FakeLower()
+    fake.pods["web-0"] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web-0"}}
+    provider = fake.provider(tmp_path)
+    reports: list[Pod] = []
+    provider.notify_pods(reports.append)
+
+    async def scenario() -> None:
+        refused = web_0("upper-refused")
+        with pytest.raises(ProviderError, match="already exists"):
+            await provider.create_pod(refused)
+        await provider.delete_pod(refused.pod, 0)
+        del fake.pods["web-0"]  # the lower cluster's user removed their own pod
+        await provider.create_pod(web_0("upper-next", config_map=True))
+        await provider.aclose()
+
+    asyncio.run(scenario())
+    assert [(p.metadata.uid, p.status.phase) for p in reports if p.metadata and p.status] == [
+        ("upper-refused", "Failed")
+    ]
+    assert ("POST", "/api/v1/namespaces/shop/configmaps") in fake.written
+    assert ("POST", "/api/v1/namespaces/shop/pods") in fake.written
+
+
+def test_a_pod_whose_lower_pod_vanished_is_forgotten_when_deleted(tmp_path: Path) -> None:
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    reports: list[Pod] = []
+    provider.notify_pods(reports.append)
+
+    async def scenario() -> None:
+        first = web_0("upper-first")
+        await provider.create_pod(first)
+        fake.events = [("DELETED", fake.pods.pop("web-0"))]  # evicted below
+        follow = asyncio.create_task(provider._follow_pods())
+        try:
+            async with asyncio.timeout(10):
+                await fake.watching_again.wait()
+        finally:
+            follow.cancel()
+        await provider.delete_pod(first.pod, 0)
+        await provider.create_pod(web_0("upper-next", config_map=True))
+        await provider.aclose()
+
+    asyncio.run(scenario())
+    assert ("POST", "/api/v1/namespaces/shop/configmaps") in fake.written
+    failed = [p for p in reports if p.metadata and p.metadata.uid == "upper-first"]
+    assert failed and failed[-1].status is not None and failed[-1].status.phase == "Failed"
+
+
+def test_deleting_an_earlier_pod_after_its_successor_was_given_leaves_the_successor_alone(
+    tmp_path: Path,
+) -> None:
+    """The agent may delete the old web-0 after the new one's create began (which found the
+    old lower pod and removed it): the new pod stays ours, is not reported stopped, and keeps
+    its ConfigMap copy through the next dependency resync."""
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    reports: list[Pod] = []
+    provider.notify_pods(reports.append)
+
+    async def scenario() -> None:
+        old, new = web_0("upper-old"), web_0("upper-new", config_map=True)
+        await provider.create_pod(old)
+        with pytest.raises(ProviderError, match="being removed first"):
+            await provider.create_pod(new)
+        await provider.delete_pod(old.pod, 0)
+        await provider.create_pod(new)  # the agent's retry
+        await provider._sync_dependencies()  # what the periodic resync does
+        await provider.aclose()
+
+    asyncio.run(scenario())
+    assert not [p for p in reports if p.metadata and p.metadata.uid == "upper-new"]
+    assert ("POST", "/api/v1/namespaces/shop/configmaps") in fake.written
+    assert not [p for m, p in fake.written if m == "DELETE" and "/configmaps/" in p]
+    created = fake.pods["web-0"]["metadata"]["annotations"]["vkubelet.io/upper-uid"]
+    assert created == "upper-new"
