@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ...sdk.metrics import RESOURCE_METRIC_FAMILIES
+
 __all__ = ["UpperRef", "merge_resource_metrics", "merge_summaries"]
 
 JSON = dict[str, Any]
@@ -21,34 +23,6 @@ Renames = Mapping[tuple[str, str], UpperRef]  # lower (namespace, name) -> upper
 
 _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+(\S+))?")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-_FAMILIES = {
-    "container_cpu_usage_seconds_total": (
-        "counter",
-        "Cumulative cpu time consumed by the container in core-seconds",
-    ),
-    "container_memory_working_set_bytes": (
-        "gauge",
-        "Current working set of the container in bytes",
-    ),
-    "container_start_time_seconds": (
-        "gauge",
-        "Start time of the container since unix epoch in seconds",
-    ),
-    "node_cpu_usage_seconds_total": (
-        "counter",
-        "Cumulative cpu time consumed by the node in core-seconds",
-    ),
-    "node_memory_working_set_bytes": ("gauge", "Current working set of the node in bytes"),
-    "pod_cpu_usage_seconds_total": (
-        "counter",
-        "Cumulative cpu time consumed by the pod in core-seconds",
-    ),
-    "pod_memory_working_set_bytes": ("gauge", "Current working set of the pod in bytes"),
-    "scrape_error": (
-        "gauge",
-        "1 if there was an error while getting container metrics, 0 otherwise",
-    ),
-}
 
 
 def merge_summaries(
@@ -120,7 +94,7 @@ def merge_resource_metrics(texts: Iterable[str], renames: Renames) -> str:
     samples["scrape_error"] = [({}, 0.0, "")]
     lines: list[str] = []
     for family in sorted(samples):
-        kind, text = _FAMILIES.get(family, ("gauge", family))
+        kind, text = RESOURCE_METRIC_FAMILIES.get(family, ("gauge", family))
         lines.append(f"# HELP {family} [STABLE] {text}")
         lines.append(f"# TYPE {family} {kind}")
         for labels, value, timestamp in samples[family]:

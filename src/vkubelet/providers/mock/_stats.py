@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+from ...sdk.metrics import RESOURCE_METRIC_FAMILIES
 from ...sdk.quantity import parse_quantity
 from ._records import MockContainer, MockPod, format_time, parse_time
 
@@ -156,39 +157,11 @@ def _memory_stats(stamp: str, usage: _Usage, available: int | None = None) -> di
     return stats
 
 
-_RESOURCE_HELP = {
-    "container_cpu_usage_seconds_total": (
-        "counter",
-        "Cumulative cpu time consumed by the container in core-seconds",
-    ),
-    "container_memory_working_set_bytes": (
-        "gauge",
-        "Current working set of the container in bytes",
-    ),
-    "container_start_time_seconds": (
-        "gauge",
-        "Start time of the container since unix epoch in seconds",
-    ),
-    "node_cpu_usage_seconds_total": (
-        "counter",
-        "Cumulative cpu time consumed by the node in core-seconds",
-    ),
-    "node_memory_working_set_bytes": ("gauge", "Current working set of the node in bytes"),
-    "pod_cpu_usage_seconds_total": (
-        "counter",
-        "Cumulative cpu time consumed by the pod in core-seconds",
-    ),
-    "pod_memory_working_set_bytes": ("gauge", "Current working set of the pod in bytes"),
-    "resource_scrape_error": (
-        "gauge",
-        "1 if there was an error while getting container metrics, 0 otherwise",
-    ),
-}
-
-
 def _resource_metrics(snapshot: _Snapshot) -> str:
     ms = str(int(snapshot.time.timestamp() * 1000))
-    samples: dict[str, list[tuple[str, float, str | None]]] = {name: [] for name in _RESOURCE_HELP}
+    samples: dict[str, list[tuple[str, float, str | None]]] = {
+        name: [] for name in RESOURCE_METRIC_FAMILIES
+    }
 
     def add(name: str, labels: dict[str, str], value: float, stamp: str | None = ms) -> None:
         text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sorted(labels.items()))
@@ -210,7 +183,7 @@ def _resource_metrics(snapshot: _Snapshot) -> str:
         add("pod_memory_working_set_bytes", pod, usage.total.working_set)
     add("resource_scrape_error", {}, 0, None)
     lines = []
-    for name, (kind, text) in _RESOURCE_HELP.items():
+    for name, (kind, text) in RESOURCE_METRIC_FAMILIES.items():
         if not samples[name]:
             continue  # as Go's registry: no family without samples
         lines += [f"# HELP {name} [STABLE] {text}", f"# TYPE {name} {kind}"]
