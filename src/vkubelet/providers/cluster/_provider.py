@@ -31,6 +31,7 @@ from ...sdk.provider import (
     ProviderContext,
     ProviderError,
     ResolvedPod,
+    UpperAPI,
 )
 from ...sdk.quantity import parse_quantity
 from ...sdk.tasks import TaskSet, supervise
@@ -40,6 +41,7 @@ from ._capacity import LowerCapacity, lower_capacity
 from ._config import LowerConfig
 from ._deps import KINDS, Key, plan_dependencies
 from ._lower import LowerCluster, MissingPermissions
+from ._services import apply_service_plan, plan_services
 from ._stamps import (
     ANNOTATION_NAME,
     ANNOTATION_NAMESPACE,
@@ -109,6 +111,17 @@ class ClusterProvider:
         self._deps_lock = asyncio.Lock()
         self._copies: dict[Key, JSON] | None = None  # our lower dependency copies
         self._stream_endpoint: Endpoint | None = None
+        # The upper cluster, when the agent hands us its client (`use_upper_api`): Services to
+        # reflect, the default upper cluster ID.
+        self._upper: UpperAPI | None = None
+        self._owner_known = config.upper_cluster_id is not None
+        self._owner_lock = asyncio.Lock()
+        self._identity_problem: str | None = None
+        self._upper_services: dict[tuple[str, str], JSON] = {}  # upper (namespace, name)
+        self._upper_services_listed = asyncio.Event()
+        self._lower_services: dict[tuple[str, str], JSON] | None = None  # ours, lower key
+        self._services_dirty = asyncio.Event()
+        self._service_conflicts: set[tuple[str, str]] = set()  # reported once each
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
@@ -122,6 +135,48 @@ class ClusterProvider:
             supervise(self._resync_dependencies, name=f"cluster {name}: dependencies"),
             supervise(self._follow_events, name=f"cluster {name}: lower events"),
         ]
+        if self._upper is not None:
+            self._tasks += [
+                supervise(self._follow_upper_services, name=f"cluster {name}: upper services"),
+                supervise(self._reflect_services, name=f"cluster {name}: services below"),
+            ]
+
+    def use_upper_api(self, api: UpperAPI) -> None:
+        self._upper = api
+
+    async def _ensure_owner(self) -> None:
+        """Settle the owner stamps before the first lower call. Without `upperClusterID`, the
+        upper cluster's identity is the UID of its kube-system namespace (as Liqo does): stable
+        for the cluster's life, distinct between clusters, and readable by the agent."""
+        if self._owner_known:
+            return
+        async with self._owner_lock:
+            if self._owner_known:
+                return
+            cluster_id = ""
+            if self._upper is not None:
+                try:
+                    found = await self._upper.get("/api/v1/namespaces/kube-system")
+                except ApiError as e:
+                    self._identity_problem = (
+                        f"{self.config.source}: upperClusterID is not set, and the upper "
+                        "cluster's kube-system namespace (whose UID is the default) cannot be "
+                        f"read: {e.message or e.reason}; set upperClusterID"
+                    )
+                    log.error("%s", self._identity_problem)
+                    if self._node_notify is not None:
+                        self._node_notify(
+                            _convert_node({"metadata": {"name": self.context.node_name}})
+                        )
+                    raise ProviderError(
+                        "UpperClusterIDUnknown", self._identity_problem, permanent=False
+                    ) from None
+                cluster_id = str((found.get("metadata") or {}).get("uid") or "")
+            self.owner = Owner(cluster_id, self.context.node_name)
+            self.how = dataclasses.replace(self.how, owner=self.owner)
+            self._identity_problem = None
+            self._owner_known = True
+            log.info("node %s: upper cluster ID %r", self.context.node_name, cluster_id)
 
     async def aclose(self) -> None:
         for task in self._tasks:
@@ -136,6 +191,7 @@ class ClusterProvider:
     # -- pod lifecycle ----------------------------------------------------------------
     async def create_pod(self, pod: ResolvedPod) -> None:
         self._start()
+        await self._ensure_owner()
         key = f"{pod.namespace}/{pod.name}"
         lower_namespace = self.how.namespaces.lower(pod.namespace)
         if self.how.namespaces.upper(lower_namespace) != pod.namespace:
@@ -182,6 +238,7 @@ class ClusterProvider:
         self._lower_pods[key] = created
 
     async def update_pod(self, pod: ResolvedPod) -> None:
+        await self._ensure_owner()
         key = f"{pod.namespace}/{pod.name}"
         self._pods[key] = pod
         await self._sync_dependencies()
@@ -239,6 +296,7 @@ class ClusterProvider:
             )
 
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        await self._ensure_owner()
         meta = pod.metadata
         assert meta is not None
         key, upper_uid = f"{meta.namespace}/{meta.name}", str(meta.uid or "")
@@ -311,6 +369,7 @@ class ClusterProvider:
 
     async def list_pods(self) -> list[Pod]:
         self._start()
+        await self._ensure_owner()
         pods = await self._call(self.lower.list_objects("Pod", selector=self.owner.selector))
         found = []
         for lower in pods:
@@ -450,6 +509,10 @@ class ClusterProvider:
         self._unreachable = None
 
     def node_conditions(self) -> Sequence[NodeCondition]:
+        if self._identity_problem:
+            return [
+                NodeCondition("Ready", "False", "UpperClusterIDUnknown", self._identity_problem)
+            ]
         if self._denied:
             return [NodeCondition("Ready", "False", "LowerPermissionsMissing", self._denied)]
         if self._unreachable:
@@ -502,6 +565,7 @@ class ClusterProvider:
     async def _follow_pods(self) -> None:
         """List, then watch, this owner's lower pods; re-list every `resync.pods` seconds so a
         pod that vanished without an event is noticed."""
+        await self._ensure_owner()
         while True:
             answer = await self.lower.client.get(
                 "/api/v1/pods", {"labelSelector": self.owner.selector}
@@ -582,6 +646,7 @@ class ClusterProvider:
         if last is not None:
             upper["status"] = status_up(last, upper, host_ip=self.context.internal_ip, now=_now())
         self._failed[key] = gone_status(upper, reason=reason, message=message, now=_now())
+        self._services_dirty.set()
         log.warning("pod %s: %s", key, message)
         self.context.events.pod_event(given.pod, "Warning", reason, message)
         self._push(key)
@@ -658,6 +723,7 @@ class ClusterProvider:
         """Keep the capacity current: list the lower nodes and pods, then follow both with
         watches and recompute (at most once a second) on every change; re-list every
         `resync.nodes` seconds. A cordon or a new pod below shows upstairs within seconds."""
+        await self._ensure_owner()
         while True:
             changed = asyncio.Event()
             objects: dict[str, dict[str, JSON]] = {}
@@ -722,7 +788,87 @@ class ClusterProvider:
                     self._node_notify(_convert_node({"metadata": {"name": self.context.node_name}}))
             await asyncio.sleep(1.0)  # at most one recomputation a second
 
+    async def _follow_upper_services(self) -> None:
+        """List, then watch, the upper Services (every namespace: a `system:node` may)."""
+        assert self._upper is not None
+        while True:
+            answer = await self._upper.get("/api/v1/services")
+            self._upper_services = {_name_key(s): s for s in answer.get("items") or []}
+            self._upper_services_listed.set()
+            self._services_dirty.set()
+            version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
+            params = {"resourceVersion": version, "allowWatchBookmarks": "true"}
+            try:
+                async for kind, raw in self._upper.watch(
+                    "/api/v1/services", params, timeout_seconds=300
+                ):
+                    if kind == "ERROR":
+                        break
+                    if kind == "BOOKMARK":
+                        continue
+                    service = msgspec.json.decode(raw)
+                    if kind == "DELETED":
+                        self._upper_services.pop(_name_key(service), None)
+                    else:
+                        self._upper_services[_name_key(service)] = service
+                    self._services_dirty.set()
+            except ApiError as e:
+                if not e.gone:
+                    raise
+
+    async def _reflect_services(self) -> None:
+        """Keep the lower Services (`_services`) matching the upper ones and our pods: at every
+        change of either, and every `resync.dependencies` seconds from a fresh lower list."""
+        await self._ensure_owner()
+        await self._upper_services_listed.wait()  # never plan from an empty upper view
+        relist = True
+        while True:
+            self._services_dirty.clear()
+            await self._sync_services(relist=relist)
+            relist = False
+            try:
+                async with asyncio.timeout(self.config.resync.dependencies):
+                    await self._services_dirty.wait()
+            except TimeoutError:
+                relist = True
+            await asyncio.sleep(0.2)  # gather a burst of changes (a Deployment scaling)
+
+    async def _sync_services(self, *, relist: bool) -> None:
+        if self._lower_services is None or relist:
+            found = await self.lower.list_objects("Service", selector=self.owner.selector)
+            self._lower_services = {_name_key(s): s for s in found if is_ours(s, self.owner)}
+        running = [
+            _to_json(p.pod)
+            for k, p in self._pods.items()
+            if self._deleting.get(k) != p.uid and k not in self._failed
+        ]
+        plan = plan_services(
+            self._upper_services.values(),
+            running,
+            self._lower_services,
+            self.owner,
+            self.how.lower_namespace,
+        )
+        applied = await apply_service_plan(self.lower, plan, self.owner)
+        for key, obj in applied.written.items():
+            if obj is None:
+                self._lower_services.pop(key, None)
+            else:
+                self._lower_services[key] = obj
+        for key, message in applied.conflicts.items():
+            if key not in self._service_conflicts:
+                self._service_conflicts.add(key)
+                log.warning("%s", message)
+                self.context.events.node_event(
+                    self.context.node_name, "Warning", "LowerServiceConflict", message
+                )
+        if applied.problems:
+            log.warning("services below: %s", "; ".join(applied.problems))
+            self._services_dirty.set()  # retried after the pause
+            await asyncio.sleep(2.0)
+
     async def _resync_dependencies(self) -> None:
+        await self._ensure_owner()
         while True:
             await asyncio.sleep(self.config.resync.dependencies)
             await self._sync_dependencies(relist=True)
@@ -735,6 +881,7 @@ class ClusterProvider:
         The copies we own are listed (by owner label) once and on every periodic resync, and
         otherwise known from our own writes, so starting a pod costs no list requests.
         """
+        self._services_dirty.set()  # the pods changed: so may the Services they need below
         async with self._deps_lock:
             running = [
                 p
@@ -843,6 +990,11 @@ def _requests_and_limits(resources: Mapping[str, Any] | None) -> tuple[Any, Any]
 
     resources = resources or {}
     return values(resources.get("requests")), values(resources.get("limits"))
+
+
+def _name_key(obj: Mapping[str, Any]) -> tuple[str, str]:
+    metadata = obj.get("metadata") or {}
+    return (str(metadata.get("namespace")), str(metadata.get("name")))
 
 
 def _uid(obj: Mapping[str, Any]) -> str:
