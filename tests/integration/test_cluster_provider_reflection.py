@@ -4,6 +4,7 @@ following the lower nodes', and the upper cluster's identity derived without con
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from collections.abc import Iterator
@@ -27,9 +28,28 @@ def plain_node(
     kube_cluster: Cluster, kubectl: Kubectl, lower_cluster: LowerCluster, tmp_path: Path
 ) -> Iterator[ClusterNode]:
     """A virtual node whose lower.yaml holds nothing but the kubeconfig."""
+    yield from _node(kube_cluster, kubectl, lower_cluster, tmp_path, {})
+
+
+@pytest.fixture
+def upper_token_node(
+    kube_cluster: Cluster, kubectl: Kubectl, lower_cluster: LowerCluster, tmp_path: Path
+) -> Iterator[ClusterNode]:
+    yield from _node(
+        kube_cluster, kubectl, lower_cluster, tmp_path, {"serviceAccountTokens": "upper"}
+    )
+
+
+def _node(
+    kube_cluster: Cluster,
+    kubectl: Kubectl,
+    lower_cluster: LowerCluster,
+    tmp_path: Path,
+    options: JSON,
+) -> Iterator[ClusterNode]:
     name = f"vk-plain-{uuid.uuid4().hex[:6]}"
     config = tmp_path / "lower.yaml"
-    config.write_text(yaml.safe_dump({"kubeconfig": str(lower_cluster.kubeconfig)}))
+    config.write_text(yaml.safe_dump({"kubeconfig": str(lower_cluster.kubeconfig), **options}))
     agent = start_agent(
         kube_cluster, tmp_path, provider="cluster", config=config, name=name, address="127.0.0.1"
     )
@@ -188,3 +208,86 @@ def test_the_virtual_nodes_labels_follow_the_labels_common_to_the_lower_nodes(
     finally:
         for name in lower_nodes:
             lk("label", "node", name, f"{key}-")
+
+
+def token_review(kubectl: Kubectl, token: str) -> JSON:
+    review = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenReview",
+        "spec": {"token": token},
+    }
+    answer = kubectl("create", "-f", "-", "-o", "json", input=json.dumps(review)).stdout
+    status: JSON = json.loads(answer)["status"]
+    return status
+
+
+def test_upper_tokens_reach_the_lower_pod_in_a_stamped_secret_bound_to_the_upper_pod(
+    kubectl: Kubectl, lower_cluster: LowerCluster, upper_token_node: ClusterNode
+) -> None:
+    namespace = f"tok-{uuid.uuid4().hex[:6]}"
+    create_namespace(kubectl, namespace)
+    lk = lower_cluster.kubectl
+    try:
+        wait_for(
+            lambda: (
+                kubectl("-n", namespace, "get", "serviceaccount", "default", check=False).returncode
+                == 0
+            ),
+            what="the upper default account",
+        )
+        kubectl(
+            "-n", namespace, "apply", "-f", "-", input=pod("api-1", "api", upper_token_node.name)
+        )
+        upper = wait_for(
+            lambda: (
+                found
+                if (found := kubectl.json("-n", namespace, "get", "pod", "api-1"))["status"].get(
+                    "phase"
+                )
+                == "Running"
+                else None
+            ),
+            timeout=90,
+            what="the upper pod Running",
+        )
+        lower = lk.json("-n", namespace, "get", "pod", "api-1")
+        text = json.dumps(lower)
+        assert "serviceAccountToken" not in text
+        assert lower["spec"]["automountServiceAccountToken"] is False
+        [volume] = [v for v in lower["spec"]["volumes"] if v["name"].startswith("kube-api-acc")]
+        [secret_source] = [s["secret"] for s in volume["projected"]["sources"] if "secret" in s]
+        secret = lk.json("-n", namespace, "get", "secret", secret_source["name"])
+        assert secret["metadata"]["labels"]["vkubelet.io/role"] == "upper-token"
+        assert (
+            secret["metadata"]["annotations"]["vkubelet.io/upper-uid"] == upper["metadata"]["uid"]
+        )
+        [token] = [base64.b64decode(v).decode() for v in secret["data"].values()]
+        assert token not in text
+
+        # An upper token, of the pod's account, bound to the upper pod; nothing below.
+        status = token_review(kubectl, token)
+        assert status.get("authenticated") is True
+        assert status["user"]["username"] == f"system:serviceaccount:{namespace}:default"
+        assert status["user"]["extra"]["authentication.kubernetes.io/pod-uid"] == [
+            upper["metadata"]["uid"]
+        ]
+        assert not token_review(lk, token).get("authenticated")
+
+        # The CA next to it is the upper cluster's, which verifies the upper apiserver.
+        [ca_source] = [s["configMap"] for s in volume["projected"]["sources"] if "configMap" in s]
+        lower_ca = lk.json("-n", namespace, "get", "configmap", ca_source["name"])["data"]
+        upper_ca = kubectl.json("-n", namespace, "get", "configmap", "kube-root-ca.crt")["data"]
+        assert lower_ca["ca.crt"] == upper_ca["ca.crt"]
+
+        kubectl("-n", namespace, "delete", "pod", "api-1", "--wait=false")
+        wait_for(
+            lambda: (
+                lk("-n", namespace, "get", "secret", secret_source["name"], check=False).returncode
+                != 0
+            ),
+            timeout=60,
+            what="the token Secret removed with the pod",
+        )
+    finally:
+        kubectl("delete", "namespace", namespace, "--wait=false")
+        lk("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -56,6 +57,15 @@ from ._stamps import (
 )
 from ._stats import merge_resource_metrics, merge_summaries
 from ._status import gone_status, status_up, vanished_reason
+from ._tokens import (
+    ROLE_LABEL,
+    ROLE_TOKEN,
+    refresh_at,
+    token_request,
+    token_secret,
+    token_secret_name,
+    token_sources,
+)
 from ._translate import PodTranslation, needed_references, translate_pod
 
 __all__ = ["ClusterProvider"]
@@ -92,6 +102,7 @@ class ClusterProvider:
             namespaces=config.namespaces,
             dependency_names=config.dependency_names,
             service_accounts=config.service_accounts,
+            service_account_tokens=config.service_account_tokens,
             virtual_labels={"type": "virtual-kubelet", "kubernetes.io/hostname": context.node_name},
         )
         self._pods: dict[str, ResolvedPod] = {}  # upper "namespace/name" -> what we were given
@@ -122,6 +133,9 @@ class ClusterProvider:
         self._lower_services: dict[tuple[str, str], JSON] | None = None  # ours, lower key
         self._services_dirty = asyncio.Event()
         self._service_conflicts: set[tuple[str, str]] = set()  # reported once each
+        # serviceAccountTokens: upper -- upper pod "namespace/name" -> (UID, when to mint again)
+        self._token_due: dict[str, tuple[str, float]] = {}
+        self._token_check = 5.0  # seconds between looks for tokens due
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
@@ -135,6 +149,8 @@ class ClusterProvider:
             supervise(self._resync_dependencies, name=f"cluster {name}: dependencies"),
             supervise(self._follow_events, name=f"cluster {name}: lower events"),
         ]
+        if self._upper is not None and self.config.service_account_tokens == "upper":
+            self._tasks.append(supervise(self._refresh_tokens, name=f"cluster {name}: tokens"))
         if self._upper is not None:
             self._tasks += [
                 supervise(self._follow_upper_services, name=f"cluster {name}: upper services"),
@@ -209,6 +225,7 @@ class ClusterProvider:
         if self._about_another(key, self._lower_pods.get(key)):
             del self._lower_pods[key]  # an earlier pod's lower pod: not this pod's status
         await self._sync_dependencies(block_for=key)
+        await self._deliver_tokens(pod)  # before adoption too: a restart mints fresh ones
         upper = _to_json(pod.pod)
         body = translate_pod(upper, self.how)
         namespace = body["metadata"]["namespace"]
@@ -332,6 +349,7 @@ class ClusterProvider:
             self._lower_pods.pop(key, None)  # deleted below before we saw its DELETED event
         failed = self._failed.pop(key, None)
         self._spawned.spawn(self._sync_dependencies(), name=f"release {key}")
+        self._drop_tokens(key, uid)
         if self._notify is None:
             return
         upper = _to_json(given.pod if given is not None else pod)
@@ -668,6 +686,10 @@ class ClusterProvider:
         given = self._pods.pop(key, None)
         self._deleting.pop(key, None)
         self._spawned.spawn(self._sync_dependencies(), name=f"release {key}")
+        identity = None if last is None else upper_identity(last)
+        uid = identity[2] if identity is not None else (given.uid if given is not None else "")
+        if uid:
+            self._drop_tokens(key, uid)
         if given is None or self._notify is None:
             return
         upper = _to_json(given.pod)
@@ -867,6 +889,111 @@ class ClusterProvider:
             self._services_dirty.set()  # retried after the pause
             await asyncio.sleep(2.0)
 
+    # -- upper service-account tokens (`_tokens`) ---------------------------------------------
+    async def _deliver_tokens(self, pod: ResolvedPod) -> None:
+        """Mint the pod's upper tokens (TokenRequest, bound to the pod) and write them to its
+        stamped token Secret below. No token value is ever logged or put in a message."""
+        if self.config.service_account_tokens != "upper":
+            return
+        upper = _to_json(pod.pod)
+        spec = upper.get("spec") or {}
+        sources = token_sources(spec)
+        if not sources:
+            return
+        if self._upper is None:
+            raise ProviderError(
+                "UpperTokenUnavailable",
+                "serviceAccountTokens: upper needs the agent's client of the upper cluster",
+            )
+        account = str(spec.get("serviceAccountName") or "default")
+        path = f"/api/v1/namespaces/{pod.namespace}/serviceaccounts/{account}/token"
+        tokens: dict[str, str] = {}
+        due = float("inf")
+        for source in sources:
+            issued = time.time()
+            try:
+                answer = await self._upper.create(path, token_request(source, pod.name, pod.uid))
+            except ApiError as e:
+                raise ProviderError(
+                    "UpperTokenFailed",
+                    f"upper cluster: TokenRequest for service account {pod.namespace}/{account}: "
+                    f"{e.message or e.reason}",
+                    permanent=False,
+                ) from None
+            status = answer.get("status") or {}
+            tokens[source.key] = str(status.get("token") or "")
+            expires = _epoch(status.get("expirationTimestamp"), issued + source.seconds)
+            due = min(due, refresh_at(issued, expires))
+        body = token_secret(self.owner, self.how.lower_namespace(pod.namespace), upper, tokens)
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        existing = await self._call(self.lower.get("Secret", namespace, name))
+        if existing is None:
+            await self._call(self.lower.create(body), what="create the token Secret")
+        elif is_ours(existing, self.owner):
+            body["metadata"]["resourceVersion"] = existing["metadata"].get("resourceVersion")
+            await self._call(self.lower.replace(body), what="refresh the token Secret")
+        else:
+            raise ProviderError(
+                "LowerNameConflict",
+                f"lower Secret {namespace}/{name} already exists and is "
+                f"{describe_owner(existing)}; it is left alone",
+            )
+        self._token_due[f"{pod.namespace}/{pod.name}"] = (pod.uid, due)
+
+    async def _refresh_tokens(self) -> None:
+        """Mint again the tokens past 80 % of their life; now and then remove token Secrets
+        of pods gone while the agent was down."""
+        await self._ensure_owner()
+        swept = 0.0
+        while True:
+            await self._refresh_due_tokens()
+            if time.monotonic() - swept >= self.config.resync.dependencies:
+                swept = time.monotonic()
+                await self._sweep_tokens()
+            await asyncio.sleep(self._token_check)
+
+    async def _refresh_due_tokens(self) -> None:
+        now = time.time()
+        for key, (uid, due) in list(self._token_due.items()):
+            given = self._pods.get(key)
+            if given is None or given.uid != uid:
+                self._token_due.pop(key, None)
+                continue
+            if due > now or self._deleting.get(key) == uid:
+                continue
+            try:
+                await self._deliver_tokens(given)
+            except (ProviderError, ApiError, Unreachable) as e:
+                log.warning("pod %s: refreshing its upper tokens failed: %s", key, e)
+
+    async def _sweep_tokens(self) -> None:
+        selector = f"{self.owner.selector},{ROLE_LABEL}={ROLE_TOKEN}"
+        live = {p.uid for p in self._pods.values()}
+        for secret in await self.lower.list_objects("Secret", selector=selector):
+            identity = upper_identity(secret)
+            if not is_ours(secret, self.owner) or identity is None or identity[2] in live:
+                continue
+            meta = secret["metadata"]
+            await self.lower.delete("Secret", meta["namespace"], meta["name"], uid=meta["uid"])
+
+    def _drop_tokens(self, key: str, uid: str) -> None:
+        """The pod is gone: so is its token Secret (deleted only if ours, by UID)."""
+        if self.config.service_account_tokens != "upper":
+            return
+        due = self._token_due.get(key)
+        if due is not None and due[0] == uid:
+            del self._token_due[key]
+        namespace = self.how.lower_namespace(key.partition("/")[0])
+        self._spawned.spawn(
+            self._delete_token_secret(namespace, token_secret_name(uid)), name=f"tokens {key}"
+        )
+
+    async def _delete_token_secret(self, namespace: str, name: str) -> None:
+        existing = await self.lower.get("Secret", namespace, name)
+        if existing is not None and is_ours(existing, self.owner):
+            uid = str(existing["metadata"].get("uid", ""))
+            await self.lower.delete("Secret", namespace, name, uid=uid)
+
     async def _resync_dependencies(self) -> None:
         await self._ensure_owner()
         while True:
@@ -990,6 +1117,14 @@ def _requests_and_limits(resources: Mapping[str, Any] | None) -> tuple[Any, Any]
 
     resources = resources or {}
     return values(resources.get("requests")), values(resources.get("limits"))
+
+
+def _epoch(timestamp: Any, default: float) -> float:
+    """An RFC 3339 time as seconds since the epoch (`default` when missing or unreadable)."""
+    try:
+        return datetime.fromisoformat(str(timestamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return default
 
 
 def _name_key(obj: Mapping[str, Any]) -> tuple[str, str]:
