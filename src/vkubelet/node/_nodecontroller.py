@@ -255,6 +255,11 @@ class NodeController:
             self._provider.configure_node(typed)
             node = msgspec.to_builtins(typed)
             node["metadata"].pop("creationTimestamp", None)
+            if s.node_restricted:  # the provider's labels too: NodeRestriction would refuse
+                labels = node["metadata"].get("labels") or {}
+                node["metadata"]["labels"] = {
+                    k: v for k, v in labels.items() if node_may_set_label(k)
+                }
         status = node["status"]
         if not status.get("allocatable"):
             status["allocatable"] = dict(status["capacity"])
@@ -528,7 +533,13 @@ class NodeController:
             self._wake.clear()
             try:
                 desired = self.desired()
-                await self._follow_labels(desired["metadata"]["labels"])
+                try:
+                    await self._follow_labels(desired["metadata"]["labels"])
+                except ApiError as e:
+                    if e.not_found:
+                        raise
+                    # A refused label (NodeRestriction, say) must not stop status updates.
+                    log.warning("node %s: label update failed: %s", self.settings.name, e)
                 await self._patch_status(desired["status"])
             except ApiError as e:
                 if e.not_found:
