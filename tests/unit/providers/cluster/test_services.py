@@ -6,14 +6,22 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from lightkube.resources.core_v1 import Pod
 
 from vkubelet.node import ApiError
-from vkubelet.providers.cluster import ClusterProvider, load_lower_config, open_lower
+from vkubelet.providers.cluster import (
+    ClusterProvider,
+    LowerCluster,
+    load_lower_config,
+    open_lower,
+)
 from vkubelet.providers.cluster._services import lower_service, plan_services, selects
-from vkubelet.sdk import ProviderContext, ProviderError
+from vkubelet.sdk import ProviderContext, ProviderError, ResolvedPod
+from vkubelet.testing.fakeapi import FakeApiServer
 
-from .pods import OTHER, OWNER
+from .pods import OTHER, OWNER, upper_pod
 from .test_lower import lower_yaml
 
 JSON = dict[str, Any]
@@ -189,5 +197,48 @@ def test_an_unreadable_kube_system_makes_the_node_not_ready_saying_what_to_set(
         assert ready.status == "False" and ready.reason == "UpperClusterIDUnknown"
         assert "set upperClusterID" in ready.message and "namespaces is forbidden" in ready.message
         await given.lower.aclose()
+
+    asyncio.run(run())
+
+
+def test_the_provider_reflects_services_of_its_pods_and_never_touches_anyone_elses(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        config = load_lower_config(
+            lower_yaml(tmp_path, upperClusterID="upper-a", namespaces={"create": False})
+        )
+        lower_api = FakeApiServer()
+        context = ProviderContext(
+            node_name="vk-lower", config_path=None, internal_ip="10.0.0.9", kubelet_port=0
+        )
+        given = ClusterProvider(
+            config, context, LowerCluster(lower_api.client(), config), background=False
+        )
+        users = lower_service(service("users"), OTHER, "shop")
+        users["spec"]["selector"] = {"app": "users"}
+        lower_api.create("services", users, "shop")
+        lower_api.create(
+            "services", {"metadata": {"name": "web"}, "spec": {"ports": [{"port": 1}]}}, "shop"
+        )
+        given._upper_services = {("shop", name): service(name) for name in ("web", "users", "api")}
+        upper = upper_pod()
+        upper["metadata"]["labels"] = {"app": "web"}
+        given._pods["shop/p"] = ResolvedPod(msgspec.convert(upper, Pod))
+
+        await given._sync_services(relist=True)
+        names = {s["metadata"]["name"]: s for s in lower_api.objects("services", "shop")}
+        assert set(names) == {"web", "users", "api"}
+        assert names["web"]["spec"]["ports"] == [{"port": 1}], "the user's own: left alone"
+        assert names["users"]["spec"]["selector"] == {"app": "users"}, "another owner's"
+        assert names["api"]["spec"]["selector"]["vkubelet.io/owner"] == given.owner.key
+
+        del given._pods["shop/p"]
+        await given._sync_services(relist=False)
+        assert {s["metadata"]["name"] for s in lower_api.objects("services", "shop")} == {
+            "web",
+            "users",
+        }
+        await given.aclose()
 
     asyncio.run(run())
