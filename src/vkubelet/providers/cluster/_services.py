@@ -47,10 +47,11 @@ class ServicePlan:
 
 def selects(service: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
     """Whether the Service's selector picks the pod (an empty selector picks none: such a
-    Service has hand-made endpoints, which are not ours to reflect)."""
-    selector = (service.get("spec") or {}).get("selector") or {}
-    if not selector:
-        return False
+    Service has hand-made endpoints, which are not ours to reflect; nor does ExternalName)."""
+    spec = service.get("spec") or {}
+    selector = spec.get("selector") or {}
+    if not selector or spec.get("type") == "ExternalName":
+        return False  # an ExternalName Service ignores its selector: a DNS alias, not ours
     service_ns = (service.get("metadata") or {}).get("namespace")
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}

@@ -62,6 +62,7 @@ def test_a_service_selects_pods_of_its_namespace_with_all_its_labels() -> None:
     assert not selects(web, pod({"app": "db"}))
     assert not selects(web, pod({"app": "web"}, namespace="other"))
     assert not selects(service(selector={}), pod({"app": "web"})), "hand-made endpoints"
+    assert not selects(service(type="ExternalName"), pod({"app": "web"})), "a DNS alias"
 
 
 def test_the_lower_copy_selects_only_this_owners_pods_and_opens_no_node_port() -> None:
