@@ -104,12 +104,22 @@ class _Partial:
     validator: str | None
 
 
+_LOG_EVERY: Final = 10.0  # seconds between progress lines in the log
+
+
 @dataclass
 class _Download:
+    name: str
     task: asyncio.Task[str]
     listeners: list[Progress] = field(default_factory=list)
+    logged: float = field(default_factory=time.monotonic)
 
     def report(self, done: int, total: int | None) -> None:
+        now = time.monotonic()
+        if now - self.logged >= _LOG_EVERY:
+            self.logged = now
+            of = f" of {total} ({100 * done // total}%)" if total else ""
+            log.info("pulling image %s: %d bytes%s", self.name, done, of)
         for listener in list(self.listeners):
             try:
                 listener(done, total)
@@ -216,7 +226,7 @@ class ImageStore:
         download = self._downloads.get(key)
         if download is None:
             task = asyncio.get_running_loop().create_task(self._fetch(source, key))
-            download = _Download(task)
+            download = _Download(source.name, task)
             self._downloads[key] = download
             task.add_done_callback(lambda _: self._downloads.pop(key, None))
         download.listeners.append(progress)
@@ -374,6 +384,10 @@ class ImageStore:
                 total = _int_header(response, "content-length")
                 transfer.restart()
                 mode = "wb"
+            elif transfer.done and status == 206:
+                # A range we did not ask for: splicing it would corrupt the image. Start over.
+                transfer.restart()
+                raise _Incomplete(f"server answered the resume with {_content_range(response)}")
             elif transfer.done and status == 416:
                 # Our part is at least as long as the file: it changed under us. Start over.
                 transfer.restart()

@@ -174,6 +174,23 @@ async def test_a_pull_that_gives_up_is_resumed_by_the_next_pull(
     assert files_in(store.data) == [digest(qcow2)]
 
 
+async def test_a_file_changed_on_the_server_is_downloaded_again_not_spliced(
+    server: Server, tmp_path: Path
+) -> None:
+    store = ImageStore(tmp_path / "images", retries=0, retry_delay=0.01)
+    server.files["tiny.qcow2"] = os.urandom(300_000)  # raw images: any bytes are valid
+    server.cut_after, server.cuts = 70_000, 1
+    source = ImageSource("vm.vkubelet.io/tiny", server.url("tiny.qcow2"))
+    with pytest.raises(PullError):
+        await store.pull(source)
+    changed = os.urandom(300_000)
+    server.files["tiny.qcow2"] = changed
+    image = await store.pull(source)
+    assert server.requests[-1]["range"] == "bytes=70000-"  # asked, If-Range said no
+    assert image.path.read_bytes() == changed
+    assert image.sha256 == digest(changed)
+
+
 async def test_a_digest_mismatch_fails_and_keeps_nothing(
     server: Server, store: ImageStore, qcow2: bytes
 ) -> None:
@@ -212,6 +229,23 @@ async def test_concurrent_pulls_of_one_url_download_it_once(
     assert all(seen[-1] == len(qcow2) for seen in progress.values())
 
 
+async def test_a_pull_given_up_by_one_pod_goes_on_for_the_others(
+    server: Server, store: ImageStore, qcow2: bytes
+) -> None:
+    server.files["tiny.qcow2"] = qcow2
+    server.gate = asyncio.Event()
+    source = ImageSource("vm.vkubelet.io/tiny", server.url("tiny.qcow2"))
+    first = asyncio.create_task(store.pull(source))
+    second = asyncio.create_task(store.pull(source))
+    await eventually(lambda: server.requests, what="the download to start")
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    server.gate.set()
+    assert (await second).path.read_bytes() == qcow2
+    assert len(server.requests) == 1
+
+
 async def test_a_stored_image_is_not_downloaded_again(
     server: Server, store: ImageStore, qcow2: bytes
 ) -> None:
@@ -248,6 +282,25 @@ async def test_a_file_url_on_the_same_filesystem_is_hard_linked(
     image = await store.pull(ImageSource("vm.vkubelet.io/f", "file://" + str(source_file)))
     assert image.path.read_bytes() == qcow2
     assert image.path.stat().st_ino == source_file.stat().st_ino
+
+
+async def test_a_file_url_is_copied_when_it_cannot_be_linked(
+    store: ImageStore, tmp_path: Path, qcow2: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*_: object) -> None:
+        raise PermissionError("protected_hardlinks")
+
+    monkeypatch.setattr(os, "link", refuse)
+    source_file = tmp_path / "disk.qcow2"
+    source_file.write_bytes(qcow2)
+    seen: list[tuple[int, int | None]] = []
+    image = await store.pull(
+        ImageSource("vm.vkubelet.io/f", source_file.as_uri()),
+        lambda done, total: seen.append((done, total)),
+    )
+    assert image.path.read_bytes() == qcow2
+    assert image.path.stat().st_ino != source_file.stat().st_ino
+    await eventually(lambda: seen and seen[-1] == (len(qcow2), len(qcow2)), what="last progress")
 
 
 async def test_a_missing_file_url_is_a_pull_error(store: ImageStore, tmp_path: Path) -> None:
