@@ -371,3 +371,31 @@ async def test_gc_never_removes_a_download_in_progress(
     server.gate.set()
     image = await pull
     assert image.path.read_bytes() == qcow2
+
+
+@pytest.mark.parametrize("scheme", ["http", "file"])
+async def test_gc_running_all_through_a_pull_never_takes_its_image(
+    server: Server, store: ImageStore, qcow2: bytes, tmp_path: Path, scheme: str
+) -> None:
+    server.files["tiny.qcow2"] = qcow2
+    (tmp_path / "tiny.qcow2").write_bytes(qcow2)
+    url = server.url("tiny.qcow2") if scheme == "http" else (tmp_path / "tiny.qcow2").as_uri()
+    runs = 0
+
+    async def collect_on_every_turn() -> None:
+        nonlocal runs
+        while True:
+            store.gc([])
+            runs += 1
+            await asyncio.sleep(0)
+
+    async def pull_and_read(name: str) -> bytes:
+        image = await store.pull(ImageSource(f"vm.vkubelet.io/{name}", url))
+        return image.path.read_bytes()  # before gc's next turn (the image is unused then)
+
+    collector = asyncio.create_task(collect_on_every_turn())
+    try:
+        assert await asyncio.gather(pull_and_read("a"), pull_and_read("b")) == (qcow2, qcow2)
+    finally:
+        collector.cancel()
+    assert runs > 10
