@@ -77,6 +77,7 @@ def test_ssh_keys_from_the_pod_and_both_annotations_are_merged_once() -> None:
     }
     content = seed(annotations, ssh_keys=[KEY_B])
     assert cloud_config(content)["ssh_authorized_keys"] == [KEY_B, KEY_A]
+    assert yaml.safe_load(content.meta_data)["public-keys"] == [KEY_B, KEY_A]
     assert content.extra_files["vkubelet/authorized_keys"] == f"{KEY_B}\n{KEY_A}\n".encode()
 
 
@@ -102,6 +103,7 @@ def test_user_data_overwrite_replaces_the_generated_user_data() -> None:
     }
     content = seed(annotations, {"/etc/f": b"x"}, ssh_keys=[KEY_A])
     assert cloud_config(content) == {"runcmd": ["reboot"]}
+    assert yaml.safe_load(content.meta_data)["public-keys"] == [KEY_A]  # keys still installed
     assert content.extra_files["vkubelet/files/etc/f"] == b"x"  # the small guest still gets it
 
 
