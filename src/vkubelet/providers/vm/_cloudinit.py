@@ -6,8 +6,8 @@ plain files under `vkubelet/` on the same ISO (`extra_files`), line by line, nev
 
     vkubelet/hostname            one line
     vkubelet/network             lines MAC=.., ADDRESS=a.b.c.d/nn, GATEWAY=.., DNS=a b (spaces)
-    vkubelet/files/<abs path>    a file to copy to <abs path>
-    vkubelet/file-modes          lines "<octal mode> <abs path>" for those files (0644, 0600 ...)
+    vkubelet/files/<abs path>    a file to copy to <abs path> (its mode travels in the ISO's
+                                 Rock Ridge entries: `modes` below, given to write_seed_iso)
     vkubelet/authorized_keys     OpenSSH authorized_keys
 
 Pod annotations shape user-data and meta-data. Virtlet's names are honoured so its pods move over
@@ -200,10 +200,6 @@ def build_seed_content(
         extra["vkubelet/network"] = ("\n".join(lines) + "\n").encode()
     for path in paths:
         extra["vkubelet/files" + path] = files[path]
-    if files:
-        extra["vkubelet/file-modes"] = "".join(
-            f"0{modes.get(path, _DEFAULT_MODE):o} {path}\n" for path in paths
-        ).encode()
     if keys:
         extra["vkubelet/authorized_keys"] = "".join(key + "\n" for key in keys).encode()
     return SeedContent(

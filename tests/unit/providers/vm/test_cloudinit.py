@@ -55,7 +55,7 @@ def test_a_long_pod_name_is_cut_to_a_valid_hostname() -> None:
     assert yaml.safe_load(content.meta_data)["local-hostname"] == "a" * 62
 
 
-def test_files_become_write_files_and_extra_files_with_their_modes() -> None:
+def test_files_become_write_files_with_their_modes_and_extra_files() -> None:
     files = {"/etc/app/config.yaml": b"a: 1\n", "/run/secrets/db": SECRET, "/bin/x": b"\xff\x00"}
     content = seed(files=files, modes={"/run/secrets/db": 0o600})
     written = {f["path"]: f for f in cloud_config(content)["write_files"]}
@@ -65,9 +65,9 @@ def test_files_become_write_files_and_extra_files_with_their_modes() -> None:
     assert {f["encoding"] for f in written.values()} == {"b64"}
     for path, data in files.items():
         assert content.extra_files["vkubelet/files" + path] == data
-    assert content.extra_files["vkubelet/file-modes"] == (
-        b"0644 /bin/x\n0644 /etc/app/config.yaml\n0600 /run/secrets/db\n"
-    )
+    assert set(content.extra_files) == {"vkubelet/hostname"} | {
+        "vkubelet/files" + path for path in files
+    }
 
 
 def test_ssh_keys_from_the_pod_and_both_annotations_are_merged_once() -> None:
