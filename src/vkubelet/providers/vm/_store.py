@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import secrets
+import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Collection
@@ -153,7 +154,10 @@ class ImageStore:
         timeout: float = 60.0,
         retries: int = 5,
         retry_delay: float = 0.5,
+        verify: ssl.SSLContext | Path | str | bool = True,
     ) -> None:
+        """`verify`: TLS verification for https images (a CA bundle file or an SSLContext for
+        a private mirror; True: the usual CAs)."""
         self.root = root
         self.data = root / "data"
         self.links = root / "links"
@@ -162,6 +166,11 @@ class ImageStore:
         self._timeout = timeout
         self._retries = retries
         self._retry_delay = retry_delay
+        self._verify = (
+            ssl.create_default_context(cafile=str(verify))
+            if isinstance(verify, str | Path)
+            else verify
+        )
         self._downloads: dict[tuple[str, str | None], _Download] = {}
         self._active_parts: set[Path] = set()
         self._partials: dict[str, _Partial] = {}
@@ -353,7 +362,11 @@ class ImageStore:
         timeout = httpx.Timeout(self._timeout, connect=min(self._timeout, 30.0))
         try:
             async with httpx.AsyncClient(
-                follow_redirects=True, max_redirects=5, timeout=timeout, auth=auth
+                follow_redirects=True,
+                max_redirects=5,
+                timeout=timeout,
+                auth=auth,
+                verify=self._verify,
             ) as client:
                 while True:
                     before = transfer.done

@@ -5,16 +5,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime
 import hashlib
+import ipaddress
 import logging
 import os
 import shutil
+import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from vkubelet.providers.vm._store import ImageStore, PullError
 from vkubelet.providers.vm._translate import ImageSource
@@ -400,3 +407,52 @@ async def test_gc_running_all_through_a_pull_never_takes_its_image(
     finally:
         collector.cancel()
     assert runs > 10
+
+
+def tls_for_localhost(directory: Path) -> ssl.SSLContext:
+    """A self-signed certificate for 127.0.0.1, written to directory/cert.pem as the CA."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "image-mirror")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    (directory / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(directory / "cert.pem", directory / "key.pem")
+    return context
+
+
+async def test_https_images_are_verified_against_the_configured_ca(
+    tmp_path: Path, qcow2: bytes
+) -> None:
+    state = Server(files={"tiny.qcow2": qcow2})
+    listener = await asyncio.start_server(
+        state.serve, "127.0.0.1", 0, ssl=tls_for_localhost(tmp_path)
+    )
+    url = f"https://127.0.0.1:{listener.sockets[0].getsockname()[1]}/tiny.qcow2"
+    async with listener:
+        untrusting = ImageStore(tmp_path / "a", retries=0)
+        with pytest.raises(PullError, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify"):
+            await untrusting.pull(ImageSource("vm.vkubelet.io/tiny", url))
+        trusting = ImageStore(tmp_path / "b", verify=str(tmp_path / "cert.pem"))
+        image = await trusting.pull(ImageSource("vm.vkubelet.io/tiny", url))
+        assert image.path.read_bytes() == qcow2
