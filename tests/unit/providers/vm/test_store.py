@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from vkubelet.providers.vm._disks import create_overlay, image_info
 from vkubelet.providers.vm._store import ImageStore, PullError
 from vkubelet.providers.vm._translate import ImageSource
 from vkubelet.testing.harness import eventually
@@ -331,6 +332,27 @@ async def test_raw_images_are_accepted_and_backed_qcow2_images_refused(
     with pytest.raises(PullError, match="backing file"):
         await store.pull(ImageSource("vm.vkubelet.io/backed", backed.as_uri()))
     assert files_in(store.links) == ["vm.vkubelet.io%raw"]
+
+
+async def test_an_image_in_another_format_is_refused(store: ImageStore, tmp_path: Path) -> None:
+    vmdk = tmp_path / "disk.vmdk"
+    create = await asyncio.create_subprocess_exec(
+        "qemu-img", "create", "-q", "-f", "vmdk", vmdk, "1M"
+    )
+    assert await create.wait() == 0
+    with pytest.raises(PullError, match="format 'vmdk' is not supported"):
+        await store.pull(ImageSource("vm.vkubelet.io/vmdk", vmdk.as_uri()))
+
+
+async def test_a_pulled_image_backs_a_pod_overlay(
+    server: Server, store: ImageStore, qcow2: bytes, tmp_path: Path
+) -> None:
+    server.files["tiny.qcow2"] = qcow2
+    image = await store.pull(ImageSource("vm.vkubelet.io/tiny", server.url("tiny.qcow2")))
+    await create_overlay(image, tmp_path / "root.qcow2", size="2Mi")
+    info = await image_info(tmp_path / "root.qcow2")
+    assert (info.backing_file, info.virtual_size) == (str(image.path), 2 << 20)
+    assert store.gc([image.sha256]) == []  # an overlay's digest keeps its image
 
 
 async def test_gc_removes_unused_images_and_dangling_links_only(
