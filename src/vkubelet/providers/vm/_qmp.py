@@ -38,6 +38,7 @@ class MonitorUnavailable(ConnectionError):
 class Monitor:
     def __init__(self, socket_path: Path, name: str = "vkubelet") -> None:
         self.socket_path = socket_path
+        self._name = name
         self._client = QMPClient(name)
         self._lock = asyncio.Lock()
 
@@ -50,8 +51,13 @@ class Monitor:
                     await self._client.disconnect()  # raises what ended the last session
             try:
                 await self._client.connect(str(self.socket_path))
-            except (ConnectError, StateError) as e:
-                raise MonitorUnavailable(f"QMP {self.socket_path}: {e}") from None
+            except (ConnectError, StateError, AssertionError) as e:
+                # AssertionError: qemu.qmp 0.0.6 trips its own state assertion when QEMU dies
+                # during the greeting; the client is not reusable after that, so start afresh.
+                self._client = QMPClient(self._name)
+                raise MonitorUnavailable(
+                    f"QMP {self.socket_path}: {e or type(e).__name__}"
+                ) from None
 
     async def execute(self, command: str, arguments: Mapping[str, Any] | None = None) -> Any:
         await self.connect()
@@ -59,7 +65,7 @@ class Monitor:
             return await self._client.execute(command, arguments)
         except ExecuteError:
             raise
-        except (QMPError, EOFError, OSError) as e:
+        except (QMPError, EOFError, OSError, AssertionError) as e:
             raise MonitorUnavailable(f"QMP {command}: {e}") from None
 
     async def status(self) -> str:
