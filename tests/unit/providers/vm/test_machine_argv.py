@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from vkubelet.providers.vm._machine import (
     Disk,
+    Machine,
+    MachineError,
     MachineSpec,
     _outcome_of,
     _spec_from_json,
@@ -81,3 +85,12 @@ def test_guest_poweroff_is_completed_and_a_crash_is_an_error() -> None:
 def test_spec_survives_the_round_trip_through_spec_json() -> None:
     spec = _spec(extra_args=("-rtc", "base=utc"))
     assert _spec_from_json(_spec_to_json(spec)) == spec
+
+
+async def test_a_run_dir_too_deep_for_unix_socket_paths_is_refused_before_qemu_starts(
+    tmp_path: Path,
+) -> None:
+    deep = tmp_path / ("d" * 120)
+    with pytest.raises(MachineError, match="too deep"):
+        await Machine.launch(_spec(run_dir=deep, netns=None, network=None))
+    assert not deep.exists()
