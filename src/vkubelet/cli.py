@@ -248,6 +248,29 @@ def dev_build() -> None:
     out.print(f"Kubernetes {binaries.kubernetes_version} binaries in {binaries.directory}")
 
 
+@dev.command("vm-image")
+def dev_vm_image(
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", help="Cache directory (default: ~/.cache/vkubelet/vm-images)."),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even when cached.")] = False,
+    distro: Annotated[
+        bool,
+        typer.Option(help="The Debian guest with cloud-init instead (debootstrap, minutes)."),
+    ] = False,
+) -> None:
+    """Build (or find cached) a test guest for the vm provider; prints its qcow2 path."""
+    from .vmimage import ImageBuildError, build_distro_image, build_guest_image
+
+    build = build_distro_image if distro else build_guest_image
+    try:
+        image = build(out_dir, _progress, force=force)
+    except ImageBuildError as e:
+        raise _fail(e) from None
+    out.print(str(image.disk), highlight=False)
+
+
 @cluster_app.command("up")
 def cluster_up(
     name: NameOption = "default",
