@@ -89,7 +89,10 @@ SYSLINUX_MBR = Path("/usr/lib/syslinux/mbr/mbr.bin")
 SECTOR = 512
 BOOT_START = 2048  # sectors: 1 MiB alignment, as partitioning tools do
 BOOT_MIB = 48
-ROOT_MIB = 2048  # virtual size; the qcow2 stores only what is used (~400 MB)
+ROOT_MIB = 2048  # virtual size; the qcow2 stores only what is used
+#: Compressed clusters: ~160 MB instead of ~415 MB for 3 s of zstd; QEMU inflates them on the
+#: host side, which costs nothing next to TCG. Overlays on top write uncompressed as usual.
+COMPRESSION = "zstd"
 
 
 def _run(argv: list[str], *, what: str, env: dict[str, str] | None = None) -> str:
@@ -173,7 +176,7 @@ def recipe_hash(packages: dict[str, str], sources: list[tuple[str, str]]) -> str
         "excludes": DPKG_EXCLUDES,
         "units": [DISABLED_UNITS, ENABLED_UNITS],
         "cmdline": KERNEL_CMDLINE,
-        "layout": [BOOT_START, BOOT_MIB, ROOT_MIB],
+        "layout": [BOOT_START, BOOT_MIB, ROOT_MIB, COMPRESSION],
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -388,7 +391,8 @@ def _write_disk(work: Path, root: Path, root_uuid: str, qcow2: Path) -> None:
          "-E", f"offset={root_start * SECTOR}", "-d", str(root), str(raw), f"{ROOT_MIB * 1024}k"],
         what="mkfs.ext4 -d",
     )  # fmt: skip
+    compress = ["-c", "-o", f"compression_type={COMPRESSION}"]
     _run(
-        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)],
+        ["qemu-img", "convert", *compress, "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)],
         what="qemu-img convert",
     )

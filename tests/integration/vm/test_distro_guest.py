@@ -156,7 +156,7 @@ async def test_real_cloud_init_finishes_from_the_nocloud_seed_without_errors(
 ) -> None:
     # cloud-init's own records (reading them is cheap; its CLI takes ~10 s to start under TCG).
     status = json.loads(await _run(booted, "cat", "/run/cloud-init/status.json"))["v1"]
-    assert status["datasource"].startswith("nocloud")
+    assert status["datasource"].startswith("DataSourceNoCloud")
     for stage in ("init-local", "init", "modules-config", "modules-final"):
         assert status[stage]["finished"], stage
         assert status[stage]["errors"] == [], stage
