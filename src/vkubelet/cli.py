@@ -257,18 +257,14 @@ def dev_vm_image(
     force: Annotated[bool, typer.Option(help="Rebuild even when cached.")] = False,
     distro: Annotated[
         bool,
-        typer.Option(
-            "--distro",
-            help="Build the Debian distribution guest (systemd, cloud-init, qemu-ga, sshd; "
-            "debootstrap, needs root) instead of the small one.",
-        ),
+        typer.Option(help="The Debian guest with cloud-init instead (debootstrap, minutes)."),
     ] = False,
 ) -> None:
     """Build (or find cached) a test guest for the vm provider; prints its qcow2 path."""
     from .vmimage import ImageBuildError, build_distro_image, build_guest_image
 
+    build = build_distro_image if distro else build_guest_image
     try:
-        build = build_distro_image if distro else build_guest_image
         image = build(out_dir, _progress, force=force)
     except ImageBuildError as e:
         raise _fail(e) from None

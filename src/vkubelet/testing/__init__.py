@@ -465,11 +465,7 @@ def vm_guest_image() -> Path:
 
 @pytest.fixture(scope="session")
 def vm_distro_image() -> Path:
-    """The Debian distribution guest's qcow2 (real cloud-init; debootstrapped once, then cached).
-
-    Skips the test when the host cannot build it (not root, no debootstrap, no Debian mirror in
-    the apt sources): the message says what is missing.
-    """
+    """The Debian guest with cloud-init and qemu-guest-agent (debootstrap once, then cached)."""
     from ..vmimage import ImageBuildError, build_distro_image
 
     try:

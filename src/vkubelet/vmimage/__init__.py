@@ -3,10 +3,8 @@
 `build_guest_image()` (also `vkubelet dev vm-image`) gives a small qcow2 guest: Debian's cloud
 kernel, a busybox initramfs with the virtio modules and Debian's qemu-ga, reading the NoCloud seed's
 `vkubelet/` extras. It boots in a few seconds under TCG, which is what most vm tests need.
-
-`build_distro_image()` (also `vkubelet dev vm-image --distro`) gives a real distribution guest:
-Debian bookworm debootstrapped with systemd, cloud-init, qemu-guest-agent and sshd, for the tests
-(and users) that need real cloud-init. It boots in about a minute under TCG.
+`build_distro_image()` (`vkubelet dev vm-image --distro`) gives a debootstrapped Debian with
+systemd, cloud-init and qemu-guest-agent: slow, for the tests that need a real cloud-init.
 """
 
 from ._build import (
@@ -16,14 +14,13 @@ from ._build import (
     cached_image,
     default_cache_dir,
 )
-from ._distro import build_distro_image, cached_distro_image
+from ._distro import build_distro_image
 
 __all__ = [
     "GuestImage",
     "ImageBuildError",
     "build_distro_image",
     "build_guest_image",
-    "cached_distro_image",
     "cached_image",
     "default_cache_dir",
 ]

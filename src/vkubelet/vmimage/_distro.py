@@ -23,6 +23,7 @@ recipe below and the candidate versions of the main packages in the host's apt l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -36,7 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ._build import GuestImage, ImageBuildError, Progress, default_cache_dir
+from ._build import GuestImage, ImageBuildError, Progress, _lists_stamp, default_cache_dir
 
 RECIPE_VERSION = 1
 SUITE = "bookworm"
@@ -181,10 +182,27 @@ def recipe_hash(packages: dict[str, str], sources: list[tuple[str, str]]) -> str
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _resolve(cache_dir: Path | None) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """Versions and sources, remembered until the apt lists change (apt-cache is slow here)."""
+    memo = (cache_dir or default_cache_dir()) / "resolved-distro.json"
+    stamp = hashlib.sha256(_lists_stamp().encode()).hexdigest()
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        remembered = json.loads(memo.read_text())
+        if remembered["stamp"] == stamp:
+            return dict(remembered["packages"]), [(u, n) for u, n in remembered["sources"]]
+    packages, sources = resolve_packages(), debian_sources()
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(
+            json.dumps({"stamp": stamp, "packages": packages, "sources": sources}) + "\n"
+        )
+    return packages, sources
+
+
 def cached_distro_image(cache_dir: Path | None = None) -> GuestImage | None:
     """The distribution guest for today's recipe if it was built before (no build)."""
-    packages = resolve_packages()
-    digest = recipe_hash(packages, debian_sources())
+    packages, sources = _resolve(cache_dir)
+    digest = recipe_hash(packages, sources)
     disk = (cache_dir or default_cache_dir()) / digest / "disk.qcow2"
     return GuestImage(disk, digest, packages) if disk.is_file() else None
 
@@ -193,8 +211,7 @@ def build_distro_image(
     cache_dir: Path | None = None, progress: Progress = lambda _: None, *, force: bool = False
 ) -> GuestImage:
     """Build the Debian distribution guest, or return the cached one for the same recipe."""
-    packages = resolve_packages()
-    sources = debian_sources()
+    packages, sources = _resolve(cache_dir)
     digest = recipe_hash(packages, sources)
     target = (cache_dir or default_cache_dir()) / digest
     disk = target / "disk.qcow2"

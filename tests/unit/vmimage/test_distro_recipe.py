@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,28 @@ def test_the_mbr_holds_syslinux_boot_code_and_an_active_boot_partition() -> None
     assert (first[0], first[2], first[4], first[5]) == (0x80, 0x0C, 2048, 98304)
     assert (second[0], second[2], second[4], second[5]) == (0, 0x83, 100352, 4194304)
     assert mbr[478:510] == b"\0" * 32
+
+
+def test_resolution_is_remembered_until_the_apt_lists_change(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+
+    def packages() -> dict[str, str]:
+        calls.append("p")
+        return {"a": "1"}
+
+    def sources() -> list[tuple[str, str]]:
+        calls.append("s")
+        return [("u", "n")]
+
+    monkeypatch.setattr(_distro, "resolve_packages", packages)
+    monkeypatch.setattr(_distro, "debian_sources", sources)
+    stamp = ["lists-1"]
+    monkeypatch.setattr(_distro, "_lists_stamp", lambda: stamp[0])
+    assert _distro._resolve(tmp_path) == ({"a": "1"}, [("u", "n")])
+    assert _distro._resolve(tmp_path) == ({"a": "1"}, [("u", "n")])
+    assert calls == ["p", "s"]
+    stamp[0] = "lists-2"  # apt-get update
+    _distro._resolve(tmp_path)
+    assert calls == ["p", "s", "p", "s"]
