@@ -248,6 +248,24 @@ def dev_build() -> None:
     out.print(f"Kubernetes {binaries.kubernetes_version} binaries in {binaries.directory}")
 
 
+@dev.command("vm-image")
+def dev_vm_image(
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", help="Cache directory (default: ~/.cache/vkubelet/vm-images)."),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even when cached.")] = False,
+) -> None:
+    """Build (or find cached) the small test guest for the vm provider; prints its qcow2 path."""
+    from .vmimage import ImageBuildError, build_guest_image
+
+    try:
+        image = build_guest_image(out_dir, _progress, force=force)
+    except ImageBuildError as e:
+        raise _fail(e) from None
+    out.print(str(image.disk), highlight=False)
+
+
 @cluster_app.command("up")
 def cluster_up(
     name: NameOption = "default",

@@ -448,6 +448,22 @@ def kube_cluster(
 
 
 @pytest.fixture(scope="session")
+def vm_guest_image() -> Path:
+    """The small test guest's qcow2 (built from Debian packages once, then cached).
+
+    Skips the test when the host cannot build it (no apt lists, no QEMU tools): the message says
+    what is missing.
+    """
+    from ..vmimage import ImageBuildError, build_guest_image
+
+    try:
+        image = build_guest_image(progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except ImageBuildError as e:
+        pytest.skip(f"cannot build the test guest: {e}")
+    return image.disk
+
+
+@pytest.fixture(scope="session")
 def kubectl(kube_cluster: Cluster) -> Kubectl:
     """Real kubectl bound to the session's cluster with admin credentials."""
     return Kubectl(kube_cluster.kubeconfig)
