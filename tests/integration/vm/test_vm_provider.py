@@ -1,0 +1,391 @@
+"""The VM provider end to end (issue 12's acceptance): a real control plane, real kubectl, real
+QEMU under TCG, the small test guest from Debian packages.
+
+Booting is the expensive part (TCG on two shared cores), so one Deployment of two VMs is booted
+per module and the tests take turns on it, in the order written: the last ones restart the
+agent and scale the Deployment to zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    create_namespace,
+    node_ready,
+    start_agent,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
+BOOT_TIMEOUT = 420  # two TCG boots on a busy 2-core machine
+
+
+@dataclass
+class VMNode:
+    name: str
+    agent: AgentProcess
+    workdir: Path
+    config: Path
+    cluster: Cluster
+
+    @property
+    def state(self) -> Path:
+        return self.workdir / "state"
+
+    def restart_agent(self) -> None:
+        self.agent = start_agent(
+            self.cluster,
+            self.workdir,
+            provider="vm",
+            config=self.config,
+            name=self.name,
+            address="127.0.0.1",
+        )
+
+    def qemu_pids(self) -> dict[str, int]:
+        """Pod uid -> the pid of its QEMU, from the machines' pid files."""
+        pids = {}
+        for pid_file in self.state.glob("vms/*/m/*.pid"):
+            pids[pid_file.parents[1].name] = int(pid_file.read_text().split()[0])
+        for pid_file in self.state.glob("vms/*/m/pid"):
+            pids[pid_file.parents[1].name] = int(pid_file.read_text().split()[0])
+        return pids
+
+
+@dataclass
+class VMs:
+    namespace: str
+    kubectl: Kubectl
+
+    def pods(self) -> list[dict[str, Any]]:
+        items = self.kubectl.json("-n", self.namespace, "get", "pods", "-l", "app=vm")
+        return [p for p in items["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def vm_node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[VMNode]:
+    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("the VM provider needs root and qemu-system-x86_64")
+    # Short: QEMU's unix sockets live below it (108-byte limit).
+    workdir = Path(tempfile.mkdtemp(prefix="vkvm-", dir="/tmp"))
+    name = f"hv-{uuid.uuid4().hex[:6]}"
+    config = workdir / "vm.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "stateDir": "state",
+                "accel": "tcg",
+                "podCIDR": f"10.213.{random.randrange(1, 250)}.0/24",  # noqa: S311
+                "reserved": {"memory": "1Gi"},
+                "guestAgentTimeoutSeconds": 300,
+                "translations": [{"name": "tiny", "url": vm_guest_image.resolve().as_uri()}],
+            }
+        )
+    )
+    agent = start_agent(
+        kube_cluster, workdir, provider="vm", config=config, name=name, address="127.0.0.1"
+    )
+    node = VMNode(name, agent, workdir, config, kube_cluster)
+    try:
+        wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
+        yield node
+    finally:
+        node.agent.stop()
+        for pid in node.qemu_pids().values():  # whatever a failed test left running
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+        print(node.agent.log()[-5000:])
+
+
+@pytest.fixture(scope="module")
+def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
+    namespace = create_namespace(kubectl, f"vm-{uuid.uuid4().hex[:6]}")
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "vm"},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "vm"}},
+            "template": {
+                "metadata": {"labels": {"app": "vm"}},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": vm_node.name},
+                    "tolerations": [TOLERATION],
+                    "terminationGracePeriodSeconds": 60,
+                    "containers": [
+                        {
+                            "name": "vm",
+                            "image": "vm.vkubelet.io/tiny",
+                            "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                            "readinessProbe": {
+                                "exec": {"command": ["test", "-f", "/tmp/ready"]},
+                                "periodSeconds": 2,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(deployment))
+    handle = VMs(namespace, kubectl)
+
+    def both_running() -> bool:
+        pods = handle.pods()
+        return len(pods) == 2 and all(
+            p["status"].get("phase") == "Running"
+            and p["status"].get("podIP")
+            and (p["status"].get("containerStatuses") or [{}])[0].get("state", {}).get("running")
+            for p in pods
+        )
+
+    wait_for(both_running, timeout=BOOT_TIMEOUT, interval=2, what="two VM pods Running")
+    try:
+        yield handle
+    finally:
+        kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def _names(vms: VMs) -> list[str]:
+    return sorted(p["metadata"]["name"] for p in vms.pods())
+
+
+def test_a_deployment_of_two_vms_runs_with_pod_ips(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
+    pods = vms.pods()
+    ips = {p["status"]["podIP"] for p in pods}
+    assert len(ips) == 2 and all(ip.startswith("10.213.") for ip in ips)
+    node = kubectl.json("get", "node", vm_node.name)
+    conditions = {c["type"]: c for c in node["status"]["conditions"]}
+    assert conditions["Accelerator"]["status"] == "True"
+    assert conditions["Accelerator"]["reason"] == "TCG"
+    assert len(vm_node.qemu_pids()) == 2
+
+
+def test_kubectl_logs_shows_the_boot_console(vms: VMs, kubectl: Kubectl) -> None:
+    for name in _names(vms):
+        text = kubectl("-n", vms.namespace, "logs", name).stdout
+        assert f"vkubelet-guest: booted hostname={name}" in text
+        assert "\r" not in text
+
+
+def test_exec_reads_the_hostname_the_seed_gave_and_exit_codes_propagate(
+    vms: VMs, kubectl: Kubectl
+) -> None:
+    name = _names(vms)[0]
+    out = kubectl("-n", vms.namespace, "exec", name, "--", "cat", "/etc/hostname").stdout
+    assert out.strip() == name
+    failed = kubectl("-n", vms.namespace, "exec", name, "--", "sh", "-c", "exit 3", check=False)
+    assert failed.returncode == 3
+    tty = kubectl("-n", vms.namespace, "exec", "-t", name, "--", "true", check=False)
+    assert tty.returncode != 0 and "exec -t is not supported" in tty.stderr
+
+
+def test_a_readiness_probe_gates_ready(vms: VMs, kubectl: Kubectl) -> None:
+    name = _names(vms)[0]
+
+    def ready() -> bool:
+        pod = kubectl.json("-n", vms.namespace, "get", "pod", name)
+        statuses = pod["status"].get("containerStatuses") or [{}]
+        return bool(statuses[0].get("ready"))
+
+    deadline = time.monotonic() + 8  # several probe periods: a broken gate would open
+    while time.monotonic() < deadline:
+        assert not ready()
+        time.sleep(1)
+    kubectl("-n", vms.namespace, "exec", name, "--", "touch", "/tmp/ready")
+    wait_for(ready, timeout=60, what=f"{name} Ready after /tmp/ready appeared")
+
+
+def test_port_forward_reaches_a_server_in_the_guest(vms: VMs, kubectl: Kubectl) -> None:
+    name = _names(vms)[0]
+    kubectl(
+        "-n",
+        vms.namespace,
+        "exec",
+        name,
+        "--",
+        "sh",
+        "-c",
+        "mkdir -p /tmp/www && echo hello-from-the-vm > /tmp/www/index.html "
+        "&& httpd -p 8080 -h /tmp/www",
+    )
+    with _port_forward(kubectl, vms.namespace, name, 8080) as local:
+
+        def fetch() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=10) as r:
+                return str(r.read().decode())
+
+        assert wait_for(fetch, timeout=60, what="the guest's httpd").strip() == "hello-from-the-vm"
+
+
+def test_a_guest_poweroff_boots_it_again_with_restart_count_1(vms: VMs, kubectl: Kubectl) -> None:
+    name = _names(vms)[1]
+    kubectl(
+        "-n", vms.namespace, "exec", name, "--", "sh", "-c", "(sleep 1; poweroff) >/dev/null 2>&1 &"
+    )
+
+    def rebooted() -> bool:
+        pod = kubectl.json("-n", vms.namespace, "get", "pod", name)
+        status = (pod["status"].get("containerStatuses") or [{}])[0]
+        return status.get("restartCount") == 1 and bool(status.get("state", {}).get("running"))
+
+    wait_for(rebooted, timeout=BOOT_TIMEOUT, interval=2, what=f"{name} booted again")
+    previous = kubectl("-n", vms.namespace, "logs", "-p", name).stdout
+    assert "vkubelet-guest: shutdown requested" in previous
+    current = kubectl("-n", vms.namespace, "logs", name).stdout
+    assert f"booted hostname={name}" in current and "shutdown requested" not in current
+
+
+def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
+    names = _names(vms)
+    before = vm_node.qemu_pids()
+    restarts = {
+        p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
+        for p in vms.pods()
+    }
+    for name in names:
+        kubectl(
+            "-n", vms.namespace, "exec", name, "--", "sh", "-c", "echo MARK-BEFORE >/dev/console"
+        )
+    wait_for(
+        lambda: all("MARK-BEFORE" in kubectl("-n", vms.namespace, "logs", n).stdout for n in names),
+        timeout=30,
+        what="the first mark in the logs",
+    )
+    vm_node.agent.stop(signal.SIGKILL)
+    assert all(_alive(pid) for pid in before.values())
+    vm_node.restart_agent()  # appends to the same log: count the second "listening"
+    wait_for(lambda: node_ready(kubectl, vm_node.name), timeout=90, what="node Ready again")
+    wait_for(
+        lambda: vm_node.agent.log().count("listening on port") >= 2,
+        timeout=60,
+        what="the restarted agent's kubelet API",
+    )
+
+    def mark(name: str) -> bool:
+        command = "echo MARK-AFTER >/dev/console"
+        kubectl("-n", vms.namespace, "exec", name, "--", "sh", "-c", command)
+        return True
+
+    def logged(name: str) -> bool:
+        return "MARK-AFTER" in kubectl("-n", vms.namespace, "logs", name).stdout
+
+    for name in names:
+        wait_for(lambda: mark(name), timeout=60, what=f"exec into {name} after the restart")  # noqa: B023
+        wait_for(lambda: logged(name), timeout=30, what="the second mark in the logs")  # noqa: B023
+        text = kubectl("-n", vms.namespace, "logs", name).stdout
+        assert text.count("MARK-BEFORE") == 1 and text.count("MARK-AFTER") == 1
+        assert text.count(f"booted hostname={name}") == 1  # not rebooted
+    assert vm_node.qemu_pids() == before
+    after = {
+        p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
+        for p in vms.pods()
+    }
+    assert after == restarts
+
+
+def test_scale_to_zero_powers_the_guests_off_gracefully(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
+    names = _names(vms)
+    pids = vm_node.qemu_pids()
+    followers = [
+        subprocess.Popen(
+            [*_kubectl_argv(kubectl, vms.namespace), "logs", "-f", name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in names
+    ]
+    time.sleep(2)  # let the followers connect before the guests go
+    kubectl("-n", vms.namespace, "scale", "deployment/vm", "--replicas=0")
+    wait_for(lambda: not vms.pods(), timeout=180, interval=2, what="both VM pods gone")
+    for follower in followers:
+        out, _ = follower.communicate(timeout=60)
+        assert "vkubelet-guest: shutdown requested" in out
+    wait_for(lambda: not any(_alive(pid) for pid in pids.values()), timeout=30, what="QEMU gone")
+
+
+def test_an_image_without_a_rule_waits_in_image_pull_back_off(
+    vm_node: VMNode, kubectl: Kubectl, vms: VMs
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "nope"},
+        "spec": {
+            "nodeName": vm_node.name,
+            "tolerations": [TOLERATION],
+            "containers": [{"name": "vm", "image": "vm.vkubelet.io/nope"}],
+        },
+    }
+    kubectl("-n", vms.namespace, "apply", "-f", "-", input=json.dumps(pod))
+
+    def waiting_reason() -> str:
+        status = kubectl.json("-n", vms.namespace, "get", "pod", "nope")["status"]
+        waiting = (status.get("containerStatuses") or [{}])[0].get("state", {}).get("waiting")
+        return str(waiting.get("reason")) if waiting else ""
+
+    wait_for(lambda: waiting_reason() == "ImagePullBackOff", timeout=60, what="ImagePullBackOff")
+    status = kubectl.json("-n", vms.namespace, "get", "pod", "nope")["status"]
+    assert "no translation rule" in status["containerStatuses"][0]["state"]["waiting"]["message"]
+    kubectl("-n", vms.namespace, "delete", "pod", "nope", "--wait=true", timeout=60)
+
+
+@contextlib.contextmanager
+def _port_forward(kubectl: Kubectl, namespace: str, pod: str, remote: int) -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        local: int = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [*_kubectl_argv(kubectl, namespace), "port-forward", pod, f"{local}:{remote}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield local
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _kubectl_argv(kubectl: Kubectl, namespace: str) -> list[str]:
+    return [kubectl.binary, "--kubeconfig", str(kubectl.kubeconfig), "-n", namespace]
