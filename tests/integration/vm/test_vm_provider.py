@@ -8,6 +8,7 @@ agent and scale the Deployment to zero.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -101,12 +102,13 @@ def vm_node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> It
     workdir = Path(tempfile.mkdtemp(prefix="vkvm-", dir="/tmp"))
     name = f"hv-{uuid.uuid4().hex[:6]}"
     config = workdir / "vm.yaml"
+    cidr = f"10.213.{random.randrange(1, 250)}.0/24"  # noqa: S311
     config.write_text(
         json.dumps(
             {
                 "stateDir": "state",
                 "accel": "tcg",
-                "podCIDR": f"10.213.{random.randrange(1, 250)}.0/24",  # noqa: S311
+                "podCIDR": cidr,
                 "reserved": {"memory": "1Gi"},
                 "guestAgentTimeoutSeconds": 300,
                 "translations": [{"name": "tiny", "url": vm_guest_image.resolve().as_uri()}],
@@ -122,11 +124,24 @@ def vm_node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> It
         yield node
     finally:
         node.agent.stop()
-        for pid in node.qemu_pids().values():  # whatever a failed test left running
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _clean_up(node, cidr)
         kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
-        print(node.agent.log()[-5000:])
+
+
+def _clean_up(node: VMNode, cidr: str) -> None:
+    """What a failed test left: QEMU processes outlive the agent, and so do their networks."""
+    from vkubelet.providers.vm._net import PodNetwork
+
+    for pid in node.qemu_pids().values():
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    network = PodNetwork(cidr)
+
+    async def detach_all() -> None:
+        for run_dir in node.state.glob("vms/*"):
+            await network.detach(run_dir.name)
+
+    asyncio.run(detach_all())
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +190,8 @@ def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
     wait_for(both_running, timeout=BOOT_TIMEOUT, interval=2, what="two VM pods Running")
     try:
         yield handle
-    finally:
-        kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    finally:  # the VMs stop gracefully while the agent still runs
+        kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=180)
 
 
 def _names(vms: VMs) -> list[str]:

@@ -223,6 +223,19 @@ class VMProvider(RunnerProvider):
         self._tasks.spawn(self._gc_loop(), name="image gc")
 
     # -- pods -----------------------------------------------------------------------------------
+    async def pod_ips(self, pod: Pod) -> list[str]:
+        """The VM's address, known before it starts (so `status.podIP` in its env is right):
+        the pod network is attached here (attaching is idempotent per pod UID)."""
+        spec, meta = pod.spec, pod.metadata
+        image = spec.containers[0].image if spec and spec.containers else None
+        if meta is None or not meta.uid or not self._is_vm_image(image or ""):
+            return [self.host_ip]  # create_pod refuses it
+        network = await self.runtime.attach_network(str(meta.uid))
+        return [network.address]
+
+    def _is_vm_image(self, image: str) -> bool:
+        return image.startswith(self.config.image_prefix.rstrip("/") + "/")
+
     async def create_pod(self, pod: ResolvedPod) -> None:
         await self._start()
         key = f"{pod.namespace}/{pod.name}"
@@ -238,15 +251,18 @@ class VMProvider(RunnerProvider):
                 default_memory=self.config.default_memory,
             )
         except SpecError as e:
+            await self.runtime.detach_network(pod.uid)
             raise ProviderError("InvalidVMSpec", str(e)) from None
         prefix = self.config.image_prefix.rstrip("/") + "/"
         if not plan.image.startswith(prefix):
+            await self.runtime.detach_network(pod.uid)
             raise ProviderError(
                 "UnsupportedImage",
                 f"spec.containers[0].image: {plan.image!r} is not a VM image "
                 f"(this node runs {prefix}<name> images)",
             )
         vm = _VM(pod.pod, self.config.run_root / pod.uid, plan=plan)
+        vm.address = (await self.runtime.attach_network(pod.uid)).address
         self.vms[key] = vm
         self._report_waiting(vm, Waiting())
         task = self._tasks.spawn(self._prepare(key, vm, pod), name=f"prepare {key}")
@@ -263,6 +279,8 @@ class VMProvider(RunnerProvider):
             pod_ips=[vm.address] if vm.address else [self.host_ip],
             previous=vm.status,
         )
+        if not vm.address:  # not known yet: no address rather than the node's
+            vm.status.podIP, vm.status.podIPs = None, None
         self._push(Pod(metadata=vm.pod.metadata, spec=vm.pod.spec, status=vm.status))
 
     def _event(self, vm: _VM, kind: EventType, reason: str, message: str) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 
 import yaml
 
-from ._accel import probe_accel
 from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage, Usage
 from ._cloudinit import build_seed_content
 from ._config import ConfigError, VMConfig
@@ -72,9 +71,7 @@ class _Handle:
 
     async def usage(self) -> Usage:
         stats = await self.machine.stats()
-        cpu = getattr(stats, "cpu_ns", None) or getattr(stats, "cpu_time_ns", 0)
-        memory = getattr(stats, "memory_bytes", None) or getattr(stats, "rss_bytes", 0)
-        return Usage(int(cpu), int(memory))
+        return Usage(stats.cpu_ns, stats.memory_bytes)
 
 
 class QemuRuntime:
@@ -140,9 +137,10 @@ class QemuRuntime:
         secret_files: Collection[str] = (),
     ) -> None:
         network = self._networks.get(network_key) if network_key else None
-        content = build_seed_content(pod_name, pod_uid, annotations, files, network)
-        modes = {f"vkubelet/files{name}": 0o600 for name in secret_files}
-        write_seed_iso(content, path, file_modes=modes)
+        modes = {name: 0o600 for name in secret_files if name in files}
+        content = build_seed_content(pod_name, pod_uid, annotations, files, network, modes=modes)
+        iso_modes = {f"vkubelet/files{name}": mode for name, mode in modes.items()}
+        write_seed_iso(content, path, file_modes=iso_modes)
 
     async def attach_network(self, key: str) -> GuestAddress:
         network = await self.network.attach(key)
@@ -180,7 +178,11 @@ class QemuRuntime:
         return _Handle(machine) if machine is not None else None
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:
-        choice = await probe_accel(mode)  # type: ignore[arg-type]
+        if mode == "tcg":
+            return "tcg", "accel: tcg in the config"
+        from ._accel import probe_accel
+
+        choice = await probe_accel(mode)
         return choice.accel, choice.reason
 
     def gc_images(self, in_use: Collection[str]) -> list[str]:
