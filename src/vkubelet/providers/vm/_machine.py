@@ -1,0 +1,411 @@
+"""One QEMU process per VM, detached from the agent and driven through its sockets.
+
+Design, and why:
+- QEMU runs with `-daemonize` (its own session, reparented to init, stdio on /dev/null) and a
+  pidfile, so it outlives the agent; the parent returns only once QEMU is initialised, so on
+  success every socket exists. Everything the agent needs later lives in `run_dir`: qmp.sock,
+  qga.sock, console.sock (serial, server; attach) with console.log (the same bytes, appended: logs),
+  pid, spec.json, and exit.json (why the machine ended, when the agent ended it).
+- `-no-shutdown`: a guest that powers off leaves QEMU alive in state `shutdown` instead of exiting,
+  so the outcome stays observable through QMP (`query-status`) even by an agent that was down when
+  it happened; `wait()` reads it, records it, then quits QEMU. A crash reaches QEMU through pvpanic
+  and pauses the guest (`guest-panicked`), observable the same way.
+- An agent that ends a machine (kill, forced quit) writes exit.json first, so whoever waits learns
+  it was killed (137) and not a crash.
+- The process is watched with a pidfd: it works for a process we did not start (adopted).
+- Network: QEMU is started inside the VM's netns (`ip netns exec NS qemu ...`, argv only) on the
+  tap the pod network made there; userspace virtio-net (no vhost-net on our hosts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ._net import TAP_NAME, GuestNetwork
+from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable
+from ._qmp import ExecuteError, Monitor, MonitorUnavailable
+
+QEMU = "qemu-system-x86_64"
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class Disk:
+    path: Path
+    format: str = "qcow2"
+    bus: Literal["virtio", "scsi"] = "virtio"
+    readonly: bool = False
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    name: str
+    run_dir: Path
+    vcpus: int
+    memory_mib: int
+    disks: tuple[Disk, ...]
+    seed: Path | None = None
+    network: GuestNetwork | None = None
+    netns: str | None = None
+    accel: str = "tcg"
+    extra_args: tuple[str, ...] = field(default=())  # appended to QEMU's argv (tests, tuning)
+
+
+@dataclass(frozen=True)
+class MachineExit:
+    code: int
+    reason: str  # "Completed" | "Error" | "Killed"
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class MachineStats:
+    cpu_ns: int  # QEMU's user + system CPU time
+    memory_bytes: int  # QEMU's resident set
+    balloon_bytes: int | None  # the guest's memory as the balloon reports it, if present
+    disk_bytes: int  # allocated bytes of the writable disks
+
+
+class MachineError(RuntimeError):
+    """QEMU refused to start; the message carries its stderr."""
+
+
+def _opt(value: object) -> str:
+    """A value inside a QEMU option list: commas are doubled, so a pod field cannot add options."""
+    return str(value).replace(",", ",,")
+
+
+def qemu_argv(spec: MachineSpec) -> list[str]:
+    run = spec.run_dir.resolve()
+    argv = [QEMU] if spec.netns is None else ["ip", "netns", "exec", spec.netns, QEMU]
+    argv += [
+        "-name", f"guest={_opt(spec.name)}",
+        "-machine", f"q35,accel={_opt(spec.accel)}",
+        "-smp", str(int(spec.vcpus)),
+        "-m", f"{int(spec.memory_mib)}M",
+        "-nodefaults", "-no-user-config", "-display", "none",
+        "-no-shutdown",
+        "-daemonize", "-pidfile", str(run / "pid"),
+        "-chardev", f"socket,id=qmp,path={_opt(run / 'qmp.sock')},server=on,wait=off",
+        "-mon", "chardev=qmp,mode=control",
+        "-chardev", f"socket,id=console,path={_opt(run / 'console.sock')},server=on,wait=off,"
+        f"logfile={_opt(run / 'console.log')},logappend=on",
+        "-serial", "chardev:console",
+        "-device", "virtio-serial-pci,id=vser",
+        "-chardev", f"socket,id=qga,path={_opt(run / 'qga.sock')},server=on,wait=off",
+        "-device", "virtserialport,bus=vser.0,chardev=qga,name=org.qemu.guest_agent.0",
+        "-device", "pvpanic-pci",
+        "-device", "virtio-balloon-pci,id=balloon",
+    ]  # fmt: skip
+    if any(d.bus == "scsi" for d in spec.disks):
+        argv += ["-device", "virtio-scsi-pci,id=scsi"]
+    for index, disk in enumerate(spec.disks):
+        drive = (
+            f"file={_opt(disk.path.resolve())},if=none,id=disk{index},format={_opt(disk.format)}"
+        )
+        argv += ["-drive", drive + (",readonly=on" if disk.readonly else "")]
+        device = "virtio-blk-pci" if disk.bus == "virtio" else "scsi-hd,bus=scsi.0"
+        argv += ["-device", f"{device},drive=disk{index}" + (",bootindex=0" if index == 0 else "")]
+    if spec.seed is not None:
+        argv += [
+            "-drive", f"file={_opt(spec.seed.resolve())},if=none,id=seed,format=raw,readonly=on",
+            "-device", "virtio-blk-pci,drive=seed",
+        ]  # fmt: skip
+    if spec.network is not None:
+        argv += [
+            "-netdev", f"tap,id=net0,ifname={TAP_NAME},script=no,downscript=no",
+            "-device", f"virtio-net-pci,netdev=net0,mac={_opt(spec.network.mac)},romfile=",
+        ]  # fmt: skip
+    argv += list(spec.extra_args)
+    return argv
+
+
+def _alive(pid: int, run_dir: Path) -> bool:
+    """Whether pid is still our QEMU (not a recycled pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return str(run_dir.resolve() / "qmp.sock").encode() in cmdline
+
+
+class Machine:
+    def __init__(self, run_dir: Path, pid: int, spec: MachineSpec | None = None) -> None:
+        self.run_dir = run_dir
+        self.pid = pid
+        self.spec = spec
+        self.console_socket = run_dir / "console.sock"
+        self.console_log = run_dir / "console.log"
+        self.monitor = Monitor(run_dir / "qmp.sock")
+        self.agent = GuestAgent(run_dir / "qga.sock")
+        self._exit: MachineExit | None = None
+        self._waiter: asyncio.Task[MachineExit] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @classmethod
+    async def launch(cls, spec: MachineSpec) -> Machine:
+        """Start QEMU detached; returns once its sockets exist."""
+        run = spec.run_dir
+        run.mkdir(parents=True, exist_ok=True)
+        for stale in ("qmp.sock", "qga.sock", "console.sock", "pid", "exit.json"):
+            (run / stale).unlink(missing_ok=True)
+        (run / "spec.json").write_text(json.dumps(_spec_to_json(spec), indent=2) + "\n")
+        process = await asyncio.create_subprocess_exec(
+            *qemu_argv(spec),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await process.communicate()
+        if process.returncode != 0:
+            message = err.decode(errors="replace").strip()
+            raise MachineError(f"QEMU for {spec.name} exited {process.returncode}: {message}")
+        pid = int((run / "pid").read_text().strip())
+        return cls(run, pid, spec)
+
+    @classmethod
+    async def adopt(cls, run_dir: Path) -> Machine | None:
+        """The machine of run_dir if its QEMU is still running (after an agent restart)."""
+        try:
+            pid = int((run_dir / "pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if not _alive(pid, run_dir):
+            return None
+        spec = None
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            spec = _spec_from_json(json.loads((run_dir / "spec.json").read_text()))
+        return cls(run_dir, pid, spec)
+
+    def running(self) -> bool:
+        return _alive(self.pid, self.run_dir)
+
+    async def wait(self) -> MachineExit:
+        """Until the guest is off (or QEMU gone); then QEMU is ended and the outcome returned.
+
+        Several callers may wait at once; they share one watcher.
+        """
+        if self._waiter is None:
+            self._waiter = asyncio.create_task(self._watch())
+        return await asyncio.shield(self._waiter)
+
+    async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Until the guest agent answers; GuestAgentUnavailable on timeout or when QEMU is gone."""
+        ready = asyncio.create_task(self.agent.wait_ready(timeout))
+        gone = asyncio.create_task(self._process_gone())
+        try:
+            done, _ = await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if ready in done:
+            ready.result()
+            return
+        ready.cancel()
+        with contextlib.suppress(asyncio.CancelledError, GuestAgentUnavailable):
+            await ready
+        raise GuestAgentUnavailable(f"QEMU of {self.run_dir.name} exited before its guest agent")
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        stdin: bytes = b"",
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> ExecOutput:
+        return await self.agent.exec(argv, stdin=stdin, timeout=timeout)
+
+    async def stop(self, grace: float) -> MachineExit:
+        """Graceful: guest agent shutdown, then ACPI power button, then `quit` at the deadline."""
+        deadline = time.monotonic() + grace
+        waiting = asyncio.ensure_future(self.wait())
+
+        async def ended(by: float) -> bool:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(waiting), max(0.0, by - time.monotonic()))
+                return True
+            return False
+
+        try:
+            await asyncio.wait_for(self.agent.shutdown(), max(0.1, min(2.0, grace / 2)))
+            asked_agent = True
+        except (GuestAgentUnavailable, GuestAgentError, TimeoutError, OSError):
+            asked_agent = False
+        # Without an agent, or when it did not act within half the grace, press the power button.
+        if not await ended(time.monotonic() + (grace / 2 if asked_agent else 0.0)):
+            with contextlib.suppress(MonitorUnavailable, ExecuteError):
+                await self.monitor.execute("system_powerdown")
+            if not await ended(deadline):
+                self._record(MachineExit(137, "Killed", f"not off after the {grace:g} s grace"))
+                await self.monitor.quit()
+        return await waiting
+
+    async def kill(self) -> None:
+        """End QEMU now (SIGKILL); waiters see exit code 137."""
+        self._record(MachineExit(137, "Killed", "killed"))
+        with contextlib.suppress(ProcessLookupError):
+            if self.running():
+                os.kill(self.pid, signal.SIGKILL)
+        await self._process_gone()
+        await self.close()
+
+    async def close(self) -> None:
+        """Drop our connections (QEMU keeps running)."""
+        await self.agent.close()
+        await self.monitor.close()
+
+    async def stats(self) -> MachineStats:
+        cpu_ns, rss = _proc_usage(self.pid)
+        balloon = None
+        with contextlib.suppress(MonitorUnavailable, ExecuteError):
+            balloon = int((await self.monitor.execute("query-balloon"))["actual"])
+        disk_bytes = 0
+        for disk in self.spec.disks if self.spec else ():
+            if not disk.readonly:
+                with contextlib.suppress(OSError):
+                    disk_bytes += disk.path.stat().st_blocks * 512
+        return MachineStats(
+            cpu_ns=cpu_ns,
+            memory_bytes=rss,
+            balloon_bytes=balloon,
+            disk_bytes=disk_bytes,
+        )
+
+    # -- watching -------------------------------------------------------------------------
+
+    def _record(self, outcome: MachineExit) -> None:
+        if not (self.run_dir / "exit.json").exists():
+            (self.run_dir / "exit.json").write_text(json.dumps(asdict(outcome)) + "\n")
+
+    def _recorded(self) -> MachineExit | None:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            return MachineExit(**json.loads((self.run_dir / "exit.json").read_text()))
+        return None
+
+    async def _process_gone(self) -> None:
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return
+        try:
+            if not self.running():
+                return
+            loop = asyncio.get_running_loop()
+            gone: asyncio.Future[None] = loop.create_future()
+
+            def readable() -> None:
+                if not gone.done():
+                    gone.set_result(None)
+
+            loop.add_reader(fd, readable)
+            try:
+                await gone
+            finally:
+                loop.remove_reader(fd)
+        finally:
+            os.close(fd)
+
+    async def _watch(self) -> MachineExit:
+        gone = asyncio.create_task(self._process_gone())
+        outcome: MachineExit | None = None
+        try:
+            outcome = await self._guest_outcome(gone)
+        finally:
+            if not gone.done():
+                if outcome is not None:
+                    self._record(outcome)
+                await self.monitor.quit()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(gone), 10)
+                if not gone.done() and self.running():
+                    os.kill(self.pid, signal.SIGKILL)
+                    await gone
+            await self.close()
+        return self._recorded() or outcome or MachineExit(1, "Error", "QEMU exited")
+
+    async def _guest_outcome(self, gone: asyncio.Task[None]) -> MachineExit | None:
+        """What ended the guest, from QMP; None when QEMU went away without telling."""
+        try:
+            listener = None
+            await self.monitor.connect()
+            listener = self.monitor.listen(("SHUTDOWN", "GUEST_PANICKED"))
+            status = await self.monitor.status()
+        except MonitorUnavailable:
+            await gone
+            return None
+        try:
+            if status == "shutdown":
+                return MachineExit(0, "Completed", "guest powered off")
+            if status == "guest-panicked":
+                return MachineExit(1, "Error", "guest kernel panic")
+            event = asyncio.create_task(listener.get())
+            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
+                return None
+            message = event.result()
+            data = message.get("data")
+            return _outcome_of(
+                str(message.get("event", "")), data if isinstance(data, dict) else {}
+            )
+        finally:
+            self.monitor.forget(listener)
+
+
+def _proc_usage(pid: int) -> tuple[int, int]:
+    """CPU time (ns, user + system) and resident bytes of a process, from procfs (no blocking)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        statm = Path(f"/proc/{pid}/statm").read_text().split()
+    except OSError:
+        raise MachineError(f"QEMU {pid} is not running") from None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks * 1_000_000_000 // _CLOCK_TICKS, int(statm[1]) * _PAGE
+
+
+def _outcome_of(event: str, data: dict[str, Any]) -> MachineExit | None:
+    if event == "GUEST_PANICKED":
+        return MachineExit(1, "Error", "guest kernel panic")
+    reason = str(data.get("reason", ""))
+    if reason == "guest-shutdown":
+        return MachineExit(0, "Completed", "guest powered off")
+    if reason == "guest-panic":
+        return MachineExit(1, "Error", "guest kernel panic")
+    if reason in ("guest-reset", "guest-triple-fault"):
+        return MachineExit(1, "Error", f"guest {reason.removeprefix('guest-')}")
+    return None  # host-initiated (quit, signal): whoever did it recorded why
+
+
+def _spec_to_json(spec: MachineSpec) -> dict[str, Any]:
+    data = asdict(spec)
+    data["run_dir"] = str(spec.run_dir)
+    data["seed"] = str(spec.seed) if spec.seed else None
+    data["disks"] = [{**asdict(d), "path": str(d.path)} for d in spec.disks]
+    data["extra_args"] = list(spec.extra_args)
+    return data
+
+
+def _spec_from_json(data: dict[str, Any]) -> MachineSpec:
+    network = data.get("network")
+    return MachineSpec(
+        name=data["name"],
+        run_dir=Path(data["run_dir"]),
+        vcpus=int(data["vcpus"]),
+        memory_mib=int(data["memory_mib"]),
+        disks=tuple(Disk(**{**d, "path": Path(d["path"])}) for d in data["disks"]),
+        seed=Path(data["seed"]) if data.get("seed") else None,
+        network=GuestNetwork(**{**network, "dns": tuple(network["dns"])}) if network else None,
+        netns=data.get("netns"),
+        accel=data.get("accel", "tcg"),
+        extra_args=tuple(data.get("extra_args", ())),
+    )

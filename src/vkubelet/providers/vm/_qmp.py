@@ -1,0 +1,93 @@
+"""A thin wrapper on PyPI `qemu.qmp` for the few QMP calls the machine needs.
+
+It adds what every caller would otherwise repeat: one lazily (re)connected client per QEMU, errors
+folded into `MonitorUnavailable` when QEMU is gone, and a `quit` that tolerates QEMU closing the
+socket before it answers (the reply and the EOF race; both mean the job is done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import (
+    ConnectError,
+    EventListener,
+    ExecInterruptedError,
+    ExecuteError,
+    QMPClient,
+    QMPError,
+    Runstate,
+    StateError,
+)
+
+__all__ = ["EventListener", "ExecuteError", "Monitor", "MonitorUnavailable"]
+
+# qemu.qmp logs every dropped connection as an error; for a VM that powers off that is the norm.
+logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
+
+
+class MonitorUnavailable(ConnectionError):
+    """QEMU's monitor socket does not answer (QEMU not running, or exiting)."""
+
+
+class Monitor:
+    def __init__(self, socket_path: Path, name: str = "vkubelet") -> None:
+        self.socket_path = socket_path
+        self._name = name
+        self._client = QMPClient(name)
+        self._lock = asyncio.Lock()
+
+    async def connect(self) -> None:
+        async with self._lock:
+            if self._client.runstate == Runstate.RUNNING:
+                return
+            if self._client.runstate != Runstate.IDLE:
+                with contextlib.suppress(Exception):
+                    await self._client.disconnect()  # raises what ended the last session
+            try:
+                await self._client.connect(str(self.socket_path))
+            except (ConnectError, StateError, AssertionError) as e:
+                # AssertionError: qemu.qmp 0.0.6 trips its own state assertion when QEMU dies
+                # during the greeting; the client is not reusable after that, so start afresh.
+                self._client = QMPClient(self._name)
+                raise MonitorUnavailable(
+                    f"QMP {self.socket_path}: {e or type(e).__name__}"
+                ) from None
+
+    async def execute(self, command: str, arguments: Mapping[str, Any] | None = None) -> Any:
+        await self.connect()
+        try:
+            return await self._client.execute(command, arguments)
+        except ExecuteError:
+            raise
+        except (QMPError, EOFError, OSError, AssertionError) as e:
+            raise MonitorUnavailable(f"QMP {command}: {e}") from None
+
+    async def status(self) -> str:
+        """The run state: running, paused, shutdown, guest-panicked, ..."""
+        reply = await self.execute("query-status")
+        return str(reply["status"])
+
+    def listen(self, names: Iterable[str]) -> EventListener:
+        """Register a listener now (before querying state, so no event falls in between)."""
+        listener = EventListener(tuple(names))
+        self._client.register_listener(listener)
+        return listener
+
+    def forget(self, listener: EventListener) -> None:
+        with contextlib.suppress(Exception):
+            self._client.remove_listener(listener)
+
+    async def quit(self) -> None:
+        """Ask QEMU to exit; the reply may be lost to its EOF, which is fine."""
+        with contextlib.suppress(MonitorUnavailable, ExecInterruptedError):
+            await self.execute("quit")
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._client.disconnect()
