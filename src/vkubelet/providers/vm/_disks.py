@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,8 +110,7 @@ async def _create_new(path: Path, options: Sequence[str], size: int | None) -> N
     disk (a pod's data) and never leaves a half-made one under the final name."""
     if path.exists():  # noqa: ASYNC240 (a stat: instant)
         raise DiskError(f"{path} already exists")
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.unlink(missing_ok=True)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         tail = [str(size)] if size is not None else []
         await _qemu_img(["create", "-q", *options, str(temporary), *tail])

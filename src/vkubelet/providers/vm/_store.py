@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import secrets
+import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Collection
@@ -104,12 +105,23 @@ class _Partial:
     validator: str | None
 
 
+_LOG_EVERY: Final = 10.0  # seconds between progress lines in the log
+
+
 @dataclass
 class _Download:
+    name: str
     task: asyncio.Task[str]
     listeners: list[Progress] = field(default_factory=list)
+    waiters: int = 0
+    logged: float = field(default_factory=time.monotonic)
 
     def report(self, done: int, total: int | None) -> None:
+        now = time.monotonic()
+        if now - self.logged >= _LOG_EVERY:
+            self.logged = now
+            of = f" of {total} ({100 * done // total}%)" if total else ""
+            log.info("pulling image %s: %d bytes%s", self.name, done, of)
         for listener in list(self.listeners):
             try:
                 listener(done, total)
@@ -142,7 +154,10 @@ class ImageStore:
         timeout: float = 60.0,
         retries: int = 5,
         retry_delay: float = 0.5,
+        verify: ssl.SSLContext | Path | str | bool = True,
     ) -> None:
+        """`verify`: TLS verification for https images (a CA bundle file or an SSLContext for
+        a private mirror; True: the usual CAs)."""
         self.root = root
         self.data = root / "data"
         self.links = root / "links"
@@ -151,6 +166,11 @@ class ImageStore:
         self._timeout = timeout
         self._retries = retries
         self._retry_delay = retry_delay
+        self._verify = (
+            ssl.create_default_context(cafile=str(verify))
+            if isinstance(verify, str | Path)
+            else verify
+        )
         self._downloads: dict[tuple[str, str | None], _Download] = {}
         self._active_parts: set[Path] = set()
         self._partials: dict[str, _Partial] = {}
@@ -187,8 +207,9 @@ class ImageStore:
             else:
                 digest = self._linked_digest(source.name)
         if digest is None:
-            digest = await self._fetch_shared(source, progress)
-        self._pinned[digest] += 1
+            digest = await self._fetch_shared(source, progress)  # returns it pinned
+        else:
+            self._pin(digest)  # against gc until the link is made
         try:
             path = self.data / digest
             try:
@@ -205,27 +226,45 @@ class ImageStore:
                 )
             self._link(source.name, digest)
         finally:
-            self._pinned[digest] -= 1
-            if self._pinned[digest] <= 0:
-                del self._pinned[digest]
+            self._unpin(digest)
         fmt: Literal["qcow2", "raw"] = "qcow2" if info.format == "qcow2" else "raw"
         return StoredImage(path=path, sha256=digest, format=fmt, virtual_size=info.virtual_size)
 
     async def _fetch_shared(self, source: ImageSource, progress: Progress) -> str:
+        """The digest, pinned against gc (the caller unpins). The download stays registered
+        until its last waiter has pinned the result: gc, which keeps registered downloads'
+        digests, can then never slip in between the rename and the link."""
         key = (source.url, source.sha256)
         download = self._downloads.get(key)
         if download is None:
             task = asyncio.get_running_loop().create_task(self._fetch(source, key))
-            download = _Download(task)
+            download = _Download(source.name, task)
             self._downloads[key] = download
-            task.add_done_callback(lambda _: self._downloads.pop(key, None))
+            task.add_done_callback(lambda _: self._forget(key, download))
         download.listeners.append(progress)
+        download.waiters += 1
         try:
             # Shielded: one pod giving up must not cancel the download the others wait for.
-            return await asyncio.shield(download.task)
+            digest = await asyncio.shield(download.task)
+            self._pin(digest)
+            return digest
         finally:
             with contextlib.suppress(ValueError):
                 download.listeners.remove(progress)
+            download.waiters -= 1
+            self._forget(key, download)
+
+    def _pin(self, digest: str) -> None:
+        self._pinned[digest] += 1
+
+    def _unpin(self, digest: str) -> None:
+        self._pinned[digest] -= 1
+        if self._pinned[digest] <= 0:
+            del self._pinned[digest]
+
+    def _forget(self, key: tuple[str, str | None], download: _Download) -> None:
+        if download.waiters == 0 and download.task.done() and self._downloads.get(key) is download:
+            del self._downloads[key]
 
     async def _fetch(self, source: ImageSource, key: tuple[str, str | None]) -> str:
         def report(done: int, total: int | None) -> None:
@@ -254,11 +293,17 @@ class ImageStore:
             size = _size(part)
             await asyncio.to_thread(_fsync_file, part)
             target = self.data / digest
-            if target.is_file():
-                part.unlink()
-            else:
-                part.replace(target)
-                await asyncio.to_thread(_fsync_dir, self.data)
+            # Pinned from here until this task's result is set (then gc keeps the digest of
+            # a finished download until its waiters have pinned it themselves).
+            self._pin(digest)
+            try:
+                if target.is_file():
+                    part.unlink()
+                else:
+                    part.replace(target)
+                    await asyncio.to_thread(_fsync_dir, self.data)
+            finally:
+                self._unpin(digest)
         except BaseException:
             part.unlink(missing_ok=True)
             raise
@@ -317,7 +362,11 @@ class ImageStore:
         timeout = httpx.Timeout(self._timeout, connect=min(self._timeout, 30.0))
         try:
             async with httpx.AsyncClient(
-                follow_redirects=True, max_redirects=5, timeout=timeout, auth=auth
+                follow_redirects=True,
+                max_redirects=5,
+                timeout=timeout,
+                auth=auth,
+                verify=self._verify,
             ) as client:
                 while True:
                     before = transfer.done
@@ -374,6 +423,10 @@ class ImageStore:
                 total = _int_header(response, "content-length")
                 transfer.restart()
                 mode = "wb"
+            elif transfer.done and status == 206:
+                # A range we did not ask for: splicing it would corrupt the image. Start over.
+                transfer.restart()
+                raise _Incomplete(f"server answered the resume with {_content_range(response)}")
             elif transfer.done and status == 416:
                 # Our part is at least as long as the file: it changed under us. Start over.
                 transfer.restart()
@@ -406,7 +459,10 @@ class ImageStore:
         keep = {entry for entry in in_use if _SHA256.fullmatch(entry)}
         keep_links = {self.link_path(entry).name for entry in in_use}
         keep.update(self._pinned)
-        keep.update(key[1] for key in self._downloads if key[1] is not None)
+        for download in self._downloads.values():
+            task = download.task
+            if task.done() and not task.cancelled() and task.exception() is None:
+                keep.add(task.result())
         now = time.time()
         for link in self.links.iterdir():
             try:

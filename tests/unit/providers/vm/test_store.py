@@ -5,17 +5,25 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime
 import hashlib
+import ipaddress
 import logging
 import os
 import shutil
+import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
+from vkubelet.providers.vm._disks import create_overlay, image_info
 from vkubelet.providers.vm._store import ImageStore, PullError
 from vkubelet.providers.vm._translate import ImageSource
 from vkubelet.testing.harness import eventually
@@ -174,6 +182,23 @@ async def test_a_pull_that_gives_up_is_resumed_by_the_next_pull(
     assert files_in(store.data) == [digest(qcow2)]
 
 
+async def test_a_file_changed_on_the_server_is_downloaded_again_not_spliced(
+    server: Server, tmp_path: Path
+) -> None:
+    store = ImageStore(tmp_path / "images", retries=0, retry_delay=0.01)
+    server.files["tiny.qcow2"] = os.urandom(300_000)  # raw images: any bytes are valid
+    server.cut_after, server.cuts = 70_000, 1
+    source = ImageSource("vm.vkubelet.io/tiny", server.url("tiny.qcow2"))
+    with pytest.raises(PullError):
+        await store.pull(source)
+    changed = os.urandom(300_000)
+    server.files["tiny.qcow2"] = changed
+    image = await store.pull(source)
+    assert server.requests[-1]["range"] == "bytes=70000-"  # asked, If-Range said no
+    assert image.path.read_bytes() == changed
+    assert image.sha256 == digest(changed)
+
+
 async def test_a_digest_mismatch_fails_and_keeps_nothing(
     server: Server, store: ImageStore, qcow2: bytes
 ) -> None:
@@ -210,6 +235,23 @@ async def test_concurrent_pulls_of_one_url_download_it_once(
     assert {image.path for image in images} == {store.data / digest(qcow2)}
     assert files_in(store.links) == ["vm.vkubelet.io%a", "vm.vkubelet.io%b", "vm.vkubelet.io%c"]
     assert all(seen[-1] == len(qcow2) for seen in progress.values())
+
+
+async def test_a_pull_given_up_by_one_pod_goes_on_for_the_others(
+    server: Server, store: ImageStore, qcow2: bytes
+) -> None:
+    server.files["tiny.qcow2"] = qcow2
+    server.gate = asyncio.Event()
+    source = ImageSource("vm.vkubelet.io/tiny", server.url("tiny.qcow2"))
+    first = asyncio.create_task(store.pull(source))
+    second = asyncio.create_task(store.pull(source))
+    await eventually(lambda: server.requests, what="the download to start")
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    server.gate.set()
+    assert (await second).path.read_bytes() == qcow2
+    assert len(server.requests) == 1
 
 
 async def test_a_stored_image_is_not_downloaded_again(
@@ -250,6 +292,25 @@ async def test_a_file_url_on_the_same_filesystem_is_hard_linked(
     assert image.path.stat().st_ino == source_file.stat().st_ino
 
 
+async def test_a_file_url_is_copied_when_it_cannot_be_linked(
+    store: ImageStore, tmp_path: Path, qcow2: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*_: object) -> None:
+        raise PermissionError("protected_hardlinks")
+
+    monkeypatch.setattr(os, "link", refuse)
+    source_file = tmp_path / "disk.qcow2"
+    source_file.write_bytes(qcow2)
+    seen: list[tuple[int, int | None]] = []
+    image = await store.pull(
+        ImageSource("vm.vkubelet.io/f", source_file.as_uri()),
+        lambda done, total: seen.append((done, total)),
+    )
+    assert image.path.read_bytes() == qcow2
+    assert image.path.stat().st_ino != source_file.stat().st_ino
+    await eventually(lambda: seen and seen[-1] == (len(qcow2), len(qcow2)), what="last progress")
+
+
 async def test_a_missing_file_url_is_a_pull_error(store: ImageStore, tmp_path: Path) -> None:
     with pytest.raises(PullError, match="cannot read"):
         await store.pull(ImageSource("vm.vkubelet.io/f", f"file://{tmp_path}/nope.qcow2"))
@@ -271,6 +332,27 @@ async def test_raw_images_are_accepted_and_backed_qcow2_images_refused(
     with pytest.raises(PullError, match="backing file"):
         await store.pull(ImageSource("vm.vkubelet.io/backed", backed.as_uri()))
     assert files_in(store.links) == ["vm.vkubelet.io%raw"]
+
+
+async def test_an_image_in_another_format_is_refused(store: ImageStore, tmp_path: Path) -> None:
+    vmdk = tmp_path / "disk.vmdk"
+    create = await asyncio.create_subprocess_exec(
+        "qemu-img", "create", "-q", "-f", "vmdk", vmdk, "1M"
+    )
+    assert await create.wait() == 0
+    with pytest.raises(PullError, match="format 'vmdk' is not supported"):
+        await store.pull(ImageSource("vm.vkubelet.io/vmdk", vmdk.as_uri()))
+
+
+async def test_a_pulled_image_backs_a_pod_overlay(
+    server: Server, store: ImageStore, qcow2: bytes, tmp_path: Path
+) -> None:
+    server.files["tiny.qcow2"] = qcow2
+    image = await store.pull(ImageSource("vm.vkubelet.io/tiny", server.url("tiny.qcow2")))
+    await create_overlay(image, tmp_path / "root.qcow2", size="2Mi")
+    info = await image_info(tmp_path / "root.qcow2")
+    assert (info.backing_file, info.virtual_size) == (str(image.path), 2 << 20)
+    assert store.gc([image.sha256]) == []  # an overlay's digest keeps its image
 
 
 async def test_gc_removes_unused_images_and_dangling_links_only(
@@ -318,3 +400,81 @@ async def test_gc_never_removes_a_download_in_progress(
     server.gate.set()
     image = await pull
     assert image.path.read_bytes() == qcow2
+
+
+@pytest.mark.parametrize("scheme", ["http", "file"])
+async def test_gc_running_all_through_a_pull_never_takes_its_image(
+    server: Server, store: ImageStore, qcow2: bytes, tmp_path: Path, scheme: str
+) -> None:
+    server.files["tiny.qcow2"] = qcow2
+    (tmp_path / "tiny.qcow2").write_bytes(qcow2)
+    url = server.url("tiny.qcow2") if scheme == "http" else (tmp_path / "tiny.qcow2").as_uri()
+    runs = 0
+
+    async def collect_on_every_turn() -> None:
+        nonlocal runs
+        while True:
+            store.gc([])
+            runs += 1
+            await asyncio.sleep(0)
+
+    async def pull_and_read(name: str) -> bytes:
+        image = await store.pull(ImageSource(f"vm.vkubelet.io/{name}", url))
+        return image.path.read_bytes()  # before gc's next turn (the image is unused then)
+
+    collector = asyncio.create_task(collect_on_every_turn())
+    try:
+        read = await asyncio.gather(pull_and_read("a"), pull_and_read("b"))
+        assert list(read) == [qcow2, qcow2]
+    finally:
+        collector.cancel()
+    assert runs > 10
+
+
+def tls_for_localhost(directory: Path) -> ssl.SSLContext:
+    """A self-signed certificate for 127.0.0.1, written to directory/cert.pem as the CA."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "image-mirror")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    (directory / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(directory / "cert.pem", directory / "key.pem")
+    return context
+
+
+async def test_https_images_are_verified_against_the_configured_ca(
+    tmp_path: Path, qcow2: bytes
+) -> None:
+    state = Server(files={"tiny.qcow2": qcow2})
+    listener = await asyncio.start_server(
+        state.serve, "127.0.0.1", 0, ssl=tls_for_localhost(tmp_path)
+    )
+    url = f"https://127.0.0.1:{listener.sockets[0].getsockname()[1]}/tiny.qcow2"
+    async with listener:
+        untrusting = ImageStore(tmp_path / "a", retries=0)
+        with pytest.raises(PullError, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify"):
+            await untrusting.pull(ImageSource("vm.vkubelet.io/tiny", url))
+        trusting = ImageStore(tmp_path / "b", verify=str(tmp_path / "cert.pem"))
+        image = await trusting.pull(ImageSource("vm.vkubelet.io/tiny", url))
+        assert image.path.read_bytes() == qcow2
