@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -35,6 +36,7 @@ from vkubelet.testing import (
     create_namespace,
     node_ready,
     start_agent,
+    terminal_session,
     wait_for,
 )
 
@@ -226,8 +228,24 @@ def test_exec_reads_the_hostname_the_seed_gave_and_exit_codes_propagate(
     assert out.strip() == name
     failed = kubectl("-n", vms.namespace, "exec", name, "--", "sh", "-c", "exit 3", check=False)
     assert failed.returncode == 3
-    tty = kubectl("-n", vms.namespace, "exec", "-t", name, "--", "true", check=False)
-    assert tty.returncode != 0 and "exec -t is not supported" in tty.stderr
+
+
+def test_exec_with_a_terminal_is_refused_and_attach_reaches_the_serial_console(
+    vms: VMs, kubectl: Kubectl
+) -> None:
+    name = _names(vms)[0]
+    exec_tty = shlex.join([*_kubectl_argv(kubectl, vms.namespace), "exec", "-it", name, "--", "sh"])
+    with terminal_session(f"{exec_tty}; sleep 60") as terminal:
+        wait_for(
+            lambda: "exec -t is not supported by the VM provider" in terminal.screen(),
+            timeout=30,
+            what="the refusal of exec -t",
+        )
+    attach = shlex.join([*_kubectl_argv(kubectl, vms.namespace), "attach", "-it", name])
+    with terminal_session(f"{attach}; sleep 60") as terminal:
+        time.sleep(2)  # kubectl connects
+        terminal.type("echo ATTACHED-$((6 * 7))")
+        wait_for(lambda: "ATTACHED-42" in terminal.screen(), timeout=30, what="the console's echo")
 
 
 def test_a_readiness_probe_gates_ready(vms: VMs, kubectl: Kubectl) -> None:

@@ -47,6 +47,7 @@ from ...sdk import (
     ResolvedPod,
     RestartBackoff,
     RunnerProvider,
+    Running,
     TaskSet,
     Waiting,
     build_pod_status,
@@ -109,9 +110,10 @@ class _VM:
 
 class _VMRunner(PodRunner):
     """A VM's container reads `Waiting: ContainerCreating` until its guest agent answers:
-    "Running" means the guest is up, not just that QEMU started."""
+    "Running" means the guest is up, not just that QEMU started. (The runner reports a run
+    as running before the provider's run starts: so a new runner starts out booting.)"""
 
-    booting = False
+    booting = True
 
     def status(self) -> PodStatus:
         if not self.booting:
@@ -119,6 +121,8 @@ class _VMRunner(PodRunner):
         saved = self.reports
         self.reports = {
             name: replace(report, state=Waiting("ContainerCreating", "the guest is booting"))
+            if isinstance(report.state, Running)
+            else report
             for name, report in saved.items()
         }
         try:
@@ -173,6 +177,7 @@ class VMProvider(RunnerProvider):
         self.memory = max(memory - config.reserved_memory, 0)
         self.accel: tuple[str, str] | None = None  # (accel, reason) once probed
         self._push: Callable[[Pod], None] = lambda pod: None
+        self._node_changed: Callable[[Node], None] = lambda node: None
         self._grace: dict[str, int] = {}
         self._preparing: dict[str, asyncio.Task[None]] = {}
         self._samples: dict[str, tuple[float, int]] = {}  # uid -> (time, cpu ns)
@@ -202,6 +207,9 @@ class VMProvider(RunnerProvider):
     async def ping(self) -> None:
         await self._start()
 
+    def notify_node_status(self, callback: Callable[[Node], None]) -> None:
+        self._node_changed = callback
+
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
         self._push = callback
         super().notify_pods(callback)
@@ -219,6 +227,7 @@ class VMProvider(RunnerProvider):
         if self.events is not None:
             self.events.node_event(self.node_name, kind, "Accelerator", f"{accel}: {reason}")
         log.info("node %s: accelerator %s (%s)", self.node_name, accel, reason)
+        self._node_changed(Node())  # the Accelerator condition, published now
         await self._adopt_all()
         self._tasks.spawn(self._gc_loop(), name="image gc")
 
@@ -436,8 +445,12 @@ class VMProvider(RunnerProvider):
                 stale.unlink(missing_ok=True)
             spec = self._launch_spec(vm)
             runner.booting = True
+            self._push(runner.as_pod())
             machine = await self.runtime.launch(spec)
             self._event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
+        else:  # adopted: the guest was up before the agent restarted
+            runner.booting = False
+            self._push(runner.as_pod())
         vm.machine, vm.run = machine, count
         vm.save()
         self._drop_old_logs(vm, count)
@@ -457,7 +470,7 @@ class VMProvider(RunnerProvider):
             with contextlib.suppress(OSError):
                 tailer.copy(final=True)
             vm.machine, vm.booted_at = None, None
-            runner.booting = False
+            runner.booting = True  # the next run boots first
 
     async def _boot(self, key: str, vm: _VM, machine: MachineHandle, runner: _VMRunner) -> None:
         """Running once the guest agent answers (or after the timeout, with a warning: an image

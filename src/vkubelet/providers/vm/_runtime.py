@@ -182,7 +182,7 @@ class QemuRuntime:
             return "tcg", "accel: tcg in the config"
         from ._accel import probe_accel
 
-        choice = await probe_accel(mode)
+        choice = await probe_accel(mode)  # type: ignore[arg-type]  # checked by the config
         return choice.accel, choice.reason
 
     def gc_images(self, in_use: Collection[str]) -> list[str]:
