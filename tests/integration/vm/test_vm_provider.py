@@ -235,15 +235,15 @@ def test_exec_with_a_terminal_is_refused_and_attach_reaches_the_serial_console(
 ) -> None:
     name = _names(vms)[0]
     exec_tty = shlex.join([*_kubectl_argv(kubectl, vms.namespace), "exec", "-it", name, "--", "sh"])
-    with terminal_session(f"{exec_tty}; sleep 60") as terminal:
+    attach = shlex.join([*_kubectl_argv(kubectl, vms.namespace), "attach", "-it", name])
+    # One terminal for both (tmux's server may still be exiting when a second session starts).
+    with terminal_session(f"{exec_tty}; echo EXEC-DONE; {attach}; sleep 60", cols=400) as terminal:
         wait_for(
             lambda: "exec -t is not supported by the VM provider" in terminal.screen(),
             timeout=30,
             what="the refusal of exec -t",
         )
-    attach = shlex.join([*_kubectl_argv(kubectl, vms.namespace), "attach", "-it", name])
-    with terminal_session(f"{attach}; sleep 60") as terminal:
-        time.sleep(2)  # kubectl connects
+        time.sleep(3)  # kubectl attach connects (it prints nothing until the console does)
         terminal.type("echo ATTACHED-$((6 * 7))")
         wait_for(lambda: "ATTACHED-42" in terminal.screen(), timeout=30, what="the console's echo")
 
@@ -288,8 +288,17 @@ def test_port_forward_reaches_a_server_in_the_guest(vms: VMs, kubectl: Kubectl) 
 
 def test_a_guest_poweroff_boots_it_again_with_restart_count_1(vms: VMs, kubectl: Kubectl) -> None:
     name = _names(vms)[1]
+    # /sbin/poweroff by path: busybox sh prefers its own applet to PATH, and busybox's poweroff
+    # only signals PID 1 (a plain shell in the test guest); the guest's /sbin/poweroff powers off.
     kubectl(
-        "-n", vms.namespace, "exec", name, "--", "sh", "-c", "(sleep 1; poweroff) >/dev/null 2>&1 &"
+        "-n",
+        vms.namespace,
+        "exec",
+        name,
+        "--",
+        "sh",
+        "-c",
+        "(sleep 1; /sbin/poweroff) >/dev/null 2>&1 &",
     )
 
     def rebooted() -> bool:
