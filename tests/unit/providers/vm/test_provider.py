@@ -186,12 +186,15 @@ def events() -> Events:
     return Events()
 
 
-def provider_for(tmp_path: Path, runtime: FakeRuntime, events: Events) -> VMProvider:
+def provider_for(
+    tmp_path: Path, runtime: FakeRuntime, events: Events, *, gc_interval: float = 600.0
+) -> VMProvider:
     config = VMConfig(
         state_dir=tmp_path / "s",
         image_store=tmp_path / "s" / "images",
         reserved_millicpu=1000,
         reserved_memory=GI,
+        image_gc_interval=gc_interval,
     )
     provider = VMProvider(
         "hv-1",
@@ -202,8 +205,11 @@ def provider_for(tmp_path: Path, runtime: FakeRuntime, events: Events) -> VMProv
         host_millicpu=4000,
         host_memory=8 * GI,
     )
-    provider.notify_pods(lambda pod: None)
+    provider.notify_pods(PUSHED.append)
     return provider
+
+
+PUSHED: list[Pod] = []
 
 
 @pytest.fixture
@@ -259,11 +265,15 @@ async def test_a_pod_is_running_with_its_ip_once_the_guest_agent_answers(
     provider: VMProvider, runtime: FakeRuntime, events: Events
 ) -> None:
     runtime.boot_at_once = False
+    PUSHED.clear()
+    assert await provider.pod_ips(make_pod()) == ["10.213.0.2"]  # known before the start
     await provider.create_pod(ResolvedPod(make_pod()))
     await until(lambda: _launched(runtime))
     _, status = await state(provider)
     assert status.state.waiting is not None  # QEMU runs, the guest boots
     machine = next(iter(runtime.machines.values()))
+    await asyncio.sleep(0.3)  # a broken provider would report Running meanwhile
+    booting = len(PUSHED)
     machine.agent.set()
 
     async def running() -> bool:
@@ -271,6 +281,8 @@ async def test_a_pod_is_running_with_its_ip_once_the_guest_agent_answers(
         return status is not None and status.state.running is not None
 
     await until(running)
+    assert not any(_is_running(p) for p in PUSHED[:booting])  # not before the agent answered
+    assert all(p.status and p.status.podIP == "10.213.0.2" for p in PUSHED)
     pod = await provider.get_pod("ns", "vm")
     assert pod is not None and pod.status is not None and pod.status.podIP == "10.213.0.2"
     assert runtime.seeds[0]["name"] == "vm"
@@ -282,6 +294,11 @@ async def test_a_pod_is_running_with_its_ip_once_the_guest_agent_answers(
         return b"booting vm\n" in await logs(provider)
 
     await until(console_logged)
+
+
+def _is_running(pod: Pod) -> bool:
+    statuses = (pod.status.containerStatuses if pod.status else None) or []
+    return bool(statuses and statuses[0].state and statuses[0].state.running)
 
 
 async def _launched(runtime: FakeRuntime) -> bool:
@@ -435,3 +452,25 @@ async def test_stats_report_each_vm_s_qemu(provider: VMProvider, runtime: FakeRu
     assert pod["podRef"]["name"] == "vm"
     assert pod["memory"]["workingSetBytes"] == 300 * 2**20
     assert pod["cpu"]["usageCoreNanoSeconds"] == 5 * 10**9
+
+
+async def test_images_no_pod_uses_are_garbage_collected(
+    tmp_path: Path, runtime: FakeRuntime, events: Events
+) -> None:
+    seen: list[set[str]] = []
+
+    def gc(in_use: Collection[str]) -> list[str]:
+        seen.append(set(in_use))
+        return []
+
+    runtime.gc_images = gc  # type: ignore[method-assign]
+    provider = provider_for(tmp_path, runtime, events, gc_interval=0.05)
+    await provider.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _logged(provider, b"booting"))
+    seen.clear()
+
+    async def collected_with_the_pods_image_kept() -> bool:
+        return bool(seen) and seen[-1] == {"abc"}
+
+    await until(collected_with_the_pods_image_kept)
+    await provider.aclose()
