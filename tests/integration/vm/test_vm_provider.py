@@ -313,6 +313,16 @@ def test_a_guest_poweroff_boots_it_again_with_restart_count_1(vms: VMs, kubectl:
     assert f"booted hostname={name}" in current and "shutdown requested" not in current
 
 
+def test_stats_summary_reports_each_vm_s_qemu(vms: VMs, vm_node: VMNode, kubectl: Kubectl) -> None:
+    path = f"/api/v1/nodes/{vm_node.name}/proxy/stats/summary"
+    summary = json.loads(kubectl("get", "--raw", path).stdout)
+    pods = {p["podRef"]["name"]: p for p in summary["pods"]}
+    assert set(pods) == set(_names(vms))
+    for pod in pods.values():
+        assert pod["memory"]["workingSetBytes"] > 16 * 2**20  # QEMU and the guest RAM it touched
+        assert pod["cpu"]["usageCoreNanoSeconds"] > 0
+
+
 def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
     vms: VMs, vm_node: VMNode, kubectl: Kubectl
 ) -> None:

@@ -81,6 +81,7 @@ class _VM:
     status: PodStatus | None = None  # while preparing
     machine: MachineHandle | None = None
     adopted: MachineHandle | None = None  # the first run after an agent restart uses it
+    ended: int | None = None  # or: that run ended (this exit code) while no agent ran
     run: int = 0
     booted_at: float | None = None
 
@@ -183,6 +184,7 @@ class VMProvider(RunnerProvider):
         self._samples: dict[str, tuple[float, int]] = {}  # uid -> (time, cpu ns)
         self._tasks = TaskSet("vm provider")
         self._started: asyncio.Task[None] | None = None
+        self._closed = False
         config.run_root.mkdir(parents=True, exist_ok=True)
         config.log_root.mkdir(parents=True, exist_ok=True)
 
@@ -436,6 +438,9 @@ class VMProvider(RunnerProvider):
         """Run `count` of the VM's container: one boot of the machine, to its exit code."""
         runner = self.runners[key]
         assert isinstance(runner, _VMRunner)
+        if vm.ended is not None:  # this run ended while no agent ran
+            code, vm.ended = vm.ended, None
+            return code
         machine, vm.adopted = vm.adopted, None
         console_mark = vm.dir / "console.offset"
         if machine is None:
@@ -461,6 +466,8 @@ class VMProvider(RunnerProvider):
         boot = self._tasks.spawn(self._boot(key, vm, machine, runner), name=f"boot {key}")
         try:
             end = await machine.wait()
+            if self._closed:  # the agent is going: the next agent reports this exit
+                await asyncio.Future()
             return end.code
         finally:
             boot.cancel()
@@ -570,6 +577,7 @@ class VMProvider(RunnerProvider):
 
     async def aclose(self) -> None:
         """The agent stops; the VMs do not: a restarted agent adopts them (see `_adopt_all`)."""
+        self._closed = True
         await self._tasks.aclose()
 
     # -- status ----------------------------------------------------------------------------------
@@ -615,8 +623,19 @@ class VMProvider(RunnerProvider):
             self.vms[key] = vm
             if vm.adopted is not None:
                 log.info("%s: adopted VM (pid %d, run %d)", key, vm.adopted.pid, vm.run)
-            else:
-                log.info("%s: its VM is gone; booting it again (run %d)", key, vm.run)
+                self._start_vm(key, vm, restart_count=vm.run)
+                continue
+            # The VM ended while no agent ran: its run is over (the console's last lines go to
+            # that run's log), with the exit QEMU's watcher recorded (else unknown: 137); the
+            # restart policy decides what comes next.
+            vm.ended = _recorded_exit(vm.machine_dir)
+            log.info("%s: its VM ended (exit %d) while no agent ran", key, vm.ended)
+            with contextlib.suppress(OSError):
+                ConsoleTailer(
+                    vm.machine_dir / "console.log",
+                    self.log_path(vm.uid, vm.container, vm.run),
+                    directory / "console.offset",
+                ).copy(final=True)
             self._start_vm(key, vm, restart_count=vm.run)
 
     # -- image gc --------------------------------------------------------------------------------
@@ -785,6 +804,13 @@ class VMProvider(RunnerProvider):
         if before is None or now <= before[0]:
             return 0
         return max(int((cpu_ns - before[1]) / (now - before[0])), 0)
+
+
+def _recorded_exit(machine_dir: Path) -> int:
+    """The exit code the machine's watcher recorded (`exit.json`), else 137 (unknown)."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        return int(json.loads((machine_dir / "exit.json").read_text())["code"])
+    return 137
 
 
 def _host_memory() -> int:

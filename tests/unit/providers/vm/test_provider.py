@@ -474,3 +474,32 @@ async def test_images_no_pod_uses_are_garbage_collected(
 
     await until(collected_with_the_pods_image_kept)
     await provider.aclose()
+
+
+async def test_a_vm_that_ended_while_no_agent_ran_is_a_run_that_ended(
+    tmp_path: Path, runtime: FakeRuntime, events: Events
+) -> None:
+    first = provider_for(tmp_path, runtime, events)
+    await first.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _logged(first, b"booting"))
+    await first.aclose()
+    machine = next(iter(runtime.machines.values()))
+    machine.console(b"last words\r\n")
+    machine.power_off()  # meanwhile
+    (machine.spec.run_dir / "exit.json").write_text('{"code": 0, "reason": "Completed"}')
+
+    second = provider_for(tmp_path, runtime, events)
+    await second.list_pods()
+
+    async def restarted() -> bool:
+        _, status = await state(second)
+        return status.restartCount == 1 and status.state.running is not None
+
+    await until(restarted)  # restartPolicy Always
+    assert len(runtime.launches) == 2
+    previous = await logs(second, previous=True)
+    assert b"last words\n" in previous and b"reboot: Power down\n" in previous
+    pod = await second.get_pod("ns", "vm")
+    assert pod is not None and pod.status is not None and pod.status.containerStatuses
+    last = pod.status.containerStatuses[0].lastState
+    assert last is not None and last.terminated is not None and last.terminated.exitCode == 0
