@@ -34,6 +34,7 @@ from vkubelet.testing import (
     AgentProcess,
     Kubectl,
     create_namespace,
+    local_test_address,
     node_ready,
     start_agent,
     terminal_session,
@@ -53,6 +54,7 @@ class VMNode:
     workdir: Path
     config: Path
     cluster: Cluster
+    address: str
 
     @property
     def state(self) -> Path:
@@ -65,7 +67,7 @@ class VMNode:
             provider="vm",
             config=self.config,
             name=self.name,
-            address="127.0.0.1",
+            address=self.address,
         )
 
     def qemu_pids(self) -> dict[str, int]:
@@ -117,17 +119,20 @@ def vm_node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> It
             }
         )
     )
-    agent = start_agent(
-        kube_cluster, workdir, provider="vm", config=config, name=name, address="127.0.0.1"
-    )
-    node = VMNode(name, agent, workdir, config, kube_cluster)
-    try:
-        wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
-        yield node
-    finally:
-        node.agent.stop()
-        _clean_up(node, cidr)
-        kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+    with contextlib.ExitStack() as stack:
+        # Not loopback: the apiserver proxies nodes/<name>/proxy/... (stats) to none.
+        address = stack.enter_context(local_test_address())
+        agent = start_agent(
+            kube_cluster, workdir, provider="vm", config=config, name=name, address=address
+        )
+        node = VMNode(name, agent, workdir, config, kube_cluster, address)
+        try:
+            wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
+            yield node
+        finally:
+            node.agent.stop()
+            _clean_up(node, cidr)
+            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
 
 
 def _clean_up(node: VMNode, cidr: str) -> None:
