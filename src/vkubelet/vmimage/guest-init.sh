@@ -73,8 +73,15 @@ else
     log "no guest agent port (org.qemu.guest_agent.0)"
 fi
 
-# The serial console: a login shell for attach, restarted when it exits. PID 1 reaps orphans in
-# the shell's wait.
-while :; do
-    setsid -c sh -l <> /dev/ttyS0 >&0 2>&1
-done
+# busybox's own poweroff/halt/reboot applets (what `sh -c poweroff` runs, applets being preferred
+# to /sbin) signal PID 1: USR2, USR1, TERM. Handle them like the /sbin scripts.
+trap '/sbin/poweroff' USR2 USR1
+trap '/sbin/reboot' TERM
+
+# The serial console: a login shell for attach, restarted when it exits. PID 1 only waits (which
+# reaps orphans and lets the traps run at once).
+console() {
+    while :; do setsid -c sh -l <> /dev/ttyS0 >&0 2>&1; done
+}
+console &
+while :; do wait; done

@@ -7,12 +7,13 @@ end a machine (guest poweroff, crash, kill) start their own. Needs root (network
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,6 +170,20 @@ async def test_console_log_holds_the_boot_marker(booted: Booted) -> None:
     assert "vkubelet-guest: booted hostname=web-0" in log
 
 
+async def test_console_socket_is_an_interactive_shell_for_attach(booted: Booted) -> None:
+    reader, writer = await asyncio.open_unix_connection(booted.machine.console_socket)
+    seen = b""
+    async with asyncio.timeout(30):
+        while b"ATTACH-42" not in seen:
+            # Typed again until it shows: busybox's line editor may take the first bytes as the
+            # answer to its terminal-size query (ESC[6n), as a terminal would send one.
+            writer.write(b"\necho ATTACH-$((40 + 2))\n")
+            with contextlib.suppress(TimeoutError):
+                seen += await asyncio.wait_for(reader.read(4096), 2)
+    writer.close()
+    assert b"ATTACH-42" in booted.machine.console_log.read_bytes()
+
+
 async def test_stats_report_qemu_cpu_and_memory(booted: Booted) -> None:
     stats = await booted.machine.stats()
     assert stats.cpu_ns > 0 and stats.memory_bytes > 50 * 2**20
@@ -217,6 +232,13 @@ async def test_stop_is_graceful_and_detach_leaves_no_netns_or_links(booted: Boot
     assert booted.pod_network.host_link(booted.key) not in links
 
 
+async def _eventually(check: Callable[[], Awaitable[bool]], within: float) -> None:
+    deadline = time.monotonic() + within
+    while not await check():
+        assert time.monotonic() < deadline, f"not true within {within} s"
+        await asyncio.sleep(0.1)
+
+
 def _netns_and_links() -> tuple[str, str]:
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
@@ -229,11 +251,40 @@ async def test_guest_poweroff_ends_the_machine_with_exit_code_0(
     machine = await _launch(vm_guest_image, tmp_path / "vm", "off-0")
     try:
         await machine.wait_guest_agent(BOOT_TIMEOUT)
-        with pytest.raises((TimeoutError, ConnectionError)):
-            await machine.exec(["poweroff"], timeout=5)
+        # In the background, so that the exec's own reply is not lost with the guest.
+        await machine.exec(["sh", "-c", "(sleep 0.2; poweroff) </dev/null >/dev/null 2>&1 &"])
         outcome = await asyncio.wait_for(machine.wait(), 30)
         assert (outcome.code, outcome.reason) == (0, "Completed")
         assert not machine.running()
+    finally:
+        if machine.running():
+            await machine.kill()
+
+
+async def test_stop_without_a_guest_agent_presses_the_acpi_power_button(
+    vm_guest_image: Path, tmp_path: Path
+) -> None:
+    machine = await _launch(vm_guest_image, tmp_path / "vm", "acpi-0")
+    try:
+        await machine.wait_guest_agent(BOOT_TIMEOUT)
+        # The agent goes away, so stop() must escalate to the power button.
+        await machine.exec(
+            ["sh", "-c", "(sleep 0.5; kill $(pidof qemu-ga)) </dev/null >/dev/null 2>&1 &"]
+        )
+
+        async def agent_gone() -> bool:
+            try:
+                await machine.agent.call("guest-ping", timeout=1)
+            except (TimeoutError, ConnectionError):
+                return True
+            return False
+
+        await _eventually(agent_gone, 30)
+        outcome = await machine.stop(grace=30)
+        assert (outcome.code, outcome.reason) == (0, "Completed")
+        log = machine.console_log.read_text(errors="replace")
+        assert "vkubelet-guest: ACPI power button" in log
+        assert "vkubelet-guest: shutdown requested" in log
     finally:
         if machine.running():
             await machine.kill()
@@ -263,6 +314,28 @@ async def test_kill_ends_qemu_and_waiters_see_137(vm_guest_image: Path, tmp_path
     assert (outcome.code, outcome.reason) == (137, "Killed")
     assert not machine.running()
     assert await Machine.adopt(machine.run_dir) is None
+
+
+async def test_attach_finds_the_same_address_after_a_restart_and_detach_cleans_up() -> None:
+    first = PodNetwork("10.199.77.0/28", prefix="vkrn")
+    keys = [f"reattach-{os.getpid()}-{i}" for i in range(2)]
+    try:
+        a = await first.attach(keys[0])
+        b = await first.attach(keys[1])
+        assert a.address != b.address
+        assert {a.address, b.address} <= {"10.199.77.2", "10.199.77.3"}
+        restarted = PodNetwork("10.199.77.0/28", prefix="vkrn")  # a new agent process
+        assert await restarted.attach(keys[0]) == a
+        assert await restarted.attach(keys[1]) == b
+        explicit = await restarted.attach(f"{keys[0]}-x", address="10.199.77.9")
+        assert explicit.address == "10.199.77.9"
+        keys.append(f"{keys[0]}-x")
+    finally:
+        for key in keys:
+            await first.detach(key)
+    netns, links = _netns_and_links()
+    for key in keys:
+        assert first.netns(key) not in netns and first.host_link(key) not in links
 
 
 async def test_accel_probe_recognises_a_working_accelerator() -> None:

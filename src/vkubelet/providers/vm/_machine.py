@@ -37,6 +37,7 @@ from ._qmp import ExecuteError, Monitor, MonitorUnavailable
 QEMU = "qemu-system-x86_64"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,12 @@ class Machine:
     async def launch(cls, spec: MachineSpec) -> Machine:
         """Start QEMU detached; returns once its sockets exist."""
         run = spec.run_dir
+        longest = len(str(run.resolve() / "console.sock"))
+        if longest > _SUN_PATH_MAX:
+            raise MachineError(
+                f"run directory {run} is too deep: its sockets' paths would be {longest} bytes, "
+                f"unix sockets allow {_SUN_PATH_MAX}"
+            )
         run.mkdir(parents=True, exist_ok=True)
         for stale in ("qmp.sock", "qga.sock", "console.sock", "pid", "exit.json"):
             (run / stale).unlink(missing_ok=True)

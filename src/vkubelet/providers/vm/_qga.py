@@ -179,7 +179,10 @@ class GuestAgent:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.02
         while True:
-            status = await self.call("guest-exec-status", {"pid": pid})
+            left = self.timeout if deadline is None else max(0.5, deadline - time.monotonic())
+            status = await self.call(
+                "guest-exec-status", {"pid": pid}, timeout=min(self.timeout, left)
+            )
             if status.get("exited"):
                 return exec_output(status)
             if deadline is not None and time.monotonic() + delay > deadline:
