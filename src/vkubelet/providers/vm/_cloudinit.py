@@ -210,25 +210,30 @@ def build_seed_content(
     )
 
 
-def merge(base: Mapping[str, Any], given: Mapping[str, Any], where: str) -> dict[str, Any]:
+_GENERATED: Final = frozenset({"write_files", "ssh_authorized_keys"})
+
+
+def merge(
+    base: Mapping[str, Any],
+    given: Mapping[str, Any],
+    where: str,
+    *,
+    protected: frozenset[str] = _GENERATED,
+) -> dict[str, Any]:
     """cloud-config merge as virtlet does it: mappings merged key by key, lists appended (the
-    user's items after the pod's), anything else replaced by the user's value. A value whose
-    kind clashes with a generated list or mapping is an error: replacing it would silently drop
-    the pod's files or keys."""
+    user's items after the earlier ones), anything else replaced by the user's value. Replacing
+    the pod's own write_files or ssh_authorized_keys with something that is not a list is an
+    error: it would silently drop the pod's files or keys."""
     merged = dict(base)
     for key, value in given.items():
-        if key not in merged:
-            merged[key] = value
-            continue
-        mine = merged[key]
+        mine = merged.get(key)
         if isinstance(mine, Mapping) and isinstance(value, Mapping):
-            merged[key] = merge(mine, value, f"{where}: {key}")
+            merged[key] = merge(mine, value, f"{where}: {key}", protected=frozenset())
         elif isinstance(mine, list) and isinstance(value, list):
             merged[key] = [*mine, *value]
-        elif isinstance(mine, Mapping | list):
-            kind = "a mapping" if isinstance(mine, Mapping) else "a list"
+        elif key in protected and key in merged and not isinstance(value, list):
             raise CloudInitError(
-                f"annotation {where}: {key}: must be {kind} to merge with the pod's"
+                f"annotation {where}: {key}: must be a list (merged with the pod's)"
             )
         else:
             merged[key] = value

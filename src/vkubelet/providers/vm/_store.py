@@ -391,6 +391,14 @@ class ImageStore:
                             _describe(exc),
                         )
                         await asyncio.sleep(self._retry_delay * min(failures, 5))
+                    except httpx.HTTPError as exc:  # too many redirects and the like: final
+                        raise PullError(
+                            f"image {source.name}: downloading {shown}: {_describe(exc)}"
+                        ) from None
+                    except OSError as exc:  # the store's disk, e.g. full
+                        raise PullError(
+                            f"image {source.name}: writing {part}: {exc.strerror or exc}"
+                        ) from None
         except BaseException:
             kept = self._partials.get(source.url)
             if kept is None or kept.path != part:

@@ -96,6 +96,14 @@ def test_user_data_annotations_are_merged_with_lists_appended() -> None:
     assert [f["path"] for f in data["write_files"]] == ["/etc/f"]
 
 
+def test_where_the_two_annotations_clash_the_project_one_wins() -> None:
+    annotations = {
+        "VirtletCloudInitUserData": "a: {x: 1}\nb: [1]\nc: 1\n",
+        "vm.vkubelet.io/cloud-init-user-data": "a: [2]\nb: {y: 2}\nc: [3]\n",
+    }
+    assert cloud_config(seed(annotations)) == {"a": [2], "b": {"y": 2}, "c": [3]}
+
+
 def test_user_data_overwrite_replaces_the_generated_user_data() -> None:
     annotations = {
         "VirtletCloudInitUserData": "runcmd: [reboot]\n",

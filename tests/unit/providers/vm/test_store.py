@@ -69,7 +69,9 @@ class Server:
         path = line.split(" ")[1].lstrip("/")
         self.requests.append({"path": path, **headers})
         body = self.files.get(path)
-        if body is None:
+        if path == "loop":
+            writer.write(b"HTTP/1.1 302 Found\r\nLocation: /loop\r\nContent-Length: 0\r\n\r\n")
+        elif body is None:
             writer.write(
                 b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
             )
@@ -280,6 +282,14 @@ async def test_an_http_error_names_the_status_and_never_the_credentials(
     assert server.requests[0]["authorization"] == expected
     for text in (str(caught.value), caplog.text):
         assert "hunter2" not in text and "s3cr3t" not in text and "alice" not in text
+
+
+async def test_a_redirect_loop_is_a_pull_error(server: Server, store: ImageStore) -> None:
+    with pytest.raises(PullError, match="TooManyRedirects") as caught:
+        await store.pull(ImageSource("vm.vkubelet.io/x", server.url("loop")))
+    assert caught.value.reason == "ErrImagePull"
+    assert len(server.requests) == 6
+    assert files_in(store.data) == []
 
 
 async def test_a_file_url_on_the_same_filesystem_is_hard_linked(
