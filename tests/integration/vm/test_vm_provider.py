@@ -318,7 +318,9 @@ def test_a_guest_poweroff_boots_it_again_with_restart_count_1(vms: VMs, kubectl:
     assert f"booted hostname={name}" in current and "shutdown requested" not in current
 
 
-def test_stats_summary_reports_each_vm_s_qemu(vms: VMs, vm_node: VMNode, kubectl: Kubectl) -> None:
+def test_stats_summary_and_resource_metrics_report_each_vm_s_qemu(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
     path = f"/api/v1/nodes/{vm_node.name}/proxy/stats/summary"
     summary = json.loads(kubectl("get", "--raw", path).stdout)
     pods = {p["podRef"]["name"]: p for p in summary["pods"]}
@@ -326,6 +328,11 @@ def test_stats_summary_reports_each_vm_s_qemu(vms: VMs, vm_node: VMNode, kubectl
     for pod in pods.values():
         assert pod["memory"]["workingSetBytes"] > 16 * 2**20  # QEMU and the guest RAM it touched
         assert pod["cpu"]["usageCoreNanoSeconds"] > 0
+    metrics = kubectl("get", "--raw", f"/api/v1/nodes/{vm_node.name}/proxy/metrics/resource").stdout
+    for name in _names(vms):
+        assert (
+            f'pod_memory_working_set_bytes{{namespace="{vms.namespace}",pod="{name}"}}' in metrics
+        )
 
 
 def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(

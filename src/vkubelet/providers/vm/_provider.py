@@ -52,8 +52,9 @@ from ...sdk import (
     Waiting,
     build_pod_status,
 )
+from ...sdk.metrics import RESOURCE_METRIC_FAMILIES
 from ...sdk.provider import EventSink, EventType
-from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
+from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime, Usage
 from ._config import VMConfig
 from ._console import ConsoleTailer
 from ._spec import MachinePlan, SpecError, plan_machine
@@ -82,6 +83,7 @@ class _VM:
     machine: MachineHandle | None = None
     adopted: MachineHandle | None = None  # the first run after an agent restart uses it
     ended: int | None = None  # or: that run ended (this exit code) while no agent ran
+    started_wall: float = 0.0  # when the current run's machine started (epoch seconds)
     run: int = 0
     booted_at: float | None = None
 
@@ -457,6 +459,7 @@ class VMProvider(RunnerProvider):
             runner.booting = False
             self._push(runner.as_pod())
         vm.machine, vm.run = machine, count
+        vm.started_wall = _process_start(machine.pid)
         vm.save()
         self._drop_old_logs(vm, count)
         tailer = ConsoleTailer(
@@ -746,14 +749,7 @@ class VMProvider(RunnerProvider):
         stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
         pods = []
         total_cpu = total_memory = total_rate = 0
-        for vm in list(self.vms.values()):
-            if vm.machine is None:
-                continue
-            try:
-                usage = await vm.machine.usage()
-            except Exception as e:  # stopping meanwhile
-                log.debug("%s: no stats: %s", vm.uid, e)
-                continue
+        for vm, usage in await self._usages():
             rate = self._rate(vm.uid, usage.cpu_ns)
             total_cpu += usage.cpu_ns
             total_memory += usage.memory_bytes
@@ -796,6 +792,52 @@ class VMProvider(RunnerProvider):
             "pods": pods,
         }
 
+    async def _usages(self) -> list[tuple[_VM, Usage]]:
+        """Each running VM's QEMU usage (a VM stopping meanwhile is left out)."""
+        usages = []
+        for vm in list(self.vms.values()):
+            if vm.machine is None:
+                continue
+            try:
+                usages.append((vm, await vm.machine.usage()))
+            except Exception as e:
+                log.debug("%s: no stats: %s", vm.uid, e)
+        return usages
+
+    async def metrics_resource(self) -> str:
+        """The kubelet's `/metrics/resource` (what metrics-server v0.6+ scrapes for `kubectl
+        top`): the same QEMU figures as the summary, in Prometheus text."""
+        stamp = str(int(time.time() * 1000))
+        samples: dict[str, list[str]] = {name: [] for name in RESOURCE_METRIC_FAMILIES}
+
+        def add(name: str, labels: dict[str, str], value: float, timed: bool = True) -> None:
+            text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+            tail = f" {stamp}" if timed else ""
+            samples[name].append(
+                f"{name}{{{text}}} {value!r}{tail}" if text else f"{name} {value!r}{tail}"
+            )
+
+        usages = await self._usages()
+        add("node_cpu_usage_seconds_total", {}, sum(u.cpu_ns for _, u in usages) / 1e9)
+        add("node_memory_working_set_bytes", {}, float(sum(u.memory_bytes for _, u in usages)))
+        for vm, usage in usages:
+            meta = vm.pod.metadata
+            assert meta is not None
+            pod = {"namespace": str(meta.namespace), "pod": str(meta.name)}
+            container = {**pod, "container": vm.container}
+            add("container_start_time_seconds", container, vm.started_wall, timed=False)
+            add("container_cpu_usage_seconds_total", container, usage.cpu_ns / 1e9)
+            add("container_memory_working_set_bytes", container, float(usage.memory_bytes))
+            add("pod_cpu_usage_seconds_total", pod, usage.cpu_ns / 1e9)
+            add("pod_memory_working_set_bytes", pod, float(usage.memory_bytes))
+        add("resource_scrape_error", {}, 0.0, timed=False)
+        lines = []
+        for name, (kind, help_text) in RESOURCE_METRIC_FAMILIES.items():
+            if samples[name]:
+                lines += [f"# HELP {name} [STABLE] {help_text}", f"# TYPE {name} {kind}"]
+                lines += sorted(samples[name])
+        return "\n".join(lines) + "\n"
+
     def _rate(self, uid: str, cpu_ns: int) -> int:
         """CPU nanocores since the previous sample of this VM (0 the first time)."""
         now = time.monotonic()
@@ -806,11 +848,28 @@ class VMProvider(RunnerProvider):
         return max(int((cpu_ns - before[1]) / (now - before[0])), 0)
 
 
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _recorded_exit(machine_dir: Path) -> int:
     """The exit code the machine's watcher recorded (`exit.json`), else 137 (unknown)."""
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         return int(json.loads((machine_dir / "exit.json").read_text())["code"])
     return 137
+
+
+def _process_start(pid: int) -> float:
+    """When process `pid` started, in epoch seconds (now if it cannot be read)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return time.time()
 
 
 def _host_memory() -> int:

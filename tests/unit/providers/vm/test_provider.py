@@ -452,6 +452,10 @@ async def test_stats_report_each_vm_s_qemu(provider: VMProvider, runtime: FakeRu
     assert pod["podRef"]["name"] == "vm"
     assert pod["memory"]["workingSetBytes"] == 300 * 2**20
     assert pod["cpu"]["usageCoreNanoSeconds"] == 5 * 10**9
+    text = await provider.metrics_resource()
+    assert 'container_cpu_usage_seconds_total{container="vm",namespace="ns",pod="vm"} 5.0 ' in text
+    assert 'pod_memory_working_set_bytes{namespace="ns",pod="vm"} 314572800.0 ' in text
+    assert "# TYPE node_cpu_usage_seconds_total counter" in text
 
 
 async def test_images_no_pod_uses_are_garbage_collected(
