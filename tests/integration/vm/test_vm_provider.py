@@ -167,11 +167,14 @@ def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
                     "nodeSelector": {"kubernetes.io/hostname": vm_node.name},
                     "tolerations": [TOLERATION],
                     "terminationGracePeriodSeconds": 60,
+                    "volumes": [{"name": "cfg", "configMap": {"name": "greeting"}}],
                     "containers": [
                         {
                             "name": "vm",
                             "image": "vm.vkubelet.io/tiny",
                             "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                            "env": [{"name": "WHO", "value": "a VM"}],
+                            "volumeMounts": [{"name": "cfg", "mountPath": "/etc/app"}],
                             "readinessProbe": {
                                 "exec": {"command": ["test", "-f", "/tmp/ready"]},
                                 "periodSeconds": 2,
@@ -182,6 +185,13 @@ def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
             },
         },
     }
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "greeting"},
+        "data": {"greeting": "hello"},
+    }
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(config_map))
     kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(deployment))
     handle = VMs(namespace, kubectl)
 
@@ -251,6 +261,21 @@ def test_exec_with_a_terminal_is_refused_and_attach_reaches_the_serial_console(
         time.sleep(3)  # kubectl attach connects (it prints nothing until the console does)
         terminal.type("echo ATTACHED-$((6 * 7))")
         wait_for(lambda: "ATTACHED-42" in terminal.screen(), timeout=30, what="the console's echo")
+
+
+def test_volume_files_and_env_reach_the_guest_and_config_map_changes_follow(
+    vms: VMs, kubectl: Kubectl
+) -> None:
+    name = _names(vms)[0]
+
+    def cat(path: str) -> str:
+        return str(kubectl("-n", vms.namespace, "exec", name, "--", "cat", path).stdout)
+
+    assert cat("/etc/app/greeting") == "hello"
+    assert "WHO='a VM'" in cat("/etc/vkubelet/env")
+    patch = json.dumps({"data": {"greeting": "bye"}})
+    kubectl("-n", vms.namespace, "patch", "configmap", "greeting", "-p", patch)
+    wait_for(lambda: cat("/etc/app/greeting") == "bye", timeout=90, what="the new greeting")
 
 
 def test_a_readiness_probe_gates_ready(vms: VMs, kubectl: Kubectl) -> None:

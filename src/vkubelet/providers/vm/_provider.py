@@ -57,9 +57,16 @@ from ...sdk.provider import EventSink, EventType
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime, Usage
 from ._config import VMConfig
 from ._console import ConsoleTailer
-from ._spec import MachinePlan, SpecError, plan_machine
+from ._spec import ENV_FILE, MachinePlan, SpecError, plan_machine
 
 __all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
+
+# Replace file $1 with stdin, mode $2, at once (a reader sees the old or the new content). The
+# path and mode are arguments, never part of the script.
+_REPLACE_FILE = (
+    'mkdir -p "$(dirname "$1")" && cat > "$1.vkubelet-new" && chmod "$2" "$1.vkubelet-new" '
+    '&& mv -f "$1.vkubelet-new" "$1"'
+)
 
 log = logging.getLogger(__name__)
 
@@ -534,7 +541,61 @@ class VMProvider(RunnerProvider):
         self._tasks.spawn(machine.stop(float(30 if grace is None else grace)), name=f"stop {key}")
 
     async def update_pod(self, pod: ResolvedPod) -> None:
-        """A VM takes new files only through its seed at the next boot: nothing to do now."""
+        """New contents of configMap, secret, downwardAPI and projected volumes reach the guest
+        as they reach a container: written in place through the guest agent (each file replaced
+        at once, removed keys removed), and into the seed for later boots. The environment is a
+        container's start-time environment: the env file changes only with the pod."""
+        key = f"{pod.namespace}/{pod.name}"
+        vm = self.vms.get(key)
+        if vm is None or vm.uid != pod.uid or vm.plan is None or not vm.launch:
+            return  # not made yet: the seed is written with the newest files anyway
+        try:
+            plan = plan_machine(
+                pod,
+                allocatable_millicpu=self.millicpu,
+                allocatable_memory=self.memory,
+                default_millicpu=self.config.default_millicpu,
+                default_memory=self.config.default_memory,
+            )
+        except SpecError as e:
+            raise ProviderError("InvalidVMSpec", str(e)) from None
+        old = {p: d for p, d in vm.plan.files.items() if p != ENV_FILE}
+        new = {p: d for p, d in plan.files.items() if p != ENV_FILE}
+        if ENV_FILE in vm.plan.files:
+            plan_files = {**new, ENV_FILE: vm.plan.files[ENV_FILE]}
+        else:
+            plan_files = new
+        if old == new:
+            return
+        changed = {p: d for p, d in new.items() if old.get(p) != d}
+        removed = sorted(set(old) - set(new))
+        secret = plan.secret_files | vm.plan.secret_files
+        vm.plan = replace(plan, files=plan_files)
+        vm.pod = pod.pod
+        (vm.dir / "pod.json").write_text(json.dumps(vm.pod.to_dict()))
+        meta = vm.pod.metadata
+        assert meta is not None
+        self.runtime.write_seed(
+            Path(vm.launch["seed"]),
+            pod_name=str(meta.name),
+            pod_uid=vm.uid,
+            annotations=dict(meta.annotations or {}),
+            files=vm.plan.files,
+            network_key=vm.uid,
+            secret_files=secret,
+        )
+        machine = vm.machine
+        if machine is None or vm.booted_at is None:
+            return  # the next boot reads the new seed
+        for path, data in sorted(changed.items()):
+            mode = "600" if path in secret else "644"
+            result = await machine.exec(["sh", "-c", _REPLACE_FILE, "sh", path, mode], stdin=data)
+            if result.exit_code != 0:
+                message = f"could not update {path} in the guest: {result.stderr.decode()[:200]}"
+                self._event(vm, "Warning", "FailedUpdate", message)
+        if removed:
+            await machine.exec(["rm", "-f", "--", *removed])
+        self._event(vm, "Normal", "Updated", f"{len(changed) + len(removed)} file(s) updated")
 
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
         meta = pod.metadata

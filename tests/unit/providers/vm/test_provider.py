@@ -14,12 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lightkube.models.core_v1 import EnvVar, VolumeMount
 from lightkube.resources.core_v1 import Node, Pod
 
 from vkubelet.providers.vm._backend import GuestAddress, LaunchSpec, PulledImage, Usage
 from vkubelet.providers.vm._config import VMConfig
 from vkubelet.providers.vm._provider import VMProvider
-from vkubelet.sdk import AttachIO, ContainerLogOptions, ProviderError, ResolvedPod
+from vkubelet.sdk import (
+    AttachIO,
+    ContainerLogOptions,
+    FileContent,
+    FilesVolume,
+    ProviderError,
+    ResolvedPod,
+)
 
 GI = 2**30
 
@@ -507,3 +515,30 @@ async def test_a_vm_that_ended_while_no_agent_ran_is_a_run_that_ended(
     assert pod is not None and pod.status is not None and pod.status.containerStatuses
     last = pod.status.containerStatuses[0].lastState
     assert last is not None and last.terminated is not None and last.terminated.exitCode == 0
+
+
+async def test_new_volume_contents_are_written_into_the_running_guest(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    def resolved(content: bytes, env: str) -> ResolvedPod:
+        pod = make_pod(volumes=[{"name": "cfg", "configMap": {"name": "c"}}])
+        assert pod.spec is not None
+        pod.spec.containers[0].volumeMounts = [VolumeMount(name="cfg", mountPath="/etc/app")]
+        pod.spec.containers[0].env = [EnvVar(name="E", value=env)]
+        files = {"a.conf": FileContent(content, 0o644)}
+        return ResolvedPod(pod, {"cfg": FilesVolume("cfg", "configMap", files)})
+
+    await provider.create_pod(resolved(b"one", "1"))
+    await until(lambda: _logged(provider, b"booting"))
+    machine = next(iter(runtime.machines.values()))
+
+    async def booted() -> bool:
+        return provider.vms["ns/vm"].booted_at is not None
+
+    await until(booted)
+    await provider.update_pod(resolved(b"two", "2"))
+    ((argv, stdin),) = machine.execs
+    assert argv[:2] == ["sh", "-c"] and argv[3:] == ["sh", "/etc/app/a.conf", "644"]
+    assert stdin == b"two"
+    assert runtime.seeds[-1]["files"]["/etc/app/a.conf"] == b"two"
+    assert runtime.seeds[-1]["files"]["/etc/vkubelet/env"] == b"E=1\n"  # start-time env
