@@ -478,3 +478,33 @@ def _port_forward(kubectl: Kubectl, namespace: str, pod: str, remote: int) -> It
 
 def _kubectl_argv(kubectl: Kubectl, namespace: str) -> list[str]:
     return [kubectl.binary, "--kubeconfig", str(kubectl.kubeconfig), "-n", namespace]
+
+
+def test_a_vm_larger_than_the_node_is_refused_naming_the_field(
+    vm_node: VMNode, kubectl: Kubectl, vms: VMs
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "huge"},
+        "spec": {
+            "nodeName": vm_node.name,
+            "tolerations": [TOLERATION],
+            "containers": [
+                {
+                    "name": "vm",
+                    "image": "vm.vkubelet.io/tiny",
+                    "resources": {"limits": {"memory": "4Ti"}},
+                }
+            ],
+        },
+    }
+    kubectl("-n", vms.namespace, "apply", "-f", "-", input=json.dumps(pod))
+
+    def refused() -> dict[str, Any] | None:
+        status: dict[str, Any] = kubectl.json("-n", vms.namespace, "get", "pod", "huge")["status"]
+        return status if status.get("reason") == "InvalidVMSpec" else None
+
+    status = wait_for(refused, timeout=60, what="the refusal")
+    assert "spec.containers[0].resources.limits.memory" in status["message"]
+    kubectl("-n", vms.namespace, "delete", "pod", "huge", "--wait=false")
