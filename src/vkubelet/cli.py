@@ -255,12 +255,17 @@ def dev_vm_image(
         typer.Option("--out", help="Cache directory (default: ~/.cache/vkubelet/vm-images)."),
     ] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even when cached.")] = False,
+    distro: Annotated[
+        bool,
+        typer.Option(help="The Debian guest with cloud-init instead (debootstrap, minutes)."),
+    ] = False,
 ) -> None:
-    """Build (or find cached) the small test guest for the vm provider; prints its qcow2 path."""
-    from .vmimage import ImageBuildError, build_guest_image
+    """Build (or find cached) a test guest for the vm provider; prints its qcow2 path."""
+    from .vmimage import ImageBuildError, build_distro_image, build_guest_image
 
+    build = build_distro_image if distro else build_guest_image
     try:
-        image = build_guest_image(out_dir, _progress, force=force)
+        image = build(out_dir, _progress, force=force)
     except ImageBuildError as e:
         raise _fail(e) from None
     out.print(str(image.disk), highlight=False)

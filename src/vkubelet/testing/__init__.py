@@ -464,6 +464,18 @@ def vm_guest_image() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vm_distro_image() -> Path:
+    """The Debian guest with cloud-init and qemu-guest-agent (debootstrap once, then cached)."""
+    from ..vmimage import ImageBuildError, build_distro_image
+
+    try:
+        image = build_distro_image(progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except ImageBuildError as e:
+        pytest.skip(f"cannot build the distribution guest: {e}")
+    return image.disk
+
+
+@pytest.fixture(scope="session")
 def kubectl(kube_cluster: Cluster) -> Kubectl:
     """Real kubectl bound to the session's cluster with admin credentials."""
     return Kubectl(kube_cluster.kubeconfig)

@@ -3,6 +3,8 @@
 `build_guest_image()` (also `vkubelet dev vm-image`) gives a small qcow2 guest: Debian's cloud
 kernel, a busybox initramfs with the virtio modules and Debian's qemu-ga, reading the NoCloud seed's
 `vkubelet/` extras. It boots in a few seconds under TCG, which is what most vm tests need.
+`build_distro_image()` (`vkubelet dev vm-image --distro`) gives a debootstrapped Debian with
+systemd, cloud-init and qemu-guest-agent: slow, for the tests that need a real cloud-init.
 """
 
 from ._build import (
@@ -12,10 +14,12 @@ from ._build import (
     cached_image,
     default_cache_dir,
 )
+from ._distro import build_distro_image
 
 __all__ = [
     "GuestImage",
     "ImageBuildError",
+    "build_distro_image",
     "build_guest_image",
     "cached_image",
     "default_cache_dir",

@@ -137,6 +137,16 @@ def resolve_packages(cache_dir: Path | None = None) -> dict[str, str]:
     if kernel is None or not kernel.startswith("linux-image-"):
         raise ImageBuildError(f"{KERNEL_META} not in the apt lists: run apt-get update")
     wanted = (kernel, AGENT_PACKAGE, BUSYBOX_PACKAGE)
+    versions = candidate_versions(wanted)
+    ordered = versions
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(json.dumps({"stamp": stamp, "packages": ordered}) + "\n")
+    return ordered
+
+
+def candidate_versions(wanted: tuple[str, ...]) -> dict[str, str]:
+    """apt's candidate version of each package (one apt-cache call); raises when one is missing."""
     policy = _run(["apt-cache", "policy", *wanted], what="resolve package versions")
     versions: dict[str, str] = {}
     current = None
@@ -150,11 +160,7 @@ def resolve_packages(cache_dir: Path | None = None) -> dict[str, str]:
     missing = [p for p in wanted if p not in versions]
     if missing:
         raise ImageBuildError(f"{', '.join(missing)} not in the apt lists: run apt-get update")
-    ordered = {p: versions[p] for p in wanted}
-    with contextlib.suppress(OSError):
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps({"stamp": stamp, "packages": ordered}) + "\n")
-    return ordered
+    return {p: versions[p] for p in wanted}
 
 
 def recipe_hash(packages: dict[str, str]) -> str:

@@ -343,3 +343,53 @@ async def test_accel_probe_recognises_a_working_accelerator() -> None:
     # The probe's detection itself, run with TCG (which works everywhere): firmware finishes.
     choice = await _probe(None, accel="tcg")
     assert (choice.accel, choice.reason.startswith("TCG works")) == ("tcg", True), choice.reason
+
+
+SSH_KEY = (
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGVrdWJlbGV0LXRlc3Qta2V5LW5vdC11c2VkLWZvci1hbnl0aGluZw"
+    " test@vkubelet"
+)
+USER_DATA = f"""#cloud-config
+write_files:
+  - path: /etc/vkubelet-test/config
+    content: "from user-data\\n"
+    permissions: "0640"
+ssh_authorized_keys:
+  - {SSH_KEY}
+"""
+
+
+@pytest.mark.skipif(
+    not os.environ.get("VKUBELET_TEST_DISTRO_GUEST"),
+    reason="minutes under TCG (debootstrap once, systemd + cloud-init boot): "
+    "set VKUBELET_TEST_DISTRO_GUEST=1",
+)
+async def test_distribution_guest_runs_real_cloud_init_from_the_seed(
+    vm_distro_image: Path, tmp_path: Path
+) -> None:
+    """Debian with cloud-init: hostname from meta-data, write_files and SSH keys from user-data."""
+    run_dir = tmp_path / "vm"
+    spec = _prepare(vm_distro_image, run_dir, "unused", None, None, {})
+    write_seed_iso(
+        Seed(
+            meta_data="instance-id: distro-1\nlocal-hostname: db-0\n",
+            user_data=USER_DATA,
+        ),
+        run_dir / "seed.iso",
+    )
+    machine = await Machine.launch(spec)
+    try:
+        await machine.wait_guest_agent(600)
+        status = await machine.exec(["cloud-init", "status", "--wait"], timeout=600)
+        assert b"done" in status.stdout, status.stdout + status.stderr
+        hostname = await machine.exec(["hostname"])
+        assert hostname.stdout == b"db-0\n"
+        config = await machine.exec(["stat", "-c", "%a %n", "/etc/vkubelet-test/config"])
+        assert config.stdout == b"640 /etc/vkubelet-test/config\n"
+        keys = await machine.exec(["sh", "-c", "cat /home/*/.ssh/authorized_keys"])
+        assert b"test@vkubelet" in keys.stdout, keys.stderr
+        outcome = await machine.stop(grace=300)
+        assert (outcome.code, outcome.reason) == (0, "Completed")
+    finally:
+        if machine.running():
+            await machine.kill()

@@ -149,7 +149,6 @@ class Machine:
         self.console_log = run_dir / "console.log"
         self.monitor = Monitor(run_dir / "qmp.sock")
         self.agent = GuestAgent(run_dir / "qga.sock")
-        self._exit: MachineExit | None = None
         self._waiter: asyncio.Task[MachineExit] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
