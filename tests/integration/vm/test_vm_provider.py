@@ -175,8 +175,14 @@ def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
                             "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
                             "env": [{"name": "WHO", "value": "a VM"}],
                             "volumeMounts": [{"name": "cfg", "mountPath": "/etc/app"}],
+                            # exec probes run through the guest agent, httpGet reaches the
+                            # pod IP (readiness waits for the startup probe)
+                            "startupProbe": {
+                                "exec": {"command": ["test", "-f", "/etc/hostname"]},
+                                "periodSeconds": 2,
+                            },
                             "readinessProbe": {
-                                "exec": {"command": ["test", "-f", "/tmp/ready"]},
+                                "httpGet": {"path": "/", "port": 8080},
                                 "periodSeconds": 2,
                             },
                         }
@@ -278,35 +284,36 @@ def test_volume_files_and_env_reach_the_guest_and_config_map_changes_follow(
     wait_for(lambda: cat("/etc/app/greeting") == "bye", timeout=90, what="the new greeting")
 
 
-def test_a_readiness_probe_gates_ready(vms: VMs, kubectl: Kubectl) -> None:
+def _serve(kubectl: Kubectl, namespace: str, name: str) -> None:
+    """busybox httpd on port 8080 in the guest (once)."""
+    script = (
+        "pidof httpd >/dev/null || { mkdir -p /tmp/www && echo hello-from-the-vm > "
+        "/tmp/www/index.html && httpd -p 8080 -h /tmp/www; }"
+    )
+    kubectl("-n", namespace, "exec", name, "--", "sh", "-c", script)
+
+
+def test_probes_gate_ready_exec_through_the_guest_agent_http_to_the_pod_ip(
+    vms: VMs, kubectl: Kubectl
+) -> None:
     name = _names(vms)[0]
 
-    def ready() -> bool:
+    def container() -> dict[str, Any]:
         pod = kubectl.json("-n", vms.namespace, "get", "pod", name)
-        statuses = pod["status"].get("containerStatuses") or [{}]
-        return bool(statuses[0].get("ready"))
+        return dict((pod["status"].get("containerStatuses") or [{}])[0])
 
+    wait_for(lambda: container().get("started"), timeout=60, what="the exec startup probe")
     deadline = time.monotonic() + 8  # several probe periods: a broken gate would open
     while time.monotonic() < deadline:
-        assert not ready()
+        assert not container().get("ready")
         time.sleep(1)
-    kubectl("-n", vms.namespace, "exec", name, "--", "touch", "/tmp/ready")
-    wait_for(ready, timeout=60, what=f"{name} Ready after /tmp/ready appeared")
+    _serve(kubectl, vms.namespace, name)
+    wait_for(lambda: container().get("ready"), timeout=60, what=f"{name} Ready once it serves")
 
 
 def test_port_forward_reaches_a_server_in_the_guest(vms: VMs, kubectl: Kubectl) -> None:
     name = _names(vms)[0]
-    kubectl(
-        "-n",
-        vms.namespace,
-        "exec",
-        name,
-        "--",
-        "sh",
-        "-c",
-        "mkdir -p /tmp/www && echo hello-from-the-vm > /tmp/www/index.html "
-        "&& httpd -p 8080 -h /tmp/www",
-    )
+    _serve(kubectl, vms.namespace, name)
     with _port_forward(kubectl, vms.namespace, name, 8080) as local:
 
         def fetch() -> str:
