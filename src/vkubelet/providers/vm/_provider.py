@@ -216,7 +216,11 @@ class VMProvider(RunnerProvider):
         return [NodeCondition(ACCELERATOR_CONDITION, "True", why, reason)]
 
     async def ping(self) -> None:
+        """Unhealthy (the node NotReady, saying why) without QEMU or qemu-img."""
         await self._start()
+        for tool in ("qemu-system-x86_64", "qemu-img"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"{tool} is not installed (Debian: qemu-system-x86 qemu-utils)")
 
     def notify_node_status(self, callback: Callable[[Node], None]) -> None:
         self._node_changed = callback
@@ -232,7 +236,10 @@ class VMProvider(RunnerProvider):
         await asyncio.shield(self._started)
 
     async def _start_once(self) -> None:
-        accel, reason = await self.runtime.probe_accel(self.config.accel)
+        try:
+            accel, reason = await self.runtime.probe_accel(self.config.accel)
+        except Exception as e:  # a broken probe must not keep the node from running VMs
+            accel, reason = "tcg", f"the KVM probe failed ({e}); using TCG"
         self.accel = (accel, reason)
         kind: EventType = "Normal" if accel == "kvm" or self.config.accel == "tcg" else "Warning"
         if self.events is not None:
@@ -683,7 +690,10 @@ class VMProvider(RunnerProvider):
             key = f"{pod.metadata.namespace}/{pod.metadata.name}"
             vm = _VM(pod, directory, address=state.get("address"))
             vm.image_sha256, vm.launch, vm.run = state.get("image"), state["launch"], state["run"]
-            vm.adopted = await self.runtime.adopt(vm.machine_dir)
+            try:
+                vm.adopted = await self.runtime.adopt(vm.machine_dir)
+            except Exception as e:  # one VM never keeps the others from being adopted
+                log.warning("%s: could not adopt its VM (%s); treating it as ended", key, e)
             self.vms[key] = vm
             if vm.adopted is not None:
                 log.info("%s: adopted VM (pid %d, run %d)", key, vm.adopted.pid, vm.run)
