@@ -323,6 +323,20 @@ def test_port_forward_reaches_a_server_in_the_guest(vms: VMs, kubectl: Kubectl) 
         assert wait_for(fetch, timeout=60, what="the guest's httpd").strip() == "hello-from-the-vm"
 
 
+def test_kubectl_cp_both_ways_through_the_guest_s_tar(
+    vms: VMs, kubectl: Kubectl, tmp_path: Path
+) -> None:
+    name = _names(vms)[0]
+    local = tmp_path / "note.txt"
+    local.write_text("copied into a VM\n")
+    kubectl("-n", vms.namespace, "cp", str(local), f"{name}:/tmp/note.txt")
+    copied = kubectl("-n", vms.namespace, "exec", name, "--", "cat", "/tmp/note.txt").stdout
+    assert copied == "copied into a VM\n"
+    back = tmp_path / "hostname"
+    kubectl("-n", vms.namespace, "cp", f"{name}:/etc/hostname", str(back))
+    assert back.read_text().strip() == name
+
+
 def test_a_guest_poweroff_boots_it_again_with_restart_count_1(vms: VMs, kubectl: Kubectl) -> None:
     name = _names(vms)[1]
     # /sbin/poweroff by path: busybox sh prefers its own applet to PATH, and busybox's poweroff
