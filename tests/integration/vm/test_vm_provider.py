@@ -116,6 +116,12 @@ def vm_node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> It
                 "reserved": {"memory": "1Gi"},
                 "guestAgentTimeoutSeconds": 300,
                 "translations": [{"name": "tiny", "url": vm_guest_image.resolve().as_uri()}],
+                "translationConfigMap": {
+                    "namespace": "default",
+                    "name": f"{name}-images",
+                    "kubeconfig": str(kube_cluster.kubeconfig),
+                    "intervalSeconds": 1,
+                },
             }
         )
     )
@@ -133,6 +139,7 @@ def vm_node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> It
             node.agent.stop()
             _clean_up(node, cidr)
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+            kubectl("-n", "default", "delete", "configmap", f"{name}-images", check=False)
 
 
 def _clean_up(node: VMNode, cidr: str) -> None:
@@ -499,6 +506,41 @@ def _port_forward(kubectl: Kubectl, namespace: str, pod: str, remote: int) -> It
 
 def _kubectl_argv(kubectl: Kubectl, namespace: str) -> list[str]:
     return [kubectl.binary, "--kubeconfig", str(kubectl.kubeconfig), "-n", namespace]
+
+
+def test_a_translation_rule_added_to_the_config_map_lets_a_waiting_pod_boot(
+    vm_node: VMNode, kubectl: Kubectl, vms: VMs, vm_guest_image: Path
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "from-cm"},
+        "spec": {
+            "nodeName": vm_node.name,
+            "tolerations": [TOLERATION],
+            "containers": [{"name": "vm", "image": "vm.vkubelet.io/from-config-map"}],
+        },
+    }
+    kubectl("-n", vms.namespace, "apply", "-f", "-", input=json.dumps(pod))
+
+    def state() -> dict[str, Any]:
+        status = kubectl.json("-n", vms.namespace, "get", "pod", "from-cm")["status"]
+        return dict((status.get("containerStatuses") or [{}])[0].get("state") or {})
+
+    def reason() -> str:
+        return str((state().get("waiting") or {}).get("reason"))
+
+    wait_for(lambda: reason() == "ImagePullBackOff", timeout=60, what="ImagePullBackOff")
+    rules = {"translations": [{"name": "from-config-map", "url": vm_guest_image.as_uri()}]}
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{vm_node.name}-images", "namespace": "default"},
+        "data": {"rules.yaml": json.dumps(rules)},
+    }
+    kubectl("apply", "-f", "-", input=json.dumps(config_map))
+    wait_for(lambda: state().get("running"), timeout=180, interval=2, what="the VM running")
+    kubectl("-n", vms.namespace, "delete", "pod", "from-cm", "--wait=true", timeout=120)
 
 
 def test_a_vm_larger_than_the_node_is_refused_naming_the_field(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = [
     "Exit",
@@ -103,6 +103,11 @@ class Runtime(Protocol):
 
     def translate(self, image: str) -> tuple[str, str | None]:
         """(url, sha256) for a pod's image; raises ValueError (TranslationError) naming why."""
+        ...
+
+    def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
+        """The ConfigMap's data (None: it is gone); its rules win. Raises ValueError naming the
+        field at fault (the previous rules stay)."""
         ...
 
     async def pull(

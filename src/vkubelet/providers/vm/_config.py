@@ -8,6 +8,8 @@
     imagePrefix: vm.vkubelet.io
     translations: [{name: tiny, url: file:///srv/tiny.qcow2}]
     translationsFile: images.yaml        # re-read when it changes (a mounted ConfigMap); wins
+    translationConfigMap:                # re-read from the API; wins over both
+      {namespace: kube-system, name: vm-images, kubeconfig: reader.kubeconfig, intervalSeconds: 30}
     imageGCIntervalSeconds: 600
     guestAgentTimeoutSeconds: 300
     defaults: {cpu: "1", memory: 256Mi}
@@ -29,7 +31,7 @@ import yaml
 
 from ...sdk.quantity import QuantityError, parse_quantity
 
-__all__ = ["ConfigError", "VMConfig", "load_config"]
+__all__ = ["ConfigError", "ConfigMapSource", "VMConfig", "load_config"]
 
 Accel = Literal["auto", "kvm", "tcg"]
 
@@ -42,6 +44,7 @@ _KNOWN = {
     "imagePrefix",
     "translations",
     "translationsFile",
+    "translationConfigMap",
     "imageGCIntervalSeconds",
     "guestAgentTimeoutSeconds",
     "defaults",
@@ -51,6 +54,17 @@ _MIB = 2**20
 
 class ConfigError(ValueError):
     """A bad provider config; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class ConfigMapSource:
+    """Translation rules in a ConfigMap, read with `kubeconfig`'s credentials (which need `get`
+    on that ConfigMap: the node's own identity may read only what its pods reference)."""
+
+    namespace: str
+    name: str
+    kubeconfig: Path
+    interval: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,7 @@ class VMConfig:
     image_prefix: str = "vm.vkubelet.io"
     translations: list[dict[str, Any]] = field(default_factory=list)  # as written; vmstore parses
     translations_file: Path | None = None
+    translation_config_map: ConfigMapSource | None = None
     image_gc_interval: float = 600.0
     guest_agent_timeout: float = 300.0
     default_millicpu: int = 1000
@@ -148,6 +163,7 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
     if not isinstance(translations, list) or not all(isinstance(r, dict) for r in translations):
         raise fail("translations", "expected a list of rules (mappings with name|regexp, url)")
     return VMConfig(
+        translation_config_map=_config_map(data.get("translationConfigMap"), fail, base),
         state_dir=state_dir,
         image_store=image_store,
         accel=cast(Accel, accel),
@@ -162,6 +178,26 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         default_millicpu=default_cpu,
         default_memory=default_memory,
         origin=origin,
+    )
+
+
+def _config_map(value: object, fail: Any, base: Path) -> ConfigMapSource | None:
+    name = "translationConfigMap"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise fail(name, "expected a mapping with namespace, name and kubeconfig")
+    unknown = sorted(set(value) - {"namespace", "name", "kubeconfig", "intervalSeconds"})
+    if unknown:
+        raise fail(f"{name}.{unknown[0]}", "unknown field")
+    for key in ("namespace", "name", "kubeconfig"):
+        if not isinstance(value.get(key), str) or not value[key]:
+            raise fail(f"{name}.{key}", f"expected a non-empty string, got {value.get(key)!r}")
+    interval = value.get("intervalSeconds", 30)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+        raise fail(f"{name}.intervalSeconds", f"expected a positive number, got {interval!r}")
+    return ConfigMapSource(
+        value["namespace"], value["name"], base / value["kubeconfig"], float(interval)
     )
 
 

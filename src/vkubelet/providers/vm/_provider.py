@@ -248,6 +248,8 @@ class VMProvider(RunnerProvider):
         self._node_changed(Node())  # the Accelerator condition, published now
         await self._adopt_all()
         self._tasks.spawn(self._gc_loop(), name="image gc")
+        if self.config.translation_config_map is not None:
+            self._tasks.spawn(self._config_map_loop(), name="translation configmap")
 
     # -- pods -----------------------------------------------------------------------------------
     async def pod_ips(self, pod: Pod) -> list[str]:
@@ -711,6 +713,49 @@ class VMProvider(RunnerProvider):
                     directory / "console.offset",
                 ).copy(final=True)
             self._start_vm(key, vm, restart_count=vm.run)
+
+    # -- the translation ConfigMap ------------------------------------------------------------
+    async def _config_map_loop(self) -> None:
+        """Re-read the translation ConfigMap every interval; its rules win over the config's."""
+        source = self.config.translation_config_map
+        assert source is not None
+        from lightkube import AsyncClient, KubeConfig
+        from lightkube.core.exceptions import ApiError
+        from lightkube.resources.core_v1 import ConfigMap
+
+        origin = f"ConfigMap {source.namespace}/{source.name}"
+        client = AsyncClient(config=KubeConfig.from_file(source.kubeconfig))
+        seen: object = ()  # nothing yet
+        try:
+            while True:
+                data: dict[str, str] | None
+                try:
+                    found = await client.get(ConfigMap, source.name, namespace=source.namespace)
+                    data = dict(found.data or {})
+                except ApiError as e:
+                    if e.status.code != 404:
+                        log.warning("%s: cannot read it: %s", origin, e)
+                        await asyncio.sleep(source.interval)
+                        continue
+                    data = None
+                except Exception as e:  # the apiserver away: try again later
+                    log.warning("%s: cannot read it: %s", origin, e)
+                    await asyncio.sleep(source.interval)
+                    continue
+                if data != seen:
+                    seen = data
+                    try:
+                        self.runtime.set_translation_overrides(data, origin)
+                        log.info("translation rules from %s applied", origin)
+                    except ValueError as e:
+                        log.warning("%s: rules kept as they were: %s", origin, e)
+                        if self.events is not None:
+                            self.events.node_event(
+                                self.node_name, "Warning", "InvalidTranslationRules", str(e)
+                            )
+                await asyncio.sleep(source.interval)
+        finally:
+            await client.close()
 
     # -- image gc --------------------------------------------------------------------------------
     async def _gc_loop(self) -> None:

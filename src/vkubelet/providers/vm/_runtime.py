@@ -24,7 +24,13 @@ from ._machine import Disk, Machine, MachineSpec
 from ._net import GuestNetwork, PodNetwork
 from ._seed import write_seed_iso
 from ._store import ImageStore, StoredImage
-from ._translate import ImageSource, ImageTranslator, TranslationError, parse_rules
+from ._translate import (
+    ImageSource,
+    ImageTranslator,
+    TranslationError,
+    TranslationRule,
+    parse_rules,
+)
 
 __all__ = ["QemuRuntime"]
 
@@ -83,9 +89,22 @@ class QemuRuntime:
             raise ConfigError(str(e)) from None
         self._translator = ImageTranslator(config.image_prefix, rules)
         self._overrides_stamp: tuple[int, int] | None = None
+        self._file_rules: list[TranslationRule] = []
+        self._config_map_rules: list[TranslationRule] = []
         self.store = ImageStore(config.image_store)
         self.network = PodNetwork(config.pod_cidr)
         self._networks: dict[str, GuestNetwork] = {}
+
+    def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
+        self._config_map_rules = parse_rules(data, origin=origin) if data else []
+        self._apply_overrides()
+
+    def _apply_overrides(self) -> None:
+        # The ConfigMap's rules first (its regexps are tried first) and its names win.
+        names = {rule.name for rule in self._config_map_rules if rule.name is not None}
+        kept = [rule for rule in self._file_rules if rule.name is None or rule.name not in names]
+        rules = [*self._config_map_rules, *kept]
+        self._translator = self._translator.with_overrides(rules)
 
     def _current_translator(self) -> ImageTranslator:
         path = self.config.translations_file
@@ -105,7 +124,8 @@ class QemuRuntime:
                     rules = parse_rules(data, origin=str(path))
                 except (OSError, yaml.YAMLError, TranslationError) as e:
                     log.warning("translations file %s ignored: %s", path, e)
-            self._translator = self._translator.with_overrides(rules)
+            self._file_rules = rules
+            self._apply_overrides()
         return self._translator
 
     def translate(self, image: str) -> tuple[str, str | None]:

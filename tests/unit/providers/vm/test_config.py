@@ -30,7 +30,8 @@ def test_paths_are_relative_to_the_file_and_quantities_are_parsed(tmp_path: Path
             "stateDir: state\nimageStore: /srv/images\naccel: tcg\n"
             "reserved: {cpu: 500m, memory: 1Gi}\npodCIDR: 10.9.0.0/24\n"
             "translations: [{name: tiny, url: 'file:///x.qcow2'}]\n"
-            "translationsFile: rules.yaml\nimageGCIntervalSeconds: 30\n",
+            "translationsFile: rules.yaml\nimageGCIntervalSeconds: 30\n"
+            "translationConfigMap: {namespace: kube-system, name: vm-images, kubeconfig: r.kc}\n",
         )
     )
     assert config.state_dir == tmp_path / "state"
@@ -41,6 +42,9 @@ def test_paths_are_relative_to_the_file_and_quantities_are_parsed(tmp_path: Path
     assert config.translations == [{"name": "tiny", "url": "file:///x.qcow2"}]
     assert config.translations_file == tmp_path / "rules.yaml"
     assert config.image_gc_interval == 30
+    cm = config.translation_config_map
+    assert cm is not None and (cm.namespace, cm.name) == ("kube-system", "vm-images")
+    assert cm.kubeconfig == tmp_path / "r.kc" and cm.interval == 30
 
 
 @pytest.mark.parametrize(
@@ -55,6 +59,11 @@ def test_paths_are_relative_to_the_file_and_quantities_are_parsed(tmp_path: Path
         ("imageGCIntervalSeconds: -1\n", "imageGCIntervalSeconds"),
         ("stateDirr: x\n", "stateDirr"),
         ("defaults: {memory: 1Mi}\n", "defaults"),
+        ("translationConfigMap: {namespace: a, name: b}\n", "translationConfigMap.kubeconfig"),
+        (
+            "translationConfigMap: {namespace: a, name: b, kubeconfig: k, x: 1}\n",
+            "translationConfigMap.x",
+        ),
     ],
 )
 def test_a_bad_option_is_refused_naming_the_file_and_the_field(

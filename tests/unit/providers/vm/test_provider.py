@@ -107,6 +107,9 @@ class FakeRuntime:
     detached: list[str] = field(default_factory=list)
     boot_at_once: bool = True
 
+    def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
+        pass
+
     def translate(self, image: str) -> tuple[str, str | None]:
         if image not in self.rules:
             raise ValueError(f"image {image!r}: no translation rule matches")
@@ -542,3 +545,24 @@ async def test_new_volume_contents_are_written_into_the_running_guest(
     assert stdin == b"two"
     assert runtime.seeds[-1]["files"]["/etc/app/a.conf"] == b"two"
     assert runtime.seeds[-1]["files"]["/etc/vkubelet/env"] == b"E=1\n"  # start-time env
+
+
+def test_config_map_rules_win_over_the_config_file_s_and_go_when_it_goes(tmp_path: Path) -> None:
+    from vkubelet.providers.vm._runtime import QemuRuntime
+
+    config = VMConfig(
+        state_dir=tmp_path,
+        image_store=tmp_path / "images",
+        translations=[{"name": "tiny", "url": "file:///file.qcow2"}],
+    )
+    runtime = QemuRuntime(config)
+    assert runtime.translate("vm.vkubelet.io/tiny") == ("file:///file.qcow2", None)
+    rules = "translations: [{name: tiny, url: 'file:///cm.qcow2'}, {name: new, url: 'file:///n'}]"
+    runtime.set_translation_overrides({"rules.yaml": rules}, "ConfigMap a/b")
+    assert runtime.translate("vm.vkubelet.io/tiny") == ("file:///cm.qcow2", None)
+    assert runtime.translate("vm.vkubelet.io/new") == ("file:///n", None)
+    with pytest.raises(ValueError, match="ConfigMap a/b"):
+        runtime.set_translation_overrides({"rules.yaml": "translations: 3"}, "ConfigMap a/b")
+    assert runtime.translate("vm.vkubelet.io/new") == ("file:///n", None)  # kept
+    runtime.set_translation_overrides(None, "ConfigMap a/b")
+    assert runtime.translate("vm.vkubelet.io/tiny") == ("file:///file.qcow2", None)
