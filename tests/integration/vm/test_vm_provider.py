@@ -169,12 +169,18 @@ def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
             "replicas": 2,
             "selector": {"matchLabels": {"app": "vm"}},
             "template": {
-                "metadata": {"labels": {"app": "vm"}},
+                "metadata": {
+                    "labels": {"app": "vm"},
+                    "annotations": {"vm.vkubelet.io/root-size": "1Gi"},
+                },
                 "spec": {
                     "nodeSelector": {"kubernetes.io/hostname": vm_node.name},
                     "tolerations": [TOLERATION],
                     "terminationGracePeriodSeconds": 60,
-                    "volumes": [{"name": "cfg", "configMap": {"name": "greeting"}}],
+                    "volumes": [
+                        {"name": "cfg", "configMap": {"name": "greeting"}},
+                        {"name": "scratch", "emptyDir": {"sizeLimit": "64Mi"}},
+                    ],
                     "containers": [
                         {
                             "name": "vm",
@@ -276,7 +282,7 @@ def test_exec_with_a_terminal_is_refused_and_attach_reaches_the_serial_console(
         wait_for(lambda: "ATTACHED-42" in terminal.screen(), timeout=30, what="the console's echo")
 
 
-def test_volume_files_and_env_reach_the_guest_and_config_map_changes_follow(
+def test_disks_volume_files_and_env_reach_the_guest_and_config_map_changes_follow(
     vms: VMs, kubectl: Kubectl
 ) -> None:
     name = _names(vms)[0]
@@ -284,6 +290,11 @@ def test_volume_files_and_env_reach_the_guest_and_config_map_changes_follow(
     def cat(path: str) -> str:
         return str(kubectl("-n", vms.namespace, "exec", name, "--", "cat", path).stdout)
 
+    sizes = kubectl(
+        "-n", vms.namespace, "exec", name, "--", "sh", "-c", "cat /sys/block/vd*/size"
+    ).stdout.split()
+    assert str(2**30 // 512) in sizes  # the root disk, grown by the annotation
+    assert str(64 * 2**20 // 512) in sizes  # the emptyDir's blank disk
     assert cat("/etc/app/greeting") == "hello"
     assert "WHO='a VM'" in cat("/etc/vkubelet/env")
     patch = json.dumps({"data": {"greeting": "bye"}})
