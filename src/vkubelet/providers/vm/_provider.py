@@ -746,7 +746,8 @@ class VMProvider(RunnerProvider):
                     seen = data
                     try:
                         self.runtime.set_translation_overrides(data, origin)
-                        log.info("translation rules from %s applied", origin)
+                        state = "applied" if data is not None else "absent: none applied"
+                        log.info("translation rules from %s %s", origin, state)
                     except ValueError as e:
                         log.warning("%s: rules kept as they were: %s", origin, e)
                         if self.events is not None:
