@@ -27,7 +27,6 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +51,13 @@ from ...sdk import (
     Waiting,
     build_pod_status,
 )
-from ...sdk.metrics import RESOURCE_METRIC_FAMILIES
 from ...sdk.provider import EventSink, EventType
-from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime, Usage
+from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._config import VMConfig
 from ._console import ConsoleTailer
 from ._spec import ENV_FILE, MachinePlan, SpecError, plan_machine
+from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
+from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
 
 __all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
 
@@ -190,7 +190,7 @@ class VMProvider(RunnerProvider):
         self._node_changed: Callable[[Node], None] = lambda node: None
         self._grace: dict[str, int] = {}
         self._preparing: dict[str, asyncio.Task[None]] = {}
-        self._samples: dict[str, tuple[float, int]] = {}  # uid -> (time, cpu ns)
+        self._rates = CpuRates()
         self._tasks = TaskSet("vm provider")
         self._started: asyncio.Task[None] | None = None
         self._closed = False
@@ -475,7 +475,7 @@ class VMProvider(RunnerProvider):
             runner.booting = False
             self._push(runner.as_pod())
         vm.machine, vm.run = machine, count
-        vm.started_wall = _process_start(machine.pid)
+        vm.started_wall = process_start(machine.pid)
         vm.save()
         self._drop_old_logs(vm, count)
         tailer = ConsoleTailer(
@@ -785,188 +785,59 @@ class VMProvider(RunnerProvider):
     async def exec_in_container(
         self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
     ) -> int:
-        """The command runs through the guest agent (`guest-exec`): stdin is read to its end
-        first and handed over at once, output comes when the command has ended; there is no
-        terminal, so `-t` is refused."""
+        """Through the guest agent: stdin whole first, output at the end, `-t` refused."""
         if io.tty:
-            raise ProviderError(
-                "BadRequest",
-                "kubectl exec -t is not supported by the VM provider (commands run through "
-                "the QEMU guest agent, which has no terminal); use kubectl attach -it for the "
-                "serial console, or exec without -t",
-            )
-        vm = self._running(namespace, pod, container)
-        assert vm.machine is not None
-        stdin = b""
-        if io.stdin is not None:
-            chunks = []
-            while data := await io.stdin.read():
-                chunks.append(data)
-            stdin = b"".join(chunks)
-        output = await vm.machine.exec(command, stdin=stdin)
-        if io.stdout is not None and output.stdout:
-            await io.stdout.write(output.stdout)
-        if io.stderr is not None and output.stderr:
-            await io.stderr.write(output.stderr)
-        return output.exit_code
+            raise ProviderError("BadRequest", TTY_REFUSED)
+        machine = self._running(namespace, pod, container).machine
+        assert machine is not None
+        return await exec_through_agent(machine, command, io)
 
     async def attach_to_container(
         self, namespace: str, pod: str, container: str, io: AttachIO
     ) -> None:
         """The serial console, both ways (the console log keeps everything regardless)."""
-        vm = self._running(namespace, pod, container)
-        assert vm.machine is not None
-        reader, writer = await asyncio.open_unix_connection(str(vm.machine.console_socket))
-
-        async def upstream() -> None:
-            while io.stdin is not None and (data := await io.stdin.read()):
-                writer.write(data)
-                await writer.drain()
-
-        async def downstream() -> None:
-            while data := await reader.read(65536):
-                if io.stdout is not None:
-                    await io.stdout.write(data)
-
-        up = asyncio.create_task(upstream())
-        try:
-            await downstream()
-        finally:
-            up.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await up
-            writer.close()
+        machine = self._running(namespace, pod, container).machine
+        assert machine is not None
+        await attach_console(machine.console_socket, io)
 
     async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
         vm = self.vms.get(f"{namespace}/{pod}")
         if vm is None or vm.address is None:
             raise ProviderError("NotFound", f"pod {namespace}/{pod} has no address")
-        reader, writer = await asyncio.open_connection(vm.address, port)
-
-        async def to_guest() -> None:
-            while data := await stream.read():
-                writer.write(data)
-                await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
-
-        async def from_guest() -> None:
-            while data := await reader.read(65536):
-                await stream.write(data)
-            await stream.close()
-
-        try:
-            await asyncio.gather(to_guest(), from_guest())
-        finally:
-            writer.close()
+        await forward_tcp(vm.address, port, stream)
 
     async def stats_summary(self) -> dict[str, Any]:
-        """`kubectl top`: each VM's QEMU (CPU time, memory) as its pod and container."""
-        now = datetime.now(UTC).replace(microsecond=0)
-        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-        pods = []
-        total_cpu = total_memory = total_rate = 0
-        for vm, usage in await self._usages():
-            rate = self._rate(vm.uid, usage.cpu_ns)
-            total_cpu += usage.cpu_ns
-            total_memory += usage.memory_bytes
-            total_rate += rate
-            cpu = {"time": stamp, "usageNanoCores": rate, "usageCoreNanoSeconds": usage.cpu_ns}
-            memory = {
-                "time": stamp,
-                "usageBytes": usage.memory_bytes,
-                "workingSetBytes": usage.memory_bytes,
-                "rssBytes": usage.memory_bytes,
-            }
-            meta = vm.pod.metadata
-            assert meta is not None
-            pods.append(
-                {
-                    "podRef": {"name": meta.name, "namespace": meta.namespace, "uid": meta.uid},
-                    "startTime": stamp,
-                    "containers": [
-                        {"name": vm.container, "startTime": stamp, "cpu": cpu, "memory": memory}
-                    ],
-                    "cpu": cpu,
-                    "memory": memory,
-                }
-            )
-        return {
-            "node": {
-                "nodeName": self.node_name,
-                "cpu": {
-                    "time": stamp,
-                    "usageNanoCores": total_rate,
-                    "usageCoreNanoSeconds": total_cpu,
-                },
-                "memory": {
-                    "time": stamp,
-                    "availableBytes": max(self.memory - total_memory, 0),
-                    "usageBytes": total_memory,
-                    "workingSetBytes": total_memory,
-                },
-            },
-            "pods": pods,
-        }
+        return summary(self.node_name, self.memory, await self._usages())
 
-    async def _usages(self) -> list[tuple[_VM, Usage]]:
+    async def metrics_resource(self) -> str:
+        return resource_metrics(await self._usages())
+
+    async def _usages(self) -> list[VMUsage]:
         """Each running VM's QEMU usage (a VM stopping meanwhile is left out)."""
         usages = []
         for vm in list(self.vms.values()):
             if vm.machine is None:
                 continue
             try:
-                usages.append((vm, await vm.machine.usage()))
+                usage = await vm.machine.usage()
             except Exception as e:
                 log.debug("%s: no stats: %s", vm.uid, e)
-        return usages
-
-    async def metrics_resource(self) -> str:
-        """The kubelet's `/metrics/resource` (what metrics-server v0.6+ scrapes for `kubectl
-        top`): the same QEMU figures as the summary, in Prometheus text."""
-        stamp = str(int(time.time() * 1000))
-        samples: dict[str, list[str]] = {name: [] for name in RESOURCE_METRIC_FAMILIES}
-
-        def add(name: str, labels: dict[str, str], value: float, timed: bool = True) -> None:
-            text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-            tail = f" {stamp}" if timed else ""
-            samples[name].append(
-                f"{name}{{{text}}} {value!r}{tail}" if text else f"{name} {value!r}{tail}"
-            )
-
-        usages = await self._usages()
-        add("node_cpu_usage_seconds_total", {}, sum(u.cpu_ns for _, u in usages) / 1e9)
-        add("node_memory_working_set_bytes", {}, float(sum(u.memory_bytes for _, u in usages)))
-        for vm, usage in usages:
+                continue
             meta = vm.pod.metadata
             assert meta is not None
-            pod = {"namespace": str(meta.namespace), "pod": str(meta.name)}
-            container = {**pod, "container": vm.container}
-            add("container_start_time_seconds", container, vm.started_wall, timed=False)
-            add("container_cpu_usage_seconds_total", container, usage.cpu_ns / 1e9)
-            add("container_memory_working_set_bytes", container, float(usage.memory_bytes))
-            add("pod_cpu_usage_seconds_total", pod, usage.cpu_ns / 1e9)
-            add("pod_memory_working_set_bytes", pod, float(usage.memory_bytes))
-        add("resource_scrape_error", {}, 0.0, timed=False)
-        lines = []
-        for name, (kind, help_text) in RESOURCE_METRIC_FAMILIES.items():
-            if samples[name]:
-                lines += [f"# HELP {name} [STABLE] {help_text}", f"# TYPE {name} {kind}"]
-                lines += sorted(samples[name])
-        return "\n".join(lines) + "\n"
-
-    def _rate(self, uid: str, cpu_ns: int) -> int:
-        """CPU nanocores since the previous sample of this VM (0 the first time)."""
-        now = time.monotonic()
-        before = self._samples.get(uid)
-        self._samples[uid] = (now, cpu_ns)
-        if before is None or now <= before[0]:
-            return 0
-        return max(int((cpu_ns - before[1]) / (now - before[0])), 0)
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+            usages.append(
+                VMUsage(
+                    namespace=str(meta.namespace),
+                    name=str(meta.name),
+                    uid=vm.uid,
+                    container=vm.container,
+                    started=vm.started_wall,
+                    cpu_ns=usage.cpu_ns,
+                    memory_bytes=usage.memory_bytes,
+                    nanocores=self._rates.rate(vm.uid, usage.cpu_ns),
+                )
+            )
+        return usages
 
 
 def _recorded_exit(machine_dir: Path) -> int:
@@ -974,19 +845,6 @@ def _recorded_exit(machine_dir: Path) -> int:
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         return int(json.loads((machine_dir / "exit.json").read_text())["code"])
     return 137
-
-
-def _process_start(pid: int) -> float:
-    """When process `pid` started, in epoch seconds (now if it cannot be read)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(
-            float(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    return time.time()
 
 
 def _host_memory() -> int:
