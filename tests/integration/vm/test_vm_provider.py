@@ -244,6 +244,15 @@ def test_a_deployment_of_two_vms_runs_with_pod_ips(
     conditions = {c["type"]: c for c in node["status"]["conditions"]}
     assert conditions["Accelerator"]["status"] == "True"
     assert conditions["Accelerator"]["reason"] == "TCG"
+
+    def reasons(*selector: str) -> set[str]:
+        events = kubectl.json("get", "events", "-A", "--field-selector", ",".join(selector))
+        return {e.get("reason") for e in events["items"]}
+
+    node_events = f"involvedObject.kind=Node,involvedObject.name={vm_node.name}"
+    wait_for(lambda: "Accelerator" in reasons(node_events), timeout=30, what="the node Event")
+    pod_events = f"involvedObject.namespace={vms.namespace}"
+    assert {"Pulling", "Pulled", "Created", "Started"} <= reasons(pod_events)
     assert len(vm_node.qemu_pids()) == 2
 
 
