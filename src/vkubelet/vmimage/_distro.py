@@ -32,6 +32,7 @@ SUITE = "bookworm"
 PACKAGES = (
     "systemd-sysv",
     "udev",
+    "dbus",  # logind (power button) and `shutdown` (what guest-shutdown runs) need it
     "linux-image-cloud-amd64",
     "cloud-init",
     "python3-cffi-backend",  # debootstrap does not resolve the virtual package cryptography needs
@@ -56,8 +57,8 @@ LABEL linux
   APPEND {_CMDLINE}
 """
 #: NoCloud only (no minute spent probing cloud metadata services); one SSH host key type, as an
-#: RSA 3072 key alone takes a minute to generate under TCG.
-_CLOUD_CFG = "datasource_list: [NoCloud, None]\nssh_genkeytypes: [ed25519]\n"
+#: RSA 3072 key alone takes a minute to generate under TCG; no locale (minbase has no `locales`).
+_CLOUD_CFG = "datasource_list: [NoCloud, None]\nssh_genkeytypes: [ed25519]\nlocale: false\n"
 _FSTAB = f"LABEL={_ROOT_LABEL} / ext4 defaults 0 1\n"
 
 
