@@ -130,6 +130,7 @@ async def supervise_container(
     names: tuple[str, str, str, str],
     init: bool = False,
     backoff: RestartBackoff | None = None,
+    first_run: int = 0,
 ) -> bool:
     """Run a container as its pod's restart policy says, with the kubelet's back-off, until it
     is done or `stop` is set; True if its last run succeeded.
@@ -137,11 +138,12 @@ async def supervise_container(
     `run(n)` runs the container's run `n` (its restart count) to the end and returns the exit
     code (-N for a signal N); `report` gets each state change: running, terminated, waiting in
     `CrashLoopBackOff` with the kubelet's message. `names` is (container, pod, namespace, uid),
-    for that message.
+    for that message. `first_run` is the restart count to start from (a container adopted after
+    an agent restart keeps its count).
     """
     backoff = backoff or RestartBackoff()
     last: Terminated | None = None
-    count = 0
+    count = first_run
     while not stop.is_set():
         started = datetime.now(UTC)
         report(ContainerReport(Running(started), count, last))

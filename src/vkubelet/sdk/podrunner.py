@@ -16,7 +16,7 @@ import functools
 import logging
 import shutil
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -59,11 +59,13 @@ class PodRunner:
         on_change: Callable[[], None] = lambda: None,
         probe_transport: ProbeTransport | None = None,
         on_event: Callable[[ProbeEvent], None] | None = None,
+        restart_counts: Mapping[str, int] | None = None,
     ) -> None:
         """`probe_transport`: how the probe engine reaches the containers; with it, the pod's
         liveness, readiness and startup probes run (a liveness failure ends the run: SIGTERM,
         SIGKILL after the grace period, and the restart policy decides) and `on_event` gets
-        their Events."""
+        their Events. `restart_counts`: where each container's runs start counting (a pod
+        adopted after an agent restart keeps its restart counts)."""
         assert pod.metadata is not None and pod.spec is not None
         self.pod = pod
         self.reports: dict[str, ContainerReport] = {}
@@ -78,6 +80,7 @@ class PodRunner:
                 on_event=on_event,
             )
         self._run, self._signal = run, signal_container
+        self._first_runs = dict(restart_counts or {})
         self._host_ip, self._pod_ips = host_ip, list(pod_ips)
         self._on_change = on_change
         self._stop = asyncio.Event()
@@ -254,6 +257,7 @@ class PodRunner:
             stop=self._stop,
             names=names,
             init=init,
+            first_run=self._first_runs.get(container.name, 0),
         )
 
 
@@ -292,6 +296,8 @@ class RunnerProvider:
         *,
         pod_ips: Sequence[str] = (),
         probe_transport: ProbeTransport | None = None,
+        restart_counts: Mapping[str, int] | None = None,
+        runner_class: type[PodRunner] | None = None,
     ) -> PodRunner:
         key, pod, events = f"{resolved.namespace}/{resolved.name}", resolved.pod, self.events
 
@@ -299,7 +305,7 @@ class RunnerProvider:
             if events is not None:
                 events.pod_event(pod, e.type, e.reason, e.message)
 
-        runner = PodRunner(
+        runner = (runner_class or PodRunner)(
             pod,
             run,
             signal_container,
@@ -308,6 +314,7 @@ class RunnerProvider:
             on_change=lambda: self._notify(runner.as_pod()),
             probe_transport=probe_transport,
             on_event=on_event,
+            restart_counts=restart_counts,
         )
         self.runners[key] = runner
         runner.start()

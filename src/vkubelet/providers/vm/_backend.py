@@ -1,0 +1,147 @@
+"""What the provider needs from the machine and image parts, as protocols.
+
+The provider is the kubelet's logic (what to do when); QEMU, the image store, the pod network
+and the seed writer are the runtime's (how). Keeping the seam a protocol lets the provider's
+unit tests run on a fake, and keeps QEMU's details out of its module: `_runtime.QemuRuntime`
+is the real implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "Exit",
+    "GuestAddress",
+    "LaunchSpec",
+    "MachineHandle",
+    "Output",
+    "PulledImage",
+    "Runtime",
+    "Usage",
+]
+
+
+class Exit(Protocol):
+    code: int
+    reason: str
+
+
+class Output(Protocol):
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+
+@dataclass(frozen=True)
+class Usage:
+    cpu_ns: int  # cumulative CPU time used by the machine
+    memory_bytes: int  # host memory it holds
+
+
+class MachineHandle(Protocol):
+    """One running QEMU (see `_machine.Machine`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def console_log(self) -> Path: ...
+
+    @property
+    def console_socket(self) -> Path: ...
+
+    async def wait(self) -> Exit: ...
+
+    async def wait_guest_agent(self, timeout: float) -> None: ...  # noqa: ASYNC109
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        stdin: bytes = b"",
+        timeout: float | None = None,  # noqa: ASYNC109 - the guest agent's own limit
+    ) -> Output: ...
+
+    async def stop(self, grace: float) -> Exit: ...
+
+    async def kill(self) -> None: ...
+
+    async def usage(self) -> Usage: ...
+
+
+@dataclass(frozen=True)
+class PulledImage:
+    path: Path
+    sha256: str
+    size: int  # virtual size, bytes
+    format: str = "qcow2"  # or "raw"
+
+
+@dataclass(frozen=True)
+class GuestAddress:
+    address: str  # the pod IP
+    netns: str | None
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    name: str  # namespace/name
+    run_dir: Path  # the machine's own directory (sockets, console log)
+    vcpus: int
+    memory_mib: int
+    disks: tuple[tuple[Path, str], ...]  # (qcow2 path, bus); first = root
+    seed: Path | None
+    network_key: str | None  # the pod uid the network was attached for
+    accel: str
+
+
+class Runtime(Protocol):
+    """The machine and image parts, as the provider uses them."""
+
+    def translate(self, image: str) -> tuple[str, str | None]:
+        """(url, sha256) for a pod's image; raises ValueError (TranslationError) naming why."""
+        ...
+
+    def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
+        """The ConfigMap's data (None: it is gone); its rules win. Raises ValueError naming the
+        field at fault (the previous rules stay)."""
+        ...
+
+    async def pull(
+        self, image: str, url: str, sha256: str | None, progress: Callable[[int, int | None], None]
+    ) -> PulledImage: ...
+
+    async def create_overlay(self, base: PulledImage, path: Path, size: int | None) -> None: ...
+
+    async def create_blank(self, path: Path, size: int) -> None: ...
+
+    def write_seed(
+        self,
+        path: Path,
+        *,
+        pod_name: str,
+        pod_uid: str,
+        annotations: Mapping[str, str],
+        files: Mapping[str, bytes],
+        network_key: str | None,
+        secret_files: Collection[str] = (),
+    ) -> None:
+        """The cloud-init seed; raises ValueError (CloudInitError) naming the annotation."""
+        ...
+
+    async def attach_network(self, key: str) -> GuestAddress: ...
+
+    async def detach_network(self, key: str) -> None: ...
+
+    async def launch(self, spec: LaunchSpec) -> MachineHandle: ...
+
+    async def adopt(self, run_dir: Path) -> MachineHandle | None: ...
+
+    async def probe_accel(self, mode: str) -> tuple[str, str]:
+        """(accel, reason) for `auto|kvm|tcg`."""
+        ...
+
+    def gc_images(self, in_use: Collection[str]) -> list[str]: ...

@@ -1,0 +1,870 @@
+"""The VM provider: each pod is a QEMU virtual machine, run as the kubelet runs a container.
+
+A pod goes through two stages. *Preparing* (the kubelet's image pull and container creation):
+the image is translated and pulled (failures are `ErrImagePull`, then `ImagePullBackOff` with
+the kubelet's back-off, retried for ever: a translation rule may appear later), then the root
+overlay, the blank disks, the seed and the pod's network are made. *Running*: the SDK's
+`PodRunner` runs the single container, whose one "run" is one boot of the machine: launch (or,
+after an agent restart, adopt the QEMU that kept running), Running once the guest agent
+answers, and the run's exit code is the machine's (a guest poweroff, a crash); the restart
+policy and back-off are the runner's. Deleting the pod stops the machine gracefully (guest
+agent shutdown, ACPI, quit) within the grace period.
+
+What a restarted agent needs is kept in the pod's run directory, `<stateDir>/vms/<uid>/`:
+`pod.json` (the pod), `state.json` (run number, address, what to launch again), the disks and
+seed, the console position of the log tailer, and `m/` (QEMU's sockets, pid, console file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lightkube.models.core_v1 import PodStatus
+from lightkube.resources.core_v1 import Node, Pod
+
+from ...sdk import (
+    AttachIO,
+    ByteStream,
+    ContainerReport,
+    ExecResult,
+    NodeCondition,
+    PodRunner,
+    ProbeUnknown,
+    ProviderContext,
+    ProviderError,
+    ResolvedPod,
+    RestartBackoff,
+    RunnerProvider,
+    Running,
+    TaskSet,
+    Waiting,
+    build_pod_status,
+)
+from ...sdk.provider import EventSink, EventType
+from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
+from ._config import VMConfig
+from ._console import ConsoleTailer
+from ._spec import ENV_FILE, MachinePlan, SpecError, plan_machine
+from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
+from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
+
+__all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
+
+# Replace file $1 with stdin, mode $2, at once (a reader sees the old or the new content). The
+# path and mode are arguments, never part of the script.
+_REPLACE_FILE = (
+    'mkdir -p "$(dirname "$1")" && cat > "$1.vkubelet-new" && chmod "$2" "$1.vkubelet-new" '
+    '&& mv -f "$1.vkubelet-new" "$1"'
+)
+
+log = logging.getLogger(__name__)
+
+ACCELERATOR_CONDITION = "Accelerator"
+_MIB = 2**20
+
+
+# -- per pod ------------------------------------------------------------------------------------
+@dataclass
+class _VM:
+    """One VM pod's bookkeeping (what outlives the agent is in `dir`)."""
+
+    pod: Pod
+    dir: Path
+    plan: MachinePlan | None = None
+    address: str | None = None
+    image_sha256: str | None = None
+    launch: dict[str, Any] = field(default_factory=dict)  # LaunchSpec fields but accel
+    waiting: Waiting = field(default_factory=Waiting)  # while preparing
+    status: PodStatus | None = None  # while preparing
+    machine: MachineHandle | None = None
+    adopted: MachineHandle | None = None  # the first run after an agent restart uses it
+    ended: int | None = None  # or: that run ended (this exit code) while no agent ran
+    started_wall: float = 0.0  # when the current run's machine started (epoch seconds)
+    run: int = 0
+    booted_at: float | None = None
+
+    @property
+    def uid(self) -> str:
+        return str(self.pod.metadata.uid)  # type: ignore[union-attr]
+
+    @property
+    def container(self) -> str:
+        return str(self.pod.spec.containers[0].name)  # type: ignore[union-attr]
+
+    @property
+    def machine_dir(self) -> Path:
+        return self.dir / "m"  # short: unix socket paths have a 108-byte limit
+
+    def save(self) -> None:
+        state = {
+            "run": self.run,
+            "address": self.address,
+            "image": self.image_sha256,
+            "launch": self.launch,
+        }
+        tmp = self.dir / "state.json.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.dir / "state.json")
+
+
+class _VMRunner(PodRunner):
+    """A VM's container reads `Waiting: ContainerCreating` until its guest agent answers:
+    "Running" means the guest is up, not just that QEMU started. (The runner reports a run
+    as running before the provider's run starts: so a new runner starts out booting.)"""
+
+    booting = True
+
+    def status(self) -> PodStatus:
+        if not self.booting:
+            return super().status()
+        saved = self.reports
+        self.reports = {
+            name: replace(report, state=Waiting("ContainerCreating", "the guest is booting"))
+            if isinstance(report.state, Running)
+            else report
+            for name, report in saved.items()
+        }
+        try:
+            return super().status()
+        finally:
+            self.reports = saved
+
+
+class _Transport:
+    """The probe engine's way into a VM: exec through the guest agent, TCP to the pod IP."""
+
+    def __init__(self, provider: VMProvider, key: str) -> None:
+        self._provider, self._key = provider, key
+
+    def _machine(self) -> MachineHandle:
+        vm = self._provider.vms.get(self._key)
+        if vm is None or vm.machine is None or vm.booted_at is None:
+            raise ProbeUnknown("the guest is not up")
+        return vm.machine
+
+    async def exec(self, container: str, command: Sequence[str], limit: float) -> ExecResult:
+        output = await self._machine().exec(list(command), timeout=limit)
+        return ExecResult(output.exit_code, output.stdout + output.stderr)
+
+    async def open_connection(self, host: str, port: int) -> Any:
+        return await asyncio.open_connection(host, port)
+
+    def available(self) -> bool:
+        vm = self._provider.vms.get(self._key)
+        return vm is not None and vm.machine is not None and vm.booted_at is not None
+
+
+# -- the provider -------------------------------------------------------------------------------
+class VMProvider(RunnerProvider):
+    def __init__(
+        self,
+        node_name: str,
+        config: VMConfig,
+        runtime: Runtime,
+        *,
+        host_ip: str,
+        events: EventSink | None = None,
+        host_millicpu: int | None = None,
+        host_memory: int | None = None,
+    ) -> None:
+        super().__init__(host_ip=host_ip, log_dir=config.log_root, events=events)
+        self.node_name, self.config, self.runtime = node_name, config, runtime
+        self.vms: dict[str, _VM] = {}  # "namespace/name"
+        cpus = host_millicpu if host_millicpu is not None else (os.cpu_count() or 1) * 1000
+        memory = host_memory if host_memory is not None else _host_memory()
+        self.millicpu = max(cpus - config.reserved_millicpu, 0)
+        self.memory = max(memory - config.reserved_memory, 0)
+        self.accel: tuple[str, str] | None = None  # (accel, reason) once probed
+        self._push: Callable[[Pod], None] = lambda pod: None
+        self._node_changed: Callable[[Node], None] = lambda node: None
+        self._grace: dict[str, int] = {}
+        self._preparing: dict[str, asyncio.Task[None]] = {}
+        self._rates = CpuRates()
+        self._tasks = TaskSet("vm provider")
+        self._started: asyncio.Task[None] | None = None
+        self._closed = False
+        config.run_root.mkdir(parents=True, exist_ok=True)
+        config.log_root.mkdir(parents=True, exist_ok=True)
+
+    # -- node -----------------------------------------------------------------------------------
+    def configure_node(self, node: Node) -> None:
+        assert node.status is not None
+        capacity = {
+            "cpu": f"{self.millicpu}m" if self.millicpu % 1000 else str(self.millicpu // 1000),
+            "memory": f"{self.memory // 1024}Ki",
+            "pods": "110",
+        }
+        node.status.capacity = dict(capacity)
+        node.status.allocatable = dict(capacity)
+
+    def node_conditions(self) -> Sequence[NodeCondition]:
+        if self.accel is None:
+            return [NodeCondition(ACCELERATOR_CONDITION, "Unknown", "Probing", "probing KVM")]
+        accel, reason = self.accel
+        why = "KVM" if accel == "kvm" else ("TCGFallback" if self.config.accel == "auto" else "TCG")
+        return [NodeCondition(ACCELERATOR_CONDITION, "True", why, reason)]
+
+    async def ping(self) -> None:
+        """Unhealthy (the node NotReady, saying why) without QEMU or qemu-img."""
+        await self._start()
+        for tool in ("qemu-system-x86_64", "qemu-img"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"{tool} is not installed (Debian: qemu-system-x86 qemu-utils)")
+
+    def notify_node_status(self, callback: Callable[[Node], None]) -> None:
+        self._node_changed = callback
+
+    def notify_pods(self, callback: Callable[[Pod], None]) -> None:
+        self._push = callback
+        super().notify_pods(callback)
+
+    async def _start(self) -> None:
+        """Once: probe the accelerator, adopt the VMs a previous agent left, start image GC."""
+        if self._started is None:
+            self._started = asyncio.create_task(self._start_once(), name="vm provider start")
+        await asyncio.shield(self._started)
+
+    async def _start_once(self) -> None:
+        try:
+            accel, reason = await self.runtime.probe_accel(self.config.accel)
+        except Exception as e:  # a broken probe must not keep the node from running VMs
+            accel, reason = "tcg", f"the KVM probe failed ({e}); using TCG"
+        self.accel = (accel, reason)
+        kind: EventType = "Normal" if accel == "kvm" or self.config.accel == "tcg" else "Warning"
+        if self.events is not None:
+            self.events.node_event(self.node_name, kind, "Accelerator", f"{accel}: {reason}")
+        log.info("node %s: accelerator %s (%s)", self.node_name, accel, reason)
+        self._node_changed(Node())  # the Accelerator condition, published now
+        await self._adopt_all()
+        self._tasks.spawn(self._gc_loop(), name="image gc")
+        if self.config.translation_config_map is not None:
+            self._tasks.spawn(self._config_map_loop(), name="translation configmap")
+
+    # -- pods -----------------------------------------------------------------------------------
+    async def pod_ips(self, pod: Pod) -> list[str]:
+        """The VM's address, known before it starts (so `status.podIP` in its env is right):
+        the pod network is attached here (attaching is idempotent per pod UID)."""
+        spec, meta = pod.spec, pod.metadata
+        image = spec.containers[0].image if spec and spec.containers else None
+        if meta is None or not meta.uid or not self._is_vm_image(image or ""):
+            return [self.host_ip]  # create_pod refuses it
+        network = await self.runtime.attach_network(str(meta.uid))
+        return [network.address]
+
+    def _is_vm_image(self, image: str) -> bool:
+        return image.startswith(self.config.image_prefix.rstrip("/") + "/")
+
+    async def create_pod(self, pod: ResolvedPod) -> None:
+        await self._start()
+        key = f"{pod.namespace}/{pod.name}"
+        known = self.vms.get(key)
+        if known is not None and known.uid == pod.uid:
+            return  # adopted, or already being prepared
+        try:
+            plan = plan_machine(
+                pod,
+                allocatable_millicpu=self.millicpu,
+                allocatable_memory=self.memory,
+                default_millicpu=self.config.default_millicpu,
+                default_memory=self.config.default_memory,
+            )
+        except SpecError as e:
+            await self.runtime.detach_network(pod.uid)
+            raise ProviderError("InvalidVMSpec", str(e)) from None
+        prefix = self.config.image_prefix.rstrip("/") + "/"
+        if not plan.image.startswith(prefix):
+            await self.runtime.detach_network(pod.uid)
+            raise ProviderError(
+                "UnsupportedImage",
+                f"spec.containers[0].image: {plan.image!r} is not a VM image "
+                f"(this node runs {prefix}<name> images)",
+            )
+        vm = _VM(pod.pod, self.config.run_root / pod.uid, plan=plan)
+        vm.address = (await self.runtime.attach_network(pod.uid)).address
+        self.vms[key] = vm
+        self._report_waiting(vm, Waiting())
+        task = self._tasks.spawn(self._prepare(key, vm, pod), name=f"prepare {key}")
+        self._preparing[key] = task
+        task.add_done_callback(lambda _: self._preparing.pop(key, None))
+
+    def _report_waiting(self, vm: _VM, waiting: Waiting) -> None:
+        vm.waiting = waiting
+        assert vm.pod.spec is not None
+        vm.status = build_pod_status(
+            vm.pod.spec,
+            {vm.container: ContainerReport(waiting)},
+            host_ip=self.host_ip,
+            pod_ips=[vm.address] if vm.address else [self.host_ip],
+            previous=vm.status,
+        )
+        if not vm.address:  # not known yet: no address rather than the node's
+            vm.status.podIP, vm.status.podIPs = None, None
+        self._push(Pod(metadata=vm.pod.metadata, spec=vm.pod.spec, status=vm.status))
+
+    def _event(self, vm: _VM, kind: EventType, reason: str, message: str) -> None:
+        if self.events is not None:
+            self.events.pod_event(vm.pod, kind, reason, message)
+
+    async def _prepare(self, key: str, vm: _VM, resolved: ResolvedPod) -> None:
+        """Pull (with the kubelet's image back-off), make the disks, seed and network, boot."""
+        plan = vm.plan
+        assert plan is not None
+        image = await self._pull(vm, plan.image)
+        backoff = RestartBackoff()
+        while True:
+            try:
+                await self._make_machine(vm, resolved, plan, image)
+                break
+            except ProviderError as e:  # the pod's own fault: no retry helps until it changes
+                self._event(vm, "Warning", "Failed", f"Error: {e.message}")
+                self._report_waiting(vm, Waiting(e.reason, e.message))
+                return
+            except Exception as e:
+                log.warning("%s: could not create the VM: %s", key, e)
+                self._event(vm, "Warning", "Failed", f"Error: {e}")
+                finished = time.monotonic()
+                self._report_waiting(vm, Waiting("CreateContainerError", str(e)))
+                await asyncio.sleep(max(backoff.delay(finished), 1.0))
+                backoff.restarted(finished, time.monotonic())
+        self._start_vm(key, vm, restart_count=0)
+
+    async def _pull(self, vm: _VM, image: str) -> PulledImage:
+        backoff = RestartBackoff()
+        while True:
+            started = time.monotonic()
+            self._event(vm, "Normal", "Pulling", f'Pulling image "{image}"')
+            try:
+                url, sha256 = self.runtime.translate(image)
+                shown = [-1]
+
+                def progress(done: int, total: int | None, shown: list[int] = shown) -> None:
+                    if not total:
+                        return
+                    quarter = done * 4 // total
+                    if quarter > shown[0] and quarter < 4:
+                        shown[0] = quarter
+                        self._event(
+                            vm,
+                            "Normal",
+                            "Pulling",
+                            f'Pulling image "{image}": {done * 100 // total}% of {total} bytes',
+                        )
+
+                pulled = await self.runtime.pull(image, url, sha256, progress)
+            except Exception as e:
+                message = f'Failed to pull image "{image}": {e}'
+                self._event(vm, "Warning", "Failed", message)
+                self._event(vm, "Warning", "Failed", "Error: ErrImagePull")
+                self._report_waiting(vm, Waiting("ErrImagePull", str(e)))
+                finished = time.monotonic()
+                delay = max(backoff.delay(finished), 1.0)
+                await asyncio.sleep(min(delay, 2.0))  # ErrImagePull shows for a moment
+                self._event(vm, "Normal", "BackOff", f'Back-off pulling image "{image}"')
+                self._report_waiting(
+                    vm,
+                    Waiting(
+                        "ImagePullBackOff",
+                        f'Back-off pulling image "{image}": ErrImagePull: {e}',
+                    ),
+                )
+                await asyncio.sleep(max(backoff.remaining(finished, time.monotonic()), 0.0))
+                backoff.restarted(finished, time.monotonic())
+                continue
+            took = time.monotonic() - started
+            self._event(
+                vm,
+                "Normal",
+                "Pulled",
+                f'Successfully pulled image "{image}" in {took:.3f}s. '
+                f"Image size: {pulled.size} bytes.",
+            )
+            vm.image_sha256 = pulled.sha256
+            return pulled
+
+    async def _make_machine(
+        self, vm: _VM, resolved: ResolvedPod, plan: MachinePlan, image: PulledImage
+    ) -> None:
+        vm.dir.mkdir(parents=True, exist_ok=True)
+        root = vm.dir / "root.qcow2"
+        if plan.root_size is not None and plan.root_size < image.size:
+            raise ProviderError(
+                "CreateContainerConfigError",
+                f"metadata.annotations: the root size ({plan.root_size} bytes) is smaller than "
+                f"the image {plan.image!r} ({image.size} bytes); a root disk cannot shrink",
+            )
+        if not root.exists():
+            await self.runtime.create_overlay(image, root, plan.root_size)
+        disks = [(root, plan.disk_bus)]
+        for index, scratch in enumerate(plan.scratch):
+            path = vm.dir / f"scratch{index}.qcow2"
+            if not path.exists():
+                await self.runtime.create_blank(path, scratch.size)
+            disks.append((path, plan.disk_bus))
+        network = await self.runtime.attach_network(vm.uid)
+        vm.address = network.address
+        meta = vm.pod.metadata
+        assert meta is not None
+        seed = vm.dir / "seed.iso"
+        try:
+            self.runtime.write_seed(
+                seed,
+                pod_name=str(meta.name),
+                pod_uid=vm.uid,
+                annotations=dict(meta.annotations or {}),
+                files=plan.files,
+                network_key=vm.uid,
+                secret_files=plan.secret_files,
+            )
+        except ValueError as e:
+            raise ProviderError("CreateContainerConfigError", str(e)) from None
+        vm.launch = {
+            "name": f"{meta.namespace}/{meta.name}",
+            "vcpus": plan.vcpus,
+            "memory_mib": plan.memory_mib,
+            "disks": [[str(p), bus] for p, bus in disks],
+            "seed": str(seed),
+            "network_key": vm.uid,
+        }
+        (vm.dir / "pod.json").write_text(json.dumps(vm.pod.to_dict()))
+        vm.save()
+        self._event(vm, "Normal", "Created", f"Created VM {vm.container}")
+
+    def _start_vm(self, key: str, vm: _VM, *, restart_count: int) -> None:
+        vm.status = None
+        self.start_runner(
+            ResolvedPod(vm.pod),
+            lambda container, count: self._run(key, vm, count),
+            lambda container, signum: self._signal(key, vm, signum),
+            pod_ips=[vm.address] if vm.address else (),
+            probe_transport=_Transport(self, key),
+            restart_counts={vm.container: restart_count},
+            runner_class=_VMRunner,
+        )
+
+    async def _run(self, key: str, vm: _VM, count: int) -> int:
+        """Run `count` of the VM's container: one boot of the machine, to its exit code."""
+        runner = self.runners[key]
+        assert isinstance(runner, _VMRunner)
+        if vm.ended is not None:  # this run ended while no agent ran
+            code, vm.ended = vm.ended, None
+            return code
+        machine, vm.adopted = vm.adopted, None
+        console_mark = vm.dir / "console.offset"
+        if machine is None:
+            vm.machine_dir.mkdir(parents=True, exist_ok=True)
+            # A new console file per run, so that each run's log starts at its own boot.
+            for stale in (vm.machine_dir / "console.log", console_mark):
+                stale.unlink(missing_ok=True)
+            spec = self._launch_spec(vm)
+            runner.booting = True
+            self._push(runner.as_pod())
+            machine = await self.runtime.launch(spec)
+            self._event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
+        else:  # adopted: the guest was up before the agent restarted
+            runner.booting = False
+            self._push(runner.as_pod())
+        vm.machine, vm.run = machine, count
+        vm.started_wall = process_start(machine.pid)
+        vm.save()
+        self._drop_old_logs(vm, count)
+        tailer = ConsoleTailer(
+            machine.console_log, self.log_path(vm.uid, vm.container, count), console_mark
+        )
+        tail = self._tasks.spawn(tailer.run(), name=f"console {key}")
+        boot = self._tasks.spawn(self._boot(key, vm, machine, runner), name=f"boot {key}")
+        try:
+            end = await machine.wait()
+            if self._closed:  # the agent is going: the next agent reports this exit
+                await asyncio.Future()
+            return end.code
+        finally:
+            boot.cancel()
+            tail.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tail
+            with contextlib.suppress(OSError):
+                tailer.copy(final=True)
+            vm.machine, vm.booted_at = None, None
+            runner.booting = True  # the next run boots first
+
+    async def _boot(self, key: str, vm: _VM, machine: MachineHandle, runner: _VMRunner) -> None:
+        """Running once the guest agent answers (or after the timeout, with a warning: an image
+        without an agent still runs, its readiness is then the probes')."""
+        try:
+            await machine.wait_guest_agent(self.config.guest_agent_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._event(
+                vm, "Warning", "GuestAgentUnavailable", f"the guest agent did not answer: {e}"
+            )
+        vm.booted_at = time.monotonic()
+        runner.booting = False
+        self._push(runner.as_pod())
+
+    def _launch_spec(self, vm: _VM) -> LaunchSpec:
+        launch = vm.launch
+        return LaunchSpec(
+            name=launch["name"],
+            run_dir=vm.machine_dir,
+            vcpus=launch["vcpus"],
+            memory_mib=launch["memory_mib"],
+            disks=tuple((Path(p), bus) for p, bus in launch["disks"]),
+            seed=Path(launch["seed"]) if launch.get("seed") else None,
+            network_key=launch.get("network_key"),
+            accel=self.accel[0] if self.accel else "tcg",
+        )
+
+    def _drop_old_logs(self, vm: _VM, run: int) -> None:
+        """Keep the current and the previous run's log (`-p`), as the kubelet does."""
+        directory = self.log_path(vm.uid, vm.container, run).parent
+        for path in directory.glob("*.log"):
+            with contextlib.suppress(ValueError, OSError):
+                if int(path.stem) < run - 1:
+                    path.unlink()
+
+    def _signal(self, key: str, vm: _VM, signum: int) -> None:
+        """SIGTERM: a graceful stop (guest agent, ACPI, quit) within the grace period; SIGKILL:
+        QEMU is killed. The runner waits for the machine's exit either way."""
+        machine = vm.machine
+        if machine is None:
+            raise ProcessLookupError(key)
+        if signum == signal.SIGKILL:
+            self._tasks.spawn(machine.kill(), name=f"kill {key}")
+            return
+        spec = vm.pod.spec
+        grace = self._grace.get(key)
+        if grace is None:
+            grace = spec.terminationGracePeriodSeconds if spec else None
+        self._tasks.spawn(machine.stop(float(30 if grace is None else grace)), name=f"stop {key}")
+
+    async def update_pod(self, pod: ResolvedPod) -> None:
+        """New contents of configMap, secret, downwardAPI and projected volumes reach the guest
+        as they reach a container: written in place through the guest agent (each file replaced
+        at once, removed keys removed), and into the seed for later boots. The environment is a
+        container's start-time environment: the env file changes only with the pod."""
+        key = f"{pod.namespace}/{pod.name}"
+        vm = self.vms.get(key)
+        if vm is None or vm.uid != pod.uid or vm.plan is None or not vm.launch:
+            return  # not made yet: the seed is written with the newest files anyway
+        try:
+            plan = plan_machine(
+                pod,
+                allocatable_millicpu=self.millicpu,
+                allocatable_memory=self.memory,
+                default_millicpu=self.config.default_millicpu,
+                default_memory=self.config.default_memory,
+            )
+        except SpecError as e:
+            raise ProviderError("InvalidVMSpec", str(e)) from None
+        old = {p: d for p, d in vm.plan.files.items() if p != ENV_FILE}
+        new = {p: d for p, d in plan.files.items() if p != ENV_FILE}
+        if ENV_FILE in vm.plan.files:
+            plan_files = {**new, ENV_FILE: vm.plan.files[ENV_FILE]}
+        else:
+            plan_files = new
+        if old == new:
+            return
+        changed = {p: d for p, d in new.items() if old.get(p) != d}
+        removed = sorted(set(old) - set(new))
+        secret = plan.secret_files | vm.plan.secret_files
+        vm.plan = replace(plan, files=plan_files)
+        vm.pod = pod.pod
+        (vm.dir / "pod.json").write_text(json.dumps(vm.pod.to_dict()))
+        meta = vm.pod.metadata
+        assert meta is not None
+        self.runtime.write_seed(
+            Path(vm.launch["seed"]),
+            pod_name=str(meta.name),
+            pod_uid=vm.uid,
+            annotations=dict(meta.annotations or {}),
+            files=vm.plan.files,
+            network_key=vm.uid,
+            secret_files=secret,
+        )
+        machine = vm.machine
+        if machine is None or vm.booted_at is None:
+            return  # the next boot reads the new seed
+        for path, data in sorted(changed.items()):
+            mode = "600" if path in secret else "644"
+            result = await machine.exec(["sh", "-c", _REPLACE_FILE, "sh", path, mode], stdin=data)
+            if result.exit_code != 0:
+                message = f"could not update {path} in the guest: {result.stderr.decode()[:200]}"
+                self._event(vm, "Warning", "FailedUpdate", message)
+        if removed:
+            await machine.exec(["rm", "-f", "--", *removed])
+        self._event(vm, "Normal", "Updated", f"{len(changed) + len(removed)} file(s) updated")
+
+    async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        meta = pod.metadata
+        assert meta is not None
+        key = f"{meta.namespace}/{meta.name}"
+        vm = self.vms.get(key)
+        if vm is None or vm.uid != meta.uid:
+            return
+        self._grace[key] = grace_period_seconds
+        runner = self.runners.get(key)
+        if runner is None:  # still preparing: nothing runs yet
+            if (task := self._preparing.get(key)) is not None:
+                task.cancel()
+            self._tasks.spawn(self._finish(key, vm, None, 0), name=f"delete {key}")
+            return
+        if not runner.stopping:
+            self._tasks.spawn(
+                self._finish(key, vm, runner, grace_period_seconds), name=f"delete {key}"
+            )
+
+    async def _finish(self, key: str, vm: _VM, runner: PodRunner | None, grace: int) -> None:
+        if runner is not None:
+            await runner.stop(grace)
+            if self.runners.get(key) is runner:
+                del self.runners[key]
+        else:
+            assert vm.pod.spec is not None
+            vm.status = build_pod_status(
+                vm.pod.spec,
+                {vm.container: ContainerReport(vm.waiting)},
+                host_ip=self.host_ip,
+                previous=vm.status,
+                terminating=True,
+            )
+            self._push(Pod(metadata=vm.pod.metadata, spec=vm.pod.spec, status=vm.status))
+        if self.vms.get(key) is vm:
+            del self.vms[key]
+        self._grace.pop(key, None)
+        with contextlib.suppress(Exception):
+            await self.runtime.detach_network(vm.uid)
+        shutil.rmtree(vm.dir, ignore_errors=True)
+        shutil.rmtree(self.log_dir / vm.uid, ignore_errors=True)
+
+    async def aclose(self) -> None:
+        """The agent stops; the VMs do not: a restarted agent adopts them (see `_adopt_all`)."""
+        self._closed = True
+        await self._tasks.aclose()
+
+    # -- status ----------------------------------------------------------------------------------
+    async def get_pod(self, namespace: str, name: str) -> Pod | None:
+        await self._start()
+        key = f"{namespace}/{name}"
+        if key in self.runners:
+            return await super().get_pod(namespace, name)
+        vm = self.vms.get(key)
+        if vm is None:
+            return None
+        return Pod(metadata=vm.pod.metadata, spec=vm.pod.spec, status=vm.status)
+
+    async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
+        pod = await self.get_pod(namespace, name)
+        return pod.status if pod is not None else None
+
+    async def list_pods(self) -> list[Pod]:
+        await self._start()
+        pods = []
+        for key in list(self.vms):
+            namespace, name = key.split("/", 1)
+            if (pod := await self.get_pod(namespace, name)) is not None:
+                pods.append(pod)
+        return pods
+
+    # -- adoption --------------------------------------------------------------------------------
+    async def _adopt_all(self) -> None:
+        """Take back the VMs a previous agent ran: the same QEMU processes, their run numbers
+        (restart counts) and addresses; a machine that died meanwhile boots again."""
+        for directory in sorted(self.config.run_root.iterdir()):
+            try:
+                pod = Pod.from_dict(json.loads((directory / "pod.json").read_text()))
+                state = json.loads((directory / "state.json").read_text())
+            except (OSError, ValueError) as e:
+                log.warning("%s: not a VM this agent can adopt (%s); leaving it", directory, e)
+                continue
+            assert isinstance(pod, Pod) and pod.metadata is not None
+            key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+            vm = _VM(pod, directory, address=state.get("address"))
+            vm.image_sha256, vm.launch, vm.run = state.get("image"), state["launch"], state["run"]
+            try:
+                vm.adopted = await self.runtime.adopt(vm.machine_dir)
+            except Exception as e:  # one VM never keeps the others from being adopted
+                log.warning("%s: could not adopt its VM (%s); treating it as ended", key, e)
+            self.vms[key] = vm
+            if vm.adopted is not None:
+                log.info("%s: adopted VM (pid %d, run %d)", key, vm.adopted.pid, vm.run)
+                self._start_vm(key, vm, restart_count=vm.run)
+                continue
+            # The VM ended while no agent ran: its run is over (the console's last lines go to
+            # that run's log), with the exit QEMU's watcher recorded (else unknown: 137); the
+            # restart policy decides what comes next.
+            vm.ended = _recorded_exit(vm.machine_dir)
+            log.info("%s: its VM ended (exit %d) while no agent ran", key, vm.ended)
+            with contextlib.suppress(OSError):
+                ConsoleTailer(
+                    vm.machine_dir / "console.log",
+                    self.log_path(vm.uid, vm.container, vm.run),
+                    directory / "console.offset",
+                ).copy(final=True)
+            self._start_vm(key, vm, restart_count=vm.run)
+
+    # -- the translation ConfigMap ------------------------------------------------------------
+    async def _config_map_loop(self) -> None:
+        """Re-read the translation ConfigMap every interval; its rules win over the config's."""
+        source = self.config.translation_config_map
+        assert source is not None
+        from lightkube import AsyncClient, KubeConfig
+        from lightkube.core.exceptions import ApiError
+        from lightkube.resources.core_v1 import ConfigMap
+
+        origin = f"ConfigMap {source.namespace}/{source.name}"
+        client = AsyncClient(config=KubeConfig.from_file(source.kubeconfig))
+        seen: object = ()  # nothing yet
+        try:
+            while True:
+                data: dict[str, str] | None
+                try:
+                    found = await client.get(ConfigMap, source.name, namespace=source.namespace)
+                    data = dict(found.data or {})
+                except ApiError as e:
+                    if e.status.code != 404:
+                        log.warning("%s: cannot read it: %s", origin, e)
+                        await asyncio.sleep(source.interval)
+                        continue
+                    data = None
+                except Exception as e:  # the apiserver away: try again later
+                    log.warning("%s: cannot read it: %s", origin, e)
+                    await asyncio.sleep(source.interval)
+                    continue
+                if data != seen:
+                    seen = data
+                    try:
+                        self.runtime.set_translation_overrides(data, origin)
+                        state = "applied" if data is not None else "absent: none applied"
+                        log.info("translation rules from %s %s", origin, state)
+                    except ValueError as e:
+                        log.warning("%s: rules kept as they were: %s", origin, e)
+                        if self.events is not None:
+                            self.events.node_event(
+                                self.node_name, "Warning", "InvalidTranslationRules", str(e)
+                            )
+                await asyncio.sleep(source.interval)
+        finally:
+            await client.close()
+
+    # -- image gc --------------------------------------------------------------------------------
+    async def _gc_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.image_gc_interval)
+            in_use = {vm.image_sha256 for vm in self.vms.values() if vm.image_sha256}
+            try:
+                removed = self.runtime.gc_images(in_use)
+            except Exception as e:
+                log.warning("image gc failed: %s", e)
+                continue
+            for digest in removed:
+                log.info("image gc: removed unused image %s", digest)
+
+    # -- kubectl verbs ---------------------------------------------------------------------------
+    def _running(self, namespace: str, pod: str, container: str) -> _VM:
+        vm = self.vms.get(f"{namespace}/{pod}")
+        if vm is None:
+            raise ProviderError("NotFound", f"pod {namespace}/{pod} not found")
+        if container != vm.container:
+            raise ProviderError("NotFound", f"container {container} is not valid for pod {pod}")
+        if vm.machine is None:
+            raise ProviderError("NotFound", f"container {container} of pod {pod} is not running")
+        return vm
+
+    async def exec_in_container(
+        self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
+    ) -> int:
+        """Through the guest agent: stdin whole first, output at the end, `-t` refused."""
+        if io.tty:
+            raise ProviderError("BadRequest", TTY_REFUSED)
+        machine = self._running(namespace, pod, container).machine
+        assert machine is not None
+        return await exec_through_agent(machine, command, io)
+
+    async def attach_to_container(
+        self, namespace: str, pod: str, container: str, io: AttachIO
+    ) -> None:
+        """The serial console, both ways (the console log keeps everything regardless)."""
+        machine = self._running(namespace, pod, container).machine
+        assert machine is not None
+        await attach_console(machine.console_socket, io)
+
+    async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
+        vm = self.vms.get(f"{namespace}/{pod}")
+        if vm is None or vm.address is None:
+            raise ProviderError("NotFound", f"pod {namespace}/{pod} has no address")
+        await forward_tcp(vm.address, port, stream)
+
+    async def stats_summary(self) -> dict[str, Any]:
+        return summary(self.node_name, self.memory, await self._usages())
+
+    async def metrics_resource(self) -> str:
+        return resource_metrics(await self._usages())
+
+    async def _usages(self) -> list[VMUsage]:
+        """Each running VM's QEMU usage (a VM stopping meanwhile is left out)."""
+        usages = []
+        for vm in list(self.vms.values()):
+            if vm.machine is None:
+                continue
+            try:
+                usage = await vm.machine.usage()
+            except Exception as e:
+                log.debug("%s: no stats: %s", vm.uid, e)
+                continue
+            meta = vm.pod.metadata
+            assert meta is not None
+            usages.append(
+                VMUsage(
+                    namespace=str(meta.namespace),
+                    name=str(meta.name),
+                    uid=vm.uid,
+                    container=vm.container,
+                    started=vm.started_wall,
+                    cpu_ns=usage.cpu_ns,
+                    memory_bytes=usage.memory_bytes,
+                    nanocores=self._rates.rate(vm.uid, usage.cpu_ns),
+                )
+            )
+        return usages
+
+
+def _recorded_exit(machine_dir: Path) -> int:
+    """The exit code the machine's watcher recorded (`exit.json`), else 137 (unknown)."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        return int(json.loads((machine_dir / "exit.json").read_text())["code"])
+    return 137
+
+
+def _host_memory() -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 4 * 2**30
+
+
+def create(context: ProviderContext) -> VMProvider:
+    """Entry point (`vkubelet.providers`: vm)."""
+    from ._config import load_config
+    from ._runtime import QemuRuntime
+
+    config = load_config(context.config_path)
+    return VMProvider(
+        context.node_name,
+        config,
+        QemuRuntime(config),
+        host_ip=context.internal_ip,
+        events=context.events,
+    )

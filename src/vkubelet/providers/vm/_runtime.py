@@ -1,0 +1,209 @@
+"""The provider's `Runtime` on the real parts: QEMU (`_machine`), the pod network (`_net`), the
+accelerator probe (`_accel`), the image translator and store (`_translate`, `_store`,
+`_disks`) and the seed (`_cloudinit`, `_seed`).
+
+Thin on purpose: each call is the part's own, with the provider's vocabulary. The translation
+rules are the config file's plus those of `translationsFile`, re-read when it changes (a
+ConfigMap mounted into the agent's pod is such a file; its rules win).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage, Usage
+from ._cloudinit import build_seed_content
+from ._config import ConfigError, VMConfig
+from ._disks import create_blank, create_overlay
+from ._machine import Disk, Machine, MachineSpec
+from ._net import GuestNetwork, PodNetwork
+from ._seed import write_seed_iso
+from ._store import ImageStore, StoredImage
+from ._translate import (
+    ImageSource,
+    ImageTranslator,
+    TranslationError,
+    TranslationRule,
+    parse_rules,
+)
+
+__all__ = ["QemuRuntime"]
+
+log = logging.getLogger(__name__)
+
+
+class _Handle:
+    """A `Machine` as the provider's `MachineHandle` (usage in the provider's units)."""
+
+    def __init__(self, machine: Machine) -> None:
+        self.machine = machine
+
+    @property
+    def pid(self) -> int:
+        return self.machine.pid
+
+    @property
+    def console_log(self) -> Path:
+        return self.machine.console_log
+
+    @property
+    def console_socket(self) -> Path:
+        return self.machine.console_socket
+
+    async def wait(self) -> Any:
+        return await self.machine.wait()
+
+    async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
+        await self.machine.wait_guest_agent(timeout)
+
+    async def exec(
+        self,
+        argv: Any,
+        stdin: bytes = b"",
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> Any:
+        return await self.machine.exec(list(argv), stdin=stdin, timeout=timeout)
+
+    async def stop(self, grace: float) -> Any:
+        return await self.machine.stop(grace)
+
+    async def kill(self) -> None:
+        await self.machine.kill()
+
+    async def usage(self) -> Usage:
+        stats = await self.machine.stats()
+        return Usage(stats.cpu_ns, stats.memory_bytes)
+
+
+class QemuRuntime:
+    def __init__(self, config: VMConfig) -> None:
+        self.config = config
+        try:
+            rules = parse_rules({"translations": config.translations}, origin=config.origin)
+        except TranslationError as e:
+            raise ConfigError(str(e)) from None
+        self._translator = ImageTranslator(config.image_prefix, rules)
+        self._overrides_stamp: tuple[int, int] | None = None
+        self._file_rules: list[TranslationRule] = []
+        self._config_map_rules: list[TranslationRule] = []
+        self.store = ImageStore(config.image_store)
+        self.network = PodNetwork(config.pod_cidr)
+        self._networks: dict[str, GuestNetwork] = {}
+
+    def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
+        self._config_map_rules = parse_rules(data, origin=origin) if data else []
+        self._apply_overrides()
+
+    def _apply_overrides(self) -> None:
+        # The ConfigMap's rules first (its regexps are tried first) and its names win.
+        names = {rule.name for rule in self._config_map_rules if rule.name is not None}
+        kept = [rule for rule in self._file_rules if rule.name is None or rule.name not in names]
+        rules = [*self._config_map_rules, *kept]
+        self._translator = self._translator.with_overrides(rules)
+
+    def _current_translator(self) -> ImageTranslator:
+        path = self.config.translations_file
+        if path is None:
+            return self._translator
+        try:
+            stat = path.stat()
+            stamp = (stat.st_mtime_ns, stat.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != self._overrides_stamp:
+            self._overrides_stamp = stamp
+            rules = []
+            if stamp is not None:
+                try:
+                    data = yaml.safe_load(path.read_text()) or {}
+                    rules = parse_rules(data, origin=str(path))
+                except (OSError, yaml.YAMLError, TranslationError) as e:
+                    log.warning("translations file %s ignored: %s", path, e)
+            self._file_rules = rules
+            self._apply_overrides()
+        return self._translator
+
+    def translate(self, image: str) -> tuple[str, str | None]:
+        source = self._current_translator().translate(image)
+        return source.url, source.sha256
+
+    async def pull(
+        self, image: str, url: str, sha256: str | None, progress: Callable[[int, int | None], None]
+    ) -> PulledImage:
+        stored = await self.store.pull(ImageSource(name=image, url=url, sha256=sha256), progress)
+        return PulledImage(stored.path, stored.sha256, stored.virtual_size, stored.format)
+
+    async def create_overlay(self, base: PulledImage, path: Path, size: int | None) -> None:
+        stored = StoredImage(base.path, base.sha256, base.format, base.size)  # type: ignore[arg-type]
+        await create_overlay(stored, path, size=size)
+
+    async def create_blank(self, path: Path, size: int) -> None:
+        await create_blank(path, size)
+
+    def write_seed(
+        self,
+        path: Path,
+        *,
+        pod_name: str,
+        pod_uid: str,
+        annotations: Mapping[str, str],
+        files: Mapping[str, bytes],
+        network_key: str | None,
+        secret_files: Collection[str] = (),
+    ) -> None:
+        network = self._networks.get(network_key) if network_key else None
+        modes = {name: 0o600 for name in secret_files if name in files}
+        content = build_seed_content(pod_name, pod_uid, annotations, files, network, modes=modes)
+        iso_modes = {f"vkubelet/files{name}": mode for name, mode in modes.items()}
+        write_seed_iso(content, path, file_modes=iso_modes)
+
+    async def attach_network(self, key: str) -> GuestAddress:
+        network = await self.network.attach(key)
+        self._networks[key] = network
+        return GuestAddress(network.address, self.network.netns(key))
+
+    async def detach_network(self, key: str) -> None:
+        self._networks.pop(key, None)
+        await self.network.detach(key)
+
+    async def launch(self, spec: LaunchSpec) -> MachineHandle:
+        network = None
+        if spec.network_key is not None:
+            network = self._networks.get(spec.network_key) or await self.network.attach(
+                spec.network_key
+            )
+            self._networks[spec.network_key] = network
+        machine = await Machine.launch(
+            MachineSpec(
+                name=spec.name,
+                run_dir=spec.run_dir,
+                vcpus=spec.vcpus,
+                memory_mib=spec.memory_mib,
+                disks=tuple(Disk(path, bus=bus) for path, bus in spec.disks),  # type: ignore[arg-type]
+                seed=spec.seed,
+                network=network,
+                netns=self.network.netns(spec.network_key) if spec.network_key else None,
+                accel=spec.accel,
+            )
+        )
+        return _Handle(machine)
+
+    async def adopt(self, run_dir: Path) -> MachineHandle | None:
+        machine = await Machine.adopt(run_dir)
+        return _Handle(machine) if machine is not None else None
+
+    async def probe_accel(self, mode: str) -> tuple[str, str]:
+        if mode == "tcg":
+            return "tcg", "accel: tcg in the config"
+        from ._accel import probe_accel
+
+        choice = await probe_accel(mode)  # type: ignore[arg-type]  # checked by the config
+        return choice.accel, choice.reason
+
+    def gc_images(self, in_use: Collection[str]) -> list[str]:
+        return self.store.gc(in_use)

@@ -1,0 +1,593 @@
+"""The VM provider end to end (issue 12's acceptance): a real control plane, real kubectl, real
+QEMU under TCG, the small test guest from Debian packages.
+
+Booting is the expensive part (TCG on two shared cores), so one Deployment of two VMs is booted
+per module and the tests take turns on it, in the order written: the last ones restart the
+agent and scale the Deployment to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    create_namespace,
+    local_test_address,
+    node_ready,
+    start_agent,
+    terminal_session,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
+BOOT_TIMEOUT = 420  # two TCG boots on a busy 2-core machine
+
+
+@dataclass
+class VMNode:
+    name: str
+    agent: AgentProcess
+    workdir: Path
+    config: Path
+    cluster: Cluster
+    address: str
+
+    @property
+    def state(self) -> Path:
+        return self.workdir / "state"
+
+    def restart_agent(self) -> None:
+        self.agent = start_agent(
+            self.cluster,
+            self.workdir,
+            provider="vm",
+            config=self.config,
+            name=self.name,
+            address=self.address,
+        )
+
+    def qemu_pids(self) -> dict[str, int]:
+        """Pod uid -> the pid of its QEMU, from the machines' pid files."""
+        pids = {}
+        for pid_file in self.state.glob("vms/*/m/*.pid"):
+            pids[pid_file.parents[1].name] = int(pid_file.read_text().split()[0])
+        for pid_file in self.state.glob("vms/*/m/pid"):
+            pids[pid_file.parents[1].name] = int(pid_file.read_text().split()[0])
+        return pids
+
+
+@dataclass
+class VMs:
+    namespace: str
+    kubectl: Kubectl
+
+    def pods(self) -> list[dict[str, Any]]:
+        items = self.kubectl.json("-n", self.namespace, "get", "pods", "-l", "app=vm")
+        return [p for p in items["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def vm_node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[VMNode]:
+    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("the VM provider needs root and qemu-system-x86_64")
+    # Short: QEMU's unix sockets live below it (108-byte limit).
+    workdir = Path(tempfile.mkdtemp(prefix="vkvm-", dir="/tmp"))
+    name = f"hv-{uuid.uuid4().hex[:6]}"
+    config = workdir / "vm.yaml"
+    cidr = f"10.213.{random.randrange(1, 250)}.0/24"  # noqa: S311
+    config.write_text(
+        json.dumps(
+            {
+                "stateDir": "state",
+                "accel": "tcg",
+                "podCIDR": cidr,
+                "reserved": {"memory": "1Gi"},
+                "guestAgentTimeoutSeconds": 300,
+                "translations": [{"name": "tiny", "url": vm_guest_image.resolve().as_uri()}],
+                "translationConfigMap": {
+                    "namespace": "default",
+                    "name": f"{name}-images",
+                    "kubeconfig": str(kube_cluster.kubeconfig),
+                    "intervalSeconds": 1,
+                },
+            }
+        )
+    )
+    with contextlib.ExitStack() as stack:
+        # Not loopback: the apiserver proxies nodes/<name>/proxy/... (stats) to none.
+        address = stack.enter_context(local_test_address())
+        agent = start_agent(
+            kube_cluster, workdir, provider="vm", config=config, name=name, address=address
+        )
+        node = VMNode(name, agent, workdir, config, kube_cluster, address)
+        try:
+            wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
+            yield node
+        finally:
+            node.agent.stop()
+            _clean_up(node, cidr)
+            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+            kubectl("-n", "default", "delete", "configmap", f"{name}-images", check=False)
+
+
+def _clean_up(node: VMNode, cidr: str) -> None:
+    """What a failed test left: QEMU processes outlive the agent, and so do their networks."""
+    from vkubelet.providers.vm._net import PodNetwork
+
+    for pid in node.qemu_pids().values():
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    network = PodNetwork(cidr)
+
+    async def detach_all() -> None:
+        for run_dir in node.state.glob("vms/*"):
+            await network.detach(run_dir.name)
+
+    asyncio.run(detach_all())
+
+
+@pytest.fixture(scope="module")
+def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
+    namespace = create_namespace(kubectl, f"vm-{uuid.uuid4().hex[:6]}")
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "vm"},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "vm"}},
+            "template": {
+                "metadata": {
+                    "labels": {"app": "vm"},
+                    "annotations": {"vm.vkubelet.io/root-size": "1Gi"},
+                },
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": vm_node.name},
+                    "tolerations": [TOLERATION],
+                    "terminationGracePeriodSeconds": 60,
+                    "volumes": [
+                        {"name": "cfg", "configMap": {"name": "greeting"}},
+                        {"name": "scratch", "emptyDir": {"sizeLimit": "64Mi"}},
+                    ],
+                    "containers": [
+                        {
+                            "name": "vm",
+                            "image": "vm.vkubelet.io/tiny",
+                            "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                            "env": [{"name": "WHO", "value": "a VM"}],
+                            "volumeMounts": [{"name": "cfg", "mountPath": "/etc/app"}],
+                            # exec probes run through the guest agent, httpGet reaches the
+                            # pod IP (readiness waits for the startup probe)
+                            "startupProbe": {
+                                "exec": {"command": ["test", "-f", "/etc/hostname"]},
+                                "periodSeconds": 2,
+                            },
+                            "readinessProbe": {
+                                "httpGet": {"path": "/", "port": 8080},
+                                "periodSeconds": 2,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "greeting"},
+        "data": {"greeting": "hello"},
+    }
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(config_map))
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(deployment))
+    handle = VMs(namespace, kubectl)
+
+    def both_running() -> bool:
+        pods = handle.pods()
+        return len(pods) == 2 and all(
+            p["status"].get("phase") == "Running"
+            and p["status"].get("podIP")
+            and (p["status"].get("containerStatuses") or [{}])[0].get("state", {}).get("running")
+            for p in pods
+        )
+
+    wait_for(both_running, timeout=BOOT_TIMEOUT, interval=2, what="two VM pods Running")
+    try:
+        yield handle
+    finally:  # the VMs stop gracefully while the agent still runs
+        kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=180)
+
+
+def _names(vms: VMs) -> list[str]:
+    return sorted(p["metadata"]["name"] for p in vms.pods())
+
+
+def test_a_deployment_of_two_vms_runs_with_pod_ips(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
+    pods = vms.pods()
+    ips = {p["status"]["podIP"] for p in pods}
+    assert len(ips) == 2 and all(ip.startswith("10.213.") for ip in ips)
+    node = kubectl.json("get", "node", vm_node.name)
+    conditions = {c["type"]: c for c in node["status"]["conditions"]}
+    assert conditions["Accelerator"]["status"] == "True"
+    assert conditions["Accelerator"]["reason"] == "TCG"
+
+    def reasons(*selector: str) -> set[str]:
+        events = kubectl.json("get", "events", "-A", "--field-selector", ",".join(selector))
+        return {e.get("reason") for e in events["items"]}
+
+    node_events = f"involvedObject.kind=Node,involvedObject.name={vm_node.name}"
+    wait_for(lambda: "Accelerator" in reasons(node_events), timeout=30, what="the node Event")
+    pod_events = f"involvedObject.namespace={vms.namespace}"
+    assert {"Pulling", "Pulled", "Created", "Started"} <= reasons(pod_events)
+    assert len(vm_node.qemu_pids()) == 2
+
+
+def test_kubectl_logs_shows_the_boot_console(vms: VMs, kubectl: Kubectl) -> None:
+    for name in _names(vms):
+        text = kubectl("-n", vms.namespace, "logs", name).stdout
+        assert f"vkubelet-guest: booted hostname={name}" in text
+        assert "\r" not in text
+
+
+def test_exec_reads_the_hostname_the_seed_gave_and_exit_codes_propagate(
+    vms: VMs, kubectl: Kubectl
+) -> None:
+    name = _names(vms)[0]
+    out = kubectl("-n", vms.namespace, "exec", name, "--", "cat", "/etc/hostname").stdout
+    assert out.strip() == name
+    failed = kubectl("-n", vms.namespace, "exec", name, "--", "sh", "-c", "exit 3", check=False)
+    assert failed.returncode == 3
+
+
+def test_exec_with_a_terminal_is_refused_and_attach_reaches_the_serial_console(
+    vms: VMs, kubectl: Kubectl
+) -> None:
+    name = _names(vms)[0]
+    exec_tty = shlex.join([*_kubectl_argv(kubectl, vms.namespace), "exec", "-it", name, "--", "sh"])
+    attach = shlex.join([*_kubectl_argv(kubectl, vms.namespace), "attach", "-it", name])
+    # One terminal for both (tmux's server may still be exiting when a second session starts).
+    with terminal_session(f"{exec_tty}; echo EXEC-DONE; {attach}; sleep 60", cols=400) as terminal:
+        wait_for(
+            lambda: "exec -t is not supported by the VM provider" in terminal.screen(),
+            timeout=30,
+            what="the refusal of exec -t",
+        )
+        time.sleep(3)  # kubectl attach connects (it prints nothing until the console does)
+        terminal.type("echo ATTACHED-$((6 * 7))")
+        wait_for(lambda: "ATTACHED-42" in terminal.screen(), timeout=30, what="the console's echo")
+
+
+def test_disks_volume_files_and_env_reach_the_guest_and_config_map_changes_follow(
+    vms: VMs, kubectl: Kubectl
+) -> None:
+    name = _names(vms)[0]
+
+    def cat(path: str) -> str:
+        return str(kubectl("-n", vms.namespace, "exec", name, "--", "cat", path).stdout)
+
+    sizes = kubectl(
+        "-n", vms.namespace, "exec", name, "--", "sh", "-c", "cat /sys/block/vd*/size"
+    ).stdout.split()
+    assert str(2**30 // 512) in sizes  # the root disk, grown by the annotation
+    assert str(64 * 2**20 // 512) in sizes  # the emptyDir's blank disk
+    assert cat("/etc/app/greeting") == "hello"
+    assert "WHO='a VM'" in cat("/etc/vkubelet/env")
+    patch = json.dumps({"data": {"greeting": "bye"}})
+    kubectl("-n", vms.namespace, "patch", "configmap", "greeting", "-p", patch)
+    wait_for(lambda: cat("/etc/app/greeting") == "bye", timeout=90, what="the new greeting")
+
+
+def _serve(kubectl: Kubectl, namespace: str, name: str) -> None:
+    """busybox httpd on port 8080 in the guest (once)."""
+    script = (
+        "pidof httpd >/dev/null || { mkdir -p /tmp/www && echo hello-from-the-vm > "
+        "/tmp/www/index.html && httpd -p 8080 -h /tmp/www; }"
+    )
+    kubectl("-n", namespace, "exec", name, "--", "sh", "-c", script)
+
+
+def test_probes_gate_ready_exec_through_the_guest_agent_http_to_the_pod_ip(
+    vms: VMs, kubectl: Kubectl
+) -> None:
+    name = _names(vms)[0]
+
+    def container() -> dict[str, Any]:
+        pod = kubectl.json("-n", vms.namespace, "get", "pod", name)
+        return dict((pod["status"].get("containerStatuses") or [{}])[0])
+
+    wait_for(lambda: container().get("started"), timeout=60, what="the exec startup probe")
+    deadline = time.monotonic() + 8  # several probe periods: a broken gate would open
+    while time.monotonic() < deadline:
+        assert not container().get("ready")
+        time.sleep(1)
+    _serve(kubectl, vms.namespace, name)
+    wait_for(lambda: container().get("ready"), timeout=60, what=f"{name} Ready once it serves")
+
+
+def test_port_forward_reaches_a_server_in_the_guest(vms: VMs, kubectl: Kubectl) -> None:
+    name = _names(vms)[0]
+    _serve(kubectl, vms.namespace, name)
+    with _port_forward(kubectl, vms.namespace, name, 8080) as local:
+
+        def fetch() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=10) as r:
+                return str(r.read().decode())
+
+        assert wait_for(fetch, timeout=60, what="the guest's httpd").strip() == "hello-from-the-vm"
+
+
+def test_kubectl_cp_both_ways_through_the_guest_s_tar(
+    vms: VMs, kubectl: Kubectl, tmp_path: Path
+) -> None:
+    name = _names(vms)[0]
+    local = tmp_path / "note.txt"
+    local.write_text("copied into a VM\n")
+    kubectl("-n", vms.namespace, "cp", str(local), f"{name}:/tmp/note.txt")
+    copied = kubectl("-n", vms.namespace, "exec", name, "--", "cat", "/tmp/note.txt").stdout
+    assert copied == "copied into a VM\n"
+    back = tmp_path / "hostname"
+    kubectl("-n", vms.namespace, "cp", f"{name}:/etc/hostname", str(back))
+    assert back.read_text().strip() == name
+
+
+def test_a_guest_poweroff_boots_it_again_with_restart_count_1(vms: VMs, kubectl: Kubectl) -> None:
+    name = _names(vms)[1]
+    # /sbin/poweroff by path: busybox sh prefers its own applet to PATH, and busybox's poweroff
+    # only signals PID 1 (a plain shell in the test guest); the guest's /sbin/poweroff powers off.
+    kubectl(
+        "-n",
+        vms.namespace,
+        "exec",
+        name,
+        "--",
+        "sh",
+        "-c",
+        "(sleep 1; /sbin/poweroff) >/dev/null 2>&1 &",
+    )
+
+    def rebooted() -> bool:
+        pod = kubectl.json("-n", vms.namespace, "get", "pod", name)
+        status = (pod["status"].get("containerStatuses") or [{}])[0]
+        return status.get("restartCount") == 1 and bool(status.get("state", {}).get("running"))
+
+    wait_for(rebooted, timeout=BOOT_TIMEOUT, interval=2, what=f"{name} booted again")
+    previous = kubectl("-n", vms.namespace, "logs", "-p", name).stdout
+    assert "vkubelet-guest: shutdown requested" in previous
+    current = kubectl("-n", vms.namespace, "logs", name).stdout
+    assert f"booted hostname={name}" in current and "shutdown requested" not in current
+
+
+def test_stats_summary_and_resource_metrics_report_each_vm_s_qemu(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
+    path = f"/api/v1/nodes/{vm_node.name}/proxy/stats/summary"
+    summary = json.loads(kubectl("get", "--raw", path).stdout)
+    pods = {p["podRef"]["name"]: p for p in summary["pods"]}
+    assert set(pods) == set(_names(vms))
+    for pod in pods.values():
+        assert pod["memory"]["workingSetBytes"] > 16 * 2**20  # QEMU and the guest RAM it touched
+        assert pod["cpu"]["usageCoreNanoSeconds"] > 0
+    metrics = kubectl("get", "--raw", f"/api/v1/nodes/{vm_node.name}/proxy/metrics/resource").stdout
+    for name in _names(vms):
+        assert (
+            f'pod_memory_working_set_bytes{{namespace="{vms.namespace}",pod="{name}"}}' in metrics
+        )
+
+
+def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
+    names = _names(vms)
+    before = vm_node.qemu_pids()
+    restarts = {
+        p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
+        for p in vms.pods()
+    }
+    for name in names:
+        kubectl(
+            "-n", vms.namespace, "exec", name, "--", "sh", "-c", "echo MARK-BEFORE >/dev/console"
+        )
+    wait_for(
+        lambda: all("MARK-BEFORE" in kubectl("-n", vms.namespace, "logs", n).stdout for n in names),
+        timeout=30,
+        what="the first mark in the logs",
+    )
+    vm_node.agent.stop(signal.SIGKILL)
+    assert all(_alive(pid) for pid in before.values())
+    vm_node.restart_agent()  # appends to the same log: count the second "listening"
+    wait_for(lambda: node_ready(kubectl, vm_node.name), timeout=90, what="node Ready again")
+    wait_for(
+        lambda: vm_node.agent.log().count("listening on port") >= 2,
+        timeout=60,
+        what="the restarted agent's kubelet API",
+    )
+
+    def mark(name: str) -> bool:
+        command = "echo MARK-AFTER >/dev/console"
+        kubectl("-n", vms.namespace, "exec", name, "--", "sh", "-c", command)
+        return True
+
+    def logged(name: str) -> bool:
+        return "MARK-AFTER" in kubectl("-n", vms.namespace, "logs", name).stdout
+
+    for name in names:
+        wait_for(lambda: mark(name), timeout=60, what=f"exec into {name} after the restart")  # noqa: B023
+        wait_for(lambda: logged(name), timeout=30, what="the second mark in the logs")  # noqa: B023
+        text = kubectl("-n", vms.namespace, "logs", name).stdout
+        assert text.count("MARK-BEFORE") == 1 and text.count("MARK-AFTER") == 1
+        assert text.count(f"booted hostname={name}") == 1  # not rebooted
+    assert vm_node.qemu_pids() == before
+    after = {
+        p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
+        for p in vms.pods()
+    }
+    assert after == restarts
+
+
+def test_scale_to_zero_powers_the_guests_off_gracefully(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
+    names = _names(vms)
+    pids = vm_node.qemu_pids()
+    followers = [
+        subprocess.Popen(
+            [*_kubectl_argv(kubectl, vms.namespace), "logs", "-f", name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in names
+    ]
+    time.sleep(2)  # let the followers connect before the guests go
+    kubectl("-n", vms.namespace, "scale", "deployment/vm", "--replicas=0")
+    wait_for(lambda: not vms.pods(), timeout=180, interval=2, what="both VM pods gone")
+    for follower in followers:
+        out, _ = follower.communicate(timeout=60)
+        assert "vkubelet-guest: shutdown requested" in out
+    wait_for(lambda: not any(_alive(pid) for pid in pids.values()), timeout=30, what="QEMU gone")
+
+
+def test_an_image_without_a_rule_waits_in_image_pull_back_off(
+    vm_node: VMNode, kubectl: Kubectl, vms: VMs
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "nope"},
+        "spec": {
+            "nodeName": vm_node.name,
+            "tolerations": [TOLERATION],
+            "containers": [{"name": "vm", "image": "vm.vkubelet.io/nope"}],
+        },
+    }
+    kubectl("-n", vms.namespace, "apply", "-f", "-", input=json.dumps(pod))
+
+    def waiting_reason() -> str:
+        status = kubectl.json("-n", vms.namespace, "get", "pod", "nope")["status"]
+        waiting = (status.get("containerStatuses") or [{}])[0].get("state", {}).get("waiting")
+        return str(waiting.get("reason")) if waiting else ""
+
+    wait_for(lambda: waiting_reason() == "ImagePullBackOff", timeout=60, what="ImagePullBackOff")
+    status = kubectl.json("-n", vms.namespace, "get", "pod", "nope")["status"]
+    assert "no translation rule" in status["containerStatuses"][0]["state"]["waiting"]["message"]
+    kubectl("-n", vms.namespace, "delete", "pod", "nope", "--wait=true", timeout=60)
+
+
+@contextlib.contextmanager
+def _port_forward(kubectl: Kubectl, namespace: str, pod: str, remote: int) -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        local: int = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [*_kubectl_argv(kubectl, namespace), "port-forward", pod, f"{local}:{remote}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield local
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _kubectl_argv(kubectl: Kubectl, namespace: str) -> list[str]:
+    return [kubectl.binary, "--kubeconfig", str(kubectl.kubeconfig), "-n", namespace]
+
+
+def test_a_translation_rule_added_to_the_config_map_lets_a_waiting_pod_boot(
+    vm_node: VMNode, kubectl: Kubectl, vms: VMs, vm_guest_image: Path
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "from-cm"},
+        "spec": {
+            "nodeName": vm_node.name,
+            "tolerations": [TOLERATION],
+            "containers": [{"name": "vm", "image": "vm.vkubelet.io/from-config-map"}],
+        },
+    }
+    kubectl("-n", vms.namespace, "apply", "-f", "-", input=json.dumps(pod))
+
+    def state() -> dict[str, Any]:
+        status = kubectl.json("-n", vms.namespace, "get", "pod", "from-cm")["status"]
+        return dict((status.get("containerStatuses") or [{}])[0].get("state") or {})
+
+    def reason() -> str:
+        return str((state().get("waiting") or {}).get("reason"))
+
+    wait_for(lambda: reason() == "ImagePullBackOff", timeout=60, what="ImagePullBackOff")
+    rules = {"translations": [{"name": "from-config-map", "url": vm_guest_image.as_uri()}]}
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{vm_node.name}-images", "namespace": "default"},
+        "data": {"rules.yaml": json.dumps(rules)},
+    }
+    kubectl("apply", "-f", "-", input=json.dumps(config_map))
+    wait_for(lambda: state().get("running"), timeout=180, interval=2, what="the VM running")
+    kubectl("-n", vms.namespace, "delete", "pod", "from-cm", "--wait=true", timeout=120)
+
+
+def test_a_vm_larger_than_the_node_is_refused_naming_the_field(
+    vm_node: VMNode, kubectl: Kubectl, vms: VMs
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "huge"},
+        "spec": {
+            "nodeName": vm_node.name,
+            "tolerations": [TOLERATION],
+            "containers": [
+                {
+                    "name": "vm",
+                    "image": "vm.vkubelet.io/tiny",
+                    "resources": {"limits": {"memory": "4Ti"}},
+                }
+            ],
+        },
+    }
+    kubectl("-n", vms.namespace, "apply", "-f", "-", input=json.dumps(pod))
+
+    def refused() -> dict[str, Any] | None:
+        status: dict[str, Any] = kubectl.json("-n", vms.namespace, "get", "pod", "huge")["status"]
+        return status if status.get("reason") == "InvalidVMSpec" else None
+
+    status = wait_for(refused, timeout=60, what="the refusal")
+    assert "spec.containers[0].resources.limits.memory" in status["message"]
+    kubectl("-n", vms.namespace, "delete", "pod", "huge", "--wait=false")

@@ -1,0 +1,81 @@
+"""The VM provider's config file: defaults, paths relative to the file, errors naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vkubelet.providers.vm._config import ConfigError, load_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "vm.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_an_empty_file_gives_defaults_next_to_it(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, ""))
+    assert config.state_dir == tmp_path / "vm-state"
+    assert config.image_store == tmp_path / "vm-state" / "images"
+    assert config.accel == "auto"
+    assert config.image_prefix == "vm.vkubelet.io"
+
+
+def test_paths_are_relative_to_the_file_and_quantities_are_parsed(tmp_path: Path) -> None:
+    config = load_config(
+        write(
+            tmp_path,
+            "stateDir: state\nimageStore: /srv/images\naccel: tcg\n"
+            "reserved: {cpu: 500m, memory: 1Gi}\npodCIDR: 10.9.0.0/24\n"
+            "translations: [{name: tiny, url: 'file:///x.qcow2'}]\n"
+            "translationsFile: rules.yaml\nimageGCIntervalSeconds: 30\n"
+            "translationConfigMap: {namespace: kube-system, name: vm-images, kubeconfig: r.kc}\n",
+        )
+    )
+    assert config.state_dir == tmp_path / "state"
+    assert config.image_store == Path("/srv/images")
+    assert config.accel == "tcg"
+    assert (config.reserved_millicpu, config.reserved_memory) == (500, 2**30)
+    assert config.pod_cidr == "10.9.0.0/24"
+    assert config.translations == [{"name": "tiny", "url": "file:///x.qcow2"}]
+    assert config.translations_file == tmp_path / "rules.yaml"
+    assert config.image_gc_interval == 30
+    cm = config.translation_config_map
+    assert cm is not None and (cm.namespace, cm.name) == ("kube-system", "vm-images")
+    assert cm.kubeconfig == tmp_path / "r.kc" and cm.interval == 30
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("accel: fast\n", "accel"),
+        ("reserved: {memory: lots}\n", "reserved.memory"),
+        ("reserved: {cpu: x}\n", "reserved.cpu"),
+        ("podCIDR: 10.0.0.0/30\n", "podCIDR"),
+        ("podCIDR: nonsense\n", "podCIDR"),
+        ("translations: {a: b}\n", "translations"),
+        ("imageGCIntervalSeconds: -1\n", "imageGCIntervalSeconds"),
+        ("stateDirr: x\n", "stateDirr"),
+        ("defaults: {memory: 1Mi}\n", "defaults"),
+        ("translationConfigMap: {namespace: a, name: b}\n", "translationConfigMap.kubeconfig"),
+        (
+            "translationConfigMap: {namespace: a, name: b, kubeconfig: k, x: 1}\n",
+            "translationConfigMap.x",
+        ),
+    ],
+)
+def test_a_bad_option_is_refused_naming_the_file_and_the_field(
+    tmp_path: Path, text: str, field: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{path}: {field}:"):
+        load_config(path)
+
+
+def test_a_missing_or_broken_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "a: [\n"))

@@ -1,0 +1,568 @@
+# ruff: noqa: ASYNC109, ASYNC110, ASYNC240
+"""The VM provider's kubelet logic on a fake runtime: pull, boot, restart, stop, adopt, verbs.
+
+The real runtime (QEMU, image store, network) is proven by tests/integration/vm; here each rule
+of the provider is checked quickly and deterministically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightkube.models.core_v1 import EnvVar, VolumeMount
+from lightkube.resources.core_v1 import Node, Pod
+
+from vkubelet.providers.vm._backend import GuestAddress, LaunchSpec, PulledImage, Usage
+from vkubelet.providers.vm._config import VMConfig
+from vkubelet.providers.vm._provider import VMProvider
+from vkubelet.sdk import (
+    AttachIO,
+    ContainerLogOptions,
+    FileContent,
+    FilesVolume,
+    ProviderError,
+    ResolvedPod,
+)
+
+GI = 2**30
+
+
+@dataclass
+class Exited:
+    code: int
+    reason: str
+
+
+@dataclass
+class Output:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+
+class FakeMachine:
+    count = 0
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        FakeMachine.count += 1
+        self.pid = 1000 + FakeMachine.count
+        self.spec = spec
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        self.console_log = spec.run_dir / "console.log"
+        self.console_socket = spec.run_dir / "console.sock"
+        self.agent = asyncio.Event()
+        self.exit: asyncio.Future[Exited] = asyncio.get_running_loop().create_future()
+        self.stops: list[float] = []
+        self.execs: list[tuple[list[str], bytes]] = []
+        self.console(b"SeaBIOS\r\nbooting vm\r\n")
+
+    def console(self, data: bytes) -> None:
+        with self.console_log.open("ab") as f:
+            f.write(data)
+
+    def power_off(self, code: int = 0) -> None:
+        self.console(b"reboot: Power down\r\n")
+        if not self.exit.done():
+            self.exit.set_result(Exited(code, "Completed" if code == 0 else "Error"))
+
+    async def wait(self) -> Exited:
+        return await asyncio.shield(self.exit)
+
+    async def wait_guest_agent(self, timeout: float) -> None:
+        await asyncio.wait_for(self.agent.wait(), timeout)
+
+    async def exec(
+        self, argv: Sequence[str], stdin: bytes = b"", timeout: float | None = None
+    ) -> Output:
+        self.execs.append((list(argv), stdin))
+        if argv[:1] == ["false"]:
+            return Output(3, b"", b"no\n")
+        return Output(0, b"out:" + stdin, b"")
+
+    async def stop(self, grace: float) -> Exited:
+        self.stops.append(grace)
+        self.console(b"shutdown requested\r\n")
+        self.power_off()
+        return await self.wait()
+
+    async def kill(self) -> None:
+        if not self.exit.done():
+            self.exit.set_result(Exited(137, "Error"))
+
+    async def usage(self) -> Usage:
+        return Usage(cpu_ns=5 * 10**9, memory_bytes=300 * 2**20)
+
+
+@dataclass
+class FakeRuntime:
+    rules: dict[str, str] = field(default_factory=lambda: {"vm.vkubelet.io/tiny": "file:///t"})
+    machines: dict[Path, FakeMachine] = field(default_factory=dict)
+    launches: list[LaunchSpec] = field(default_factory=list)
+    seeds: list[dict[str, Any]] = field(default_factory=list)
+    detached: list[str] = field(default_factory=list)
+    boot_at_once: bool = True
+
+    def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
+        pass
+
+    def translate(self, image: str) -> tuple[str, str | None]:
+        if image not in self.rules:
+            raise ValueError(f"image {image!r}: no translation rule matches")
+        return self.rules[image], None
+
+    async def pull(
+        self, image: str, url: str, sha256: str | None, progress: Callable[[int, int | None], None]
+    ) -> PulledImage:
+        progress(50, 100)
+        progress(100, 100)
+        return PulledImage(Path("/images/data/abc"), "abc", GI)
+
+    async def create_overlay(self, base: PulledImage, path: Path, size: int | None) -> None:
+        path.write_bytes(b"overlay")
+
+    async def create_blank(self, path: Path, size: int) -> None:
+        path.write_bytes(b"blank")
+
+    def write_seed(
+        self,
+        path: Path,
+        *,
+        pod_name: str,
+        pod_uid: str,
+        annotations: Mapping[str, str],
+        files: Mapping[str, bytes],
+        network_key: str | None,
+        secret_files: Collection[str] = (),
+    ) -> None:
+        self.seeds.append({"name": pod_name, "files": dict(files)})
+        path.write_bytes(b"seed")
+
+    async def attach_network(self, key: str) -> GuestAddress:
+        return GuestAddress("10.213.0.2", f"vkvm-{key[:8]}")
+
+    async def detach_network(self, key: str) -> None:
+        self.detached.append(key)
+
+    async def launch(self, spec: LaunchSpec) -> FakeMachine:
+        self.launches.append(spec)
+        machine = FakeMachine(spec)
+        if self.boot_at_once:
+            machine.agent.set()
+        self.machines[spec.run_dir] = machine
+        return machine
+
+    async def adopt(self, run_dir: Path) -> FakeMachine | None:
+        machine = self.machines.get(run_dir)
+        return machine if machine is not None and not machine.exit.done() else None
+
+    async def probe_accel(self, mode: str) -> tuple[str, str]:
+        return "tcg", "KVM cannot boot a guest here"
+
+    def gc_images(self, in_use: Collection[str]) -> list[str]:
+        return []
+
+
+@dataclass
+class Events:
+    pod: list[tuple[str, str, str]] = field(default_factory=list)
+    node: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def pod_event(self, pod: Pod, type: str, reason: str, message: str) -> None:
+        self.pod.append((type, reason, message))
+
+    def node_event(self, node_name: str, type: str, reason: str, message: str) -> None:
+        self.node.append((type, reason, message))
+
+
+def make_pod(name: str = "vm", image: str = "vm.vkubelet.io/tiny", **spec: Any) -> Pod:
+    body = {
+        "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"},
+        "spec": {"containers": [{"name": "vm", "image": image}], **spec},
+    }
+    return Pod.from_dict(body)  # type: ignore[return-value]
+
+
+@pytest.fixture
+def runtime() -> FakeRuntime:
+    return FakeRuntime()
+
+
+@pytest.fixture
+def events() -> Events:
+    return Events()
+
+
+def provider_for(
+    tmp_path: Path, runtime: FakeRuntime, events: Events, *, gc_interval: float = 600.0
+) -> VMProvider:
+    config = VMConfig(
+        state_dir=tmp_path / "s",
+        image_store=tmp_path / "s" / "images",
+        reserved_millicpu=1000,
+        reserved_memory=GI,
+        image_gc_interval=gc_interval,
+    )
+    provider = VMProvider(
+        "hv-1",
+        config,
+        runtime,
+        host_ip="192.0.2.1",
+        events=events,
+        host_millicpu=4000,
+        host_memory=8 * GI,
+    )
+    provider.notify_pods(PUSHED.append)
+    return provider
+
+
+PUSHED: list[Pod] = []
+
+
+@pytest.fixture
+def provider(tmp_path: Path, runtime: FakeRuntime, events: Events) -> VMProvider:
+    return provider_for(tmp_path, runtime, events)
+
+
+async def state(provider: VMProvider, name: str = "vm") -> tuple[str, Any]:
+    pod = await provider.get_pod("ns", name)
+    assert pod is not None and pod.status is not None
+    statuses = pod.status.containerStatuses or []
+    return str(pod.status.phase), statuses[0] if statuses else None
+
+
+async def until(condition: Callable[[], Any], timeout: float = 5.0) -> None:
+    async def check() -> None:
+        while not await condition():
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(check(), timeout)
+
+
+async def logs(provider: VMProvider, previous: bool = False) -> bytes:
+    chunks = [
+        chunk
+        async for chunk in provider.container_logs(
+            "ns", "vm", "vm", ContainerLogOptions(previous=previous)
+        )
+    ]
+    return b"".join(chunks)
+
+
+async def test_capacity_is_the_host_minus_the_reserve_and_the_accelerator_is_reported(
+    provider: VMProvider, events: Events
+) -> None:
+    node = Node.from_dict({"metadata": {"name": "hv-1"}, "spec": {}, "status": {}})
+    assert isinstance(node, Node)
+    provider.configure_node(node)
+    assert node.status is not None and node.status.capacity is not None
+    assert node.status.capacity["cpu"] == "3"
+    assert node.status.capacity["memory"] == f"{7 * GI // 1024}Ki"
+    await provider.ping()
+    (condition,) = provider.node_conditions()
+    assert (condition.type, condition.status, condition.reason) == (
+        "Accelerator",
+        "True",
+        "TCGFallback",
+    )
+    assert events.node == [("Warning", "Accelerator", "tcg: KVM cannot boot a guest here")]
+
+
+async def test_a_pod_is_running_with_its_ip_once_the_guest_agent_answers(
+    provider: VMProvider, runtime: FakeRuntime, events: Events
+) -> None:
+    runtime.boot_at_once = False
+    PUSHED.clear()
+    assert await provider.pod_ips(make_pod()) == ["10.213.0.2"]  # known before the start
+    await provider.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _launched(runtime))
+    _, status = await state(provider)
+    assert status.state.waiting is not None  # QEMU runs, the guest boots
+    machine = next(iter(runtime.machines.values()))
+    await asyncio.sleep(0.3)  # a broken provider would report Running meanwhile
+    booting = len(PUSHED)
+    machine.agent.set()
+
+    async def running() -> bool:
+        _, status = await state(provider)
+        return status is not None and status.state.running is not None
+
+    await until(running)
+    assert not any(_is_running(p) for p in PUSHED[:booting])  # not before the agent answered
+    assert all(p.status and p.status.podIP == "10.213.0.2" for p in PUSHED)
+    pod = await provider.get_pod("ns", "vm")
+    assert pod is not None and pod.status is not None and pod.status.podIP == "10.213.0.2"
+    assert runtime.seeds[0]["name"] == "vm"
+    reasons = [reason for _, reason, _ in events.pod]
+    assert reasons[:4] == ["Pulling", "Pulling", "Pulled", "Created"]
+    assert "Started" in reasons
+
+    async def console_logged() -> bool:
+        return b"booting vm\n" in await logs(provider)
+
+    await until(console_logged)
+
+
+def _is_running(pod: Pod) -> bool:
+    statuses = (pod.status.containerStatuses if pod.status else None) or []
+    return bool(statuses and statuses[0].state and statuses[0].state.running)
+
+
+async def _launched(runtime: FakeRuntime) -> bool:
+    return bool(runtime.machines)
+
+
+async def test_an_unknown_image_waits_in_image_pull_back_off(provider: VMProvider) -> None:
+    await provider.create_pod(ResolvedPod(make_pod(image="vm.vkubelet.io/nope")))
+
+    async def backing_off() -> bool:
+        _, status = await state(provider)
+        waiting = status.state.waiting if status else None
+        return waiting is not None and waiting.reason == "ImagePullBackOff"
+
+    async def err_pull() -> bool:
+        _, status = await state(provider)
+        waiting = status.state.waiting if status else None
+        return waiting is not None and waiting.reason == "ErrImagePull"
+
+    await until(err_pull)
+    await until(backing_off)
+    _, status = await state(provider)
+    assert "no translation rule matches" in status.state.waiting.message
+
+
+async def test_a_guest_poweroff_restarts_the_vm_and_the_previous_log_is_kept(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    await provider.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _launched(runtime))
+    first = next(iter(runtime.machines.values()))
+
+    async def restarted() -> bool:
+        _, status = await state(provider)
+        return status.restartCount == 1 and status.state.running is not None
+
+    await until(lambda: _logged(provider, b"booting vm"))
+    first.power_off()
+    await until(restarted)
+    assert len(runtime.launches) == 2
+    previous = await logs(provider, previous=True)
+    assert b"reboot: Power down\n" in previous
+
+
+async def _logged(provider: VMProvider, text: bytes) -> bool:
+    try:
+        return text in await logs(provider)
+    except ProviderError:
+        return False
+
+
+async def test_deleting_the_pod_stops_the_guest_gracefully_and_cleans_up(
+    provider: VMProvider, runtime: FakeRuntime, tmp_path: Path
+) -> None:
+    pod = make_pod(terminationGracePeriodSeconds=7)
+    await provider.create_pod(ResolvedPod(pod))
+    await until(lambda: _logged(provider, b"booting"))
+    machine = next(iter(runtime.machines.values()))
+    await provider.delete_pod(pod, 7)
+
+    async def gone() -> bool:
+        return await provider.get_pod("ns", "vm") is None
+
+    await until(gone)
+    assert machine.stops == [7.0]
+    assert runtime.detached == ["uid-vm"]
+    assert not (tmp_path / "s" / "vms" / "uid-vm").exists()
+
+
+async def test_a_restarted_agent_adopts_the_running_vm_with_its_restart_count(
+    tmp_path: Path, runtime: FakeRuntime, events: Events
+) -> None:
+    first = provider_for(tmp_path, runtime, events)
+    await first.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _logged(first, b"booting"))
+    next(iter(runtime.machines.values())).power_off()
+
+    async def restarted() -> bool:
+        _, status = await state(first)
+        return status.restartCount == 1 and status.state.running is not None
+
+    await until(restarted)
+    await until(lambda: _logged(first, b"booting"))
+    machine = runtime.machines[runtime.launches[-1].run_dir]
+    machine.console(b"line before the agent died\r\n")
+    await until(lambda: _logged(first, b"before the agent died"))
+    await first.aclose()  # the agent goes; the VM does not
+
+    machine.console(b"line while no agent ran\r\n")
+    second = provider_for(tmp_path, runtime, events)
+    (pod,) = await second.list_pods()
+    assert pod.status is not None
+    assert pod.status.containerStatuses[0].restartCount == 1  # type: ignore[index]
+    assert len(runtime.launches) == 2  # adopted, not booted again
+    await until(lambda: _logged(second, b"while no agent ran"))
+    text = await logs(second)
+    assert text.count(b"before the agent died") == 1
+    assert second.vms["ns/vm"].machine is machine
+
+
+async def test_exec_runs_through_the_guest_agent_and_a_terminal_is_refused(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    await provider.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _logged(provider, b"booting"))
+
+    class In:
+        def __init__(self) -> None:
+            self.parts = [b"hello ", b"world", b""]
+
+        async def read(self, max_bytes: int = 65536) -> bytes:
+            return self.parts.pop(0)
+
+    class Out:
+        def __init__(self) -> None:
+            self.data = b""
+
+        async def write(self, data: bytes) -> None:
+            self.data += data
+
+    out, err = Out(), Out()
+    code = await provider.exec_in_container("ns", "vm", "vm", ["cat"], AttachIO(In(), out, err))
+    assert (code, out.data) == (0, b"out:hello world")
+    code = await provider.exec_in_container("ns", "vm", "vm", ["false"], AttachIO(None, out, err))
+    assert (code, err.data) == (3, b"no\n")
+    with pytest.raises(ProviderError, match="exec -t is not supported"):
+        await provider.exec_in_container(
+            "ns", "vm", "vm", ["sh"], AttachIO(None, out, None, tty=True)
+        )
+
+
+async def test_pods_that_cannot_be_vms_are_refused_with_the_field(provider: VMProvider) -> None:
+    with pytest.raises(ProviderError) as refused:
+        await provider.create_pod(ResolvedPod(make_pod(image="nginx")))
+    assert refused.value.reason == "UnsupportedImage"
+    assert "spec.containers[0].image" in refused.value.message
+    big = make_pod(name="big")
+    assert big.spec is not None
+    big.spec.containers[0].resources = {"limits": {"memory": "64Gi"}}  # type: ignore[assignment]
+    big = Pod.from_dict(big.to_dict())  # type: ignore[assignment]
+    with pytest.raises(ProviderError, match=r"resources.limits.memory") as refused:
+        await provider.create_pod(ResolvedPod(big))
+    assert refused.value.reason == "InvalidVMSpec"
+
+
+async def test_stats_report_each_vm_s_qemu(provider: VMProvider, runtime: FakeRuntime) -> None:
+    await provider.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _logged(provider, b"booting"))
+    summary = await provider.stats_summary()
+    (pod,) = summary["pods"]
+    assert pod["podRef"]["name"] == "vm"
+    assert pod["memory"]["workingSetBytes"] == 300 * 2**20
+    assert pod["cpu"]["usageCoreNanoSeconds"] == 5 * 10**9
+    text = await provider.metrics_resource()
+    assert 'container_cpu_usage_seconds_total{container="vm",namespace="ns",pod="vm"} 5.0 ' in text
+    assert 'pod_memory_working_set_bytes{namespace="ns",pod="vm"} 314572800.0 ' in text
+    assert "# TYPE node_cpu_usage_seconds_total counter" in text
+
+
+async def test_images_no_pod_uses_are_garbage_collected(
+    tmp_path: Path, runtime: FakeRuntime, events: Events
+) -> None:
+    seen: list[set[str]] = []
+
+    def gc(in_use: Collection[str]) -> list[str]:
+        seen.append(set(in_use))
+        return []
+
+    runtime.gc_images = gc  # type: ignore[method-assign]
+    provider = provider_for(tmp_path, runtime, events, gc_interval=0.05)
+    await provider.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _logged(provider, b"booting"))
+    seen.clear()
+
+    async def collected_with_the_pods_image_kept() -> bool:
+        return bool(seen) and seen[-1] == {"abc"}
+
+    await until(collected_with_the_pods_image_kept)
+    await provider.aclose()
+
+
+async def test_a_vm_that_ended_while_no_agent_ran_is_a_run_that_ended(
+    tmp_path: Path, runtime: FakeRuntime, events: Events
+) -> None:
+    first = provider_for(tmp_path, runtime, events)
+    await first.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _logged(first, b"booting"))
+    await first.aclose()
+    machine = next(iter(runtime.machines.values()))
+    machine.console(b"last words\r\n")
+    machine.power_off()  # meanwhile
+    (machine.spec.run_dir / "exit.json").write_text('{"code": 0, "reason": "Completed"}')
+
+    second = provider_for(tmp_path, runtime, events)
+    await second.list_pods()
+
+    async def restarted() -> bool:
+        _, status = await state(second)
+        return status.restartCount == 1 and status.state.running is not None
+
+    await until(restarted)  # restartPolicy Always
+    assert len(runtime.launches) == 2
+    previous = await logs(second, previous=True)
+    assert b"last words\n" in previous and b"reboot: Power down\n" in previous
+    pod = await second.get_pod("ns", "vm")
+    assert pod is not None and pod.status is not None and pod.status.containerStatuses
+    last = pod.status.containerStatuses[0].lastState
+    assert last is not None and last.terminated is not None and last.terminated.exitCode == 0
+
+
+async def test_new_volume_contents_are_written_into_the_running_guest(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    def resolved(content: bytes, env: str) -> ResolvedPod:
+        pod = make_pod(volumes=[{"name": "cfg", "configMap": {"name": "c"}}])
+        assert pod.spec is not None
+        pod.spec.containers[0].volumeMounts = [VolumeMount(name="cfg", mountPath="/etc/app")]
+        pod.spec.containers[0].env = [EnvVar(name="E", value=env)]
+        files = {"a.conf": FileContent(content, 0o644)}
+        return ResolvedPod(pod, {"cfg": FilesVolume("cfg", "configMap", files)})
+
+    await provider.create_pod(resolved(b"one", "1"))
+    await until(lambda: _logged(provider, b"booting"))
+    machine = next(iter(runtime.machines.values()))
+
+    async def booted() -> bool:
+        return provider.vms["ns/vm"].booted_at is not None
+
+    await until(booted)
+    await provider.update_pod(resolved(b"two", "2"))
+    ((argv, stdin),) = machine.execs
+    assert argv[:2] == ["sh", "-c"] and argv[3:] == ["sh", "/etc/app/a.conf", "644"]
+    assert stdin == b"two"
+    assert runtime.seeds[-1]["files"]["/etc/app/a.conf"] == b"two"
+    assert runtime.seeds[-1]["files"]["/etc/vkubelet/env"] == b"E=1\n"  # start-time env
+
+
+def test_config_map_rules_win_over_the_config_file_s_and_go_when_it_goes(tmp_path: Path) -> None:
+    from vkubelet.providers.vm._runtime import QemuRuntime
+
+    config = VMConfig(
+        state_dir=tmp_path,
+        image_store=tmp_path / "images",
+        translations=[{"name": "tiny", "url": "file:///file.qcow2"}],
+    )
+    runtime = QemuRuntime(config)
+    assert runtime.translate("vm.vkubelet.io/tiny") == ("file:///file.qcow2", None)
+    rules = "translations: [{name: tiny, url: 'file:///cm.qcow2'}, {name: new, url: 'file:///n'}]"
+    runtime.set_translation_overrides({"rules.yaml": rules}, "ConfigMap a/b")
+    assert runtime.translate("vm.vkubelet.io/tiny") == ("file:///cm.qcow2", None)
+    assert runtime.translate("vm.vkubelet.io/new") == ("file:///n", None)
+    with pytest.raises(ValueError, match="ConfigMap a/b"):
+        runtime.set_translation_overrides({"rules.yaml": "translations: 3"}, "ConfigMap a/b")
+    assert runtime.translate("vm.vkubelet.io/new") == ("file:///n", None)  # kept
+    runtime.set_translation_overrides(None, "ConfigMap a/b")
+    assert runtime.translate("vm.vkubelet.io/tiny") == ("file:///file.qcow2", None)
