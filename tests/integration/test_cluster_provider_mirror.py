@@ -1,0 +1,220 @@
+"""Mirror mode against two real clusters and the real agent: one virtual node per lower node,
+with that node's labels and free room; a pod bound to a mirrored node runs on exactly that lower
+node; a cordon below is seen upstairs within seconds; a lower node that appears is registered,
+and one that vanishes has its virtual node drained and deleted."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    create_namespace,
+    local_test_address,
+    mock_node,
+    node_ready,
+    start_agent,
+    wait_for,
+)
+
+from .clusters import LowerCluster
+
+JSON = dict[str, Any]
+TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
+
+
+@dataclass
+class Mirror:
+    prefix: str
+    agent: AgentProcess
+
+    def member(self, lower_node: str) -> str:
+        return f"{self.prefix}-{lower_node}"
+
+
+@pytest.fixture
+def mirror(
+    kube_cluster: Cluster, kubectl: Kubectl, lower_cluster: LowerCluster, tmp_path: Path
+) -> Iterator[Mirror]:
+    prefix = f"vkm-{uuid.uuid4().hex[:4]}"
+    config = tmp_path / "lower.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "kubeconfig": str(lower_cluster.kubeconfig),
+                "upperClusterID": f"mirror-{uuid.uuid4().hex[:6]}",
+                "mode": "mirror",
+            }
+        )
+    )
+    agent = start_agent(
+        kube_cluster, tmp_path, provider="cluster", config=config, name=prefix, address="127.0.0.1"
+    )
+    found = Mirror(prefix, agent)
+    try:
+        for lower in lower_cluster.nodes.values():
+            member = found.member(lower.name)
+            wait_for(
+                functools.partial(node_ready, kubectl, member), what=f"mirrored {member} Ready"
+            )
+        yield found
+    finally:
+        agent.stop()
+        for node in kubectl.json("get", "nodes")["items"]:
+            if node["metadata"]["name"].startswith(prefix + "-"):
+                kubectl("delete", "node", node["metadata"]["name"], "--wait=false")
+        print(agent.log()[-6000:])
+
+
+def test_each_lower_node_is_a_virtual_node_with_its_labels_room_and_cordon(
+    kubectl: Kubectl, lower_cluster: LowerCluster, mirror: Mirror
+) -> None:
+    lk = lower_cluster.kubectl
+    for lower in lower_cluster.nodes.values():
+        below = lk.json("get", "node", lower.name)
+        above = kubectl.json("get", "node", mirror.member(lower.name))
+        labels = above["metadata"]["labels"]
+        assert (
+            labels["topology.kubernetes.io/zone"]
+            == below["metadata"]["labels"]["topology.kubernetes.io/zone"]
+        )
+        assert labels["kubernetes.io/hostname"] == mirror.member(lower.name)
+        assert above["metadata"]["annotations"]["vkubelet.io/lower-node"] == lower.name
+        # Nothing else runs on the lower nodes: the whole allocatable is offered.
+        assert above["status"]["allocatable"]["cpu"] == below["status"]["allocatable"]["cpu"]
+
+    # A pod bound to the mirrored lower-b runs on exactly lower-b below.
+    namespace = f"mirror-{uuid.uuid4().hex[:6]}"
+    create_namespace(kubectl, namespace)
+    target = lower_cluster.node("lower-b").name
+    try:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "web"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": mirror.member(target)},
+                "tolerations": [TOLERATION],
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": "registry.example/web:1",
+                        "resources": {"requests": {"cpu": "500m"}},
+                    }
+                ],
+            },
+        }
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(pod))
+        wait_for(
+            lambda: (
+                kubectl.json("-n", namespace, "get", "pod", "web")["status"].get("phase")
+                == "Running"
+            ),
+            timeout=90,
+            what="pod web Running",
+        )
+        assert lk.json("-n", namespace, "get", "pod", "web")["spec"]["nodeName"] == target
+
+        # A cordon below is a cordon upstairs, within 10 s; and back.
+        victim = lower_cluster.node("lower-c").name
+        lk("cordon", victim)
+        try:
+            wait_for(
+                lambda: (
+                    kubectl.json("get", "node", mirror.member(victim))["spec"].get("unschedulable")
+                    is True
+                ),
+                timeout=10,
+                what="the cordon upstairs",
+            )
+        finally:
+            lk("uncordon", victim)
+        wait_for(
+            lambda: (
+                not kubectl.json("get", "node", mirror.member(victim))["spec"].get("unschedulable")
+            ),
+            timeout=10,
+            what="the uncordon upstairs",
+        )
+    finally:
+        kubectl("delete", "namespace", namespace, "--wait=false")
+        lk("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
+
+
+def test_a_lower_node_appearing_is_mirrored_and_one_vanishing_is_drained_and_removed(
+    kubectl: Kubectl, lower_cluster: LowerCluster, mirror: Mirror, tmp_path: Path
+) -> None:
+    address = "127.0.0.1"
+    with (
+        local_test_address() if os.geteuid() == 0 else contextlib.nullcontext(address) as address,
+        mock_node(
+            lower_cluster.cluster,
+            lower_cluster.kubectl,
+            tmp_path / "lower-d",
+            prefix="lower-d",
+            mock_config={"cpu": "3", "memory": "4Gi", "pods": "10"},
+            address=address,
+            extra_args=("--disable-taint", "--label", "topology.kubernetes.io/zone=d"),
+        ) as extra,
+    ):
+        member = mirror.member(extra.name)
+        wait_for(lambda: node_ready(kubectl, member), timeout=30, what=f"{member} Ready")
+        assert (
+            kubectl.json("get", "node", member)["metadata"]["labels"]["topology.kubernetes.io/zone"]
+            == "d"
+        )
+        namespace = f"vanish-{uuid.uuid4().hex[:6]}"
+        create_namespace(kubectl, namespace)
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "doomed"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": member},
+                "tolerations": [TOLERATION],
+                "containers": [{"name": "app", "image": "registry.example/web:1"}],
+            },
+        }
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(pod))
+        wait_for(
+            lambda: (
+                kubectl.json("-n", namespace, "get", "pod", "doomed")["status"].get("phase")
+                == "Running"
+            ),
+            timeout=90,
+            what="pod doomed Running on the new node",
+        )
+    # mock_node's exit stopped the lower node and deleted it below.
+    wait_for(
+        lambda: (
+            kubectl("get", "node", member, "--ignore-not-found", "-o", "name").stdout.strip() == ""
+        ),
+        timeout=60,
+        what=f"{member} drained and deleted",
+    )
+    assert f"node {member} drained and deleted" in mirror.agent.log()
+    # Its pod was evicted by the drain (not left bound to a node that no longer exists).
+    wait_for(
+        lambda: (
+            kubectl(
+                "-n", namespace, "get", "pod", "doomed", "--ignore-not-found", "-o", "name"
+            ).stdout.strip()
+            == ""
+        ),
+        timeout=30,
+        what="the drained node's pod gone",
+    )
+    kubectl("delete", "namespace", namespace, "--wait=false")
