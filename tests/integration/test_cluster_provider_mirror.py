@@ -1,7 +1,9 @@
 """Mirror mode against two real clusters and the real agent: one virtual node per lower node,
 with that node's labels and free room; a pod bound to a mirrored node runs on exactly that lower
 node; a cordon below is seen upstairs within seconds; a lower node that appears is registered,
-and one that vanishes has its virtual node drained and deleted."""
+and one that vanishes has its virtual node drained and deleted; the upper scheduler sees the real
+shape (a pod too big for every lower node is Pending upstairs with "Insufficient cpu", a zone
+spread puts one replica per lower zone)."""
 
 from __future__ import annotations
 
@@ -218,3 +220,118 @@ def test_a_lower_node_appearing_is_mirrored_and_one_vanishing_is_drained_and_rem
         what="the drained node's pod gone",
     )
     kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+def test_the_upper_scheduler_sees_the_real_shape_spread_over_zones_and_insufficient_cpu(
+    kubectl: Kubectl, lower_cluster: LowerCluster, mirror: Mirror
+) -> None:
+    lk = lower_cluster.kubectl
+    members = [mirror.member(n.name) for n in lower_cluster.nodes.values()]
+    on_members = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [
+                            {"key": "kubernetes.io/hostname", "operator": "In", "values": members}
+                        ]
+                    }
+                ]
+            }
+        }
+    }
+    namespace = f"shape-{uuid.uuid4().hex[:6]}"
+    create_namespace(kubectl, namespace)
+    try:
+        # Larger than any single lower node (4, 2 and 1 CPUs): Pending upstairs with the
+        # scheduler's own words, never sent below.
+        big = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "big"},
+            "spec": {
+                "affinity": on_members,
+                "tolerations": [TOLERATION],
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": "registry.example/web:1",
+                        "resources": {"requests": {"cpu": "5"}},
+                    }
+                ],
+            },
+        }
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(big))
+
+        def unschedulable() -> str | None:
+            status = kubectl.json("-n", namespace, "get", "pod", "big")["status"]
+            for condition in status.get("conditions") or []:
+                if condition["type"] == "PodScheduled" and condition.get("reason") == (
+                    "Unschedulable"
+                ):
+                    return str(condition.get("message"))
+            return None
+
+        message = wait_for(unschedulable, timeout=30, what="big Unschedulable upstairs")
+        assert "Insufficient cpu" in message, message
+
+        # Spread over the lower zones as over real nodes: one replica per zone.
+        deployment = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "spread"},
+            "spec": {
+                "replicas": 3,
+                "selector": {"matchLabels": {"app": "spread"}},
+                "template": {
+                    "metadata": {"labels": {"app": "spread"}},
+                    "spec": {
+                        "affinity": on_members,
+                        "tolerations": [TOLERATION],
+                        "topologySpreadConstraints": [
+                            {
+                                "maxSkew": 1,
+                                "topologyKey": "topology.kubernetes.io/zone",
+                                "whenUnsatisfiable": "DoNotSchedule",
+                                "labelSelector": {"matchLabels": {"app": "spread"}},
+                            }
+                        ],
+                        "containers": [
+                            {
+                                "name": "app",
+                                "image": "registry.example/web:1",
+                                "resources": {"requests": {"cpu": "100m"}},
+                            }
+                        ],
+                    },
+                },
+            },
+        }
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(deployment))
+
+        def running_below() -> list[JSON] | None:
+            pods: list[JSON] = lk.json("-n", namespace, "get", "pods", "-l", "app=spread")["items"]
+            ok = [p for p in pods if p["status"].get("phase") == "Running"]
+            return ok if len(ok) == 3 else None
+
+        below = wait_for(running_below, timeout=120, what="3 spread pods Running below")
+        zones = {
+            lk.json("get", "node", p["spec"]["nodeName"])["metadata"]["labels"][
+                "topology.kubernetes.io/zone"
+            ]
+            for p in below
+        }
+        assert zones == {"a", "b", "c"}
+        # Each runs on the lower node its upper node mirrors.
+        for pod in kubectl.json("-n", namespace, "get", "pods", "-l", "app=spread")["items"]:
+            lower = lk.json("-n", namespace, "get", "pod", pod["metadata"]["name"])
+            assert pod["spec"]["nodeName"] == mirror.member(lower["spec"]["nodeName"])
+        assert (
+            lk(
+                "-n", namespace, "get", "pod", "big", "--ignore-not-found", "-o", "name"
+            ).stdout.strip()
+            == ""
+        )
+    finally:
+        kubectl("delete", "namespace", namespace, "--wait=false")
+        lk("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
