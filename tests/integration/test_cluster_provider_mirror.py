@@ -1,6 +1,7 @@
 """Mirror mode against two real clusters and the real agent: one virtual node per lower node,
 with that node's labels and free room; a pod bound to a mirrored node runs on exactly that lower
-node; a cordon below is seen upstairs within seconds; a lower node that appears is registered,
+node; a cordon below is seen upstairs within seconds; a lower node that appears is registered, a
+lower node whose kubelet stops makes its virtual node NotReady,
 and one that vanishes has its virtual node drained and deleted; the upper scheduler sees the real
 shape (a pod too big for every lower node is Pending upstairs with "Insufficient cpu", a zone
 spread puts one replica per lower zone)."""
@@ -199,7 +200,17 @@ def test_a_lower_node_appearing_is_mirrored_and_one_vanishing_is_drained_and_rem
             timeout=90,
             what="pod doomed Running on the new node",
         )
-    # mock_node's exit stopped the lower node and deleted it below.
+        # The lower node's kubelet stops: once the lower cluster marks it not ready, so is
+        # its virtual node, with the lower node's words.
+        extra.agent.stop()
+
+        def not_ready() -> str | None:
+            conditions = kubectl.json("get", "node", member)["status"].get("conditions") or []
+            ready = next(c for c in conditions if c["type"] == "Ready")
+            return str(ready.get("message")) if ready.get("reason") == "LowerNodeNotReady" else None
+
+        wait_for(not_ready, timeout=90, what=f"{member} NotReady with the lower node")
+    # mock_node's exit deleted the lower node below.
     wait_for(
         lambda: (
             kubectl("get", "node", member, "--ignore-not-found", "-o", "name").stdout.strip() == ""
