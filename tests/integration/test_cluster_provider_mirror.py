@@ -1,6 +1,7 @@
 """Mirror mode against two real clusters and the real agent: one virtual node per lower node,
 with that node's labels and free room; a pod bound to a mirrored node runs on exactly that lower
-node; a cordon below is seen upstairs within seconds; a lower node that appears is registered, a
+node; a cordon below is seen upstairs within seconds; a killed and restarted agent adopts the
+lower pods; a lower node that appears is registered, a
 lower node whose kubelet stops makes its virtual node NotReady,
 and one that vanishes has its virtual node drained and deleted; the upper scheduler sees the real
 shape (a pod too big for every lower node is Pending upstairs with "Insufficient cpu", a zone
@@ -12,8 +13,9 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effec
 class Mirror:
     prefix: str
     agent: AgentProcess
+    restart: Callable[[], AgentProcess]
 
     def member(self, lower_node: str) -> str:
         return f"{self.prefix}-{lower_node}"
@@ -63,10 +66,18 @@ def mirror(
             }
         )
     )
-    agent = start_agent(
-        kube_cluster, tmp_path, provider="cluster", config=config, name=prefix, address="127.0.0.1"
-    )
-    found = Mirror(prefix, agent)
+
+    def start() -> AgentProcess:
+        return start_agent(
+            kube_cluster,
+            tmp_path,
+            provider="cluster",
+            config=config,
+            name=prefix,
+            address="127.0.0.1",
+        )
+
+    found = Mirror(prefix, start(), start)
     try:
         for lower in lower_cluster.nodes.values():
             member = found.member(lower.name)
@@ -75,11 +86,11 @@ def mirror(
             )
         yield found
     finally:
-        agent.stop()
+        found.agent.stop()
         for node in kubectl.json("get", "nodes")["items"]:
             if node["metadata"]["name"].startswith(prefix + "-"):
                 kubectl("delete", "node", node["metadata"]["name"], "--wait=false")
-        print(agent.log()[-6000:])
+        print(found.agent.log()[-6000:])
 
 
 def test_each_lower_node_is_a_virtual_node_with_its_labels_room_and_cordon(
@@ -152,6 +163,18 @@ def test_each_lower_node_is_a_virtual_node_with_its_labels_room_and_cordon(
             timeout=10,
             what="the uncordon upstairs",
         )
+
+        # Killed and restarted, the fleet's members adopt their lower pods: same lower pod.
+        lower_uid = lk.json("-n", namespace, "get", "pod", "web")["metadata"]["uid"]
+        mirror.agent.stop(signal.SIGKILL)
+        mirror.agent = mirror.restart()
+        wait_for(
+            lambda: "adopted 1 running pod(s)" in mirror.agent.log(),
+            timeout=60,
+            what="the member adopting its pod after the restart",
+        )
+        assert lk.json("-n", namespace, "get", "pod", "web")["metadata"]["uid"] == lower_uid
+        assert kubectl.json("-n", namespace, "get", "pod", "web")["status"]["phase"] == "Running"
     finally:
         kubectl("delete", "namespace", namespace, "--wait=false")
         lk("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
