@@ -1,11 +1,10 @@
 """Mirror mode against two real clusters and the real agent: one virtual node per lower node,
 with that node's labels and free room; a pod bound to a mirrored node runs on exactly that lower
 node; a cordon below is seen upstairs within seconds; a killed and restarted agent adopts the
-lower pods; a lower node that appears is registered, a
-lower node whose kubelet stops makes its virtual node NotReady,
-and one that vanishes has its virtual node drained and deleted; the upper scheduler sees the real
-shape (a pod too big for every lower node is Pending upstairs with "Insufficient cpu", a zone
-spread puts one replica per lower zone)."""
+lower pods; a lower node that appears is registered, one whose kubelet stops makes its virtual
+node NotReady, and one that vanishes has its virtual node drained and deleted; the upper
+scheduler sees the real shape (a pod too big for every lower node is Pending upstairs with
+"Insufficient cpu", a zone spread puts one replica per lower zone)."""
 
 from __future__ import annotations
 
