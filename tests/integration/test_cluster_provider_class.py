@@ -2,7 +2,8 @@
 two real clusters: the upper pod as its apiserver stores it, plus its references, becomes a
 running lower pod; status comes up pushed; an image update reaches it; a restarted provider
 adopts it without re-creating it; a lower pod deleted behind its back fails the upper pod; the
-lower scheduler's refusal is visible; the node's capacity and labels come from the lower nodes.
+lower scheduler's refusal is visible, a pod no single lower node can take is refused at once; the
+node's capacity and labels come from the lower nodes.
 
 (The agent does not yet hand providers pods as written, so this test plays the agent's part.)
 """
@@ -58,7 +59,7 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
     kubectl("-n", shop, "create", "configmap", "web-config", "--from-literal=color=blue")
     kubectl("-n", shop, "create", "secret", "generic", "web-secret", "--from-literal=pw=hunter2x")
 
-    def upper_pod(name: str, cpu: str = "100m") -> tuple[Pod, dict[Any, Any]]:
+    def upper_pod(name: str, cpu: str = "100m", **more: Any) -> tuple[Pod, dict[Any, Any]]:
         manifest = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -69,6 +70,7 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
                 "annotations": {"mock.vkubelet.io/print-env": "true"},
             },
             "spec": {
+                **more,
                 "nodeName": node_name,
                 "containers": [
                     {
@@ -253,8 +255,26 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         failed = await provider.get_pod_status(shop, "web-0")
         assert failed is not None and failed.reason == "LowerPodDeleted"
 
-        # Too big for any lower node: the lower scheduler's reason shows upstairs.
-        big, refs = upper_pod("big-0", cpu="64")
+        # Too big for any single lower node: refused at once (the fit check on the capacity
+        # loop's snapshot), nothing created below.
+        huge, refs = upper_pod("huge-0", cpu="64")
+        with pytest.raises(ProviderError) as refused:
+            await create(provider, ResolvedPod(huge, references=refs))
+        assert refused.value.reason == "LowerClusterCannotFit", refused.value
+        assert "lacking cpu" in refused.value.message
+        assert "huge-0" not in lk("-n", lower_ns, "get", "pods", "-o", "name").stdout
+
+        # What the fit check does not model (pod affinity): the lower scheduler's reason shows
+        # upstairs.
+        never = {"matchLabels": {"app": f"nothing-{uuid.uuid4().hex[:6]}"}}
+        affinity = {
+            "podAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"labelSelector": never, "topologyKey": "kubernetes.io/hostname"}
+                ]
+            }
+        }
+        big, refs = upper_pod("big-0", affinity=affinity)
         await create(provider, ResolvedPod(big, references=refs))
 
         async def unschedulable() -> bool:
@@ -264,7 +284,7 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         await until(unschedulable, "big-0 Unschedulable below")
         status = await provider.get_pod_status(shop, "big-0")
         assert status is not None and status.phase == "Pending"
-        assert status.message is not None and "Insufficient cpu" in status.message
+        assert status.message is not None and "affinity" in status.message
 
         # Deleting through the provider removes the lower pod and reports it stopped.
         await provider.delete_pod(big, 0)

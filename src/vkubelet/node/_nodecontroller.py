@@ -4,7 +4,10 @@ Ownership is explicit so that other actors' edits survive: we patch only the lab
 condition types we set (the node-lifecycle controller's taints, an admin's labels and other
 controllers' conditions stay), and status goes through strategic-merge patches keyed by
 condition type. The labels we set (ours and the provider's `configure_node`'s) are kept current
-at every status update, so a provider may change them and push a node status notification.
+at every status update, so a provider may change them and push a node status notification; so
+are the annotations and taints `configure_node` sets and, when it states it, `spec.unschedulable`
+(written only when the provider's statement changes, so an admin's cordon is not undone by every
+status update).
 If someone deletes the Node, the next renewal notices (its Lease is garbage collected with it)
 and the Node is registered again — the reference does this only opt-in.
 
@@ -50,6 +53,12 @@ log = logging.getLogger(__name__)
 LEASE_NAMESPACE = "kube-node-lease"
 MANAGED_LABELS_ANNOTATION = "vkubelet.io/managed-labels"
 MANAGED_TAINTS_ANNOTATION = "vkubelet.io/managed-taints"
+MANAGED_ANNOTATIONS_ANNOTATION = "vkubelet.io/managed-annotations"
+_OUR_ANNOTATIONS = (
+    MANAGED_LABELS_ANNOTATION,
+    MANAGED_TAINTS_ANNOTATION,
+    MANAGED_ANNOTATIONS_ANNOTATION,
+)
 OUR_CONDITIONS = ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure", "NetworkUnavailable")
 
 # The agent's own view, in the kubelet's words (its node status setters).
@@ -219,6 +228,9 @@ class NodeController:
         self.registered = asyncio.Event()
         self.allocatable: dict[str, str] = {}
         self._labels: dict[str, str] | None = None  # the labels we set, as last written
+        self._annotations: dict[str, str] = {}  # the provider's annotations, as last written
+        self._taints: list[dict[str, str]] | None = None  # the taints we set, as last written
+        self._unschedulable: bool | None = None  # the provider's statement, as last written
         self.renewals = 0
         self.late_renewals = 0  # renewals that happened later than renew_interval * 1.5
 
@@ -255,6 +267,12 @@ class NodeController:
             self._provider.configure_node(typed)
             node = msgspec.to_builtins(typed)
             node["metadata"].pop("creationTimestamp", None)
+            node["metadata"]["annotations"] = {
+                k: str(v)
+                for k, v in (node["metadata"].get("annotations") or {}).items()
+                if k not in _OUR_ANNOTATIONS
+            }
+            node["spec"]["taints"] = node["spec"].get("taints") or []
             if s.node_restricted:  # the provider's labels too: NodeRestriction would refuse
                 labels = node["metadata"].get("labels") or {}
                 node["metadata"]["labels"] = {
@@ -322,9 +340,12 @@ class NodeController:
         desired = self.desired()
         labels = desired["metadata"]["labels"]
         taints = desired["spec"]["taints"]
+        provided = dict(desired["metadata"].get("annotations") or {})
         desired["metadata"]["annotations"] = {
+            **provided,
             MANAGED_LABELS_ANNOTATION: ",".join(sorted(labels)),
             MANAGED_TAINTS_ANNOTATION: ",".join(sorted(_taint_id(t) for t in taints)),
+            MANAGED_ANNOTATIONS_ANNOTATION: ",".join(sorted(provided)),
         }
         try:
             current = await self._client.get(self._path)
@@ -341,6 +362,9 @@ class NodeController:
             self._remember_transitions(current)
             await self._adopt(current, desired)
         self._labels = dict(labels)
+        self._annotations = provided
+        self._taints = [dict(t) for t in taints]
+        self._unschedulable = desired["spec"].get("unschedulable")
         self.registered.set()
         await self._ensure_lease()
 
@@ -355,6 +379,11 @@ class NodeController:
             labels: dict[str, str | None] = dict(desired["metadata"]["labels"])
             for stale in previously - set(labels):
                 labels[stale] = None
+            wanted_annotations: dict[str, str | None] = dict(desired["metadata"]["annotations"])
+            for stale in set(
+                filter(None, annotations.get(MANAGED_ANNOTATIONS_ANNOTATION, "").split(","))
+            ) - set(wanted_annotations):
+                wanted_annotations[stale] = None
             old_taints = set(
                 filter(None, annotations.get(MANAGED_TAINTS_ANNOTATION, "").split(","))
             )
@@ -370,12 +399,15 @@ class NodeController:
                 "metadata": {
                     "resourceVersion": meta["resourceVersion"],  # optimistic concurrency
                     "labels": labels,
-                    "annotations": desired["metadata"]["annotations"],
+                    "annotations": wanted_annotations,
                 },
             }
             if _taint_set(kept + ours) != _taint_set(present):
                 # Only when they differ: NodeRestriction refuses a node any taint change.
                 patch["spec"] = {"taints": kept + ours}
+            unschedulable = desired["spec"].get("unschedulable")
+            if unschedulable is not None:
+                patch.setdefault("spec", {})["unschedulable"] = unschedulable
             try:
                 updated = await self._client.patch(self._path, patch)
             except ApiError as e:
@@ -389,29 +421,78 @@ class NodeController:
             return
         raise RuntimeError(f"node {self.settings.name}: too many conflicting updates")
 
-    async def _follow_labels(self, labels: dict[str, str]) -> None:
+    async def _follow_labels(
+        self, labels: dict[str, str], annotations: dict[str, str] | None = None
+    ) -> None:
         """Keep the labels we set current after registration (a provider's `configure_node`
-        may publish labels that change, such as those common to a lower cluster's nodes).
+        may publish labels that change, such as those common to a lower cluster's nodes), and
+        the provider's annotations likewise.
 
-        Only keys we set are written or removed, and the managed-labels annotation is rewritten
-        with them, so a label an admin added is never touched, now or after a restart.
+        Only keys we set are written or removed, and the managed-labels (managed-annotations)
+        annotation is rewritten with them, so a label an admin added is never touched, now or
+        after a restart.
         """
-        if self._labels is None or labels == self._labels:
+        annotations = self._annotations if annotations is None else annotations
+        if self._labels is None or (labels, annotations) == (self._labels, self._annotations):
             return
         patch: dict[str, str | None] = dict(labels)
         for stale in set(self._labels) - set(labels):
             patch[stale] = None
+        written: dict[str, str | None] = {MANAGED_LABELS_ANNOTATION: ",".join(sorted(labels))}
+        if annotations != self._annotations:
+            written.update(annotations)
+            written.update(dict.fromkeys(set(self._annotations) - set(annotations)))
+            written[MANAGED_ANNOTATIONS_ANNOTATION] = ",".join(sorted(annotations))
         await self._client.patch(
-            self._path,
-            {
-                "metadata": {
-                    "labels": patch,
-                    "annotations": {MANAGED_LABELS_ANNOTATION: ",".join(sorted(labels))},
-                }
-            },
+            self._path, {"metadata": {"labels": patch, "annotations": written}}
         )
-        log.info("node %s: labels now %s", self.settings.name, sorted(labels.items()))
+        if labels != self._labels:
+            log.info("node %s: labels now %s", self.settings.name, sorted(labels.items()))
         self._labels = dict(labels)
+        self._annotations = dict(annotations)
+
+    async def _follow_spec(self, taints: list[dict[str, str]], unschedulable: bool | None) -> None:
+        """Keep the taints we set (the provider's too) current, leaving others' taints alone,
+        and write `spec.unschedulable` when the provider's statement changes (a lower node
+        cordoned, say); an admin's cordon stands until the provider states something new."""
+        if self._taints is None:
+            return
+        taints_changed = _taint_set(taints) != _taint_set(self._taints)
+        cordon_changed = unschedulable is not None and unschedulable != self._unschedulable
+        if not taints_changed and not cordon_changed:
+            return
+        spec: dict[str, Any] = {}
+        annotations: dict[str, str] = {}
+        if cordon_changed:
+            spec["unschedulable"] = unschedulable
+        for _ in range(5):
+            current = await self._client.get(self._path)
+            if taints_changed:
+                mine = {_taint_id(t) for t in self._taints} | {_taint_id(t) for t in taints}
+                present = (current.get("spec") or {}).get("taints") or []
+                spec["taints"] = [t for t in present if _taint_id(t) not in mine] + taints
+                annotations[MANAGED_TAINTS_ANNOTATION] = ",".join(
+                    sorted(_taint_id(t) for t in taints)
+                )
+            patch: dict[str, Any] = {
+                "metadata": {
+                    "resourceVersion": current["metadata"]["resourceVersion"],
+                    "annotations": annotations,
+                },
+                "spec": spec,
+            }
+            try:
+                await self._client.patch(self._path, patch)
+            except ApiError as e:
+                if not e.conflict:
+                    raise
+                continue
+            self._taints = [dict(t) for t in taints]
+            if unschedulable is not None:
+                self._unschedulable = unschedulable
+                log.info("node %s: unschedulable now %s", self.settings.name, unschedulable)
+            return
+        raise RuntimeError(f"node {self.settings.name}: too many conflicting updates")
 
     async def _patch_status(self, status: dict[str, Any]) -> None:
         conditions = self._conditions()
@@ -534,9 +615,14 @@ class NodeController:
             try:
                 desired = self.desired()
                 try:
-                    await self._follow_labels(desired["metadata"]["labels"])
-                except ApiError as e:
-                    if e.not_found:
+                    await self._follow_labels(
+                        desired["metadata"]["labels"], desired["metadata"].get("annotations")
+                    )
+                    await self._follow_spec(
+                        desired["spec"]["taints"], desired["spec"].get("unschedulable")
+                    )
+                except (ApiError, RuntimeError) as e:
+                    if isinstance(e, ApiError) and e.not_found:
                         raise
                     # A refused label (NodeRestriction, say) must not stop status updates.
                     log.warning("node %s: label update failed: %s", self.settings.name, e)

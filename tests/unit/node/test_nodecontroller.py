@@ -10,6 +10,7 @@ from pathlib import Path
 from types import TracebackType
 
 import pytest
+from lightkube.models.core_v1 import Taint
 from lightkube.resources.core_v1 import Node
 
 from vkubelet.agent import Agent
@@ -277,6 +278,82 @@ async def test_provider_labels_follow_the_provider_and_leave_an_admins_labels_al
         assert node["metadata"]["labels"]["type"] == "virtual-kubelet", "the agent's own"
         managed = node["metadata"]["annotations"]["vkubelet.io/managed-labels"].split(",")
         assert "gpu" in managed and "disk" not in managed and "team" not in managed
+
+
+class AnnotatingNode:
+    """A node provider whose annotations, taints and cordon change after registration."""
+
+    def __init__(self) -> None:
+        self.annotations = {"example.com/free": "2"}
+        self.taints: list[dict[str, str]] = []
+        self.unschedulable: bool | None = None
+        self.callback: Callable[[Node], None] | None = None
+
+    def configure_node(self, node: Node) -> None:
+        assert node.metadata is not None and node.spec is not None
+        node.metadata.annotations = {**(node.metadata.annotations or {}), **self.annotations}
+        node.spec.taints = [
+            *(node.spec.taints or []),
+            *(Taint(key=t["key"], effect=t["effect"]) for t in self.taints),
+        ]
+        if self.unschedulable is not None:
+            node.spec.unschedulable = self.unschedulable
+
+    def notify_node_status(self, callback: Callable[[Node], None]) -> None:
+        self.callback = callback
+
+
+async def test_provider_annotations_taints_and_cordon_follow_the_provider_and_leave_others_alone(
+    api: FakeApiServer,
+) -> None:
+    provider = AnnotatingNode()  # (a fleet member's mirror of a lower node, say)
+    async with NodeHarness(api, settings(status_interval=60), provider):
+        assert node_of(api)["metadata"]["annotations"]["example.com/free"] == "2"
+        api.patch(
+            "nodes",
+            NODE,
+            {
+                "metadata": {"annotations": {"team": "payments"}},
+                "spec": {"taints": [*node_of(api)["spec"]["taints"], ADMIN_TAINT]},
+            },
+        )
+        assert provider.callback is not None
+        provider.annotations = {"example.com/other": "x"}
+        provider.taints = [{"key": "example.com/backoff", "effect": "NoSchedule"}]
+        provider.unschedulable = True
+        provider.callback(Node())
+
+        def followed() -> bool:
+            node = node_of(api)
+            return (
+                "example.com/free" not in node["metadata"]["annotations"]
+                and node["spec"].get("unschedulable") is True
+                and any(t["key"] == "example.com/backoff" for t in node["spec"]["taints"])
+            )
+
+        await eventually(followed, within=2)
+        node = node_of(api)
+        assert node["metadata"]["annotations"]["example.com/other"] == "x"
+        assert node["metadata"]["annotations"]["team"] == "payments", "an admin's annotation"
+        assert "admin:NoSchedule" in {f"{t['key']}:{t['effect']}" for t in node["spec"]["taints"]}
+        assert any(t["key"] == "virtual-kubelet.io/provider" for t in node["spec"]["taints"])
+
+        # An admin's uncordon stands while the provider's statement does not change.
+        api.patch("nodes", NODE, {"spec": {"unschedulable": False}})
+        provider.taints = []
+        provider.callback(Node())
+        await eventually(
+            lambda: (
+                not any(t["key"] == "example.com/backoff" for t in node_of(api)["spec"]["taints"])
+            ),
+            within=2,
+        )
+        assert node_of(api)["spec"].get("unschedulable") is False
+        taints = node_of(api)["spec"]["taints"]
+        assert "admin:NoSchedule" in {f"{t['key']}:{t['effect']}" for t in taints}
+
+
+ADMIN_TAINT = {"key": "admin", "effect": "NoSchedule"}
 
 
 async def test_a_failing_ping_stops_lease_renewals_until_it_recovers(

@@ -17,6 +17,8 @@ API I/O in its own module:
 - `_services`: which upper Services go below and how (selector narrowed to our lower pods);
 - `_tokens`: upper service-account tokens for lower pods (`serviceAccountTokens: upper`);
 - `_convert`: JSON <-> lightkube models and small value helpers;
+- `_fit`: does a pod fit some single lower node (aggregate mode's fit check), largest free;
+- `_mirror`: `mode: mirror`, a fleet of one virtual node per lower node;
 - `_provider`: the provider class wiring them to the agent's protocols, built from `_core`
   (shared state, owner identity) and `_verbs`, `_capacityloop`, `_servicesync`, `_tokenkeeper`.
 
@@ -28,6 +30,7 @@ from ._capacity import LowerCapacity, common_labels, lower_capacity, node_usable
 from ._config import LowerConfig, NamespaceMapping, Resync, load_lower_config
 from ._deps import DependencyPlan, lower_copy, plan_dependencies
 from ._lower import REQUIRED_PERMISSIONS, LowerCluster, MissingPermissions, Permission, open_lower
+from ._mirror import ClusterFleet, member_name
 from ._provider import ClusterProvider
 from ._refs import Reference, pod_references, rename_references
 from ._stamps import Claim, Owner, claim, dependency_name, is_ours, stamp
@@ -38,6 +41,7 @@ __all__ = [
     "LOWER_POD_DELETED",
     "REQUIRED_PERMISSIONS",
     "Claim",
+    "ClusterFleet",
     "ClusterProvider",
     "DependencyPlan",
     "LowerCapacity",
@@ -59,6 +63,7 @@ __all__ = [
     "load_lower_config",
     "lower_capacity",
     "lower_copy",
+    "member_name",
     "node_usable",
     "open_lower",
     "plan_dependencies",
@@ -72,10 +77,13 @@ __all__ = [
 ]
 
 
-def create(context: ProviderContext) -> ClusterProvider:
+def create(context: ProviderContext) -> ClusterProvider | ClusterFleet:
     """Factory for the `vkubelet.providers` entry point (`cluster`). It does not contact the
-    lower cluster: an unreachable one only makes the node NotReady until it answers."""
+    lower cluster: an unreachable one only makes the node NotReady until it answers. With
+    `mode: mirror`, a fleet: one virtual node per lower node."""
     if context.config_path is None:
         raise ConfigError("the cluster provider needs --provider-config: lower.yaml")
     config = load_lower_config(context.config_path)
+    if config.mode == "mirror":
+        return ClusterFleet(config, context, open_lower(config))
     return ClusterProvider(config, context, open_lower(config))

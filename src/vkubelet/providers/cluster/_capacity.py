@@ -29,6 +29,8 @@ __all__ = [
     "common_labels",
     "format_quantity",
     "lower_capacity",
+    "mirror_capacity",
+    "mirror_labels",
     "node_usable",
     "pod_requests",
 ]
@@ -44,6 +46,8 @@ class LowerCapacity:
     allocatable: dict[str, str]
     labels: dict[str, str] = field(default_factory=dict)
     usable_nodes: int = 0
+    # Per resource, the most free on any single lower node (see `_fit.largest_free`).
+    largest_free: dict[str, str] = field(default_factory=dict)
 
 
 def node_usable(node: Mapping[str, Any]) -> bool:
@@ -82,6 +86,59 @@ def lower_capacity(
         labels=common_labels(usable, label_excluded),
         usable_nodes=len(usable),
     )
+
+
+# Mirror mode: a lower node's own labels go up (zone, region, instance type, arch ...), minus
+# those that name the machine or its role; the instance type is a shape, so it is kept.
+MIRROR_NEVER_PUBLISHED = ("kubernetes.io/hostname", "node-role.kubernetes.io/*")
+MIRROR_PUBLISHED_ANYWAY = ("node.kubernetes.io/instance-type",)
+
+
+def mirror_capacity(
+    node: Mapping[str, Any],
+    pods: Iterable[Mapping[str, Any]],
+    is_ours: Callable[[Mapping[str, Any]], bool],
+    *,
+    label_excluded: Callable[[str], bool] = lambda key: False,
+) -> LowerCapacity:
+    """One lower node as one virtual node: its allocatable minus the requests of the pods
+    bound to it that are not ours (clamped at zero), and its labels. Whether it is usable
+    (Ready, cordoned) is the node's condition and `unschedulable`, not a zero capacity."""
+    name = (node.get("metadata") or {}).get("name")
+    free: dict[str, Fraction] = defaultdict(Fraction)
+    for resource, value in ((node.get("status") or {}).get("allocatable") or {}).items():
+        free[resource] += _value(value)
+    for pod in pods:
+        if (pod.get("spec") or {}).get("nodeName") != name:
+            continue
+        if (pod.get("status") or {}).get("phase") in _TERMINAL or is_ours(pod):
+            continue
+        for resource, value in pod_requests(pod).items():
+            free[resource] -= value
+        free["pods"] -= 1
+    allocatable = {r: format_quantity(max(v, Fraction(0))) for r, v in sorted(free.items())}
+    return LowerCapacity(
+        allocatable=allocatable,
+        labels=mirror_labels(node, label_excluded),
+        usable_nodes=1 if node_usable(node) else 0,
+    )
+
+
+def mirror_labels(
+    node: Mapping[str, Any], excluded: Callable[[str], bool] = lambda key: False
+) -> dict[str, str]:
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    return {
+        k: str(v)
+        for k, v in sorted(labels.items())
+        if not excluded(k)
+        and (
+            k in MIRROR_PUBLISHED_ANYWAY
+            or not any(
+                fnmatch.fnmatchcase(k, p) for p in (*MIRROR_NEVER_PUBLISHED, *NEVER_PUBLISHED)
+            )
+        )
+    }
 
 
 def common_labels(

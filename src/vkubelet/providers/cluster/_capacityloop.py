@@ -1,20 +1,47 @@
-"""Following the lower nodes and pods for the virtual node's capacity and labels (`_capacity`)."""
+"""Following the lower nodes and pods for the virtual node's capacity and labels (`_capacity`),
+and the aggregate node's fit check against that cached snapshot (`_fit`).
+
+A pod no single lower node can take is refused at create (`LowerClusterCannotFit`, permanent:
+the agent marks it Failed and records an Event with the message), so its controller replaces it.
+The upper scheduler would bind the replacement to the same virtual node at once, whose summed
+allocatable still "fits" it, and the controller would hammer the node with pods failing in a
+loop. So the refusal also puts a NoSchedule taint `vkubelet.io/lower-cannot-fit` on the virtual
+node for `cannotFitBackoff` seconds (doubling, up to 16x, while refusals keep coming; back to
+the base once a pod fits): the replacement then goes to another node that fits, or waits Pending
+upstairs with the scheduler's own reason, and is retried here once the taint is gone.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
+from fractions import Fraction
 
 import msgspec
 
 from ...node import ApiError
-from ._capacity import lower_capacity
+from ...sdk.provider import ProviderError
+from ._capacity import (
+    LowerCapacity,
+    format_quantity,
+    lower_capacity,
+    mirror_capacity,
+    pod_requests,
+)
 from ._convert import JSON, convert_node, uid_of
 from ._core import ProviderCore
+from ._fit import fit_verdict, largest_free
 from ._stamps import is_ours
 
-__all__ = ["CapacityFollowing"]
+CANNOT_FIT = "LowerClusterCannotFit"
+CANNOT_FIT_TAINT = {"key": "vkubelet.io/lower-cannot-fit", "effect": "NoSchedule"}
+LARGEST_FREE_ANNOTATION = "vkubelet.io/largest-free"
+_MAX_BACKOFF_FACTOR = 16
+
+__all__ = ["CANNOT_FIT", "CANNOT_FIT_TAINT", "LARGEST_FREE_ANNOTATION", "CapacityFollowing"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +62,9 @@ class CapacityFollowing(ProviderCore):
                 answer = await self.lower.client.get(path)
                 objects[kind] = {uid_of(o): o for o in answer.get("items") or []}
                 versions[kind] = str((answer.get("metadata") or {}).get("resourceVersion", ""))
+            self._snapshot = objects
+            if self._lower_node is not None:
+                self._follow_mirrored(objects)  # with the snapshot: no moment "gone"
             timeout = max(1, int(self.config.resync.nodes))
             async with asyncio.TaskGroup() as group:
                 for kind, path in (("Node", "/api/v1/nodes"), ("Pod", "/api/v1/pods")):
@@ -79,14 +109,150 @@ class CapacityFollowing(ProviderCore):
             if not changed.is_set():
                 continue
             changed.clear()
-            capacity = lower_capacity(
-                objects["Node"].values(),
-                objects["Pod"].values(),
-                lambda p: is_ours(p, self.owner),
-                label_excluded=self.config.label_excluded,
+            if self._lower_node is not None:
+                self._follow_mirrored(objects)
+                await asyncio.sleep(1.0)
+                continue
+            capacity = dataclasses.replace(
+                lower_capacity(
+                    objects["Node"].values(),
+                    objects["Pod"].values(),
+                    lambda p: is_ours(p, self.owner),
+                    label_excluded=self.config.label_excluded,
+                ),
+                largest_free=largest_free(objects["Node"].values(), objects["Pod"].values()),
             )
             if capacity != self._capacity:
                 self._capacity = capacity
                 if self._node_notify is not None:
                     self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
             await asyncio.sleep(1.0)  # at most one recomputation a second
+
+    def _follow_mirrored(self, objects: dict[str, dict[str, JSON]]) -> None:
+        """Mirror mode: this virtual node's capacity, labels, cordon and readiness follow its
+        one lower node (pods not ours subtracted)."""
+        node = next(
+            (
+                n
+                for n in objects["Node"].values()
+                if (n.get("metadata") or {}).get("name") == self._lower_node
+            ),
+            None,
+        )
+        capacity = (
+            LowerCapacity(allocatable={}, labels=self._capacity.labels)  # gone: keep its labels
+            if node is None
+            else mirror_capacity(
+                node,
+                objects["Pod"].values(),
+                lambda p: is_ours(p, self.owner),
+                label_excluded=self.config.label_excluded,
+            )
+        )
+        before = (self._capacity, _node_state(self._mirrored))
+        self._capacity, self._mirrored = capacity, node
+        if (capacity, _node_state(node)) != before:
+            self._notify_node()
+
+    # -- the fit check (aggregate mode) ---------------------------------------------------------
+    async def _check_fit(self, body: JSON) -> None:
+        """Refuse `body` (the lower pod about to be created) when no single lower node of the
+        snapshot can take it. No snapshot yet, or the check turned off: let the lower
+        scheduler decide."""
+        if not self.config.fit_check or self._snapshot is None or self._lower_node is not None:
+            return
+        misfit = fit_verdict(body, self._snapshot["Node"].values(), self._snapshot["Pod"].values())
+        if misfit is None:
+            self._cannot_fit_backoff = 0.0  # a pod fits: the next refusal starts short again
+            return
+        wanted = pod_requests(body)
+        largest = self._capacity.largest_free
+        needs = "; ".join(
+            f"{r}: needs {format_quantity(wanted.get(r, Fraction(1 if r == 'pods' else 0)))}, "
+            f"at most {largest.get(r, '0')} free on one node"
+            for r in misfit.lacking
+        )
+        message = (
+            "no single node of the lower cluster can take this pod"
+            + (f" (lacking {', '.join(misfit.lacking)}: {needs})" if misfit.lacking else "")
+            + f"; lower cluster: {misfit.message}"
+        )
+        if self._start_cannot_fit_backoff(message):
+            await self._taint_published()
+        raise ProviderError(CANNOT_FIT, message, permanent=True)
+
+    async def _taint_published(self, limit: float = 3.0) -> None:
+        """Wait (briefly) until the upper Node shows the taint, before the pod is failed: its
+        replacement is created at once, and bound to this node again if the upper scheduler
+        has not seen the taint yet (one wasted pod per back-off round, seen in tests)."""
+        if self._upper is None:
+            return
+        path = f"/api/v1/nodes/{self.context.node_name}"
+        deadline = asyncio.get_running_loop().time() + limit
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                node = await self._upper.get(path)
+            except ApiError:
+                return
+            taints = (node.get("spec") or {}).get("taints") or []
+            if any(t.get("key") == CANNOT_FIT_TAINT["key"] for t in taints):
+                return
+            await asyncio.sleep(0.1)
+
+    def _start_cannot_fit_backoff(self, message: str) -> bool:
+        """Taint the node for the next back-off; whether the taint is (now) wanted."""
+        base = self.config.cannot_fit_backoff
+        if base <= 0:
+            return False
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now < self._cannot_fit_until:
+            return True  # tainted already: pods bound before the taint landed
+        self._cannot_fit_backoff = min(
+            max(base, self._cannot_fit_backoff * 2), base * _MAX_BACKOFF_FACTOR
+        )
+        self._cannot_fit_until = now + self._cannot_fit_backoff
+        log.warning(
+            "node %s: tainted %s for %.0fs: %s",
+            self.context.node_name,
+            CANNOT_FIT_TAINT["key"],
+            self._cannot_fit_backoff,
+            message,
+        )
+        self.context.events.node_event(
+            self.context.node_name,
+            "Warning",
+            CANNOT_FIT,
+            f"tainted {CANNOT_FIT_TAINT['key']}:NoSchedule for "
+            f"{self._cannot_fit_backoff:.0f}s so that replacements go elsewhere: {message}",
+        )
+        self._notify_node()
+        loop.call_later(self._cannot_fit_backoff + 0.05, self._notify_node)
+        return True
+
+    def _cannot_fit_tainted(self) -> bool:
+        with contextlib.suppress(RuntimeError):  # no running loop: no taint
+            return asyncio.get_running_loop().time() < self._cannot_fit_until
+        return False
+
+    def _largest_free_annotation(self) -> str:
+        return json.dumps(self._capacity.largest_free, sort_keys=True, separators=(",", ":"))
+
+    def _notify_node(self) -> None:
+        if self._node_notify is not None:
+            self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
+
+
+def _node_state(node: JSON | None) -> tuple[object, ...]:
+    """What of a mirrored lower node shows upstairs besides capacity: present, cordon, Ready."""
+    if node is None:
+        return (False,)
+    ready = next(
+        (
+            (c.get("status"), c.get("reason"), c.get("message"))
+            for c in (node.get("status") or {}).get("conditions") or []
+            if c.get("type") == "Ready"
+        ),
+        None,
+    )
+    return (True, bool((node.get("spec") or {}).get("unschedulable")), ready)

@@ -16,6 +16,10 @@
     resync: {pods: 60, nodes: 30, dependencies: 300}   # seconds between full reconciles
     kubeApiQps: 50                   # client-side limit against the lower apiserver
     kubeApiBurst: 100
+    mode: aggregate                  # or `mirror`: one virtual node per lower node
+    fitCheck: true                   # aggregate: fail a pod no single lower node can take
+    cannotFitBackoff: 10             # seconds the node is tainted after such a failure (doubling)
+    daemonSetPods: refuse            # or `run`; a pod annotation can opt in too
 
 Errors name the file and the field (`lower.yaml: namespaces.prefix: ...`), as the agent's own
 config and the SSH inventory do.
@@ -49,6 +53,10 @@ _TOP_KEYS = {
     "resync",
     "kubeApiQps",
     "kubeApiBurst",
+    "mode",
+    "fitCheck",
+    "cannotFitBackoff",
+    "daemonSetPods",
 }
 _NAMESPACE_KEYS = {"prefix", "map", "create"}
 _RESYNC_KEYS = {"pods", "nodes", "dependencies"}
@@ -109,6 +117,10 @@ class LowerConfig:
     resync: Resync = Resync()
     kube_api_qps: float | None = None
     kube_api_burst: int = 100
+    mode: Literal["aggregate", "mirror"] = "aggregate"
+    fit_check: bool = True
+    cannot_fit_backoff: float = 10.0
+    daemon_set_pods: Literal["refuse", "run"] = "refuse"
 
     def label_excluded(self, key: str) -> bool:
         return any(fnmatch.fnmatchcase(key, pattern) for pattern in self.exclude_labels)
@@ -174,6 +186,14 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
         resync=_resync(where, data.get("resync")),
         kube_api_qps=_number(where, "kubeApiQps", data.get("kubeApiQps")),
         kube_api_burst=_count(where, "kubeApiBurst", data.get("kubeApiBurst"), 100),
+        mode=cast(
+            Literal["aggregate", "mirror"], _choice(where, data, "mode", ("aggregate", "mirror"))
+        ),
+        fit_check=_flag(where, "fitCheck", data, True),
+        daemon_set_pods=cast(
+            Literal["refuse", "run"], _choice(where, data, "daemonSetPods", ("refuse", "run"))
+        ),
+        cannot_fit_backoff=_seconds(where, "cannotFitBackoff", data.get("cannotFitBackoff"), 10.0),
     )
 
 
@@ -289,3 +309,11 @@ def _no_unknown(where: str, at: str, raw: dict[str, Any], known: set[str]) -> No
         raise ConfigError(
             f"{where}: {at}{unknown[0]}: unknown field (known: {', '.join(sorted(known))})"
         )
+
+
+def _seconds(where: str, name: str, value: Any, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"{where}: {name}: expected a number of seconds >= 0 (got {value!r})")
+    return float(value)

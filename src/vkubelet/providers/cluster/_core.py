@@ -38,8 +38,10 @@ class ProviderCore:
         lower: LowerCluster,
         *,
         background: bool = True,
+        lower_node: str | None = None,
     ) -> None:
-        """`background=False` leaves out the watch, capacity and resync loops (unit tests)."""
+        """`background=False` leaves out the watch, capacity and resync loops (unit tests).
+        `lower_node`: mirror mode, this virtual node stands for that one lower node."""
         self.config = config
         self._background = background
         self.context = context
@@ -52,7 +54,10 @@ class ProviderCore:
             service_accounts=config.service_accounts,
             service_account_tokens=config.service_account_tokens,
             virtual_labels={"type": "virtual-kubelet", "kubernetes.io/hostname": context.node_name},
+            lower_node=lower_node,
         )
+        self._lower_node = lower_node
+        self._mirrored: JSON | None = None  # mirror mode: that lower node, as last seen
         self._pods: dict[str, ResolvedPod] = {}  # upper "namespace/name" -> what we were given
         # Both keyed by name, as the lower pod's name is the upper one: only one lower pod can
         # exist per key, but an upper pod deleted and re-created at once (a StatefulSet) has
@@ -63,6 +68,11 @@ class ProviderCore:
         self._notify: Callable[[Pod], None] | None = None
         self._node_notify: Callable[[Node], None] | None = None
         self._capacity = LowerCapacity(allocatable={})
+        # The capacity loop's watch caches of every lower node and pod (kind -> UID -> object),
+        # for the fit check; None until the first listing.
+        self._snapshot: dict[str, dict[str, JSON]] | None = None
+        self._cannot_fit_until = 0.0  # loop time until which the node carries the taint
+        self._cannot_fit_backoff = 0.0  # the current taint length (doubles while failing)
         self._unreachable: str | None = None
         self._denied: str | None = None  # missing lower permissions, as MissingPermissions says
         self._tasks: list[asyncio.Task[None]] = []

@@ -22,13 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
-from lightkube.models.core_v1 import PodStatus
+from lightkube.models.core_v1 import PodStatus, Taint
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ApiError, Unreachable
 from ...sdk.provider import EventType, NodeCondition, ProviderError, ResolvedPod
 from ...sdk.tasks import supervise
-from ._capacityloop import CapacityFollowing
+from ._capacityloop import CANNOT_FIT_TAINT, LARGEST_FREE_ANNOTATION, CapacityFollowing
 from ._convert import (
     JSON,
     convert_node,
@@ -50,7 +50,9 @@ from ._tokenkeeper import UpperTokens
 from ._translate import needed_references, translate_pod
 from ._verbs import LowerVerbs
 
-__all__ = ["ClusterProvider"]
+__all__ = ["RUN_DAEMON_SET_ANNOTATION", "ClusterProvider"]
+
+RUN_DAEMON_SET_ANNOTATION = "vkubelet.io/run-on-virtual-node"
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
                 f"which another upper namespace ({self.how.namespaces.upper(lower_namespace)}) "
                 "maps to as well; give it its own lower namespace in the provider config",
             )
+        self._refuse_daemon_set_pod(pod)
         self._pods[key] = pod
         self._failed.pop(key, None)
         self._deleting.pop(key, None)  # an earlier pod's deletion is not this pod's
@@ -137,8 +140,32 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
                 f"an earlier lower pod {namespace}/{pod.name} is being removed first",
                 permanent=False,
             )
+        await self._check_fit(body)
         created = await self._call(self.lower.create(body), what="create the lower pod")
         self._lower_pods[key] = created
+
+    def _refuse_daemon_set_pod(self, pod: ResolvedPod) -> None:
+        """DaemonSet pods are per-machine agents (log shippers, CNI, node exporters): on a
+        virtual node they would run once somewhere below, serving no machine, and a DaemonSet
+        tolerating every taint lands one on each virtual node. Refused for good, as a kubelet
+        refuses a pod at admission (Failed; the DaemonSet controller backs off), unless the
+        config or the pod's annotation asks for it."""
+        if self.config.daemon_set_pods == "run":
+            return
+        metadata = pod.pod.metadata
+        if metadata is None or not any(
+            o.kind == "DaemonSet" and o.controller for o in metadata.ownerReferences or []
+        ):
+            return
+        if (metadata.annotations or {}).get(RUN_DAEMON_SET_ANNOTATION) == "true":
+            return
+        raise ProviderError(
+            "DaemonSetPodRefused",
+            f"DaemonSet pods do not run on virtual node {self.context.node_name} (it stands for "
+            "a lower cluster, not a machine); to run this one anyway, annotate the DaemonSet's "
+            f'pod template {RUN_DAEMON_SET_ANNOTATION}: "true", or set daemonSetPods: run in '
+            "the provider config",
+        )
 
     async def update_pod(self, pod: ResolvedPod) -> None:
         await self._ensure_owner()
@@ -210,6 +237,8 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
             identity = upper_identity(current)
             if identity is None or identity[2] == upper_uid:
                 uid = str(current["metadata"].get("uid", ""))
+                if self._on_vanished_node(current):
+                    grace_period_seconds = 0  # no kubelet is left to stop it gracefully
                 deleted = await self._call(
                     self.lower.delete(
                         "Pod", namespace, str(meta.name), grace_period=grace_period_seconds, uid=uid
@@ -218,6 +247,17 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
                 if deleted:
                     return  # its DELETED event finishes the deletion (`_push_gone`)
         self._gone_without_lower(key, upper_uid, pod)
+
+    def _on_vanished_node(self, lower: Mapping[str, Any]) -> bool:
+        """Whether the lower pod is bound to a lower node that no longer exists: a graceful
+        deletion would wait for the lower pod garbage collector (a minute or so), and a
+        mirrored node's drain with it."""
+        where = (lower.get("spec") or {}).get("nodeName")
+        if not where or self._snapshot is None:
+            return False
+        return not any(
+            (n.get("metadata") or {}).get("name") == where for n in self._snapshot["Node"].values()
+        )
 
     def _gone_without_lower(self, key: str, uid: str, pod: Pod) -> None:
         """No lower pod of ours stands for `pod` (refused for good, vanished, or never made), so
@@ -303,6 +343,10 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
         self._unreachable = None
 
     def node_conditions(self) -> Sequence[NodeCondition]:
+        if self._lower_node is not None and not self._unreachable:
+            problem = self._mirrored_problem()
+            if problem is not None:
+                return [problem]
         if self._identity_problem:
             return [
                 NodeCondition("Ready", "False", "UpperClusterIDUnknown", self._identity_problem)
@@ -320,8 +364,29 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
             ]
         return []
 
+    def _mirrored_problem(self) -> NodeCondition | None:
+        """Mirror mode: Ready follows the lower node's own Ready."""
+        where = f"lower node {self._lower_node}"
+        if self._snapshot is None:
+            message = f"{where}: waiting for the first listing of the lower cluster"
+            return NodeCondition("Ready", "False", "LowerNodeUnknown", message)
+        if self._mirrored is None:
+            return NodeCondition("Ready", "False", "LowerNodeGone", f"{where} does not exist")
+        for condition in (self._mirrored.get("status") or {}).get("conditions") or []:
+            if condition.get("type") == "Ready":
+                if condition.get("status") == "True":
+                    return None
+                message = condition.get("message") or condition.get("reason") or ""
+                return NodeCondition(
+                    "Ready", "False", "LowerNodeNotReady", f"{where} is not ready: {message}"
+                )
+        return NodeCondition("Ready", "False", "LowerNodeNotReady", f"{where} states no Ready")
+
     def configure_node(self, node: Node) -> None:
         assert node.status is not None and node.metadata is not None
+        if self._lower_node is not None:
+            self._configure_mirror(node)
+            return
         allocatable = dict(self._capacity.allocatable)
         node.status.capacity = dict(allocatable)
         node.status.allocatable = dict(allocatable)
@@ -330,6 +395,15 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
         common = self._capacity.labels
         own = {k: v for k, v in (node.metadata.labels or {}).items() if common.get(k) != v}
         own.setdefault("kubernetes.io/hostname", self.context.node_name)
+        node.metadata.annotations = {
+            **(node.metadata.annotations or {}),
+            LARGEST_FREE_ANNOTATION: self._largest_free_annotation(),
+        }
+        if node.spec is not None and self._cannot_fit_tainted():
+            node.spec.taints = [
+                *(node.spec.taints or []),
+                Taint(key=CANNOT_FIT_TAINT["key"], effect=CANNOT_FIT_TAINT["effect"]),
+            ]
         self.how = dataclasses.replace(self.how, virtual_labels=own)
         if self.config.publish_common_labels:
             labels = dict(node.metadata.labels or {})
@@ -337,6 +411,26 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
                 if not self.config.label_excluded(key):
                     labels.setdefault(key, value)
             node.metadata.labels = labels
+
+    def _configure_mirror(self, node: Node) -> None:
+        """One lower node's shape: its allocatable (minus pods not ours), its labels (over the
+        agent's defaults: its arch, say), and its cordon once it has been seen."""
+        assert node.status is not None and node.metadata is not None
+        allocatable = dict(self._capacity.allocatable)
+        node.status.capacity = dict(allocatable)
+        node.status.allocatable = dict(allocatable)
+        published = self._capacity.labels if self.config.publish_common_labels else {}
+        labels = {**(node.metadata.labels or {}), **published}
+        own = {k: v for k, v in labels.items() if published.get(k) != v}
+        own["kubernetes.io/hostname"] = self.context.node_name
+        self.how = dataclasses.replace(self.how, virtual_labels=own)
+        node.metadata.labels = labels
+        node.metadata.annotations = {
+            **(node.metadata.annotations or {}),
+            "vkubelet.io/lower-node": str(self._lower_node),
+        }
+        if self._mirrored is not None and node.spec is not None:
+            node.spec.unschedulable = bool((self._mirrored.get("spec") or {}).get("unschedulable"))
 
     def notify_node_status(self, callback: Callable[[Node], None]) -> None:
         self._node_notify = callback

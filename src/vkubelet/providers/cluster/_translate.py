@@ -69,6 +69,9 @@ class PodTranslation:
     # only chose this virtual node.
     virtual_labels: Mapping[str, str] = field(default_factory=dict)
     virtual_taint_keys: Collection[str] = VIRTUAL_TAINT_KEYS
+    # Mirror mode: the one lower node this virtual node stands for; every lower pod is pinned
+    # to it (required node affinity on its name, so the lower scheduler still checks it fits).
+    lower_node: str | None = None
 
     def lower_namespace(self, upper: str) -> str:
         return self.namespaces.lower(upper)
@@ -162,6 +165,22 @@ def _scheduling(spec: JSON, how: PodTranslation) -> None:
             _node_affinity(node_affinity, lambda key: key in virtual_keys)
             _set_or_drop(affinity, "nodeAffinity", node_affinity)
         _set_or_drop(spec, "affinity", affinity)
+    if how.lower_node is not None:
+        _pin(spec, how.lower_node)
+
+
+def _pin(spec: JSON, node: str) -> None:
+    """Add `metadata.name In [node]` to every required term (they are ORed: each must pin),
+    or make it the only term. matchFields on the name is what DaemonSets use: exact, and the
+    lower scheduler still checks resources, taints and the rest."""
+    pin = {"key": "metadata.name", "operator": "In", "values": [node]}
+    affinity = spec.setdefault("affinity", {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [
+        {**term, "matchFields": [*(term.get("matchFields") or []), pin]} for term in terms
+    ]
 
 
 def _node_affinity(node_affinity: JSON, virtual: Callable[[str], bool]) -> None:

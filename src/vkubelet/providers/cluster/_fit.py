@@ -1,0 +1,202 @@
+"""Does a pod fit some single lower node? The aggregate node's honesty check.
+
+The virtual node's allocatable is a sum over the lower nodes, so the upper scheduler may bind a
+pod that no single lower node can take (8 free CPUs as 2+2+2+2 and a 3-CPU pod). Left alone,
+such a pod stays Pending below forever. This module answers, from a cached snapshot of the lower
+nodes and pods (the capacity loop's watch caches), whether the lower scheduler could place the
+pod, checking what decides that for most pods: resource requests against each node's free room,
+nodeSelector, required node affinity, taints against tolerations, cordons. A node that is
+merely not ready counts as a candidate (with the room it has): that passes, and refusing a pod
+for it would fail pods during a lower kubelet's hiccup. Pod
+(anti-)affinity, topology spread and volume topology are not checked: a pod failing on those
+stays Pending below with the lower scheduler's reason, as before.
+
+It also computes, per resource, the largest amount free on any one node (published on the
+virtual node as an annotation) so users and tools can see the fragmentation.
+
+Pure: the provider feeds it the snapshot; a stale snapshot errs for seconds at most.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from ._capacity import _value, format_quantity, pod_requests
+
+__all__ = ["Misfit", "fit_verdict", "largest_free", "node_free"]
+
+_TERMINAL = {"Succeeded", "Failed"}
+_BLOCKING_EFFECTS = {"NoSchedule", "NoExecute"}
+# A node that is not ready (and the taints its node-lifecycle controller adds for that) is a
+# passing state: the lower scheduler places the pod once it is back, so it does not refuse.
+_TRANSIENT_TAINTS = {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
+
+
+@dataclass(frozen=True)
+class Misfit:
+    """Why no lower node takes the pod: the scheduler-style summary, and the resources that
+    were lacking on nodes that passed every other check (empty when none was about resources)."""
+
+    message: str
+    lacking: tuple[str, ...]
+
+
+def node_free(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> dict[str, Fraction]:
+    """Allocatable minus the requests of every non-terminal pod bound to the node (ours too:
+    for the question "would a new pod fit there" every pod takes its room), one `pods` each."""
+    free: dict[str, Fraction] = defaultdict(Fraction)
+    for resource, value in ((node.get("status") or {}).get("allocatable") or {}).items():
+        free[resource] += _value(value)
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase") in _TERMINAL:
+            continue
+        for resource, value in pod_requests(pod).items():
+            free[resource] -= value
+        free["pods"] -= 1
+    return dict(free)
+
+
+def _by_node(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    bound: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for pod in pods:
+        name = (pod.get("spec") or {}).get("nodeName")
+        if name:
+            bound[str(name)].append(pod)
+    return bound
+
+
+def _schedulable(node: Mapping[str, Any]) -> bool:
+    if (node.get("spec") or {}).get("unschedulable"):
+        return False
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def largest_free(
+    nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+) -> dict[str, str]:
+    """Per resource, the most any single usable lower node has free (never negative). Nodes
+    with a NoSchedule/NoExecute taint count too: a pod tolerating it may land there."""
+    bound = _by_node(pods)
+    best: dict[str, Fraction] = {}
+    for node in nodes:
+        if not _schedulable(node):
+            continue
+        name = str((node.get("metadata") or {}).get("name"))
+        for resource, value in node_free(node, bound.get(name, [])).items():
+            best[resource] = max(best.get(resource, Fraction(0)), max(value, Fraction(0)))
+    return {r: format_quantity(v) for r, v in sorted(best.items())}
+
+
+def fit_verdict(
+    pod: Mapping[str, Any], nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+) -> Misfit | None:
+    """None when some lower node could take `pod` (the lower pod as it will be created), else
+    why not, in the scheduler's words: `0/3 nodes can take it: 2 Insufficient cpu, 1 node(s)
+    didn't match Pod's node affinity/selector`."""
+    spec = pod.get("spec") or {}
+    wanted = pod_requests(pod)
+    bound = _by_node(pods)
+    reasons: Counter[str] = Counter()
+    lacking: set[str] = set()
+    count = 0
+    for node in nodes:
+        count += 1
+        why = _node_refuses(spec, node)
+        if why is not None:
+            reasons[why] += 1
+            continue
+        name = str((node.get("metadata") or {}).get("name"))
+        free = node_free(node, bound.get(name, []))
+        short = [
+            r
+            for r, amount in sorted({**wanted, "pods": Fraction(1)}.items())
+            if amount > 0 and amount > free.get(r, Fraction(0))
+        ]
+        if not short:
+            return None
+        for resource in short:
+            reasons[f"Insufficient {resource}"] += 1
+        lacking.update(short)
+    summary = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
+    message = f"0/{count} nodes can take it" + (f": {summary}" if summary else "")
+    return Misfit(message=message, lacking=tuple(sorted(lacking)))
+
+
+def _node_refuses(spec: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
+    """The first non-resource reason `node` cannot take a pod of `spec` (as the scheduler's
+    filters word it), or None."""
+    node_spec = node.get("spec") or {}
+    if node_spec.get("unschedulable"):
+        return "node(s) were unschedulable"
+    metadata = node.get("metadata") or {}
+    labels: Mapping[str, str] = metadata.get("labels") or {}
+    selector: Mapping[str, str] = spec.get("nodeSelector") or {}
+    if any(labels.get(k) != v for k, v in selector.items()):
+        return "node(s) didn't match Pod's node affinity/selector"
+    required = (
+        ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        )
+        or {}
+    ).get("nodeSelectorTerms")
+    if required is not None and not any(
+        _term_matches(t, labels, str(metadata.get("name"))) for t in required
+    ):
+        return "node(s) didn't match Pod's node affinity/selector"
+    tolerations = spec.get("tolerations") or []
+    for taint in node_spec.get("taints") or []:
+        if taint.get("key") in _TRANSIENT_TAINTS:
+            continue
+        if taint.get("effect") in _BLOCKING_EFFECTS and not any(
+            _tolerates(t, taint) for t in tolerations
+        ):
+            return "node(s) had untolerated taint(s)"
+    return None
+
+
+def _term_matches(term: Mapping[str, Any], labels: Mapping[str, str], name: str) -> bool:
+    """A node selector term: every expression holds (an empty term matches nothing)."""
+    expressions = term.get("matchExpressions") or []
+    fields = term.get("matchFields") or []
+    if not expressions and not fields:
+        return False
+    return all(_holds(e, labels) for e in expressions) and all(
+        _holds(f, {"metadata.name": name}) for f in fields
+    )
+
+
+def _holds(expression: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    key, operator = str(expression.get("key")), expression.get("operator")
+    values = [str(v) for v in expression.get("values") or []]
+    present = key in labels
+    value = labels.get(key, "")
+    if operator == "In":
+        return present and value in values
+    if operator == "NotIn":
+        return not present or value not in values
+    if operator == "Exists":
+        return present
+    if operator == "DoesNotExist":
+        return not present
+    if operator in ("Gt", "Lt") and present and values:
+        try:
+            number, bound = int(value), int(values[0])
+        except ValueError:
+            return False
+        return number > bound if operator == "Gt" else number < bound
+    return False
+
+
+def _tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    effect = toleration.get("effect")
+    if effect and effect != taint.get("effect"):
+        return False
+    key = toleration.get("key")
+    if toleration.get("operator") == "Exists":
+        return not key or key == taint.get("key")
+    return key == taint.get("key") and (toleration.get("value") or "") == (taint.get("value") or "")
