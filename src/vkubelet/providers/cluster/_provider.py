@@ -40,6 +40,7 @@ from ._capacity import LowerCapacity, lower_capacity
 from ._config import LowerConfig
 from ._deps import KINDS, Key, plan_dependencies
 from ._lower import LowerCluster, MissingPermissions
+from ._refs import Reference
 from ._stamps import (
     ANNOTATION_NAME,
     ANNOTATION_NAMESPACE,
@@ -60,6 +61,8 @@ __all__ = ["ClusterProvider"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
+# A pod as handed over, the translation settings, its JSON and the references it needs below.
+_Prepared = tuple[ResolvedPod, PodTranslation, JSON, set[Reference]]
 
 
 def _now() -> str:
@@ -108,6 +111,7 @@ class ClusterProvider:
         self._spawned = TaskSet(f"cluster {context.node_name}")
         self._deps_lock = asyncio.Lock()
         self._copies: dict[Key, JSON] | None = None  # our lower dependency copies
+        self._prepared: dict[str, _Prepared] = {}  # see `_prepared_pod`
         self._stream_endpoint: Endpoint | None = None
 
     # -- start and stop ----------------------------------------------------------------
@@ -160,7 +164,7 @@ class ClusterProvider:
         verdict = claim(existing, self.owner, pod.uid)
         if verdict is Claim.OURS:
             assert existing is not None
-            self._lower_pods[key] = existing  # adopted: never created twice
+            self._remember(key, existing)  # adopted: never created twice
             return
         if verdict is Claim.TAKEN:
             assert existing is not None
@@ -179,7 +183,19 @@ class ClusterProvider:
                 permanent=False,
             )
         created = await self._call(self.lower.create(body), what="create the lower pod")
-        self._lower_pods[key] = created
+        self._remember(key, created)
+
+    def _remember(self, key: str, lower: JSON) -> None:
+        """Record a lower pod a request returned, unless the pod watch has already seen a later
+        version of it: its events often arrive before the create's answer is processed (the
+        lower pod is scheduled and Running within ~100 ms), and the stale Pending copy would
+        then stand until the next re-list, a minute later."""
+        known = self._lower_pods.get(key)
+        if known is not None and _uid(known) == _uid(lower):
+            with contextlib.suppress(ValueError):
+                if int(_version(known)) > int(_version(lower)):
+                    return
+        self._lower_pods[key] = lower
 
     async def update_pod(self, pod: ResolvedPod) -> None:
         key = f"{pod.namespace}/{pod.name}"
@@ -321,7 +337,7 @@ class ClusterProvider:
                 continue
             key = f"{identity[0]}/{identity[1]}"
             if not self._about_another(key, lower):
-                self._lower_pods[key] = lower
+                self._remember(key, lower)
             status = status_up(lower, {}, host_ip=self.context.internal_ip, now=_now())
             found.append(_upper_view(lower, _convert_podstatus(status)))
         return found
@@ -745,6 +761,8 @@ class ClusterProvider:
             for pod in running:
                 for key, obj in pod.references.items():
                     references[key] = _newest(references.get(key), obj)
+            prepared = {f"{p.namespace}/{p.name}": self._prepared_pod(p) for p in running}
+            self._prepared = prepared  # drops the pods no longer running
             if self._copies is None or relist:
                 copies: dict[Key, JSON] = {}
                 for kind in KINDS:
@@ -754,13 +772,13 @@ class ClusterProvider:
                         meta = obj["metadata"]
                         copies[(kind, meta["namespace"], meta["name"])] = obj
                 self._copies = copies
-            pods = [_to_json(p.pod) for p in running]
             plan = plan_dependencies(
-                pods,
+                [upper for _, _, upper, _ in prepared.values()],
                 references,
                 self._copies,
                 self.how,
                 pvc_storage_class=self.config.pvc_storage_class,
+                needed={k: refs for k, (_, _, _, refs) in prepared.items()},
             )
             applied = await self.lower.apply_dependencies(plan, self.owner)
             for key, obj in applied.written.items():
@@ -792,6 +810,16 @@ class ClusterProvider:
             raise ProviderError(
                 "LowerDependencyFailed", "; ".join(applied.problems), permanent=False
             )
+
+    def _prepared_pod(self, pod: ResolvedPod) -> _Prepared:
+        """The pod as JSON and the references its lower pod needs, worked out once per pod the
+        agent hands over (and translation settings), not on every plan."""
+        key = f"{pod.namespace}/{pod.name}"
+        known = self._prepared.get(key)
+        if known is not None and known[0] is pod and known[1] is self.how:
+            return known
+        upper = _to_json(pod.pod)
+        return (pod, self.how, upper, needed_references(upper, self.how))
 
     async def _call(self, action: Any, *, what: str = "") -> Any:
         """Await a lower API call; the lower API's refusals become the pod's reason."""
@@ -889,6 +917,10 @@ def _upper_view(lower: Mapping[str, Any], status: PodStatus) -> Pod:
             "status": _to_json(status),
         }
     )
+
+
+def _version(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion", ""))
 
 
 def _newer(obj: Mapping[str, Any], version: str) -> bool:
