@@ -413,7 +413,7 @@ async def run(s: Setup, args: argparse.Namespace) -> None:
         if args.paced_pods:
             ov, ns = await paced_overhead(s, upper, lower, args.paced_pods, args.rate)
             print(f"\n## Provider overhead: {ov.pods} pods offered at {ov.rate:g} pods/s")
-            rows = [("ms", "p50", "p90", "p99", "max")]
+            rows: list[tuple[str, ...]] = [("ms", "p50", "p90", "p99", "max")]
             for label, values in (
                 ("upper: bind -> Running (seen)", ov.upper),
                 ("lower: created -> Running (seen)", ov.lower),
