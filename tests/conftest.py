@@ -5,6 +5,12 @@ marked automatically by folder."""
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests check what holds, not how fast: on a shared 2-core CI machine hypothesis's
+# default 200 ms deadline per example fails them at random.
+settings.register_profile("vkubelet", deadline=None)
+settings.load_profile("vkubelet")
 
 pytest_plugins = ["vkubelet.testing.sshlab"]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..sdk.provider import NodeConditions, PodLifecycleHandler
+from ..sdk.provider import NodeConditions, PodLifecycleHandler, UsesUpperAPI
 from ._events import EventRecorder
 from ._kube import ClientOptions, KubeClient
 from ._nodecontroller import NodeController, NodeSettings
@@ -67,6 +67,8 @@ class NodeAgent:
         say), merged with the provider's and the node controller's own."""
         self.settings = settings
         self.provider = provider
+        if isinstance(provider, UsesUpperAPI):
+            provider.use_upper_api(client)
         # Shared by the nodes of one process: how many may be starting (registering, listing
         # their pods, adopting) at once. A thousand starting together would fill the event loop
         # with work that delays the lease renewals of the nodes already up.

@@ -3,8 +3,10 @@
 Ownership is explicit so that other actors' edits survive: we patch only the labels, taints and
 condition types we set (the node-lifecycle controller's taints, an admin's labels and other
 controllers' conditions stay), and status goes through strategic-merge patches keyed by
-condition type. If someone deletes the Node, the next renewal notices (its Lease is garbage
-collected with it) and the Node is registered again — the reference does this only opt-in.
+condition type. The labels we set (ours and the provider's `configure_node`'s) are kept current
+at every status update, so a provider may change them and push a node status notification.
+If someone deletes the Node, the next renewal notices (its Lease is garbage collected with it)
+and the Node is registered again — the reference does this only opt-in.
 
 Conditions come from three sources, merged at every status update: the agent's own view (the
 kubelet's wording; Ready follows the provider's ping), the provider's `NodeConditions`, and
@@ -216,6 +218,7 @@ class NodeController:
         self.ping_error: str | None = None
         self.registered = asyncio.Event()
         self.allocatable: dict[str, str] = {}
+        self._labels: dict[str, str] | None = None  # the labels we set, as last written
         self.renewals = 0
         self.late_renewals = 0  # renewals that happened later than renew_interval * 1.5
 
@@ -252,6 +255,11 @@ class NodeController:
             self._provider.configure_node(typed)
             node = msgspec.to_builtins(typed)
             node["metadata"].pop("creationTimestamp", None)
+            if s.node_restricted:  # the provider's labels too: NodeRestriction would refuse
+                labels = node["metadata"].get("labels") or {}
+                node["metadata"]["labels"] = {
+                    k: v for k, v in labels.items() if node_may_set_label(k)
+                }
         status = node["status"]
         if not status.get("allocatable"):
             status["allocatable"] = dict(status["capacity"])
@@ -335,6 +343,7 @@ class NodeController:
         else:
             self._remember_transitions(current)
             await self._adopt(current, desired)
+        self._labels = dict(labels)
         self.registered.set()
         await self._ensure_lease()
 
@@ -382,6 +391,30 @@ class NodeController:
             log.info("took over existing node %s", self.settings.name)
             return
         raise RuntimeError(f"node {self.settings.name}: too many conflicting updates")
+
+    async def _follow_labels(self, labels: dict[str, str]) -> None:
+        """Keep the labels we set current after registration (a provider's `configure_node`
+        may publish labels that change, such as those common to a lower cluster's nodes).
+
+        Only keys we set are written or removed, and the managed-labels annotation is rewritten
+        with them, so a label an admin added is never touched, now or after a restart.
+        """
+        if self._labels is None or labels == self._labels:
+            return
+        patch: dict[str, str | None] = dict(labels)
+        for stale in set(self._labels) - set(labels):
+            patch[stale] = None
+        await self._client.patch(
+            self._path,
+            {
+                "metadata": {
+                    "labels": patch,
+                    "annotations": {MANAGED_LABELS_ANNOTATION: ",".join(sorted(labels))},
+                }
+            },
+        )
+        log.info("node %s: labels now %s", self.settings.name, sorted(labels.items()))
+        self._labels = dict(labels)
 
     async def _patch_status(self, status: dict[str, Any]) -> None:
         conditions = self._conditions()
@@ -502,7 +535,15 @@ class NodeController:
                     await self._wake.wait()
             self._wake.clear()
             try:
-                await self._patch_status(self.desired()["status"])
+                desired = self.desired()
+                try:
+                    await self._follow_labels(desired["metadata"]["labels"])
+                except ApiError as e:
+                    if e.not_found:
+                        raise
+                    # A refused label (NodeRestriction, say) must not stop status updates.
+                    log.warning("node %s: label update failed: %s", self.settings.name, e)
+                await self._patch_status(desired["status"])
             except ApiError as e:
                 if e.not_found:
                     await self._reregister("the Node object is gone")

@@ -42,6 +42,8 @@ from .provider import (
     ProviderContext,
     ProviderError,
     ResolvedPod,
+    UpperAPI,
+    UsesUpperAPI,
 )
 from .quantity import Quantity, QuantityError, parse_quantity
 from .status import ContainerReport, Running, Terminated, Waiting, build_pod_status
@@ -110,6 +112,8 @@ __all__ = [
     "TaskSet",
     "TerminalSize",
     "Terminated",
+    "UpperAPI",
+    "UsesUpperAPI",
     "Waiting",
     "build_pod_status",
     "copy_to_log",

@@ -48,6 +48,8 @@ __all__ = [
     "ProviderContext",
     "ProviderError",
     "ResolvedPod",
+    "UpperAPI",
+    "UsesUpperAPI",
 ]
 
 
@@ -201,6 +203,31 @@ class PassThroughPods(Protocol):
     """
 
     pass_through: bool
+
+
+class UpperAPI(Protocol):
+    """The agent's own client of the cluster its nodes belong to, as far as a provider may use
+    it: plain JSON requests with the agent's credentials (a `system:node` identity may read
+    Services and mint tokens for its pods, little more). Raises the agent's `ApiError`."""
+
+    async def get(self, path: str, params: Mapping[str, str] | None = None) -> dict[str, Any]: ...
+
+    async def create(self, path: str, body: Any) -> dict[str, Any]: ...
+
+    def watch(
+        self, path: str, params: Mapping[str, str], *, timeout_seconds: int
+    ) -> AsyncIterator[tuple[str, bytes]]:
+        """(event type, raw object JSON) until the server ends the watch."""
+        ...
+
+
+@runtime_checkable
+class UsesUpperAPI(Protocol):
+    """Optional: the provider reads the node's own cluster itself (a provider that forwards pods
+    to another cluster reflects Services, mints ServiceAccount tokens, names the cluster). The
+    agent calls `use_upper_api` once, before any other call, with the client it uses itself."""
+
+    def use_upper_api(self, api: UpperAPI) -> None: ...
 
 
 @runtime_checkable

@@ -240,6 +240,45 @@ async def test_a_node_status_push_is_written_at_once(api: FakeApiServer) -> None
         assert controller.allocatable["cpu"] == "16"
 
 
+class LabellingNode:
+    """A node provider whose published labels change after registration."""
+
+    def __init__(self) -> None:
+        self.labels = {"topology.kubernetes.io/region": "eu", "disk": "ssd"}
+        self.callback: Callable[[Node], None] | None = None
+
+    def configure_node(self, node: Node) -> None:
+        assert node.metadata is not None
+        node.metadata.labels = {**(node.metadata.labels or {}), **self.labels}
+
+    def notify_node_status(self, callback: Callable[[Node], None]) -> None:
+        self.callback = callback
+
+
+async def test_provider_labels_follow_the_provider_and_leave_an_admins_labels_alone(
+    api: FakeApiServer,
+) -> None:
+    provider = LabellingNode()
+    async with NodeHarness(api, settings(status_interval=60), provider):
+        assert node_of(api)["metadata"]["labels"]["disk"] == "ssd"
+        api.patch("nodes", NODE, {"metadata": {"labels": {"team": "payments"}}})
+        assert provider.callback is not None
+        provider.labels = {"topology.kubernetes.io/region": "us", "gpu": "a100"}
+        provider.callback(Node())
+
+        def relabelled() -> bool:
+            labels = node_of(api)["metadata"]["labels"]
+            return labels.get("topology.kubernetes.io/region") == "us" and "disk" not in labels
+
+        await eventually(relabelled, within=2)
+        node = node_of(api)
+        assert node["metadata"]["labels"]["gpu"] == "a100"
+        assert node["metadata"]["labels"]["team"] == "payments", "an admin's label"
+        assert node["metadata"]["labels"]["type"] == "virtual-kubelet", "the agent's own"
+        managed = node["metadata"]["annotations"]["vkubelet.io/managed-labels"].split(",")
+        assert "gpu" in managed and "disk" not in managed and "team" not in managed
+
+
 async def test_a_failing_ping_stops_lease_renewals_until_it_recovers(
     api: FakeApiServer, tmp_path: Path
 ) -> None:

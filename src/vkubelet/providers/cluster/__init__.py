@@ -14,7 +14,11 @@ API I/O in its own module:
 - `_deps`: which dependencies must exist below (reference-counted, stamped objects only);
 - `_lower`: the lower API client, with clear errors for a bad kubeconfig or missing RBAC;
 - `_stats`: `kubectl top` numbers of our pods from the lower kubelets, renamed upstairs;
-- `_provider`: the provider class wiring them to the agent's protocols.
+- `_services`: which upper Services go below and how (selector narrowed to our lower pods);
+- `_tokens`: upper service-account tokens for lower pods (`serviceAccountTokens: upper`);
+- `_convert`: JSON <-> lightkube models and small value helpers;
+- `_provider`: the provider class wiring them to the agent's protocols, built from `_core`
+  (shared state, owner identity) and `_verbs`, `_capacityloop`, `_servicesync`, `_tokenkeeper`.
 
 See docs/cluster-provider.md.
 """
@@ -23,13 +27,7 @@ from ...node import ConfigError, ProviderContext
 from ._capacity import LowerCapacity, common_labels, lower_capacity, node_usable, pod_requests
 from ._config import LowerConfig, NamespaceMapping, Resync, load_lower_config
 from ._deps import DependencyPlan, lower_copy, plan_dependencies
-from ._lower import (
-    REQUIRED_PERMISSIONS,
-    LowerCluster,
-    MissingPermissions,
-    Permission,
-    open_lower,
-)
+from ._lower import REQUIRED_PERMISSIONS, LowerCluster, MissingPermissions, Permission, open_lower
 from ._provider import ClusterProvider
 from ._refs import Reference, pod_references, rename_references
 from ._stamps import Claim, Owner, claim, dependency_name, is_ours, stamp

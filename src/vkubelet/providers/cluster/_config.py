@@ -9,6 +9,7 @@
       create: true                   # create a missing lower namespace
     dependencyNames: suffixed        # or `same`: see docs/cluster-provider.md
     serviceAccounts: lower           # or `none`
+    serviceAccountTokens: lower      # or `upper`: short-lived upper tokens (TokenRequest)
     pvcStorageClass: null            # null: keep the upper class; "": lower default; or a name
     publishCommonLabels: true        # labels every lower node shares go on the virtual node
     excludeLabels: [example.com/*]   # never published (patterns)
@@ -41,6 +42,7 @@ _TOP_KEYS = {
     "namespaces",
     "dependencyNames",
     "serviceAccounts",
+    "serviceAccountTokens",
     "pvcStorageClass",
     "publishCommonLabels",
     "excludeLabels",
@@ -100,6 +102,7 @@ class LowerConfig:
     namespaces: NamespaceMapping = NamespaceMapping()
     dependency_names: Literal["suffixed", "same"] = "suffixed"
     service_accounts: Literal["lower", "none"] = "lower"
+    service_account_tokens: Literal["lower", "upper"] = "lower"
     pvc_storage_class: str | None = None
     publish_common_labels: bool = True
     exclude_labels: tuple[str, ...] = ()
@@ -146,6 +149,13 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
                 "upperClusterID",
                 f"{cluster_id!r} is not a valid label value (letters, digits, '-', '_', '.')",
             )
+    service_accounts = _choice(where, data, "serviceAccounts", ("lower", "none"))
+    tokens = _choice(where, data, "serviceAccountTokens", ("lower", "upper"))
+    if tokens == "upper" and service_accounts == "none":
+        raise fail(
+            "serviceAccountTokens",
+            "upper tokens need a service account: not with serviceAccounts: none",
+        )
     return LowerConfig(
         kubeconfig=path.parent / Path(kubeconfig).expanduser(),
         source=path,
@@ -156,9 +166,8 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
             Literal["suffixed", "same"],
             _choice(where, data, "dependencyNames", ("suffixed", "same")),
         ),
-        service_accounts=cast(
-            Literal["lower", "none"], _choice(where, data, "serviceAccounts", ("lower", "none"))
-        ),
+        service_accounts=cast(Literal["lower", "none"], service_accounts),
+        service_account_tokens=cast(Literal["lower", "upper"], tokens),
         pvc_storage_class=_storage_class(where, data.get("pvcStorageClass")),
         publish_common_labels=_flag(where, "publishCommonLabels", data, True),
         exclude_labels=_patterns(where, data.get("excludeLabels")),

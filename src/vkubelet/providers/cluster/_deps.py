@@ -23,6 +23,7 @@ from typing import Any
 from ._refs import Reference
 from ._stamps import Claim, claim, describe_owner, is_ours, stamp
 from ._status import copy_of
+from ._tokens import is_token_secret
 from ._translate import PodTranslation, needed_references
 
 __all__ = [
@@ -154,6 +155,8 @@ def plan_dependencies(
     for lower_key, obj in sorted(lower.items()):
         if lower_key in wanted or lower_key[0] not in KINDS or not is_ours(obj, how.owner):
             continue
+        if is_token_secret(obj):
+            continue  # a pod's upper tokens: kept and removed with the pod (`_tokens`)
         (plan.release if lower_key[0] == "PersistentVolumeClaim" else plan.delete).append(lower_key)
         plan.uids[lower_key] = str((obj.get("metadata") or {}).get("uid", ""))
     return plan

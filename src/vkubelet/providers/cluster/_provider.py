@@ -1,5 +1,9 @@
 """The cluster provider: the parts (`_translate`, `_deps`, `_status`, `_capacity`) wired to the
-agent's provider protocols over one lower-cluster client.
+agent's provider protocols over one lower-cluster client. This module holds the pod lifecycle,
+the lower pod and event watches, the dependency sync and the node protocol; the class is built
+from `_core` (shared state, owner identity) and one part per concern: `_verbs` (kubectl verbs),
+`_capacityloop` (capacity and labels), `_servicesync` (Services below) and `_tokenkeeper`
+(upper tokens).
 
 It must be a pass-through provider (`PassThroughPods`): an agent that resolved env first would
 give it pods with Secret values written into `env`, to be copied into the lower pod spec.
@@ -14,8 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -23,96 +26,41 @@ from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...node import ApiError, Unreachable
-from ...sdk.capabilities import AttachIO, ByteStream
-from ...sdk.provider import (
-    ContainerLogOptions,
-    EventType,
-    NodeCondition,
-    ProviderContext,
-    ProviderError,
-    ResolvedPod,
+from ...sdk.provider import EventType, NodeCondition, ProviderError, ResolvedPod
+from ...sdk.tasks import supervise
+from ._capacityloop import CapacityFollowing
+from ._convert import (
+    JSON,
+    convert_node,
+    convert_pod,
+    convert_podstatus,
+    newer,
+    newest,
+    now_rfc3339,
+    requests_and_limits,
+    to_json,
+    uid_of,
+    upper_view,
 )
-from ...sdk.quantity import parse_quantity
-from ...sdk.tasks import TaskSet, supervise
-from ...streaming import Endpoint, UpgradeFailed, attach, exec_command
-from ...streaming import port_forward as streaming_port_forward
-from ._capacity import LowerCapacity, lower_capacity
-from ._config import LowerConfig
+from ._core import Prepared
 from ._deps import KINDS, Key, plan_dependencies
-from ._lower import LowerCluster, MissingPermissions
-from ._refs import Reference
-from ._stamps import (
-    ANNOTATION_NAME,
-    ANNOTATION_NAMESPACE,
-    ANNOTATION_NODE,
-    ANNOTATION_UID,
-    Claim,
-    Owner,
-    claim,
-    describe_owner,
-    is_ours,
-    upper_identity,
-)
-from ._stats import merge_resource_metrics, merge_summaries
+from ._lower import MissingPermissions
+from ._servicesync import ServiceReflection
+from ._stamps import Claim, claim, describe_owner, is_ours, upper_identity
 from ._status import gone_status, status_up, vanished_reason
-from ._translate import PodTranslation, needed_references, translate_pod
+from ._tokenkeeper import UpperTokens
+from ._translate import needed_references, translate_pod
+from ._verbs import LowerVerbs
 
 __all__ = ["ClusterProvider"]
 
 log = logging.getLogger(__name__)
-JSON = dict[str, Any]
-# A pod as handed over, the translation settings, its JSON and the references it needs below.
-_Prepared = tuple[ResolvedPod, PodTranslation, JSON, set[Reference]]
 
 
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-class ClusterProvider:
+class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTokens):
     """One virtual node standing for a whole lower cluster."""
 
     pass_through = True
-
-    def __init__(
-        self,
-        config: LowerConfig,
-        context: ProviderContext,
-        lower: LowerCluster,
-        *,
-        background: bool = True,
-    ) -> None:
-        """`background=False` leaves out the watch, capacity and resync loops (unit tests)."""
-        self.config = config
-        self._background = background
-        self.context = context
-        self.lower = lower
-        self.owner = Owner(config.upper_cluster_id or "", context.node_name)
-        self.how = PodTranslation(
-            owner=self.owner,
-            namespaces=config.namespaces,
-            dependency_names=config.dependency_names,
-            service_accounts=config.service_accounts,
-            virtual_labels={"type": "virtual-kubelet", "kubernetes.io/hostname": context.node_name},
-        )
-        self._pods: dict[str, ResolvedPod] = {}  # upper "namespace/name" -> what we were given
-        # Both keyed by name, as the lower pod's name is the upper one: only one lower pod can
-        # exist per key, but an upper pod deleted and re-created at once (a StatefulSet) has
-        # late lower events about the old UID, so every event is checked against the UID.
-        self._lower_pods: dict[str, JSON] = {}  # upper "namespace/name" -> lower pod, if seen
-        self._deleting: dict[str, str] = {}  # upper "namespace/name" -> UID we are deleting
-        self._failed: dict[str, JSON] = {}  # upper pods whose lower pod vanished: final status
-        self._notify: Callable[[Pod], None] | None = None
-        self._node_notify: Callable[[Node], None] | None = None
-        self._capacity = LowerCapacity(allocatable={})
-        self._unreachable: str | None = None
-        self._denied: str | None = None  # missing lower permissions, as MissingPermissions says
-        self._tasks: list[asyncio.Task[None]] = []
-        self._spawned = TaskSet(f"cluster {context.node_name}")
-        self._deps_lock = asyncio.Lock()
-        self._copies: dict[Key, JSON] | None = None  # our lower dependency copies
-        self._prepared: dict[str, _Prepared] = {}  # see `_prepared_pod`
-        self._stream_endpoint: Endpoint | None = None
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
@@ -126,6 +74,13 @@ class ClusterProvider:
             supervise(self._resync_dependencies, name=f"cluster {name}: dependencies"),
             supervise(self._follow_events, name=f"cluster {name}: lower events"),
         ]
+        if self._upper is not None and self.config.service_account_tokens == "upper":
+            self._tasks.append(supervise(self._refresh_tokens, name=f"cluster {name}: tokens"))
+        if self._upper is not None:
+            self._tasks += [
+                supervise(self._follow_upper_services, name=f"cluster {name}: upper services"),
+                supervise(self._reflect_services, name=f"cluster {name}: services below"),
+            ]
 
     async def aclose(self) -> None:
         for task in self._tasks:
@@ -140,6 +95,7 @@ class ClusterProvider:
     # -- pod lifecycle ----------------------------------------------------------------
     async def create_pod(self, pod: ResolvedPod) -> None:
         self._start()
+        await self._ensure_owner()
         key = f"{pod.namespace}/{pod.name}"
         lower_namespace = self.how.namespaces.lower(pod.namespace)
         if self.how.namespaces.upper(lower_namespace) != pod.namespace:
@@ -157,7 +113,8 @@ class ClusterProvider:
         if self._about_another(key, self._lower_pods.get(key)):
             del self._lower_pods[key]  # an earlier pod's lower pod: not this pod's status
         await self._sync_dependencies(block_for=key)
-        upper = _to_json(pod.pod)
+        await self._deliver_tokens(pod)  # before adoption too: a restart mints fresh ones
+        upper = to_json(pod.pod)
         body = translate_pod(upper, self.how)
         namespace = body["metadata"]["namespace"]
         existing = await self._call(self.lower.get("Pod", namespace, pod.name))
@@ -191,17 +148,18 @@ class ClusterProvider:
         lower pod is scheduled and Running within ~100 ms), and the stale Pending copy would
         then stand until the next re-list, a minute later."""
         known = self._lower_pods.get(key)
-        if known is not None and _uid(known) == _uid(lower):
+        if known is not None and uid_of(known) == uid_of(lower):
             with contextlib.suppress(ValueError):
                 if int(_version(known)) > int(_version(lower)):
                     return
         self._lower_pods[key] = lower
 
     async def update_pod(self, pod: ResolvedPod) -> None:
+        await self._ensure_owner()
         key = f"{pod.namespace}/{pod.name}"
         self._pods[key] = pod
         await self._sync_dependencies()
-        body = translate_pod(_to_json(pod.pod), self.how)
+        body = translate_pod(to_json(pod.pod), self.how)
         spec = body["spec"]
         patch: JSON = {
             "metadata": {
@@ -241,8 +199,8 @@ class ClusterProvider:
         resized = [
             {"name": c["name"], "resources": c.get("resources") or {}}
             for c in spec.get("containers") or []
-            if _requests_and_limits(c.get("resources"))
-            != _requests_and_limits(lower_resources.get(c["name"]))
+            if requests_and_limits(c.get("resources"))
+            != requests_and_limits(lower_resources.get(c["name"]))
         ]
         if resized:
             await self._call(
@@ -255,6 +213,7 @@ class ClusterProvider:
             )
 
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
+        await self._ensure_owner()
         meta = pod.metadata
         assert meta is not None
         key, upper_uid = f"{meta.namespace}/{meta.name}", str(meta.uid or "")
@@ -290,13 +249,14 @@ class ClusterProvider:
             self._lower_pods.pop(key, None)  # deleted below before we saw its DELETED event
         failed = self._failed.pop(key, None)
         self._spawned.spawn(self._sync_dependencies(), name=f"release {key}")
+        self._drop_tokens(key, uid)
         if self._notify is None:
             return
-        upper = _to_json(given.pod if given is not None else pod)
+        upper = to_json(given.pod if given is not None else pod)
         if failed is not None:
             upper["status"] = failed
-        status = gone_status(upper, reason="Deleted", message="", now=_now())
-        self._notify(_convert_pod({**upper, "status": status}))
+        status = gone_status(upper, reason="Deleted", message="", now=now_rfc3339())
+        self._notify(convert_pod({**upper, "status": status}))
 
     async def get_pod(self, namespace: str, name: str) -> Pod | None:
         key = f"{namespace}/{name}"
@@ -306,27 +266,28 @@ class ClusterProvider:
         lower = self._lower_pods.get(key)
         given = self._pods.get(key)
         if given is not None:
-            upper = _to_json(given.pod)
-            upper["status"] = _to_json(status)
-            return _convert_pod(upper)
+            upper = to_json(given.pod)
+            upper["status"] = to_json(status)
+            return convert_pod(upper)
         assert lower is not None
-        return _upper_view(lower, status)
+        return upper_view(lower, status)
 
     async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
         key = f"{namespace}/{name}"
         if key in self._failed:
-            return _convert_podstatus(self._failed[key])
+            return convert_podstatus(self._failed[key])
         lower = self._lower_pods.get(key)
         given = self._pods.get(key)
-        upper = _to_json(given.pod) if given is not None else {}
+        upper = to_json(given.pod) if given is not None else {}
         if lower is None:
             return None
-        return _convert_podstatus(
-            status_up(lower, upper, host_ip=self.context.internal_ip, now=_now())
+        return convert_podstatus(
+            status_up(lower, upper, host_ip=self.context.internal_ip, now=now_rfc3339())
         )
 
     async def list_pods(self) -> list[Pod]:
         self._start()
+        await self._ensure_owner()
         pods = await self._call(self.lower.list_objects("Pod", selector=self.owner.selector))
         found = []
         for lower in pods:
@@ -338,119 +299,9 @@ class ClusterProvider:
             key = f"{identity[0]}/{identity[1]}"
             if not self._about_another(key, lower):
                 self._remember(key, lower)
-            status = status_up(lower, {}, host_ip=self.context.internal_ip, now=_now())
-            found.append(_upper_view(lower, _convert_podstatus(status)))
+            status = status_up(lower, {}, host_ip=self.context.internal_ip, now=now_rfc3339())
+            found.append(upper_view(lower, convert_podstatus(status)))
         return found
-
-    async def container_logs(
-        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
-    ) -> AsyncIterator[bytes]:
-        """`kubectl logs` upstairs is the lower apiserver's pod log, options passed through."""
-        params = {"container": container}
-        if options.tail_lines is not None:
-            params["tailLines"] = str(options.tail_lines)
-        if options.limit_bytes is not None:
-            params["limitBytes"] = str(options.limit_bytes)
-        if options.since_seconds is not None:
-            params["sinceSeconds"] = str(options.since_seconds)
-        elif options.since_time is not None:
-            since = options.earliest()
-            assert since is not None
-            params["sinceTime"] = since.strftime("%Y-%m-%dT%H:%M:%SZ")
-        for flag, on in (
-            ("timestamps", options.timestamps),
-            ("follow", options.follow),
-            ("previous", options.previous),
-        ):
-            if on:
-                params[flag] = "true"
-        lower_ns = self.how.lower_namespace(namespace)
-        current = self._lower_pods.get(f"{namespace}/{pod}")
-        if current is None or not is_ours(current, self.owner):
-            raise ProviderError("NotFound", f"pod {namespace}/{pod} does not run here")
-        path = f"/api/v1/namespaces/{lower_ns}/pods/{pod}/log"
-        try:
-            async for chunk in self.lower.client.stream(path, params):
-                yield chunk
-        except ApiError as e:
-            raise ProviderError(
-                e.reason or "LowerLogsFailed", f"lower cluster: {e.message}"
-            ) from None
-
-    async def exec_in_container(
-        self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
-    ) -> int:
-        """`kubectl exec` (and `cp`) upstairs: the same exec on the lower pod, through the lower
-        apiserver (WebSocket v5, or SPDY)."""
-        lower_ns, name = self._lower_ref(namespace, pod)
-        try:
-            return await exec_command(self._endpoint(), lower_ns, name, container, command, io)
-        except UpgradeFailed as e:
-            raise ProviderError("LowerExecFailed", f"lower cluster: {e}") from None
-
-    async def attach_to_container(
-        self, namespace: str, pod: str, container: str, io: AttachIO
-    ) -> None:
-        lower_ns, name = self._lower_ref(namespace, pod)
-        try:
-            await attach(self._endpoint(), lower_ns, name, container, io)
-        except UpgradeFailed as e:
-            raise ProviderError("LowerAttachFailed", f"lower cluster: {e}") from None
-
-    async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
-        lower_ns, name = self._lower_ref(namespace, pod)
-        await streaming_port_forward(self._endpoint(), lower_ns, name, port, stream)
-
-    def _lower_ref(self, namespace: str, pod: str) -> tuple[str, str]:
-        """Where the upper pod runs below; only our own pods are reachable this way."""
-        current = self._lower_pods.get(f"{namespace}/{pod}")
-        if current is None or not is_ours(current, self.owner):
-            raise ProviderError("NotFound", f"pod {namespace}/{pod} does not run here")
-        metadata = current.get("metadata") or {}
-        return str(metadata.get("namespace")), str(metadata.get("name"))
-
-    def _endpoint(self) -> Endpoint:
-        if self._stream_endpoint is None:
-            self._stream_endpoint = Endpoint.from_config(self.lower.client.config)
-        return self._stream_endpoint
-
-    async def stats_summary(self) -> dict[str, Any]:
-        """`kubectl top pod/node`: our pods' numbers from the lower kubelets (see `_stats`)."""
-        nodes, renames = self._placement()
-        answers = await asyncio.gather(
-            *(self.lower.client.get(f"/api/v1/nodes/{n}/proxy/stats/summary") for n in nodes),
-            return_exceptions=True,
-        )
-        summaries = [a for a in answers if isinstance(a, dict)]
-        return merge_summaries(self.context.node_name, summaries, renames)
-
-    async def metrics_resource(self) -> str:
-        """The metrics-server's scrape: the lower kubelets' `/metrics/resource`, our pods only."""
-        nodes, renames = self._placement()
-        answers = await asyncio.gather(
-            *(
-                self.lower.client.request_raw("GET", f"/api/v1/nodes/{n}/proxy/metrics/resource")
-                for n in nodes
-            ),
-            return_exceptions=True,
-        )
-        texts = [a.decode(errors="replace") for a in answers if isinstance(a, bytes)]
-        return merge_resource_metrics(texts, renames)
-
-    def _placement(self) -> tuple[set[str], dict[tuple[str, str], tuple[str, str, str]]]:
-        """The lower nodes running our pods, and lower (namespace, name) -> upper pod."""
-        nodes: set[str] = set()
-        renames: dict[tuple[str, str], tuple[str, str, str]] = {}
-        for lower in self._lower_pods.values():
-            identity = upper_identity(lower)
-            metadata = lower.get("metadata") or {}
-            if identity is None:
-                continue
-            renames[(str(metadata.get("namespace")), str(metadata.get("name")))] = identity
-            node = (lower.get("spec") or {}).get("nodeName")
-            if node:
-                nodes.add(str(node))
-        return nodes, renames
 
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
         self._notify = callback
@@ -466,6 +317,10 @@ class ClusterProvider:
         self._unreachable = None
 
     def node_conditions(self) -> Sequence[NodeCondition]:
+        if self._identity_problem:
+            return [
+                NodeCondition("Ready", "False", "UpperClusterIDUnknown", self._identity_problem)
+            ]
         if self._denied:
             return [NodeCondition("Ready", "False", "LowerPermissionsMissing", self._denied)]
         if self._unreachable:
@@ -512,12 +367,13 @@ class ClusterProvider:
                 self.context.node_name, "Warning", "LowerPermissionsMissing", str(e)
             )
             if self._node_notify is not None:
-                self._node_notify(_convert_node({"metadata": {"name": self.context.node_name}}))
+                self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
 
     # -- background ----------------------------------------------------------------
     async def _follow_pods(self) -> None:
         """List, then watch, this owner's lower pods; re-list every `resync.pods` seconds so a
         pod that vanished without an event is noticed."""
+        await self._ensure_owner()
         while True:
             answer = await self.lower.client.get(
                 "/api/v1/pods", {"labelSelector": self.owner.selector}
@@ -529,7 +385,7 @@ class ClusterProvider:
                     seen[key] = lower
             version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
             for key, known in list(self._lower_pods.items()):
-                if key not in seen and not _newer(known, version):
+                if key not in seen and not newer(known, version):
                     self._vanished(key, known)
             for key, lower in seen.items():
                 self._observed(key, lower)
@@ -594,10 +450,13 @@ class ClusterProvider:
             self._push_gone(key, last)
             return
         reason, message = vanished_reason(last)
-        upper = _to_json(given.pod)
+        upper = to_json(given.pod)
         if last is not None:
-            upper["status"] = status_up(last, upper, host_ip=self.context.internal_ip, now=_now())
-        self._failed[key] = gone_status(upper, reason=reason, message=message, now=_now())
+            upper["status"] = status_up(
+                last, upper, host_ip=self.context.internal_ip, now=now_rfc3339()
+            )
+        self._failed[key] = gone_status(upper, reason=reason, message=message, now=now_rfc3339())
+        self._services_dirty.set()
         log.warning("pod %s: %s", key, message)
         self.context.events.pod_event(given.pod, "Warning", reason, message)
         self._push(key)
@@ -619,13 +478,19 @@ class ClusterProvider:
         given = self._pods.pop(key, None)
         self._deleting.pop(key, None)
         self._spawned.spawn(self._sync_dependencies(), name=f"release {key}")
+        identity = None if last is None else upper_identity(last)
+        uid = identity[2] if identity is not None else (given.uid if given is not None else "")
+        if uid:
+            self._drop_tokens(key, uid)
         if given is None or self._notify is None:
             return
-        upper = _to_json(given.pod)
+        upper = to_json(given.pod)
         if last is not None:
-            upper["status"] = status_up(last, upper, host_ip=self.context.internal_ip, now=_now())
-        status = gone_status(upper, reason="Deleted", message="", now=_now())
-        pod = _convert_pod({**upper, "status": status})
+            upper["status"] = status_up(
+                last, upper, host_ip=self.context.internal_ip, now=now_rfc3339()
+            )
+        status = gone_status(upper, reason="Deleted", message="", now=now_rfc3339())
+        pod = convert_pod({**upper, "status": status})
         self._notify(pod)
 
     async def _follow_events(self) -> None:
@@ -670,78 +535,21 @@ class ClusterProvider:
                 )
             return
 
-    async def _follow_capacity(self) -> None:
-        """Keep the capacity current: list the lower nodes and pods, then follow both with
-        watches and recompute (at most once a second) on every change; re-list every
-        `resync.nodes` seconds. A cordon or a new pod below shows upstairs within seconds."""
-        while True:
-            changed = asyncio.Event()
-            objects: dict[str, dict[str, JSON]] = {}
-            versions: dict[str, str] = {}
-            for kind, path in (("Node", "/api/v1/nodes"), ("Pod", "/api/v1/pods")):
-                answer = await self.lower.client.get(path)
-                objects[kind] = {_uid(o): o for o in answer.get("items") or []}
-                versions[kind] = str((answer.get("metadata") or {}).get("resourceVersion", ""))
-            timeout = max(1, int(self.config.resync.nodes))
-            async with asyncio.TaskGroup() as group:
-                for kind, path in (("Node", "/api/v1/nodes"), ("Pod", "/api/v1/pods")):
-                    group.create_task(
-                        self._watch_into(path, versions[kind], objects[kind], changed, timeout)
-                    )
-                group.create_task(self._recompute(objects, changed, timeout))
-
-    async def _watch_into(
-        self,
-        path: str,
-        version: str,
-        into: dict[str, JSON],
-        changed: asyncio.Event,
-        seconds: int,
-    ) -> None:
-        params = {"resourceVersion": version, "allowWatchBookmarks": "true"}
-        try:
-            async for kind, raw in self.lower.client.watch(path, params, timeout_seconds=seconds):
-                if kind in ("ERROR", "BOOKMARK"):
-                    if kind == "ERROR":
-                        return
-                    continue
-                obj = msgspec.json.decode(raw)
-                if kind == "DELETED":
-                    into.pop(_uid(obj), None)
-                else:
-                    into[_uid(obj)] = obj
-                changed.set()
-        except ApiError as e:
-            if not e.gone:
-                raise
-
-    async def _recompute(
-        self, objects: dict[str, dict[str, JSON]], changed: asyncio.Event, seconds: int
-    ) -> None:
-        deadline = asyncio.get_running_loop().time() + seconds
-        changed.set()
-        while asyncio.get_running_loop().time() < deadline:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), timeout=1.0)
-            if not changed.is_set():
-                continue
-            changed.clear()
-            capacity = lower_capacity(
-                objects["Node"].values(),
-                objects["Pod"].values(),
-                lambda p: is_ours(p, self.owner),
-                label_excluded=self.config.label_excluded,
-            )
-            if capacity != self._capacity:
-                self._capacity = capacity
-                if self._node_notify is not None:
-                    self._node_notify(_convert_node({"metadata": {"name": self.context.node_name}}))
-            await asyncio.sleep(1.0)  # at most one recomputation a second
-
     async def _resync_dependencies(self) -> None:
+        await self._ensure_owner()
         while True:
             await asyncio.sleep(self.config.resync.dependencies)
             await self._sync_dependencies(relist=True)
+
+    def _prepared_pod(self, pod: ResolvedPod) -> Prepared:
+        """The pod as JSON and the references its lower pod needs, worked out once per pod the
+        agent hands over (and translation settings), not on every plan."""
+        key = f"{pod.namespace}/{pod.name}"
+        known = self._prepared.get(key)
+        if known is not None and known[0] is pod and known[1] is self.how:
+            return known
+        upper = to_json(pod.pod)
+        return (pod, self.how, upper, needed_references(upper, self.how))
 
     async def _sync_dependencies(
         self, block_for: str | None = None, *, relist: bool = False
@@ -751,6 +559,7 @@ class ClusterProvider:
         The copies we own are listed (by owner label) once and on every periodic resync, and
         otherwise known from our own writes, so starting a pod costs no list requests.
         """
+        self._services_dirty.set()  # the pods changed: so may the Services they need below
         async with self._deps_lock:
             running = [
                 p
@@ -760,7 +569,7 @@ class ClusterProvider:
             references: dict[Key, Mapping[str, Any] | None] = {}
             for pod in running:
                 for key, obj in pod.references.items():
-                    references[key] = _newest(references.get(key), obj)
+                    references[key] = newest(references.get(key), obj)
             prepared = {f"{p.namespace}/{p.name}": self._prepared_pod(p) for p in running}
             self._prepared = prepared  # drops the pods no longer running
             if self._copies is None or relist:
@@ -801,7 +610,7 @@ class ClusterProvider:
                     self.how.lower_namespace(given.namespace),
                     self.how.lower_name(r.kind, r.name),
                 )
-                for r in needed_references(_to_json(given.pod), self.how)
+                for r in needed_references(to_json(given.pod), self.how)
             }
             for key, message in applied.conflicts.items():
                 if key in needed:
@@ -811,122 +620,6 @@ class ClusterProvider:
                 "LowerDependencyFailed", "; ".join(applied.problems), permanent=False
             )
 
-    def _prepared_pod(self, pod: ResolvedPod) -> _Prepared:
-        """The pod as JSON and the references its lower pod needs, worked out once per pod the
-        agent hands over (and translation settings), not on every plan."""
-        key = f"{pod.namespace}/{pod.name}"
-        known = self._prepared.get(key)
-        if known is not None and known[0] is pod and known[1] is self.how:
-            return known
-        upper = _to_json(pod.pod)
-        return (pod, self.how, upper, needed_references(upper, self.how))
-
-    async def _call(self, action: Any, *, what: str = "") -> Any:
-        """Await a lower API call; the lower API's refusals become the pod's reason."""
-        try:
-            return await action
-        except ApiError as e:
-            if e.status == 403 and "service account" in e.message and "not found" in e.message:
-                # A namespace just created below gets its `default` account a moment later.
-                raise ProviderError(
-                    "LowerServiceAccountPending",
-                    f"lower cluster: {what or 'request'}: {e.message}",
-                    permanent=False,
-                ) from None
-            if e.status == 404 and "namespaces" in e.message:
-                raise ProviderError(
-                    "LowerNamespaceMissing",
-                    f"lower cluster: {what or 'request'}: {e.message}",
-                    permanent=not self.config.namespaces.create,  # else: re-created, retried
-                ) from None
-            if e.status in (400, 403, 422) or (e.status == 404 and what):
-                raise ProviderError(
-                    "LowerRejected" if e.status != 403 else "LowerForbidden",
-                    f"lower cluster: {what or 'request'}: {e.message or e.reason}",
-                ) from None
-            raise
-
-
-def _newest(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """Of two pods' copies of one referenced object, the later one: a pod not yet updated
-    must not roll a lower copy back to what it saw."""
-    if a is None or b is None:
-        return a or b
-
-    def version(obj: Mapping[str, Any]) -> int:
-        try:
-            return int((obj.get("metadata") or {}).get("resourceVersion", "0"))
-        except ValueError:
-            return 0
-
-    return b if version(b) >= version(a) else a
-
-
-def _requests_and_limits(resources: Mapping[str, Any] | None) -> tuple[Any, Any]:
-    """Comparable requests and limits (quantities as the API canonicalises them may differ in
-    spelling, "1000m" vs "1", so compare exact values)."""
-
-    def values(section: Mapping[str, Any] | None) -> dict[str, Any]:
-        return {k: parse_quantity(v).to_fraction() for k, v in (section or {}).items()}
-
-    resources = resources or {}
-    return values(resources.get("requests")), values(resources.get("limits"))
-
-
-def _uid(obj: Mapping[str, Any]) -> str:
-    metadata = obj.get("metadata") or {}
-    return str(metadata.get("uid") or f"{metadata.get('namespace')}/{metadata.get('name')}")
-
-
-def _to_json(obj: Any) -> JSON:
-    result: JSON = msgspec.to_builtins(obj) if obj is not None else {}
-    return result
-
-
-def _convert_pod(data: Mapping[str, Any]) -> Pod:
-    return msgspec.convert(data, Pod)
-
-
-def _convert_podstatus(data: Mapping[str, Any]) -> PodStatus:
-    return msgspec.convert(data, PodStatus)
-
-
-def _convert_node(data: Mapping[str, Any]) -> Node:
-    return msgspec.convert(data, Node)
-
-
-def _upper_view(lower: Mapping[str, Any], status: PodStatus) -> Pod:
-    """The upper pod a stamped lower pod stands for, as far as the lower copy tells."""
-    annotations = (lower.get("metadata") or {}).get("annotations") or {}
-    return _convert_pod(
-        {
-            "metadata": {
-                "namespace": annotations.get(ANNOTATION_NAMESPACE),
-                "name": annotations.get(ANNOTATION_NAME),
-                "uid": annotations.get(ANNOTATION_UID),
-                "annotations": {
-                    k: v for k, v in annotations.items() if not k.startswith("vkubelet.io/upper")
-                },
-            },
-            # The virtual node it was stamped for: the agent deletes an orphan only if provably
-            # its own.
-            "spec": {
-                "nodeName": annotations.get(ANNOTATION_NODE),
-                "containers": (lower.get("spec") or {}).get("containers") or [],
-            },
-            "status": _to_json(status),
-        }
-    )
-
 
 def _version(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion", ""))
-
-
-def _newer(obj: Mapping[str, Any], version: str) -> bool:
-    """Whether `obj` was written after a list at `version` (a pod created while the list ran
-    is missing from it without having vanished). Resource versions are etcd revisions."""
-    try:
-        return int((obj.get("metadata") or {}).get("resourceVersion", "0")) > int(version)
-    except ValueError:
-        return True  # cannot tell: never conclude that a pod vanished

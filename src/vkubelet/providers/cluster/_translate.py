@@ -15,7 +15,8 @@ What changes on the way down, and why:
   are dropped and recomputed below; `schedulerName` and `priorityClassName` name upper objects;
 - the upper service-account token volume (`kube-api-access-*`) is dropped: the lower
   apiserver's ServiceAccount admission mounts a token of the lower service account instead, so
-  no upper credential goes down;
+  no upper credential goes down (with `serviceAccountTokens: upper` it is kept, its token
+  source reading a per-pod Secret of short-lived upper tokens instead, see `_tokens`);
 - `readinessGates` are kept upstairs only: nobody below would ever set their conditions;
 - `ephemeralContainers` cannot be set on create.
 """
@@ -30,6 +31,7 @@ from typing import Any, Literal
 from ._config import NamespaceMapping
 from ._refs import Reference, pod_references, rename_references
 from ._stamps import Owner, dependency_name, stamp
+from ._tokens import token_secret_name, token_sources, use_token_secret
 
 __all__ = ["PodTranslation", "needed_references", "translate_pod"]
 
@@ -60,6 +62,9 @@ class PodTranslation:
     namespaces: NamespaceMapping = field(default_factory=NamespaceMapping)
     dependency_names: Literal["suffixed", "same"] = "suffixed"
     service_accounts: Literal["lower", "none"] = "lower"
+    # "upper": the pod's projected service-account tokens are upper tokens, minted by the
+    # provider into a per-pod Secret (`_tokens`); "lower": the lower cluster mints its own.
+    service_account_tokens: Literal["lower", "upper"] = "lower"
     # The virtual node's own labels (not those published from the lower nodes): terms on them
     # only chose this virtual node.
     virtual_labels: Mapping[str, str] = field(default_factory=dict)
@@ -79,6 +84,8 @@ def translate_pod(upper: Mapping[str, Any], how: PodTranslation) -> JSON:
     namespace, name = str(metadata.get("namespace", "default")), str(metadata["name"])
     spec = _prepared_spec(upper, how)
     rename_references(spec, how.lower_name)
+    if how.service_account_tokens == "upper" and token_sources(spec):
+        use_token_secret(spec, token_secret_name(str(metadata.get("uid", ""))))
     _scheduling(spec, how)
     lower_metadata: JSON = {
         "name": name,
@@ -102,7 +109,8 @@ def _prepared_spec(upper: Mapping[str, Any], how: PodTranslation) -> JSON:
     spec: JSON = copy.deepcopy(dict(upper.get("spec") or {}))
     for key in _DROPPED_SPEC_FIELDS:
         spec.pop(key, None)
-    _drop_token_volume(spec)
+    if how.service_account_tokens == "lower" or how.service_accounts == "none":
+        _drop_token_volume(spec)
     _service_account(spec, how)
     return spec
 

@@ -1,0 +1,154 @@
+"""The cluster provider's shared state and owner identity (`ClusterProvider` is built on it)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from lightkube.resources.core_v1 import Node, Pod
+
+from ...node import ApiError
+from ...sdk.provider import ProviderContext, ProviderError, ResolvedPod, UpperAPI
+from ...sdk.tasks import TaskSet
+from ...streaming import Endpoint
+from ._capacity import LowerCapacity
+from ._config import LowerConfig
+from ._convert import JSON, convert_node
+from ._deps import Key
+from ._lower import LowerCluster
+from ._refs import Reference
+from ._stamps import Owner
+from ._translate import PodTranslation
+
+__all__ = ["ProviderCore"]
+
+log = logging.getLogger(__name__)
+
+
+# A pod as handed over, the translation settings, its JSON and the references it needs below.
+Prepared = tuple[ResolvedPod, PodTranslation, JSON, set[Reference]]
+
+
+class ProviderCore:
+    """The state every part of the provider shares, the owner stamps settled from the upper
+    cluster's identity, and the translation of lower API refusals into pod reasons."""
+
+    def __init__(
+        self,
+        config: LowerConfig,
+        context: ProviderContext,
+        lower: LowerCluster,
+        *,
+        background: bool = True,
+    ) -> None:
+        """`background=False` leaves out the watch, capacity and resync loops (unit tests)."""
+        self.config = config
+        self._background = background
+        self.context = context
+        self.lower = lower
+        self.owner = Owner(config.upper_cluster_id or "", context.node_name)
+        self.how = PodTranslation(
+            owner=self.owner,
+            namespaces=config.namespaces,
+            dependency_names=config.dependency_names,
+            service_accounts=config.service_accounts,
+            service_account_tokens=config.service_account_tokens,
+            virtual_labels={"type": "virtual-kubelet", "kubernetes.io/hostname": context.node_name},
+        )
+        self._pods: dict[str, ResolvedPod] = {}  # upper "namespace/name" -> what we were given
+        # Both keyed by name, as the lower pod's name is the upper one: only one lower pod can
+        # exist per key, but an upper pod deleted and re-created at once (a StatefulSet) has
+        # late lower events about the old UID, so every event is checked against the UID.
+        self._lower_pods: dict[str, JSON] = {}  # upper "namespace/name" -> lower pod, if seen
+        self._deleting: dict[str, str] = {}  # upper "namespace/name" -> UID we are deleting
+        self._failed: dict[str, JSON] = {}  # upper pods whose lower pod vanished: final status
+        self._notify: Callable[[Pod], None] | None = None
+        self._node_notify: Callable[[Node], None] | None = None
+        self._capacity = LowerCapacity(allocatable={})
+        self._unreachable: str | None = None
+        self._denied: str | None = None  # missing lower permissions, as MissingPermissions says
+        self._tasks: list[asyncio.Task[None]] = []
+        self._spawned = TaskSet(f"cluster {context.node_name}")
+        self._deps_lock = asyncio.Lock()
+        self._copies: dict[Key, JSON] | None = None  # our lower dependency copies
+        self._prepared: dict[str, Prepared] = {}  # see ClusterProvider._prepared_pod
+        self._stream_endpoint: Endpoint | None = None
+        # The upper cluster, when the agent hands us its client (`use_upper_api`): Services to
+        # reflect, the default upper cluster ID.
+        self._upper: UpperAPI | None = None
+        self._owner_known = config.upper_cluster_id is not None
+        self._owner_lock = asyncio.Lock()
+        self._identity_problem: str | None = None
+        self._upper_services: dict[tuple[str, str], JSON] = {}  # upper (namespace, name)
+        self._upper_services_listed = asyncio.Event()
+        self._lower_services: dict[tuple[str, str], JSON] | None = None  # ours, lower key
+        self._services_dirty = asyncio.Event()
+        self._service_conflicts: set[tuple[str, str]] = set()  # reported once each
+        # serviceAccountTokens: upper -- upper pod "namespace/name" -> (UID, when to mint again)
+        self._token_due: dict[str, tuple[str, float]] = {}
+        self._token_check = 5.0  # seconds between looks for tokens due
+
+    def use_upper_api(self, api: UpperAPI) -> None:
+        self._upper = api
+
+    async def _ensure_owner(self) -> None:
+        """Settle the owner stamps before the first lower call. Without `upperClusterID`, the
+        upper cluster's identity is the UID of its kube-system namespace (as Liqo does): stable
+        for the cluster's life, distinct between clusters, and readable by the agent."""
+        if self._owner_known:
+            return
+        async with self._owner_lock:
+            if self._owner_known:
+                return
+            cluster_id = ""
+            if self._upper is not None:
+                try:
+                    found = await self._upper.get("/api/v1/namespaces/kube-system")
+                except ApiError as e:
+                    self._identity_problem = (
+                        f"{self.config.source}: upperClusterID is not set, and the upper "
+                        "cluster's kube-system namespace (whose UID is the default) cannot be "
+                        f"read: {e.message or e.reason}; set upperClusterID"
+                    )
+                    log.error("%s", self._identity_problem)
+                    if self._node_notify is not None:
+                        self._node_notify(
+                            convert_node({"metadata": {"name": self.context.node_name}})
+                        )
+                    raise ProviderError(
+                        "UpperClusterIDUnknown", self._identity_problem, permanent=False
+                    ) from None
+                cluster_id = str((found.get("metadata") or {}).get("uid") or "")
+            self.owner = Owner(cluster_id, self.context.node_name)
+            self.how = dataclasses.replace(self.how, owner=self.owner)
+            self._identity_problem = None
+            self._owner_known = True
+            log.info("node %s: upper cluster ID %r", self.context.node_name, cluster_id)
+
+    async def _call(self, action: Any, *, what: str = "") -> Any:
+        """Await a lower API call; the lower API's refusals become the pod's reason."""
+        try:
+            return await action
+        except ApiError as e:
+            if e.status == 403 and "service account" in e.message and "not found" in e.message:
+                # A namespace just created below gets its `default` account a moment later.
+                raise ProviderError(
+                    "LowerServiceAccountPending",
+                    f"lower cluster: {what or 'request'}: {e.message}",
+                    permanent=False,
+                ) from None
+            if e.status == 404 and "namespaces" in e.message:
+                raise ProviderError(
+                    "LowerNamespaceMissing",
+                    f"lower cluster: {what or 'request'}: {e.message}",
+                    permanent=not self.config.namespaces.create,  # else: re-created, retried
+                ) from None
+            if e.status in (400, 403, 422) or (e.status == 404 and what):
+                raise ProviderError(
+                    "LowerRejected" if e.status != 403 else "LowerForbidden",
+                    f"lower cluster: {what or 'request'}: {e.message or e.reason}",
+                ) from None
+            raise

@@ -1,0 +1,134 @@
+"""Upper service-account tokens minted, refreshed and removed for the lower pods (`_tokens`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ...node import ApiError, Unreachable
+from ...sdk.provider import ProviderError, ResolvedPod
+from ._convert import epoch, to_json
+from ._core import ProviderCore
+from ._stamps import describe_owner, is_ours, upper_identity
+from ._tokens import (
+    ROLE_LABEL,
+    ROLE_TOKEN,
+    refresh_at,
+    token_request,
+    token_secret,
+    token_secret_name,
+    token_sources,
+)
+
+__all__ = ["UpperTokens"]
+
+log = logging.getLogger(__name__)
+
+
+class UpperTokens(ProviderCore):
+    """serviceAccountTokens: upper -- minting, refreshing and removing the pods' token Secrets."""
+
+    async def _deliver_tokens(self, pod: ResolvedPod) -> None:
+        """Mint the pod's upper tokens (TokenRequest, bound to the pod) and write them to its
+        stamped token Secret below. No token value is ever logged or put in a message."""
+        if self.config.service_account_tokens != "upper":
+            return
+        upper = to_json(pod.pod)
+        spec = upper.get("spec") or {}
+        sources = token_sources(spec)
+        if not sources:
+            return
+        if self._upper is None:
+            raise ProviderError(
+                "UpperTokenUnavailable",
+                "serviceAccountTokens: upper needs the agent's client of the upper cluster",
+            )
+        account = str(spec.get("serviceAccountName") or "default")
+        path = f"/api/v1/namespaces/{pod.namespace}/serviceaccounts/{account}/token"
+        tokens: dict[str, str] = {}
+        due = float("inf")
+        for source in sources:
+            issued = time.time()
+            try:
+                answer = await self._upper.create(path, token_request(source, pod.name, pod.uid))
+            except ApiError as e:
+                raise ProviderError(
+                    "UpperTokenFailed",
+                    f"upper cluster: TokenRequest for service account {pod.namespace}/{account}: "
+                    f"{e.message or e.reason}",
+                    permanent=False,
+                ) from None
+            status = answer.get("status") or {}
+            tokens[source.key] = str(status.get("token") or "")
+            expires = epoch(status.get("expirationTimestamp"), issued + source.seconds)
+            due = min(due, refresh_at(issued, expires))
+        body = token_secret(self.owner, self.how.lower_namespace(pod.namespace), upper, tokens)
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        existing = await self._call(self.lower.get("Secret", namespace, name))
+        if existing is None:
+            await self._call(self.lower.create(body), what="create the token Secret")
+        elif is_ours(existing, self.owner):
+            body["metadata"]["resourceVersion"] = existing["metadata"].get("resourceVersion")
+            await self._call(self.lower.replace(body), what="refresh the token Secret")
+        else:
+            raise ProviderError(
+                "LowerNameConflict",
+                f"lower Secret {namespace}/{name} already exists and is "
+                f"{describe_owner(existing)}; it is left alone",
+            )
+        self._token_due[f"{pod.namespace}/{pod.name}"] = (pod.uid, due)
+
+    async def _refresh_tokens(self) -> None:
+        """Mint again the tokens past 80 % of their life; now and then remove token Secrets
+        of pods gone while the agent was down."""
+        await self._ensure_owner()
+        swept = 0.0
+        while True:
+            await self._refresh_due_tokens()
+            if time.monotonic() - swept >= self.config.resync.dependencies:
+                swept = time.monotonic()
+                await self._sweep_tokens()
+            await asyncio.sleep(self._token_check)
+
+    async def _refresh_due_tokens(self) -> None:
+        now = time.time()
+        for key, (uid, due) in list(self._token_due.items()):
+            given = self._pods.get(key)
+            if given is None or given.uid != uid:
+                self._token_due.pop(key, None)
+                continue
+            if due > now or self._deleting.get(key) == uid:
+                continue
+            try:
+                await self._deliver_tokens(given)
+            except (ProviderError, ApiError, Unreachable) as e:
+                log.warning("pod %s: refreshing its upper tokens failed: %s", key, e)
+
+    async def _sweep_tokens(self) -> None:
+        selector = f"{self.owner.selector},{ROLE_LABEL}={ROLE_TOKEN}"
+        live = {p.uid for p in self._pods.values()}
+        for secret in await self.lower.list_objects("Secret", selector=selector):
+            identity = upper_identity(secret)
+            if not is_ours(secret, self.owner) or identity is None or identity[2] in live:
+                continue
+            meta = secret["metadata"]
+            await self.lower.delete("Secret", meta["namespace"], meta["name"], uid=meta["uid"])
+
+    def _drop_tokens(self, key: str, uid: str) -> None:
+        """The pod is gone: so is its token Secret (deleted only if ours, by UID)."""
+        if self.config.service_account_tokens != "upper":
+            return
+        due = self._token_due.get(key)
+        if due is not None and due[0] == uid:
+            del self._token_due[key]
+        namespace = self.how.lower_namespace(key.partition("/")[0])
+        self._spawned.spawn(
+            self._delete_token_secret(namespace, token_secret_name(uid)), name=f"tokens {key}"
+        )
+
+    async def _delete_token_secret(self, namespace: str, name: str) -> None:
+        existing = await self.lower.get("Secret", namespace, name)
+        if existing is not None and is_ours(existing, self.owner):
+            uid = str(existing["metadata"].get("uid", ""))
+            await self.lower.delete("Secret", namespace, name, uid=uid)

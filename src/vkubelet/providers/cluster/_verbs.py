@@ -1,0 +1,136 @@
+"""The cluster provider's kubectl verbs: the same verb on the lower pod, through the lower API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ...node import ApiError
+from ...sdk.capabilities import AttachIO, ByteStream
+from ...sdk.provider import ContainerLogOptions, ProviderError
+from ...streaming import Endpoint, UpgradeFailed, attach, exec_command
+from ...streaming import port_forward as streaming_port_forward
+from ._core import ProviderCore
+from ._stamps import is_ours, upper_identity
+from ._stats import merge_resource_metrics, merge_summaries
+
+__all__ = ["LowerVerbs"]
+
+log = logging.getLogger(__name__)
+
+
+class LowerVerbs(ProviderCore):
+    """kubectl logs, exec, attach, port-forward and top on upper pods, served by the lower
+    apiserver and kubelets."""
+
+    async def container_logs(
+        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
+    ) -> AsyncIterator[bytes]:
+        """`kubectl logs` upstairs is the lower apiserver's pod log, options passed through."""
+        params = {"container": container}
+        if options.tail_lines is not None:
+            params["tailLines"] = str(options.tail_lines)
+        if options.limit_bytes is not None:
+            params["limitBytes"] = str(options.limit_bytes)
+        if options.since_seconds is not None:
+            params["sinceSeconds"] = str(options.since_seconds)
+        elif options.since_time is not None:
+            since = options.earliest()
+            assert since is not None
+            params["sinceTime"] = since.strftime("%Y-%m-%dT%H:%M:%SZ")
+        for flag, on in (
+            ("timestamps", options.timestamps),
+            ("follow", options.follow),
+            ("previous", options.previous),
+        ):
+            if on:
+                params[flag] = "true"
+        lower_ns = self.how.lower_namespace(namespace)
+        current = self._lower_pods.get(f"{namespace}/{pod}")
+        if current is None or not is_ours(current, self.owner):
+            raise ProviderError("NotFound", f"pod {namespace}/{pod} does not run here")
+        path = f"/api/v1/namespaces/{lower_ns}/pods/{pod}/log"
+        try:
+            async for chunk in self.lower.client.stream(path, params):
+                yield chunk
+        except ApiError as e:
+            raise ProviderError(
+                e.reason or "LowerLogsFailed", f"lower cluster: {e.message}"
+            ) from None
+
+    async def exec_in_container(
+        self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
+    ) -> int:
+        """`kubectl exec` (and `cp`) upstairs: the same exec on the lower pod, through the lower
+        apiserver (WebSocket v5, or SPDY)."""
+        lower_ns, name = self._lower_ref(namespace, pod)
+        try:
+            return await exec_command(self._endpoint(), lower_ns, name, container, command, io)
+        except UpgradeFailed as e:
+            raise ProviderError("LowerExecFailed", f"lower cluster: {e}") from None
+
+    async def attach_to_container(
+        self, namespace: str, pod: str, container: str, io: AttachIO
+    ) -> None:
+        lower_ns, name = self._lower_ref(namespace, pod)
+        try:
+            await attach(self._endpoint(), lower_ns, name, container, io)
+        except UpgradeFailed as e:
+            raise ProviderError("LowerAttachFailed", f"lower cluster: {e}") from None
+
+    async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
+        lower_ns, name = self._lower_ref(namespace, pod)
+        await streaming_port_forward(self._endpoint(), lower_ns, name, port, stream)
+
+    def _lower_ref(self, namespace: str, pod: str) -> tuple[str, str]:
+        """Where the upper pod runs below; only our own pods are reachable this way."""
+        current = self._lower_pods.get(f"{namespace}/{pod}")
+        if current is None or not is_ours(current, self.owner):
+            raise ProviderError("NotFound", f"pod {namespace}/{pod} does not run here")
+        metadata = current.get("metadata") or {}
+        return str(metadata.get("namespace")), str(metadata.get("name"))
+
+    def _endpoint(self) -> Endpoint:
+        if self._stream_endpoint is None:
+            self._stream_endpoint = Endpoint.from_config(self.lower.client.config)
+        return self._stream_endpoint
+
+    async def stats_summary(self) -> dict[str, Any]:
+        """`kubectl top pod/node`: our pods' numbers from the lower kubelets (see `_stats`)."""
+        nodes, renames = self._placement()
+        answers = await asyncio.gather(
+            *(self.lower.client.get(f"/api/v1/nodes/{n}/proxy/stats/summary") for n in nodes),
+            return_exceptions=True,
+        )
+        summaries = [a for a in answers if isinstance(a, dict)]
+        return merge_summaries(self.context.node_name, summaries, renames)
+
+    async def metrics_resource(self) -> str:
+        """The metrics-server's scrape: the lower kubelets' `/metrics/resource`, our pods only."""
+        nodes, renames = self._placement()
+        answers = await asyncio.gather(
+            *(
+                self.lower.client.request_raw("GET", f"/api/v1/nodes/{n}/proxy/metrics/resource")
+                for n in nodes
+            ),
+            return_exceptions=True,
+        )
+        texts = [a.decode(errors="replace") for a in answers if isinstance(a, bytes)]
+        return merge_resource_metrics(texts, renames)
+
+    def _placement(self) -> tuple[set[str], dict[tuple[str, str], tuple[str, str, str]]]:
+        """The lower nodes running our pods, and lower (namespace, name) -> upper pod."""
+        nodes: set[str] = set()
+        renames: dict[tuple[str, str], tuple[str, str, str]] = {}
+        for lower in self._lower_pods.values():
+            identity = upper_identity(lower)
+            metadata = lower.get("metadata") or {}
+            if identity is None:
+                continue
+            renames[(str(metadata.get("namespace")), str(metadata.get("name")))] = identity
+            node = (lower.get("spec") or {}).get("nodeName")
+            if node:
+                nodes.add(str(node))
+        return nodes, renames
