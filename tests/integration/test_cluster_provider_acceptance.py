@@ -390,6 +390,10 @@ def test_the_lower_apiserver_down_for_90_s_makes_the_node_not_ready_and_deletes_
             assert uids(lk, namespace) == lower_before
             time.sleep(2)
         wait_for(lower_cluster.all_ready, timeout=60, what="the lower mock nodes Ready again")
+        # The lower controllers' watches come back up to a minute after the apiserver (client-go
+        # back-off): leave the shared lower cluster only once a new namespace works again.
+        canary = create_namespace(lk, f"canary-{uuid.uuid4().hex[:6]}", timeout=120)
+        lk("delete", "namespace", canary, "--wait=false")
 
 
 @pytest.fixture
