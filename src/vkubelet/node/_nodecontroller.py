@@ -286,11 +286,6 @@ class NodeController:
 
     def conditions(self) -> list[NodeCondition]:
         """The node's conditions as they should be published now (merged, without times)."""
-        ready = _READY
-        if not self.healthy:
-            ready = NodeCondition(
-                "Ready", "False", "ProviderUnhealthy", f"provider ping failed: {self.ping_error}"
-            )
         sources: list[Sequence[NodeCondition]] = []
         for source in (self._provider, *self._extra_conditions):
             if isinstance(source, NodeConditions):
@@ -298,7 +293,15 @@ class NodeController:
                     sources.append(list(source.node_conditions()))
                 except Exception as e:  # a provider's bug must not stop the node's heartbeat
                     log.warning("node %s: node_conditions failed: %s", self.settings.name, e)
-        return merge_conditions([ready, *_HEALTHY], *sources)
+        merged = merge_conditions([_READY, *_HEALTHY], *sources)
+        if self.healthy:
+            return merged
+        # A failing ping makes the node NotReady; a provider that states its own Ready problem
+        # (which backend is unreachable, say) explains it better than the ping's error does.
+        unhealthy = NodeCondition(
+            "Ready", "False", "ProviderUnhealthy", f"provider ping failed: {self.ping_error}"
+        )
+        return [unhealthy if c.type == "Ready" and not _is_problem(c) else c for c in merged]
 
     def _conditions(self) -> list[dict[str, str]]:
         """The conditions to publish, with their times, and a delete directive for each type

@@ -540,6 +540,39 @@ async def test_a_providers_not_ready_makes_the_node_not_ready_with_its_reason(
         )
 
 
+class ExplainsItsFailingPing(ReportsConditions):
+    """A backend whose ping fails and which says why in its own Ready condition, as the
+    cluster provider does when its lower apiserver does not answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = False
+
+    async def ping(self) -> None:
+        if self.failing:
+            raise ConnectionError("connection refused")
+
+    def node_conditions(self) -> list[NodeCondition]:
+        if not self.failing:
+            return []
+        return [NodeCondition("Ready", "False", "LowerClusterUnreachable", "lower cluster down")]
+
+
+async def test_a_failing_ping_shows_the_providers_own_not_ready_reason(api: FakeApiServer) -> None:
+    provider = ExplainsItsFailingPing()
+    async with NodeHarness(api, settings(), provider):
+        assert conditions(api)["Ready"]["status"] == "True"
+        provider.failing = True
+        await eventually(lambda: conditions(api)["Ready"]["status"] == "False", what="NotReady")
+        ready = conditions(api)["Ready"]
+        assert (ready["reason"], ready["message"]) == (
+            "LowerClusterUnreachable",
+            "lower cluster down",
+        )
+        provider.failing = False
+        await eventually(lambda: conditions(api)["Ready"]["status"] == "True", what="Ready again")
+
+
 class Serving:
     def __init__(self) -> None:
         self.serving = False

@@ -19,12 +19,17 @@ from ._config import LowerConfig
 from ._convert import JSON, convert_node
 from ._deps import Key
 from ._lower import LowerCluster
+from ._refs import Reference
 from ._stamps import Owner
 from ._translate import PodTranslation
 
 __all__ = ["ProviderCore"]
 
 log = logging.getLogger(__name__)
+
+
+# A pod as handed over, the translation settings, its JSON and the references it needs below.
+Prepared = tuple[ResolvedPod, PodTranslation, JSON, set[Reference]]
 
 
 class ProviderCore:
@@ -79,6 +84,7 @@ class ProviderCore:
         self._spawned = TaskSet(f"cluster {context.node_name}")
         self._deps_lock = asyncio.Lock()
         self._copies: dict[Key, JSON] | None = None  # our lower dependency copies
+        self._prepared: dict[str, Prepared] = {}  # see ClusterProvider._prepared_pod
         self._stream_endpoint: Endpoint | None = None
         # The upper cluster, when the agent hands us its client (`use_upper_api`): Services to
         # reflect, the default upper cluster ID.

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._refs import Reference
 from ._stamps import Claim, claim, describe_owner, is_ours, stamp
 from ._status import copy_of
 from ._tokens import is_token_secret
@@ -88,9 +89,13 @@ def plan_dependencies(
     how: PodTranslation,
     *,
     pvc_storage_class: str | None = None,
+    needed: Mapping[str, Iterable[Reference]] | None = None,
 ) -> DependencyPlan:
     """`lower` holds the lower objects at the names the pods map to, plus every lower object of
-    these kinds carrying this owner's stamps (the provider lists them by the owner label)."""
+    these kinds carrying this owner's stamps (the provider lists them by the owner label).
+    `needed` may give `needed_references` of pods ("namespace/name") already worked out: the
+    provider plans on every pod start, and re-deriving them for every running pod each time
+    made a burst quadratic."""
     plan = DependencyPlan()
     users: dict[Key, list[str]] = defaultdict(list)  # upper key -> pods using it
     required: set[Key] = set()
@@ -101,7 +106,8 @@ def plan_dependencies(
         namespace = str(metadata.get("namespace", "default"))
         pod_name = f"{namespace}/{metadata.get('name')}"
         plan.namespaces.add(how.lower_namespace(namespace))
-        for ref in needed_references(pod, how):
+        known = None if needed is None else needed.get(pod_name)
+        for ref in needed_references(pod, how) if known is None else known:
             if ref.kind == "ServiceAccount" and ref.name == "default":
                 continue  # the lower namespace's own account
             key = (ref.kind, namespace, ref.name)

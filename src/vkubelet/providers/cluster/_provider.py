@@ -39,8 +39,10 @@ from ._convert import (
     now_rfc3339,
     requests_and_limits,
     to_json,
+    uid_of,
     upper_view,
 )
+from ._core import Prepared
 from ._deps import KINDS, Key, plan_dependencies
 from ._lower import MissingPermissions
 from ._servicesync import ServiceReflection
@@ -122,7 +124,7 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
         verdict = claim(existing, self.owner, pod.uid)
         if verdict is Claim.OURS:
             assert existing is not None
-            self._lower_pods[key] = existing  # adopted: never created twice
+            self._remember(key, existing)  # adopted: never created twice
             return
         if verdict is Claim.TAKEN:
             assert existing is not None
@@ -142,7 +144,19 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
             )
         await self._check_fit(body)
         created = await self._call(self.lower.create(body), what="create the lower pod")
-        self._lower_pods[key] = created
+        self._remember(key, created)
+
+    def _remember(self, key: str, lower: JSON) -> None:
+        """Record a lower pod a request returned, unless the pod watch has already seen a later
+        version of it: its events often arrive before the create's answer is processed (the
+        lower pod is scheduled and Running within ~100 ms), and the stale Pending copy would
+        then stand until the next re-list, a minute later."""
+        known = self._lower_pods.get(key)
+        if known is not None and uid_of(known) == uid_of(lower):
+            with contextlib.suppress(ValueError):
+                if int(_version(known)) > int(_version(lower)):
+                    return
+        self._lower_pods[key] = lower
 
     def _refuse_daemon_set_pod(self, pod: ResolvedPod) -> None:
         """DaemonSet pods are per-machine agents (log shippers, CNI, node exporters): on a
@@ -324,7 +338,7 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
                 continue
             key = f"{identity[0]}/{identity[1]}"
             if not self._about_another(key, lower):
-                self._lower_pods[key] = lower
+                self._remember(key, lower)
             status = status_up(lower, {}, host_ip=self.context.internal_ip, now=now_rfc3339())
             found.append(upper_view(lower, convert_podstatus(status)))
         return found
@@ -621,6 +635,16 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
             await asyncio.sleep(self.config.resync.dependencies)
             await self._sync_dependencies(relist=True)
 
+    def _prepared_pod(self, pod: ResolvedPod) -> Prepared:
+        """The pod as JSON and the references its lower pod needs, worked out once per pod the
+        agent hands over (and translation settings), not on every plan."""
+        key = f"{pod.namespace}/{pod.name}"
+        known = self._prepared.get(key)
+        if known is not None and known[0] is pod and known[1] is self.how:
+            return known
+        upper = to_json(pod.pod)
+        return (pod, self.how, upper, needed_references(upper, self.how))
+
     async def _sync_dependencies(
         self, block_for: str | None = None, *, relist: bool = False
     ) -> None:
@@ -640,6 +664,8 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
             for pod in running:
                 for key, obj in pod.references.items():
                     references[key] = newest(references.get(key), obj)
+            prepared = {f"{p.namespace}/{p.name}": self._prepared_pod(p) for p in running}
+            self._prepared = prepared  # drops the pods no longer running
             if self._copies is None or relist:
                 copies: dict[Key, JSON] = {}
                 for kind in KINDS:
@@ -649,13 +675,13 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
                         meta = obj["metadata"]
                         copies[(kind, meta["namespace"], meta["name"])] = obj
                 self._copies = copies
-            pods = [to_json(p.pod) for p in running]
             plan = plan_dependencies(
-                pods,
+                [upper for _, _, upper, _ in prepared.values()],
                 references,
                 self._copies,
                 self.how,
                 pvc_storage_class=self.config.pvc_storage_class,
+                needed={k: refs for k, (_, _, _, refs) in prepared.items()},
             )
             applied = await self.lower.apply_dependencies(plan, self.owner)
             for key, obj in applied.written.items():
@@ -687,3 +713,7 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
             raise ProviderError(
                 "LowerDependencyFailed", "; ".join(applied.problems), permanent=False
             )
+
+
+def _version(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion", ""))

@@ -448,3 +448,35 @@ def test_deleting_an_earlier_pod_after_its_successor_was_given_leaves_the_succes
     assert not [p for m, p in fake.written if m == "DELETE" and "/configmaps/" in p]
     created = fake.pods["web-0"]["metadata"]["annotations"]["vkubelet.io/upper-uid"]
     assert created == "upper-new"
+
+
+def test_a_status_the_watch_saw_before_the_create_answered_is_not_rolled_back(
+    tmp_path: Path,
+) -> None:
+    """The lower pod is scheduled and Running within ~100 ms, so the pod watch's events often
+    come in before the create's answer (the pod as created, Pending) is processed: that answer
+    must not replace what the watch saw (the pod would be reported Pending until the next
+    re-list, a minute later)."""
+    fake = FakeLower()
+    handle = fake.handle
+
+    async def create_then_watch_first(request: httpx.Request) -> httpx.Response:
+        response = await handle(request)
+        if request.method == "POST" and request.url.path.endswith("/pods"):
+            running = with_phase(fake.pods["web-0"], "Running")
+            running["metadata"]["resourceVersion"] = fake._next()
+            provider._observed("shop/web-0", running)  # the watch, ahead of the answer
+        return response
+
+    fake.handle = create_then_watch_first  # type: ignore[method-assign]
+    provider = fake.provider(tmp_path)
+
+    async def scenario() -> str | None:
+        try:
+            await provider.create_pod(web_0("upper-1"))
+            status = await provider.get_pod_status("shop", "web-0")
+            return None if status is None else status.phase
+        finally:
+            await provider.aclose()
+
+    assert asyncio.run(scenario()) == "Running"
