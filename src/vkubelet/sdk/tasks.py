@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import httpx2 as httpx
+
 log = logging.getLogger(__name__)
 
 # A supervised task that ran this long without failing starts its next back-off from the bottom.
@@ -41,12 +43,22 @@ async def run_supervised(
             return
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as error:
             if time.monotonic() - started > _STEADY_SECONDS:
                 backoff = initial_backoff
-            logger.exception("%s failed; restarting in %.1fs", name, backoff)
+            if _unreachable(error):
+                # A peer that is down (a lower cluster, a device) fails every retry the same
+                # way: one line each, not a traceback each, so the log stays readable.
+                logger.warning("%s failed: %s; restarting in %.1fs", name, error, backoff)
+            else:
+                logger.exception("%s failed; restarting in %.1fs", name, backoff)
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, max_backoff)
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether `error` says a peer cannot be reached (as opposed to a bug worth a traceback)."""
+    return isinstance(error, OSError | httpx.TransportError | asyncio.TimeoutError)
 
 
 def supervise(

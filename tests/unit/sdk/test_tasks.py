@@ -30,6 +30,27 @@ async def test_a_failing_supervised_task_is_logged_and_restarted(
     assert "boom 1" in caplog.text
 
 
+async def test_an_unreachable_peer_is_one_warning_line_per_retry_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    runs = 0
+
+    async def work() -> None:
+        nonlocal runs
+        runs += 1
+        if runs < 3:
+            raise ConnectionRefusedError(111, "Connection refused")
+
+    with caplog.at_level(logging.WARNING):
+        await asyncio.wait_for(
+            run_supervised(work, name="lower watch", initial_backoff=0.01, max_backoff=0.02), 5
+        )
+    assert runs == 3
+    failures = [r for r in caplog.records if r.message.startswith("lower watch failed")]
+    assert [(r.levelno, r.exc_info) for r in failures] == [(logging.WARNING, None)] * 2
+    assert "Connection refused" in failures[0].message
+
+
 async def test_finished_tasks_are_forgotten_and_their_failures_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
