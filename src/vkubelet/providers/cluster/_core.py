@@ -68,6 +68,7 @@ class ProviderCore:
         # exist per key, but an upper pod deleted and re-created at once (a StatefulSet) has
         # late lower events about the old UID, so every event is checked against the UID.
         self._lower_pods: dict[str, JSON] = {}  # upper "namespace/name" -> lower pod, if seen
+        self._pods_listed = False  # whether _lower_pods has been filled by a first listing
         self._deleting: dict[str, str] = {}  # upper "namespace/name" -> UID we are deleting
         self._failed: dict[str, JSON] = {}  # upper pods whose lower pod vanished: final status
         self._notify: Callable[[Pod], None] | None = None

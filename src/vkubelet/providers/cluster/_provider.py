@@ -120,7 +120,14 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
         upper = to_json(pod.pod)
         body = translate_pod(upper, self.how)
         namespace = body["metadata"]["namespace"]
-        existing = await self._call(self.lower.get("Pod", namespace, pod.name))
+        if self._pods_listed and key not in self._lower_pods:
+            # The lower pod watch knows no pod of ours by this name: create at once, and read
+            # only if the name turns out taken (a second round trip per pod halves a burst).
+            existing = await self._create_or_find(key, body)
+            if existing is None:
+                return
+        else:
+            existing = await self._call(self.lower.get("Pod", namespace, pod.name))
         verdict = claim(existing, self.owner, pod.uid)
         if verdict is Claim.OURS:
             assert existing is not None
@@ -142,9 +149,34 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
                 f"an earlier lower pod {namespace}/{pod.name} is being removed first",
                 permanent=False,
             )
+        if await self._create_or_find(key, body) is not None:
+            raise ProviderError(
+                "LowerPodReplacing",
+                f"lower pod {namespace}/{pod.name} appeared while it was being created",
+                permanent=False,
+            )
+
+    async def _create_or_find(self, key: str, body: JSON) -> JSON | None:
+        """Create the lower pod: None when created, else the pod that already holds the name."""
         await self._check_fit(body)
-        created = await self._call(self.lower.create(body), what="create the lower pod")
+        try:
+            created = await self._call(self.lower.create(body), what="create the lower pod")
+        except ApiError as e:
+            if not e.conflict:
+                raise
+            meta = body["metadata"]
+            found: JSON | None = await self._call(
+                self.lower.get("Pod", meta["namespace"], meta["name"])
+            )
+            if found is not None:
+                return found
+            raise ProviderError(
+                "LowerPodReplacing",
+                f"lower pod {meta['namespace']}/{meta['name']} was being removed",
+                permanent=False,
+            ) from None
         self._remember(key, created)
+        return None
 
     def _remember(self, key: str, lower: JSON) -> None:
         """Record a lower pod a request returned, unless the pod watch has already seen a later
@@ -478,6 +510,7 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
                 if key is not None and not self._about_another(key, lower):
                     seen[key] = lower
             version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
+            self._pods_listed = True
             for key, known in list(self._lower_pods.items()):
                 if key not in seen and not newer(known, version):
                     self._vanished(key, known)

@@ -236,6 +236,7 @@ class FakeLower:
         self.pods: dict[str, dict[str, Any]] = {}
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.written: list[tuple[str, str]] = []
+        self.pod_reads = 0
         self.watches = 0
         self.watching_again = asyncio.Event()
         self._version = 10
@@ -261,6 +262,7 @@ class FakeLower:
             items = list(self.pods.values()) if path == "/api/v1/pods" else []
             return httpx.Response(200, json={"items": items, "metadata": {"resourceVersion": "9"}})
         if method == "GET" and "/pods/" in path:
+            self.pod_reads += 1
             if name not in self.pods:
                 return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
             return httpx.Response(200, json=self.pods[name])
@@ -273,6 +275,8 @@ class FakeLower:
             self.pods.pop(name, None)
             return httpx.Response(200, json={"kind": "Status", "status": "Success"})
         body = json.loads(request.content)
+        if body.get("kind") == "Pod" and method == "POST" and body["metadata"]["name"] in self.pods:
+            return httpx.Response(409, json={"reason": "AlreadyExists", "message": "exists"})
         if body.get("kind") == "Pod":
             body["metadata"].update(uid=f"lower-{self._next()}", resourceVersion=self._next())
             body["status"] = {"phase": "Pending"}
@@ -480,3 +484,43 @@ def test_a_status_the_watch_saw_before_the_create_answered_is_not_rolled_back(
             await provider.aclose()
 
     assert asyncio.run(scenario()) == "Running"
+
+
+def test_a_pod_the_lower_watch_does_not_know_is_created_without_reading_first(
+    tmp_path: Path,
+) -> None:
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    provider._pods_listed = True  # what the pod watch's first listing sets
+
+    async def scenario() -> None:
+        try:
+            await provider.create_pod(web_0("upper-1"))
+        finally:
+            await provider.aclose()
+
+    asyncio.run(scenario())
+    assert ("POST", "/api/v1/namespaces/shop/pods") in fake.written
+    assert fake.pod_reads == 0
+
+
+def test_a_name_taken_below_by_someone_else_is_found_by_the_create_and_left_alone(
+    tmp_path: Path,
+) -> None:
+    fake = FakeLower()
+    fake.pods["web-0"] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web-0"}}
+    provider = fake.provider(tmp_path)
+    provider._pods_listed = True  # the user's pod carries no stamp: the watch never saw it
+
+    async def scenario() -> ProviderError:
+        try:
+            with pytest.raises(ProviderError) as raised:
+                await provider.create_pod(web_0("upper-1"))
+            return raised.value
+        finally:
+            await provider.aclose()
+
+    error = asyncio.run(scenario())
+    assert error.reason == "LowerNameConflict"
+    assert fake.pods["web-0"]["metadata"] == {"name": "web-0"}
+    assert not any(method in ("DELETE", "PUT", "PATCH") for method, _ in fake.written)
