@@ -343,8 +343,14 @@ def test_a_readiness_probe_gates_a_mock_pod_s_ready_condition(
         conditions = kubectl.json("-n", ns, "get", "pod", "probed")["status"].get("conditions")
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions or [])
 
+    def probe_failures() -> int:
+        events = kubectl.json(
+            "-n", ns, "get", "events", "--field-selector", "involvedObject.name=probed"
+        )["items"]
+        return sum(e.get("count") or 1 for e in events if e["reason"] == "Unhealthy")
+
     wait_for(lambda: phase(kubectl, ns, "probed") == "Running", what="Running")
-    time.sleep(3)  # a few probes have failed
+    wait_for(lambda: probe_failures() >= 3, what="three failed probes")
     assert not ready()
     wait_for(
         lambda: kubectl("-n", ns, "exec", "probed", "--", "sh", "-c", "echo > /tmp/ready"),
