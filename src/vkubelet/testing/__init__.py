@@ -94,9 +94,14 @@ class Kubectl:
 def wait_for(
     check: Callable[[], Any], *, timeout: float = 60, interval: float = 0.5, what: str = ""
 ) -> Any:
-    """Poll `check` until it returns something truthy; fail the test with `what` on timeout."""
+    """Poll `check` until it returns something truthy; fail the test with `what` on timeout.
+
+    The first polls come quickly (most conditions hold within a second), then the pause doubles
+    up to `interval`: a long wait does not spawn more `kubectl` processes than it did before.
+    """
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
+    pause = min(0.05, interval)
     while time.monotonic() < deadline:
         try:
             value = check()
@@ -105,7 +110,8 @@ def wait_for(
         else:
             if value:
                 return value
-        time.sleep(interval)
+        time.sleep(pause)
+        pause = min(pause * 2, interval)
     detail = f" (last error: {last_error})" if last_error else ""
     pytest.fail(f"timed out after {timeout}s waiting for {what or check}{detail}")
 
