@@ -1,10 +1,16 @@
-"""Fixtures shared by integration tests: the cluster provider's lower cluster (see clusters.py)."""
+"""Fixtures shared by integration tests: the cluster provider's lower cluster (see clusters.py)
+and one mock node for the modules that only talk to a node's kubelet API."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 
 import pytest
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import Kubectl, MockNode, local_test_address, mock_node
 
 from .clusters import LowerCluster, lower_cluster_session
 
@@ -14,3 +20,19 @@ def lower_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LowerClu
     """A second dev cluster with three mock nodes of different sizes and zones, for the session."""
     with lower_cluster_session(tmp_path_factory.mktemp("lower")) as lower:
         yield lower
+
+
+@pytest.fixture(scope="session")
+def api_node(
+    kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MockNode]:
+    """A mock node at a non-loopback address of this machine (as root; else 127.0.0.1, where the
+    apiserver's node proxy refuses it), shared by the modules that run pods of their own names
+    on it and reach them through kubectl and the kubelet API (logs, exec, attach, port-forward,
+    stats, top). One agent start and stop for all of them instead of one per module."""
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(local_test_address()) if os.geteuid() == 0 else "127.0.0.1"
+        workdir = tmp_path_factory.mktemp("api-node")
+        yield stack.enter_context(
+            mock_node(kube_cluster, kubectl, workdir, prefix="vk-api", address=address)
+        )

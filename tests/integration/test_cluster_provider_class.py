@@ -29,6 +29,7 @@ from vkubelet.sdk import ContainerLogOptions, ProviderContext, ProviderError, Re
 from vkubelet.testing import Kubectl, create_namespace
 
 from .clusters import LowerCluster as LowerTestCluster
+from .clusters import restart_clients_of_the_apiserver
 
 JSON = dict[str, Any]
 
@@ -396,6 +397,7 @@ def test_an_unreachable_lower_cluster_makes_the_node_not_ready_and_fails_no_pod(
                 await asyncio.sleep(0.5)
         finally:
             cluster.start_component("kube-apiserver", tie_to_parent=not reused)
+            restart_clients_of_the_apiserver(cluster, tie_to_parent=not reused)
 
         async def healthy() -> bool:
             try:

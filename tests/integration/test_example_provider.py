@@ -21,28 +21,30 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 PY = sys.executable  # the example runs commands as they are, without a PATH
 
 
-@pytest.fixture(params=["local", "tiny"])
+@pytest.fixture(scope="module", params=["local", "tiny"])
 def node(
     request: pytest.FixtureRequest,
     kube_cluster: Cluster,
     kubectl: Kubectl,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
     """A node run by an example provider, loaded the way its docstring says: `local` by an entry
-    point (here a throw-away distribution on the agent's PYTHONPATH), `tiny` by its file path."""
+    point (here a throw-away distribution on the agent's PYTHONPATH), `tiny` by its file path.
+    One per provider for the module: each test uses pods of its own names."""
+    tmp_path = tmp_path_factory.mktemp(request.param)
     dist = tmp_path / "site" / "local_provider_example-0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: local-provider-example\n")
     (dist / "entry_points.txt").write_text("[vkubelet.providers]\nlocal = local_provider:create\n")
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{EXAMPLES}")
     name = f"vk-local-{uuid.uuid4().hex[:6]}"
     config = tmp_path / "none.json"
     config.write_text("{}")
     provider = "local" if request.param == "local" else str(EXAMPLES / "tiny_provider.py")
-    agent = start_agent(
-        kube_cluster, tmp_path, provider=provider, config=config, name=name, address="127.0.0.1"
-    )
+    with pytest.MonkeyPatch.context() as env:  # the agent inherits it
+        env.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{EXAMPLES}")
+        agent = start_agent(
+            kube_cluster, tmp_path, provider=provider, config=config, name=name, address="127.0.0.1"
+        )
     try:
         wait_for(lambda: node_ready(kubectl, name), timeout=60, what=f"node {name} Ready")
         wait_for(lambda: "listening on port" in agent.log(), timeout=60, what="kubelet API")

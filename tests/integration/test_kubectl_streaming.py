@@ -22,8 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     Kubectl,
-    local_test_address,
-    mock_node,
+    MockNode,
     port_forward,
     running_pod,
     terminal_session,
@@ -32,20 +31,8 @@ from vkubelet.testing import (
 
 
 @pytest.fixture(scope="module")
-def node(
-    kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    with (
-        local_test_address() as address,
-        mock_node(
-            kube_cluster,
-            kubectl,
-            tmp_path_factory.mktemp("node"),
-            prefix="vk-stream",
-            address=address,
-        ) as node,
-    ):
-        yield node.name
+def node(api_node: MockNode) -> str:
+    return api_node.name
 
 
 @pytest.fixture(scope="module")

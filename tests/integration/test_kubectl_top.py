@@ -2,11 +2,9 @@
 of the cluster, registered with the aggregator) scrapes a mock node's kubelet API at the node's
 address, and the apiserver proxies `nodes/<name>/proxy/...` to a non-loopback node address."""
 
-import contextlib
 import json
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,6 @@ from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     Kubectl,
     MockNode,
-    local_test_address,
     mock_node,
     running_pod,
     wait_for,
@@ -27,15 +24,10 @@ NEEDS_ROOT = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def node(
-    kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[MockNode]:
-    """A mock node at a non-loopback address of this machine (as root), else at 127.0.0.1:
-    metrics-server dials either; only the apiserver's node proxy refuses loopback."""
-    with contextlib.ExitStack() as stack:
-        address = stack.enter_context(local_test_address()) if os.geteuid() == 0 else "127.0.0.1"
-        workdir = tmp_path_factory.mktemp("top")
-        yield stack.enter_context(mock_node(kube_cluster, kubectl, workdir, address=address))
+def node(api_node: MockNode) -> MockNode:
+    """The shared mock node (conftest.py): metrics-server dials its address, loopback or not;
+    only the apiserver's node proxy refuses loopback."""
+    return api_node
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,6 @@ from vkubelet.testing import (
     Kubectl,
     MockNode,
     create_namespace,
-    local_test_address,
-    mock_node,
     running_pod,
 )
 
@@ -33,20 +31,8 @@ def kubelet_port(node: MockNode, kubectl: Kubectl) -> int:
 
 
 @pytest.fixture(scope="module")
-def kubelet_node(
-    kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[MockNode]:
-    with (
-        local_test_address() as address,
-        mock_node(
-            kube_cluster,
-            kubectl,
-            tmp_path_factory.mktemp("node"),
-            prefix="vk-api",
-            address=address,
-        ) as node,
-    ):
-        yield node
+def kubelet_node(api_node: MockNode) -> MockNode:
+    return api_node
 
 
 @pytest.fixture(scope="module")

@@ -441,6 +441,16 @@ def _ready(kubectl: Kubectl, node: str) -> bool:
     return node_ready(kubectl, node)
 
 
+def _at_longest_backoff(lab: Lab, device: TestDevice, offset: int) -> bool:
+    """Whether the agent has logged, since `offset`, a failed reconnect of `device` followed by
+    its longest back-off (30 s, vkubelet.providers.ssh._link)."""
+    lines = lab.agent.log()[offset:].splitlines()
+    return any(
+        f"device {device.name} (" in line and "unreachable" in line and "retrying in 30s" in line
+        for line in lines
+    )
+
+
 def test_a_device_whose_link_goes_down_is_not_ready_and_keeps_its_processes(
     lab: Lab, kubectl: Kubectl
 ) -> None:
@@ -454,19 +464,31 @@ def test_a_device_whose_link_goes_down_is_not_ready_and_keeps_its_processes(
         wait_for(lambda: "beat 2" in kubectl("logs", name).stdout, what="beats")
         pid = container(kubectl, name).get("containerID")
         before = device.pids("while :; do echo beat")
+        seen_before = len(kubectl("logs", name).stdout.splitlines())
+        log_offset = len(lab.agent.log())
         device.link_down()
+        cut = time.monotonic()
         try:
             wait_for(lambda: not _ready(kubectl, device.name), timeout=60, what="NotReady")
-            time.sleep(120)
+            # The outage lasts until the agent, having marked the device NotReady, retries at
+            # its longest back-off: every reaction of the agent to a lost device has happened
+            # (a fixed 120 s did the same, slower, or not quite when connects time out).
+            wait_for(
+                lambda: _at_longest_backoff(lab, device, log_offset),
+                timeout=240,
+                what="reconnects at the longest back-off",
+            )
             assert device.pids("while :; do echo beat") == before
         finally:
             device.link_up()
+            outage = time.monotonic() - cut
         wait_for(lambda: _ready(kubectl, device.name), timeout=90, what="Ready again")
         assert status(kubectl, name)["phase"] == "Running"
         assert container(kubectl, name).get("containerID") == pid
         assert container(kubectl, name).get("restartCount") == 0
         beats = [int(line.split()[1]) for line in kubectl("logs", name).stdout.splitlines()]
-        assert beats == list(range(len(beats))) and len(beats) > 120
+        # One beat a second, none lost or repeated, and the device kept printing while cut off.
+        assert beats == list(range(len(beats))) and len(beats) > seen_before + outage / 2
     finally:
         delete(kubectl, name)
 
@@ -477,10 +499,13 @@ def test_pods_are_adopted_after_the_agent_is_killed_and_restarted(
     device = lab.devices[0]
     tag = uuid.uuid4().hex[:8]
     running = run_pod(kubectl, device.name, ["sh", "-c", f"sleep 3600; : {tag}"])
-    short = run_pod(kubectl, device.name, ["sh", "-c", "sleep 4; exit 5"], restart="Never")
-    pids = device.pids(tag)
+    short = run_pod(
+        kubectl, device.name, ["sh", "-c", f"sleep 4; exit 5; : short-{tag}"], restart="Never"
+    )
+    pids = device.pids(f": {tag}")
     lab.agent.stop(9)
-    time.sleep(6)  # `short` ends while no agent watches
+    # `short` ends while no agent watches.
+    wait_for(lambda: not device.pids(f"short-{tag}"), timeout=30, what="short's process ended")
     lab.agent.start()
     try:
         wait_for(
@@ -489,7 +514,7 @@ def test_pods_are_adopted_after_the_agent_is_killed_and_restarted(
             what="the exit seen while the agent was down",
         )
         assert container(kubectl, short)["state"]["terminated"]["exitCode"] == 5
-        assert device.pids(tag) == pids
+        assert device.pids(f": {tag}") == pids
         assert status(kubectl, running)["phase"] == "Running"
         assert container(kubectl, running).get("restartCount") == 0
     finally:
@@ -520,7 +545,11 @@ def test_a_device_removed_from_the_inventory_is_drained_then_its_node_deleted(
             timeout=60,
             what="the node deleted",
         )
-        assert all(node_ready(kubectl, d.name) for d in keep)
+        wait_for(
+            lambda: all(node_ready(kubectl, d.name) for d in keep),
+            timeout=60,
+            what="the kept devices Ready",
+        )
     finally:
         lab.write_inventory(lab.devices)
         wait_for(lambda: node_ready(kubectl, gone.name), timeout=60, what="the device back")
@@ -532,6 +561,12 @@ def _pod_ready(kubectl: Kubectl, name: str) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
+def _probe_failures(kubectl: Kubectl, name: str) -> int:
+    """Failed probes of pod `name` so far, from its Unhealthy events (repeats are counted)."""
+    events = kubectl.json("get", "events", "--field-selector", f"involvedObject.name={name}")
+    return sum(e.get("count") or 1 for e in events["items"] if e["reason"] == "Unhealthy")
+
+
 def test_a_readiness_probe_holds_a_pod_unready_until_its_command_succeeds(
     lab: Lab, kubectl: Kubectl
 ) -> None:
@@ -540,7 +575,7 @@ def test_a_readiness_probe_holds_a_pod_unready_until_its_command_succeeds(
         kubectl, lab.devices[1].name, ["sleep", "3600"], container={"readinessProbe": probe}
     )
     try:
-        time.sleep(3)  # a few probes have failed
+        wait_for(lambda: _probe_failures(kubectl, name) >= 3, what="three failed probes")
         assert not _pod_ready(kubectl, name)
         assert container(kubectl, name)["ready"] is False
         kubectl("exec", name, "--", "touch", "ready")  # in the pod's working directory

@@ -27,7 +27,7 @@ from vkubelet.streaming import (
     exec_command,
     port_forward,
 )
-from vkubelet.testing import Kubectl, local_test_address, mock_node, running_pod
+from vkubelet.testing import Kubectl, MockNode, running_pod
 
 from ..unit.streaming.stdio import Collected, Feed, Loopback, Payload
 
@@ -37,20 +37,8 @@ CONTAINER = "main"
 
 
 @pytest.fixture(scope="module")
-def node(
-    kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    with (
-        local_test_address() as address,
-        mock_node(
-            kube_cluster,
-            kubectl,
-            tmp_path_factory.mktemp("node"),
-            prefix="vk-client",
-            address=address,
-        ) as node,
-    ):
-        yield node.name
+def node(api_node: MockNode) -> str:
+    return api_node.name
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ipaddress
 import json
 import os
 import queue
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -92,9 +94,14 @@ class Kubectl:
 def wait_for(
     check: Callable[[], Any], *, timeout: float = 60, interval: float = 0.5, what: str = ""
 ) -> Any:
-    """Poll `check` until it returns something truthy; fail the test with `what` on timeout."""
+    """Poll `check` until it returns something truthy; fail the test with `what` on timeout.
+
+    The first polls come quickly (most conditions hold within a second), then the pause doubles
+    up to `interval`: a long wait does not spawn more `kubectl` processes than it did before.
+    """
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
+    pause = min(0.05, interval)
     while time.monotonic() < deadline:
         try:
             value = check()
@@ -103,7 +110,8 @@ def wait_for(
         else:
             if value:
                 return value
-        time.sleep(interval)
+        time.sleep(pause)
+        pause = min(pause * 2, interval)
     detail = f" (last error: {last_error})" if last_error else ""
     pytest.fail(f"timed out after {timeout}s waiting for {what or check}{detail}")
 
@@ -382,32 +390,97 @@ def terminal_session(command: str, *, cols: int = 120, rows: int = 40) -> Iterat
         subprocess.run(["tmux", "kill-session", "-t", name], check=False)
 
 
+# local_test_address() names its netns `vkt` + the creating process's pid (6 hex) + 3 random hex,
+# so that one left by a killed run can be told from one a live run still uses.
+_TEST_NETNS = re.compile(r"vkt([0-9a-f]{6})[0-9a-f]{3}")
+
+
+def _ipv4_networks_in_use() -> list[ipaddress.IPv4Network]:
+    listing = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show"], check=True, capture_output=True, text=True
+    ).stdout
+    networks = []
+    for line in listing.splitlines():
+        words = line.split()
+        if "inet" in words:
+            networks.append(ipaddress.IPv4Interface(words[words.index("inet") + 1]).network)
+    return networks
+
+
+def _remove_abandoned_test_netns() -> None:
+    """Delete the netns (and so their veth pairs) of runs that were killed before cleaning up:
+    their addresses would otherwise stay taken, and a same-subnet address would be ambiguous."""
+    run_netns = Path("/run/netns")
+    for entry in run_netns.iterdir() if run_netns.is_dir() else ():
+        found = _TEST_NETNS.fullmatch(entry.name)
+        if found is None:
+            continue
+        try:
+            os.kill(int(found.group(1), 16), 0)
+        except ProcessLookupError:
+            subprocess.run(["ip", "netns", "del", entry.name], check=False, capture_output=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+def _holders(network: ipaddress.IPv4Network) -> int:
+    listing = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "to", str(network)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return len(listing.splitlines())
+
+
 @contextlib.contextmanager
 def local_test_address(name: str | None = None) -> Iterator[str]:
     """A non-loopback address on this machine: the host end of a veth pair to a fresh netns.
 
     The apiserver refuses to proxy `nodes/<name>/proxy/...` to loopback addresses, so a virtual
     node whose kubelet API must be reachable that way needs another address. Traffic to it never
-    leaves the machine. Needs root and iproute2.
+    leaves the machine. Needs root and iproute2. The /30 is a random one of 10.250.0-249.x that
+    no interface of this machine overlaps; a parallel run that takes the same one between the
+    check and the `ip addr add` is seen (two holders) and the later side moves on.
     """
-    tag = name or f"vkt{uuid.uuid4().hex[:6]}"
-    subnet = random.randrange(0, 250)
-    host_ip = f"10.250.{subnet}.1"
-    commands = [
-        ["ip", "netns", "add", tag],
-        ["ip", "link", "add", f"{tag}h", "type", "veth", "peer", "name", f"{tag}n"],
-        ["ip", "link", "set", f"{tag}n", "netns", tag],
-        ["ip", "addr", "add", f"{host_ip}/30", "dev", f"{tag}h"],
-        ["ip", "link", "set", f"{tag}h", "up"],
-        ["ip", "-n", tag, "addr", "add", f"10.250.{subnet}.2/30", "dev", f"{tag}n"],
-        ["ip", "-n", tag, "link", "set", f"{tag}n", "up"],
-    ]
+    _remove_abandoned_test_netns()
+    tag = name or f"vkt{os.getpid() & 0xFFFFFF:06x}{uuid.uuid4().hex[:3]}"
+    host, peer = f"{tag}h", f"{tag}n"
     try:
-        for command in commands:
+        for command in (
+            ["ip", "netns", "add", tag],
+            ["ip", "link", "add", host, "type", "veth", "peer", "name", peer],
+            ["ip", "link", "set", peer, "netns", tag],
+            ["ip", "link", "set", host, "up"],
+            ["ip", "-n", tag, "link", "set", peer, "up"],
+        ):
             subprocess.run(command, check=True, capture_output=True)
-        yield host_ip
+        for _ in range(50):
+            net = ipaddress.IPv4Network(
+                (f"10.250.{random.randrange(250)}.{4 * random.randrange(64)}", 30)
+            )
+            if any(net.overlaps(used) for used in _ipv4_networks_in_use()):
+                continue
+            added = subprocess.run(
+                ["ip", "addr", "add", f"{net[1]}/30", "dev", host], capture_output=True, text=True
+            )
+            if "File exists" in added.stderr:
+                continue
+            added.check_returncode()
+            if _holders(net) == 1:
+                break
+            subprocess.run(["ip", "addr", "del", f"{net[1]}/30", "dev", host], capture_output=True)
+            time.sleep(random.random() / 10)
+        else:
+            raise RuntimeError("no free 10.250.0-249.x/30 for a test address")
+        subprocess.run(
+            ["ip", "-n", tag, "addr", "add", f"{net[2]}/30", "dev", peer],
+            check=True,
+            capture_output=True,
+        )
+        yield str(net[1])
     finally:
-        subprocess.run(["ip", "link", "del", f"{tag}h"], check=False, capture_output=True)
+        subprocess.run(["ip", "link", "del", host], check=False, capture_output=True)
         subprocess.run(["ip", "netns", "del", tag], check=False, capture_output=True)
 
 
