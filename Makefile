@@ -38,4 +38,4 @@ unit: install
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 test: lint build
-	$(BIN)/pytest -p no:cacheprovider; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/pytest -p no:cacheprovider --durations=25; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
