@@ -554,6 +554,22 @@ async def test_an_https_probe_talks_tls_without_checking_the_certificate(
     assert requests[0].startswith(b"GET /200 HTTP/1.1")
 
 
+async def test_an_https_probe_loads_no_trust_store_inside_its_timeout(
+    harness: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading the system's CA store takes tens of milliseconds of CPU, which under load outran
+    a probe's timeout (and blocked the event loop) though nothing is verified."""
+    server = self_signed(tmp_path)
+    loads: list[str] = []
+    for method in ("load_default_certs", "set_default_verify_paths", "load_verify_locations"):
+        monkeypatch.setattr(ssl.SSLContext, method, lambda *a, m=method, **k: loads.append(m))
+    requests: list[bytes] = []
+    async with http_server(requests, tls=server) as port:
+        harness.start(make_pod(readiness=http_probe(port, "/200", scheme="HTTPS")))
+        await eventually(lambda: harness.ready)
+    assert loads == []
+
+
 async def test_a_tcp_probe_succeeds_when_the_port_accepts_a_connection(
     harness: Harness,
 ) -> None:
