@@ -417,6 +417,7 @@ def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
         p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
         for p in vms.pods()
     }
+    times = {p["metadata"]["name"]: _start_times(p) for p in vms.pods()}
     for name in names:
         kubectl(
             "-n", vms.namespace, "exec", name, "--", "sh", "-c", "echo MARK-BEFORE >/dev/console"
@@ -456,6 +457,15 @@ def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
         for p in vms.pods()
     }
     assert after == restarts
+    # The restarted agent has published its status (it answered the execs): a kubelet keeps
+    # the pod's startTime and the running container's startedAt.
+    assert {p["metadata"]["name"]: _start_times(p) for p in vms.pods()} == times
+
+
+def _start_times(pod: dict[str, Any]) -> tuple[str, str]:
+    """The pod's startTime and its running container's startedAt."""
+    running = pod["status"]["containerStatuses"][0]["state"]["running"]
+    return pod["status"]["startTime"], running["startedAt"]
 
 
 def test_scale_to_zero_powers_the_guests_off_gracefully(
