@@ -415,6 +415,9 @@ async def closed_port() -> int:
 
 
 def http_probe(port: int | str, path: str, **settings: Any) -> Probe:
+    """Timeout 20 probe seconds (1 s): a probe of several round trips (redirects, TLS) outran
+    the default one (50 ms here) on a loaded machine and failed on its timeout instead."""
+    settings.setdefault("timeoutSeconds", 20)
     headers = settings.pop("headers", None)
     scheme = settings.pop("scheme", None)
     get = HTTPGetAction(port=port, path=path, httpHeaders=headers, scheme=scheme)
@@ -648,7 +651,8 @@ async def grpc_health_server(
 
 
 def grpc_probe(port: int, service: str | None = None) -> Probe:
-    return Probe(grpc=GRPCAction(port=port, service=service), periodSeconds=1, failureThreshold=1)
+    action = GRPCAction(port=port, service=service)  # h2 takes round trips: 1 s, as for http
+    return Probe(grpc=action, periodSeconds=1, failureThreshold=1, timeoutSeconds=20)
 
 
 async def test_a_grpc_probe_calls_the_health_service_and_succeeds_when_serving(
