@@ -455,8 +455,9 @@ class VMProvider(RunnerProvider):
             vm.started_at = None
             machine = await self.runtime.launch(spec)
             self._event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
-        else:  # adopted: the guest was up before the agent restarted (and since when)
-            vm.started_at = vm.started_at or datetime.now(UTC)  # unknown to an older agent
+        elif vm.started_at is not None:
+            # Adopted, its guest up before the agent restarted: running since then. (One adopted
+            # while still booting is up when its guest agent answers, as after a launch.)
             runner.confirm_start(vm.container, count, vm.started_at)
         vm.machine, vm.run = machine, count
         vm.started_wall = process_start(machine.pid)

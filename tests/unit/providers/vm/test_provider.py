@@ -420,6 +420,32 @@ async def test_a_restarted_agent_adopts_the_running_vm_with_its_restart_count(
     assert now.state.running.startedAt == was.state.running.startedAt
 
 
+async def test_a_vm_adopted_while_booting_is_running_only_once_its_guest_agent_answers(
+    tmp_path: Path, runtime: FakeRuntime, events: Events
+) -> None:
+    runtime.boot_at_once = False
+    first = provider_for(tmp_path, runtime, events)
+    await first.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _launched(runtime))
+    await first.aclose()  # the agent goes while the guest boots
+    second = provider_for(tmp_path, runtime, events)
+    await second.list_pods()
+    for _ in range(5):  # a broken adoption would report it Running at once
+        _, status = await state(second)
+        assert status.state.waiting is not None
+        assert status.state.waiting.reason == "ContainerCreating"
+        await asyncio.sleep(0.05)
+    next(iter(runtime.machines.values())).agent.set()
+
+    async def running() -> bool:
+        _, status = await state(second)
+        return status.state.running is not None
+
+    await until(running)
+    assert len(runtime.launches) == 1  # adopted, not booted again
+    await second.aclose()
+
+
 async def test_exec_runs_through_the_guest_agent_and_a_terminal_is_refused(
     provider: VMProvider, runtime: FakeRuntime
 ) -> None:
