@@ -6,6 +6,11 @@ side, each restarted as the pod's restart policy says with the kubelet's back-of
 status rebuilt at every change; and, on deletion, a signal to each running container, a grace
 period, then a kill. `PodRunner` is that loop. The provider supplies two things: how to run one
 container to its exit code, and how to signal a running one.
+
+A container whose run takes a while to be really up (a VM booting, an image unpacked on a
+device) can be reported `Waiting: ContainerCreating` until then: with `confirms_start`, a run
+shows as running, and its probes start, only once the provider calls `confirm_start` (with the
+moment it started, which a provider keeps across an agent restart).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from .backoff import supervise_container
 from .logs import previous_not_found, read_log, run_log_path
 from .probes import PodProbes, ProbeEvent, ProbeTransport
 from .provider import ContainerLogOptions, EventSink, ProviderError, ResolvedPod
-from .status import ContainerReport, Running, build_pod_status
+from .status import ContainerReport, Running, Waiting, build_pod_status
 from .tasks import TaskSet
 
 __all__ = ["PodRunner", "RunContainer", "RunnerProvider", "SignalContainer"]
@@ -60,12 +65,16 @@ class PodRunner:
         probe_transport: ProbeTransport | None = None,
         on_event: Callable[[ProbeEvent], None] | None = None,
         restart_counts: Mapping[str, int] | None = None,
+        start_time: datetime | None = None,
+        confirms_start: bool = False,
     ) -> None:
         """`probe_transport`: how the probe engine reaches the containers; with it, the pod's
         liveness, readiness and startup probes run (a liveness failure ends the run: SIGTERM,
         SIGKILL after the grace period, and the restart policy decides) and `on_event` gets
         their Events. `restart_counts`: where each container's runs start counting (a pod
-        adopted after an agent restart keeps its restart counts)."""
+        adopted after an agent restart keeps its restart counts). `start_time`: the pod's
+        `status.startTime` (default: now; an adopted pod keeps its own). `confirms_start`: each
+        run is `Waiting: ContainerCreating` until the provider calls `confirm_start`."""
         assert pod.metadata is not None and pod.spec is not None
         self.pod = pod
         self.reports: dict[str, ContainerReport] = {}
@@ -86,7 +95,9 @@ class PodRunner:
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()  # set at every container state change
         self._signalled: set[tuple[str, int, int]] = set()  # (container, run, signal) sent
-        self._started = datetime.now(UTC)
+        self._started = start_time or datetime.now(UTC)
+        self._confirms_start = confirms_start
+        self._up: dict[str, tuple[int, datetime]] = {}  # container -> (run, started_at) confirmed
         self._status: PodStatus | None = None
         self._tasks = TaskSet(f"pod {pod.metadata.namespace}/{pod.metadata.name}")
         self._life: asyncio.Task[None] | None = None
@@ -111,15 +122,29 @@ class PodRunner:
             return False
         return run is None or report.restart_count == run
 
+    def up(self, container: str) -> bool:
+        """Whether `container` runs and, with `confirms_start`, its current run was confirmed."""
+        if not self.running(container):
+            return False
+        if not self._confirms_start:
+            return True
+        confirmed = self._up.get(container)
+        return confirmed is not None and confirmed[0] == self.restart_count(container)
+
+    def confirm_start(self, container: str, run: int, started_at: datetime | None = None) -> None:
+        """Run `run` of `container` is really up (since `started_at`, default now): it is
+        reported running and its probes start. A run that is no longer current is ignored."""
+        if not self.running(container, run) or self.up(container):
+            return
+        self._up[container] = (run, started_at or datetime.now(UTC))
+        self._sync_probes()
+        self._changed.set()
+        self._on_change()
+
     def status(self) -> PodStatus:
         spec = self.pod.spec
         assert spec is not None
-        reports = self.reports
-        if (probes := self.probes) is not None:
-            reports = {
-                name: _with_probes(report, probes, name) if self.running(name) else report
-                for name, report in reports.items()
-            }
+        reports = {name: self._shown(name, report) for name, report in self.reports.items()}
         self._status = build_pod_status(
             spec,
             reports,
@@ -130,6 +155,17 @@ class PodRunner:
             terminating=self.stopping,
         )
         return self._status
+
+    def _shown(self, name: str, report: ContainerReport) -> ContainerReport:
+        if not self.running(name):
+            return report
+        if self._confirms_start:
+            if not self.up(name):
+                return replace(report, state=Waiting("ContainerCreating"))
+            report = replace(report, state=Running(self._up[name][1]))
+        if self.probes is not None:
+            report = _with_probes(report, self.probes, name)
+        return report
 
     def as_pod(self) -> Pod:
         """The pod with its current status, as `get_pod`/`list_pods`/`notify_pods` report it."""
@@ -181,7 +217,7 @@ class PodRunner:
     def _sync_probes(self) -> None:
         """Probe workers follow the runs: a new run (restart count) gets fresh ones."""
         if self.probes is not None:
-            running = {n: r.restart_count for n, r in self.reports.items() if self.running(n)}
+            running = {n: r.restart_count for n, r in self.reports.items() if self.up(n)}
             self.probes.sync(running, terminating=self.stopping)
 
     def _signal_running(self, signum: int) -> None:
@@ -215,7 +251,7 @@ class PodRunner:
             await asyncio.gather(*sidecars, return_exceptions=True)
 
     def _up_or_stopping(self, container: str) -> bool:
-        return self.running(container) or self.stopping
+        return self.up(container) or self.stopping
 
     async def _until(self, condition: Callable[[], bool]) -> None:
         while not condition():
@@ -297,7 +333,8 @@ class RunnerProvider:
         pod_ips: Sequence[str] = (),
         probe_transport: ProbeTransport | None = None,
         restart_counts: Mapping[str, int] | None = None,
-        runner_class: type[PodRunner] | None = None,
+        start_time: datetime | None = None,
+        confirms_start: bool = False,
     ) -> PodRunner:
         key, pod, events = f"{resolved.namespace}/{resolved.name}", resolved.pod, self.events
 
@@ -305,7 +342,7 @@ class RunnerProvider:
             if events is not None:
                 events.pod_event(pod, e.type, e.reason, e.message)
 
-        runner = (runner_class or PodRunner)(
+        runner = PodRunner(
             pod,
             run,
             signal_container,
@@ -315,6 +352,8 @@ class RunnerProvider:
             probe_transport=probe_transport,
             on_event=on_event,
             restart_counts=restart_counts,
+            start_time=start_time,
+            confirms_start=confirms_start,
         )
         self.runners[key] = runner
         runner.start()

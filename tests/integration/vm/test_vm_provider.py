@@ -188,8 +188,10 @@ def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
                             "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
                             "env": [{"name": "WHO", "value": "a VM"}],
                             "volumeMounts": [{"name": "cfg", "mountPath": "/etc/app"}],
-                            # exec probes run through the guest agent, httpGet reaches the
-                            # pod IP (readiness waits for the startup probe)
+                            # exec probes run through the guest agent, httpGet and tcpSocket
+                            # reach the pod IP (readiness waits for the startup probe); the
+                            # liveness probe fails until the guest serves on 8080, and never
+                            # restarts the VM for it (the threshold is out of reach)
                             "startupProbe": {
                                 "exec": {"command": ["test", "-f", "/etc/hostname"]},
                                 "periodSeconds": 2,
@@ -197,6 +199,11 @@ def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
                             "readinessProbe": {
                                 "httpGet": {"path": "/", "port": 8080},
                                 "periodSeconds": 2,
+                            },
+                            "livenessProbe": {
+                                "tcpSocket": {"port": 8080},
+                                "periodSeconds": 2,
+                                "failureThreshold": 1000000,
                             },
                         }
                     ],
@@ -338,6 +345,48 @@ def test_probes_gate_ready_exec_through_the_guest_agent_http_to_the_pod_ip(
     wait_for(lambda: container().get("ready"), timeout=60, what=f"{name} Ready once it serves")
 
 
+def _tcp_probe_failures(kubectl: Kubectl, namespace: str, name: str) -> int:
+    """How many times the tcpSocket liveness probe failed (the Events' aggregated counts)."""
+    selector = f"involvedObject.name={name},reason=Unhealthy"
+    events = kubectl.json("-n", namespace, "get", "events", "--field-selector", selector)
+    return sum(
+        int(e.get("count") or 1)
+        for e in events["items"]
+        if str(e.get("message", "")).startswith("Liveness probe failed: dial tcp")
+    )
+
+
+def test_a_tcp_socket_probe_reaches_the_guest_s_port(vms: VMs, kubectl: Kubectl) -> None:
+    """Refused by the guest's kernel at the pod IP until a server listens, then a success."""
+    pod = next(p for p in vms.pods() if p["metadata"]["name"] == _names(vms)[0])
+    name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+    selector = f"involvedObject.name={name},reason=Unhealthy"
+    refusal = f"Liveness probe failed: dial tcp {ip}:8080: connect: connection refused"
+
+    def refused() -> bool:
+        events = kubectl.json("-n", vms.namespace, "get", "events", "--field-selector", selector)
+        return any(e.get("message") == refusal for e in events["items"])
+
+    wait_for(refused, timeout=60, what="a refused tcpSocket probe before the guest served")
+    _serve(kubectl, vms.namespace, name)  # idempotent: the readiness test started it already
+
+    def failures() -> int:
+        return _tcp_probe_failures(kubectl, vms.namespace, name)
+
+    def unchanged_for(seconds: float) -> bool:
+        first = failures()
+        time.sleep(seconds)
+        return failures() == first
+
+    # The last failures may still be in the agent's event queue: wait until they are written.
+    wait_for(lambda: unchanged_for(4), timeout=60, what="the tcpSocket probe failures to stop")
+    count = failures()
+    deadline = time.monotonic() + 10  # five probe periods: a failing probe would add events
+    while time.monotonic() < deadline:
+        assert failures() == count
+        time.sleep(1)
+
+
 def test_port_forward_reaches_a_server_in_the_guest(vms: VMs, kubectl: Kubectl) -> None:
     name = _names(vms)[0]
     _serve(kubectl, vms.namespace, name)
@@ -417,6 +466,7 @@ def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
         p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
         for p in vms.pods()
     }
+    times = {p["metadata"]["name"]: _start_times(p) for p in vms.pods()}
     for name in names:
         kubectl(
             "-n", vms.namespace, "exec", name, "--", "sh", "-c", "echo MARK-BEFORE >/dev/console"
@@ -456,6 +506,15 @@ def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
         for p in vms.pods()
     }
     assert after == restarts
+    # The restarted agent has published its status (it answered the execs): a kubelet keeps
+    # the pod's startTime and the running container's startedAt.
+    assert {p["metadata"]["name"]: _start_times(p) for p in vms.pods()} == times
+
+
+def _start_times(pod: dict[str, Any]) -> tuple[str, str]:
+    """The pod's startTime and its running container's startedAt."""
+    running = pod["status"]["containerStatuses"][0]["state"]["running"]
+    return pod["status"]["startTime"], running["startedAt"]
 
 
 def test_scale_to_zero_powers_the_guests_off_gracefully(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -171,3 +172,66 @@ async def test_a_run_that_was_starting_when_the_pod_was_stopped_still_gets_its_s
     await starting.wait()
     await runner.stop(30)  # returns once the late-born process got its SIGTERM and ended
     assert fake.signals == [("a", signal.SIGTERM)]
+
+
+class CountingExec(FailingExec):
+    """A probe transport whose exec probes succeed, counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def exec(self, container: str, command: Sequence[str], limit: float) -> ExecResult:
+        self.calls += 1
+        return ExecResult(0, b"")
+
+
+async def test_a_run_that_confirms_its_start_is_container_creating_and_unprobed_until_then() -> (
+    None
+):
+    fake, transport = Fake(), CountingExec()
+    probe = {"exec": {"command": ["check"]}, "periodSeconds": 1}
+    runner = PodRunner(
+        pod([{"name": "a", "readinessProbe": probe}]),
+        fake.run,
+        fake.signal,
+        host_ip="h",
+        probe_transport=transport,
+        confirms_start=True,
+    )
+    runner.start()
+    await eventually(lambda: ("a", 0) in fake.started)
+    for _ in range(3):  # over a window in which a probe (run at once when up) would have run
+        [state] = runner.status().containerStatuses or []
+        assert state.state is not None and state.state.waiting is not None
+        assert state.state.waiting.reason == "ContainerCreating" and not state.ready
+        assert runner.status().phase == "Pending" and transport.calls == 0
+        await asyncio.sleep(0.2)
+    up_since = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    runner.confirm_start("a", 0, up_since)
+    await eventually(lambda: transport.calls > 0 and bool(runner.status().containerStatuses))
+    [state] = runner.status().containerStatuses or []
+    assert state.state is not None and state.state.running is not None
+    assert state.state.running.startedAt == up_since
+    await eventually(lambda: (runner.status().containerStatuses or [])[0].ready is True)
+    await runner.stop(5)
+
+
+async def test_a_run_not_yet_confirmed_is_still_signalled_on_stop() -> None:
+    fake = Fake()
+    runner = PodRunner(
+        pod([{"name": "a"}]), fake.run, fake.signal, host_ip="h", confirms_start=True
+    )
+    runner.start()
+    await eventually(lambda: ("a", 0) in fake.started)
+    await runner.stop(5)
+    assert fake.signals == [("a", signal.SIGTERM)]
+
+
+async def test_a_start_time_given_is_the_pod_s_start_time() -> None:
+    fake = Fake()
+    since = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    runner = PodRunner(pod([{"name": "a"}]), fake.run, fake.signal, host_ip="h", start_time=since)
+    runner.start()
+    await eventually(lambda: runner.running("a"))
+    assert runner.status().startTime == since
+    await runner.stop(5)

@@ -415,6 +415,9 @@ async def closed_port() -> int:
 
 
 def http_probe(port: int | str, path: str, **settings: Any) -> Probe:
+    """Timeout 20 probe seconds (1 s): a probe of several round trips (redirects, TLS) outran
+    the default one (50 ms here) on a loaded machine and failed on its timeout instead."""
+    settings.setdefault("timeoutSeconds", 20)
     headers = settings.pop("headers", None)
     scheme = settings.pop("scheme", None)
     get = HTTPGetAction(port=port, path=path, httpHeaders=headers, scheme=scheme)
@@ -554,6 +557,22 @@ async def test_an_https_probe_talks_tls_without_checking_the_certificate(
     assert requests[0].startswith(b"GET /200 HTTP/1.1")
 
 
+async def test_an_https_probe_loads_no_trust_store_inside_its_timeout(
+    harness: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading the system's CA store takes tens of milliseconds of CPU, which under load outran
+    a probe's timeout (and blocked the event loop) though nothing is verified."""
+    server = self_signed(tmp_path)
+    loads: list[str] = []
+    for method in ("load_default_certs", "set_default_verify_paths", "load_verify_locations"):
+        monkeypatch.setattr(ssl.SSLContext, method, lambda *a, m=method, **k: loads.append(m))
+    requests: list[bytes] = []
+    async with http_server(requests, tls=server) as port:
+        harness.start(make_pod(readiness=http_probe(port, "/200", scheme="HTTPS")))
+        await eventually(lambda: harness.ready)
+    assert loads == []
+
+
 async def test_a_tcp_probe_succeeds_when_the_port_accepts_a_connection(
     harness: Harness,
 ) -> None:
@@ -632,7 +651,8 @@ async def grpc_health_server(
 
 
 def grpc_probe(port: int, service: str | None = None) -> Probe:
-    return Probe(grpc=GRPCAction(port=port, service=service), periodSeconds=1, failureThreshold=1)
+    action = GRPCAction(port=port, service=service)  # h2 takes round trips: 1 s, as for http
+    return Probe(grpc=action, periodSeconds=1, failureThreshold=1, timeoutSeconds=20)
 
 
 async def test_a_grpc_probe_calls_the_health_service_and_succeeds_when_serving(

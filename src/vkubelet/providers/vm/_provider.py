@@ -11,8 +11,9 @@ policy and back-off are the runner's. Deleting the pod stops the machine gracefu
 agent shutdown, ACPI, quit) within the grace period.
 
 What a restarted agent needs is kept in the pod's run directory, `<stateDir>/vms/<uid>/`:
-`pod.json` (the pod), `state.json` (run number, address, what to launch again), the disks and
-seed, the console position of the log tailer, and `m/` (QEMU's sockets, pid, console file).
+`pod.json` (the pod), `state.json` (run number, address, what to launch again, the pod's start
+time and the run's), the disks and seed, the console position of the log tailer, and `m/`
+(QEMU's sockets, pid, console file).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,6 @@ from ...sdk import (
     ResolvedPod,
     RestartBackoff,
     RunnerProvider,
-    Running,
     TaskSet,
     Waiting,
     build_pod_status,
@@ -93,6 +94,10 @@ class _VM:
     started_wall: float = 0.0  # when the current run's machine started (epoch seconds)
     run: int = 0
     booted_at: float | None = None
+    # The pod's startTime and the current run's startedAt (the guest up), kept in state.json so
+    # that a restarted agent reports them unchanged, as a kubelet does.
+    start_time: datetime = field(default_factory=lambda: datetime.now(UTC))
+    started_at: datetime | None = None
 
     @property
     def uid(self) -> str:
@@ -112,33 +117,12 @@ class _VM:
             "address": self.address,
             "image": self.image_sha256,
             "launch": self.launch,
+            "startTime": self.start_time.isoformat(),
+            "startedAt": self.started_at.isoformat() if self.started_at else None,
         }
         tmp = self.dir / "state.json.tmp"
         tmp.write_text(json.dumps(state))
         tmp.replace(self.dir / "state.json")
-
-
-class _VMRunner(PodRunner):
-    """A VM's container reads `Waiting: ContainerCreating` until its guest agent answers:
-    "Running" means the guest is up, not just that QEMU started. (The runner reports a run
-    as running before the provider's run starts: so a new runner starts out booting.)"""
-
-    booting = True
-
-    def status(self) -> PodStatus:
-        if not self.booting:
-            return super().status()
-        saved = self.reports
-        self.reports = {
-            name: replace(report, state=Waiting("ContainerCreating", "the guest is booting"))
-            if isinstance(report.state, Running)
-            else report
-            for name, report in saved.items()
-        }
-        try:
-            return super().status()
-        finally:
-            self.reports = saved
 
 
 class _Transport:
@@ -306,6 +290,7 @@ class VMProvider(RunnerProvider):
             {vm.container: ContainerReport(waiting)},
             host_ip=self.host_ip,
             pod_ips=[vm.address] if vm.address else [self.host_ip],
+            start_time=vm.start_time,
             previous=vm.status,
         )
         if not vm.address:  # not known yet: no address rather than the node's
@@ -449,13 +434,13 @@ class VMProvider(RunnerProvider):
             pod_ips=[vm.address] if vm.address else (),
             probe_transport=_Transport(self, key),
             restart_counts={vm.container: restart_count},
-            runner_class=_VMRunner,
+            start_time=vm.start_time,
+            confirms_start=True,  # Running once the guest is up, not when QEMU starts
         )
 
     async def _run(self, key: str, vm: _VM, count: int) -> int:
         """Run `count` of the VM's container: one boot of the machine, to its exit code."""
         runner = self.runners[key]
-        assert isinstance(runner, _VMRunner)
         if vm.ended is not None:  # this run ended while no agent ran
             code, vm.ended = vm.ended, None
             return code
@@ -467,13 +452,13 @@ class VMProvider(RunnerProvider):
             for stale in (vm.machine_dir / "console.log", console_mark):
                 stale.unlink(missing_ok=True)
             spec = self._launch_spec(vm)
-            runner.booting = True
-            self._push(runner.as_pod())
+            vm.started_at = None
             machine = await self.runtime.launch(spec)
             self._event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
-        else:  # adopted: the guest was up before the agent restarted
-            runner.booting = False
-            self._push(runner.as_pod())
+        elif vm.started_at is not None:
+            # Adopted, its guest up before the agent restarted: running since then. (One adopted
+            # while still booting is up when its guest agent answers, as after a launch.)
+            runner.confirm_start(vm.container, count, vm.started_at)
         vm.machine, vm.run = machine, count
         vm.started_wall = process_start(machine.pid)
         vm.save()
@@ -496,9 +481,8 @@ class VMProvider(RunnerProvider):
             with contextlib.suppress(OSError):
                 tailer.copy(final=True)
             vm.machine, vm.booted_at = None, None
-            runner.booting = True  # the next run boots first
 
-    async def _boot(self, key: str, vm: _VM, machine: MachineHandle, runner: _VMRunner) -> None:
+    async def _boot(self, key: str, vm: _VM, machine: MachineHandle, runner: PodRunner) -> None:
         """Running once the guest agent answers (or after the timeout, with a warning: an image
         without an agent still runs, its readiness is then the probes')."""
         try:
@@ -510,8 +494,10 @@ class VMProvider(RunnerProvider):
                 vm, "Warning", "GuestAgentUnavailable", f"the guest agent did not answer: {e}"
             )
         vm.booted_at = time.monotonic()
-        runner.booting = False
-        self._push(runner.as_pod())
+        if vm.started_at is None:  # else adopted: up since then
+            vm.started_at = datetime.now(UTC)
+            vm.save()
+        runner.confirm_start(vm.container, vm.run, vm.started_at)
 
     def _launch_spec(self, vm: _VM) -> LaunchSpec:
         launch = vm.launch
@@ -692,6 +678,8 @@ class VMProvider(RunnerProvider):
             key = f"{pod.metadata.namespace}/{pod.metadata.name}"
             vm = _VM(pod, directory, address=state.get("address"))
             vm.image_sha256, vm.launch, vm.run = state.get("image"), state["launch"], state["run"]
+            vm.start_time = _moment(state.get("startTime")) or vm.start_time
+            vm.started_at = _moment(state.get("startedAt"))
             try:
                 vm.adopted = await self.runtime.adopt(vm.machine_dir)
             except Exception as e:  # one VM never keeps the others from being adopted
@@ -845,6 +833,13 @@ def _recorded_exit(machine_dir: Path) -> int:
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         return int(json.loads((machine_dir / "exit.json").read_text())["code"])
     return 137
+
+
+def _moment(text: object) -> datetime | None:
+    """A time `_VM.save` wrote, or None (missing: state written by an older agent)."""
+    with contextlib.suppress(TypeError, ValueError):
+        return datetime.fromisoformat(str(text)) if text else None
+    return None
 
 
 def _host_memory() -> int:

@@ -396,7 +396,10 @@ async def test_a_restarted_agent_adopts_the_running_vm_with_its_restart_count(
     machine = runtime.machines[runtime.launches[-1].run_dir]
     machine.console(b"line before the agent died\r\n")
     await until(lambda: _logged(first, b"before the agent died"))
+    before = await first.get_pod("ns", "vm")
+    assert before is not None and before.status is not None
     await first.aclose()  # the agent goes; the VM does not
+    await asyncio.sleep(1.1)  # a restarted agent's "now" is another second (the API's unit)
 
     machine.console(b"line while no agent ran\r\n")
     second = provider_for(tmp_path, runtime, events)
@@ -408,6 +411,39 @@ async def test_a_restarted_agent_adopts_the_running_vm_with_its_restart_count(
     text = await logs(second)
     assert text.count(b"before the agent died") == 1
     assert second.vms["ns/vm"].machine is machine
+    after = await second.get_pod("ns", "vm")
+    assert after is not None and after.status is not None
+    assert after.status.startTime == before.status.startTime is not None
+    [was], [now] = before.status.containerStatuses or [], after.status.containerStatuses or []
+    assert was.state is not None and now.state is not None
+    assert now.state.running is not None and was.state.running is not None
+    assert now.state.running.startedAt == was.state.running.startedAt
+
+
+async def test_a_vm_adopted_while_booting_is_running_only_once_its_guest_agent_answers(
+    tmp_path: Path, runtime: FakeRuntime, events: Events
+) -> None:
+    runtime.boot_at_once = False
+    first = provider_for(tmp_path, runtime, events)
+    await first.create_pod(ResolvedPod(make_pod()))
+    await until(lambda: _launched(runtime))
+    await first.aclose()  # the agent goes while the guest boots
+    second = provider_for(tmp_path, runtime, events)
+    await second.list_pods()
+    for _ in range(5):  # a broken adoption would report it Running at once
+        _, status = await state(second)
+        assert status.state.waiting is not None
+        assert status.state.waiting.reason == "ContainerCreating"
+        await asyncio.sleep(0.05)
+    next(iter(runtime.machines.values())).agent.set()
+
+    async def running() -> bool:
+        _, status = await state(second)
+        return status.state.running is not None
+
+    await until(running)
+    assert len(runtime.launches) == 1  # adopted, not booted again
+    await second.aclose()
 
 
 async def test_exec_runs_through_the_guest_agent_and_a_terminal_is_refused(
