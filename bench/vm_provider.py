@@ -127,11 +127,14 @@ def http_server(directory: Path) -> Iterator[str]:
         proc.wait()
 
 
-def pod_body(name: str, node: str) -> dict[str, Any]:
+def pod_body(
+    name: str, node: str, image: str = "tiny", memory: int = GUEST_MEMORY_MIB, ssh_key: str = ""
+) -> dict[str, Any]:
+    annotations = {"vm.vkubelet.io/ssh-keys": ssh_key} if ssh_key else {}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "labels": {"bench": "vm"}},
+        "metadata": {"name": name, "labels": {"bench": "vm"}, "annotations": annotations},
         "spec": {
             "nodeName": node,
             "automountServiceAccountToken": False,
@@ -141,8 +144,8 @@ def pod_body(name: str, node: str) -> dict[str, Any]:
             "containers": [
                 {
                     "name": "vm",
-                    "image": "vm.vkubelet.io/tiny",
-                    "resources": {"limits": {"cpu": "1", "memory": f"{GUEST_MEMORY_MIB}Mi"}},
+                    "image": f"vm.vkubelet.io/{image}",
+                    "resources": {"limits": {"cpu": "1", "memory": f"{memory}Mi"}},
                 }
             ],
         },
@@ -318,6 +321,66 @@ async def pull_throughput(work: Path, url: str, size: int, rounds: int) -> dict[
     return results
 
 
+async def distro_exec_vs_ssh(
+    bench: Bench, kubectl: list[str], work: Path, count: int
+) -> dict[str, list[float]]:
+    """One distribution guest (Debian, sshd, cloud-init puts our key in `debian`'s
+    authorized_keys): `kubectl exec` vs a new `ssh` vs `ssh` over a ControlMaster, taking turns."""
+    key = work / "id_ed25519"
+    await asyncio.to_thread(
+        subprocess.run,
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)],
+        check=True,
+    )
+    body = pod_body(
+        "distro", bench.node, "distro", 512, key.with_suffix(".pub").read_text().strip()
+    )
+    response = await bench.client.post(f"/api/v1/namespaces/{bench.ns}/pods", json=body)
+    response.raise_for_status()
+    start = time.monotonic()
+    await wait(lambda: "distro" in bench.watcher.running_at, BOOT_LIMIT, "the distro guest")
+    log(f"distro guest Running after {time.monotonic() - start:.0f} s")
+    pod = (await bench.client.get(f"/api/v1/namespaces/{bench.ns}/pods/distro")).json()
+    ssh = ["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes"]
+    ssh += ["-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+    target = f"debian@{pod['status']['podIP']}"
+    deadline = time.monotonic() + 300
+    while True:  # cloud-init finishes (and sshd starts) after the guest agent
+        probe = await asyncio.to_thread(
+            subprocess.run, [*ssh, "-o", "ConnectTimeout=10", target, "true"], capture_output=True
+        )
+        if probe.returncode == 0:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ssh into the distro guest: {probe.stderr!r}")
+        await asyncio.sleep(2)
+    log(f"distro guest answers ssh after {time.monotonic() - start:.0f} s")
+    control = work / "mux"
+    master = await asyncio.create_subprocess_exec(
+        *ssh,
+        "-o",
+        "ControlMaster=yes",
+        "-o",
+        f"ControlPath={control}",
+        "-N",
+        target,
+        stdin=subprocess.DEVNULL,
+    )
+    mux = [*ssh, "-o", "ControlMaster=no", "-o", f"ControlPath={control}", target, "true"]
+    try:
+        await wait(control.exists, 30, "the ssh ControlMaster")
+        results: dict[str, list[float]] = {"exec": [], "ssh": [], "mux": []}
+        for _ in range(count):
+            exec_argv = [*kubectl, "-n", bench.ns, "exec", "distro", "--", "true"]
+            results["exec"].append(await asyncio.to_thread(timed, exec_argv))
+            results["ssh"].append(await asyncio.to_thread(timed, [*ssh, target, "true"]))
+            results["mux"].append(await asyncio.to_thread(timed, mux))
+        return results
+    finally:
+        master.terminate()
+        await master.wait()
+
+
 def quantiles(values: list[float]) -> str:
     return f"{ms(pct(values, 0.5))} / {ms(pct(values, 0.99))} (n={len(values)})"
 
@@ -331,6 +394,16 @@ async def benchmark(args: argparse.Namespace, cluster: Cluster, work: Path) -> N
         check=True,
     )
     image = built.stdout.split()[-1]
+    distro = Path(image)  # unused unless --distro
+    if args.distro:
+        built = await asyncio.to_thread(
+            subprocess.run,
+            [str(Path(sys.executable).parent / "vkubelet"), "dev", "vm-image", "--distro"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        distro = Path(built.stdout.split()[-1])
     served = work / "served"
     served.mkdir()
     shutil.copy(image, served / "tiny.qcow2")
@@ -352,7 +425,10 @@ async def benchmark(args: argparse.Namespace, cluster: Cluster, work: Path) -> N
                     "accel": "tcg",
                     "podCIDR": cidr,
                     "reserved": {"memory": "1Gi"},
-                    "translations": [{"name": "tiny", "url": f"{base}/tiny.qcow2"}],
+                    "translations": [
+                        {"name": "tiny", "url": f"{base}/tiny.qcow2"},
+                        {"name": "distro", "url": distro.as_uri()},
+                    ],
                 }
             )
         )
@@ -390,6 +466,14 @@ async def benchmark(args: argparse.Namespace, cluster: Cluster, work: Path) -> N
                 for _ in range(args.execs)
             ]
             exec_load = load()
+            ssh_results: dict[str, list[float]] = {}
+            ssh_load = ""
+            if args.distro:
+                log(f"distribution guest, load {load()}")
+                ssh_results = await distro_exec_vs_ssh(
+                    bench, [kubectl, *env_kubeconfig], work, args.execs
+                )
+                ssh_load = load()
             uid = (await client.get(f"/api/v1/namespaces/{ns}/pods/{exec_pod}")).json()["metadata"][
                 "uid"
             ]
@@ -479,6 +563,17 @@ async def benchmark(args: argparse.Namespace, cluster: Cluster, work: Path) -> N
             ("guest-exec + status on qga.sock (Python)", quantiles(direct)),
         ]
     )
+    if ssh_results:
+        print()
+        print(f"distribution guest (Debian 12, 512 MiB), taking turns, load {ssh_load}:")
+        print_table(
+            [
+                ("", "p50 / p99"),
+                ("kubectl exec POD -- true", quantiles(ssh_results["exec"])),
+                ("ssh debian@POD-IP true (new connection)", quantiles(ssh_results["ssh"])),
+                ("ssh over a ControlMaster", quantiles(ssh_results["mux"])),
+            ]
+        )
     print()
     print(
         f"image pull, {size / 1e6:.0f} MB from python http.server on 127.0.0.1 (load {pull_load}):"
@@ -537,6 +632,9 @@ def main() -> None:
     parser.add_argument("--execs", type=int, default=20)
     parser.add_argument("--image-mb", type=int, default=200)
     parser.add_argument("--pull-rounds", type=int, default=3)
+    parser.add_argument(
+        "--distro", action="store_true", help="also exec vs ssh into the distribution guest"
+    )
     parser.add_argument("--cluster", help="a running dev cluster (default: start one)")
     args = parser.parse_args()
     if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
