@@ -1,6 +1,7 @@
 """Benchmark: the VM provider (each pod a QEMU VM, TCG), driven as a user would. Prints figures.
 
     .venv/bin/python bench/vm_provider.py [--vms 20] [--wave 5] [--cluster NAME] [--image-mb 200]
+        [--distro]
 
 With the agent (`vkubelet run --provider vm --provider-config ...`) as a child process on a dev
 cluster and the small test guest (`vkubelet dev vm-image`) served by a local HTTP server
@@ -14,10 +15,11 @@ cluster and the small test guest (`vkubelet dev vm-image`) served by a local HTT
   guest's RAM is counted only as far as the guest touched it), RSS minus the configured guest RAM,
   and the agent's RSS growth per running VM;
 - `kubectl exec POD -- true` vs the guest-agent call the provider makes for it (`guest-exec` +
-  `guest-exec-status` on QEMU's qga socket, from Python). The small guest has no sshd, and the
-  distribution guest boots in 1-3 minutes here, so the floor is the direct guest-agent call, not
-  ssh. QEMU serves the qga socket to one client, the agent's, so the direct calls are made after
-  the agent is stopped (the VMs outlive it);
+  `guest-exec-status` on QEMU's qga socket, from Python): the small guest has no sshd. QEMU serves
+  the qga socket to one client, the agent's, so the direct calls are made after the agent is
+  stopped (the VMs outlive it). With `--distro`, also `kubectl exec` vs `ssh` (new connections,
+  and over a ControlMaster) into one distribution guest (`vkubelet dev vm-image --distro`,
+  Debian with sshd; it boots in about a minute here);
 - image pull of an `--image-mb` file from the local HTTP server: the provider's ImageStore (which
   also hashes and fsyncs) vs `curl -o`, taking turns.
 
