@@ -41,6 +41,7 @@ class Seed:
     user_data: str = "#cloud-config\n"
     network_config: str | None = None
     extra_files: dict[str, bytes] = field(default_factory=dict)
+    kind: str = "nocloud"
 
 
 @dataclass
