@@ -44,11 +44,14 @@ pod name) and public_keys (a mapping key0, key1, ...); the meta-data annotation 
 those names there. Its network_data.json gives the pod's address as OpenStack does: one link
 (ethernet_mac_address, named eth0 like the netplan's set-name), one static network on it with
 the default route, and dns services.
+
 Generated user-data holds what the pod needs: `write_files` for its volume files and env file
 (base64, so any bytes survive; mode 0644 unless `modes` says otherwise, e.g. 0600 for secrets) and
 `ssh_authorized_keys`. Virtlet's `@virtlet-mount-script@` placeholder is not substituted.
 Checked by hand against Debian 12's cloud-init 22.4.2: the user-data passes its strict schema and
-the network-config renders a static eth0 with the default route.
+the network-config renders a static eth0 with the default route. The same cloud-init's ConfigDrive
+reader and `convert_net_json`, run on the host over a ConfigDrive's files, gave the instance-id,
+hostname, keys and user-data, and a systemd-networkd eth0 with the address, route and DNS.
 
 A broken annotation is a CloudInitError naming the annotation and the YAML line, so the pod's
 status points at the fix. File contents (secrets among them) never reach an error or a log.

@@ -134,3 +134,35 @@ def test_an_unknown_seed_kind_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SeedError, match="seed kind 'iso'"):
         write_seed_iso(Content(kind="iso"), tmp_path / "seed.iso")
     assert not (tmp_path / "seed.iso").exists()
+
+
+def test_the_runtime_writes_the_kind_the_pod_s_annotation_asks_for(tmp_path: Path) -> None:
+    from vkubelet.providers.vm._config import VMConfig
+    from vkubelet.providers.vm._runtime import QemuRuntime
+
+    runtime = QemuRuntime(VMConfig(state_dir=tmp_path, image_store=tmp_path / "images"))
+    seed = tmp_path / "seed.iso"
+
+    def write(annotations: dict[str, str]) -> pycdlib.PyCdlib:
+        runtime.write_seed(
+            seed,
+            pod_name="web-0",
+            pod_uid="uid-1",
+            annotations=annotations,
+            files={"/run/secrets/token": b"s3cr3t"},
+            network_key=None,
+            secret_files={"/run/secrets/token"},
+        )
+        return _open(seed)
+
+    iso = write({"VirtletCloudInitImageType": "configdrive"})
+    assert iso.pvd.volume_identifier.decode().strip() == "config-2"
+    assert json.loads(_read(iso, rr_path="/openstack/latest/meta_data.json"))["uuid"] == "uid-1"
+    assert _mode(iso, "/vkubelet/files/run/secrets/token") == 0o600
+    iso.close()
+    iso = write({})
+    assert iso.pvd.volume_identifier.decode().strip() == "cidata"
+    iso.close()
+    # A ValueError naming the annotation: the provider's CreateContainerConfigError.
+    with pytest.raises(ValueError, match=r"^annotation vm\.vkubelet\.io/cloud-init-type: "):
+        write({"vm.vkubelet.io/cloud-init-type": "cdrom"})
