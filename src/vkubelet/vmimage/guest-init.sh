@@ -1,6 +1,7 @@
 #!/bin/sh
-# PID 1 of vkubelet's small test guest (busybox). It reads the NoCloud seed's vkubelet/ extras as
-# data (never eval'd), starts the QEMU guest agent and keeps a shell on the serial console.
+# PID 1 of vkubelet's small test guest (busybox). It reads the vkubelet/ extras of the seed (a
+# NoCloud seed or a ConfigDrive) as data (never eval'd), starts the QEMU guest agent and keeps a
+# shell on the serial console.
 export PATH=/sbin:/bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
@@ -14,7 +15,7 @@ ip link set lo up
 
 seed=
 for _ in 1 2 3 4 5 6 7 8 9 10; do
-    seed=$(findfs LABEL=cidata 2>/dev/null) && break
+    seed=$(findfs LABEL=cidata 2>/dev/null || findfs LABEL=config-2 2>/dev/null) && break
     sleep 0.1
 done
 if [ -n "$seed" ] && mount -t iso9660 -o ro "$seed" /seed; then
@@ -55,7 +56,7 @@ if [ -n "$seed" ] && mount -t iso9660 -o ro "$seed" /seed; then
         mkdir -p /root/.ssh && cp $d/authorized_keys /root/.ssh/ && chmod 600 /root/.ssh/*
     fi
 else
-    log "no seed disk (label cidata)"
+    log "no seed disk (label cidata or config-2)"
 fi
 
 up=$(cut -d' ' -f1 /proc/uptime)

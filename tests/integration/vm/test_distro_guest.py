@@ -52,6 +52,7 @@ class Seed:
     user_data: str
     network_config: str | None
     extra_files: dict[str, bytes] = field(default_factory=dict)
+    kind: str = "nocloud"
 
 
 @dataclass

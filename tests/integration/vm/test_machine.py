@@ -1,7 +1,9 @@
 """The VM runtime against real QEMU under TCG, booting the small test guest.
 
 One machine is booted for the module and shared by the tests that only look at it; the tests that
-end a machine (guest poweroff, crash, kill) start their own. Needs root (network namespaces).
+end a machine (guest poweroff, crash, kill) start their own. The shared machine's seed is a
+ConfigDrive (label config-2), the others' NoCloud seeds (label cidata): the guest finds either.
+Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Seed:
     user_data: str = "#cloud-config\n"
     network_config: str | None = None
     extra_files: dict[str, bytes] = field(default_factory=dict)
+    kind: str = "nocloud"
 
 
 @dataclass
@@ -54,14 +57,14 @@ class Booted:
 
 async def _launch(
     image: Path, run_dir: Path, name: str, *, network: GuestNetwork | None = None,
-    netns: str | None = None, files: dict[str, bytes] | None = None,
+    netns: str | None = None, files: dict[str, bytes] | None = None, kind: str = "nocloud",
 ) -> Machine:  # fmt: skip
-    return await Machine.launch(_prepare(image, run_dir, name, network, netns, files or {}))
+    return await Machine.launch(_prepare(image, run_dir, name, network, netns, files or {}, kind))
 
 
 def _prepare(
     image: Path, run_dir: Path, name: str, network: GuestNetwork | None, netns: str | None,
-    files: dict[str, bytes],
+    files: dict[str, bytes], kind: str = "nocloud",
 ) -> MachineSpec:  # fmt: skip
     """A qcow2 overlay on the test guest and a seed with its hostname, network and files."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +77,11 @@ def _prepare(
     if network is not None:
         extra["vkubelet/network"] = network.seed_file()
     write_seed_iso(
-        Seed(extra_files=extra),
+        Seed(
+            meta_data='{"uuid": "test"}\n' if kind == "configdrive" else Seed.meta_data,
+            extra_files=extra,
+            kind=kind,
+        ),
         run_dir / "seed.iso",
         file_modes={"vkubelet/files/run/secret": 0o600},
     )
@@ -109,6 +116,7 @@ async def booted(
         network=network,
         netns=pod_network.netns(key),
         files={"vkubelet/files/etc/app/config": b"a=1\n", "vkubelet/files/run/secret": b"s"},
+        kind="configdrive",
     )
     try:
         await machine.wait_guest_agent(BOOT_TIMEOUT)

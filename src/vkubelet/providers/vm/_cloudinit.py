@@ -1,8 +1,12 @@
-"""What a VM pod's guest is told at first boot: the NoCloud seed's content.
+"""What a VM pod's guest is told at first boot: the cloud-init seed's content.
 
-Two kinds of guest read it. A real distribution runs cloud-init, which reads `meta-data`,
-`user-data` and `network-config`. The project's small test guest has no cloud-init: its init reads
-plain files under `vkubelet/` on the same ISO (`extra_files`), line by line, never evaluated:
+The seed is a NoCloud seed (the default) or an OpenStack ConfigDrive, chosen per pod by an
+annotation (below): some images only enable the ConfigDrive datasource. Two kinds of guest read
+it. A real distribution runs cloud-init, which reads NoCloud's `meta-data`, `user-data` and
+`network-config` (YAML, netplan v2) or ConfigDrive's `meta_data.json`, `user_data` and
+`network_data.json` (OpenStack's formats). The project's small test guest has no cloud-init: its
+init reads plain files under `vkubelet/` on the same ISO (`extra_files`, the same for both
+kinds), line by line, never evaluated:
 
     vkubelet/hostname            one line
     vkubelet/network             lines MAC=.., ADDRESS=a.b.c.d/nn, GATEWAY=.., DNS=a b (spaces)
@@ -21,6 +25,7 @@ virtlet's (so they win where only one value can hold):
 | VirtletCloudInitUserDataScript    | cloud-init-user-data-script               |
 | VirtletCloudInitMetaData          | cloud-init-meta-data                      |
 | VirtletSSHKeys                    | ssh-keys                                  |
+| VirtletCloudInitImageType         | cloud-init-type                           |
 
 - user-data: a YAML mapping merged into the generated cloud-config: mappings merged key by key,
   lists appended (the user's items after the pod's), other values replaced;
@@ -29,15 +34,24 @@ virtlet's (so they win where only one value can hold):
 - user-data-script: raw user-data (e.g. a `#!/bin/sh` script) used verbatim, replacing all else;
 - meta-data: a YAML (or JSON) mapping merged over the generated instance-id, local-hostname and
   public-keys;
-- ssh-keys: authorized keys, one per line (blank and `#` lines skipped), added to the pod's.
+- ssh-keys: authorized keys, one per line (blank and `#` lines skipped), added to the pod's;
+- cloud-init-type: `nocloud` (the default) or `configdrive`.
 
 Generated meta-data holds instance-id (the pod UID), local-hostname (the pod name, cut to 63
-characters as the kubelet does) and public-keys (as virtlet: they survive an overwrite).
+characters as the kubelet does) and public-keys (as virtlet: they survive an overwrite). A
+ConfigDrive's meta_data.json says the same in OpenStack's names: uuid, hostname, name (the whole
+pod name) and public_keys (a mapping key0, key1, ...); the meta-data annotation is merged over
+those names there. Its network_data.json gives the pod's address as OpenStack does: one link
+(ethernet_mac_address, named eth0 like the netplan's set-name), one static network on it with
+the default route, and dns services.
+
 Generated user-data holds what the pod needs: `write_files` for its volume files and env file
 (base64, so any bytes survive; mode 0644 unless `modes` says otherwise, e.g. 0600 for secrets) and
 `ssh_authorized_keys`. Virtlet's `@virtlet-mount-script@` placeholder is not substituted.
 Checked by hand against Debian 12's cloud-init 22.4.2: the user-data passes its strict schema and
-the network-config renders a static eth0 with the default route.
+the network-config renders a static eth0 with the default route. The same cloud-init's ConfigDrive
+reader and `convert_net_json`, run on the host over a ConfigDrive's files, gave the instance-id,
+hostname, keys and user-data, and a systemd-networkd eth0 with the address, route and DNS.
 
 A broken annotation is a CloudInitError naming the annotation and the YAML line, so the pod's
 status points at the fix. File contents (secrets among them) never reach an error or a log.
@@ -47,11 +61,12 @@ from __future__ import annotations
 
 import base64
 import ipaddress
+import json
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import yaml
 
@@ -60,6 +75,7 @@ __all__ = [
     "CloudInitError",
     "GuestNetworkLike",
     "SeedContent",
+    "SeedKind",
     "build_seed_content",
     "guest_hostname",
 ]
@@ -74,6 +90,7 @@ class _Names:
     script: str
     meta_data: str
     ssh_keys: str
+    seed_kind: str
 
 
 VIRTLET: Final = _Names(
@@ -82,6 +99,7 @@ VIRTLET: Final = _Names(
     script="VirtletCloudInitUserDataScript",
     meta_data="VirtletCloudInitMetaData",
     ssh_keys="VirtletSSHKeys",
+    seed_kind="VirtletCloudInitImageType",
 )
 OURS: Final = _Names(
     user_data=_PREFIX + "cloud-init-user-data",
@@ -89,9 +107,12 @@ OURS: Final = _Names(
     script=_PREFIX + "cloud-init-user-data-script",
     meta_data=_PREFIX + "cloud-init-meta-data",
     ssh_keys=_PREFIX + "ssh-keys",
+    seed_kind=_PREFIX + "cloud-init-type",
 )
 ANNOTATIONS: Final = (VIRTLET, OURS)  # in the order they apply
 
+SeedKind = Literal["nocloud", "configdrive"]
+_KINDS: Final[tuple[SeedKind, ...]] = ("nocloud", "configdrive")
 _MAC: Final = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){5}")
 _DEFAULT_MODE: Final = 0o644
 
@@ -117,10 +138,14 @@ class GuestNetworkLike(Protocol):
 
 @dataclass(frozen=True)
 class SeedContent:
+    """The seed's files in `kind`'s formats: meta_data is meta-data (YAML) or meta_data.json,
+    network_config is network-config (netplan) or network_data.json."""
+
     meta_data: str
     user_data: str
     network_config: str | None
     extra_files: Mapping[str, bytes]
+    kind: SeedKind = "nocloud"
 
 
 def guest_hostname(pod_name: str) -> str:
@@ -141,6 +166,7 @@ def build_seed_content(
     """The seed for one pod. `files` maps absolute guest paths to contents (volumes, the env
     file); `modes` gives their permissions (default 0644)."""
     modes = modes or {}
+    kind = _seed_kind(annotations)
     hostname = guest_hostname(pod_name)
     paths = sorted(files)
     for path in paths:
@@ -154,11 +180,17 @@ def build_seed_content(
         keys.extend(_keys(annotations.get(names.ssh_keys, "").splitlines(), names.ssh_keys))
     keys = list(dict.fromkeys(keys))
 
-    meta: dict[str, Any] = {"instance-id": pod_uid, "local-hostname": hostname}
-    if keys:
-        # Also in meta-data, as virtlet does: NoCloud installs these even when an annotation
-        # overwrites the user-data.
-        meta["public-keys"] = list(keys)
+    meta: dict[str, Any]
+    if kind == "configdrive":
+        meta = {"uuid": pod_uid, "hostname": hostname, "name": pod_name}
+        if keys:
+            meta["public_keys"] = {f"key{i}": key for i, key in enumerate(keys)}
+    else:
+        meta = {"instance-id": pod_uid, "local-hostname": hostname}
+        if keys:
+            # Also in meta-data, as virtlet does: NoCloud installs these even when an annotation
+            # overwrites the user-data.
+            meta["public-keys"] = list(keys)
     for names in ANNOTATIONS:
         meta.update(_mapping(annotations, names.meta_data))
 
@@ -189,7 +221,10 @@ def build_seed_content(
     network_config = None
     if network is not None:
         _check_network(network)
-        network_config = _dump(_netplan(network))
+        if kind == "configdrive":
+            network_config = _json(_network_data(network))
+        else:
+            network_config = _dump(_netplan(network))
         lines = [
             f"MAC={network.mac.lower()}",
             f"ADDRESS={network.address}/{network.prefix}",
@@ -203,11 +238,29 @@ def build_seed_content(
     if keys:
         extra["vkubelet/authorized_keys"] = "".join(key + "\n" for key in keys).encode()
     return SeedContent(
-        meta_data=_dump(meta),
+        meta_data=_json(meta) if kind == "configdrive" else _dump(meta),
         user_data=user_data,
         network_config=network_config,
         extra_files=extra,
+        kind=kind,
     )
+
+
+def _seed_kind(annotations: Mapping[str, str]) -> SeedKind:
+    kind: SeedKind = "nocloud"
+    for names in ANNOTATIONS:
+        value = annotations.get(names.seed_kind)
+        if value is None:
+            continue
+        for known in _KINDS:
+            if value.strip().lower() == known:
+                kind = known
+                break
+        else:
+            raise CloudInitError(
+                f"annotation {names.seed_kind}: must be nocloud or configdrive, got {value!r}"
+            )
+    return kind
 
 
 _GENERATED: Final = frozenset({"write_files", "ssh_authorized_keys"})
@@ -322,6 +375,44 @@ def _netplan(network: GuestNetworkLike) -> dict[str, Any]:
     if network.dns:
         eth0["nameservers"] = {"addresses": list(network.dns)}
     return {"version": 2, "ethernets": {"eth0": eth0}}
+
+
+def _network_data(network: GuestNetworkLike) -> dict[str, Any]:
+    """OpenStack's network_data.json for the pod's one static address."""
+    interface = ipaddress.ip_interface(f"{network.address}/{network.prefix}")
+    v4 = interface.version == 4
+    # The default route's destination, not an address anything binds to.
+    any_address = "0.0.0.0" if v4 else "::"  # noqa: S104
+    dns = [{"type": "dns", "address": server} for server in network.dns]
+    return {
+        "links": [
+            {
+                "id": "eth0",
+                "name": "eth0",
+                "type": "phy",
+                "ethernet_mac_address": network.mac.lower(),
+            }
+        ],
+        "networks": [
+            {
+                "id": "network0",
+                "link": "eth0",
+                "type": "ipv4" if v4 else "ipv6",
+                "ip_address": network.address,
+                "netmask": str(interface.netmask),
+                "routes": [
+                    {"network": any_address, "netmask": any_address, "gateway": network.gateway}
+                ],
+                "services": dns,
+            }
+        ],
+        "services": dns,
+    }
+
+
+def _json(data: Mapping[str, Any]) -> str:
+    # default=str: a meta-data annotation is YAML, whose dates and times JSON has no type for.
+    return json.dumps(dict(data), indent=2, default=str) + "\n"
 
 
 def _dump(data: Mapping[str, Any]) -> str:

@@ -1,7 +1,10 @@
-"""The NoCloud seed as an ISO 9660 image, written in-process with pycdlib.
+"""The cloud-init seed as an ISO 9660 image, written in-process with pycdlib.
 
 In-process (no genisoimage/xorriso subprocess) because it takes milliseconds and leaves nothing to
-install. The volume is labelled `cidata` (what cloud-init and the small test guest look for), with
+install. A NoCloud seed is labelled `cidata` with `meta-data`, `user-data` and `network-config` at
+its root; a ConfigDrive is labelled `config-2` with `openstack/latest/meta_data.json`, `user_data`
+and `network_data.json` (the labels and paths cloud-init's datasources look for; the small test
+guest finds either label). The extra files sit at the root of both. With
 Rock Ridge (Linux sees real names and file modes: secrets stay 0600 when the guest copies them with
 `cp -p`) and Joliet (other readers see real names too). ISO level 4 keeps the plain ISO names close
 to the real ones for readers that know neither extension.
@@ -19,6 +22,8 @@ from typing import Protocol
 import pycdlib
 
 LABEL = "cidata"
+CONFIG_DRIVE_LABEL = "config-2"
+_CONFIG_DRIVE_DIR = "openstack/latest/"
 DEFAULT_FILE_MODE = 0o644
 _JOLIET_MAX = 64
 
@@ -34,6 +39,8 @@ class SeedLike(Protocol):
     def network_config(self) -> str | None: ...
     @property
     def extra_files(self) -> Mapping[str, bytes]: ...
+    @property
+    def kind(self) -> str: ...  # "nocloud" or "configdrive"
 
 
 class SeedError(ValueError):
@@ -47,18 +54,29 @@ def write_seed_iso(
 
     `file_modes` maps a path of `extra_files` to its permission bits (default 0644).
     """
+    if content.kind == "configdrive":
+        label = CONFIG_DRIVE_LABEL
+        names = [
+            _CONFIG_DRIVE_DIR + name
+            for name in ("meta_data.json", "user_data", "network_data.json")
+        ]
+    elif content.kind == "nocloud":
+        label = LABEL
+        names = ["meta-data", "user-data", "network-config"]
+    else:
+        raise SeedError(f"seed kind {content.kind!r}: must be nocloud or configdrive")
     files: dict[str, bytes] = {
-        "meta-data": content.meta_data.encode(),
-        "user-data": content.user_data.encode(),
+        names[0]: content.meta_data.encode(),
+        names[1]: content.user_data.encode(),
     }
     if content.network_config is not None:
-        files["network-config"] = content.network_config.encode()
+        files[names[2]] = content.network_config.encode()
     for name, data in content.extra_files.items():
         files[_check(name)] = data
     modes = {_check(k): v for k, v in (file_modes or {}).items()}
 
     iso = pycdlib.PyCdlib()
-    iso.new(interchange_level=4, vol_ident=LABEL, joliet=3, rock_ridge="1.09")
+    iso.new(interchange_level=4, vol_ident=label, joliet=3, rock_ridge="1.09")
     made: set[str] = set()
     for name in sorted(files):
         parts = name.split("/")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +138,7 @@ def test_meta_data_annotations_are_merged_over_the_generated() -> None:
 _USER_DATA = "VirtletCloudInitUserData"
 _META_DATA = "vm.vkubelet.io/cloud-init-meta-data"
 _OVERWRITE = "VirtletCloudInitUserDataOverwrite"
+_KIND = "vm.vkubelet.io/cloud-init-type"
 
 
 @pytest.mark.parametrize(
@@ -147,6 +149,11 @@ _OVERWRITE = "VirtletCloudInitUserDataOverwrite"
         ({_USER_DATA: "- a\n- b\n"}, "must be a YAML mapping, not list"),
         ({_OVERWRITE: "maybe"}, f"{_OVERWRITE}: must be true or false"),
         ({_USER_DATA: "write_files: nope"}, f"{_USER_DATA}: write_files: must be a list"),
+        ({_KIND: "iso"}, f"^annotation {_KIND}: must be nocloud or configdrive, got 'iso'"),
+        (
+            {"VirtletCloudInitImageType": "configdrive", _KIND: ""},
+            f"^annotation {_KIND}: must be nocloud or configdrive",
+        ),
     ],
 )
 def test_a_broken_annotation_is_named_in_the_error(
@@ -255,3 +262,70 @@ def test_merged_user_data_keeps_every_value_the_user_gave_and_the_pods_needs(
     assert data["write_files"][0]["path"] == "/pod/file"
     assert data["write_files"][1:] == first["write_files"]
     assert data["ssh_authorized_keys"] == [KEY_A, *extra_keys]
+
+
+def configdrive(annotations: dict[str, str] | None = None, **kwargs: Any) -> SeedContent:
+    return seed({"VirtletCloudInitImageType": "configdrive", **(annotations or {})}, **kwargs)
+
+
+def test_the_seed_is_nocloud_unless_an_annotation_asks_for_a_configdrive() -> None:
+    assert seed().kind == "nocloud"
+    assert seed({"VirtletCloudInitImageType": "nocloud"}).kind == "nocloud"
+    assert seed({"VirtletCloudInitImageType": " ConfigDrive "}).kind == "configdrive"
+    assert seed({_KIND: "configdrive"}).kind == "configdrive"
+    # The project's annotation applies after virtlet's.
+    both = {"VirtletCloudInitImageType": "configdrive", _KIND: "nocloud"}
+    assert seed(both).kind == "nocloud"
+
+
+def test_configdrive_meta_data_is_openstack_json_with_the_pod_uid_name_and_keys() -> None:
+    content = configdrive(
+        {"VirtletSSHKeys": KEY_A, _META_DATA: "availability_zone: a\nlaunched: 2024-01-02\n"},
+        ssh_keys=[KEY_B],
+    )
+    assert json.loads(content.meta_data) == {
+        "uuid": UID,
+        "hostname": "web-0",
+        "name": "web-0",
+        "public_keys": {"key0": KEY_B, "key1": KEY_A},
+        "availability_zone": "a",
+        "launched": "2024-01-02",  # a YAML date, written as JSON text
+    }
+    # user-data and the small guest's extras are those of a NoCloud seed.
+    nocloud = seed({"VirtletSSHKeys": KEY_A}, ssh_keys=[KEY_B])
+    assert content.user_data == nocloud.user_data
+    assert content.extra_files == nocloud.extra_files
+
+
+def test_configdrive_network_data_is_openstack_static_ipv4_matched_by_mac() -> None:
+    content = configdrive(network=Net())
+    assert content.network_config is not None
+    dns = [{"type": "dns", "address": "10.96.0.10"}, {"type": "dns", "address": "1.1.1.1"}]
+    default = "0.0.0.0"  # noqa: S104  (the default route, not an address to bind)
+    assert json.loads(content.network_config) == {
+        "links": [
+            {
+                "id": "eth0",
+                "name": "eth0",
+                "type": "phy",
+                "ethernet_mac_address": "52:54:00:ab:cd:ef",
+            }
+        ],
+        "networks": [
+            {
+                "id": "network0",
+                "link": "eth0",
+                "type": "ipv4",
+                "ip_address": "10.244.1.5",
+                "netmask": "255.255.255.0",
+                "routes": [{"network": default, "netmask": default, "gateway": "10.244.1.1"}],
+                "services": dns,
+            }
+        ],
+        "services": dns,
+    }
+    assert (
+        content.extra_files["vkubelet/network"]
+        == seed(network=Net()).extra_files["vkubelet/network"]
+    )
+    assert configdrive().network_config is None
