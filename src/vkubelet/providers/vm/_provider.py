@@ -249,6 +249,15 @@ class VMProvider(RunnerProvider):
     def _is_vm_image(self, image: str) -> bool:
         return image.startswith(self.config.image_prefix.rstrip("/") + "/")
 
+    def _plan(self, pod: ResolvedPod) -> MachinePlan:
+        return plan_machine(
+            pod,
+            allocatable_millicpu=self.millicpu,
+            allocatable_memory=self.memory,
+            default_millicpu=self.config.default_millicpu,
+            default_memory=self.config.default_memory,
+        )
+
     async def create_pod(self, pod: ResolvedPod) -> None:
         await self._start()
         key = f"{pod.namespace}/{pod.name}"
@@ -256,13 +265,7 @@ class VMProvider(RunnerProvider):
         if known is not None and known.uid == pod.uid:
             return  # adopted, or already being prepared
         try:
-            plan = plan_machine(
-                pod,
-                allocatable_millicpu=self.millicpu,
-                allocatable_memory=self.memory,
-                default_millicpu=self.config.default_millicpu,
-                default_memory=self.config.default_memory,
-            )
+            plan = self._plan(pod)
         except SpecError as e:
             await self.runtime.detach_network(pod.uid)
             raise ProviderError("InvalidVMSpec", str(e)) from None
@@ -545,13 +548,7 @@ class VMProvider(RunnerProvider):
         if vm is None or vm.uid != pod.uid or vm.plan is None or not vm.launch:
             return  # not made yet: the seed is written with the newest files anyway
         try:
-            plan = plan_machine(
-                pod,
-                allocatable_millicpu=self.millicpu,
-                allocatable_memory=self.memory,
-                default_millicpu=self.config.default_millicpu,
-                default_memory=self.config.default_memory,
-            )
+            plan = self._plan(pod)
         except SpecError as e:
             raise ProviderError("InvalidVMSpec", str(e)) from None
         old = {p: d for p, d in vm.plan.files.items() if p != ENV_FILE}
