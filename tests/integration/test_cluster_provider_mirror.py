@@ -76,6 +76,13 @@ def mirror(
             address="127.0.0.1",
         )
 
+    # These tests compare the virtual nodes with the whole of each lower node: pods that earlier
+    # tests left terminating below (their namespaces are deleted without waiting) must be gone.
+    wait_for(
+        lambda: _foreign_pods(lower_cluster) == [],
+        timeout=180,
+        what="the lower nodes free of earlier tests' pods",
+    )
     found = Mirror(prefix, start(), start)
     try:
         for lower in lower_cluster.nodes.values():
@@ -90,6 +97,18 @@ def mirror(
             if node["metadata"]["name"].startswith(prefix + "-"):
                 kubectl("delete", "node", node["metadata"]["name"], "--wait=false")
         print(found.agent.log()[-6000:])
+
+
+def _foreign_pods(lower_cluster: LowerCluster) -> list[str]:
+    """Pods on the lower nodes that are not the lower cluster's own system pods."""
+    pods = lower_cluster.kubectl.json("get", "pods", "-A")["items"]
+    return [
+        f"{p['metadata']['namespace']}/{p['metadata']['name']}"
+        for p in pods
+        if p["spec"].get("nodeName") in {n.name for n in lower_cluster.nodes.values()}
+        and p["metadata"]["namespace"] != "kube-system"
+        and p.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+    ]
 
 
 def test_each_lower_node_is_a_virtual_node_with_its_labels_room_and_cordon(
