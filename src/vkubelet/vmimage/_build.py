@@ -97,7 +97,7 @@ def _run(argv: list[str], *, cwd: Path | None = None, what: str) -> str:
     except FileNotFoundError:
         raise ImageBuildError(
             f"{what}: {argv[0]} not found (apt-get install -y --no-install-recommends "
-            "qemu-utils syslinux mtools dosfstools busybox-static)"
+            "qemu-utils syslinux mtools dosfstools cpio)"
         ) from None
     if done.returncode != 0:
         raise ImageBuildError(f"{what}: {' '.join(argv)} exited {done.returncode}: {done.stderr}")
