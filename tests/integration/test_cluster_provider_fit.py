@@ -211,8 +211,10 @@ def test_a_replicaset_whose_pod_fits_no_lower_node_does_not_hammer_the_virtual_n
     namespace = f"loop-{uuid.uuid4().hex[:6]}"
     create_namespace(kubectl, namespace)
     try:
-        per_node = free_cpu_per_lower_node(lower_cluster)
-        too_big = int(max(per_node.values())) + 1
+        # Bigger than any lower node's whole allocatable: it can never fit, whatever earlier
+        # tests still leave running below (free room would grow when their pods end).
+        nodes = lower_cluster.kubectl.json("get", "nodes")["items"]
+        too_big = int(max(cpu(n["status"]["allocatable"]["cpu"]) for n in nodes)) + 1
         template = pinned("big", node, str(too_big))
         replicaset = {
             "apiVersion": "apps/v1",
@@ -246,6 +248,9 @@ def test_a_replicaset_whose_pod_fits_no_lower_node_does_not_hammer_the_virtual_n
         assert len(pending) <= 1
     finally:
         kubectl("delete", "namespace", namespace, "--wait=false")
+        lower_cluster.kubectl(
+            "delete", "namespace", namespace, "--wait=false", "--ignore-not-found"
+        )
 
 
 def test_a_daemonset_tolerating_everything_is_refused_with_a_reason_and_never_stuck(
