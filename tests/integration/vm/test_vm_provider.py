@@ -293,9 +293,13 @@ def test_exec_with_a_terminal_is_refused_and_attach_reaches_the_serial_console(
             timeout=30,
             what="the refusal of exec -t",
         )
-        time.sleep(3)  # kubectl attach connects (it prints nothing until the console does)
-        terminal.type("echo ATTACHED-$((6 * 7))")
-        wait_for(lambda: "ATTACHED-42" in terminal.screen(), timeout=30, what="the console's echo")
+
+        def echoed() -> bool:
+            # kubectl attach prints nothing until the console does: type until it is connected.
+            terminal.type("echo ATTACHED-$((6 * 7))")
+            return "ATTACHED-42" in terminal.screen()
+
+        wait_for(echoed, timeout=30, interval=2, what="the console's echo")
 
 
 def test_disks_volume_files_and_env_reach_the_guest_and_config_map_changes_follow(
@@ -531,7 +535,8 @@ def test_scale_to_zero_powers_the_guests_off_gracefully(
         )
         for name in names
     ]
-    time.sleep(2)  # let the followers connect before the guests go
+    for follower in followers:  # connected once the console's earlier lines arrive
+        assert follower.stdout is not None and follower.stdout.readline()
     kubectl("-n", vms.namespace, "scale", "deployment/vm", "--replicas=0")
     wait_for(lambda: not vms.pods(), timeout=180, interval=2, what="both VM pods gone")
     for follower in followers:
