@@ -25,6 +25,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
+from ..sdk.quantity import QuantityError, parse_quantity
 from ._base import (
     API_VERSION,
     BACKUP_OF_ANNOTATION,
@@ -145,7 +146,8 @@ def _ready(pod: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def _resources(spec: Mapping[str, Any]) -> tuple[str, dict[str, dict[str, str]]] | None:
-    """(container name, its cpu/memory requests and limits) of a pod spec."""
+    """(container name, its cpu/memory requests and limits) of a pod spec; requests default to
+    the limits, as the apiserver defaults them."""
     containers = spec.get("containers") or []
     if not containers:
         return None
@@ -154,7 +156,26 @@ def _resources(spec: Mapping[str, Any]) -> tuple[str, dict[str, dict[str, str]]]
         kind: {k: str(v) for k, v in (resources.get(kind) or {}).items() if k in ("cpu", "memory")}
         for kind in ("requests", "limits")
     }
+    for key, value in picked["limits"].items():
+        picked["requests"].setdefault(key, value)
     return str(containers[0].get("name")), picked
+
+
+def _same(a: str | None, b: str | None) -> bool:
+    """Two quantities equal in value ("1024Mi" is "1Gi": the apiserver rewrites them)."""
+    if a is None or b is None:
+        return a == b
+    try:
+        return parse_quantity(a).to_fraction() == parse_quantity(b).to_fraction()
+    except QuantityError:
+        return a == b
+
+
+def _resize_needed(want: dict[str, dict[str, str]], have: dict[str, dict[str, str]]) -> bool:
+    """Whether a value the template sets differs from the pod's (what it leaves out is kept)."""
+    return any(
+        not _same(value, have[kind].get(key)) for kind in want for key, value in want[kind].items()
+    )
 
 
 def _sort_key(pod: Mapping[str, Any]) -> tuple[bool, str, str]:
@@ -327,7 +348,12 @@ def _sync(vm: Mapping[str, Any], pod: Mapping[str, Any], decision: Decision) -> 
     if patch:
         decision.patch[name] = {"metadata": patch}
     want, have = _resources(tspec), _resources(dict(pod.get("spec") or {}))
-    if want is not None and have is not None and want[0] == have[0] and want[1] != have[1]:
+    if (
+        want is not None
+        and have is not None
+        and want[0] == have[0]
+        and _resize_needed(want[1], have[1])
+    ):
         resources = {k: v for k, v in want[1].items() if v}
         decision.resize[name] = {
             "spec": {"containers": [{"name": want[0], "resources": resources}]}

@@ -30,6 +30,7 @@ from typing import Any, Literal, cast
 import yaml
 
 from ...sdk.quantity import QuantityError, parse_quantity
+from ._persist import MachineGC, parse_machine_gc
 
 __all__ = ["ConfigError", "ConfigMapSource", "VMConfig", "load_config"]
 
@@ -48,6 +49,7 @@ _KNOWN = {
     "imageGCIntervalSeconds",
     "guestAgentTimeoutSeconds",
     "defaults",
+    "machineGC",  # _persist
 }
 _MIB = 2**20
 
@@ -84,6 +86,7 @@ class VMConfig:
     default_millicpu: int = 1000
     default_memory: int = 256 * _MIB
     origin: str = "<defaults>"  # the file, for messages
+    machine_gc: MachineGC | None = None  # _persist: remove machines whose VirtualMachine is gone
 
     @property
     def run_root(self) -> Path:
@@ -178,6 +181,7 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         default_millicpu=default_cpu,
         default_memory=default_memory,
         origin=origin,
+        machine_gc=parse_machine_gc(data.get("machineGC"), fail, base),
     )
 
 

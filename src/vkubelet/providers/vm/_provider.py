@@ -53,6 +53,7 @@ from ...sdk import (
     build_pod_status,
 )
 from ...sdk.provider import EventSink, EventType
+from . import _persist
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._config import VMConfig
 from ._console import ConsoleTailer
@@ -110,6 +111,12 @@ class _VM:
     @property
     def machine_dir(self) -> Path:
         return self.dir / "m"  # short: unix socket paths have a 108-byte limit
+
+    @property
+    def key(self) -> str:
+        meta = self.pod.metadata
+        assert meta is not None
+        return f"{meta.namespace}/{meta.name}"
 
     def save(self) -> None:
         state = {
@@ -232,6 +239,8 @@ class VMProvider(RunnerProvider):
         self._node_changed(Node())  # the Accelerator condition, published now
         await self._adopt_all()
         self._tasks.spawn(self._gc_loop(), name="image gc")
+        if self.config.machine_gc is not None:  # persistent machines (_persist)
+            self._tasks.spawn(self._machine_gc_loop(), name="machine gc")
         if self.config.translation_config_map is not None:
             self._tasks.spawn(self._config_map_loop(), name="translation configmap")
 
@@ -380,11 +389,48 @@ class VMProvider(RunnerProvider):
             vm.image_sha256 = pulled.sha256
             return pulled
 
+    # -- persistent machines (see _persist) ------------------------------------------------------
+    def machine_dir(self, pod: Pod) -> Path | None:
+        """`<stateDir>/machines/<id>/` for a pod of a persistent machine (annotation
+        `vm.vkubelet.io/machine`): its disks and saved state outlive the pod. None otherwise."""
+        return _persist.machine_dir(self.config.state_dir, pod)
+
+    def _disk_dir(self, vm: _VM) -> Path:
+        """Where a pod's disks go: its machine's directory, claimed for this pod (a machine runs
+        in one pod at a time), or the pod's own run directory."""
+        try:
+            directory = self.machine_dir(vm.pod)
+        except ValueError as e:
+            raise ProviderError("CreateContainerConfigError", str(e)) from None
+        if directory is None:
+            return vm.dir
+        for other in list(self.vms.values()):
+            if other.uid != vm.uid and directory.name in _persist.machines_in_use([other.pod]):
+                raise RuntimeError(f"machine {directory.name} is still in use by pod {other.key}")
+        directory.mkdir(parents=True, exist_ok=True)
+        _persist.record_image(directory, vm.image_sha256)
+        return directory
+
+    async def _machine_gc_loop(self) -> None:
+        gc = self.config.machine_gc
+        assert gc is not None
+        while True:
+            in_use = _persist.machines_in_use(vm.pod for vm in self.vms.values())
+            try:
+                removed = await _persist.gc_machines(self.config.state_dir, gc.kubeconfig, in_use)
+            except Exception as e:
+                log.warning("machine gc failed: %s", e)
+                removed = []
+            for ident in removed:
+                log.info("machine gc: removed machine %s (its VirtualMachine is gone)", ident)
+            await asyncio.sleep(gc.interval)
+
     async def _make_machine(
         self, vm: _VM, resolved: ResolvedPod, plan: MachinePlan, image: PulledImage
     ) -> None:
         vm.dir.mkdir(parents=True, exist_ok=True)
-        root = vm.dir / "root.qcow2"
+        disk_dir = self._disk_dir(vm)
+        root = disk_dir / "root.qcow2"
         if plan.root_size is not None and plan.root_size < image.size:
             raise ProviderError(
                 "CreateContainerConfigError",
@@ -393,9 +439,12 @@ class VMProvider(RunnerProvider):
             )
         if not root.exists():
             await self.runtime.create_overlay(image, root, plan.root_size)
+        elif disk_dir != vm.dir and plan.root_size is not None:
+            await _persist.grow_root(root, plan.root_size)  # asked bigger while powered off
         disks = [(root, plan.disk_bus)]
         for index, scratch in enumerate(plan.scratch):
-            path = vm.dir / f"scratch{index}.qcow2"
+            name = f"scratch{index}" if disk_dir == vm.dir else f"empty-{scratch.volume}"
+            path = disk_dir / f"{name}.qcow2"
             if not path.exists():
                 await self.runtime.create_blank(path, scratch.size)
             disks.append((path, plan.disk_bus))
@@ -748,6 +797,7 @@ class VMProvider(RunnerProvider):
         while True:
             await asyncio.sleep(self.config.image_gc_interval)
             in_use = {vm.image_sha256 for vm in self.vms.values() if vm.image_sha256}
+            in_use |= _persist.machine_images(self.config.state_dir)  # powered-off machines
             try:
                 removed = self.runtime.gc_images(in_use)
             except Exception as e:
