@@ -129,6 +129,13 @@ def run(
     ] = None,
     log_format: Annotated[LogFormat, typer.Option(help="Log line format.")] = LogFormat.text,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+    vm_controller: Annotated[
+        bool,
+        typer.Option(
+            help="Also run the VirtualMachine controller in this process (leader-elected with "
+            "any other instance; Lease in kube-system)."
+        ),
+    ] = False,
 ) -> None:
     """Run the node agent: register virtual node(s) and run their pods with a provider."""
     # Imported here so that `vkubelet dev ...` starts without loading the agent's dependencies.
@@ -205,7 +212,21 @@ def run(
         agent = Agent(agent_config)
     except (ConfigError, ProviderLoadError, ValueError, OSError) as e:
         raise _fail(e) from None
-    asyncio.run(_run_until_signalled(agent.run))
+    if not vm_controller:
+        asyncio.run(_run_until_signalled(agent.run))
+        return
+    from .vmcontroller import ControllerConfig, run_controller
+
+    async def agent_and_controller() -> None:
+        client = _lightkube(kubeconfig)
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(agent.run())
+                group.create_task(run_controller(client, ControllerConfig()))
+        finally:
+            await client.close()
+
+    asyncio.run(_run_until_signalled(agent_and_controller))
 
 
 async def _run_until_signalled(run: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -424,14 +445,23 @@ def vm_controller(
     identity: Annotated[
         str | None, typer.Option(help="Leader-election identity (default: host-pid-random).")
     ] = None,
+    lease_duration: Annotated[
+        float,
+        typer.Option(
+            min=1.0, help="Seconds an unrenewed Lease stays the leader's (failover time)."
+        ),
+    ] = 15.0,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING, ERROR.")] = "INFO",
 ) -> None:
     """Run the VirtualMachine controller (one active instance by leader election)."""
-    from .vmcontroller import ControllerConfig, run_controller
+    from .vmcontroller import ControllerConfig, LeaseTiming, run_controller
 
     setup_logging(LogFormat.text, log_level)
     config = ControllerConfig(
-        lease_namespace=lease_namespace, namespace=namespace, identity=identity or ""
+        lease_namespace=lease_namespace,
+        namespace=namespace,
+        identity=identity or "",
+        timing=LeaseTiming.for_duration(lease_duration),
     )
 
     async def controller() -> None:

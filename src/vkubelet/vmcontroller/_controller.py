@@ -196,6 +196,7 @@ class VMController:
             reconciler = self.reconcilers[index]
             try:
                 self.reconciled += 1
+                log.debug("reconcile %s %s/%s", reconciler.resource.__name__, namespace, name)
                 after = await reconciler.reconcile(self.ctx, namespace, name)
             except asyncio.CancelledError:
                 raise

@@ -40,6 +40,11 @@ class LeaseTiming:
     renew_deadline: float = 10.0  # the leader stops acting when it could not renew this long
     retry: float = 2.0  # between attempts (and renewals)
 
+    @classmethod
+    def for_duration(cls, duration: float) -> LeaseTiming:
+        """client-go's proportions (15 s / 10 s / 2 s) for another lease duration."""
+        return cls(duration, duration * 2 / 3, max(duration * 2 / 15, 0.2))
+
 
 class _Held(Exception):
     """Another candidate holds a live Lease."""
