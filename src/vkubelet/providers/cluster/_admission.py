@@ -229,7 +229,8 @@ class ConstraintWebhook:
             return None
         return (
             f"admitted without the constraint webhook {self.name} (agent of virtual node "
-            f"{self.node_name}, failurePolicy Ignore: the agent was down or did not answer): "
+            f"{self.node_name}, failurePolicy Ignore: the agent was down or did not answer, "
+            "or the pod predates the opt-in): "
             "its constraints for the lower cluster stayed in the spec, where the upper "
             "scheduler checks them against the virtual node; delete the pod so that it is "
             "created again (its controller does that) while the agent runs"
