@@ -92,13 +92,27 @@ async def serve_webhook(
     """Listen, install, audit; until cancelled (run under a supervisor: a failure restarts it)."""
     context, ca_bundle = await _tls(client, webhook, kubelet_context)
 
+    connections: set[asyncio.Task[Any]] = set()
+
     async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await serve_connection(reader, writer, handler, _LIMITS)
+        task = asyncio.current_task()
+        assert task is not None
+        connections.add(task)
+        try:
+            await serve_connection(reader, writer, handler, _LIMITS)
+        except asyncio.CancelledError:
+            # Closing ends the apiserver's kept-alive connections this way; asyncio's own
+            # connection task would otherwise report the cancellation as an error.
+            pass
+        finally:
+            connections.discard(task)
 
     async def handler(exchange: Exchange) -> None:
         await _handle(webhook, exchange)
 
-    server = await asyncio.start_server(on_connection, port=webhook.port, ssl=context)
+    server = await asyncio.start_server(
+        on_connection, port=webhook.port, ssl=context, ssl_handshake_timeout=10.0
+    )
     try:
         url = f"https://{_url_host(webhook.host)}:{webhook.port}{webhook.path}"
         log.info("node %s: admission webhook listening, served as %s", webhook.node_name, url)
@@ -109,6 +123,8 @@ async def serve_webhook(
         await audit_forever(client, node, webhook)
     finally:
         server.close()
+        for task in list(connections):
+            task.cancel()
         with contextlib.suppress(Exception):
             await server.wait_closed()
 
