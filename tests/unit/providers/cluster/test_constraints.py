@@ -22,6 +22,7 @@ from vkubelet.providers.cluster._constraints import (
     moved_constraints,
     restore,
 )
+from vkubelet.sdk.provider import ProviderError
 
 JSON = dict[str, Any]
 KEYS = VirtualKeys()
@@ -342,3 +343,14 @@ def test_constraints_added_after_a_move_are_moved_on_reinvocation() -> None:
 def test_an_unreadable_annotation_is_refused_with_the_reason(raw: str, problem: str) -> None:
     with pytest.raises(ConstraintsError, match=problem.replace("[", r"\[").replace("]", r"\]")):
         restore({"metadata": {"annotations": {ANNOTATION: raw}}, "spec": {}})
+
+
+def test_a_bound_pod_with_an_unreadable_annotation_fails_rather_than_run_unconstrained() -> None:
+    pod = {
+        "metadata": {"name": "p", "namespace": "shop", "annotations": {ANNOTATION: '{"v":7}'}},
+        "spec": {"containers": [{"name": "app", "image": "busybox"}]},
+    }
+    with pytest.raises(ProviderError) as raised:
+        translate_pod(pod, PodTranslation(owner=Owner("up", "vk-1")))
+    assert raised.value.reason == "LowerConstraintsUnreadable"
+    assert "version 7 is unknown" in raised.value.message
