@@ -13,6 +13,7 @@
     imageGCIntervalSeconds: 600
     guestAgentTimeoutSeconds: 300
     defaults: {cpu: "1", memory: 256Mi}
+    hotplug: {maxCpus: 4, maxMemory: 2Gi, memorySlots: 4}   # live-resize headroom (0: none)
 
 Everything is checked when the agent starts, and every error names the file and the field: a
 typo should stop the agent with a message, not surface later as a pod that never boots.
@@ -48,6 +49,7 @@ _KNOWN = {
     "imageGCIntervalSeconds",
     "guestAgentTimeoutSeconds",
     "defaults",
+    "hotplug",
 }
 _MIB = 2**20
 
@@ -84,6 +86,11 @@ class VMConfig:
     default_millicpu: int = 1000
     default_memory: int = 256 * _MIB
     origin: str = "<defaults>"  # the file, for messages
+    # Live-resize headroom (`_resize`): QEMU starts with room for this many vCPUs and this much
+    # memory in that many DIMM slots (pod annotations may change it per VM).
+    hotplug_max_vcpus: int = 4
+    hotplug_max_memory: int = 2 * 2**30
+    hotplug_slots: int = 4
 
     @property
     def run_root(self) -> Path:
@@ -178,7 +185,28 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         default_millicpu=default_cpu,
         default_memory=default_memory,
         origin=origin,
+        **_hotplug(data.get("hotplug"), fail),
     )
+
+
+def _hotplug(value: object, fail: Any) -> dict[str, int]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or set(value) - {"maxCpus", "maxMemory", "memorySlots"}:
+        raise fail("hotplug", "expected a mapping with maxCpus, maxMemory and/or memorySlots")
+    out: dict[str, int] = {}
+    for key, field_name in (("maxCpus", "hotplug_max_vcpus"), ("memorySlots", "hotplug_slots")):
+        if key in value:
+            number = value[key]
+            if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= 255:
+                raise fail(f"hotplug.{key}", f"expected a whole number 0-255, got {number!r}")
+            out[field_name] = number
+    if "maxMemory" in value:
+        try:
+            out["hotplug_max_memory"] = quantity_bytes(value["maxMemory"])
+        except (QuantityError, ValueError) as e:
+            raise fail("hotplug.maxMemory", str(e)) from None
+    return out
 
 
 def _config_map(value: object, fail: Any, base: Path) -> ConfigMapSource | None:

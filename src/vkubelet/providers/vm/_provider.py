@@ -53,6 +53,7 @@ from ...sdk import (
     build_pod_status,
 )
 from ...sdk.provider import EventSink, EventType
+from . import _power
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._config import VMConfig
 from ._console import ConsoleTailer
@@ -98,6 +99,7 @@ class _VM:
     # that a restarted agent reports them unchanged, as a kubelet does.
     start_time: datetime = field(default_factory=lambda: datetime.now(UTC))
     started_at: datetime | None = None
+    power: _power.PowerState = field(default_factory=_power.PowerState)  # hibernate, resize
 
     @property
     def uid(self) -> str:
@@ -211,7 +213,15 @@ class VMProvider(RunnerProvider):
 
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
         self._push = callback
-        super().notify_pods(callback)
+        super().notify_pods(lambda pod: callback(self._decorated(pod)))
+
+    def _decorated(self, pod: Pod) -> Pod:
+        """The runner's status plus what only the VM knows (hibernation, resize)."""
+        meta = pod.metadata
+        vm = self.vms.get(f"{meta.namespace}/{meta.name}") if meta else None
+        if vm is not None and pod.status is not None:
+            _power.decorate(pod.status, vm.power, vm.container)
+        return pod
 
     async def _start(self) -> None:
         """Once: probe the accelerator, adopt the VMs a previous agent left, start image GC."""
@@ -384,7 +394,7 @@ class VMProvider(RunnerProvider):
         self, vm: _VM, resolved: ResolvedPod, plan: MachinePlan, image: PulledImage
     ) -> None:
         vm.dir.mkdir(parents=True, exist_ok=True)
-        root = vm.dir / "root.qcow2"
+        root = _power.root_disk_path(vm.pod, self.config.state_dir) or vm.dir / "root.qcow2"
         if plan.root_size is not None and plan.root_size < image.size:
             raise ProviderError(
                 "CreateContainerConfigError",
@@ -423,6 +433,7 @@ class VMProvider(RunnerProvider):
             "disks": [[str(p), bus] for p, bus in disks],
             "seed": str(seed),
             "network_key": vm.uid,
+            **_power.launch_extras(vm.pod, plan, self.config),
         }
         (vm.dir / "pod.json").write_text(json.dumps(vm.pod.to_dict()))
         vm.save()
@@ -454,9 +465,8 @@ class VMProvider(RunnerProvider):
             # A new console file per run, so that each run's log starts at its own boot.
             for stale in (vm.machine_dir / "console.log", console_mark):
                 stale.unlink(missing_ok=True)
-            spec = self._launch_spec(vm)
             vm.started_at = None
-            machine = await self.runtime.launch(spec)
+            machine = await _power.launch(self, vm)
             self._event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
         elif vm.started_at is not None:
             # Adopted, its guest up before the agent restarted: running since then. (One adopted
@@ -513,6 +523,7 @@ class VMProvider(RunnerProvider):
             seed=Path(launch["seed"]) if launch.get("seed") else None,
             network_key=launch.get("network_key"),
             accel=self.accel[0] if self.accel else "tcg",
+            **_power.launch_spec_extras(launch),
         )
 
     def _drop_old_logs(self, vm: _VM, run: int) -> None:
@@ -536,7 +547,12 @@ class VMProvider(RunnerProvider):
         grace = self._grace.get(key)
         if grace is None:
             grace = spec.terminationGracePeriodSeconds if spec else None
-        self._tasks.spawn(machine.stop(float(30 if grace is None else grace)), name=f"stop {key}")
+        seconds = float(30 if grace is None else grace)
+        stopping = key in self.runners and self.runners[key].stopping
+        if stopping and (power_off := _power.power_off(self, vm, machine, seconds)) is not None:
+            self._tasks.spawn(power_off, name=f"power off {key}")
+            return
+        self._tasks.spawn(machine.stop(seconds), name=f"stop {key}")
 
     async def update_pod(self, pod: ResolvedPod) -> None:
         """New contents of configMap, secret, downwardAPI and projected volumes reach the guest
@@ -550,7 +566,10 @@ class VMProvider(RunnerProvider):
         try:
             plan = self._plan(pod)
         except SpecError as e:
-            raise ProviderError("InvalidVMSpec", str(e)) from None
+            if not await _power.resize(self, vm, pod, None, str(e)):
+                raise ProviderError("InvalidVMSpec", str(e)) from None
+            return
+        await _power.resize(self, vm, pod, plan, None)
         old = {p: d for p, d in vm.plan.files.items() if p != ENV_FILE}
         new = {p: d for p, d in plan.files.items() if p != ENV_FILE}
         if ENV_FILE in vm.plan.files:
@@ -597,6 +616,7 @@ class VMProvider(RunnerProvider):
         if vm is None or vm.uid != meta.uid:
             return
         self._grace[key] = grace_period_seconds
+        _power.deleting(vm, pod)
         runner = self.runners.get(key)
         if runner is None:  # still preparing: nothing runs yet
             if (task := self._preparing.get(key)) is not None:
@@ -641,7 +661,8 @@ class VMProvider(RunnerProvider):
         await self._start()
         key = f"{namespace}/{name}"
         if key in self.runners:
-            return await super().get_pod(namespace, name)
+            pod = await super().get_pod(namespace, name)
+            return self._decorated(pod) if pod is not None else None
         vm = self.vms.get(key)
         if vm is None:
             return None
