@@ -14,6 +14,7 @@
     guestAgentTimeoutSeconds: 300
     defaults: {cpu: "1", memory: 256Mi}
     hotplug: {maxCpus: 4, maxMemory: 2Gi, memorySlots: 4}   # live-resize headroom (0: none)
+    storage: {kubeconfig: provisioner.kubeconfig, intervalSeconds: 2}  # PVC disks (`_volumes`)
 
 Everything is checked when the agent starts, and every error names the file and the field: a
 typo should stop the agent with a message, not surface later as a pod that never boots.
@@ -31,6 +32,7 @@ from typing import Any, Literal, cast
 import yaml
 
 from ...sdk.quantity import QuantityError, parse_quantity
+from ._volumes import StorageConfig
 
 __all__ = ["ConfigError", "ConfigMapSource", "VMConfig", "load_config"]
 
@@ -50,6 +52,7 @@ _KNOWN = {
     "guestAgentTimeoutSeconds",
     "defaults",
     "hotplug",
+    "storage",
 }
 _MIB = 2**20
 
@@ -91,6 +94,12 @@ class VMConfig:
     hotplug_max_vcpus: int = 4
     hotplug_max_memory: int = 2 * 2**30
     hotplug_slots: int = 4
+    storage: StorageConfig | None = None  # the PVC disk provisioner's credentials (`_volumes`)
+
+    @property
+    def volume_root(self) -> Path:
+        """Disk images of provisioned PVs (they outlive pods and VMs)."""
+        return self.state_dir / "volumes"
 
     @property
     def run_root(self) -> Path:
@@ -185,8 +194,22 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         default_millicpu=default_cpu,
         default_memory=default_memory,
         origin=origin,
+        storage=_storage(data.get("storage"), fail, base),
         **_hotplug(data.get("hotplug"), fail),
     )
+
+
+def _storage(value: object, fail: Any, base: Path) -> StorageConfig | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"kubeconfig", "intervalSeconds"}:
+        raise fail("storage", "expected a mapping with kubeconfig and intervalSeconds")
+    if not isinstance(value.get("kubeconfig"), str) or not value["kubeconfig"]:
+        raise fail("storage.kubeconfig", f"expected a path, got {value.get('kubeconfig')!r}")
+    interval = value.get("intervalSeconds", 2)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+        raise fail("storage.intervalSeconds", f"expected a positive number, got {interval!r}")
+    return StorageConfig(base / value["kubeconfig"], float(interval))
 
 
 def _hotplug(value: object, fail: Any) -> dict[str, int]:

@@ -108,6 +108,8 @@ class Saved:
                 f"the pod has {len(launch.get('disks', []))} disk(s), "
                 f"the hibernated machine had {saved_disks}"
             )
+        if len(launch.get("claims") or []) != len(self.launch.get("claims") or []):
+            return "the pod's persistentVolumeClaim disks differ from the hibernated machine's"
         if bool(launch.get("seed")) != bool(self.launch.get("seed")):
             return "the seed disk differs"
         return None

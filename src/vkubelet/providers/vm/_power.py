@@ -24,7 +24,7 @@ from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Pod
 
 from ...sdk import ProviderError, ResolvedPod
-from . import _hibernate, _resize
+from . import _hibernate, _resize, _volumes
 from ._backend import MachineHandle
 from ._config import VMConfig, quantity_bytes
 from ._machine import MachineExit
@@ -119,8 +119,36 @@ def launch_spec_extras(launch: dict[str, Any]) -> dict[str, Any]:
         "max_vcpus": launch.get("max_vcpus"),
         "max_memory_mib": launch.get("max_memory_mib"),
         "memory_slots": int(launch.get("memory_slots", 0)),
-        "extra_args": _resize.hotplug_args(launch),
+        "extra_args": _volumes.drive_args(launch) + _resize.hotplug_args(launch),
     }
+
+
+# -- PVC disks ----------------------------------------------------------------------------------
+def start_storage(provider: VMProvider) -> None:
+    """The disk provisioner of this node, when the config gives it credentials."""
+    storage = provider.config.storage
+    if storage is None:
+        return
+    provisioner = _volumes.DiskProvisioner(
+        provider.node_name, storage, provider.config.volume_root, provider.runtime.create_blank
+    )
+    provider.disk_provisioner = provisioner
+    provider._tasks.spawn(provisioner.run(), name="disk provisioner")
+
+
+async def claim_disks(provider: VMProvider, vm: _VM, plan: MachinePlan) -> dict[str, Any]:
+    """The pod's PVC disks, for its launch (a claim not bound yet: retried with back-off)."""
+    if not plan.claims:
+        return {}
+    provisioner = provider.disk_provisioner
+    if provisioner is None:
+        raise ProviderError(
+            "CreateContainerConfigError",
+            "spec.volumes: persistentVolumeClaim disks need `storage` in the node's vm config",
+        )
+    namespace = str(vm.pod.metadata.namespace if vm.pod.metadata else "default")
+    disks = [await provisioner.claim_disk(namespace, claim) for claim in plan.claims]
+    return {"claims": [[str(d.path), d.serial] for d in disks]}
 
 
 def _headroom(launch: dict[str, Any]) -> _resize.Headroom:

@@ -60,6 +60,7 @@ from ._console import ConsoleTailer
 from ._spec import ENV_FILE, MachinePlan, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
+from ._volumes import DiskProvisioner
 
 __all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
 
@@ -172,6 +173,7 @@ class VMProvider(RunnerProvider):
         self.millicpu = max(cpus - config.reserved_millicpu, 0)
         self.memory = max(memory - config.reserved_memory, 0)
         self.accel: tuple[str, str] | None = None  # (accel, reason) once probed
+        self.disk_provisioner: DiskProvisioner | None = None  # PVC disks (`_power.start_storage`)
         self._push: Callable[[Pod], None] = lambda pod: None
         self._node_changed: Callable[[Node], None] = lambda node: None
         self._grace: dict[str, int] = {}
@@ -242,6 +244,7 @@ class VMProvider(RunnerProvider):
         self._node_changed(Node())  # the Accelerator condition, published now
         await self._adopt_all()
         self._tasks.spawn(self._gc_loop(), name="image gc")
+        _power.start_storage(self)
         if self.config.translation_config_map is not None:
             self._tasks.spawn(self._config_map_loop(), name="translation configmap")
 
@@ -434,6 +437,7 @@ class VMProvider(RunnerProvider):
             "seed": str(seed),
             "network_key": vm.uid,
             **_power.launch_extras(vm.pod, plan, self.config),
+            **(await _power.claim_disks(self, vm, plan)),
         }
         (vm.dir / "pod.json").write_text(json.dumps(vm.pod.to_dict()))
         vm.save()

@@ -263,6 +263,9 @@ class ResizeState:
     pending: tuple[str, str] | None = None
     in_progress: bool = False
     error: str | None = None
+    # The status is merged into the API's (strategic merge patch): a condition once reported
+    # stays until it is reported otherwise, so a resolved one is reported False.
+    reported: frozenset[str] = frozenset()
 
 
 def decorate(status: PodStatus, state: ResizeState, container: str, since: datetime | None) -> None:
@@ -286,6 +289,10 @@ def decorate(status: PodStatus, state: ResizeState, container: str, since: datet
                 lastTransitionTime=now,
             )
         )
+    elif "PodResizePending" in state.reported:
+        conditions.append(
+            PodCondition(type="PodResizePending", status="False", lastTransitionTime=now)
+        )
     if state.in_progress or state.error:
         conditions.append(
             PodCondition(
@@ -296,4 +303,9 @@ def decorate(status: PodStatus, state: ResizeState, container: str, since: datet
                 lastTransitionTime=now,
             )
         )
+    elif "PodResizeInProgress" in state.reported:
+        conditions.append(
+            PodCondition(type="PodResizeInProgress", status="False", lastTransitionTime=now)
+        )
+    state.reported |= {c.type for c in conditions if c.type.startswith("PodResize")}
     status.conditions = conditions
