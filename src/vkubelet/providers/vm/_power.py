@@ -262,7 +262,7 @@ async def _hibernate_or_stop(
         message = await _hibernate.hibernate(
             machine, directory, dict(vm.launch), timeout=max(grace * 0.8, 5.0)
         )
-    except _hibernate.HibernateError as e:
+    except (_hibernate.HibernateError, OSError) as e:
         vm.power.outcome = (_hibernate.HIBERNATE_FAILED, str(e))
         provider._event(vm, "Warning", _hibernate.HIBERNATE_FAILED, f"shutting down: {e}")
         _hibernate.drop_state(directory)

@@ -259,3 +259,36 @@ def test_config_takes_hotplug_headroom_and_storage_credentials(tmp_path: Path) -
         parse_config({"hotplug": {"maxCpus": -1}}, origin="vm.yaml", base=tmp_path)
     with pytest.raises(ConfigError, match=r"vm.yaml: storage.kubeconfig"):
         parse_config({"storage": {}}, origin="vm.yaml", base=tmp_path)
+
+
+class _Monitor:
+    def __init__(self, fail: str) -> None:
+        self.fail, self.calls = fail, []  # type: tuple[str, list[str]]
+
+    async def execute(self, command: str, arguments: Any = None) -> Any:
+        from vkubelet.providers.vm._qmp import MonitorUnavailable
+
+        self.calls.append(command)
+        if command == self.fail:
+            raise MonitorUnavailable("QMP migrate: gone")
+        if command == "query-migrate":
+            return {"status": "failed", "error-desc": "disk full"}
+        return {}
+
+
+class _Machine:
+    def __init__(self, fail: str) -> None:
+        self.monitor = _Monitor(fail)
+
+
+@pytest.mark.parametrize("fail", ["migrate", "none"])
+async def test_a_failed_save_leaves_the_guest_running_and_says_why(
+    tmp_path: Path, fail: str
+) -> None:
+    machine: Any = _Machine(fail)
+    with pytest.raises(_hibernate.HibernateError) as caught:
+        await _hibernate.hibernate(machine, tmp_path, {"vcpus": 1})
+    assert machine.monitor.calls[0] == "stop" and machine.monitor.calls[-1] == "cont"
+    if fail == "none":
+        assert "disk full" in str(caught.value)
+    assert _hibernate.saved_state(tmp_path) is None
