@@ -329,7 +329,7 @@ def test_hibernate_and_resume_keep_memory_and_uptime_faster_than_a_cold_boot(
     assert events.strip()
 
 
-def test_a_cold_boot_keeps_the_claim_s_data_and_is_slower_than_the_resume(
+def test_a_cold_boot_keeps_the_claim_s_data_a_failed_hibernation_shuts_down_and_delete_reclaims(
     node: Node, vm: Booted
 ) -> None:
     assert vm.name == "power-2", "runs after the hibernation test"
@@ -347,7 +347,7 @@ def test_a_cold_boot_keeps_the_claim_s_data_and_is_slower_than_the_resume(
     started = time.monotonic()
     node.kubectl(
         "-n", node.namespace, "apply", "-f", "-",
-        input=json.dumps(_vm_pod(node, "power-3", vm.machine, "1", "256Mi", "Shutdown")),
+        input=json.dumps(_vm_pod(node, "power-3", vm.machine, "1", "256Mi")),
     )  # fmt: skip
     wait_for(lambda: node.running("power-3"), timeout=BOOT_TIMEOUT, interval=0.5, what="booted")
     cold_seconds = time.monotonic() - started
@@ -366,12 +366,27 @@ def test_a_cold_boot_keeps_the_claim_s_data_and_is_slower_than_the_resume(
     image = Path(pv["spec"]["local"]["path"])
     assert image.is_file() and image.parent.name == "volumes"
 
+    # A hibernation that cannot be saved (here: its directory cannot be made) is reported, and
+    # the VM is shut down normally instead.
+    blocker = node.state / "machines" / vm.machine / "hibernate"
+    blocker.write_text("not a directory")
+    node.kubectl("-n", node.namespace, "delete", "pod", "power-3", "--wait=false")
+
+    def final_state() -> dict[str, Any] | None:
+        state = node.pod("power-3")["status"]["containerStatuses"][0]["state"]
+        return dict(state["terminated"]) if "terminated" in state else None
+
+    terminated = wait_for(final_state, timeout=120, interval=1, what="the VM stopped")
+    assert terminated["reason"] == "HibernateFailed", terminated
+    assert terminated["exitCode"] == 0  # the guest shut down cleanly instead
+    blocker.unlink()
+
     # Reclaim policy Delete: the claim gone, the agent removes the PV and its file.
     node.kubectl(
         "-n", node.namespace, "patch", "pod", "power-3", "--type=json",
         "-p", '[{"op":"remove","path":"/metadata/finalizers"}]',
     )  # fmt: skip
-    node.kubectl("-n", node.namespace, "delete", "pod", "power-3", "--timeout=120s")
+    node.kubectl("-n", node.namespace, "wait", "--for=delete", "pod/power-3", "--timeout=60s")
     node.kubectl("-n", node.namespace, "delete", "pvc", "data", "--timeout=60s")
     wait_for(
         lambda: not node.kubectl("get", "pv", pv_name, check=False).stdout.strip(),
