@@ -19,6 +19,7 @@ import shutil
 import signal
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -291,6 +292,7 @@ def test_hibernate_and_resume_keep_memory_and_uptime_faster_than_a_cold_boot(
     )
     value = node.sh(vm.name, "cat /mnt/mem/value")
     uptime = _uptime(node, vm.name)
+    old_ip = node.pod(vm.name)["status"]["podIP"]
     disk = node.sh(vm.name, FIND_DISK)
     assert disk.startswith("vd"), disk  # the PVC, found by its serial
     node.sh(vm.name, f"echo on-the-claim | dd of=/dev/{disk} bs=512 conv=sync && sync")
@@ -310,6 +312,24 @@ def test_hibernate_and_resume_keep_memory_and_uptime_faster_than_a_cold_boot(
     )  # fmt: skip
     node.kubectl("-n", node.namespace, "wait", "--for=delete", f"pod/{vm.name}", "--timeout=60s")
     vm.name = "power-2"
+    # A pod that never boots (no image rule) takes the freed address, so that the resumed
+    # guest's new pod gets another one and must move to it.
+    placeholder = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "placeholder"},
+        "spec": {
+            "nodeName": node.name,
+            "tolerations": [TOLERATION],
+            "containers": [{"name": "vm", "image": "vm.vkubelet.io/absent"}],
+        },
+    }
+    node.kubectl("-n", node.namespace, "apply", "-f", "-", input=json.dumps(placeholder))
+    wait_for(
+        lambda: node.pod("placeholder")["status"].get("podIP") == old_ip,
+        timeout=60,
+        what="the placeholder holds the old address",
+    )
 
     started = time.monotonic()
     node.kubectl(
@@ -322,6 +342,17 @@ def test_hibernate_and_resume_keep_memory_and_uptime_faster_than_a_cold_boot(
     assert _uptime(node, "power-2") > uptime  # the same boot, continued
     assert node.sh("power-2", "nproc") == "2"  # the hotplugged CPU came back with the state
     assert not saved.exists()  # dropped once resumed
+    # the guest moved to the new pod's address: the host reaches it there
+    pod_ip = node.pod("power-2")["status"]["podIP"]
+    assert pod_ip != old_ip
+    assert f" {pod_ip}/" in node.sh("power-2", "ip -o -4 addr show")
+    node.sh("power-2", "mkdir -p /srv && echo resumed > /srv/index.html && httpd -p 8080 -h /srv")
+    fetched = wait_for(
+        lambda: urllib.request.urlopen(f"http://{pod_ip}:8080/index.html", timeout=2).read(),
+        timeout=30,
+        what="the resumed guest served on its new pod IP",
+    )
+    assert fetched == b"resumed\n"
     events = node.kubectl(
         "-n", node.namespace, "get", "events", "--field-selector",
         "involvedObject.name=power-2,reason=Resumed", "-o", "name",

@@ -13,6 +13,7 @@ delegate here, so that `_provider.py` carries only one-line calls.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, replace
@@ -226,6 +227,9 @@ async def _resume(
         )
         vm.power.pending_since = datetime.now(UTC)
     vm.power.outcome = None
+    old = saved.launch.get("address")
+    if old and vm.address and old != vm.address:
+        await _readdress(provider, vm, machine, str(old), vm.address)
     provider._event(
         vm,
         "Normal",
@@ -234,6 +238,39 @@ async def _resume(
         f"saved {time.time() - saved.saved_at:.0f} s ago)",
     )
     return handle
+
+
+# The guest's interface holding address $1 gets $2/$3 instead, the default route via $4, and
+# forgets its neighbours (the new pod's gateway link has another MAC). Arguments, never code.
+# The old address goes first: deleting a primary address deletes the secondaries of its subnet.
+_READDRESS = (
+    'dev=$(ip -o -4 addr show | while read -r _ d _ a _; do [ "${a%/*}" = "$1" ] && echo "$d" '
+    '&& break; done); [ -n "$dev" ] || exit 3; ip addr del "$1/$3" dev "$dev" && '
+    'ip addr add "$2/$3" dev "$dev" && ip route replace default via "$4" dev "$dev" && '
+    'ip neigh flush dev "$dev"'
+)
+
+
+async def _readdress(provider: VMProvider, vm: _VM, machine: Any, old: str, new: str) -> None:
+    """A resumed guest still has its previous pod's address (the pod network is keyed by the
+    pod): move it to this pod's, through the guest agent, so probes, port-forward and Services
+    reach it. A guest without `ip` (or an agent) keeps the old one: a Warning says so."""
+    network = ipaddress.IPv4Network(provider.config.pod_cidr)
+    gateway = str(network.network_address + 1)  # as `_net.PodNetwork` assigns it
+    argv = ["sh", "-c", _READDRESS, "sh", old, new, str(network.prefixlen), gateway]
+    try:
+        result = await machine.agent.exec(argv, timeout=10)
+        failed = result.exit_code != 0
+        why = result.stderr.decode(errors="replace")[:200] or f"exit {result.exit_code}"
+    except (GuestAgentError, GuestAgentUnavailable, TimeoutError, OSError) as e:
+        failed, why = True, str(e)
+    if failed:
+        provider._event(
+            vm,
+            "Warning",
+            "ReaddressFailed",
+            f"the resumed guest keeps its previous address {old} (not {new}): {why}",
+        )
 
 
 def power_off(
@@ -260,7 +297,10 @@ async def _hibernate_or_stop(
     started = time.monotonic()
     try:
         message = await _hibernate.hibernate(
-            machine, directory, dict(vm.launch), timeout=max(grace * 0.8, 5.0)
+            machine,
+            directory,
+            {**vm.launch, "address": vm.address},
+            timeout=max(grace * 0.8, 5.0),
         )
     except (_hibernate.HibernateError, OSError) as e:
         vm.power.outcome = (_hibernate.HIBERNATE_FAILED, str(e))

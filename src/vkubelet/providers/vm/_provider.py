@@ -565,7 +565,7 @@ class VMProvider(RunnerProvider):
         container's start-time environment: the env file changes only with the pod."""
         key = f"{pod.namespace}/{pod.name}"
         vm = self.vms.get(key)
-        if vm is None or vm.uid != pod.uid or vm.plan is None or not vm.launch:
+        if vm is None or vm.uid != pod.uid or not vm.launch:
             return  # not made yet: the seed is written with the newest files anyway
         try:
             plan = self._plan(pod)
@@ -573,7 +573,9 @@ class VMProvider(RunnerProvider):
             if not await _power.resize(self, vm, pod, None, str(e)):
                 raise ProviderError("InvalidVMSpec", str(e)) from None
             return
-        await _power.resize(self, vm, pod, plan, None)
+        await _power.resize(self, vm, pod, plan, None)  # also for a VM adopted after a restart
+        if vm.plan is None:
+            return  # adopted: its files are those it was made with
         old = {p: d for p, d in vm.plan.files.items() if p != ENV_FILE}
         new = {p: d for p, d in plan.files.items() if p != ENV_FILE}
         if ENV_FILE in vm.plan.files:
