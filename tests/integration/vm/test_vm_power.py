@@ -425,3 +425,62 @@ def test_a_cold_boot_keeps_the_claim_s_data_a_failed_hibernation_shuts_down_and_
         what="the PV deleted",
     )
     assert not image.exists()
+
+
+def test_a_retained_claim_keeps_its_pv_and_file_and_a_named_node_counts_as_selected(
+    node: Node,
+) -> None:
+    retain = f"vm-disk-retain-{uuid.uuid4().hex[:6]}"
+    storage_class = {
+        "apiVersion": "storage.k8s.io/v1",
+        "kind": "StorageClass",
+        "metadata": {"name": retain},
+        "provisioner": "vm.vkubelet.io/disk",
+        "volumeBindingMode": "WaitForFirstConsumer",
+        "reclaimPolicy": "Retain",
+    }
+    claim = {**CLAIM, "metadata": {"name": "kept"}}
+    claim["spec"] = {**CLAIM["spec"], "storageClassName": retain}  # type: ignore[dict-item]
+    # No scheduler (nodeName) and no boot (an image without a rule): only the claim matters.
+    consumer = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "consumer"},
+        "spec": {
+            "nodeName": node.name,
+            "tolerations": [TOLERATION],
+            "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "kept"}}],
+            "containers": [{"name": "vm", "image": "vm.vkubelet.io/absent"}],
+        },
+    }
+    node.kubectl("apply", "-f", "-", input=json.dumps(storage_class))
+    try:
+        for manifest in (claim, consumer):
+            node.kubectl("-n", node.namespace, "apply", "-f", "-", input=json.dumps(manifest))
+
+        def bound() -> str | None:
+            found = node.kubectl.json("-n", node.namespace, "get", "pvc", "kept")
+            if found["status"].get("phase") != "Bound":
+                return None
+            return str(found["spec"]["volumeName"])
+
+        pv_name = wait_for(bound, timeout=60, what="the claim bound")
+        image = Path(node.kubectl.json("get", "pv", pv_name)["spec"]["local"]["path"])
+        assert image.is_file()
+        node.kubectl("-n", node.namespace, "delete", "pod", "consumer", "--timeout=60s")
+        node.kubectl("-n", node.namespace, "delete", "pvc", "kept", "--timeout=60s")
+
+        def phase() -> str:
+            return str(node.kubectl.json("get", "pv", pv_name)["status"].get("phase"))
+
+        wait_for(lambda: phase() == "Released", timeout=60, what="the PV released")
+        deadline = time.monotonic() + 5  # the provisioner runs every second: it had its chances
+        while time.monotonic() < deadline:
+            assert phase() == "Released" and image.is_file()
+            time.sleep(0.5)
+    finally:
+        node.kubectl("delete", "storageclass", retain, "--ignore-not-found", check=False)
+        for pv in node.kubectl.json("get", "pv")["items"]:
+            if pv["spec"].get("storageClassName") == retain:
+                node.kubectl("delete", "pv", pv["metadata"]["name"], check=False)
+                Path(pv["spec"]["local"]["path"]).unlink(missing_ok=True)
