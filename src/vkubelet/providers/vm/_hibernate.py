@@ -101,14 +101,17 @@ class Saved:
     size: int
 
     def compatible(self, launch: dict[str, Any]) -> str | None:
-        """Why `launch` cannot resume this state, or None when it can."""
-        saved_disks = len(self.launch.get("disks", []))
-        if len(launch.get("disks", [])) != saved_disks:
+        """Why `launch` cannot resume this state, or None when it can: the writable disks must
+        be the very files the hibernated guest had (the seed, read-only, may be another)."""
+        mine = [str(d[0]) for d in launch.get("disks", [])]
+        saved = [str(d[0]) for d in self.launch.get("disks", [])]
+        if mine != saved:
             return (
-                f"the pod has {len(launch.get('disks', []))} disk(s), "
-                f"the hibernated machine had {saved_disks}"
+                f"the pod's disks {mine} are not the hibernated machine's {saved} "
+                "(only disks kept in the machine's directory survive its pods)"
             )
-        if len(launch.get("claims") or []) != len(self.launch.get("claims") or []):
+        claims = [str(c[0]) for c in launch.get("claims") or []]
+        if claims != [str(c[0]) for c in self.launch.get("claims") or []]:
             return "the pod's persistentVolumeClaim disks differ from the hibernated machine's"
         if bool(launch.get("seed")) != bool(self.launch.get("seed")):
             return "the seed disk differs"

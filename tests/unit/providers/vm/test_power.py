@@ -131,7 +131,8 @@ def test_a_saved_state_resumes_only_with_the_same_disks(tmp_path: Path) -> None:
     saved = _hibernate.Saved(
         tmp_path / "state", {"disks": [["r", "virtio"]], "seed": "s", "claims": []}, 0.0, 1
     )
-    assert saved.compatible({"disks": [["r2", "virtio"]], "seed": "s2"}) is None
+    assert saved.compatible({"disks": [["r", "virtio"]], "seed": "another pod's"}) is None
+    assert saved.compatible({"disks": [["r2", "virtio"]], "seed": "s"})  # another root file
     assert saved.compatible({"disks": [["r", "virtio"], ["x", "virtio"]], "seed": "s"})
     assert saved.compatible({"disks": [["r", "virtio"]], "seed": "s", "claims": [["c", "c"]]})
     # the resumed launch takes the saved layout (hotplugged devices included), not the pod's
