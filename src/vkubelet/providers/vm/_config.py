@@ -13,6 +13,7 @@
     imageGCIntervalSeconds: 600
     guestAgentTimeoutSeconds: 300
     defaults: {cpu: "1", memory: 256Mi}
+    backupDirectories: [/srv/backups]    # where backup pods may write (default <stateDir>/backups)
 
 Everything is checked when the agent starts, and every error names the file and the field: a
 typo should stop the agent with a message, not surface later as a pod that never boots.
@@ -48,6 +49,7 @@ _KNOWN = {
     "imageGCIntervalSeconds",
     "guestAgentTimeoutSeconds",
     "defaults",
+    "backupDirectories",
 }
 _MIB = 2**20
 
@@ -84,6 +86,12 @@ class VMConfig:
     default_millicpu: int = 1000
     default_memory: int = 256 * _MIB
     origin: str = "<defaults>"  # the file, for messages
+    # Backup pods write and restores read only below these (absolute); () = <stateDir>/backups.
+    backup_directories: tuple[Path, ...] = ()
+
+    @property
+    def backup_roots(self) -> tuple[Path, ...]:
+        return self.backup_directories or (self.state_dir.resolve() / "backups",)
 
     @property
     def run_root(self) -> Path:
@@ -162,7 +170,11 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
     translations = data.get("translations", [])
     if not isinstance(translations, list) or not all(isinstance(r, dict) for r in translations):
         raise fail("translations", "expected a list of rules (mappings with name|regexp, url)")
+    backups = data.get("backupDirectories", [])
+    if not isinstance(backups, list) or not all(isinstance(d, str) and d for d in backups):
+        raise fail("backupDirectories", f"expected a list of directories, got {backups!r}")
     return VMConfig(
+        backup_directories=tuple((base / d).resolve() for d in backups),
         translation_config_map=_config_map(data.get("translationConfigMap"), fail, base),
         state_dir=state_dir,
         image_store=image_store,
