@@ -61,7 +61,8 @@ class Node:
         return self.kubectl("-n", self.namespace, "exec", pod, "--", "sh", "-c", script).stdout
 
     def pod(self, name: str) -> dict[str, Any]:
-        return self.kubectl.json("-n", self.namespace, "get", "pod", name)
+        pod: dict[str, Any] = self.kubectl.json("-n", self.namespace, "get", "pod", name)
+        return pod
 
     def apply(self, manifest: dict[str, Any]) -> None:
         self.kubectl("-n", self.namespace, "apply", "-f", "-", input=json.dumps(manifest))
@@ -116,8 +117,10 @@ def _clean_up(workdir: Path, cidr: str) -> None:
             os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
     network = PodNetwork(cidr)
 
+    run_dirs = list(workdir.glob("state/vms/*"))
+
     async def detach_all() -> None:
-        for run_dir in workdir.glob("state/vms/*"):
+        for run_dir in run_dirs:
             await network.detach(run_dir.name)
 
     asyncio.run(detach_all())
@@ -192,7 +195,8 @@ def _backup(node: Node, name: str, target: dict[str, Any], of: str = "src") -> d
         pod = node.pod(name)
         return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
 
-    return wait_for(ended, timeout=120, interval=1, what=f"backup pod {name} ended")
+    pod: dict[str, Any] = wait_for(ended, timeout=120, interval=1, what=f"backup pod {name} ended")
+    return pod
 
 
 def _terminated(pod: dict[str, Any]) -> dict[str, Any]:
