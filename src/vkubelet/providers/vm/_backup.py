@@ -253,10 +253,13 @@ class _Run:
 
 async def _freeze(run: _Run) -> str:
     """Freeze the guest's filesystems; the consistency the backup will have."""
-    run.frozen = True  # a freeze that times out may have frozen some: thaw regardless
+    run.frozen = True  # from here on every path thaws (a freeze may act before it answers)
     try:
         count = await run.machine.agent.call("guest-fsfreeze-freeze", timeout=_FREEZE_TIMEOUT)
     except Exception as e:  # no agent, an agent without fsfreeze, a timeout: crash-consistent
+        # An agent that could not be reached, or refused (qemu-ga thaws what it froze when
+        # the freeze fails), froze nothing; one that did not answer in time may have.
+        run.frozen = isinstance(e, TimeoutError)
         run.progress(f"guest filesystems not frozen ({e}); the backup is crash-consistent")
         return f"crash-consistent (guest agent: {e})"
     run.progress(f"guest filesystems frozen ({count})")
