@@ -1,0 +1,11 @@
+from lightkube.generic_resource import create_namespaced_resource
+
+VirtualMachine = create_namespaced_resource(
+    "vkubelet.io", "v1alpha1", "VirtualMachine", "virtualmachines"
+)
+VirtualMachineBackup = create_namespaced_resource(
+    "vkubelet.io", "v1alpha1", "VirtualMachineBackup", "virtualmachinebackups"
+)
+VirtualMachineMigration = create_namespaced_resource(
+    "vkubelet.io", "v1alpha1", "VirtualMachineMigration", "virtualmachinemigrations"
+)
