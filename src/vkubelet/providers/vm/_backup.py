@@ -249,6 +249,9 @@ class _Run:
     frozen: bool = False
     targets: list[str] = field(default_factory=list)  # blockdev node names added
     jobs: list[str] = field(default_factory=list)
+    # A full backup's new bitmaps: dropped if it fails, else the next incremental would count
+    # from this failed backup's instant instead of from the last good one.
+    new_bitmaps: list[tuple[str, str]] = field(default_factory=list)
 
 
 async def _freeze(run: _Run) -> str:
@@ -414,6 +417,8 @@ async def run_backup(
             raise
         finally:
             await _thaw(run)  # the jobs' copy-before-write holds the point in time now
+        if kind == "full":
+            run.new_bitmaps = [(name, bitmap) for name in names]
         progress("backup jobs started, guest running")
         await _wait_jobs(run)
     except BaseException as e:  # cancelled too (the backup pod deleted): clean up, then go
@@ -504,6 +509,11 @@ async def _clean_up(run: _Run, backup_dir: Path) -> None:
             break
         await asyncio.sleep(_POLL)
     run.jobs.clear()
+    for node, name in run.new_bitmaps:
+        with contextlib.suppress(Exception):
+            await run.machine.monitor.execute(
+                "block-dirty-bitmap-remove", {"node": node, "name": name}
+            )
     await _drop_targets(run)
     shutil.rmtree(backup_dir, ignore_errors=True)
 
@@ -512,6 +522,12 @@ async def _clean_up(run: _Run, backup_dir: Path) -> None:
 def resolve_restore(text: str, allowed: Sequence[Path]) -> list[Path]:
     """The disk files (root first) of the backup `text` names: a manifest (its latest backup) or
     one backup's directory. Only under the node's backup directories."""
+    if not text.startswith("/"):
+        raise BackupError(
+            "RestoreFailed",
+            f"{RESTORE_FROM}: {text!r} is not a backup's path (a manifest.json or a backup "
+            "directory, as a VirtualMachineBackup's status.path gives it)",
+        )
     path = _absolute_directory(text, RESTORE_FROM, allowed)
     if path.name == MANIFEST:
         chain_dir, wanted = path.parent, None

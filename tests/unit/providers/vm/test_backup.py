@@ -94,6 +94,8 @@ class FakeMonitor:
                     }
         elif command == "query-jobs":
             return list(self.jobs.values())
+        elif command == "block-dirty-bitmap-remove":
+            self.bitmaps.pop(arguments["node"], None)
         elif command == "job-dismiss":
             self.jobs.pop(arguments["id"], None)
         return {}
@@ -269,6 +271,30 @@ def test_a_freeze_that_timed_out_is_thawed(tmp_path: Path) -> None:
     result, _ = _backup(machine, tmp_path)
     assert result.consistency.startswith("crash-consistent")
     assert "guest-fsfreeze-thaw" in machine.agent.calls and not machine.agent.frozen
+
+
+def test_a_failed_full_backup_drops_its_new_bitmap_so_the_next_one_is_full_again(
+    tmp_path: Path,
+) -> None:
+    machine = FakeMachine(FakeMonitor(), FakeAgent())
+    _backup(machine, tmp_path)
+    machine.monitor.job_error = "I/O error"
+    with pytest.raises(BackupError):
+        _backup(machine, tmp_path, "Full")
+    assert not machine.monitor.bitmaps
+    machine.monitor.job_error = ""
+    assert _backup(machine, tmp_path)[0].kind == "full"
+
+
+def test_restore_from_one_backup_s_directory_takes_that_point_of_the_chain(
+    tmp_path: Path,
+) -> None:
+    machine = FakeMachine(FakeMonitor(), FakeAgent())
+    first, _ = _backup(machine, tmp_path)
+    _backup(machine, tmp_path)
+    assert resolve_restore(first.path, [tmp_path])[0] == Path(first.path) / "disk0.qcow2"
+    with pytest.raises(BackupError, match="not a backup's path"):
+        resolve_restore("nightly", [tmp_path])
 
 
 def test_restore_sources_must_be_inside_the_allowed_directories(tmp_path: Path) -> None:
