@@ -135,7 +135,7 @@ def _vm_pod(node: Node, name: str, annotations: dict[str, str] | None = None) ->
             "nodeName": node.name,
             "tolerations": [TOLERATION],
             "terminationGracePeriodSeconds": 10,
-            "volumes": [{"name": "data", "emptyDir": {"sizeLimit": "64Mi"}}],
+            "volumes": [{"name": "data", "emptyDir": {"sizeLimit": "256Mi"}}],
             "containers": [
                 {
                     "name": "vm",
@@ -155,14 +155,16 @@ def _running(node: Node, name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def source(node: Node) -> str:
-    """The VM backed up: a fresh ext2 on its data disk, a marker written and synced, then a
-    writer appending lines for as long as the VM lives."""
+    """The VM backed up: a fresh ext2 on its data disk, a marker and 160 MiB of data written
+    and synced (enough for the full copy to take measurably longer than an incremental one),
+    then a writer appending lines for as long as the VM lives."""
     node.apply(_vm_pod(node, "src"))
     wait_for(lambda: _running(node, "src"), timeout=BOOT_TIMEOUT, interval=2, what="src Running")
     node.exec(
         "src",
         "mke2fs -q -F /dev/vdb && mkdir -p /data && mount -t ext4 /dev/vdb /data "
-        "&& echo before-the-freeze > /data/marker && sync",
+        "&& echo before-the-freeze > /data/marker "
+        "&& dd if=/dev/zero of=/data/blob bs=1M count=160 2>/dev/null && sync",
     )
     node.exec("src", f"setsid sh -c '{WRITER}' </dev/null >/dev/null 2>&1 &")
     wait_for(lambda: int(node.exec("src", "wc -l < /data/log").strip() or 0) > 100, what="writer")
@@ -244,7 +246,10 @@ def test_the_second_backup_is_incremental_smaller_and_faster(
 ) -> None:
     assert incremental["kind"] == "incremental"
     assert incremental["sizeBytes"] < full["sizeBytes"] / 2
-    assert incremental["durationSeconds"] < full["durationSeconds"]
+    # the copy is what scales with the data; the whole duration also counts fixed costs (the
+    # freeze, qemu-img, QMP round trips) that vary by seconds on a busy machine
+    assert incremental["copySeconds"] < full["copySeconds"], (incremental, full)
+    assert 0 < incremental["durationSeconds"] < 30
     path = Path(incremental["path"])
     info = subprocess.run(
         ["qemu-img", "info", "--output=json", str(path / "disk1.qcow2")],
@@ -300,3 +305,30 @@ def test_bad_targets_and_an_unknown_vm_are_refused_with_a_clear_reason(
         "-n", node.namespace, "get", "events", "--field-selector", "involvedObject.name=bad-vm"
     )
     assert any(e["reason"] == "VMNotFound" for e in events["items"])
+
+
+def test_a_backup_failing_after_the_freeze_leaves_the_guest_thawed_and_no_files(
+    node: Node, source: str
+) -> None:
+    """A target that fills up fails the copy after the freeze (the jobs run once the guest is
+    thawed): the pod fails with QEMU's words, the writer goes on, nothing partial is left."""
+    small = node.backups / "small"
+    small.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    try:
+        pod = _backup(node, "backup-full-disk", {"directory": str(small)})
+        chain = small / node.namespace / "src"
+        leftovers = sorted(p.name for p in chain.iterdir())
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    assert pod["status"]["phase"] == "Failed"
+    terminated = _terminated(pod)
+    assert terminated["reason"] == "BackupFailed", terminated
+    assert "No space left on device" in terminated["message"], terminated
+    assert leftovers == []  # no backup directory, no manifest
+    logs = node.kubectl("-n", node.namespace, "logs", "backup-full-disk").stdout
+    assert "guest filesystems frozen" in logs and "guest filesystems thawed" in logs
+    # not frozen: the writer appends and a new file can be made at once
+    before = int(node.exec("src", "wc -l < /data/log"))
+    node.exec("src", "echo after > /data/after && sync")
+    wait_for(lambda: int(node.exec("src", "wc -l < /data/log")) > before, what="writer goes on")

@@ -56,7 +56,13 @@ class FakeMonitor:
         self.bitmaps: dict[str, dict[str, Any]] = {}
         self.jobs: dict[str, dict[str, Any]] = {}
         self.nodes: set[str] = set()
+        self.fdsets: set[int] = set()
         self.commands: list[tuple[str, Any]] = []
+
+    async def add_fd(self, fd: int) -> int:
+        self.fdsets.add(len(self.commands))
+        self.commands.append(("add-fd", None))
+        return len(self.commands) - 1
 
     async def execute(self, command: str, arguments: Any = None) -> Any:
         self.commands.append((command, arguments))
@@ -94,6 +100,8 @@ class FakeMonitor:
                     }
         elif command == "query-jobs":
             return list(self.jobs.values())
+        elif command == "remove-fd":
+            self.fdsets.discard(arguments["fdset-id"])
         elif command == "block-dirty-bitmap-remove":
             self.bitmaps.pop(arguments["node"], None)
         elif command == "job-dismiss":
@@ -169,7 +177,7 @@ def test_first_backup_is_full_with_a_new_persistent_bitmap_then_incremental_chai
     names = machine.monitor.names()
     assert names.index("transaction") < names.index("query-jobs")
     assert machine.agent.calls == ["guest-fsfreeze-freeze", "guest-fsfreeze-thaw"]
-    assert not machine.monitor.nodes and not machine.monitor.jobs
+    assert not machine.monitor.nodes and not machine.monitor.fdsets and not machine.monitor.jobs
     second, _ = _backup(machine, tmp_path)
     assert second.kind == "incremental"
     actions = [c[1]["actions"] for c in machine.monitor.commands if c[0] == "transaction"][1]
@@ -208,7 +216,7 @@ def test_the_guest_is_thawed_and_partial_files_removed_when_the_backup_fails(
         _backup(machine, tmp_path)
     assert caught.value.reason == "BackupFailed"
     assert machine.agent.calls[-1] == "guest-fsfreeze-thaw" and not machine.agent.frozen
-    assert not machine.monitor.nodes  # targets closed
+    assert not machine.monitor.nodes and not machine.monitor.fdsets  # targets closed
     assert not list((tmp_path / "ns" / "db").glob("0001-*"))
     assert not (tmp_path / "ns" / "db" / "manifest.json").exists()
 
@@ -219,7 +227,7 @@ def test_a_failed_job_fails_the_backup_with_qemu_s_words_and_the_guest_thawed(
     machine = FakeMachine(FakeMonitor(job_error="No space left on device"), FakeAgent())
     with pytest.raises(BackupError, match="No space left on device"):
         _backup(machine, tmp_path)
-    assert not machine.agent.frozen and not machine.monitor.nodes
+    assert not machine.agent.frozen and not machine.monitor.nodes and not machine.monitor.fdsets
 
 
 def test_a_cancelled_backup_cancels_its_jobs_and_removes_its_files_the_guest_thawed(
@@ -249,7 +257,12 @@ def test_a_cancelled_backup_cancels_its_jobs_and_removes_its_files_the_guest_tha
             await task
 
     asyncio.run(scenario())
-    assert "job-cancel" in monitor.names() and not monitor.nodes and not machine.agent.frozen
+    assert (
+        "job-cancel" in monitor.names()
+        and not monitor.nodes
+        and not monitor.fdsets
+        and not machine.agent.frozen
+    )
     assert not list((tmp_path / "ns" / "db").glob("0001-*"))
 
 
