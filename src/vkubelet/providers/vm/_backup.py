@@ -15,6 +15,11 @@ How a backup is taken, and why:
   backup job's copy-before-write filter makes that instant the point in time, so the guest is
   thawed as soon as the transaction returns; the copying goes on while the guest runs.
 - The thaw is in a `finally`: no error path leaves the guest frozen.
+- Target files reach QEMU as open descriptors (`add-fd`, `/dev/fdset/N`), not paths: QEMU runs
+  under `ip netns exec`, in a mount namespace of its own that does not see what was mounted on
+  the host after it started (a target volume, say). For the same reason an incremental target
+  is opened without its backing chain (`backing: null`); the job only writes into it, and
+  clusters that became zero are written as qcow2 zero flags, which mask the backing file.
 - A full backup copies every disk whole (`sync=full`) into a self-contained qcow2; an incremental
   one (`sync=incremental` with the bitmap, cleared by QEMU only on success) copies the clusters
   written since the previous backup into a qcow2 whose backing file is that backup's: the chain
@@ -326,7 +331,11 @@ async def run_backup(
         "vm": {"namespace": source.namespace, "name": source.vm_name},
         "backups": [],
     }
-    devices = await _block_devices(run)
+    try:
+        await _clear_leftovers(run)
+        devices = await _block_devices(run)
+    except Exception as e:  # QEMU going away, typically
+        raise BackupError("BackupFailed", f"{type(e).__name__}: {e}") from None
     names = [f"disk{i}" for i in range(len(source.disks))]
     missing = [n for n in names if n not in devices]
     if missing:
@@ -512,8 +521,39 @@ async def _drop_targets(run: _Run) -> None:
         run.fdsets.remove(fdset)
 
 
+async def _clear_leftovers(run: _Run) -> None:
+    """Jobs and target nodes an earlier backup left in this QEMU (its agent was killed midway):
+    they would hold the names this backup is about to use, and the target files open."""
+    monitor = run.machine.monitor
+    run.jobs = [str(j["id"]) for j in await monitor.execute("query-jobs") if _ours(j.get("id"))]
+    run.targets = [
+        str(n["node-name"])
+        for n in await monitor.execute("query-named-block-nodes", {"flat": True})
+        if _ours(n.get("node-name"))
+    ]
+    if run.jobs or run.targets:
+        run.progress(f"removing what an interrupted backup left: {run.jobs + run.targets}")
+        await _cancel_jobs(run)
+        await _drop_targets(run)
+
+
+def _ours(name: object) -> bool:
+    return isinstance(name, str) and name.startswith("vkb-")
+
+
 async def _clean_up(run: _Run, backup_dir: Path) -> None:
     """After a failure: no job left running, no target left open, no partial files."""
+    await _cancel_jobs(run)
+    for node, name in run.new_bitmaps:
+        with contextlib.suppress(Exception):
+            await run.machine.monitor.execute(
+                "block-dirty-bitmap-remove", {"node": node, "name": name}
+            )
+    await _drop_targets(run)
+    shutil.rmtree(backup_dir, ignore_errors=True)
+
+
+async def _cancel_jobs(run: _Run) -> None:
     for job in list(run.jobs):
         with contextlib.suppress(Exception):
             await run.machine.monitor.execute("job-cancel", {"id": job, "force": True})
@@ -530,13 +570,6 @@ async def _clean_up(run: _Run, backup_dir: Path) -> None:
             break
         await asyncio.sleep(_POLL)
     run.jobs.clear()
-    for node, name in run.new_bitmaps:
-        with contextlib.suppress(Exception):
-            await run.machine.monitor.execute(
-                "block-dirty-bitmap-remove", {"node": node, "name": name}
-            )
-    await _drop_targets(run)
-    shutil.rmtree(backup_dir, ignore_errors=True)
 
 
 # -- restore -------------------------------------------------------------------------------

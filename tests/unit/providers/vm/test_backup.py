@@ -30,9 +30,11 @@ class FakeAgent:
         self.calls: list[str] = []
         self.freeze_error = freeze_error
         self.frozen = False
+        self.log: list[tuple[str, Any]] = []
 
     async def call(self, command: str, arguments: Any = None, **_: Any) -> Any:
         self.calls.append(command)
+        self.log.append((f"qga {command}", None))
         if command == "guest-fsfreeze-freeze":
             if self.freeze_error is not None:
                 if isinstance(self.freeze_error, TimeoutError):
@@ -66,7 +68,7 @@ class FakeMonitor:
 
     async def execute(self, command: str, arguments: Any = None) -> Any:
         self.commands.append((command, arguments))
-        if command == self.fail:
+        if command == self.fail and (command != "query-jobs" or self.jobs):  # jobs: once copying
             raise RuntimeError(f"{command} failed")
         if command == "query-block":
             return [
@@ -100,6 +102,8 @@ class FakeMonitor:
                     }
         elif command == "query-jobs":
             return list(self.jobs.values())
+        elif command == "query-named-block-nodes":
+            return [{"node-name": n} for n in sorted(self.nodes)] + [{"node-name": "#block1"}]
         elif command == "remove-fd":
             self.fdsets.discard(arguments["fdset-id"])
         elif command == "block-dirty-bitmap-remove":
@@ -115,6 +119,7 @@ class FakeMonitor:
 class FakeMachine:
     def __init__(self, monitor: FakeMonitor, agent: FakeAgent) -> None:
         self.monitor, self.agent = monitor, agent
+        agent.log = monitor.commands  # one sequence of what QEMU and the guest were asked
 
 
 def _source(disks: int = 2) -> BackupSource:
@@ -175,7 +180,9 @@ def test_first_backup_is_full_with_a_new_persistent_bitmap_then_incremental_chai
     assert actions[1]["data"]["sync"] == "full"
     # frozen only around the transaction, thawed before the copy is waited for
     names = machine.monitor.names()
-    assert names.index("transaction") < names.index("query-jobs")
+    transaction = names.index("transaction")
+    assert names.index("qga guest-fsfreeze-freeze") < transaction
+    assert names.index("qga guest-fsfreeze-thaw") < names.index("query-jobs", transaction)
     assert machine.agent.calls == ["guest-fsfreeze-freeze", "guest-fsfreeze-thaw"]
     assert not machine.monitor.nodes and not machine.monitor.fdsets and not machine.monitor.jobs
     second, _ = _backup(machine, tmp_path)
@@ -308,6 +315,21 @@ def test_restore_from_one_backup_s_directory_takes_that_point_of_the_chain(
     assert resolve_restore(first.path, [tmp_path])[0] == Path(first.path) / "disk0.qcow2"
     with pytest.raises(BackupError, match="not a backup's path"):
         resolve_restore("nightly", [tmp_path])
+
+
+def test_jobs_and_targets_an_interrupted_backup_left_in_qemu_are_removed_first(
+    tmp_path: Path,
+) -> None:
+    monitor = FakeMonitor()
+    monitor.nodes.add("vkb-0001-0")
+    monitor.jobs["vkb-0001-0"] = {"id": "vkb-0001-0", "status": "concluded"}
+    machine = FakeMachine(monitor, FakeAgent())
+    result, lines = _backup(machine, tmp_path)
+    assert result.kind == "full"
+    assert ("blockdev-del", {"node-name": "vkb-0001-0"}) in monitor.commands
+    assert ("job-dismiss", {"id": "vkb-0001-0"}) in monitor.commands
+    assert not monitor.nodes and not monitor.jobs
+    assert any("interrupted backup" in line for line in lines)
 
 
 def test_restore_sources_must_be_inside_the_allowed_directories(tmp_path: Path) -> None:
