@@ -307,28 +307,34 @@ def test_bad_targets_and_an_unknown_vm_are_refused_with_a_clear_reason(
     assert any(e["reason"] == "VMNotFound" for e in events["items"])
 
 
-def test_a_backup_failing_after_the_freeze_leaves_the_guest_thawed_and_no_files(
+def test_a_target_without_room_is_refused_before_the_freeze_and_the_guest_runs_on(
     node: Node, source: str
 ) -> None:
-    """A target that fills up fails the copy after the freeze (the jobs run once the guest is
-    thawed): the pod fails with QEMU's words, the writer goes on, nothing partial is left."""
+    """A target too small for the copy is refused up front: were it to fill up mid-copy, the
+    jobs' copy-before-write would fail the guest's own writes (and pause the VM). One with room,
+    mounted after the VM started (QEMU's mount namespace never sees it), takes the backup: the
+    target reaches QEMU as a descriptor, not a path."""
     small = node.backups / "small"
     small.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
     try:
-        pod = _backup(node, "backup-full-disk", {"directory": str(small)})
+        pod = _backup(node, "backup-no-room", {"directory": str(small)})
         chain = small / node.namespace / "src"
         leftovers = sorted(p.name for p in chain.iterdir())
     finally:
         subprocess.run(["umount", str(small)], check=False)
     assert pod["status"]["phase"] == "Failed"
     terminated = _terminated(pod)
-    assert terminated["reason"] == "BackupFailed", terminated
-    assert "No space left on device" in terminated["message"], terminated
+    assert terminated["reason"] == "TargetRefused", terminated
+    assert "bytes free, this full backup needs about" in terminated["message"], terminated
     assert leftovers == []  # no backup directory, no manifest
-    logs = node.kubectl("-n", node.namespace, "logs", "backup-full-disk").stdout
-    assert "guest filesystems frozen" in logs and "guest filesystems thawed" in logs
-    # not frozen: the writer appends and a new file can be made at once
+    logs = node.kubectl("-n", node.namespace, "logs", "backup-no-room").stdout
+    assert "guest filesystems frozen" not in logs
     before = int(node.exec("src", "wc -l < /data/log"))
-    node.exec("src", "echo after > /data/after && sync")
     wait_for(lambda: int(node.exec("src", "wc -l < /data/log")) > before, what="writer goes on")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320m", "tmpfs", str(small)], check=True)
+    try:
+        result = _result(_backup(node, "backup-late-mount", {"directory": str(small)}))
+        assert result["kind"] == "full" and Path(result["path"]).parent.parent.parent == small
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

@@ -15,6 +15,9 @@ How a backup is taken, and why:
   backup job's copy-before-write filter makes that instant the point in time, so the guest is
   thawed as soon as the transaction returns; the copying goes on while the guest runs.
 - The thaw is in a `finally`: no error path leaves the guest frozen.
+- A target without room for the copy is refused before the freeze (`qemu-img measure`, or the
+  bitmaps' dirty bytes): one that filled up mid-copy would fail the copy-before-write, i.e. the
+  guest's own writes (QEMU 7.2's blockdev-backup has no `on-cbw-error=break-snapshot`).
 - Target files reach QEMU as open descriptors (`add-fd`, `/dev/fdset/N`), not paths: QEMU runs
   under `ip netns exec`, in a mount namespace of its own that does not see what was mounted on
   the host after it started (a target volume, say). For the same reason an incremental target
@@ -95,6 +98,7 @@ MANIFEST = "manifest.json"
 _FREEZE_TIMEOUT = 20.0
 _THAW_ATTEMPTS = 5
 _POLL = 0.2
+_SPACE_MARGIN = 8 * 2**20  # per disk: qcow2 metadata, and what the guest writes meanwhile
 
 
 class BackupError(Exception):
@@ -367,9 +371,11 @@ async def run_backup(
     backup_dir = chain_dir / f"{backup_id}-{kind}"
     progress(f"{kind} backup {backup_id} of {source.namespace}/{source.pod} to {backup_dir}")
     shutil.rmtree(backup_dir, ignore_errors=True)  # a failed earlier attempt's leftovers
+    await _check_space(chain_dir, source, devices, names, bitmap, kind)
     backup_dir.mkdir()
     files = [backup_dir / f"disk{i}.qcow2" for i in range(len(names))]
     consistency = ""
+    listener: Any = None
     try:
         for i, name in enumerate(names):
             size = int(devices[name]["inserted"]["image"]["virtual-size"])
@@ -430,6 +436,12 @@ async def run_backup(
                 backup.update(sync="incremental", bitmap=bitmap)
             actions.append({"type": "blockdev-backup", "data": backup})
             run.jobs.append(job)
+        run_jobs = list(run.jobs)
+        # QEMU's own timestamps of the jobs' state changes time the copy: our polling and the
+        # thaw's round trip to the guest would blur it.
+        listen = getattr(machine.monitor, "listen", None)
+        listener = listen(("JOB_STATUS_CHANGE",)) if listen is not None else None
+        copy_started = time.monotonic()
         consistency = await _freeze(run)
         try:
             await machine.monitor.execute("transaction", {"actions": actions})
@@ -441,10 +453,14 @@ async def run_backup(
         if kind == "full":
             run.new_bitmaps = [(name, bitmap) for name in names]
         progress("backup jobs started, guest running")
-        copy_started = time.monotonic()
         await _wait_jobs(run)
         copy_seconds = time.monotonic() - copy_started
+        if listener is not None:
+            copy_seconds = _job_seconds(listener.clear(), names=set(run_jobs)) or copy_seconds
+            machine.monitor.forget(listener)
     except BaseException as e:  # cancelled too (the backup pod deleted): clean up, then go
+        if listener is not None:
+            machine.monitor.forget(listener)
         try:
             await _clean_up(run, backup_dir)
         finally:
@@ -478,6 +494,55 @@ async def run_backup(
     _write_manifest(chain_dir, manifest)
     progress(f"done: {kind}, {size} bytes in {duration:.2f} s, manifest {chain_dir / MANIFEST}")
     return BackupResult(kind, size, duration, str(backup_dir), consistency, copy_seconds)
+
+
+def _job_seconds(events: Sequence[Mapping[str, Any]], names: set[str]) -> float | None:
+    """From the first job running to the last one done, by QEMU's event timestamps."""
+    starts, ends = [], []
+    for event in events:
+        data, stamp = event.get("data") or {}, event.get("timestamp") or {}
+        if data.get("id") not in names or "seconds" not in stamp:
+            continue
+        moment = int(stamp["seconds"]) + int(stamp.get("microseconds", 0)) / 1e6
+        if data.get("status") == "running":
+            starts.append(moment)
+        elif data.get("status") in ("waiting", "pending", "concluded"):
+            ends.append(moment)
+    if not starts or not ends:
+        return None
+    return max(max(ends) - min(starts), 0.0)
+
+
+async def _check_space(
+    chain_dir: Path,
+    source: BackupSource,
+    devices: Mapping[str, Any],
+    names: Sequence[str],
+    bitmap: str,
+    kind: str,
+) -> None:
+    """Refuse a target without room for the copy, before anything starts: a target that fills
+    up mid-copy fails the jobs' copy-before-write, i.e. the guest's own writes (and the drives'
+    default `werror=enospc` pauses the VM)."""
+    needed = len(names) * _SPACE_MARGIN
+    for i, name in enumerate(names):
+        if kind == "full":
+            try:
+                out = await _qemu_img(
+                    ["measure", "-U", "--output=json", "-O", "qcow2", str(source.disks[i])]
+                )
+                needed += int(json.loads(out)["required"])
+            except (DiskError, ValueError, KeyError) as e:
+                raise BackupError("BackupFailed", f"cannot measure disk {name}: {e}") from None
+        else:
+            found = devices[name]["inserted"].get("dirty-bitmaps", [])
+            needed += sum(int(m.get("count", 0)) for m in found if m.get("name") == bitmap)
+    free = shutil.disk_usage(chain_dir).free
+    if free < needed:
+        raise BackupError(
+            "TargetRefused",
+            f"{chain_dir}: {free} bytes free, this {kind} backup needs about {needed}",
+        )
 
 
 async def _wait_jobs(run: _Run) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -122,16 +124,20 @@ class FakeMachine:
         agent.log = monitor.commands  # one sequence of what QEMU and the guest were asked
 
 
-def _source(disks: int = 2) -> BackupSource:
-    return BackupSource(
-        "ns", "db-abcde", "uid-1", "db", None, tuple(Path(f"d{i}") for i in range(disks))
-    )
+def _source(where: Path, disks: int = 2) -> BackupSource:
+    """The VM's disks: small real qcow2 files (the space check measures them)."""
+    (where / "vm").mkdir(parents=True, exist_ok=True)
+    paths = tuple(where / "vm" / f"d{i}.qcow2" for i in range(disks))
+    for path in paths:
+        if not path.exists():
+            subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(path), "1M"], check=True)
+    return BackupSource("ns", "db-abcde", "uid-1", "db", None, paths)
 
 
 def _backup(machine: FakeMachine, target: Path, mode: str = "Auto") -> Any:
     lines: list[str] = []
     result = asyncio.run(
-        run_backup(machine, _source(), target, mode, backup_pod="b", progress=lines.append)
+        run_backup(machine, _source(target), target, mode, backup_pod="b", progress=lines.append)
     )
     return result, lines
 
@@ -256,7 +262,7 @@ def test_a_cancelled_backup_cancels_its_jobs_and_removes_its_files_the_guest_tha
 
         monitor.execute = slow  # type: ignore[method-assign]
         task = asyncio.create_task(
-            run_backup(machine, _source(), tmp_path, "Auto", backup_pod="b", progress=print)
+            run_backup(machine, _source(tmp_path), tmp_path, "Auto", backup_pod="b", progress=print)
         )
         await copying.wait()
         task.cancel()
@@ -330,6 +336,41 @@ def test_jobs_and_targets_an_interrupted_backup_left_in_qemu_are_removed_first(
     assert ("job-dismiss", {"id": "vkb-0001-0"}) in monitor.commands
     assert not monitor.nodes and not monitor.jobs
     assert any("interrupted backup" in line for line in lines)
+
+
+def test_the_copy_is_timed_by_qemu_s_job_events() -> None:
+    from vkubelet.providers.vm._backup import _job_seconds
+
+    def event(job: str, status: str, at: float) -> dict[str, Any]:
+        stamp = {"seconds": int(at), "microseconds": round((at % 1) * 1e6)}
+        return {
+            "event": "JOB_STATUS_CHANGE",
+            "data": {"id": job, "status": status},
+            "timestamp": stamp,
+        }
+
+    events = [
+        event("vkb-0001-0", "created", 10.0),
+        event("vkb-0001-0", "running", 10.1),
+        event("vkb-0001-1", "running", 10.2),
+        event("other", "running", 1.0),
+        event("vkb-0001-1", "concluded", 10.4),
+        event("vkb-0001-0", "concluded", 10.35),
+    ]
+    assert _job_seconds(events, {"vkb-0001-0", "vkb-0001-1"}) == pytest.approx(0.3)
+    assert _job_seconds(events[:2], {"vkb-0001-0"}) is None
+
+
+def test_a_target_without_room_for_the_copy_is_refused_before_the_freeze(tmp_path: Path) -> None:
+    machine = FakeMachine(FakeMonitor(), FakeAgent())
+    full = shutil._ntuple_diskusage(10, 9, 1)
+    with (
+        mock.patch("shutil.disk_usage", return_value=full),
+        pytest.raises(BackupError, match="1 bytes free") as caught,
+    ):
+        _backup(machine, tmp_path)
+    assert caught.value.reason == "TargetRefused"
+    assert machine.agent.calls == [] and "transaction" not in machine.monitor.names()
 
 
 def test_restore_sources_must_be_inside_the_allowed_directories(tmp_path: Path) -> None:
