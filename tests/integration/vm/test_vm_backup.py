@@ -338,3 +338,21 @@ def test_a_target_without_room_is_refused_before_the_freeze_and_the_guest_runs_o
         assert result["kind"] == "full" and Path(result["path"]).parent.parent.parent == small
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_without_a_guest_agent_the_backup_is_crash_consistent_and_says_so(
+    node: Node, incremental: dict[str, Any]
+) -> None:
+    """Last: the source VM's agent is ended (busybox killall, after the exec has returned)."""
+    node.exec("src", "setsid sh -c 'sleep 1; killall qemu-ga' </dev/null >/dev/null 2>&1 &")
+
+    def agent_gone() -> bool:
+        result = node.kubectl("-n", node.namespace, "exec", "src", "--", "true", check=False)
+        return result.returncode != 0
+
+    wait_for(agent_gone, timeout=30, what="the guest agent gone")
+    result = _result(_backup(node, "backup-no-agent", {"directory": str(node.backups)}))
+    assert result["kind"] == "incremental"
+    assert result["consistency"].startswith("crash-consistent (guest agent:"), result
+    logs = node.kubectl("-n", node.namespace, "logs", "backup-no-agent").stdout
+    assert "the backup is crash-consistent" in logs

@@ -95,7 +95,8 @@ BACKUP_MODE = "vm.vkubelet.io/backup-mode"
 RESTORE_FROM = "vm.vkubelet.io/restore-from"
 BACKUP_IMAGE = "vm.vkubelet.io/backup"
 MANIFEST = "manifest.json"
-_FREEZE_TIMEOUT = 20.0
+_FREEZE_TIMEOUT = 20.0  # a freeze syncs the guest's dirty data first: it may take a while
+_PING_TIMEOUT = 3.0
 _THAW_ATTEMPTS = 5
 _POLL = 0.2
 _SPACE_MARGIN = 8 * 2**20  # per disk: qcow2 metadata, and what the guest writes meanwhile
@@ -268,6 +269,11 @@ class _Run:
 
 async def _freeze(run: _Run) -> str:
     """Freeze the guest's filesystems; the consistency the backup will have."""
+    try:  # a quick ping first: a guest without an agent should not cost the freeze's timeout
+        await run.machine.agent.call("guest-ping", timeout=_PING_TIMEOUT)
+    except Exception as e:
+        run.progress(f"guest agent not answering ({e}); the backup is crash-consistent")
+        return f"crash-consistent (guest agent: {e})"
     run.frozen = True  # from here on every path thaws (a freeze may act before it answers)
     try:
         count = await run.machine.agent.call("guest-fsfreeze-freeze", timeout=_FREEZE_TIMEOUT)

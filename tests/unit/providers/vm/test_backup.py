@@ -44,6 +44,10 @@ class FakeAgent:
                 raise self.freeze_error
             self.frozen = True
             return 1
+        if command == "guest-ping":
+            if isinstance(self.freeze_error, ConnectionError):
+                raise self.freeze_error
+            return {}
         if command == "guest-fsfreeze-thaw":
             self.frozen = False
             return 1
@@ -189,7 +193,7 @@ def test_first_backup_is_full_with_a_new_persistent_bitmap_then_incremental_chai
     transaction = names.index("transaction")
     assert names.index("qga guest-fsfreeze-freeze") < transaction
     assert names.index("qga guest-fsfreeze-thaw") < names.index("query-jobs", transaction)
-    assert machine.agent.calls == ["guest-fsfreeze-freeze", "guest-fsfreeze-thaw"]
+    assert machine.agent.calls == ["guest-ping", "guest-fsfreeze-freeze", "guest-fsfreeze-thaw"]
     assert not machine.monitor.nodes and not machine.monitor.fdsets and not machine.monitor.jobs
     second, _ = _backup(machine, tmp_path)
     assert second.kind == "incremental"
