@@ -305,6 +305,8 @@ def test_bad_targets_and_an_unknown_vm_are_refused_with_a_clear_reason(
         "-n", node.namespace, "get", "events", "--field-selector", "involvedObject.name=bad-vm"
     )
     assert any(e["reason"] == "VMNotFound" for e in events["items"])
+    # a backup pod is deleted like any pod
+    node.kubectl("-n", node.namespace, "delete", "pod", "bad-vm", "--wait=true", "--timeout=60s")
 
 
 def test_a_target_without_room_is_refused_before_the_freeze_and_the_guest_runs_on(

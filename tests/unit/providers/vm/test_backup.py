@@ -382,3 +382,16 @@ def test_restore_sources_must_be_inside_the_allowed_directories(tmp_path: Path) 
         resolve_restore("/etc/shadow", [tmp_path])
     with pytest.raises(BackupError, match="no backup manifest"):
         resolve_restore(str(tmp_path / "ns/db/manifest.json"), [tmp_path])
+
+
+def test_backup_directories_in_the_config_are_resolved_and_default_to_the_state_dir(
+    tmp_path: Path,
+) -> None:
+    from vkubelet.providers.vm._config import ConfigError, parse_config
+
+    config = parse_config({"backupDirectories": ["b", "/srv/x"]}, origin="vm.yaml", base=tmp_path)
+    assert config.backup_roots == ((tmp_path / "b").resolve(), Path("/srv/x"))
+    default = parse_config({"stateDir": "s"}, origin="vm.yaml", base=tmp_path)
+    assert default.backup_roots == ((tmp_path / "s").resolve() / "backups",)
+    with pytest.raises(ConfigError, match=r"vm\.yaml: backupDirectories"):
+        parse_config({"backupDirectories": "/srv"}, origin="vm.yaml", base=tmp_path)
