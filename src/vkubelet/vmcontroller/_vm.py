@@ -26,6 +26,7 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
 from ..sdk.quantity import QuantityError, parse_quantity
+from ._backup import RestoreError, restore_path
 from ._base import (
     API_VERSION,
     BACKUP_OF_ANNOTATION,
@@ -389,12 +390,16 @@ class VirtualMachineReconciler:
             await _delete(ctx, namespace, pod_name)
         if decision.create is not None:
             try:
+                await _resolve_restore(ctx, namespace, decision.create)
                 created = await client.create(cast(Pod, Pod.from_dict(decision.create)))
                 assert created.metadata is not None
                 ctx.events.emit(vm, "Normal", "PoweringOn", f"Created pod {created.metadata.name}")
             except ApiError as e:
                 failure = ("FailedCreate", f"the pod was refused: {e.status.message}")
                 ctx.events.emit(vm, "Warning", "FailedCreate", failure[1])
+            except RestoreError as e:
+                failure = ("RestoreFailed", str(e))
+                ctx.events.emit(vm, "Warning", "RestoreFailed", failure[1])
         for pod_name, patch in decision.patch.items():
             await _patch(ctx, namespace, pod_name, patch)
         for pod_name, patch in decision.resize.items():
@@ -472,3 +477,17 @@ async def _delete(ctx: Context, namespace: str, pod_name: str) -> bool:
             return False
         raise
     return True
+
+
+async def _resolve_restore(ctx: Context, namespace: str, pod: dict[str, Any]) -> None:
+    """`spec.restoreFrom.backup` names a backup; the provider needs its directory, which only
+    the backup's status knows, and the backup lives on the node that took it: the new pod goes
+    there unless its template already places it."""
+    annotations = pod["metadata"]["annotations"]
+    backup = annotations.get(RESTORE_FROM_ANNOTATION)
+    if not backup or backup.startswith("/"):
+        return
+    path, node = await restore_path(ctx, namespace, backup)
+    annotations[RESTORE_FROM_ANNOTATION] = path
+    if node and not pod["spec"].get("nodeName"):
+        pod["spec"]["nodeName"] = node

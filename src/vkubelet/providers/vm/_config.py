@@ -15,6 +15,7 @@
     defaults: {cpu: "1", memory: 256Mi}
     hotplug: {maxCpus: 4, maxMemory: 2Gi, memorySlots: 4}   # live-resize headroom (0: none)
     storage: {kubeconfig: provisioner.kubeconfig, intervalSeconds: 2}  # PVC disks (`_volumes`)
+    backupDirectories: [/srv/backups]    # where backup pods may write (default <stateDir>/backups)
 
 Everything is checked when the agent starts, and every error names the file and the field: a
 typo should stop the agent with a message, not surface later as a pod that never boots.
@@ -55,6 +56,7 @@ _KNOWN = {
     "machineGC",  # _persist
     "hotplug",
     "storage",
+    "backupDirectories",
 }
 _MIB = 2**20
 
@@ -103,6 +105,13 @@ class VMConfig:
     def volume_root(self) -> Path:
         """Disk images of provisioned PVs (they outlive pods and VMs)."""
         return self.state_dir / "volumes"
+
+    # Backup pods write and restores read only below these (absolute); () = <stateDir>/backups.
+    backup_directories: tuple[Path, ...] = ()
+
+    @property
+    def backup_roots(self) -> tuple[Path, ...]:
+        return self.backup_directories or (self.state_dir.resolve() / "backups",)
 
     @property
     def run_root(self) -> Path:
@@ -181,7 +190,11 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
     translations = data.get("translations", [])
     if not isinstance(translations, list) or not all(isinstance(r, dict) for r in translations):
         raise fail("translations", "expected a list of rules (mappings with name|regexp, url)")
+    backups = data.get("backupDirectories", [])
+    if not isinstance(backups, list) or not all(isinstance(d, str) and d for d in backups):
+        raise fail("backupDirectories", f"expected a list of directories, got {backups!r}")
     return VMConfig(
+        backup_directories=tuple((base / d).resolve() for d in backups),
         translation_config_map=_config_map(data.get("translationConfigMap"), fail, base),
         state_dir=state_dir,
         image_store=image_store,

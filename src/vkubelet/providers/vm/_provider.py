@@ -26,7 +26,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -52,12 +52,13 @@ from ...sdk import (
     Waiting,
     build_pod_status,
 )
-from ...sdk.provider import EventSink, EventType
+from ...sdk.provider import ContainerLogOptions, EventSink, EventType
 from . import _persist, _power
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
+from ._backup import BackupPods, BackupSource, is_backup_pod, restore_if_asked
 from ._config import VMConfig
 from ._console import ConsoleTailer
-from ._spec import ENV_FILE, MachinePlan, SpecError, plan_machine
+from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
 from ._volumes import DiskProvisioner
@@ -190,6 +191,15 @@ class VMProvider(RunnerProvider):
         self._closed = False
         config.run_root.mkdir(parents=True, exist_ok=True)
         config.log_root.mkdir(parents=True, exist_ok=True)
+        self.backups = BackupPods(  # backup pods (`_backup`): tasks, not VMs
+            host_ip=host_ip,
+            allowed=config.backup_roots,
+            log_path=self.log_path,
+            push=lambda pod: self._push(pod),
+            events=events,
+            find_vm=self._backup_source,
+            tasks=self._tasks,
+        )
 
     # -- node -----------------------------------------------------------------------------------
     def configure_node(self, node: Node) -> None:
@@ -264,6 +274,8 @@ class VMProvider(RunnerProvider):
         image = spec.containers[0].image if spec and spec.containers else None
         if meta is None or not meta.uid or not self._is_vm_image(image or ""):
             return [self.host_ip]  # create_pod refuses it
+        if is_backup_pod(meta.annotations):
+            return [self.host_ip]  # a task on the host, not a VM
         network = await self.runtime.attach_network(str(meta.uid))
         return [network.address]
 
@@ -281,6 +293,9 @@ class VMProvider(RunnerProvider):
 
     async def create_pod(self, pod: ResolvedPod) -> None:
         await self._start()
+        if is_backup_pod(pod.pod.metadata.annotations if pod.pod.metadata else None):
+            self.backups.create(pod.pod)
+            return
         key = f"{pod.namespace}/{pod.name}"
         known = self.vms.get(key)
         if known is not None and known.uid == pod.uid:
@@ -407,6 +422,13 @@ class VMProvider(RunnerProvider):
         `vm.vkubelet.io/machine`): its disks and saved state outlive the pod. None otherwise."""
         return _persist.machine_dir(self.config.state_dir, pod)
 
+    @staticmethod
+    def _scratch_path(vm: _VM, disk_dir: Path, scratch: ScratchDisk, index: int) -> Path:
+        """A machine's emptyDir disks are named by volume, so a new pod of the machine with the
+        same volumes finds them; a plain pod's by position."""
+        name = f"scratch{index}" if disk_dir == vm.dir else f"empty-{scratch.volume}"
+        return disk_dir / f"{name}.qcow2"
+
     def _disk_dir(self, vm: _VM) -> Path:
         """Where a pod's disks go: its machine's directory, claimed for this pod (a machine runs
         in one pod at a time), or the pod's own run directory."""
@@ -443,6 +465,16 @@ class VMProvider(RunnerProvider):
         vm.dir.mkdir(parents=True, exist_ok=True)
         disk_dir = self._disk_dir(vm)
         root = disk_dir / "root.qcow2"
+        scratch_paths = [self._scratch_path(vm, disk_dir, s, i) for i, s in enumerate(plan.scratch)]
+        try:  # restore-from: the disks come from a backup (before the first boot only)
+            await restore_if_asked(
+                dict(vm.pod.metadata.annotations or {}) if vm.pod.metadata else {},
+                [root, *scratch_paths],
+                self.config.backup_roots,
+                plan.root_size,
+            )
+        except Exception as e:
+            raise ProviderError(getattr(e, "reason", "RestoreFailed"), str(e)) from None
         if plan.root_size is not None and plan.root_size < image.size:
             raise ProviderError(
                 "CreateContainerConfigError",
@@ -455,8 +487,7 @@ class VMProvider(RunnerProvider):
             await _persist.grow_root(root, plan.root_size)  # asked bigger while powered off
         disks = [(root, plan.disk_bus)]
         for index, scratch in enumerate(plan.scratch):
-            name = f"scratch{index}" if disk_dir == vm.dir else f"empty-{scratch.volume}"
-            path = disk_dir / f"{name}.qcow2"
+            path = self._scratch_path(vm, disk_dir, scratch, index)
             if not path.exists():
                 await self.runtime.create_blank(path, scratch.size)
             disks.append((path, plan.disk_bus))
@@ -666,6 +697,9 @@ class VMProvider(RunnerProvider):
         meta = pod.metadata
         assert meta is not None
         key = f"{meta.namespace}/{meta.name}"
+        if self.backups.owns(str(meta.namespace), str(meta.name)):
+            await self.backups.delete(pod)
+            return
         vm = self.vms.get(key)
         if vm is None or vm.uid != meta.uid:
             return
@@ -717,6 +751,8 @@ class VMProvider(RunnerProvider):
         if key in self.runners:
             pod = await super().get_pod(namespace, name)
             return self._decorated(pod) if pod is not None else None
+        if self.backups.owns(namespace, name):
+            return self.backups.get(namespace, name)
         vm = self.vms.get(key)
         if vm is None:
             return None
@@ -733,7 +769,33 @@ class VMProvider(RunnerProvider):
             namespace, name = key.split("/", 1)
             if (pod := await self.get_pod(namespace, name)) is not None:
                 pods.append(pod)
-        return pods
+        return pods + self.backups.list()
+
+    def container_logs(
+        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
+    ) -> AsyncIterator[bytes]:
+        if self.backups.owns(namespace, pod):  # a backup pod's log: its progress
+            return self.backups.logs(namespace, pod, container, options)
+        return super().container_logs(namespace, pod, container, options)
+
+    def _backup_source(
+        self, namespace: str, name: str
+    ) -> tuple[object | None, BackupSource] | None:
+        """A VM pod for a backup pod: its machine (None when not up) and identity."""
+        vm = self.vms.get(f"{namespace}/{name}")
+        if vm is None or not vm.launch or vm.pod.metadata is None:
+            return None
+        meta = vm.pod.metadata
+        source = BackupSource(
+            namespace=namespace,
+            pod=name,
+            pod_uid=vm.uid,
+            vm_name=(meta.labels or {}).get("vm.vkubelet.io/name", name),
+            machine=(meta.annotations or {}).get("vm.vkubelet.io/machine"),
+            disks=tuple(Path(p) for p, _ in vm.launch["disks"]),
+        )
+        up = vm.machine is not None and vm.booted_at is not None
+        return (vm.machine if up else None), source
 
     # -- adoption --------------------------------------------------------------------------------
     async def _adopt_all(self) -> None:

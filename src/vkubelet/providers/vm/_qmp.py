@@ -41,6 +41,7 @@ class Monitor:
         self._name = name
         self._client = QMPClient(name)
         self._lock = asyncio.Lock()
+        self._fd_lock = asyncio.Lock()
 
     async def connect(self) -> None:
         async with self._lock:
@@ -67,6 +68,19 @@ class Monitor:
             raise
         except (QMPError, EOFError, OSError, AssertionError) as e:
             raise MonitorUnavailable(f"QMP {command}: {e}") from None
+
+    async def add_fd(self, fd: int) -> int:
+        """Hand QEMU an open file (SCM_RIGHTS) as a new fd set; returns its id (a node opens it as
+        `/dev/fdset/<id>`). For files QEMU cannot open by path: it runs in the VM's network
+        namespace's own mount namespace, which does not see what is mounted after it started."""
+        await self.connect()
+        async with self._fd_lock:  # the fd waits in QEMU for the next add-fd: one at a time
+            try:
+                self._client.send_fd_scm(fd)
+            except (QMPError, OSError) as e:
+                raise MonitorUnavailable(f"QMP add-fd: {e}") from None
+            reply = await self.execute("add-fd")
+        return int(reply["fdset-id"])
 
     async def status(self) -> str:
         """The run state: running, paused, shutdown, guest-panicked, ..."""

@@ -75,6 +75,15 @@ class _Handle:
     async def kill(self) -> None:
         await self.machine.kill()
 
+    # for backups (`_backup.Backupable`): QMP block jobs and the guest agent's fsfreeze
+    @property
+    def monitor(self) -> Any:
+        return self.machine.monitor
+
+    @property
+    def agent(self) -> Any:
+        return self.machine.agent
+
     async def usage(self) -> Usage:
         stats = await self.machine.stats()
         return Usage(stats.cpu_ns, stats.memory_bytes)
