@@ -9,6 +9,7 @@ leader election, deletion): each TCG boot costs seconds on two shared cores.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -173,6 +174,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _clean_up(state: Path, cidr: str) -> None:
+    """What a failed test left: QEMU processes outlive the agent, and so do their networks."""
+    from vkubelet.providers.vm._net import PodNetwork
+
+    for pid_file in state.glob("vms/*/m/pid"):
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(pid_file.read_text().split()[0])
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    network = PodNetwork(cidr)
+    keys = [run_dir.name for run_dir in state.glob("vms/*")]
+
+    async def detach_all() -> None:
+        for key in keys:
+            await network.detach(key)
+
+    asyncio.run(detach_all())
+
+
 @pytest.fixture(scope="module")
 def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[Lab]:
     if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
@@ -216,12 +236,9 @@ def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterat
             for controller in lab.controllers:
                 controller.stop()
             lab.agent.stop()
-            for pid_file in (workdir / "state").glob("vms/*/m/pid"):
-                with contextlib.suppress(ValueError, OSError):
-                    pid = int(pid_file.read_text().split()[0])
-                    if _alive(pid):
-                        os.kill(pid, signal.SIGKILL)
+            _clean_up(workdir / "state", cidr)
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
