@@ -194,6 +194,14 @@ def _phase_of(pod: Mapping[str, Any]) -> str:
     return "Running" if "running" in _container_state(pod) else "Starting"
 
 
+def _unscheduled(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The scheduler's reason a pod has no node yet (e.g. no vm node fits), if it gave one."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return {**condition, "reason": condition.get("reason") or "Unschedulable"}
+    return None
+
+
 def _condition(
     old: Iterable[Mapping[str, Any]],
     type: str,
@@ -250,6 +258,12 @@ def decide(
     ]
     active = sorted((p for p in live if p not in targets and p not in terminal), key=_sort_key)
     last_power_off = old_status.get("lastPowerOff")
+    for pod in terminating:  # the provider's word on how the power-off went, while visible
+        ended = _container_state(pod).get("terminated") or {}
+        if ended.get("reason") == "Hibernated":
+            last_power_off = "Hibernate"
+        elif ended.get("reason") == "HibernateFailed":
+            last_power_off = "Shutdown"  # the state could not be saved: it shut down instead
 
     if replicas == 0:
         for pod in active:
@@ -295,10 +309,12 @@ def decide(
         why = {"Stopped": "PoweredOff", "Hibernated": "Hibernated"}.get(phase, phase)
         ready_condition = _condition(conditions, "Ready", "False", why, "", generation, stamp)
     waiting = _container_state(kept or {}).get("waiting") or {}
-    if waiting.get("reason") and ready_condition["status"] != "True":
-        ready_condition["reason"] = waiting["reason"]
-        if waiting.get("message"):
-            ready_condition["message"] = str(waiting["message"])[:512]
+    unscheduled = _unscheduled(kept or {})
+    why_not = unscheduled or (waiting if waiting.get("reason") else None)
+    if why_not and ready_condition["status"] != "True":
+        ready_condition["reason"] = why_not["reason"]
+        if why_not.get("message"):
+            ready_condition["message"] = str(why_not["message"])[:512]
     new_conditions = [ready_condition]
     if failure is not None:
         reason, message = failure
@@ -414,6 +430,11 @@ class VirtualMachineReconciler:
         if failure is not None:
             decision = decide(vm_dict, pods, failure=failure)
         await self._write_status(ctx, vm_dict, namespace, name, decision.status)
+        before = (vm_dict.get("status") or {}).get("phase")
+        after = decision.status.get("phase")
+        if after and after != before:
+            kind = "Warning" if after == "Failed" else "Normal"
+            ctx.events.emit(vm, kind, str(after), f"phase {before or 'none'} -> {after}")
         return decision.requeue
 
     async def _power_off(

@@ -248,7 +248,7 @@ def leader(lab: Lab) -> Controller:
     return controller
 
 
-def test_replicas_two_is_refused_by_the_apiserver_with_the_limit(lab: Lab) -> None:
+def test_bad_input_is_refused_by_the_apiserver_with_the_reason(lab: Lab) -> None:
     refused = lab.kubectl(
         "-n", lab.namespace, "apply", "-f", "-", input=json.dumps(vm_manifest(replicas=2)),
         check=False,
@@ -256,6 +256,31 @@ def test_replicas_two_is_refused_by_the_apiserver_with_the_limit(lab: Lab) -> No
     assert refused.returncode != 0
     assert "spec.replicas" in refused.stderr and "less than or equal to 1" in refused.stderr
     assert lab.k("get", "vm", "db", check=False).returncode != 0  # nothing was made
+
+    def refusal(manifest: dict[str, Any]) -> str:
+        result = lab.kubectl(
+            "-n", lab.namespace, "apply", "-f", "-", input=json.dumps(manifest), check=False
+        )
+        assert result.returncode != 0, manifest
+        return str(result.stderr)
+
+    backup = {"apiVersion": "vkubelet.io/v1alpha1", "kind": "VirtualMachineBackup"}
+    relative = refusal(
+        {
+            **backup,
+            "metadata": {"name": "b"},
+            "spec": {"vmName": "db", "target": {"directory": "x"}},
+        }
+    )
+    assert "spec.target.directory" in relative and "'^/'" in relative
+    unknown = refusal(
+        {**backup, "metadata": {"name": "b"}, "spec": {"vmName": "db", "target": {"s3": "x"}}}
+    )
+    assert 'unknown field "spec.target.s3"' in unknown
+    migration = {"apiVersion": "vkubelet.io/v1alpha1", "kind": "VirtualMachineMigration"}
+    assert "spec.vmName: Required value" in refusal(
+        {**migration, "metadata": {"name": "m"}, "spec": {"targetNode": "hv-2"}}
+    )
 
 
 def test_an_applied_vm_runs_and_a_service_selects_it_by_its_labels(
@@ -294,6 +319,11 @@ def test_an_applied_vm_runs_and_a_service_selects_it_by_its_labels(
         )
 
     wait_for(endpoint_ready, timeout=60, what="the VM as the Service's ready endpoint")
+    events = lab.kubectl.json(
+        "-n", lab.namespace, "get", "events",
+        "--field-selector", "involvedObject.kind=VirtualMachine,involvedObject.name=db",
+    )  # fmt: skip
+    assert "PoweringOn" in {e["reason"] for e in events["items"]}
 
 
 def test_template_label_changes_reach_the_running_pod(lab: Lab, leader: Controller) -> None:

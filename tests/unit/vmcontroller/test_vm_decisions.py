@@ -250,3 +250,37 @@ def test_a_deleted_vm_is_left_to_the_garbage_collector() -> None:
 
 def test_power_off_annotation_name_is_the_contract_s() -> None:
     assert POWER_OFF_ANNOTATION == "vm.vkubelet.io/power-off"
+
+
+def test_a_failed_hibernation_seen_while_stopping_makes_the_vm_stopped_not_hibernated() -> None:
+    stopping = pod(deleting=True, running=False)
+    stopping["status"]["containerStatuses"][0]["state"] = {
+        "terminated": {"reason": "HibernateFailed", "exitCode": 0}
+    }
+    during = decide(vm(replicas=0, mode="Hibernate"), [stopping])
+    assert during.status["phase"] == "Stopping"
+    after = vm(replicas=0, mode="Hibernate")
+    after["status"] = during.status
+    assert decide(after, []).status["phase"] == "Stopped"
+
+
+def test_an_unschedulable_pod_shows_the_scheduler_s_reason_in_ready() -> None:
+    pending = pod(running=False, phase="Pending")
+    pending["spec"].pop("nodeName")
+    pending["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available",
+            }
+        ],
+    }
+    ready = decide(vm(), [pending]).status["conditions"][0]
+    assert (ready["status"], ready["reason"], ready["message"]) == (
+        "False",
+        "Unschedulable",
+        "0/3 nodes are available",
+    )
