@@ -414,6 +414,7 @@ class VirtualMachineReconciler:
         for pod_name, patch in decision.patch.items():
             await _patch(ctx, namespace, pod_name, patch)
         for pod_name, patch in decision.resize.items():
+            log.info("%s/%s: resizing pod %s: %s", namespace, name, pod_name, patch)
             try:
                 await client.patch(
                     Pod.Resize,
@@ -425,7 +426,12 @@ class VirtualMachineReconciler:
                 ctx.events.emit(vm, "Normal", "Resizing", f"resize of {pod_name}: {patch}")
             except ApiError as e:
                 if e.status.code != 404:
-                    failure = ("ResizeRefused", f"pods/resize refused: {e.status.message}")
+                    log.warning("%s/%s: resize refused: %s", namespace, name, e.status.message)
+                    failure = (
+                        "ResizeRefused",
+                        f"pods/resize refused: {e.status.message}; the template's resources "
+                        "apply at the next power-on",
+                    )
                     ctx.events.emit(vm, "Warning", "ResizeRefused", failure[1])
         if failure is not None:
             decision = decide(vm_dict, pods, failure=failure)
