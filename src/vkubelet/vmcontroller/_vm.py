@@ -121,8 +121,25 @@ def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
                 }
             ],
         },
-        "spec": copy.deepcopy(tspec),
+        "spec": _pinned(copy.deepcopy(tspec), (vm.get("status") or {}).get("machineNode")),
     }
+
+
+def _pinned(spec: dict[str, Any], node: str | None) -> dict[str, Any]:
+    """The pod spec, required to run on `node` (where the machine's disks are) unless the
+    template names a node itself: a power-on elsewhere would start from fresh disks. The pin is
+    ANDed into every node-affinity term the template has."""
+    if not node or spec.get("nodeName"):
+        return spec
+    pin = {"key": "metadata.name", "operator": "In", "values": [node]}
+    affinity = spec.setdefault("affinity", {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        term["matchFields"] = [*(term.get("matchFields") or []), pin]
+    required["nodeSelectorTerms"] = terms
+    return spec
 
 
 def _owned(vm: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
@@ -330,6 +347,14 @@ def decide(
         "ip": pod_status.get("podIP") or None,
         "podName": kept_meta.get("name") or None,
         "machine": meta.get("uid"),
+        "machineNode": next(
+            (
+                p["spec"]["nodeName"]
+                for p in ([kept] if kept else []) + active + terminating
+                if (p.get("spec") or {}).get("nodeName")
+            ),
+            old_status.get("machineNode"),
+        ),
         "observedGeneration": generation,
         "replicas": len(active),
         "selector": f"{NAME_LABEL}={meta.get('name')}",

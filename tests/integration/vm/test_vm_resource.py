@@ -402,6 +402,11 @@ def test_scale_to_zero_shuts_the_guest_down_and_scale_to_one_boots_the_same_disk
     lab.k("scale", "vm/db", "--replicas=1")
     second = lab.running_pod()
     assert second != pod  # a new incarnation of the machine
+    (incarnation,) = lab.pods()
+    terms = incarnation["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms[0]["matchFields"][0]["values"] == [lab.node]  # where its disks are
     data = lab.guest(second, find_data).strip()
     head = f"dd if=/dev/{data} bs=512 count=1 2>/dev/null | head -c {len(mark)}"
     assert lab.guest(second, head) == mark  # the emptyDir disk kept

@@ -284,3 +284,48 @@ def test_an_unschedulable_pod_shows_the_scheduler_s_reason_in_ready() -> None:
         "Unschedulable",
         "0/3 nodes are available",
     )
+
+
+def test_a_vm_powers_on_where_its_disks_are() -> None:
+    running = decide(vm(), [pod()])
+    assert running.status["machineNode"] == "hv-1"
+    off = vm(replicas=0)
+    off["status"] = decide(off, [pod()]).status
+    stopped = decide(off, [])
+    assert stopped.status["machineNode"] == "hv-1"  # remembered while off
+    on = vm()
+    on["status"] = stopped.status
+    created = decide(on, []).create
+    assert created is not None
+    terms = created["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["hv-1"]}]}
+    ]
+
+
+def test_the_disk_pin_is_anded_into_the_template_s_terms_and_a_named_node_wins() -> None:
+    term = {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+    spec = {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            }
+        },
+        "containers": [{"name": "vm", "image": "vm.vkubelet.io/tiny"}],
+    }
+    on = vm(spec=spec)
+    on["status"] = {"machineNode": "hv-1"}
+    created = pod_for(on)
+    (pinned,) = created["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert pinned["matchExpressions"] == term["matchExpressions"]
+    assert pinned["matchFields"][0]["values"] == ["hv-1"]
+    assert on["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"] == [term]  # the VM itself unchanged
+    named = vm(spec={"nodeName": "hv-2", "containers": spec["containers"]})
+    named["status"] = {"machineNode": "hv-1"}
+    assert "affinity" not in pod_for(named)["spec"]
