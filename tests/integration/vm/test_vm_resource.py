@@ -326,6 +326,25 @@ def test_an_applied_vm_runs_and_a_service_selects_it_by_its_labels(
     assert "PoweringOn" in {e["reason"] for e in events["items"]}
 
 
+def test_a_template_the_apiserver_refuses_as_a_pod_fails_the_vm_with_its_words(
+    lab: Lab, leader: Controller
+) -> None:
+    broken = vm_manifest()
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["template"]["spec"]["containers"][0]["name"] = "Not_A_DNS_Label"
+    lab.kubectl("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(broken))
+
+    def failed() -> dict[str, Any] | None:
+        status = lab.vm("broken").get("status", {})
+        synced = [c for c in status.get("conditions", []) if c["type"] == "Synced"]
+        return synced[0] if status.get("phase") == "Failed" and synced else None
+
+    synced = wait_for(failed, timeout=30, what="phase Failed")
+    assert synced["reason"] == "FailedCreate" and "Not_A_DNS_Label" in synced["message"]
+    assert not lab.pods("broken")
+    lab.k("delete", "vm", "broken")
+
+
 def test_template_label_changes_reach_the_running_pod(lab: Lab, leader: Controller) -> None:
     patch = {"spec": {"template": {"metadata": {"labels": {"app": "db", "tier": "gold"}}}}}
     lab.k("patch", "vm", "db", "--type=merge", "-p", json.dumps(patch))
