@@ -432,6 +432,9 @@ class VirtualMachineReconciler:
             try:
                 created = await client.create(cast(Pod, Pod.from_dict(decision.create)))
                 assert created.metadata is not None
+                log.info(
+                    "%s/%s: powering on: created pod %s", namespace, name, created.metadata.name
+                )
                 ctx.events.emit(vm, "Normal", "PoweringOn", f"Created pod {created.metadata.name}")
             except ApiError as e:
                 failure = ("FailedCreate", f"the pod was refused: {e.status.message}")
@@ -477,6 +480,13 @@ class VirtualMachineReconciler:
         if not await _patch(ctx, namespace, pod_name, patch):
             return
         if await _delete(ctx, namespace, pod_name):
+            log.info(
+                "%s/%s: powering off (%s): deleted pod %s",
+                namespace,
+                vm.metadata.name,
+                mode,
+                pod_name,
+            )
             ctx.events.emit(vm, "Normal", "PoweringOff", f"{mode}: deleting pod {pod_name}")
 
     async def _write_status(
