@@ -15,6 +15,7 @@ sure only one controller acts.
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -100,7 +101,9 @@ def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
         annotations[ROOT_DISK_SIZE_ANNOTATION] = size
         annotations["vm.vkubelet.io/root-size"] = size
     restore = (vm.get("spec") or {}).get("restoreFrom") or {}
-    if restore.get("backup"):
+    if restore.get("backup") and not (vm.get("status") or {}).get("machineNode"):
+        # Only the first power-on restores: later ones boot the machine's own disks. The name
+        # is resolved to the backup's path by the backup reconciler's `restore_path`.
         annotations[RESTORE_FROM_ANNOTATION] = str(restore["backup"])
     return {
         "apiVersion": "v1",
@@ -429,6 +432,10 @@ class VirtualMachineReconciler:
         for pod_name in decision.delete:
             await _delete(ctx, namespace, pod_name)
         if decision.create is not None:
+            failure = await _resolve_restore(ctx, namespace, decision.create)
+            if failure is not None:
+                ctx.events.emit(vm, "Warning", failure[0], failure[1])
+        if decision.create is not None and failure is None:
             try:
                 created = await client.create(cast(Pod, Pod.from_dict(decision.create)))
                 assert created.metadata is not None
@@ -534,3 +541,29 @@ async def _delete(ctx: Context, namespace: str, pod_name: str) -> bool:
             return False
         raise
     return True
+
+
+async def _resolve_restore(
+    ctx: Context, namespace: str, pod: dict[str, Any]
+) -> tuple[str, str] | None:
+    """Turn the `restore-from` backup name into what the provider restores from, with the
+    backup reconciler's `restore_path` (when installed); a failure (the backup missing or not
+    succeeded) for the status, and then no pod is made."""
+    annotations = pod["metadata"]["annotations"]
+    backup = annotations.get(RESTORE_FROM_ANNOTATION)
+    if not backup:
+        return None
+    try:
+        module = importlib.import_module("vkubelet.vmcontroller._backup")
+    except ImportError:
+        return None  # no backup support installed: the name is passed as it is
+    resolve = getattr(module, "restore_path", None)
+    if resolve is None:
+        return None
+    try:
+        annotations[RESTORE_FROM_ANNOTATION] = str(await resolve(ctx, namespace, backup))
+    except Exception as e:
+        if type(e).__name__ != "RestoreError":
+            raise
+        return ("RestoreFailed", str(e))
+    return None

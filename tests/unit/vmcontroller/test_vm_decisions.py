@@ -329,3 +329,15 @@ def test_the_disk_pin_is_anded_into_the_template_s_terms_and_a_named_node_wins()
     named = vm(spec={"nodeName": "hv-2", "containers": spec["containers"]})
     named["status"] = {"machineNode": "hv-1"}
     assert "affinity" not in pod_for(named)["spec"]
+
+
+def test_only_the_first_power_on_restores_from_a_backup() -> None:
+    restoring = vm()
+    restoring["spec"]["restoreFrom"] = {"backup": "nightly"}
+    created = decide(restoring, []).create
+    assert created is not None
+    assert created["metadata"]["annotations"]["vm.vkubelet.io/restore-from"] == "nightly"
+    restoring["status"] = {"machineNode": "hv-1"}  # it ran: its disks exist
+    again = decide(restoring, []).create
+    assert again is not None
+    assert "vm.vkubelet.io/restore-from" not in again["metadata"]["annotations"]
