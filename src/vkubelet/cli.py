@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -457,6 +458,8 @@ def vm_controller(
     from .vmcontroller import ControllerConfig, LeaseTiming, run_controller
 
     setup_logging(LogFormat.text, log_level)
+    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):  # every request, at DEBUG
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     config = ControllerConfig(
         lease_namespace=lease_namespace,
         namespace=namespace,

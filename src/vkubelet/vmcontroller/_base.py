@@ -22,6 +22,7 @@ from lightkube import AsyncClient
 from lightkube.models.core_v1 import EventSource, ObjectReference
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Pod
+from lightkube.types import PatchType
 
 __all__ = [
     "BACKUP_OF_ANNOTATION",
@@ -115,15 +116,16 @@ class EventRecorder:
                     name,
                     {"count": count + 1, "lastTimestamp": now.isoformat()},
                     namespace=namespace,
-                    patch_type=_merge(),
+                    patch_type=PatchType.MERGE,
                 )
                 self._recent[key] = (name, count + 1, first)
                 return
+            api_version, kind = _kind_of(obj)
             event = Event(
                 metadata=ObjectMeta(generateName=f"{meta.name}.", namespace=namespace),
                 involvedObject=ObjectReference(
-                    apiVersion=getattr(obj, "apiVersion", None) or API_VERSION,
-                    kind=getattr(obj, "kind", None) or type_name(obj),
+                    apiVersion=api_version,
+                    kind=kind,
                     name=meta.name,
                     namespace=namespace,
                     uid=meta.uid,
@@ -146,14 +148,15 @@ class EventRecorder:
             log.debug("event %s about %s not recorded: %s", reason, meta.name, e)
 
 
-def type_name(obj: Any) -> str:
-    return type(obj).__name__
-
-
-def _merge() -> Any:
-    from lightkube.types import PatchType
-
-    return PatchType.MERGE
+def _kind_of(obj: Any) -> tuple[str, str]:
+    """apiVersion and kind of a lightkube object (from its class: a locally built object may
+    not carry them)."""
+    info = getattr(type(obj), "_api_info", None)
+    if info is not None:
+        resource = info.resource
+        group = f"{resource.group}/{resource.version}" if resource.group else resource.version
+        return group, resource.kind
+    return str(getattr(obj, "apiVersion", None) or API_VERSION), str(type(obj).__name__)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -157,36 +157,56 @@ class VMController:
             await asyncio.sleep(self.config.resync)
 
     async def _watch(self, queue: _Queue, index: int, reconciler: Reconciler) -> None:
-        name = reconciler.resource.__name__
-        obj: Any
-        while True:
-            try:
-                async for _, obj in self.client.watch(reconciler.resource, namespace=self._ns):
-                    meta = _metadata(obj)
-                    if meta is not None and meta.name:
-                        queue.add((index, str(meta.namespace), str(meta.name)))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("watch of %s ended: %s; watching again", name, e)
-            await asyncio.sleep(1)
-            await self._enqueue_all(queue)
+        def keys(obj: Any) -> list[Key]:
+            meta = _metadata(obj)
+            if meta is not None and meta.name:
+                return [(index, str(meta.namespace), str(meta.name))]
+            return []
+
+        await self._keep_watching(
+            queue, reconciler.resource.__name__, reconciler.resource, None, keys
+        )
 
     async def _watch_pods(self, queue: _Queue) -> None:
         watchers = [(i, r) for i, r in enumerate(self.reconcilers) if isinstance(r, PodWatcher)]
+
+        def keys(pod: Any) -> list[Key]:
+            return [
+                (index, namespace, name)
+                for index, reconciler in watchers
+                for namespace, name in reconciler.keys_for_pod(pod)
+            ]
+
+        await self._keep_watching(queue, "VM pods", Pod, {NAME_LABEL: exists()}, keys)
+
+    async def _keep_watching(
+        self,
+        queue: _Queue,
+        what: str,
+        resource: Any,
+        labels: Any,
+        keys: Callable[[Any], list[Key]],
+    ) -> None:
+        """Watch for ever; after an error (the apiserver away, the CRD not installed yet) wait
+        1 s doubling to 30 s, then re-list everything (events may have been missed)."""
+        failures = 0
         while True:
             try:
-                async for _, pod in self.client.watch(
-                    Pod, namespace=self._ns, labels={NAME_LABEL: exists()}
-                ):
-                    for index, reconciler in watchers:
-                        for namespace, name in reconciler.keys_for_pod(pod):
-                            queue.add((index, namespace, name))
+                async for _, obj in self.client.watch(resource, namespace=self._ns, labels=labels):
+                    failures = 0
+                    for key in keys(obj):
+                        queue.add(key)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("watch of VM pods ended: %s; watching again", e)
-            await asyncio.sleep(1)
+                failures += 1
+                log.log(
+                    logging.WARNING if failures in (1, 5) else logging.DEBUG,
+                    "watch of %s ended: %s; watching again",
+                    what,
+                    e,
+                )
+            await asyncio.sleep(min(2.0 ** max(failures - 1, 0), 30.0))
             await self._enqueue_all(queue)
 
     async def _work(self, queue: _Queue) -> None:

@@ -101,7 +101,9 @@ def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
         annotations[ROOT_DISK_SIZE_ANNOTATION] = size
         annotations["vm.vkubelet.io/root-size"] = size
     restore = (vm.get("spec") or {}).get("restoreFrom") or {}
-    if restore.get("backup"):
+    if restore.get("backup") and not (vm.get("status") or {}).get("machineNode"):
+        # Only the first power-on restores: later ones boot the machine's own disks. The name
+        # is resolved to the backup's path by the backup reconciler's `restore_path`.
         annotations[RESTORE_FROM_ANNOTATION] = str(restore["backup"])
     return {
         "apiVersion": "v1",
@@ -122,8 +124,25 @@ def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
                 }
             ],
         },
-        "spec": copy.deepcopy(tspec),
+        "spec": _pinned(copy.deepcopy(tspec), (vm.get("status") or {}).get("machineNode")),
     }
+
+
+def _pinned(spec: dict[str, Any], node: str | None) -> dict[str, Any]:
+    """The pod spec, required to run on `node` (where the machine's disks are) unless the
+    template names a node itself: a power-on elsewhere would start from fresh disks. The pin is
+    ANDed into every node-affinity term the template has."""
+    if not node or spec.get("nodeName"):
+        return spec
+    pin = {"key": "metadata.name", "operator": "In", "values": [node]}
+    affinity = spec.setdefault("affinity", {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        term["matchFields"] = [*(term.get("matchFields") or []), pin]
+    required["nodeSelectorTerms"] = terms
+    return spec
 
 
 def _owned(vm: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
@@ -195,6 +214,14 @@ def _phase_of(pod: Mapping[str, Any]) -> str:
     return "Running" if "running" in _container_state(pod) else "Starting"
 
 
+def _unscheduled(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The scheduler's reason a pod has no node yet (e.g. no vm node fits), if it gave one."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return {**condition, "reason": condition.get("reason") or "Unschedulable"}
+    return None
+
+
 def _condition(
     old: Iterable[Mapping[str, Any]],
     type: str,
@@ -251,6 +278,12 @@ def decide(
     ]
     active = sorted((p for p in live if p not in targets and p not in terminal), key=_sort_key)
     last_power_off = old_status.get("lastPowerOff")
+    for pod in terminating:  # the provider's word on how the power-off went, while visible
+        ended = _container_state(pod).get("terminated") or {}
+        if ended.get("reason") == "Hibernated":
+            last_power_off = "Hibernate"
+        elif ended.get("reason") == "HibernateFailed":
+            last_power_off = "Shutdown"  # the state could not be saved: it shut down instead
 
     if replicas == 0:
         for pod in active:
@@ -296,10 +329,12 @@ def decide(
         why = {"Stopped": "PoweredOff", "Hibernated": "Hibernated"}.get(phase, phase)
         ready_condition = _condition(conditions, "Ready", "False", why, "", generation, stamp)
     waiting = _container_state(kept or {}).get("waiting") or {}
-    if waiting.get("reason") and ready_condition["status"] != "True":
-        ready_condition["reason"] = waiting["reason"]
-        if waiting.get("message"):
-            ready_condition["message"] = str(waiting["message"])[:512]
+    unscheduled = _unscheduled(kept or {})
+    why_not = unscheduled or (waiting if waiting.get("reason") else None)
+    if why_not and ready_condition["status"] != "True":
+        ready_condition["reason"] = why_not["reason"]
+        if why_not.get("message"):
+            ready_condition["message"] = str(why_not["message"])[:512]
     new_conditions = [ready_condition]
     if failure is not None:
         reason, message = failure
@@ -315,6 +350,14 @@ def decide(
         "ip": pod_status.get("podIP") or None,
         "podName": kept_meta.get("name") or None,
         "machine": meta.get("uid"),
+        "machineNode": next(
+            (
+                p["spec"]["nodeName"]
+                for p in ([kept] if kept else []) + active + terminating
+                if (p.get("spec") or {}).get("nodeName")
+            ),
+            old_status.get("machineNode"),
+        ),
         "observedGeneration": generation,
         "replicas": len(active),
         "selector": f"{NAME_LABEL}={meta.get('name')}",
@@ -389,20 +432,24 @@ class VirtualMachineReconciler:
         for pod_name in decision.delete:
             await _delete(ctx, namespace, pod_name)
         if decision.create is not None:
+            failure = await _resolve_restore(ctx, namespace, decision.create)
+            if failure is not None:
+                ctx.events.emit(vm, "Warning", failure[0], failure[1])
+        if decision.create is not None and failure is None:
             try:
-                await _resolve_restore(ctx, namespace, decision.create)
                 created = await client.create(cast(Pod, Pod.from_dict(decision.create)))
                 assert created.metadata is not None
+                log.info(
+                    "%s/%s: powering on: created pod %s", namespace, name, created.metadata.name
+                )
                 ctx.events.emit(vm, "Normal", "PoweringOn", f"Created pod {created.metadata.name}")
             except ApiError as e:
                 failure = ("FailedCreate", f"the pod was refused: {e.status.message}")
                 ctx.events.emit(vm, "Warning", "FailedCreate", failure[1])
-            except RestoreError as e:
-                failure = ("RestoreFailed", str(e))
-                ctx.events.emit(vm, "Warning", "RestoreFailed", failure[1])
         for pod_name, patch in decision.patch.items():
             await _patch(ctx, namespace, pod_name, patch)
         for pod_name, patch in decision.resize.items():
+            log.info("%s/%s: resizing pod %s: %s", namespace, name, pod_name, patch)
             try:
                 await client.patch(
                     Pod.Resize,
@@ -414,11 +461,21 @@ class VirtualMachineReconciler:
                 ctx.events.emit(vm, "Normal", "Resizing", f"resize of {pod_name}: {patch}")
             except ApiError as e:
                 if e.status.code != 404:
-                    failure = ("ResizeRefused", f"pods/resize refused: {e.status.message}")
+                    log.warning("%s/%s: resize refused: %s", namespace, name, e.status.message)
+                    failure = (
+                        "ResizeRefused",
+                        f"pods/resize refused: {e.status.message}; the template's resources "
+                        "apply at the next power-on",
+                    )
                     ctx.events.emit(vm, "Warning", "ResizeRefused", failure[1])
         if failure is not None:
             decision = decide(vm_dict, pods, failure=failure)
         await self._write_status(ctx, vm_dict, namespace, name, decision.status)
+        before = (vm_dict.get("status") or {}).get("phase")
+        after = decision.status.get("phase")
+        if after and after != before:
+            kind = "Warning" if after == "Failed" else "Normal"
+            ctx.events.emit(vm, kind, str(after), f"phase {before or 'none'} -> {after}")
         return decision.requeue
 
     async def _power_off(
@@ -430,6 +487,13 @@ class VirtualMachineReconciler:
         if not await _patch(ctx, namespace, pod_name, patch):
             return
         if await _delete(ctx, namespace, pod_name):
+            log.info(
+                "%s/%s: powering off (%s): deleted pod %s",
+                namespace,
+                vm.metadata.name,
+                mode,
+                pod_name,
+            )
             ctx.events.emit(vm, "Normal", "PoweringOff", f"{mode}: deleting pod {pod_name}")
 
     async def _write_status(
@@ -479,15 +543,22 @@ async def _delete(ctx: Context, namespace: str, pod_name: str) -> bool:
     return True
 
 
-async def _resolve_restore(ctx: Context, namespace: str, pod: dict[str, Any]) -> None:
+async def _resolve_restore(
+    ctx: Context, namespace: str, pod: dict[str, Any]
+) -> tuple[str, str] | None:
     """`spec.restoreFrom.backup` names a backup; the provider needs its directory, which only
     the backup's status knows, and the backup lives on the node that took it: the new pod goes
-    there unless its template already places it."""
+    there unless its template already places it. A failure (the backup missing or not
+    succeeded) is for the status, and then no pod is made."""
     annotations = pod["metadata"]["annotations"]
     backup = annotations.get(RESTORE_FROM_ANNOTATION)
     if not backup or backup.startswith("/"):
-        return
-    path, node = await restore_path(ctx, namespace, backup)
+        return None
+    try:
+        path, node = await restore_path(ctx, namespace, backup)
+    except RestoreError as e:
+        return ("RestoreFailed", str(e))
     annotations[RESTORE_FROM_ANNOTATION] = path
     if node and not pod["spec"].get("nodeName"):
         pod["spec"]["nodeName"] = node
+    return None

@@ -9,6 +9,7 @@ leader election, deletion): each TCG boot costs seconds on two shared cores.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -173,6 +174,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _clean_up(state: Path, cidr: str) -> None:
+    """What a failed test left: QEMU processes outlive the agent, and so do their networks."""
+    from vkubelet.providers.vm._net import PodNetwork
+
+    for pid_file in state.glob("vms/*/m/pid"):
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(pid_file.read_text().split()[0])
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    network = PodNetwork(cidr)
+    keys = [run_dir.name for run_dir in state.glob("vms/*")]
+
+    async def detach_all() -> None:
+        for key in keys:
+            await network.detach(key)
+
+    asyncio.run(detach_all())
+
+
 @pytest.fixture(scope="module")
 def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[Lab]:
     if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
@@ -216,12 +236,9 @@ def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterat
             for controller in lab.controllers:
                 controller.stop()
             lab.agent.stop()
-            for pid_file in (workdir / "state").glob("vms/*/m/pid"):
-                with contextlib.suppress(ValueError, OSError):
-                    pid = int(pid_file.read_text().split()[0])
-                    if _alive(pid):
-                        os.kill(pid, signal.SIGKILL)
+            _clean_up(workdir / "state", cidr)
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+            shutil.rmtree(workdir / "state", ignore_errors=True)  # the logs stay, small
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +248,7 @@ def leader(lab: Lab) -> Controller:
     return controller
 
 
-def test_replicas_two_is_refused_by_the_apiserver_with_the_limit(lab: Lab) -> None:
+def test_bad_input_is_refused_by_the_apiserver_with_the_reason(lab: Lab) -> None:
     refused = lab.kubectl(
         "-n", lab.namespace, "apply", "-f", "-", input=json.dumps(vm_manifest(replicas=2)),
         check=False,
@@ -239,6 +256,31 @@ def test_replicas_two_is_refused_by_the_apiserver_with_the_limit(lab: Lab) -> No
     assert refused.returncode != 0
     assert "spec.replicas" in refused.stderr and "less than or equal to 1" in refused.stderr
     assert lab.k("get", "vm", "db", check=False).returncode != 0  # nothing was made
+
+    def refusal(manifest: dict[str, Any]) -> str:
+        result = lab.kubectl(
+            "-n", lab.namespace, "apply", "-f", "-", input=json.dumps(manifest), check=False
+        )
+        assert result.returncode != 0, manifest
+        return str(result.stderr)
+
+    backup = {"apiVersion": "vkubelet.io/v1alpha1", "kind": "VirtualMachineBackup"}
+    relative = refusal(
+        {
+            **backup,
+            "metadata": {"name": "b"},
+            "spec": {"vmName": "db", "target": {"directory": "x"}},
+        }
+    )
+    assert "spec.target.directory" in relative and "'^/'" in relative
+    unknown = refusal(
+        {**backup, "metadata": {"name": "b"}, "spec": {"vmName": "db", "target": {"s3": "x"}}}
+    )
+    assert 'unknown field "spec.target.s3"' in unknown
+    migration = {"apiVersion": "vkubelet.io/v1alpha1", "kind": "VirtualMachineMigration"}
+    assert "spec.vmName: Required value" in refusal(
+        {**migration, "metadata": {"name": "m"}, "spec": {"targetNode": "hv-2"}}
+    )
 
 
 def test_an_applied_vm_runs_and_a_service_selects_it_by_its_labels(
@@ -277,6 +319,30 @@ def test_an_applied_vm_runs_and_a_service_selects_it_by_its_labels(
         )
 
     wait_for(endpoint_ready, timeout=60, what="the VM as the Service's ready endpoint")
+    events = lab.kubectl.json(
+        "-n", lab.namespace, "get", "events",
+        "--field-selector", "involvedObject.kind=VirtualMachine,involvedObject.name=db",
+    )  # fmt: skip
+    assert "PoweringOn" in {e["reason"] for e in events["items"]}
+
+
+def test_a_template_the_apiserver_refuses_as_a_pod_fails_the_vm_with_its_words(
+    lab: Lab, leader: Controller
+) -> None:
+    broken = vm_manifest()
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["template"]["spec"]["containers"][0]["name"] = "Not_A_DNS_Label"
+    lab.kubectl("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(broken))
+
+    def failed() -> dict[str, Any] | None:
+        status = lab.vm("broken").get("status", {})
+        synced = [c for c in status.get("conditions", []) if c["type"] == "Synced"]
+        return synced[0] if status.get("phase") == "Failed" and synced else None
+
+    synced = wait_for(failed, timeout=30, what="phase Failed")
+    assert synced["reason"] == "FailedCreate" and "Not_A_DNS_Label" in synced["message"]
+    assert not lab.pods("broken")
+    lab.k("delete", "vm", "broken")
 
 
 def test_template_label_changes_reach_the_running_pod(lab: Lab, leader: Controller) -> None:
@@ -288,6 +354,41 @@ def test_template_label_changes_reach_the_running_pod(lab: Lab, leader: Controll
         return len(pods) == 1 and pods[0]["metadata"]["labels"].get("tier") == "gold"
 
     wait_for(relabelled, timeout=30, what="the new label on the VM's pod")
+
+
+def test_a_template_memory_change_resizes_the_running_pod_in_place(
+    lab: Lab, leader: Controller
+) -> None:
+    """Through `pods/resize`: the same pod, never a new one (the apiserver accepts it because the
+    vm provider reports `containerStatuses[].resources`). What the guest makes of the resize is
+    the provider's (tests/integration/vm/test_vm_power.py)."""
+    (before,) = lab.pods(terminating=False)
+    limits = {"cpu": "1", "memory": "320Mi"}
+    patch = [
+        {
+            "op": "replace",
+            "path": "/spec/template/spec/containers/0/resources",
+            "value": {"limits": limits},
+        }
+    ]
+    lab.k("patch", "vm", "db", "--type=json", "-p", json.dumps(patch))
+
+    def resized() -> bool:
+        pods = lab.pods(terminating=False)
+        resources = pods[0]["spec"]["containers"][0]["resources"] if len(pods) == 1 else {}
+        refused = [
+            c
+            for c in lab.vm()["status"].get("conditions", [])
+            if c.get("reason") == "ResizeRefused"
+        ]
+        assert not refused, refused
+        return bool(resources.get("limits", {}).get("memory") == "320Mi")
+
+    wait_for(resized, timeout=30, what="the pod's memory resized")
+    (after,) = lab.pods(terminating=False)
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]  # in place, no new pod
+    assert after["spec"]["containers"][0]["resources"]["requests"]["memory"] == "320Mi"
+    assert "resizing pod" in leader.log()
 
 
 def test_scale_to_zero_shuts_the_guest_down_and_scale_to_one_boots_the_same_disks(
@@ -318,6 +419,11 @@ def test_scale_to_zero_shuts_the_guest_down_and_scale_to_one_boots_the_same_disk
     lab.k("scale", "vm/db", "--replicas=1")
     second = lab.running_pod()
     assert second != pod  # a new incarnation of the machine
+    (incarnation,) = lab.pods()
+    terms = incarnation["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms[0]["matchFields"][0]["values"] == [lab.node]  # where its disks are
     data = lab.guest(second, find_data).strip()
     head = f"dd if=/dev/{data} bs=512 count=1 2>/dev/null | head -c {len(mark)}"
     assert lab.guest(second, head) == mark  # the emptyDir disk kept
@@ -326,6 +432,30 @@ def test_scale_to_zero_shuts_the_guest_down_and_scale_to_one_boots_the_same_disk
         f"| head -c {len(mark)}"
     )
     assert lab.guest(second, root) == mark  # the root overlay kept
+
+
+def test_hibernate_mode_keeps_the_guest_s_memory_and_uptime_across_a_power_cycle(
+    lab: Lab, leader: Controller
+) -> None:
+    """The controller's side of hibernation (the provider's is tests/integration/vm/
+    test_vm_power.py): powerOffMode Hibernate reaches the pod, the phase says Hibernated."""
+    pod = lab.running_pod()
+    lab.guest(
+        pod, "mkdir -p /mnt/mem && mount -t tmpfs tmpfs /mnt/mem && echo kept-$$ > /mnt/mem/value"
+    )
+    value = lab.guest(pod, "cat /mnt/mem/value")
+    uptime = float(lab.guest(pod, "cut -d' ' -f1 /proc/uptime"))
+    mode = {"spec": {"powerOffMode": "Hibernate"}}
+    lab.k("patch", "vm", "db", "--type=merge", "-p", json.dumps(mode))
+    lab.k("scale", "vm/db", "--replicas=0")
+    wait_for(lambda: lab.phase() == "Hibernated", timeout=180, what="phase Hibernated")
+    assert not lab.pods()
+    lab.k("scale", "vm/db", "--replicas=1")
+    resumed = lab.running_pod()
+    assert lab.guest(resumed, "cat /mnt/mem/value") == value
+    assert float(lab.guest(resumed, "cut -d' ' -f1 /proc/uptime")) > uptime  # not rebooted
+    mode = {"spec": {"powerOffMode": "Shutdown"}}
+    lab.k("patch", "vm", "db", "--type=merge", "-p", json.dumps(mode))
 
 
 def test_a_controller_restarted_in_the_middle_of_a_power_on_makes_one_pod(

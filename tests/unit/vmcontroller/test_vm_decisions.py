@@ -250,3 +250,94 @@ def test_a_deleted_vm_is_left_to_the_garbage_collector() -> None:
 
 def test_power_off_annotation_name_is_the_contract_s() -> None:
     assert POWER_OFF_ANNOTATION == "vm.vkubelet.io/power-off"
+
+
+def test_a_failed_hibernation_seen_while_stopping_makes_the_vm_stopped_not_hibernated() -> None:
+    stopping = pod(deleting=True, running=False)
+    stopping["status"]["containerStatuses"][0]["state"] = {
+        "terminated": {"reason": "HibernateFailed", "exitCode": 0}
+    }
+    during = decide(vm(replicas=0, mode="Hibernate"), [stopping])
+    assert during.status["phase"] == "Stopping"
+    after = vm(replicas=0, mode="Hibernate")
+    after["status"] = during.status
+    assert decide(after, []).status["phase"] == "Stopped"
+
+
+def test_an_unschedulable_pod_shows_the_scheduler_s_reason_in_ready() -> None:
+    pending = pod(running=False, phase="Pending")
+    pending["spec"].pop("nodeName")
+    pending["status"] = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available",
+            }
+        ],
+    }
+    ready = decide(vm(), [pending]).status["conditions"][0]
+    assert (ready["status"], ready["reason"], ready["message"]) == (
+        "False",
+        "Unschedulable",
+        "0/3 nodes are available",
+    )
+
+
+def test_a_vm_powers_on_where_its_disks_are() -> None:
+    running = decide(vm(), [pod()])
+    assert running.status["machineNode"] == "hv-1"
+    off = vm(replicas=0)
+    off["status"] = decide(off, [pod()]).status
+    stopped = decide(off, [])
+    assert stopped.status["machineNode"] == "hv-1"  # remembered while off
+    on = vm()
+    on["status"] = stopped.status
+    created = decide(on, []).create
+    assert created is not None
+    terms = created["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["hv-1"]}]}
+    ]
+
+
+def test_the_disk_pin_is_anded_into_the_template_s_terms_and_a_named_node_wins() -> None:
+    term = {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+    spec = {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            }
+        },
+        "containers": [{"name": "vm", "image": "vm.vkubelet.io/tiny"}],
+    }
+    on = vm(spec=spec)
+    on["status"] = {"machineNode": "hv-1"}
+    created = pod_for(on)
+    (pinned,) = created["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert pinned["matchExpressions"] == term["matchExpressions"]
+    assert pinned["matchFields"][0]["values"] == ["hv-1"]
+    assert on["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"] == [term]  # the VM itself unchanged
+    named = vm(spec={"nodeName": "hv-2", "containers": spec["containers"]})
+    named["status"] = {"machineNode": "hv-1"}
+    assert "affinity" not in pod_for(named)["spec"]
+
+
+def test_only_the_first_power_on_restores_from_a_backup() -> None:
+    restoring = vm()
+    restoring["spec"]["restoreFrom"] = {"backup": "nightly"}
+    created = decide(restoring, []).create
+    assert created is not None
+    assert created["metadata"]["annotations"]["vm.vkubelet.io/restore-from"] == "nightly"
+    restoring["status"] = {"machineNode": "hv-1"}  # it ran: its disks exist
+    again = decide(restoring, []).create
+    assert again is not None
+    assert "vm.vkubelet.io/restore-from" not in again["metadata"]["annotations"]
