@@ -96,6 +96,9 @@ class LaunchSpec:
     seed: Path | None
     network_key: str | None  # the pod uid the network was attached for
     accel: str
+    # A live migration's target: QEMU waits for the state (`-incoming defer`) and its disks
+    # may be written by others too (the NBD exports the source mirrors onto).
+    incoming: bool = False
 
 
 class Runtime(Protocol):

@@ -49,6 +49,7 @@ from ...sdk import (
     RestartBackoff,
     RunnerProvider,
     TaskSet,
+    Terminated,
     Waiting,
     build_pod_status,
 )
@@ -56,6 +57,7 @@ from ...sdk.provider import EventSink, EventType
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._config import VMConfig
 from ._console import ConsoleTailer
+from ._migrate import MigrationError, Migrations
 from ._spec import ENV_FILE, MachinePlan, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
@@ -98,6 +100,7 @@ class _VM:
     # that a restarted agent reports them unchanged, as a kubelet does.
     start_time: datetime = field(default_factory=lambda: datetime.now(UTC))
     started_at: datetime | None = None
+    migrated: str | None = None  # migrated away: the outcome (JSON); the pod ends with the run
 
     @property
     def uid(self) -> str:
@@ -178,6 +181,7 @@ class VMProvider(RunnerProvider):
         self._tasks = TaskSet("vm provider")
         self._started: asyncio.Task[None] | None = None
         self._closed = False
+        self.migrations = Migrations(self)
         config.run_root.mkdir(parents=True, exist_ok=True)
         config.log_root.mkdir(parents=True, exist_ok=True)
 
@@ -441,7 +445,7 @@ class VMProvider(RunnerProvider):
             confirms_start=True,  # Running once the guest is up, not when QEMU starts
         )
 
-    async def _run(self, key: str, vm: _VM, count: int) -> int:
+    async def _run(self, key: str, vm: _VM, count: int) -> int | Terminated:
         """Run `count` of the VM's container: one boot of the machine, to its exit code."""
         runner = self.runners[key]
         if vm.ended is not None:  # this run ended while no agent ran
@@ -449,6 +453,7 @@ class VMProvider(RunnerProvider):
             return code
         machine, vm.adopted = vm.adopted, None
         console_mark = vm.dir / "console.offset"
+        incoming = machine is None and self.migrations.is_target(vm)
         if machine is None:
             vm.machine_dir.mkdir(parents=True, exist_ok=True)
             # A new console file per run, so that each run's log starts at its own boot.
@@ -466,6 +471,13 @@ class VMProvider(RunnerProvider):
         vm.started_wall = process_start(machine.pid)
         vm.save()
         self._drop_old_logs(vm, count)
+        if incoming:  # a migration target: the VM arrives (with its console history) first
+            try:
+                await self.migrations.receive(vm, machine, runner, count)
+            except MigrationError:
+                await machine.kill()
+                vm.machine = None
+                return 1
         tailer = ConsoleTailer(
             machine.console_log, self.log_path(vm.uid, vm.container, count), console_mark
         )
@@ -475,6 +487,8 @@ class VMProvider(RunnerProvider):
             end = await machine.wait()
             if self._closed:  # the agent is going: the next agent reports this exit
                 await asyncio.Future()
+            if vm.migrated is not None:
+                return Terminated(0, reason="Migrated", message=vm.migrated)
             return end.code
         finally:
             boot.cancel()
@@ -513,6 +527,7 @@ class VMProvider(RunnerProvider):
             seed=Path(launch["seed"]) if launch.get("seed") else None,
             network_key=launch.get("network_key"),
             accel=self.accel[0] if self.accel else "tcg",
+            incoming=self.migrations.is_target(vm),
         )
 
     def _drop_old_logs(self, vm: _VM, run: int) -> None:
@@ -529,7 +544,7 @@ class VMProvider(RunnerProvider):
         machine = vm.machine
         if machine is None:
             raise ProcessLookupError(key)
-        if signum == signal.SIGKILL:
+        if signum == signal.SIGKILL or self.migrations.is_target(vm):  # no guest to ask yet
             self._tasks.spawn(machine.kill(), name=f"kill {key}")
             return
         spec = vm.pod.spec
@@ -547,6 +562,7 @@ class VMProvider(RunnerProvider):
         vm = self.vms.get(key)
         if vm is None or vm.uid != pod.uid or vm.plan is None or not vm.launch:
             return  # not made yet: the seed is written with the newest files anyway
+        self.migrations.update(key, vm, dict(pod.pod.metadata.annotations or {}))  # type: ignore[union-attr]
         try:
             plan = self._plan(pod)
         except SpecError as e:
@@ -603,7 +619,7 @@ class VMProvider(RunnerProvider):
                 task.cancel()
             self._tasks.spawn(self._finish(key, vm, None, 0), name=f"delete {key}")
             return
-        if not runner.stopping:
+        if not runner.stopping or vm.migrated is not None:  # (a migrated one ended already)
             self._tasks.spawn(
                 self._finish(key, vm, runner, grace_period_seconds), name=f"delete {key}"
             )

@@ -68,6 +68,16 @@ class Monitor:
         except (QMPError, EOFError, OSError, AssertionError) as e:
             raise MonitorUnavailable(f"QMP {command}: {e}") from None
 
+    async def pass_fd(self, name: str, fd: int) -> None:
+        """Hand QEMU an open file descriptor (SCM_RIGHTS, then `getfd`) under `name`: a socket
+        the agent opened where QEMU cannot (QEMU runs inside the VM's network namespace)."""
+        await self.connect()
+        try:
+            self._client.send_fd_scm(fd)
+        except (QMPError, OSError, AssertionError) as e:
+            raise MonitorUnavailable(f"QMP getfd {name}: {e}") from None
+        await self.execute("getfd", {"fdname": name})
+
     async def status(self) -> str:
         """The run state: running, paused, shutdown, guest-panicked, ..."""
         reply = await self.execute("query-status")

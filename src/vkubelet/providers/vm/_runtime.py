@@ -22,6 +22,7 @@ from ._config import ConfigError, VMConfig
 from ._disks import create_blank, create_overlay
 from ._machine import Disk, Machine, MachineSpec
 from ._net import GuestNetwork, PodNetwork
+from ._qmp import Monitor
 from ._seed import write_seed_iso
 from ._store import ImageStore, StoredImage
 from ._translate import (
@@ -74,6 +75,11 @@ class _Handle:
 
     async def kill(self) -> None:
         await self.machine.kill()
+
+    @property
+    def monitor(self) -> Monitor:
+        """QMP, for live migration (`_migrate`)."""
+        return self.machine.monitor
 
     async def usage(self) -> Usage:
         stats = await self.machine.stats()
@@ -184,11 +190,15 @@ class QemuRuntime:
                 run_dir=spec.run_dir,
                 vcpus=spec.vcpus,
                 memory_mib=spec.memory_mib,
-                disks=tuple(Disk(path, bus=bus) for path, bus in spec.disks),  # type: ignore[arg-type]
+                disks=tuple(
+                    Disk(path, bus=bus, share_rw=spec.incoming)  # type: ignore[arg-type]
+                    for path, bus in spec.disks
+                ),
                 seed=spec.seed,
                 network=network,
                 netns=self.network.netns(spec.network_key) if spec.network_key else None,
                 accel=spec.accel,
+                extra_args=("-incoming", "defer") if spec.incoming else (),
             )
         )
         return _Handle(machine)
