@@ -336,8 +336,15 @@ def build_pod_status(
     for extra in extra_conditions:
         before = old.get(extra.type)
         kept = before.lastTransitionTime if before and before.status == extra.status else None
-        since = kept or extra.lastTransitionTime or now
-        conditions.append(replace(extra, lastTransitionTime=since))
+        conditions.append(
+            PodCondition(
+                type=extra.type,
+                status=extra.status,
+                lastTransitionTime=kept or extra.lastTransitionTime or now,
+                reason=extra.reason,
+                message=extra.message,
+            )
+        )
 
     ips = list(pod_ips) or [host_ip]
     status = PodStatus(
