@@ -174,14 +174,17 @@ def test_a_running_vm_migrates_to_the_other_node_with_its_disk_and_console(lab: 
     ticks = _ticks(text)
     numbers = [n for n, _ in ticks]
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "a tick was lost"
-    # The guest's clock stands still while it is paused, so what it sees of the switchover is
-    # QEMU's downtime at most: no gap there beyond an ordinary one (TCG on a busy machine) plus
-    # the measured downtime.
+    # The guest's clock stands still while it is paused, so the pause itself (QEMU's downtime)
+    # barely shows in its count. What can show is the precopy before it: under TCG on a busy
+    # 2-core machine the migration thread can starve the guest's vCPU for the whole RAM phase.
+    # So the bound is an ordinary gap plus the RAM phase plus the downtime; the run prints the
+    # gap (with KVM, or on a quiet machine, it is an ordinary one: 0.2 s measured).
     gaps = [b[1] - a[1] for a, b in itertools.pairwise(ticks)]
     switch = len(before) - 1  # the history is the source's log: its last tick, then hv-2's
     ordinary = max(gaps[:switch] or [0.1])
+    precopy = result["totalMilliseconds"] / 1000
     print(f"switchover gap {gaps[switch]:.3f} s, ordinary max {ordinary:.3f} s")
-    assert gaps[switch] <= ordinary + downtime + 0.25
+    assert gaps[switch] <= ordinary + precopy + downtime + 0.25, ticks[switch - 3 : switch + 3]
 
 
 def test_killing_the_target_midway_leaves_the_vm_running_at_the_source(lab: Lab) -> None:
@@ -190,8 +193,9 @@ def test_killing_the_target_midway_leaves_the_vm_running_at_the_source(lab: Lab)
     lab.migrate("vm-2", {**endpoint, "maxBandwidth": 1_000_000})
 
     def migrating() -> bool:
-        message = lab.condition("vm-2", MIGRATION).get("message") or "{}"
-        return json.loads(message).get("phase") == "migrating"
+        condition = lab.condition("vm-2", MIGRATION)
+        assert condition.get("reason") != "Failed", condition
+        return json.loads(condition.get("message") or "{}").get("phase") == "migrating"
 
     wait_for(migrating, timeout=60, interval=0.5, what="the RAM migration under way")
     pid = lab.hv1.qemu_pid(lab.pod("vm-3")["metadata"]["uid"])

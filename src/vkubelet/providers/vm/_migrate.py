@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,8 @@ __all__ = [
     "migrate_out",
     "send_history",
 ]
+
+log = logging.getLogger(__name__)
 
 MIGRATION_SOURCE = "vm.vkubelet.io/migration-source"
 MIGRATE_TO = "vm.vkubelet.io/migrate-to"
@@ -505,9 +508,9 @@ class Migrations:
             runner.set_condition(TARGET_CONDITION, "False", "Completed", "the VM runs here")
             provider._event(vm, "Normal", "Migrated", "the VM arrived and runs here")
             history = await incoming.history(HISTORY_TIMEOUT)
-            log = provider.log_path(vm.uid, vm.container, run)
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with log.open("ab") as out:
+            cri_log = provider.log_path(vm.uid, vm.container, run)
+            cri_log.parent.mkdir(parents=True, exist_ok=True)
+            with cri_log.open("ab") as out:
                 out.write(history)
             await incoming.stop_exports()
         except MigrationError as e:
@@ -555,6 +558,7 @@ class Migrations:
             return
         self._tried[key] = value
         if vm.machine is None or vm.booted_at is None:
+            log.warning("%s: migrate-to, but the VM is not running", vm.uid)
             message = json.dumps({"error": "the VM is not running"})
             runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
             return
@@ -579,10 +583,12 @@ class Migrations:
             runner.set_condition(MIGRATION_CONDITION, "True", "Running", progress.message())
 
         report(Progress())
+        log.info("%s: migrating to %s", vm.uid, endpoint.to_json())
         provider._event(vm, "Normal", "Migrating", f"to {endpoint.host}")
         try:
             outcome = await migrate_out(_monitor(machine), endpoint, vm.dir / "nbd.sock", report)
         except MigrationError as e:
+            log.warning("%s: migration failed, the VM stays here: %s", vm.uid, e)
             runner.set_condition(
                 MIGRATION_CONDITION, "False", "Failed", json.dumps({"error": str(e)})
             )
@@ -590,16 +596,17 @@ class Migrations:
             return
         # Switched over: the guest is paused here for good. Its console history (this run's
         # log, with what the console printed last) goes to the target.
-        log = provider.log_path(vm.uid, vm.container, vm.run)
-        tailer = ConsoleTailer(machine.console_log, log, vm.dir / "console.offset")
+        cri_log = provider.log_path(vm.uid, vm.container, vm.run)
+        tailer = ConsoleTailer(machine.console_log, cri_log, vm.dir / "console.offset")
         with contextlib.suppress(OSError):
             while tailer.copy(final=True):
                 pass
         try:
-            await send_history(endpoint, log.read_bytes() if log.exists() else b"")
+            await send_history(endpoint, cri_log.read_bytes() if cri_log.exists() else b"")
         except (OSError, TimeoutError) as e:
             provider._event(vm, "Warning", "MigrationHistoryLost", f"console history: {e}")
         message = outcome_message(outcome)
+        log.info("%s: migrated: %s", vm.uid, message)
         vm.migrated = message
         runner.set_condition(MIGRATION_CONDITION, "True", "Completed", message)
         provider._event(vm, "Normal", "Migrated", message)

@@ -41,6 +41,7 @@ class Monitor:
         self._name = name
         self._client = QMPClient(name)
         self._lock = asyncio.Lock()
+        self._commands = asyncio.Lock()  # one command at a time (see pass_fd)
 
     async def connect(self) -> None:
         async with self._lock:
@@ -61,6 +62,10 @@ class Monitor:
 
     async def execute(self, command: str, arguments: Mapping[str, Any] | None = None) -> Any:
         await self.connect()
+        async with self._commands:
+            return await self._execute(command, arguments)
+
+    async def _execute(self, command: str, arguments: Mapping[str, Any] | None) -> Any:
         try:
             return await self._client.execute(command, arguments)
         except ExecuteError:
@@ -72,11 +77,14 @@ class Monitor:
         """Hand QEMU an open file descriptor (SCM_RIGHTS, then `getfd`) under `name`: a socket
         the agent opened where QEMU cannot (QEMU runs inside the VM's network namespace)."""
         await self.connect()
-        try:
-            self._client.send_fd_scm(fd)
-        except (QMPError, OSError, AssertionError) as e:
-            raise MonitorUnavailable(f"QMP getfd {name}: {e}") from None
-        await self.execute("getfd", {"fdname": name})
+        # QEMU keeps a passed descriptor only until its next read of the socket: nothing may
+        # come between it and the `getfd` that claims it.
+        async with self._commands:
+            try:
+                self._client.send_fd_scm(fd)
+            except (QMPError, OSError, AssertionError) as e:
+                raise MonitorUnavailable(f"QMP getfd {name}: {e}") from None
+            await self._execute("getfd", {"fdname": name})
 
     async def status(self) -> str:
         """The run state: running, paused, shutdown, guest-panicked, ..."""
