@@ -145,7 +145,7 @@ def test_a_running_vm_migrates_to_the_other_node_with_its_disk_and_console(lab: 
     # The source pod ended as migrated; the VM runs on hv-2 with its disk.
     def source_ended() -> bool:
         state = lab.pod("vm")["status"]["containerStatuses"][0]["state"]
-        return state.get("terminated", {}).get("reason") == "Migrated"
+        return bool(state.get("terminated", {}).get("reason") == "Migrated")
 
     wait_for(source_ended, timeout=60, what="the source pod terminated: Migrated")
     assert lab.pod("vm")["status"]["phase"] == "Succeeded"
@@ -195,7 +195,7 @@ def test_killing_the_target_midway_leaves_the_vm_running_at_the_source(lab: Lab)
     def migrating() -> bool:
         condition = lab.condition("vm-2", MIGRATION)
         assert condition.get("reason") != "Failed", condition
-        return json.loads(condition.get("message") or "{}").get("phase") == "migrating"
+        return bool(json.loads(condition.get("message") or "{}").get("phase") == "migrating")
 
     wait_for(migrating, timeout=60, interval=0.5, what="the RAM migration under way")
     pid = lab.hv1.qemu_pid(lab.pod("vm-3")["metadata"]["uid"])

@@ -87,6 +87,11 @@ class Endpoint:
     disks: tuple[str, ...]  # NBD export names, in the machine's disk order
     max_bandwidth: int | None = None
 
+    @property
+    def target(self) -> str:
+        """Which target a Migration condition speaks of (its messages carry it)."""
+        return f"{self.host}:{self.migration_port}"
+
     def to_json(self) -> str:
         data: dict[str, Any] = {
             "host": self.host,
@@ -557,15 +562,15 @@ class Migrations:
         if runner is None:
             return
         self._tried[key] = value
-        if vm.machine is None or vm.booted_at is None:
-            log.warning("%s: migrate-to, but the VM is not running", vm.uid)
-            message = json.dumps({"error": "the VM is not running"})
-            runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
-            return
         try:
             endpoint = Endpoint.from_json(value)
         except MigrationError as e:
             message = json.dumps({"error": str(e)})
+            runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
+            return
+        if vm.machine is None or vm.booted_at is None:
+            log.warning("%s: migrate-to, but the VM is not running", vm.uid)
+            message = json.dumps({"error": "the VM is not running", "target": endpoint.target})
             runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
             return
         self._sending.add(key)
@@ -580,7 +585,8 @@ class Migrations:
         provider = self.provider
 
         def report(progress: Progress) -> None:
-            runner.set_condition(MIGRATION_CONDITION, "True", "Running", progress.message())
+            message = {**json.loads(progress.message()), "target": endpoint.target}
+            runner.set_condition(MIGRATION_CONDITION, "True", "Running", json.dumps(message))
 
         report(Progress())
         log.info("%s: migrating to %s", vm.uid, endpoint.to_json())
@@ -589,9 +595,8 @@ class Migrations:
             outcome = await migrate_out(_monitor(machine), endpoint, vm.dir / "nbd.sock", report)
         except MigrationError as e:
             log.warning("%s: migration failed, the VM stays here: %s", vm.uid, e)
-            runner.set_condition(
-                MIGRATION_CONDITION, "False", "Failed", json.dumps({"error": str(e)})
-            )
+            message = json.dumps({"error": str(e), "target": endpoint.target})
+            runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
             provider._event(vm, "Warning", "MigrationFailed", f"the VM stays here: {e}")
             return
         # Switched over: the guest is paused here for good. Its console history (this run's
@@ -605,7 +610,7 @@ class Migrations:
             await send_history(endpoint, cri_log.read_bytes() if cri_log.exists() else b"")
         except (OSError, TimeoutError) as e:
             provider._event(vm, "Warning", "MigrationHistoryLost", f"console history: {e}")
-        message = outcome_message(outcome)
+        message = json.dumps({**json.loads(outcome_message(outcome)), "target": endpoint.target})
         log.info("%s: migrated: %s", vm.uid, message)
         vm.migrated = message
         runner.set_condition(MIGRATION_CONDITION, "True", "Completed", message)

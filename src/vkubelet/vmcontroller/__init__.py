@@ -1,0 +1,2 @@
+"""STUB (vmmigrate's branch): the VirtualMachine controller package is vmcrd's; on merge, take
+vmcrd's `__init__.py`."""
