@@ -184,7 +184,7 @@ def test_a_running_vm_migrates_to_the_other_node_with_its_disk_and_console(lab: 
     ordinary = max(gaps[:switch] or [0.1])
     precopy = result["totalMilliseconds"] / 1000
     print(f"switchover gap {gaps[switch]:.3f} s, ordinary max {ordinary:.3f} s")
-    assert gaps[switch] <= ordinary + precopy + downtime + 0.25, ticks[switch - 3 : switch + 3]
+    assert gaps[switch] <= ordinary + precopy + downtime + 0.5, ticks[switch - 3 : switch + 3]
 
 
 def test_killing_the_target_midway_leaves_the_vm_running_at_the_source(lab: Lab) -> None:
