@@ -182,7 +182,8 @@ def decide(
             p
             for p in live
             if (p.get("status") or {}).get("phase") == "Running"
-            and MIGRATION_SOURCE not in _annotations(p)
+            # a target only while its source lives (a completed one is the VM's pod)
+            and _annotations(p).get(MIGRATION_SOURCE) not in by_name
             and BACKUP_OF not in _annotations(p)
         ]
         if not running:
@@ -218,10 +219,13 @@ def decide(
     step.status["targetPod"] = target_name
     ready = _condition(target, TARGET_CONDITION)
     endpoint = _json(ready.get("message")) if ready.get("status") == "True" else {}
-    here = f"{endpoint.get('host')}:{endpoint.get('migrationPort')}"
+    # The source's outcome is this migration's when we annotated it (our name beside the
+    # endpoint) and the condition speaks of that endpoint: never an earlier migration's.
+    given = _annotations(source or {})
+    sent = _json(given.get(MIGRATE_TO)) if given.get(MIGRATION_LABEL) == name else {}
     outcome = _condition(source, MIGRATION_CONDITION)
     report = _json(outcome.get("message"))
-    ours = bool(endpoint) and report.get("target") == here
+    ours = bool(sent) and report.get("target") == f"{sent.get('host')}:{sent.get('migrationPort')}"
 
     if source is None:
         # Completed and already deleted (by the VM reconciler, say): the target says so.

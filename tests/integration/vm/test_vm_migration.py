@@ -215,3 +215,119 @@ def test_killing_the_target_midway_leaves_the_vm_running_at_the_source(lab: Lab)
     wait_for(lambda: len(_ticks(lab.logs("vm-2"))) > count + 5, timeout=60, what="more ticks")
     assert lab.exec("vm-2", "head", "-c", str(len(DISK_MARKER)), "/dev/vdb") == DISK_MARKER
     lab.kubectl("-n", lab.namespace, "delete", "pod", "vm-3", "--wait=false")
+
+
+# -- the VirtualMachineMigration reconciler against the real apiserver --------------------------
+def _ensure_crds(kubectl: Kubectl) -> None:
+    """Minimal CRDs when vmcrd's are not installed (this test needs only their shape)."""
+    for kind, plural, short in (
+        ("VirtualMachine", "virtualmachines", "vm"),
+        ("VirtualMachineMigration", "virtualmachinemigrations", "vmmigration"),
+    ):
+        name = f"{plural}.vkubelet.io"
+        if kubectl("get", "crd", name, check=False).returncode == 0:
+            continue
+        loose = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        crd = {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": name},
+            "spec": {
+                "group": "vkubelet.io",
+                "scope": "Namespaced",
+                "names": {"kind": kind, "plural": plural, "shortNames": [short]},
+                "versions": [
+                    {
+                        "name": "v1alpha1",
+                        "served": True,
+                        "storage": True,
+                        "subresources": {"status": {}},
+                        "schema": {
+                            "openAPIV3Schema": {
+                                "type": "object",
+                                "properties": {"spec": loose, "status": loose},
+                            }
+                        },
+                    }
+                ],
+            },
+        }
+        kubectl("apply", "-f", "-", input=json.dumps(crd))
+        kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+
+
+def _reconcile_until_done(lab: Lab, kubeconfig: Any, name: str) -> dict[str, Any]:
+    """Run the reconciler as the controller would (level-triggered passes) until it is done."""
+    import asyncio
+    import time
+
+    from lightkube import AsyncClient, KubeConfig
+
+    from vkubelet.vmcontroller._base import Context
+    from vkubelet.vmcontroller._migration import MigrationReconciler
+
+    class Events:
+        def emit(self, obj: Any, type: str, reason: str, message: str) -> None:
+            print(f"event {type} {reason}: {message}")
+
+    async def run() -> None:
+        client = AsyncClient(config=KubeConfig.from_file(kubeconfig))
+        reconciler = MigrationReconciler()  # a fresh one each pass: no memory between passes
+        try:
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline:
+                ctx = Context(client=client, events=Events())
+                if await reconciler.reconcile(ctx, lab.namespace, name) is None:
+                    return
+                reconciler = MigrationReconciler()
+                await asyncio.sleep(0.5)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    return dict(lab.kubectl.json("-n", lab.namespace, "get", "vmmigration", name)["status"])
+
+
+def test_a_virtualmachinemigration_moves_the_vm_back_and_refuses_a_node_that_is_not_a_vm_node(
+    lab: Lab, kube_cluster: Any
+) -> None:
+    _ensure_crds(lab.kubectl)
+    kubeconfig = kube_cluster.kubeconfig
+    lab.kubectl("-n", lab.namespace, "label", "pod", "vm-2", "vm.vkubelet.io/name=db")
+    vm = {
+        "apiVersion": "vkubelet.io/v1alpha1",
+        "kind": "VirtualMachine",
+        "metadata": {"name": "db"},
+    }
+    lab.apply({**vm, "spec": {"replicas": 1}})
+    plain = f"plain-{uuid.uuid4().hex[:5]}"
+    lab.kubectl(
+        "create",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": plain}}),
+    )
+    try:
+        bad = {"apiVersion": "vkubelet.io/v1alpha1", "kind": "VirtualMachineMigration"}
+        lab.apply(
+            {**bad, "metadata": {"name": "bad"}, "spec": {"vmName": "db", "targetNode": plain}}
+        )
+        status = _reconcile_until_done(lab, kubeconfig, "bad")
+        assert (status["phase"], status["message"]) == ("Failed", f"node {plain} is not a vm node")
+        labelled = lab.kubectl.json(
+            "-n", lab.namespace, "get", "pods", "-l", "vm.vkubelet.io/migration=bad"
+        )
+        assert labelled["items"] == [] and lab.running("vm-2")
+    finally:
+        lab.kubectl("delete", "node", plain, "--wait=false")
+    # Without a target node the scheduler picks one: hv-1, the only other vm node.
+    lab.apply({**bad, "metadata": {"name": "back"}, "spec": {"vmName": "db"}})
+    status = _reconcile_until_done(lab, kubeconfig, "back")
+    assert status["phase"] == "Succeeded", status
+    assert (status["sourceNode"], status["targetNode"]) == (lab.hv2.name, lab.hv1.name)
+    assert status["downtimeMilliseconds"] > 0 and status["progress"] == 100
+    target = status["targetPod"]
+    wait_for(lambda: lab.running(target), timeout=60, what="the VM Running on hv-1")
+    assert lab.exec(target, "head", "-c", str(len(DISK_MARKER)), "/dev/vdb") == DISK_MARKER
+    gone = lab.kubectl("-n", lab.namespace, "get", "pod", "vm-2", check=False)
+    assert gone.returncode != 0 or "deletionTimestamp" in gone.stdout

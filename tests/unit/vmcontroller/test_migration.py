@@ -177,6 +177,7 @@ def test_the_target_s_endpoint_goes_onto_the_source_then_progress_is_reported() 
     }
     source = source_pod()
     source["metadata"]["annotations"][MIGRATE_TO] = json.dumps(ENDPOINT)
+    source["metadata"]["annotations"][MIGRATION_LABEL] = "move"
     report = {"phase": "migrating", "progress": 42, "target": HERE}
     with_condition(source, MIGRATION_CONDITION, "True", "Running", report)
     step = decide(state, VM, [source, target], NODES)
@@ -189,8 +190,24 @@ def _migrating(outcome: str, report: dict[str, Any]) -> tuple[dict[str, Any], li
     target = with_condition(target_pod(), TARGET_CONDITION, "True", "Ready", ENDPOINT)
     source = source_pod()
     source["metadata"]["annotations"][MIGRATE_TO] = json.dumps(ENDPOINT)
+    source["metadata"]["annotations"][MIGRATION_LABEL] = "move"
     with_condition(source, MIGRATION_CONDITION, "True", outcome, {**report, "target": HERE})
     return state, [source, target]
+
+
+def test_a_completed_migration_succeeds_after_the_target_stopped_advertising_itself() -> None:
+    state, pods = _migrating("Completed", {"downtimeMilliseconds": 21, "totalMilliseconds": 730})
+    pods[1]["status"]["conditions"] = [
+        {"type": TARGET_CONDITION, "status": "False", "reason": "Completed", "message": "here"}
+    ]
+    assert decide(state, VM, pods, NODES).status["phase"] == "Succeeded"
+
+
+def test_an_outcome_on_a_source_this_migration_did_not_annotate_is_not_its_own() -> None:
+    state, pods = _migrating("Failed", {"error": "someone else's"})
+    del pods[0]["metadata"]["annotations"][MIGRATION_LABEL]
+    step = decide(state, VM, pods, NODES)
+    assert step.status["phase"] == "Migrating" and not step.delete
 
 
 def test_a_completed_migration_succeeds_with_its_downtime_and_deletes_the_source() -> None:
@@ -353,3 +370,11 @@ def test_the_reconciler_watches_its_resource_and_the_pods_that_name_it() -> None
     target = cast(Pod, Pod.from_dict(_api(target_pod(), "Pod", "v1")))
     assert list(reconciler.keys_for_pod(target)) == [("ns", "move")]
     assert VirtualMachine is not None and Node is not None
+
+
+def test_a_vm_pod_that_arrived_by_an_earlier_migration_can_move_again() -> None:
+    arrived = source_pod()
+    arrived["metadata"]["annotations"][MIGRATION_SOURCE] = "db-gone1"  # its source ended
+    step = decide(migration(), VM, [arrived], NODES)
+    assert step.create is not None and step.status["sourcePod"] == "db-abcde"
+    assert step.create["metadata"]["annotations"][MIGRATION_SOURCE] == "db-abcde"

@@ -67,6 +67,7 @@ MIGRATE_TO = "vm.vkubelet.io/migrate-to"
 TARGET_CONDITION = "vm.vkubelet.io/MigrationTarget"
 MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
 
+DEFAULT_BANDWIDTH = 128 * 2**20
 DOWNTIME_LIMIT_MS = 50  # issue 13's target; QEMU measured 15-26 ms here
 _POLL = 0.05
 
@@ -172,43 +173,46 @@ class IncomingMigration:
     def __init__(self, monitor: Monitor, host: str) -> None:
         self.monitor, self.host = monitor, host
         self._servers: list[asyncio.Server] = []
-        self._nbd: socket.socket | None = None
-        self._accepted = asyncio.Event()
+        self._sockets: list[socket.socket] = []
+        self._accepting: asyncio.Task[None] | None = None
         self._history: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
     async def open(self) -> Endpoint:
         devices = await _disk_devices(self.monitor)
-        self._nbd = socket.create_server((self.host, 0))
-        await self.monitor.pass_fd("migration-nbd", self._nbd.fileno())
+        nbd = socket.create_server((self.host, 0))
+        self._sockets.append(nbd)
+        await self.monitor.pass_fd("migration-nbd", nbd.fileno())
         address = {"type": "fd", "data": {"str": "migration-nbd"}}  # SocketAddressLegacy
         await self.monitor.execute("nbd-server-start", {"addr": address})
         for device, node in devices.items():
             arguments = {"type": "nbd", "id": device, "node-name": node, "writable": True}
             await self.monitor.execute("block-export-add", {**arguments, "name": device})
-        migration = await asyncio.start_server(self._incoming, self.host, 0)
+        # Not an asyncio server: the loop would read the stream's first bytes before QEMU.
+        migration = socket.create_server((self.host, 0))
+        migration.setblocking(False)
+        self._sockets.append(migration)
+        self._accepting = asyncio.create_task(self._incoming(migration))
         console = await asyncio.start_server(self._console, self.host, 0)
-        self._servers += [migration, console]
+        self._servers.append(console)
         return Endpoint(
             host=self.host,
-            migration_port=migration.sockets[0].getsockname()[1],
-            nbd_port=self._nbd.getsockname()[1],
+            migration_port=migration.getsockname()[1],
+            nbd_port=nbd.getsockname()[1],
             console_port=console.sockets[0].getsockname()[1],
             disks=tuple(devices),
         )
 
-    async def _incoming(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The first connection is the migration stream: QEMU reads it from here on."""
-        sock = writer.get_extra_info("socket")
+    async def _incoming(self, listener: socket.socket) -> None:
+        """The first connection is the migration stream: QEMU reads it, we never do."""
+        connection, _ = await asyncio.get_running_loop().sock_accept(listener)
+        listener.close()  # one migration per target
         try:
-            if self._accepted.is_set():
-                return  # one migration per target
-            self._accepted.set()
-            await self.monitor.pass_fd("migration-in", sock.fileno())
+            await self.monitor.pass_fd("migration-in", connection.fileno())
             await self.monitor.execute("migrate-incoming", {"uri": "fd:migration-in"})
         except (MonitorUnavailable, ExecuteError):
             pass  # QEMU gone: wait() says so
         finally:
-            writer.close()  # QEMU holds its own copy of the descriptor
+            connection.close()  # QEMU holds its own copy of the descriptor
 
     async def _console(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -241,12 +245,14 @@ class IncomingMigration:
             await self.monitor.execute("nbd-server-stop")
 
     async def close(self) -> None:
+        if self._accepting is not None and not self._accepting.done():
+            self._accepting.cancel()
         for server in self._servers:
             server.close()
         self._servers.clear()
-        if self._nbd is not None:
-            self._nbd.close()
-            self._nbd = None
+        for sock in self._sockets:
+            sock.close()
+        self._sockets.clear()
 
 
 # -- source --------------------------------------------------------------------------------------
@@ -340,9 +346,11 @@ async def migrate_out(
                     },
                 )
             await _until_mirrored(monitor, jobs, progress, report)
-            parameters: dict[str, Any] = {"downtime-limit": downtime_limit_ms}
-            if endpoint.max_bandwidth is not None:
-                parameters["max-bandwidth"] = endpoint.max_bandwidth
+            parameters: dict[str, Any] = {
+                "downtime-limit": downtime_limit_ms,
+                # Always set: parameters outlive a migration (QEMU's default: 128 MiB/s).
+                "max-bandwidth": endpoint.max_bandwidth or DEFAULT_BANDWIDTH,
+            }
             await monitor.execute("migrate-set-parameters", parameters)
             stream = socket.create_connection((endpoint.host, endpoint.migration_port), 10)
             try:
