@@ -507,8 +507,9 @@ class Migrations:
         """Export the disks, publish the endpoint, wait for the VM; then its console history
         goes first into this run's log (before the console tailer starts)."""
         provider = self.provider
-        incoming = IncomingMigration(_monitor(machine), provider.host_ip)
+        incoming: IncomingMigration | None = None
         try:
+            incoming = IncomingMigration(_monitor(machine), provider.host_ip)
             try:
                 endpoint = await incoming.open()
             except (MonitorUnavailable, ExecuteError, OSError) as e:
@@ -531,7 +532,8 @@ class Migrations:
             provider._event(vm, "Warning", "MigrationFailed", str(e))
             raise
         finally:
-            await incoming.close()
+            if incoming is not None:
+                await incoming.close()
         provider._tasks.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
 
     async def _readdress(self, vm: _VM, machine: MachineHandle) -> None:

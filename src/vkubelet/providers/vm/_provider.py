@@ -560,9 +560,10 @@ class VMProvider(RunnerProvider):
         container's start-time environment: the env file changes only with the pod."""
         key = f"{pod.namespace}/{pod.name}"
         vm = self.vms.get(key)
+        if vm is not None and vm.uid == pod.uid:  # (an adopted VM has no plan: checked below)
+            self.migrations.update(key, vm, dict(pod.pod.metadata.annotations or {}))  # type: ignore[union-attr]
         if vm is None or vm.uid != pod.uid or vm.plan is None or not vm.launch:
             return  # not made yet: the seed is written with the newest files anyway
-        self.migrations.update(key, vm, dict(pod.pod.metadata.annotations or {}))  # type: ignore[union-attr]
         try:
             plan = self._plan(pod)
         except SpecError as e:

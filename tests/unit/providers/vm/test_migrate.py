@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,3 +46,69 @@ def test_progress_counts_disks_and_memory_and_stays_below_100_until_done() -> No
     progress.disk_done = 100
     assert progress.percent == 99
     assert json.loads(progress.message()) == {"phase": "mirroring", "progress": 99}
+
+
+# -- the provider's hooks, on the fake runtime of test_provider ---------------------------------
+def _condition(pod: Any, kind: str) -> Any:
+    for condition in pod.status.conditions or []:
+        if condition.type == kind:
+            return condition
+    return None
+
+
+async def test_migrate_to_on_a_vm_that_cannot_migrate_fails_and_the_vm_runs_on(
+    tmp_path: Path,
+) -> None:
+    from vkubelet.sdk import ResolvedPod
+
+    from .test_provider import Events, FakeRuntime, make_pod, provider_for, state, until
+
+    provider = provider_for(tmp_path, FakeRuntime(), Events())
+    await provider.create_pod(ResolvedPod(make_pod()))
+
+    async def running() -> bool:
+        _, status = await state(provider)
+        return status is not None and status.state.running is not None
+
+    await until(running)
+    pod = make_pod()
+    endpoint = Endpoint("10.0.0.2", 4000, 4001, 4002, ("disk0",))
+    assert pod.metadata is not None
+    pod.metadata.annotations = {"vm.vkubelet.io/migrate-to": endpoint.to_json()}
+    await provider.update_pod(ResolvedPod(pod))
+
+    async def failed() -> bool:
+        current = await provider.get_pod("ns", "vm")
+        condition = _condition(current, "vm.vkubelet.io/Migration")
+        return condition is not None and condition.reason == "Failed"
+
+    await until(failed)
+    current = await provider.get_pod("ns", "vm")
+    report = json.loads(_condition(current, "vm.vkubelet.io/Migration").message)
+    assert report["target"] == "10.0.0.2:4000" and "cannot migrate" in report["error"]
+    assert await running()
+    await provider.aclose()
+
+
+async def test_a_migration_target_waits_for_the_vm_and_reports_why_it_cannot(
+    tmp_path: Path,
+) -> None:
+    from vkubelet.sdk import ResolvedPod
+
+    from .test_provider import Events, FakeRuntime, make_pod, provider_for, until
+
+    runtime = FakeRuntime()
+    provider = provider_for(tmp_path, runtime, Events())
+    pod = make_pod("vm-2")
+    assert pod.metadata is not None
+    pod.metadata.annotations = {"vm.vkubelet.io/migration-source": "vm"}
+    await provider.create_pod(ResolvedPod(pod))
+
+    async def failed() -> bool:
+        current = await provider.get_pod("ns", "vm-2")
+        condition = _condition(current, "vm.vkubelet.io/MigrationTarget") if current else None
+        return condition is not None and condition.reason == "Failed"
+
+    await until(failed)
+    assert runtime.launches[0].incoming  # QEMU started waiting for the state
+    await provider.aclose()
