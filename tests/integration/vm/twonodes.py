@@ -130,3 +130,4 @@ def vm_node_pair(
                 node.agent.stop()
                 _clean_up(node)
                 kubectl("delete", "node", node.name, "--ignore-not-found", "--wait=false")
+                shutil.rmtree(node.workdir, ignore_errors=True)
