@@ -276,7 +276,7 @@ def _reconcile_until_done(lab: Lab, kubeconfig: Any, name: str) -> dict[str, Any
         try:
             deadline = time.monotonic() + 150
             while time.monotonic() < deadline:
-                ctx = Context(client=client, events=Events())
+                ctx = Context(client=client, events=Events())  # type: ignore[arg-type]
                 if await reconciler.reconcile(ctx, lab.namespace, name) is None:
                     return
                 reconciler = MigrationReconciler()

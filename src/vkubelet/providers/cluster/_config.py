@@ -20,6 +20,7 @@
     fitCheck: true                   # aggregate: fail a pod no single lower node can take
     cannotFitBackoff: 10             # seconds the node is tainted after such a failure (doubling)
     daemonSetPods: refuse            # or `run`; a pod annotation can opt in too
+    webhook: {enabled: true}         # the constraint webhook (see `_admission`)
 
 Errors name the file and the field (`lower.yaml: namespaces.prefix: ...`), as the agent's own
 config and the SSH inventory do.
@@ -29,13 +30,14 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import yaml
 
 from ...node import ConfigError
+from ._webhookconfig import WebhookConfig, parse_webhook_config
 
 __all__ = ["LowerConfig", "NamespaceMapping", "Resync", "load_lower_config"]
 
@@ -57,6 +59,7 @@ _TOP_KEYS = {
     "fitCheck",
     "cannotFitBackoff",
     "daemonSetPods",
+    "webhook",
 }
 _NAMESPACE_KEYS = {"prefix", "map", "create"}
 _RESYNC_KEYS = {"pods", "nodes", "dependencies"}
@@ -121,6 +124,7 @@ class LowerConfig:
     fit_check: bool = True
     cannot_fit_backoff: float = 10.0
     daemon_set_pods: Literal["refuse", "run"] = "refuse"
+    webhook: WebhookConfig = field(default_factory=WebhookConfig)
 
     def label_excluded(self, key: str) -> bool:
         return any(fnmatch.fnmatchcase(key, pattern) for pattern in self.exclude_labels)
@@ -168,6 +172,12 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
             "serviceAccountTokens",
             "upper tokens need a service account: not with serviceAccounts: none",
         )
+    webhook = parse_webhook_config(where, data.get("webhook"), path.parent)
+    if webhook.enabled and data.get("mode") == "mirror":
+        raise fail(
+            "webhook",
+            "the constraint webhook is for mode: aggregate (mirrored nodes show the lower labels)",
+        )
     return LowerConfig(
         kubeconfig=path.parent / Path(kubeconfig).expanduser(),
         source=path,
@@ -194,6 +204,7 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
             Literal["refuse", "run"], _choice(where, data, "daemonSetPods", ("refuse", "run"))
         ),
         cannot_fit_backoff=_seconds(where, "cannotFitBackoff", data.get("cannotFitBackoff"), 10.0),
+        webhook=webhook,
     )
 
 
