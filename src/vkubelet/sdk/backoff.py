@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from .status import ContainerReport, Running, Terminated, Waiting
@@ -122,7 +122,7 @@ def crash_loop_message(delay: float, container: str, pod: str, namespace: str, u
 
 
 async def supervise_container(
-    run: Callable[[int], Awaitable[int]],
+    run: Callable[[int], Awaitable[int | Terminated]],
     report: Callable[[ContainerReport], None],
     *,
     restart_policy: str | None,
@@ -136,10 +136,10 @@ async def supervise_container(
     is done or `stop` is set; True if its last run succeeded.
 
     `run(n)` runs the container's run `n` (its restart count) to the end and returns the exit
-    code (-N for a signal N); `report` gets each state change: running, terminated, waiting in
-    `CrashLoopBackOff` with the kubelet's message. `names` is (container, pod, namespace, uid),
-    for that message. `first_run` is the restart count to start from (a container adopted after
-    an agent restart keeps its count).
+    code (-N for a signal N; or a `Terminated` with the provider's reason); `report` gets each
+    state change: running, terminated, waiting in `CrashLoopBackOff` with the kubelet's message.
+    `names` is (container, pod, namespace, uid), for that message. `first_run` is the restart
+    count to start from (a container adopted after an agent restart keeps its count).
     """
     backoff = backoff or RestartBackoff()
     last: Terminated | None = None
@@ -149,7 +149,10 @@ async def supervise_container(
         report(ContainerReport(Running(started), count, last))
         code = await run(count)
         finished = time.monotonic()
-        last = Terminated(code if code >= 0 else 128 - code, started, datetime.now(UTC))
+        if isinstance(code, Terminated):  # the provider's own reason
+            last = replace(code, started_at=started, finished_at=datetime.now(UTC))
+        else:
+            last = Terminated(code if code >= 0 else 128 - code, started, datetime.now(UTC))
         report(ContainerReport(last, count))
         if stop.is_set() or not restarts(restart_policy, last.exit_code, init=init):
             return last.succeeded

@@ -26,14 +26,14 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from lightkube.models.core_v1 import Container, PodStatus
+from lightkube.models.core_v1 import Container, PodCondition, PodStatus
 from lightkube.resources.core_v1 import Pod
 
 from .backoff import supervise_container
 from .logs import previous_not_found, read_log, run_log_path
 from .probes import PodProbes, ProbeEvent, ProbeTransport
 from .provider import ContainerLogOptions, EventSink, ProviderError, ResolvedPod
-from .status import ContainerReport, Running, Waiting, build_pod_status
+from .status import ContainerReport, Running, Terminated, Waiting, build_pod_status
 from .tasks import TaskSet
 
 __all__ = ["PodRunner", "RunContainer", "RunnerProvider", "SignalContainer"]
@@ -41,8 +41,9 @@ __all__ = ["PodRunner", "RunContainer", "RunnerProvider", "SignalContainer"]
 log = logging.getLogger(__name__)
 
 # Runs container `c` (its run number `n`, i.e. its restart count) to the end: the exit code, or
-# -N for a signal N. An exception means the run could not start (the kubelet's StartError).
-RunContainer = Callable[[Container, int], Awaitable[int]]
+# -N for a signal N, or a `Terminated` when the provider names its own reason (say `Migrated`).
+# An exception means the run could not start (the kubelet's StartError).
+RunContainer = Callable[[Container, int], Awaitable[int | Terminated]]
 # Sends a signal to container `name`'s current process; raises ProcessLookupError when there is
 # none (not started yet, or already exited): the runner then tries again.
 SignalContainer = Callable[[str, int], None]
@@ -99,6 +100,7 @@ class PodRunner:
         self._confirms_start = confirms_start
         self._up: dict[str, tuple[int, datetime]] = {}  # container -> (run, started_at) confirmed
         self._status: PodStatus | None = None
+        self._conditions: dict[str, PodCondition] = {}  # the provider's own, by type
         self._tasks = TaskSet(f"pod {pod.metadata.namespace}/{pod.metadata.name}")
         self._life: asyncio.Task[None] | None = None
 
@@ -141,6 +143,24 @@ class PodRunner:
         self._changed.set()
         self._on_change()
 
+    def set_condition(
+        self, kind: str, status: str, reason: str | None = None, message: str | None = None
+    ) -> None:
+        """Report a pod condition of the provider's own (a custom type: a VM migration's
+        progress, say) in the pod's status from now on; the status is pushed."""
+        self._conditions[kind] = PodCondition(
+            type=kind, status=status, reason=reason, message=message
+        )
+        self._on_change()
+
+    def finish(self) -> None:
+        """No further runs: the current run's end is the pod's end, whatever the restart policy
+        (its workload went elsewhere, say a VM migrated away). Nothing is signalled."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._changed.set()
+            self._on_change()
+
     def status(self) -> PodStatus:
         spec = self.pod.spec
         assert spec is not None
@@ -153,6 +173,7 @@ class PodRunner:
             start_time=self._started,
             previous=self._status,
             terminating=self.stopping,
+            extra_conditions=list(self._conditions.values()),
         )
         return self._status
 
@@ -264,7 +285,7 @@ class PodRunner:
         meta, spec = self.pod.metadata, self.pod.spec
         assert meta is not None and spec is not None
 
-        async def once(count: int) -> int:
+        async def once(count: int) -> int | Terminated:
             if self._stop.is_set():  # deleted while waiting to start: this run never happens
                 return -int(signal.SIGTERM)
             try:

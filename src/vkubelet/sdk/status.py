@@ -257,6 +257,7 @@ def build_pod_status(
     sandbox_ready: bool = True,
     reason: str | None = None,
     message: str | None = None,
+    extra_conditions: Sequence[PodCondition] = (),
 ) -> PodStatus:
     """The status the kubelet would report for a pod with `spec` whose containers (init and main,
     by name) are as `reports` says; a container without a report has not been created yet.
@@ -265,6 +266,8 @@ def build_pod_status(
     are kept where their status did not change, and a terminal phase is kept. `pod_ips` defaults
     to `[host_ip]` (as for `hostNetwork`). `terminating`: the pod is being stopped, so exited
     containers will not restart. `reason`/`message` set the pod's own (say `DeadlineExceeded`).
+    `extra_conditions`: the provider's own pod conditions (custom types, say a VM migration's
+    progress), appended; their transition time is kept while their status does not change.
     """
     now = _second(now or datetime.now(UTC))
     inits = spec.initContainers or []
@@ -330,6 +333,18 @@ def build_pod_status(
         condition("Ready", False, "ReadinessGatesNotReady", text)
     else:
         condition("Ready", containers_ready, *not_ready)
+    for extra in extra_conditions:
+        before = old.get(extra.type)
+        kept = before.lastTransitionTime if before and before.status == extra.status else None
+        conditions.append(
+            PodCondition(
+                type=extra.type,
+                status=extra.status,
+                lastTransitionTime=kept or extra.lastTransitionTime or now,
+                reason=extra.reason,
+                message=extra.message,
+            )
+        )
 
     ips = list(pod_ips) or [host_ip]
     status = PodStatus(

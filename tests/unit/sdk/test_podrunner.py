@@ -235,3 +235,47 @@ async def test_a_start_time_given_is_the_pod_s_start_time() -> None:
     await eventually(lambda: runner.running("a"))
     assert runner.status().startTime == since
     await runner.stop(5)
+
+
+async def test_provider_conditions_appear_in_the_status_and_keep_their_transition_time() -> None:
+    fake = Fake()
+    runner = PodRunner(pod([{"name": "a"}]), fake.run, fake.signal, host_ip="10.0.0.1")
+    runner.start()
+    await eventually(lambda: runner.running("a"))
+    runner.set_condition("example.com/Moving", "True", "Running", '{"progress": 10}')
+    first = {c.type: c for c in runner.status().conditions or []}["example.com/Moving"]
+    await asyncio.sleep(1.1)  # transition times have a one-second resolution
+    runner.set_condition("example.com/Moving", "True", "Running", '{"progress": 50}')
+    second = {c.type: c for c in runner.status().conditions or []}["example.com/Moving"]
+    assert (second.reason, second.message) == ("Running", '{"progress": 50}')
+    assert second.lastTransitionTime == first.lastTransitionTime
+    assert {"PodScheduled", "Ready"} <= {c.type for c in runner.status().conditions or []}
+    fake.ending["a"].set_result(0)
+
+
+async def test_finish_ends_the_pod_with_its_run_under_always_and_its_own_reason() -> None:
+    from vkubelet.sdk import Terminated
+
+    ending: asyncio.Future[Terminated] = asyncio.get_running_loop().create_future()
+    runs: list[int] = []
+    signals: list[int] = []
+
+    async def run(c: Container, count: int) -> Terminated:
+        runs.append(count)
+        return await ending
+
+    runner = PodRunner(
+        pod([{"name": "a"}], restartPolicy="Always"),
+        run,
+        lambda name, signum: signals.append(signum),
+        host_ip="10.0.0.1",
+    )
+    runner.start()
+    await eventually(lambda: runner.running("a"))
+    runner.finish()
+    ending.set_result(Terminated(0, reason="Migrated", message="{}"))
+    await eventually(lambda: runner.status().phase == "Succeeded")
+    terminated = (runner.status().containerStatuses or [])[0].state.terminated  # type: ignore[union-attr]
+    assert terminated is not None and terminated.reason == "Migrated"
+    await asyncio.sleep(0.2)
+    assert runs == [0] and signals == []  # not restarted, nothing signalled

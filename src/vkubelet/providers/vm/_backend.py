@@ -101,6 +101,9 @@ class LaunchSpec:
     max_memory_mib: int | None = None
     memory_slots: int = 0
     extra_args: tuple[str, ...] = ()
+    # A live migration's target: QEMU waits for the state (`-incoming defer`) and its disks
+    # may be written by others too (the NBD exports the source mirrors onto).
+    incoming: bool = False
 
 
 class Runtime(Protocol):

@@ -46,6 +46,7 @@ class Disk:
     format: str = "qcow2"
     bus: Literal["virtio", "scsi"] = "virtio"
     readonly: bool = False
+    share_rw: bool = False  # others may write it too (a migration target's NBD export)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ def qemu_argv(spec: MachineSpec) -> list[str]:
         )
         argv += ["-drive", drive + (",readonly=on" if disk.readonly else "")]
         device = "virtio-blk-pci" if disk.bus == "virtio" else "scsi-hd,bus=scsi.0"
-        argv += ["-device", f"{device},drive=disk{index}" + (",bootindex=0" if index == 0 else "")]
+        device += f",drive=disk{index}" + (",share-rw=on" if disk.share_rw else "")
+        argv += ["-device", device + (",bootindex=0" if index == 0 else "")]
     if spec.seed is not None:
         argv += [
             "-drive", f"file={_opt(spec.seed.resolve())},if=none,id=seed,format=raw,readonly=on",

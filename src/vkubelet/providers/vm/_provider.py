@@ -49,6 +49,7 @@ from ...sdk import (
     RestartBackoff,
     RunnerProvider,
     TaskSet,
+    Terminated,
     Waiting,
     build_pod_status,
 )
@@ -58,6 +59,7 @@ from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._backup import BackupPods, BackupSource, is_backup_pod, restore_if_asked
 from ._config import VMConfig
 from ._console import ConsoleTailer
+from ._migrate import MigrationError, Migrations
 from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
@@ -102,6 +104,7 @@ class _VM:
     start_time: datetime = field(default_factory=lambda: datetime.now(UTC))
     started_at: datetime | None = None
     power: _power.PowerState = field(default_factory=_power.PowerState)  # hibernate, resize
+    migrated: str | None = None  # migrated away: the outcome (JSON); the pod ends with the run
 
     @property
     def uid(self) -> str:
@@ -189,6 +192,7 @@ class VMProvider(RunnerProvider):
         self._tasks = TaskSet("vm provider")
         self._started: asyncio.Task[None] | None = None
         self._closed = False
+        self.migrations = Migrations(self)
         config.run_root.mkdir(parents=True, exist_ok=True)
         config.log_root.mkdir(parents=True, exist_ok=True)
         self.backups = BackupPods(  # backup pods (`_backup`): tasks, not VMs
@@ -535,7 +539,7 @@ class VMProvider(RunnerProvider):
             confirms_start=True,  # Running once the guest is up, not when QEMU starts
         )
 
-    async def _run(self, key: str, vm: _VM, count: int) -> int:
+    async def _run(self, key: str, vm: _VM, count: int) -> int | Terminated:
         """Run `count` of the VM's container: one boot of the machine, to its exit code."""
         runner = self.runners[key]
         if vm.ended is not None:  # this run ended while no agent ran
@@ -543,6 +547,7 @@ class VMProvider(RunnerProvider):
             return code
         machine, vm.adopted = vm.adopted, None
         console_mark = vm.dir / "console.offset"
+        incoming = machine is None and self.migrations.is_target(vm)
         if machine is None:
             vm.machine_dir.mkdir(parents=True, exist_ok=True)
             # A new console file per run, so that each run's log starts at its own boot.
@@ -559,6 +564,13 @@ class VMProvider(RunnerProvider):
         vm.started_wall = process_start(machine.pid)
         vm.save()
         self._drop_old_logs(vm, count)
+        if incoming:  # a migration target: the VM arrives (with its console history) first
+            try:
+                await self.migrations.receive(vm, machine, runner, count)
+            except MigrationError:
+                await machine.kill()
+                vm.machine = None
+                return 1
         tailer = ConsoleTailer(
             machine.console_log, self.log_path(vm.uid, vm.container, count), console_mark
         )
@@ -568,6 +580,8 @@ class VMProvider(RunnerProvider):
             end = await machine.wait()
             if self._closed:  # the agent is going: the next agent reports this exit
                 await asyncio.Future()
+            if vm.migrated is not None:
+                return Terminated(0, reason="Migrated", message=vm.migrated)
             return end.code
         finally:
             boot.cancel()
@@ -607,6 +621,7 @@ class VMProvider(RunnerProvider):
             network_key=launch.get("network_key"),
             accel=self.accel[0] if self.accel else "tcg",
             **_power.launch_spec_extras(launch),
+            incoming=self.migrations.is_target(vm),
         )
 
     def _drop_old_logs(self, vm: _VM, run: int) -> None:
@@ -623,7 +638,7 @@ class VMProvider(RunnerProvider):
         machine = vm.machine
         if machine is None:
             raise ProcessLookupError(key)
-        if signum == signal.SIGKILL:
+        if signum == signal.SIGKILL or self.migrations.is_target(vm):  # no guest to ask yet
             self._tasks.spawn(machine.kill(), name=f"kill {key}")
             return
         spec = vm.pod.spec
@@ -644,6 +659,8 @@ class VMProvider(RunnerProvider):
         container's start-time environment: the env file changes only with the pod."""
         key = f"{pod.namespace}/{pod.name}"
         vm = self.vms.get(key)
+        if vm is not None and vm.uid == pod.uid:  # (an adopted VM has no plan: checked below)
+            self.migrations.update(key, vm, dict(pod.pod.metadata.annotations or {}))  # type: ignore[union-attr]
         if vm is None or vm.uid != pod.uid or not vm.launch:
             return  # not made yet: the seed is written with the newest files anyway
         try:
@@ -711,7 +728,7 @@ class VMProvider(RunnerProvider):
                 task.cancel()
             self._tasks.spawn(self._finish(key, vm, None, 0), name=f"delete {key}")
             return
-        if not runner.stopping:
+        if not runner.stopping or vm.migrated is not None:  # (a migrated one ended already)
             self._tasks.spawn(
                 self._finish(key, vm, runner, grace_period_seconds), name=f"delete {key}"
             )
@@ -738,6 +755,10 @@ class VMProvider(RunnerProvider):
             await self.runtime.detach_network(vm.uid)
         shutil.rmtree(vm.dir, ignore_errors=True)
         shutil.rmtree(self.log_dir / vm.uid, ignore_errors=True)
+        if vm.migrated is not None:  # the machine lives elsewhere now: no stale disks here
+            with contextlib.suppress(ValueError):
+                if (gone := self.machine_dir(vm.pod)) is not None:
+                    shutil.rmtree(gone, ignore_errors=True)
 
     async def aclose(self) -> None:
         """The agent stops; the VMs do not: a restarted agent adopts them (see `_adopt_all`)."""

@@ -41,7 +41,7 @@ class Monitor:
         self._name = name
         self._client = QMPClient(name)
         self._lock = asyncio.Lock()
-        self._fd_lock = asyncio.Lock()
+        self._commands = asyncio.Lock()  # one command at a time (see pass_fd)
 
     async def connect(self) -> None:
         async with self._lock:
@@ -62,6 +62,10 @@ class Monitor:
 
     async def execute(self, command: str, arguments: Mapping[str, Any] | None = None) -> Any:
         await self.connect()
+        async with self._commands:
+            return await self._execute(command, arguments)
+
+    async def _execute(self, command: str, arguments: Mapping[str, Any] | None) -> Any:
         try:
             return await self._client.execute(command, arguments)
         except ExecuteError:
@@ -74,13 +78,26 @@ class Monitor:
         `/dev/fdset/<id>`). For files QEMU cannot open by path: it runs in the VM's network
         namespace's own mount namespace, which does not see what is mounted after it started."""
         await self.connect()
-        async with self._fd_lock:  # the fd waits in QEMU for the next add-fd: one at a time
+        async with self._commands:  # the fd waits in QEMU for the next command: nothing between
             try:
                 self._client.send_fd_scm(fd)
-            except (QMPError, OSError) as e:
+            except (QMPError, OSError, AssertionError) as e:
                 raise MonitorUnavailable(f"QMP add-fd: {e}") from None
-            reply = await self.execute("add-fd")
+            reply = await self._execute("add-fd", None)
         return int(reply["fdset-id"])
+
+    async def pass_fd(self, name: str, fd: int) -> None:
+        """Hand QEMU an open file descriptor (SCM_RIGHTS, then `getfd`) under `name`: a socket
+        the agent opened where QEMU cannot (QEMU runs inside the VM's network namespace)."""
+        await self.connect()
+        # QEMU keeps a passed descriptor only until its next read of the socket: nothing may
+        # come between it and the `getfd` that claims it.
+        async with self._commands:
+            try:
+                self._client.send_fd_scm(fd)
+            except (QMPError, OSError, AssertionError) as e:
+                raise MonitorUnavailable(f"QMP getfd {name}: {e}") from None
+            await self._execute("getfd", {"fdname": name})
 
     async def status(self) -> str:
         """The run state: running, paused, shutdown, guest-panicked, ..."""

@@ -22,6 +22,7 @@ from ._config import ConfigError, VMConfig
 from ._disks import create_blank, create_overlay
 from ._machine import Disk, Machine, MachineSpec
 from ._net import GuestNetwork, PodNetwork
+from ._qmp import Monitor
 from ._seed import write_seed_iso
 from ._store import ImageStore, StoredImage
 from ._translate import (
@@ -75,9 +76,9 @@ class _Handle:
     async def kill(self) -> None:
         await self.machine.kill()
 
-    # for backups (`_backup.Backupable`): QMP block jobs and the guest agent's fsfreeze
+    # QMP (block jobs of backups, live migration) and the guest agent (backups' fsfreeze)
     @property
-    def monitor(self) -> Any:
+    def monitor(self) -> Monitor:
         return self.machine.monitor
 
     @property
@@ -193,7 +194,10 @@ class QemuRuntime:
                 run_dir=spec.run_dir,
                 vcpus=spec.vcpus,
                 memory_mib=spec.memory_mib,
-                disks=tuple(Disk(path, bus=bus) for path, bus in spec.disks),  # type: ignore[arg-type]
+                disks=tuple(
+                    Disk(path, bus=bus, share_rw=spec.incoming)  # type: ignore[arg-type]
+                    for path, bus in spec.disks
+                ),
                 seed=spec.seed,
                 network=network,
                 netns=self.network.netns(spec.network_key) if spec.network_key else None,
@@ -201,7 +205,7 @@ class QemuRuntime:
                 max_vcpus=spec.max_vcpus,
                 max_memory_mib=spec.max_memory_mib,
                 memory_slots=spec.memory_slots,
-                extra_args=spec.extra_args,
+                extra_args=spec.extra_args + (("-incoming", "defer") if spec.incoming else ()),
             )
         )
         return _Handle(machine)

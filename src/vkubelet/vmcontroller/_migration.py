@@ -1,0 +1,351 @@
+"""The VirtualMachineMigration reconciler: live migration with plain Kubernetes objects.
+
+A migration is two pods of one VirtualMachine and two annotations (the provider's side is
+`providers/vm/_migrate.py`):
+1. a target pod, a copy of the VM's running pod with `vm.vkubelet.io/migration-source: <source
+   pod>` and the label `vm.vkubelet.io/migration: <migration>`, bound to `spec.targetNode` or,
+   without one, left to the scheduler with the pod's own constraints plus "not the source's node";
+2. its provider reports the pod condition `vm.vkubelet.io/MigrationTarget` (True, message: the
+   endpoint JSON); the reconciler copies that into the source pod's `vm.vkubelet.io/migrate-to`;
+3. the source's provider reports `vm.vkubelet.io/Migration` (reason Running/Completed/Failed,
+   message JSON with progress, downtime, and the `target` it speaks of); Completed: the source
+   pod is deleted (its container already ended, reason `Migrated`), the target is the VM's pod;
+   Failed: the target pod is deleted and `migrate-to` removed, the VM runs on at the source.
+
+Level-triggered: `decide` is a pure function of the migration, the VM, its pods and the nodes;
+it never relies on memory kept between calls, so a restarted controller resumes (or fails) a
+migration from the pods' annotations and conditions. A vm node is a node with the vm
+provider's `Accelerator` condition.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.core_v1 import Node, Pod
+from lightkube.types import PatchType
+
+from ._base import Context
+from ._resources import VirtualMachine, VirtualMachineMigration
+
+__all__ = ["MigrationReconciler", "Step", "decide"]
+
+NAME_LABEL = "vm.vkubelet.io/name"
+MIGRATION_LABEL = "vm.vkubelet.io/migration"  # on the target pod: the migration's name
+MIGRATION_SOURCE = "vm.vkubelet.io/migration-source"
+MIGRATE_TO = "vm.vkubelet.io/migrate-to"
+TARGET_CONDITION = "vm.vkubelet.io/MigrationTarget"
+MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
+BACKUP_OF = "vm.vkubelet.io/backup-of"
+VM_NODE_CONDITION = "Accelerator"  # the vm provider's node condition
+_TERMINAL = ("Succeeded", "Failed")
+_POLL = 1.0
+
+
+@dataclass
+class Step:
+    """What to do now; `status` is merged into the migration's status."""
+
+    status: dict[str, Any] = field(default_factory=dict)
+    create: dict[str, Any] | None = None
+    annotate: dict[str, dict[str, str | None]] = field(default_factory=dict)  # pod -> patch
+    delete: list[str] = field(default_factory=list)
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    requeue: float | None = None
+
+
+def _meta(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(obj.get("metadata") or {})
+
+
+def _annotations(obj: Mapping[str, Any]) -> dict[str, str]:
+    return dict(_meta(obj).get("annotations") or {})
+
+
+def _condition(pod: Mapping[str, Any] | None, kind: str) -> dict[str, Any]:
+    for condition in ((pod or {}).get("status") or {}).get("conditions") or []:
+        if condition.get("type") == kind:
+            return dict(condition)
+    return {}
+
+
+def _json(text: object) -> dict[str, Any]:
+    try:
+        value = json.loads(str(text))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _node_problem(nodes: Mapping[str, Mapping[str, Any]], name: str, source: str) -> str | None:
+    node = nodes.get(name)
+    if node is None:
+        return f"node {name} does not exist"
+    conditions = (node.get("status") or {}).get("conditions") or []
+    if not any(c.get("type") == VM_NODE_CONDITION for c in conditions):
+        return f"node {name} is not a vm node"
+    if name == source:
+        return f"node {name} already runs the VM"
+    return None
+
+
+def target_pod(migration: Mapping[str, Any], source: Mapping[str, Any], node: str | None) -> Any:
+    """A copy of the VM's pod for `node` (None: the scheduler picks, never the source's node)."""
+    meta, name = _meta(source), str(_meta(migration).get("name"))
+    spec = copy.deepcopy(dict(source.get("spec") or {}))
+    source_node = spec.pop("nodeName", None)
+    # The service account's token volume is the admission plugin's: it adds its own again.
+    tokens = {v["name"] for v in spec.get("volumes") or [] if v["name"].startswith("kube-api-")}
+    spec["volumes"] = [v for v in spec.get("volumes") or [] if v["name"] not in tokens]
+    for container in spec.get("containers") or []:
+        mounts = container.get("volumeMounts") or []
+        container["volumeMounts"] = [m for m in mounts if m.get("name") not in tokens]
+    if node is not None:
+        spec["nodeName"] = node
+    elif source_node:
+        away = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": [source_node]}
+        affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+        required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+        terms = required.get("nodeSelectorTerms") or [{}]
+        for term in terms:  # terms are ORed: each must keep away from the source
+            term["matchExpressions"] = [*(term.get("matchExpressions") or []), away]
+        required["nodeSelectorTerms"] = terms
+    annotations = {k: v for k, v in _annotations(source).items() if k != MIGRATE_TO}
+    annotations[MIGRATION_SOURCE] = str(meta["name"])
+    labels = {**(meta.get("labels") or {}), MIGRATION_LABEL: name}
+    vm_name = labels.get(NAME_LABEL) or str(meta["name"])
+    metadata: dict[str, Any] = {
+        "generateName": f"{vm_name}-",
+        "namespace": meta.get("namespace"),
+        "labels": labels,
+        "annotations": annotations,
+    }
+    if meta.get("ownerReferences"):
+        metadata["ownerReferences"] = copy.deepcopy(meta["ownerReferences"])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def decide(
+    migration: Mapping[str, Any],
+    vm: Mapping[str, Any] | None,
+    pods: Iterable[Mapping[str, Any]],
+    nodes: Mapping[str, Mapping[str, Any]],
+) -> Step:
+    """The next step of `migration`, from the objects alone."""
+    name = str(_meta(migration).get("name"))
+    spec, status = dict(migration.get("spec") or {}), dict(migration.get("status") or {})
+    live = [p for p in pods if not _meta(p).get("deletionTimestamp")]
+    by_name = {str(_meta(p).get("name")): p for p in live}
+    targets = [p for p in live if (_meta(p).get("labels") or {}).get(MIGRATION_LABEL) == name]
+    target = targets[0] if targets else None
+    source = by_name.get(str(status.get("sourcePod") or ""))
+    step = Step()
+
+    def fail(reason: str, message: str) -> Step:
+        step.status.update(phase="Failed", reason=reason, message=message)
+        step.delete += [str(_meta(t)["name"]) for t in targets]
+        if source is not None and MIGRATE_TO in _annotations(source):
+            step.annotate[str(_meta(source)["name"])] = {MIGRATE_TO: None}
+        step.events.append(("Warning", reason, message))
+        step.requeue = None
+        return step
+
+    if status.get("phase") in _TERMINAL:
+        if status["phase"] == "Failed":  # a target left by an interrupted clean-up
+            step.delete += [str(_meta(t)["name"]) for t in targets]
+        return step
+    vm_name = str(spec.get("vmName"))
+    if vm is None:
+        return fail("VMNotFound", f"VirtualMachine {vm_name} does not exist")
+
+    if not status.get("sourcePod") and target is not None:
+        # Created by a pass whose status write did not happen: take it up from the target.
+        source = by_name.get(_annotations(target).get(MIGRATION_SOURCE, ""))
+        if source is None:
+            return fail("SourceGone", "the VM's pod went away")
+        step.status.update(
+            phase="Scheduling",
+            sourcePod=_meta(source)["name"],
+            sourceNode=str((source.get("spec") or {}).get("nodeName") or ""),
+            targetPod=_meta(target)["name"],
+            progress=0,
+        )
+        step.requeue = _POLL
+        return step
+    if not status.get("sourcePod"):  # Pending: start
+        running = [
+            p
+            for p in live
+            if (p.get("status") or {}).get("phase") == "Running"
+            # a target only while its source lives (a completed one is the VM's pod)
+            and _annotations(p).get(MIGRATION_SOURCE) not in by_name
+            and BACKUP_OF not in _annotations(p)
+        ]
+        if not running:
+            return fail("VMNotRunning", f"VirtualMachine {vm_name} has no running pod to move")
+        source = running[0]
+        source_node = str((source.get("spec") or {}).get("nodeName") or "")
+        wanted = spec.get("targetNode")
+        if wanted and (problem := _node_problem(nodes, str(wanted), source_node)):
+            return fail("InvalidTarget", problem)
+        step.create = target_pod(migration, source, str(wanted) if wanted else None)
+        step.status.update(
+            phase="Preparing" if wanted else "Scheduling",
+            sourcePod=_meta(source)["name"],
+            sourceNode=source_node,
+            progress=0,
+        )
+        if wanted:
+            step.status["targetNode"] = wanted
+        step.events.append(("Normal", "Migrating", f"from {source_node} to {wanted or '(any)'}"))
+        step.requeue = _POLL
+        return step
+
+    source_node = str(status.get("sourceNode") or "")
+    if target is None:
+        if status.get("targetPod"):
+            return fail("TargetGone", f"the target pod {status['targetPod']} went away")
+        if source is None:
+            return fail("SourceGone", f"the source pod {status['sourcePod']} went away")
+        step.create = target_pod(migration, source, spec.get("targetNode"))
+        step.requeue = _POLL
+        return step
+    target_name = str(_meta(target)["name"])
+    step.status["targetPod"] = target_name
+    ready = _condition(target, TARGET_CONDITION)
+    endpoint = _json(ready.get("message")) if ready.get("status") == "True" else {}
+    # The source's outcome is this migration's when we annotated it (our name beside the
+    # endpoint) and the condition speaks of that endpoint: never an earlier migration's.
+    given = _annotations(source or {})
+    sent = _json(given.get(MIGRATE_TO)) if given.get(MIGRATION_LABEL) == name else {}
+    outcome = _condition(source, MIGRATION_CONDITION)
+    report = _json(outcome.get("message"))
+    ours = bool(sent) and report.get("target") == f"{sent.get('host')}:{sent.get('migrationPort')}"
+
+    if source is None:
+        # Completed and already deleted (by the VM reconciler, say): the target says so.
+        if ready.get("reason") == "Completed":
+            step.status.update(phase="Succeeded", progress=100, reason="Completed", message="")
+            step.events.append(("Normal", "Migrated", f"the VM runs on {status.get('targetNode')}"))
+            return step
+        return fail("SourceGone", f"the source pod {status['sourcePod']} went away")
+    if ours and outcome.get("reason") == "Completed":
+        step.status.update(
+            phase="Succeeded",
+            progress=100,
+            downtimeMilliseconds=int(report.get("downtimeMilliseconds", 0)),
+            totalMilliseconds=int(report.get("totalMilliseconds", 0)),
+            reason="Completed",
+            message="",
+        )
+        step.delete.append(str(status["sourcePod"]))
+        step.events.append(("Normal", "Migrated", outcome.get("message") or ""))
+        return step
+    if ours and outcome.get("reason") == "Failed":
+        return fail("MigrationFailed", str(report.get("error") or "the migration failed"))
+
+    node = (target.get("spec") or {}).get("nodeName")
+    if not node:
+        scheduled = _condition(target, "PodScheduled")
+        if scheduled.get("reason") == "Unschedulable":
+            message = f"no vm node can take the VM: {scheduled.get('message', '')}"
+            return fail("Unschedulable", message)
+        step.status["phase"] = "Scheduling"
+        step.requeue = _POLL
+        return step
+    if problem := _node_problem(nodes, str(node), source_node):
+        return fail("InvalidTarget", problem)
+    step.status["targetNode"] = node
+    if ready.get("reason") == "Failed":
+        return fail("TargetFailed", str(ready.get("message") or "the target failed"))
+    if (target.get("status") or {}).get("phase") in _TERMINAL:
+        return fail("TargetFailed", f"the target pod {target_name} ended")
+    if not endpoint:
+        step.status["phase"] = "Preparing"
+        step.requeue = _POLL
+        return step
+    step.status["phase"] = "Migrating"
+    if _annotations(source).get(MIGRATE_TO) != ready["message"]:
+        step.annotate[str(status["sourcePod"])] = {
+            MIGRATE_TO: str(ready["message"]),
+            MIGRATION_LABEL: name,
+        }
+    elif ours:
+        step.status["progress"] = int(report.get("progress", 0))
+    step.requeue = _POLL
+    return step
+
+
+class MigrationReconciler:
+    """`decide`, applied: reads the objects, takes the step, writes the status."""
+
+    resource = VirtualMachineMigration
+
+    def keys_for_pod(self, pod: Pod) -> Iterable[tuple[str, str]]:
+        meta = pod.metadata
+        if meta is None:
+            return
+        name = (meta.labels or {}).get(MIGRATION_LABEL) or (meta.annotations or {}).get(
+            MIGRATION_LABEL
+        )
+        if name:
+            yield str(meta.namespace), name
+
+    async def reconcile(self, ctx: Context, namespace: str, name: str) -> float | None:
+        client = ctx.client
+        try:
+            migration = dict(await client.get(VirtualMachineMigration, name, namespace=namespace))
+        except ApiError as e:
+            if e.status.code == 404:
+                return None
+            raise
+        vm_name = str((migration.get("spec") or {}).get("vmName"))
+        vm: dict[str, Any] | None
+        try:
+            vm = dict(await client.get(VirtualMachine, vm_name, namespace=namespace))
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+            vm = None
+        pods = [
+            p.to_dict()
+            async for p in client.list(Pod, namespace=namespace, labels={NAME_LABEL: vm_name})
+        ]
+        nodes = {str(n.metadata.name): n.to_dict() async for n in client.list(Node) if n.metadata}
+        step = decide(migration, vm, pods, nodes)
+        obj = VirtualMachineMigration.from_dict(migration)
+        if step.create is not None:
+            created = await client.create(cast(Pod, Pod.from_dict(step.create)))
+            assert created.metadata is not None
+            step.status["targetPod"] = created.metadata.name
+        for pod, changes in step.annotate.items():
+            patch = {"metadata": {"annotations": changes}}
+            try:
+                await client.patch(Pod, pod, patch, namespace=namespace, patch_type=PatchType.MERGE)
+            except ApiError as e:
+                if e.status.code != 404:
+                    raise
+        for pod in step.delete:
+            try:
+                await client.delete(Pod, pod, namespace=namespace)
+            except ApiError as e:
+                if e.status.code != 404:
+                    raise
+        old = dict(migration.get("status") or {})
+        changed = {k: v for k, v in step.status.items() if old.get(k) != v}
+        if changed:
+            await client.patch(
+                VirtualMachineMigration.Status,
+                name,
+                {"status": changed},
+                namespace=namespace,
+                patch_type=PatchType.MERGE,
+            )
+        for kind, reason, message in step.events:
+            ctx.events.emit(obj, kind, reason, message)
+        return step.requeue

@@ -1,0 +1,133 @@
+"""Two vm nodes on this machine (two hypervisor hosts, as far as the cluster can tell): two
+agents against one cluster, each with its own state directory, pod CIDR and node address.
+
+Their pod networks cannot collide: every netns and link name is derived from the pod's UID
+(cluster-unique), each node routes only its own CIDR, and the gateway address each node puts on
+its host links is the first of its own CIDR. What one machine does share is the host's routing
+table, so the two CIDRs must differ (they do: one random /24 each).
+
+Import the fixture into a test module: `from .twonodes import vm_node_pair  # noqa: F401`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    local_test_address,
+    node_ready,
+    start_agent,
+    wait_for,
+)
+
+
+@dataclass
+class VMNode:
+    name: str
+    agent: AgentProcess
+    workdir: Path
+    cidr: str
+    address: str
+
+    @property
+    def state(self) -> Path:
+        return self.workdir / "state"
+
+    def qemu_pid(self, pod_uid: str) -> int | None:
+        """The pid of a pod's QEMU, from its machine's pid file."""
+        with contextlib.suppress(OSError, ValueError):
+            return int((self.state / "vms" / pod_uid / "m" / "pid").read_text().split()[0])
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _clean_up(node: VMNode) -> None:
+    """What a failed test left: QEMU processes outlive the agent, and so do their networks."""
+    from vkubelet.providers.vm._net import PodNetwork
+
+    uids = [d.name for d in node.state.glob("vms/*")]
+    for uid in uids:
+        pid = node.qemu_pid(uid)
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    network = PodNetwork(node.cidr)
+
+    async def detach_all() -> None:
+        for uid in uids:
+            await network.detach(uid)
+
+    asyncio.run(detach_all())
+
+
+@pytest.fixture(scope="module")
+def vm_node_pair(
+    kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path
+) -> Iterator[tuple[VMNode, VMNode]]:
+    """hv-1 and hv-2 (names with a random suffix), both Ready."""
+    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("the VM provider needs root and qemu-system-x86_64")
+    suffix = uuid.uuid4().hex[:5]
+    thirds = random.sample(range(1, 250), 2)
+    nodes: list[VMNode] = []
+    with contextlib.ExitStack() as stack:
+        try:
+            for index, third in enumerate(thirds, start=1):
+                # Short: QEMU's unix sockets live below it (108-byte limit).
+                workdir = Path(tempfile.mkdtemp(prefix=f"vkmg{index}-", dir="/tmp"))
+                name = f"hv-{index}-{suffix}"
+                cidr = f"10.212.{third}.0/24"
+                config = workdir / "vm.yaml"
+                config.write_text(
+                    json.dumps(
+                        {
+                            "stateDir": "state",
+                            "accel": "tcg",
+                            "podCIDR": cidr,
+                            "reserved": {"memory": "1Gi"},
+                            "translations": [
+                                {"name": "tiny", "url": vm_guest_image.resolve().as_uri()}
+                            ],
+                        }
+                    )
+                )
+                address = stack.enter_context(local_test_address())
+                agent = start_agent(
+                    kube_cluster, workdir, provider="vm", config=config, name=name, address=address
+                )
+                nodes.append(VMNode(name, agent, workdir, cidr, address))
+            for node in nodes:
+                wait_for(
+                    lambda node=node: node_ready(kubectl, node.name),  # type: ignore[misc]
+                    timeout=90,
+                    what=f"node {node.name} Ready",
+                )
+            yield nodes[0], nodes[1]
+        finally:
+            for node in nodes:
+                node.agent.stop()
+                _clean_up(node)
+                kubectl("delete", "node", node.name, "--ignore-not-found", "--wait=false")
+                shutil.rmtree(node.workdir, ignore_errors=True)

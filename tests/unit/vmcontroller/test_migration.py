@@ -1,0 +1,380 @@
+"""The VirtualMachineMigration reconciler: its decisions from the objects alone, and one whole
+migration through a fake apiserver client (the providers' part played by the test)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import pytest
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.core_v1 import Node, Pod
+
+from vkubelet.vmcontroller._base import Context
+from vkubelet.vmcontroller._migration import (
+    MIGRATE_TO,
+    MIGRATION_CONDITION,
+    MIGRATION_LABEL,
+    MIGRATION_SOURCE,
+    TARGET_CONDITION,
+    MigrationReconciler,
+    decide,
+)
+from vkubelet.vmcontroller._resources import (
+    VirtualMachine,
+    VirtualMachineMigration,
+)
+
+ENDPOINT = {"host": "10.0.0.2", "migrationPort": 4000, "nbdPort": 4001, "consolePort": 4002}
+HERE = "10.0.0.2:4000"
+
+
+def vm_node(name: str) -> dict[str, Any]:
+    condition = {"type": "Accelerator", "status": "True", "reason": "TCG"}
+    return {"metadata": {"name": name}, "status": {"conditions": [condition]}}
+
+
+NODES = {
+    "hv-1": vm_node("hv-1"),
+    "hv-2": vm_node("hv-2"),
+    "worker": {"metadata": {"name": "worker"}, "status": {"conditions": []}},
+}
+
+
+def migration(target: str | None = "hv-2", **status: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {"vmName": "db"}
+    if target:
+        spec["targetNode"] = target
+    return {"metadata": {"name": "move", "namespace": "ns"}, "spec": spec, "status": status}
+
+
+VM = {"metadata": {"name": "db", "namespace": "ns", "uid": "vm-uid"}, "spec": {"replicas": 1}}
+
+
+def source_pod(**extra: Any) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "metadata": {
+            "name": "db-abcde",
+            "namespace": "ns",
+            "labels": {"vm.vkubelet.io/name": "db", "app": "db"},
+            "annotations": {"vm.vkubelet.io/machine": "vm-uid"},
+            "ownerReferences": [
+                {
+                    "apiVersion": "vkubelet.io/v1alpha1",
+                    "kind": "VirtualMachine",
+                    "name": "db",
+                    "uid": "vm-uid",
+                }
+            ],
+        },
+        "spec": {
+            "nodeName": "hv-1",
+            "nodeSelector": {"hv": "yes"},
+            "volumes": [{"name": "kube-api-access-x1"}, {"name": "data", "emptyDir": {}}],
+            "containers": [
+                {
+                    "name": "vm",
+                    "image": "vm.vkubelet.io/tiny",
+                    "volumeMounts": [{"name": "kube-api-access-x1", "mountPath": "/var/run"}],
+                }
+            ],
+        },
+        "status": {"phase": "Running", "conditions": []},
+    }
+    pod.update(extra)
+    return pod
+
+
+def target_pod(name: str = "db-fghij", node: str | None = "hv-2", **status: Any) -> dict[str, Any]:
+    pod = source_pod()
+    pod["metadata"]["name"] = name
+    pod["metadata"]["labels"][MIGRATION_LABEL] = "move"
+    pod["metadata"]["annotations"][MIGRATION_SOURCE] = "db-abcde"
+    pod["spec"]["nodeName"] = node
+    pod["status"] = {"phase": "Pending", "conditions": [], **status}
+    return pod
+
+
+def with_condition(pod: dict[str, Any], kind: str, status: str, reason: str, message: Any) -> Any:
+    text = message if isinstance(message, str) else json.dumps(message)
+    condition = {"type": kind, "status": status, "reason": reason, "message": text}
+    pod["status"]["conditions"] = [*pod["status"]["conditions"], condition]
+    return pod
+
+
+def test_a_migration_to_a_vm_node_creates_the_target_as_a_copy_of_the_vm_pod() -> None:
+    step = decide(migration(), VM, [source_pod()], NODES)
+    assert step.status["phase"] == "Preparing"
+    assert (step.status["sourcePod"], step.status["sourceNode"]) == ("db-abcde", "hv-1")
+    pod = step.create
+    assert pod is not None
+    assert pod["spec"]["nodeName"] == "hv-2"
+    assert pod["metadata"]["generateName"] == "db-"
+    assert pod["metadata"]["annotations"][MIGRATION_SOURCE] == "db-abcde"
+    assert pod["metadata"]["annotations"]["vm.vkubelet.io/machine"] == "vm-uid"
+    assert pod["metadata"]["labels"][MIGRATION_LABEL] == "move"
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "vm-uid"
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["data"]  # the token is admission's
+    assert pod["spec"]["containers"][0]["volumeMounts"] == []
+
+
+@pytest.mark.parametrize(
+    ("node", "why"),
+    [
+        ("worker", "node worker is not a vm node"),
+        ("nowhere", "node nowhere does not exist"),
+        ("hv-1", "node hv-1 already runs the VM"),
+    ],
+)
+def test_a_target_that_is_not_another_vm_node_fails_and_changes_nothing(
+    node: str, why: str
+) -> None:
+    step = decide(migration(node), VM, [source_pod()], NODES)
+    assert (step.status["phase"], step.status["message"]) == ("Failed", why)
+    assert step.create is None and not step.delete and not step.annotate
+
+
+def test_without_a_target_node_the_scheduler_picks_one_away_from_the_source() -> None:
+    source = source_pod()
+    source["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "a", "operator": "Exists"}]},
+                    {"matchExpressions": [{"key": "b", "operator": "Exists"}]},
+                ]
+            }
+        }
+    }
+    step = decide(migration(None), VM, [source], NODES)
+    assert step.status["phase"] == "Scheduling"
+    pod = step.create
+    assert pod is not None and "nodeName" not in pod["spec"]
+    assert pod["spec"]["nodeSelector"] == {"hv": "yes"}  # the template's constraints kept
+    affinity = pod["spec"]["affinity"]["nodeAffinity"]
+    required = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+    away = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["hv-1"]}
+    for term in required["nodeSelectorTerms"]:  # ORed terms: each keeps away
+        assert away in term["matchExpressions"] and len(term["matchExpressions"]) == 2
+
+
+def test_a_scheduled_target_on_a_node_that_is_not_a_vm_node_fails_and_is_deleted() -> None:
+    state = migration(None, phase="Scheduling", sourcePod="db-abcde", sourceNode="hv-1")
+    step = decide(state, VM, [source_pod(), target_pod(node="worker")], NODES)
+    assert step.status["message"] == "node worker is not a vm node"
+    assert step.delete == ["db-fghij"]
+
+
+def test_the_target_s_endpoint_goes_onto_the_source_then_progress_is_reported() -> None:
+    state = migration(phase="Preparing", sourcePod="db-abcde", sourceNode="hv-1")
+    target = with_condition(target_pod(), TARGET_CONDITION, "True", "Ready", ENDPOINT)
+    step = decide(state, VM, [source_pod(), target], NODES)
+    assert step.status["phase"] == "Migrating"
+    assert step.annotate == {
+        "db-abcde": {MIGRATE_TO: json.dumps(ENDPOINT), MIGRATION_LABEL: "move"}
+    }
+    source = source_pod()
+    source["metadata"]["annotations"][MIGRATE_TO] = json.dumps(ENDPOINT)
+    source["metadata"]["annotations"][MIGRATION_LABEL] = "move"
+    report = {"phase": "migrating", "progress": 42, "target": HERE}
+    with_condition(source, MIGRATION_CONDITION, "True", "Running", report)
+    step = decide(state, VM, [source, target], NODES)
+    assert (step.status["phase"], step.status["progress"]) == ("Migrating", 42)
+    assert not step.annotate and not step.delete
+
+
+def _migrating(outcome: str, report: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    state = migration(phase="Migrating", sourcePod="db-abcde", sourceNode="hv-1")
+    target = with_condition(target_pod(), TARGET_CONDITION, "True", "Ready", ENDPOINT)
+    source = source_pod()
+    source["metadata"]["annotations"][MIGRATE_TO] = json.dumps(ENDPOINT)
+    source["metadata"]["annotations"][MIGRATION_LABEL] = "move"
+    with_condition(source, MIGRATION_CONDITION, "True", outcome, {**report, "target": HERE})
+    return state, [source, target]
+
+
+def test_a_completed_migration_succeeds_after_the_target_stopped_advertising_itself() -> None:
+    state, pods = _migrating("Completed", {"downtimeMilliseconds": 21, "totalMilliseconds": 730})
+    pods[1]["status"]["conditions"] = [
+        {"type": TARGET_CONDITION, "status": "False", "reason": "Completed", "message": "here"}
+    ]
+    assert decide(state, VM, pods, NODES).status["phase"] == "Succeeded"
+
+
+def test_an_outcome_on_a_source_this_migration_did_not_annotate_is_not_its_own() -> None:
+    state, pods = _migrating("Failed", {"error": "someone else's"})
+    del pods[0]["metadata"]["annotations"][MIGRATION_LABEL]
+    step = decide(state, VM, pods, NODES)
+    assert step.status["phase"] == "Migrating" and not step.delete
+
+
+def test_a_completed_migration_succeeds_with_its_downtime_and_deletes_the_source() -> None:
+    state, pods = _migrating("Completed", {"downtimeMilliseconds": 21, "totalMilliseconds": 730})
+    step = decide(state, VM, pods, NODES)
+    assert step.status["phase"] == "Succeeded"
+    assert (step.status["downtimeMilliseconds"], step.status["totalMilliseconds"]) == (21, 730)
+    assert step.delete == ["db-abcde"]
+
+
+def test_a_failed_migration_deletes_the_target_and_the_vm_stays_at_the_source() -> None:
+    state, pods = _migrating("Failed", {"error": "migration failed: Broken pipe"})
+    step = decide(state, VM, pods, NODES)
+    assert step.status["phase"] == "Failed"
+    assert step.status["message"] == "migration failed: Broken pipe"
+    assert step.delete == ["db-fghij"]
+    assert step.annotate == {"db-abcde": {MIGRATE_TO: None}}
+
+
+def test_the_outcome_of_an_earlier_migration_to_another_target_is_not_taken_for_this_one() -> None:
+    state, pods = _migrating("Failed", {"error": "old"})
+    old = pods[0]["status"]["conditions"][0]
+    old["message"] = json.dumps({"error": "old", "target": "10.9.9.9:1"})
+    step = decide(state, VM, pods, NODES)
+    assert step.status["phase"] == "Migrating" and not step.delete
+
+
+def test_a_restarted_controller_takes_up_a_target_it_created_without_making_another() -> None:
+    step = decide(migration(), VM, [source_pod(), target_pod()], NODES)
+    assert step.create is None
+    assert (step.status["sourcePod"], step.status["targetPod"]) == ("db-abcde", "db-fghij")
+
+
+def test_a_source_already_deleted_after_the_target_completed_is_a_success() -> None:
+    state = migration(phase="Migrating", sourcePod="db-abcde", sourceNode="hv-1")
+    target = with_condition(target_pod(), TARGET_CONDITION, "False", "Completed", "runs here")
+    assert decide(state, VM, [target], NODES).status["phase"] == "Succeeded"
+
+
+def test_a_missing_vm_fails_the_migration() -> None:
+    step = decide(migration(), None, [], NODES)
+    assert step.status["message"] == "VirtualMachine db does not exist"
+
+
+# -- through a fake client ------------------------------------------------------------------
+class _Status:
+    code = 404
+
+
+class FakeClient:
+    def __init__(self, objects: dict[tuple[str, str], dict[str, Any]]) -> None:
+        self.objects = objects  # (kind, name) -> object
+        self.created = 0
+
+    @staticmethod
+    def _kind(resource: Any) -> str:
+        return str(getattr(resource, "_api_info").resource.kind)  # noqa: B009
+
+    def _missing(self) -> ApiError:
+        error = ApiError.__new__(ApiError)
+        error.status = _Status()  # type: ignore[assignment]
+        return error
+
+    async def get(self, resource: Any, name: str, namespace: str | None = None) -> Any:
+        kind = self._kind(resource)
+        if (kind, name) not in self.objects:
+            raise self._missing()
+        return resource.from_dict(copy.deepcopy(self.objects[kind, name]))
+
+    async def list(
+        self, resource: Any, namespace: str | None = None, labels: Any = None
+    ) -> AsyncIterator[Any]:
+        kind = self._kind(resource)
+        for (k, _), obj in list(self.objects.items()):
+            wanted = labels or {}
+            have = obj["metadata"].get("labels") or {}
+            if k == kind and all(have.get(key) == value for key, value in wanted.items()):
+                yield resource.from_dict(copy.deepcopy(obj))
+
+    async def create(self, obj: Pod) -> Pod:
+        data = obj.to_dict()
+        self.created += 1
+        data["metadata"]["name"] = f"{data['metadata']['generateName']}t{self.created}"
+        data["status"] = {"phase": "Pending", "conditions": []}
+        self.objects["Pod", data["metadata"]["name"]] = data
+        return cast(Pod, Pod.from_dict(data))
+
+    async def patch(self, resource: Any, name: str, patch: dict[str, Any], **_: Any) -> None:
+        kind = self._kind(resource)
+        obj = self.objects[kind, name]
+        for key in ("status",):
+            if key in patch:
+                obj.setdefault(key, {}).update(patch[key])
+        if "metadata" in patch:
+            annotations = obj["metadata"].setdefault("annotations", {})
+            for key, value in patch["metadata"]["annotations"].items():
+                if value is None:
+                    annotations.pop(key, None)
+                else:
+                    annotations[key] = value
+
+    async def delete(self, resource: Any, name: str, namespace: str | None = None) -> None:
+        self.objects.pop((self._kind(resource), name))
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def emit(self, obj: Any, type: str, reason: str, message: str) -> None:
+        self.seen.append((type, reason))
+
+
+def _api(obj: dict[str, Any], kind: str, version: str = "vkubelet.io/v1alpha1") -> Any:
+    return {"apiVersion": version, "kind": kind, **obj}
+
+
+async def test_a_whole_migration_through_the_api_with_a_controller_restart_in_the_middle() -> None:
+    nodes = {("Node", n): _api(obj, "Node", "v1") for n, obj in NODES.items()}
+    client = FakeClient(
+        {
+            ("VirtualMachineMigration", "move"): _api(migration(), "VirtualMachineMigration"),
+            ("VirtualMachine", "db"): _api(VM, "VirtualMachine"),
+            ("Pod", "db-abcde"): _api(source_pod(), "Pod", "v1"),
+            **nodes,
+        }
+    )
+    events = Events()
+    ctx = Context(client=client, events=events)  # type: ignore[arg-type]
+
+    def status() -> dict[str, Any]:
+        return dict(client.objects["VirtualMachineMigration", "move"]["status"])
+
+    assert await MigrationReconciler().reconcile(ctx, "ns", "move") is not None
+    assert status()["phase"] == "Preparing"
+    target = status()["targetPod"]
+    pod = client.objects["Pod", target]
+    assert pod["spec"]["nodeName"] == "hv-2"
+    # The target's provider is ready; a fresh reconciler (a restarted controller) goes on.
+    with_condition(pod, TARGET_CONDITION, "True", "Ready", ENDPOINT)
+    await MigrationReconciler().reconcile(ctx, "ns", "move")
+    assert status()["phase"] == "Migrating"
+    source = client.objects["Pod", "db-abcde"]
+    assert json.loads(source["metadata"]["annotations"][MIGRATE_TO]) == ENDPOINT
+    report = {"downtimeMilliseconds": 19, "totalMilliseconds": 700, "target": HERE}
+    with_condition(source, MIGRATION_CONDITION, "True", "Completed", report)
+    assert await MigrationReconciler().reconcile(ctx, "ns", "move") is None
+    assert status()["phase"] == "Succeeded" and status()["downtimeMilliseconds"] == 19
+    assert ("Pod", "db-abcde") not in client.objects and ("Pod", target) in client.objects
+    assert ("Normal", "Migrated") in events.seen
+    assert client.created == 1
+    # Finished: nothing more happens.
+    assert await MigrationReconciler().reconcile(ctx, "ns", "move") is None
+    assert client.created == 1
+
+
+def test_the_reconciler_watches_its_resource_and_the_pods_that_name_it() -> None:
+    reconciler = MigrationReconciler()
+    assert reconciler.resource is VirtualMachineMigration
+    target = cast(Pod, Pod.from_dict(_api(target_pod(), "Pod", "v1")))
+    assert list(reconciler.keys_for_pod(target)) == [("ns", "move")]
+    assert VirtualMachine is not None and Node is not None
+
+
+def test_a_vm_pod_that_arrived_by_an_earlier_migration_can_move_again() -> None:
+    arrived = source_pod()
+    arrived["metadata"]["annotations"][MIGRATION_SOURCE] = "db-gone1"  # its source ended
+    step = decide(migration(), VM, [arrived], NODES)
+    assert step.create is not None and step.status["sourcePod"] == "db-abcde"
+    assert step.create["metadata"]["annotations"][MIGRATION_SOURCE] == "db-abcde"
