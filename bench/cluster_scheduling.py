@@ -5,8 +5,8 @@ figures.
         [--rounds 6] [--upper NAME] [--lower1 NAME] [--lower2 NAME] [--modes aggregate,mirror]
 
 Three dev clusters on this machine: the upper one and two lower ones, whose nodes are vkubelet
-mock nodes (one `vkubelet run --config` process per lower cluster), 16 CPUs each, with pods of
-another owner ("fillers") leaving a *fragmented* free room: from 0.5 to 10 CPUs per node. The
+mock nodes (one `vkubelet run --config` process per lower cluster), 32 CPUs each, with pods of
+another owner ("fillers") leaving a *fragmented* free room: from 0.5 to 16 CPUs per node. The
 cluster provider runs as one agent (`vkubelet run --config agent.yaml`) with one entry per lower
 cluster, in aggregate mode (one virtual node per lower cluster) or mirror mode (one per lower
 node); the modes run one after the other on the same lower clusters.
@@ -54,21 +54,21 @@ from vkubelet.sdk import parse_quantity
 from vkubelet.testing import AgentProcess, Kubectl, node_ready, wait_for
 
 JSON = dict[str, Any]
-NODE_CPU = 16
+NODE_CPU = 32
 # Free CPUs per lower node once the fillers run: fragmented, as a busy cluster is.
 FREE = {
-    "c1": ["0.5", "1", "1", "2", "2.5", "4", "6", "10"],
-    "c2": ["0.5", "1", "1.5", "2", "3", "3", "8", "9"],
+    "c1": ["0.5", "1", "2", "2.5", "4", "6", "12", "16"],
+    "c2": ["1", "1.5", "2", "3", "3.5", "6", "10", "16"],
 }
 # CPU request -> share of the pods.
 MIX = [
-    ("25m", 0.45),
+    ("25m", 0.48),
     ("50m", 0.25),
-    ("100m", 0.13),
+    ("100m", 0.12),
     ("250m", 0.08),
-    ("500m", 0.05),
-    ("1", 0.025),
-    ("3", 0.015),
+    ("500m", 0.04),
+    ("1", 0.02),
+    ("3", 0.01),
 ]
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 CANNOT_FIT = "LowerClusterCannotFit"
@@ -111,6 +111,7 @@ class Lower:
     cluster: Cluster
     kubectl: Kubectl
     nodes: list[str]
+    fillers: str  # the namespace of the other owner's pods
 
 
 @contextlib.contextmanager
@@ -154,16 +155,16 @@ def lower_clusters(names: dict[str, str | None], work: Path) -> Iterator[list[Lo
             ).start()
             stack.callback(kubectl, "delete", "nodes", *nodes, "--ignore-not-found", "--wait=false")
             stack.callback(agent.stop)
-            lowers.append(Lower(key, cluster, kubectl, nodes))
+            lowers.append(Lower(key, cluster, kubectl, nodes, f"fillers-{uuid.uuid4().hex[:6]}"))
         for lower in lowers:
             for node in lower.nodes:
                 wait_for(functools.partial(node_ready, lower.kubectl, node), timeout=120, what=node)
-            lower.kubectl("create", "namespace", "bench-fillers", check=False)
+            lower.kubectl("create", "namespace", lower.fillers)
             for node, free in zip(lower.nodes, FREE[lower.name], strict=True):
                 millis = int((NODE_CPU - cpu(free)) * 1000)
                 body = pod_body(f"filler-{node}", f"{millis}m", node_name=node)
-                lower.kubectl("-n", "bench-fillers", "apply", "-f", "-", input=json.dumps(body))
-            stack.callback(lower.kubectl, "delete", "namespace", "bench-fillers", "--wait=false")
+                lower.kubectl("-n", lower.fillers, "apply", "-f", "-", input=json.dumps(body))
+            stack.callback(lower.kubectl, "delete", "namespace", lower.fillers, "--wait=false")
         for lower in lowers:
             wait_for(
                 functools.partial(fillers_running, lower),
@@ -174,7 +175,7 @@ def lower_clusters(names: dict[str, str | None], work: Path) -> Iterator[list[Lo
 
 
 def fillers_running(lower: Lower) -> bool:
-    pods = lower.kubectl.json("-n", "bench-fillers", "get", "pods")["items"]
+    pods = lower.kubectl.json("-n", lower.fillers, "get", "pods")["items"]
     running = sum(p["status"].get("phase") == "Running" for p in pods)
     return bool(running == len(lower.nodes))
 
@@ -287,9 +288,9 @@ async def node_changes(
         samples.append(time.monotonic() - started)
 
     merge = {"Content-Type": "application/merge-patch+json"}
-    pods = "/api/v1/namespaces/bench-fillers/pods"
     for i in range(rounds):
         lower = lowers[i % len(lowers)]
+        pods = f"/api/v1/namespaces/{lower.fillers}/pods"
         target = lower.nodes[(i // len(lowers)) % len(lower.nodes)]
         node = virtual.by_lower[target]
         client = http_client(lower.cluster.kubeconfig, 2)
