@@ -316,7 +316,8 @@ class Tally:
     at: float
     running: int
     pending_upstairs: int
-    pending_below: int
+    pending_below: int  # bound to a virtual node, not Running yet
+    unschedulable_below: int  # of those, the lower scheduler has found no node for
     wasted: int  # pods failed LowerClusterCannotFit (replaced by their ReplicaSet)
     other_failed: int
 
@@ -324,7 +325,7 @@ class Tally:
 async def tally(upper: httpx.AsyncClient, ns: str, at: float) -> Tally:
     answer = await upper.get(f"/api/v1/namespaces/{ns}/pods")
     answer.raise_for_status()
-    t = Tally(at, 0, 0, 0, 0, 0)
+    t = Tally(at, 0, 0, 0, 0, 0, 0)
     for pod in answer.json()["items"]:
         phase = (pod.get("status") or {}).get("phase")
         if phase == "Running":
@@ -338,6 +339,7 @@ async def tally(upper: httpx.AsyncClient, ns: str, at: float) -> Tally:
             t.pending_upstairs += 1
         else:
             t.pending_below += 1
+            t.unschedulable_below += pod["status"].get("reason") == "Unschedulable"
     return t
 
 
@@ -392,7 +394,10 @@ async def accuracy(
         if last is None or (current.running, current.wasted) != (last.running, last.wasted):
             steady_since = time.monotonic()
         last = current
-        settled = time.monotonic() - steady_since > 20 and at_window is not None
+        # Settled: nothing on its way (every bound pod Running or found unschedulable below)
+        # and no change for 20 s.
+        in_flight = current.pending_below - current.unschedulable_below
+        settled = in_flight == 0 and time.monotonic() - steady_since > 20 and at_window is not None
         if now >= settle or settled:
             break
         await asyncio.sleep(1.0)
@@ -475,6 +480,7 @@ def main() -> None:
             "wasted binds",
             "pending up",
             "pending below",
+            "unschedulable below",
             "change p50",
             "change p99",
         )
@@ -489,6 +495,7 @@ def main() -> None:
                 f"{f.wasted}",
                 f"{f.pending_upstairs}",
                 f"{f.pending_below}",
+                f"{f.unschedulable_below}",
                 f"{pct(changes, 0.5):.2f} s",
                 f"{pct(changes, 0.99):.2f} s",
             )
