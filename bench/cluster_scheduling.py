@@ -1,8 +1,9 @@
 """Benchmark: scheduling accuracy across two lower clusters, aggregate vs mirror mode. Prints
 figures.
 
-    .venv/bin/python bench/cluster_scheduling.py [--pods 500] [--window 60] [--settle 180]
-        [--rounds 6] [--upper NAME] [--lower1 NAME] [--lower2 NAME] [--modes aggregate,mirror]
+    .venv/bin/python bench/cluster_scheduling.py [--pods 500] [--mix tight|light] [--window 60]
+        [--settle 180] [--rounds 6] [--upper NAME] [--lower1 NAME] [--lower2 NAME]
+        [--modes aggregate,mirror]
 
 Three dev clusters on this machine: the upper one and two lower ones, whose nodes are vkubelet
 mock nodes (one `vkubelet run --config` process per lower cluster), 32 CPUs each, with pods of
@@ -11,11 +12,12 @@ cluster provider runs as one agent (`vkubelet run --config agent.yaml`) with one
 cluster, in aggregate mode (one virtual node per lower cluster) or mirror mode (one per lower
 node); the modes run one after the other on the same lower clusters.
 
-- **Accuracy**: a generated mix of pods (fixed seed; 25m to 3 CPUs, mostly small, a few too big
-  for all but a few nodes) is created as one ReplicaSet per size, pinned to the mode's virtual
-  nodes. After `--window` seconds, and again once settled (`--settle`): the fraction of pods
-  Running, Pending upstairs (unbound), Pending below (bound, the lower scheduler has not placed
-  it), and the **wasted bind attempts**: pods bound to a virtual node and then failed
+- **Accuracy**: a generated mix of pods (fixed seed; 25m to 3 CPUs, mostly small; in the default
+  `tight` mix 3-CPU pods ask half the free room, and fit only the few large holes) is created as
+  one ReplicaSet per size, pinned to the mode's virtual nodes. After `--window` seconds, and
+  again once settled (`--settle`): the fraction of pods Running, Pending upstairs (unbound),
+  Pending below (bound, not Running yet; of those, found unschedulable by the lower scheduler),
+  and the **wasted bind attempts**: pods bound to a virtual node and then failed
   `LowerClusterCannotFit` (each replaced by its ReplicaSet). For scale, a first-fit-decreasing
   packing of the same mix into the free room says how many pods could run at best.
 - **Node change -> virtual node update**: a lower node cordoned and uncordoned, and a small pod
@@ -60,16 +62,29 @@ FREE = {
     "c1": ["0.5", "1", "2", "2.5", "4", "6", "12", "16"],
     "c2": ["1", "1.5", "2", "3", "3.5", "6", "10", "16"],
 }
-# CPU request -> share of the pods.
-MIX = [
-    ("25m", 0.48),
-    ("50m", 0.25),
-    ("100m", 0.12),
-    ("250m", 0.08),
-    ("500m", 0.04),
-    ("1", 0.02),
-    ("3", 0.01),
-]
+# CPU request -> share of the pods. "tight": 3-CPU pods take half the room, and fit only the
+# few large holes that the small pods (spread by the lower scheduler) have not eaten yet: the
+# case aggregate mode's summed allocatable hides. "light": mostly small pods, few big ones.
+MIXES = {
+    "tight": [
+        ("25m", 0.51),
+        ("50m", 0.25),
+        ("100m", 0.13),
+        ("250m", 0.06),
+        ("500m", 0.01),
+        ("1", 0.01),
+        ("3", 0.03),
+    ],
+    "light": [
+        ("25m", 0.48),
+        ("50m", 0.25),
+        ("100m", 0.12),
+        ("250m", 0.08),
+        ("500m", 0.04),
+        ("1", 0.02),
+        ("3", 0.01),
+    ],
+}
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 CANNOT_FIT = "LowerClusterCannotFit"
 
@@ -78,12 +93,13 @@ def cpu(value: str) -> Fraction:
     return parse_quantity(value).to_fraction()
 
 
-def mix(pods: int, seed: int = 11) -> dict[str, int]:
+def mix(pods: int, name: str = "tight", seed: int = 11) -> dict[str, int]:
     """How many pods of each size: the shares, rounded, with a seeded remainder."""
-    counts = {size: int(pods * share) for size, share in MIX}
+    shares = MIXES[name]
+    counts = {size: int(pods * share) for size, share in shares}
     rng = random.Random(seed)  # noqa: S311 - a reproducible mix, not security
     while sum(counts.values()) < pods:
-        counts[rng.choices([s for s, _ in MIX], [w for _, w in MIX])[0]] += 1
+        counts[rng.choices([s for s, _ in shares], [w for _, w in shares])[0]] += 1
     return counts
 
 
@@ -424,7 +440,7 @@ async def drop(upper: httpx.AsyncClient, lowers: list[Lower], ns: str) -> None:
 async def run_mode(
     upper_cluster: Cluster, lowers: list[Lower], mode: str, args: argparse.Namespace, work: Path
 ) -> tuple[Tally, Tally, list[float]]:
-    counts = mix(args.pods)
+    counts = mix(args.pods, args.mix)
     upper = http_client(upper_cluster.kubeconfig, 8)
     try:
         with provider_agent(upper_cluster, lowers, mode, work) as virtual:
@@ -442,6 +458,7 @@ async def run_mode(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pods", type=int, default=500)
+    parser.add_argument("--mix", choices=sorted(MIXES), default="tight")
     parser.add_argument("--window", type=float, default=60.0, help="seconds to the first tally")
     parser.add_argument("--settle", type=float, default=180.0, help="at most this long in all")
     parser.add_argument("--rounds", type=int, default=6, help="node change rounds (4 changes each)")
@@ -452,7 +469,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="keep the agents' logs here")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    counts = mix(args.pods)
+    counts = mix(args.pods, args.mix)
     demand = sum(cpu(s) * n for s, n in counts.items())
     room = sum(cpu(f) for frees in FREE.values() for f in frees)
     print(
