@@ -27,7 +27,9 @@ cluster_app = typer.Typer(
     no_args_is_help=True,
     help="A real local control plane (etcd, kube-apiserver, scheduler, controller-manager).",
 )
+vm_app = typer.Typer(no_args_is_help=True, help="VirtualMachine resources (docs/vm-resource.md).")
 app.add_typer(dev, name="dev")
+app.add_typer(vm_app, name="vm")
 dev.add_typer(cluster_app, name="cluster")
 
 # Piped output must not be wrapped at 80 columns: users copy these commands and paths.
@@ -127,6 +129,13 @@ def run(
     ] = None,
     log_format: Annotated[LogFormat, typer.Option(help="Log line format.")] = LogFormat.text,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+    vm_controller: Annotated[
+        bool,
+        typer.Option(
+            help="Also run the VirtualMachine controller in this process (leader-elected with "
+            "any other instance; Lease in kube-system)."
+        ),
+    ] = False,
 ) -> None:
     """Run the node agent: register virtual node(s) and run their pods with a provider."""
     # Imported here so that `vkubelet dev ...` starts without loading the agent's dependencies.
@@ -203,7 +212,21 @@ def run(
         agent = Agent(agent_config)
     except (ConfigError, ProviderLoadError, ValueError, OSError) as e:
         raise _fail(e) from None
-    asyncio.run(_run_until_signalled(agent.run))
+    if not vm_controller:
+        asyncio.run(_run_until_signalled(agent.run))
+        return
+    from .vmcontroller import ControllerConfig, run_controller
+
+    async def agent_and_controller() -> None:
+        client = _lightkube(kubeconfig)
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(agent.run())
+                group.create_task(run_controller(client, ControllerConfig()))
+        finally:
+            await client.close()
+
+    asyncio.run(_run_until_signalled(agent_and_controller))
 
 
 async def _run_until_signalled(run: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -365,6 +388,90 @@ def cluster_list() -> None:
             str(cluster.kubeconfig),
         )
     out.print(table)
+
+
+KubeconfigOption = Annotated[
+    Path | None,
+    typer.Option(envvar="KUBECONFIG", help="Default: ~/.kube/config or in-cluster."),
+]
+
+
+def _lightkube(kubeconfig: Path | None) -> Any:
+    from lightkube import AsyncClient, KubeConfig
+
+    config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
+    return AsyncClient(config=config)
+
+
+@vm_app.command("install-crds")
+def vm_install_crds(
+    kubeconfig: KubeconfigOption = None,
+    print_only: Annotated[
+        bool, typer.Option("--print", help="Print the CRDs' YAML instead of installing them.")
+    ] = False,
+) -> None:
+    """Install (server-side apply) the VirtualMachine, VirtualMachineBackup and
+    VirtualMachineMigration CRDs and wait until they are Established."""
+    from .vmcontroller import crd_yaml, install_crds
+
+    if print_only:
+        out.print(crd_yaml(), highlight=False, markup=False, end="")
+        return
+
+    async def install() -> list[str]:
+        client = _lightkube(kubeconfig)
+        try:
+            return await install_crds(client)
+        finally:
+            await client.close()
+
+    try:
+        names = asyncio.run(install())
+    except Exception as e:
+        raise _fail(e) from None
+    for name in names:
+        out.print(f"{name} established", highlight=False)
+
+
+@app.command("vm-controller")
+def vm_controller(
+    kubeconfig: KubeconfigOption = None,
+    lease_namespace: Annotated[
+        str, typer.Option(envvar="POD_NAMESPACE", help="Namespace of the leader-election Lease.")
+    ] = "kube-system",
+    namespace: Annotated[
+        str | None, typer.Option(help="Only this namespace's VMs (default: all).")
+    ] = None,
+    identity: Annotated[
+        str | None, typer.Option(help="Leader-election identity (default: host-pid-random).")
+    ] = None,
+    lease_duration: Annotated[
+        float,
+        typer.Option(
+            min=1.0, help="Seconds an unrenewed Lease stays the leader's (failover time)."
+        ),
+    ] = 15.0,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING, ERROR.")] = "INFO",
+) -> None:
+    """Run the VirtualMachine controller (one active instance by leader election)."""
+    from .vmcontroller import ControllerConfig, LeaseTiming, run_controller
+
+    setup_logging(LogFormat.text, log_level)
+    config = ControllerConfig(
+        lease_namespace=lease_namespace,
+        namespace=namespace,
+        identity=identity or "",
+        timing=LeaseTiming.for_duration(lease_duration),
+    )
+
+    async def controller() -> None:
+        client = _lightkube(kubeconfig)
+        try:
+            await run_controller(client, config)
+        finally:
+            await client.close()
+
+    asyncio.run(_run_until_signalled(controller))
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ from ._serving import (
     start_servers,
 )
 from ._supervision import run_node
+from ._webhook import serve_webhook, webhooks
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class Agent:
         self.servers: list[KubeletServer] = []
         self._readiness: dict[int, KubeletApiReadiness] = {}
         self._serving: dict[int, ServingCertificate | None] = {}  # port -> its certificate
+        self._port_tls: dict[int, asyncio.Future[ssl.SSLContext]] = {}  # for admission webhooks
         self._client_ca = ClientCA(config.client_ca_file)
         self._tls: ServingTLS | None = None
         self._tls_lock = asyncio.Lock()
@@ -192,6 +194,24 @@ class Agent:
                             ),
                             name=f"kubelet API {port}",
                         )
+                for node, webhook in webhooks(self.nodes):
+                    port = node.settings.kubelet_port
+                    group.create_task(
+                        run_supervised(
+                            functools.partial(
+                                serve_webhook,
+                                self.client,
+                                node,
+                                webhook,
+                                functools.partial(self.port_tls, port)
+                                if self.config.kubelet_api
+                                else None,
+                            ),
+                            name=f"admission webhook of {node.settings.name}",
+                            logger=log,
+                        ),
+                        name=f"webhook {node.settings.name}",
+                    )
                 for fleet in self.fleets:
                     group.create_task(
                         run_supervised(fleet.run, name=f"fleet {fleet.name}", logger=log),
@@ -250,6 +270,10 @@ class Agent:
         client_ca = await self._client_ca.file(self.client)
         return await self._tls.context(name, addresses, client_ca, on_csr)
 
+    async def port_tls(self, port: int) -> ssl.SSLContext:
+        """The TLS context of a kubelet port, once it serves (an admission webhook shares it)."""
+        return await asyncio.shield(self._port_tls.setdefault(port, asyncio.Future()))
+
     async def _serve_port(self, port: int, nodes: list[NodeAgent]) -> None:
         """Certificate, then listen, then renew: retried from the start (by the supervisor) if
         obtaining the certificate or listening fails; a failed renewal only retries itself."""
@@ -264,6 +288,9 @@ class Agent:
             )
             self.servers.extend(servers)
             self._serving[port] = certificate
+            ready = self._port_tls.setdefault(port, asyncio.Future())
+            if not ready.done():
+                ready.set_result(context)
         certificate = self._serving[port]
         if certificate is not None:
             await certificate.renew_forever()

@@ -19,6 +19,8 @@ API I/O in its own module:
 - `_convert`: JSON <-> lightkube models and small value helpers;
 - `_fit`: does a pod fit some single lower node (aggregate mode's fit check), largest free;
 - `_mirror`: `mode: mirror`, a fleet of one virtual node per lower node;
+- `_constraints`, `_admission`, `_webhookconfig`: the constraint webhook (constraints moved into
+  one annotation upstairs and restored below; its admission answers; `webhook:` options);
 - `_provider`: the provider class wiring them to the agent's protocols, built from `_core`
   (shared state, owner identity) and `_verbs`, `_capacityloop`, `_servicesync`, `_tokenkeeper`.
 

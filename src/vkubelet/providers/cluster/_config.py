@@ -22,6 +22,7 @@
     daemonSetPods: refuse            # or `run`; a pod annotation can opt in too
     clusterName: eu-1                # label value naming the lower cluster (default: node name)
     clusterLabel: vkubelet.io/cluster  # the label key carrying it; null: no such label
+    webhook: {enabled: true}         # the constraint webhook (see `_admission`)
 
 Errors name the file and the field (`lower.yaml: namespaces.prefix: ...`), as the agent's own
 config and the SSH inventory do.
@@ -32,13 +33,14 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import yaml
 
 from ...node import ConfigError
+from ._webhookconfig import WebhookConfig, parse_webhook_config
 
 __all__ = [
     "DEFAULT_CLUSTER_LABEL",
@@ -69,6 +71,7 @@ _TOP_KEYS = {
     "daemonSetPods",
     "clusterName",
     "clusterLabel",
+    "webhook",
 }
 _NAMESPACE_KEYS = {"prefix", "map", "create"}
 _RESYNC_KEYS = {"pods", "nodes", "dependencies"}
@@ -144,6 +147,7 @@ class LowerConfig:
     # None until settled: the provider's factory defaults it to the virtual node's name.
     cluster_name: str | None = None
     cluster_label: str | None = DEFAULT_CLUSTER_LABEL
+    webhook: WebhookConfig = field(default_factory=WebhookConfig)
 
     def label_excluded(self, key: str) -> bool:
         return any(fnmatch.fnmatchcase(key, pattern) for pattern in self.exclude_labels)
@@ -191,6 +195,12 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
             "serviceAccountTokens",
             "upper tokens need a service account: not with serviceAccounts: none",
         )
+    webhook = parse_webhook_config(where, data.get("webhook"), path.parent)
+    if webhook.enabled and data.get("mode") == "mirror":
+        raise fail(
+            "webhook",
+            "the constraint webhook is for mode: aggregate (mirrored nodes show the lower labels)",
+        )
     return LowerConfig(
         kubeconfig=path.parent / Path(kubeconfig).expanduser(),
         source=path,
@@ -219,6 +229,7 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
         cannot_fit_backoff=_seconds(where, "cannotFitBackoff", data.get("cannotFitBackoff"), 10.0),
         cluster_name=_cluster_name(where, data.get("clusterName")),
         cluster_label=_cluster_label(where, data.get("clusterLabel", DEFAULT_CLUSTER_LABEL)),
+        webhook=webhook,
     )
 
 

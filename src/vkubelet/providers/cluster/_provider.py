@@ -28,6 +28,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from ...node import ApiError, Unreachable
 from ...sdk.provider import EventType, NodeCondition, ProviderError, ResolvedPod
 from ...sdk.tasks import supervise
+from ._admission import ConstraintAdmission
 from ._capacityloop import CANNOT_FIT_TAINT, LARGEST_FREE_ANNOTATION, CapacityFollowing
 from ._convert import (
     JSON,
@@ -59,7 +60,9 @@ RUN_DAEMON_SET_ANNOTATION = "vkubelet.io/run-on-virtual-node"
 log = logging.getLogger(__name__)
 
 
-class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTokens):
+class ClusterProvider(
+    LowerVerbs, CapacityFollowing, ServiceReflection, UpperTokens, ConstraintAdmission
+):
     """One virtual node standing for a whole lower cluster."""
 
     pass_through = True

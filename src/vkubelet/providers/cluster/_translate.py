@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._config import NamespaceMapping
+from ._constraints import lower_view
 from ._refs import Reference, pod_references, rename_references
 from ._stamps import Owner, dependency_name, stamp
 from ._tokens import token_secret_name, token_sources, use_token_secret
@@ -86,7 +87,9 @@ class PodTranslation:
 
 def translate_pod(upper: Mapping[str, Any], how: PodTranslation) -> JSON:
     """The lower pod for `upper` (an API pod as JSON). Raises nothing: whatever the lower API
-    still rejects comes back as its own message."""
+    still rejects comes back as its own message (but an unreadable constraint annotation is
+    the pod's ProviderError)."""
+    upper = lower_view(upper)  # the constraint webhook's moved constraints put back
     metadata = upper.get("metadata") or {}
     namespace, name = str(metadata.get("namespace", "default")), str(metadata["name"])
     spec = _prepared_spec(upper, how)

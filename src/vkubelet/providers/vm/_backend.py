@@ -96,6 +96,11 @@ class LaunchSpec:
     seed: Path | None
     network_key: str | None  # the pod uid the network was attached for
     accel: str
+    # Live resize and hibernation (`_resize`, `_hibernate`): headroom and extra QEMU options.
+    max_vcpus: int | None = None
+    max_memory_mib: int | None = None
+    memory_slots: int = 0
+    extra_args: tuple[str, ...] = ()
 
 
 class Runtime(Protocol):

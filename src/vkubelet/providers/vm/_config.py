@@ -13,6 +13,8 @@
     imageGCIntervalSeconds: 600
     guestAgentTimeoutSeconds: 300
     defaults: {cpu: "1", memory: 256Mi}
+    hotplug: {maxCpus: 4, maxMemory: 2Gi, memorySlots: 4}   # live-resize headroom (0: none)
+    storage: {kubeconfig: provisioner.kubeconfig, intervalSeconds: 2}  # PVC disks (`_volumes`)
 
 Everything is checked when the agent starts, and every error names the file and the field: a
 typo should stop the agent with a message, not surface later as a pod that never boots.
@@ -30,6 +32,8 @@ from typing import Any, Literal, cast
 import yaml
 
 from ...sdk.quantity import QuantityError, parse_quantity
+from ._persist import MachineGC, parse_machine_gc
+from ._volumes import StorageConfig
 
 __all__ = ["ConfigError", "ConfigMapSource", "VMConfig", "load_config"]
 
@@ -48,6 +52,9 @@ _KNOWN = {
     "imageGCIntervalSeconds",
     "guestAgentTimeoutSeconds",
     "defaults",
+    "machineGC",  # _persist
+    "hotplug",
+    "storage",
 }
 _MIB = 2**20
 
@@ -84,6 +91,18 @@ class VMConfig:
     default_millicpu: int = 1000
     default_memory: int = 256 * _MIB
     origin: str = "<defaults>"  # the file, for messages
+    machine_gc: MachineGC | None = None  # _persist: remove machines whose VirtualMachine is gone
+    # Live-resize headroom (`_resize`): QEMU starts with room for this many vCPUs and this much
+    # memory in that many DIMM slots (pod annotations may change it per VM).
+    hotplug_max_vcpus: int = 4
+    hotplug_max_memory: int = 2 * 2**30
+    hotplug_slots: int = 4
+    storage: StorageConfig | None = None  # the PVC disk provisioner's credentials (`_volumes`)
+
+    @property
+    def volume_root(self) -> Path:
+        """Disk images of provisioned PVs (they outlive pods and VMs)."""
+        return self.state_dir / "volumes"
 
     @property
     def run_root(self) -> Path:
@@ -178,7 +197,43 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         default_millicpu=default_cpu,
         default_memory=default_memory,
         origin=origin,
+        machine_gc=parse_machine_gc(data.get("machineGC"), fail, base),
+        storage=_storage(data.get("storage"), fail, base),
+        **_hotplug(data.get("hotplug"), fail),
     )
+
+
+def _storage(value: object, fail: Any, base: Path) -> StorageConfig | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"kubeconfig", "intervalSeconds"}:
+        raise fail("storage", "expected a mapping with kubeconfig and intervalSeconds")
+    if not isinstance(value.get("kubeconfig"), str) or not value["kubeconfig"]:
+        raise fail("storage.kubeconfig", f"expected a path, got {value.get('kubeconfig')!r}")
+    interval = value.get("intervalSeconds", 2)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+        raise fail("storage.intervalSeconds", f"expected a positive number, got {interval!r}")
+    return StorageConfig(base / value["kubeconfig"], float(interval))
+
+
+def _hotplug(value: object, fail: Any) -> dict[str, int]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or set(value) - {"maxCpus", "maxMemory", "memorySlots"}:
+        raise fail("hotplug", "expected a mapping with maxCpus, maxMemory and/or memorySlots")
+    out: dict[str, int] = {}
+    for key, field_name in (("maxCpus", "hotplug_max_vcpus"), ("memorySlots", "hotplug_slots")):
+        if key in value:
+            number = value[key]
+            if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= 255:
+                raise fail(f"hotplug.{key}", f"expected a whole number 0-255, got {number!r}")
+            out[field_name] = number
+    if "maxMemory" in value:
+        try:
+            out["hotplug_max_memory"] = quantity_bytes(value["maxMemory"])
+        except (QuantityError, ValueError) as e:
+            raise fail("hotplug.maxMemory", str(e)) from None
+    return out
 
 
 def _config_map(value: object, fail: Any, base: Path) -> ConfigMapSource | None:

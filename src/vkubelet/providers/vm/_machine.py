@@ -60,6 +60,11 @@ class MachineSpec:
     netns: str | None = None
     accel: str = "tcg"
     extra_args: tuple[str, ...] = field(default=())  # appended to QEMU's argv (tests, tuning)
+    # Live-resize headroom (`_resize`): hotpluggable vCPUs up to max_vcpus, DIMMs up to
+    # max_memory_mib in memory_slots slots. None/0: a fixed-size machine.
+    max_vcpus: int | None = None
+    max_memory_mib: int | None = None
+    memory_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,8 @@ def qemu_argv(spec: MachineSpec) -> list[str]:
     argv += [
         "-name", f"guest={_opt(spec.name)}",
         "-machine", f"q35,accel={_opt(spec.accel)}",
-        "-smp", str(int(spec.vcpus)),
-        "-m", f"{int(spec.memory_mib)}M",
+        "-smp", _smp(spec),
+        "-m", _memory(spec),
         "-nodefaults", "-no-user-config", "-display", "none",
         "-no-shutdown",
         "-daemonize", "-pidfile", str(run / "pid"),
@@ -129,6 +134,20 @@ def qemu_argv(spec: MachineSpec) -> list[str]:
         ]  # fmt: skip
     argv += list(spec.extra_args)
     return argv
+
+
+def _smp(spec: MachineSpec) -> str:
+    smp = str(int(spec.vcpus))
+    if spec.max_vcpus is not None and spec.max_vcpus > spec.vcpus:
+        smp += f",maxcpus={int(spec.max_vcpus)}"
+    return smp
+
+
+def _memory(spec: MachineSpec) -> str:
+    memory = f"{int(spec.memory_mib)}M"
+    if spec.memory_slots > 0 and spec.max_memory_mib and spec.max_memory_mib > spec.memory_mib:
+        memory += f",slots={int(spec.memory_slots)},maxmem={int(spec.max_memory_mib)}M"
+    return memory
 
 
 def _alive(pid: int, run_dir: Path) -> bool:
@@ -253,6 +272,13 @@ class Machine:
             if not await ended(deadline):
                 self._record(MachineExit(137, "Killed", f"not off after the {grace:g} s grace"))
                 await self.monitor.quit()
+        return await waiting
+
+    async def end(self, outcome: MachineExit) -> MachineExit:
+        """End QEMU with `outcome` as the run's (its state was saved elsewhere: hibernation)."""
+        waiting = asyncio.ensure_future(self.wait())
+        self._record(outcome)
+        await self.monitor.quit()
         return await waiting
 
     async def kill(self) -> None:
@@ -414,4 +440,7 @@ def _spec_from_json(data: dict[str, Any]) -> MachineSpec:
         netns=data.get("netns"),
         accel=data.get("accel", "tcg"),
         extra_args=tuple(data.get("extra_args", ())),
+        max_vcpus=data.get("max_vcpus"),
+        max_memory_mib=data.get("max_memory_mib"),
+        memory_slots=int(data.get("memory_slots", 0)),
     )

@@ -53,12 +53,14 @@ from ...sdk import (
     build_pod_status,
 )
 from ...sdk.provider import EventSink, EventType
+from . import _persist, _power
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._config import VMConfig
 from ._console import ConsoleTailer
 from ._spec import ENV_FILE, MachinePlan, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
+from ._volumes import DiskProvisioner
 
 __all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
 
@@ -98,6 +100,7 @@ class _VM:
     # that a restarted agent reports them unchanged, as a kubelet does.
     start_time: datetime = field(default_factory=lambda: datetime.now(UTC))
     started_at: datetime | None = None
+    power: _power.PowerState = field(default_factory=_power.PowerState)  # hibernate, resize
 
     @property
     def uid(self) -> str:
@@ -110,6 +113,12 @@ class _VM:
     @property
     def machine_dir(self) -> Path:
         return self.dir / "m"  # short: unix socket paths have a 108-byte limit
+
+    @property
+    def key(self) -> str:
+        meta = self.pod.metadata
+        assert meta is not None
+        return f"{meta.namespace}/{meta.name}"
 
     def save(self) -> None:
         state = {
@@ -170,6 +179,7 @@ class VMProvider(RunnerProvider):
         self.millicpu = max(cpus - config.reserved_millicpu, 0)
         self.memory = max(memory - config.reserved_memory, 0)
         self.accel: tuple[str, str] | None = None  # (accel, reason) once probed
+        self.disk_provisioner: DiskProvisioner | None = None  # PVC disks (`_power.start_storage`)
         self._push: Callable[[Pod], None] = lambda pod: None
         self._node_changed: Callable[[Node], None] = lambda node: None
         self._grace: dict[str, int] = {}
@@ -211,7 +221,15 @@ class VMProvider(RunnerProvider):
 
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
         self._push = callback
-        super().notify_pods(callback)
+        super().notify_pods(lambda pod: callback(self._decorated(pod)))
+
+    def _decorated(self, pod: Pod) -> Pod:
+        """The runner's status plus what only the VM knows (hibernation, resize)."""
+        meta = pod.metadata
+        vm = self.vms.get(f"{meta.namespace}/{meta.name}") if meta else None
+        if vm is not None and pod.status is not None:
+            _power.decorate(pod.status, vm.power, vm.container)
+        return pod
 
     async def _start(self) -> None:
         """Once: probe the accelerator, adopt the VMs a previous agent left, start image GC."""
@@ -232,6 +250,9 @@ class VMProvider(RunnerProvider):
         self._node_changed(Node())  # the Accelerator condition, published now
         await self._adopt_all()
         self._tasks.spawn(self._gc_loop(), name="image gc")
+        if self.config.machine_gc is not None:  # persistent machines (_persist)
+            self._tasks.spawn(self._machine_gc_loop(), name="machine gc")
+        _power.start_storage(self)
         if self.config.translation_config_map is not None:
             self._tasks.spawn(self._config_map_loop(), name="translation configmap")
 
@@ -380,11 +401,48 @@ class VMProvider(RunnerProvider):
             vm.image_sha256 = pulled.sha256
             return pulled
 
+    # -- persistent machines (see _persist) ------------------------------------------------------
+    def machine_dir(self, pod: Pod) -> Path | None:
+        """`<stateDir>/machines/<id>/` for a pod of a persistent machine (annotation
+        `vm.vkubelet.io/machine`): its disks and saved state outlive the pod. None otherwise."""
+        return _persist.machine_dir(self.config.state_dir, pod)
+
+    def _disk_dir(self, vm: _VM) -> Path:
+        """Where a pod's disks go: its machine's directory, claimed for this pod (a machine runs
+        in one pod at a time), or the pod's own run directory."""
+        try:
+            directory = self.machine_dir(vm.pod)
+        except ValueError as e:
+            raise ProviderError("CreateContainerConfigError", str(e)) from None
+        if directory is None:
+            return vm.dir
+        for other in list(self.vms.values()):
+            if other.uid != vm.uid and directory.name in _persist.machines_in_use([other.pod]):
+                raise RuntimeError(f"machine {directory.name} is still in use by pod {other.key}")
+        directory.mkdir(parents=True, exist_ok=True)
+        _persist.record_image(directory, vm.image_sha256)
+        return directory
+
+    async def _machine_gc_loop(self) -> None:
+        gc = self.config.machine_gc
+        assert gc is not None
+        while True:
+            in_use = _persist.machines_in_use(vm.pod for vm in self.vms.values())
+            try:
+                removed = await _persist.gc_machines(self.config.state_dir, gc.kubeconfig, in_use)
+            except Exception as e:
+                log.warning("machine gc failed: %s", e)
+                removed = []
+            for ident in removed:
+                log.info("machine gc: removed machine %s (its VirtualMachine is gone)", ident)
+            await asyncio.sleep(gc.interval)
+
     async def _make_machine(
         self, vm: _VM, resolved: ResolvedPod, plan: MachinePlan, image: PulledImage
     ) -> None:
         vm.dir.mkdir(parents=True, exist_ok=True)
-        root = vm.dir / "root.qcow2"
+        disk_dir = self._disk_dir(vm)
+        root = disk_dir / "root.qcow2"
         if plan.root_size is not None and plan.root_size < image.size:
             raise ProviderError(
                 "CreateContainerConfigError",
@@ -393,9 +451,12 @@ class VMProvider(RunnerProvider):
             )
         if not root.exists():
             await self.runtime.create_overlay(image, root, plan.root_size)
+        elif disk_dir != vm.dir and plan.root_size is not None:
+            await _persist.grow_root(root, plan.root_size)  # asked bigger while powered off
         disks = [(root, plan.disk_bus)]
         for index, scratch in enumerate(plan.scratch):
-            path = vm.dir / f"scratch{index}.qcow2"
+            name = f"scratch{index}" if disk_dir == vm.dir else f"empty-{scratch.volume}"
+            path = disk_dir / f"{name}.qcow2"
             if not path.exists():
                 await self.runtime.create_blank(path, scratch.size)
             disks.append((path, plan.disk_bus))
@@ -423,6 +484,8 @@ class VMProvider(RunnerProvider):
             "disks": [[str(p), bus] for p, bus in disks],
             "seed": str(seed),
             "network_key": vm.uid,
+            **_power.launch_extras(vm.pod, plan, self.config),
+            **(await _power.claim_disks(self, vm, plan)),
         }
         (vm.dir / "pod.json").write_text(json.dumps(vm.pod.to_dict()))
         vm.save()
@@ -454,9 +517,8 @@ class VMProvider(RunnerProvider):
             # A new console file per run, so that each run's log starts at its own boot.
             for stale in (vm.machine_dir / "console.log", console_mark):
                 stale.unlink(missing_ok=True)
-            spec = self._launch_spec(vm)
             vm.started_at = None
-            machine = await self.runtime.launch(spec)
+            machine = await _power.launch(self, vm)
             self._event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
         elif vm.started_at is not None:
             # Adopted, its guest up before the agent restarted: running since then. (One adopted
@@ -513,6 +575,7 @@ class VMProvider(RunnerProvider):
             seed=Path(launch["seed"]) if launch.get("seed") else None,
             network_key=launch.get("network_key"),
             accel=self.accel[0] if self.accel else "tcg",
+            **_power.launch_spec_extras(launch),
         )
 
     def _drop_old_logs(self, vm: _VM, run: int) -> None:
@@ -536,7 +599,12 @@ class VMProvider(RunnerProvider):
         grace = self._grace.get(key)
         if grace is None:
             grace = spec.terminationGracePeriodSeconds if spec else None
-        self._tasks.spawn(machine.stop(float(30 if grace is None else grace)), name=f"stop {key}")
+        seconds = float(30 if grace is None else grace)
+        stopping = key in self.runners and self.runners[key].stopping
+        if stopping and (power_off := _power.power_off(self, vm, machine, seconds)) is not None:
+            self._tasks.spawn(power_off, name=f"power off {key}")
+            return
+        self._tasks.spawn(machine.stop(seconds), name=f"stop {key}")
 
     async def update_pod(self, pod: ResolvedPod) -> None:
         """New contents of configMap, secret, downwardAPI and projected volumes reach the guest
@@ -545,12 +613,17 @@ class VMProvider(RunnerProvider):
         container's start-time environment: the env file changes only with the pod."""
         key = f"{pod.namespace}/{pod.name}"
         vm = self.vms.get(key)
-        if vm is None or vm.uid != pod.uid or vm.plan is None or not vm.launch:
+        if vm is None or vm.uid != pod.uid or not vm.launch:
             return  # not made yet: the seed is written with the newest files anyway
         try:
             plan = self._plan(pod)
         except SpecError as e:
-            raise ProviderError("InvalidVMSpec", str(e)) from None
+            if not await _power.resize(self, vm, pod, None, str(e)):
+                raise ProviderError("InvalidVMSpec", str(e)) from None
+            return
+        await _power.resize(self, vm, pod, plan, None)  # also for a VM adopted after a restart
+        if vm.plan is None:
+            return  # adopted: its files are those it was made with
         old = {p: d for p, d in vm.plan.files.items() if p != ENV_FILE}
         new = {p: d for p, d in plan.files.items() if p != ENV_FILE}
         if ENV_FILE in vm.plan.files:
@@ -597,6 +670,7 @@ class VMProvider(RunnerProvider):
         if vm is None or vm.uid != meta.uid:
             return
         self._grace[key] = grace_period_seconds
+        _power.deleting(vm, pod)
         runner = self.runners.get(key)
         if runner is None:  # still preparing: nothing runs yet
             if (task := self._preparing.get(key)) is not None:
@@ -641,7 +715,8 @@ class VMProvider(RunnerProvider):
         await self._start()
         key = f"{namespace}/{name}"
         if key in self.runners:
-            return await super().get_pod(namespace, name)
+            pod = await super().get_pod(namespace, name)
+            return self._decorated(pod) if pod is not None else None
         vm = self.vms.get(key)
         if vm is None:
             return None
@@ -748,6 +823,7 @@ class VMProvider(RunnerProvider):
         while True:
             await asyncio.sleep(self.config.image_gc_interval)
             in_use = {vm.image_sha256 for vm in self.vms.values() if vm.image_sha256}
+            in_use |= _persist.machine_images(self.config.state_dir)  # powered-off machines
             try:
                 removed = self.runtime.gc_images(in_use)
             except Exception as e:

@@ -189,6 +189,10 @@ class QemuRuntime:
                 network=network,
                 netns=self.network.netns(spec.network_key) if spec.network_key else None,
                 accel=spec.accel,
+                max_vcpus=spec.max_vcpus,
+                max_memory_mib=spec.max_memory_mib,
+                memory_slots=spec.memory_slots,
+                extra_args=spec.extra_args,
             )
         )
         return _Handle(machine)

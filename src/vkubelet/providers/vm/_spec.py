@@ -70,6 +70,7 @@ class MachinePlan:
     scratch: tuple[ScratchDisk, ...] = ()
     files: Mapping[str, bytes] = field(default_factory=dict)  # guest path -> content
     secret_files: frozenset[str] = frozenset()  # which of `files` come from secrets
+    claims: tuple[str, ...] = ()  # persistentVolumeClaim names, in volume order (`_volumes`)
 
 
 def plan_machine(
@@ -118,6 +119,16 @@ def plan_machine(
         scratch=_scratch(resolved, container, where),
         files=files,
         secret_files=frozenset(secrets),
+        claims=_claims(resolved),
+    )
+
+
+def _claims(resolved: ResolvedPod) -> tuple[str, ...]:
+    """The pod's PVCs: VM disks of the `vkubelet-vm-disk` class (`_volumes`)."""
+    spec = resolved.pod.spec
+    assert spec is not None
+    return tuple(
+        v.persistentVolumeClaim.claimName for v in spec.volumes or [] if v.persistentVolumeClaim
     )
 
 
@@ -229,11 +240,14 @@ def _files(
     secrets: set[str] = set()
     mounts = _mounts(container)
     for index, volume in enumerate(_volume_list(resolved)):
+        if isinstance(volume, OtherVolume) and volume.kind == "persistentVolumeClaim":
+            continue  # a disk (`_claims`)
         if isinstance(volume, HostPathVolume | OtherVolume):
             kind = "hostPath" if isinstance(volume, HostPathVolume) else volume.kind
             raise SpecError(
                 f"spec.volumes[{index}].{kind}",
-                "a VM pod takes emptyDir, configMap, secret, downwardAPI and projected volumes",
+                "a VM pod takes emptyDir, persistentVolumeClaim, configMap, secret, downwardAPI "
+                "and projected volumes",
             )
         if not isinstance(volume, FilesVolume):
             continue

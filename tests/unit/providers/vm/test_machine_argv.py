@@ -94,3 +94,12 @@ async def test_a_run_dir_too_deep_for_unix_socket_paths_is_refused_before_qemu_s
     with pytest.raises(MachineError, match="too deep"):
         await Machine.launch(_spec(run_dir=deep, netns=None, network=None))
     assert not deep.exists()
+
+
+def test_resize_headroom_adds_hotpluggable_cpus_and_memory_slots() -> None:
+    argv = qemu_argv(_spec(max_vcpus=4, max_memory_mib=2048, memory_slots=2))
+    assert _option(argv, "-smp") == ["2,maxcpus=4"]
+    assert _option(argv, "-m") == ["512M,slots=2,maxmem=2048M"]
+    fixed = qemu_argv(_spec(max_vcpus=2, max_memory_mib=512, memory_slots=2))
+    assert _option(fixed, "-smp") == ["2"] and _option(fixed, "-m") == ["512M"]
+    assert _spec_from_json(_spec_to_json(_spec(max_vcpus=4))).max_vcpus == 4

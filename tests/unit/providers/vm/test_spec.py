@@ -141,6 +141,20 @@ def test_volume_files_land_at_their_mount_paths_and_env_in_the_env_file() -> Non
 
 
 def test_volumes_a_vm_cannot_take_are_refused_naming_them() -> None:
-    p = pod(volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "c"}}])
-    with pytest.raises(SpecError, match=r"^spec.volumes\[0\].persistentVolumeClaim"):
-        plan(p, {"data": OtherVolume("data", "persistentVolumeClaim", {"claimName": "c"})})
+    p = pod(volumes=[{"name": "data", "csi": {"driver": "x"}}])
+    with pytest.raises(SpecError, match=r"^spec.volumes\[0\].csi"):
+        plan(p, {"data": OtherVolume("data", "csi", {"driver": "x"})})
+
+
+def test_persistent_volume_claims_become_disks_in_volume_order() -> None:
+    p = pod(
+        volumes=[
+            {"name": "b", "persistentVolumeClaim": {"claimName": "second"}},
+            {"name": "a", "persistentVolumeClaim": {"claimName": "first"}},
+        ]
+    )
+    volumes = {
+        "b": OtherVolume("b", "persistentVolumeClaim", {"claimName": "second"}),
+        "a": OtherVolume("a", "persistentVolumeClaim", {"claimName": "first"}),
+    }
+    assert plan(p, volumes).claims == ("second", "first")

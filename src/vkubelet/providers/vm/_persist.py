@@ -1,0 +1,189 @@
+"""Persistent machines: the disks of a VirtualMachine outlive its pods.
+
+A pod annotated `vm.vkubelet.io/machine: <id>` (the VirtualMachine's uid, set by the VM
+controller) is one incarnation of a persistent machine. Its root overlay and emptyDir disks live
+in `<stateDir>/machines/<id>/`, not in the pod's run directory, and are not deleted when the pod
+ends: the next pod of the same machine boots from the same disks (a file written before a power
+off is there after the power on). Other features keep their per-machine state there too
+(`machine_dir`): hibernation images, backup bitmaps.
+
+`machine.json` in that directory records the image the root overlay is backed by, so that the
+image GC keeps it while the machine is powered off. Machine directories are removed only when no
+VirtualMachine with that uid exists any more (`gc_machines`): the provider lists the
+VirtualMachines with the credentials of `machineGC.kubeconfig`; without that setting, or while
+the CRD is not installed, nothing is ever removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import shutil
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from lightkube.resources.core_v1 import Pod
+
+__all__ = [
+    "MACHINE_ANNOTATION",
+    "MachineGC",
+    "gc_machines",
+    "machine_dir",
+    "machine_id",
+    "machine_images",
+    "parse_machine_gc",
+    "record_image",
+]
+
+MACHINE_ANNOTATION: Final = "vm.vkubelet.io/machine"
+MACHINES: Final = "machines"
+# A uid, or any name that is one safe path component (the annotation is user input).
+_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MachineGC:
+    kubeconfig: Path
+    interval: float = 300.0
+
+
+def parse_machine_gc(
+    value: object, fail: Callable[[str, str], Exception], base: Path
+) -> MachineGC | None:
+    """The config's `machineGC: {kubeconfig: path, intervalSeconds: 300}` (or None)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("kubeconfig"), str):
+        raise fail("machineGC", "expected a mapping with kubeconfig (and intervalSeconds)")
+    unknown = sorted(set(value) - {"kubeconfig", "intervalSeconds"})
+    if unknown:
+        raise fail(f"machineGC.{unknown[0]}", "unknown field")
+    interval = value.get("intervalSeconds", 300)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+        raise fail("machineGC.intervalSeconds", f"expected a positive number, got {interval!r}")
+    return MachineGC(base / value["kubeconfig"], float(interval))
+
+
+def machine_id(pod: Pod) -> str | None:
+    """The machine a pod is an incarnation of, None for a plain pod. An id that is not a safe
+    path component is refused (ValueError): it would name a directory elsewhere."""
+    meta = pod.metadata
+    value = (meta.annotations or {}).get(MACHINE_ANNOTATION) if meta is not None else None
+    if value is None:
+        return None
+    value = str(value)
+    if not _ID.match(value) or value in (".", ".."):
+        raise ValueError(
+            f"metadata.annotations[{MACHINE_ANNOTATION}]: {value!r} is not a machine id "
+            "(letters, digits, '.', '_', '-'; at most 128)"
+        )
+    return value
+
+
+def machine_dir(state_dir: Path, pod: Pod) -> Path | None:
+    """`<stateDir>/machines/<id>/` for a pod of a persistent machine, None for a plain pod."""
+    ident = machine_id(pod)
+    return None if ident is None else state_dir / MACHINES / ident
+
+
+def record_image(directory: Path, image_sha256: str | None) -> None:
+    """Remember the image the machine's root overlay is backed by (for the image GC)."""
+    data: dict[str, Any] = {}
+    path = directory / "machine.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    images = set(data.get("images") or [])
+    if image_sha256:
+        images.add(image_sha256)
+    data["images"] = sorted(images)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def machine_images(state_dir: Path) -> set[str]:
+    """The images any machine's disks are backed by: never garbage-collected."""
+    images: set[str] = set()
+    for path in (state_dir / MACHINES).glob("*/machine.json"):
+        try:
+            images.update(json.loads(path.read_text()).get("images") or [])
+        except (OSError, ValueError, AttributeError):
+            continue
+    return images
+
+
+async def existing_machines(kubeconfig: Path) -> set[str] | None:
+    """The uids of all VirtualMachines, or None when that cannot be known (the CRD absent, the
+    apiserver away, no permission): then nothing may be deleted."""
+    from lightkube import ALL_NS, AsyncClient, KubeConfig
+    from lightkube.core.exceptions import ApiError
+    from lightkube.generic_resource import create_namespaced_resource
+
+    resource = create_namespaced_resource(
+        "vkubelet.io", "v1alpha1", "VirtualMachine", "virtualmachines"
+    )
+    client = AsyncClient(config=KubeConfig.from_file(kubeconfig))
+    try:
+        uids = set()
+        async for vm in client.list(resource, namespace=ALL_NS):
+            meta = vm.metadata
+            if meta is not None and meta.uid:
+                uids.add(str(meta.uid))
+        return uids
+    except ApiError as e:
+        log.debug("machine gc: cannot list VirtualMachines (%s); nothing removed", e.status.message)
+        return None
+    except Exception as e:
+        log.debug("machine gc: cannot list VirtualMachines (%s); nothing removed", e)
+        return None
+    finally:
+        await client.close()
+
+
+async def gc_machines(state_dir: Path, kubeconfig: Path, in_use: Collection[str]) -> list[str]:
+    """Remove the machine directories whose VirtualMachine is gone (and that no pod on this
+    node uses); the ids removed."""
+    root = state_dir / MACHINES
+    if not root.is_dir():
+        return []
+    candidates = [p for p in root.iterdir() if p.is_dir() and p.name not in in_use]
+    if not candidates:
+        return []
+    existing = await existing_machines(kubeconfig)
+    if existing is None:
+        return []
+    removed = []
+    for path in candidates:
+        if path.name not in existing:
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            removed.append(path.name)
+    return removed
+
+
+def machines_in_use(pods: Iterable[Pod]) -> set[str]:
+    ids = set()
+    for pod in pods:
+        try:
+            ident = machine_id(pod)
+        except ValueError:
+            continue
+        if ident is not None:
+            ids.add(ident)
+    return ids
+
+
+async def grow_root(root: Path, size: int) -> None:
+    """A machine's root disk asked bigger while it was powered off: grown before it boots
+    (never shrunk: a smaller size is ignored, the disk keeps its data)."""
+    from ._disks import image_info, resize
+
+    if (await image_info(root)).virtual_size < size:
+        await resize(root, size)

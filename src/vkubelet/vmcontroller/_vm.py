@@ -1,0 +1,474 @@
+"""The VirtualMachine reconciler: replicas 1 = one pod made from the template, 0 = none.
+
+The decision (`decide`) is pure: from the VirtualMachine and the pods labelled with its name
+it says what to create, annotate, delete and patch, and what the status is. `reconcile` reads
+those objects from the apiserver (a quorum read each time, never a cache), applies the
+decision and writes the status.
+
+Never two pods of one VM: a pod is created only when the VM has none at all, terminating ones
+included (the old QEMU must have stopped before another opens the same disks), and the list
+comes from the apiserver right before the create. A controller restarted between a create and
+its status write finds the pod on its next pass and does not create another; the Lease makes
+sure only one controller acts.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final, cast
+
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.core_v1 import Pod
+from lightkube.types import PatchType
+
+from ..sdk.quantity import QuantityError, parse_quantity
+from ._base import (
+    API_VERSION,
+    BACKUP_OF_ANNOTATION,
+    MACHINE_ANNOTATION,
+    MIGRATE_TO_ANNOTATION,
+    MIGRATION_SOURCE_ANNOTATION,
+    NAME_LABEL,
+    POWER_OFF_ANNOTATION,
+    ROOT_DISK_SIZE_ANNOTATION,
+    Context,
+)
+from ._resources import VirtualMachine
+
+__all__ = ["Decision", "VirtualMachineReconciler", "decide", "pod_for"]
+
+log = logging.getLogger(__name__)
+
+# The root disk size names the provider reads at creation (ours first, then virtlet's).
+ROOT_SIZE_KEYS: Final = (
+    ROOT_DISK_SIZE_ANNOTATION,
+    "vm.vkubelet.io/root-size",
+    "VirtletRootVolumeSize",
+)
+RESTORE_FROM_ANNOTATION: Final = "vm.vkubelet.io/restore-from"
+_UNSETTLED_REQUEUE: Final = 5.0  # while starting or stopping: look again (the watch may lag)
+_FAILED_REQUEUE: Final = 30.0
+
+
+@dataclass
+class Decision:
+    create: dict[str, Any] | None = None  # a pod manifest
+    power_off: dict[str, str] = field(default_factory=dict)  # pod -> mode, then delete it
+    delete: list[str] = field(default_factory=list)  # pods to delete as they are
+    patch: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod -> metadata patch
+    resize: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod -> pods/resize patch
+    status: dict[str, Any] = field(default_factory=dict)
+    requeue: float | None = None
+
+
+def _meta(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(obj.get("metadata") or {})
+
+
+def _annotations(obj: Mapping[str, Any]) -> dict[str, str]:
+    return dict(_meta(obj).get("annotations") or {})
+
+
+def root_size(annotations: Mapping[str, str]) -> str | None:
+    for key in ROOT_SIZE_KEYS:
+        if annotations.get(key):
+            return annotations[key]
+    return None
+
+
+def _template(vm: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    template = dict((vm.get("spec") or {}).get("template") or {})
+    return dict(template.get("metadata") or {}), dict(template.get("spec") or {})
+
+
+def desired_labels(vm: Mapping[str, Any]) -> dict[str, str]:
+    tmeta, _ = _template(vm)
+    return {**(tmeta.get("labels") or {}), NAME_LABEL: str(_meta(vm)["name"])}
+
+
+def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
+    """The VM's pod: the template, named `<vm>-<random>`, owned by and labelled with the VM,
+    annotated with the machine (the VM's uid: the provider keeps its disks under it)."""
+    meta = _meta(vm)
+    tmeta, tspec = _template(vm)
+    annotations = {**(tmeta.get("annotations") or {}), MACHINE_ANNOTATION: str(meta["uid"])}
+    if (size := root_size(annotations)) is not None:
+        annotations[ROOT_DISK_SIZE_ANNOTATION] = size
+        annotations["vm.vkubelet.io/root-size"] = size
+    restore = (vm.get("spec") or {}).get("restoreFrom") or {}
+    if restore.get("backup"):
+        annotations[RESTORE_FROM_ANNOTATION] = str(restore["backup"])
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "generateName": f"{meta['name']}-",
+            "namespace": meta.get("namespace"),
+            "labels": desired_labels(vm),
+            "annotations": annotations,
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "VirtualMachine",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": copy.deepcopy(tspec),
+    }
+
+
+def _owned(vm: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+    uid = _meta(vm).get("uid")
+    refs = _meta(pod).get("ownerReferences") or []
+    if any(ref.get("uid") == uid for ref in refs):
+        return True
+    return _annotations(pod).get(MACHINE_ANNOTATION) == uid
+
+
+def _container_state(pod: Mapping[str, Any]) -> dict[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return dict((statuses[0] if statuses else {}).get("state") or {})
+
+
+def _ready(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Ready":
+            return dict(condition)
+    return None
+
+
+def _resources(spec: Mapping[str, Any]) -> tuple[str, dict[str, dict[str, str]]] | None:
+    """(container name, its cpu/memory requests and limits) of a pod spec; requests default to
+    the limits, as the apiserver defaults them."""
+    containers = spec.get("containers") or []
+    if not containers:
+        return None
+    resources = containers[0].get("resources") or {}
+    picked = {
+        kind: {k: str(v) for k, v in (resources.get(kind) or {}).items() if k in ("cpu", "memory")}
+        for kind in ("requests", "limits")
+    }
+    for key, value in picked["limits"].items():
+        picked["requests"].setdefault(key, value)
+    return str(containers[0].get("name")), picked
+
+
+def _same(a: str | None, b: str | None) -> bool:
+    """Two quantities equal in value ("1024Mi" is "1Gi": the apiserver rewrites them)."""
+    if a is None or b is None:
+        return a == b
+    try:
+        return parse_quantity(a).to_fraction() == parse_quantity(b).to_fraction()
+    except QuantityError:
+        return a == b
+
+
+def _resize_needed(want: dict[str, dict[str, str]], have: dict[str, dict[str, str]]) -> bool:
+    """Whether a value the template sets differs from the pod's (what it leaves out is kept)."""
+    return any(
+        not _same(value, have[kind].get(key)) for kind in want for key, value in want[kind].items()
+    )
+
+
+def _sort_key(pod: Mapping[str, Any]) -> tuple[bool, str, str]:
+    """The pod to keep when (through some accident) there are several: a running one first,
+    then the oldest."""
+    running = "running" in _container_state(pod)
+    meta = _meta(pod)
+    return (not running, str(meta.get("creationTimestamp") or ""), str(meta.get("name")))
+
+
+def _phase_of(pod: Mapping[str, Any]) -> str:
+    if (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
+        return "Failed"
+    if _annotations(pod).get(MIGRATE_TO_ANNOTATION):
+        return "Migrating"
+    return "Running" if "running" in _container_state(pod) else "Starting"
+
+
+def _condition(
+    old: Iterable[Mapping[str, Any]],
+    type: str,
+    status: str,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: str,
+) -> dict[str, Any]:
+    """A condition keeping its lastTransitionTime while its status does not change."""
+    previous = next((c for c in old if c.get("type") == type), None)
+    since = now
+    if previous is not None and previous.get("status") == status:
+        since = previous.get("lastTransitionTime") or now
+    condition: dict[str, Any] = {"type": type, "status": status, "lastTransitionTime": since}
+    if reason:
+        condition["reason"] = reason
+    if message:
+        condition["message"] = message
+    if generation is not None:
+        condition["observedGeneration"] = generation
+    return condition
+
+
+def decide(
+    vm: Mapping[str, Any],
+    pods: Iterable[Mapping[str, Any]],
+    *,
+    failure: tuple[str, str] | None = None,
+    now: datetime | None = None,
+) -> Decision:
+    """What to do for `vm` given the pods carrying its name label (`failure`: the reason and
+    message of this pass's failed create, for the status)."""
+    stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    meta, spec = _meta(vm), dict(vm.get("spec") or {})
+    old_status = dict(vm.get("status") or {})
+    generation = meta.get("generation")
+    replicas = int(spec.get("replicas", 1))
+    mode = str(spec.get("powerOffMode") or "Shutdown")
+    decision = Decision()
+    if meta.get("deletionTimestamp"):
+        return decision  # the garbage collector deletes the pods (owner references)
+
+    own = [p for p in pods if _owned(vm, p) and BACKUP_OF_ANNOTATION not in _annotations(p)]
+    terminating = [p for p in own if _meta(p).get("deletionTimestamp")]
+    live = [p for p in own if not _meta(p).get("deletionTimestamp")]
+    live_names = {_meta(p).get("name") for p in live}
+    # A migration target is the migration reconciler's while its source pod lives.
+    targets = [p for p in live if _annotations(p).get(MIGRATION_SOURCE_ANNOTATION) in live_names]
+    terminal = [
+        p
+        for p in live
+        if p not in targets and (p.get("status") or {}).get("phase") in ("Failed", "Succeeded")
+    ]
+    active = sorted((p for p in live if p not in targets and p not in terminal), key=_sort_key)
+    last_power_off = old_status.get("lastPowerOff")
+
+    if replicas == 0:
+        for pod in active:
+            decision.power_off[str(_meta(pod)["name"])] = mode
+            last_power_off = mode
+        decision.delete += [str(_meta(p)["name"]) for p in targets + terminal]
+        kept = None
+    else:
+        decision.delete += [str(_meta(p)["name"]) for p in terminal]
+        kept = active[0] if active else None
+        for extra in active[1:]:  # never two: keep the running (or oldest) one
+            decision.power_off[str(_meta(extra)["name"])] = "Shutdown"
+        if not own and failure is None:
+            decision.create = pod_for(vm)
+        if kept is not None:
+            _sync(vm, kept, decision)
+
+    # -- status --
+    if kept is not None:
+        phase = "Migrating" if targets else _phase_of(kept)
+    elif (active and replicas == 0) or terminating:
+        phase = "Stopping"
+    elif replicas == 0:
+        phase = "Hibernated" if last_power_off == "Hibernate" else "Stopped"
+    elif failure is not None or terminal:
+        phase = "Failed"
+    else:
+        phase = "Starting"
+    pod_status = dict((kept or {}).get("status") or {})
+    conditions = old_status.get("conditions") or []
+    ready = _ready(kept) if kept is not None else None
+    if ready is not None:
+        ready_condition = _condition(
+            conditions,
+            "Ready",
+            str(ready.get("status")),
+            str(ready.get("reason") or ""),
+            str(ready.get("message") or ""),
+            generation,
+            stamp,
+        )
+    else:
+        why = {"Stopped": "PoweredOff", "Hibernated": "Hibernated"}.get(phase, phase)
+        ready_condition = _condition(conditions, "Ready", "False", why, "", generation, stamp)
+    waiting = _container_state(kept or {}).get("waiting") or {}
+    if waiting.get("reason") and ready_condition["status"] != "True":
+        ready_condition["reason"] = waiting["reason"]
+        if waiting.get("message"):
+            ready_condition["message"] = str(waiting["message"])[:512]
+    new_conditions = [ready_condition]
+    if failure is not None:
+        reason, message = failure
+        new_conditions.append(
+            _condition(conditions, "Synced", "False", reason, message, generation, stamp)
+        )
+    else:
+        new_conditions.append(_condition(conditions, "Synced", "True", "", "", generation, stamp))
+    kept_meta = _meta(kept or {})
+    decision.status = {
+        "phase": phase,
+        "nodeName": ((kept or {}).get("spec") or {}).get("nodeName") or None,
+        "ip": pod_status.get("podIP") or None,
+        "podName": kept_meta.get("name") or None,
+        "machine": meta.get("uid"),
+        "observedGeneration": generation,
+        "replicas": len(active),
+        "selector": f"{NAME_LABEL}={meta.get('name')}",
+        "lastPowerOff": last_power_off,
+        "conditions": new_conditions,
+    }
+    if phase in ("Starting", "Stopping", "Migrating") or decision.create or decision.power_off:
+        decision.requeue = _UNSETTLED_REQUEUE
+    elif failure is not None:
+        decision.requeue = _FAILED_REQUEUE
+    return decision
+
+
+def _sync(vm: Mapping[str, Any], pod: Mapping[str, Any], decision: Decision) -> None:
+    """Carry template changes to the running pod: labels (Services select VMs by them), the
+    root disk size (an annotation the provider grows the disk from) and CPU/memory (the
+    `pods/resize` subresource, Kubernetes' in-place resize). Other template changes apply at
+    the next power-on."""
+    name = str(_meta(pod)["name"])
+    labels = dict(_meta(pod).get("labels") or {})
+    wanted = desired_labels(vm)
+    patch_labels: dict[str, str | None] = {k: v for k, v in wanted.items() if labels.get(k) != v}
+    patch_labels.update({k: None for k in labels if k not in wanted})
+    patch: dict[str, Any] = {}
+    if patch_labels:
+        patch["labels"] = patch_labels
+    tmeta, tspec = _template(vm)
+    size = root_size(dict(tmeta.get("annotations") or {}))
+    annotations = _annotations(pod)
+    if size is not None and annotations.get(ROOT_DISK_SIZE_ANNOTATION) != size:
+        patch["annotations"] = {ROOT_DISK_SIZE_ANNOTATION: size, "vm.vkubelet.io/root-size": size}
+    if patch:
+        decision.patch[name] = {"metadata": patch}
+    want, have = _resources(tspec), _resources(dict(pod.get("spec") or {}))
+    if (
+        want is not None
+        and have is not None
+        and want[0] == have[0]
+        and _resize_needed(want[1], have[1])
+    ):
+        resources = {k: v for k, v in want[1].items() if v}
+        decision.resize[name] = {
+            "spec": {"containers": [{"name": want[0], "resources": resources}]}
+        }
+
+
+class VirtualMachineReconciler:
+    resource = VirtualMachine
+
+    def keys_for_pod(self, pod: Pod) -> Iterable[tuple[str, str]]:
+        meta = pod.metadata
+        if meta is not None and meta.labels and NAME_LABEL in meta.labels:
+            yield str(meta.namespace), meta.labels[NAME_LABEL]
+
+    async def reconcile(self, ctx: Context, namespace: str, name: str) -> float | None:
+        client = ctx.client
+        try:
+            vm = await client.get(VirtualMachine, name, namespace=namespace)
+        except ApiError as e:
+            if e.status.code == 404:
+                return None
+            raise
+        pods = [
+            p.to_dict()
+            async for p in client.list(Pod, namespace=namespace, labels={NAME_LABEL: name})
+        ]
+        vm_dict: dict[str, Any] = dict(vm)
+        decision = decide(vm_dict, pods)
+        failure = None
+        for pod_name, mode in decision.power_off.items():
+            await self._power_off(ctx, vm, namespace, pod_name, mode)
+        for pod_name in decision.delete:
+            await _delete(ctx, namespace, pod_name)
+        if decision.create is not None:
+            try:
+                created = await client.create(cast(Pod, Pod.from_dict(decision.create)))
+                assert created.metadata is not None
+                ctx.events.emit(vm, "Normal", "PoweringOn", f"Created pod {created.metadata.name}")
+            except ApiError as e:
+                failure = ("FailedCreate", f"the pod was refused: {e.status.message}")
+                ctx.events.emit(vm, "Warning", "FailedCreate", failure[1])
+        for pod_name, patch in decision.patch.items():
+            await _patch(ctx, namespace, pod_name, patch)
+        for pod_name, patch in decision.resize.items():
+            try:
+                await client.patch(
+                    Pod.Resize,
+                    pod_name,
+                    patch,
+                    namespace=namespace,
+                    patch_type=PatchType.STRATEGIC,
+                )
+                ctx.events.emit(vm, "Normal", "Resizing", f"resize of {pod_name}: {patch}")
+            except ApiError as e:
+                if e.status.code != 404:
+                    failure = ("ResizeRefused", f"pods/resize refused: {e.status.message}")
+                    ctx.events.emit(vm, "Warning", "ResizeRefused", failure[1])
+        if failure is not None:
+            decision = decide(vm_dict, pods, failure=failure)
+        await self._write_status(ctx, vm_dict, namespace, name, decision.status)
+        return decision.requeue
+
+    async def _power_off(
+        self, ctx: Context, vm: Any, namespace: str, pod_name: str, mode: str
+    ) -> None:
+        """Annotate the power-off mode, then delete: the provider reads the annotation when
+        the deletion reaches it (a restart in between annotates again, then deletes)."""
+        patch = {"metadata": {"annotations": {POWER_OFF_ANNOTATION: mode}}}
+        if not await _patch(ctx, namespace, pod_name, patch):
+            return
+        if await _delete(ctx, namespace, pod_name):
+            ctx.events.emit(vm, "Normal", "PoweringOff", f"{mode}: deleting pod {pod_name}")
+
+    async def _write_status(
+        self,
+        ctx: Context,
+        vm: Mapping[str, Any],
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+    ) -> None:
+        old = dict(vm.get("status") or {})
+        changed = {k: v for k, v in status.items() if old.get(k) != v}
+        if not changed:
+            return
+        try:
+            await ctx.client.patch(
+                VirtualMachine.Status,
+                name,
+                {"status": changed},
+                namespace=namespace,
+                patch_type=PatchType.MERGE,
+            )
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+
+
+async def _patch(ctx: Context, namespace: str, pod_name: str, patch: dict[str, Any]) -> bool:
+    try:
+        await ctx.client.patch(
+            Pod, pod_name, patch, namespace=namespace, patch_type=PatchType.MERGE
+        )
+    except ApiError as e:
+        if e.status.code == 404:
+            return False
+        raise
+    return True
+
+
+async def _delete(ctx: Context, namespace: str, pod_name: str) -> bool:
+    try:
+        await ctx.client.delete(Pod, pod_name, namespace=namespace)
+    except ApiError as e:
+        if e.status.code == 404:
+            return False
+        raise
+    return True

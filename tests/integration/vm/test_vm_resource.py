@@ -1,0 +1,377 @@
+"""The VirtualMachine resource end to end (issue 13): the CRDs installed by `vkubelet vm
+install-crds`, the controller run as `vkubelet vm-controller`, a real vm agent, real QEMU (TCG),
+real kubectl.
+
+One VirtualMachine is shared by the module's tests, which take turns on it in the order written
+(power on, Service, power off and on with the same disks, a controller restarted mid power-on,
+leader election, deletion): each TCG boot costs seconds on two shared cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    create_namespace,
+    local_test_address,
+    node_ready,
+    start_agent,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
+BOOT_TIMEOUT = 300
+NAME_LABEL = "vm.vkubelet.io/name"
+DATA_SECTORS = 64 * 2**20 // 512  # the emptyDir disk's size: how the guest finds it
+ROOT_MARK_OFFSET = 900 * 2**20  # past the small FAT filesystem of the test image, inside 1Gi
+
+
+@dataclass
+class Controller:
+    """`vkubelet vm-controller` as a child process, its log in a file."""
+
+    kubeconfig: Path
+    namespace: str
+    identity: str
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Controller:
+        exe = Path(sys.prefix) / "bin" / "vkubelet"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(exe), "vm-controller", "--kubeconfig", str(self.kubeconfig),
+                    "--namespace", self.namespace, "--lease-namespace", self.namespace,
+                    "--identity", self.identity, "--lease-duration", "6",
+                    "--log-level", "DEBUG",
+                ],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def reconciles(self) -> int:
+        return self.log().count("reconcile VirtualMachine ")
+
+
+@dataclass
+class Lab:
+    kubectl: Kubectl
+    namespace: str
+    node: str
+    workdir: Path
+    agent: AgentProcess
+    kubeconfig: Path
+    controllers: list[Controller] = field(default_factory=list)
+
+    def controller(self, identity: str) -> Controller:
+        log = self.workdir / f"controller-{identity}.log"
+        c = Controller(self.kubeconfig, self.namespace, identity, log).start()
+        self.controllers.append(c)
+        return c
+
+    def k(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.kubectl("-n", self.namespace, *args, check=check)
+
+    def vm(self, name: str = "db") -> dict[str, Any]:
+        return dict(self.kubectl.json("-n", self.namespace, "get", "vm", name))
+
+    def phase(self, name: str = "db") -> str | None:
+        phase = self.vm(name).get("status", {}).get("phase")
+        return str(phase) if phase else None
+
+    def pods(self, name: str = "db", *, terminating: bool = True) -> list[dict[str, Any]]:
+        items = self.kubectl.json("-n", self.namespace, "get", "pods", "-l", f"{NAME_LABEL}={name}")
+        return [
+            p for p in items["items"] if terminating or not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def running_pod(self, name: str = "db") -> str:
+        def ready() -> str | None:
+            status = self.vm(name).get("status", {})
+            return status.get("podName") if status.get("phase") == "Running" else None
+
+        return str(wait_for(ready, timeout=BOOT_TIMEOUT, interval=2, what=f"VM {name} Running"))
+
+    def guest(self, pod: str, script: str) -> str:
+        return str(self.k("exec", pod, "--", "sh", "-c", script).stdout)
+
+    def lease_holder(self) -> str | None:
+        lease = self.kubectl.json("-n", self.namespace, "get", "lease", "vkubelet-vm-controller")
+        holder = lease["spec"].get("holderIdentity")
+        return str(holder) if holder else None
+
+
+def vm_manifest(replicas: int = 1, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "vkubelet.io/v1alpha1",
+        "kind": "VirtualMachine",
+        "metadata": {"name": "db"},
+        "spec": {
+            "replicas": replicas,
+            "template": {
+                "metadata": {
+                    "labels": labels or {"app": "db"},
+                    "annotations": {"vm.vkubelet.io/root-size": "1Gi"},
+                },
+                "spec": {
+                    "tolerations": [TOLERATION],
+                    "terminationGracePeriodSeconds": 60,
+                    "volumes": [{"name": "data", "emptyDir": {"sizeLimit": "64Mi"}}],
+                    "containers": [
+                        {
+                            "name": "vm",
+                            "image": "vm.vkubelet.io/tiny",
+                            "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[Lab]:
+    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("the VM provider needs root and qemu-system-x86_64")
+    install = subprocess.run(
+        [str(Path(sys.prefix) / "bin" / "vkubelet"), "vm", "install-crds",
+         "--kubeconfig", str(kube_cluster.kubeconfig)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr
+    assert "virtualmachines.vkubelet.io established" in install.stdout
+    workdir = Path(tempfile.mkdtemp(prefix="vkvr-", dir="/tmp"))  # short: QEMU socket paths
+    name = f"hv-{uuid.uuid4().hex[:6]}"
+    cidr = f"10.214.{random.randrange(1, 250)}.0/24"  # noqa: S311
+    config = workdir / "vm.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "stateDir": "state",
+                "accel": "tcg",
+                "podCIDR": cidr,
+                "reserved": {"memory": "1Gi"},
+                "guestAgentTimeoutSeconds": 300,
+                "translations": [{"name": "tiny", "url": vm_guest_image.resolve().as_uri()}],
+                "machineGC": {"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 2},
+            }
+        )
+    )
+    namespace = create_namespace(kubectl, f"vmr-{uuid.uuid4().hex[:6]}")
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(local_test_address())
+        agent = start_agent(
+            kube_cluster, workdir, provider="vm", config=config, name=name, address=address
+        )
+        lab = Lab(kubectl, namespace, name, workdir, agent, kube_cluster.kubeconfig)
+        try:
+            wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
+            yield lab
+        finally:
+            kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=180)
+            for controller in lab.controllers:
+                controller.stop()
+            lab.agent.stop()
+            for pid_file in (workdir / "state").glob("vms/*/m/pid"):
+                with contextlib.suppress(ValueError, OSError):
+                    pid = int(pid_file.read_text().split()[0])
+                    if _alive(pid):
+                        os.kill(pid, signal.SIGKILL)
+            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def leader(lab: Lab) -> Controller:
+    controller = lab.controller("first")
+    wait_for(lambda: lab.lease_holder() == "first", timeout=30, what="the first controller leads")
+    return controller
+
+
+def test_replicas_two_is_refused_by_the_apiserver_with_the_limit(lab: Lab) -> None:
+    refused = lab.kubectl(
+        "-n", lab.namespace, "apply", "-f", "-", input=json.dumps(vm_manifest(replicas=2)),
+        check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "spec.replicas" in refused.stderr and "less than or equal to 1" in refused.stderr
+    assert lab.k("get", "vm", "db", check=False).returncode != 0  # nothing was made
+
+
+def test_an_applied_vm_runs_and_a_service_selects_it_by_its_labels(
+    lab: Lab, leader: Controller
+) -> None:
+    lab.kubectl("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(vm_manifest()))
+    pod_name = lab.running_pod()
+    vm = lab.vm()
+    status = vm["status"]
+    assert status["nodeName"] == lab.node and status["ip"].startswith("10.214.")
+    assert status["observedGeneration"] == vm["metadata"]["generation"]
+    assert status["replicas"] == 1 and status["selector"] == f"{NAME_LABEL}=db"
+    (pod,) = lab.pods()
+    assert pod["metadata"]["name"] == pod_name
+    assert pod["metadata"]["annotations"]["vm.vkubelet.io/machine"] == vm["metadata"]["uid"]
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == vm["metadata"]["uid"]
+    columns = lab.k("get", "vm", "db").stdout.split("\n")[0].split()
+    assert columns == ["NAME", "PHASE", "NODE", "IP", "AGE"]
+
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "db"},
+        "spec": {"selector": {"app": "db"}, "ports": [{"port": 8080}]},
+    }
+    lab.kubectl("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(service))
+
+    def endpoint_ready() -> bool:
+        slices = lab.kubectl.json(
+            "-n", lab.namespace, "get", "endpointslices", "-l", "kubernetes.io/service-name=db"
+        )
+        return any(
+            status["ip"] in e.get("addresses", []) and e.get("conditions", {}).get("ready")
+            for s in slices["items"]
+            for e in s.get("endpoints") or []
+        )
+
+    wait_for(endpoint_ready, timeout=60, what="the VM as the Service's ready endpoint")
+
+
+def test_template_label_changes_reach_the_running_pod(lab: Lab, leader: Controller) -> None:
+    patch = {"spec": {"template": {"metadata": {"labels": {"app": "db", "tier": "gold"}}}}}
+    lab.k("patch", "vm", "db", "--type=merge", "-p", json.dumps(patch))
+
+    def relabelled() -> bool:
+        pods = lab.pods(terminating=False)
+        return len(pods) == 1 and pods[0]["metadata"]["labels"].get("tier") == "gold"
+
+    wait_for(relabelled, timeout=30, what="the new label on the VM's pod")
+
+
+def test_scale_to_zero_shuts_the_guest_down_and_scale_to_one_boots_the_same_disks(
+    lab: Lab, leader: Controller
+) -> None:
+    pod = lab.running_pod()
+    find_data = (
+        f"for d in /sys/block/vd*; do [ $(cat $d/size) = {DATA_SECTORS} ] && echo ${{d##*/}}; "
+        "done; true"
+    )
+    data = lab.guest(pod, find_data).strip()
+    assert data, "the emptyDir disk is not in the guest"
+    mark = f"mark-{uuid.uuid4().hex[:8]}"
+    lab.guest(
+        pod,
+        f"echo {mark} | dd of=/dev/{data} conv=fsync 2>/dev/null && "
+        f"echo {mark} | dd of=/dev/vda bs=1M seek={ROOT_MARK_OFFSET // 2**20} conv=fsync "
+        "2>/dev/null && sync",
+    )
+    started = time.monotonic()
+    lab.k("scale", "vm/db", "--replicas=0")
+    wait_for(lambda: lab.phase() == "Stopped", timeout=120, what="phase Stopped")
+    assert not lab.pods()
+    took = time.monotonic() - started
+    assert took < 55, f"power-off took {took:.0f}s: the 60 s grace ran out (QEMU killed?)"
+    assert lab.vm()["status"]["replicas"] == 0 and not lab.vm()["status"].get("nodeName")
+
+    lab.k("scale", "vm/db", "--replicas=1")
+    second = lab.running_pod()
+    assert second != pod  # a new incarnation of the machine
+    data = lab.guest(second, find_data).strip()
+    head = f"dd if=/dev/{data} bs=512 count=1 2>/dev/null | head -c {len(mark)}"
+    assert lab.guest(second, head) == mark  # the emptyDir disk kept
+    root = (
+        f"dd if=/dev/vda bs=1M skip={ROOT_MARK_OFFSET // 2**20} count=1 2>/dev/null "
+        f"| head -c {len(mark)}"
+    )
+    assert lab.guest(second, root) == mark  # the root overlay kept
+
+
+def test_a_controller_restarted_in_the_middle_of_a_power_on_makes_one_pod(
+    lab: Lab, leader: Controller
+) -> None:
+    lab.k("scale", "vm/db", "--replicas=0")
+    wait_for(lambda: lab.phase() == "Stopped", timeout=120, what="phase Stopped")
+    leader.stop()  # releases the Lease
+    lab.k("scale", "vm/db", "--replicas=1")
+    crashing = lab.controller("crashing")
+    wait_for(lambda: lab.pods(), timeout=60, what="the pod created")
+    crashing.stop(signal.SIGKILL)  # right after its create: its status write may not be done
+    restarted = lab.controller("restarted")
+    seen: set[str] = set()
+    deadline = time.monotonic() + 12  # two lease durations: a second create would show
+    while time.monotonic() < deadline:
+        pods = lab.pods()
+        seen.update(p["metadata"]["name"] for p in pods)
+        assert len(pods) <= 1, [p["metadata"]["name"] for p in pods]
+        time.sleep(0.5)
+    assert len(seen) == 1
+    assert lab.running_pod() in seen
+    assert lab.lease_holder() == "restarted"
+    restarted.stop()
+
+
+def test_of_two_controllers_only_the_leader_acts_and_the_other_takes_over(lab: Lab) -> None:
+    a = lab.controller("alpha")
+    wait_for(lambda: lab.lease_holder() == "alpha", timeout=30, what="alpha leads")
+    b = lab.controller("beta")
+    wait_for(lambda: "reconcile VirtualMachine" in a.log(), timeout=30, what="alpha reconciles")
+    lab.k("scale", "vm/db", "--replicas=0")
+    wait_for(lambda: lab.phase() == "Stopped", timeout=120, what="phase Stopped")
+    assert b.reconciles() == 0 and lab.lease_holder() == "alpha"
+    a.stop(signal.SIGKILL)  # no release: beta waits for the Lease to expire, then acts
+    lab.k("scale", "vm/db", "--replicas=1")
+    wait_for(lambda: lab.lease_holder() == "beta", timeout=30, what="beta takes the Lease")
+    lab.running_pod()
+    assert b.reconciles() > 0
+    assert len(lab.pods()) == 1
+
+
+def test_deleting_the_vm_deletes_its_pod_and_then_its_disks(lab: Lab) -> None:
+    uid = lab.vm()["metadata"]["uid"]
+    machine = lab.workdir / "state" / "machines" / uid
+    assert machine.is_dir()
+    lab.k("delete", "vm", "db", "--wait=true", "--timeout=120s")
+    wait_for(lambda: not lab.pods(), timeout=120, what="the VM's pod gone")
+    wait_for(lambda: not machine.exists(), timeout=60, what="the machine's disks removed")

@@ -1,0 +1,148 @@
+"""Persistent machines on the fake runtime: a pod annotated `vm.vkubelet.io/machine` keeps its
+disks in the machine's directory, the next pod of that machine boots from them, a machine runs
+in one pod at a time, and machine directories go only when their VirtualMachine is gone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightkube.resources.core_v1 import Pod
+
+from vkubelet.providers.vm import _persist
+from vkubelet.providers.vm._config import ConfigError, parse_config
+from vkubelet.providers.vm._provider import VMProvider
+from vkubelet.sdk import ResolvedPod
+from vkubelet.sdk.volumes import EmptyDirVolume
+
+from .test_provider import FakeRuntime, _launched, state, until
+from .test_provider import events as events
+from .test_provider import provider as provider
+from .test_provider import runtime as runtime
+
+
+def machine_pod(name: str, machine: str = "m-1", **spec: Any) -> Pod:
+    body = {
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "uid": f"uid-{name}",
+            "annotations": {_persist.MACHINE_ANNOTATION: machine},
+        },
+        "spec": {
+            "containers": [{"name": "vm", "image": "vm.vkubelet.io/tiny"}],
+            "volumes": [{"name": "data", "emptyDir": {"sizeLimit": "1Gi"}}],
+            **spec,
+        },
+    }
+    return Pod.from_dict(body)  # type: ignore[return-value]
+
+
+def resolved(pod: Pod) -> ResolvedPod:
+    return ResolvedPod(pod, volumes={"data": EmptyDirVolume("data", size_limit="1Gi")})
+
+
+async def _running(provider: VMProvider, name: str) -> bool:
+    pod = await provider.get_pod("ns", name)
+    statuses = (pod.status.containerStatuses if pod and pod.status else None) or []
+    return bool(statuses and statuses[0].state and statuses[0].state.running)
+
+
+async def _gone(provider: VMProvider, name: str) -> bool:
+    return await provider.get_pod("ns", name) is None
+
+
+async def test_the_next_pod_of_a_machine_boots_from_the_same_disks(
+    provider: VMProvider, runtime: FakeRuntime, tmp_path: Path
+) -> None:
+    first = machine_pod("db-abcde")
+    await provider.create_pod(resolved(first))
+    await until(lambda: _running(provider, "db-abcde"))
+    machine_dir = tmp_path / "s" / "machines" / "m-1"
+    assert provider.machine_dir(first) == machine_dir
+    disks = [Path(p) for p, _ in runtime.launches[0].disks]
+    assert disks == [machine_dir / "root.qcow2", machine_dir / "empty-data.qcow2"]
+    (machine_dir / "root.qcow2").write_bytes(b"written by the guest")
+
+    await provider.delete_pod(first, 5)
+    await until(lambda: _gone(provider, "db-abcde"))
+    assert (machine_dir / "root.qcow2").read_bytes() == b"written by the guest"
+    assert not (tmp_path / "s" / "vms" / "uid-db-abcde").exists()  # the run dir goes
+
+    second = machine_pod("db-fghij")
+    await provider.create_pod(resolved(second))
+    await until(lambda: _running(provider, "db-fghij"))
+    assert [Path(p) for p, _ in runtime.launches[1].disks] == disks
+    assert (machine_dir / "root.qcow2").read_bytes() == b"written by the guest"
+    assert _persist.machine_images(tmp_path / "s") == {"abc"}  # kept from the image GC
+
+
+async def test_a_machine_runs_in_one_pod_at_a_time(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    await provider.create_pod(ResolvedPod(machine_pod("db-1")))
+    await until(lambda: _running(provider, "db-1"))
+    await provider.create_pod(ResolvedPod(machine_pod("db-2")))
+
+    async def refused() -> bool:
+        _, status = await state(provider, "db-2")
+        waiting = status.state.waiting if status else None
+        return waiting is not None and "still in use by pod ns/db-1" in (waiting.message or "")
+
+    await until(refused)
+    assert len(runtime.launches) == 1
+
+
+async def test_a_plain_pod_keeps_its_disks_in_its_run_directory(
+    provider: VMProvider, runtime: FakeRuntime, tmp_path: Path
+) -> None:
+    pod = Pod.from_dict(
+        {
+            "metadata": {"name": "p", "namespace": "ns", "uid": "uid-p"},
+            "spec": {"containers": [{"name": "vm", "image": "vm.vkubelet.io/tiny"}]},
+        }
+    )
+    assert isinstance(pod, Pod)
+    assert provider.machine_dir(pod) is None
+    await provider.create_pod(ResolvedPod(pod))
+    await until(lambda: _launched(runtime))
+    assert Path(runtime.launches[0].disks[0][0]).parent == tmp_path / "s" / "vms" / "uid-p"
+
+
+def test_a_machine_id_that_is_not_one_path_component_is_refused() -> None:
+    for bad in ("../etc", "a/b", "..", "", "x" * 129):
+        with pytest.raises(ValueError, match="not a machine id"):
+            _persist.machine_id(machine_pod("p", machine=bad))
+    assert _persist.machine_id(machine_pod("p", machine="0b6f-41c2.x_y")) == "0b6f-41c2.x_y"
+
+
+async def test_machine_gc_removes_only_machines_whose_virtual_machine_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for ident in ("alive", "gone", "running"):
+        (tmp_path / "machines" / ident).mkdir(parents=True)
+    answers: list[set[str] | None] = [None, {"alive"}]
+
+    async def existing(kubeconfig: Path) -> set[str] | None:
+        return answers.pop(0)
+
+    monkeypatch.setattr(_persist, "existing_machines", existing)
+    # The VirtualMachines cannot be listed (no CRD, apiserver away): nothing goes.
+    assert await _persist.gc_machines(tmp_path, Path("k"), {"running"}) == []
+    removed = await _persist.gc_machines(tmp_path, Path("k"), {"running"})
+    assert removed == ["gone"]
+    assert sorted(p.name for p in (tmp_path / "machines").iterdir()) == ["alive", "running"]
+
+
+def test_the_machine_gc_setting_is_checked(tmp_path: Path) -> None:
+    config = parse_config(
+        {"machineGC": {"kubeconfig": "k.yaml", "intervalSeconds": 60}},
+        origin="vm.yaml",
+        base=tmp_path,
+    )
+    assert config.machine_gc == _persist.MachineGC(tmp_path / "k.yaml", 60.0)
+    with pytest.raises(ConfigError, match=r"machineGC\.intervalSeconds"):
+        parse_config(
+            {"machineGC": {"kubeconfig": "k", "intervalSeconds": 0}}, origin="v", base=tmp_path
+        )

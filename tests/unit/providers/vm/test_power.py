@@ -1,0 +1,295 @@
+"""The decisions behind hibernation, live resize and PVC disks (no QEMU, no apiserver)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightkube.models.core_v1 import (
+    ContainerState,
+    ContainerStateTerminated,
+    ContainerStatus,
+    PodCondition,
+    PodStatus,
+)
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Pod
+
+from vkubelet.providers.vm import _hibernate, _resize, _volumes
+from vkubelet.providers.vm._config import ConfigError, parse_config
+from vkubelet.providers.vm._power import PowerState, decorate
+from vkubelet.providers.vm._resize import Decision, Headroom, Size, decide
+
+ROOM = Headroom(max_vcpus=4, max_memory_mib=2048, slots=2)
+
+
+def _decide(current: Size, desired: Size, dimms: int = 0) -> Decision:
+    return decide(current, desired, ROOM, dimms=dimms, node_vcpus=8, node_memory_mib=8192)
+
+
+def test_growth_within_the_headroom_is_live() -> None:
+    assert _decide(Size(1, 256), Size(2, 768)) == Decision(2, 768, None)
+
+
+def test_shrinking_waits_for_the_next_power_cycle() -> None:
+    decision = _decide(Size(2, 768), Size(1, 512))
+    assert (decision.vcpus, decision.memory_mib) == (2, 768)
+    assert decision.pending is not None
+    reason, message = decision.pending
+    assert reason == "Deferred"
+    assert "vCPUs cannot be removed live" in message
+    assert "memory cannot be removed live" in message
+    assert message.endswith("applied at next power cycle")
+
+
+def test_beyond_the_headroom_is_deferred_but_what_fits_is_applied() -> None:
+    decision = _decide(Size(1, 256), Size(6, 768))
+    assert (decision.vcpus, decision.memory_mib) == (1, 768)
+    assert decision.pending is not None and decision.pending[0] == "Deferred"
+    assert "6 vCPUs exceed the 4" in decision.pending[1]
+
+
+def test_memory_grows_in_whole_blocks_and_while_slots_are_free() -> None:
+    odd = _decide(Size(1, 256), Size(1, 300))
+    assert odd.memory_mib == 256 and odd.pending is not None and "128 MiB" in odd.pending[1]
+    full = _decide(Size(1, 256), Size(1, 512), dimms=2)
+    assert full.memory_mib == 256 and full.pending is not None and "slots" in full.pending[1]
+    too_much = _decide(Size(1, 256), Size(1, 4096))
+    assert too_much.pending is not None and "2048 MiB" in too_much.pending[1]
+
+
+def test_more_than_the_node_has_is_infeasible() -> None:
+    decision = decide(
+        Size(1, 256), Size(16, 256), ROOM, dimms=0, node_vcpus=2, node_memory_mib=4096
+    )
+    assert decision == Decision(1, 256, decision.pending)
+    assert decision.pending is not None and decision.pending[0] == "Infeasible"
+
+
+def test_headroom_comes_from_the_config_or_the_pod_s_annotations() -> None:
+    config = _resize.headroom_for({}, Size(1, 256), 4, 2 * 2**30, 4)
+    assert config == Headroom(4, 2048, 4)
+    annotated = _resize.headroom_for(
+        {"vm.vkubelet.io/max-cpus": "8", "vm.vkubelet.io/max-memory": "1Gi"},
+        Size(1, 256),
+        4,
+        2 * 2**30,
+        4,
+    )
+    assert annotated == Headroom(8, 1024, 4)
+    none = _resize.headroom_for({}, Size(2, 4096), 0, 0, 4)
+    assert none == Headroom(2, 4096, 0)  # no room: a fixed machine, no slots
+    with pytest.raises(ValueError, match="max-cpus"):
+        _resize.headroom_for({"vm.vkubelet.io/max-cpus": "many"}, Size(1, 256), 4, 0, 4)
+
+
+def test_hotplugged_devices_are_recreated_for_a_resume() -> None:
+    launch: dict[str, Any] = {
+        "vcpus": 1,
+        "memory_mib": 256,
+        "hotplug": {
+            "cpus": [
+                {
+                    "driver": "qemu64-x86_64-cpu",
+                    "id": "vcpu1",
+                    "props": {"socket-id": 0, "core-id": 1},
+                }
+            ],
+            "dimms": [{"id": "dimm1", "mib": 512}],
+        },
+    }
+    assert _resize.hotplug_args(launch) == (
+        "-device", "qemu64-x86_64-cpu,id=vcpu1,core-id=1,socket-id=0",
+        "-object", "memory-backend-ram,id=mem-dimm1,size=512M",
+        "-device", "pc-dimm,id=dimm1,memdev=mem-dimm1",
+    )  # fmt: skip
+    assert _resize.running_size(launch) == Size(2, 768)
+
+
+def _pod(annotations: dict[str, str]) -> Pod:
+    return Pod(metadata=ObjectMeta(name="p", annotations=annotations))
+
+
+def test_the_machine_dir_is_only_for_plain_machine_ids(tmp_path: Path) -> None:
+    machine = "vm.vkubelet.io/machine"
+    assert _hibernate.machine_dir(_pod({machine: "0b1c-uid"}), tmp_path) == (
+        tmp_path / "machines" / "0b1c-uid"
+    )
+    for bad in ("../etc", "a/b", "x; rm -rf /", ""):
+        assert _hibernate.machine_dir(_pod({machine: bad}), tmp_path) is None
+    assert _hibernate.machine_dir(_pod({}), tmp_path) is None
+
+
+def test_hibernate_is_asked_by_the_power_off_annotation() -> None:
+    assert _hibernate.wants_hibernate(_pod({"vm.vkubelet.io/power-off": "Hibernate"}))
+    assert not _hibernate.wants_hibernate(_pod({"vm.vkubelet.io/power-off": "Shutdown"}))
+    assert not _hibernate.wants_hibernate(_pod({}))
+
+
+def test_a_saved_state_resumes_only_with_the_same_disks(tmp_path: Path) -> None:
+    saved = _hibernate.Saved(
+        tmp_path / "state", {"disks": [["r", "virtio"]], "seed": "s", "claims": []}, 0.0, 1
+    )
+    assert saved.compatible({"disks": [["r", "virtio"]], "seed": "another pod's"}) is None
+    assert saved.compatible({"disks": [["r2", "virtio"]], "seed": "s"})  # another root file
+    assert saved.compatible({"disks": [["r", "virtio"], ["x", "virtio"]], "seed": "s"})
+    assert saved.compatible({"disks": [["r", "virtio"]], "seed": "s", "claims": [["c", "c"]]})
+    # the resumed launch takes the saved layout (hotplugged devices included), not the pod's
+    launch = {"vcpus": 1, "memory_mib": 256, "seed": "new"}
+    layout = {"vcpus": 2, "memory_mib": 512, "hotplug": {"cpus": []}}
+    resumed = _hibernate.resumed_launch(launch, _hibernate.Saved(tmp_path, layout, 0.0, 1))
+    assert resumed == {"vcpus": 2, "memory_mib": 512, "seed": "new", "hotplug": {"cpus": []}}
+
+
+def test_the_incoming_command_quotes_the_state_path(tmp_path: Path) -> None:
+    saved = _hibernate.Saved(tmp_path / "a b" / "state", {}, 0.0, 1)
+    flag, uri = _hibernate.incoming_args(saved)
+    assert flag == "-incoming" and uri == f"exec:cat '{tmp_path}/a b/state'"
+
+
+def test_status_says_hibernated_and_carries_the_resize_fields() -> None:
+    status = PodStatus(
+        conditions=[PodCondition(type="Ready", status="False")],
+        containerStatuses=[
+            ContainerStatus(
+                name="vm",
+                image="i",
+                imageID="",
+                ready=False,
+                restartCount=0,
+                state=ContainerState(terminated=ContainerStateTerminated(exitCode=0)),
+            )
+        ],
+    )
+    power = PowerState(outcome=("Hibernated", "state saved"))
+    power.resize = _resize.ResizeState(
+        applied={"limits": {"cpu": "2"}}, pending=("Deferred", "x: applied at next power cycle")
+    )
+    decorate(status, power, "vm")
+    cs = status.containerStatuses[0]  # type: ignore[index]
+    assert cs.state.terminated.reason == "Hibernated"  # type: ignore[union-attr]
+    assert cs.resources is not None and cs.resources.limits == {"cpu": "2"}
+    assert cs.allocatedResources == {"cpu": "2"}
+    pending = [c for c in status.conditions or [] if c.type == "PodResizePending"]
+    assert [(c.status, c.reason) for c in pending] == [("True", "Deferred")]
+    # resolved later: reported False (a merge patch would otherwise keep the True one)
+    power.resize.pending = None
+    decorate(status, power, "vm")
+    pending = [c for c in status.conditions or [] if c.type == "PodResizePending"]
+    assert [c.status for c in pending] == ["False"]
+
+
+# -- PVC disks ----------------------------------------------------------------------------------
+def _claim(**meta: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "data", "namespace": "ns", "uid": "u-1", **meta},
+        "spec": {
+            "storageClassName": "vkubelet-vm-disk",
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "64Mi"}},
+        },
+    }
+
+
+def test_a_claim_is_provisioned_by_the_node_its_consumer_runs_on() -> None:
+    classes = {"vkubelet-vm-disk"}
+    selected = _claim(annotations={"volume.kubernetes.io/selected-node": "hv-1"})
+    assert _volumes.to_provision(selected, "hv-1", classes, {})
+    assert not _volumes.to_provision(selected, "hv-2", classes, {})
+    # a pod that names its node (no scheduler) selects it too
+    assert _volumes.to_provision(_claim(), "hv-1", classes, {"ns/data": "hv-1"})
+    assert not _volumes.to_provision(_claim(), "hv-1", classes, {})
+    bound = _claim(annotations={"volume.kubernetes.io/selected-node": "hv-1"})
+    bound["spec"]["volumeName"] = "pv"
+    assert not _volumes.to_provision(bound, "hv-1", classes, {})
+    assert not _volumes.to_provision(selected, "hv-1", {"other"}, {})
+
+
+def test_the_pv_is_a_local_volume_of_this_node_bound_to_the_claim(tmp_path: Path) -> None:
+    pv = _volumes.pv_for(_claim(), "hv-1", tmp_path / "pvc-u-1.qcow2", "Retain")
+    assert pv["metadata"]["name"] == "pvc-u-1"
+    assert pv["spec"]["claimRef"]["uid"] == "u-1"
+    assert pv["spec"]["persistentVolumeReclaimPolicy"] == "Retain"
+    assert pv["spec"]["capacity"] == {"storage": "64Mi"}
+    assert pv["spec"]["local"]["path"] == str(tmp_path / "pvc-u-1.qcow2")
+    term = pv["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"][0]["values"] == ["hv-1"]
+
+
+def test_only_released_pvs_of_ours_with_delete_are_removed(tmp_path: Path) -> None:
+    path = tmp_path / "pvc-u-1.qcow2"
+    pv = _volumes.pv_for(_claim(), "hv-1", path, "Delete")
+    pv["status"] = {"phase": "Released"}
+    assert _volumes.to_delete(pv, "hv-1", tmp_path) == path
+    assert _volumes.to_delete(pv, "hv-2", tmp_path) is None
+    assert _volumes.to_delete(pv, "hv-1", tmp_path / "elsewhere") is None
+    pv["status"] = {"phase": "Bound"}
+    assert _volumes.to_delete(pv, "hv-1", tmp_path) is None
+    retained = _volumes.pv_for(_claim(), "hv-1", path, "Retain")
+    retained["status"] = {"phase": "Released"}
+    assert _volumes.to_delete(retained, "hv-1", tmp_path) is None
+
+
+def test_claim_disks_attach_with_the_claim_name_as_serial(tmp_path: Path) -> None:
+    disk = _volumes.ClaimDisk("a-very-long-claim-name-indeed", tmp_path / "x.qcow2")
+    assert disk.serial == "a-very-long-claim-na"  # virtio-blk keeps 20 bytes
+    args = _volumes.drive_args({"claims": [[str(tmp_path / "x,y.qcow2"), "data"]]})
+    assert args == (
+        "-drive", f"file={tmp_path}/x,,y.qcow2,if=none,id=claim0,format=qcow2",
+        "-device", "virtio-blk-pci,drive=claim0,serial=data",
+    )  # fmt: skip
+
+
+def test_config_takes_hotplug_headroom_and_storage_credentials(tmp_path: Path) -> None:
+    config = parse_config(
+        {
+            "hotplug": {"maxCpus": 8, "maxMemory": "4Gi", "memorySlots": 2},
+            "storage": {"kubeconfig": "admin.kubeconfig"},
+        },
+        origin="vm.yaml",
+        base=tmp_path,
+    )
+    assert (config.hotplug_max_vcpus, config.hotplug_max_memory, config.hotplug_slots) == (
+        8,
+        4 * 2**30,
+        2,
+    )
+    assert config.storage is not None and config.storage.kubeconfig == tmp_path / "admin.kubeconfig"
+    with pytest.raises(ConfigError, match=r"vm.yaml: hotplug.maxCpus"):
+        parse_config({"hotplug": {"maxCpus": -1}}, origin="vm.yaml", base=tmp_path)
+    with pytest.raises(ConfigError, match=r"vm.yaml: storage.kubeconfig"):
+        parse_config({"storage": {}}, origin="vm.yaml", base=tmp_path)
+
+
+class _Monitor:
+    def __init__(self, fail: str) -> None:
+        self.fail, self.calls = fail, []  # type: tuple[str, list[str]]
+
+    async def execute(self, command: str, arguments: Any = None) -> Any:
+        from vkubelet.providers.vm._qmp import MonitorUnavailable
+
+        self.calls.append(command)
+        if command == self.fail:
+            raise MonitorUnavailable("QMP migrate: gone")
+        if command == "query-migrate":
+            return {"status": "failed", "error-desc": "disk full"}
+        return {}
+
+
+class _Machine:
+    def __init__(self, fail: str) -> None:
+        self.monitor = _Monitor(fail)
+
+
+@pytest.mark.parametrize("fail", ["migrate", "none"])
+async def test_a_failed_save_leaves_the_guest_running_and_says_why(
+    tmp_path: Path, fail: str
+) -> None:
+    machine: Any = _Machine(fail)
+    with pytest.raises(_hibernate.HibernateError) as caught:
+        await _hibernate.hibernate(machine, tmp_path, {"vcpus": 1})
+    assert machine.monitor.calls[0] == "stop" and machine.monitor.calls[-1] == "cont"
+    if fail == "none":
+        assert "disk full" in str(caught.value)
+    assert _hibernate.saved_state(tmp_path) is None

@@ -1,0 +1,252 @@
+"""The VirtualMachine reconciler's decisions (pure: a VM and its pods in, actions out).
+
+The rule that matters most: never two pods of one VM, whatever state a restarted controller
+finds (a pod still terminating, several pods after an accident, a migration target)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vkubelet.vmcontroller._base import (
+    MACHINE_ANNOTATION,
+    MIGRATION_SOURCE_ANNOTATION,
+    NAME_LABEL,
+    POWER_OFF_ANNOTATION,
+    ROOT_DISK_SIZE_ANNOTATION,
+)
+from vkubelet.vmcontroller._vm import decide, pod_for
+
+UID = "9d3c-uid"
+
+
+def vm(replicas: int = 1, mode: str = "Shutdown", **template: Any) -> dict[str, Any]:
+    meta = template.pop("meta", {"labels": {"app": "db"}})
+    spec = template.pop(
+        "spec",
+        {
+            "containers": [
+                {
+                    "name": "vm",
+                    "image": "vm.vkubelet.io/tiny",
+                    "resources": {"limits": {"cpu": "1", "memory": "512Mi"}},
+                }
+            ]
+        },
+    )
+    return {
+        "apiVersion": "vkubelet.io/v1alpha1",
+        "kind": "VirtualMachine",
+        "metadata": {"name": "db", "namespace": "ns", "uid": UID, "generation": 3},
+        "spec": {
+            "replicas": replicas,
+            "powerOffMode": mode,
+            "template": {"metadata": meta, "spec": spec},
+        },
+    }
+
+
+def pod(
+    name: str = "db-aaaaa",
+    *,
+    running: bool = True,
+    deleting: bool = False,
+    phase: str = "Running",
+    created: str = "2026-01-01T00:00:00Z",
+    annotations: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    resources: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": "ns",
+        "creationTimestamp": created,
+        "labels": labels if labels is not None else {"app": "db", NAME_LABEL: "db"},
+        "annotations": {MACHINE_ANNOTATION: UID, **(annotations or {})},
+        "ownerReferences": [{"uid": UID, "kind": "VirtualMachine", "name": "db"}],
+    }
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:01:00Z"
+    state = {"running": {}} if running else {"waiting": {"reason": "ContainerCreating"}}
+    return {
+        "metadata": meta,
+        "spec": {
+            "nodeName": "hv-1",
+            "containers": [
+                {
+                    "name": "vm",
+                    "image": "vm.vkubelet.io/tiny",
+                    "resources": resources or {"limits": {"cpu": "1", "memory": "512Mi"}},
+                }
+            ],
+        },
+        "status": {
+            "phase": phase,
+            "podIP": "10.213.0.5",
+            "containerStatuses": [{"name": "vm", "state": state}],
+            "conditions": [{"type": "Ready", "status": "True" if running else "False"}],
+        },
+    }
+
+
+def test_replicas_one_without_a_pod_creates_one_from_the_template() -> None:
+    decision = decide(vm(), [])
+    assert decision.create is not None
+    meta = decision.create["metadata"]
+    assert meta["generateName"] == "db-"
+    assert meta["labels"] == {"app": "db", NAME_LABEL: "db"}
+    assert meta["annotations"][MACHINE_ANNOTATION] == UID
+    assert meta["ownerReferences"][0]["uid"] == UID and meta["ownerReferences"][0]["controller"]
+    assert decision.create["spec"]["containers"][0]["image"] == "vm.vkubelet.io/tiny"
+    assert decision.status["phase"] == "Starting"
+    assert decision.requeue is not None
+
+
+def test_a_running_pod_makes_the_vm_running_with_its_node_and_ip() -> None:
+    decision = decide(vm(), [pod()])
+    assert decision.create is None and not decision.power_off and not decision.delete
+    status = decision.status
+    assert (status["phase"], status["nodeName"], status["ip"], status["podName"]) == (
+        "Running",
+        "hv-1",
+        "10.213.0.5",
+        "db-aaaaa",
+    )
+    assert (status["replicas"], status["selector"], status["observedGeneration"]) == (
+        1,
+        f"{NAME_LABEL}=db",
+        3,
+    )
+    assert (
+        status["conditions"][0]["type"] == "Ready" and status["conditions"][0]["status"] == "True"
+    )
+
+
+def test_no_second_pod_while_the_previous_one_still_terminates() -> None:
+    decision = decide(vm(), [pod(deleting=True)])
+    assert decision.create is None
+    assert decision.status["phase"] == "Stopping"
+
+
+def test_a_pod_of_another_vm_with_the_same_name_does_not_count() -> None:
+    stranger = pod()
+    stranger["metadata"]["ownerReferences"] = [{"uid": "other"}]
+    stranger["metadata"]["annotations"] = {MACHINE_ANNOTATION: "other"}
+    assert decide(vm(), [stranger]).create is not None
+
+
+def test_of_several_pods_the_running_one_stays_and_the_others_are_shut_down() -> None:
+    pods = [
+        pod("db-new", running=False, created="2026-01-02T00:00:00Z"),
+        pod("db-old", running=True, created="2026-01-01T00:00:00Z"),
+        pod("db-older", running=False, created="2025-01-01T00:00:00Z"),
+    ]
+    decision = decide(vm(), pods)
+    assert decision.create is None
+    assert decision.power_off == {"db-new": "Shutdown", "db-older": "Shutdown"}
+    assert decision.status["podName"] == "db-old"
+
+
+def test_replicas_zero_powers_the_pod_off_in_the_vm_s_mode() -> None:
+    decision = decide(vm(replicas=0, mode="Hibernate"), [pod()])
+    assert decision.power_off == {"db-aaaaa": "Hibernate"}
+    assert decision.create is None
+    assert decision.status["phase"] == "Stopping"
+    assert decision.status["replicas"] == 0 or decision.status["replicas"] == 1
+    after = vm(replicas=0, mode="Hibernate")
+    after["status"] = decision.status
+    gone = decide(after, [])
+    assert gone.status["phase"] == "Hibernated" and gone.status["replicas"] == 0
+    assert gone.status["nodeName"] is None and gone.status["podName"] is None
+
+
+def test_replicas_zero_without_pods_is_stopped() -> None:
+    decision = decide(vm(replicas=0), [])
+    assert decision.status["phase"] == "Stopped"
+    assert not decision.power_off and decision.create is None
+
+
+def test_a_terminal_pod_is_deleted_and_replaced_only_once_it_is_gone() -> None:
+    decision = decide(vm(), [pod(phase="Failed", running=False)])
+    assert decision.delete == ["db-aaaaa"] and decision.create is None
+    assert decision.status["phase"] == "Failed"
+
+
+def test_a_migration_target_is_left_to_the_migration() -> None:
+    target = pod("db-target", annotations={MIGRATION_SOURCE_ANNOTATION: "db-aaaaa"})
+    decision = decide(vm(), [pod(), target])
+    assert not decision.power_off and not decision.delete and decision.create is None
+    assert decision.status["phase"] == "Migrating" and decision.status["podName"] == "db-aaaaa"
+
+
+def test_template_labels_reach_the_pod_and_removed_ones_go() -> None:
+    running = pod(labels={"app": "db", "tier": "old", NAME_LABEL: "db"})
+    decision = decide(vm(meta={"labels": {"app": "db", "team": "a"}}), [running])
+    assert decision.patch["db-aaaaa"] == {"metadata": {"labels": {"team": "a", "tier": None}}}
+
+
+def test_cpu_and_memory_changes_go_through_pods_resize() -> None:
+    spec = {
+        "containers": [
+            {
+                "name": "vm",
+                "image": "vm.vkubelet.io/tiny",
+                "resources": {"limits": {"cpu": "2", "memory": "1Gi"}},
+            }
+        ]
+    }
+    decision = decide(vm(spec=spec), [pod()])
+    assert decision.resize == {
+        "db-aaaaa": {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "vm",
+                        "resources": {
+                            "requests": {"cpu": "2", "memory": "1Gi"},
+                            "limits": {"cpu": "2", "memory": "1Gi"},
+                        },
+                    }
+                ]
+            }
+        }
+    }
+    assert decide(vm(), [pod()]).resize == {}  # unchanged: nothing
+    # The apiserver's defaulting (requests = limits) and spelling ("1024Mi" -> "1Gi") are no change.
+    defaulted = pod(
+        resources={
+            "requests": {"cpu": "1000m", "memory": "512Mi"},
+            "limits": {"cpu": "1", "memory": "0.5Gi"},
+        }
+    )
+    assert decide(vm(), [defaulted]).resize == {}
+
+
+def test_a_root_disk_size_change_becomes_the_pod_annotation() -> None:
+    meta = {"labels": {"app": "db"}, "annotations": {"vm.vkubelet.io/root-size": "2Gi"}}
+    decision = decide(vm(meta=meta), [pod()])
+    assert decision.patch["db-aaaaa"]["metadata"]["annotations"][ROOT_DISK_SIZE_ANNOTATION] == "2Gi"
+    created = pod_for(vm(meta=meta))
+    assert created["metadata"]["annotations"][ROOT_DISK_SIZE_ANNOTATION] == "2Gi"
+
+
+def test_a_refused_create_fails_the_vm_with_the_apiserver_s_words() -> None:
+    decision = decide(vm(), [], failure=("FailedCreate", "the pod was refused: bad"))
+    assert decision.create is None
+    assert decision.status["phase"] == "Failed"
+    synced = decision.status["conditions"][1]
+    assert (synced["type"], synced["status"], synced["message"]) == (
+        "Synced",
+        "False",
+        "the pod was refused: bad",
+    )
+
+
+def test_a_deleted_vm_is_left_to_the_garbage_collector() -> None:
+    deleted = vm()
+    deleted["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    decision = decide(deleted, [pod()])
+    assert decision.create is None and not decision.power_off and not decision.status
+
+
+def test_power_off_annotation_name_is_the_contract_s() -> None:
+    assert POWER_OFF_ANNOTATION == "vm.vkubelet.io/power-off"
