@@ -11,21 +11,35 @@ instead (its mock nodes are still started and stopped by the session).
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import sys
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from vkubelet.devcluster import Cluster, list_clusters
-from vkubelet.testing import Kubectl, MockNode, local_test_address, mock_node, node_ready
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    MockNode,
+    local_test_address,
+    mock_node,
+    node_ready,
+    wait_for,
+)
 
 __all__ = [
     "LOWER_NODES",
     "LowerCluster",
     "LowerNodeSpec",
     "lower_cluster_session",
+    "mock_nodes_in_one_agent",
     "restart_clients_of_the_apiserver",
 ]
 
@@ -93,17 +107,64 @@ def restart_clients_of_the_apiserver(cluster: Cluster, *, tie_to_parent: bool) -
 
 
 @contextlib.contextmanager
+def mock_nodes_in_one_agent(
+    cluster: Cluster, kubectl: Kubectl, workdir: Path, specs: tuple[LowerNodeSpec, ...]
+) -> Iterator[dict[str, str]]:
+    """Several untainted mock nodes served by one `vkubelet run --config` process (one start
+    and one process instead of one per node: the modules that need no `kubectl top` from the
+    lower nodes use this). Yields node name by prefix; stops the agent and deletes the Nodes."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    names = {spec.prefix: f"{spec.prefix}-{uuid.uuid4().hex[:6]}" for spec in specs}
+    (workdir / "mock.json").write_text(
+        json.dumps({names[s.prefix]: {"pods": "500", **s.capacity} for s in specs})
+    )
+    nodes = [
+        {
+            "name": names[s.prefix],
+            "provider": "mock",
+            "providerConfig": "mock.json",
+            "internalIP": "127.0.0.1",
+            "kubeletPort": 0,
+            "labels": s.labels,
+            "taints": [],
+        }
+        for s in specs
+    ]
+    (workdir / "agent.yaml").write_text(yaml.safe_dump({"certDir": "pki", "nodes": nodes}))
+    args = ["--config", str(workdir / "agent.yaml"), "--approve-own-csrs"]
+    agent = AgentProcess(cluster.kubeconfig, args, workdir / "agent.log").start()
+    try:
+        for name in names.values():
+            wait_for(
+                functools.partial(node_ready, kubectl, name), timeout=60, what=f"node {name} Ready"
+            )
+        yield names
+    finally:
+        agent.stop()
+        for name in names.values():
+            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+
+
+def existing_cluster(variable: str) -> Cluster | None:
+    """The running dev cluster named by the environment variable, if set."""
+    reuse = os.environ.get(variable)
+    if not reuse:
+        return None
+    existing = {c.name: c for c in list_clusters()}
+    if reuse not in existing or not existing[reuse].is_up():
+        raise RuntimeError(f"{variable}={reuse}: no such cluster is up")
+    return existing[reuse]
+
+
+@contextlib.contextmanager
 def lower_cluster_session(
     workdir: Path, specs: tuple[LowerNodeSpec, ...] = LOWER_NODES
 ) -> Iterator[LowerCluster]:
     """Start (or reuse) the lower cluster and its mock nodes; stop what was started at the end."""
     with contextlib.ExitStack() as stack:
-        reuse = os.environ.get("VKUBELET_LOWER_CLUSTER")
-        if reuse:
-            existing = {c.name: c for c in list_clusters()}
-            if reuse not in existing or not existing[reuse].is_up():
-                raise RuntimeError(f"VKUBELET_LOWER_CLUSTER={reuse}: no such cluster is up")
-            cluster = existing[reuse]
+        reused = existing_cluster("VKUBELET_LOWER_CLUSTER")
+        if reused is not None:
+            cluster = reused
         else:
             cluster = Cluster(f"lower-{os.getpid()}", root=workdir / "state")
             cluster.up(

@@ -27,9 +27,17 @@ API I/O in its own module:
 See docs/cluster-provider.md.
 """
 
+import dataclasses
+
 from ...node import ConfigError, ProviderContext
 from ._capacity import LowerCapacity, common_labels, lower_capacity, node_usable, pod_requests
-from ._config import LowerConfig, NamespaceMapping, Resync, load_lower_config
+from ._config import (
+    LowerConfig,
+    NamespaceMapping,
+    Resync,
+    cluster_label_value,
+    load_lower_config,
+)
 from ._deps import DependencyPlan, lower_copy, plan_dependencies
 from ._lower import REQUIRED_PERMISSIONS, LowerCluster, MissingPermissions, Permission, open_lower
 from ._mirror import ClusterFleet, member_name
@@ -86,6 +94,8 @@ def create(context: ProviderContext) -> ClusterProvider | ClusterFleet:
     if context.config_path is None:
         raise ConfigError("the cluster provider needs --provider-config: lower.yaml")
     config = load_lower_config(context.config_path)
+    if config.cluster_name is None:  # default: the node's name (mirror mode: the fleet's prefix)
+        config = dataclasses.replace(config, cluster_name=cluster_label_value(context.node_name))
     if config.mode == "mirror":
         return ClusterFleet(config, context, open_lower(config))
     return ClusterProvider(config, context, open_lower(config))

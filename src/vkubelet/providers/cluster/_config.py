@@ -20,6 +20,8 @@
     fitCheck: true                   # aggregate: fail a pod no single lower node can take
     cannotFitBackoff: 10             # seconds the node is tainted after such a failure (doubling)
     daemonSetPods: refuse            # or `run`; a pod annotation can opt in too
+    clusterName: eu-1                # label value naming the lower cluster (default: node name)
+    clusterLabel: vkubelet.io/cluster  # the label key carrying it; null: no such label
     webhook: {enabled: true}         # the constraint webhook (see `_admission`)
 
 Errors name the file and the field (`lower.yaml: namespaces.prefix: ...`), as the agent's own
@@ -29,6 +31,7 @@ config and the SSH inventory do.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,14 @@ import yaml
 from ...node import ConfigError
 from ._webhookconfig import WebhookConfig, parse_webhook_config
 
-__all__ = ["LowerConfig", "NamespaceMapping", "Resync", "load_lower_config"]
+__all__ = [
+    "DEFAULT_CLUSTER_LABEL",
+    "LowerConfig",
+    "NamespaceMapping",
+    "Resync",
+    "cluster_label_value",
+    "load_lower_config",
+]
 
 _TOP_KEYS = {
     "kubeconfig",
@@ -59,6 +69,8 @@ _TOP_KEYS = {
     "fitCheck",
     "cannotFitBackoff",
     "daemonSetPods",
+    "clusterName",
+    "clusterLabel",
     "webhook",
 }
 _NAMESPACE_KEYS = {"prefix", "map", "create"}
@@ -66,6 +78,12 @@ _RESYNC_KEYS = {"pods", "nodes", "dependencies"}
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # Stamps carry the upper cluster's identity in a label value: at most 63 characters of these.
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+# A label key: optional DNS subdomain prefix and '/', then a name of at most 63 characters.
+_LABEL_KEY = re.compile(
+    r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+)
+DEFAULT_CLUSTER_LABEL = "vkubelet.io/cluster"
 
 
 @dataclass(frozen=True)
@@ -124,6 +142,11 @@ class LowerConfig:
     fit_check: bool = True
     cannot_fit_backoff: float = 10.0
     daemon_set_pods: Literal["refuse", "run"] = "refuse"
+    # Several lower clusters: every virtual node of this lower cluster carries
+    # `cluster_label: cluster_name`, so upper constraints can spread over or choose clusters.
+    # None until settled: the provider's factory defaults it to the virtual node's name.
+    cluster_name: str | None = None
+    cluster_label: str | None = DEFAULT_CLUSTER_LABEL
     webhook: WebhookConfig = field(default_factory=WebhookConfig)
 
     def label_excluded(self, key: str) -> bool:
@@ -204,8 +227,42 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
             Literal["refuse", "run"], _choice(where, data, "daemonSetPods", ("refuse", "run"))
         ),
         cannot_fit_backoff=_seconds(where, "cannotFitBackoff", data.get("cannotFitBackoff"), 10.0),
+        cluster_name=_cluster_name(where, data.get("clusterName")),
+        cluster_label=_cluster_label(where, data.get("clusterLabel", DEFAULT_CLUSTER_LABEL)),
         webhook=webhook,
     )
+
+
+def _cluster_name(where: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
+        raise ConfigError(
+            f"{where}: clusterName: {value!r} is not a valid label value "
+            "(at most 63 letters, digits, '-', '_', '.', starting and ending alphanumeric)"
+        )
+    return value
+
+
+def _cluster_label(where: str, value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not _LABEL_KEY.fullmatch(value) or len(value) > 316:
+        raise ConfigError(f"{where}: clusterLabel: {value!r} is not a valid label key")
+    name = value.rpartition("/")[2]
+    if len(name) > 63:
+        raise ConfigError(f"{where}: clusterLabel: {value!r}: the name part is over 63 characters")
+    return value
+
+
+def cluster_label_value(node_name: str) -> str:
+    """The default `clusterName`: the virtual node's name (mirror mode: the fleet's prefix), cut
+    to a label value's 63 characters and ended with a hash of the whole when longer."""
+    if len(node_name) <= 63 and _LABEL_VALUE.fullmatch(node_name):
+        return node_name
+    digest = hashlib.sha256(node_name.encode()).hexdigest()[:10]
+    head = re.sub(r"[^-A-Za-z0-9_.]", "-", node_name)[:52].strip("-_.")
+    return f"{head}-{digest}" if head else digest
 
 
 def _namespaces(where: str, raw: Any) -> NamespaceMapping:

@@ -60,6 +60,7 @@ class ProviderCore:
             service_account_tokens=config.service_account_tokens,
             virtual_labels={"type": "virtual-kubelet", "kubernetes.io/hostname": context.node_name},
             lower_node=lower_node,
+            virtual_topology_keys=(config.cluster_label,) if config.cluster_label else (),
         )
         self._lower_node = lower_node
         self._mirrored: JSON | None = None  # mirror mode: that lower node, as last seen

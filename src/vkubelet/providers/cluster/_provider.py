@@ -444,6 +444,7 @@ class ClusterProvider(
         common = self._capacity.labels
         own = {k: v for k, v in (node.metadata.labels or {}).items() if common.get(k) != v}
         own.setdefault("kubernetes.io/hostname", self.context.node_name)
+        own.update(self._cluster_label())
         node.metadata.annotations = {
             **(node.metadata.annotations or {}),
             LARGEST_FREE_ANNOTATION: self._largest_free_annotation(),
@@ -454,12 +455,18 @@ class ClusterProvider(
                 Taint(key=CANNOT_FIT_TAINT["key"], effect=CANNOT_FIT_TAINT["effect"]),
             ]
         self.how = dataclasses.replace(self.how, virtual_labels=own)
+        labels = {**(node.metadata.labels or {}), **self._cluster_label()}
         if self.config.publish_common_labels:
-            labels = dict(node.metadata.labels or {})
             for key, value in self._capacity.labels.items():
                 if not self.config.label_excluded(key):
                     labels.setdefault(key, value)
-            node.metadata.labels = labels
+        node.metadata.labels = labels
+
+    def _cluster_label(self) -> dict[str, str]:
+        """`vkubelet.io/cluster: <clusterName>`: which lower cluster this virtual node stands
+        for, so upper constraints can spread over clusters or choose one."""
+        label, name = self.config.cluster_label, self.config.cluster_name
+        return {label: name} if label and name else {}
 
     def _configure_mirror(self, node: Node) -> None:
         """One lower node's shape: its allocatable (minus pods not ours), its labels (over the
@@ -469,7 +476,7 @@ class ClusterProvider(
         node.status.capacity = dict(allocatable)
         node.status.allocatable = dict(allocatable)
         published = self._capacity.labels if self.config.publish_common_labels else {}
-        labels = {**(node.metadata.labels or {}), **published}
+        labels = {**(node.metadata.labels or {}), **published, **self._cluster_label()}
         own = {k: v for k, v in labels.items() if published.get(k) != v}
         own["kubernetes.io/hostname"] = self.context.node_name
         self.how = dataclasses.replace(self.how, virtual_labels=own)

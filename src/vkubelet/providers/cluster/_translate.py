@@ -73,6 +73,10 @@ class PodTranslation:
     # Mirror mode: the one lower node this virtual node stands for; every lower pod is pinned
     # to it (required node affinity on its name, so the lower scheduler still checks it fits).
     lower_node: str | None = None
+    # Label keys only virtual nodes carry (the cluster label): topology spread constraints and
+    # pod (anti-)affinity terms over them spread or group *virtual* nodes and are kept upstairs;
+    # below, where no node has the key, they would keep the pod from every node.
+    virtual_topology_keys: Collection[str] = ()
 
     def lower_namespace(self, upper: str) -> str:
         return self.namespaces.lower(upper)
@@ -168,8 +172,38 @@ def _scheduling(spec: JSON, how: PodTranslation) -> None:
             _node_affinity(node_affinity, lambda key: key in virtual_keys)
             _set_or_drop(affinity, "nodeAffinity", node_affinity)
         _set_or_drop(spec, "affinity", affinity)
+    if how.virtual_topology_keys:
+        _drop_virtual_topology(spec, how.virtual_topology_keys)
     if how.lower_node is not None:
         _pin(spec, how.lower_node)
+
+
+def _drop_virtual_topology(spec: JSON, keys: Collection[str]) -> None:
+    spread = spec.get("topologySpreadConstraints")
+    if spread:
+        kept = [c for c in spread if c.get("topologyKey") not in keys]
+        _set_or_drop(spec, "topologySpreadConstraints", kept)
+    affinity = spec.get("affinity")
+    if not isinstance(affinity, dict):
+        return
+    for kind in ("podAffinity", "podAntiAffinity"):
+        terms = affinity.get(kind)
+        if not isinstance(terms, dict):
+            continue
+        required = terms.get("requiredDuringSchedulingIgnoredDuringExecution")
+        if isinstance(required, list):
+            kept = [t for t in required if t.get("topologyKey") not in keys]
+            _set_or_drop(terms, "requiredDuringSchedulingIgnoredDuringExecution", kept)
+        preferred = terms.get("preferredDuringSchedulingIgnoredDuringExecution")
+        if isinstance(preferred, list):
+            kept = [
+                t
+                for t in preferred
+                if (t.get("podAffinityTerm") or {}).get("topologyKey") not in keys
+            ]
+            _set_or_drop(terms, "preferredDuringSchedulingIgnoredDuringExecution", kept)
+        _set_or_drop(affinity, kind, terms)
+    _set_or_drop(spec, "affinity", affinity)
 
 
 def _pin(spec: JSON, node: str) -> None:
