@@ -23,6 +23,7 @@ A serial run (`-n 0`, `make test PARALLEL=0`) uses none of this except recording
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -146,10 +147,13 @@ class _DurationRecorder:
         if not measured:
             return
         path = durations_file()
-        known = _read_json(path)
-        known.update({k: round(v, 2) for k, v in measured.items()})
         with contextlib.suppress(OSError):  # a read-only cache costs only the order
-            _write_json(path, known)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.with_name(f".{path.name}.lock").open("a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # runs side by side merge, not overwrite
+                known = _read_json(path)
+                known.update({k: round(v, 2) for k, v in measured.items()})
+                _write_json(path, known)
 
 
 # --- workers ---------------------------------------------------------------------------------

@@ -490,7 +490,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--vkubelet-cluster",
         default=os.environ.get("VKUBELET_TEST_CLUSTER"),
         help="reuse this running `vkubelet dev cluster` instead of starting a fresh one "
-        "(env VKUBELET_TEST_CLUSTER)",
+        "(env VKUBELET_TEST_CLUSTER); with pytest-xdist all workers share it, so tests that "
+        "stop its components (outages) disturb the others: use -n 0 for those",
     )
 
 
