@@ -36,6 +36,10 @@ lint: install
 unit: install
 	$(BIN)/pytest tests/unit
 
+# Test processes in parallel (pytest-xdist; tests/parallel.py says how the suite is shared out):
+# most of the suite waits rather than computes. `make test PARALLEL=0` runs it in one process.
+PARALLEL ?= 3
+
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 test: lint build
-	$(BIN)/pytest -p no:cacheprovider --durations=25; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/pytest -p no:cacheprovider -n $(PARALLEL) --durations=25; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc

@@ -1,6 +1,6 @@
 """Shared test configuration: vkubelet's own pytest plugin (`vkubelet.testing`) provides
 `kube_cluster` and `kubectl`, the opt-in SSH lab plugin `ssh_devices`; integration tests are
-marked automatically by folder."""
+marked automatically by folder. `tests/parallel.py` shares the suite out to parallel workers."""
 
 from pathlib import Path
 
@@ -12,7 +12,7 @@ from hypothesis import settings
 settings.register_profile("vkubelet", deadline=None)
 settings.load_profile("vkubelet")
 
-pytest_plugins = ["vkubelet.testing.sshlab"]
+pytest_plugins = ["vkubelet.testing.sshlab", "tests.parallel"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

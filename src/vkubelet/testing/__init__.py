@@ -490,7 +490,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--vkubelet-cluster",
         default=os.environ.get("VKUBELET_TEST_CLUSTER"),
         help="reuse this running `vkubelet dev cluster` instead of starting a fresh one "
-        "(env VKUBELET_TEST_CLUSTER)",
+        "(env VKUBELET_TEST_CLUSTER); with pytest-xdist all workers share it, so tests that "
+        "stop its components (outages) disturb the others: use -n 0 for those",
     )
 
 
@@ -520,6 +521,21 @@ def kube_cluster(
         cluster.down()
 
 
+@contextlib.contextmanager
+def _image_build_lock(kind: str) -> Iterator[None]:
+    """One build of a guest image at a time on this machine: parallel test workers (or runs)
+    that need it wait for the first one's build and then find it cached, instead of each
+    building it again (minutes of CPU on a cold cache)."""
+    import fcntl
+
+    from ..vmimage import default_cache_dir
+
+    default_cache_dir().mkdir(parents=True, exist_ok=True)
+    with (default_cache_dir() / f".{kind}-build.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def vm_guest_image() -> Path:
     """The small test guest's qcow2 (built from Debian packages once, then cached).
@@ -530,7 +546,8 @@ def vm_guest_image() -> Path:
     from ..vmimage import ImageBuildError, build_guest_image
 
     try:
-        image = build_guest_image(progress=lambda m: print(m, file=sys.stderr, flush=True))
+        with _image_build_lock("guest"):
+            image = build_guest_image(progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ImageBuildError as e:
         pytest.skip(f"cannot build the test guest: {e}")
     return image.disk
@@ -542,7 +559,8 @@ def vm_distro_image() -> Path:
     from ..vmimage import ImageBuildError, build_distro_image
 
     try:
-        image = build_distro_image(progress=lambda m: print(m, file=sys.stderr, flush=True))
+        with _image_build_lock("distro"):
+            image = build_distro_image(progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ImageBuildError as e:
         pytest.skip(f"cannot build the distribution guest: {e}")
     return image.disk
