@@ -87,8 +87,11 @@ async def probe_accel(
     return choice
 
 
-async def _probe(kernel: Path | None, accel: Literal["kvm", "tcg"] = "kvm") -> AccelChoice:
-    """Boot the probe with `accel` (tests run it with TCG to check the detection itself)."""
+async def _probe(
+    kernel: Path | None, accel: Literal["kvm", "tcg"] = "kvm", budget: float = FIRMWARE_BUDGET
+) -> AccelChoice:
+    """Boot the probe with `accel` (tests run it with TCG, and a budget a loaded machine meets,
+    to check the detection itself)."""
     with tempfile.TemporaryDirectory(prefix="vkubelet-accel-") as tmp:
         log = Path(tmp) / "firmware.log"
         argv = [
@@ -97,7 +100,7 @@ async def _probe(kernel: Path | None, accel: Literal["kvm", "tcg"] = "kvm") -> A
             "-chardev", f"file,id=dbg,path={log}",
             "-device", "isa-debugcon,iobase=0x402,chardev=dbg",
         ]  # fmt: skip
-        elapsed, ok, detail = await _run_until(argv, FIRMWARE_BUDGET, lambda: _firmware_done(log))
+        elapsed, ok, detail = await _run_until(argv, budget, lambda: _firmware_done(log))
         if not ok:
             return AccelChoice("tcg", f"KVM unusable, using TCG: firmware probe {detail}")
         if kernel is not None:
