@@ -18,6 +18,7 @@ from ._capacity import LowerCapacity
 from ._config import LowerConfig
 from ._convert import JSON, convert_node
 from ._deps import Key
+from ._fit import NodeUsage
 from ._lower import LowerCluster
 from ._refs import Reference
 from ._stamps import Owner
@@ -77,6 +78,7 @@ class ProviderCore:
         # The capacity loop's watch caches of every lower node and pod (kind -> UID -> object),
         # for the fit check; None until the first listing.
         self._snapshot: dict[str, dict[str, JSON]] | None = None
+        self._usage: NodeUsage | None = None  # the snapshot's pods' requests per lower node
         self._cannot_fit_until = 0.0  # loop time until which the node carries the taint
         self._cannot_fit_backoff = 0.0  # the current taint length (doubles while failing)
         self._unreachable: str | None = None
