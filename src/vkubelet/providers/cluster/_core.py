@@ -90,6 +90,10 @@ class ProviderCore:
         self._prepared: dict[str, Prepared] = {}  # see _prepared_pod
         self._releasing: asyncio.Task[None] | None = None  # see ClusterProvider._release_soon
         self._release_wanted = False
+        # Pods whose lower pod this agent created lately (loop time) and whose Pending status
+        # is being held back (see ClusterProvider._hold_pending).
+        self._created_at: dict[str, float] = {}
+        self._held: set[str] = set()
         self._stream_endpoint: Endpoint | None = None
         # The upper cluster, when the agent hands us its client (`use_upper_api`): Services to
         # reflect, the default upper cluster ID.

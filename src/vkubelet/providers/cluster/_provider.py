@@ -55,6 +55,11 @@ from ._verbs import LowerVerbs
 __all__ = ["RUN_DAEMON_SET_ANNOTATION", "ClusterProvider"]
 
 RUN_DAEMON_SET_ANNOTATION = "vkubelet.io/run-on-virtual-node"
+# How long a new lower pod's plain Pending status is held back (see `_hold_pending`).
+PENDING_HOLD = 0.5
+# Lower events not mirrored: the lower kubelet's Created and Started say what the agent's own
+# events on the upper pod say (and cost a mirrored event each, two per pod).
+_NOT_MIRRORED = ("Created", "Started")
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +164,12 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
     async def _create_or_find(self, key: str, body: JSON) -> JSON | None:
         """Create the lower pod: None when created, else the pod that already holds the name."""
         await self._check_fit(body)
+        # Before the request: the watch often sees the new pod before its answer is processed.
+        self._created_at[key] = asyncio.get_running_loop().time()
         try:
             created = await self._call(self.lower.create(body), what="create the lower pod")
         except ApiError as e:
+            self._created_at.pop(key, None)
             if not e.conflict:
                 raise
             meta = body["metadata"]
@@ -591,10 +599,41 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
         self._push(key)
 
     def _push(self, key: str) -> None:
-        if self._notify is None:
+        if self._notify is None or self._hold_pending(key):
             return
+        self._held.discard(key)  # pushed now: its held status is out of date
         namespace, _, name = key.partition("/")
         self._spawned.spawn(self._push_now(namespace, name), name=f"push {key}")
+
+    def _hold_pending(self, key: str) -> bool:
+        """Whether to hold back the status of a lower pod created less than `PENDING_HOLD` ago
+        that is still plainly Pending (scheduled, its containers being created): it is nearly
+        always Running a moment later, and the upper pod is Pending already, so holding it
+        saves an upper status write per pod (and its push). Once the hold ends, the status of
+        that moment goes up; anything else (Running, a reason such as Unschedulable, a vanished
+        pod) goes up at once."""
+        created = self._created_at.get(key)
+        if created is None:
+            return False
+        left = created + PENDING_HOLD - asyncio.get_running_loop().time()
+        lower = self._lower_pods.get(key)
+        status = (lower or {}).get("status") or {}
+        plain = status.get("phase", "Pending") == "Pending" and not any(
+            c.get("status") == "False" and c.get("type") == "PodScheduled"
+            for c in status.get("conditions") or []
+        )
+        if left <= 0 or lower is None or key in self._failed or not plain or "reason" in status:
+            self._created_at.pop(key, None)
+            return False
+        if key not in self._held:
+            self._held.add(key)
+            asyncio.get_running_loop().call_later(left, self._hold_over, key)
+        return True
+
+    def _hold_over(self, key: str) -> None:
+        self._created_at.pop(key, None)
+        if key in self._held:  # nothing pushed since: push what there is now
+            self._push(key)
 
     async def _push_now(self, namespace: str, name: str) -> None:
         pod = await self.get_pod(namespace, name)
@@ -626,7 +665,8 @@ class ClusterProvider(LowerVerbs, CapacityFollowing, ServiceReflection, UpperTok
         """Mirror the lower cluster's Events about our lower pods onto the upper pods (the
         agent's event sink aggregates and rate-limits them). Only new ones: a restart does not
         replay history."""
-        selector = {"fieldSelector": "involvedObject.kind=Pod"}
+        skipped = "".join(f",reason!={r}" for r in _NOT_MIRRORED)
+        selector = {"fieldSelector": "involvedObject.kind=Pod" + skipped}
         answer = await self.lower.client.get("/api/v1/events", {**selector, "limit": "1"})
         version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
         while True:

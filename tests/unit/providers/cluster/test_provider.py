@@ -24,6 +24,7 @@ from vkubelet.providers.cluster import (
     stamp,
 )
 from vkubelet.sdk import ProviderContext, ProviderError, ResolvedPod
+from vkubelet.testing.harness import always, eventually
 
 from .pods import OTHER, upper_pod
 from .test_lower import lower_yaml
@@ -381,6 +382,55 @@ def with_phase(lower: dict[str, Any], phase: str) -> dict[str, Any]:
     changed: dict[str, Any] = json.loads(json.dumps(lower))
     changed["status"] = {"phase": phase}
     return changed
+
+
+def test_a_new_pods_plain_pending_status_is_held_back_briefly_and_anything_else_goes_up_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One upper status write per pod in a burst, not two: the lower pod's Pending status
+    between its create and Running is not pushed, unless it lasts longer than the hold."""
+    monkeypatch.setattr(_provider, "PENDING_HOLD", 0.3)
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    reports: list[tuple[str, str]] = []
+
+    def phases(uid: str) -> list[str]:
+        return [phase for u, phase in reports if u == uid]
+
+    def scheduled(lower: dict[str, Any], *, fits: bool = True) -> dict[str, Any]:
+        changed = with_phase(lower, "Pending")
+        changed["spec"]["nodeName"] = "lower-a" if fits else None
+        condition: dict[str, Any] = {"type": "PodScheduled", "status": "True"}
+        if not fits:
+            condition.update(status="False", reason="Unschedulable", message="0/3 nodes")
+        changed["status"]["conditions"] = [condition]
+        return changed
+
+    async def scenario() -> None:
+        def report(pod: Pod) -> None:
+            assert pod.metadata is not None and pod.status is not None
+            reports.append((str(pod.metadata.uid), str(pod.status.phase)))
+
+        provider.notify_pods(report)
+        try:
+            for uid, name in (("fast", "web-0"), ("slow", "web-1"), ("stuck", "web-2")):
+                pod = msgspec.to_builtins(web_0(uid).pod)
+                pod["metadata"]["name"] = name
+                await provider.create_pod(ResolvedPod(msgspec.convert(pod, Pod)))
+            lower = {n: fake.pods[n] for n in ("web-0", "web-1", "web-2")}
+            for name in lower:
+                provider._observed(f"shop/{name}", scheduled(lower[name]))
+            provider._observed("shop/web-2", scheduled(lower["web-2"], fits=False))
+            await eventually(lambda: phases("stuck") == ["Pending"], what="Unschedulable at once")
+            provider._observed("shop/web-0", with_phase(lower["web-0"], "Running"))
+            await eventually(lambda: phases("fast") == ["Running"], what="Running at once")
+            assert phases("slow") == [], "plain Pending is held back"
+            await eventually(lambda: phases("slow") == ["Pending"], what="Pending after the hold")
+            await always(lambda: phases("fast") == ["Running"], duration=0.4)
+        finally:
+            await provider.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_late_events_of_a_force_deleted_pod_do_not_touch_its_successor_of_the_same_name(
