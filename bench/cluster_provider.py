@@ -2,7 +2,7 @@
 Prints figures.
 
     .venv/bin/python bench/cluster_provider.py [--paced-pods 200] [--rate 20] [--pods 1000]
-        [--execs 30] [--upper NAME] [--lower NAME] [--skip-throughput]
+        [--rounds 1] [--execs 30] [--upper NAME] [--lower NAME] [--skip-throughput]
 
 Two dev clusters on this machine: the upper one (runs `vkubelet run --provider cluster` as a
 child process) and the lower one, whose nodes are three vkubelet mock nodes (child processes too).
