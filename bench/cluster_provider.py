@@ -2,7 +2,7 @@
 Prints figures.
 
     .venv/bin/python bench/cluster_provider.py [--paced-pods 200] [--rate 20] [--pods 1000]
-        [--execs 30] [--upper NAME] [--lower NAME] [--skip-throughput]
+        [--rounds 1] [--execs 30] [--upper NAME] [--lower NAME] [--skip-throughput]
 
 Two dev clusters on this machine: the upper one (runs `vkubelet run --provider cluster` as a
 child process) and the lower one, whose nodes are three vkubelet mock nodes (child processes too).
@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -352,6 +354,39 @@ async def burst(
     return Throughput(pods, elapsed, statistics.median(latencies), pct(latencies, 0.99)), ns
 
 
+async def request_counts(client: httpx.AsyncClient) -> Counter[str]:
+    """The apiserver's own request counters (`apiserver_request_total`), summed per
+    "VERB resource[/subresource]": diffs of two readings say what a run asked of it."""
+    counts: Counter[str] = Counter()
+    text = (await client.get("/metrics")).text
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+        if not labels.get("resource"):
+            continue
+        what = labels["resource"] + (f"/{labels['subresource']}" if labels["subresource"] else "")
+        counts[f"{labels['verb']} {what}"] += int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
+async def measured_burst(
+    client: httpx.AsyncClient,
+    upper: httpx.AsyncClient,
+    lower: httpx.AsyncClient,
+    pods: int,
+    node: str | None,
+) -> tuple[Throughput, dict[str, Counter[str]]]:
+    """A burst, then its namespace removed; and the requests each apiserver served for it
+    (until the last pod was Running, before the removal)."""
+    before = {"upper": await request_counts(upper), "lower": await request_counts(lower)}
+    result, ns = await burst(client, lower, pods, node)
+    after = {"upper": await request_counts(upper), "lower": await request_counts(lower)}
+    took = await drop_namespace(upper if node else None, lower, ns)
+    log(f"burst ({'virtual node' if node else 'direct'}) removed in {took:.1f} s")
+    return result, {k: after[k] - before[k] for k in after}
+
+
 # -- kubectl verbs --------------------------------------------------------------------------------
 
 
@@ -399,6 +434,56 @@ def verbs(s: Setup, ns: str, pod: str, count: int) -> dict[str, dict[str, list[f
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}"
+
+
+async def throughput(
+    s: Setup, upper: httpx.AsyncClient, lower: httpx.AsyncClient, pods: int, rounds: int
+) -> None:
+    """`rounds` pairs of bursts, alternating through the virtual node and directly, so that a
+    change in the machine's load hits both alike; the ratio is printed per pair."""
+    rows: list[tuple[str, ...]] = [
+        ("", "first create -> last Running", "pods/s", "p50 ms", "p99 ms", "load")
+    ]
+    ratios = []
+    requests: dict[str, Counter[str]] = {"upper": Counter(), "lower": Counter()}
+    direct_requests: Counter[str] = Counter()
+    cpu = 0.0
+    for i in range(rounds):
+        cpu_before = cpu_seconds(s.agent_pid)
+        virtual, counts = await measured_burst(upper, upper, lower, pods, s.node)
+        cpu += cpu_seconds(s.agent_pid) - cpu_before
+        load_virtual = os.getloadavg()[0]
+        for k in requests:
+            requests[k] += counts[k]
+        direct, counts = await measured_burst(lower, upper, lower, pods, None)
+        load_direct = os.getloadavg()[0]
+        direct_requests += counts["lower"]
+        ratios.append(virtual.rate / direct.rate)
+        for label, t, load in (
+            (f"through the virtual node, round {i + 1}", virtual, load_virtual),
+            (f"directly into the lower cluster, round {i + 1}", direct, load_direct),
+        ):
+            rows.append(
+                (label, f"{t.seconds:.1f} s", f"{t.rate:.1f}", ms(t.p50), ms(t.p99), f"{load:.1f}")
+            )
+    print(f"\n## {pods} pods at once ({CONCURRENCY} creates in flight)")
+    print_table(rows)
+    print(
+        "virtual node / direct: "
+        + ", ".join(f"{100 * r:.0f} %" for r in ratios)
+        + f"; agent CPU {cpu / rounds:.1f} s per burst ({1000 * cpu / rounds / pods:.1f} ms/pod)"
+    )
+    print("\napiserver requests per pod (virtual-node bursts: upper, lower; direct: lower)")
+    table: list[tuple[str, ...]] = [("", "upper", "lower", "direct")]
+    whats = sorted(set(requests["upper"]) | set(requests["lower"]) | set(direct_requests))
+    per = pods * rounds
+    for what in whats:
+        values = (requests["upper"][what], requests["lower"][what], direct_requests[what])
+        if max(values) >= per / 100:
+            table.append((what, *(f"{v / per:.2f}" for v in values)))
+    totals = (requests["upper"].total(), requests["lower"].total(), direct_requests.total())
+    table.append(("all", *(f"{v / per:.2f}" for v in totals)))
+    print_table(table)
 
 
 async def run(s: Setup, args: argparse.Namespace) -> None:
@@ -451,37 +536,7 @@ async def run(s: Setup, args: argparse.Namespace) -> None:
             took = await drop_namespace(upper, lower, ns)
             log(f"overhead run removed in {took:.1f} s")
         if args.pods:
-            cpu_before = cpu_seconds(s.agent_pid)
-            virtual, ns = await burst(upper, lower, args.pods, s.node)
-            cpu = cpu_seconds(s.agent_pid) - cpu_before
-            took = await drop_namespace(upper, lower, ns)
-            log(f"virtual-node burst removed in {took:.1f} s")
-            direct, ns = await burst(lower, lower, args.pods, None)
-            took = await drop_namespace(None, lower, ns)
-            log(f"direct burst removed in {took:.1f} s")
-            print(f"\n## {args.pods} pods at once ({CONCURRENCY} creates in flight)")
-            print_table(
-                [
-                    ("", "first create -> last Running", "pods/s", "p50 ms", "p99 ms"),
-                    *(
-                        (
-                            label,
-                            f"{t.seconds:.1f} s",
-                            f"{t.rate:.1f}",
-                            ms(t.p50),
-                            ms(t.p99),
-                        )
-                        for label, t in (
-                            ("through the virtual node", virtual),
-                            ("directly into the lower cluster", direct),
-                        )
-                    ),
-                ]
-            )
-            print(
-                f"virtual node / direct: {100 * virtual.rate / direct.rate:.0f} %; "
-                f"agent CPU {cpu:.1f} s"
-            )
+            await throughput(s, upper, lower, args.pods, args.rounds)
     finally:
         await upper.aclose()
         await lower.aclose()
@@ -492,6 +547,7 @@ def main() -> None:
     parser.add_argument("--paced-pods", type=int, default=200, help="0 skips the overhead run")
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--pods", type=int, default=1000, help="throughput run (0 skips it)")
+    parser.add_argument("--rounds", type=int, default=1, help="throughput: alternating pairs")
     parser.add_argument("--execs", type=int, default=30, help="exec/logs rounds (0 skips)")
     parser.add_argument("--upper", help="reuse a running `vkubelet dev cluster` as the upper one")
     parser.add_argument("--lower", help="reuse a running `vkubelet dev cluster` as the lower one")

@@ -33,7 +33,7 @@ from ._capacity import (
 )
 from ._convert import JSON, convert_node, uid_of
 from ._core import ProviderCore
-from ._fit import fit_verdict, largest_free
+from ._fit import NodeUsage, fit_verdict, largest_free
 from ._stamps import is_ours
 
 CANNOT_FIT = "LowerClusterCannotFit"
@@ -63,15 +63,23 @@ class CapacityFollowing(ProviderCore):
                 objects[kind] = {uid_of(o): o for o in answer.get("items") or []}
                 versions[kind] = str((answer.get("metadata") or {}).get("resourceVersion", ""))
             self._snapshot = objects
+            usage = self._usage = NodeUsage(objects["Pod"].items())
             if self._lower_node is not None:
                 self._follow_mirrored(objects)  # with the snapshot: no moment "gone"
             timeout = max(1, int(self.config.resync.nodes))
             async with asyncio.TaskGroup() as group:
                 for kind, path in (("Node", "/api/v1/nodes"), ("Pod", "/api/v1/pods")):
                     group.create_task(
-                        self._watch_into(path, versions[kind], objects[kind], changed, timeout)
+                        self._watch_into(
+                            path,
+                            versions[kind],
+                            objects[kind],
+                            changed,
+                            timeout,
+                            usage if kind == "Pod" else None,
+                        )
                     )
-                group.create_task(self._recompute(objects, changed, timeout))
+                group.create_task(self._recompute(objects, usage, changed, timeout))
 
     async def _watch_into(
         self,
@@ -80,7 +88,9 @@ class CapacityFollowing(ProviderCore):
         into: dict[str, JSON],
         changed: asyncio.Event,
         seconds: int,
+        usage: NodeUsage | None = None,
     ) -> None:
+        """Keep `into` (and the pods' `usage`) as the watch tells."""
         params = {"resourceVersion": version, "allowWatchBookmarks": "true"}
         try:
             async for kind, raw in self.lower.client.watch(path, params, timeout_seconds=seconds):
@@ -89,17 +99,26 @@ class CapacityFollowing(ProviderCore):
                         return
                     continue
                 obj = msgspec.json.decode(raw)
+                key = uid_of(obj)
                 if kind == "DELETED":
-                    into.pop(uid_of(obj), None)
+                    into.pop(key, None)
+                    if usage is not None:
+                        usage.drop(key)
                 else:
-                    into[uid_of(obj)] = obj
+                    into[key] = obj
+                    if usage is not None:
+                        usage.put(key, obj)
                 changed.set()
         except ApiError as e:
             if not e.gone:
                 raise
 
     async def _recompute(
-        self, objects: dict[str, dict[str, JSON]], changed: asyncio.Event, seconds: int
+        self,
+        objects: dict[str, dict[str, JSON]],
+        usage: NodeUsage,
+        changed: asyncio.Event,
+        seconds: int,
     ) -> None:
         deadline = asyncio.get_running_loop().time() + seconds
         changed.set()
@@ -120,7 +139,7 @@ class CapacityFollowing(ProviderCore):
                     lambda p: is_ours(p, self.owner),
                     label_excluded=self.config.label_excluded,
                 ),
-                largest_free=largest_free(objects["Node"].values(), objects["Pod"].values()),
+                largest_free=largest_free(objects["Node"].values(), usage),
             )
             if capacity != self._capacity:
                 self._capacity = capacity
@@ -161,7 +180,8 @@ class CapacityFollowing(ProviderCore):
         scheduler decide."""
         if not self.config.fit_check or self._snapshot is None or self._lower_node is not None:
             return
-        misfit = fit_verdict(body, self._snapshot["Node"].values(), self._snapshot["Pod"].values())
+        pods = self._usage if self._usage is not None else self._snapshot["Pod"].values()
+        misfit = fit_verdict(body, self._snapshot["Node"].values(), pods)
         if misfit is None:
             self._cannot_fit_backoff = 0.0  # a pod fits: the next refusal starts short again
             return

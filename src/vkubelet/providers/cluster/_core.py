@@ -16,12 +16,13 @@ from ...sdk.tasks import TaskSet
 from ...streaming import Endpoint
 from ._capacity import LowerCapacity
 from ._config import LowerConfig
-from ._convert import JSON, convert_node
+from ._convert import JSON, convert_node, to_json
 from ._deps import Key
+from ._fit import NodeUsage
 from ._lower import LowerCluster
 from ._refs import Reference
 from ._stamps import Owner
-from ._translate import PodTranslation
+from ._translate import PodTranslation, needed_references
 
 __all__ = ["ProviderCore"]
 
@@ -78,6 +79,7 @@ class ProviderCore:
         # The capacity loop's watch caches of every lower node and pod (kind -> UID -> object),
         # for the fit check; None until the first listing.
         self._snapshot: dict[str, dict[str, JSON]] | None = None
+        self._usage: NodeUsage | None = None  # the snapshot's pods' requests per lower node
         self._cannot_fit_until = 0.0  # loop time until which the node carries the taint
         self._cannot_fit_backoff = 0.0  # the current taint length (doubles while failing)
         self._unreachable: str | None = None
@@ -86,7 +88,13 @@ class ProviderCore:
         self._spawned = TaskSet(f"cluster {context.node_name}")
         self._deps_lock = asyncio.Lock()
         self._copies: dict[Key, JSON] | None = None  # our lower dependency copies
-        self._prepared: dict[str, Prepared] = {}  # see ClusterProvider._prepared_pod
+        self._prepared: dict[str, Prepared] = {}  # see _prepared_pod
+        self._releasing: asyncio.Task[None] | None = None  # see ClusterProvider._release_soon
+        self._release_wanted = False
+        # Pods whose lower pod this agent created lately (loop time) and whose Pending status
+        # is being held back (see ClusterProvider._hold_pending).
+        self._created_at: dict[str, float] = {}
+        self._held: set[str] = set()
         self._stream_endpoint: Endpoint | None = None
         # The upper cluster, when the agent hands us its client (`use_upper_api`): Services to
         # reflect, the default upper cluster ID.
@@ -102,6 +110,16 @@ class ProviderCore:
         # serviceAccountTokens: upper -- upper pod "namespace/name" -> (UID, when to mint again)
         self._token_due: dict[str, tuple[str, float]] = {}
         self._token_check = 5.0  # seconds between looks for tokens due
+
+    def _prepared_pod(self, pod: ResolvedPod) -> Prepared:
+        """The pod as JSON and the references its lower pod needs, worked out once per pod the
+        agent hands over (and translation settings), not on every plan."""
+        key = f"{pod.namespace}/{pod.name}"
+        known = self._prepared.get(key)
+        if known is not None and known[0] is pod and known[1] is self.how:
+            return known
+        upper = to_json(pod.pod)
+        return (pod, self.how, upper, needed_references(upper, self.how))
 
     def use_upper_api(self, api: UpperAPI) -> None:
         self._upper = api

@@ -27,7 +27,7 @@ from typing import Any
 
 from ._capacity import _value, format_quantity, pod_requests
 
-__all__ = ["Misfit", "fit_verdict", "largest_free", "node_free"]
+__all__ = ["Misfit", "NodeUsage", "fit_verdict", "largest_free"]
 
 _TERMINAL = {"Succeeded", "Failed"}
 _BLOCKING_EFFECTS = {"NoSchedule", "NoExecute"}
@@ -45,28 +45,61 @@ class Misfit:
     lacking: tuple[str, ...]
 
 
-def node_free(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> dict[str, Fraction]:
-    """Allocatable minus the requests of every non-terminal pod bound to the node (ours too:
-    for the question "would a new pod fit there" every pod takes its room), one `pods` each."""
-    free: dict[str, Fraction] = defaultdict(Fraction)
-    for resource, value in ((node.get("status") or {}).get("allocatable") or {}).items():
-        free[resource] += _value(value)
-    for pod in pods:
-        if (pod.get("status") or {}).get("phase") in _TERMINAL:
-            continue
-        for resource, value in pod_requests(pod).items():
+class NodeUsage:
+    """Per lower node, what its non-terminal pods request (one `pods` each), kept pod by pod as
+    the snapshot changes. The fit check runs on every pod create: summing the requests of the
+    whole snapshot each time made a 1,000-pod burst quadratic (14 % of the agent's CPU)."""
+
+    def __init__(self, pods: Iterable[tuple[str, Mapping[str, Any]]] = ()) -> None:
+        # pod key -> (its node, its spec as last seen, what it takes there)
+        self._pods: dict[str, tuple[str, Any, dict[str, Fraction]]] = {}
+        self._nodes: dict[str, dict[str, Fraction]] = defaultdict(lambda: defaultdict(Fraction))
+        for key, pod in pods:
+            self.put(key, pod)
+
+    def put(self, key: str, pod: Mapping[str, Any]) -> None:
+        spec = pod.get("spec") or {}
+        node = spec.get("nodeName")
+        if not node or (pod.get("status") or {}).get("phase") in _TERMINAL:
+            self.drop(key)
+            return
+        known = self._pods.get(key)
+        if known is not None and known[0] == node and known[1] == spec:
+            return  # a status change (most events): the same room taken
+        self.drop(key)
+        used = dict(pod_requests(pod))
+        used["pods"] = used.get("pods", Fraction(0)) + 1
+        self._pods[key] = (str(node), spec, used)
+        totals = self._nodes[str(node)]
+        for resource, value in used.items():
+            totals[resource] += value
+
+    def drop(self, key: str) -> None:
+        known = self._pods.pop(key, None)
+        if known is None:
+            return
+        totals = self._nodes[known[0]]
+        for resource, value in known[2].items():
+            totals[resource] -= value
+            if not totals[resource]:
+                del totals[resource]  # as if never requested (`largest_free` lists no 0)
+
+    def free(self, node: Mapping[str, Any]) -> dict[str, Fraction]:
+        """Allocatable minus the requests of every non-terminal pod bound to the node (ours
+        too: for the question "would a new pod fit there" every pod takes its room)."""
+        free: dict[str, Fraction] = defaultdict(Fraction)
+        for resource, value in ((node.get("status") or {}).get("allocatable") or {}).items():
+            free[resource] += _value(value)
+        name = str((node.get("metadata") or {}).get("name"))
+        for resource, value in self._nodes.get(name, {}).items():
             free[resource] -= value
-        free["pods"] -= 1
-    return dict(free)
+        return dict(free)
 
 
-def _by_node(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-    bound: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-    for pod in pods:
-        name = (pod.get("spec") or {}).get("nodeName")
-        if name:
-            bound[str(name)].append(pod)
-    return bound
+def _usage(pods: Iterable[Mapping[str, Any]] | NodeUsage) -> NodeUsage:
+    if isinstance(pods, NodeUsage):
+        return pods
+    return NodeUsage((str(i), pod) for i, pod in enumerate(pods))
 
 
 def _schedulable(node: Mapping[str, Any]) -> bool:
@@ -77,30 +110,31 @@ def _schedulable(node: Mapping[str, Any]) -> bool:
 
 
 def largest_free(
-    nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+    nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]] | NodeUsage
 ) -> dict[str, str]:
     """Per resource, the most any single usable lower node has free (never negative). Nodes
     with a NoSchedule/NoExecute taint count too: a pod tolerating it may land there."""
-    bound = _by_node(pods)
+    usage = _usage(pods)
     best: dict[str, Fraction] = {}
     for node in nodes:
         if not _schedulable(node):
             continue
-        name = str((node.get("metadata") or {}).get("name"))
-        for resource, value in node_free(node, bound.get(name, [])).items():
+        for resource, value in usage.free(node).items():
             best[resource] = max(best.get(resource, Fraction(0)), max(value, Fraction(0)))
     return {r: format_quantity(v) for r, v in sorted(best.items())}
 
 
 def fit_verdict(
-    pod: Mapping[str, Any], nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+    pod: Mapping[str, Any],
+    nodes: Iterable[Mapping[str, Any]],
+    pods: Iterable[Mapping[str, Any]] | NodeUsage,
 ) -> Misfit | None:
     """None when some lower node could take `pod` (the lower pod as it will be created), else
     why not, in the scheduler's words: `0/3 nodes can take it: 2 Insufficient cpu, 1 node(s)
     didn't match Pod's node affinity/selector`."""
     spec = pod.get("spec") or {}
     wanted = pod_requests(pod)
-    bound = _by_node(pods)
+    usage = _usage(pods)
     reasons: Counter[str] = Counter()
     lacking: set[str] = set()
     count = 0
@@ -110,8 +144,7 @@ def fit_verdict(
         if why is not None:
             reasons[why] += 1
             continue
-        name = str((node.get("metadata") or {}).get("name"))
-        free = node_free(node, bound.get(name, []))
+        free = usage.free(node)
         short = [
             r
             for r, amount in sorted({**wanted, "pods": Fraction(1)}.items())

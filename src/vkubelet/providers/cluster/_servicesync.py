@@ -8,7 +8,7 @@ import logging
 import msgspec
 
 from ...node import ApiError
-from ._convert import name_key, to_json
+from ._convert import name_key
 from ._core import ProviderCore
 from ._services import apply_service_plan, plan_services
 from ._stamps import is_ours
@@ -71,7 +71,7 @@ class ServiceReflection(ProviderCore):
             found = await self.lower.list_objects("Service", selector=self.owner.selector)
             self._lower_services = {name_key(s): s for s in found if is_ours(s, self.owner)}
         running = [
-            to_json(p.pod)
+            self._prepared_pod(p)[2]  # its JSON as prepared once per pod, not again per sync
             for k, p in self._pods.items()
             if self._deleting.get(k) != p.uid and k not in self._failed
         ]

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from lightkube.resources.core_v1 import Node, Pod
 
-from vkubelet.providers.cluster._fit import fit_verdict, largest_free
+from vkubelet.providers.cluster._fit import NodeUsage, fit_verdict, largest_free
 from vkubelet.sdk import EventType, ProviderError, ResolvedPod
 
 from .test_provider import resolved, scripted
@@ -63,6 +63,34 @@ def test_the_largest_free_per_resource_is_that_of_one_node_not_the_sum() -> None
     assert free["cpu"] == "4"  # n3 is empty
     assert largest_free(FOUR, BUSY)["cpu"] == "2"
     assert largest_free(FOUR, BUSY)["pods"] == "9"
+
+
+def test_the_running_usage_follows_pods_as_they_are_bound_finish_and_go() -> None:
+    usage = NodeUsage()
+    pending = pod("2")
+    usage.put("a", pending)
+    assert largest_free(FOUR, usage)["cpu"] == "4", "a pod not bound yet takes no room"
+    for i in range(4):
+        usage.put(f"busy-{i}", pod("2", f"n{i}"))
+    usage.put("a", pod("2", "n0"))  # bound: n0 now runs 4 CPUs' worth
+    assert fit_verdict(pod("2"), FOUR, usage) is None
+    assert usage.free(FOUR[0])["cpu"] == 0 and usage.free(FOUR[0])["pods"] == 8
+    running = pod("2", "n0")
+    running["status"] = {"phase": "Running", "podIP": "10.0.0.1"}
+    usage.put("a", running)  # a status change: the same room
+    assert usage.free(FOUR[0])["cpu"] == 0
+    usage.put("a", {**running, "status": {"phase": "Succeeded"}})
+    assert usage.free(FOUR[0])["cpu"] == 2, "a finished pod takes nothing"
+    usage.put("a", running)
+    usage.drop("a")
+    usage.drop("a")  # twice (a relist, then a late event): no harm
+    assert usage.free(FOUR[0]) == {"cpu": 2, "memory": 8 * 2**30, "pods": 9}
+    assert largest_free(FOUR, usage) == largest_free(FOUR, BUSY)
+    gpu = pod("1", "n1")
+    gpu["spec"]["containers"][0]["resources"]["requests"]["example.com/gpu"] = "1"
+    usage.put("g", gpu)
+    usage.drop("g")
+    assert "example.com/gpu" not in largest_free(FOUR, usage), "a resource nobody asks for"
 
 
 def test_cordoned_nodes_refuse_and_not_ready_ones_are_still_candidates() -> None:

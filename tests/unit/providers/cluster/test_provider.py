@@ -16,12 +16,15 @@ from vkubelet.node import ConfigError, KubeClient
 from vkubelet.providers.cluster import (
     ClusterProvider,
     LowerCluster,
+    _deps,
+    _provider,
     create,
     load_lower_config,
     open_lower,
     stamp,
 )
 from vkubelet.sdk import ProviderContext, ProviderError, ResolvedPod
+from vkubelet.testing.harness import always, eventually
 
 from .pods import OTHER, upper_pod
 from .test_lower import lower_yaml
@@ -177,6 +180,75 @@ def test_a_pod_with_an_older_copy_of_a_configmap_does_not_roll_the_lower_copy_ba
     assert written and set(written) == {"7"}
 
 
+def test_a_pod_whose_copies_are_current_starts_without_a_plan_and_a_newer_version_is_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load_lower_config(lower_yaml(tmp_path))
+    requests: list[tuple[str, str]] = []
+    plans: list[int] = []  # how many pods each dependency plan went over
+    real_plan = _deps.plan_dependencies
+
+    def plan(pods: Any, *args: Any, **kwargs: Any) -> Any:
+        pods = list(pods)
+        plans.append(len(pods))
+        return real_plan(pods, *args, **kwargs)
+
+    monkeypatch.setattr(_provider, "plan_dependencies", plan)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append((request.method, request.url.path))
+        if request.method == "GET" and request.url.params.get("labelSelector"):
+            return httpx.Response(200, json={"items": [], "metadata": {"resourceVersion": "1"}})
+        if request.method == "GET" and request.url.path.endswith("/namespaces/shop"):
+            return httpx.Response(200, json={"metadata": {"name": "shop"}})
+        if request.method == "GET":
+            return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
+        return httpx.Response(201, json=json.loads(request.content))
+
+    real = open_lower(config)
+    lower = LowerCluster(
+        KubeClient(real.client.config, transport=httpx.MockTransport(handler)), config
+    )
+    provider = ClusterProvider(config, context(tmp_path), lower, background=False)
+
+    def pod(name: str, version: str | None) -> ResolvedPod:
+        spec = upper_pod(
+            volumes=[], imagePullSecrets=[], serviceAccountName="default", initContainers=[]
+        )
+        spec["metadata"]["name"] = name
+        spec["metadata"]["uid"] = "uid-" + name
+        env_from = [{"configMapRef": {"name": "web-config"}}] if version else []
+        spec["spec"]["containers"][0].update(env=[], volumeMounts=[], envFrom=env_from)
+        config_map = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "web-config", "namespace": "shop", "resourceVersion": version},
+            "data": {"v": version},
+        }
+        refs = {("ConfigMap", "shop", "web-config"): config_map} if version else {}
+        return ResolvedPod(msgspec.convert(spec, Pod), references=refs)
+
+    async def started(name: str, version: str | None) -> list[tuple[str, str]]:
+        requests.clear()
+        await provider.create_pod(pod(name, version))
+        return [r for r in requests if "/pods" not in r[1]]  # the pod's own requests aside
+
+    async def scenario() -> None:
+        try:
+            first = await started("a", "7")
+            assert ("POST", "/api/v1/namespaces/shop/configmaps") in first
+            assert await started("b", "7") == [], "the copy is there: no list, no write"
+            assert await started("c", None) == [], "needs nothing: nothing but the pod"
+            newer = await started("d", "8")
+            assert [m for m, path in newer if "/configmaps/web-config" in path] == ["PUT"]
+            assert await started("e", "8") == []
+            assert plans == [1, 4], "planned for the first pod and the newer version only"
+        finally:
+            await provider.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_dependency_name_taken_by_the_user_blocks_the_pod_and_is_left_alone(
     tmp_path: Path,
 ) -> None:
@@ -310,6 +382,55 @@ def with_phase(lower: dict[str, Any], phase: str) -> dict[str, Any]:
     changed: dict[str, Any] = json.loads(json.dumps(lower))
     changed["status"] = {"phase": phase}
     return changed
+
+
+def test_a_new_pods_plain_pending_status_is_held_back_briefly_and_anything_else_goes_up_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One upper status write per pod in a burst, not two: the lower pod's Pending status
+    between its create and Running is not pushed, unless it lasts longer than the hold."""
+    monkeypatch.setattr(_provider, "PENDING_HOLD", 2.0)  # long enough for a loaded machine
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    reports: list[tuple[str, str]] = []
+
+    def phases(uid: str) -> list[str]:
+        return [phase for u, phase in reports if u == uid]
+
+    def scheduled(lower: dict[str, Any], *, fits: bool = True) -> dict[str, Any]:
+        changed = with_phase(lower, "Pending")
+        changed["spec"]["nodeName"] = "lower-a" if fits else None
+        condition: dict[str, Any] = {"type": "PodScheduled", "status": "True"}
+        if not fits:
+            condition.update(status="False", reason="Unschedulable", message="0/3 nodes")
+        changed["status"]["conditions"] = [condition]
+        return changed
+
+    async def scenario() -> None:
+        def report(pod: Pod) -> None:
+            assert pod.metadata is not None and pod.status is not None
+            reports.append((str(pod.metadata.uid), str(pod.status.phase)))
+
+        provider.notify_pods(report)
+        try:
+            for uid, name in (("fast", "web-0"), ("slow", "web-1"), ("stuck", "web-2")):
+                pod = msgspec.to_builtins(web_0(uid).pod)
+                pod["metadata"]["name"] = name
+                await provider.create_pod(ResolvedPod(msgspec.convert(pod, Pod)))
+            lower = {n: fake.pods[n] for n in ("web-0", "web-1", "web-2")}
+            for name in lower:
+                provider._observed(f"shop/{name}", scheduled(lower[name]))
+            provider._observed("shop/web-2", scheduled(lower["web-2"], fits=False))
+            await eventually(lambda: phases("stuck") == ["Pending"], what="Unschedulable at once")
+            provider._observed("shop/web-0", with_phase(lower["web-0"], "Running"))
+            await eventually(lambda: phases("fast") == ["Running"], what="Running at once")
+            assert phases("slow") == [], "plain Pending is held back"
+            await eventually(lambda: phases("slow") == ["Pending"], what="Pending after the hold")
+            await always(lambda: phases("fast") == ["Running"], duration=0.5)
+        finally:
+            await provider.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_late_events_of_a_force_deleted_pod_do_not_touch_its_successor_of_the_same_name(
