@@ -94,8 +94,27 @@ def _node_problem(nodes: Mapping[str, Mapping[str, Any]], name: str, source: str
     return None
 
 
-def target_pod(migration: Mapping[str, Any], source: Mapping[str, Any], node: str | None) -> Any:
-    """A copy of the VM's pod for `node` (None: the scheduler picks, never the source's node)."""
+def vm_nodes(nodes: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The nodes a VM can move to: those the vm provider runs (its node condition)."""
+    return sorted(
+        name
+        for name, node in nodes.items()
+        if any(
+            c.get("type") == VM_NODE_CONDITION
+            for c in (node.get("status") or {}).get("conditions") or []
+        )
+    )
+
+
+def target_pod(
+    migration: Mapping[str, Any],
+    source: Mapping[str, Any],
+    node: str | None,
+    candidates: list[str] | None = None,
+) -> Any:
+    """A copy of the VM's pod for `node` (None: the scheduler picks among the `candidates`, the
+    vm nodes: a pod that tolerates every virtual-kubelet taint could otherwise land on a node of
+    another provider; never the source's node)."""
     meta, name = _meta(source), str(_meta(migration).get("name"))
     spec = copy.deepcopy(dict(source.get("spec") or {}))
     source_node = spec.pop("nodeName", None)
@@ -108,12 +127,15 @@ def target_pod(migration: Mapping[str, Any], source: Mapping[str, Any], node: st
     if node is not None:
         spec["nodeName"] = node
     elif source_node:
-        away = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": [source_node]}
+        away = [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": [source_node]}]
+        if candidates is not None:  # no other vm node: unschedulable, the scheduler says so
+            others = [n for n in candidates if n != source_node] or [source_node]
+            away.append({"key": "kubernetes.io/hostname", "operator": "In", "values": others})
         affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
         required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
         terms = required.get("nodeSelectorTerms") or [{}]
         for term in terms:  # terms are ORed: each must keep away from the source
-            term["matchExpressions"] = [*(term.get("matchExpressions") or []), away]
+            term["matchExpressions"] = [*(term.get("matchExpressions") or []), *away]
         required["nodeSelectorTerms"] = terms
     annotations = {k: v for k, v in _annotations(source).items() if k != MIGRATE_TO}
     annotations[MIGRATION_SOURCE] = str(meta["name"])
@@ -193,7 +215,9 @@ def decide(
         wanted = spec.get("targetNode")
         if wanted and (problem := _node_problem(nodes, str(wanted), source_node)):
             return fail("InvalidTarget", problem)
-        step.create = target_pod(migration, source, str(wanted) if wanted else None)
+        step.create = target_pod(
+            migration, source, str(wanted) if wanted else None, vm_nodes(nodes)
+        )
         step.status.update(
             phase="Preparing" if wanted else "Scheduling",
             sourcePod=_meta(source)["name"],
@@ -212,7 +236,7 @@ def decide(
             return fail("TargetGone", f"the target pod {status['targetPod']} went away")
         if source is None:
             return fail("SourceGone", f"the source pod {status['sourcePod']} went away")
-        step.create = target_pod(migration, source, spec.get("targetNode"))
+        step.create = target_pod(migration, source, spec.get("targetNode"), vm_nodes(nodes))
         step.requeue = _POLL
         return step
     target_name = str(_meta(target)["name"])

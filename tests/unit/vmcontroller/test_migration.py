@@ -136,7 +136,7 @@ def test_a_target_that_is_not_another_vm_node_fails_and_changes_nothing(
     assert step.create is None and not step.delete and not step.annotate
 
 
-def test_without_a_target_node_the_scheduler_picks_one_away_from_the_source() -> None:
+def test_without_a_target_node_the_scheduler_picks_another_vm_node() -> None:
     source = source_pod()
     source["spec"]["affinity"] = {
         "nodeAffinity": {
@@ -156,8 +156,11 @@ def test_without_a_target_node_the_scheduler_picks_one_away_from_the_source() ->
     affinity = pod["spec"]["affinity"]["nodeAffinity"]
     required = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
     away = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["hv-1"]}
+    # Only vm nodes: "worker" (another provider's node the pod may tolerate) is never picked.
+    vm_only = {"key": "kubernetes.io/hostname", "operator": "In", "values": ["hv-2"]}
     for term in required["nodeSelectorTerms"]:  # ORed terms: each keeps away
-        assert away in term["matchExpressions"] and len(term["matchExpressions"]) == 2
+        assert away in term["matchExpressions"] and vm_only in term["matchExpressions"]
+        assert len(term["matchExpressions"]) == 3
 
 
 def test_a_scheduled_target_on_a_node_that_is_not_a_vm_node_fails_and_is_deleted() -> None:
