@@ -19,6 +19,7 @@
     mode: aggregate                  # or `mirror`: one virtual node per lower node
     fitCheck: true                   # aggregate: fail a pod no single lower node can take
     cannotFitBackoff: 10             # seconds the node is tainted after such a failure (doubling)
+    unschedulableTimeout: 120        # a pod Unschedulable below this long fails (0: waits forever)
     daemonSetPods: refuse            # or `run`; a pod annotation can opt in too
     clusterName: eu-1                # label value naming the lower cluster (default: node name)
     clusterLabel: vkubelet.io/cluster  # the label key carrying it; null: no such label
@@ -68,6 +69,7 @@ _TOP_KEYS = {
     "mode",
     "fitCheck",
     "cannotFitBackoff",
+    "unschedulableTimeout",
     "daemonSetPods",
     "clusterName",
     "clusterLabel",
@@ -141,6 +143,7 @@ class LowerConfig:
     mode: Literal["aggregate", "mirror"] = "aggregate"
     fit_check: bool = True
     cannot_fit_backoff: float = 10.0
+    unschedulable_timeout: float = 120.0  # a pod Unschedulable below this long fails; 0: never
     daemon_set_pods: Literal["refuse", "run"] = "refuse"
     # Several lower clusters: every virtual node of this lower cluster carries
     # `cluster_label: cluster_name`, so upper constraints can spread over or choose clusters.
@@ -227,6 +230,9 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
             Literal["refuse", "run"], _choice(where, data, "daemonSetPods", ("refuse", "run"))
         ),
         cannot_fit_backoff=_seconds(where, "cannotFitBackoff", data.get("cannotFitBackoff"), 10.0),
+        unschedulable_timeout=_seconds(
+            where, "unschedulableTimeout", data.get("unschedulableTimeout"), 120.0
+        ),
         cluster_name=_cluster_name(where, data.get("clusterName")),
         cluster_label=_cluster_label(where, data.get("clusterLabel", DEFAULT_CLUSTER_LABEL)),
         webhook=webhook,

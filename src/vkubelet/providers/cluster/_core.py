@@ -95,6 +95,9 @@ class ProviderCore:
         # is being held back (see ClusterProvider._hold_pending).
         self._created_at: dict[str, float] = {}
         self._held: set[str] = set()
+        # Pods whose lower pod the lower scheduler cannot place: since when (loop time), with
+        # the upper UID (see ClusterProvider._check_unschedulable).
+        self._unschedulable: dict[str, tuple[float, str]] = {}
         self._stream_endpoint: Endpoint | None = None
         # The upper cluster, when the agent hands us its client (`use_upper_api`): Services to
         # reflect, the default upper cluster ID.

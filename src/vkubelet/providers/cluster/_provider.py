@@ -577,6 +577,7 @@ class ClusterProvider(
             return
         previous = self._lower_pods.get(key)
         self._lower_pods[key] = lower
+        self._follow_unschedulable(key, lower)
         if previous is not None and previous.get("status") == lower.get("status"):
             return
         self._push(key)
@@ -592,7 +593,10 @@ class ClusterProvider(
         if tracked is not None and identity is not None and upper_identity(tracked) != identity:
             return  # an orphan's lower pod of another UID: not the one we know
         last = self._lower_pods.pop(key, None)
+        self._unschedulable.pop(key, None)
         given = self._pods.get(key)
+        if given is not None and key in self._failed and self._deleting.get(key) != given.uid:
+            return  # we failed it and removed its lower pod (`_give_up_unschedulable`)
         if given is None or self._deleting.get(key) == given.uid:
             self._push_gone(key, last)
             return
@@ -607,6 +611,64 @@ class ClusterProvider(
         log.warning("pod %s: %s", key, message)
         self.context.events.pod_event(given.pod, "Warning", reason, message)
         self._push(key)
+
+    def _follow_unschedulable(self, key: str, lower: Mapping[str, Any]) -> None:
+        """Note when the lower scheduler starts refusing a pod. The fit check passes a pod that
+        fits the snapshot, but it reserves nothing, the snapshot ages, and it does not judge
+        everything (pod affinity, volumes): a pod can still sit Unschedulable below, where no
+        controller replaces it. tensile-kube needs a descheduler for this; here the provider
+        itself gives up after `unschedulableTimeout` (`_give_up_unschedulable`)."""
+        limit = self.config.unschedulable_timeout
+        given = self._pods.get(key)
+        if limit <= 0 or given is None or not _unschedulable(lower):
+            self._unschedulable.pop(key, None)
+            return
+        if self._unschedulable.get(key, (0.0, ""))[1] == given.uid:
+            return
+        loop = asyncio.get_running_loop()
+        self._unschedulable[key] = (loop.time(), given.uid)
+        loop.call_later(limit, self._give_up_unschedulable, key, given.uid)
+
+    def _give_up_unschedulable(self, key: str, uid: str) -> None:
+        """Still Unschedulable below after the timeout: fail the upper pod (its controller makes
+        a replacement), taint the node for the back-off so the replacement goes elsewhere, and
+        remove the lower pod (it never ran)."""
+        since = self._unschedulable.pop(key, None)
+        given, lower = self._pods.get(key), self._lower_pods.get(key)
+        if since is None or since[1] != uid or given is None or given.uid != uid:
+            return
+        if lower is None or not _unschedulable(lower) or key in self._failed:
+            return
+        scheduled = next(
+            c for c in (lower.get("status") or {}).get("conditions") or []
+            if c.get("type") == "PodScheduled"
+        )  # fmt: skip
+        message = (
+            f"the lower cluster could not schedule this pod for "
+            f"{self.config.unschedulable_timeout:.0f}s: {scheduled.get('message') or 'no reason'}"
+        )
+        upper = to_json(given.pod)
+        upper["status"] = status_up(
+            lower, upper, host_ip=self.context.internal_ip, now=now_rfc3339()
+        )
+        self._failed[key] = gone_status(
+            upper, reason=UNSCHEDULABLE_BELOW, message=message, now=now_rfc3339()
+        )
+        log.warning("pod %s: %s", key, message)
+        self.context.events.pod_event(given.pod, "Warning", UNSCHEDULABLE_BELOW, message)
+        if self.config.mode == "aggregate" and self._start_cannot_fit_backoff(message):
+            self._spawned.spawn(self._taint_published(), name=f"taint for {key}")
+        self._push(key)
+        namespace, _, name = key.partition("/")
+        lower_uid = str((lower.get("metadata") or {}).get("uid", ""))
+        self._spawned.spawn(
+            self._call(
+                self.lower.delete(
+                    "Pod", self.how.lower_namespace(namespace), name, grace_period=0, uid=lower_uid
+                )
+            ),
+            name=f"remove unschedulable {key}",
+        )
 
     def _push(self, key: str) -> None:
         if self._notify is None or self._hold_pending(key):
@@ -854,3 +916,19 @@ class ClusterProvider(
 
 def _version(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion", ""))
+
+
+UNSCHEDULABLE_BELOW = "LowerClusterUnschedulable"
+
+
+def _unschedulable(lower: Mapping[str, Any]) -> bool:
+    """Whether the lower scheduler has refused to place the pod (and it is still Pending)."""
+    status = lower.get("status") or {}
+    if status.get("phase", "Pending") != "Pending" or (lower.get("spec") or {}).get("nodeName"):
+        return False
+    return any(
+        c.get("type") == "PodScheduled"
+        and c.get("status") == "False"
+        and c.get("reason") == "Unschedulable"
+        for c in status.get("conditions") or []
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -645,3 +646,59 @@ def test_a_name_taken_below_by_someone_else_is_found_by_the_create_and_left_alon
     assert error.reason == "LowerNameConflict"
     assert fake.pods["web-0"]["metadata"] == {"name": "web-0"}
     assert not any(method in ("DELETE", "PUT", "PATCH") for method, _ in fake.written)
+
+
+def unschedulable(lower: dict[str, Any]) -> dict[str, Any]:
+    changed = with_phase(lower, "Pending")
+    changed["status"]["conditions"] = [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 fit"}
+    ]
+    return changed
+
+
+def test_a_pod_unschedulable_below_past_the_timeout_fails_and_its_lower_pod_is_removed(
+    tmp_path: Path,
+) -> None:
+    """The descheduler's outcome without one: a pod the lower scheduler keeps refusing is
+    failed upstairs (its controller replaces it) and removed below, with the lower reason; a
+    pod scheduled in time is left alone."""
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    provider.config = dataclasses.replace(provider.config, unschedulable_timeout=0.3)
+    failed: list[tuple[str, str, str]] = []
+
+    def report(pod: Pod) -> None:
+        assert pod.metadata is not None and pod.status is not None
+        if pod.status.phase == "Failed":
+            failed.append((str(pod.metadata.uid), str(pod.status.reason), str(pod.status.message)))
+
+    async def scenario() -> None:
+        provider.notify_pods(report)
+        try:
+            for uid, name in (("stuck", "web-0"), ("placed", "web-1")):
+                pod = msgspec.to_builtins(web_0(uid).pod)
+                pod["metadata"]["name"] = name
+                await provider.create_pod(ResolvedPod(msgspec.convert(pod, Pod)))
+            stuck, placed = fake.pods["web-0"], fake.pods["web-1"]
+            provider._observed("shop/web-0", unschedulable(stuck))
+            provider._observed("shop/web-1", unschedulable(placed))
+            running = with_phase(placed, "Running")
+            running["spec"]["nodeName"] = "lower-a"
+            provider._observed("shop/web-1", running)  # scheduled within the timeout
+            await eventually(lambda: "web-0" not in fake.pods, what="the stuck lower pod removed")
+            await eventually(lambda: bool(failed), what="the stuck pod failed")
+            # Its lower pod's DELETED event does not turn the reason into "deleted below".
+            provider._vanished("shop/web-0", stuck)
+            pod = await provider.get_pod("shop", "web-0")
+            assert pod is not None and pod.status is not None
+            assert pod.status.reason == "LowerClusterUnschedulable"
+            await always(lambda: "web-1" in fake.pods, duration=0.6)
+        finally:
+            await provider.aclose()
+
+    asyncio.run(scenario())
+    assert [(uid, reason) for uid, reason, _ in failed][:1] == [
+        ("stuck", "LowerClusterUnschedulable")
+    ]
+    assert "0/3 fit" in failed[0][2]
+    assert not [f for f in failed if f[0] == "placed"]
