@@ -296,3 +296,74 @@ def test_a_daemonset_tolerating_everything_is_refused_with_a_reason_and_never_st
         wait_for(none_left, timeout=30, what="no DaemonSet pod left (none stuck Terminating)")
     finally:
         kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+def test_a_pod_the_lower_scheduler_keeps_refusing_fails_after_the_timeout_and_leaves_nothing_below(
+    kube_cluster: Cluster, kubectl: Kubectl, lower_cluster: LowerCluster, tmp_path: Path
+) -> None:
+    """No pod Pending below forever: with the fit check off (any way a pod gets past it), a
+    pod no lower node can take is Unschedulable below, then failed upstairs with the lower
+    scheduler's reason, and its lower pod removed."""
+    name = f"vk-stuck-{uuid.uuid4().hex[:6]}"
+    config = tmp_path / "lower.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "kubeconfig": str(lower_cluster.kubeconfig),
+                "upperClusterID": f"stuck-{uuid.uuid4().hex[:6]}",
+                "fitCheck": False,
+                "unschedulableTimeout": 5,
+            }
+        )
+    )
+    agent = start_agent(
+        kube_cluster, tmp_path, provider="cluster", config=config, name=name, address="127.0.0.1"
+    )
+    lk = lower_cluster.kubectl
+    namespace = f"stuck-{uuid.uuid4().hex[:6]}"
+    try:
+        wait_for(lambda: node_ready(kubectl, name), what=f"node {name} Ready")
+        create_namespace(kubectl, namespace)
+        per_node = free_cpu_per_lower_node(lower_cluster)
+        summed = cpu(kubectl.json("get", "node", name)["status"]["allocatable"]["cpu"])
+        too_big = max(per_node.values()) + 1
+        assert too_big <= summed, (per_node, summed)  # the upper scheduler binds it
+        quantity = str(too_big) if too_big.denominator == 1 else f"{int(too_big * 1000)}m"
+        kubectl(
+            "-n", namespace, "apply", "-f", "-", input=json.dumps(pinned("stuck", name, quantity))
+        )
+
+        def lower_reason() -> str | None:
+            got = lk("-n", namespace, "get", "pod", "stuck", "-o", "json", check=False)
+            if got.returncode != 0:
+                return None
+            status = json.loads(got.stdout)["status"]
+            return next(
+                (c.get("reason") for c in status.get("conditions") or []
+                 if c["type"] == "PodScheduled" and c["status"] == "False"),
+                None,
+            )  # fmt: skip
+
+        wait_for(lambda: lower_reason() == "Unschedulable", what="Unschedulable below")
+
+        def failed() -> JSON | None:
+            status: JSON = kubectl.json("-n", namespace, "get", "pod", "stuck")["status"]
+            return status if status.get("phase") == "Failed" else None
+
+        status = wait_for(failed, timeout=60, what="the upper pod Failed")
+        assert status["reason"] == "LowerClusterUnschedulable", status
+        assert "Insufficient cpu" in status["message"], status["message"]
+        wait_for(
+            lambda: lk("-n", namespace, "get", "pod", "stuck", check=False).returncode != 0,
+            timeout=30,
+            what="the lower pod removed",
+        )
+        events = kubectl.json(
+            "-n", namespace, "get", "events", "--field-selector", "involvedObject.name=stuck"
+        )["items"]
+        assert any(e["reason"] == "LowerClusterUnschedulable" for e in events)
+    finally:
+        kubectl("delete", "namespace", namespace, "--wait=false")
+        lk("delete", "namespace", namespace, "--wait=false", check=False)
+        agent.stop()
+        kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
