@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+from collections.abc import Iterable
 from fractions import Fraction
 
 import msgspec
@@ -142,10 +143,32 @@ class CapacityFollowing(ProviderCore):
                 largest_free=largest_free(objects["Node"].values(), usage),
             )
             if capacity != self._capacity:
+                self._explain_no_usable_node(objects["Node"].values(), capacity)
                 self._capacity = capacity
                 if self._node_notify is not None:
                     self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
             await asyncio.sleep(1.0)  # at most one recomputation a second
+
+    def _explain_no_usable_node(self, nodes: Iterable[JSON], capacity: LowerCapacity) -> None:
+        """A node with no capacity only says "Too many pods" to the upper scheduler. When the
+        lower cluster has Ready nodes but none counts (cordoned, or tainted NoSchedule or
+        NoExecute: the mock provider's nodes are, by default), say which, once per change."""
+        ready = [n for n in nodes if _ready(n)]
+        if capacity.usable_nodes or not ready:
+            self._no_usable_reported = False
+            return
+        if self._no_usable_reported:
+            return
+        self._no_usable_reported = True
+        names = ", ".join(sorted(str((n.get("metadata") or {}).get("name")) for n in ready)[:5])
+        message = (
+            f"no lower node counts for capacity: {len(ready)} Ready node(s) ({names}) are all "
+            "cordoned or tainted NoSchedule/NoExecute; the virtual node's capacity is zero"
+        )
+        log.warning("node %s: %s", self.context.node_name, message)
+        self.context.events.node_event(
+            self.context.node_name, "Warning", "NoUsableLowerNode", message
+        )
 
     def _follow_mirrored(self, objects: dict[str, dict[str, JSON]]) -> None:
         """Mirror mode: this virtual node's capacity, labels, cordon and readiness follow its
@@ -276,3 +299,8 @@ def _node_state(node: JSON | None) -> tuple[object, ...]:
         None,
     )
     return (True, bool((node.get("spec") or {}).get("unschedulable")), ready)
+
+
+def _ready(node: JSON) -> bool:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

@@ -82,6 +82,7 @@ class ProviderCore:
         self._usage: NodeUsage | None = None  # the snapshot's pods' requests per lower node
         self._cannot_fit_until = 0.0  # loop time until which the node carries the taint
         self._cannot_fit_backoff = 0.0  # the current taint length (doubles while failing)
+        self._no_usable_reported = False  # see CapacityFollowing._explain_no_usable_node
         self._unreachable: str | None = None
         self._denied: str | None = None  # missing lower permissions, as MissingPermissions says
         self._tasks: list[asyncio.Task[None]] = []

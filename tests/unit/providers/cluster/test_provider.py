@@ -24,6 +24,7 @@ from vkubelet.providers.cluster import (
     open_lower,
     stamp,
 )
+from vkubelet.providers.cluster._capacity import lower_capacity
 from vkubelet.sdk import ProviderContext, ProviderError, ResolvedPod
 from vkubelet.testing.harness import always, eventually
 
@@ -702,3 +703,41 @@ def test_a_pod_unschedulable_below_past_the_timeout_fails_and_its_lower_pod_is_r
     ]
     assert "0/3 fit" in failed[0][2]
     assert not [f for f in failed if f[0] == "placed"]
+
+
+class NodeEvents:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def pod_event(self, pod: Pod, type: str, reason: str, message: str) -> None:
+        pass
+
+    def node_event(self, node_name: str, type: str, reason: str, message: str) -> None:
+        self.seen.append((reason, message))
+
+
+def test_zero_capacity_from_tainted_lower_nodes_is_explained_once_per_change(
+    tmp_path: Path,
+) -> None:
+    """A new user's lower cluster of default mock nodes (tainted NoSchedule): the virtual node
+    gets no capacity, and a Warning names the nodes instead of a bare "Too many pods"."""
+    provider = FakeLower().provider(tmp_path)
+    events = NodeEvents()
+    provider.context = dataclasses.replace(provider.context, events=events)
+    tainted = {
+        "metadata": {"name": "mock-1"},
+        "spec": {"taints": [{"key": "virtual-kubelet.io/provider", "effect": "NoSchedule"}]},
+        "status": {
+            "allocatable": {"cpu": "4", "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    nothing = lower_capacity([tainted], [], lambda p: False)
+    provider._explain_no_usable_node([tainted], nothing)
+    provider._explain_no_usable_node([tainted], nothing)  # the same state: said once
+    assert [reason for reason, _ in events.seen] == ["NoUsableLowerNode"]
+    assert "mock-1" in events.seen[0][1]
+    untainted = {**tainted, "spec": {}}
+    provider._explain_no_usable_node([untainted], lower_capacity([untainted], [], lambda p: False))
+    provider._explain_no_usable_node([tainted], nothing)  # tainted again: said again
+    assert len(events.seen) == 2
