@@ -398,9 +398,11 @@ KubeconfigOption = Annotated[
 
 
 def _lightkube(kubeconfig: Path | None) -> Any:
-    from lightkube import AsyncClient, KubeConfig
+    from lightkube import AsyncClient
 
-    config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
+    from ._kubeconfig import load_kubeconfig
+
+    config = load_kubeconfig(kubeconfig)
     return AsyncClient(config=config)
 
 

@@ -19,7 +19,9 @@ from typing import Any
 import httpx2 as httpx
 import msgspec
 from lightkube.config.client_adapter import ConnectionParams
-from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+from lightkube.config.kubeconfig import SingleConfig
+
+from .._kubeconfig import load_kubeconfig
 
 JSON = dict[str, Any]
 
@@ -135,7 +137,7 @@ class KubeClient:
         options: ClientOptions = ClientOptions(),
     ) -> KubeClient:
         """Load `path`, or $KUBECONFIG / ~/.kube/config / the in-cluster account when None."""
-        kubeconfig = KubeConfig.from_file(path) if path else KubeConfig.from_env()
+        kubeconfig = load_kubeconfig(path)
         config = kubeconfig.get(context)
         if config is None:
             raise ValueError(f"kubeconfig {path or '(from environment)'}: no context {context!r}")

@@ -23,8 +23,9 @@ import h11
 import httpx2 as httpx
 import msgspec
 from lightkube.config.client_adapter import user_auth, verify_cluster
-from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+from lightkube.config.kubeconfig import SingleConfig
 
+from .._kubeconfig import load_kubeconfig
 from ._errors import StreamingError, UpgradeFailed
 
 READ_SIZE = 64 * 1024
@@ -66,7 +67,7 @@ class Endpoint:
     ) -> Endpoint:
         """`path`'s `context` (default: current), or $KUBECONFIG / ~/.kube/config /
         the in-cluster service account when `path` is None."""
-        kubeconfig = KubeConfig.from_file(path) if path else KubeConfig.from_env()
+        kubeconfig = load_kubeconfig(path)
         config = kubeconfig.get(context)
         if config is None:
             raise ValueError(f"kubeconfig {path or '(from environment)'}: no context {context!r}")
