@@ -6,6 +6,7 @@ from ._build import (
     GoToolchainMissing,
     cached_binaries,
     ensure_binaries,
+    ensure_helm,
     kubernetes_version,
 )
 from ._cluster import (
@@ -33,6 +34,7 @@ __all__ = [
     "StartupFailed",
     "cached_binaries",
     "ensure_binaries",
+    "ensure_helm",
     "kubernetes_version",
     "list_clusters",
     "processes_mentioning",

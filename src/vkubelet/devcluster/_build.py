@@ -45,6 +45,7 @@ class GoModule:
     pinned: str  # the module whose version names the build
     packages: dict[str, str]  # binary name -> Go package
     version_packages: tuple[str, ...]  # packages whose version variables we stamp
+    version_variables: tuple[str, ...] = ()  # further variables set to the version (helm's)
 
     def go_mod(self) -> str:
         return (self.directory / "go.mod").read_text()
@@ -92,6 +93,16 @@ METRICS_SERVER = GoModule(
     packages={"metrics-server": "sigs.k8s.io/metrics-server/cmd/metrics-server"},
     # As metrics-server's own Makefile stamps it (its user agent and `--version`).
     version_packages=("k8s.io/client-go/pkg/version",),
+)
+# Helm renders and lints the chart under deploy/helm (tests, `make manifests`); not part of a
+# cluster, so built only when asked for (`ensure_tool`), but cached the same way.
+HELM = GoModule(
+    cache_prefix="helm",
+    directory=Path(__file__).parent / "go-helm",
+    pinned="helm.sh/helm/v3",
+    packages={"helm": "helm.sh/helm/v3/cmd/helm"},
+    version_packages=(),
+    version_variables=("helm.sh/helm/v3/internal/version.version",),
 )
 MODULES = (KUBERNETES, METRICS_SERVER)
 GO_MODULE_DIR = KUBERNETES.directory
@@ -196,6 +207,22 @@ def ensure_binaries(progress: Progress = print) -> Binaries:
     return _binaries()
 
 
+def ensure_tool(module: GoModule, progress: Progress = print) -> dict[str, Path]:
+    """A tool's cached binaries (name -> file), building them first if missing (minutes once)."""
+    if module.missing():
+        go = find_go(module.required_go())
+        with _locked(cache_root() / "build.lock"):
+            todo = module.missing()
+            for index, name in enumerate(todo, 1):
+                _build_one(go, module, name, progress, f"{index}/{len(todo)}")
+    return {name: module.cache_dir() / name for name in module.packages}
+
+
+def ensure_helm(progress: Progress = print) -> Path:
+    """The pinned helm binary (go-helm/go.mod), built the first time (about 5 minutes)."""
+    return ensure_tool(HELM, progress)["helm"]
+
+
 def _ldflags(module: GoModule) -> str:
     """Stamp the version like the projects' own builds do, so `kubectl version` tells the truth."""
     version = module.version()
@@ -208,6 +235,7 @@ def _ldflags(module: GoModule) -> str:
             f"-X {pkg}.gitMinor={minor}",
             f"-X {pkg}.gitTreeState=clean",
         ]
+    flags += [f"-X {variable}={version}" for variable in module.version_variables]
     return " ".join(flags)
 
 
