@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 export PATH := $(CURDIR)/$(BIN):/usr/local/go/bin:$(PATH)
 
-.PHONY: install demo demo-down build lint test unit integration
+.PHONY: install demo demo-down build lint test unit integration manifests
 
 install: $(STAMP)
 
@@ -28,10 +28,14 @@ build: install
 	$(BIN)/vkubelet dev build
 
 lint: install
-	$(BIN)/ruff check src tests bench examples
-	$(BIN)/ruff format --check src tests bench examples
+	$(BIN)/ruff check src tests bench examples deploy
+	$(BIN)/ruff format --check src tests bench examples deploy
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+# deploy/manifests/*.yaml from the Helm chart (helm is built from its Go module once, then cached).
+manifests: install
+	$(BIN)/python deploy/render.py
 
 unit: install
 	$(BIN)/pytest tests/unit
