@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 export PATH := $(CURDIR)/$(BIN):/usr/local/go/bin:$(PATH)
 
-.PHONY: install demo demo-down build lint test unit integration manifests
+.PHONY: install demo demo-down build lint test unit integration manifests image image-check
 
 install: $(STAMP)
 
@@ -36,6 +36,18 @@ lint: install
 # deploy/manifests/*.yaml from the Helm chart (helm is built from its Go module once, then cached).
 manifests: install
 	$(BIN)/python deploy/render.py
+
+# The agent image (deploy/image/Containerfile), reproducible from the commit time; needs podman
+# or docker and a registry. `image-check` needs neither: every locked file from PyPI, by hash.
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct)
+image:
+	podman build -f deploy/image/Containerfile --source-date-epoch=$(SOURCE_DATE_EPOCH) \
+	  --rewrite-timestamp -t vkubelet:$(shell $(PYTHON) -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])') .
+
+image-check: install
+	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \
+	for lock in deploy/image/requirements.lock deploy/image/build-requirements.lock; do \
+	  $(BIN)/pip download --quiet --no-deps --require-hashes --dest $$d -r $$lock || exit 1; done
 
 unit: install
 	$(BIN)/pytest tests/unit
