@@ -26,6 +26,7 @@ demo-down: install
 
 build: install
 	$(BIN)/vkubelet dev build
+	$(BIN)/python -c 'from vkubelet.devcluster import ensure_helm; ensure_helm()'  # the chart's tests
 
 lint: install
 	$(BIN)/ruff check src tests bench examples deploy
@@ -42,7 +43,7 @@ manifests: install
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct)
 image:
 	podman build -f deploy/image/Containerfile --source-date-epoch=$(SOURCE_DATE_EPOCH) \
-	  --rewrite-timestamp -t vkubelet:$(shell $(PYTHON) -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])') .
+	  --rewrite-timestamp -t vkubelet:$(shell grep -m1 '^version' pyproject.toml | cut -d'"' -f2) .
 
 image-check: install
 	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \
