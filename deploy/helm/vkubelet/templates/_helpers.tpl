@@ -72,3 +72,12 @@ vkubelet.io/provider: {{ include "vkubelet.provider" . }}
 {{- define "vkubelet.hasSecret" -}}
 {{- if or .Values.existingSecret .Values.secretFiles -}}true{{- end -}}
 {{- end -}}
+
+{{/* The provider config's content; the mock provider's has a default (one node). */}}
+{{- define "vkubelet.providerConfig" -}}
+{{- if .Values.providerConfig -}}
+{{- toYaml .Values.providerConfig -}}
+{{- else if eq .Values.provider "mock" -}}
+{{- toYaml (dict .Values.nodeName (dict "cpu" "8" "memory" "32Gi" "pods" "110")) -}}
+{{- end -}}
+{{- end -}}
