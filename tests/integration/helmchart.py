@@ -123,6 +123,7 @@ class PodAgent:
     proc: subprocess.Popen[bytes]
     log_path: Path
     port: int
+    home: Path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -156,8 +157,11 @@ def agent_as_pod(
         "metadata.name": f"{installed.node}-pod",
         "metadata.namespace": installed.namespace,
     }
-    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
-    env["HOME"] = str(root)  # no ~/.kube/config to fall back on
+    # No kubeconfig to fall back on, and a home that must stay empty: the container's root
+    # filesystem is read-only, only the chart's volumes (and /tmp) take writes.
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG" and not k.startswith("XDG_")}
+    env["HOME"] = str(root / "home")
+    (root / "home").mkdir()
     for item in installed.container["env"]:
         env[item["name"]] = downward[item["valueFrom"]["fieldRef"]["fieldPath"]]
     server = urlsplit(cluster.server)
@@ -175,7 +179,7 @@ def agent_as_pod(
             stdin=subprocess.DEVNULL,
         )
     port = int(next(a for a in args if a.startswith("--kubelet-port=")).split("=")[1])
-    running = PodAgent(proc, log_path, port)
+    running = PodAgent(proc, log_path, port, root / "home")
     try:
 
         def pending_csr() -> str | None:

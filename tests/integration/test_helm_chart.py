@@ -104,6 +104,8 @@ def test_the_agent_with_the_charts_account_runs_a_pod_and_serves_its_logs(
     assert pod_runs_and_logs(kubectl, installed)
     # Nothing it tried was refused: the RBAC covers what the agent does.
     assert "forbidden" not in agent.log().lower(), agent.log()
+    # It wrote only to the chart's volumes (the image's root filesystem is read-only).
+    assert list(agent.home.iterdir()) == []
 
 
 def get(url: str, context: ssl.SSLContext) -> tuple[int, bytes]:
