@@ -1,8 +1,8 @@
 """The container image definition (deploy/image) pins everything it installs.
 
-No registry is reachable here, so the image is not built in tests: these checks hold the file
-to what makes a build reproducible, offline. `make image-check` additionally downloads every
-locked file from PyPI against its hash.
+No registry is reachable here, so the image is not built in tests: the Containerfile is parsed
+with Docker's own parser (PyPI `dockerfile` wraps moby/buildkit's) and held to what makes a build
+reproducible, offline. `make image-check` also downloads every locked file from PyPI by hash.
 """
 
 from __future__ import annotations
@@ -11,11 +11,18 @@ import re
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
+import dockerfile
+import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 IMAGE = Path(__file__).resolve().parents[2] / "deploy" / "image"
 CONTAINERFILE = (IMAGE / "Containerfile").read_text()
+INSTRUCTIONS = dockerfile.parse_string(CONTAINERFILE)
+
+
+def instructions(cmd: str) -> list[tuple[str, ...]]:
+    return [i.value for i in INSTRUCTIONS if i.cmd.upper() == cmd]
 
 
 def locked(path: Path) -> dict[str, tuple[str, list[str]]]:
@@ -58,27 +65,35 @@ def runtime_closure(name: str, seen: set[str] | None = None) -> set[str]:
 
 
 def test_the_base_image_is_pinned_by_digest() -> None:
-    base = re.search(r"^ARG BASE=(\S+)$", CONTAINERFILE, re.MULTILINE)
-    assert base and re.search(r"@sha256:[0-9a-f]{64}$", base.group(1))
+    (base,) = [v[0] for v in instructions("ARG") if v[0].startswith("BASE=")]
+    assert re.search(r"@sha256:[0-9a-f]{64}$", base), base
     stages: set[str] = set()
-    for line in re.findall(r"^FROM (.+)$", CONTAINERFILE, re.MULTILINE):
-        image, *alias = line.split(" AS ")
+    for image, *alias in instructions("FROM"):
         assert image == "${BASE}" or image in stages, f"FROM {image}: not the pinned base"
-        stages.update(alias)
+        stages.update(alias[1:])  # ("AS", name)
+    assert stages == {"build", "agent", "vm"}
 
 
 def test_every_dependency_is_installed_from_a_lock_with_hashes() -> None:
-    commands = [line for line in CONTAINERFILE.splitlines() if not line.startswith("#")]
-    installs = [m for line in commands for m in re.findall(r"bin/pip install ([^&]+)", line)]
+    runs = " && ".join(v[0] for v in instructions("RUN"))
+    installs = re.findall(r"bin/pip install ([^&]+)", runs)
     assert len(installs) == 3
     for args in installs:
         assert "--no-deps" in args, args
         # A lock, hash-checked; or the wheel just built from this tree.
-        assert "--require-hashes" in args or args.rstrip(" \\").endswith(
-            "/wheels/vkubelet-*.whl"
-        ), args
+        assert "--require-hashes" in args or args.strip().endswith("/wheels/vkubelet-*.whl"), args
+    assert "apt-get" not in runs.split("snapshot.debian.org", 1)[0]  # only from the snapshot
     assert locked(IMAGE / "requirements.lock")
     assert "hatchling" in locked(IMAGE / "build-requirements.lock")
+
+
+def test_the_agent_runs_as_the_charts_unprivileged_user() -> None:
+    agent = INSTRUCTIONS[: next(i for i, x in enumerate(INSTRUCTIONS) if x.value[-1] == "vm")]
+    (user,) = [x.value[0] for x in agent if x.cmd.upper() == "USER"]
+    assert user == "65532:65532"
+    values = yaml.safe_load((IMAGE.parent / "helm" / "vkubelet" / "values.yaml").read_text())
+    assert values["podSecurityContext"]["runAsUser"] == 65532
+    assert instructions("ENTRYPOINT") == [("/opt/vkubelet/bin/vkubelet",)]
 
 
 def test_the_lock_holds_exactly_the_agents_runtime_dependencies() -> None:
@@ -91,6 +106,8 @@ def test_the_lock_holds_exactly_the_agents_runtime_dependencies() -> None:
 
 
 def test_the_build_is_stamped_with_source_date_epoch() -> None:
-    assert "ARG SOURCE_DATE_EPOCH" in CONTAINERFILE
-    assert "SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH}" in CONTAINERFILE
+    assert ("SOURCE_DATE_EPOCH=0",) in instructions("ARG")
+    assert any(
+        "SOURCE_DATE_EPOCH" in v and "${SOURCE_DATE_EPOCH}" in v for v in instructions("ENV")
+    )
     assert "--invalidation-mode checked-hash" in CONTAINERFILE  # no mtimes in .pyc files
