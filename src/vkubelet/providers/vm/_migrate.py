@@ -251,14 +251,6 @@ class IncomingMigration:
         return b""
 
     async def stop_exports(self) -> None:
-        """Flush what came through the exports, then stop them. The source skips the flush of
-        its NBD nodes at the switchover (`no-flush`), so the copy is made durable here, once
-        the guest runs. QMP has no flush command; HMP's `qemu-io` runs one on the device."""
-        with contextlib.suppress(MonitorUnavailable, ExecuteError):
-            for device in await _disk_devices(self.monitor):
-                await self.monitor.execute(
-                    "human-monitor-command", {"command-line": f"qemu-io {device} flush"}
-                )
         with contextlib.suppress(MonitorUnavailable, ExecuteError):
             await self.monitor.execute("nbd-server-stop")
 
@@ -328,16 +320,11 @@ async def migrate_out(
     *,
     downtime_limit_ms: int = DOWNTIME_LIMIT_MS,
     stream_buffer: int = STREAM_BUFFER,
-    flush_at_switchover: bool = False,
 ) -> Outcome:
     """Mirror every disk to the target, migrate, complete the mirrors; MigrationError (the
-    guest still running here) when anything fails before the switchover.
-
-    `stream_buffer` 0 and `flush_at_switchover` are the former tuning (bench/vm_resource.py
-    compares them): stopping the guest flushes every block node, the NBD nodes included, and
-    an NBD flush is a round trip through the agent's relay and the target's fdatasync while the
-    guest is paused (measured 1-43 ms on a loaded machine). With `no-flush` the target flushes
-    once the guest runs there (`IncomingMigration.stop_exports`)."""
+    guest still running here) when anything fails before the switchover. `stream_buffer` 0
+    leaves the stream's buffers to the kernel (the former tuning; bench/vm_resource.py compares
+    the two)."""
     started = time.monotonic()
     devices = list(await _disk_devices(monitor))
     if len(devices) != len(endpoint.disks):
@@ -359,8 +346,6 @@ async def migrate_out(
             for device, export, job, node in zip(devices, endpoint.disks, jobs, nodes, strict=True):
                 server = {"type": "unix", "path": str(relay_socket)}
                 nbd = {"driver": "nbd", "node-name": node, "server": server, "export": export}
-                if not flush_at_switchover:
-                    nbd["cache"] = {"no-flush": True}
                 await monitor.execute("blockdev-add", nbd)
                 await monitor.execute(
                     "blockdev-mirror",
