@@ -380,6 +380,7 @@ async def target_ready(lab: Lab, pod: str) -> None:
 class Switchover:
     qemu: list[float] = field(default_factory=list)  # QEMU's downtime figure, ms
     paused: list[float] = field(default_factory=list)  # source stopped -> target running, ms
+    total: list[float] = field(default_factory=list)  # QEMU's total-time (the RAM migration), ms
     loads: list[str] = field(default_factory=list)
 
 
@@ -452,6 +453,7 @@ async def switchover(
             ]
             starts = [t for t, running, _ in state_changes(target.run_dir / "trace") if running]
             results[tuning].qemu.append(outcome.downtime_ms)
+            results[tuning].total.append(outcome.total_ms)
             if stops and starts:
                 results[tuning].paused.append((starts[0] - stops[-1]) * 1000)
             log(
@@ -735,10 +737,17 @@ def report(
     if switch:
         print()
         print("switchover, provider level (migrate_out between two QEMUs, idle guest), in turns:")
-        rows = [("", "QEMU downtime", "guest paused (stop -> run)")]
+        rows = [("", "QEMU downtime", "guest paused (stop -> run)", "RAM migration")]
         for size, results in switch.items():
             for tuning, found in results.items():
-                rows.append((f"{size} MiB, {tuning}", millis(found.qemu), millis(found.paused)))
+                rows.append(
+                    (
+                        f"{size} MiB, {tuning}",
+                        millis(found.qemu),
+                        millis(found.paused),
+                        millis(found.total),
+                    )
+                )
         print_table(rows)
         loads = [
             v for results in switch.values() for found in results.values() for v in found.loads
