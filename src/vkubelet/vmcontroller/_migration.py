@@ -31,6 +31,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from ._base import Context
+from ._placement import TRIGGER_ANNOTATION
 from ._resources import VirtualMachine, VirtualMachineMigration
 
 __all__ = ["MigrationReconciler", "Step", "decide"]
@@ -111,6 +112,7 @@ def target_pod(
     source: Mapping[str, Any],
     node: str | None,
     candidates: list[str] | None = None,
+    template: Mapping[str, Any] | None = None,
 ) -> Any:
     """A copy of the VM's pod for `node` (None: the scheduler picks among the `candidates`, the
     vm nodes: a pod that tolerates every virtual-kubelet taint could otherwise land on a node of
@@ -124,6 +126,20 @@ def target_pod(
     for container in spec.get("containers") or []:
         mounts = container.get("volumeMounts") or []
         container["volumeMounts"] = [m for m in mounts if m.get("name") not in tokens]
+    if node is not None and template is not None:
+        # Moved because the template's node selection changed: the target carries the new one
+        # (pinned to its node, as the VM reconciler pins a machine), not the one left behind.
+        for key in ("nodeSelector", "affinity"):
+            spec.pop(key, None)
+            if template.get(key):
+                spec[key] = copy.deepcopy(template[key])
+        pin = {"key": "metadata.name", "operator": "In", "values": [node]}
+        affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+        required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+        terms = required.get("nodeSelectorTerms") or [{}]
+        for term in terms:
+            term["matchFields"] = [*(term.get("matchFields") or []), pin]
+        required["nodeSelectorTerms"] = terms
     if node is not None:
         spec["nodeName"] = node
     elif source_node:
@@ -150,6 +166,16 @@ def target_pod(
     if meta.get("ownerReferences"):
         metadata["ownerReferences"] = copy.deepcopy(meta["ownerReferences"])
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def _template_placement(
+    migration: Mapping[str, Any], vm: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The VM template's pod spec when the migration was made because its node selection
+    changed (`_placement`): the target pod takes that selection."""
+    if _annotations(migration).get(TRIGGER_ANNOTATION) != "NodeSelection" or vm is None:
+        return None
+    return dict(((vm.get("spec") or {}).get("template") or {}).get("spec") or {})
 
 
 def decide(
@@ -216,7 +242,11 @@ def decide(
         if wanted and (problem := _node_problem(nodes, str(wanted), source_node)):
             return fail("InvalidTarget", problem)
         step.create = target_pod(
-            migration, source, str(wanted) if wanted else None, vm_nodes(nodes)
+            migration,
+            source,
+            str(wanted) if wanted else None,
+            vm_nodes(nodes),
+            _template_placement(migration, vm),
         )
         step.status.update(
             phase="Preparing" if wanted else "Scheduling",
@@ -236,7 +266,13 @@ def decide(
             return fail("TargetGone", f"the target pod {status['targetPod']} went away")
         if source is None:
             return fail("SourceGone", f"the source pod {status['sourcePod']} went away")
-        step.create = target_pod(migration, source, spec.get("targetNode"), vm_nodes(nodes))
+        step.create = target_pod(
+            migration,
+            source,
+            spec.get("targetNode"),
+            vm_nodes(nodes),
+            _template_placement(migration, vm),
+        )
         step.requeue = _POLL
         return step
     target_name = str(_meta(target)["name"])

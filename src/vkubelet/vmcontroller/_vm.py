@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from typing import Any, Final, cast
 
 from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Pod
+from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from ..sdk.quantity import QuantityError, parse_quantity
@@ -38,7 +38,8 @@ from ._base import (
     ROOT_DISK_SIZE_ANNOTATION,
     Context,
 )
-from ._resources import VirtualMachine
+from ._placement import NODE_SELECTION_CONDITION, decide_placement
+from ._resources import VirtualMachine, VirtualMachineMigration
 
 __all__ = ["Decision", "VirtualMachineReconciler", "decide", "pod_for"]
 
@@ -470,6 +471,7 @@ class VirtualMachineReconciler:
                     ctx.events.emit(vm, "Warning", "ResizeRefused", failure[1])
         if failure is not None:
             decision = decide(vm_dict, pods, failure=failure)
+        await self._place(ctx, vm, vm_dict, pods, decision)
         await self._write_status(ctx, vm_dict, namespace, name, decision.status)
         before = (vm_dict.get("status") or {}).get("phase")
         after = decision.status.get("phase")
@@ -477,6 +479,61 @@ class VirtualMachineReconciler:
             kind = "Warning" if after == "Failed" else "Normal"
             ctx.events.emit(vm, kind, str(after), f"phase {before or 'none'} -> {after}")
         return decision.requeue
+
+    async def _place(
+        self,
+        ctx: Context,
+        vm: Any,
+        vm_dict: Mapping[str, Any],
+        pods: list[dict[str, Any]],
+        decision: Decision,
+    ) -> None:
+        """A Running VM whose node no longer matches its template's node selection: a
+        migration to one that does (see `_placement`), and the NodeSelectionMatched condition."""
+        old = (vm_dict.get("status") or {}).get("conditions") or []
+        if decision.status.get("phase") == "Migrating":  # keep saying why while it moves
+            kept = [c for c in old if c.get("type") == NODE_SELECTION_CONDITION]
+            decision.status["conditions"] = [*decision.status["conditions"], *kept]
+        if decision.status.get("phase") != "Running":
+            return
+        pod = next((p for p in pods if _meta(p).get("name") == decision.status["podName"]), None)
+        if pod is None:
+            return
+        namespace = str(_meta(vm_dict).get("namespace"))
+        nodes = {
+            str(n.metadata.name): n.to_dict() async for n in ctx.client.list(Node) if n.metadata
+        }
+        migrations = [
+            dict(m) async for m in ctx.client.list(VirtualMachineMigration, namespace=namespace)
+        ]
+        placement = decide_placement(vm_dict, pod, nodes, migrations)
+        if placement is None:
+            return
+        if placement.create is not None:
+            try:
+                await ctx.client.create(VirtualMachineMigration.from_dict(placement.create))
+            except ApiError as e:
+                if e.status.code != 409:  # 409: made by an earlier pass
+                    raise
+            else:
+                log.info("%s: %s", _meta(vm_dict).get("name"), placement.message)
+                ctx.events.emit(vm, "Normal", "NodeSelectionChanged", placement.message)
+        elif placement.reason == "NoMatchingNode":
+            if not any(c.get("reason") == "NoMatchingNode" for c in old):
+                ctx.events.emit(vm, "Warning", "NoMatchingNode", placement.message)
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        condition = _condition(
+            old,
+            NODE_SELECTION_CONDITION,
+            placement.status,
+            placement.reason,
+            placement.message,
+            _meta(vm_dict).get("generation"),
+            stamp,
+        )
+        decision.status["conditions"] = [*decision.status["conditions"], condition]
+        if placement.reason == "Migrating":
+            decision.requeue = min(decision.requeue or _UNSETTLED_REQUEUE, _UNSETTLED_REQUEUE)
 
     async def _power_off(
         self, ctx: Context, vm: Any, namespace: str, pod_name: str, mode: str
