@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -40,6 +41,9 @@ NAME_LABEL = "vm.vkubelet.io/name"
 MIGRATION_LABEL = "vm.vkubelet.io/migration"  # on the target pod: the migration's name
 MIGRATION_SOURCE = "vm.vkubelet.io/migration-source"
 MIGRATE_TO = "vm.vkubelet.io/migrate-to"
+# The per-migration secret: on the target pod from its creation, on the source beside
+# `migrate-to`; the target's agent refuses any connection that does not start with it.
+MIGRATION_TOKEN = "vm.vkubelet.io/migration-token"  # noqa: S105 - its name, not its value
 TARGET_CONDITION = "vm.vkubelet.io/MigrationTarget"
 MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
 BACKUP_OF = "vm.vkubelet.io/backup-of"
@@ -153,8 +157,11 @@ def target_pod(
         for term in terms:  # terms are ORed: each must keep away from the source
             term["matchExpressions"] = [*(term.get("matchExpressions") or []), *away]
         required["nodeSelectorTerms"] = terms
-    annotations = {k: v for k, v in _annotations(source).items() if k != MIGRATE_TO}
+    annotations = {
+        k: v for k, v in _annotations(source).items() if k not in (MIGRATE_TO, MIGRATION_TOKEN)
+    }
     annotations[MIGRATION_SOURCE] = str(meta["name"])
+    annotations[MIGRATION_TOKEN] = secrets.token_hex(32)
     labels = {**(meta.get("labels") or {}), MIGRATION_LABEL: name}
     vm_name = labels.get(NAME_LABEL) or str(meta["name"])
     metadata: dict[str, Any] = {
@@ -198,7 +205,7 @@ def decide(
         step.status.update(phase="Failed", reason=reason, message=message)
         step.delete += [str(_meta(t)["name"]) for t in targets]
         if source is not None and MIGRATE_TO in _annotations(source):
-            step.annotate[str(_meta(source)["name"])] = {MIGRATE_TO: None}
+            step.annotate[str(_meta(source)["name"])] = {MIGRATE_TO: None, MIGRATION_TOKEN: None}
         step.events.append(("Warning", reason, message))
         step.requeue = None
         return step
@@ -294,7 +301,11 @@ def decide(
             step.events.append(("Normal", "Migrated", f"the VM runs on {status.get('targetNode')}"))
             return step
         return fail("SourceGone", f"the source pod {status['sourcePod']} went away")
-    if ours and outcome.get("reason") == "Completed":
+    sending = ours and outcome.get("reason") == "Running"  # (finishing: the history)
+    arrived = ready.get("reason") == "Completed" and not sending
+    if arrived or (ours and outcome.get("reason") == "Completed"):
+        # The target's word that the guest runs there is final (a source whose agent or QEMU
+        # went away mid-way may say Failed; it never runs the guest again after a switchover).
         step.status.update(
             phase="Succeeded",
             progress=100,
@@ -334,6 +345,7 @@ def decide(
         step.annotate[str(status["sourcePod"])] = {
             MIGRATE_TO: str(ready["message"]),
             MIGRATION_LABEL: name,
+            MIGRATION_TOKEN: _annotations(target).get(MIGRATION_TOKEN),
         }
     elif ours:
         step.status["progress"] = int(report.get("progress", 0))

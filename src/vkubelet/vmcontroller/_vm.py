@@ -518,9 +518,10 @@ class VirtualMachineReconciler:
             else:
                 log.info("%s: %s", _meta(vm_dict).get("name"), placement.message)
                 ctx.events.emit(vm, "Normal", "NodeSelectionChanged", placement.message)
-        elif placement.reason == "NoMatchingNode":
-            if not any(c.get("reason") == "NoMatchingNode" for c in old):
-                ctx.events.emit(vm, "Warning", "NoMatchingNode", placement.message)
+        elif placement.reason == "NoMatchingNode" and not any(
+            c.get("reason") == "NoMatchingNode" for c in old
+        ):
+            ctx.events.emit(vm, "Warning", "NoMatchingNode", placement.message)
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         condition = _condition(
             old,

@@ -18,6 +18,7 @@ from vkubelet.vmcontroller._migration import (
     MIGRATION_CONDITION,
     MIGRATION_LABEL,
     MIGRATION_SOURCE,
+    MIGRATION_TOKEN,
     TARGET_CONDITION,
     MigrationReconciler,
     decide,
@@ -29,6 +30,7 @@ from vkubelet.vmcontroller._resources import (
 
 ENDPOINT = {"host": "10.0.0.2", "migrationPort": 4000, "nbdPort": 4001, "consolePort": 4002}
 HERE = "10.0.0.2:4000"
+TOKEN = "a1" * 32
 
 
 def vm_node(name: str) -> dict[str, Any]:
@@ -92,6 +94,7 @@ def target_pod(name: str = "db-fghij", node: str | None = "hv-2", **status: Any)
     pod["metadata"]["name"] = name
     pod["metadata"]["labels"][MIGRATION_LABEL] = "move"
     pod["metadata"]["annotations"][MIGRATION_SOURCE] = "db-abcde"
+    pod["metadata"]["annotations"][MIGRATION_TOKEN] = TOKEN
     pod["spec"]["nodeName"] = node
     pod["status"] = {"phase": "Pending", "conditions": [], **status}
     return pod
@@ -176,7 +179,11 @@ def test_the_target_s_endpoint_goes_onto_the_source_then_progress_is_reported() 
     step = decide(state, VM, [source_pod(), target], NODES)
     assert step.status["phase"] == "Migrating"
     assert step.annotate == {
-        "db-abcde": {MIGRATE_TO: json.dumps(ENDPOINT), MIGRATION_LABEL: "move"}
+        "db-abcde": {
+            MIGRATE_TO: json.dumps(ENDPOINT),
+            MIGRATION_LABEL: "move",
+            MIGRATION_TOKEN: TOKEN,
+        }
     }
     source = source_pod()
     source["metadata"]["annotations"][MIGRATE_TO] = json.dumps(ENDPOINT)
@@ -227,7 +234,7 @@ def test_a_failed_migration_deletes_the_target_and_the_vm_stays_at_the_source() 
     assert step.status["phase"] == "Failed"
     assert step.status["message"] == "migration failed: Broken pipe"
     assert step.delete == ["db-fghij"]
-    assert step.annotate == {"db-abcde": {MIGRATE_TO: None}}
+    assert step.annotate == {"db-abcde": {MIGRATE_TO: None, MIGRATION_TOKEN: None}}
 
 
 def test_the_outcome_of_an_earlier_migration_to_another_target_is_not_taken_for_this_one() -> None:

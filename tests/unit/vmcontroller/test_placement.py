@@ -101,7 +101,11 @@ def test_one_migration_per_change_and_a_failed_one_is_not_retried() -> None:
 
 
 def test_a_users_migration_in_progress_is_left_to_end() -> None:
-    theirs = {"metadata": {"name": "mine"}, "spec": {"vmName": "db"}, "status": {"phase": "Scheduling"}}
+    theirs = {
+        "metadata": {"name": "mine"},
+        "spec": {"vmName": "db"},
+        "status": {"phase": "Scheduling"},
+    }
     placement = decide_placement(vm(nodeSelector={"rack": "b"}), POD, NODES, [theirs])
     assert placement is not None and placement.create is None and placement.reason == "Migrating"
 
