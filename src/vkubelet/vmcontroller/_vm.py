@@ -272,12 +272,18 @@ def decide(
     live_names = {_meta(p).get("name") for p in live}
     # A migration target is the migration reconciler's while its source pod lives.
     targets = [p for p in live if _annotations(p).get(MIGRATION_SOURCE_ANNOTATION) in live_names]
-    terminal = [
+    ended = [
         p
         for p in live
         if p not in targets and (p.get("status") or {}).get("phase") in ("Failed", "Succeeded")
     ]
-    active = sorted((p for p in live if p not in targets and p not in terminal), key=_sort_key)
+    # An ended source of a live target (its QEMU died mid-migration) is the migration
+    # reconciler's too: whether the guest arrived decides which pod goes, and which node keeps
+    # the machine (status.machineNode); deleting it here would make the target the VM's pod.
+    sources = {_annotations(p).get(MIGRATION_SOURCE_ANNOTATION) for p in targets}
+    held = [p for p in ended if _meta(p).get("name") in sources]
+    terminal = [p for p in ended if p not in held]
+    active = sorted((p for p in live if p not in targets and p not in ended), key=_sort_key)
     last_power_off = old_status.get("lastPowerOff")
     for pod in terminating:  # the provider's word on how the power-off went, while visible
         ended = _container_state(pod).get("terminated") or {}
@@ -305,6 +311,8 @@ def decide(
     # -- status --
     if kept is not None:
         phase = "Migrating" if targets else _phase_of(kept)
+    elif held and replicas:
+        phase = "Migrating"
     elif (active and replicas == 0) or terminating:
         phase = "Stopping"
     elif replicas == 0:

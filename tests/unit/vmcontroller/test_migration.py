@@ -388,3 +388,40 @@ def test_a_vm_pod_that_arrived_by_an_earlier_migration_can_move_again() -> None:
     step = decide(migration(), VM, [arrived], NODES)
     assert step.create is not None and step.status["sourcePod"] == "db-abcde"
     assert step.create["metadata"]["annotations"][MIGRATION_SOURCE] == "db-abcde"
+
+
+def _arrived(pods: list[Any]) -> None:
+    pods[1]["status"]["conditions"] = [
+        {"type": TARGET_CONDITION, "status": "False", "reason": "Completed", "message": "here"}
+    ]
+
+
+def test_the_targets_word_that_the_vm_arrived_wins_over_a_source_that_lost_track() -> None:
+    """A source whose agent or QEMU went away after the switchover may report Failed (or
+    nothing, its conditions lost with the agent): the guest runs at the target, so the
+    migration succeeded and the source is deleted, never the target."""
+    for outcome in ("Failed", None):
+        state, pods = _migrating("Failed", {"error": "the source QEMU ended"})
+        if outcome is None:
+            pods[0]["status"]["conditions"] = []
+        _arrived(pods)
+        step = decide(state, VM, pods, NODES)
+        assert step.status["phase"] == "Succeeded", outcome
+        assert step.delete == ["db-abcde"]
+
+
+def test_a_target_that_arrived_waits_for_the_source_still_sending_its_history() -> None:
+    state, pods = _migrating("Running", {"phase": "migrating", "progress": 99})
+    _arrived(pods)
+    step = decide(state, VM, pods, NODES)
+    assert step.status["phase"] not in ("Succeeded", "Failed") and not step.delete
+
+
+def test_each_target_pod_gets_its_own_token_never_the_sources_old_one() -> None:
+    source = source_pod()
+    source["metadata"]["annotations"][MIGRATION_TOKEN] = TOKEN
+    first = decide(migration(), VM, [source], NODES).create
+    second = decide(migration(), VM, [source], NODES).create
+    assert first is not None and second is not None
+    tokens = {p["metadata"]["annotations"][MIGRATION_TOKEN] for p in (first, second)}
+    assert len(tokens) == 2 and TOKEN not in tokens and all(len(t) == 64 for t in tokens)

@@ -509,7 +509,7 @@ async def _until_migrated(
             info: dict[str, Any] = await monitor.execute("query-migrate")
             status = info.get("status")
             if status == "completed":
-                return info
+                return await _completed(monitor, info)
             if status in ("failed", "cancelled"):
                 why = info.get("error-desc") or f"the migration was {status}"
                 raise MigrationError(f"migration {status}: {why}")
@@ -531,6 +531,17 @@ async def _until_migrated(
             await _nap(listener)
     finally:
         monitor.forget(listener)
+
+
+async def _completed(monitor: Monitor, info: dict[str, Any]) -> dict[str, Any]:
+    """QEMU says `completed` a moment before it has computed the times (woken by the event,
+    we can ask in between): ask again until they are there."""
+    for _ in range(100):
+        if info.get("total-time"):
+            break
+        await asyncio.sleep(0.01)
+        info = await monitor.execute("query-migrate")
+    return info
 
 
 async def _nap(listener: EventListener) -> None:
