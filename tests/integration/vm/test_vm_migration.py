@@ -152,6 +152,7 @@ class HostClock:
     def __init__(self, *files: Path) -> None:
         self.files = files
         self.arrivals: dict[int, tuple[float, int]] = {}  # tick -> (host time, which file)
+        self.uptimes: dict[int, float] = {}  # tick -> the guest's own time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -181,6 +182,7 @@ class HostClock:
                     found = TICK.match(line.decode(errors="replace").strip())
                     if found:
                         self.arrivals.setdefault(int(found.group(1)), (now, index))
+                        self.uptimes[int(found.group(1))] = float(found.group(2))
             time.sleep(self.PERIOD)
 
     def gaps(self, since: float = 0.0, until: float = 1e18) -> list[tuple[float, int, int]]:
@@ -265,16 +267,22 @@ def test_a_running_vm_migrates_to_the_other_node_with_its_disk_and_console(lab: 
     # Host-side arrival times (HostClock): the guest is paused for QEMU's downtime, and its next
     # tick can come up to one period later; the rest of the margin is the serial console's
     # way to the file, the target's resume and the host's load (2 shared cores).
+    # The host-side gap is what the guest saw (its clock runs: its vCPU starved by the precopy
+    # under TCG on a loaded machine) plus the pause it could not see (its clock stopped): the
+    # latter is the switchover's downtime as the guest lives it.
     switch_gap, last, first = clock.switch()
     assert first == last + 1, "a tick was lost at the switchover"
+    seen_by_guest = clock.uptimes[first] - clock.uptimes[last]
+    paused = switch_gap - seen_by_guest
     ordinary = max(clock.gaps(watching, started))[0]
     worst = max(clock.gaps(since=started))
     print(
-        f"host-side: switchover gap {switch_gap:.3f} s (ticks {last}->{first}), downtime "
-        f"{downtime:.3f} s, worst gap during the migration {worst[0]:.3f} s (ticks {worst[1]}->"
-        f"{worst[2]}), worst ordinary gap {ordinary:.3f} s"
+        f"host-side: switchover gap {switch_gap:.3f} s (ticks {last}->{first}) = "
+        f"{seen_by_guest:.3f} s the guest saw + {paused:.3f} s paused; QEMU's downtime "
+        f"{downtime:.3f} s; worst gap during the migration {worst[0]:.3f} s (ticks "
+        f"{worst[1]}->{worst[2]}), worst ordinary gap {ordinary:.3f} s"
     )
-    assert switch_gap <= downtime + SWITCH_MARGIN, (switch_gap, downtime)
+    assert paused <= downtime + SWITCH_MARGIN, (switch_gap, seen_by_guest, downtime)
 
 
 def test_killing_the_target_midway_leaves_the_vm_running_at_the_source(lab: Lab) -> None:
