@@ -272,7 +272,7 @@ def decide(
     live_names = {_meta(p).get("name") for p in live}
     # A migration target is the migration reconciler's while its source pod lives.
     targets = [p for p in live if _annotations(p).get(MIGRATION_SOURCE_ANNOTATION) in live_names]
-    ended = [
+    finished = [
         p
         for p in live
         if p not in targets and (p.get("status") or {}).get("phase") in ("Failed", "Succeeded")
@@ -281,9 +281,9 @@ def decide(
     # reconciler's too: whether the guest arrived decides which pod goes, and which node keeps
     # the machine (status.machineNode); deleting it here would make the target the VM's pod.
     sources = {_annotations(p).get(MIGRATION_SOURCE_ANNOTATION) for p in targets}
-    held = [p for p in ended if _meta(p).get("name") in sources]
-    terminal = [p for p in ended if p not in held]
-    active = sorted((p for p in live if p not in targets and p not in ended), key=_sort_key)
+    held = [p for p in finished if _meta(p).get("name") in sources]
+    terminal = [p for p in finished if p not in held]
+    active = sorted((p for p in live if p not in targets and p not in finished), key=_sort_key)
     last_power_off = old_status.get("lastPowerOff")
     for pod in terminating:  # the provider's word on how the power-off went, while visible
         ended = _container_state(pod).get("terminated") or {}
