@@ -508,12 +508,20 @@ class VirtualMachineReconciler:
         if pod is None:
             return
         namespace = str(_meta(vm_dict).get("namespace"))
-        nodes = {
-            str(n.metadata.name): n.to_dict() async for n in ctx.client.list(Node) if n.metadata
-        }
-        migrations = [
-            dict(m) async for m in ctx.client.list(VirtualMachineMigration, namespace=namespace)
-        ]
+        try:
+            nodes = {
+                str(n.metadata.name): n.to_dict() async for n in ctx.client.list(Node) if n.metadata
+            }
+            migrations = [
+                dict(m) async for m in ctx.client.list(VirtualMachineMigration, namespace=namespace)
+            ]
+        except ApiError as e:
+            if e.status.code not in (403, 404):
+                raise
+            # Without the migration CRD or the permission to list nodes, VMs stay where they
+            # are: everything else the reconciler does must not depend on it.
+            log.debug("node selection not checked: %s", e.status.message)
+            return
         placement = decide_placement(vm_dict, pod, nodes, migrations)
         if placement is None:
             return
