@@ -29,10 +29,10 @@ import pytest
 from vkubelet.testing import Kubectl, create_namespace, wait_for
 
 from .twonodes import VMNode, vm_node_pair  # noqa: F401 - the fixture
+from .vmlab import TOLERATION, alive, install_crds
 
 pytestmark = pytest.mark.integration
 
-TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 SOURCE = "vm.vkubelet.io/migration-source"
 MIGRATE_TO = "vm.vkubelet.io/migrate-to"
 TARGET_READY = "vm.vkubelet.io/MigrationTarget"
@@ -319,14 +319,6 @@ def _wait_migrating(lab: Lab, source: str) -> None:
     wait_for(migrating, timeout=60, interval=0.5, what="the RAM migration under way")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_a_source_agent_killed_mid_migration_rolls_it_back_when_restarted(lab: Lab) -> None:
     """SIGKILL of the source's agent during the RAM migration (slowed to 1 MB/s so that the
     kill lands there): the disks' mirror dies with its relay, QEMU's RAM migration goes on
@@ -340,7 +332,7 @@ def test_a_source_agent_killed_mid_migration_rolls_it_back_when_restarted(lab: L
     lab.migrate("vm-2", "vm-4", {**endpoint, "maxBandwidth": 1_000_000})
     _wait_migrating(lab, "vm-2")
     lab.hv2.agent.stop(signal.SIGKILL)
-    assert _alive(source_pid)
+    assert alive(source_pid)
     lab.hv2.agent.start()
     wait_for(
         lambda: lab.condition("vm-2", MIGRATION).get("reason") == "Failed",
@@ -350,8 +342,8 @@ def test_a_source_agent_killed_mid_migration_rolls_it_back_when_restarted(lab: L
     error = json.loads(lab.condition("vm-2", MIGRATION)["message"])["error"]
     print(f"after the restart: {error}")
     assert "agent restarted" in error
-    wait_for(lambda: not _alive(target_pid), timeout=60, what="the target's QEMU gone")
-    assert lab.hv2.qemu_pid(source_uid) == source_pid and _alive(source_pid)
+    wait_for(lambda: not alive(target_pid), timeout=60, what="the target's QEMU gone")
+    assert lab.hv2.qemu_pid(source_uid) == source_pid and alive(source_pid)
     wait_for(lambda: lab.running("vm-2"), timeout=120, what="the source pod Running")
     assert not lab.running("vm-4")
     count = len(_ticks(lab.logs("vm-2")))
@@ -361,16 +353,6 @@ def test_a_source_agent_killed_mid_migration_rolls_it_back_when_restarted(lab: L
 
 
 # -- the VirtualMachineMigration reconciler against the real apiserver --------------------------
-def _install_crds(kube_cluster: Any) -> None:
-    """The project's CRDs, installed the way the docs say."""
-    install = subprocess.run(
-        [str(Path(sys.prefix) / "bin" / "vkubelet"), "vm", "install-crds",
-         "--kubeconfig", str(kube_cluster.kubeconfig)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert install.returncode == 0, install.stderr
-
-
 def _reconcile_until_done(lab: Lab, kubeconfig: Any, name: str) -> dict[str, Any]:
     """Run the reconciler as the controller would (level-triggered passes) until it is done."""
     import asyncio
@@ -406,7 +388,7 @@ def _reconcile_until_done(lab: Lab, kubeconfig: Any, name: str) -> dict[str, Any
 def test_a_virtualmachinemigration_moves_the_vm_back_and_refuses_a_node_that_is_not_a_vm_node(
     lab: Lab, kube_cluster: Any
 ) -> None:
-    _install_crds(kube_cluster)
+    install_crds(kube_cluster)
     kubeconfig = kube_cluster.kubeconfig
     lab.kubectl("-n", lab.namespace, "label", "pod", "vm-2", "vm.vkubelet.io/name=db")
     vm = {
@@ -469,7 +451,7 @@ def _selector_vm(zone: str) -> dict[str, Any]:
 def test_changing_the_node_selection_migrates_the_vm_and_an_unmatched_one_says_so(
     lab: Lab, kube_cluster: Any, tmp_path: Path
 ) -> None:
-    _install_crds(kube_cluster)
+    install_crds(kube_cluster)
     k = lab.kubectl
     k("label", "node", lab.hv1.name, f"{ZONE}=one", "--overwrite")
     k("label", "node", lab.hv2.name, f"{ZONE}=two", "--overwrite")
