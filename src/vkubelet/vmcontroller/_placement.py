@@ -89,8 +89,10 @@ def _tolerated(tolerations: Iterable[Mapping[str, Any]], taint: Mapping[str, Any
     return False
 
 
-def node_admits(node: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
-    """Whether a pod of `spec` may run on `node` by its required placement (not resources)."""
+def node_admits(node: Mapping[str, Any], spec: Mapping[str, Any], *, taints: bool = True) -> bool:
+    """Whether a pod of `spec` may run on `node` by its required placement (not resources);
+    `taints=False`: the selection alone (a NoSchedule taint does not send a running pod away,
+    so it never decides that the current node stopped matching)."""
     meta = node.get("metadata") or {}
     name, labels = str(meta.get("name")), dict(meta.get("labels") or {})
     if spec.get("nodeName") and spec["nodeName"] != name:
@@ -105,6 +107,8 @@ def node_admits(node: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
     ).get("nodeSelectorTerms")
     if required and not any(_term_matches(t, labels, name) for t in required):
         return False
+    if not taints:
+        return True
     tolerations = spec.get("tolerations") or []
     return all(
         _tolerated(tolerations, taint)
@@ -141,7 +145,7 @@ def decide_placement(
     here = str((pod.get("spec") or {}).get("nodeName") or "")
     if here not in nodes:
         return None
-    if node_admits(nodes[here], spec):
+    if node_admits(nodes[here], spec, taints=False):
         return Placement("True", "Matches", f"node {here} matches the template's node selection")
     vm_name = str(meta.get("name"))
     mine = [m for m in migrations if (m.get("spec") or {}).get("vmName") == vm_name]

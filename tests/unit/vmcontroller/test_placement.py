@@ -110,6 +110,12 @@ def test_a_users_migration_in_progress_is_left_to_end() -> None:
     assert placement is not None and placement.create is None and placement.reason == "Migrating"
 
 
+def test_a_taint_the_template_does_not_tolerate_never_moves_a_running_vm() -> None:
+    pinned = vm(nodeName="hv-1", tolerations=[])  # nodeName: the scheduler never looked
+    placement = decide_placement(pinned, POD, NODES, [])
+    assert placement is not None and placement.status == "True" and placement.create is None
+
+
 def test_node_admits_checks_name_selector_affinity_fields_and_taints() -> None:
     hv2 = NODES["hv-2"]
     assert node_admits(hv2, {"tolerations": TOLERATE})
