@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from vkubelet.providers.vm._migrate import Endpoint, Migrations
+from vkubelet.providers.vm._migrate import Endpoint, MigrationError, Migrations
 from vkubelet.providers.vm._qmp import Monitor
 
 ENDPOINT = Endpoint("127.0.0.1", 1, 2, 3, ("disk0",))  # nothing listens there
@@ -129,3 +129,52 @@ async def test_a_failed_migration_is_reported_again_after_a_restart(tmp_path: Pa
     qemu = FakeQEMU("failed")
     await migrations.resume_outgoing(vm, SimpleNamespace(monitor=qemu), runner)  # type: ignore[arg-type]
     assert _condition(runner) == ("Failed", json.loads(failed)) and not qemu.calls
+
+
+class FakeTarget(Monitor):
+    """A target QEMU: its run state, and its incoming migration's state."""
+
+    def __init__(self, states: list[str], incoming: str | None) -> None:  # no socket
+        self.states, self.incoming, self.calls = states, incoming, []  # type: ignore[var-annotated]
+
+    async def execute(self, command: str, arguments: Any = None) -> Any:
+        self.calls.append(command)
+        if command == "query-status":
+            return {"status": self.states.pop(0) if len(self.states) > 1 else self.states[0]}
+        if command == "query-migrate":
+            return {"status": self.incoming} if self.incoming else {}
+        return {}
+
+
+def _target(tmp_path: Path) -> tuple[Migrations, Any, Runner]:
+    spawned: list[Any] = []
+    provider = SimpleNamespace(
+        _event=lambda vm, kind, reason, message: None,
+        _tasks=SimpleNamespace(spawn=lambda coro, name: spawned.append(coro.close())),
+    )
+    vm = SimpleNamespace(dir=tmp_path, uid="u2", launch={}, save=lambda: None)
+    return Migrations(provider), vm, Runner()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("states", "incoming"),
+    [(["running"], None), (["inmigrate", "inmigrate", "running"], "active")],
+)
+async def test_a_restarted_target_agent_takes_a_vm_that_arrived_or_is_arriving(
+    tmp_path: Path, states: list[str], incoming: str | None
+) -> None:
+    migrations, vm, runner = _target(tmp_path)
+    qemu = FakeTarget(states, incoming)
+    await migrations.resume_incoming(vm, SimpleNamespace(monitor=qemu), runner)  # type: ignore[arg-type]
+    assert vm.launch["migratedIn"] is True
+    assert runner.conditions["vm.vkubelet.io/MigrationTarget"][1] == "Completed"
+
+
+async def test_a_restarted_target_agent_stops_a_target_no_stream_reached(tmp_path: Path) -> None:
+    """Its ports died with the old agent: no source can reach it any more."""
+    migrations, vm, runner = _target(tmp_path)
+    qemu = FakeTarget(["inmigrate"], None)
+    with pytest.raises(MigrationError, match="restarted before the VM came"):
+        await migrations.resume_incoming(vm, SimpleNamespace(monitor=qemu), runner)  # type: ignore[arg-type]
+    assert "migratedIn" not in vm.launch
+    assert runner.conditions["vm.vkubelet.io/MigrationTarget"][1] == "Failed"
