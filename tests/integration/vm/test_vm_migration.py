@@ -457,12 +457,17 @@ def test_changing_the_node_selection_migrates_the_vm_and_an_unmatched_one_says_s
     k("label", "node", lab.hv2.name, f"{ZONE}=two", "--overwrite")
     namespace = create_namespace(k, f"sel-{uuid.uuid4().hex[:6]}")
     log = (tmp_path / "controller.log").open("wb")
-    controller = subprocess.Popen(
-        [str(Path(sys.prefix) / "bin" / "vkubelet"), "vm-controller",
-         "--kubeconfig", str(kube_cluster.kubeconfig), "--namespace", namespace,
-         "--lease-namespace", namespace, "--identity", "sel", "--log-level", "DEBUG"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+
+    def start_controller() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [str(Path(sys.prefix) / "bin" / "vkubelet"), "vm-controller",
+             "--kubeconfig", str(kube_cluster.kubeconfig), "--namespace", namespace,
+             "--lease-namespace", namespace, "--identity", "sel", "--lease-duration", "6",
+             "--log-level", "DEBUG"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    controller = start_controller()
 
     def vm() -> dict[str, Any]:
         return dict(k.json("-n", namespace, "get", "vm", "sel"))
@@ -493,8 +498,20 @@ def test_changing_the_node_selection_migrates_the_vm_and_an_unmatched_one_says_s
         k("-n", namespace, "exec", pod, "--", "sh", "-c", write)
         wait_for(lambda: placed().get("status") == "True", timeout=30, what="NodeSelectionMatched")
 
-        # hv-1 no longer matches: a migration the user can see moves the VM to hv-2.
+        # hv-1 no longer matches: a migration the user can see moves the VM to hv-2; the
+        # controller, SIGKILLed while it is under way, takes it up again when restarted.
         patch("two")
+        wait_for(
+            lambda: any(
+                m.get("status", {}).get("phase") in ("Preparing", "Migrating") for m in migrations()
+            ),
+            timeout=60,
+            interval=0.5,
+            what="the migration under way",
+        )
+        controller.kill()
+        controller.wait()
+        controller = start_controller()
         wait_for(lambda: running_on(lab.hv2), timeout=240, interval=2, what="sel moved to hv-2")
         (migration,) = migrations()
         assert migration["metadata"]["name"] == "sel-nodeselection-2"
