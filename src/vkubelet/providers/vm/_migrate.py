@@ -18,6 +18,13 @@ No shared storage is assumed, so the disks travel too, the way libvirt moves the
   failing): the migration is cancelled, the mirror jobs are dropped, and the guest runs on at
   the source (QEMU resumes it itself when the migration fails after stopping it).
 
+Every connection to the target's three ports must start with the migration's token (the pod
+annotation `vm.vkubelet.io/migration-token`, made by the controller): the agent checks it before
+QEMU sees a byte, so nobody else on the network can feed the target a machine or its disks.
+The switchover waits for the source agent's `migrate-continue` (pause-before-switchover), and
+the source records its migration's state on disk: a restarted agent on either side finishes the
+migration or rolls it back from that record and QEMU's own state (`Migrations.resume_*`).
+
 QEMU runs inside the VM's network namespace, which has no route to other nodes, so it never
 opens a TCP socket itself: the agent does, in the host namespace, and hands QEMU the descriptor
 (`getfd`): the migration stream on both sides (`fd:` URIs) and the NBD server's listening socket
