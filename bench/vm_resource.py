@@ -37,6 +37,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -429,8 +430,13 @@ async def switchover(
         for number, tuning in enumerate(order, start=1):
             former = tuning == "former"
             target = await launch(number, incoming=True)
+            token = secrets.token_hex(32)
             incoming = IncomingMigration(
-                target.monitor, "127.0.0.1", stream_buffer=0 if former else STREAM_BUFFER
+                target.monitor,
+                "127.0.0.1",
+                token,
+                target.run_dir / "nbd-in.sock",
+                stream_buffer=0 if former else STREAM_BUFFER,
             )
             try:
                 endpoint = await incoming.open()
@@ -440,6 +446,7 @@ async def switchover(
                     endpoint,
                     source.run_dir / "nbd.sock",
                     lambda _: None,
+                    token=token,
                     stream_buffer=0 if former else STREAM_BUFFER,
                 )
                 await incoming.wait()

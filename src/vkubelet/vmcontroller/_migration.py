@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -31,6 +32,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from ._base import Context
+from ._placement import TRIGGER_ANNOTATION
 from ._resources import VirtualMachine, VirtualMachineMigration
 
 __all__ = ["MigrationReconciler", "Step", "decide"]
@@ -39,6 +41,9 @@ NAME_LABEL = "vm.vkubelet.io/name"
 MIGRATION_LABEL = "vm.vkubelet.io/migration"  # on the target pod: the migration's name
 MIGRATION_SOURCE = "vm.vkubelet.io/migration-source"
 MIGRATE_TO = "vm.vkubelet.io/migrate-to"
+# The per-migration secret: on the target pod from its creation, on the source beside
+# `migrate-to`; the target's agent refuses any connection that does not start with it.
+MIGRATION_TOKEN = "vm.vkubelet.io/migration-token"  # noqa: S105 - its name, not its value
 TARGET_CONDITION = "vm.vkubelet.io/MigrationTarget"
 MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
 BACKUP_OF = "vm.vkubelet.io/backup-of"
@@ -111,6 +116,7 @@ def target_pod(
     source: Mapping[str, Any],
     node: str | None,
     candidates: list[str] | None = None,
+    template: Mapping[str, Any] | None = None,
 ) -> Any:
     """A copy of the VM's pod for `node` (None: the scheduler picks among the `candidates`, the
     vm nodes: a pod that tolerates every virtual-kubelet taint could otherwise land on a node of
@@ -124,6 +130,20 @@ def target_pod(
     for container in spec.get("containers") or []:
         mounts = container.get("volumeMounts") or []
         container["volumeMounts"] = [m for m in mounts if m.get("name") not in tokens]
+    if node is not None and template is not None:
+        # Moved because the template's node selection changed: the target carries the new one
+        # (pinned to its node, as the VM reconciler pins a machine), not the one left behind.
+        for key in ("nodeSelector", "affinity"):
+            spec.pop(key, None)
+            if template.get(key):
+                spec[key] = copy.deepcopy(template[key])
+        pin = {"key": "metadata.name", "operator": "In", "values": [node]}
+        affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+        required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+        terms = required.get("nodeSelectorTerms") or [{}]
+        for term in terms:
+            term["matchFields"] = [*(term.get("matchFields") or []), pin]
+        required["nodeSelectorTerms"] = terms
     if node is not None:
         spec["nodeName"] = node
     elif source_node:
@@ -137,8 +157,11 @@ def target_pod(
         for term in terms:  # terms are ORed: each must keep away from the source
             term["matchExpressions"] = [*(term.get("matchExpressions") or []), *away]
         required["nodeSelectorTerms"] = terms
-    annotations = {k: v for k, v in _annotations(source).items() if k != MIGRATE_TO}
+    annotations = {
+        k: v for k, v in _annotations(source).items() if k not in (MIGRATE_TO, MIGRATION_TOKEN)
+    }
     annotations[MIGRATION_SOURCE] = str(meta["name"])
+    annotations[MIGRATION_TOKEN] = secrets.token_hex(32)
     labels = {**(meta.get("labels") or {}), MIGRATION_LABEL: name}
     vm_name = labels.get(NAME_LABEL) or str(meta["name"])
     metadata: dict[str, Any] = {
@@ -150,6 +173,16 @@ def target_pod(
     if meta.get("ownerReferences"):
         metadata["ownerReferences"] = copy.deepcopy(meta["ownerReferences"])
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def _template_placement(
+    migration: Mapping[str, Any], vm: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The VM template's pod spec when the migration was made because its node selection
+    changed (`_placement`): the target pod takes that selection."""
+    if _annotations(migration).get(TRIGGER_ANNOTATION) != "NodeSelection" or vm is None:
+        return None
+    return dict(((vm.get("spec") or {}).get("template") or {}).get("spec") or {})
 
 
 def decide(
@@ -172,7 +205,7 @@ def decide(
         step.status.update(phase="Failed", reason=reason, message=message)
         step.delete += [str(_meta(t)["name"]) for t in targets]
         if source is not None and MIGRATE_TO in _annotations(source):
-            step.annotate[str(_meta(source)["name"])] = {MIGRATE_TO: None}
+            step.annotate[str(_meta(source)["name"])] = {MIGRATE_TO: None, MIGRATION_TOKEN: None}
         step.events.append(("Warning", reason, message))
         step.requeue = None
         return step
@@ -216,7 +249,11 @@ def decide(
         if wanted and (problem := _node_problem(nodes, str(wanted), source_node)):
             return fail("InvalidTarget", problem)
         step.create = target_pod(
-            migration, source, str(wanted) if wanted else None, vm_nodes(nodes)
+            migration,
+            source,
+            str(wanted) if wanted else None,
+            vm_nodes(nodes),
+            _template_placement(migration, vm),
         )
         step.status.update(
             phase="Preparing" if wanted else "Scheduling",
@@ -236,7 +273,13 @@ def decide(
             return fail("TargetGone", f"the target pod {status['targetPod']} went away")
         if source is None:
             return fail("SourceGone", f"the source pod {status['sourcePod']} went away")
-        step.create = target_pod(migration, source, spec.get("targetNode"), vm_nodes(nodes))
+        step.create = target_pod(
+            migration,
+            source,
+            spec.get("targetNode"),
+            vm_nodes(nodes),
+            _template_placement(migration, vm),
+        )
         step.requeue = _POLL
         return step
     target_name = str(_meta(target)["name"])
@@ -258,7 +301,11 @@ def decide(
             step.events.append(("Normal", "Migrated", f"the VM runs on {status.get('targetNode')}"))
             return step
         return fail("SourceGone", f"the source pod {status['sourcePod']} went away")
-    if ours and outcome.get("reason") == "Completed":
+    sending = ours and outcome.get("reason") == "Running"  # (finishing: the history)
+    arrived = ready.get("reason") == "Completed" and not sending
+    if arrived or (ours and outcome.get("reason") == "Completed"):
+        # The target's word that the guest runs there is final (a source whose agent or QEMU
+        # went away mid-way may say Failed; it never runs the guest again after a switchover).
         step.status.update(
             phase="Succeeded",
             progress=100,
@@ -298,6 +345,7 @@ def decide(
         step.annotate[str(status["sourcePod"])] = {
             MIGRATE_TO: str(ready["message"]),
             MIGRATION_LABEL: name,
+            MIGRATION_TOKEN: _annotations(target).get(MIGRATION_TOKEN),
         }
     elif ours:
         step.status["progress"] = int(report.get("progress", 0))

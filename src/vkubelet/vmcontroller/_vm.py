@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from typing import Any, Final, cast
 
 from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Pod
+from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from ..sdk.quantity import QuantityError, parse_quantity
@@ -38,7 +38,8 @@ from ._base import (
     ROOT_DISK_SIZE_ANNOTATION,
     Context,
 )
-from ._resources import VirtualMachine
+from ._placement import NODE_SELECTION_CONDITION, decide_placement
+from ._resources import VirtualMachine, VirtualMachineMigration
 
 __all__ = ["Decision", "VirtualMachineReconciler", "decide", "pod_for"]
 
@@ -271,12 +272,18 @@ def decide(
     live_names = {_meta(p).get("name") for p in live}
     # A migration target is the migration reconciler's while its source pod lives.
     targets = [p for p in live if _annotations(p).get(MIGRATION_SOURCE_ANNOTATION) in live_names]
-    terminal = [
+    finished = [
         p
         for p in live
         if p not in targets and (p.get("status") or {}).get("phase") in ("Failed", "Succeeded")
     ]
-    active = sorted((p for p in live if p not in targets and p not in terminal), key=_sort_key)
+    # An ended source of a live target (its QEMU died mid-migration) is the migration
+    # reconciler's too: whether the guest arrived decides which pod goes, and which node keeps
+    # the machine (status.machineNode); deleting it here would make the target the VM's pod.
+    sources = {_annotations(p).get(MIGRATION_SOURCE_ANNOTATION) for p in targets}
+    held = [p for p in finished if _meta(p).get("name") in sources]
+    terminal = [p for p in finished if p not in held]
+    active = sorted((p for p in live if p not in targets and p not in finished), key=_sort_key)
     last_power_off = old_status.get("lastPowerOff")
     for pod in terminating:  # the provider's word on how the power-off went, while visible
         ended = _container_state(pod).get("terminated") or {}
@@ -304,6 +311,8 @@ def decide(
     # -- status --
     if kept is not None:
         phase = "Migrating" if targets else _phase_of(kept)
+    elif held and replicas:
+        phase = "Migrating"
     elif (active and replicas == 0) or terminating:
         phase = "Stopping"
     elif replicas == 0:
@@ -470,6 +479,7 @@ class VirtualMachineReconciler:
                     ctx.events.emit(vm, "Warning", "ResizeRefused", failure[1])
         if failure is not None:
             decision = decide(vm_dict, pods, failure=failure)
+        await self._place(ctx, vm, vm_dict, pods, decision)
         await self._write_status(ctx, vm_dict, namespace, name, decision.status)
         before = (vm_dict.get("status") or {}).get("phase")
         after = decision.status.get("phase")
@@ -477,6 +487,70 @@ class VirtualMachineReconciler:
             kind = "Warning" if after == "Failed" else "Normal"
             ctx.events.emit(vm, kind, str(after), f"phase {before or 'none'} -> {after}")
         return decision.requeue
+
+    async def _place(
+        self,
+        ctx: Context,
+        vm: Any,
+        vm_dict: Mapping[str, Any],
+        pods: list[dict[str, Any]],
+        decision: Decision,
+    ) -> None:
+        """A Running VM whose node no longer matches its template's node selection: a
+        migration to one that does (see `_placement`), and the NodeSelectionMatched condition."""
+        old = (vm_dict.get("status") or {}).get("conditions") or []
+        if decision.status.get("phase") == "Migrating":  # keep saying why while it moves
+            kept = [c for c in old if c.get("type") == NODE_SELECTION_CONDITION]
+            decision.status["conditions"] = [*decision.status["conditions"], *kept]
+        if decision.status.get("phase") != "Running":
+            return
+        pod = next((p for p in pods if _meta(p).get("name") == decision.status["podName"]), None)
+        if pod is None:
+            return
+        namespace = str(_meta(vm_dict).get("namespace"))
+        try:
+            nodes = {
+                str(n.metadata.name): n.to_dict() async for n in ctx.client.list(Node) if n.metadata
+            }
+            migrations = [
+                dict(m) async for m in ctx.client.list(VirtualMachineMigration, namespace=namespace)
+            ]
+        except ApiError as e:
+            if e.status.code not in (403, 404):
+                raise
+            # Without the migration CRD or the permission to list nodes, VMs stay where they
+            # are: everything else the reconciler does must not depend on it.
+            log.debug("node selection not checked: %s", e.status.message)
+            return
+        placement = decide_placement(vm_dict, pod, nodes, migrations)
+        if placement is None:
+            return
+        if placement.create is not None:
+            try:
+                await ctx.client.create(VirtualMachineMigration.from_dict(placement.create))
+            except ApiError as e:
+                if e.status.code != 409:  # 409: made by an earlier pass
+                    raise
+            else:
+                log.info("%s: %s", _meta(vm_dict).get("name"), placement.message)
+                ctx.events.emit(vm, "Normal", "NodeSelectionChanged", placement.message)
+        elif placement.reason == "NoMatchingNode" and not any(
+            c.get("reason") == "NoMatchingNode" for c in old
+        ):
+            ctx.events.emit(vm, "Warning", "NoMatchingNode", placement.message)
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        condition = _condition(
+            old,
+            NODE_SELECTION_CONDITION,
+            placement.status,
+            placement.reason,
+            placement.message,
+            _meta(vm_dict).get("generation"),
+            stamp,
+        )
+        decision.status["conditions"] = [*decision.status["conditions"], condition]
+        if placement.reason == "Migrating":
+            decision.requeue = min(decision.requeue or _UNSETTLED_REQUEUE, _UNSETTLED_REQUEUE)
 
     async def _power_off(
         self, ctx: Context, vm: Any, namespace: str, pod_name: str, mode: str

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import shutil
-import signal
 import subprocess
 import tempfile
 import uuid
@@ -33,13 +31,13 @@ from vkubelet.testing import (
     create_namespace,
     local_test_address,
     node_ready,
-    start_agent,
     wait_for,
 )
 
+from .vmlab import TOLERATION, clean_up, require_vm_host, start_vm_agent
+
 pytestmark = pytest.mark.integration
 
-TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 BOOT_TIMEOUT = 300
 # The writer appends consecutive numbers, one line each, to a file on the data disk.
 WRITER = "i=0; while :; do echo $i >> /data/log; i=$((i+1)); done"
@@ -70,29 +68,16 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[Node]:
-    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("the VM provider needs root and qemu-system-x86_64")
+    require_vm_host()
     workdir = Path(tempfile.mkdtemp(prefix="vkbk-", dir="/tmp"))  # short: unix socket paths
     name = f"hv-bk-{uuid.uuid4().hex[:6]}"
-    config = workdir / "vm.yaml"
     cidr = f"10.214.{random.randrange(1, 250)}.0/24"  # noqa: S311
-    config.write_text(
-        json.dumps(
-            {
-                "stateDir": "state",
-                "accel": "tcg",
-                "podCIDR": cidr,
-                "reserved": {"memory": "1Gi"},
-                "backupDirectories": ["backups"],
-                "translations": [{"name": "tiny", "url": vm_guest_image.resolve().as_uri()}],
-            }
-        )
-    )
     with contextlib.ExitStack() as stack:
         address = stack.enter_context(local_test_address())
-        agent = start_agent(
-            kube_cluster, workdir, provider="vm", config=config, name=name, address=address
-        )
+        agent = start_vm_agent(
+            kube_cluster, workdir, name=name, address=address, cidr=cidr,
+            image=vm_guest_image, backupDirectories=["backups"],
+        )  # fmt: skip
         namespace = create_namespace(kubectl, f"vmbk-{uuid.uuid4().hex[:6]}")
         handle = Node(name, agent, workdir, namespace, kubectl)
         try:
@@ -101,29 +86,9 @@ def node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Itera
         finally:
             kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=120)
             handle.agent.stop()
-            _clean_up(workdir, cidr)
+            clean_up(workdir / "state", cidr)
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _clean_up(workdir: Path, cidr: str) -> None:
-    """QEMU processes and their networks outlive the agent."""
-    import asyncio
-
-    from vkubelet.providers.vm._net import PodNetwork
-
-    for pid_file in workdir.glob("state/vms/*/m/pid"):
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
-    network = PodNetwork(cidr)
-
-    run_dirs = list(workdir.glob("state/vms/*"))
-
-    async def detach_all() -> None:
-        for run_dir in run_dirs:
-            await network.detach(run_dir.name)
-
-    asyncio.run(detach_all())
 
 
 def _vm_pod(node: Node, name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:

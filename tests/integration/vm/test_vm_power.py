@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
-import shutil
-import signal
 import tempfile
 import time
 import urllib.request
@@ -35,13 +32,13 @@ from vkubelet.testing import (
     create_namespace,
     local_test_address,
     node_ready,
-    start_agent,
     wait_for,
 )
 
+from .vmlab import TOLERATION, kill_qemus, require_vm_host, start_vm_agent
+
 pytestmark = pytest.mark.integration
 
-TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 BOOT_TIMEOUT = 300
 HOLD = "vkubelet.io/test-hold"  # a finalizer: keeps the deleted pod so its final status is seen
 
@@ -74,31 +71,18 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[Node]:
-    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("the VM provider needs root and qemu-system-x86_64")
+    require_vm_host()
     workdir = Path(tempfile.mkdtemp(prefix="vkpw-", dir="/tmp"))  # short: socket paths
     name = f"hv-{uuid.uuid4().hex[:6]}"
     cidr = f"10.214.{random.randrange(1, 250)}.0/24"  # noqa: S311
-    config = workdir / "vm.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "stateDir": "state",
-                "accel": "tcg",
-                "podCIDR": cidr,
-                "reserved": {"memory": "1Gi"},
-                "hotplug": {"maxCpus": 2, "maxMemory": "1Gi", "memorySlots": 2},
-                "storage": {"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 1},
-                "translations": [{"name": "tiny", "url": vm_guest_image.resolve().as_uri()}],
-            }
-        )
-    )
     namespace = create_namespace(kubectl, f"vmpower-{uuid.uuid4().hex[:6]}")
     with contextlib.ExitStack() as stack:
         address = stack.enter_context(local_test_address())
-        agent = start_agent(
-            kube_cluster, workdir, provider="vm", config=config, name=name, address=address
-        )
+        agent = start_vm_agent(
+            kube_cluster, workdir, name=name, address=address, cidr=cidr, image=vm_guest_image,
+            hotplug={"maxCpus": 2, "maxMemory": "1Gi", "memorySlots": 2},
+            storage={"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 1},
+        )  # fmt: skip
         handle = Node(name, agent, workdir, kubectl, namespace)
         try:
             wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
@@ -113,9 +97,7 @@ def node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Itera
                     )  # fmt: skip
             kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=180)
             handle.agent.stop()
-            for pid_file in handle.state.glob("vms/*/m/pid"):
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+            kill_qemus(handle.state)
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
 
 

@@ -8,13 +8,10 @@ agent and scale the Deployment to zero.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import os
 import random
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -41,9 +38,10 @@ from vkubelet.testing import (
     wait_for,
 )
 
+from .vmlab import TOLERATION, alive, clean_up, require_vm_host, start_vm_agent
+
 pytestmark = pytest.mark.integration
 
-TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 BOOT_TIMEOUT = 420  # two TCG boots on a busy 2-core machine
 
 
@@ -90,72 +88,36 @@ class VMs:
         return [p for p in items["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def vm_node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[VMNode]:
-    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("the VM provider needs root and qemu-system-x86_64")
+    require_vm_host()
     # Short: QEMU's unix sockets live below it (108-byte limit).
     workdir = Path(tempfile.mkdtemp(prefix="vkvm-", dir="/tmp"))
     name = f"hv-{uuid.uuid4().hex[:6]}"
     config = workdir / "vm.yaml"
     cidr = f"10.213.{random.randrange(1, 250)}.0/24"  # noqa: S311
-    config.write_text(
-        json.dumps(
-            {
-                "stateDir": "state",
-                "accel": "tcg",
-                "podCIDR": cidr,
-                "reserved": {"memory": "1Gi"},
-                "guestAgentTimeoutSeconds": 300,
-                "translations": [{"name": "tiny", "url": vm_guest_image.resolve().as_uri()}],
-                "translationConfigMap": {
-                    "namespace": "default",
-                    "name": f"{name}-images",
-                    "kubeconfig": str(kube_cluster.kubeconfig),
-                    "intervalSeconds": 1,
-                },
-            }
-        )
-    )
     with contextlib.ExitStack() as stack:
         # Not loopback: the apiserver proxies nodes/<name>/proxy/... (stats) to none.
         address = stack.enter_context(local_test_address())
-        agent = start_agent(
-            kube_cluster, workdir, provider="vm", config=config, name=name, address=address
-        )
+        agent = start_vm_agent(
+            kube_cluster, workdir, name=name, address=address, cidr=cidr, image=vm_guest_image,
+            guestAgentTimeoutSeconds=300,
+            translationConfigMap={
+                "namespace": "default",
+                "name": f"{name}-images",
+                "kubeconfig": str(kube_cluster.kubeconfig),
+                "intervalSeconds": 1,
+            },
+        )  # fmt: skip
         node = VMNode(name, agent, workdir, config, kube_cluster, address)
         try:
             wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
             yield node
         finally:
             node.agent.stop()
-            _clean_up(node, cidr)
+            clean_up(node.state, cidr)
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
             kubectl("-n", "default", "delete", "configmap", f"{name}-images", check=False)
-
-
-def _clean_up(node: VMNode, cidr: str) -> None:
-    """What a failed test left: QEMU processes outlive the agent, and so do their networks."""
-    from vkubelet.providers.vm._net import PodNetwork
-
-    for pid in node.qemu_pids().values():
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    network = PodNetwork(cidr)
-
-    async def detach_all() -> None:
-        for run_dir in node.state.glob("vms/*"):
-            await network.detach(run_dir.name)
-
-    asyncio.run(detach_all())
 
 
 @pytest.fixture(scope="module")
@@ -481,7 +443,7 @@ def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
         what="the first mark in the logs",
     )
     vm_node.agent.stop(signal.SIGKILL)
-    assert all(_alive(pid) for pid in before.values())
+    assert all(alive(pid) for pid in before.values())
     vm_node.restart_agent()  # appends to the same log: count the second "listening"
     wait_for(lambda: node_ready(kubectl, vm_node.name), timeout=90, what="node Ready again")
     wait_for(
@@ -542,7 +504,7 @@ def test_scale_to_zero_powers_the_guests_off_gracefully(
     for follower in followers:
         out, _ = follower.communicate(timeout=60)
         assert "vkubelet-guest: shutdown requested" in out
-    wait_for(lambda: not any(_alive(pid) for pid in pids.values()), timeout=30, what="QEMU gone")
+    wait_for(lambda: not any(alive(pid) for pid in pids.values()), timeout=30, what="QEMU gone")
 
 
 def test_an_image_without_a_rule_waits_in_image_pull_back_off(

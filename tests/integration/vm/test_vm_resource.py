@@ -9,10 +9,8 @@ leader election, deletion): each TCG boot costs seconds on two shared cores.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import os
 import random
 import shutil
 import signal
@@ -35,13 +33,13 @@ from vkubelet.testing import (
     create_namespace,
     local_test_address,
     node_ready,
-    start_agent,
     wait_for,
 )
 
+from .vmlab import TOLERATION, clean_up, install_crds, require_vm_host, start_vm_agent
+
 pytestmark = pytest.mark.integration
 
-TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 BOOT_TIMEOUT = 300
 NAME_LABEL = "vm.vkubelet.io/name"
 DATA_SECTORS = 64 * 2**20 // 512  # the emptyDir disk's size: how the guest finds it
@@ -166,67 +164,21 @@ def vm_manifest(replicas: int = 1, labels: dict[str, str] | None = None) -> dict
     }
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _clean_up(state: Path, cidr: str) -> None:
-    """What a failed test left: QEMU processes outlive the agent, and so do their networks."""
-    from vkubelet.providers.vm._net import PodNetwork
-
-    for pid_file in state.glob("vms/*/m/pid"):
-        with contextlib.suppress(ValueError, OSError):
-            pid = int(pid_file.read_text().split()[0])
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-    network = PodNetwork(cidr)
-    keys = [run_dir.name for run_dir in state.glob("vms/*")]
-
-    async def detach_all() -> None:
-        for key in keys:
-            await network.detach(key)
-
-    asyncio.run(detach_all())
-
-
 @pytest.fixture(scope="module")
 def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[Lab]:
-    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("the VM provider needs root and qemu-system-x86_64")
-    install = subprocess.run(
-        [str(Path(sys.prefix) / "bin" / "vkubelet"), "vm", "install-crds",
-         "--kubeconfig", str(kube_cluster.kubeconfig)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert install.returncode == 0, install.stderr
-    assert "virtualmachines.vkubelet.io established" in install.stdout
+    require_vm_host()
+    assert "virtualmachines.vkubelet.io established" in install_crds(kube_cluster)
     workdir = Path(tempfile.mkdtemp(prefix="vkvr-", dir="/tmp"))  # short: QEMU socket paths
     name = f"hv-{uuid.uuid4().hex[:6]}"
     cidr = f"10.214.{random.randrange(1, 250)}.0/24"  # noqa: S311
-    config = workdir / "vm.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "stateDir": "state",
-                "accel": "tcg",
-                "podCIDR": cidr,
-                "reserved": {"memory": "1Gi"},
-                "guestAgentTimeoutSeconds": 300,
-                "translations": [{"name": "tiny", "url": vm_guest_image.resolve().as_uri()}],
-                "machineGC": {"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 2},
-            }
-        )
-    )
     namespace = create_namespace(kubectl, f"vmr-{uuid.uuid4().hex[:6]}")
     with contextlib.ExitStack() as stack:
         address = stack.enter_context(local_test_address())
-        agent = start_agent(
-            kube_cluster, workdir, provider="vm", config=config, name=name, address=address
-        )
+        agent = start_vm_agent(
+            kube_cluster, workdir, name=name, address=address, cidr=cidr, image=vm_guest_image,
+            guestAgentTimeoutSeconds=300,
+            machineGC={"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 2},
+        )  # fmt: skip
         lab = Lab(kubectl, namespace, name, workdir, agent, kube_cluster.kubeconfig)
         try:
             wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
@@ -236,7 +188,7 @@ def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterat
             for controller in lab.controllers:
                 controller.stop()
             lab.agent.stop()
-            _clean_up(workdir / "state", cidr)
+            clean_up(workdir / "state", cidr)
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
             shutil.rmtree(workdir / "state", ignore_errors=True)  # the logs stay, small
 

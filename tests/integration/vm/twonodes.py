@@ -11,13 +11,9 @@ Import the fixture into a test module: `from .twonodes import vm_node_pair  # no
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
-import os
 import random
 import shutil
-import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -27,14 +23,9 @@ from pathlib import Path
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import (
-    AgentProcess,
-    Kubectl,
-    local_test_address,
-    node_ready,
-    start_agent,
-    wait_for,
-)
+from vkubelet.testing import AgentProcess, Kubectl, local_test_address, node_ready, wait_for
+
+from .vmlab import clean_up, require_vm_host, start_vm_agent
 
 
 @dataclass
@@ -56,39 +47,12 @@ class VMNode:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _clean_up(node: VMNode) -> None:
-    """What a failed test left: QEMU processes outlive the agent, and so do their networks."""
-    from vkubelet.providers.vm._net import PodNetwork
-
-    uids = [d.name for d in node.state.glob("vms/*")]
-    for uid in uids:
-        pid = node.qemu_pid(uid)
-        if pid is not None and _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    network = PodNetwork(node.cidr)
-
-    async def detach_all() -> None:
-        for uid in uids:
-            await network.detach(uid)
-
-    asyncio.run(detach_all())
-
-
 @pytest.fixture(scope="module")
 def vm_node_pair(
     kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path
 ) -> Iterator[tuple[VMNode, VMNode]]:
     """hv-1 and hv-2 (names with a random suffix), both Ready."""
-    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("the VM provider needs root and qemu-system-x86_64")
+    require_vm_host()
     suffix = uuid.uuid4().hex[:5]
     thirds = random.sample(range(1, 250), 2)
     nodes: list[VMNode] = []
@@ -99,24 +63,11 @@ def vm_node_pair(
                 workdir = Path(tempfile.mkdtemp(prefix=f"vkmg{index}-", dir="/tmp"))
                 name = f"hv-{index}-{suffix}"
                 cidr = f"10.212.{third}.0/24"
-                config = workdir / "vm.yaml"
-                config.write_text(
-                    json.dumps(
-                        {
-                            "stateDir": "state",
-                            "accel": "tcg",
-                            "podCIDR": cidr,
-                            "reserved": {"memory": "1Gi"},
-                            "translations": [
-                                {"name": "tiny", "url": vm_guest_image.resolve().as_uri()}
-                            ],
-                        }
-                    )
-                )
                 address = stack.enter_context(local_test_address())
-                agent = start_agent(
-                    kube_cluster, workdir, provider="vm", config=config, name=name, address=address
-                )
+                agent = start_vm_agent(
+                    kube_cluster, workdir, name=name, address=address, cidr=cidr,
+                    image=vm_guest_image,
+                )  # fmt: skip
                 nodes.append(VMNode(name, agent, workdir, cidr, address))
             for node in nodes:
                 wait_for(
@@ -128,6 +79,6 @@ def vm_node_pair(
         finally:
             for node in nodes:
                 node.agent.stop()
-                _clean_up(node)
+                clean_up(node.state, node.cidr)
                 kubectl("delete", "node", node.name, "--ignore-not-found", "--wait=false")
                 shutil.rmtree(node.workdir, ignore_errors=True)

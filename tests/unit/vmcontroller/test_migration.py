@@ -18,6 +18,7 @@ from vkubelet.vmcontroller._migration import (
     MIGRATION_CONDITION,
     MIGRATION_LABEL,
     MIGRATION_SOURCE,
+    MIGRATION_TOKEN,
     TARGET_CONDITION,
     MigrationReconciler,
     decide,
@@ -29,6 +30,7 @@ from vkubelet.vmcontroller._resources import (
 
 ENDPOINT = {"host": "10.0.0.2", "migrationPort": 4000, "nbdPort": 4001, "consolePort": 4002}
 HERE = "10.0.0.2:4000"
+TOKEN = "a1" * 32
 
 
 def vm_node(name: str) -> dict[str, Any]:
@@ -92,6 +94,7 @@ def target_pod(name: str = "db-fghij", node: str | None = "hv-2", **status: Any)
     pod["metadata"]["name"] = name
     pod["metadata"]["labels"][MIGRATION_LABEL] = "move"
     pod["metadata"]["annotations"][MIGRATION_SOURCE] = "db-abcde"
+    pod["metadata"]["annotations"][MIGRATION_TOKEN] = TOKEN
     pod["spec"]["nodeName"] = node
     pod["status"] = {"phase": "Pending", "conditions": [], **status}
     return pod
@@ -176,7 +179,11 @@ def test_the_target_s_endpoint_goes_onto_the_source_then_progress_is_reported() 
     step = decide(state, VM, [source_pod(), target], NODES)
     assert step.status["phase"] == "Migrating"
     assert step.annotate == {
-        "db-abcde": {MIGRATE_TO: json.dumps(ENDPOINT), MIGRATION_LABEL: "move"}
+        "db-abcde": {
+            MIGRATE_TO: json.dumps(ENDPOINT),
+            MIGRATION_LABEL: "move",
+            MIGRATION_TOKEN: TOKEN,
+        }
     }
     source = source_pod()
     source["metadata"]["annotations"][MIGRATE_TO] = json.dumps(ENDPOINT)
@@ -227,7 +234,7 @@ def test_a_failed_migration_deletes_the_target_and_the_vm_stays_at_the_source() 
     assert step.status["phase"] == "Failed"
     assert step.status["message"] == "migration failed: Broken pipe"
     assert step.delete == ["db-fghij"]
-    assert step.annotate == {"db-abcde": {MIGRATE_TO: None}}
+    assert step.annotate == {"db-abcde": {MIGRATE_TO: None, MIGRATION_TOKEN: None}}
 
 
 def test_the_outcome_of_an_earlier_migration_to_another_target_is_not_taken_for_this_one() -> None:
@@ -381,3 +388,40 @@ def test_a_vm_pod_that_arrived_by_an_earlier_migration_can_move_again() -> None:
     step = decide(migration(), VM, [arrived], NODES)
     assert step.create is not None and step.status["sourcePod"] == "db-abcde"
     assert step.create["metadata"]["annotations"][MIGRATION_SOURCE] == "db-abcde"
+
+
+def _arrived(pods: list[Any]) -> None:
+    pods[1]["status"]["conditions"] = [
+        {"type": TARGET_CONDITION, "status": "False", "reason": "Completed", "message": "here"}
+    ]
+
+
+def test_the_targets_word_that_the_vm_arrived_wins_over_a_source_that_lost_track() -> None:
+    """A source whose agent or QEMU went away after the switchover may report Failed (or
+    nothing, its conditions lost with the agent): the guest runs at the target, so the
+    migration succeeded and the source is deleted, never the target."""
+    for outcome in ("Failed", None):
+        state, pods = _migrating("Failed", {"error": "the source QEMU ended"})
+        if outcome is None:
+            pods[0]["status"]["conditions"] = []
+        _arrived(pods)
+        step = decide(state, VM, pods, NODES)
+        assert step.status["phase"] == "Succeeded", outcome
+        assert step.delete == ["db-abcde"]
+
+
+def test_a_target_that_arrived_waits_for_the_source_still_sending_its_history() -> None:
+    state, pods = _migrating("Running", {"phase": "migrating", "progress": 99})
+    _arrived(pods)
+    step = decide(state, VM, pods, NODES)
+    assert step.status["phase"] not in ("Succeeded", "Failed") and not step.delete
+
+
+def test_each_target_pod_gets_its_own_token_never_the_sources_old_one() -> None:
+    source = source_pod()
+    source["metadata"]["annotations"][MIGRATION_TOKEN] = TOKEN
+    first = decide(migration(), VM, [source], NODES).create
+    second = decide(migration(), VM, [source], NODES).create
+    assert first is not None and second is not None
+    tokens = {p["metadata"]["annotations"][MIGRATION_TOKEN] for p in (first, second)}
+    assert len(tokens) == 2 and TOKEN not in tokens and all(len(t) == 64 for t in tokens)

@@ -178,6 +178,22 @@ def test_a_migration_target_is_left_to_the_migration() -> None:
     assert decision.status["phase"] == "Migrating" and decision.status["podName"] == "db-aaaaa"
 
 
+def test_a_source_that_ended_mid_migration_is_left_to_the_migration_and_keeps_the_machine() -> None:
+    """Its QEMU died while its agent was away: whether the guest reached the target is the
+    migration reconciler's to find out; until then neither pod is the VM's, nothing is created,
+    and the machine stays on the source's node."""
+    source = pod(running=False, phase="Failed")
+    source["spec"]["nodeName"] = "hv-1"
+    target = pod("db-target", annotations={MIGRATION_SOURCE_ANNOTATION: "db-aaaaa"})
+    target["spec"]["nodeName"] = "hv-2"
+    old = vm()
+    old["status"] = {"machineNode": "hv-1"}
+    decision = decide(old, [source, target])
+    assert not decision.delete and not decision.power_off and decision.create is None
+    assert decision.status["phase"] == "Migrating"
+    assert decision.status["machineNode"] == "hv-1" and decision.status["podName"] is None
+
+
 def test_template_labels_reach_the_pod_and_removed_ones_go() -> None:
     running = pod(labels={"app": "db", "tier": "old", NAME_LABEL: "db"})
     decision = decide(vm(meta={"labels": {"app": "db", "team": "a"}}), [running])

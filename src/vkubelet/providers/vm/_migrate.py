@@ -18,6 +18,13 @@ No shared storage is assumed, so the disks travel too, the way libvirt moves the
   failing): the migration is cancelled, the mirror jobs are dropped, and the guest runs on at
   the source (QEMU resumes it itself when the migration fails after stopping it).
 
+Every connection to the target's three ports must start with the migration's token (the pod
+annotation `vm.vkubelet.io/migration-token`, made by the controller): the agent checks it before
+QEMU sees a byte, so nobody else on the network can feed the target a machine or its disks.
+The switchover waits for the source agent's `migrate-continue` (pause-before-switchover), and
+the source records its migration's state on disk: a restarted agent on either side finishes the
+migration or rolls it back from that record and QEMU's own state (`Migrations.resume_*`).
+
 QEMU runs inside the VM's network namespace, which has no route to other nodes, so it never
 opens a TCP socket itself: the agent does, in the host namespace, and hands QEMU the descriptor
 (`getfd`): the migration stream on both sides (`fd:` URIs) and the NBD server's listening socket
@@ -29,8 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -38,9 +47,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...sdk import Terminated
 from ._backend import MachineHandle
 from ._console import ConsoleTailer
-from ._qmp import ExecuteError, Monitor, MonitorUnavailable
+from ._qmp import EventListener, ExecuteError, Monitor, MonitorUnavailable
 
 if TYPE_CHECKING:
     from ...sdk import PodRunner
@@ -66,6 +76,11 @@ MIGRATION_SOURCE = "vm.vkubelet.io/migration-source"
 MIGRATE_TO = "vm.vkubelet.io/migrate-to"
 TARGET_CONDITION = "vm.vkubelet.io/MigrationTarget"
 MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
+# The per-migration secret (on both pods, set by the controller): every connection to the
+# target's ports must start with it (see `_authenticate`). Never logged, never in a condition.
+MIGRATION_TOKEN = "vm.vkubelet.io/migration-token"  # noqa: S105 - its name, not its value
+_TOKEN_TIMEOUT = 10.0
+_TOKEN_MAX = 256
 
 DEFAULT_BANDWIDTH = 128 * 2**20
 DOWNTIME_LIMIT_MS = 50  # issue 13's target; QEMU measured 15-26 ms here
@@ -81,6 +96,30 @@ _POLL = 0.05
 
 class MigrationError(RuntimeError):
     """The migration failed; the message says why (it goes into the pod condition)."""
+
+
+def _preamble(token: str) -> bytes:
+    return token.encode() + b"\n"
+
+
+def _token_ok(line: bytes, token: str) -> bool:
+    return hmac.compare_digest(line.rstrip(b"\n"), token.encode())
+
+
+async def _read_line(loop: asyncio.AbstractEventLoop, connection: socket.socket) -> bytes:
+    """The preamble of a raw socket, byte by byte: not one byte of what follows (QEMU's
+    stream) may be consumed."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < _TOKEN_MAX:
+        byte = await loop.sock_recv(connection, 1)
+        if not byte:
+            break
+        line += byte
+    return line
+
+
+def _refused(port: str, peer: object) -> None:
+    log.warning("refused a connection to the migration %s port from %s: wrong token", port, peer)
 
 
 @dataclass(frozen=True)
@@ -177,8 +216,16 @@ async def _disk_devices(monitor: Monitor) -> dict[str, str]:
 class IncomingMigration:
     """The target's side: QEMU waits (`-incoming defer`) for the state, its disks exported."""
 
-    def __init__(self, monitor: Monitor, host: str, *, stream_buffer: int = STREAM_BUFFER) -> None:
-        self.monitor, self.host = monitor, host
+    def __init__(
+        self,
+        monitor: Monitor,
+        host: str,
+        token: str,
+        nbd_socket: Path,
+        *,
+        stream_buffer: int = STREAM_BUFFER,
+    ) -> None:
+        self.monitor, self.host, self.token, self.nbd_socket = monitor, host, token, nbd_socket
         self.stream_buffer = stream_buffer  # 0: the kernel's autotuning
         self._servers: list[asyncio.Server] = []
         self._sockets: list[socket.socket] = []
@@ -186,10 +233,17 @@ class IncomingMigration:
         self._history: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
     async def open(self) -> Endpoint:
+        if not self.token:
+            raise MigrationError(f"the target pod has no {MIGRATION_TOKEN}")
         devices = await _disk_devices(self.monitor)
-        nbd = socket.create_server((self.host, 0))
-        self._sockets.append(nbd)
-        await self.monitor.pass_fd("migration-nbd", nbd.fileno())
+        # QEMU's NBD server listens on a unix socket only the agent reaches; the agent's TCP
+        # port checks the token, then relays (QEMU 7.2's NBD server has no such check but TLS).
+        self.nbd_socket.unlink(missing_ok=True)
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        local.bind(str(self.nbd_socket))
+        local.listen()
+        self._sockets.append(local)
+        await self.monitor.pass_fd("migration-nbd", local.fileno())
         address = {"type": "fd", "data": {"str": "migration-nbd"}}  # SocketAddressLegacy
         await self.monitor.execute("nbd-server-start", {"addr": address})
         for device, node in devices.items():
@@ -204,17 +258,30 @@ class IncomingMigration:
         self._accepting = asyncio.create_task(self._incoming(migration))
         console = await asyncio.start_server(self._console, self.host, 0)
         self._servers.append(console)
+        nbd = await asyncio.start_server(self._nbd, self.host, 0)
+        self._servers.append(nbd)
         return Endpoint(
             host=self.host,
             migration_port=migration.getsockname()[1],
-            nbd_port=nbd.getsockname()[1],
+            nbd_port=nbd.sockets[0].getsockname()[1],
             console_port=console.sockets[0].getsockname()[1],
             disks=tuple(devices),
         )
 
     async def _incoming(self, listener: socket.socket) -> None:
-        """The first connection is the migration stream: QEMU reads it, we never do."""
-        connection, _ = await asyncio.get_running_loop().sock_accept(listener)
+        """The first connection with the token is the migration stream: QEMU reads it, we
+        never do (past the token's line)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            connection, peer = await loop.sock_accept(listener)
+            try:
+                line = await asyncio.wait_for(_read_line(loop, connection), _TOKEN_TIMEOUT)
+            except (TimeoutError, OSError):
+                line = b""
+            if _token_ok(line, self.token):
+                break
+            _refused("stream", peer)
+            connection.close()
         listener.close()  # one migration per target
         try:
             await self.monitor.pass_fd("migration-in", connection.fileno())
@@ -224,8 +291,32 @@ class IncomingMigration:
         finally:
             connection.close()  # QEMU holds its own copy of the descriptor
 
+    async def _authenticate(self, reader: asyncio.StreamReader, port: str, peer: object) -> bool:
+        try:
+            line = await asyncio.wait_for(reader.readline(), _TOKEN_TIMEOUT)
+        except (TimeoutError, OSError, ValueError):
+            line = b""
+        if _token_ok(line, self.token):
+            return True
+        _refused(port, peer)
+        return False
+
+    async def _nbd(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The source's NBD client (through its agent's relay) -> QEMU's NBD server."""
+        if not await self._authenticate(reader, "NBD", writer.get_extra_info("peername")):
+            writer.close()
+            return
+        try:
+            local_reader, local_writer = await asyncio.open_unix_connection(str(self.nbd_socket))
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(_pipe(reader, local_writer), _pipe(local_reader, writer))
+
     async def _console(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            if not await self._authenticate(reader, "console", writer.get_extra_info("peername")):
+                return
             data = await reader.read()
             if not self._history.done():
                 self._history.set_result(data)
@@ -235,14 +326,7 @@ class IncomingMigration:
     async def wait(self) -> None:
         """Until the guest runs here; MigrationError when QEMU went away (its incoming side
         failed: it exits) first."""
-        while True:
-            try:
-                status = await self.monitor.status()
-            except MonitorUnavailable:
-                raise MigrationError("the incoming migration failed (QEMU exited)") from None
-            if status == "running":
-                return
-            await asyncio.sleep(_POLL)
+        await _until_running(self.monitor)
 
     async def history(self, timeout: float) -> bytes:  # noqa: ASYNC109
         """The source's console history (CRI log lines), b"" when none came in time."""
@@ -263,30 +347,36 @@ class IncomingMigration:
         for sock in self._sockets:
             sock.close()
         self._sockets.clear()
+        self.nbd_socket.unlink(missing_ok=True)
 
 
 # -- source --------------------------------------------------------------------------------------
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    try:
+        while data := await src.read(256 * 1024):
+            dst.write(data)
+            await dst.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        dst.close()
+
+
 async def _relay(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    host: str,
+    port: int,
+    token: str,
 ) -> None:
-    """QEMU's NBD client (unix socket) <-> the target's NBD port (TCP)."""
+    """QEMU's NBD client (unix socket) <-> the target's NBD port (TCP), the token first."""
     try:
         upstream_reader, upstream_writer = await asyncio.open_connection(host, port)
+        upstream_writer.write(_preamble(token))
     except OSError:
         writer.close()
         return
-
-    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        try:
-            while data := await src.read(256 * 1024):
-                dst.write(data)
-                await dst.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            dst.close()
-
-    await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+    await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
 
 
 async def _jobs(monitor: Monitor) -> dict[str, dict[str, Any]]:
@@ -318,6 +408,7 @@ async def migrate_out(
     relay_socket: Path,
     report: Callable[[Progress], None],
     *,
+    token: str,
     downtime_limit_ms: int = DOWNTIME_LIMIT_MS,
     stream_buffer: int = STREAM_BUFFER,
 ) -> Outcome:
@@ -333,7 +424,8 @@ async def migrate_out(
         )
     relay_socket.unlink(missing_ok=True)  # noqa: ASYNC240 - a local unlink
     relay = await asyncio.start_unix_server(
-        lambda r, w: _relay(r, w, endpoint.host, endpoint.nbd_port), path=str(relay_socket)
+        lambda r, w: _relay(r, w, endpoint.host, endpoint.nbd_port, token),
+        path=str(relay_socket),
     )
     jobs = [f"migrate-{device}" for device in devices]
     nodes = [f"migrate-nbd-{device}" for device in devices]
@@ -365,10 +457,18 @@ async def migrate_out(
                 "max-bandwidth": endpoint.max_bandwidth or DEFAULT_BANDWIDTH,
             }
             await monitor.execute("migrate-set-parameters", parameters)
+            # The switchover waits for this agent's word (`_until_migrated`): an agent that died
+            # meanwhile (its NBD relay with it) can never let a guest run on with stale disks.
+            capabilities = [
+                {"capability": "pause-before-switchover", "state": True},
+                {"capability": "events", "state": True},
+            ]
+            await monitor.execute("migrate-set-capabilities", {"capabilities": capabilities})
             stream = socket.create_connection((endpoint.host, endpoint.migration_port), 10)
             try:
                 if stream_buffer:
                     stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, stream_buffer)
+                stream.sendall(_preamble(token))
                 await monitor.pass_fd("migration-out", stream.fileno())
             finally:
                 stream.close()  # QEMU has its own copy
@@ -433,34 +533,61 @@ async def _until_migrated(
     monitor: Monitor, jobs: Sequence[str], progress: Progress, report: Callable[[Progress], None]
 ) -> dict[str, Any]:
     last = 0.0
-    while True:
-        info: dict[str, Any] = await monitor.execute("query-migrate")
-        status = info.get("status")
-        if status == "completed":
-            return info
-        if status in ("failed", "cancelled"):
-            why = info.get("error-desc") or f"the migration was {status}"
-            raise MigrationError(f"migration {status}: {why}")
-        found = await _jobs(monitor)
-        for job in jobs:
-            if found.get(job, {}).get("status") not in ("ready", "running"):
-                raise MigrationError(f"the mirror of {job.removeprefix('migrate-')} stopped")
-        ram = info.get("ram", {})
-        progress.ram_done = int(ram.get("transferred", 0))
-        progress.ram_total = max(progress.ram_total, int(ram.get("total", 0)))
-        if time.monotonic() - last >= 1:
-            last = time.monotonic()
-            report(progress)
-        await asyncio.sleep(_POLL)
+    listener = monitor.listen(("MIGRATION",))  # wakes the loop at once on a state change
+    try:
+        while True:
+            info: dict[str, Any] = await monitor.execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return await _completed(monitor, info)
+            if status in ("failed", "cancelled"):
+                why = info.get("error-desc") or f"the migration was {status}"
+                raise MigrationError(f"migration {status}: {why}")
+            found = await _jobs(monitor)
+            for job in jobs:
+                if found.get(job, {}).get("status") not in ("ready", "running"):
+                    raise MigrationError(f"the mirror of {job.removeprefix('migrate-')} stopped")
+            if status == "pre-switchover":
+                # The guest is stopped and its I/O drained: the mirrors (checked just now) hold
+                # every write. Only now may the target take over.
+                await monitor.execute("migrate-continue", {"state": "pre-switchover"})
+                continue
+            ram = info.get("ram", {})
+            progress.ram_done = int(ram.get("transferred", 0))
+            progress.ram_total = max(progress.ram_total, int(ram.get("total", 0)))
+            if time.monotonic() - last >= 1:
+                last = time.monotonic()
+                report(progress)
+            await _nap(listener)
+    finally:
+        monitor.forget(listener)
 
 
-async def send_history(endpoint: Endpoint, history: bytes) -> None:
+async def _completed(monitor: Monitor, info: dict[str, Any]) -> dict[str, Any]:
+    """QEMU says `completed` a moment before it has computed the times (woken by the event,
+    we can ask in between): ask again until they are there."""
+    for _ in range(100):
+        if info.get("total-time"):
+            break
+        await asyncio.sleep(0.01)
+        info = await monitor.execute("query-migrate")
+    return info
+
+
+async def _nap(listener: EventListener) -> None:
+    """_POLL, or less when QEMU says the migration's state changed."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(listener.get(), _POLL)
+
+
+async def send_history(endpoint: Endpoint, history: bytes, token: str) -> None:
     """The source's console history (its CRI log) to the target, which puts it first in its
     own log."""
     _, writer = await asyncio.wait_for(
         asyncio.open_connection(endpoint.host, endpoint.console_port), 10
     )
     try:
+        writer.write(_preamble(token))
         writer.write(history)
         await writer.drain()
         writer.write_eof()
@@ -502,29 +629,56 @@ _READDRESS = (
 HISTORY_TIMEOUT = 30.0
 
 
+RECORD = "migration.json"  # the source's migration, in the VM's directory (see `Migrations`)
+_ACTIVE = ("setup", "active", "pre-switchover", "device", "cancelling", "wait-unplug")
+
+
+def _pod_annotations(vm: _VM) -> dict[str, str]:
+    meta = vm.pod.metadata
+    return dict((meta.annotations if meta else None) or {})
+
+
+async def _until_running(monitor: Monitor) -> None:
+    """Until the guest runs here (the state arrived); MigrationError when QEMU exits first."""
+    while True:
+        try:
+            status = await monitor.status()
+        except MonitorUnavailable:
+            raise MigrationError("the incoming migration failed (QEMU exited)") from None
+        if status == "running":
+            return
+        await asyncio.sleep(_POLL)
+
+
 class Migrations:
     """Live migration for `VMProvider`: the target pod's incoming side (`receive`, from its
-    run) and the source pod's `migrate-to` (`update`, from `update_pod`)."""
+    run) and the source pod's `migrate-to` (`update`, from `update_pod`).
+
+    A restarted agent finishes or rolls back what the previous one left (`resume_incoming`,
+    `resume_outgoing`, `ended_while_away`, from the adopted VM's run): the source writes its
+    migration's state (`RECORD`: endpoint, token, running/completed/failed, the condition's
+    message) before each step that matters, and QEMU itself says where the stream is."""
 
     def __init__(self, provider: VMProvider) -> None:
         self.provider = provider
         self._sending: set[str] = set()
-        self._tried: dict[str, str] = {}  # pod key -> the endpoint that failed (needs a new one)
 
     @staticmethod
     def is_target(vm: _VM) -> bool:
         """A target that has not received its VM yet (afterwards it boots like any VM)."""
-        meta = vm.pod.metadata
-        annotations = (meta.annotations if meta else None) or {}
-        return bool(annotations.get(MIGRATION_SOURCE)) and not vm.launch.get("migratedIn")
+        return bool(_pod_annotations(vm).get(MIGRATION_SOURCE)) and not vm.launch.get("migratedIn")
 
+    # -- target ----------------------------------------------------------------------------------
     async def receive(self, vm: _VM, machine: MachineHandle, runner: PodRunner, run: int) -> None:
         """Export the disks, publish the endpoint, wait for the VM; then its console history
         goes first into this run's log (before the console tailer starts)."""
         provider = self.provider
         incoming: IncomingMigration | None = None
         try:
-            incoming = IncomingMigration(_monitor(machine), provider.host_ip)
+            token = _pod_annotations(vm).get(MIGRATION_TOKEN, "")
+            incoming = IncomingMigration(
+                _monitor(machine), provider.host_ip, token, vm.dir / "nbd-in.sock"
+            )
             try:
                 endpoint = await incoming.open()
             except (MonitorUnavailable, ExecuteError, OSError) as e:
@@ -532,10 +686,7 @@ class Migrations:
             runner.set_condition(TARGET_CONDITION, "True", "Ready", endpoint.to_json())
             provider._event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
             await incoming.wait()
-            vm.launch["migratedIn"] = True
-            vm.save()
-            runner.set_condition(TARGET_CONDITION, "False", "Completed", "the VM runs here")
-            provider._event(vm, "Normal", "Migrated", "the VM arrived and runs here")
+            self._arrived(vm, runner)
             history = await incoming.history(HISTORY_TIMEOUT)
             cri_log = provider.log_path(vm.uid, vm.container, run)
             cri_log.parent.mkdir(parents=True, exist_ok=True)
@@ -550,6 +701,37 @@ class Migrations:
             if incoming is not None:
                 await incoming.close()
         provider._tasks.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
+
+    def _arrived(self, vm: _VM, runner: PodRunner) -> None:
+        vm.launch["migratedIn"] = True
+        vm.save()
+        runner.set_condition(TARGET_CONDITION, "False", "Completed", "the VM runs here")
+        self.provider._event(vm, "Normal", "Migrated", "the VM arrived and runs here")
+
+    async def resume_incoming(self, vm: _VM, machine: MachineHandle, runner: PodRunner) -> None:
+        """An adopted target the VM had not (yet, as far as we knew) arrived at. Its ports died
+        with the previous agent: a stream QEMU already reads goes on (the source decides its
+        end), one not started never will (MigrationError: the caller stops this QEMU, so the
+        source's migration fails and its guest runs on there)."""
+        monitor = _monitor(machine)
+        try:
+            try:
+                if await monitor.status() != "running":
+                    info = await monitor.execute("query-migrate")
+                    if info.get("status") in (None, "none"):
+                        raise MigrationError("the target's agent restarted before the VM came")
+                    await _until_running(monitor)
+            except (MonitorUnavailable, ExecuteError) as e:
+                raise MigrationError(f"the incoming migration failed: {e}") from None
+        except MigrationError as e:
+            runner.set_condition(TARGET_CONDITION, "False", "Failed", str(e))
+            self.provider._event(vm, "Warning", "MigrationFailed", str(e))
+            raise
+        self._arrived(vm, runner)
+        log.warning("%s: the VM arrived while no agent ran: its console history is lost", vm.uid)
+        with contextlib.suppress(MonitorUnavailable, ExecuteError):
+            await monitor.execute("nbd-server-stop")
+        self.provider._tasks.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
 
     async def _readdress(self, vm: _VM, machine: MachineHandle) -> None:
         """The guest still has the source's address: give it this node's."""
@@ -576,36 +758,68 @@ class Migrations:
             message = f"could not give the guest its new address {vm.address}: {e}"
             self.provider._event(vm, "Warning", "MigrationReaddressFailed", message)
 
+    # -- source: the record ----------------------------------------------------------------------
+    @staticmethod
+    def _record(vm: _VM) -> dict[str, Any]:
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads((vm.dir / RECORD).read_text())
+            if isinstance(data, dict):
+                return data
+        return {}
+
+    @staticmethod
+    def _write_record(vm: _VM, **record: Any) -> None:
+        """Atomically, readable by root only (it holds the token)."""
+        tmp = vm.dir / f"{RECORD}.tmp"
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(record, out)
+        tmp.replace(vm.dir / RECORD)
+
+    def _failed(self, vm: _VM, runner: PodRunner, record: dict[str, Any], error: str) -> None:
+        target = None
+        with contextlib.suppress(MigrationError):
+            target = Endpoint.from_json(str(record.get("endpoint"))).target
+        message = json.dumps({"error": error, "target": target})
+        self._write_record(vm, **{**record, "state": "failed", "message": message})
+        runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
+        self.provider._event(vm, "Warning", "MigrationFailed", f"the VM stays here: {error}")
+
+    # -- source ----------------------------------------------------------------------------------
     def update(self, key: str, vm: _VM, annotations: dict[str, str]) -> None:
         """`migrate-to` on a running VM: migrate it (once per endpoint)."""
         value = annotations.get(MIGRATE_TO)
         if not value or key in self._sending or vm.migrated is not None:
             return
-        if self._tried.get(key) == value:
-            return  # failed with this endpoint: the controller makes a new target
+        if self._record(vm).get("endpoint") == value:
+            return  # tried (maybe by the previous agent: its VM's run resumes that)
         runner = self.provider.runners.get(key)
         if runner is None:
             return
-        self._tried[key] = value
+        record: dict[str, Any] = {"endpoint": value, "state": "running"}
         try:
             endpoint = Endpoint.from_json(value)
         except MigrationError as e:
-            message = json.dumps({"error": str(e)})
-            runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
+            self._failed(vm, runner, record, str(e))
+            return
+        token = annotations.get(MIGRATION_TOKEN, "")
+        if not token:
+            self._failed(vm, runner, record, f"no {MIGRATION_TOKEN} beside {MIGRATE_TO}")
             return
         if vm.machine is None or vm.booted_at is None:
             log.warning("%s: migrate-to, but the VM is not running", vm.uid)
-            message = json.dumps({"error": "the VM is not running", "target": endpoint.target})
-            runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
+            self._failed(vm, runner, record, "the VM is not running")
             return
+        self._write_record(vm, **record, token=token)
         self._sending.add(key)
         task = self.provider._tasks.spawn(
-            self._send(vm, vm.machine, runner, endpoint), name=f"migrate {key}"
+            self._send(vm, vm.machine, runner, endpoint, token), name=f"migrate {key}"
         )
         task.add_done_callback(lambda _: self._sending.discard(key))
 
     async def _send(
-        self, vm: _VM, machine: MachineHandle, runner: PodRunner, endpoint: Endpoint
+        self, vm: _VM, machine: MachineHandle, runner: PodRunner, endpoint: Endpoint, token: str
     ) -> None:
         provider = self.provider
 
@@ -617,25 +831,39 @@ class Migrations:
         log.info("%s: migrating to %s", vm.uid, endpoint.to_json())
         provider._event(vm, "Normal", "Migrating", f"to {endpoint.host}")
         try:
-            outcome = await migrate_out(_monitor(machine), endpoint, vm.dir / "nbd.sock", report)
+            outcome = await migrate_out(
+                _monitor(machine), endpoint, vm.dir / "nbd.sock", report, token=token
+            )
         except MigrationError as e:
             log.warning("%s: migration failed, the VM stays here: %s", vm.uid, e)
-            message = json.dumps({"error": str(e), "target": endpoint.target})
-            runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
-            provider._event(vm, "Warning", "MigrationFailed", f"the VM stays here: {e}")
+            self._failed(vm, runner, self._record(vm), str(e))
             return
-        # Switched over: the guest is paused here for good. Its console history (this run's
-        # log, with what the console printed last) goes to the target.
+        message = json.dumps({**json.loads(outcome_message(outcome)), "target": endpoint.target})
+        await self._switched_over(vm, machine, runner, endpoint, token, message)
+
+    async def _switched_over(
+        self,
+        vm: _VM,
+        machine: MachineHandle,
+        runner: PodRunner,
+        endpoint: Endpoint,
+        token: str,
+        message: str,
+    ) -> None:
+        """The guest runs at the target and is paused here for good: say so (first on disk),
+        send the console history (this run's log, with what the console printed last), end."""
+        provider = self.provider
+        self._write_record(vm, **{**self._record(vm), "state": "completed", "message": message})
         cri_log = provider.log_path(vm.uid, vm.container, vm.run)
         tailer = ConsoleTailer(machine.console_log, cri_log, vm.dir / "console.offset")
         with contextlib.suppress(OSError):
             while tailer.copy(final=True):
                 pass
         try:
-            await send_history(endpoint, cri_log.read_bytes() if cri_log.exists() else b"")
+            history = cri_log.read_bytes() if cri_log.exists() else b""
+            await send_history(endpoint, history, token)
         except (OSError, TimeoutError) as e:
             provider._event(vm, "Warning", "MigrationHistoryLost", f"console history: {e}")
-        message = json.dumps({**json.loads(outcome_message(outcome)), "target": endpoint.target})
         log.info("%s: migrated: %s", vm.uid, message)
         vm.migrated = message
         runner.set_condition(MIGRATION_CONDITION, "True", "Completed", message)
@@ -643,3 +871,78 @@ class Migrations:
         runner.finish()  # the run's end is the pod's end: it never boots here again
         with contextlib.suppress(MigrationError):
             await _monitor(machine).quit()
+
+    async def resume_outgoing(self, vm: _VM, machine: MachineHandle, runner: PodRunner) -> None:
+        """An adopted source: re-report a finished migration, finish or roll back one the
+        previous agent left running. It never lets both guests run: the switchover needs this
+        agent's `migrate-continue` (pause-before-switchover), so a migration QEMU reports
+        `completed` passed every check; any other state is cancelled, and QEMU runs the guest
+        on here (its disks were never given up)."""
+        record = self._record(vm)
+        state = record.get("state")
+        if state == "failed":
+            runner.set_condition(MIGRATION_CONDITION, "False", "Failed", str(record["message"]))
+            return
+        if state not in ("running", "completed"):
+            return
+        try:
+            endpoint = Endpoint.from_json(str(record.get("endpoint")))
+        except MigrationError as e:
+            self._failed(vm, runner, record, str(e))
+            return
+        token = str(record.get("token") or "")
+        if state == "completed":
+            await self._switched_over(vm, machine, runner, endpoint, token, str(record["message"]))
+            return
+        try:
+            monitor = _monitor(machine)
+            info = await monitor.execute("query-migrate")
+            if info.get("status") == "completed":
+                ram = info.get("ram", {})
+                message = {
+                    "progress": 100,
+                    "downtimeMilliseconds": int(info.get("downtime", 0)),
+                    "totalMilliseconds": int(info.get("total-time", 0)),
+                    "ramBytes": int(ram.get("transferred", 0)),
+                    "target": endpoint.target,
+                }
+                await _drop_jobs(monitor, [j for j in await _jobs(monitor) if "migrate-" in j])
+                log.info("%s: the migration completed while no agent ran", vm.uid)
+                await self._switched_over(vm, machine, runner, endpoint, token, json.dumps(message))
+                return
+            if info.get("status") in _ACTIVE:
+                await monitor.execute("migrate_cancel")
+                for _ in range(200):
+                    status = (await monitor.execute("query-migrate")).get("status")
+                    if status not in _ACTIVE:
+                        break
+                    await asyncio.sleep(_POLL)
+            await _drop_jobs(monitor, [j for j in await _jobs(monitor) if "migrate-" in j])
+            for node in await monitor.execute("query-named-block-nodes"):
+                if str(node.get("node-name", "")).startswith("migrate-nbd-"):
+                    with contextlib.suppress(ExecuteError):
+                        await monitor.execute("blockdev-del", {"node-name": node["node-name"]})
+            if await monitor.status() != "running":
+                await monitor.execute("cont")  # never completed: the guest is this side's
+        except (MonitorUnavailable, ExecuteError) as e:
+            log.warning("%s: rolling back the interrupted migration: %s", vm.uid, e)
+        error = "the source's agent restarted during the migration: cancelled, the VM runs here"
+        log.warning("%s: %s", vm.uid, error)
+        self._failed(vm, runner, record, error)
+
+    def ended_while_away(self, vm: _VM, runner: PodRunner) -> Terminated | None:
+        """The source's QEMU ended while no agent ran, in the middle of a migration: the pod
+        never boots it here again (the target may run the guest; the controller decides from
+        the target's word), the run ends `Migrated` or `MigrationInterrupted`."""
+        record = self._record(vm)
+        if record.get("state") == "completed":
+            vm.migrated = str(record["message"])
+            runner.set_condition(MIGRATION_CONDITION, "True", "Completed", vm.migrated)
+            runner.finish()
+            return Terminated(0, reason="Migrated", message=vm.migrated)
+        if record.get("state") == "running":
+            error = "the source QEMU ended during the migration while no agent ran"
+            self._failed(vm, runner, record, error)
+            runner.finish()
+            return Terminated(1, reason="MigrationInterrupted", message=error)
+        return None

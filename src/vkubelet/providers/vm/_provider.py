@@ -544,10 +544,14 @@ class VMProvider(RunnerProvider):
         runner = self.runners[key]
         if vm.ended is not None:  # this run ended while no agent ran
             code, vm.ended = vm.ended, None
+            if (interrupted := self.migrations.ended_while_away(vm, runner)) is not None:
+                return interrupted
             return code
         machine, vm.adopted = vm.adopted, None
         console_mark = vm.dir / "console.offset"
         incoming = machine is None and self.migrations.is_target(vm)
+        adopted = machine is not None
+        resumed_target = adopted and self.migrations.is_target(vm)
         if machine is None:
             vm.machine_dir.mkdir(parents=True, exist_ok=True)
             # A new console file per run, so that each run's log starts at its own boot.
@@ -564,13 +568,20 @@ class VMProvider(RunnerProvider):
         vm.started_wall = process_start(machine.pid)
         vm.save()
         self._drop_old_logs(vm, count)
-        if incoming:  # a migration target: the VM arrives (with its console history) first
+        if incoming or resumed_target:  # a migration target: the VM arrives first
             try:
-                await self.migrations.receive(vm, machine, runner, count)
+                if incoming:  # (with its console history)
+                    await self.migrations.receive(vm, machine, runner, count)
+                else:
+                    await self.migrations.resume_incoming(vm, machine, runner)
             except MigrationError:
                 await machine.kill()
                 vm.machine = None
                 return 1
+        elif adopted:  # a migration the previous agent left: finish it or roll it back
+            self._tasks.spawn(
+                self.migrations.resume_outgoing(vm, machine, runner), name=f"resume {key}"
+            )
         tailer = ConsoleTailer(
             machine.console_log, self.log_path(vm.uid, vm.container, count), console_mark
         )

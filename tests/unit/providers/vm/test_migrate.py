@@ -74,7 +74,10 @@ async def test_migrate_to_on_a_vm_that_cannot_migrate_fails_and_the_vm_runs_on(
     pod = make_pod()
     endpoint = Endpoint("10.0.0.2", 4000, 4001, 4002, ("disk0",))
     assert pod.metadata is not None
-    pod.metadata.annotations = {"vm.vkubelet.io/migrate-to": endpoint.to_json()}
+    pod.metadata.annotations = {
+        "vm.vkubelet.io/migrate-to": endpoint.to_json(),
+        "vm.vkubelet.io/migration-token": "t" * 64,
+    }
     await provider.update_pod(ResolvedPod(pod))
 
     async def failed() -> bool:
