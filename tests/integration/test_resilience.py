@@ -40,7 +40,13 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(kube_cluster: Cluster, kubectl: Kubectl, tmp_path: Path) -> Iterator[Fleet]:
+def fleet(
+    kube_cluster: Cluster, kubectl: Kubectl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Fleet]:
+    # An installed agent has its modules compiled; without bytecode files each restart would
+    # compile them all again (PYTHONDONTWRITEBYTECODE in some shells), which is not what a
+    # restart costs.
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
     nodes = [f"churn-{uuid.uuid4().hex[:6]}-{i}" for i in range(3)]
     config, states = agent_config(tmp_path, nodes)
     agent = AgentProcess(

@@ -113,9 +113,11 @@ class PodController:
         )
         self.objects = ObjectCache(client, self._on_object_change)
         self._resolver = resolver_factory(self.objects)
-        self.sync_queue = WorkQueue(self._sync, name=f"{node_name}/sync", workers=workers)
+        self.sync_queue = WorkQueue(
+            self._sync, name=f"{node_name}/sync", workers=workers, outage=(Unreachable,)
+        )
         self.status_queue = WorkQueue(
-            self._sync_status, name=f"{node_name}/status", workers=workers
+            self._sync_status, name=f"{node_name}/status", workers=workers, outage=(Unreachable,)
         )
         self.states: dict[str, PodState] = {}  # pod key -> what we know beyond the API's copy
         self._calls = _ProviderCalls()
