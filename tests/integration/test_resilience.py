@@ -94,6 +94,7 @@ def test_agent_killed_three_times_during_churn_loses_and_duplicates_no_pod(
 
     outcome = asyncio.run(scenario())
     why = describe(outcome, fleet.agent.log())
+    print(why.split("\n--- agent log")[0])  # the figures, with -s
     assert len(outcome.disruptions) == 3, why
     assert outcome.final.clean, why
     assert outcome.final.checked == PODS, why
@@ -127,6 +128,7 @@ def test_apiserver_restarted_twice_after_compaction_during_churn_misses_no_chang
         restart_clients_of_the_apiserver(kube_cluster, tie_to_parent=own_cluster)
     log = fleet.agent.log()
     why = describe(outcome, log)
+    print(why.split("\n--- agent log")[0])  # the figures, with -s
     assert fleet.agent.running, why
     assert len(outcome.disruptions) == 2, why
     assert outcome.final.clean, why
