@@ -113,9 +113,11 @@ class PodController:
         )
         self.objects = ObjectCache(client, self._on_object_change)
         self._resolver = resolver_factory(self.objects)
-        self.sync_queue = WorkQueue(self._sync, name=f"{node_name}/sync", workers=workers)
+        self.sync_queue = WorkQueue(
+            self._sync, name=f"{node_name}/sync", workers=workers, outage=(Unreachable,)
+        )
         self.status_queue = WorkQueue(
-            self._sync_status, name=f"{node_name}/status", workers=workers
+            self._sync_status, name=f"{node_name}/status", workers=workers, outage=(Unreachable,)
         )
         self.states: dict[str, PodState] = {}  # pod key -> what we know beyond the API's copy
         self._calls = _ProviderCalls()
@@ -302,8 +304,14 @@ class PodController:
                 self._event(record, WARNING, reason, message)
             if state.uid is not None:
                 # Already running: its containers keep the environment and files they have (as
-                # with the kubelet); the object's watch re-syncs the pod when it is back.
-                return
+                # with the kubelet) until the pod resolves again. A missing object's watch
+                # re-syncs the pod when it is back, but a transient failure (Services not yet
+                # read after a restart, a token request during an outage) has no watch to do it:
+                # retried, or an update made meanwhile (seen first by a restarted agent as an
+                # adopted pod's stale digest) would never reach the provider.
+                if e.permanent:
+                    return
+                raise
             # Like the kubelet: a volume that cannot be set up leaves the container "being
             # created" (the FailedMount event says why); bad env config is its own reason.
             waiting = "ContainerCreating" if e.reason == "FailedMount" else e.reason

@@ -21,6 +21,8 @@ import msgspec
 from ._kube import ApiError, KubeClient, Unreachable, status_error
 
 log = logging.getLogger(__name__)
+# The longest wait between attempts while the apiserver cannot be reached.
+UNREACHABLE_MAX_BACKOFF = 4.0
 
 
 class _Meta(Protocol):
@@ -106,6 +108,7 @@ class Reflector(Generic[T]):
         """Run until cancelled."""
         backoff = 0.2
         while True:
+            cap = 30.0
             try:
                 if self.resource_version is None:
                     await self._relist()
@@ -117,12 +120,17 @@ class Reflector(Generic[T]):
                     self.resource_version = None
                     continue
                 log.warning("%s: %s; retrying in %.1fs", self.name, e, backoff)
+                if e.status >= 500 or e.status == 429:  # an apiserver starting or overloaded
+                    cap = UNREACHABLE_MAX_BACKOFF
             except Unreachable as e:
                 log.warning(
                     "%s: apiserver unreachable (%s); retrying in %.1fs", self.name, e, backoff
                 )
+                # Cheap to try (a refused connection) and what everything waits for: an apiserver
+                # back from a restart is noticed within seconds, not up to 30 s later.
+                cap = UNREACHABLE_MAX_BACKOFF
             await asyncio.sleep(backoff * (0.8 + 0.4 * random.random()))  # noqa: S311
-            backoff = min(backoff * 2, 30.0)
+            backoff = min(backoff * 2, cap)
 
     def _prepare(self, obj: T) -> T:
         # managedFields are a large share of every object and of no use to an agent.

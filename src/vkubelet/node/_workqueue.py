@@ -26,12 +26,19 @@ class WorkQueue:
         workers: int = 32,
         base_delay: float = 0.05,
         max_delay: float = 300.0,
+        outage: tuple[type[Exception], ...] = (),
+        outage_max_delay: float = 5.0,
     ) -> None:
+        """`outage`: failures that say the apiserver is away rather than that the item is bad;
+        they back off to `outage_max_delay` at most, so that every item is retried within a few
+        seconds of its return instead of up to twice the outage's length later."""
         self._process = process
         self.name = name
         self._workers = workers
         self._base_delay = base_delay
         self._max_delay = max_delay
+        self._outage = outage
+        self._outage_max_delay = outage_max_delay
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
         self._processing: set[str] = set()
@@ -93,7 +100,8 @@ class WorkQueue:
             except Exception as e:
                 failures = self._failures.get(key, 0) + 1
                 self._failures[key] = failures
-                delay = min(self._base_delay * 2 ** (failures - 1), self._max_delay)
+                cap = self._outage_max_delay if isinstance(e, self._outage) else self._max_delay
+                delay = min(self._base_delay * 2 ** (failures - 1), cap)
                 # The first few seconds of failures are often races that retrying settles (the
                 # Node authorizer learns of a new pod's objects a moment after the pod appears):
                 # a warning only once an item has kept failing.

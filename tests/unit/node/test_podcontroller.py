@@ -711,6 +711,25 @@ async def test_a_configmap_edited_while_the_agent_was_down_reaches_the_provider(
     assert push.count("create") == 1
 
 
+async def test_an_update_made_while_the_agent_was_down_survives_a_transient_resolution_failure(
+    api: FakeApiServer, push: PushProvider
+) -> None:
+    """Found by the churn test: after a restart, an adopted pod whose first resolution failed
+    (Services not yet read) was taken as up to date and its update never delivered."""
+    api.create("pods", pod("web"))
+    async with PodHarness(api, push):
+        await eventually(lambda: running(api, "web"))
+    api.patch("pods", "web", {"metadata": {"labels": {"tier": "gold"}}}, NS)  # agent down
+    api.fail("GET", "^/api/v1/services$", status=503, times=None)
+    async with PodHarness(api, push):
+        await asyncio.sleep(2.5)  # the first resolution gives up waiting for the Services
+        api._faults.clear()
+        await eventually(
+            lambda: push.count("update") == 1, within=5, what="the update to reach the provider"
+        )
+    assert push.count("create") == 1
+
+
 async def test_a_change_to_an_unused_key_does_not_update_the_provider(
     api: FakeApiServer, push: PushProvider, push_node: PodHarness
 ) -> None:

@@ -124,6 +124,30 @@ async def test_a_failing_key_is_retried_with_growing_delays_until_it_succeeds(
     assert len(stamps) == 4, "a key that succeeded must not be retried"
 
 
+async def test_failures_during_an_outage_back_off_to_a_short_cap(
+    running: Callable[[WorkQueue], None],
+) -> None:
+    """An item that failed all through an apiserver outage is retried soon after its return
+    (found by the resilience benchmark: up to ~50 s later after a 50 s outage)."""
+    stamps: dict[str, list[float]] = {"outage": [], "bad": []}
+
+    async def process(key: str) -> None:
+        stamps[key].append(time.monotonic())
+        raise ConnectionError("away") if key == "outage" else RuntimeError("bad item")
+
+    queue = WorkQueue(
+        process, name="test", base_delay=0.02, outage=(ConnectionError,), outage_max_delay=0.1
+    )
+    running(queue)
+    queue.add("outage")
+    queue.add("bad")
+    await asyncio.sleep(1.0)
+    outage_gaps = [b - a for a, b in itertools.pairwise(stamps["outage"])]
+    assert max(outage_gaps) < 0.2
+    assert len(stamps["outage"]) >= 8
+    assert len(stamps["bad"]) <= 6  # 0.02, 0.04, ... 0.32: growing past the cap
+
+
 async def test_back_off_is_per_key(running: Callable[[WorkQueue], None]) -> None:
     seen: list[str] = []
 

@@ -574,8 +574,7 @@ async def test_a_follower_with_a_byte_limit_stops_at_the_limit(mock: MockProvide
 async def test_mounts_survive_a_restart_through_the_state_file(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
     first = MockProvider("n1", MockConfig(state_file=state))
-    await first.create_pod(resolved())
-    first._write_state()
+    await first.create_pod(resolved())  # returns once the state file has the pod
     second = MockProvider("n1", MockConfig(state_file=state))
     assert await run(second, "cat", "/etc/config/mode") == (0, b"fast", b"")
 

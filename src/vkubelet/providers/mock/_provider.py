@@ -38,6 +38,11 @@ from ._streams import attach, forward, log_lines
 PRINT_ENV_ANNOTATION = "mock.vkubelet.io/print-env"
 # Makes create_pod fail with this reason: lets tests prove how rejected pods are reported.
 FAIL_ANNOTATION = "mock.vkubelet.io/fail"
+# Put by the agent on the pods it gives a provider; handed back, it tells a restarted agent
+# whether an adopted pod missed an update (see "Restarts" in docs/providers.md).
+APPLIED_ANNOTATION = "vkubelet.io/applied"
+# How long a change waits for others to share its write of the state file.
+SAVE_DELAY = 0.01
 
 
 class _State(msgspec.Struct):
@@ -79,7 +84,8 @@ class MockProvider:
         # How often `logs -f` and an attach without stdin print a line; tests shorten it.
         self.tick_seconds = 1.0
         self.creates = 0
-        self._save_pending = False
+        # The next write of the state file, shared by every change made until it runs.
+        self._flush: asyncio.Future[None] | None = None
         self._load_state()
 
     # -- persistence (optional) -------------------------------------------------------------------
@@ -95,22 +101,42 @@ class MockProvider:
 
     def _save_state(self) -> None:
         """Write the state file soon; many changes in a burst cost one write."""
-        if self.config.state_file is None or self._save_pending:
+        if self.config.state_file is None or self._flush is not None:
             return
-        self._save_pending = True
-        asyncio.get_running_loop().call_later(0.1, self._write_state)
+        loop = asyncio.get_running_loop()
+        self._flush = loop.create_future()
+        loop.call_later(SAVE_DELAY, self._write_state)
+
+    async def _saved(self) -> None:
+        """Return once the state file holds every change made so far (a group commit).
+
+        A real backend has a pod once its create call returned, so the mock's lifecycle calls
+        return (and report) only after their change is on disk: an agent killed at any moment
+        finds, after its restart, every pod it was told about and none it deleted. Concurrent
+        calls share the write.
+        """
+        self._save_state()
+        if self._flush is not None:
+            await asyncio.shield(self._flush)
 
     def _write_state(self) -> None:
-        self._save_pending = False
+        flush, self._flush = self._flush, None
         path = self.config.state_file
-        assert path is not None
-        tmp = path.with_suffix(".tmp")
-        state = _State(self.creates, list(self._pods.values()))
-        # The fake backend's disk holds secret-derived env and files: owner-only, like a kubelet's.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.encode(state))
-        tmp.replace(path)
+        assert path is not None and flush is not None
+        try:
+            tmp = path.with_suffix(".tmp")
+            state = _State(self.creates, list(self._pods.values()))
+            # The fake backend's disk holds secret-derived env and files: owner-only, like a
+            # kubelet's.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(msgspec.json.encode(state))
+            tmp.replace(path)
+        except OSError as e:
+            flush.set_exception(e)
+            flush.exception()  # retrieved: a burst without waiters must not log it as lost
+        else:
+            flush.set_result(None)
 
     # -- node -------------------------------------------------------------------------------------
     def configure_node(self, node: Node) -> None:
@@ -147,6 +173,7 @@ class MockProvider:
         if self.config.failure_ratio and self._random.random() < self.config.failure_ratio:
             raise ProviderError("MockFailure", "the mock provider failed this pod on purpose")
         key = f"{resolved.namespace}/{resolved.name}"
+        previous = self._pods.get(key)
         mock = MockPod(
             namespace=resolved.namespace,
             name=resolved.name,
@@ -157,16 +184,20 @@ class MockProvider:
             created=now(),
             print_env=annotations.get(PRINT_ENV_ANNOTATION) == "true",
             files=files_of(resolved),
+            applied=annotations.get(APPLIED_ANNOTATION),
         )
+        if previous is not None and previous.uid == mock.uid:
+            # The agent promises never to do this (it adopts what runs); counted, so that tests
+            # of restarts can prove it.
+            mock.creates = previous.creates + 1
         self._pods[key] = mock
         self.creates += 1
-        if self.config.start_delay:
-            self._report(mock)  # Pending first
-            self._starting[key] = asyncio.create_task(self._start_later(key, mock))
-        else:
+        if not self.config.start_delay:
             mock.started = now()
-            self._report(mock)
-            self._save_state()
+        await self._saved()
+        self._report(mock)  # with a start delay: Pending first
+        if self.config.start_delay:
+            self._starting[key] = asyncio.create_task(self._start_later(key, mock))
 
     async def _start_later(self, key: str, mock: MockPod) -> None:
         await asyncio.sleep(self.config.start_delay)
@@ -183,12 +214,14 @@ class MockProvider:
             raise ProviderError("NotFound", f"mock provider does not run {key}", permanent=False)
         mock.containers = containers_of(resolved.pod)
         mock.files = files_of(resolved)
+        meta = resolved.pod.metadata
+        mock.applied = ((meta.annotations if meta else None) or {}).get(APPLIED_ANNOTATION)
         mock.updates += 1
         for container in mock.containers:  # the kubelet updates mounted volumes in place too
             fs = self._filesystems.get(mock.uid, {}).get(container.name)
             if fs is not None:
                 mount_volumes(fs, mock, container, refresh=True)
-        self._save_state()
+        await self._saved()
 
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
         key = f"{pod.metadata.namespace}/{pod.metadata.name}"  # type: ignore[union-attr]
@@ -207,10 +240,10 @@ class MockProvider:
         self._stop_event(mock.uid).set()
         self._stops.pop(mock.uid, None)
         self._filesystems.pop(mock.uid, None)
-        self._report(mock)
         del self._pods[key]
         self._ips.pop(mock.uid, None)
-        self._save_state()
+        await self._saved()
+        self._report(mock)
 
     async def get_pod(self, namespace: str, name: str) -> Pod | None:
         mock = self._pods.get(f"{namespace}/{name}")
@@ -289,7 +322,12 @@ class MockProvider:
             {
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {"namespace": mock.namespace, "name": mock.name, "uid": mock.uid},
+                "metadata": {
+                    "namespace": mock.namespace,
+                    "name": mock.name,
+                    "uid": mock.uid,
+                    "annotations": {APPLIED_ANNOTATION: mock.applied} if mock.applied else None,
+                },
                 "spec": {"nodeName": mock.node, "containers": containers},
             },
             Pod,
