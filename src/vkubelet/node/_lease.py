@@ -174,6 +174,11 @@ class LeaderElector:
         self.holder = spec.get("holderIdentity") or None
         self._duration = float(spec.get("leaseDurationSeconds") or self.timing.duration)
 
+    @property
+    def observed_at(self) -> float:
+        """When (monotonic) the Lease's record was last seen to change."""
+        return self._observed_at
+
     def held_by_other(self) -> bool:
         """Whether, as last observed, another candidate holds the Lease and it has not expired."""
         if not self.holder or self.holder == self.identity:
@@ -189,7 +194,7 @@ class LeaderElector:
                 return
 
     async def _campaign(self) -> None:
-        while not await self.acquire():
+        while not await self.acquire():  # noqa: ASYNC110 - polling the apiserver, not a flag
             await asyncio.sleep(self.timing.retry)
 
     async def acquire(self) -> bool:
@@ -245,12 +250,12 @@ class LeaderElector:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await work
 
-    async def _attempt(self, timeout: float | None = None) -> bool:
+    async def _attempt(self, within: float | None = None) -> bool:
         """One try to take or renew the Lease: True on success, False on an error or a lost
         race (try again), `_Held` when another candidate holds a live Lease."""
         started = time.monotonic()
         try:
-            await asyncio.wait_for(self._try(), timeout or self.timing.renew_deadline / 2)
+            await asyncio.wait_for(self._try(), within or self.timing.renew_deadline / 2)
         except _Held:
             raise
         except LeaseConflict:

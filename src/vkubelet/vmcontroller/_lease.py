@@ -3,7 +3,7 @@ controller's lightkube client."""
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
@@ -31,11 +31,12 @@ class LightkubeLeases:
             if e.status.code == 404:
                 return None
             raise
-        return lease.to_dict()
+        return cast(JSON, lease.to_dict())
 
     async def create(self, lease: JSON) -> JSON:
         try:
-            return (await self._client.create(Lease.from_dict(lease))).to_dict()
+            stored = await self._client.create(cast(Lease, Lease.from_dict(lease)))
+            return cast(JSON, stored.to_dict())
         except ApiError as e:
             if e.status.code == 409:
                 raise LeaseConflict(str(e)) from e
@@ -43,7 +44,8 @@ class LightkubeLeases:
 
     async def replace(self, lease: JSON) -> JSON:
         try:
-            return (await self._client.replace(Lease.from_dict(lease))).to_dict()
+            stored = await self._client.replace(cast(Lease, Lease.from_dict(lease)))
+            return cast(JSON, stored.to_dict())
         except ApiError as e:
             if e.status.code == 409:
                 raise LeaseConflict(str(e)) from e
