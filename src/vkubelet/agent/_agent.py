@@ -36,7 +36,7 @@ from . import _providers
 from ._clientca import ClientCA
 from ._fleet import FleetRunner
 from ._identity import bootstrap_identity, identify
-from ._replicas import ReplicaOptions, ShardRunner
+from ._replicas import ReplicaOptions, ShardRunner, fenced_client
 from ._serving import (
     KubeletApiReadiness,
     ServingTLS,
@@ -121,6 +121,10 @@ class Agent:
         self._startup = asyncio.Semaphore(_STARTING_NODES)
         self._closed: set[int] = set()
 
+    def use_client(self, client: KubeClient) -> None:
+        """The client to run with (a fenced one, under a Lease), before `run()`."""
+        self._client = client
+
     @property
     def client(self) -> KubeClient:
         assert self._client is not None, "the agent's client exists once run() started"
@@ -167,7 +171,10 @@ class Agent:
             await self.identity.ensure()
             kubeconfig = self.identity.kubeconfig
         if self._client is None:
-            self._client = KubeClient.from_kubeconfig(kubeconfig, options=self.config.client)
+            if self.replicas is not None and self.replicas.shard:
+                self._client = fenced_client(self.config, lambda: self._may_write())
+            else:
+                self._client = KubeClient.from_kubeconfig(kubeconfig, options=self.config.client)
         self._services = ServiceCache(self.client)  # one Service watch for all nodes
         for spec in self._single:
             port = spec.settings.kubelet_port
@@ -184,6 +191,9 @@ class Agent:
             for spec, provider in zip(self._single, self.providers, strict=True)
         ]
         self.fleets = [FleetRunner(self, spec, fleet) for spec, fleet in self._fleet_specs]
+
+    def _may_write(self) -> bool:
+        return self.shard is None or self.shard.may_write()
 
     async def identify(self) -> str:
         return await identify(self.client, self.nodes)

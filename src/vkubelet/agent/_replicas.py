@@ -27,8 +27,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import httpx2 as httpx
+from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+
 from ..kubelet import KubeletServer
-from ..node import AgentConfig, KubeClient, NodeFleet, NodeSpec
+from ..node import AgentConfig, ClientOptions, KubeClient, NodeFleet, NodeSpec
 from ..node._lease import KubeLeases, LeaderElector, LeaseTiming
 from ..sdk.tasks import TaskSet
 from . import _providers
@@ -45,6 +48,11 @@ GROUP_LABEL = "vkubelet.io/replica-group"
 ROLE_LABEL = "vkubelet.io/replica-role"
 # A dead replica's membership Lease is deleted by the others after this many lease durations.
 FORGET_MEMBER_AFTER = 10
+# Nodes claimed per round, and the pause between their starts: building a node's provider and
+# agent takes the event loop for milliseconds, and a hundred at once would hold up the Lease
+# renewals of the nodes already running (as the agent spreads its own nodes' starts).
+CLAIMS_PER_ROUND = 50
+START_SPREAD_SECONDS = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +65,10 @@ class ReplicaOptions:
 
 
 def leader_timing() -> LeaseTiming:
-    return LeaseTiming()  # client-go's 15 s / 10 s / 2 s
+    """client-go's proportions on a 10 s Lease (its default is 15 s): a standby sees the last
+    renewal up to a period late and polls once a period, so a dead leader's node is taken over
+    within ~13 s."""
+    return LeaseTiming(duration=10.0, renew_deadline=7.0, retry=1.5)
 
 
 def shard_timing() -> LeaseTiming:
@@ -78,6 +89,38 @@ def lease_name(*parts: str) -> str:
     if len(name) > 200 or name != raw:
         name = f"{name[:180]}-{hashlib.sha256(raw.encode()).hexdigest()[:10]}"
     return name
+
+
+class FencedClient(KubeClient):
+    """The client of work done under a Lease: it sends no write once `may_write()` says no
+    (the Lease's renew deadline passed), whatever task asks. The elector cancels that work too,
+    but after a pause (SIGSTOP, a frozen VM) queued callbacks run in timer order as the process
+    resumes, some before the elector's own: this check, made as each request leaves, catches
+    those. Reads stay allowed: they change nothing."""
+
+    def __init__(
+        self, config: SingleConfig, options: ClientOptions, may_write: Callable[[], bool]
+    ) -> None:
+        self._may_write = may_write  # before super().__init__, which makes the HTTP clients
+        super().__init__(config, options)
+
+    def _new_http(self, config: SingleConfig, limits: httpx.Limits) -> httpx.AsyncClient:
+        client = super()._new_http(config, limits)
+
+        async def fence(request: httpx.Request) -> None:
+            if request.method != "GET" and not self._may_write():
+                raise httpx.ConnectError("fenced: this replica's Lease expired", request=request)
+
+        client.event_hooks = {"request": [fence], "response": client.event_hooks["response"]}
+        return client
+
+
+def fenced_client(config: AgentConfig, may_write: Callable[[], bool]) -> FencedClient:
+    kubeconfig = KubeConfig.from_file(config.kubeconfig) if config.kubeconfig else None
+    single = (kubeconfig or KubeConfig.from_env()).get()
+    if single is None:
+        raise ValueError("kubeconfig: no current context")
+    return FencedClient(single, config.client, may_write)
 
 
 # -- one leader -------------------------------------------------------------------------------
@@ -109,7 +152,7 @@ async def run_leader_elected(
         if health is not None and shares_port:
             await health.close()  # the kubelet API takes the port (and answers /healthz)
         try:
-            await make_agent().run()
+            await fenced_agent(make_agent, elector).run()
         finally:
             if health is not None:
                 await health.start()
@@ -135,6 +178,12 @@ def agent_factory(config: AgentConfig) -> tuple[Agent, Callable[[], Agent]]:
 
     pristine = copy.deepcopy(config)
     return Agent(config), lambda: Agent(copy.deepcopy(pristine))
+
+
+def fenced_agent(make_agent: Callable[[], Agent], elector: LeaderElector) -> Agent:
+    agent = make_agent()
+    agent.use_client(fenced_client(agent.config, elector.holds))
+    return agent
 
 
 # -- sharding ---------------------------------------------------------------------------------
@@ -173,8 +222,21 @@ class ShardRunner:
     def fair_share(self) -> int:
         return math.ceil(len(self._specs) / self.alive())
 
+    def may_write(self) -> bool:
+        """The fence of the agent's client: no write while any claim is past its deadline (its
+        node is being stopped; the others wait for that moment)."""
+        return all(e.holds() for e in self.electors.values() if e.is_leader)
+
     async def run(self) -> None:
-        self._store = KubeLeases(self._agent.client)
+        # The Leases have a client of their own: the agent's is fenced (by `may_write`).
+        leases = KubeClient(self._agent.client.config, self._agent.config.client)
+        try:
+            await self._run(KubeLeases(leases))
+        finally:
+            await leases.aclose()
+
+    async def _run(self, store: KubeLeases) -> None:
+        self._store = store
         self.electors = {
             name: self._elector(lease_name("node", name), "node") for name in self._specs
         }
@@ -227,11 +289,11 @@ class ShardRunner:
             if name not in self.running and not elector.held_by_other()
         ]
         free.sort(key=self._preference)
-        wanted = free[: fair - len(mine)]
+        wanted = free[: min(fair - len(mine), CLAIMS_PER_ROUND)]
         won = await asyncio.gather(*(self.electors[name].acquire() for name in wanted))
-        for name, ok in zip(wanted, won, strict=True):
-            if ok:
-                self._claimed(name)
+        claimed = [name for name, ok in zip(wanted, won, strict=True) if ok]
+        for index, name in enumerate(claimed):
+            self._claimed(name, delay=index * START_SPREAD_SECONDS)
 
     async def _observe_members(self, leases: list[dict[str, object]]) -> None:
         assert self._store is not None and self._member is not None
@@ -261,12 +323,12 @@ class ShardRunner:
         at the same moment rarely race for the same Lease."""
         return hashlib.sha256(f"{self.options.identity}/{name}".encode()).hexdigest()
 
-    def _claimed(self, name: str) -> None:
+    def _claimed(self, name: str, *, delay: float) -> None:
         elector = self.electors[name]
 
         async def hold() -> None:
             try:
-                await elector.hold(lambda: self._run_node(name))
+                await elector.hold(lambda: self._run_node(name, delay))
             finally:
                 self.running.pop(name, None)
 
@@ -281,9 +343,10 @@ class ShardRunner:
                 await task
         await self.electors[name].release()
 
-    async def _run_node(self, name: str) -> None:
+    async def _run_node(self, name: str, delay: float) -> None:
         """One claimed node: a provider built now (reading the backend's state as the last
         holder left it), its node agent and kubelet API; all stopped when the claim ends."""
+        await asyncio.sleep(delay)
         agent = self._agent
         spec = copy.deepcopy(self._specs[name])
         built = _providers.build_provider(spec, agent.events)

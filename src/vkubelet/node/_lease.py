@@ -185,6 +185,12 @@ class LeaderElector:
             return False
         return time.monotonic() - self._observed_at < self._duration
 
+    def holds(self) -> bool:
+        """Whether this candidate may act now: it leads and its last renewal started less than
+        the renew deadline ago. Monotonic time: a process paused past the deadline sees it
+        expired the moment it resumes, before any of its queued work runs."""
+        return self.is_leader and time.monotonic() - self._renewed_at < self.timing.renew_deadline
+
     # -- campaigning and leading ----------------------------------------------------------------
     async def run(self, lead: Callable[[], Awaitable[None]]) -> None:
         """For ever: campaign, then run `lead()` while leading; returns only if `lead` does."""
@@ -200,7 +206,10 @@ class LeaderElector:
     async def acquire(self) -> bool:
         """One try to take (or renew) the Lease; never raises."""
         with contextlib.suppress(_Held):
+            renewal = self._mine is not None
             if await self._attempt():
+                if renewal:
+                    return True
                 log.info(
                     "leader election: %s now leads (Lease %s/%s)",
                     self.identity,
@@ -262,7 +271,7 @@ class LeaderElector:
             self._mine = None  # someone else wrote it: read it again next time
             return False
         except Exception as e:  # the apiserver away, a timeout
-            log.debug("leader election: attempt on %s failed: %s", self.name, e)
+            log.debug("leader election: attempt on %s failed: %r", self.name, e)
             return False
         self._renewed_at = started  # the write came later: others' expiry counts from after it
         return True
