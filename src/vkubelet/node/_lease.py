@@ -279,6 +279,8 @@ class LeaderElector:
     async def _try(self) -> None:
         now = _micro_time(datetime.now(UTC))
         duration = max(1, round(self.timing.duration))
+        if time.monotonic() - self._renewed_at >= self.timing.renew_deadline:
+            self._mine = None  # possibly taken meanwhile (a pause, a partition): read it first
         lease = copy.deepcopy(self._mine) if self._mine is not None else None
         if lease is None:
             lease = await self._store.get(self.namespace, self.name)
