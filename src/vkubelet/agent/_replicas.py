@@ -339,8 +339,7 @@ class ShardRunner:
         task = self.running.pop(name, None)
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait({task})  # a cancellation of ours still reaches us
         await self.electors[name].release()
 
     async def _run_node(self, name: str, delay: float) -> None:

@@ -86,12 +86,14 @@ class StandbyHealth:
         server, self._server = self._server, None
         if server is not None:
             server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 5)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await server.wait_closed()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
             parts = head.split(b" ", 2)
             path = parts[1].split(b"?")[0] if len(parts) > 1 else b""
             if path == b"/healthz":

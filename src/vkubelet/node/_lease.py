@@ -256,22 +256,25 @@ class LeaderElector:
             self.is_leader = False
             if not work.done():
                 work.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await work
+                await asyncio.wait({work})  # its end, without taking its CancelledError as ours
 
     async def _attempt(self, within: float | None = None) -> bool:
         """One try to take or renew the Lease: True on success, False on an error or a lost
         race (try again), `_Held` when another candidate holds a live Lease."""
         started = time.monotonic()
         try:
-            await asyncio.wait_for(self._try(), within or self.timing.renew_deadline / 2)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for may swallow a cancellation
+            # that arrives as the request completes, and a cancelled leader would keep leading.
+            async with asyncio.timeout(within or self.timing.renew_deadline / 2):
+                await self._try()
         except _Held:
             raise
         except LeaseConflict:
             self._mine = None  # someone else wrote it: read it again next time
             return False
         except Exception as e:  # the apiserver away, a timeout
-            log.debug("leader election: attempt on %s failed: %r", self.name, e)
+            log_failure = log.info if self.is_leader else log.debug  # a leader's renewal: tell
+            log_failure("leader election: attempt on Lease %s failed: %r", self.name, e)
             return False
         self._renewed_at = started  # the write came later: others' expiry counts from after it
         return True
