@@ -41,10 +41,12 @@ EXE = str(Path(sys.prefix) / "bin" / "vkubelet")
 
 
 class Replica:
-    def __init__(self, kubeconfig: Path, args: list[str], logfile: Path) -> None:
+    def __init__(
+        self, kubeconfig: Path, args: list[str], logfile: Path, level: str = "warning"
+    ) -> None:
         with logfile.open("ab") as out:
             self.proc = subprocess.Popen(
-                [EXE, "run", "--kubeconfig", str(kubeconfig), "--log-level", "warning", *args],
+                [EXE, "run", "--kubeconfig", str(kubeconfig), "--log-level", level, *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
@@ -95,7 +97,8 @@ async def leader_takeovers(
     config.write_text(json.dumps({node: {"pods": "20", "stateFile": str(work / "state")}}))
     args = [
         *("--provider", "mock", "--provider-config", str(config), "--nodename", node),
-        *("--no-kubelet-api", "--leader-elect", "--leader-elect-namespace", ns),
+        *("--no-kubelet-api", "--kubelet-port", "0"),  # no standby /healthz either
+        *("--leader-elect", "--leader-elect-namespace", ns),
     ]
     lease = f"vkubelet-agent-{node}"
 
@@ -114,8 +117,14 @@ async def leader_takeovers(
 
         await poll(first_leads, 60, "the first replica leading")
         for n in range(count):
-            replicas.append(Replica(kubeconfig, args, work / f"leader-{n + 1}.log"))
-            await asyncio.sleep(3)  # the standby up and watching the Lease
+            standby_log = work / f"leader-{n + 1}.log"
+            replicas.append(Replica(kubeconfig, args, standby_log, level="info"))
+
+            async def standing_by(path: Path = standby_log) -> bool:
+                return "stands by" in path.read_text()  # noqa: ASYNC240 - a small local log
+
+            await poll(standing_by, 120, "the standby started")  # a loaded host: tens of s
+            await asyncio.sleep(1)  # its first look at the Lease
             old, new = replicas[-2], replicas[-1]
             killed = datetime.now(UTC)
             old.kill()
@@ -207,7 +216,7 @@ async def sharding(
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--takeovers", type=int, default=3)
-    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--nodes", type=int, default=1000, help="0: no sharding run")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--cluster", help="a running dev cluster (default: a new one)")
     options = parser.parse_args()
@@ -221,10 +230,12 @@ async def main() -> None:
                 times = await leader_takeovers(
                     cluster.kubeconfig, client, ns, work, options.takeovers
                 )
-                log(f"sharding: {options.replicas} replicas x {options.nodes} nodes")
-                figures = await sharding(
-                    cluster.kubeconfig, client, ns, work, options.nodes, options.replicas
-                )
+                figures = {}
+                if options.nodes:
+                    log(f"sharding: {options.replicas} replicas x {options.nodes} nodes")
+                    figures = await sharding(
+                        cluster.kubeconfig, client, ns, work, options.nodes, options.replicas
+                    )
             await client.delete(f"/api/v1/namespaces/{ns}")
     finally:
         if ours:
