@@ -255,9 +255,7 @@ class ShardRunner:
             while True:
                 started = time.monotonic()
                 await self._round()
-                await asyncio.sleep(
-                    max(0.0, self.options.timing.retry - (time.monotonic() - started))
-                )
+                await asyncio.sleep(max(0.0, self._round_period() - (time.monotonic() - started)))
         finally:
             await self._nodes.aclose()
             for elector in [*self.electors.values(), self._member]:
@@ -317,6 +315,11 @@ class ShardRunner:
             if silent > FORGET_MEMBER_AFTER * self.options.timing.duration:
                 with contextlib.suppress(Exception):  # a replica gone long ago
                     await self._agent.client.delete(KubeLeases.path(self.options.namespace, name))
+
+    def _round_period(self) -> float:
+        """Half the renewal period: a round costs one list (and a membership renewal), and an
+        expired Lease is then seen, and claimed, at most half a period late."""
+        return self.options.timing.retry / 2
 
     def _preference(self, name: str) -> str:
         """Rendezvous order: each replica prefers different nodes, so that replicas claiming
