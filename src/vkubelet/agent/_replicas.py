@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import httpx2 as httpx
-from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+from lightkube.config.kubeconfig import SingleConfig
 
 from ..kubelet import KubeletServer
-from ..node import AgentConfig, ClientOptions, KubeClient, NodeFleet, NodeSpec
+from ..node import AgentConfig, KubeClient, NodeFleet, NodeSpec
 from ..node._lease import KubeLeases, LeaderElector, LeaseTiming
 from ..sdk.tasks import TaskSet
 from . import _providers
@@ -98,17 +98,13 @@ class FencedClient(KubeClient):
     resumes, some before the elector's own: this check, made as each request leaves, catches
     those. Reads stay allowed: they change nothing."""
 
-    def __init__(
-        self, config: SingleConfig, options: ClientOptions, may_write: Callable[[], bool]
-    ) -> None:
-        self._may_write = may_write  # before super().__init__, which makes the HTTP clients
-        super().__init__(config, options)
+    may_write: Callable[[], bool] = staticmethod(lambda: True)  # set by `fenced_client`
 
     def _new_http(self, config: SingleConfig, limits: httpx.Limits) -> httpx.AsyncClient:
         client = super()._new_http(config, limits)
 
         async def fence(request: httpx.Request) -> None:
-            if request.method != "GET" and not self._may_write():
+            if request.method != "GET" and not self.may_write():
                 raise httpx.ConnectError("fenced: this replica's Lease expired", request=request)
 
         client.event_hooks = {"request": [fence], "response": client.event_hooks["response"]}
@@ -116,11 +112,11 @@ class FencedClient(KubeClient):
 
 
 def fenced_client(config: AgentConfig, may_write: Callable[[], bool]) -> FencedClient:
-    kubeconfig = KubeConfig.from_file(config.kubeconfig) if config.kubeconfig else None
-    single = (kubeconfig or KubeConfig.from_env()).get()
-    if single is None:
-        raise ValueError("kubeconfig: no current context")
-    return FencedClient(single, config.client, may_write)
+    """Made as the agent makes its client (the same kubeconfig, in-cluster rules and options)."""
+    client = FencedClient.from_kubeconfig(config.kubeconfig, options=config.client)
+    assert isinstance(client, FencedClient)
+    client.may_write = may_write
+    return client
 
 
 # -- one leader -------------------------------------------------------------------------------
