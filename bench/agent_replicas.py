@@ -215,7 +215,7 @@ async def sharding(
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--takeovers", type=int, default=3)
+    parser.add_argument("--takeovers", type=int, default=3, help="0: no leader election run")
     parser.add_argument("--nodes", type=int, default=1000, help="0: no sharding run")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--cluster", help="a running dev cluster (default: a new one)")
@@ -226,10 +226,12 @@ async def main() -> None:
             ns = await new_namespace(client, "bench-ha")
             with tempfile.TemporaryDirectory() as tmp:
                 work = Path(tmp)
-                log(f"leader election: {options.takeovers} takeovers")
-                times = await leader_takeovers(
-                    cluster.kubeconfig, client, ns, work, options.takeovers
-                )
+                times: list[float] = []
+                if options.takeovers:
+                    log(f"leader election: {options.takeovers} takeovers")
+                    times = await leader_takeovers(
+                        cluster.kubeconfig, client, ns, work, options.takeovers
+                    )
                 figures = {}
                 if options.nodes:
                     log(f"sharding: {options.replicas} replicas x {options.nodes} nodes")
@@ -242,12 +244,13 @@ async def main() -> None:
             cluster.down()
     print(f"host load (1/5/15 min): {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     rows: list[tuple[str, ...]] = [("figure", "value")]
-    rows.append(
-        (
-            f"leader takeover after SIGKILL, p50 / max of {len(times)} (s)",
-            f"{pct(times, 0.5):.1f} / {max(times):.1f}",
+    if times:
+        rows.append(
+            (
+                f"leader takeover after SIGKILL, p50 / max of {len(times)} (s)",
+                f"{pct(times, 0.5):.1f} / {max(times):.1f}",
+            )
         )
-    )
     for name, value in figures.items():
         rows.append((f"{options.replicas} x {options.nodes} nodes: {name}", f"{value:.1f}"))
     print_table(rows)
