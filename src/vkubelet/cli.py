@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -17,6 +17,9 @@ from rich.table import Table
 from . import __version__
 from ._logging import LogFormat, setup_logging
 from .devcluster import Cluster, DevClusterError, ensure_binaries, list_clusters
+
+if TYPE_CHECKING:
+    from .agent import ReplicaOptions
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -137,6 +140,35 @@ def run(
             "any other instance; Lease in kube-system)."
         ),
     ] = False,
+    leader_elect: Annotated[
+        bool,
+        typer.Option(
+            help="Replicas with the same node(s) compete for a Lease; only the holder runs them "
+            "(docs/high-availability.md)."
+        ),
+    ] = False,
+    shard: Annotated[
+        bool,
+        typer.Option(
+            help="Replicas with the same --config share its nodes, one Lease per node, each "
+            "taking its fair share (docs/high-availability.md)."
+        ),
+    ] = False,
+    leader_elect_namespace: Annotated[
+        str | None,
+        typer.Option(help="Namespace of the Leases [default: $POD_NAMESPACE, else kube-system]."),
+    ] = None,
+    leader_elect_lease_duration: Annotated[
+        float | None,
+        typer.Option(help="Seconds a Lease unrenewed is free to take [default: 15; --shard 20]."),
+    ] = None,
+    leader_elect_renew_deadline: Annotated[
+        float | None,
+        typer.Option(help="A holder stops acting when it could not renew this long [10; 14]."),
+    ] = None,
+    leader_elect_retry_period: Annotated[
+        float | None, typer.Option(help="Seconds between attempts and renewals [2; 4].")
+    ] = None,
 ) -> None:
     """Run the node agent: register virtual node(s) and run their pods with a provider."""
     # Imported here so that `vkubelet dev ...` starts without loading the agent's dependencies.
@@ -210,11 +242,33 @@ def run(
             agent_config.insecure_kubelet_api or insecure_kubelet_api
         )
         agent_config.kubelet_api = agent_config.kubelet_api and kubelet_api
-        agent = Agent(agent_config)
+        replicas = _replica_options(
+            leader_elect or shard,
+            shard,
+            leader_elect_namespace,
+            (leader_elect_lease_duration, leader_elect_renew_deadline, leader_elect_retry_period),
+            kubelet_port,
+        )
+        if replicas is not None and agent_config.bootstrap_kubeconfig is not None:
+            raise ConfigError(
+                "--leader-elect/--shard need an identity allowed to write Leases, not a "
+                "bootstrap (node) identity"
+            )
+        if replicas is not None and not replicas.shard:
+            from .agent import agent_factory, run_leader_elected
+
+            validated, make_agent = agent_factory(agent_config)
+
+            async def run_agent() -> None:
+                assert replicas is not None
+                await run_leader_elected(validated, make_agent, replicas)
+        else:
+            agent = Agent(agent_config, replicas=replicas)
+            run_agent = agent.run
     except (ConfigError, ProviderLoadError, ValueError, OSError) as e:
         raise _fail(e) from None
     if not vm_controller:
-        asyncio.run(_run_until_signalled(agent.run))
+        asyncio.run(_run_until_signalled(run_agent))
         return
     from .vmcontroller import ControllerConfig, run_controller
 
@@ -222,12 +276,48 @@ def run(
         client = _lightkube(kubeconfig)
         try:
             async with asyncio.TaskGroup() as group:
-                group.create_task(agent.run())
+                group.create_task(run_agent())
                 group.create_task(run_controller(client, ControllerConfig()))
         finally:
             await client.close()
 
     asyncio.run(_run_until_signalled(agent_and_controller))
+
+
+def _replica_options(
+    elect: bool,
+    shard: bool,
+    namespace: str | None,
+    timing: tuple[float | None, float | None, float | None],
+    health_port: int,
+) -> ReplicaOptions | None:
+    """How this replica coordinates with the others (None: it runs alone)."""
+    import os
+
+    from .agent import ReplicaOptions, leader_timing, shard_timing
+    from .node import ConfigError
+    from .node._lease import LeaseTiming, default_identity
+
+    if not elect:
+        return None
+    default = shard_timing() if shard else leader_timing()
+    duration, deadline, retry = timing
+    lease = LeaseTiming(
+        duration if duration is not None else default.duration,
+        deadline if deadline is not None else default.renew_deadline,
+        retry if retry is not None else default.retry,
+    )
+    if not 0 < lease.retry < lease.renew_deadline < lease.duration:
+        raise ConfigError(
+            "leader election: expected 0 < retry period < renew deadline < lease duration"
+        )
+    return ReplicaOptions(
+        namespace=namespace or os.environ.get("POD_NAMESPACE") or "kube-system",
+        identity=default_identity(),
+        timing=lease,
+        shard=shard,
+        health_port=health_port,
+    )
 
 
 async def _run_until_signalled(run: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -9,10 +9,28 @@ This package sits above both `vkubelet.node` (node and pod controllers) and `vku
 - `_clientca`: the CA that the kubelet API trusts for the apiserver's client certificate;
 - `_providers`: building providers (entry point, module or file) and routing their events;
 - `_supervision`: running node agents so that one node's failure never stops the others;
-- `_fleet`: fleets of nodes that come and go, and the drain of a node that left.
+- `_fleet`: fleets of nodes that come and go, and the drain of a node that left;
+- `_replicas`: leader election and sharding between replicas, through Leases;
+- `_standby`: the `/healthz` a replica answers while it runs no node on the kubelet port.
 """
 
 from ._agent import Agent
 from ._providers import NodeEventRouter, build_provider
+from ._replicas import (
+    ReplicaOptions,
+    agent_factory,
+    leader_timing,
+    run_leader_elected,
+    shard_timing,
+)
 
-__all__ = ["Agent", "NodeEventRouter", "build_provider"]
+__all__ = [
+    "Agent",
+    "NodeEventRouter",
+    "ReplicaOptions",
+    "agent_factory",
+    "build_provider",
+    "leader_timing",
+    "run_leader_elected",
+    "shard_timing",
+]

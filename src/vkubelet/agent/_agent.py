@@ -10,6 +10,7 @@ its pods running for the next start to adopt.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import socket
@@ -35,6 +36,7 @@ from . import _providers
 from ._clientca import ClientCA
 from ._fleet import FleetRunner
 from ._identity import bootstrap_identity, identify
+from ._replicas import ReplicaOptions, ShardRunner, fenced_client
 from ._serving import (
     KubeletApiReadiness,
     ServingTLS,
@@ -42,6 +44,7 @@ from ._serving import (
     kubelet_node,
     start_servers,
 )
+from ._standby import StandbyHealth
 from ._supervision import run_node
 from ._webhook import serve_webhook, webhooks
 
@@ -61,12 +64,25 @@ def _free_port() -> int:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, client: KubeClient | None = None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        client: KubeClient | None = None,
+        *,
+        replicas: ReplicaOptions | None = None,
+    ) -> None:
+        """`replicas` with `shard`: this replica runs the share of the nodes it claims (see
+        `_replicas`); leader election wraps whole agents instead (`run_leader_elected`)."""
         self.config = config
+        self.replicas = replicas
         self.identity = bootstrap_identity(config)
         for spec in config.nodes:
             if spec.settings.kubelet_port == 0:  # tests and many-node setups: any free port
                 spec.settings.kubelet_port = _free_port()
+        sharded = replicas is not None and replicas.shard
+        self._shard_specs = copy.deepcopy(config.nodes) if sharded else []
+        if replicas is not None and replicas.shard:
+            check_shardable(config, replicas)
         self.events = _providers.NodeEventRouter()
         # Providers are built up front so that a bad config fails the start, loudly.
         self.providers: list[PodLifecycleHandler] = []
@@ -84,6 +100,11 @@ class Agent:
             else:
                 self.providers.append(built)
                 self._single.append(spec)
+        if sharded and self._fleet_specs:
+            raise ConfigError(
+                f"{self._fleet_specs[0][0].settings.name}: --shard shares single nodes; a "
+                "fleet's provider decides its nodes itself (run it with --leader-elect)"
+            )
         self._client = client
         self.nodes: list[NodeAgent] = []
         self.fleets: list[FleetRunner] = []
@@ -91,6 +112,7 @@ class Agent:
         self._readiness: dict[int, KubeletApiReadiness] = {}
         self._serving: dict[int, ServingCertificate | None] = {}  # port -> its certificate
         self._port_tls: dict[int, asyncio.Future[ssl.SSLContext]] = {}  # for admission webhooks
+        self.shard: ShardRunner | None = None
         self._client_ca = ClientCA(config.client_ca_file)
         self._tls: ServingTLS | None = None
         self._tls_lock = asyncio.Lock()
@@ -98,6 +120,10 @@ class Agent:
         self._services: ServiceCache | None = None
         self._startup = asyncio.Semaphore(_STARTING_NODES)
         self._closed: set[int] = set()
+
+    def use_client(self, client: KubeClient) -> None:
+        """The client to run with (a fenced one, under a Lease), before `run()`."""
+        self._client = client
 
     @property
     def client(self) -> KubeClient:
@@ -145,17 +171,29 @@ class Agent:
             await self.identity.ensure()
             kubeconfig = self.identity.kubeconfig
         if self._client is None:
-            self._client = KubeClient.from_kubeconfig(kubeconfig, options=self.config.client)
+            if self.replicas is not None and self.replicas.shard:
+                self._client = fenced_client(self.config, lambda: self._may_write())
+            else:
+                self._client = KubeClient.from_kubeconfig(kubeconfig, options=self.config.client)
         self._services = ServiceCache(self.client)  # one Service watch for all nodes
         for spec in self._single:
             port = spec.settings.kubelet_port
             if self.config.kubelet_api and port not in self._readiness:
                 self._readiness[port] = KubeletApiReadiness(port)
+        if self.replicas is not None and self.replicas.shard:
+            # The providers built at start only validated the config: each claim builds its
+            # own, reading the backend as the node's last holder left it.
+            await self.discard()
+            self.shard = ShardRunner(self, self._shard_specs, self.replicas)
+            return
         self.nodes = [
             self.make_node(spec.settings, provider, self._readiness.get(spec.settings.kubelet_port))
             for spec, provider in zip(self._single, self.providers, strict=True)
         ]
         self.fleets = [FleetRunner(self, spec, fleet) for spec, fleet in self._fleet_specs]
+
+    def _may_write(self) -> bool:
+        return self.shard is None or self.shard.may_write()
 
     async def identify(self) -> str:
         return await identify(self.client, self.nodes)
@@ -217,6 +255,14 @@ class Agent:
                         run_supervised(fleet.run, name=f"fleet {fleet.name}", logger=log),
                         name=f"fleet {fleet.name}",
                     )
+                if self.shard is not None:
+                    group.create_task(
+                        run_supervised(self.shard.run, name="sharding", logger=log), name="shard"
+                    )
+                    if self.replicas is not None and self.replicas.health_port:
+                        health = StandbyHealth(self.replicas.health_port, lambda: True)
+                        await health.start()
+                        group.create_task(_close_when_cancelled(health), name="health")
         finally:
             await self._shutdown()
 
@@ -233,6 +279,12 @@ class Agent:
         self._client_ca.close()
         if self._client is not None:
             await self._client.aclose()
+
+    async def discard(self) -> None:
+        """Close the providers of an agent that will not run them (built to validate a
+        config)."""
+        for provider in [*self.providers, *(fleet for _, fleet in self._fleet_specs)]:
+            await self.close_provider(provider)
 
     async def close_provider(self, provider: object) -> None:
         """`aclose()` a provider once (if it has one); its failure is logged, never raised."""
@@ -294,3 +346,30 @@ class Agent:
         certificate = self._serving[port]
         if certificate is not None:
             await certificate.renew_forever()
+
+
+def check_shardable(config: AgentConfig, replicas: ReplicaOptions) -> None:
+    """Sharding shares single nodes, each on a kubelet port of its own."""
+    ports: dict[int, str] = {}
+    for spec in config.nodes:
+        name, port = spec.settings.name, spec.settings.kubelet_port
+        if not config.kubelet_api:
+            continue
+        if port == replicas.health_port:
+            raise ConfigError(
+                f"{name}: with --shard the replica's /healthz has port {port} (--kubelet-port); "
+                "give the node another kubeletPort (0: any free port)"
+            )
+        if port in ports:
+            raise ConfigError(
+                f"{name}: with --shard each node needs a kubeletPort of its own "
+                f"({ports[port]} has {port} too; 0: any free port)"
+            )
+        ports[port] = name
+
+
+async def _close_when_cancelled(health: StandbyHealth) -> None:
+    try:
+        await asyncio.Future()
+    finally:
+        await health.close()

@@ -6,6 +6,7 @@ provider given; the agent builds every provider before it connects anywhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from ..node import NodeFleet, NodeSpec, PodLifecycleHandler, ProviderContext
@@ -14,6 +15,10 @@ from ..node._registry import ProviderLoadError, load_provider, provider_label
 from ..sdk.provider import EventType, Pod
 
 log = logging.getLogger(__name__)
+
+# Looking a provider up scans every installed distribution's entry points (tens of ms, hundreds
+# on a loaded host): once per name, not once per node of a large config or per sharded claim.
+_load_provider = functools.lru_cache(maxsize=64)(load_provider)
 
 
 class NodeEventRouter:
@@ -56,7 +61,7 @@ def build_provider(spec: NodeSpec, events: NodeEventRouter) -> PodLifecycleHandl
     node's taint and nodeInfo) from its module or file name.
     """
     given = spec.settings.provider
-    factory = load_provider(given)
+    factory = _load_provider(given)
     spec.settings.provider = provider_label(given)
     try:
         built = factory(

@@ -25,7 +25,7 @@ from lightkube.operators import exists
 from lightkube.resources.core_v1 import Pod
 
 from ._base import NAME_LABEL, Context, EventRecorder, PodWatcher, Reconciler
-from ._lease import LeaderElector, LeaseTiming
+from ._lease import LEASE_NAME, LeaderElector, LeaseTiming, LightkubeLeases
 from ._vm import VirtualMachineReconciler
 
 __all__ = ["ControllerConfig", "VMController", "default_reconcilers", "run_controller"]
@@ -255,7 +255,11 @@ async def run_controller(
     the Lease is released so that another instance takes over at once)."""
     identity = config.identity or default_identity()
     elector = LeaderElector(
-        client, namespace=config.lease_namespace, identity=identity, timing=config.timing
+        LightkubeLeases(client),
+        namespace=config.lease_namespace,
+        identity=identity,
+        name=LEASE_NAME,
+        timing=config.timing,
     )
     controller = VMController(
         client, reconcilers if reconcilers is not None else default_reconcilers(), config

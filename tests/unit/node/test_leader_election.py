@@ -5,69 +5,58 @@ acting before its Lease may be taken)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from typing import Any
 
 import pytest
-from lightkube.core.exceptions import ApiError
-from lightkube.models.meta_v1 import Status
-from lightkube.resources.coordination_v1 import Lease
 
-from vkubelet.vmcontroller._lease import LeaderElector, LeaseTiming
+from vkubelet.node._lease import LeaderElector, LeaseConflict, LeaseTiming
 
 TIMING = LeaseTiming(duration=2.0, renew_deadline=1.0, retry=0.1)  # whole seconds: the field
 
 
-def _error(code: int) -> ApiError:
-    return ApiError(status=Status(code=code, message=f"error {code}"))
-
-
 class FakeLeases:
-    """What the apiserver does with one Lease: 404 before it exists, 409 on a stale write."""
+    """What the apiserver does with one Lease: none before it exists, 409 on a stale write."""
 
     def __init__(self) -> None:
         self.stored: dict[str, Any] | None = None
         self.version = 0
         self.broken = False  # the apiserver unreachable for everyone
+        self.requests = 0
 
     def _check(self) -> None:
+        self.requests += 1
         if self.broken:
             raise ConnectionRefusedError("apiserver away")
 
-    async def get(self, res: type, name: str, *, namespace: str) -> Lease:
+    async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
         self._check()
-        if self.stored is None:
-            raise _error(404)
-        return Lease.from_dict(self.stored)  # type: ignore[return-value]
+        return copy.deepcopy(self.stored)
 
-    async def create(self, obj: Lease) -> Lease:
+    async def create(self, lease: dict[str, Any]) -> dict[str, Any]:
         self._check()
         if self.stored is not None:
-            raise _error(409)
-        return self._store(obj)
+            raise LeaseConflict("exists")
+        return self._store(lease)
 
-    async def replace(self, obj: Lease) -> Lease:
+    async def replace(self, lease: dict[str, Any]) -> dict[str, Any]:
         self._check()
-        assert obj.metadata is not None and self.stored is not None
-        if obj.metadata.resourceVersion != self.stored["metadata"]["resourceVersion"]:
-            raise _error(409)
-        return self._store(obj)
+        assert self.stored is not None
+        if lease["metadata"]["resourceVersion"] != self.stored["metadata"]["resourceVersion"]:
+            raise LeaseConflict("stale")
+        return self._store(lease)
 
-    def _store(self, obj: Lease) -> Lease:
+    def _store(self, lease: dict[str, Any]) -> dict[str, Any]:
         self.version += 1
-        assert obj.metadata is not None
-        obj.metadata.resourceVersion = str(self.version)
-        self.stored = obj.to_dict()
-        return obj
+        lease = copy.deepcopy(lease)
+        lease["metadata"]["resourceVersion"] = str(self.version)
+        self.stored = lease
+        return copy.deepcopy(lease)
 
 
 def elector(leases: FakeLeases, identity: str) -> LeaderElector:
-    return LeaderElector(
-        leases,  # type: ignore[arg-type]
-        namespace="ns",
-        identity=identity,
-        timing=TIMING,
-    )
+    return LeaderElector(leases, namespace="ns", identity=identity, name="l", timing=TIMING)
 
 
 class Work:
@@ -163,3 +152,41 @@ async def test_a_released_lease_is_taken_at_once() -> None:
     assert await second._attempt()  # no waiting for an expiry
     assert leases.stored is not None
     assert leases.stored["spec"]["holderIdentity"] == "second"
+
+
+async def test_a_leader_renews_with_one_write_and_reads_again_after_a_conflict() -> None:
+    leases = FakeLeases()
+    a = elector(leases, "a")
+    assert await a._attempt()
+    before = leases.requests
+    assert await a._attempt()
+    assert leases.requests == before + 1  # the renewal: one replace, no read
+    assert leases.stored is not None
+    leases.stored["metadata"]["resourceVersion"] = "other"  # someone else wrote it
+    assert not await a._attempt()  # the stale write fails...
+    before = leases.requests
+    assert await a._attempt()  # ...the next one reads the Lease first (still its own)
+    assert leases.requests == before + 2
+
+
+async def test_a_stopped_leader_stops_no_later_than_the_renew_deadline_when_writes_hang() -> None:
+    leases = FakeLeases()
+    work = Work()
+    a = elector(leases, "a")
+    task = asyncio.create_task(a.run(work))
+    try:
+        await _until(lambda: work.running)
+        hang: asyncio.Future[None] = asyncio.Future()
+
+        async def hanging(lease: dict[str, Any]) -> dict[str, Any]:
+            await hang
+            raise AssertionError
+
+        leases.replace = hanging  # type: ignore[method-assign]
+        last_ok = a._renewed_at
+        await _until(lambda: not work.running)
+        assert work.cancelled_at is not None
+        assert work.cancelled_at - last_ok <= TIMING.renew_deadline + 0.1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

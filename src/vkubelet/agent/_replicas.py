@@ -1,0 +1,373 @@
+"""Replicas of the agent, coordinated by Kubernetes Leases and nothing else.
+
+Leader election (`--leader-elect`): replicas with the same nodes compete for one Lease; the
+holder runs a whole `Agent` (built afresh at each term, so that its providers read their
+backend's state as the last leader left it, and adopt its pods), the others stand by. Losing
+the Lease, or failing to renew it for the renew deadline, cancels that agent before any other
+replica may take over (fencing): a partitioned leader stops writing on its own.
+
+Sharding (`--shard`): replicas with the same list of nodes share them, one Lease per node. Each
+replica also holds a membership Lease, so that each knows how many replicas are alive and claims
+no more than its fair share, ceil(nodes / replicas); a replica above it (others joined) hands
+the excess back. One list request per round shows every Lease of the group: expiry is judged,
+as by the elector, on the local clock from when a record last changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import httpx2 as httpx
+from lightkube.config.kubeconfig import SingleConfig
+
+from ..kubelet import KubeletServer
+from ..node import AgentConfig, KubeClient, NodeFleet, NodeSpec
+from ..node._lease import KubeLeases, LeaderElector, LeaseTiming
+from ..sdk.tasks import TaskSet
+from . import _providers
+from ._serving import KubeletApiReadiness, kubelet_node, start_servers
+from ._standby import StandbyHealth
+from ._supervision import run_node
+
+if TYPE_CHECKING:
+    from ._agent import Agent
+
+log = logging.getLogger(__name__)
+
+GROUP_LABEL = "vkubelet.io/replica-group"
+ROLE_LABEL = "vkubelet.io/replica-role"
+# A dead replica's membership Lease is deleted by the others after this many lease durations.
+FORGET_MEMBER_AFTER = 10
+# Nodes claimed per round, and the pause between their starts: building a node's provider and
+# agent takes the event loop for milliseconds, and a hundred at once would hold up the Lease
+# renewals of the nodes already running (as the agent spreads its own nodes' starts).
+CLAIMS_PER_ROUND = 50
+START_SPREAD_SECONDS = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaOptions:
+    namespace: str
+    identity: str
+    timing: LeaseTiming
+    shard: bool = False
+    health_port: int = 0  # the standby's /healthz (0: none)
+
+
+def leader_timing() -> LeaseTiming:
+    """client-go's proportions on a 10 s Lease (its default is 15 s): a standby sees the last
+    renewal up to a period late and polls once a period, so a dead leader's node is taken over
+    within ~13 s."""
+    return LeaseTiming(duration=10.0, renew_deadline=7.0, retry=1.5)
+
+
+def shard_timing() -> LeaseTiming:
+    """Longer renewal period than a single leader's: one write per node and period, and the
+    fleet is large; a dead replica's nodes are still taken within ~25 s."""
+    return LeaseTiming(duration=20.0, renew_deadline=14.0, retry=4.0)
+
+
+def group_of(names: list[str]) -> str:
+    """Replicas configured with the same nodes form one group (a label value: short)."""
+    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:16]
+
+
+def lease_name(*parts: str) -> str:
+    """A Lease name (a DNS subdomain) from parts that may not be one (a hostname, say)."""
+    raw = "-".join(("vkubelet", *parts)).lower()
+    name = re.sub(r"[^a-z0-9.-]+", "-", raw).strip("-.")
+    if len(name) > 200 or name != raw:
+        name = f"{name[:180]}-{hashlib.sha256(raw.encode()).hexdigest()[:10]}"
+    return name
+
+
+class FencedClient(KubeClient):
+    """The client of work done under a Lease: it sends no write once `may_write()` says no
+    (the Lease's renew deadline passed), whatever task asks. The elector cancels that work too,
+    but after a pause (SIGSTOP, a frozen VM) queued callbacks run in timer order as the process
+    resumes, some before the elector's own: this check, made as each request leaves, catches
+    those. Reads stay allowed: they change nothing."""
+
+    may_write: Callable[[], bool] = staticmethod(lambda: True)  # set by `fenced_client`
+
+    def _new_http(self, config: SingleConfig, limits: httpx.Limits) -> httpx.AsyncClient:
+        client = super()._new_http(config, limits)
+
+        async def fence(request: httpx.Request) -> None:
+            if request.method != "GET" and not self.may_write():
+                raise httpx.ConnectError("fenced: this replica's Lease expired", request=request)
+
+        client.event_hooks = {"request": [fence], "response": client.event_hooks["response"]}
+        return client
+
+
+def fenced_client(config: AgentConfig, may_write: Callable[[], bool]) -> FencedClient:
+    """Made as the agent makes its client (the same kubeconfig, in-cluster rules and options)."""
+    client = FencedClient.from_kubeconfig(config.kubeconfig, options=config.client)
+    assert isinstance(client, FencedClient)
+    client.may_write = may_write
+    return client
+
+
+# -- one leader -------------------------------------------------------------------------------
+async def run_leader_elected(
+    validated: Agent, make_agent: Callable[[], Agent], options: ReplicaOptions
+) -> None:
+    """Campaign; while leading run a fresh agent; stand by (serving /healthz) otherwise."""
+    await validated.discard()
+    config = validated.config
+    names = [spec.settings.name for spec in config.nodes]
+    client = KubeClient.from_kubeconfig(config.kubeconfig, options=config.client)
+    elector = LeaderElector(
+        KubeLeases(client),
+        namespace=options.namespace,
+        identity=options.identity,
+        name=lease_name("agent", names[0] if len(names) == 1 else group_of(names)),
+        timing=options.timing,
+        labels={GROUP_LABEL: group_of(names), ROLE_LABEL: "leader"},
+    )
+    ports = {spec.settings.kubelet_port for spec in config.nodes} if config.kubelet_api else set()
+    health = (
+        StandbyHealth(options.health_port, lambda: elector.is_leader)
+        if options.health_port
+        else None
+    )
+    shares_port = health is not None and health.port in ports
+
+    async def lead() -> None:
+        if health is not None and shares_port:
+            await health.close()  # the kubelet API takes the port (and answers /healthz)
+        try:
+            await fenced_agent(make_agent, elector).run()
+        finally:
+            if health is not None:
+                await health.start()
+
+    log.info("leader election: %s stands by for Lease %s", options.identity, elector.name)
+    try:
+        if health is not None:
+            await health.start()
+        await elector.run(lead)
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(elector.release())
+        if health is not None:
+            await health.close()
+        await client.aclose()
+
+
+def agent_factory(config: AgentConfig) -> tuple[Agent, Callable[[], Agent]]:
+    """An agent built now, which validates the config (loudly, at start) and is then discarded
+    unrun, and the maker of each term's agent, from a pristine copy of the config (building
+    providers changes it): built when the term starts, its providers read the backend then."""
+    from ._agent import Agent
+
+    pristine = copy.deepcopy(config)
+    return Agent(config), lambda: Agent(copy.deepcopy(pristine))
+
+
+def fenced_agent(make_agent: Callable[[], Agent], elector: LeaderElector) -> Agent:
+    agent = make_agent()
+    agent.use_client(fenced_client(agent.config, elector.holds))
+    return agent
+
+
+# -- sharding ---------------------------------------------------------------------------------
+class ShardRunner:
+    """Claims this replica's share of the nodes and runs each claimed node while it holds its
+    Lease (fencing per node, as for a single leader)."""
+
+    def __init__(self, agent: Agent, specs: list[NodeSpec], options: ReplicaOptions) -> None:
+        """`specs` as configured: no provider built from them yet."""
+        self._agent = agent
+        self._specs = {spec.settings.name: spec for spec in specs}
+        self.options = options
+        self.group = group_of(list(self._specs))
+        self._store: KubeLeases | None = None
+        self.electors: dict[str, LeaderElector] = {}
+        self._members: dict[str, LeaderElector] = {}  # lease name -> an observer of it
+        self._member: LeaderElector | None = None
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self._nodes = TaskSet("shard", logger=log)
+
+    def _elector(self, name: str, role: str) -> LeaderElector:
+        assert self._store is not None
+        return LeaderElector(
+            self._store,
+            namespace=self.options.namespace,
+            identity=self.options.identity,
+            name=name,
+            timing=self.options.timing,
+            labels={GROUP_LABEL: self.group, ROLE_LABEL: role},
+        )
+
+    def alive(self) -> int:
+        """Replicas alive (this one included), as far as their membership Leases show."""
+        return 1 + sum(1 for m in self._members.values() if m.held_by_other())
+
+    def fair_share(self) -> int:
+        return math.ceil(len(self._specs) / self.alive())
+
+    def may_write(self) -> bool:
+        """The fence of the agent's client: no write while any claim is past its deadline (its
+        node is being stopped; the others wait for that moment)."""
+        return all(e.holds() for e in self.electors.values() if e.is_leader)
+
+    async def run(self) -> None:
+        # The Leases have a client of their own: the agent's is fenced (by `may_write`).
+        leases = KubeClient(self._agent.client.config, self._agent.config.client)
+        try:
+            await self._run(KubeLeases(leases))
+        finally:
+            await leases.aclose()
+
+    async def _run(self, store: KubeLeases) -> None:
+        self._store = store
+        self.electors = {
+            name: self._elector(lease_name("node", name), "node") for name in self._specs
+        }
+        member_name = lease_name("member", self.group, self.options.identity)
+        self._member = self._elector(member_name, "member")
+        log.info(
+            "sharding: %s joins group %s (%d nodes)",
+            self.options.identity,
+            self.group,
+            len(self._specs),
+        )
+        try:
+            await self._member.acquire()
+            # Replicas starting together see each other before they claim anything.
+            await asyncio.sleep(self.options.timing.retry)
+            while True:
+                started = time.monotonic()
+                await self._round()
+                await asyncio.sleep(max(0.0, self._round_period() - (time.monotonic() - started)))
+        finally:
+            await self._nodes.aclose()
+            for elector in [*self.electors.values(), self._member]:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(elector.release())
+
+    async def _round(self) -> None:
+        assert self._store is not None and self._member is not None
+        await self._member.acquire()  # renews membership
+        try:
+            leases = await self._store.list(self.options.namespace, f"{GROUP_LABEL}={self.group}")
+        except Exception as e:
+            log.warning("sharding: cannot list the group's Leases: %s", e)
+            return
+        by_name = {(lease.get("metadata") or {}).get("name", ""): lease for lease in leases}
+        for elector in self.electors.values():
+            elector.observe(by_name.get(elector.name))
+        await self._observe_members(leases)
+        fair = self.fair_share()
+        mine = sorted(self.running, key=self._preference)
+        if len(mine) > fair:
+            for name in mine[fair:]:  # the ones others prefer most are handed back first
+                log.info("sharding: handing node %s back (fair share %d)", name, fair)
+                await self._give_back(name)
+            return
+        free = [
+            name
+            for name, elector in self.electors.items()
+            if name not in self.running and not elector.held_by_other()
+        ]
+        free.sort(key=self._preference)
+        wanted = free[: min(fair - len(mine), CLAIMS_PER_ROUND)]
+        won = await asyncio.gather(*(self.electors[name].acquire() for name in wanted))
+        claimed = [name for name, ok in zip(wanted, won, strict=True) if ok]
+        for index, name in enumerate(claimed):
+            self._claimed(name, delay=index * START_SPREAD_SECONDS)
+
+    async def _observe_members(self, leases: list[dict[str, object]]) -> None:
+        assert self._store is not None and self._member is not None
+        seen: set[str] = set()
+        for lease in leases:
+            meta = lease.get("metadata")
+            if not isinstance(meta, dict) or (meta.get("labels") or {}).get(ROLE_LABEL) != "member":
+                continue
+            name = str(meta.get("name"))
+            if name == self._member.name:
+                continue
+            seen.add(name)
+            observer = self._members.get(name)
+            if observer is None:
+                observer = self._members[name] = self._elector(name, "member")
+            observer.observe(lease)
+        for name in set(self._members) - seen:
+            del self._members[name]
+        for name, observer in list(self._members.items()):
+            silent = time.monotonic() - observer.observed_at
+            if silent > FORGET_MEMBER_AFTER * self.options.timing.duration:
+                with contextlib.suppress(Exception):  # a replica gone long ago
+                    await self._agent.client.delete(KubeLeases.path(self.options.namespace, name))
+
+    def _round_period(self) -> float:
+        """Half the renewal period: a round costs one list (and a membership renewal), and an
+        expired Lease is then seen, and claimed, at most half a period late."""
+        return self.options.timing.retry / 2
+
+    def _preference(self, name: str) -> str:
+        """Rendezvous order: each replica prefers different nodes, so that replicas claiming
+        at the same moment rarely race for the same Lease."""
+        return hashlib.sha256(f"{self.options.identity}/{name}".encode()).hexdigest()
+
+    def _claimed(self, name: str, *, delay: float) -> None:
+        elector = self.electors[name]
+
+        async def hold() -> None:
+            try:
+                await elector.hold(lambda: self._run_node(name, delay))
+            finally:
+                self.running.pop(name, None)
+
+        self.running[name] = self._nodes.spawn(hold(), name=f"shard node {name}")
+        log.info("sharding: %s claimed node %s", self.options.identity, name)
+
+    async def _give_back(self, name: str) -> None:
+        task = self.running.pop(name, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})  # a cancellation of ours still reaches us
+        await self.electors[name].release()
+
+    async def _run_node(self, name: str, delay: float) -> None:
+        """One claimed node: a provider built now (reading the backend's state as the last
+        holder left it), its node agent and kubelet API; all stopped when the claim ends."""
+        await asyncio.sleep(delay)
+        agent = self._agent
+        spec = copy.deepcopy(self._specs[name])
+        built = _providers.build_provider(spec, agent.events)
+        assert not isinstance(built, NodeFleet)  # refused at start
+        settings = spec.settings
+        readiness = KubeletApiReadiness(settings.kubelet_port) if agent.config.kubelet_api else None
+        node = agent.make_node(settings, built, readiness)
+        servers: list[KubeletServer] = []
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(run_node(node))
+                if readiness is not None:
+                    context, _ = await agent.tls_context(
+                        name, settings.address_list(), readiness.waiting_for
+                    )
+                    servers = await start_servers(
+                        [kubelet_node(node, settings.kubelet_port)],
+                        context,
+                        agent.kubelet_auth(),
+                        readiness,
+                    )
+        finally:
+            for server in servers:
+                await server.close()
+            agent.forget_node(node)
+            await agent.close_provider(built)
