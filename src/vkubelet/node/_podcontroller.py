@@ -477,7 +477,7 @@ class PodController:
         self, record: PodRecord, status: dict[str, Any]
     ) -> dict[str, Any] | None:
         """The pod as the API stored it, or None if it is gone or was replaced."""
-        patch = {"metadata": {"uid": record.uid}, "status": status}
+        patch = {"metadata": {"uid": record.uid}, "status": _clearing_stale_reasons(status)}
         try:
             return await self._client.patch(
                 f"/api/v1/namespaces/{record.namespace}/pods/{record.name}/status",
@@ -533,6 +533,17 @@ class PodController:
     def _event(self, record: PodRecord, type: str, reason: str, message: str) -> None:
         ref = ObjectRef("Pod", record.namespace, record.name, record.uid)
         self._recorder.emit(ref, type, reason, message)
+
+
+def _clearing_stale_reasons(status: dict[str, Any]) -> dict[str, Any]:
+    """A strategic merge patch merges conditions by type: a condition that turned True without
+    a reason would keep the reason and message it had while False ("Ready: True,
+    ContainersNotReady"). The kubelet sends the deletions explicitly; so do we."""
+    conditions = status.get("conditions")
+    if not conditions:
+        return status
+    cleared = [{"reason": None, "message": None, **c} for c in conditions]
+    return {**status, "conditions": cleared}
 
 
 def _with_ips(status: dict[str, Any]) -> dict[str, Any]:

@@ -173,6 +173,33 @@ async def test_a_status_change_is_written(
     await eventually(lambda: status_of(api, "web")["containerStatuses"][0]["restartCount"] == 1)
 
 
+async def test_a_condition_that_turns_true_loses_the_reason_it_had_while_false(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    api.create("pods", pod("web"))
+    await eventually(lambda: running(api, "web"))
+    running_pod = push.pods[f"{NS}/web"]
+
+    def report_ready(ready: str, reason: str | None) -> None:
+        status = msgspec.to_builtins(running_pod.status)
+        ready_condition = {"type": "Ready", "status": ready}
+        if reason:
+            ready_condition |= {"reason": reason, "message": "containers with unready status"}
+        status["conditions"] = [ready_condition]
+        running_pod.status = msgspec.convert(status, PodStatus)
+        push.report(f"{NS}/web")
+
+    def ready_condition() -> dict[str, str]:
+        found = [c for c in status_of(api, "web").get("conditions", []) if c["type"] == "Ready"]
+        return found[0] if found else {}
+
+    report_ready("False", "ContainersNotReady")
+    await eventually(lambda: ready_condition().get("reason") == "ContainersNotReady")
+    report_ready("True", None)
+    await eventually(lambda: ready_condition().get("status") == "True")
+    assert "reason" not in ready_condition() and "message" not in ready_condition()
+
+
 async def test_a_status_changed_by_someone_else_is_restored_at_the_next_report(
     api: FakeApiServer, push: PushProvider, push_node: PodHarness
 ) -> None:
