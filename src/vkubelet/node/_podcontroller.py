@@ -464,9 +464,9 @@ class PodController:
                 and record.status_digest != wanted
                 and state.written != (wanted, record.status_digest)
             ):
-                answer = await self._patch_status(record, reported)
-                if answer is not None:  # only what the API accepted counts as written
-                    state.written_status(wanted, visible_status(answer.get("status")))
+                stored = await self._patch_status(record, reported)
+                if stored is not None:  # only what the API accepted counts as written
+                    state.written_status(wanted, visible_status(stored))
                     if reported.get("phase") == "Running" and record.phase != "Running":
                         self._event(record, NORMAL, "Started", "the pod's containers are running")
             state.report_done(reported)
@@ -476,18 +476,23 @@ class PodController:
     async def _patch_status(
         self, record: PodRecord, status: dict[str, Any]
     ) -> dict[str, Any] | None:
-        """The pod as the API stored it, or None if it is gone or was replaced."""
+        """The status as the API stored it, or None if the pod is gone or was replaced.
+
+        Only the status of the answer is decoded: the rest of the pod (its managedFields
+        above all) is most of the answer, and this is the agent's most frequent request."""
         patch = {"metadata": {"uid": record.uid}, "status": _clearing_stale_reasons(status)}
         try:
-            return await self._client.patch(
+            answer = await self._client.request_raw(
+                "PATCH",
                 f"/api/v1/namespaces/{record.namespace}/pods/{record.name}/status",
-                patch,
+                body=patch,
                 content_type=STRATEGIC_MERGE_PATCH,
             )
         except ApiError as e:
             if e.not_found or e.conflict:
                 return None  # deleted or replaced meanwhile; the watch will tell us
             raise
+        return _decode_status(answer).status or {}
 
     async def _remove_from_api(self, record: PodRecord) -> None:
         body = {"gracePeriodSeconds": 0, "preconditions": {"uid": record.uid}}
@@ -544,6 +549,13 @@ def _clearing_stale_reasons(status: dict[str, Any]) -> dict[str, Any]:
         return status
     cleared = [{"reason": None, "message": None, **c} for c in conditions]
     return {**status, "conditions": cleared}
+
+
+class _StatusOnly(msgspec.Struct):
+    status: dict[str, Any] | None = None
+
+
+_decode_status = msgspec.json.Decoder(_StatusOnly).decode
 
 
 def _with_ips(status: dict[str, Any]) -> dict[str, Any]:

@@ -390,7 +390,9 @@ def test_a_new_pods_plain_pending_status_is_held_back_briefly_and_anything_else_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One upper status write per pod in a burst, not two: the lower pod's Pending status
-    between its create and Running is not pushed, unless it lasts longer than the hold."""
+    between its create and Running (containers being created) is not pushed, unless it lasts
+    longer than the hold; a Pending status that tells something (Unschedulable, a container
+    waiting for its image) goes up at once."""
     monkeypatch.setattr(_provider, "PENDING_HOLD", 2.0)  # long enough for a loaded machine
     fake = FakeLower()
     provider = fake.provider(tmp_path)
@@ -399,13 +401,26 @@ def test_a_new_pods_plain_pending_status_is_held_back_briefly_and_anything_else_
     def phases(uid: str) -> list[str]:
         return [phase for u, phase in reports if u == uid]
 
-    def scheduled(lower: dict[str, Any], *, fits: bool = True) -> dict[str, Any]:
+    def scheduled(
+        lower: dict[str, Any], *, fits: bool = True, waiting: str | None = None
+    ) -> dict[str, Any]:
         changed = with_phase(lower, "Pending")
         changed["spec"]["nodeName"] = "lower-a" if fits else None
         condition: dict[str, Any] = {"type": "PodScheduled", "status": "True"}
         if not fits:
             condition.update(status="False", reason="Unschedulable", message="0/3 nodes")
         changed["status"]["conditions"] = [condition]
+        if waiting is not None:
+            changed["status"]["containerStatuses"] = [
+                {
+                    "name": "web",
+                    "image": "web:1",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"waiting": {"reason": waiting}},
+                }
+            ]
         return changed
 
     async def scenario() -> None:
@@ -414,20 +429,27 @@ def test_a_new_pods_plain_pending_status_is_held_back_briefly_and_anything_else_
             reports.append((str(pod.metadata.uid), str(pod.status.phase)))
 
         provider.notify_pods(report)
+        names = {"fast": "web-0", "slow": "web-1", "stuck": "web-2", "creating": "web-3"}
+        names["pulling"] = "web-4"
         try:
-            for uid, name in (("fast", "web-0"), ("slow", "web-1"), ("stuck", "web-2")):
+            for uid, name in names.items():
                 pod = msgspec.to_builtins(web_0(uid).pod)
                 pod["metadata"]["name"] = name
                 await provider.create_pod(ResolvedPod(msgspec.convert(pod, Pod)))
-            lower = {n: fake.pods[n] for n in ("web-0", "web-1", "web-2")}
+            lower = {n: fake.pods[n] for n in names.values()}
             for name in lower:
                 provider._observed(f"shop/{name}", scheduled(lower[name]))
             provider._observed("shop/web-2", scheduled(lower["web-2"], fits=False))
+            provider._observed("shop/web-3", scheduled(lower["web-3"], waiting="ContainerCreating"))
+            provider._observed("shop/web-4", scheduled(lower["web-4"], waiting="ErrImagePull"))
             await eventually(lambda: phases("stuck") == ["Pending"], what="Unschedulable at once")
+            await eventually(lambda: phases("pulling") == ["Pending"], what="ErrImagePull at once")
             provider._observed("shop/web-0", with_phase(lower["web-0"], "Running"))
             await eventually(lambda: phases("fast") == ["Running"], what="Running at once")
             assert phases("slow") == [], "plain Pending is held back"
+            assert phases("creating") == [], "containers being created: held back"
             await eventually(lambda: phases("slow") == ["Pending"], what="Pending after the hold")
+            await eventually(lambda: phases("creating") == ["Pending"], what="and this one")
             await always(lambda: phases("fast") == ["Running"], duration=0.5)
         finally:
             await provider.aclose()
