@@ -124,6 +124,9 @@ class NodeSettings:
     status_interval: float = 60.0
     ping_interval: float = 10.0
     ping_timeout: float = 5.0
+    # Consecutive failed pings before the node stops renewing its lease: one slow answer (a
+    # backend busy with a burst) is not an outage. 2 x 10 s + 5 s stays within the 40 s lease.
+    ping_failures: int = 2
     # Running as system:node:<name>: the NodeRestriction admission plugin then forbids most
     # labels under kubernetes.io/ and k8s.io/, and changes to the node's own taints.
     node_restricted: bool = False
@@ -640,21 +643,32 @@ class NodeController:
 
     async def _ping_loop(self) -> None:
         assert isinstance(self._provider, NodeProvider)
+        failures = 0
         while True:
             try:
                 async with asyncio.timeout(self.settings.ping_timeout):  # not wait_for: see above
                     await self._provider.ping()
             except Exception as e:
-                if self.healthy:
+                failures += 1
+                why = str(e) or (
+                    f"no answer within {self.settings.ping_timeout:g} s"
+                    if isinstance(e, TimeoutError)
+                    else type(e).__name__
+                )
+                if self.healthy and failures >= self.settings.ping_failures:
                     log.warning(
-                        "node %s: provider ping failed: %s; stopping lease renewals",
+                        "node %s: provider ping failed %d times: %s; stopping lease renewals",
                         self.settings.name,
-                        e,
+                        failures,
+                        why,
                     )
-                    self.ping_error = str(e) or type(e).__name__
+                    self.ping_error = why
                     self.healthy = False
                     self.notify_status_changed()
+                elif self.healthy:
+                    log.info("node %s: provider ping failed: %s", self.settings.name, why)
             else:
+                failures = 0
                 if not self.healthy:
                     log.info("node %s: provider healthy again", self.settings.name)
                     self.healthy = True

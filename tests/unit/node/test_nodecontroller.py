@@ -377,6 +377,30 @@ async def test_a_failing_ping_stops_lease_renewals_until_it_recovers(
         assert controller.healthy
 
 
+class EveryOtherPingTimesOut:
+    """A backend too busy to answer one ping in two (a burst), never down for two in a row."""
+
+    def __init__(self) -> None:
+        self.pings = 0
+
+    async def ping(self) -> None:
+        self.pings += 1
+        if self.pings % 2:
+            await asyncio.sleep(1)  # beyond the ping timeout
+
+    def configure_node(self, node: Node) -> None:
+        pass
+
+
+async def test_one_slow_ping_at_a_time_never_stops_lease_renewals(api: FakeApiServer) -> None:
+    busy = EveryOtherPingTimesOut()
+    async with NodeHarness(api, settings(ping_timeout=0.05), busy) as controller:
+        await eventually(lambda: busy.pings >= 2)
+        await always(lambda: controller.healthy, duration=0.6, what="still healthy")
+        assert busy.pings >= 6  # the window held several slow pings
+        assert conditions(api)["Ready"]["status"] == "True"
+
+
 async def test_a_deleted_node_is_registered_again(api: FakeApiServer) -> None:
     async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())) as controller:
         old_uid = node_of(api)["metadata"]["uid"]
