@@ -471,11 +471,14 @@ class PodController:
         """The pod as the API stored it, or None if it is gone or was replaced."""
         patch = {"metadata": {"uid": record.uid}, "status": status}
         try:
-            return await self._client.patch(
+            answer = await self._client.request_raw(
+                "PATCH",
                 f"/api/v1/namespaces/{record.namespace}/pods/{record.name}/status",
-                patch,
+                body=patch,
                 content_type=STRATEGIC_MERGE_PATCH,
             )
+            # Only the status is read: the rest of the pod is skipped, not decoded.
+            return {"status": _decode_answer(answer).status}
         except ApiError as e:
             if e.not_found or e.conflict:
                 return None  # deleted or replaced meanwhile; the watch will tell us
@@ -525,6 +528,13 @@ class PodController:
     def _event(self, record: PodRecord, type: str, reason: str, message: str) -> None:
         ref = ObjectRef("Pod", record.namespace, record.name, record.uid)
         self._recorder.emit(ref, type, reason, message)
+
+
+class _Answer(msgspec.Struct):
+    status: dict[str, Any] | None = None
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
 
 
 def _with_ips(status: dict[str, Any]) -> dict[str, Any]:
