@@ -206,6 +206,11 @@ def _go_float(value: float) -> str:
         return "+Inf" if value > 0 else "-Inf"
     if value == 0:
         return "0"
+    if 1e-4 <= abs(value) < 1e6:
+        # Python's repr is the same shortest form here (fixed-point), but for a trailing ".0":
+        # the quick way for the bulk of a scrape (seconds, small counts).
+        text = repr(float(value))
+        return text[:-2] if text.endswith(".0") else text
     sign, digit_tuple, exponent = Decimal(repr(float(value))).as_tuple()
     assert isinstance(exponent, int)
     digits = "".join(map(str, digit_tuple)).rstrip("0")
