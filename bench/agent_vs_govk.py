@@ -195,7 +195,7 @@ async def one_run(
     args: argparse.Namespace,
     svg: Path | None,
 ) -> Run:
-    budget = args.budget if agent == GO_DEFAULTS else 1800.0
+    budget = args.budget if agent == GO_DEFAULTS else args.limit
     with tempfile.TemporaryDirectory() as tmp:
         client = http_client(cluster.kubeconfig, CONCURRENCY)
         target = start(agent, cluster, govk, Path(tmp))
@@ -314,6 +314,7 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--agents", nargs="*", default=list(AGENTS), choices=AGENTS)
     parser.add_argument("--budget", type=float, default=120.0, help="Go defaults: s per phase")
+    parser.add_argument("--limit", type=float, default=1800.0, help="any agent: s per phase")
     parser.add_argument("--settle", type=float, default=10.0)
     parser.add_argument("--profile", type=Path, help="py-spy flame graph of vkubelet (SVG)")
     parser.add_argument("--cluster", help="reuse a running `vkubelet dev cluster`")

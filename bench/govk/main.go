@@ -39,6 +39,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apiserver/pkg/server/dynamiccertificates"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -140,7 +141,19 @@ func run(kubeconfig, nodeName, address string, port int, certFile, keyFile, clie
 	spec := nodeSpec(nodeName, address, port, lim.pods)
 
 	mux := http.NewServeMux()
-	nodeutil.AttachProviderRoutes(mux)(p, nodeutil.NodeConfig{}, podInformer.Lister())
+	pods := podInformer.Lister()
+	mux.Handle("/", api.PodHandler(api.PodHandlerConfig{ // as nodeutil.AttachProviderRoutes
+		RunInContainer:    p.RunInContainer,
+		AttachToContainer: p.AttachToContainer,
+		GetContainerLogs:  p.GetContainerLogs,
+		GetPods:           p.GetPods,
+		GetPodsFromKubernetes: func(context.Context) ([]*corev1.Pod, error) {
+			return pods.List(labels.Everything())
+		},
+		GetStatsSummary:    p.GetStatsSummary,
+		GetMetricsResource: p.GetMetricsResource,
+		PortForward:        p.PortForward,
+	}, true))
 	listener, err := tls.Listen("tcp", net.JoinHostPort(address, strconv.Itoa(port)), tlsConfig)
 	if err != nil {
 		return err
