@@ -107,7 +107,13 @@ async def create_pods(
 
     async def one(name: str) -> None:
         for _ in range(10):
-            response = await client.post(f"/api/v1/namespaces/{ns}/pods", json=pod_body(name, node))
+            try:
+                response = await client.post(
+                    f"/api/v1/namespaces/{ns}/pods", json=pod_body(name, node)
+                )
+            except httpx.TransportError:  # the apiserver shedding connections under load
+                await asyncio.sleep(0.2)
+                continue
             if response.status_code in (429, 500, 503, 504):
                 await asyncio.sleep(0.2)
                 continue

@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -173,7 +173,14 @@ def start_vkubelet(cluster: Cluster, work: Path) -> NodeUnderTest:
     return NodeUnderTest("vkubelet", name, agent.proc.pid, agent.log_path, agent.stop)
 
 
-def start_govk(cluster: Cluster, binary: Path, work: Path) -> NodeUnderTest:
+def start_govk(
+    cluster: Cluster,
+    binary: Path,
+    work: Path,
+    extra: Sequence[str] = (),
+    label: str = "virtual-kubelet (Go)",
+) -> NodeUnderTest:
+    """The Go node; `extra` flags set its throttles (bench/agent_vs_govk.py)."""
     name = f"bench-go-{uuid.uuid4().hex[:6]}"
     ca = _pki.load(cluster.pki / "ca.crt", cluster.pki / "ca.key")
     serving = _pki.issue(
@@ -205,6 +212,7 @@ def start_govk(cluster: Cluster, binary: Path, work: Path) -> NodeUnderTest:
                 str(cluster.pki / "ca.crt"),
                 "-log-level",
                 "warn",
+                *extra,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -220,7 +228,7 @@ def start_govk(cluster: Cluster, binary: Path, work: Path) -> NodeUnderTest:
                 proc.kill()
                 proc.wait()
 
-    return NodeUnderTest("virtual-kubelet (Go)", name, proc.pid, log_path, stop)
+    return NodeUnderTest(label, name, proc.pid, log_path, stop)
 
 
 def start_pod(kubectl: Kubectl, target: NodeUnderTest) -> None:

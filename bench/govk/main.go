@@ -11,6 +11,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -38,9 +39,15 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apiserver/pkg/server/dynamiccertificates"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
 	statsv1alpha1 "k8s.io/kubelet/pkg/apis/stats/v1alpha1"
 	utilexec "k8s.io/utils/exec"
 )
@@ -56,6 +63,11 @@ func main() {
 		clientCA   = flag.String("client-ca-file", "", "CA of the apiserver's kubelet client certificate")
 		logLevel   = flag.String("log-level", "info", "debug, info, warn or error")
 		version    = flag.Bool("version", false, "print versions and exit")
+		qps        = flag.Float64("kube-api-qps", 100, "client QPS limit (negative: none)")
+		burst      = flag.Int("kube-api-burst", 200, "client burst")
+		workers    = flag.Int("workers", runtime.NumCPU(), "pod controller workers per queue (nodeutil's default)")
+		queueLimit = flag.Bool("queue-rate-limit", true, "client-go's default queue limiter (global 10/s, burst 100); false: per-item back-off only")
+		pods       = flag.String("pods", "110", "the node's pod capacity")
 	)
 	flag.Parse()
 	if *version {
@@ -67,25 +79,32 @@ func main() {
 		stdlog.Fatal(err)
 	}
 	vklog.L = vkslog.FromSlog(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})))
-	if err := run(*kubeconfig, *nodeName, *address, *port, *certFile, *keyFile, *clientCA); err != nil {
+	lim := limits{qps: *qps, burst: *burst, workers: *workers, globalQueue: *queueLimit, pods: *pods}
+	if err := run(*kubeconfig, *nodeName, *address, *port, *certFile, *keyFile, *clientCA, lim); err != nil {
 		stdlog.Fatal(err)
 	}
 }
 
-func run(kubeconfig, nodeName, address string, port int, certFile, keyFile, clientCA string) error {
+// limits are the throttles under test: the client's QPS and burst (qps < 0: no client-side
+// limit), the pod controller's workers per queue, and whether its queues keep client-go's default
+// limiter (per-item back-off and a global 10/s, burst 100 bucket) or only the per-item back-off.
+type limits struct {
+	qps         float64
+	burst       int
+	workers     int
+	globalQueue bool
+	pods        string
+}
+
+func run(kubeconfig, nodeName, address string, port int, certFile, keyFile, clientCA string, lim limits) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	// NewNode makes a default client from $KUBECONFIG before it applies options (and warns when
-	// there is none); ours, with a higher QPS, replaces it through WithClient.
-	if err := os.Setenv("KUBECONFIG", kubeconfig); err != nil {
-		return err
-	}
 	restConfig, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
 		return err
 	}
-	restConfig.QPS, restConfig.Burst = 100, 200
+	restConfig.QPS, restConfig.Burst = float32(lim.qps), lim.burst
 	client, err := kubernetes.NewForConfig(restConfig)
 	if err != nil {
 		return err
@@ -104,45 +123,153 @@ func run(kubeconfig, nodeName, address string, port int, certFile, keyFile, clie
 	if err != nil {
 		return err
 	}
+	tlsConfig := &tls.Config{MinVersion: tls.VersionTLS12}
+	for _, apply := range []func(*tls.Config) error{
+		nodeutil.WithKeyPairFromPath(certFile, keyFile), nodeutil.WithCAFromPath(clientCA),
+	} {
+		if err := apply(tlsConfig); err != nil {
+			return err
+		}
+	}
+
+	// What nodeutil.NewNode and Node.Run do, written out because NewNode gives no way to set the
+	// pod controller's queue rate limiters (they are fields of node.PodControllerConfig only).
+	podFactory := informers.NewSharedInformerFactoryWithOptions(client, time.Minute, nodeutil.PodInformerFilter(nodeName))
+	objectFactory := informers.NewSharedInformerFactoryWithOptions(client, time.Minute)
+	podInformer := podFactory.Core().V1().Pods()
+	p := newProvider()
+	spec := nodeSpec(nodeName, address, port, lim.pods)
 
 	mux := http.NewServeMux()
-	vk, err := nodeutil.NewNode(nodeName,
-		func(cfg nodeutil.ProviderConfig) (nodeutil.Provider, node.NodeProvider, error) {
-			describeNode(cfg.Node, address, port)
-			return newProvider(), nil, nil
+	pods := podInformer.Lister()
+	mux.Handle("/", api.PodHandler(api.PodHandlerConfig{ // as nodeutil.AttachProviderRoutes
+		RunInContainer:    p.RunInContainer,
+		AttachToContainer: p.AttachToContainer,
+		GetContainerLogs:  p.GetContainerLogs,
+		GetPods:           p.GetPods,
+		GetPodsFromKubernetes: func(context.Context) ([]*corev1.Pod, error) {
+			return pods.List(labels.Everything())
 		},
-		nodeutil.WithClient(client),
-		func(cfg *nodeutil.NodeConfig) error {
-			cfg.HTTPListenAddr = net.JoinHostPort(address, strconv.Itoa(port))
-			cfg.Handler = nodeutil.WithAuth(auth, mux)
-			return nil
-		},
-		nodeutil.AttachProviderRoutes(mux),
-		nodeutil.WithTLSConfig(
-			nodeutil.WithKeyPairFromPath(certFile, keyFile),
-			nodeutil.WithCAFromPath(clientCA),
-		),
-	)
+		GetStatsSummary:    p.GetStatsSummary,
+		GetMetricsResource: p.GetMetricsResource,
+		PortForward:        p.PortForward,
+	}, true))
+	listener, err := tls.Listen("tcp", net.JoinHostPort(address, strconv.Itoa(port)), tlsConfig)
 	if err != nil {
 		return err
 	}
-	go func() {
-		if err := vk.WaitReady(ctx, time.Minute); err == nil {
-			vklog.G(ctx).Infof("node %s ready, kubelet API on %s:%d", nodeName, address, port)
+	server := &http.Server{Handler: nodeutil.WithAuth(auth, mux), ReadHeaderTimeout: 30 * time.Second}
+	go server.Serve(listener) //nolint:errcheck
+	defer server.Close()
+
+	broadcaster := record.NewBroadcaster()
+	broadcaster.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.CoreV1().Events(corev1.NamespaceAll)})
+	defer broadcaster.Shutdown()
+	recorder := broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: nodeName + "/pod-controller"})
+
+	newLimiter := func() workqueue.TypedRateLimiter[any] {
+		if lim.globalQueue {
+			return workqueue.DefaultTypedControllerRateLimiter[any]()
 		}
-	}()
-	if err := vk.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
+		return workqueue.NewTypedItemExponentialFailureRateLimiter[any](5*time.Millisecond, 1000*time.Second)
+	}
+	pc, err := node.NewPodController(node.PodControllerConfig{
+		PodClient:                            client.CoreV1(),
+		EventRecorder:                        recorder,
+		Provider:                             p,
+		PodInformer:                          podInformer,
+		SecretInformer:                       objectFactory.Core().V1().Secrets(),
+		ConfigMapInformer:                    objectFactory.Core().V1().ConfigMaps(),
+		ServiceInformer:                      objectFactory.Core().V1().Services(),
+		SyncPodsFromKubernetesRateLimiter:    newLimiter(),
+		DeletePodsFromKubernetesRateLimiter:  newLimiter(),
+		SyncPodStatusFromProviderRateLimiter: newLimiter(),
+	})
+	if err != nil {
 		return err
+	}
+	naive := node.NewNaiveNodeProvider()
+	nc, err := node.NewNodeController(naive, spec, client.CoreV1().Nodes(),
+		node.WithNodeEnableLeaseV1(nodeutil.NodeLeaseV1Client(client), node.DefaultLeaseDuration))
+	if err != nil {
+		return err
+	}
+
+	go podFactory.Start(ctx.Done())
+	go objectFactory.Start(ctx.Done())
+	go pc.Run(ctx, lim.workers) //nolint:errcheck
+	select {
+	case <-ctx.Done():
+		return nil
+	case <-pc.Ready():
+	case <-pc.Done():
+		return pc.Err()
+	}
+	go nc.Run(ctx) //nolint:errcheck
+	select {
+	case <-ctx.Done():
+		return nil
+	case <-nc.Ready():
+	case <-nc.Done():
+		return nc.Err()
+	}
+	setNodeReady(spec)
+	if err := naive.UpdateStatus(ctx, spec); err != nil {
+		return err
+	}
+	vklog.G(ctx).Infof("node %s ready, kubelet API on %s:%d", nodeName, address, port)
+	select {
+	case <-ctx.Done():
+	case <-nc.Done():
+	case <-pc.Done():
 	}
 	return nil
 }
 
-// describeNode fills in what the scheduler and the apiserver need to know about the node.
-func describeNode(n *corev1.Node, address string, port int) {
+// setNodeReady is nodeutil's: Ready with the kubelet's reason, phase Running.
+func setNodeReady(n *corev1.Node) {
+	n.Status.Phase = corev1.NodeRunning
+	for i, c := range n.Status.Conditions {
+		if c.Type != corev1.NodeReady {
+			continue
+		}
+		c.Message = "Kubelet is ready"
+		c.Reason = "KubeletReady"
+		c.Status = corev1.ConditionTrue
+		c.LastHeartbeatTime = metav1.Now()
+		c.LastTransitionTime = metav1.Now()
+		n.Status.Conditions[i] = c
+		return
+	}
+}
+
+// nodeSpec is the Node as nodeutil.NewNode starts it, plus what the scheduler and the apiserver
+// need to know about this one.
+func nodeSpec(name, address string, port int, pods string) *corev1.Node {
+	n := &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: name,
+			Labels: map[string]string{
+				"type":                   "virtual-kubelet",
+				"kubernetes.io/role":     "agent",
+				"kubernetes.io/hostname": name,
+			},
+		},
+		Status: corev1.NodeStatus{
+			Phase: corev1.NodePending,
+			Conditions: []corev1.NodeCondition{
+				{Type: corev1.NodeReady},
+				{Type: corev1.NodeDiskPressure},
+				{Type: corev1.NodeMemoryPressure},
+				{Type: corev1.NodePIDPressure},
+				{Type: corev1.NodeNetworkUnavailable},
+			},
+		},
+	}
 	capacity := corev1.ResourceList{
-		corev1.ResourceCPU:    resource.MustParse("8"),
-		corev1.ResourceMemory: resource.MustParse("32Gi"),
-		corev1.ResourcePods:   resource.MustParse("110"),
+		corev1.ResourceCPU:    resource.MustParse("1000"),
+		corev1.ResourceMemory: resource.MustParse("4Ti"),
+		corev1.ResourcePods:   resource.MustParse(pods),
 	}
 	n.Spec.Taints = []corev1.Taint{{
 		Key: "virtual-kubelet.io/provider", Value: "govk", Effect: corev1.TaintEffectNoSchedule,
@@ -154,6 +281,7 @@ func describeNode(n *corev1.Node, address string, port int) {
 	n.Status.NodeInfo.OperatingSystem = "linux"
 	n.Status.NodeInfo.Architecture = runtime.GOARCH
 	n.Status.NodeInfo.KubeletVersion = moduleVersion()
+	return n
 }
 
 // moduleVersion is the virtual-kubelet module version this binary was built with.

@@ -25,7 +25,7 @@ from typing import Any
 from lightkube.resources.core_v1 import Pod
 
 from ..sdk.provider import EventType
-from ._kube import ApiError, KubeClient, TokenBucket, Unreachable
+from ._kube import MERGE_PATCH, ApiError, KubeClient, TokenBucket, Unreachable
 from ._nodecontroller import now_rfc3339
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,12 @@ class EventRecorder:
         if recent and now - recent[2] < _DEDUP_WINDOW:
             name, count, first = recent
             try:
-                await self._client.patch(
-                    f"{path}/{name}", {"count": count + item.count, "lastTimestamp": now_rfc3339()}
+                # The answers are not read: request_raw spares decoding the whole Event.
+                await self._client.request_raw(
+                    "PATCH",
+                    f"{path}/{name}",
+                    body={"count": count + item.count, "lastTimestamp": now_rfc3339()},
+                    content_type=MERGE_PATCH,
                 )
                 self._recent[key] = (name, count + item.count, first)
                 self.sent += 1
@@ -172,7 +176,7 @@ class EventRecorder:
             "reportingComponent": self._component,
             "reportingInstance": self._host,
         }
-        await self._client.create(path, body)
+        await self._client.request_raw("POST", path, body=body)
         self.sent += 1
         self._recent[key] = (name, item.count, now)
         self._recent.move_to_end(key)

@@ -281,10 +281,15 @@ class KubeClient:
             ) as response:
                 if response.status_code >= 300:
                     raise _api_error(response.status_code, await response.aread())
-                async for line in response.aiter_lines():
-                    if line:
-                        event = _decode(line, type=_WatchEvent)
-                        yield event.type, event.object
+                # Lines split as bytes: httpx's aiter_lines decodes the stream to text first,
+                # a measurable share of the agent's CPU when thousands of pods change.
+                rest = b""
+                async for chunk in response.aiter_bytes():
+                    *lines, rest = (rest + chunk).split(b"\n")
+                    for line in lines:
+                        if line:
+                            event = _decode_event(line)
+                            yield event.type, event.object
         except httpx.TransportError as e:
             raise Unreachable(f"{self.server}: {e!r}") from e
 
@@ -292,6 +297,9 @@ class KubeClient:
 class _WatchEvent(msgspec.Struct):
     type: str
     object: msgspec.Raw
+
+
+_decode_event = msgspec.json.Decoder(_WatchEvent).decode
 
 
 def _api_error(status: int, content: bytes) -> ApiError:
