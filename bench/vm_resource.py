@@ -103,8 +103,19 @@ def vm_manifest(
     }
     if data:
         spec["volumes"] = [{"name": "data", "emptyDir": {"sizeLimit": data}}]
-    if node:
-        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    if node:  # preferred, not required: a migration may not leave the template's selection
+        term = {
+            "matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+            ]
+        }
+        spec["affinity"] = {
+            "nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 100, "preference": term}
+                ]
+            }
+        }
     return {
         "apiVersion": "vkubelet.io/v1alpha1",
         "kind": "VirtualMachine",

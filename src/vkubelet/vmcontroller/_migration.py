@@ -32,7 +32,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from ._base import Context
-from ._placement import TRIGGER_ANNOTATION
+from ._placement import TRIGGER_ANNOTATION, node_admits
 from ._resources import VirtualMachine, VirtualMachineMigration
 
 __all__ = ["MigrationReconciler", "Step", "decide"]
@@ -97,6 +97,25 @@ def _node_problem(nodes: Mapping[str, Mapping[str, Any]], name: str, source: str
     if name == source:
         return f"node {name} already runs the VM"
     return None
+
+
+def _outside_selection(
+    node: Mapping[str, Any], migration: Mapping[str, Any], vm: Mapping[str, Any] | None
+) -> str | None:
+    """A target outside the VM template's node selection is refused: the VM would run where
+    its own spec says it must not, and the node-selection reconciler (`_placement`) would
+    move it straight back."""
+    if vm is None or _annotations(migration).get(TRIGGER_ANNOTATION) == "NodeSelection":
+        return None
+    template = dict(((vm.get("spec") or {}).get("template") or {}).get("spec") or {})
+    if node_admits(node, template, taints=False):
+        return None
+    name = (node.get("metadata") or {}).get("name")
+    return (
+        f"node {name} does not match the VirtualMachine's node selection"
+        " (spec.template.spec nodeName/nodeSelector/required node affinity);"
+        " change the template to move the VM there"
+    )
 
 
 def vm_nodes(nodes: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -247,6 +266,8 @@ def decide(
         source_node = str((source.get("spec") or {}).get("nodeName") or "")
         wanted = spec.get("targetNode")
         if wanted and (problem := _node_problem(nodes, str(wanted), source_node)):
+            return fail("InvalidTarget", problem)
+        if wanted and (problem := _outside_selection(nodes[str(wanted)], migration, vm)):
             return fail("InvalidTarget", problem)
         step.create = target_pod(
             migration,

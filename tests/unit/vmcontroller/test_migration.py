@@ -139,6 +139,24 @@ def test_a_target_that_is_not_another_vm_node_fails_and_changes_nothing(
     assert step.create is None and not step.delete and not step.annotate
 
 
+def test_a_target_outside_the_vm_templates_node_selection_is_refused() -> None:
+    pinned: dict[str, Any] = copy.deepcopy(VM)
+    pinned["spec"]["template"] = {"spec": {"nodeSelector": {"kubernetes.io/hostname": "hv-1"}}}
+    step = decide(migration("hv-2"), pinned, [source_pod()], NODES)
+    assert (step.status["phase"], step.status["reason"]) == ("Failed", "InvalidTarget")
+    assert "node hv-2 does not match the VirtualMachine's node selection" in step.status["message"]
+    assert step.create is None and not step.delete and not step.annotate
+
+
+def test_a_target_inside_the_vm_templates_node_selection_is_taken() -> None:
+    nodes = copy.deepcopy(NODES)
+    nodes["hv-2"]["metadata"]["labels"] = {"zone": "b"}
+    zoned: dict[str, Any] = copy.deepcopy(VM)
+    zoned["spec"]["template"] = {"spec": {"nodeSelector": {"zone": "b"}}}
+    step = decide(migration("hv-2"), zoned, [source_pod()], nodes)
+    assert step.create is not None and step.create["spec"]["nodeName"] == "hv-2"
+
+
 def test_without_a_target_node_the_scheduler_picks_another_vm_node() -> None:
     source = source_pod()
     source["spec"]["affinity"] = {
