@@ -533,6 +533,7 @@ async def _until_migrated(
     monitor: Monitor, jobs: Sequence[str], progress: Progress, report: Callable[[Progress], None]
 ) -> dict[str, Any]:
     last = 0.0
+    continued = False
     listener = monitor.listen(("MIGRATION",))  # wakes the loop at once on a state change
     try:
         while True:
@@ -543,6 +544,13 @@ async def _until_migrated(
             if status in ("failed", "cancelled"):
                 why = info.get("error-desc") or f"the migration was {status}"
                 raise MigrationError(f"migration {status}: {why}")
+            if continued:
+                # Past the switchover: QEMU leaves pre-switchover in its own thread, so the
+                # state may still say so for a moment. Never continue twice — a second
+                # `migrate-continue` landing after completion fails, and reading that as a
+                # failed migration would resume a guest that already runs at the target.
+                await _nap(listener)
+                continue
             found = await _jobs(monitor)
             for job in jobs:
                 if found.get(job, {}).get("status") not in ("ready", "running"):
@@ -551,6 +559,7 @@ async def _until_migrated(
                 # The guest is stopped and its I/O drained: the mirrors (checked just now) hold
                 # every write. Only now may the target take over.
                 await monitor.execute("migrate-continue", {"state": "pre-switchover"})
+                continued = True
                 continue
             ram = info.get("ram", {})
             progress.ram_done = int(ram.get("transferred", 0))

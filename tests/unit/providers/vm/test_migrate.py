@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from vkubelet.providers.vm import _migrate
 from vkubelet.providers.vm._migrate import Endpoint, MigrationError, Progress
+from vkubelet.providers.vm._qmp import Monitor
 
 
 def test_the_endpoint_round_trips_through_its_json_and_the_controller_may_add_a_bandwidth() -> None:
@@ -115,3 +118,47 @@ async def test_a_migration_target_waits_for_the_vm_and_reports_why_it_cannot(
     await until(failed)
     assert runtime.launches[0].incoming  # QEMU started waiting for the state
     await provider.aclose()
+
+
+class SlowSwitchoverQEMU(Monitor):
+    """QEMU after `migrate-continue`: its migration thread leaves pre-switchover a moment
+    later, and a second continue once it completed fails as QEMU's does."""
+
+    def __init__(self) -> None:  # no socket
+        self.state, self.continues, self.queries_after = "pre-switchover", 0, 0
+
+    def listen(self, names: Any) -> Any:
+        return None
+
+    def forget(self, listener: Any) -> None:
+        pass
+
+    async def execute(self, command: str, arguments: Any = None) -> Any:
+        if command == "query-migrate":
+            if self.continues:
+                self.queries_after += 1
+                if self.queries_after == 3:
+                    self.state = "completed"
+            info: dict[str, Any] = {"status": self.state}
+            if self.state == "completed":
+                info |= {"downtime": 12, "total-time": 900}
+            return info
+        if command == "query-jobs":
+            return [{"id": "migrate-disk0", "status": "ready"}]
+        if command == "migrate-continue":
+            if self.state != "pre-switchover" or self.continues:
+                raise RuntimeError("Migration not in expected state")  # QEMU's ExecuteError
+            self.continues += 1
+        return {}
+
+
+async def test_the_switchover_is_continued_once_though_qemu_still_says_pre_switchover(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def no_wait(listener: Any) -> None:
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(_migrate, "_nap", no_wait)
+    qemu = SlowSwitchoverQEMU()
+    info = await _migrate._until_migrated(qemu, ["migrate-disk0"], Progress(), lambda _: None)
+    assert (info["status"], qemu.continues) == ("completed", 1)
