@@ -358,6 +358,30 @@ def test_a_pod_that_fails_for_good_is_replaced_after_a_back_off_and_a_fixed_imag
     assert sum(e.get("count", 1) for e in back_offs) <= len(made), back_offs
     assert any(e["message"].startswith("back-off 20s powering on") for e in back_offs), back_offs
 
+    # Scaled to 0 while backing off: Stopped, the failed pod gone, the count reset.
+    lab.k("scale", "vm/loop", "--replicas=0")
+    wait_for(
+        lambda: lab.phase("loop") == "Stopped" and not lab.pods("loop"),
+        timeout=60,
+        what="VM loop Stopped without pods",
+    )
+    status = lab.vm("loop")["status"]
+    assert status["restarts"] == 0 and not status.get("nextStartAfter"), status
+    assert set(_powered_on(lab, "loop")) == set(made)
+    # On again (a spec change: at once), it fails again and backs off from the bottom.
+    lab.k("scale", "vm/loop", "--replicas=1")
+
+    def failed_again() -> dict[str, Any] | None:
+        status = lab.vm("loop").get("status", {})
+        last = status.get("lastFailure") or {}
+        return (
+            dict(status) if status.get("nextStartAfter") and last["podName"] not in made else None
+        )
+
+    status = wait_for(failed_again, timeout=30, what="VM loop backing off again")
+    assert status["restarts"] == 1, status
+    made = _powered_on(lab, "loop")
+
     # Fixing the image ends the back-off: powered on at once, not after the wait in force.
     waiting_until = lab.vm("loop")["status"].get("nextStartAfter")
     fixed_at = time.monotonic()
@@ -373,6 +397,12 @@ def test_a_pod_that_fails_for_good_is_replaced_after_a_back_off_and_a_fixed_imag
         what="a pod of the fixed template",
     )
     assert time.monotonic() - fixed_at < 8, (waiting_until, new)
+    fixed = [
+        e["firstTimestamp"]
+        for e in _vm_events(lab, "loop", "PoweringOn")
+        if e["message"].split()[-1] in new
+    ]
+    assert waiting_until and fixed and max(fixed) < waiting_until, (fixed, waiting_until)
     pod = lab.running_pod("loop")
     assert pod in new
     status = lab.vm("loop")["status"]
