@@ -25,6 +25,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
+from ..sdk.backoff import go_duration
 from ..sdk.quantity import QuantityError, parse_quantity
 from ._backup import RestoreError, restore_path
 from ._base import (
@@ -39,6 +40,7 @@ from ._base import (
     Context,
 )
 from ._placement import NODE_SELECTION_CONDITION, decide_placement
+from ._powerbackoff import delay_for, failure_of, parse_time, ran_long_enough
 from ._resources import VirtualMachine, VirtualMachineMigration
 
 __all__ = ["Decision", "VirtualMachineReconciler", "decide", "pod_for"]
@@ -65,6 +67,7 @@ class Decision:
     resize: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod -> pods/resize patch
     status: dict[str, Any] = field(default_factory=dict)
     requeue: float | None = None
+    event: tuple[str, str, str] | None = None  # (type, reason, message), once per decision
 
 
 def _meta(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -256,7 +259,8 @@ def decide(
 ) -> Decision:
     """What to do for `vm` given the pods carrying its name label (`failure`: the reason and
     message of this pass's failed create, for the status)."""
-    stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = now or datetime.now(UTC)
+    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
     meta, spec = _meta(vm), dict(vm.get("spec") or {})
     old_status = dict(vm.get("status") or {})
     generation = meta.get("generation")
@@ -292,6 +296,13 @@ def decide(
         elif ended.get("reason") == "HibernateFailed":
             last_power_off = "Shutdown"  # the state could not be saved: it shut down instead
 
+    # The power-on back-off (`_powerbackoff`): kept in the status, so it outlives the controller.
+    restarts = int(old_status.get("restarts") or 0)
+    last_failure = dict(old_status.get("lastFailure") or {})
+    next_start = parse_time(old_status.get("nextStartAfter"))
+    if replicas == 0 or (last_failure and last_failure.get("observedGeneration") != generation):
+        restarts, next_start = 0, None  # stopped, or the spec changed: the next power-on is now
+    backing_off = False
     if replicas == 0:
         for pod in active:
             decision.power_off[str(_meta(pod)["name"])] = mode
@@ -299,12 +310,44 @@ def decide(
         decision.delete += [str(_meta(p)["name"]) for p in targets + terminal]
         kept = None
     else:
-        decision.delete += [str(_meta(p)["name"]) for p in terminal]
         kept = active[0] if active else None
+        failed = max(
+            terminal, key=lambda p: str(_meta(p).get("creationTimestamp") or ""), default=None
+        )
+        if (
+            kept is None
+            and failed is not None
+            and _meta(failed).get("name") != last_failure.get("podName")
+        ):
+            restarts = 1 if ran_long_enough(failed, now) else restarts + 1
+            delay = delay_for(restarts)
+            reason, message = failure_of(failed)
+            last_failure = {
+                "podName": _meta(failed).get("name"),
+                "reason": reason,
+                "message": message,
+                "time": stamp,
+                "observedGeneration": generation,
+            }
+            next_start = now + delay
+            decision.event = (
+                "Warning",
+                "BackOff",
+                f"back-off {go_duration(delay.total_seconds())} powering on VirtualMachine "
+                f"{meta.get('name')}: {reason}: {message}",
+            )
+        backing_off = kept is None and next_start is not None and now < next_start
+        if backing_off:
+            assert next_start is not None
+            # The failed pod stays until then: `kubectl get pods` shows why.
+            decision.requeue = max((next_start - now).total_seconds(), 0.5)
+        else:
+            next_start = None
+            decision.delete += [str(_meta(p)["name"]) for p in terminal]
+            if not own and failure is None:
+                decision.create = pod_for(vm)
         for extra in active[1:]:  # never two: keep the running (or oldest) one
             decision.power_off[str(_meta(extra)["name"])] = "Shutdown"
-        if not own and failure is None:
-            decision.create = pod_for(vm)
         if kept is not None:
             _sync(vm, kept, decision)
 
@@ -317,7 +360,7 @@ def decide(
         phase = "Stopping"
     elif replicas == 0:
         phase = "Hibernated" if last_power_off == "Hibernate" else "Stopped"
-    elif failure is not None or terminal:
+    elif failure is not None or terminal or backing_off:
         phase = "Failed"
     else:
         phase = "Starting"
@@ -337,6 +380,11 @@ def decide(
     else:
         why = {"Stopped": "PoweredOff", "Hibernated": "Hibernated"}.get(phase, phase)
         ready_condition = _condition(conditions, "Ready", "False", why, "", generation, stamp)
+    if phase == "Failed" and failure is None and last_failure.get("reason"):
+        # The failed pod's words, not just "Failed", while the VM waits to power on again.
+        ready_condition["reason"] = str(last_failure["reason"])
+        if last_failure.get("message"):
+            ready_condition["message"] = str(last_failure["message"])
     waiting = _container_state(kept or {}).get("waiting") or {}
     unscheduled = _unscheduled(kept or {})
     why_not = unscheduled or (waiting if waiting.get("reason") else None)
@@ -371,9 +419,14 @@ def decide(
         "replicas": len(active),
         "selector": f"{NAME_LABEL}={meta.get('name')}",
         "lastPowerOff": last_power_off,
+        "restarts": restarts,
+        "lastFailure": last_failure or None,
+        "nextStartAfter": next_start.strftime("%Y-%m-%dT%H:%M:%SZ") if next_start else None,
         "conditions": new_conditions,
     }
-    if phase in ("Starting", "Stopping", "Migrating") or decision.create or decision.power_off:
+    if backing_off:
+        pass  # the requeue is the rest of the back-off
+    elif phase in ("Starting", "Stopping", "Migrating") or decision.create or decision.power_off:
         decision.requeue = _UNSETTLED_REQUEUE
     elif failure is not None:
         decision.requeue = _FAILED_REQUEUE
@@ -434,8 +487,11 @@ class VirtualMachineReconciler:
             async for p in client.list(Pod, namespace=namespace, labels={NAME_LABEL: name})
         ]
         vm_dict: dict[str, Any] = dict(vm)
-        decision = decide(vm_dict, pods)
+        now = datetime.now(UTC)
+        decision = decide(vm_dict, pods, now=now)
         failure = None
+        if decision.event is not None:
+            ctx.events.emit(vm, *decision.event)
         for pod_name, mode in decision.power_off.items():
             await self._power_off(ctx, vm, namespace, pod_name, mode)
         for pod_name in decision.delete:
@@ -478,14 +534,18 @@ class VirtualMachineReconciler:
                     )
                     ctx.events.emit(vm, "Warning", "ResizeRefused", failure[1])
         if failure is not None:
-            decision = decide(vm_dict, pods, failure=failure)
+            decision = decide(vm_dict, pods, failure=failure, now=now)
         await self._place(ctx, vm, vm_dict, pods, decision)
         await self._write_status(ctx, vm_dict, namespace, name, decision.status)
         before = (vm_dict.get("status") or {}).get("phase")
         after = decision.status.get("phase")
         if after and after != before:
             kind = "Warning" if after == "Failed" else "Normal"
-            ctx.events.emit(vm, kind, str(after), f"phase {before or 'none'} -> {after}")
+            message = f"phase {before or 'none'} -> {after}"
+            ready = next(c for c in decision.status["conditions"] if c["type"] == "Ready")
+            if after == "Failed" and ready.get("message"):
+                message += f": {ready.get('reason')}: {ready['message']}"
+            ctx.events.emit(vm, kind, str(after), message)
         return decision.requeue
 
     async def _place(

@@ -297,6 +297,119 @@ def test_a_template_the_apiserver_refuses_as_a_pod_fails_the_vm_with_its_words(
     lab.k("delete", "vm", "broken")
 
 
+def _vm_events(lab: Lab, name: str, reason: str) -> list[dict[str, Any]]:
+    fields = f"involvedObject.kind=VirtualMachine,involvedObject.name={name},reason={reason}"
+    events = lab.kubectl.json(
+        "-n", lab.namespace, "get", "events", "--field-selector", fields
+    )  # fmt: skip
+    return list(events["items"])
+
+
+def _powered_on(lab: Lab, name: str) -> list[str]:
+    """The pods the controller created for VM `name`, from its PoweringOn events."""
+    return sorted({e["message"].split()[-1] for e in _vm_events(lab, name, "PoweringOn")})
+
+
+def test_a_pod_that_fails_for_good_is_replaced_after_a_back_off_and_a_fixed_image_runs_at_once(
+    lab: Lab, leader: Controller
+) -> None:
+    """Issue 13: `image: tiny` (not vm.vkubelet.io/...) made 855 pods in 4 minutes."""
+    manifest = vm_manifest()
+    manifest["metadata"]["name"] = "loop"
+    manifest["spec"]["template"]["spec"]["containers"][0]["image"] = "tiny"
+    lab.kubectl("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(manifest))
+
+    def refused() -> dict[str, Any] | None:
+        status = lab.vm("loop").get("status", {})
+        ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
+        if status.get("phase") == "Failed" and ready and ready[0].get("reason") != "Failed":
+            return dict(status)
+        return None
+
+    status = wait_for(refused, timeout=60, what="VM loop Failed with the pod's reason")
+    window_start = time.monotonic()
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "UnsupportedImage", ready
+    assert "spec.containers[0].image" in ready["message"] and "'tiny'" in ready["message"]
+    assert status["restarts"] >= 1 and status["nextStartAfter"], status
+    assert status["lastFailure"]["reason"] == "UnsupportedImage"
+    # The back-off is in the status: a restarted controller goes on waiting, it does not
+    # power on again at once.
+    before_restart = set(_powered_on(lab, "loop"))
+    leader.stop()  # releases the Lease
+    leader.start()
+    wait_for(lambda: lab.lease_holder() == "first", timeout=30, what="the restarted one leads")
+    # A tight loop makes a pod a second or faster; the back-off (10 s, then 20 s) allows 2-3.
+    while time.monotonic() - window_start < 25:
+        assert len(_powered_on(lab, "loop")) <= 3, _powered_on(lab, "loop")
+        time.sleep(2)
+    made = _powered_on(lab, "loop")
+    assert 2 <= len(made) <= 3, made
+    after_restart = [
+        e["firstTimestamp"]
+        for e in _vm_events(lab, "loop", "PoweringOn")
+        if e["message"].split()[-1] not in before_restart
+    ]
+    assert after_restart and min(after_restart) >= status["nextStartAfter"], (
+        after_restart,
+        status["nextStartAfter"],
+    )
+    back_offs = _vm_events(lab, "loop", "BackOff")
+    assert sum(e.get("count", 1) for e in back_offs) <= len(made), back_offs
+    assert any(e["message"].startswith("back-off 20s powering on") for e in back_offs), back_offs
+
+    # Scaled to 0 while backing off: Stopped, the failed pod gone, the count reset.
+    lab.k("scale", "vm/loop", "--replicas=0")
+    wait_for(
+        lambda: lab.phase("loop") == "Stopped" and not lab.pods("loop"),
+        timeout=60,
+        what="VM loop Stopped without pods",
+    )
+    status = lab.vm("loop")["status"]
+    assert status["restarts"] == 0 and not status.get("nextStartAfter"), status
+    assert set(_powered_on(lab, "loop")) == set(made)
+    # On again (a spec change: at once), it fails again and backs off from the bottom.
+    lab.k("scale", "vm/loop", "--replicas=1")
+
+    def failed_again() -> dict[str, Any] | None:
+        status = lab.vm("loop").get("status", {})
+        last = status.get("lastFailure") or {}
+        return (
+            dict(status) if status.get("nextStartAfter") and last["podName"] not in made else None
+        )
+
+    status = wait_for(failed_again, timeout=30, what="VM loop backing off again")
+    assert status["restarts"] == 1, status
+    made = _powered_on(lab, "loop")
+
+    # Fixing the image ends the back-off: powered on at once, not after the wait in force.
+    waiting_until = lab.vm("loop")["status"].get("nextStartAfter")
+    fixed_at = time.monotonic()
+    lab.k(
+        "patch", "vm", "loop", "--type=json", "-p",
+        json.dumps([{"op": "replace", "path": "/spec/template/spec/containers/0/image",
+                     "value": "vm.vkubelet.io/tiny"}]),
+    )  # fmt: skip
+    new = wait_for(
+        lambda: set(_powered_on(lab, "loop")) - set(made) or None,
+        timeout=30,
+        interval=0.5,
+        what="a pod of the fixed template",
+    )
+    assert time.monotonic() - fixed_at < 8, (waiting_until, new)
+    fixed = [
+        e["firstTimestamp"]
+        for e in _vm_events(lab, "loop", "PoweringOn")
+        if e["message"].split()[-1] in new
+    ]
+    assert waiting_until and fixed and max(fixed) < waiting_until, (fixed, waiting_until)
+    pod = lab.running_pod("loop")
+    assert pod in new
+    status = lab.vm("loop")["status"]
+    assert status["restarts"] == 0 and not status.get("nextStartAfter"), status
+    lab.kubectl("-n", lab.namespace, "delete", "vm", "loop", "--wait=true", timeout=180)
+
+
 def test_template_label_changes_reach_the_running_pod(lab: Lab, leader: Controller) -> None:
     patch = {"spec": {"template": {"metadata": {"labels": {"app": "db", "tier": "gold"}}}}}
     lab.k("patch", "vm", "db", "--type=merge", "-p", json.dumps(patch))

@@ -5,6 +5,7 @@ finds (a pod still terminating, several pods after an accident, a migration targ
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from vkubelet.vmcontroller._base import (
@@ -166,7 +167,13 @@ def test_replicas_zero_without_pods_is_stopped() -> None:
 
 
 def test_a_terminal_pod_is_deleted_and_replaced_only_once_it_is_gone() -> None:
-    decision = decide(vm(), [pod(phase="Failed", running=False)])
+    failed = vm()
+    failed["status"] = {  # its back-off (test_vm_backoff) is over
+        "lastFailure": {"podName": "db-aaaaa", "reason": "Error", "observedGeneration": 3},
+        "nextStartAfter": "2026-01-01T00:00:10Z",
+    }
+    later = datetime(2026, 1, 1, 0, 1, tzinfo=UTC)
+    decision = decide(failed, [pod(phase="Failed", running=False)], now=later)
     assert decision.delete == ["db-aaaaa"] and decision.create is None
     assert decision.status["phase"] == "Failed"
 
