@@ -8,6 +8,7 @@ so they import this module as `_common`.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import sys
@@ -15,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import msgspec
@@ -110,6 +112,30 @@ async def wait_until(check: Callable[[], bool], limit: float, what: str) -> None
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {limit:.0f} s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def watch_pods(
+    client: httpx.AsyncClient,
+    namespace: str,
+    on_event: Callable[[str, dict[str, Any], float], None],
+) -> None:
+    """Every pod event of the namespace, with the monotonic time it arrived, for ever: the
+    watch resumes from the last resourceVersion when the apiserver ends it."""
+    path = f"/api/v1/namespaces/{namespace}/pods"
+    version = (await client.get(path)).json()["metadata"]["resourceVersion"]
+    while True:
+        params = {"watch": "true", "resourceVersion": version}
+        async with client.stream("GET", path, params=params, timeout=None) as response:
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                now = time.monotonic()
+                event = json.loads(line)
+                if event["type"] == "ERROR":
+                    break
+                pod = event["object"]
+                version = pod["metadata"]["resourceVersion"]
+                on_event(event["type"], pod, now)
 
 
 async def new_namespace(client: httpx.AsyncClient, prefix: str) -> str:

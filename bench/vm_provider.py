@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-from _common import cluster_for, http_client, log, new_namespace, pct, print_table
+from _common import cluster_for, http_client, log, new_namespace, pct, print_table, watch_pods
 
 from vkubelet.devcluster import Cluster
 from vkubelet.providers.vm._net import PodNetwork
@@ -166,28 +166,17 @@ class Watcher:
         self.uids: dict[str, str] = {}
 
     async def run(self) -> None:
-        path = f"/api/v1/namespaces/{self.namespace}/pods"
-        version = (await self.client.get(path)).json()["metadata"]["resourceVersion"]
-        while True:
-            params = {"watch": "true", "resourceVersion": version}
-            async with self.client.stream("GET", path, params=params, timeout=None) as response:
-                async for line in response.aiter_lines():
-                    if not line:
-                        continue
-                    now = time.monotonic()
-                    event = json.loads(line)
-                    if event["type"] == "ERROR":
-                        break
-                    pod = event["object"]
-                    version = pod["metadata"]["resourceVersion"]
-                    name = pod["metadata"]["name"]
-                    self.uids[name] = pod["metadata"]["uid"]
-                    if event["type"] == "DELETED":
-                        self.deleted.add(name)
-                    elif pod.get("status", {}).get("phase") == "Running":
-                        self.running_at.setdefault(name, now)
-                    elif pod.get("status", {}).get("phase") == "Failed":
-                        self.failed[name] = json.dumps(pod["status"])[:300]
+        await watch_pods(self.client, self.namespace, self._seen)
+
+    def _seen(self, kind: str, pod: dict[str, Any], now: float) -> None:
+        name = pod["metadata"]["name"]
+        self.uids[name] = pod["metadata"]["uid"]
+        if kind == "DELETED":
+            self.deleted.add(name)
+        elif pod.get("status", {}).get("phase") == "Running":
+            self.running_at.setdefault(name, now)
+        elif pod.get("status", {}).get("phase") == "Failed":
+            self.failed[name] = json.dumps(pod["status"])[:300]
 
 
 async def wait(check: Any, limit: float, what: str) -> None:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-from _common import cluster_for, http_client, log, new_namespace, pct, print_table
+from _common import cluster_for, http_client, log, new_namespace, pct, print_table, watch_pods
 
 from vkubelet.devcluster import Cluster
 from vkubelet.providers.vm._machine import Disk, Machine, MachineSpec
@@ -139,26 +139,15 @@ class PodWatch:
     ready_at: dict[str, float] = field(default_factory=dict)
 
     async def run(self) -> None:
-        path = f"/api/v1/namespaces/{self.namespace}/pods"
-        version = (await self.client.get(path)).json()["metadata"]["resourceVersion"]
-        while True:
-            params = {"watch": "true", "resourceVersion": version}
-            async with self.client.stream("GET", path, params=params, timeout=None) as response:
-                async for line in response.aiter_lines():
-                    if not line:
-                        continue
-                    now = time.monotonic()
-                    event = json.loads(line)
-                    if event["type"] == "ERROR":
-                        break
-                    pod = event["object"]
-                    version = pod["metadata"]["resourceVersion"]
-                    name = pod["metadata"]["name"]
-                    self.pods[name] = pod
-                    self.seen_at.setdefault(name, now)
-                    conditions = pod.get("status", {}).get("conditions") or []
-                    if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
-                        self.ready_at.setdefault(name, now)
+        await watch_pods(self.client, self.namespace, self._seen)
+
+    def _seen(self, kind: str, pod: dict[str, Any], now: float) -> None:
+        name = pod["metadata"]["name"]
+        self.pods[name] = pod
+        self.seen_at.setdefault(name, now)
+        conditions = pod.get("status", {}).get("conditions") or []
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+            self.ready_at.setdefault(name, now)
 
     def of_vm(self, vm: str) -> list[str]:
         return [n for n, p in self.pods.items() if p["metadata"]["labels"].get(NAME_LABEL) == vm]

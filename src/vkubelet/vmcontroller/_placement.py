@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from ..sdk.scheduling import term_matches, tolerates
+
 __all__ = ["NODE_SELECTION_CONDITION", "Placement", "decide_placement", "node_admits"]
 
 NODE_SELECTION_CONDITION: Final = "NodeSelectionMatched"
@@ -42,53 +44,6 @@ class Placement:
     create: dict[str, Any] | None = None
 
 
-def _holds(expression: Mapping[str, Any], values_of: Mapping[str, str]) -> bool:
-    key, operator = str(expression.get("key")), expression.get("operator")
-    values = [str(v) for v in expression.get("values") or []]
-    present, value = key in values_of, values_of.get(str(key), "")
-    if operator == "In":
-        return present and value in values
-    if operator == "NotIn":
-        return not present or value not in values
-    if operator == "Exists":
-        return present
-    if operator == "DoesNotExist":
-        return not present
-    if operator in ("Gt", "Lt") and present and values:
-        try:
-            number, bound = int(value), int(values[0])
-        except ValueError:
-            return False
-        return number > bound if operator == "Gt" else number < bound
-    return False
-
-
-def _term_matches(term: Mapping[str, Any], labels: Mapping[str, str], name: str) -> bool:
-    """Every expression of the term holds (an empty term matches nothing, as in Kubernetes)."""
-    expressions, fields = term.get("matchExpressions") or [], term.get("matchFields") or []
-    if not expressions and not fields:
-        return False
-    return all(_holds(e, labels) for e in expressions) and all(
-        _holds(f, {"metadata.name": name}) for f in fields
-    )
-
-
-def _tolerated(tolerations: Iterable[Mapping[str, Any]], taint: Mapping[str, Any]) -> bool:
-    for toleration in tolerations:
-        effect = toleration.get("effect")
-        if effect and effect != taint.get("effect"):
-            continue
-        key = toleration.get("key")
-        if toleration.get("operator") == "Exists":
-            if not key or key == taint.get("key"):
-                return True
-        elif key == taint.get("key") and (toleration.get("value") or "") == (
-            taint.get("value") or ""
-        ):
-            return True
-    return False
-
-
 def node_admits(node: Mapping[str, Any], spec: Mapping[str, Any], *, taints: bool = True) -> bool:
     """Whether a pod of `spec` may run on `node` by its required placement (not resources);
     `taints=False`: the selection alone (a NoSchedule taint does not send a running pod away,
@@ -105,13 +60,13 @@ def node_admits(node: Mapping[str, Any], spec: Mapping[str, Any], *, taints: boo
         )
         or {}
     ).get("nodeSelectorTerms")
-    if required and not any(_term_matches(t, labels, name) for t in required):
+    if required and not any(term_matches(t, labels, name) for t in required):
         return False
     if not taints:
         return True
     tolerations = spec.get("tolerations") or []
     return all(
-        _tolerated(tolerations, taint)
+        any(tolerates(t, taint) for t in tolerations)
         for taint in (node.get("spec") or {}).get("taints") or []
         if taint.get("effect") in _BLOCKING
     )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from ...sdk.scheduling import term_matches, tolerates
 from ._capacity import _value, format_quantity, pod_requests
 
 __all__ = ["Misfit", "NodeUsage", "fit_verdict", "largest_free"]
@@ -178,7 +179,7 @@ def _node_refuses(spec: Mapping[str, Any], node: Mapping[str, Any]) -> str | Non
         or {}
     ).get("nodeSelectorTerms")
     if required is not None and not any(
-        _term_matches(t, labels, str(metadata.get("name"))) for t in required
+        term_matches(t, labels, str(metadata.get("name"))) for t in required
     ):
         return "node(s) didn't match Pod's node affinity/selector"
     tolerations = spec.get("tolerations") or []
@@ -186,50 +187,7 @@ def _node_refuses(spec: Mapping[str, Any], node: Mapping[str, Any]) -> str | Non
         if taint.get("key") in _TRANSIENT_TAINTS:
             continue
         if taint.get("effect") in _BLOCKING_EFFECTS and not any(
-            _tolerates(t, taint) for t in tolerations
+            tolerates(t, taint) for t in tolerations
         ):
             return "node(s) had untolerated taint(s)"
     return None
-
-
-def _term_matches(term: Mapping[str, Any], labels: Mapping[str, str], name: str) -> bool:
-    """A node selector term: every expression holds (an empty term matches nothing)."""
-    expressions = term.get("matchExpressions") or []
-    fields = term.get("matchFields") or []
-    if not expressions and not fields:
-        return False
-    return all(_holds(e, labels) for e in expressions) and all(
-        _holds(f, {"metadata.name": name}) for f in fields
-    )
-
-
-def _holds(expression: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
-    key, operator = str(expression.get("key")), expression.get("operator")
-    values = [str(v) for v in expression.get("values") or []]
-    present = key in labels
-    value = labels.get(key, "")
-    if operator == "In":
-        return present and value in values
-    if operator == "NotIn":
-        return not present or value not in values
-    if operator == "Exists":
-        return present
-    if operator == "DoesNotExist":
-        return not present
-    if operator in ("Gt", "Lt") and present and values:
-        try:
-            number, bound = int(value), int(values[0])
-        except ValueError:
-            return False
-        return number > bound if operator == "Gt" else number < bound
-    return False
-
-
-def _tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
-    effect = toleration.get("effect")
-    if effect and effect != taint.get("effect"):
-        return False
-    key = toleration.get("key")
-    if toleration.get("operator") == "Exists":
-        return not key or key == taint.get("key")
-    return key == taint.get("key") and (toleration.get("value") or "") == (taint.get("value") or "")
