@@ -75,7 +75,7 @@ async def scenario(
         async def restart_apiserver() -> tuple[str, float]:
             revision = await asyncio.to_thread(cluster.compact_etcd)
             down = await asyncio.to_thread(
-                cluster.restart_component, "kube-apiserver", tie_to_parent=owned
+                cluster.restart_component, "kube-apiserver", tie_to_parent=False
             )
             return f"etcd compacted at {revision}, apiserver restarted", down
 
@@ -90,7 +90,7 @@ async def scenario(
             await client.delete(f"/api/v1/namespaces/{namespace}")
         if name == "apiserver":
             for component in ("kube-controller-manager", "kube-scheduler"):
-                await asyncio.to_thread(cluster.restart_component, component, tie_to_parent=owned)
+                await asyncio.to_thread(cluster.restart_component, component, tie_to_parent=False)
         return outcome, agent.log()
     finally:
         agent.stop()
