@@ -22,7 +22,14 @@ import pytest
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import AgentProcess, start_agent
 
-TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
+# The vm provider's own taint (its value is the provider's name), not every virtual-kubelet
+# taint: a worker's session-wide mock node (`api_node`) tolerated by `Exists` took a VM's pod.
+TOLERATION = {
+    "key": "virtual-kubelet.io/provider",
+    "operator": "Equal",
+    "value": "vm",
+    "effect": "NoSchedule",
+}
 
 
 def require_vm_host() -> None:
