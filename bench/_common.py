@@ -11,10 +11,12 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +167,23 @@ def cluster_for(name: str | None, prefix: str) -> tuple[Cluster, bool]:
     cluster = Cluster(f"{prefix}-{os.getpid()}")
     cluster.up(progress=log, tie_to_parent=True)
     return cluster, True
+
+
+def run_vm_bench(
+    benchmark: Callable[[Cluster, Path], Coroutine[Any, Any, None]],
+    cluster_name: str | None,
+    prefix: str,
+) -> None:
+    """What a VM benchmark's main needs around its run: root and QEMU, a dev cluster (started
+    and stopped here unless one is named), and a short scratch directory (QEMU's socket paths
+    have a length limit) removed at the end."""
+    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
+        raise SystemExit("needs root and qemu-system-x86_64")
+    cluster, ours = cluster_for(cluster_name, prefix)
+    work = Path(tempfile.mkdtemp(prefix=f"{prefix[:3]}-", dir="/tmp"))
+    try:
+        asyncio.run(benchmark(cluster, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if ours:
+            cluster.down()

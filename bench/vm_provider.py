@@ -39,7 +39,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -48,7 +47,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-from _common import cluster_for, http_client, log, new_namespace, pct, print_table, watch_pods
+from _common import (
+    http_client,
+    log,
+    new_namespace,
+    pct,
+    print_table,
+    run_vm_bench,
+    watch_pods,
+)
 
 from vkubelet.devcluster import Cluster
 from vkubelet.providers.vm._net import PodNetwork
@@ -628,16 +635,7 @@ def main() -> None:
     )
     parser.add_argument("--cluster", help="a running dev cluster (default: start one)")
     args = parser.parse_args()
-    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
-        raise SystemExit("needs root and qemu-system-x86_64")
-    cluster, ours = cluster_for(args.cluster, "vmbench")
-    work = Path(tempfile.mkdtemp(prefix="vkb-", dir="/tmp"))  # short: QEMU socket paths
-    try:
-        asyncio.run(benchmark(args, cluster, work))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if ours:
-            cluster.down()
+    run_vm_bench(lambda cluster, work: benchmark(args, cluster, work), args.cluster, "vmbench")
 
 
 if __name__ == "__main__":

@@ -38,11 +38,9 @@ import os
 import random
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -52,7 +50,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-from _common import cluster_for, http_client, log, new_namespace, pct, print_table, watch_pods
+from _common import (
+    http_client,
+    log,
+    new_namespace,
+    pct,
+    print_table,
+    run_vm_bench,
+    watch_pods,
+)
 
 from vkubelet.devcluster import Cluster
 from vkubelet.providers.vm._machine import Disk, Machine, MachineSpec
@@ -794,16 +800,7 @@ def main() -> None:
     parser.add_argument("--backup-rounds", type=int, default=2)
     parser.add_argument("--switchover-rounds", type=int, default=4, help="0 to skip")
     args = parser.parse_args()
-    if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
-        raise SystemExit("needs root and qemu-system-x86_64")
-    cluster, ours = cluster_for(args.cluster, "vmres")
-    work = Path(tempfile.mkdtemp(prefix="vkr-", dir="/tmp"))  # short: QEMU socket paths
-    try:
-        asyncio.run(benchmark(args, cluster, work))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if ours:
-            cluster.down()
+    run_vm_bench(lambda cluster, work: benchmark(args, cluster, work), args.cluster, "vmres")
 
 
 if __name__ == "__main__":
