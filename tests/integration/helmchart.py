@@ -258,3 +258,14 @@ def can_i(kubectl: Kubectl, installed: Installed, verb: str, resource: str, name
     if namespace:
         args += ["-n", namespace]
     return kubectl(*args, "--as", installed.user, check=False).stdout.strip()
+
+
+def refusals(log: str) -> list[str]:
+    """The agent's log lines that report a refusal (a 403: "Forbidden", RBAC's "... is
+    forbidden: User ... cannot ..."), at any level, but for the one no RBAC rule grants: a
+    namespace being deleted refuses new objects (a VM of an earlier test's namespace)."""
+    return [
+        line
+        for line in log.splitlines()
+        if "forbidden" in line.lower() and "being terminated" not in line
+    ]
