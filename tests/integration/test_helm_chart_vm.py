@@ -3,11 +3,12 @@ run as its pod (tests/integration/helmchart.py): one process, `vkubelet run --vm
 with only the chart's ServiceAccount and RBAC. The CRDs from the chart's crds/ (as helm installs
 them), the state directory the chart's hostPath names, QEMU under TCG with the cached test guest.
 One VirtualMachine is created through the API: the controller makes its pod, the provider boots
-it on the chart's node, `kubectl logs` shows its console, `kubectl exec` reaches the guest, and
-deleting the VM removes its pod, with no request refused on the way (at debug level, so that a
-refusal the code tolerates quietly, such as the controller's node-selection check, shows too).
+it on the chart's node, `kubectl logs` shows its console, `kubectl exec` reaches the guest, a
+VirtualMachineBackup of it succeeds, and deleting the VM removes its pod, with no request
+refused on the way (at debug level, so that a refusal the code tolerates quietly, such as the
+controller's node-selection check, shows too).
 
-One TCG boot (~20 s to Running with the machine's load at 20): the module costs ~50 s here."""
+One TCG boot (~20 s to Running with the machine's load at 20): the module costs ~50-90 s here."""
 
 from __future__ import annotations
 
@@ -131,6 +132,24 @@ def test_the_controller_and_provider_boot_a_vm_with_logs_and_exec_under_the_char
     assert kubectl(*where, "exec", pod, "--", "cat", "/etc/hostname").stdout.strip() == pod
     events = kubectl.json(*where, "get", "events", "--field-selector", "involvedObject.name=vm")
     assert "PoweringOn" in {e["reason"] for e in events["items"]}
+
+    # A backup: the controller's backup pod, the provider's copy into the state directory.
+    backups = hypervisor.state / "backups"  # the provider's default backup directory
+    backup = {
+        "apiVersion": "vkubelet.io/v1alpha1",
+        "kind": "VirtualMachineBackup",
+        "metadata": {"name": "b1"},
+        "spec": {"vmName": "vm", "target": {"directory": str(backups)}},
+    }
+    kubectl(*where, "apply", "-f", "-", input=json.dumps(backup))
+
+    def backed_up() -> dict[str, Any] | None:
+        status = kubectl.json(*where, "get", "virtualmachinebackup", "b1").get("status") or {}
+        return status if status.get("phase") in ("Succeeded", "Failed") else None
+
+    status = wait_for(backed_up, timeout=120, interval=1, what="the backup done")
+    assert status["phase"] == "Succeeded", status
+    assert Path(status["path"]).is_relative_to(backups)
 
     kubectl(*where, "delete", "vm", "vm", "--wait=true", timeout=180)
     wait_for(
