@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,10 +65,14 @@ def supports_leader_election() -> bool:
 @dataclass
 class Installed:
     namespace: str
-    node: str
+    nodes: list[str]  # what the agent registers: `nodeName`, or an ssh inventory's devices
     account: str
     deployment: JSON
     files: dict[str, str]  # the projected /etc/vkubelet: ConfigMap and Secret files
+
+    @property
+    def node(self) -> str:
+        return self.nodes[0]
 
     @property
     def user(self) -> str:
@@ -81,9 +85,12 @@ class Installed:
 
 
 @contextlib.contextmanager
-def installed_chart(helm: Path, kubectl: Kubectl, node: str, values: JSON) -> Iterator[Installed]:
+def installed_chart(
+    helm: Path, kubectl: Kubectl, node: str, values: JSON, *, devices: Sequence[str] = ()
+) -> Iterator[Installed]:
     """The chart with `values` applied in a namespace of its own, all but the Deployment (this
-    machine is its pod); its cluster-wide objects and the node removed afterwards."""
+    machine is its pod); its cluster-wide objects and the node removed afterwards. `devices`:
+    the nodes an ssh inventory names, instead of `node` (then no `nodeName`)."""
     suffix = uuid.uuid4().hex[:6]
     namespace = create_namespace(kubectl, f"vk-helm-{suffix}")
     values = {
@@ -91,6 +98,7 @@ def installed_chart(helm: Path, kubectl: Kubectl, node: str, values: JSON) -> It
         "replicas": 1,
         "leaderElection": {"enabled": supports_leader_election()},
         "kubeletPort": free_port(),
+        **({"nodeName": ""} if devices else {}),
         **values,
     }
     values_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"vk-helm-{suffix}.json"
@@ -107,7 +115,7 @@ def installed_chart(helm: Path, kubectl: Kubectl, node: str, values: JSON) -> It
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     try:
         kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in others))
-        yield Installed(namespace, node, account, deployment, files)
+        yield Installed(namespace, list(devices) or [node], account, deployment, files)
     finally:
         for doc in others:
             if doc["kind"] in {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}:
@@ -115,7 +123,8 @@ def installed_chart(helm: Path, kubectl: Kubectl, node: str, values: JSON) -> It
                 where = ["-n", meta["namespace"]] if "namespace" in meta else []
                 kubectl("delete", doc["kind"], meta["name"], *where, "--ignore-not-found")
         kubectl("delete", "namespace", namespace, "--wait=false")
-        kubectl("delete", "node", node, "--ignore-not-found", "--wait=false")
+        for name in devices or [node]:
+            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
 
 
 @dataclass
@@ -133,13 +142,14 @@ class PodAgent:
 def agent_as_pod(
     installed: Installed, cluster: Cluster, kubectl: Kubectl, root: Path
 ) -> Iterator[PodAgent]:
-    """Run the chart's container here; the admin approves its serving CSR (the chart's default
-    is --no-approve-own-csrs, as a cluster operator would); yield once the node is Ready."""
+    """Run the chart's container here; the admin approves its serving CSRs (the chart's default
+    is --no-approve-own-csrs, as a cluster operator would); yield once its nodes are Ready."""
     mounts = {"/etc/vkubelet": root / "etc", "/var/lib/vkubelet": root / "state"}
     for directory in mounts.values():
         directory.mkdir(parents=True)
     for name, content in installed.files.items():
         (mounts["/etc/vkubelet"] / name).write_text(content)
+        (mounts["/etc/vkubelet"] / name).chmod(0o440)  # the projected volume's defaultMode
     account = root / "serviceaccount"  # /var/run/secrets/kubernetes.io/serviceaccount
     account.mkdir()
     token = kubectl(
@@ -182,15 +192,15 @@ def agent_as_pod(
     running = PodAgent(proc, log_path, port, root / "home")
     try:
 
-        def pending_csr() -> str | None:
+        def approved_and_ready() -> bool:
+            """Approve what the account asked for so far (one CSR per node); all Ready?"""
             for csr in kubectl.json("get", "csr")["items"]:
                 if csr["spec"].get("username") == installed.user and not csr.get("status"):
-                    return str(csr["metadata"]["name"])
+                    kubectl("certificate", "approve", csr["metadata"]["name"])
             assert proc.poll() is None, running.log()
-            return None
+            return all(node_ready(kubectl, node) for node in installed.nodes)
 
-        kubectl("certificate", "approve", wait_for(pending_csr, what="the serving CSR"))
-        wait_for(lambda: node_ready(kubectl, installed.node), what=f"node {installed.node} Ready")
+        wait_for(approved_and_ready, what=f"nodes {installed.nodes} Ready")
         yield running
     finally:
         proc.terminate()
@@ -248,3 +258,14 @@ def can_i(kubectl: Kubectl, installed: Installed, verb: str, resource: str, name
     if namespace:
         args += ["-n", namespace]
     return kubectl(*args, "--as", installed.user, check=False).stdout.strip()
+
+
+def refusals(log: str) -> list[str]:
+    """The agent's log lines that report a refusal (a 403: "Forbidden", RBAC's "... is
+    forbidden: User ... cannot ..."), at any level, but for the one no RBAC rule grants: a
+    namespace being deleted refuses new objects (a VM of an earlier test's namespace)."""
+    return [
+        line
+        for line in log.splitlines()
+        if "forbidden" in line.lower() and "being terminated" not in line
+    ]
