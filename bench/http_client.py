@@ -54,12 +54,12 @@ def kube_send(client: KubeClient) -> Send:
 
 def aiohttp_send(kubeconfig: Path) -> tuple[Send, Callable[[], Awaitable[None]]] | None:
     try:
-        import aiohttp
+        import aiohttp  # type: ignore[import-not-found, unused-ignore]  # optional
     except ImportError:
         return None
     config = KubeClient.from_kubeconfig(kubeconfig).config
     endpoint = Endpoint.from_config(config)
-    connector = aiohttp.TCPConnector(limit=32, ssl=endpoint.tls, keepalive_timeout=30)
+    connector = aiohttp.TCPConnector(limit=32, ssl=endpoint.tls or False, keepalive_timeout=30)
     session = aiohttp.ClientSession(
         base_url=str(config.cluster.server),
         connector=connector,
@@ -133,7 +133,7 @@ async def measure(kubeconfig: Path, args: argparse.Namespace) -> None:
         await lean.request("DELETE", f"/api/v1/nodes/{NODE}")
         for close in closers:
             await close()
-    rows = [("workload", "client", "CPU ms/request (median)", "vs httpx2")]
+    rows: list[tuple[str, ...]] = [("workload", "client", "CPU ms/request (median)", "vs httpx2")]
     for workload in ("get", "patch"):
         base = statistics.median(figures[(workload, "httpx2")])
         for name in clients:

@@ -19,6 +19,7 @@ import pytest
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 
 from vkubelet.node import ApiError, ClientOptions, KubeClient, Unreachable
+from vkubelet.node._http11 import Pool
 from vkubelet.testing.harness import eventually
 
 
@@ -265,7 +266,9 @@ async def test_a_connection_the_server_closed_while_idle_is_not_used_again(
         client = make(server)
         await client.create("/x", {})
         await eventually(lambda: server.closed == 1)
-        idle = client._http._idle  # type: ignore[union-attr]
+        pool = client._http
+        assert isinstance(pool, Pool)
+        idle = pool._idle
         await eventually(lambda: all(conn.closed() for conn in idle))
         # A POST is never re-sent, so it only succeeds if the dead connection was left alone.
         await client.create("/y", {})
