@@ -27,11 +27,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import httpx2 as httpx
-from lightkube.config.kubeconfig import SingleConfig
-
 from ..kubelet import KubeletServer
-from ..node import AgentConfig, KubeClient, NodeFleet, NodeSpec
+from ..node import AgentConfig, KubeClient, NodeFleet, NodeSpec, Unreachable
 from ..node._lease import KubeLeases, LeaderElector, LeaseTiming
 from ..sdk.tasks import TaskSet
 from . import _providers
@@ -100,15 +97,9 @@ class FencedClient(KubeClient):
 
     may_write: Callable[[], bool] = staticmethod(lambda: True)  # set by `fenced_client`
 
-    def _new_http(self, config: SingleConfig, limits: httpx.Limits) -> httpx.AsyncClient:
-        client = super()._new_http(config, limits)
-
-        async def fence(request: httpx.Request) -> None:
-            if request.method != "GET" and not self.may_write():
-                raise httpx.ConnectError("fenced: this replica's Lease expired", request=request)
-
-        client.event_hooks = {"request": [fence], "response": client.event_hooks["response"]}
-        return client
+    def _before_send(self, method: str) -> None:
+        if method != "GET" and not self.may_write():
+            raise Unreachable(f"{self.server}: fenced: this replica's Lease expired")
 
 
 def fenced_client(config: AgentConfig, may_write: Callable[[], bool]) -> FencedClient:

@@ -1,7 +1,9 @@
 """A thin asynchronous Kubernetes API client for the node agent.
 
-lightkube loads kubeconfigs (client certs, tokens, exec plugins, in-cluster accounts) and builds the
-HTTP client settings; its msgspec models give typed objects where we want them. The agent's hot
+lightkube loads kubeconfigs (client certs, tokens, exec plugins, in-cluster accounts); requests go
+through the lean HTTP/1.1 client of `_http11` (asyncio streams and h11, ~1/10 of httpx2's CPU per
+request), or through httpx when a test injects a transport or the credentials need lightkube's
+auth flows (exec plugins). The agent's hot
 paths — list/watch with bookmarks, status patches, events — go through the few raw methods here,
 so that each request costs one msgspec decode and nothing else. An optional token bucket caps the
 request rate (off unless asked for: the reference's default of 5 QPS is its main bottleneck).
@@ -10,11 +12,13 @@ request rate (off unless asked for: the reference's default of 5 QPS is its main
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx2 as httpx
 import msgspec
@@ -22,6 +26,7 @@ from lightkube.config.client_adapter import ConnectionParams
 from lightkube.config.kubeconfig import SingleConfig
 
 from .._kubeconfig import load_kubeconfig
+from ._http11 import Auth, Endpoint, Limits, Pool, StreamedAnswer, TransportFailure, supports
 
 JSON = dict[str, Any]
 
@@ -89,18 +94,86 @@ class ClientOptions:
     # open watch streams end (measured: 29.5 s), so multiplexing would stall the agent.
     http2: bool = False
     timeout: float = 30.0
+    # The lean HTTP/1.1 client (`_http11`); VKUBELET_HTTP_CLIENT=httpx switches every request
+    # back to httpx2, a fallback should an apiserver or proxy disagree with the lean client.
+    lean: bool = field(default_factory=lambda: os.environ.get("VKUBELET_HTTP_CLIENT") != "httpx")
 
 
-# Ordinary requests: a bounded pool (httpcore probes every idle pooled connection's socket twice
-# per request, so a large pool costs more than it brings: 5 % of the cluster provider's CPU in
-# a 1,000-pod burst with 64; the apiserver on the other end is the limit anyway). Watches: no
-# cap, since each holds its connection for minutes, and none kept idle once a watch ends.
-# Idle request connections are kept 30 s, not httpx's 5: a new one costs a TLS handshake with
-# client-certificate checks on both ends (2 % of the agent's CPU in a 1,000-pod burst, where
-# work comes in waves and connections idled out between them).
-_REQUESTS = httpx.Limits(max_connections=32, max_keepalive_connections=32, keepalive_expiry=30)
-_WATCHES = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-_HEARTBEATS = httpx.Limits(max_connections=16, max_keepalive_connections=16)
+# Ordinary requests: a bounded pool (the apiserver on the other end is the limit anyway; with
+# httpx, whose pool probes every idle connection's socket per request, a larger pool cost 5 % of
+# the cluster provider's CPU in a 1,000-pod burst). Watches: no cap, since each holds its
+# connection for minutes, and none kept idle once a watch ends. Idle request connections are
+# kept 30 s, not httpx's 5: a new one costs a TLS handshake with client-certificate checks on
+# both ends (2 % of the agent's CPU in a 1,000-pod burst, where work comes in waves and
+# connections idled out between them).
+_REQUESTS = Limits(max_connections=32, max_idle=32, idle_expiry=30)
+_WATCHES = Limits(max_connections=None, max_idle=0, idle_expiry=0)
+_HEARTBEATS = Limits(max_connections=16, max_idle=16, idle_expiry=5)
+
+
+class _Pool(Protocol):
+    async def request(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        body: bytes | None,
+        content_type: str | None,
+    ) -> tuple[int, bytes]: ...
+
+    def stream(
+        self, path: str, params: Mapping[str, str] | None, read_timeout: float | None
+    ) -> AbstractAsyncContextManager[StreamedAnswer]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _HttpxPool:
+    """The httpx path, kept for an injected transport (unit tests, `testing.fakeapi`) and for
+    credentials the lean client does not handle (exec plugins): lightkube's auth flows do."""
+
+    def __init__(self, client: httpx.AsyncClient, timeout: float) -> None:
+        self._client = client
+        self._timeout = timeout
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        body: bytes | None,
+        content_type: str | None,
+    ) -> tuple[int, bytes]:
+        headers = {"Content-Type": content_type} if body is not None and content_type else None
+        try:
+            response = await self._client.request(
+                method, path, params=params, content=body, headers=headers
+            )
+        except httpx.TransportError as e:
+            raise TransportFailure(repr(e)) from e
+        return response.status_code, response.content
+
+    @asynccontextmanager
+    async def stream(
+        self, path: str, params: Mapping[str, str] | None, read_timeout: float | None
+    ) -> AsyncIterator[StreamedAnswer]:
+        timeout = httpx.Timeout(self._timeout, read=read_timeout)
+        try:
+            async with self._client.stream("GET", path, params=params, timeout=timeout) as response:
+                yield StreamedAnswer(response.status_code, self._chunks(response))
+        except httpx.TransportError as e:
+            raise TransportFailure(repr(e)) from e
+
+    @staticmethod
+    async def _chunks(response: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in response.aiter_bytes():
+                yield chunk
+        except httpx.TransportError as e:
+            raise TransportFailure(repr(e)) from e
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
 
 
 class KubeClient:
@@ -114,23 +187,47 @@ class KubeClient:
         self.config = config
         self._options = options
         self._transport = transport
-        # Two pools: long-lived watches (one per node and per watched object) in one, ordinary
-        # requests in the other. httpcore scans a pool's connections for every request, so a
-        # request sharing a pool with a thousand watches pays for each of them.
-        self._http = self._new_http(config, _REQUESTS)
-        self._watch_http = self._new_http(config, _WATCHES)
-        self._heartbeat_http = self._new_http(config, _HEARTBEATS)
+        # Three pools: long-lived watches (one per node and per watched object), heartbeats,
+        # and ordinary requests, so that neither pod work nor open watches delay the others.
+        self._http, self._watch_http, self._heartbeat_http = self._new_pools(config)
         self._closing: set[asyncio.Future[None]] = set()
         self._bucket = TokenBucket(options.qps, options.burst) if options.qps else None
 
-    def _new_http(self, config: SingleConfig, limits: httpx.Limits) -> httpx.AsyncClient:
+    @property
+    def lean(self) -> bool:
+        """Whether requests go through the lean HTTP/1.1 client (else httpx)."""
+        return isinstance(self._http, Pool)
+
+    def _new_pools(self, config: SingleConfig) -> tuple[_Pool, _Pool, _Pool]:
+        limits = (_REQUESTS, _WATCHES, _HEARTBEATS)
+        timeout = self._options.timeout
+        pools: list[_Pool]
+        options = self._options
+        if self._transport is None and options.lean and not options.http2 and supports(config):
+            endpoint, auth = Endpoint.from_config(config), Auth(config)
+            pools = [Pool(endpoint, auth, each, timeout) for each in limits]
+        else:
+            pools = [_HttpxPool(self._new_httpx(config, each), timeout) for each in limits]
+        return pools[0], pools[1], pools[2]
+
+    def _new_httpx(self, config: SingleConfig, limits: Limits) -> httpx.AsyncClient:
         params = ConnectionParams(
             timeout=httpx.Timeout(self._options.timeout),
             trust_env=False,
             transport=self._transport,  # type: ignore[arg-type]  # lightkube annotates the sync type
             http2=self._options.http2,
         )
-        return httpx.AsyncClient(**params.httpx_params(config), limits=limits)
+        return httpx.AsyncClient(
+            **params.httpx_params(config),
+            limits=httpx.Limits(
+                max_connections=limits.max_connections,
+                max_keepalive_connections=limits.max_idle,
+                keepalive_expiry=limits.idle_expiry,
+            ),
+        )
+
+    def _before_send(self, method: str) -> None:
+        """A hook run as each request leaves (FencedClient refuses writes here)."""
 
     @classmethod
     def from_kubeconfig(
@@ -152,14 +249,12 @@ class KubeClient:
         the old connections; long watches end when those close, and their owners resume."""
         old = (self._http, self._watch_http, self._heartbeat_http)
         self.config = config
-        self._http = self._new_http(config, _REQUESTS)
-        self._watch_http = self._new_http(config, _WATCHES)
-        self._heartbeat_http = self._new_http(config, _HEARTBEATS)
+        self._http, self._watch_http, self._heartbeat_http = self._new_pools(config)
         asyncio.get_running_loop().call_later(30, self._close_later, old)
 
-    def _close_later(self, clients: tuple[httpx.AsyncClient, ...]) -> None:
-        for client in clients:
-            task = asyncio.ensure_future(client.aclose())
+    def _close_later(self, pools: tuple[_Pool, ...]) -> None:
+        for pool in pools:
+            task = asyncio.ensure_future(pool.aclose())
             self._closing.add(task)  # keep a reference until it is done
             task.add_done_callback(self._closing.discard)
 
@@ -200,19 +295,28 @@ class KubeClient:
         content_type: str = "application/json",
     ) -> bytes:
         """Like `request`, but return the body undecoded, for callers that decode into a type."""
+        return await self._send(self._http, method, path, params, body, content_type)
+
+    async def _send(
+        self,
+        pool: _Pool,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        body: Any,
+        content_type: str,
+    ) -> bytes:
         if self._bucket:
             await self._bucket.take()
         content = None if body is None else (body if isinstance(body, bytes) else _encode(body))
-        headers = {"Content-Type": content_type} if content is not None else None
+        self._before_send(method)
         try:
-            response = await self._http.request(
-                method, path, params=params, content=content, headers=headers
-            )
-        except httpx.TransportError as e:
-            raise Unreachable(f"{self.server}: {e!r}") from e
-        if response.status_code >= 300:
-            raise _api_error(response.status_code, response.content)
-        return response.content
+            status, answer = await pool.request(method, path, params, content, content_type)
+        except TransportFailure as e:
+            raise Unreachable(f"{self.server}: {e}") from e
+        if status >= 300:
+            raise _api_error(status, answer)
+        return answer
 
     async def get(self, path: str, params: Mapping[str, str] | None = None) -> JSON:
         return await self.request("GET", path, params=params)
@@ -229,17 +333,8 @@ class KubeClient:
     async def heartbeat(self, path: str, body: Any, content_type: str = MERGE_PATCH) -> JSON:
         """A PATCH on the heartbeat pool (lease renewals, node status), as the kubelet keeps a
         separate heartbeat client: a node must not look dead because pod work is queued."""
-        if self._bucket:
-            await self._bucket.take()
-        try:
-            response = await self._heartbeat_http.request(
-                "PATCH", path, content=_encode(body), headers={"Content-Type": content_type}
-            )
-        except httpx.TransportError as e:
-            raise Unreachable(f"{self.server}: {e!r}") from e
-        if response.status_code >= 300:
-            raise _api_error(response.status_code, response.content)
-        decoded: JSON = _decode(response.content)
+        answer = await self._send(self._heartbeat_http, "PATCH", path, None, body, content_type)
+        decoded: JSON = _decode(answer)
         return decoded
 
     async def delete(self, path: str, body: Any = None) -> JSON:
@@ -250,19 +345,8 @@ class KubeClient:
     ) -> AsyncIterator[bytes]:
         """GET `path` and yield the body as it arrives (a followed pod log, say), on the watch
         pool since such a response may stay open indefinitely."""
-        if self._bucket:
-            await self._bucket.take()
-        timeout = httpx.Timeout(30.0, read=None)
-        try:
-            async with self._watch_http.stream(
-                "GET", path, params=params, timeout=timeout
-            ) as response:
-                if response.status_code >= 300:
-                    raise _api_error(response.status_code, await response.aread())
-                async for chunk in response.aiter_bytes():
-                    yield chunk
-        except httpx.TransportError as e:
-            raise Unreachable(f"{self.server}: {e!r}") from e
+        async for chunk in self._stream(path, params, read_timeout=None):
+            yield chunk
 
     async def watch(
         self, path: str, params: Mapping[str, str], *, timeout_seconds: int
@@ -271,27 +355,31 @@ class KubeClient:
 
         The object is left undecoded so the caller decodes it once, straight into its own type.
         """
+        query = {**params, "watch": "true", "timeoutSeconds": str(timeout_seconds)}
+        # Lines split as bytes: decoding the stream to text first would be a measurable share
+        # of the agent's CPU when thousands of pods change.
+        rest = b""
+        async for chunk in self._stream(path, query, read_timeout=timeout_seconds + 30.0):
+            *lines, rest = (rest + chunk).split(b"\n")
+            for line in lines:
+                if line:
+                    event = _decode_event(line)
+                    yield event.type, event.object
+
+    async def _stream(
+        self, path: str, params: Mapping[str, str] | None, read_timeout: float | None
+    ) -> AsyncIterator[bytes]:
         if self._bucket:
             await self._bucket.take()
-        query = {**params, "watch": "true", "timeoutSeconds": str(timeout_seconds)}
-        timeout = httpx.Timeout(30.0, read=timeout_seconds + 30.0)
+        self._before_send("GET")
         try:
-            async with self._watch_http.stream(
-                "GET", path, params=query, timeout=timeout
-            ) as response:
-                if response.status_code >= 300:
-                    raise _api_error(response.status_code, await response.aread())
-                # Lines split as bytes: httpx's aiter_lines decodes the stream to text first,
-                # a measurable share of the agent's CPU when thousands of pods change.
-                rest = b""
-                async for chunk in response.aiter_bytes():
-                    *lines, rest = (rest + chunk).split(b"\n")
-                    for line in lines:
-                        if line:
-                            event = _decode_event(line)
-                            yield event.type, event.object
-        except httpx.TransportError as e:
-            raise Unreachable(f"{self.server}: {e!r}") from e
+            async with self._watch_http.stream(path, params, read_timeout) as answer:
+                if answer.status >= 300:
+                    raise _api_error(answer.status, b"".join([c async for c in answer.chunks]))
+                async for chunk in answer.chunks:
+                    yield chunk
+        except TransportFailure as e:
+            raise Unreachable(f"{self.server}: {e}") from e
 
 
 class _WatchEvent(msgspec.Struct):
