@@ -98,6 +98,7 @@ class NodeAgent:
             self._services.start()  # every pod's env needs them: listed while the node registers
             group.create_task(self.events.run())
             group.create_task(self.node.run())
-            await self.node.registered.wait()
-            group.create_task(self.pods.run())
+            # The pod list runs alongside the registration (a restart's critical path is their
+            # sum otherwise); the provider's pods are adopted once the node is registered.
+            group.create_task(self.pods.run(after=self.node.registered))
             await self.pods.ready.wait()

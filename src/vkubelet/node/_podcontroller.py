@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # Failures of the status poll are logged at most this often (the poll runs every few seconds).
 POLL_ERROR_LOG_INTERVAL = 60.0
+# How long after its start a node still watches for the moment it is first in sync.
+IN_SYNC_LOG_LIMIT = 600.0
 # On the provider's copy of a pod (never the API's): a digest of what the provider was given,
 # so that after a restart the agent can tell whether the pod it adopts is up to date.
 APPLIED_ANNOTATION = "vkubelet.io/applied"
@@ -182,10 +184,15 @@ class PodController:
             self.status_queue.add(key)
 
     # -- run --------------------------------------------------------------------------------------
-    async def run(self) -> None:
+    async def run(self, *, after: asyncio.Event | None = None) -> None:
+        """`after`: set once the provider may be touched (the node registered); the API's pods
+        are listed meanwhile."""
+        started = asyncio.get_running_loop().time()
         async with asyncio.TaskGroup() as group:
             group.create_task(self.reflector.run(), name=f"{self.node_name} reflector")
             await self.reflector.synced.wait()
+            if after is not None:
+                await after.wait()
             await self._reconcile_provider()
             if not isinstance(self._provider, PodNotifier):
                 name = f"{self.node_name} status poll"
@@ -193,6 +200,22 @@ class PodController:
             group.create_task(self.sync_queue.run())
             group.create_task(self.status_queue.run())
             self.ready.set()
+            await self._in_sync(started)
+
+    async def _in_sync(self, started: float) -> None:
+        """Log once when the pods found at start have all been synced (how long a restart
+        takes to reconcile; bench/resilience.py reads it)."""
+        loop = asyncio.get_running_loop()
+        while len(self.sync_queue) or self.sync_queue.retrying:
+            if loop.time() - started > IN_SYNC_LOG_LIMIT:
+                return  # some pod keeps failing: its retries are logged
+            await asyncio.sleep(0.05)
+        log.info(
+            "node %s: in sync with the API %.2f s after its pod controller started (%d pods)",
+            self.node_name,
+            loop.time() - started,
+            len(self.reflector.items),
+        )
 
     async def _reconcile_provider(self) -> None:
         """Adopt the provider's pods that the API still has; remove those provably orphaned."""

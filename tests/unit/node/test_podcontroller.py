@@ -29,6 +29,7 @@ from .helpers import (
     PollingProvider,
     PushProvider,
     always,
+    cancel_and_wait,
     configmap,
     event_reasons,
     events_for,
@@ -414,6 +415,34 @@ async def test_adoption_takes_what_each_pod_was_given_from_the_list_not_a_call_p
         await always(lambda: second.controller.updates == 1, duration=0.3)
         assert provider.get_pods == 0
     assert provider.creates == len(names)
+
+
+async def test_the_api_pods_are_listed_before_the_node_registers_but_adopted_only_after(
+    api: FakeApiServer, push: PushProvider
+) -> None:
+    web = api.create("pods", pod("web"))
+    push.add_running(pod("web"), uid=web["metadata"]["uid"])
+    listed: list[bool] = []
+    original = push.list_pods
+
+    async def list_pods() -> list[Pod]:
+        listed.append(True)
+        return await original()
+
+    push.list_pods = list_pods  # type: ignore[method-assign]
+    harness = PodHarness(api, push)
+    registered = asyncio.Event()
+    run = asyncio.create_task(harness.controller.run(after=registered))
+    try:
+        await eventually(lambda: harness.controller.reflector.synced.is_set())
+        await always(lambda: not listed and not harness.controller.ready.is_set(), duration=0.3)
+        registered.set()
+        await eventually(lambda: harness.controller.ready.is_set())
+        assert listed == [True]
+        assert harness.controller.states[f"{NS}/web"].uid == web["metadata"]["uid"]
+    finally:
+        await cancel_and_wait(run)
+        await harness.client.aclose()
 
 
 async def test_a_restart_with_a_fresh_provider_process_adopts_by_uid(api: FakeApiServer) -> None:
