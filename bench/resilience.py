@@ -13,6 +13,10 @@ gracefully, an eighth force-deleted). During that:
 - apiserver: etcd is compacted to its current revision and the kube-apiserver restarted, twice,
   so that the agent's watches resume from a compacted resourceVersion (410 Gone, relist).
 
+After each agent restart, from the agent's log: how long from `exec` to its first log line, to
+each node having adopted the provider's pods, and to each node being first in sync with the API
+(every pod found at start synced), with the CPU seconds the process had used by then.
+
 After each disruption: how long until every pod whose last operation the API acknowledged
 before the component came back is consistent (Running and run exactly once with its latest
 update, or deleted from both the API and the provider). At the end: the counts of pods missing,
@@ -29,8 +33,11 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from _common import cluster_for, log, new_namespace, print_table
@@ -40,6 +47,47 @@ from vkubelet.testing import AgentProcess, Kubectl, node_ready, wait_for
 from vkubelet.testing.churn import Churn, Outcome, agent_config, churn_with, http_client
 
 Disrupt = Callable[[], Awaitable[tuple[str, float]]]
+
+
+@dataclass
+class Startup:
+    """One agent start, read from its log: seconds after `exec`, and CPU seconds used by then."""
+
+    first_log: float | None = None
+    adopted: list[float] = field(default_factory=list)  # per node
+    in_sync: list[float] = field(default_factory=list)
+    cpu_adopted: float | None = None
+    cpu_in_sync: float | None = None
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _seconds(line: str, since: float) -> float:
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp() - since
+
+
+async def watch_startup(log: Path, offset: int, pid: int, nodes: int, startup: Startup) -> None:
+    """Fill `startup` from the log written after `offset`, until every node is in sync."""
+    since = time.time()
+    while startup.cpu_in_sync is None:
+        await asyncio.sleep(0.05)
+        with log.open("rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+        if lines and startup.first_log is None:
+            startup.first_log = _seconds(lines[0], since)
+        adopted = [_seconds(x, since) for x in lines if ": adopted " in x]
+        in_sync = [_seconds(x, since) for x in lines if "in sync with the API" in x]
+        if len(adopted) >= nodes and startup.cpu_adopted is None:
+            startup.adopted, startup.cpu_adopted = adopted, _cpu_seconds(pid)
+        if len(in_sync) >= nodes:
+            startup.in_sync, startup.cpu_in_sync = in_sync, _cpu_seconds(pid)
 
 
 def uptime() -> str:
@@ -52,6 +100,7 @@ async def scenario(
     name: str,
     args: argparse.Namespace,
     owned: bool,
+    startups: list[Startup],
 ) -> tuple[Outcome, str]:
     nodes = [f"res-{uuid.uuid4().hex[:4]}-{i}" for i in range(args.nodes)]
     config, states = agent_config(workdir / name, nodes)
@@ -66,10 +115,17 @@ async def scenario(
             ready = functools.partial(node_ready, kubectl, node)
             await asyncio.to_thread(wait_for, ready, timeout=120, what=f"node {node} Ready")
 
+        watches: list[asyncio.Task[None]] = []
+
         async def kill() -> tuple[str, float]:
             agent.stop(signal.SIGKILL)
             await asyncio.sleep(0.5)
+            offset = agent.log_path.stat().st_size
             agent.start()
+            assert agent.proc is not None
+            startups.append(Startup())
+            watch = watch_startup(agent.log_path, offset, agent.proc.pid, len(nodes), startups[-1])
+            watches.append(asyncio.create_task(watch))
             return "agent SIGKILL", 0.5
 
         async def restart_apiserver() -> tuple[str, float]:
@@ -87,6 +143,8 @@ async def scenario(
             churn = Churn(client, namespace, nodes, states, pods=args.pods, rate=args.rate)
             log(f"{name}: {args.pods} pods at {args.rate}/s on {args.nodes} nodes")
             outcome = await churn_with(churn, plan[0], plan[1], limit=args.limit)
+            for watch in watches:
+                watch.cancel()
             await client.delete(f"/api/v1/namespaces/{namespace}")
         if name == "apiserver":
             for component in ("kube-controller-manager", "kube-scheduler"):
@@ -96,6 +154,25 @@ async def scenario(
         agent.stop()
         for node in nodes:
             kubectl("delete", "node", node, "--ignore-not-found", "--wait=false", check=False)
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def show_startups(startups: list[Startup]) -> None:
+    if not startups:
+        return
+    print("agent starts (seconds after exec; CPU seconds of the process by then):")
+    rows: list[tuple[str, ...]] = [
+        ("start", "first log", "nodes adopted", "CPU", "nodes in sync", "CPU")
+    ]
+    for i, s in enumerate(startups, 1):
+        adopted = f"{min(s.adopted):.1f}-{max(s.adopted):.1f}" if s.adopted else "-"
+        in_sync = f"{min(s.in_sync):.1f}-{max(s.in_sync):.1f}" if s.in_sync else "-"
+        cpu_adopted, cpu_in_sync = _figure(s.cpu_adopted), _figure(s.cpu_in_sync)
+        rows.append((str(i), _figure(s.first_log), adopted, cpu_adopted, in_sync, cpu_in_sync))
+    print_table(rows)
 
 
 def show(name: str, outcome: Outcome, agent_log: str) -> None:
@@ -143,8 +220,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="vkubelet-res-") as tmp:
             for name in args.scenario:
                 workdir = args.workdir or Path(tmp)
-                outcome, agent_log = asyncio.run(scenario(cluster, workdir, name, args, owned))
+                startups: list[Startup] = []
+                outcome, agent_log = asyncio.run(
+                    scenario(cluster, workdir, name, args, owned, startups)
+                )
                 show(name, outcome, agent_log)
+                show_startups(startups)
                 print(f"load after: {uptime()}")
     finally:
         if owned:

@@ -11,15 +11,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from . import __version__
 from ._logging import LogFormat, setup_logging
-from .devcluster import Cluster, DevClusterError, ensure_binaries, list_clusters
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from .agent import ReplicaOptions
+
+# `vkubelet run` imports neither the dev cluster's code nor rich (each restart of an agent pays
+# for what it imports): the commands that need them import them.
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -36,9 +38,27 @@ app.add_typer(dev, name="dev")
 app.add_typer(vm_app, name="vm")
 dev.add_typer(cluster_app, name="cluster")
 
-# Piped output must not be wrapped at 80 columns: users copy these commands and paths.
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 250)
-err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 250)
+
+class _Console:
+    """A rich Console made at its first use. Piped output is not wrapped at 80 columns: users
+    copy these commands and paths."""
+
+    def __init__(self, *, stderr: bool) -> None:
+        self._stderr = stderr
+        self._console: Console | None = None
+
+    def print(self, *objects: Any, **options: Any) -> None:
+        if self._console is None:
+            from rich.console import Console
+
+            stream = sys.stderr if self._stderr else sys.stdout
+            width = None if stream.isatty() else 250
+            self._console = Console(stderr=self._stderr, soft_wrap=True, width=width)
+        self._console.print(*objects, **options)
+
+
+out = _Console(stderr=False)
+err = _Console(stderr=True)
 
 NameOption = Annotated[
     str, typer.Option("--name", "-n", help="Cluster name; several can run side by side.")
@@ -355,6 +375,8 @@ def providers() -> None:
 @dev.command("build")
 def dev_build() -> None:
     """Build (or find cached) control-plane binaries without starting anything."""
+    from .devcluster import DevClusterError, ensure_binaries
+
     try:
         binaries = ensure_binaries(_progress)
     except DevClusterError as e:
@@ -396,6 +418,8 @@ def cluster_up(
     ] = None,
 ) -> None:
     """Start a local cluster and print how to use it."""
+    from .devcluster import Cluster, DevClusterError
+
     try:
         cluster = Cluster(name)
         cluster.up(apiserver_port=apiserver_port, progress=_progress)
@@ -420,6 +444,8 @@ def cluster_up(
 @cluster_app.command("down")
 def cluster_down(name: NameOption = "default") -> None:
     """Stop every process of a cluster and delete its state."""
+    from .devcluster import Cluster, DevClusterError
+
     try:
         Cluster(name).down()
     except DevClusterError as e:
@@ -430,6 +456,10 @@ def cluster_down(name: NameOption = "default") -> None:
 @cluster_app.command("status")
 def cluster_status(name: NameOption = "default") -> None:
     """Show each component's health. Exits 1 if any component is not healthy."""
+    from rich.table import Table
+
+    from .devcluster import Cluster, DevClusterError
+
     try:
         cluster = Cluster(name)
         status = cluster.status()
@@ -453,6 +483,8 @@ def cluster_bootstrap_kubeconfig(
     name: NameOption = "default",
 ) -> None:
     """Write a kubeconfig with a new bootstrap token, for `vkubelet run --bootstrap-kubeconfig`."""
+    from .devcluster import Cluster, DevClusterError
+
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         path = Cluster(name).bootstrap_kubeconfig(output)
@@ -464,6 +496,10 @@ def cluster_bootstrap_kubeconfig(
 @cluster_app.command("list")
 def cluster_list() -> None:
     """List local clusters."""
+    from rich.table import Table
+
+    from .devcluster import list_clusters
+
     clusters = list_clusters()
     if not clusters:
         out.print("No clusters. Start one with: vkubelet dev cluster up")

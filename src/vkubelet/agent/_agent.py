@@ -216,8 +216,11 @@ class Agent:
                         name="identity",
                     )
                 # Many nodes start spread over a few seconds rather than in one burst, which
-                # would delay every node's first lease renewals behind a thousand registrations.
-                spread = min(5.0 / max(len(self.nodes), 1), 0.05)
+                # would delay every node's first lease renewals behind a thousand registrations;
+                # as many as may start at once start at once (a restart of a few nodes is on
+                # the clock: its pods wait).
+                many = len(self.nodes) > _STARTING_NODES
+                spread = min(5.0 / len(self.nodes), 0.05) if many else 0.0
                 for index, node in enumerate(self.nodes):
                     group.create_task(
                         run_node(node, delay=index * spread), name=f"node {node.settings.name}"

@@ -1,11 +1,13 @@
 """The CA that signs the apiserver's kubelet client certificate, which the kubelet API trusts.
 
 It is written to one file per process (the TLS library reads CAs from files), rewritten in place
-on every retry, and removed when the agent stops.
+on every retry, and removed when the agent stops. Callers that ask at the same time (every
+kubelet port of a starting agent) share one read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import shutil
@@ -25,6 +27,7 @@ class ClientCA:
     def __init__(self, configured: Path | None) -> None:
         self._configured = configured
         self._directory: Path | None = None
+        self._reading: asyncio.Task[Path | None] | None = None
 
     @property
     def directory(self) -> Path | None:
@@ -38,6 +41,16 @@ class ClientCA:
         clusters. None: no client certificate is trusted, only bearer tokens."""
         if self._configured is not None:
             return self._configured
+        if self._reading is None:
+            self._reading = asyncio.create_task(self._read(client))
+            self._reading.add_done_callback(self._read_done)
+        return await asyncio.shield(self._reading)
+
+    def _read_done(self, task: asyncio.Task[Path | None]) -> None:
+        if self._reading is task:
+            self._reading = None  # a later call (a retry) reads again
+
+    async def _read(self, client: KubeClient) -> Path | None:
         pem: bytes | None = None
         try:
             cm = await client.get(_AUTHENTICATION_CONFIGMAP)

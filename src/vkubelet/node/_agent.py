@@ -73,6 +73,7 @@ class NodeAgent:
         # their pods, adopting) at once. A thousand starting together would fill the event loop
         # with work that delays the lease renewals of the nodes already up.
         self._startup = startup or asyncio.Semaphore(1_000_000)
+        self._services = services
         self.events = EventRecorder(client, component="vkubelet", host=settings.name)
         self.node = NodeController(client, settings, provider, extra_conditions=extra_conditions)
         host_ip = settings.internal_ip
@@ -94,8 +95,10 @@ class NodeAgent:
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group, self._startup:
+            self._services.start()  # every pod's env needs them: listed while the node registers
             group.create_task(self.events.run())
             group.create_task(self.node.run())
-            await self.node.registered.wait()
-            group.create_task(self.pods.run())
+            # The pod list runs alongside the registration (a restart's critical path is their
+            # sum otherwise); the provider's pods are adopted once the node is registered.
+            group.create_task(self.pods.run(after=self.node.registered))
             await self.pods.ready.wait()

@@ -353,6 +353,7 @@ class NodeController:
             MANAGED_TAINTS_ANNOTATION: ",".join(sorted(_taint_id(t) for t in taints)),
             MANAGED_ANNOTATIONS_ANNOTATION: ",".join(sorted(provided)),
         }
+        current: dict[str, Any] | None = None
         try:
             current = await self._client.get(self._path)
         except ApiError as e:
@@ -372,7 +373,7 @@ class NodeController:
         self._taints = [dict(t) for t in taints]
         self._unschedulable = desired["spec"].get("unschedulable")
         self.registered.set()
-        await self._ensure_lease()
+        await self._ensure_lease(renew_first=current is not None)
 
     async def _adopt(self, current: dict[str, Any], desired: dict[str, Any]) -> None:
         """Patch only the labels/taints we manage; drop ones we set earlier but no longer want."""
@@ -414,6 +415,11 @@ class NodeController:
             unschedulable = desired["spec"].get("unschedulable")
             if unschedulable is not None:
                 patch.setdefault("spec", {})["unschedulable"] = unschedulable
+            if _shows(current, patch):  # a restart, mostly: nothing to write
+                self.uid = meta["uid"]
+                await self._patch_status(desired["status"])
+                log.info("took over existing node %s", self.settings.name)
+                return
             try:
                 updated = await self._client.patch(self._path, patch)
             except ApiError as e:
@@ -509,8 +515,21 @@ class NodeController:
         )
         self._published = {c["type"] for c in conditions if "$patch" not in c}
 
-    async def _ensure_lease(self) -> None:
+    async def _ensure_lease(self, *, renew_first: bool = False) -> None:
+        """Create the node's Lease, or renew an existing one. `renew_first` (the Node existed:
+        a restart, mostly): one renewal that also points the lease at this Node, instead of a
+        create refused as a conflict and two patches."""
         owners = [{"apiVersion": "v1", "kind": "Node", "name": self.settings.name, "uid": self.uid}]
+        if renew_first:
+            try:
+                await self._client.heartbeat(
+                    self._lease_path,
+                    {"metadata": {"ownerReferences": owners}, "spec": self._lease_spec()},
+                )
+                return
+            except ApiError as e:
+                if not e.not_found:
+                    raise
         lease = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
@@ -519,11 +538,7 @@ class NodeController:
                 "namespace": LEASE_NAMESPACE,
                 "ownerReferences": owners,
             },
-            "spec": {
-                "holderIdentity": self.settings.name,
-                "leaseDurationSeconds": self.settings.lease_duration_seconds,
-                "renewTime": now_micro(),
-            },
+            "spec": self._lease_spec(),
         }
         try:
             await self._client.create(
@@ -540,17 +555,15 @@ class NodeController:
             )
             await self._renew()
 
+    def _lease_spec(self) -> dict[str, Any]:
+        return {
+            "holderIdentity": self.settings.name,
+            "leaseDurationSeconds": self.settings.lease_duration_seconds,
+            "renewTime": now_micro(),
+        }
+
     async def _renew(self) -> None:
-        await self._client.heartbeat(
-            self._lease_path,
-            {
-                "spec": {
-                    "holderIdentity": self.settings.name,
-                    "leaseDurationSeconds": self.settings.lease_duration_seconds,
-                    "renewTime": now_micro(),
-                }
-            },
-        )
+        await self._client.heartbeat(self._lease_path, {"spec": self._lease_spec()})
 
     # -- loops ----------------------------------------------------------------------------------
     def notify_status_changed(self) -> None:
@@ -685,6 +698,22 @@ class NodeController:
             await self.register()
         except (ApiError, Unreachable) as e:
             log.warning("node %s: re-registration failed: %s", self.settings.name, e)
+
+
+def _shows(current: dict[str, Any], patch: dict[str, Any]) -> bool:
+    """Whether the Node `current` already has what the takeover `patch` would write."""
+    meta = current.get("metadata") or {}
+    for part in ("labels", "annotations"):
+        present = meta.get(part) or {}
+        if any(present.get(k) != v for k, v in patch["metadata"].get(part, {}).items()):
+            return False
+    spec = current.get("spec") or {}
+    wanted = patch.get("spec") or {}
+    if "taints" in wanted:
+        return False  # only there when they differ
+    return "unschedulable" not in wanted or bool(spec.get("unschedulable")) == bool(
+        wanted["unschedulable"]
+    )
 
 
 def _taint_set(taints: list[dict[str, str]]) -> set[tuple[str, str, str]]:

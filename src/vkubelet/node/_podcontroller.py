@@ -44,7 +44,7 @@ from ..sdk.tasks import run_supervised
 from ._events import NORMAL, WARNING, EventRecorder, ObjectRef
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 from ._objects import ObjectCache, content
-from ._podrecord import PodRecord, digest, visible_status
+from ._podrecord import PodRecord, digest, merged_status, visible_status
 from ._podstate import PodState
 from ._reflector import Handler, Reflector
 from ._resolution import Resolution, ResolutionFailed, Resolver
@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # Failures of the status poll are logged at most this often (the poll runs every few seconds).
 POLL_ERROR_LOG_INTERVAL = 60.0
+# How long after its start a node still watches for the moment it is first in sync.
+IN_SYNC_LOG_LIMIT = 600.0
 # On the provider's copy of a pod (never the API's): a digest of what the provider was given,
 # so that after a restart the agent can tell whether the pod it adopts is up to date.
 APPLIED_ANNOTATION = "vkubelet.io/applied"
@@ -120,6 +122,9 @@ class PodController:
             self._sync_status, name=f"{node_name}/status", workers=workers, outage=(Unreachable,)
         )
         self.states: dict[str, PodState] = {}  # pod key -> what we know beyond the API's copy
+        # Adopted at start: key -> (UID, the applied annotation of the provider's listed copy),
+        # read by the pod's first sync instead of asking the provider for each pod again.
+        self._listed_applied: dict[str, tuple[str, str | None]] = {}
         self._calls = _ProviderCalls()
         self._poll_errors_logged = -POLL_ERROR_LOG_INTERVAL
         self.ready = asyncio.Event()
@@ -179,10 +184,15 @@ class PodController:
             self.status_queue.add(key)
 
     # -- run --------------------------------------------------------------------------------------
-    async def run(self) -> None:
+    async def run(self, *, after: asyncio.Event | None = None) -> None:
+        """`after`: set once the provider may be touched (the node registered); the API's pods
+        are listed meanwhile."""
+        started = asyncio.get_running_loop().time()
         async with asyncio.TaskGroup() as group:
             group.create_task(self.reflector.run(), name=f"{self.node_name} reflector")
             await self.reflector.synced.wait()
+            if after is not None:
+                await after.wait()
             await self._reconcile_provider()
             if not isinstance(self._provider, PodNotifier):
                 name = f"{self.node_name} status poll"
@@ -190,6 +200,22 @@ class PodController:
             group.create_task(self.sync_queue.run())
             group.create_task(self.status_queue.run())
             self.ready.set()
+            await self._in_sync(started)
+
+    async def _in_sync(self, started: float) -> None:
+        """Log once when the pods found at start have all been synced (how long a restart
+        takes to reconcile; bench/resilience.py reads it)."""
+        loop = asyncio.get_running_loop()
+        while len(self.sync_queue) or self.sync_queue.retrying:
+            if loop.time() - started > IN_SYNC_LOG_LIMIT:
+                return  # some pod keeps failing: its retries are logged
+            await asyncio.sleep(0.05)
+        log.info(
+            "node %s: in sync with the API %.2f s after its pod controller started (%d pods)",
+            self.node_name,
+            loop.time() - started,
+            len(self.reflector.items),
+        )
 
     async def _reconcile_provider(self) -> None:
         """Adopt the provider's pods that the API still has; remove those provably orphaned."""
@@ -206,6 +232,8 @@ class PodController:
             if record is not None and record.uid == meta.uid:
                 state = self._state(key)
                 state.adopted(record.uid)
+                annotations = meta.annotations or {}
+                self._listed_applied[key] = (record.uid, annotations.get(APPLIED_ANNOTATION))
                 adopted += 1
                 pushed = state.report is not None and state.report is not before.get(key)
                 if pod.status is not None and not pushed:
@@ -336,12 +364,8 @@ class PodController:
             if state.applied is None:
                 # Adopted after a restart: update only if the provider's copy says it was given
                 # something else; a provider that keeps no annotations is not disturbed.
-                if existing is None:
-                    existing = await self._provider.get_pod(record.namespace, record.name)
-                annotations = (
-                    existing.metadata.annotations if existing and existing.metadata else None
-                ) or {}
-                if annotations.get(APPLIED_ANNOTATION) in (None, applied.hex()):
+                given = await self._given(key, record, existing)
+                if given in (None, applied.hex()):
                     state.applied_now(applied)
                     return
             try:
@@ -354,6 +378,18 @@ class PodController:
             state.applied_now(applied)
             self.updates += 1
             self._event(record, NORMAL, "Updated", "provider updated the pod")
+
+    async def _given(self, key: str, record: PodRecord, existing: Pod | None) -> str | None:
+        """The applied digest on the provider's copy of an adopted pod: as `list_pods` showed it
+        at start (nothing but this controller changes the provider's pod meanwhile), else from
+        `existing` or the provider."""
+        listed = self._listed_applied.pop(key, None)
+        if listed is not None and listed[0] == record.uid and existing is None:
+            return listed[1]
+        if existing is None:
+            existing = await self._provider.get_pod(record.namespace, record.name)
+        annotations = existing.metadata.annotations if existing and existing.metadata else None
+        return (annotations or {}).get(APPLIED_ANNOTATION)
 
     async def _deadline_exceeded(
         self, key: str, record: PodRecord, pod: Pod, state: PodState
@@ -432,6 +468,7 @@ class PodController:
                 if existing is not None and existing.metadata and existing.metadata.uid == uid:
                     await self._provider_delete(key, last.pod(), uid, 0)
             self.states.pop(key, None)
+        self._listed_applied.pop(key, None)
         self.objects.release(key)
         self._resolver.forget(key)
         self.sync_queue.forget(key)
@@ -464,11 +501,18 @@ class PodController:
                 and record.status_digest != wanted
                 and state.written != (wanted, record.status_digest)
             ):
-                stored = await self._patch_status(record, reported)
-                if stored is not None:  # only what the API accepted counts as written
-                    state.written_status(wanted, visible_status(stored))
-                    if reported.get("phase") == "Running" and record.phase != "Running":
-                        self._event(record, NORMAL, "Started", "the pod's containers are running")
+                if state.written is None and _shows_already(record, reported):
+                    # An adopted pod's first report, as the API has it from before the restart:
+                    # no write (the digests differ only by what the report leaves alone).
+                    state.written_status(wanted, record.status_digest)
+                else:
+                    stored = await self._patch_status(record, reported)
+                    if stored is not None:  # only what the API accepted counts as written
+                        state.written_status(wanted, visible_status(stored))
+                        if reported.get("phase") == "Running" and record.phase != "Running":
+                            self._event(
+                                record, NORMAL, "Started", "the pod's containers are running"
+                            )
             state.report_done(reported)
         if record.deleting and terminated:
             await self._remove_from_api(record)
@@ -556,6 +600,18 @@ class _StatusOnly(msgspec.Struct):
 
 
 _decode_status = msgspec.json.Decoder(_StatusOnly).decode
+
+
+def _shows_already(record: PodRecord, report: dict[str, Any]) -> bool:
+    """Whether the API's status already shows everything `report` would write: a strategic
+    merge patch leaves alone what a report does not state (the PodScheduled condition, say),
+    so an unchanged pod's report digests differently from the API's status and only this
+    finer look tells. Asked only before the first write for a pod (an adopted one, mostly) and
+    when the phases agree (a new pod's first report never does), so its decode is rare."""
+    if record.phase != report.get("phase"):
+        return False
+    current = _decode_status(record.raw).status or {}
+    return visible_status(merged_status(current, report)) == record.status_digest
 
 
 def _with_ips(status: dict[str, Any]) -> dict[str, Any]:

@@ -90,6 +90,26 @@ def visible_status(status: dict[str, Any] | None) -> bytes:
     )
 
 
+def merged_status(current: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """`current` with the status `patch` merged in as the pod controller's strategic merge
+    patch does, as far as `visible_status` looks: top-level fields replaced, conditions
+    replaced by type (the patch clears a reason it leaves out), container statuses by name."""
+    merged = {**current, **patch}
+    for field, key in _MERGED_LISTS:
+        if field in patch:
+            entries = {entry.get(key): entry for entry in current.get(field) or []}
+            entries.update((entry.get(key), entry) for entry in patch[field] or [])
+            merged[field] = list(entries.values())
+    return merged
+
+
+_MERGED_LISTS = (
+    ("conditions", "type"),
+    ("containerStatuses", "name"),
+    ("initContainerStatuses", "name"),
+)
+
+
 def _ips(entries: Any) -> list[Any]:
     return [e.get("ip") if isinstance(e, dict) else e for e in entries or []]
 

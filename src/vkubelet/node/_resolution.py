@@ -111,10 +111,17 @@ class ServiceCache:
         if not services:
             self._by_namespace.pop(meta.namespace, None)
 
-    async def ready(self, wait: float = 2.0) -> None:
-        """Wait (a little) for the first list; ResolutionFailed if Services cannot be read."""
+    def start(self) -> None:
+        """Start the watch now (idempotent). A node calls this as it starts, so that the first
+        list runs alongside its registration and pod list: started only at the first pod sync,
+        every adopted pod of a restarted agent waited for it, and failed (then backed off)
+        when that took longer than `ready`'s wait."""
         if self._task is None:
             self._task = asyncio.create_task(self._reflector.run(), name="services reflector")
+
+    async def ready(self, wait: float = 2.0) -> None:
+        """Wait (a little) for the first list; ResolutionFailed if Services cannot be read."""
+        self.start()
         try:
             async with asyncio.timeout(wait):
                 await self._reflector.synced.wait()

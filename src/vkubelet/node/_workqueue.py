@@ -83,6 +83,11 @@ class WorkQueue:
     def __len__(self) -> int:
         return len(self._queued) + len(self._processing)
 
+    @property
+    def retrying(self) -> int:
+        """Keys whose last attempt failed (waiting for, or in, a retry)."""
+        return len(self._failures)
+
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
             for _ in range(self._workers):

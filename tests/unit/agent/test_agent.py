@@ -273,3 +273,27 @@ async def test_the_client_ca_file_is_one_per_process_and_removed_at_the_end(
         assert not first.parent.exists()
     finally:
         await client.aclose()
+
+
+async def test_kubelet_ports_starting_together_share_one_read_of_the_client_ca(
+    api: FakeApiServer,
+) -> None:
+    api.create(
+        "configmaps",
+        {
+            "metadata": {"name": "extension-apiserver-authentication", "namespace": "kube-system"},
+            "data": {"client-ca-file": TestCA("clients").pem.decode()},
+        },
+    )
+    client_ca = ClientCA(None)
+    client = api.client()
+    try:
+        paths = await asyncio.gather(*(client_ca.file(client) for _ in range(10)))
+        assert len(set(paths)) == 1 and paths[0] is not None
+        reads = api.calls_to("GET", "/configmaps/extension-apiserver-authentication$")
+        assert len(reads) == 1
+        await client_ca.file(client)  # a later call (a retry) reads it again
+        assert len(api.calls_to("GET", "/configmaps/extension-apiserver-authentication$")) == 2
+    finally:
+        client_ca.close()
+        await client.aclose()

@@ -182,6 +182,43 @@ async def test_others_labels_taints_and_conditions_survive_a_restart(api: FakeAp
         assert conditions(api)["Ready"]["status"] == "True"
 
 
+async def test_a_restart_that_finds_the_node_as_it_left_it_writes_only_status_and_lease(
+    api: FakeApiServer,
+) -> None:
+    async with NodeHarness(api, settings(renew_interval=60), MockProvider(NODE, MockConfig())):
+        pass
+    api.calls.clear()
+    controller = NodeController(api.client(), settings(), MockProvider(NODE, MockConfig()))
+    await controller.register()
+    writes = [(c.method, c.path) for c in api.calls if c.method != "GET"]
+    assert writes == [
+        ("PATCH", f"/api/v1/nodes/{NODE}/status"),
+        ("PATCH", f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{NODE}"),
+    ]
+    assert controller.uid == node_of(api)["metadata"]["uid"]
+
+
+async def test_a_restart_points_a_lease_left_by_an_earlier_node_at_the_current_one(
+    api: FakeApiServer,
+) -> None:
+    async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())):
+        pass
+    owners = [{"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "an-earlier-node"}]
+    api.patch("leases", NODE, {"metadata": {"ownerReferences": owners}}, LEASE_NAMESPACE)
+    async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())):
+        lease = lease_of(api)
+        assert lease is not None
+        assert lease["metadata"]["ownerReferences"][0]["uid"] == node_of(api)["metadata"]["uid"]
+
+
+async def test_a_restart_creates_a_lease_that_is_gone(api: FakeApiServer) -> None:
+    async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())):
+        pass
+    api.delete("leases", NODE, LEASE_NAMESPACE)
+    async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())):
+        assert lease_of(api) is not None
+
+
 async def test_taking_over_a_node_retries_on_a_conflicting_write(api: FakeApiServer) -> None:
     async with NodeHarness(api, settings(), MockProvider(NODE, MockConfig())):
         pass

@@ -29,6 +29,7 @@ from .helpers import (
     PollingProvider,
     PushProvider,
     always,
+    cancel_and_wait,
     configmap,
     event_reasons,
     events_for,
@@ -342,6 +343,106 @@ async def test_a_restarted_agent_adopts_running_pods_without_creating_them(
     assert mock.creates == 1
     assert running(api, "web")
     assert status_patches(api, "web") == writes, "an unchanged status is not written again"
+
+
+SCHEDULED = {"status": {"conditions": [{"type": "PodScheduled", "status": "True"}]}}
+
+
+async def test_a_restarted_agent_does_not_rewrite_the_unchanged_status_of_a_scheduled_pod(
+    api: FakeApiServer, push: PushProvider
+) -> None:
+    """The API's status holds a condition this provider never reports (the scheduler's
+    PodScheduled), so its digest differs from the adopted pod's report: a restart rewrote
+    every pod's status, a thousand writes on a node of a thousand pods. (The built-in
+    providers report PodScheduled themselves.)"""
+    api.create("pods", pod("web"))
+    api.patch("pods", "web", SCHEDULED, NS, strategic=True, subresource="status")
+    async with PodHarness(api, push):
+        await eventually(lambda: running(api, "web"))
+    writes = status_patches(api, "web")
+    async with PodHarness(api, push) as second:
+        await eventually(lambda: second.controller.ready.is_set())
+        await always(lambda: status_patches(api, "web") == writes, duration=0.5)
+    assert running(api, "web")
+
+
+async def test_a_status_changed_while_the_agent_was_down_is_written_after_a_restart(
+    api: FakeApiServer, push: PushProvider
+) -> None:
+    """What the node lifecycle controller does to the pods of a node whose lease expired."""
+    api.create("pods", pod("web"))
+    api.patch("pods", "web", SCHEDULED, NS, strategic=True, subresource="status")
+    async with PodHarness(api, push):
+        await eventually(lambda: running(api, "web"))
+    not_ready = {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    api.patch("pods", "web", not_ready, NS, strategic=True, subresource="status")
+
+    def conditions() -> dict[str, str]:
+        return {c["type"]: c["status"] for c in status_of(api, "web")["conditions"]}
+
+    async with PodHarness(api, push):
+        await eventually(
+            lambda: (
+                conditions() == {"PodScheduled": "True", "Ready": "True", "ContainersReady": "True"}
+            ),
+            what="the provider's Ready condition back in the API",
+        )
+
+
+class CountingMock(MockProvider):
+    def __init__(self) -> None:
+        super().__init__(NODE, MockConfig(), host_ip=HOST_IP)
+        self.get_pods = 0
+
+    async def get_pod(self, namespace: str, name: str) -> Pod | None:
+        self.get_pods += 1
+        return await super().get_pod(namespace, name)
+
+
+async def test_adoption_takes_what_each_pod_was_given_from_the_list_not_a_call_per_pod(
+    api: FakeApiServer,
+) -> None:
+    provider = CountingMock()
+    names = [f"web-{i}" for i in range(5)]
+    async with PodHarness(api, provider):
+        for name in names:
+            api.create("pods", pod(name))
+        await eventually(lambda: all(running(api, n) for n in names))
+    api.patch("pods", "web-0", {"metadata": {"labels": {"tier": "gold"}}}, NS)  # agent down
+    provider.get_pods = 0
+    async with PodHarness(api, provider) as second:
+        await eventually(lambda: second.controller.updates == 1, what="web-0's update")
+        await always(lambda: second.controller.updates == 1, duration=0.3)
+        assert provider.get_pods == 0
+    assert provider.creates == len(names)
+
+
+async def test_the_api_pods_are_listed_before_the_node_registers_but_adopted_only_after(
+    api: FakeApiServer, push: PushProvider
+) -> None:
+    web = api.create("pods", pod("web"))
+    push.add_running(pod("web"), uid=web["metadata"]["uid"])
+    listed: list[bool] = []
+    original = push.list_pods
+
+    async def list_pods() -> list[Pod]:
+        listed.append(True)
+        return await original()
+
+    push.list_pods = list_pods  # type: ignore[method-assign]
+    harness = PodHarness(api, push)
+    registered = asyncio.Event()
+    run = asyncio.create_task(harness.controller.run(after=registered))
+    try:
+        await eventually(lambda: harness.controller.reflector.synced.is_set())
+        await always(lambda: not listed and not harness.controller.ready.is_set(), duration=0.3)
+        registered.set()
+        await eventually(lambda: harness.controller.ready.is_set())
+        assert listed == [True]
+        assert harness.controller.states[f"{NS}/web"].uid == web["metadata"]["uid"]
+    finally:
+        await cancel_and_wait(run)
+        await harness.client.aclose()
 
 
 async def test_a_restart_with_a_fresh_provider_process_adopts_by_uid(api: FakeApiServer) -> None:
