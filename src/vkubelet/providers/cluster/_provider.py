@@ -289,22 +289,41 @@ class ClusterProvider(
         assert meta is not None
         key, upper_uid = f"{meta.namespace}/{meta.name}", str(meta.uid or "")
         self._deleting[key] = upper_uid  # before the lookup: its DELETED event may come first
-        namespace = self.how.lower_namespace(str(meta.namespace))
-        current = await self._call(self.lower.get("Pod", namespace, str(meta.name)))
-        if current is not None and is_ours(current, self.owner):
-            identity = upper_identity(current)
-            if identity is None or identity[2] == upper_uid:
-                uid = str(current["metadata"].get("uid", ""))
-                if self._on_vanished_node(current):
-                    grace_period_seconds = 0  # no kubelet is left to stop it gracefully
-                deleted = await self._call(
-                    self.lower.delete(
-                        "Pod", namespace, str(meta.name), grace_period=grace_period_seconds, uid=uid
-                    )
-                )
-                if deleted:
-                    return  # its DELETED event finishes the deletion (`_push_gone`)
+        namespace, name = self.how.lower_namespace(str(meta.namespace)), str(meta.name)
+        # First the lower pod as the watch (or our create) last saw it: one lower request per
+        # deletion instead of two. The delete carries its UID as a precondition, so a stale
+        # copy deletes nothing; then the pod is read, as it is when no copy is known.
+        known = self._lower_pods.get(key)
+        if known is not None and await self._delete_lower(known, upper_uid, grace_period_seconds):
+            return  # its DELETED event finishes the deletion (`_push_gone`)
+        current = await self._call(self.lower.get("Pod", namespace, name))
+        if current is not None and await self._delete_lower(
+            current, upper_uid, grace_period_seconds
+        ):
+            return
         self._gone_without_lower(key, upper_uid, pod)
+
+    async def _delete_lower(self, lower: JSON, upper_uid: str, grace_period: int) -> bool:
+        """Delete `lower` if it is ours and stands for the upper pod `upper_uid`, by its UID;
+        whether it was deleted (False: not ours, another pod's, gone or replaced)."""
+        if not is_ours(lower, self.owner):
+            return False
+        identity = upper_identity(lower)
+        if identity is not None and identity[2] != upper_uid:
+            return False
+        metadata = lower["metadata"]
+        if self._on_vanished_node(lower):
+            grace_period = 0  # no kubelet is left to stop it gracefully
+        deleted: bool = await self._call(
+            self.lower.delete(
+                "Pod",
+                str(metadata["namespace"]),
+                str(metadata["name"]),
+                grace_period=grace_period,
+                uid=str(metadata.get("uid", "")),
+            )
+        )
+        return deleted
 
     def _on_vanished_node(self, lower: Mapping[str, Any]) -> bool:
         """Whether the lower pod is bound to a lower node that no longer exists: a graceful

@@ -362,6 +362,12 @@ class FakeLower:
             return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
         self.written.append((method, path))
         if method == "DELETE":
+            uid = ((json.loads(request.content or b"{}").get("preconditions")) or {}).get("uid")
+            current = self.pods.get(name)
+            if current is None:
+                return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
+            if uid and current["metadata"].get("uid") != uid:
+                return httpx.Response(409, json={"reason": "Conflict", "message": "uid"})
             self.pods.pop(name, None)
             return httpx.Response(200, json={"kind": "Status", "status": "Success"})
         body = json.loads(request.content)
@@ -726,6 +732,54 @@ def test_a_pod_the_lower_watch_does_not_know_is_created_without_reading_first(
     asyncio.run(scenario())
     assert ("POST", "/api/v1/namespaces/shop/pods") in fake.written
     assert fake.pod_reads == 0
+
+
+def test_deleting_a_pod_whose_lower_pod_is_known_deletes_it_by_uid_without_reading_it(
+    tmp_path: Path,
+) -> None:
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    provider._pods_listed = True  # what the pod watch's first listing sets
+
+    async def scenario() -> None:
+        try:
+            pod = web_0("upper-1")
+            await provider.create_pod(pod)
+            await provider.delete_pod(pod.pod, 30)
+        finally:
+            await provider.aclose()
+
+    asyncio.run(scenario())
+    assert ("DELETE", "/api/v1/namespaces/shop/pods/web-0") in fake.written
+    assert "web-0" not in fake.pods
+    assert fake.pod_reads == 0
+
+
+def test_deleting_a_pod_whose_known_lower_copy_is_stale_reads_the_pod_and_spares_another_owners(
+    tmp_path: Path,
+) -> None:
+    """The watch's copy says ours, but the name now holds the lower cluster user's own pod: the
+    delete by the copy's UID removes nothing, the pod is read, and it is left alone."""
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    provider._pods_listed = True
+    reports: list[Pod] = []
+    provider.notify_pods(reports.append)
+    theirs = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web-0", "uid": "theirs"}}
+
+    async def scenario() -> None:
+        try:
+            pod = web_0("upper-1")
+            await provider.create_pod(pod)
+            fake.pods["web-0"] = theirs  # ours vanished unseen, and the name was taken
+            await provider.delete_pod(pod.pod, 30)
+        finally:
+            await provider.aclose()
+
+    asyncio.run(scenario())
+    assert fake.pods["web-0"] is theirs
+    assert fake.pod_reads == 1
+    assert [p.status.phase for p in reports if p.status] == ["Failed"]  # reported stopped
 
 
 def test_a_name_taken_below_by_someone_else_is_found_by_the_create_and_left_alone(
