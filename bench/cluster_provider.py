@@ -2,7 +2,7 @@
 Prints figures.
 
     .venv/bin/python bench/cluster_provider.py [--paced-pods 200] [--rate 20] [--pods 1000]
-        [--rounds 1] [--execs 30] [--upper NAME] [--lower NAME] [--skip-throughput]
+        [--rounds 1] [--execs 30] [--upper NAME] [--lower NAME] [--profile PREFIX]
 
 Two dev clusters on this machine: the upper one (runs `vkubelet run --provider cluster` as a
 child process) and the lower one, whose nodes are three vkubelet mock nodes (child processes too).
@@ -21,6 +21,10 @@ child process) and the lower one, whose nodes are three vkubelet mock nodes (chi
   cluster, alternating: wall time of `kubectl exec POD -- true`, and of `kubectl logs -f
   --tail=1 POD` until its first line.
 
+`--profile PREFIX` samples the agent with py-spy (`pip install py-spy`) during each
+virtual-node burst and writes `PREFIX-N.txt` (py-spy's raw format: one stack and its sample
+count a line), from the first create to the last pod Running.
+
 It is a benchmark, not a test: it asserts nothing and only prints.
 """
 
@@ -31,6 +35,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -376,11 +381,13 @@ async def measured_burst(
     lower: httpx.AsyncClient,
     pods: int,
     node: str | None,
+    spy: contextlib.AbstractContextManager[None] | None = None,
 ) -> tuple[Throughput, dict[str, Counter[str]]]:
-    """A burst, then its namespace removed; and the requests each apiserver served for it
-    (until the last pod was Running, before the removal)."""
+    """A burst (under `spy`, if given), then its namespace removed; and the requests each
+    apiserver served for it (until the last pod was Running, before the removal)."""
     before = {"upper": await request_counts(upper), "lower": await request_counts(lower)}
-    result, ns = await burst(client, lower, pods, node)
+    with spy or contextlib.nullcontext():
+        result, ns = await burst(client, lower, pods, node)
     after = {"upper": await request_counts(upper), "lower": await request_counts(lower)}
     took = await drop_namespace(upper if node else None, lower, ns)
     log(f"burst ({'virtual node' if node else 'direct'}) removed in {took:.1f} s")
@@ -436,8 +443,32 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}"
 
 
+@contextlib.contextmanager
+def profiled(pid: int, path: Path | None) -> Iterator[None]:
+    """py-spy sampling `pid` while the block runs (nothing when no path is given)."""
+    if path is None:
+        yield
+        return
+    binary = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    argv = [binary, "record", "--nonblocking", "-r", "50", "-f", "raw", "-o", str(path)]
+    with subprocess.Popen(
+        [*argv, "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    ) as spy:
+        try:
+            yield
+        finally:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            spy.wait(30)
+    log(f"profile of the agent: {path}")
+
+
 async def throughput(
-    s: Setup, upper: httpx.AsyncClient, lower: httpx.AsyncClient, pods: int, rounds: int
+    s: Setup,
+    upper: httpx.AsyncClient,
+    lower: httpx.AsyncClient,
+    pods: int,
+    rounds: int,
+    profile: str | None = None,
 ) -> None:
     """`rounds` pairs of bursts, alternating through the virtual node and directly, so that a
     change in the machine's load hits both alike; the ratio is printed per pair."""
@@ -450,7 +481,8 @@ async def throughput(
     cpu = 0.0
     for i in range(rounds):
         cpu_before = cpu_seconds(s.agent_pid)
-        virtual, counts = await measured_burst(upper, upper, lower, pods, s.node)
+        spy = profiled(s.agent_pid, Path(f"{profile}-{i + 1}.txt") if profile else None)
+        virtual, counts = await measured_burst(upper, upper, lower, pods, s.node, spy)
         cpu += cpu_seconds(s.agent_pid) - cpu_before
         load_virtual = os.getloadavg()[0]
         for k in requests:
@@ -483,6 +515,15 @@ async def throughput(
             table.append((what, *(f"{v / per:.2f}" for v in values)))
     totals = (requests["upper"].total(), requests["lower"].total(), direct_requests.total())
     table.append(("all", *(f"{v / per:.2f}" for v in totals)))
+    # The lower kubelets write their Created/Started events after the pods are Running, so a
+    # burst's count of them depends on its length more than on its path.
+    events = (
+        requests["upper"]["POST events"],
+        requests["lower"]["POST events"],
+        direct_requests["POST events"],
+    )
+    rest = (f"{(t - e) / per:.2f}" for t, e in zip(totals, events, strict=True))
+    table.append(("all but POST events", *rest))
     print_table(table)
 
 
@@ -536,7 +577,7 @@ async def run(s: Setup, args: argparse.Namespace) -> None:
             took = await drop_namespace(upper, lower, ns)
             log(f"overhead run removed in {took:.1f} s")
         if args.pods:
-            await throughput(s, upper, lower, args.pods, args.rounds)
+            await throughput(s, upper, lower, args.pods, args.rounds, args.profile)
     finally:
         await upper.aclose()
         await lower.aclose()
@@ -553,6 +594,7 @@ def main() -> None:
     parser.add_argument("--lower", help="reuse a running `vkubelet dev cluster` as the lower one")
     parser.add_argument("--work", type=Path, help="keep the agents' logs here")
     parser.add_argument("--agent-log-level", default="warning")
+    parser.add_argument("--profile", help="py-spy the agent in virtual-node bursts: PREFIX-N.txt")
     args = parser.parse_args()
     # Stopped with SIGTERM, still stop the agents and remove the nodes and namespaces.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

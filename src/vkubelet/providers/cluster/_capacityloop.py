@@ -51,76 +51,72 @@ class CapacityFollowing(ProviderCore):
     """The virtual node's capacity and labels, following the lower nodes and pods."""
 
     async def _follow_capacity(self) -> None:
-        """Keep the capacity current: list the lower nodes and pods, then follow both with
-        watches and recompute (at most once a second) on every change; re-list every
-        `resync.nodes` seconds. A cordon or a new pod below shows upstairs within seconds."""
+        """Keep the capacity current: list, then watch, the lower nodes (re-listed every
+        `resync.nodes` seconds), and recompute (at most once a second) on every change of
+        them or of the lower pods, which the one lower pod reflector (`_follow_pods`) keeps in
+        the same snapshot. A cordon or a new pod below shows upstairs within seconds."""
         await self._ensure_owner()
         while True:
-            changed = asyncio.Event()
-            objects: dict[str, dict[str, JSON]] = {}
-            versions: dict[str, str] = {}
-            for kind, path in (("Node", "/api/v1/nodes"), ("Pod", "/api/v1/pods")):
-                answer = await self.lower.client.get(path)
-                objects[kind] = {uid_of(o): o for o in answer.get("items") or []}
-                versions[kind] = str((answer.get("metadata") or {}).get("resourceVersion", ""))
-            self._snapshot = objects
-            usage = self._usage = NodeUsage(objects["Pod"].items())
-            if self._lower_node is not None:
-                self._follow_mirrored(objects)  # with the snapshot: no moment "gone"
+            answer = await self.lower.client.get("/api/v1/nodes")
+            nodes = {uid_of(o): o for o in answer.get("items") or []}
+            version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
+            self._lower_listed("Node", nodes)
             timeout = max(1, int(self.config.resync.nodes))
             async with asyncio.TaskGroup() as group:
-                for kind, path in (("Node", "/api/v1/nodes"), ("Pod", "/api/v1/pods")):
-                    group.create_task(
-                        self._watch_into(
-                            path,
-                            versions[kind],
-                            objects[kind],
-                            changed,
-                            timeout,
-                            usage if kind == "Pod" else None,
-                        )
-                    )
-                group.create_task(self._recompute(objects, usage, changed, timeout))
+                group.create_task(self._watch_nodes(version, nodes, timeout))
+                group.create_task(self._recompute(timeout))
 
-    async def _watch_into(
-        self,
-        path: str,
-        version: str,
-        into: dict[str, JSON],
-        changed: asyncio.Event,
-        seconds: int,
-        usage: NodeUsage | None = None,
-    ) -> None:
-        """Keep `into` (and the pods' `usage`) as the watch tells."""
+    def _lower_listed(self, kind: str, objects: dict[str, JSON]) -> None:
+        """A fresh listing of the lower nodes or pods (UID -> object) becomes the snapshot's;
+        the snapshot exists once both have been listed."""
+        self._listed[kind] = objects
+        if kind == "Pod":
+            self._usage = NodeUsage(objects.items())
+        if len(self._listed) == 2:
+            self._snapshot = self._listed
+            if self._lower_node is not None:
+                self._follow_mirrored(self._listed)  # with the listing: no moment "gone"
+        self._lower_changed.set()
+
+    def _lower_pod_changed(self, kind: str, pod: JSON) -> None:
+        """A lower pod watch event, for the capacity's snapshot and per-node usage."""
+        pods = self._listed.get("Pod")
+        if pods is None:
+            return
+        key = uid_of(pod)
+        if kind == "DELETED":
+            pods.pop(key, None)
+            if self._usage is not None:
+                self._usage.drop(key)
+        else:
+            pods[key] = pod
+            if self._usage is not None:
+                self._usage.put(key, pod)
+        self._lower_changed.set()
+
+    async def _watch_nodes(self, version: str, into: dict[str, JSON], seconds: int) -> None:
+        """Keep `into` as the lower node watch tells."""
         params = {"resourceVersion": version, "allowWatchBookmarks": "true"}
         try:
-            async for kind, raw in self.lower.client.watch(path, params, timeout_seconds=seconds):
-                if kind in ("ERROR", "BOOKMARK"):
-                    if kind == "ERROR":
-                        return
+            async for kind, raw in self.lower.client.watch(
+                "/api/v1/nodes", params, timeout_seconds=seconds
+            ):
+                if kind == "ERROR":
+                    return
+                if kind == "BOOKMARK":
                     continue
                 obj = msgspec.json.decode(raw)
-                key = uid_of(obj)
                 if kind == "DELETED":
-                    into.pop(key, None)
-                    if usage is not None:
-                        usage.drop(key)
+                    into.pop(uid_of(obj), None)
                 else:
-                    into[key] = obj
-                    if usage is not None:
-                        usage.put(key, obj)
-                changed.set()
+                    into[uid_of(obj)] = obj
+                self._lower_changed.set()
         except ApiError as e:
             if not e.gone:
                 raise
 
-    async def _recompute(
-        self,
-        objects: dict[str, dict[str, JSON]],
-        usage: NodeUsage,
-        changed: asyncio.Event,
-        seconds: int,
-    ) -> None:
+    async def _recompute(self, seconds: int) -> None:
+        changed = self._lower_changed
         deadline = asyncio.get_running_loop().time() + seconds
         changed.set()
         while asyncio.get_running_loop().time() < deadline:
@@ -129,6 +125,9 @@ class CapacityFollowing(ProviderCore):
             if not changed.is_set():
                 continue
             changed.clear()
+            objects, usage = self._snapshot, self._usage
+            if objects is None or usage is None:
+                continue  # the first listing of both kinds sets `changed` again
             if self._lower_node is not None:
                 self._follow_mirrored(objects)
                 await asyncio.sleep(1.0)

@@ -76,9 +76,12 @@ class ProviderCore:
         self._notify: Callable[[Pod], None] | None = None
         self._node_notify: Callable[[Node], None] | None = None
         self._capacity = LowerCapacity(allocatable={})
-        # The capacity loop's watch caches of every lower node and pod (kind -> UID -> object),
-        # for the fit check; None until the first listing.
+        # The watch caches of every lower node (the capacity loop's) and pod (the one lower pod
+        # reflector's, `_follow_pods`): kind -> UID -> object, as listed so far; the snapshot
+        # (capacity, fit check) is the same once both kinds have been listed, else None.
+        self._listed: dict[str, dict[str, JSON]] = {}
         self._snapshot: dict[str, dict[str, JSON]] | None = None
+        self._lower_changed = asyncio.Event()  # a lower node or pod changed: recompute
         self._usage: NodeUsage | None = None  # the snapshot's pods' requests per lower node
         self._cannot_fit_until = 0.0  # loop time until which the node carries the taint
         self._cannot_fit_backoff = 0.0  # the current taint length (doubles while failing)

@@ -28,7 +28,14 @@ from ...node import ApiError
 from ._deps import SOURCE_VERSION
 from ._stamps import LABEL_OWNER, Owner, describe_owner, is_ours, stamp, upper_identity
 
-__all__ = ["ServicePlan", "apply_service_plan", "lower_service", "plan_services", "selects"]
+__all__ = [
+    "ServicePlan",
+    "apply_service_plan",
+    "lower_service",
+    "plan_services",
+    "selects",
+    "selects_anything",
+]
 
 JSON = dict[str, Any]
 Key = tuple[str, str]  # lower (namespace, name)
@@ -45,13 +52,19 @@ class ServicePlan:
     delete: list[tuple[Key, str]] = field(default_factory=list)  # (key, lower UID)
 
 
-def selects(service: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
-    """Whether the Service's selector picks the pod (an empty selector picks none: such a
-    Service has hand-made endpoints, which are not ours to reflect; nor does ExternalName)."""
+def selects_anything(service: Mapping[str, Any]) -> bool:
+    """Whether the Service selects pods at all (an empty selector picks none: such a Service
+    has hand-made endpoints, which are not ours to reflect; nor does ExternalName, which
+    ignores its selector: a DNS alias, not ours)."""
     spec = service.get("spec") or {}
-    selector = spec.get("selector") or {}
-    if not selector or spec.get("type") == "ExternalName":
-        return False  # an ExternalName Service ignores its selector: a DNS alias, not ours
+    return bool(spec.get("selector")) and spec.get("type") != "ExternalName"
+
+
+def selects(service: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+    """Whether the Service's selector picks the pod (see `selects_anything`)."""
+    if not selects_anything(service):
+        return False
+    selector = (service.get("spec") or {}).get("selector") or {}
     service_ns = (service.get("metadata") or {}).get("namespace")
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}

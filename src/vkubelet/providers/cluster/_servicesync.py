@@ -10,7 +10,7 @@ import msgspec
 from ...node import ApiError
 from ._convert import name_key
 from ._core import ProviderCore
-from ._services import apply_service_plan, plan_services
+from ._services import apply_service_plan, plan_services, selects_anything
 from ._stamps import is_ours
 
 __all__ = ["ServiceReflection"]
@@ -70,10 +70,14 @@ class ServiceReflection(ProviderCore):
         if self._lower_services is None or relist:
             found = await self.lower.list_objects("Service", selector=self.owner.selector)
             self._lower_services = {name_key(s): s for s in found if is_ours(s, self.owner)}
+        # Only pods in a namespace where some upper Service selects pods can be selected: in a
+        # burst this runs every 0.2 s, and going over every pod each time cost ~1 % of the
+        # agent's CPU when no Service selects any of them.
+        selecting = {name_key(s)[0] for s in self._upper_services.values() if selects_anything(s)}
         running = [
             self._prepared_pod(p)[2]  # its JSON as prepared once per pod, not again per sync
             for k, p in self._pods.items()
-            if self._deleting.get(k) != p.uid and k not in self._failed
+            if p.namespace in selecting and self._deleting.get(k) != p.uid and k not in self._failed
         ]
         plan = plan_services(
             self._upper_services.values(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -303,12 +304,16 @@ def test_a_dependency_name_taken_by_the_user_blocks_the_pod_and_is_left_alone(
 
 
 class FakeLower:
-    """A lower API that keeps its pods, and whose first pod watch delivers `events` (later
-    watches stay open and silent): the late events of a pod deleted and re-created upstairs."""
+    """A lower API that keeps its pods (and lists `nodes`), and whose first pod watch delivers
+    `events` (later watches stay open and silent): the late events of a pod deleted and
+    re-created upstairs."""
 
     def __init__(self) -> None:
         self.pods: dict[str, dict[str, Any]] = {}
+        self.nodes: list[dict[str, Any]] = []
         self.events: list[tuple[str, dict[str, Any]]] = []
+        self.watched: list[str] = []  # the paths of the watches asked for, in order
+        self.open_watches: Counter[str] = Counter()  # path -> watches open (and silent)
         self.written: list[tuple[str, str]] = []
         self.pod_reads = 0
         self.watches = 0
@@ -323,16 +328,27 @@ class FakeLower:
         path, method = request.url.path, request.method
         name = path.rsplit("/", 1)[-1]
         if request.url.params.get("watch"):
-            self.watches += 1
-            if self.watches == 1:
+            self.watched.append(path)
+            if path == "/api/v1/pods":
+                self.watches += 1
+            if path == "/api/v1/pods" and self.watches == 1:
                 lines = b"".join(
                     msgspec.json.encode({"type": kind, "object": obj}) + b"\n"
                     for kind, obj in self.events
                 )
                 return httpx.Response(200, content=lines)
-            self.watching_again.set()
-            await asyncio.Event().wait()  # open and silent until cancelled
-        if method == "GET" and request.url.params.get("labelSelector"):
+            if path == "/api/v1/pods":
+                self.watching_again.set()
+            self.open_watches[path] += 1
+            try:
+                await asyncio.Event().wait()  # open and silent until cancelled
+            finally:
+                self.open_watches[path] -= 1
+        if method == "GET" and path == "/api/v1/nodes":
+            return httpx.Response(
+                200, json={"items": self.nodes, "metadata": {"resourceVersion": "9"}}
+            )
+        if method == "GET" and (request.url.params.get("labelSelector") or path == "/api/v1/pods"):
             items = list(self.pods.values()) if path == "/api/v1/pods" else []
             return httpx.Response(200, json={"items": items, "metadata": {"resourceVersion": "9"}})
         if method == "GET" and "/pods/" in path:
@@ -346,6 +362,12 @@ class FakeLower:
             return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
         self.written.append((method, path))
         if method == "DELETE":
+            uid = ((json.loads(request.content or b"{}").get("preconditions")) or {}).get("uid")
+            current = self.pods.get(name)
+            if current is None:
+                return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
+            if uid and current["metadata"].get("uid") != uid:
+                return httpx.Response(409, json={"reason": "Conflict", "message": "uid"})
             self.pods.pop(name, None)
             return httpx.Response(200, json={"kind": "Status", "status": "Success"})
         body = json.loads(request.content)
@@ -515,6 +537,69 @@ def test_late_events_of_a_force_deleted_pod_do_not_touch_its_successor_of_the_sa
     assert not [p for m, p in fake.written if m == "DELETE" and "/configmaps/" in p]
 
 
+def test_one_lower_pod_watch_feeds_both_the_capacity_and_our_pods_statuses(
+    tmp_path: Path,
+) -> None:
+    """The capacity (pods not ours take room) and our pods' statuses come from one list and
+    watch of every lower pod, not from a second watch of ours by label: each event of our pod
+    was received and decoded twice."""
+    fake = FakeLower()
+    fake.nodes = [
+        {
+            "metadata": {"name": "lower-a", "uid": "n-1"},
+            "spec": {},
+            "status": {
+                "allocatable": {"cpu": "4", "pods": "10"},
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+    ]
+    provider = fake.provider(tmp_path)
+    reports: list[Pod] = []
+    provider.notify_pods(reports.append)
+    theirs = {
+        "metadata": {"name": "theirs", "namespace": "shop", "uid": "t-1"},
+        "spec": {
+            "nodeName": "lower-a",
+            "containers": [{"name": "c", "resources": {"requests": {"cpu": "1"}}}],
+        },
+        "status": {"phase": "Running"},
+    }
+
+    def running() -> bool:
+        return any(p.status is not None and p.status.phase == "Running" for p in reports)
+
+    async def scenario() -> None:
+        await provider.create_pod(web_0("upper-1"))
+        ours = with_phase(fake.pods["web-0"], "Running")
+        ours["spec"]["nodeName"] = "lower-a"
+        fake.events = [("ADDED", theirs), ("MODIFIED", ours)]
+        fake.pods.update({"web-0": ours, "theirs": theirs})  # as the next listing says
+        tasks = [
+            asyncio.create_task(provider._follow_pods()),
+            asyncio.create_task(provider._follow_capacity()),
+        ]
+        try:
+            await eventually(
+                lambda: running() and provider._capacity.allocatable == {"cpu": "3", "pods": "9"},
+                within=10,
+                what="our pod Running and the room their pod takes subtracted",
+            )
+            assert provider._snapshot is not None
+            assert {"t-1", ours["metadata"]["uid"]} <= set(provider._snapshot["Pod"])
+            await eventually(lambda: fake.open_watches["/api/v1/pods"], what="watching again")
+            await always(
+                lambda: fake.open_watches["/api/v1/pods"] == 1, duration=0.5, what="one pod watch"
+            )
+        finally:
+            for task in tasks:
+                task.cancel()
+            await provider.aclose()
+
+    asyncio.run(scenario())
+    assert sorted(set(fake.watched)) == ["/api/v1/nodes", "/api/v1/pods"]
+
+
 def test_a_pod_refused_for_good_is_forgotten_when_deleted_and_its_successor_gets_its_copies(
     tmp_path: Path,
 ) -> None:
@@ -647,6 +732,54 @@ def test_a_pod_the_lower_watch_does_not_know_is_created_without_reading_first(
     asyncio.run(scenario())
     assert ("POST", "/api/v1/namespaces/shop/pods") in fake.written
     assert fake.pod_reads == 0
+
+
+def test_deleting_a_pod_whose_lower_pod_is_known_deletes_it_by_uid_without_reading_it(
+    tmp_path: Path,
+) -> None:
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    provider._pods_listed = True  # what the pod watch's first listing sets
+
+    async def scenario() -> None:
+        try:
+            pod = web_0("upper-1")
+            await provider.create_pod(pod)
+            await provider.delete_pod(pod.pod, 30)
+        finally:
+            await provider.aclose()
+
+    asyncio.run(scenario())
+    assert ("DELETE", "/api/v1/namespaces/shop/pods/web-0") in fake.written
+    assert "web-0" not in fake.pods
+    assert fake.pod_reads == 0
+
+
+def test_deleting_a_pod_whose_known_lower_copy_is_stale_reads_the_pod_and_spares_another_owners(
+    tmp_path: Path,
+) -> None:
+    """The watch's copy says ours, but the name now holds the lower cluster user's own pod: the
+    delete by the copy's UID removes nothing, the pod is read, and it is left alone."""
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    provider._pods_listed = True
+    reports: list[Pod] = []
+    provider.notify_pods(reports.append)
+    theirs = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web-0", "uid": "theirs"}}
+
+    async def scenario() -> None:
+        try:
+            pod = web_0("upper-1")
+            await provider.create_pod(pod)
+            fake.pods["web-0"] = theirs  # ours vanished unseen, and the name was taken
+            await provider.delete_pod(pod.pod, 30)
+        finally:
+            await provider.aclose()
+
+    asyncio.run(scenario())
+    assert fake.pods["web-0"] is theirs
+    assert fake.pod_reads == 1
+    assert [p.status.phase for p in reports if p.status] == ["Failed"]  # reported stopped
 
 
 def test_a_name_taken_below_by_someone_else_is_found_by_the_create_and_left_alone(
