@@ -1,0 +1,85 @@
+"""The mock's `/metrics/resource` keeps what never changes per pod between scrapes: a scrape
+after pods started, stopped or changed their containers is the text a fresh node would print."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from vkubelet.providers.mock._records import MockContainer, MockPod, format_time
+from vkubelet.providers.mock._stats import NodeStats
+
+BASE = datetime.now(UTC) - timedelta(hours=1)
+
+
+def mock_pod(name: str, *containers: str, namespace: str = "ns", init: str = "") -> MockPod:
+    started = format_time(BASE + timedelta(seconds=len(name)))
+    running = [MockContainer(c, "img", []) for c in containers]
+    inits = [MockContainer(init, "img", [], init=True)] if init else []
+    return MockPod(
+        namespace,
+        name,
+        f"uid-{namespace}-{name}",
+        "n1",
+        "10.0.0.1",
+        inits + running,
+        started,
+        started=started,
+    )
+
+
+def pod_lines(text: str) -> list[str]:
+    """The samples about pods and containers (the node's own CPU counter depends on the
+    node's age, not on pods)."""
+    return [line for line in text.splitlines() if not line.startswith(("node_", "#"))]
+
+
+def scrape_from_scratch(pods: list[MockPod], now: datetime) -> list[str]:
+    return pod_lines(NodeStats("n1", "4Ti").resource_metrics(pods, now))
+
+
+def test_a_scrape_after_pods_start_stop_and_change_is_what_a_fresh_node_prints() -> None:
+    stats = NodeStats("n1", "4Ti")
+    pods = [
+        mock_pod("b", "web"),
+        mock_pod("a", "web", "sidecar", init="setup"),
+        mock_pod("a", "app", namespace="other"),
+        mock_pod("a-long-name", "web"),
+        mock_pod("not-started", "web"),
+    ]
+    pods[-1].started = None
+    now = BASE + timedelta(minutes=30)
+    assert pod_lines(stats.resource_metrics(pods, now)) == scrape_from_scratch(pods, now)
+
+    later = now + timedelta(seconds=15)  # CPU counters moved on, the rest is as it was
+    first, second = stats.resource_metrics(pods, now), stats.resource_metrics(pods, later)
+    assert first != second
+    assert pod_lines(second) == scrape_from_scratch(pods, later)
+
+    pods[0].containers = [MockContainer("web", "img", []), MockContainer("aaa", "img", [])]
+    stopped = pods.pop(2)
+    stats.retire(stopped)
+    pods.append(mock_pod("c", "web"))
+    pods[-2].started = format_time(BASE)  # the pod that was not started is now
+    later += timedelta(seconds=15)
+    assert pod_lines(stats.resource_metrics(pods, later)) == scrape_from_scratch(pods, later)
+
+    gone = pods.pop(0)  # stopped without being retired: its samples go all the same
+    assert gone.name == "b"
+    text = stats.resource_metrics(pods, later)
+    assert 'pod="b"' not in text
+    assert pod_lines(text) == scrape_from_scratch(pods, later)
+
+
+def test_samples_of_each_family_are_sorted_by_their_labels() -> None:
+    pods = [mock_pod(f"p{i}", "z", "a") for i in (3, 1, 20, 2)]
+    text = NodeStats("n1", "4Ti").resource_metrics(pods, BASE + timedelta(minutes=5))
+    families: dict[str, list[str]] = {}
+    for line in pod_lines(text):
+        if "{" not in line:
+            continue  # resource_scrape_error
+        name, _, rest = line.partition("{")
+        families.setdefault(name, []).append(rest.partition("}")[0])
+    assert len(families) == 5
+    for labels in families.values():
+        assert labels == sorted(labels)
+        assert len(labels) in (4, 8)
