@@ -1,5 +1,7 @@
-"""The mock's per-pod work is done once: its `/metrics/resource` keeps what never changes per pod between scrapes: a scrape
-after pods started, stopped or changed their containers is the text a fresh node would print; a running pod's status is built in two replay steps, not three."""
+"""The mock's per-pod work is done once, not per scrape or per report: `/metrics/resource`
+keeps what never changes in a pod's samples (a scrape after pods started, stopped or changed
+their containers is the text a fresh node would print), and a running pod's status is built in
+two replay steps, not three."""
 
 from __future__ import annotations
 
