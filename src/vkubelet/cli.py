@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -287,6 +288,7 @@ def run(
             run_agent = agent.run
     except (ConfigError, ProviderLoadError, ValueError, OSError) as e:
         raise _fail(e) from None
+    _tune_gc()
     if not vm_controller:
         asyncio.run(_run_until_signalled(run_agent))
         return
@@ -338,6 +340,16 @@ def _replica_options(
         shard=shard,
         health_port=health_port,
     )
+
+
+def _tune_gc() -> None:
+    """What is loaded by now (modules, classes, the configuration) lives as long as the agent:
+    frozen, full collections no longer scan it; and young collections run every 10,000
+    allocations instead of 700, since an agent's churn (a watch event, a status patch) is
+    almost all freed by reference counting first. With 10,000 pods the collector took 8 % of
+    the agent's CPU before (bench/agent_vs_govk.py)."""
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 async def _run_until_signalled(run: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -121,6 +121,8 @@ class ServiceCache:
 
     async def ready(self, wait: float = 2.0) -> None:
         """Wait (a little) for the first list; ResolutionFailed if Services cannot be read."""
+        if self._reflector.synced.is_set():
+            return  # every pod after the first: no timeout to arm and cancel
         self.start()
         try:
             async with asyncio.timeout(wait):
@@ -210,6 +212,8 @@ class Resolver:
         self._allocatable = allocatable
         self._tokens: dict[str, dict[tuple[str, str | None, int], _Token]] = {}
         self._pass_through = isinstance(provider, PassThroughPods) and provider.pass_through is True
+        # Checked once: a runtime protocol check per pod costs more than the rest of its setup.
+        self._network = provider if isinstance(provider, PodNetwork) else None
 
     def forget(self, key: str) -> None:
         self._tokens.pop(key, None)
@@ -223,8 +227,8 @@ class Resolver:
         spec = raw["spec"]
         await self._services.ready()  # the `kubernetes` service variables are always set
         pod_ips = [self._host_ip]
-        if isinstance(self._provider, PodNetwork):
-            pod_ips = await self._provider.pod_ips(pod)
+        if self._network is not None:
+            pod_ips = await self._network.pod_ips(pod)
         tokens = await self._fetch_tokens(key, raw)
         allocatable = self._allocatable()
         warnings: list[tuple[str, str]] = []
