@@ -27,8 +27,9 @@ import hashlib
 import logging
 import math
 import re
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -217,6 +218,62 @@ def buckets_of(names: Iterable[str], count: int = SHARD_BUCKETS) -> list[list[st
     return [ordered[i::count] for i in range(count)]
 
 
+@contextlib.asynccontextmanager
+async def lease_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
+    """An event loop running in a thread of its own, for as long as the context lasts."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="vkubelet leases", daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join)
+        loop.close()
+
+
+async def run_on(
+    loop: asyncio.AbstractEventLoop | None, work: Callable[[], Awaitable[None]]
+) -> None:
+    """Run `work()` as a task on `loop` (another thread's, or this one) until it ends; its error
+    is raised here. Cancelled, it cancels that task and waits for its end: work under a Lease
+    has stopped when this returns."""
+    here = asyncio.get_running_loop()
+    there = loop or here
+    ended: asyncio.Future[None] = here.create_future()
+    started: list[asyncio.Task[None]] = []
+
+    def settle(task: asyncio.Task[None]) -> None:
+        if ended.done():
+            return
+        if task.cancelled():
+            ended.cancel()
+        elif (error := task.exception()) is not None:
+            ended.set_exception(error)
+        else:
+            ended.set_result(None)
+
+    def start() -> None:
+        task = there.create_task(_call(work))
+        task.add_done_callback(lambda t: here.call_soon_threadsafe(settle, t))
+        started.append(task)
+
+    there.call_soon_threadsafe(start)
+    try:
+        await asyncio.shield(ended)
+    except asyncio.CancelledError:
+        if not ended.done():  # cancelled here: stop it there (after `start`: FIFO), await it
+            there.call_soon_threadsafe(lambda: started[0].cancel())
+            while not ended.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(ended)
+        raise
+
+
+async def _call(work: Callable[[], Awaitable[None]]) -> None:
+    await work()
+
+
 class ShardRunner:
     """Claims this replica's share of the node buckets and runs the nodes of each bucket it
     holds while it holds the bucket's Lease (fencing per bucket, as for a single leader)."""
@@ -233,7 +290,8 @@ class ShardRunner:
         self._members: dict[str, LeaderElector] = {}  # lease name -> an observer of it
         self._member: LeaderElector | None = None
         self.running: dict[int, asyncio.Task[None]] = {}  # bucket -> its hold, until stopped
-        self._nodes = TaskSet("shard", logger=log)
+        self._nodes = TaskSet("shard", logger=log)  # the holds, on the claims' loop
+        self._main: asyncio.AbstractEventLoop | None = None  # the nodes' loop
 
     def _elector(self, name: str, role: str) -> LeaderElector:
         assert self._store is not None
@@ -260,8 +318,19 @@ class ShardRunner:
         return all(e.holds() for e in self.electors if e.is_leader)
 
     async def run(self) -> None:
-        # The Leases have a client of their own: the agent's is fenced, and its pools carry
-        # the nodes' traffic, which a renewal must not queue behind.
+        """The claims run in a thread of their own, on an event loop of their own; the nodes
+        run on this one. Measured: with a hundred nodes starting, this loop lagged by seconds
+        on a loaded host, and a renewal (a request of several loop turns) queued behind node
+        start-ups for longer than its deadline; the replicas fenced, restarted nodes, lagged
+        again and never settled (3 replicas x 300 nodes). In a thread, a renewal waits for
+        the GIL (released every 5 ms by a busy thread), not for every callback ready here."""
+        self._main = asyncio.get_running_loop()
+        async with lease_loop() as loop:
+            await run_on(loop, self._run_with_own_client)
+
+    async def _run_with_own_client(self) -> None:
+        # The Leases have a client of their own, made on their loop: the agent's is fenced,
+        # and its pools carry the nodes' traffic.
         leases = KubeClient(self._agent.client.config, self._agent.config.client)
         try:
             await self._run(KubeLeases(leases))
@@ -374,7 +443,9 @@ class ShardRunner:
 
         async def hold() -> None:
             try:
-                await elector.hold(lambda: self._run_bucket(index, delay))
+                await elector.hold(
+                    lambda: run_on(self._main, functools.partial(self._run_bucket, index, delay))
+                )
             finally:
                 self.running.pop(index, None)
 

@@ -1,7 +1,8 @@
 """Sharding on an in-memory Lease API with the apiserver's optimistic concurrency: nodes dealt
 into buckets alike by every replica, buckets shared fairly with each node run exactly once, a
-cut-off replica's buckets stopped before the others take them, and every write of a node
-fenced by its own bucket's Lease only."""
+cut-off replica's buckets stopped before the others take them, every write of a node fenced by
+its own bucket's Lease only, and renewals that keep their deadline while the nodes' event loop
+is blocked."""
 
 from __future__ import annotations
 
@@ -101,7 +102,11 @@ class Replica(ShardRunner):
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.task = asyncio.create_task(self._run(self.store))
+        """As the agent runs it: claims in a thread of their own, nodes on this loop."""
+        self.task = asyncio.create_task(self.run())
+
+    async def _run_with_own_client(self) -> None:
+        await self._run(self.store)
 
     async def _run_node(self, name: str) -> None:
         identity = self.options.identity
@@ -248,3 +253,20 @@ async def test_a_nodes_writes_answer_to_its_own_buckets_lease_only() -> None:
     await client.patch("/api/v1/nodes/other", {"metadata": {}})  # another bucket's node
     assert sent == ["GET", "PATCH"]
     await client.aclose()
+
+
+async def test_renewals_keep_their_deadline_while_the_nodes_loop_is_blocked() -> None:
+    """The claims run on a loop of their own: a node start-up holding the nodes' loop for
+    longer than the renew deadline (here by blocking it outright) stops no bucket."""
+    api, runs = FakeApi(), Runs()
+    replica = Replica("r0", NAMES, runs, Store(api))
+    replica.start()
+    try:
+        await until(lambda: sorted(runs.now) == NAMES)
+        renewals = api.version
+        time.sleep(3 * TIMING.renew_deadline)  # noqa: ASYNC251 - the point: a blocked loop
+        assert api.version > renewals  # renewed meanwhile, from the claims' thread
+        await asyncio.sleep(0.1)
+        assert sorted(runs.now) == NAMES and len(runs.stopped) == 0
+    finally:
+        await stop([replica])
