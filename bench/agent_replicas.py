@@ -1,15 +1,16 @@
 """Benchmark: agent replicas against a real local control plane. Prints figures.
 
     .venv/bin/python bench/agent_replicas.py [--takeovers 3] [--nodes 1000] [--replicas 3]
-                                             [--cluster NAME]
+                                             [--cluster NAME] [--log-level info] [--logs DIR]
 
 - Leader election: two `vkubelet run --leader-elect` replicas of one mock node; the leader is
   SIGKILLed `--takeovers` times (a fresh standby started after each) and the time from the kill
   to the standby holding the Lease *and* having renewed the node's heartbeat Lease is measured.
 - Sharding: `--replicas` replicas share `--nodes` mock nodes (`--shard`); the time until every
-  node is claimed within the fair share, the replicas' CPU per node and minute once settled,
-  then one replica is SIGKILLed and the time until all its nodes are held and renewed by the
-  others is measured.
+  bucket of nodes is claimed within the fair share, the replicas' CPU per node and minute once
+  settled, then one replica is SIGKILLed and the time until all its buckets are held by the
+  others and every node's heartbeat renewed is measured; and how many times a replica stopped
+  a bucket's nodes because it could not renew its Lease in time (fencing), before and after.
 
 Times are read from the apiserver (Lease holders and renewTime), polled every 0.2 s. It is a
 benchmark, not a test: it asserts nothing and only prints, with the host's load next to it.
@@ -37,6 +38,8 @@ import httpx2 as httpx
 import yaml
 from _common import cluster_for, cpu_seconds, http_client, log, new_namespace, pct, print_table
 
+from vkubelet.agent._replicas import buckets_of, group_of, lease_name
+
 EXE = str(Path(sys.prefix) / "bin" / "vkubelet")
 
 
@@ -51,6 +54,7 @@ class Replica:
                 stderr=subprocess.STDOUT,
             )
         self.prefix = f"{socket.gethostname()}-{self.proc.pid}-"
+        self.logfile = logfile
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
@@ -144,7 +148,13 @@ async def leader_takeovers(
 
 
 async def sharding(
-    kubeconfig: Path, client: httpx.AsyncClient, ns: str, work: Path, nodes: int, count: int
+    kubeconfig: Path,
+    client: httpx.AsyncClient,
+    ns: str,
+    work: Path,
+    nodes: int,
+    count: int,
+    level: str = "warning",
 ) -> dict[str, float]:
     prefix = f"bs-{uuid.uuid4().hex[:4]}"
     names = [f"{prefix}-{i:04d}" for i in range(nodes)]
@@ -163,28 +173,30 @@ async def sharding(
     args = ["--config", str(work / "fleet.yaml"), "--shard", "--leader-elect-namespace", ns]
     args += ["--kubelet-port", "0"]
     started = time.monotonic()
-    replicas = [Replica(kubeconfig, args, work / f"shard-{i}.log") for i in range(count)]
+    replicas = [Replica(kubeconfig, args, work / f"shard-{i}.log", level) for i in range(count)]
     figures: dict[str, float] = {}
 
     def owner(identity: str, among: list[Replica]) -> Replica | None:
         return next((r for r in among if identity.startswith(r.prefix)), None)
 
+    buckets = buckets_of(names)
+    bucket_leases = [lease_name("shard", group_of(names), str(i)) for i in range(len(buckets))]
+
     async def holders() -> dict[str, str]:
-        items = await leases(client, ns, "vkubelet.io/replica-role=node")
-        return {
-            i["metadata"]["name"].removeprefix("vkubelet-node-"): i["spec"].get("holderIdentity")
-            or ""
-            for i in items
-        }
+        """Bucket Lease name -> its holder."""
+        items = await leases(client, ns, "vkubelet.io/replica-role=bucket")
+        return {i["metadata"]["name"]: i["spec"].get("holderIdentity") or "" for i in items}
 
     async def shared(alive: list[Replica], renewed_after: datetime | None = None) -> bool:
+        """Every bucket held by a live replica, none above its fair share of buckets, and (after
+        a kill) every node's heartbeat renewed since."""
         held = await holders()
-        if set(held) != set(names):
+        if any(name not in held for name in bucket_leases):
             return False
-        owners = [owner(h, alive) for h in held.values()]
+        owners = [owner(held[name], alive) for name in bucket_leases]
         if any(o is None for o in owners):
             return False
-        fair = math.ceil(nodes / len(alive))
+        fair = math.ceil(len(buckets) / len(alive))
         if max(owners.count(r) for r in alive) > fair:
             return False
         if renewed_after is not None:
@@ -192,15 +204,22 @@ async def sharding(
             return all(renewals.get(n, renewed_after) > renewed_after for n in names)
         return True
 
+    def fencing_stops(among: list[Replica] = replicas) -> int:
+        """Buckets stopped because their Lease could not be renewed in time (from the logs)."""
+        return sum(r.logfile.read_text(errors="replace").count("stopping (fencing)") for r in among)
+
     try:
         first = datetime.now(UTC)
         await poll(lambda: shared(replicas, first), 600, "the fleet shared")
         figures["shared after start (s)"] = time.monotonic() - started
+        figures["fencing stops until shared"] = fencing_stops()
         cpu0 = {r.proc.pid: cpu_seconds(r.proc.pid) for r in replicas}
         await asyncio.sleep(60)
         cpu = sum(cpu_seconds(r.proc.pid) - cpu0[r.proc.pid] for r in replicas)
         figures["CPU s per 1,000 node-minutes (settled)"] = cpu / nodes * 1000
         victim = replicas[-1]
+        survivors_before = fencing_stops(replicas[:-1])
+        load = os.getloadavg()[0]
         killed = datetime.now(UTC)
         victim.kill()
         try:
@@ -210,6 +229,11 @@ async def sharding(
         except TimeoutError as e:
             log(str(e))
             figures["takeover of a dead replica's nodes (s)"] = float("nan")  # not in 300 s
+        figures["load average (1 min) at the kill"] = load
+        await asyncio.sleep(30)  # settled: no stop in the 30 s after the takeover either
+        figures["fencing stops by the survivors, kill + takeover + 30 s"] = (
+            fencing_stops(replicas[:-1]) - survivors_before
+        )
     finally:
         for replica in replicas:
             replica.kill(signal.SIGTERM)
@@ -223,13 +247,16 @@ async def main() -> None:
     parser.add_argument("--nodes", type=int, default=1000, help="0: no sharding run")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--cluster", help="a running dev cluster (default: a new one)")
+    parser.add_argument("--log-level", default="warning", help="of the sharding replicas")
+    parser.add_argument("--logs", type=Path, help="keep the replicas' logs in this directory")
     options = parser.parse_args()
     cluster, ours = cluster_for(options.cluster, "bench-ha")
     try:
         async with http_client(cluster.kubeconfig, 16) as client:
             ns = await new_namespace(client, "bench-ha")
             with tempfile.TemporaryDirectory() as tmp:
-                work = Path(tmp)
+                work = options.logs or Path(tmp)
+                work.mkdir(parents=True, exist_ok=True)
                 times: list[float] = []
                 if options.takeovers:
                     log(f"leader election: {options.takeovers} takeovers")
@@ -240,7 +267,13 @@ async def main() -> None:
                 if options.nodes:
                     log(f"sharding: {options.replicas} replicas x {options.nodes} nodes")
                     figures = await sharding(
-                        cluster.kubeconfig, client, ns, work, options.nodes, options.replicas
+                        cluster.kubeconfig,
+                        client,
+                        ns,
+                        work,
+                        options.nodes,
+                        options.replicas,
+                        options.log_level,
                     )
             await client.delete(f"/api/v1/namespaces/{ns}")
     finally:

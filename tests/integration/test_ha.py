@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vkubelet.agent._replicas import buckets_of, group_of, lease_name
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     AgentProcess,
@@ -339,13 +340,18 @@ def test_a_partitioned_leader_stops_acting_before_the_standby_takes_over(
 SHARD_NODES = int(os.environ.get("VKUBELET_HA_SHARD_NODES", "30"))
 
 
-def shard_holders(kubectl: Kubectl, ns: str) -> dict[str, str]:
-    """Node name -> the identity holding its Lease."""
-    leases = kubectl.json("-n", ns, "get", "lease", "-l", "vkubelet.io/replica-role=node")["items"]
+def shard_holders(kubectl: Kubectl, ns: str, names: list[str]) -> dict[str, str]:
+    """Node name -> the identity holding the Lease of its bucket."""
+    leases = kubectl.json("-n", ns, "get", "lease", "-l", "vkubelet.io/replica-role=bucket")
+    by_lease = {
+        i["metadata"]["name"]: i["spec"].get("holderIdentity") or "" for i in leases["items"]
+    }
+    group = group_of(names)
     return {
-        item["metadata"]["name"].removeprefix("vkubelet-node-"): item["spec"].get("holderIdentity")
-        or ""
-        for item in leases
+        node: by_lease[lease_name("shard", group, str(index))] or ""
+        for index, bucket in enumerate(buckets_of(names))
+        for node in bucket
+        if lease_name("shard", group, str(index)) in by_lease
     }
 
 
@@ -361,6 +367,7 @@ def test_replicas_share_a_fleet_fairly_and_a_dead_replicas_nodes_are_taken_over_
     group, label = replicas
     prefix = f"hs-{uuid.uuid4().hex[:4]}"
     names = [f"{prefix}-{i:03d}" for i in range(SHARD_NODES)]
+    buckets = buckets_of(names)
     (tmp_path / "mock.json").write_text(
         json.dumps({n: {"pods": "20", "stateFile": str(tmp_path / f"{n}.state")} for n in names})
     )
@@ -377,17 +384,17 @@ def test_replicas_share_a_fleet_fairly_and_a_dead_replicas_nodes_are_taken_over_
     started = [group.start(f"r{i}", [*args, "--kubelet-port", "0"]) for i in range(3)]
 
     def shared_fairly(alive: list[AgentProcess]) -> Counter[int | None] | None:
-        held = shard_holders(kubectl, ns)
-        counts = Counter(owner(h, started) for h in held.values())
+        held = shard_holders(kubectl, ns, names)
+        counts = Counter(owner(held.get(b[0], ""), started) for b in buckets)  # in buckets
         everyone = set(held) == set(names) and all(
             i is not None and started[i] in alive for i in counts
         )
-        fair = math.ceil(len(names) / len(alive))
+        fair = math.ceil(len(buckets) / len(alive))
         return counts if everyone and max(counts.values()) <= fair else None
 
     wait_for(lambda: shared_fairly(started), timeout=90, what="the fleet shared by 3 replicas")
     wait_for(lambda: all(node_ready(kubectl, n) for n in names[:5]), timeout=30, what="nodes Ready")
-    held = shard_holders(kubectl, ns)
+    held = shard_holders(kubectl, ns, names)
     victim = started[2]
     its_nodes = sorted(n for n, h in held.items() if owner(h, started) == 2)
     pod = running_pod(kubectl, its_nodes[0], namespace=ns)

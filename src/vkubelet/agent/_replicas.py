@@ -6,11 +6,14 @@ backend's state as the last leader left it, and adopt its pods), the others stan
 the Lease, or failing to renew it for the renew deadline, cancels that agent before any other
 replica may take over (fencing): a partitioned leader stops writing on its own.
 
-Sharding (`--shard`): replicas with the same list of nodes share them, one Lease per node. Each
-replica also holds a membership Lease, so that each knows how many replicas are alive and claims
-no more than its fair share, ceil(nodes / replicas); a replica above it (others joined) hands
-the excess back. One list request per round shows every Lease of the group: expiry is judged,
-as by the elector, on the local clock from when a record last changed.
+Sharding (`--shard`): replicas with the same list of nodes share them. The nodes are dealt into
+a fixed number of buckets (64, or one per node below that), one Lease per bucket: a Lease write
+per bucket and period rather than per node. Each replica also holds a membership Lease, so that
+each knows how many replicas are alive and claims no more than its fair share of buckets,
+ceil(buckets / replicas); a replica above it (others joined) hands the excess back. One list
+request per round shows every Lease of the group: expiry is judged, as by the elector, on the
+local clock from when a record last changed. Fencing is per bucket: every write made for a
+node answers to its bucket's Lease only.
 """
 
 from __future__ import annotations
@@ -19,18 +22,21 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
 import re
+import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..kubelet import KubeletServer
 from ..node import AgentConfig, KubeClient, NodeFleet, NodeSpec, Unreachable
-from ..node._lease import KubeLeases, LeaderElector, LeaseTiming
-from ..sdk.tasks import TaskSet
+from ..node._lease import KubeLeases, LeaderElector, LeaseStore, LeaseTiming
+from ..sdk.tasks import TaskSet, run_supervised
 from . import _providers
 from ._serving import KubeletApiReadiness, kubelet_node, start_servers
 from ._standby import StandbyHealth
@@ -41,15 +47,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+JSON = dict[str, Any]
+
 GROUP_LABEL = "vkubelet.io/replica-group"
 ROLE_LABEL = "vkubelet.io/replica-role"
 # A dead replica's membership Lease is deleted by the others after this many lease durations.
 FORGET_MEMBER_AFTER = 10
-# Nodes claimed per round, and the pause between their starts: building a node's provider and
-# agent takes the event loop for milliseconds, and a hundred at once would hold up the Lease
-# renewals of the nodes already running (as the agent spreads its own nodes' starts).
-CLAIMS_PER_ROUND = 50
+# The pause between the starts of claimed nodes: building a node's provider and agent takes the
+# event loop for milliseconds, and a hundred at once would hold up the Lease renewals of the
+# buckets already held (as the agent spreads its own nodes' starts).
 START_SPREAD_SECONDS = 0.05
+# Nodes are claimed in buckets: a Lease write per bucket and renewal period, not per node (at a
+# thousand nodes per-node claims were 250 writes/s besides the nodes' own heartbeats).
+SHARD_BUCKETS = 64
+
+# The fence of the work under way in this task: set in a bucket's task, inherited by every task
+# its nodes start (asyncio copies the context), read by `FencedClient` as each request leaves.
+_FENCE: ContextVar[Callable[[], bool] | None] = ContextVar("vkubelet_fence", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +73,7 @@ class ReplicaOptions:
     timing: LeaseTiming
     shard: bool = False
     health_port: int = 0  # the standby's /healthz (0: none)
+    buckets: int = SHARD_BUCKETS  # the same for every replica of a group
 
 
 def leader_timing() -> LeaseTiming:
@@ -69,9 +84,11 @@ def leader_timing() -> LeaseTiming:
 
 
 def shard_timing() -> LeaseTiming:
-    """Longer renewal period than a single leader's: one write per node and period, and the
-    fleet is large; a dead replica's nodes are still taken within ~25 s."""
-    return LeaseTiming(duration=20.0, renew_deadline=14.0, retry=4.0)
+    """A longer Lease than a single leader's: a replica runs hundreds of nodes, and a renewal
+    on a busy host can take seconds; a dead replica's nodes are still taken within ~25 s. The
+    deadline leaves one period (4 s) between the moment a replica stops writing and the
+    earliest moment another may take the bucket (one duration after the last renewal)."""
+    return LeaseTiming(duration=20.0, renew_deadline=16.0, retry=4.0)
 
 
 def group_of(names: list[str]) -> str:
@@ -98,7 +115,8 @@ class FencedClient(KubeClient):
     may_write: Callable[[], bool] = staticmethod(lambda: True)  # set by `fenced_client`
 
     def _before_send(self, method: str) -> None:
-        if method != "GET" and not self.may_write():
+        fence = _FENCE.get() or self.may_write
+        if method != "GET" and not fence():
             raise Unreachable(f"{self.server}: fenced: this replica's Lease expired")
 
 
@@ -174,9 +192,82 @@ def fenced_agent(make_agent: Callable[[], Agent], elector: LeaderElector) -> Age
 
 
 # -- sharding ---------------------------------------------------------------------------------
+class ShardStore(LeaseStore, Protocol):
+    """The Lease API as sharding uses it: one list per round shows every Lease of the group."""
+
+    async def list(self, namespace: str, selector: str) -> list[JSON]: ...
+
+    async def delete(self, namespace: str, name: str) -> None: ...
+
+
+def buckets_of(names: Iterable[str], count: int = SHARD_BUCKETS) -> list[list[str]]:
+    """The nodes dealt into `min(count, len(names))` buckets, sorted names round-robin: every
+    replica of a group (the same names) deals them alike, and sizes differ by one at most (a
+    hash would leave some buckets twice the size of others at a few nodes per bucket)."""
+    ordered = sorted(names)
+    count = max(1, min(count, len(ordered)))
+    return [ordered[i::count] for i in range(count)]
+
+
+@contextlib.asynccontextmanager
+async def lease_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
+    """An event loop running in a thread of its own, for as long as the context lasts."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="vkubelet leases", daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join)
+        loop.close()
+
+
+async def run_on(
+    loop: asyncio.AbstractEventLoop | None, work: Callable[[], Awaitable[None]]
+) -> None:
+    """Run `work()` as a task on `loop` (another thread's, or this one) until it ends; its error
+    is raised here. Cancelled, it cancels that task and waits for its end: work under a Lease
+    has stopped when this returns."""
+    here = asyncio.get_running_loop()
+    there = loop or here
+    ended: asyncio.Future[None] = here.create_future()
+    started: list[asyncio.Task[None]] = []
+
+    def settle(task: asyncio.Task[None]) -> None:
+        if ended.done():
+            return
+        if task.cancelled():
+            ended.cancel()
+        elif (error := task.exception()) is not None:
+            ended.set_exception(error)
+        else:
+            ended.set_result(None)
+
+    def start() -> None:
+        task = there.create_task(_call(work))
+        task.add_done_callback(lambda t: here.call_soon_threadsafe(settle, t))
+        started.append(task)
+
+    there.call_soon_threadsafe(start)
+    try:
+        await asyncio.shield(ended)
+    except asyncio.CancelledError:
+        if not ended.done():  # cancelled here: stop it there (after `start`: FIFO), await it
+            there.call_soon_threadsafe(lambda: started[0].cancel())
+            while not ended.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(ended)
+        raise
+
+
+async def _call(work: Callable[[], Awaitable[None]]) -> None:
+    await work()
+
+
 class ShardRunner:
-    """Claims this replica's share of the nodes and runs each claimed node while it holds its
-    Lease (fencing per node, as for a single leader)."""
+    """Claims this replica's share of the node buckets and runs the nodes of each bucket it
+    holds while it holds the bucket's Lease (fencing per bucket, as for a single leader)."""
 
     def __init__(self, agent: Agent, specs: list[NodeSpec], options: ReplicaOptions) -> None:
         """`specs` as configured: no provider built from them yet."""
@@ -184,12 +275,14 @@ class ShardRunner:
         self._specs = {spec.settings.name: spec for spec in specs}
         self.options = options
         self.group = group_of(list(self._specs))
-        self._store: KubeLeases | None = None
-        self.electors: dict[str, LeaderElector] = {}
+        self.buckets = buckets_of(self._specs, options.buckets)
+        self._store: ShardStore | None = None
+        self.electors: list[LeaderElector] = []  # one per bucket
         self._members: dict[str, LeaderElector] = {}  # lease name -> an observer of it
         self._member: LeaderElector | None = None
-        self.running: dict[str, asyncio.Task[None]] = {}
-        self._nodes = TaskSet("shard", logger=log)
+        self.running: dict[int, asyncio.Task[None]] = {}  # bucket -> its hold, until stopped
+        self._nodes = TaskSet("shard", logger=log)  # the holds, on the claims' loop
+        self._main: asyncio.AbstractEventLoop | None = None  # the nodes' loop
 
     def _elector(self, name: str, role: str) -> LeaderElector:
         assert self._store is not None
@@ -207,33 +300,48 @@ class ShardRunner:
         return 1 + sum(1 for m in self._members.values() if m.held_by_other())
 
     def fair_share(self) -> int:
-        return math.ceil(len(self._specs) / self.alive())
+        """In buckets."""
+        return math.ceil(len(self.buckets) / self.alive())
 
     def may_write(self) -> bool:
-        """The fence of the agent's client: no write while any claim is past its deadline (its
-        node is being stopped; the others wait for that moment)."""
-        return all(e.holds() for e in self.electors.values() if e.is_leader)
+        """The fence of a write made outside any bucket's nodes (none of a node's own): none
+        while any claim is past its deadline. A node's writes answer to its bucket only."""
+        return all(e.holds() for e in self.electors if e.is_leader)
 
     async def run(self) -> None:
-        # The Leases have a client of their own: the agent's is fenced (by `may_write`).
+        """The claims run in a thread of their own, on an event loop of their own; the nodes
+        run on this one. Measured: with a hundred nodes starting, this loop lagged by seconds
+        on a loaded host, and a renewal (a request of several loop turns) queued behind node
+        start-ups for longer than its deadline; the replicas fenced, restarted nodes, lagged
+        again and never settled (3 replicas x 300 nodes). In a thread, a renewal waits for
+        the GIL (released every 5 ms by a busy thread), not for every callback ready here."""
+        self._main = asyncio.get_running_loop()
+        async with lease_loop() as loop:
+            await run_on(loop, self._run_with_own_client)
+
+    async def _run_with_own_client(self) -> None:
+        # The Leases have a client of their own, made on their loop: the agent's is fenced,
+        # and its pools carry the nodes' traffic.
         leases = KubeClient(self._agent.client.config, self._agent.config.client)
         try:
             await self._run(KubeLeases(leases))
         finally:
             await leases.aclose()
 
-    async def _run(self, store: KubeLeases) -> None:
+    async def _run(self, store: ShardStore) -> None:
         self._store = store
-        self.electors = {
-            name: self._elector(lease_name("node", name), "node") for name in self._specs
-        }
+        self.electors = [
+            self._elector(lease_name("shard", self.group, str(index)), "bucket")
+            for index in range(len(self.buckets))
+        ]
         member_name = lease_name("member", self.group, self.options.identity)
         self._member = self._elector(member_name, "member")
         log.info(
-            "sharding: %s joins group %s (%d nodes)",
+            "sharding: %s joins group %s (%d nodes in %d buckets)",
             self.options.identity,
             self.group,
             len(self._specs),
+            len(self.buckets),
         )
         try:
             await self._member.acquire()
@@ -245,7 +353,7 @@ class ShardRunner:
                 await asyncio.sleep(max(0.0, self._round_period() - (time.monotonic() - started)))
         finally:
             await self._nodes.aclose()
-            for elector in [*self.electors.values(), self._member]:
+            for elector in [*self.electors, self._member]:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(elector.release())
 
@@ -258,29 +366,31 @@ class ShardRunner:
             log.warning("sharding: cannot list the group's Leases: %s", e)
             return
         by_name = {(lease.get("metadata") or {}).get("name", ""): lease for lease in leases}
-        for elector in self.electors.values():
+        for elector in self.electors:
             elector.observe(by_name.get(elector.name))
         await self._observe_members(leases)
         fair = self.fair_share()
         mine = sorted(self.running, key=self._preference)
         if len(mine) > fair:
-            for name in mine[fair:]:  # the ones others prefer most are handed back first
-                log.info("sharding: handing node %s back (fair share %d)", name, fair)
-                await self._give_back(name)
+            for index in mine[fair:]:  # the ones others prefer most are handed back first
+                log.info("sharding: handing bucket %d back (fair share %d)", index, fair)
+                await self._give_back(index)
             return
         free = [
-            name
-            for name, elector in self.electors.items()
-            if name not in self.running and not elector.held_by_other()
+            index
+            for index, elector in enumerate(self.electors)
+            if index not in self.running and not elector.held_by_other()
         ]
         free.sort(key=self._preference)
-        wanted = free[: min(fair - len(mine), CLAIMS_PER_ROUND)]
-        won = await asyncio.gather(*(self.electors[name].acquire() for name in wanted))
-        claimed = [name for name, ok in zip(wanted, won, strict=True) if ok]
-        for index, name in enumerate(claimed):
-            self._claimed(name, delay=index * START_SPREAD_SECONDS)
+        wanted = free[: fair - len(mine)]
+        won = await asyncio.gather(*(self.electors[index].acquire() for index in wanted))
+        delay = 0.0
+        for index, ok in zip(wanted, won, strict=True):
+            if ok:
+                self._claimed(index, delay=delay)
+                delay += len(self.buckets[index]) * START_SPREAD_SECONDS
 
-    async def _observe_members(self, leases: list[dict[str, object]]) -> None:
+    async def _observe_members(self, leases: list[JSON]) -> None:
         assert self._store is not None and self._member is not None
         seen: set[str] = set()
         for lease in leases:
@@ -301,41 +411,69 @@ class ShardRunner:
             silent = time.monotonic() - observer.observed_at
             if silent > FORGET_MEMBER_AFTER * self.options.timing.duration:
                 with contextlib.suppress(Exception):  # a replica gone long ago
-                    await self._agent.client.delete(KubeLeases.path(self.options.namespace, name))
+                    await self._store.delete(self.options.namespace, name)
 
     def _round_period(self) -> float:
         """Half the renewal period: a round costs one list (and a membership renewal), and an
         expired Lease is then seen, and claimed, at most half a period late."""
         return self.options.timing.retry / 2
 
-    def _preference(self, name: str) -> str:
-        """Rendezvous order: each replica prefers different nodes, so that replicas claiming
+    def _preference(self, index: int) -> str:
+        """Rendezvous order: each replica prefers different buckets, so that replicas claiming
         at the same moment rarely race for the same Lease."""
-        return hashlib.sha256(f"{self.options.identity}/{name}".encode()).hexdigest()
+        return hashlib.sha256(
+            f"{self.options.identity}/{self.electors[index].name}".encode()
+        ).hexdigest()
 
-    def _claimed(self, name: str, *, delay: float) -> None:
-        elector = self.electors[name]
+    def holder_of(self, node: str) -> LeaderElector:
+        """The elector of the bucket a node belongs to."""
+        return next(self.electors[i] for i, names in enumerate(self.buckets) if node in names)
+
+    def _claimed(self, index: int, *, delay: float) -> None:
+        elector = self.electors[index]
 
         async def hold() -> None:
             try:
-                await elector.hold(lambda: self._run_node(name, delay))
+                await elector.hold(
+                    lambda: run_on(self._main, functools.partial(self._run_bucket, index, delay))
+                )
             finally:
-                self.running.pop(name, None)
+                self.running.pop(index, None)
 
-        self.running[name] = self._nodes.spawn(hold(), name=f"shard node {name}")
-        log.info("sharding: %s claimed node %s", self.options.identity, name)
+        self.running[index] = self._nodes.spawn(hold(), name=f"shard bucket {index}")
+        log.info(
+            "sharding: %s claimed bucket %d (%d nodes)",
+            self.options.identity,
+            index,
+            len(self.buckets[index]),
+        )
 
-    async def _give_back(self, name: str) -> None:
-        task = self.running.pop(name, None)
+    async def _give_back(self, index: int) -> None:
+        task = self.running.pop(index, None)
         if task is not None:
             task.cancel()
             await asyncio.wait({task})  # a cancellation of ours still reaches us
-        await self.electors[name].release()
+        await self.electors[index].release()
 
-    async def _run_node(self, name: str, delay: float) -> None:
+    async def _run_bucket(self, index: int, delay: float) -> None:
+        """The nodes of a bucket, each supervised (one failing does not stop the others), their
+        starts spread. Every write made on their behalf (in this task or any it starts) answers
+        to this bucket's Lease: `_FENCE` is set in this task's context, which they inherit."""
+        _FENCE.set(self.electors[index].holds)
+        async with asyncio.TaskGroup() as group:
+            for offset, name in enumerate(self.buckets[index]):
+                start = delay + offset * START_SPREAD_SECONDS
+                group.create_task(self._supervise(name, start), name=f"shard node {name}")
+
+    async def _supervise(self, name: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await run_supervised(
+            functools.partial(self._run_node, name), name=f"shard node {name}", logger=log
+        )
+
+    async def _run_node(self, name: str) -> None:
         """One claimed node: a provider built now (reading the backend's state as the last
         holder left it), its node agent and kubelet API; all stopped when the claim ends."""
-        await asyncio.sleep(delay)
         agent = self._agent
         spec = copy.deepcopy(self._specs[name])
         built = _providers.build_provider(spec, agent.events)

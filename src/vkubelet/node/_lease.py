@@ -117,6 +117,13 @@ class KubeLeases:
         items: list[JSON] = answer.get("items") or []
         return items
 
+    async def delete(self, namespace: str, name: str) -> None:
+        try:
+            await self._client.delete(self.path(namespace, name))
+        except ApiError as e:
+            if not e.not_found:
+                raise
+
 
 def default_identity() -> str:
     """A candidate's identity: the pod's name in a cluster, else host, pid and a nonce (a
@@ -225,20 +232,27 @@ class LeaderElector:
         self.is_leader = True
         work = asyncio.ensure_future(lead())
         deadline = self.timing.renew_deadline
+        pause, renewed = self.timing.retry, True
         try:
             while True:
                 # The renewal in flight never outlasts the deadline: the work stops no later
                 # than `renew_deadline` after the start of the last successful renewal.
                 remaining = self._renewed_at + deadline - time.monotonic()
                 if remaining > 0:
-                    done, _ = await asyncio.wait({work}, timeout=min(self.timing.retry, remaining))
+                    wait = min(pause, remaining if renewed else remaining / 2)
+                    done, _ = await asyncio.wait({work}, timeout=wait)
                     if done:
                         work.result()
                         return True
                     remaining = self._renewed_at + deadline - time.monotonic()
                 if remaining > 0:
                     try:
-                        await self._attempt(min(deadline / 2, remaining))
+                        # A renewal that failed (cut at half the deadline, or refused) is
+                        # tried again soon, not a whole period later: with a period of 4 s and
+                        # a deadline of 16, one renewal lost to a stalled connection would
+                        # otherwise leave no time for the next.
+                        renewed = await self._attempt(min(deadline / 2, remaining))
+                        pause = self.timing.retry if renewed else self.timing.retry / 4
                     except _Held:
                         log.warning(
                             "leader election: another candidate took Lease %s; stopping",

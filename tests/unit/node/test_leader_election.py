@@ -190,3 +190,31 @@ async def test_a_stopped_leader_stops_no_later_than_the_renew_deadline_when_writ
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_renewal_lost_to_a_stalled_request_is_retried_within_the_deadline() -> None:
+    """With a renewal period long next to the deadline (sharding's 4 s of 16), the retry of a
+    renewal cut at half the deadline must come soon, not a whole period later."""
+    leases = FakeLeases()
+    work = Work()
+    timing = LeaseTiming(duration=2.0, renew_deadline=1.0, retry=0.4)
+    a = LeaderElector(leases, namespace="ns", identity="a", name="l", timing=timing)
+    task = asyncio.create_task(a.run(work))
+    try:
+        await _until(lambda: work.running)
+        fast = leases.replace
+        stalled: list[float] = []
+
+        async def stall_once(lease: dict[str, Any]) -> dict[str, Any]:
+            if not stalled:
+                stalled.append(time.monotonic())
+                await asyncio.Future()  # never answers
+            return await fast(lease)
+
+        leases.replace = stall_once  # type: ignore[method-assign]
+        await _until(lambda: bool(stalled))
+        await asyncio.sleep(2 * timing.duration)
+        assert work.running and work.started == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
