@@ -114,7 +114,7 @@ def base(mirror: str, suite: str, rootfs_from: Path | None) -> None:
     shutil.copy(HERE / "debian-base.Containerfile", context / "Containerfile")
     build = ["podman", "build", f"--timestamp={epoch}", "--tag", LOCAL_BASE, str(context)]
     run(build, stdout=sys.stderr)
-    run(["podman", "run", "--rm", LOCAL_BASE, "python3", "--version"])
+    run(["podman", "run", "--rm", LOCAL_BASE, "python3", "--version"], stdout=sys.stderr)
 
 
 def build(
