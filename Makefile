@@ -9,7 +9,8 @@ export PATH := $(CURDIR)/$(BIN):/usr/local/go/bin:$(PATH)
 # which costs ~0.6 CPU-s more each time without it, and the test workers reuse the rewritten asserts.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo demo-down build lint test unit integration manifests image image-check
+.PHONY: install demo demo-down build lint test unit integration manifests image image-check \
+  image-base-debian image-verify
 
 # uv installs the same packages as pip in a fraction of the time (~1 CPU-s instead of ~18 with
 # pip's cache warm); the venv keeps its own pip for `.venv/bin/pip install`.
@@ -44,11 +45,24 @@ manifests: install
 	$(BIN)/python deploy/render.py
 
 # The agent image (deploy/image/Containerfile), reproducible from the commit time; needs podman
-# or docker and a registry. `image-check` needs neither: every locked file from PyPI, by hash.
+# (deploy/image/build.py says which flags, docs/deploy.md what was verified). IMAGE_BASE=registry
+# is the pinned python:3.11-slim-bookworm; IMAGE_BASE=local the Debian-packages base that
+# `image-base-debian` makes with debootstrap (no registry needed). `image-verify` builds twice
+# without cache and fails unless both are identical. `image-check` needs neither podman nor a
+# registry: every locked file from PyPI, by hash.
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct)
+IMAGE_BASE ?= registry
+IMAGE_TARGET ?= agent
+IMAGE_BUILD = SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) $(PYTHON) deploy/image/build.py
 image:
-	podman build -f deploy/image/Containerfile --source-date-epoch=$(SOURCE_DATE_EPOCH) \
-	  --rewrite-timestamp -t vkubelet:$(shell grep -m1 '^version' pyproject.toml | cut -d'"' -f2) .
+	$(IMAGE_BUILD) build --base $(IMAGE_BASE) --target $(IMAGE_TARGET) \
+	  --tag vkubelet:$(shell grep -m1 '^version' pyproject.toml | cut -d'"' -f2)
+
+image-base-debian:
+	$(PYTHON) deploy/image/build.py base
+
+image-verify:
+	$(IMAGE_BUILD) verify --base $(IMAGE_BASE) --target $(IMAGE_TARGET)
 
 image-check: install
 	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \

@@ -7,11 +7,13 @@ reproducible, offline. `make image-check` also downloads every locked file from 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 import dockerfile
+import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -82,7 +84,13 @@ def test_every_dependency_is_installed_from_a_lock_with_hashes() -> None:
         assert "--no-deps" in args, args
         # A lock, hash-checked; or the wheel just built from this tree.
         assert "--require-hashes" in args or args.strip().endswith("/wheels/vkubelet-*.whl"), args
-    assert "apt-get" not in runs.split("snapshot.debian.org", 1)[0]  # only from the snapshot
+    vm = INSTRUCTIONS[next(i for i, x in enumerate(INSTRUCTIONS) if x.value[-1] == "vm") :]
+    before_vm = INSTRUCTIONS[: len(INSTRUCTIONS) - len(vm)]
+    assert not any("apt-get" in x.value[0] for x in before_vm if x.cmd.upper() == "RUN")
+    # The vm stage's packages: from a dated snapshot unless the builder names another mirror.
+    (mirror,) = [x.value[0] for x in vm if x.cmd.upper() == "ARG"]
+    snapshot = r"http://snapshot\.debian\.org/archive/debian/\d{8}T\d{6}Z"
+    assert re.fullmatch(f"DEBIAN_MIRROR={snapshot}", mirror), mirror
     assert locked(IMAGE / "requirements.lock")
     assert "hatchling" in locked(IMAGE / "build-requirements.lock")
 
@@ -111,3 +119,36 @@ def test_the_build_is_stamped_with_source_date_epoch() -> None:
         "SOURCE_DATE_EPOCH" in v and "${SOURCE_DATE_EPOCH}" in v for v in instructions("ENV")
     )
     assert "--invalidation-mode checked-hash" in CONTAINERFILE  # no mtimes in .pyc files
+
+
+def test_the_local_base_is_only_the_root_file_system_tar() -> None:
+    """The offline base (deploy/image/build.py base): nothing in it but the debootstrap tree."""
+    base = dockerfile.parse_string((IMAGE / "debian-base.Containerfile").read_text())
+    assert [(i.cmd.upper(), i.value) for i in base][:2] == [
+        ("FROM", ("scratch",)),
+        ("ADD", ("rootfs.tar", "/")),
+    ]
+    assert not [i for i in base if i.cmd.upper() == "RUN"]
+
+
+def test_the_build_script_stamps_layers_and_wheel_with_one_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--timestamp` (file times, config, history) and SOURCE_DATE_EPOCH (wheel, bytecode) must
+    be the same number, and the proxy's CA bundle may reach the RUN steps only as a mount."""
+    spec = importlib.util.spec_from_file_location("image_build", IMAGE / "build.py")
+    assert spec and spec.loader
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    calls: list[list[str]] = []
+    monkeypatch.setattr(script, "run", lambda argv, **_: calls.append(argv))
+    monkeypatch.setattr(script, "identity", lambda tag: {"tag": tag})
+    monkeypatch.setenv("VKUBELET_IMAGE_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")
+    script.build(script.LOCAL_BASE, "agent", "t", 1795549145, None, True)
+    (argv,) = calls
+    assert "--timestamp=1795549145" in argv
+    assert argv[argv.index("SOURCE_DATE_EPOCH=1795549145") - 1] == "--build-arg"
+    assert f"BASE={script.LOCAL_BASE}" in argv
+    assert "--no-cache" in argv
+    mount = "--volume=/etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro"
+    assert mount in argv
