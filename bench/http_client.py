@@ -70,7 +70,7 @@ def aiohttp_send(kubeconfig: Path) -> tuple[Send, Callable[[], Awaitable[None]]]
     async def send(method: str, path: str, body: bytes | None) -> bytes:
         headers = {"Content-Type": "application/merge-patch+json"} if body is not None else None
         async with session.request(method, path, data=body, headers=headers) as response:
-            content = await response.read()
+            content: bytes = await response.read()
             if response.status >= 300:
                 raise RuntimeError(f"{response.status}: {content[:200]!r}")
             return content

@@ -134,7 +134,7 @@ def _reports(status: PodStatus) -> dict[str, ContainerReport]:
                 state=run,
                 restart_count=0,
                 ready=c.ready,
-                started=c.started,
+                started=bool(c.started),
                 container_id=c.containerID,
                 image_id=c.imageID,
             )
