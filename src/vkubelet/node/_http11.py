@@ -32,7 +32,7 @@ import base64
 import ssl
 import time
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +133,7 @@ class Endpoint:
             user = config.user or User()
             tls = verify_cluster(config.cluster, user, config.abs_file, trust_env=False)
             tls.set_alpn_protocols(["http/1.1"])
-        return cls(host, port, tls, url.path.rstrip("/"), url.netloc.encode())
+        return cls(host, port, tls, url.path.rstrip("/"), url.netloc.rpartition("@")[2].encode())
 
     def target(self, path: str, params: Mapping[str, str] | None) -> bytes:
         query = f"?{urlencode(params)}" if params else ""
@@ -175,13 +175,18 @@ class Pool:
         self._limits = limits
         self._timeout = timeout
         self._idle: list[_Connection] = []
+        self._busy: set[_Connection] = set()  # checked out: closed too when the pool closes
         self._slots = asyncio.Semaphore(limits.max_connections) if limits.max_connections else None
         self._closed = False
 
     async def aclose(self) -> None:
+        """Close every connection, busy ones too: open watches end (their owners resume on
+        the client's new pools after a `reload`), nothing is left behind at shutdown."""
         self._closed = True
         while self._idle:
             self._idle.pop().close()
+        for conn in list(self._busy):
+            self._drop(conn)
 
     async def request(
         self,
@@ -190,51 +195,67 @@ class Pool:
         params: Mapping[str, str] | None,
         body: bytes | None,
         content_type: str | None,
+        before_write: Callable[[], None],
     ) -> tuple[int, bytes]:
-        """Send one request and read the whole answer: (status, body)."""
+        """Send one request and read the whole answer: (status, body). `before_write` runs
+        right before each attempt's bytes are written, after any wait for a slot or a
+        connection (the fence: a write allowed when queued may not be when it leaves)."""
         target = self._endpoint.target(path, params)
         if self._slots is None:
-            return await self._request(method, target, body, content_type)
+            return await self._request(method, target, body, content_type, before_write)
         try:
             async with asyncio.timeout(self._timeout):
                 await self._slots.acquire()
         except TimeoutError as e:
             raise TransportFailure("timed out waiting for a pooled connection") from e
         try:
-            return await self._request(method, target, body, content_type)
+            return await self._request(method, target, body, content_type, before_write)
         finally:
             self._slots.release()
 
     async def _request(
-        self, method: str, target: bytes, body: bytes | None, content_type: str | None
+        self,
+        method: str,
+        target: bytes,
+        body: bytes | None,
+        content_type: str | None,
+        before_write: Callable[[], None],
     ) -> tuple[int, bytes]:
-        status, answer = await self._exchange(method, target, body, content_type)
+        status, answer = await self._exchange(method, target, body, content_type, before_write)
         if status == 401 and self._auth.renewable:
             self._auth.renew()
-            status, answer = await self._exchange(method, target, body, content_type)
+            status, answer = await self._exchange(method, target, body, content_type, before_write)
         return status, answer
 
     async def _exchange(
-        self, method: str, target: bytes, body: bytes | None, content_type: str | None
+        self,
+        method: str,
+        target: bytes,
+        body: bytes | None,
+        content_type: str | None,
+        before_write: Callable[[], None],
     ) -> tuple[int, bytes]:
         head = self._head(method, target, body, content_type, gzip=True)
         for attempt in (1, 2):
             conn, reused = await self._checkout()
             try:
-                status, headers = await self._send(conn, head, body, self._timeout)
+                status, headers = await self._send(conn, head, body, self._timeout, before_write)
                 parts = [part async for part in self._body(conn, self._timeout)]
             except _Stale as e:
-                conn.close()
+                self._drop(conn)
                 if attempt == 1 and reused and method in _IDEMPOTENT:
                     continue
                 raise TransportFailure(f"connection lost: {e}") from None
             except BaseException:
-                conn.close()
+                self._drop(conn)
                 raise
             self._checkin(conn)
             answer = parts[0] if len(parts) == 1 else b"".join(parts)
             if answer and _gzipped(headers):
-                answer = zlib.decompress(answer, wbits=31)
+                try:
+                    answer = zlib.decompress(answer, wbits=31)
+                except zlib.error as e:
+                    raise TransportFailure(f"bad gzip answer from the apiserver: {e}") from None
             return status, answer
         raise AssertionError("unreachable")
 
@@ -250,20 +271,20 @@ class Pool:
         try:
             try:
                 head = self._head("GET", target, None, None, gzip=False)
-                status, _headers = await self._send(conn, head, None, self._timeout)
+                status, _headers = await self._send(conn, head, None, self._timeout, _nothing)
                 if status == 401 and self._auth.renewable:
                     async for _ in self._body(conn, self._timeout):  # the short error body
                         pass
-                    conn.close()
+                    self._drop(conn)
                     self._auth.renew()
                     conn, _ = await self._checkout()
                     head = self._head("GET", target, None, None, gzip=False)
-                    status, _headers = await self._send(conn, head, None, self._timeout)
+                    status, _headers = await self._send(conn, head, None, self._timeout, _nothing)
             except _Stale as e:
                 raise TransportFailure(f"connection lost: {e}") from None
             yield StreamedAnswer(status, self._body(conn, read_timeout))
         finally:
-            conn.close()
+            self._drop(conn)
 
     def _head(
         self, method: str, target: bytes, body: bytes | None, content_type: str | None, gzip: bool
@@ -279,14 +300,23 @@ class Pool:
         return h11.Request(method=method, target=target, headers=headers)
 
     async def _send(
-        self, conn: _Connection, head: h11.Request, body: bytes | None, read_timeout: float
+        self,
+        conn: _Connection,
+        head: h11.Request,
+        body: bytes | None,
+        read_timeout: float,
+        before_write: Callable[[], None],
     ) -> tuple[int, list[tuple[bytes, bytes]]]:
         """Write the request and read up to the answer's head: (status, headers)."""
         http = conn.http
-        data = http.send(head) or b""
-        if body:
-            data += http.send(h11.Data(data=body)) or b""
-        data += http.send(h11.EndOfMessage()) or b""
+        try:
+            data = http.send(head) or b""
+            if body:
+                data += http.send(h11.Data(data=body)) or b""
+            data += http.send(h11.EndOfMessage()) or b""
+        except h11.LocalProtocolError as e:
+            raise TransportFailure(f"cannot send the request: {e}") from None
+        before_write()  # no await between this and the write
         try:
             conn.writer.write(data)
             if conn.writer.transport.get_write_buffer_size() > _READ_SIZE:
@@ -340,14 +370,26 @@ class Pool:
             http.receive_data(data)
 
     async def _checkout(self) -> tuple[_Connection, bool]:
+        if self._closed:
+            raise TransportFailure("the client is closed")
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
             if conn.closed() or now - conn.idle_since > self._limits.idle_expiry:
                 conn.close()
                 continue
+            self._busy.add(conn)
             return conn, True
-        return await self._connect(), False
+        conn = await self._connect()
+        if self._closed:  # closed while connecting
+            conn.close()
+            raise TransportFailure("the client is closed")
+        self._busy.add(conn)
+        return conn, False
+
+    def _drop(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        conn.close()
 
     async def _connect(self) -> _Connection:
         endpoint = self._endpoint
@@ -374,14 +416,20 @@ class Pool:
             self._closed
             or http.our_state is not h11.DONE
             or http.their_state is not h11.DONE
+            or http.trailing_data[0]  # bytes beyond the answer: not a connection to trust
             or len(self._idle) >= self._limits.max_idle
         ):
-            conn.close()
+            self._drop(conn)
             return
+        self._busy.discard(conn)
         http.start_next_cycle()
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
 
 
 def _gzipped(headers: list[tuple[bytes, bytes]]) -> bool:
-    return any(name == b"content-encoding" and value == b"gzip" for name, value in headers)
+    return any(name == b"content-encoding" and value.lower() == b"gzip" for name, value in headers)
+
+
+def _nothing() -> None:
+    """No check before a GET's bytes leave (reads are never fenced)."""

@@ -12,9 +12,10 @@ request rate (off unless asked for: the reference's default of 5 QPS is its main
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,7 @@ class _Pool(Protocol):
         params: Mapping[str, str] | None,
         body: bytes | None,
         content_type: str | None,
+        before_write: Callable[[], None],
     ) -> tuple[int, bytes]: ...
 
     def stream(
@@ -143,8 +145,10 @@ class _HttpxPool:
         params: Mapping[str, str] | None,
         body: bytes | None,
         content_type: str | None,
+        before_write: Callable[[], None],
     ) -> tuple[int, bytes]:
         headers = {"Content-Type": content_type} if body is not None and content_type else None
+        before_write()  # as late as httpx lets us look: before it takes a connection
         try:
             response = await self._client.request(
                 method, path, params=params, content=body, headers=headers
@@ -309,9 +313,11 @@ class KubeClient:
         if self._bucket:
             await self._bucket.take()
         content = None if body is None else (body if isinstance(body, bytes) else _encode(body))
-        self._before_send(method)
+        self._before_send(method)  # early: a refused write does not wait for a slot
         try:
-            status, answer = await pool.request(method, path, params, content, content_type)
+            status, answer = await pool.request(
+                method, path, params, content, content_type, lambda: self._before_send(method)
+            )
         except TransportFailure as e:
             raise Unreachable(f"{self.server}: {e}") from e
         if status >= 300:
@@ -345,8 +351,10 @@ class KubeClient:
     ) -> AsyncIterator[bytes]:
         """GET `path` and yield the body as it arrives (a followed pod log, say), on the watch
         pool since such a response may stay open indefinitely."""
-        async for chunk in self._stream(path, params, read_timeout=None):
-            yield chunk
+        chunks = self._stream(path, params, read_timeout=None)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
 
     async def watch(
         self, path: str, params: Mapping[str, str], *, timeout_seconds: int
@@ -359,16 +367,18 @@ class KubeClient:
         # Lines split as bytes: decoding the stream to text first would be a measurable share
         # of the agent's CPU when thousands of pods change.
         rest = b""
-        async for chunk in self._stream(path, query, read_timeout=timeout_seconds + 30.0):
-            *lines, rest = (rest + chunk).split(b"\n")
-            for line in lines:
-                if line:
-                    event = _decode_event(line)
-                    yield event.type, event.object
+        chunks = self._stream(path, query, read_timeout=timeout_seconds + 30.0)
+        async with contextlib.aclosing(chunks):  # the connection closes with this generator
+            async for chunk in chunks:
+                *lines, rest = (rest + chunk).split(b"\n")
+                for line in lines:
+                    if line:
+                        event = _decode_event(line)
+                        yield event.type, event.object
 
     async def _stream(
         self, path: str, params: Mapping[str, str] | None, read_timeout: float | None
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         if self._bucket:
             await self._bucket.take()
         self._before_send("GET")

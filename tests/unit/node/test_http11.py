@@ -373,3 +373,77 @@ def test_credentials_the_lean_client_cannot_use_keep_the_httpx_path() -> None:
     assert not KubeClient(config("https://127.0.0.1:1", **exec_user)).lean
     assert not KubeClient(config("https://127.0.0.1:1"), ClientOptions(lean=False)).lean
     assert KubeClient(config("https://127.0.0.1:1", token="t")).lean
+
+
+class FencedAfter(KubeClient):
+    """Allows its first `allowed` checks of a write, refuses the ones after (a Lease that lapses
+    while the write waits for a connection, or between a 401 and the re-send)."""
+
+    allowed = 1
+    checks = 0
+
+    def _before_send(self, method: str) -> None:
+        if method == "GET":
+            return
+        self.checks += 1
+        if self.checks > self.allowed:
+            raise Unreachable("fenced: this replica's Lease expired")
+
+
+async def test_a_write_fenced_after_it_was_queued_never_reaches_the_server() -> None:
+    async with Server(await always(ok({}))) as server:
+        client = FencedAfter(config(server.url))
+        try:
+            with pytest.raises(Unreachable, match="fenced"):
+                await client.patch("/api/v1/nodes/n/status", {"status": {}})
+            await client.get("/after")  # the same connection: nothing of the PATCH precedes it
+        finally:
+            await client.aclose()
+        assert [s.method for s in server.seen] == ["GET"]
+
+
+async def test_a_write_fenced_between_a_401_and_its_resend_is_not_sent_again(
+    tmp_path: Path,
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("t\n")
+
+    async def refuse_writes(seen: Seen) -> bytes:
+        return ok({}) if seen.method == "GET" else response(401, b"")
+
+    async with Server(refuse_writes) as server:
+        client = FencedAfter(config(server.url, tokenFile=str(token)))
+        client.allowed = 2  # the early check and the first attempt
+        try:
+            with pytest.raises(Unreachable, match="fenced"):
+                await client.delete("/api/v1/namespaces/d/pods/p")
+            await client.get("/after")
+        finally:
+            await client.aclose()
+        assert [s.method for s in server.seen] == ["DELETE", "GET"]
+
+
+async def test_closing_the_client_ends_an_open_watch(make: Callable[..., KubeClient]) -> None:
+    first = b'{"type":"ADDED","object":{"a":1}}\n'
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    hold = asyncio.Event()
+
+    async def open_watch(_: Seen) -> bytes:
+        return head + b"%x\r\n%s\r\n" % (len(first), first)  # and never the last chunk
+
+    async with Server(open_watch) as server:
+        client = make(server)
+        seen: list[str] = []
+
+        async def follow() -> None:
+            async for kind, _ in client.watch("/api/v1/pods", {}, timeout_seconds=300):
+                seen.append(kind)
+                hold.set()
+
+        watching = asyncio.ensure_future(follow())
+        await hold.wait()
+        await client.aclose()
+        with pytest.raises(Unreachable):
+            await asyncio.wait_for(watching, 5)
+        assert seen == ["ADDED"]
+        await eventually(lambda: server.closed == 1)
