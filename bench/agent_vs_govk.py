@@ -180,8 +180,10 @@ def profile(pid: int, svg: Path) -> subprocess.Popen[bytes] | None:
         log("--profile: py-spy not found (pip install py-spy); not profiling")
         return None
     svg.parent.mkdir(parents=True, exist_ok=True)
+    raw = ["--format", "raw"] if svg.suffix == ".txt" else []  # collapsed stacks, to count
     return subprocess.Popen(
-        [spy, "record", "--pid", str(pid), "--output", str(svg), "--rate", "100", "--nonblocking"],
+        [spy, "record", "--pid", str(pid), "--output", str(svg), "--rate", "100", "--nonblocking"]
+        + raw,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -316,7 +318,9 @@ async def main() -> None:
     parser.add_argument("--budget", type=float, default=120.0, help="Go defaults: s per phase")
     parser.add_argument("--limit", type=float, default=1800.0, help="any agent: s per phase")
     parser.add_argument("--settle", type=float, default=10.0)
-    parser.add_argument("--profile", type=Path, help="py-spy flame graph of vkubelet (SVG)")
+    parser.add_argument(
+        "--profile", type=Path, help="py-spy flame graph of vkubelet (SVG; .txt: collapsed stacks)"
+    )
     parser.add_argument("--cluster", help="reuse a running `vkubelet dev cluster`")
     args = parser.parse_args()
     govk = build_govk() if set(args.agents) - {VKUBELET} else Path("/nonexistent")
