@@ -103,6 +103,7 @@ class ProviderCore:
         # the upper UID (see ClusterProvider._check_unschedulable).
         self._unschedulable: dict[str, tuple[float, str]] = {}
         self._stream_endpoint: Endpoint | None = None
+        self._scrape_errors: dict[str, str] = {}  # lower node -> its last stats error
         # The upper cluster, when the agent hands us its client (`use_upper_api`): Services to
         # reflect, the default upper cluster ID.
         self._upper: UpperAPI | None = None

@@ -104,6 +104,7 @@ class LowerVerbs(ProviderCore):
             *(self.lower.client.get(f"/api/v1/nodes/{n}/proxy/stats/summary") for n in nodes),
             return_exceptions=True,
         )
+        self._note_scrapes("stats/summary", nodes, answers)
         summaries = [a for a in answers if isinstance(a, dict)]
         return merge_summaries(self.context.node_name, summaries, renames)
 
@@ -117,8 +118,35 @@ class LowerVerbs(ProviderCore):
             ),
             return_exceptions=True,
         )
+        self._note_scrapes("metrics/resource", nodes, answers)
         texts = [a.decode(errors="replace") for a in answers if isinstance(a, bytes)]
         return merge_resource_metrics(texts, renames)
+
+    def _note_scrapes(self, what: str, nodes: set[str], answers: list[Any]) -> None:
+        """A lower node whose figures cannot be read leaves its pods out of `kubectl top`; say
+        why once per node and message (metrics-server scrapes every 15 s), and when it heals.
+        The usual cause: the lower apiserver proxies to no loopback or link-local node address
+        ("address not allowed")."""
+        for node, answer in zip(nodes, answers, strict=True):
+            before = self._scrape_errors.get(node)
+            if isinstance(answer, BaseException):
+                message = str(answer) or type(answer).__name__
+                if "address not allowed" in message:
+                    message += (
+                        " (the lower apiserver proxies to no loopback or link-local node"
+                        " address: give the lower nodes another InternalIP)"
+                    )
+                if message != before:
+                    self._scrape_errors[node] = message
+                    log.warning(
+                        "kubectl top: lower node %s: %s through the lower apiserver: %s",
+                        node,
+                        what,
+                        message,
+                    )
+            elif before is not None:
+                del self._scrape_errors[node]
+                log.info("kubectl top: lower node %s: %s readable again", node, what)
 
     def _placement(self) -> tuple[set[str], dict[tuple[str, str], tuple[str, str, str]]]:
         """The lower nodes running our pods, and lower (namespace, name) -> upper pod."""
