@@ -181,9 +181,9 @@ def profile(pid: int, svg: Path) -> subprocess.Popen[bytes] | None:
         return None
     svg.parent.mkdir(parents=True, exist_ok=True)
     raw = ["--format", "raw"] if svg.suffix == ".txt" else []  # collapsed stacks, to count
+    record = ["record", "--pid", str(pid), "--output", str(svg), "--rate", "100", "--nonblocking"]
     return subprocess.Popen(
-        [spy, "record", "--pid", str(pid), "--output", str(svg), "--rate", "100", "--nonblocking"]
-        + raw,
+        [spy, *record, *raw],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
