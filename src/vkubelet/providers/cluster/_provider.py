@@ -439,6 +439,11 @@ class ClusterProvider(
                     f"lower cluster {self.lower.client.server}: {self._unreachable}",
                 )
             ]
+        if self._snapshot is None:
+            # Ready with no allocatable yet would be a node the scheduler cannot use, and
+            # the labels published from below would be missing for a moment.
+            message = "waiting for the first listing of the lower cluster's nodes and pods"
+            return [NodeCondition("Ready", "False", "LowerClusterUnknown", message)]
         return []
 
     def _mirrored_problem(self) -> NodeCondition | None:
