@@ -141,9 +141,9 @@ class CapacityFollowing(ProviderCore):
                 ),
                 largest_free=largest_free(objects["Node"].values(), usage),
             )
-            if capacity != self._capacity:
+            if capacity != self._capacity or not self._capacity_known:
                 self._explain_no_usable_node(objects["Node"].values(), capacity)
-                self._capacity = capacity
+                self._capacity, self._capacity_known = capacity, True
                 if self._node_notify is not None:
                     self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
             await asyncio.sleep(1.0)  # at most one recomputation a second

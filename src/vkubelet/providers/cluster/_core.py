@@ -76,6 +76,7 @@ class ProviderCore:
         self._notify: Callable[[Pod], None] | None = None
         self._node_notify: Callable[[Node], None] | None = None
         self._capacity = LowerCapacity(allocatable={})
+        self._capacity_known = False  # aggregate mode: computed from a listing once
         # The watch caches of every lower node (the capacity loop's) and pod (the one lower pod
         # reflector's, `_follow_pods`): kind -> UID -> object, as listed so far; the snapshot
         # (capacity, fit check) is the same once both kinds have been listed, else None.

@@ -439,7 +439,7 @@ class ClusterProvider(
                     f"lower cluster {self.lower.client.server}: {self._unreachable}",
                 )
             ]
-        if self._snapshot is None:
+        if self._lower_node is None and not self._capacity_known:
             # Ready with no allocatable yet would be a node the scheduler cannot use, and
             # the labels published from below would be missing for a moment.
             message = "waiting for the first listing of the lower cluster's nodes and pods"
