@@ -65,7 +65,8 @@ STAMPED_KINDS = (
 )
 OUTAGE_SECONDS = 90  # the figure
 LEASE_SECONDS = 40  # the node lease duration: NotReady must show within it
-CHURN_SECONDS = 40
+# 40 s in the suite; the hour: VKUBELET_CHURN_SECONDS=3600 pytest -k share_the_lower
+CHURN_SECONDS = float(os.environ.get("VKUBELET_CHURN_SECONDS", "40"))
 
 
 @contextlib.contextmanager
