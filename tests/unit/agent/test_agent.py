@@ -252,9 +252,8 @@ async def test_a_failed_renewal_leaves_the_kubelet_api_serving_and_never_rebinds
         await cancel_and_wait(task)
 
 
-async def test_the_client_ca_file_is_one_per_process_and_removed_at_the_end(
-    api: FakeApiServer,
-) -> None:
+def publish_client_ca(api: FakeApiServer) -> None:
+    """The ConfigMap the apiserver publishes its client CA in, as a kubelet reads it."""
     api.create(
         "configmaps",
         {
@@ -262,6 +261,12 @@ async def test_the_client_ca_file_is_one_per_process_and_removed_at_the_end(
             "data": {"client-ca-file": TestCA("clients").pem.decode()},
         },
     )
+
+
+async def test_the_client_ca_file_is_one_per_process_and_removed_at_the_end(
+    api: FakeApiServer,
+) -> None:
+    publish_client_ca(api)
     client_ca = ClientCA(None)
     client = api.client()
     try:
@@ -278,13 +283,7 @@ async def test_the_client_ca_file_is_one_per_process_and_removed_at_the_end(
 async def test_kubelet_ports_starting_together_share_one_read_of_the_client_ca(
     api: FakeApiServer,
 ) -> None:
-    api.create(
-        "configmaps",
-        {
-            "metadata": {"name": "extension-apiserver-authentication", "namespace": "kube-system"},
-            "data": {"client-ca-file": TestCA("clients").pem.decode()},
-        },
-    )
+    publish_client_ca(api)
     client_ca = ClientCA(None)
     client = api.client()
     try:

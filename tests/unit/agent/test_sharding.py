@@ -151,6 +151,14 @@ def test_every_replica_deals_the_nodes_into_the_same_even_buckets() -> None:
     assert len(buckets_of([f"n{i}" for i in range(1000)])) == 64  # the default
 
 
+def started(count: int, api: FakeApi, runs: Runs) -> list[Replica]:
+    """`count` replicas of one group, running, each with its own view of the shared API."""
+    replicas = [Replica(f"r{i}", NAMES, runs, Store(api)) for i in range(count)]
+    for r in replicas:
+        r.start()
+    return replicas
+
+
 def settled(replicas: list[Replica], runs: Runs) -> bool:
     """Each node run exactly once, by a live replica, none above its fair share of buckets."""
     live = {r.options.identity for r in replicas}
@@ -164,9 +172,7 @@ def settled(replicas: list[Replica], runs: Runs) -> bool:
 
 async def test_replicas_share_the_buckets_fairly_and_run_each_node_exactly_once() -> None:
     api, runs = FakeApi(), Runs()
-    replicas = [Replica(f"r{i}", NAMES, runs, Store(api)) for i in range(3)]
-    for r in replicas:
-        r.start()
+    replicas = started(3, api, runs)
     try:
         await until(lambda: settled(replicas, runs))
         # ...and stays so: no node stopped or started twice over a few lease durations.
@@ -185,9 +191,7 @@ async def test_replicas_share_the_buckets_fairly_and_run_each_node_exactly_once(
 
 async def test_a_cut_off_replicas_nodes_stop_before_the_others_start_them() -> None:
     api, runs = FakeApi(), Runs()
-    replicas = [Replica(f"r{i}", NAMES, runs, Store(api)) for i in range(3)]
-    for r in replicas:
-        r.start()
+    replicas = started(3, api, runs)
     try:
         await until(lambda: settled(replicas, runs))
         victim = replicas[2]
@@ -209,9 +213,7 @@ async def test_a_cut_off_replicas_nodes_stop_before_the_others_start_them() -> N
 
 async def test_a_replica_joining_later_gets_buckets_handed_back_to_it() -> None:
     api, runs = FakeApi(), Runs()
-    replicas = [Replica(f"r{i}", NAMES, runs, Store(api)) for i in range(2)]
-    for r in replicas:
-        r.start()
+    replicas = started(2, api, runs)
     try:
         await until(lambda: settled(replicas, runs))
         late = Replica("r2", NAMES, runs, Store(api))
