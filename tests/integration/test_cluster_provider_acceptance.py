@@ -263,12 +263,22 @@ def test_a_deployment_of_six_replicas_runs_spread_over_the_lower_nodes_and_kubec
             assert base64.b64encode(secret_value.encode()).decode() not in text
         print(f"lower placement: {placed}")
         assert len(placed) >= 2, f"the lower scheduler put all 6 pods on one node: {placed}"
+
         # The upper Service's endpoints are the lower pod IPs (a flat network makes them work).
-        slices = kubectl.json(
-            "-n", namespace, "get", "endpointslices", "-l", "kubernetes.io/service-name=web"
-        )["items"]
-        addresses = {a for s in slices for e in s.get("endpoints") or [] for a in e["addresses"]}
-        assert addresses == {p["status"]["podIP"] for p in pods}
+        # (The upper endpointslice controller batches its updates: wait for it to catch up.)
+        def endpoint_addresses() -> set[str]:
+            slices = kubectl.json(
+                "-n", namespace, "get", "endpointslices", "-l", "kubernetes.io/service-name=web"
+            )["items"]
+            return {a for s in slices for e in s.get("endpoints") or [] for a in e["addresses"]}
+
+        pod_ips = {p["status"]["podIP"] for p in pods}
+        wait_for(
+            lambda: endpoint_addresses() == pod_ips,
+            timeout=60,
+            interval=1,
+            what=f"the upper Service's endpoints to be the lower pod IPs {sorted(pod_ips)}",
+        )
 
         # kubectl verbs on the upper pods reach the lower ones.
         first = sorted(p["metadata"]["name"] for p in pods)[0]
