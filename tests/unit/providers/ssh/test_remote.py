@@ -376,10 +376,12 @@ def test_stop_terminates_the_whole_process_group_and_the_supervisor_ends(
 
 
 def test_a_process_that_ignores_term_is_killed_after_the_grace_period(any_device: Device) -> None:
-    script = "trap '' TERM; while :; do sleep 0.1; done"
+    script = "trap '' TERM; : >trapped; while :; do sleep 0.1; done"
     any_device.start(pod_plan(ctr("main", script), policy="Always"))
     pid = status(any_device.wait(state_of("main", "running"))).pid
     assert pid is not None
+    # "running" is recorded when the shell starts: a stop before the trap is set would end it.
+    wait_until(lambda: (any_device.pod_dir() / "fs" / "trapped").exists())
     stopped = time.monotonic()
     any_device.run(stop_pod_script(ROOT, "u1", 3))
     assert time.monotonic() - stopped < 2.5  # the script does not wait for the grace period
