@@ -6,7 +6,7 @@ Clients, in one process, taking turns (the order alternates from round to round)
 cluster's kube-apiserver over TLS with the admin client certificate:
 
 - `httpx2`: KubeClient on httpx2/httpcore2/anyio (ClientOptions(lean=False), the former path);
-- `lean-h11`: KubeClient on its lean client (asyncio streams, h11, keep-alive pool);
+- `lean`: KubeClient on its lean client (asyncio protocols, httptools, keep-alive pool);
 - `aiohttp`: an aiohttp ClientSession (C parser, its own keep-alive pool) with the same TLS
   context and headers, when aiohttp is installed: the alternative to h11 the lean client was
   measured against (the raw session, without KubeClient around it, so it is a lower bound).
@@ -114,7 +114,7 @@ async def measure(kubeconfig: Path, args: argparse.Namespace) -> None:
     old = KubeClient.from_kubeconfig(kubeconfig, options=ClientOptions(lean=False))
     lean = KubeClient.from_kubeconfig(kubeconfig, options=ClientOptions(lean=True))
     assert lean.lean and not old.lean
-    clients: dict[str, Send] = {"httpx2": kube_send(old), "lean-h11": kube_send(lean)}
+    clients: dict[str, Send] = {"httpx2": kube_send(old), "lean": kube_send(lean)}
     closers: list[Callable[[], Awaitable[Any]]] = [old.aclose, lean.aclose]
     if (aio := aiohttp_send(kubeconfig)) is not None:
         clients["aiohttp"] = aio[0]

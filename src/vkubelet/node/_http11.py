@@ -1,11 +1,14 @@
-"""A lean HTTP/1.1 client for `KubeClient`: asyncio streams, h11, keep-alive pools.
+"""A lean HTTP/1.1 client for `KubeClient`: asyncio protocols, httptools, keep-alive pools.
 
 Why not httpx2: each request through httpx2/httpcore2/anyio costs ~1.5 ms of CPU (auth flow
 generators, URL and header models, anyio's stream wrappers, a pool scan probing idle sockets),
 about 45 % of the agent's CPU in a pod burst. The apiserver needs none of it: one host, TLS set
-up once from the kubeconfig, JSON bodies, HTTP/1.1 keep-alive. Here a request is h11's state
-machine over an asyncio stream taken from a pool of idle connections (docs/benchmarks.md,
-"The lean HTTP path", has the measurements, h11 against aiohttp's C parser among them).
+up once from the kubeconfig, JSON bodies, HTTP/1.1 keep-alive. Why not h11 over asyncio streams
+(this module's first version): h11's pure-Python framing and header validation, plus the
+StreamReader's per-read futures, were still half of each request's CPU. Here a connection is an
+asyncio Protocol that feeds the bytes to httptools (llhttp, the C parser uvicorn uses) as they
+arrive, and wakes the waiting request once; the request head is a few joined bytes whose every
+value is ours or checked (docs/benchmarks.md, "The lean HTTP path", has the measurements).
 
 Re-sending rule. A pooled connection the server closed while it sat idle is usually seen closed
 (EOF already read) when taken from the pool, and is dropped before anything is written. If the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import ssl
 import time
 import zlib
@@ -36,9 +40,10 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlencode, urlsplit
 
-import h11
+import httptools
 from lightkube.config.client_adapter import verify_cluster
 from lightkube.config.kubeconfig import SingleConfig
 from lightkube.config.models import User
@@ -46,7 +51,8 @@ from lightkube.core.exceptions import ConfigError
 
 _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 _READ_SIZE = 256 * 1024
-_USER_AGENT = b"vkubelet"
+_TARGET = re.compile(rb"[!-~]+")  # visible ASCII: no space, CR, LF or control byte
+_VALUE = re.compile(rb"[ -~]+")
 
 
 class TransportFailure(Exception):
@@ -83,7 +89,7 @@ class Auth:
         if user is None or self._token_file is not None:
             pass
         elif user.token is not None:
-            self._header = f"Bearer {user.token}".encode()
+            self._header = _value(f"Bearer {user.token}", "the kubeconfig's token")
         elif user.username and user.password:
             basic = base64.b64encode(f"{user.username}:{user.password}".encode()).decode()
             self._header = f"Basic {basic}".encode()
@@ -108,7 +114,9 @@ class Auth:
             token = Path(self._token_file).read_text().strip()
         except FileNotFoundError as e:
             raise ConfigError(f"Token file {self._token_file} not found") from e
-        self._header = f"Bearer {token}".encode()
+        except OSError as e:
+            raise ConfigError(f"Token file {self._token_file} cannot be read: {e}") from e
+        self._header = _value(f"Bearer {token}", f"the token in {self._token_file}")
 
 
 @dataclass(frozen=True)
@@ -140,24 +148,202 @@ class Endpoint:
         return f"{self.prefix}{path}{query}".encode()
 
 
-class _Connection:
-    __slots__ = ("http", "idle_since", "reader", "writer")
+class _Answer:
+    """One answer as httptools parses it: its callbacks fill these fields as bytes arrive."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.http = h11.Connection(h11.CLIENT)
+    __slots__ = (
+        "_length",
+        "chunks",
+        "complete",
+        "error",
+        "extra",
+        "gzip",
+        "head_done",
+        "keep_alive",
+        "parser",
+        "received",
+        "size",
+        "status",
+        "until_eof",
+    )
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.gzip = False
+        self.chunks: list[bytes] = []
+        self.size = 0  # bytes in `chunks`
+        self.received = False  # any byte of the answer arrived
+        self.head_done = False  # status and headers known (a final answer, not a 1xx)
+        self.complete = False
+        self.keep_alive = False
+        self.until_eof = False  # no length and not chunked: the body ends with the connection
+        self.extra = False  # bytes beyond the answer: not a connection to reuse
+        self.error: str | None = None
+        self._length = False
+
+    # httptools' callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.extra = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-encoding":
+            self.gzip = value.strip().lower() == b"gzip"
+        elif name in (b"content-length", b"transfer-encoding"):
+            self._length = True
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            return  # an interim answer (100 Continue): the real one follows
+        self.status = status
+        self.head_done = True
+        self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once complete
+        self.until_eof = not self._length and status not in (204, 304)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.size += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.complete = True
+        self._length = False  # after an interim answer: the final one's headers count
+
+    def take(self) -> list[bytes]:
+        chunks, self.chunks, self.size = self.chunks, [], 0
+        return chunks
+
+
+class _Connection(asyncio.Protocol):
+    """One connection: bytes are fed to the current answer's parser as they arrive, and the
+    task waiting for them is woken (one future per wait, usually one per request)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.answer: _Answer | None = None
+        self.ended = False  # EOF or connection lost
+        self.lost: str = "closed by the server"
         self.idle_since = 0.0
+        self._waiter: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self._reading_paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        answer = self.answer
+        if answer is None:  # bytes nobody asked for: this connection is not to be trusted
+            self.ended = True
+            self.lost = "unexpected bytes from the server"
+            return
+        answer.received = True
+        try:
+            answer.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            if answer.complete:
+                answer.extra = True
+            else:
+                answer.error = f"bad answer from the apiserver: {e}"
+        if answer.size > _READ_SIZE and not answer.complete:
+            self._reading_paused = True  # a stream its reader has not caught up with
+            assert self.transport is not None
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.ended = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
+        if exc is not None:
+            self.lost = repr(exc)
+        self._wake()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def closed(self) -> bool:
-        return (
-            self.writer.transport.is_closing()
-            or self.reader.at_eof()
-            or self.reader.exception() is not None
-        )
+        return self.ended or self.transport is None or self.transport.is_closing()
 
     def close(self) -> None:
-        self.writer.close()
+        self.ended = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def begin(self) -> _Answer:
+        self.answer = _Answer()
+        return self.answer
+
+    async def drain(self, within: float) -> None:
+        if self._writable is not None:
+            try:
+                async with asyncio.timeout(within):
+                    await self._writable
+            except TimeoutError:
+                raise TransportFailure("timed out writing the request") from None
+
+    async def wait(self, within: float | None) -> None:
+        """Until more of the answer arrives, or the connection ends. The deadline is a plain
+        timer on the future: `asyncio.timeout` costs a tenth of a small request's CPU."""
+        if self._reading_paused:
+            self._reading_paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = None if within is None else loop.call_later(within, _expire, waiter)
+        try:
+            await waiter
+        except TimeoutError:
+            raise TransportFailure("timed out reading the answer") from None
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def check(self, answer: _Answer, first: bool) -> None:
+        """Raise if the answer cannot go on: a parse error, or the connection ended early.
+        `first`: nothing of the answer has arrived yet, so an end is `_Stale` (see the
+        re-sending rule)."""
+        if answer.error is not None:
+            raise TransportFailure(answer.error)
+        if self.ended and not answer.complete:
+            if answer.until_eof:
+                answer.complete = True
+            elif first and not answer.received:
+                raise _Stale(self.lost)
+            elif answer.head_done:
+                raise TransportFailure("connection closed before the end of the answer")
+            else:
+                raise TransportFailure(f"connection lost: {self.lost}")
+
+    def reusable(self) -> bool:
+        answer = self.answer
+        return (
+            answer is not None
+            and answer.complete
+            and not answer.extra
+            and not answer.until_eof
+            and answer.keep_alive
+            and not self.closed()
+        )
 
 
 @dataclass
@@ -199,33 +385,29 @@ class Pool:
     ) -> tuple[int, bytes]:
         """Send one request and read the whole answer: (status, body). `before_write` runs
         right before each attempt's bytes are written, after any wait for a slot or a
-        connection (the fence: a write allowed when queued may not be when it leaves)."""
+        connection (the fence: a write allowed when queued may not be when it leaves). After
+        a 401 with a renewable token, the token is re-read and the request sent once more."""
         target = self._endpoint.target(path, params)
-        if self._slots is None:
-            return await self._request(method, target, body, content_type, before_write)
+        if self._slots is not None:
+            if not self._slots.locked():
+                await self._slots.acquire()  # at once: no timer to set
+            else:
+                try:
+                    async with asyncio.timeout(self._timeout):
+                        await self._slots.acquire()
+                except TimeoutError as e:
+                    raise TransportFailure("timed out waiting for a pooled connection") from e
         try:
-            async with asyncio.timeout(self._timeout):
-                await self._slots.acquire()
-        except TimeoutError as e:
-            raise TransportFailure("timed out waiting for a pooled connection") from e
-        try:
-            return await self._request(method, target, body, content_type, before_write)
-        finally:
-            self._slots.release()
-
-    async def _request(
-        self,
-        method: str,
-        target: bytes,
-        body: bytes | None,
-        content_type: str | None,
-        before_write: Callable[[], None],
-    ) -> tuple[int, bytes]:
-        status, answer = await self._exchange(method, target, body, content_type, before_write)
-        if status == 401 and self._auth.renewable:
-            self._auth.renew()
             status, answer = await self._exchange(method, target, body, content_type, before_write)
-        return status, answer
+            if status == 401 and self._auth.renewable:
+                self._auth.renew()
+                status, answer = await self._exchange(
+                    method, target, body, content_type, before_write
+                )
+            return status, answer
+        finally:
+            if self._slots is not None:
+                self._slots.release()
 
     async def _exchange(
         self,
@@ -236,11 +418,16 @@ class Pool:
         before_write: Callable[[], None],
     ) -> tuple[int, bytes]:
         head = self._head(method, target, body, content_type, gzip=True)
+        data = head + body if body else head
         for attempt in (1, 2):
             conn, reused = await self._checkout()
             try:
-                status, headers = await self._send(conn, head, body, self._timeout, before_write)
-                parts = [part async for part in self._body(conn, self._timeout)]
+                answer = await self._send(conn, data, before_write)
+                while True:
+                    conn.check(answer, first=not answer.received)
+                    if answer.complete:
+                        break
+                    await conn.wait(self._timeout)
             except _Stale as e:
                 self._drop(conn)
                 if attempt == 1 and reused and method in _IDEMPOTENT:
@@ -250,13 +437,14 @@ class Pool:
                 self._drop(conn)
                 raise
             self._checkin(conn)
-            answer = parts[0] if len(parts) == 1 else b"".join(parts)
-            if answer and _gzipped(headers):
+            chunks = answer.chunks
+            content = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if content and answer.gzip:
                 try:
-                    answer = zlib.decompress(answer, wbits=31)
+                    content = zlib.decompress(content, wbits=31)
                 except zlib.error as e:
                     raise TransportFailure(f"bad gzip answer from the apiserver: {e}") from None
-            return status, answer
+            return answer.status, content
         raise AssertionError("unreachable")
 
     @asynccontextmanager
@@ -270,104 +458,80 @@ class Pool:
         conn, _ = await self._checkout()
         try:
             try:
-                head = self._head("GET", target, None, None, gzip=False)
-                status, _headers = await self._send(conn, head, None, self._timeout, _nothing)
-                if status == 401 and self._auth.renewable:
-                    async for _ in self._body(conn, self._timeout):  # the short error body
-                        pass
-                    self._drop(conn)
+                answer = await self._stream_head(conn, target)
+                if answer.status == 401 and self._auth.renewable:
+                    self._drop(conn)  # its short error body is not worth reading
                     self._auth.renew()
                     conn, _ = await self._checkout()
-                    head = self._head("GET", target, None, None, gzip=False)
-                    status, _headers = await self._send(conn, head, None, self._timeout, _nothing)
+                    answer = await self._stream_head(conn, target)
             except _Stale as e:
                 raise TransportFailure(f"connection lost: {e}") from None
-            yield StreamedAnswer(status, self._body(conn, read_timeout))
+            yield StreamedAnswer(answer.status, self._body(conn, answer, read_timeout))
         finally:
             self._drop(conn)
 
+    async def _stream_head(self, conn: _Connection, target: bytes) -> _Answer:
+        answer = await self._send(conn, self._head("GET", target, None, None, gzip=False), _nothing)
+        while not answer.head_done:
+            conn.check(answer, first=True)
+            await conn.wait(self._timeout)
+        return answer
+
+    async def _body(
+        self, conn: _Connection, answer: _Answer, read_timeout: float | None
+    ) -> AsyncIterator[bytes]:
+        """The answer's body as it arrives (httptools undoes chunked and Content-Length
+        framing)."""
+        while True:
+            if answer.chunks:
+                for chunk in answer.take():
+                    yield chunk
+                continue
+            conn.check(answer, first=False)
+            if answer.complete:
+                return
+            await conn.wait(read_timeout)
+
     def _head(
         self, method: str, target: bytes, body: bytes | None, content_type: str | None, gzip: bool
-    ) -> h11.Request:
-        headers = [(b"Host", self._endpoint.host_header), (b"User-Agent", _USER_AGENT)]
+    ) -> bytes:
+        """The request's head. Written by hand rather than by h11 (whose validating writer
+        was a fifth of the agent's CPU in a pod burst): every value is either ours or checked
+        here, so no CR, LF or space from a name or a token can split the head."""
+        if _TARGET.fullmatch(target) is None:
+            raise TransportFailure(f"cannot send the request: bad target {target[:200]!r}")
+        parts = [
+            method.encode(),
+            b" ",
+            target,
+            b" HTTP/1.1\r\nHost: ",
+            self._endpoint.host_header,
+            b"\r\nUser-Agent: vkubelet\r\n",
+        ]
         if gzip:
-            headers.append((b"Accept-Encoding", b"gzip"))
+            parts.append(b"Accept-Encoding: gzip\r\n")
         if (auth := self._auth.header()) is not None:
-            headers.append((b"Authorization", auth))
+            parts += (b"Authorization: ", auth, b"\r\n")
         if body is not None:
-            headers.append((b"Content-Type", (content_type or "application/json").encode()))
-            headers.append((b"Content-Length", str(len(body)).encode()))
-        return h11.Request(method=method, target=target, headers=headers)
+            kind = content_type.encode() if content_type else b"application/json"
+            if _VALUE.fullmatch(kind) is None:
+                raise TransportFailure(f"cannot send the request: bad content type {kind!r}")
+            parts += (b"Content-Type: ", kind, b"\r\nContent-Length: ", b"%d" % len(body), b"\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
 
     async def _send(
-        self,
-        conn: _Connection,
-        head: h11.Request,
-        body: bytes | None,
-        read_timeout: float,
-        before_write: Callable[[], None],
-    ) -> tuple[int, list[tuple[bytes, bytes]]]:
-        """Write the request and read up to the answer's head: (status, headers)."""
-        http = conn.http
-        try:
-            data = http.send(head) or b""
-            if body:
-                data += http.send(h11.Data(data=body)) or b""
-            data += http.send(h11.EndOfMessage()) or b""
-        except h11.LocalProtocolError as e:
-            raise TransportFailure(f"cannot send the request: {e}") from None
+        self, conn: _Connection, data: bytes, before_write: Callable[[], None]
+    ) -> _Answer:
+        """Write the request; the answer is then parsed as it arrives."""
+        assert conn.transport is not None
+        answer = conn.begin()
         before_write()  # no await between this and the write
-        try:
-            conn.writer.write(data)
-            if conn.writer.transport.get_write_buffer_size() > _READ_SIZE:
-                async with asyncio.timeout(read_timeout):
-                    await conn.writer.drain()
-        except TimeoutError:
-            raise TransportFailure("timed out writing the request") from None
-        except (ConnectionError, OSError) as e:
-            raise _Stale(repr(e)) from None
-        while True:
-            event = await self._next_event(conn, read_timeout, first=True)
-            if isinstance(event, h11.Response):
-                return event.status_code, list(event.headers)
-            # an InformationalResponse (100 Continue): keep reading
-
-    async def _body(self, conn: _Connection, read_timeout: float | None) -> AsyncIterator[bytes]:
-        """The answer's body as it arrives (h11 undoes chunked and Content-Length framing)."""
-        while True:
-            event = await self._next_event(conn, read_timeout, first=False)
-            if isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return
-            elif isinstance(event, h11.ConnectionClosed):
-                raise TransportFailure("connection closed before the end of the answer")
-
-    async def _next_event(
-        self, conn: _Connection, read_timeout: float | None, *, first: bool
-    ) -> object:
-        """h11's next event, reading from the socket as it needs; `first`: nothing of the
-        answer has arrived yet, so a failure is `_Stale` (see the re-sending rule)."""
-        http = conn.http
-        while True:
-            try:
-                event = http.next_event()
-            except h11.RemoteProtocolError as e:
-                raise TransportFailure(f"bad answer from the apiserver: {e}") from None
-            if event is not h11.NEED_DATA:
-                return event
-            try:
-                async with asyncio.timeout(read_timeout):
-                    data = await conn.reader.read(_READ_SIZE)
-            except TimeoutError:
-                raise TransportFailure("timed out reading the answer") from None
-            except (ConnectionError, OSError) as e:
-                if first and http.their_state is h11.SEND_RESPONSE:
-                    raise _Stale(repr(e)) from None
-                raise TransportFailure(f"connection lost: {e!r}") from None
-            if not data and first and http.their_state is h11.SEND_RESPONSE:
-                raise _Stale("closed by the server")
-            http.receive_data(data)
+        if conn.closed():
+            raise _Stale(conn.lost)
+        conn.transport.write(data)
+        await conn.drain(self._timeout)
+        return answer
 
     async def _checkout(self) -> tuple[_Connection, bool]:
         if self._closed:
@@ -393,14 +557,15 @@ class Pool:
 
     async def _connect(self) -> _Connection:
         endpoint = self._endpoint
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._timeout):
-                reader, writer = await asyncio.open_connection(
+                _, conn = await loop.create_connection(
+                    _Connection,
                     endpoint.host,
                     endpoint.port,
                     ssl=endpoint.tls,
                     server_hostname=endpoint.host if endpoint.tls else None,
-                    limit=_READ_SIZE,
                 )
         except TimeoutError:
             raise TransportFailure(
@@ -408,27 +573,29 @@ class Pool:
             ) from None
         except (OSError, ssl.SSLError) as e:
             raise TransportFailure(f"connect to {endpoint.host}:{endpoint.port}: {e!r}") from None
-        return _Connection(reader, writer)
+        return conn
 
     def _checkin(self, conn: _Connection) -> None:
-        http = conn.http
-        if (
-            self._closed
-            or http.our_state is not h11.DONE
-            or http.their_state is not h11.DONE
-            or http.trailing_data[0]  # bytes beyond the answer: not a connection to trust
-            or len(self._idle) >= self._limits.max_idle
-        ):
+        if self._closed or not conn.reusable() or len(self._idle) >= self._limits.max_idle:
             self._drop(conn)
             return
         self._busy.discard(conn)
-        http.start_next_cycle()
+        conn.answer = None
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
 
 
-def _gzipped(headers: list[tuple[bytes, bytes]]) -> bool:
-    return any(name == b"content-encoding" and value.lower() == b"gzip" for name, value in headers)
+def _value(text: str, what: str) -> bytes:
+    """A header value that cannot split the request head (no CR, LF or other control byte)."""
+    value = text.encode()
+    if _VALUE.fullmatch(value) is None:
+        raise ConfigError(f"{what} holds a character not allowed in an HTTP header")
+    return value
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 def _nothing() -> None:
