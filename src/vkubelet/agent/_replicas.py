@@ -54,9 +54,12 @@ ROLE_LABEL = "vkubelet.io/replica-role"
 # A dead replica's membership Lease is deleted by the others after this many lease durations.
 FORGET_MEMBER_AFTER = 10
 # The pause between the starts of claimed nodes: building a node's provider and agent takes the
-# event loop for milliseconds, and a hundred at once would hold up the Lease renewals of the
-# buckets already held (as the agent spreads its own nodes' starts).
+# event loop for milliseconds, and a hundred at once would hold up the heartbeats of the nodes
+# already running (as the agent spreads its own nodes' starts). A round's starts are spread over
+# START_SPREAD_TOTAL at most: at 50 ms each, taking over 500 nodes took 25 s of pauses alone,
+# and the Lease renewals no longer need them (the claims have their own event loop).
 START_SPREAD_SECONDS = 0.05
+START_SPREAD_TOTAL = 8.0
 # Nodes are claimed in buckets: a Lease write per bucket and renewal period, not per node (at a
 # thousand nodes per-node claims were 250 writes/s besides the nodes' own heartbeats).
 SHARD_BUCKETS = 64
@@ -74,6 +77,11 @@ class ReplicaOptions:
     shard: bool = False
     health_port: int = 0  # the standby's /healthz (0: none)
     buckets: int = SHARD_BUCKETS  # the same for every replica of a group
+
+
+def start_spread(nodes: int) -> float:
+    """The pause between the starts of `nodes` nodes claimed in one round."""
+    return min(START_SPREAD_SECONDS, START_SPREAD_TOTAL / nodes) if nodes else START_SPREAD_SECONDS
 
 
 def leader_timing() -> LeaseTiming:
@@ -384,11 +392,12 @@ class ShardRunner:
         free.sort(key=self._preference)
         wanted = free[: fair - len(mine)]
         won = await asyncio.gather(*(self.electors[index].acquire() for index in wanted))
+        claimed = [index for index, ok in zip(wanted, won, strict=True) if ok]
+        spread = start_spread(sum(len(self.buckets[index]) for index in claimed))
         delay = 0.0
-        for index, ok in zip(wanted, won, strict=True):
-            if ok:
-                self._claimed(index, delay=delay)
-                delay += len(self.buckets[index]) * START_SPREAD_SECONDS
+        for index in claimed:
+            self._claimed(index, delay=delay, spread=spread)
+            delay += len(self.buckets[index]) * spread
 
     async def _observe_members(self, leases: list[JSON]) -> None:
         assert self._store is not None and self._member is not None
@@ -429,14 +438,13 @@ class ShardRunner:
         """The elector of the bucket a node belongs to."""
         return next(self.electors[i] for i, names in enumerate(self.buckets) if node in names)
 
-    def _claimed(self, index: int, *, delay: float) -> None:
+    def _claimed(self, index: int, *, delay: float, spread: float) -> None:
         elector = self.electors[index]
+        run_bucket = functools.partial(self._run_bucket, index, delay, spread)
 
         async def hold() -> None:
             try:
-                await elector.hold(
-                    lambda: run_on(self._main, functools.partial(self._run_bucket, index, delay))
-                )
+                await elector.hold(lambda: run_on(self._main, run_bucket))
             finally:
                 self.running.pop(index, None)
 
@@ -455,14 +463,14 @@ class ShardRunner:
             await asyncio.wait({task})  # a cancellation of ours still reaches us
         await self.electors[index].release()
 
-    async def _run_bucket(self, index: int, delay: float) -> None:
+    async def _run_bucket(self, index: int, delay: float, spread: float) -> None:
         """The nodes of a bucket, each supervised (one failing does not stop the others), their
         starts spread. Every write made on their behalf (in this task or any it starts) answers
         to this bucket's Lease: `_FENCE` is set in this task's context, which they inherit."""
         _FENCE.set(self.electors[index].holds)
         async with asyncio.TaskGroup() as group:
             for offset, name in enumerate(self.buckets[index]):
-                start = delay + offset * START_SPREAD_SECONDS
+                start = delay + offset * spread
                 group.create_task(self._supervise(name, start), name=f"shard node {name}")
 
     async def _supervise(self, name: str, delay: float) -> None:

@@ -109,14 +109,14 @@ class Auth:
             self._reread()
 
     def _reread(self) -> None:
+        """A token file that cannot be read or holds a line break fails the request as
+        unreachable (the caller retries: a rotation may be under way), naming the file."""
         assert self._token_file is not None
         try:
             token = Path(self._token_file).read_text().strip()
-        except FileNotFoundError as e:
-            raise ConfigError(f"Token file {self._token_file} not found") from e
-        except OSError as e:
-            raise ConfigError(f"Token file {self._token_file} cannot be read: {e}") from e
-        self._header = _value(f"Bearer {token}", f"the token in {self._token_file}")
+            self._header = _value(f"Bearer {token}", f"the token in {self._token_file}")
+        except (OSError, ConfigError) as e:
+            raise TransportFailure(f"token file {self._token_file}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -581,8 +581,11 @@ class Pool:
             return
         self._busy.discard(conn)
         conn.answer = None
-        conn.idle_since = time.monotonic()
-        self._idle.append(conn)
+        conn.idle_since = now = time.monotonic()
+        idle = self._idle
+        while idle and now - idle[0].idle_since > self._limits.idle_expiry:
+            idle.pop(0).close()  # the least recently used: checkouts take from the top
+        idle.append(conn)
 
 
 def _value(text: str, what: str) -> bytes:

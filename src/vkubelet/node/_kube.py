@@ -366,11 +366,21 @@ class KubeClient:
         query = {**params, "watch": "true", "timeoutSeconds": str(timeout_seconds)}
         # Lines split as bytes: decoding the stream to text first would be a measurable share
         # of the agent's CPU when thousands of pods change.
-        rest = b""
+        # A line cut across chunks is kept in pieces, joined once: a large object arrives in
+        # many chunks, and concatenating each to the rest would copy it over and over.
+        pieces: list[bytes] = []
         chunks = self._stream(path, query, read_timeout=timeout_seconds + 30.0)
         async with contextlib.aclosing(chunks):  # the connection closes with this generator
             async for chunk in chunks:
-                *lines, rest = (rest + chunk).split(b"\n")
+                if b"\n" not in chunk:
+                    pieces.append(chunk)
+                    continue
+                if pieces:
+                    pieces.append(chunk)
+                    chunk, pieces = b"".join(pieces), []
+                *lines, rest = chunk.split(b"\n")
+                if rest:
+                    pieces.append(rest)
                 for line in lines:
                     if line:
                         event = _decode_event(line)
@@ -385,7 +395,12 @@ class KubeClient:
         try:
             async with self._watch_http.stream(path, params, read_timeout) as answer:
                 if answer.status >= 300:
-                    raise _api_error(answer.status, b"".join([c async for c in answer.chunks]))
+                    try:  # a short error body; a stream's own reads may wait forever
+                        async with asyncio.timeout(self._options.timeout):
+                            content = b"".join([c async for c in answer.chunks])
+                    except TimeoutError:
+                        raise Unreachable(f"{self.server}: timed out reading an error") from None
+                    raise _api_error(answer.status, content)
                 async for chunk in answer.chunks:
                     yield chunk
         except TransportFailure as e:

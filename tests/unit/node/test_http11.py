@@ -447,3 +447,44 @@ async def test_closing_the_client_ends_an_open_watch(make: Callable[..., KubeCli
             await asyncio.wait_for(watching, 5)
         assert seen == ["ADDED"]
         await eventually(lambda: server.closed == 1)
+
+
+async def test_a_token_that_would_split_the_request_head_is_never_sent(
+    make: Callable[..., KubeClient], tmp_path: Path
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("abc\r\nX-Injected: 1\n")
+    async with Server(await always(ok({}))) as server:
+        client = make(server, tokenFile=str(token))
+        with pytest.raises(Unreachable, match="not allowed in an HTTP header"):
+            await client.get("/x")
+        token.unlink()
+        with pytest.raises(Unreachable, match="token file"):
+            await client.get("/x")
+        token.write_text("good\n")
+        assert await client.get("/x") == {}
+        assert [s.headers["authorization"] for s in server.seen] == ["Bearer good"]
+
+
+async def test_a_path_with_a_space_or_line_break_is_refused_before_anything_is_sent(
+    make: Callable[..., KubeClient],
+) -> None:
+    async with Server(await always(ok({}))) as server:
+        client = make(server)
+        for path in ("/api/v1/namespaces/a b", "/x\r\nHost: evil"):
+            with pytest.raises(Unreachable, match="bad target"):
+                await client.get(path)
+        assert server.seen == []
+
+
+async def test_a_watch_line_cut_into_many_chunks_is_joined_once(
+    make: Callable[..., KubeClient],
+) -> None:
+    big = json.dumps({"type": "ADDED", "object": {"data": "x" * 5000}}).encode()
+    tail = b'\n{"type":"DELETED","object":{}}\n'
+    parts = [big[i : i + 100] for i in range(0, len(big), 100)] + [tail]
+    async with Server(await always(chunked(parts))) as server:
+        client = make(server)
+        watch = client.watch("/w", {}, timeout_seconds=5)
+        seen = [(kind, json.loads(bytes(raw))) async for kind, raw in watch]
+        assert seen == [("ADDED", {"data": "x" * 5000}), ("DELETED", {})]
