@@ -24,9 +24,9 @@ from typing import Any
 
 from lightkube.resources.core_v1 import Pod
 
+from ..sdk.clock import now_rfc3339
 from ..sdk.provider import EventType
 from ._kube import MERGE_PATCH, ApiError, KubeClient, TokenBucket, Unreachable
-from ._nodecontroller import now_rfc3339
 
 log = logging.getLogger(__name__)
 

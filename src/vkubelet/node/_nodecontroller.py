@@ -39,6 +39,7 @@ import msgspec
 from lightkube.resources.core_v1 import Node
 
 from .. import __version__
+from ..sdk.clock import now_rfc3339
 from ..sdk.provider import (
     NodeCondition,
     NodeConditions,
@@ -194,10 +195,6 @@ def node_may_set_label(key: str) -> bool:
         or key in _NODE_ALLOWED_LABELS
         or any(key.startswith(p) for p in _NODE_ALLOWED_PREFIXES)
     )
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def now_micro() -> str:

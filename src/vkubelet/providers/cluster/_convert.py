@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import msgspec
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
+from ...sdk.clock import now_rfc3339
 from ...sdk.quantity import parse_quantity
 from ._stamps import ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_NODE, ANNOTATION_UID
 
@@ -30,10 +31,6 @@ __all__ = [
 ]
 
 JSON = dict[str, Any]
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def newest(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> Mapping[str, Any] | None:

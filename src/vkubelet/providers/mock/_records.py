@@ -15,6 +15,7 @@ from lightkube.models.core_v1 import Container
 from lightkube.resources.core_v1 import Pod
 
 from ...node import ProviderError, ResolvedPod
+from ...sdk.clock import now_rfc3339
 from ...sdk.volumes import FilesVolume
 
 
@@ -27,7 +28,7 @@ def parse_time(stamp: str) -> datetime:
 
 
 def now() -> str:
-    return format_time(datetime.now(UTC))
+    return now_rfc3339()
 
 
 @dataclass(slots=True)

@@ -1,0 +1,20 @@
+"""The API's time stamps (RFC 3339, whole seconds, UTC), one formatter for every part.
+
+A pod burst formats thousands of stamps a second, all alike within the second: `strftime` on a
+fresh `datetime` each time was a few percent of the agent's CPU, so the text is made once per
+second and reused.
+"""
+
+from __future__ import annotations
+
+import time
+
+_last: tuple[int, str] = (-1, "")
+
+
+def now_rfc3339() -> str:
+    global _last
+    second = int(time.time())
+    if second != _last[0]:
+        _last = (second, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second)))
+    return _last[1]
