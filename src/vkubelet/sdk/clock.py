@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 
 _last: tuple[int, str] = (-1, "")
+_clock = time.time  # replaced in tests
 
 
 def now_rfc3339() -> str:
     global _last
-    second = int(time.time())
+    second = int(_clock())
     if second != _last[0]:
         _last = (second, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second)))
     return _last[1]
