@@ -164,6 +164,7 @@ class _Answer:
         "received",
         "size",
         "status",
+        "streamed",
         "until_eof",
     )
 
@@ -173,6 +174,7 @@ class _Answer:
         self.gzip = False
         self.chunks: list[bytes] = []
         self.size = 0  # bytes in `chunks`
+        self.streamed = False  # handed over as it arrives: reading pauses while it piles up
         self.received = False  # any byte of the answer arrived
         self.head_done = False  # status and headers known (a final answer, not a 1xx)
         self.complete = False
@@ -248,7 +250,7 @@ class _Connection(asyncio.Protocol):
                 answer.extra = True
             else:
                 answer.error = f"bad answer from the apiserver: {e}"
-        if answer.size > _READ_SIZE and not answer.complete:
+        if answer.streamed and answer.size > _READ_SIZE and not answer.complete:
             self._reading_paused = True  # a stream its reader has not caught up with
             assert self.transport is not None
             self.transport.pause_reading()
@@ -472,6 +474,7 @@ class Pool:
 
     async def _stream_head(self, conn: _Connection, target: bytes) -> _Answer:
         answer = await self._send(conn, self._head("GET", target, None, None, gzip=False), _nothing)
+        answer.streamed = True
         while not answer.head_done:
             conn.check(answer, first=True)
             await conn.wait(self._timeout)

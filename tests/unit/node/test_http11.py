@@ -488,3 +488,17 @@ async def test_a_watch_line_cut_into_many_chunks_is_joined_once(
         watch = client.watch("/w", {}, timeout_seconds=5)
         seen = [(kind, json.loads(bytes(raw))) async for kind, raw in watch]
         assert seen == [("ADDED", {"data": "x" * 5000}), ("DELETED", {})]
+
+
+async def test_answers_larger_than_a_read_arrive_whole_streamed_or_not(
+    make: Callable[..., KubeClient],
+) -> None:
+    big = json.dumps({"items": ["x" * 1000] * 2000}).encode()  # ~2 MB: many reads
+    async with Server(await always(response(200, big))) as server:
+        client = make(server)
+        assert await client.get("/list") == json.loads(big)
+        received = bytearray()
+        async for chunk in client.stream("/log"):
+            received += chunk
+            await asyncio.sleep(0)  # a reader slower than the socket: reading pauses, resumes
+        assert bytes(received) == big
