@@ -86,6 +86,7 @@ class ServiceCache:
 
     def __init__(self, client: KubeClient) -> None:
         self._by_namespace: dict[str, dict[str, JSON]] = {}
+        self.generation = 0  # moves on every change: what was derived from the Services is stale
         self._reflector: Reflector[Service] = Reflector(
             client,
             "/api/v1/services",
@@ -98,6 +99,7 @@ class ServiceCache:
     def _put(self, service: Service) -> None:
         meta = service.metadata
         if meta is not None and meta.namespace and meta.name:
+            self.generation += 1
             self._by_namespace.setdefault(meta.namespace, {})[meta.name] = msgspec.to_builtins(
                 service
             )
@@ -106,6 +108,7 @@ class ServiceCache:
         meta = service.metadata
         if meta is None or not meta.namespace:
             return
+        self.generation += 1
         services = self._by_namespace.get(meta.namespace, {})
         services.pop(meta.name or "", None)
         if not services:
@@ -211,6 +214,9 @@ class Resolver:
         self._host_ip = host_ip
         self._allocatable = allocatable
         self._tokens: dict[str, dict[tuple[str, str | None, int], _Token]] = {}
+        # Service-link variables per (namespace, links enabled), with the Services' generation
+        # they were made from: the same for every pod of a namespace until a Service changes.
+        self._service_env: dict[tuple[str, bool], tuple[int, dict[str, str]]] = {}
         self._pass_through = isinstance(provider, PassThroughPods) and provider.pass_through is True
         # Checked once: a runtime protocol check per pod costs more than the rest of its setup.
         self._network = provider if isinstance(provider, PodNetwork) else None
@@ -238,7 +244,7 @@ class Resolver:
             *(spec.get("ephemeralContainers") or []),
         ]
         try:  # the same for every container: computed once per pod
-            service_env = pod_service_env(raw, self._sources)
+            service_env = self._pod_service_env(raw)
         except SourceReadError as e:
             raise ResolutionFailed(
                 "CreateContainerConfigError",
@@ -286,6 +292,18 @@ class Resolver:
             warnings=warnings,
             refresh_after=None if refresh is None else max(refresh - time.monotonic(), 1.0),
         )
+
+    def _pod_service_env(self, raw: JSON) -> dict[str, str]:
+        namespace = (raw.get("metadata") or {}).get("namespace") or ""
+        links = (raw.get("spec") or {}).get("enableServiceLinks", True) is not False
+        key = (str(namespace), links)
+        generation = self._services.generation
+        cached = self._service_env.get(key)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        env = pod_service_env(raw, self._sources)
+        self._service_env[key] = (generation, env)
+        return env
 
     async def _pass_through_pod(self, key: str, raw: JSON) -> Resolution:
         """The pod as written, and current copies of what it references (None: missing)."""

@@ -580,6 +580,37 @@ async def test_a_projected_service_account_token_is_requested_for_the_pod(
     assert request.body["spec"]["boundObjectRef"]["uid"] == uid_of(api, "web")
 
 
+async def test_service_link_variables_follow_a_service_created_after_the_first_pod(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    def linked(name: str) -> JSON:
+        raw = pod(name)
+        raw["spec"]["enableServiceLinks"] = True
+        return raw
+
+    def env_of(name: str) -> dict[str, str]:
+        resolved = push.resolved[f"{NS}/{name}"]
+        assert resolved.pod.spec is not None
+        (container,) = resolved.pod.spec.containers
+        return {e.name: e.value or "" for e in container.env or []}
+
+    api.create("pods", linked("a"))
+    await eventually(lambda: running(api, "a"))
+    service = {"clusterIP": "10.96.0.9", "ports": [{"port": 5432, "protocol": "TCP"}]}
+    api.create("services", {"metadata": {"name": "db", "namespace": NS}, "spec": service})
+    # Pods until one sees the Service (the agent's Services watch catches up): the variables
+    # derived once for the namespace must not stay as they were before it.
+    for i in range(50):
+        api.create("pods", linked(f"b{i}"))
+        await eventually(lambda i=i: running(api, f"b{i}"))  # type: ignore[misc]
+        if "DB_SERVICE_HOST" in env_of(f"b{i}"):
+            break
+    else:
+        raise AssertionError("no pod ever got the new Service's variables")
+    assert env_of(f"b{i}")["DB_SERVICE_HOST"] == "10.96.0.9"
+    assert "DB_SERVICE_HOST" not in env_of("a")
+
+
 async def test_a_short_lived_token_is_refreshed_and_handed_to_the_provider(
     api: FakeApiServer, push: PushProvider, push_node: PodHarness
 ) -> None:
