@@ -149,7 +149,7 @@ def env_of(resolved: ResolvedPod, index: int) -> dict[str, str]:
     return {e.name: e.value or "" for e in resolved.pod.spec.containers[index].env or []}
 
 
-async def test_service_links_are_listed_once_per_pod_and_services_converted_once_per_change(
+async def test_service_links_are_derived_once_per_namespace_until_a_service_changes(
     api: FakeApiServer, counted: tuple[Resolver, CountingServiceCache]
 ) -> None:
     resolver, services = counted
@@ -166,9 +166,14 @@ async def test_service_links_are_listed_once_per_pod_and_services_converted_once
             assert env["KUBERNETES_SERVICE_HOST"] == "10.96.0.1"
             assert env["SVC_7_SERVICE_HOST"] == "10.96.1.7"
             assert "OTHER_7_SERVICE_HOST" not in env
-    assert services.listed == [NS, NS], "one listing of the pod's own namespace per pod"
-    assert services.looked_up == [("default", "kubernetes")] * 2
+    assert services.listed == [NS], "one listing of the namespace for both pods"
+    assert services.looked_up == [("default", "kubernetes")]
     assert services.converted == 41, "each Service converted once, when it was seen"
+    api.create("services", service("late", "10.96.3.1"))
+    await eventually(lambda: services.converted == 42, what="the new Service seen")
+    resolved = (await resolver.resolve(f"{NS}/c", three_container_pod("c", links=True))).pod
+    assert env_of(resolved, 0)["LATE_SERVICE_HOST"] == "10.96.3.1"
+    assert services.listed == [NS, NS], "listed again after the change"
 
 
 async def test_service_links_disabled_lists_no_services_but_keeps_the_master_service(
