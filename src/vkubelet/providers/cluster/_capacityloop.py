@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import msgspec
 
-from ...node import ApiError
+from ...node import ApiError, Unreachable
 from ...sdk.provider import ProviderError
 from ._capacity import (
     LowerCapacity,
@@ -92,7 +92,18 @@ class CapacityFollowing(ProviderCore):
             pods[key] = pod
             if self._usage is not None:
                 self._usage.put(key, pod)
+            meta = pod.get("metadata") or {}
+            if (
+                meta.get("deletionTimestamp")
+                and self._on_gone_node(pod)
+                and is_ours(pod, self.owner)
+            ):
+                self._spawned.spawn(self._force_delete(meta), name=f"force-delete {key} below")
         self._lower_changed.set()
+
+    def _on_gone_node(self, pod: JSON) -> bool:
+        """Bound to a lower node whose deletion the node watch reported."""
+        return (pod.get("spec") or {}).get("nodeName") in self._deleted_nodes
 
     async def _watch_nodes(self, version: str, into: dict[str, JSON], seconds: int) -> None:
         """Keep `into` as the lower node watch tells."""
@@ -108,12 +119,54 @@ class CapacityFollowing(ProviderCore):
                 obj = msgspec.json.decode(raw)
                 if kind == "DELETED":
                     into.pop(uid_of(obj), None)
+                    self._lower_node_deleted(obj)
                 else:
                     into[uid_of(obj)] = obj
+                    self._deleted_nodes.discard((obj.get("metadata") or {}).get("name", ""))
                 self._lower_changed.set()
         except ApiError as e:
             if not e.gone:
                 raise
+
+    def _lower_node_deleted(self, node: JSON) -> None:
+        """Our lower pods being deleted on a node that is now gone: no kubelet is left to end
+        them, so their graceful deletion would wait for the lower pod garbage collector (40 s
+        and more; a mirrored node's drain with it). They are deleted at once, by UID. A
+        deletion seen before the node's is the case here; one seen after is in
+        `_lower_pod_changed`, and one that starts after asks for no grace (`_on_vanished_node`)."""
+        where = (node.get("metadata") or {}).get("name")
+        if where:
+            self._deleted_nodes.add(str(where))
+        pods = self._listed.get("Pod") or {}
+        for pod in list(pods.values()):
+            meta = pod.get("metadata") or {}
+            if (
+                where
+                and (pod.get("spec") or {}).get("nodeName") == where
+                and meta.get("deletionTimestamp")
+                and is_ours(pod, self.owner)
+            ):
+                where_pod = f"{meta.get('namespace')}/{meta.get('name')}"
+                self._spawned.spawn(
+                    self._force_delete(meta), name=f"force-delete {where_pod} below"
+                )
+
+    async def _force_delete(self, meta: JSON) -> None:
+        try:
+            await self.lower.delete(
+                "Pod",
+                str(meta.get("namespace")),
+                str(meta.get("name")),
+                grace_period=0,
+                uid=str(meta.get("uid", "")),
+            )
+        except (ApiError, Unreachable) as e:  # the lower pod GC still ends it, later
+            log.warning(
+                "lower pod %s/%s on a vanished node: cannot delete it now: %s",
+                meta.get("namespace"),
+                meta.get("name"),
+                e,
+            )
 
     async def _recompute(self, seconds: int) -> None:
         changed = self._lower_changed

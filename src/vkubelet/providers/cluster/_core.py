@@ -82,6 +82,7 @@ class ProviderCore:
         # (capacity, fit check) is the same once both kinds have been listed, else None.
         self._listed: dict[str, dict[str, JSON]] = {}
         self._snapshot: dict[str, dict[str, JSON]] | None = None
+        self._deleted_nodes: set[str] = set()  # lower nodes the node watch saw deleted
         self._lower_changed = asyncio.Event()  # a lower node or pod changed: recompute
         self._usage: NodeUsage | None = None  # the snapshot's pods' requests per lower node
         self._cannot_fit_until = 0.0  # loop time until which the node carries the taint

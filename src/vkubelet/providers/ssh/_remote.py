@@ -280,6 +280,20 @@ proc_start() {
 	fi
 }
 
+# own_session PID: wait (2 s at most) until PID leads a session of its own, i.e. setsid has run
+# in it. Until then it is in this SSH session's process group, and whatever ends that group
+# when the session closes would end the supervisor too. Without /proc: no wait.
+own_session() {
+	o_pid=$1 o_n=0
+	while [ "$o_n" -lt 200 ] && read -r o_stat 2>/dev/null <"/proc/$o_pid/stat"; do
+		set -- ${o_stat##*)}
+		[ "$4" = "$o_pid" ] && return 0
+		o_n=$((o_n + 1))
+		sleep 0.01 2>/dev/null || sleep 1
+	done
+	return 0
+}
+
 # supervisor_alive POD_DIR: the pod's supervisor is the process that was started, still runs
 # and has not finished. Sets SPID.
 supervisor_alive() {
@@ -384,6 +398,7 @@ def start_pod_script(root: str, plan: PodPlan) -> str:
         'rm -f "$P/supervisor.pid"\n',
         '$SETSID sh "$P/run.sh" "$P" </dev/null >>"$P/supervisor.log" 2>&1 &\n',
         "SPID=$!\n",
+        '[ -z "$SETSID" ] || own_session "$SPID"\n',
         'proc_start "$SPID"\n',
         'echo "$SPID $BOOT $START" >"$P/supervisor.pid.tmp" '
         '&& mv -f "$P/supervisor.pid.tmp" "$P/supervisor.pid" || fail "no supervisor.pid"\n',

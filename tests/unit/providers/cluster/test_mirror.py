@@ -24,6 +24,7 @@ from vkubelet.providers.cluster import (
     translate_pod,
 )
 from vkubelet.providers.cluster._capacity import mirror_capacity
+from vkubelet.providers.cluster._stamps import stamp
 
 from .pods import OWNER, how, upper_pod
 from .test_fit import node, pod
@@ -210,6 +211,48 @@ def test_a_lower_pod_on_a_vanished_lower_node_is_deleted_without_grace(tmp_path:
         finally:
             await provider.aclose()
 
+    asyncio.run(scenario())
+
+
+def test_our_lower_pods_being_deleted_on_a_lower_node_that_vanishes_are_deleted_at_once(
+    tmp_path: Path,
+) -> None:
+    """Whichever the lower watches report first, the node's deletion or the pod's."""
+
+    def lower(name: str, where: str, *, deleting: bool = True, ours: bool = True) -> JSON:
+        obj: JSON = {"metadata": {"name": name, "namespace": "shop", "uid": f"u-{name}"}}
+        obj["spec"] = {"nodeName": where}
+        if ours:
+            obj = stamp(obj, provider.owner, namespace="shop", name=name, uid=f"up-{name}")
+        if deleting:
+            obj["metadata"]["deletionTimestamp"] = "2026-11-25T00:00:00Z"
+        return obj
+
+    forced: list[str] = []
+
+    async def force(meta: JSON) -> None:
+        forced.append(meta["name"])
+
+    async def scenario() -> None:
+        try:
+            provider._force_delete = force  # type: ignore[method-assign]
+            pods = [
+                lower("evicted", "lower-a"),
+                lower("running", "lower-a", deleting=False),
+                lower("elsewhere", "lower-b"),
+                lower("not-ours", "lower-a", ours=False),
+            ]
+            provider._lower_listed("Node", {"a": node("lower-a", "1"), "b": node("lower-b", "1")})
+            provider._lower_listed("Pod", {p["metadata"]["uid"]: p for p in pods})
+            provider._lower_node_deleted(node("lower-a", "1"))
+            provider._lower_pod_changed("MODIFIED", lower("later", "lower-a"))
+            provider._lower_pod_changed("MODIFIED", lower("later-b", "lower-b"))
+            await asyncio.sleep(0)
+            assert sorted(forced) == ["evicted", "later"]
+        finally:
+            await provider.aclose()
+
+    provider = mirror_provider(tmp_path)
     asyncio.run(scenario())
 
 
