@@ -25,6 +25,7 @@ from vkubelet.providers.cluster import (
 )
 from vkubelet.providers.cluster._capacity import mirror_capacity
 from vkubelet.providers.cluster._stamps import stamp
+from vkubelet.testing.harness import eventually
 
 from .pods import OWNER, how, upper_pod
 from .test_fit import node, pod
@@ -247,7 +248,7 @@ def test_our_lower_pods_being_deleted_on_a_lower_node_that_vanishes_are_deleted_
             provider._lower_node_deleted(node("lower-a", "1"))
             provider._lower_pod_changed("MODIFIED", lower("later", "lower-a"))
             provider._lower_pod_changed("MODIFIED", lower("later-b", "lower-b"))
-            await asyncio.sleep(0)
+            await eventually(lambda: len(forced) == 2, what="two forced deletions")
             assert sorted(forced) == ["evicted", "later"]
         finally:
             await provider.aclose()
