@@ -336,6 +336,11 @@ def test_port_forward_reaches_a_server_on_the_device(lab: Lab, kubectl: Kubectl)
         ["python3", "-m", "http.server", str(remote), "--bind", "127.0.0.1"],
     )
     try:
+        # Listening first: kubectl port-forward gives up on a connection the pod refuses, and
+        # under load the first fetch came before the server's socket.
+        probe = f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {remote}))\""
+        device = lab.devices[1]
+        wait_for(lambda: device.run(probe).returncode == 0, timeout=30, what="server listening")
         with port_forward(kubectl, name, remote) as local:
 
             def fetch() -> bool:
