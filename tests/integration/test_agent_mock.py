@@ -6,6 +6,7 @@ tests read what the provider was actually given: resolved env, volume files, cre
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import time
@@ -233,9 +234,16 @@ def test_every_env_source_reaches_the_provider_resolved(
         "KUBERNETES_SERVICE_PORT": "443",
     }
     assert {k: seen.get(k) for k in expected} == expected
-    # The projected service-account token was obtained through the TokenRequest API.
-    tokens = [v for k, v in provided["files"].items() if k.endswith("/token")]
-    assert tokens and tokens[0].count(".") == 2
+    # The mock asks for the projected service-account token when something reads it (a
+    # TokenRequest bound to the pod), not at every start: it is not among the files given.
+    assert not [k for k in provided["files"] if k.endswith("/token")]
+    sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+    token = kubectl("-n", ns, "exec", "envy", "--", "cat", f"{sa}/token").stdout
+    assert token.count(".") == 2
+    claims = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=="))
+    assert claims["sub"] == f"system:serviceaccount:{ns}:runner"
+    assert claims["kubernetes.io"]["pod"]["uid"] == pod["metadata"]["uid"]
+    assert kubectl("-n", ns, "exec", "envy", "--", "cat", f"{sa}/namespace").stdout == ns
 
 
 def test_missing_mandatory_configmap_holds_the_pod_until_it_appears(

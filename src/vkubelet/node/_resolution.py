@@ -23,13 +23,15 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 from lightkube.resources.core_v1 import Pod, Service
 
-from ..sdk.provider import PassThroughPods, ResolvedPod
+from ..sdk.provider import PassThroughPods, ProviderError, ResolvedPod, TokensOnDemand
+from ..sdk.volumes import FileContent
 from ._kube import ApiError, KubeClient, Unreachable
 from ._objects import ObjectCache, ReadFailed
 from ._reflector import Handler, Reflector
 from .resolve import (
     EnvResolutionError,
     SourceReadError,
+    TokenFile,
     expand_command_and_args,
     pass_through_references,
     referenced_objects,
@@ -168,6 +170,18 @@ class _Sources:
         return self._services.in_namespace(namespace)
 
 
+_TokenKey = tuple[str, str | None, int]  # service account, audience, expiration seconds
+
+
+@dataclass(frozen=True)
+class _DeferredTokens:
+    """What a `TokensOnDemand` provider's pod needs to get its token files later."""
+
+    meta: JSON  # namespace, name and uid: what the token is bound to
+    account: str
+    files: tuple[TokenFile, ...]
+
+
 @dataclass
 class _Token:
     token: str
@@ -178,7 +192,7 @@ class _Token:
 class _Tokens:
     """Tokens fetched ahead of the (synchronous) resolution, keyed by what was asked for."""
 
-    def __init__(self, tokens: dict[tuple[str, str | None, int], _Token]) -> None:
+    def __init__(self, tokens: dict[_TokenKey, _Token]) -> None:
         self._tokens = tokens
 
     def request_token(
@@ -213,16 +227,21 @@ class Resolver:
         self._sources = _Sources(objects, services)
         self._host_ip = host_ip
         self._allocatable = allocatable
-        self._tokens: dict[str, dict[tuple[str, str | None, int], _Token]] = {}
+        self._tokens: dict[str, dict[_TokenKey, _Token]] = {}
+        self._deferred: dict[str, _DeferredTokens] = {}
         # Service-link variables per (namespace, links enabled), with the Services' generation
         # they were made from: the same for every pod of a namespace until a Service changes.
         self._service_env: dict[tuple[str, bool], tuple[int, dict[str, str]]] = {}
         self._pass_through = isinstance(provider, PassThroughPods) and provider.pass_through is True
         # Checked once: a runtime protocol check per pod costs more than the rest of its setup.
         self._network = provider if isinstance(provider, PodNetwork) else None
+        self._tokens_on_demand = isinstance(provider, TokensOnDemand)
+        if isinstance(provider, TokensOnDemand):
+            provider.use_tokens(self)  # one resolver per node, made before its first pod
 
     def forget(self, key: str) -> None:
         self._tokens.pop(key, None)
+        self._deferred.pop(key, None)
 
     async def resolve(self, key: str, pod: Pod) -> Resolution:
         raw: JSON = msgspec.to_builtins(pod)
@@ -235,7 +254,7 @@ class Resolver:
         pod_ips = [self._host_ip]
         if self._network is not None:
             pod_ips = await self._network.pod_ips(pod)
-        tokens = await self._fetch_tokens(key, raw)
+        tokens = {} if self._tokens_on_demand else await self._fetch_tokens(key, raw)
         allocatable = self._allocatable()
         warnings: list[tuple[str, str]] = []
         containers = [
@@ -278,11 +297,22 @@ class Resolver:
             if container.get("args") is not None:
                 container["args"] = args
         volumes = resolve_volumes(
-            raw, self._sources, token_source=_Tokens(tokens), node_allocatable=allocatable
+            raw,
+            self._sources,
+            token_source=_Tokens(tokens),
+            node_allocatable=allocatable,
+            defer_tokens=self._tokens_on_demand,
         )
         if volumes.errors:
             message = "; ".join(e.message for e in volumes.errors)
             raise ResolutionFailed("FailedMount", message, [("FailedMount", message)])
+        if volumes.deferred_tokens:
+            account = spec.get("serviceAccountName") or "default"
+            meta = raw["metadata"]
+            bound = {k: meta[k] for k in ("namespace", "name", "uid")}  # not the whole metadata
+            self._deferred[key] = _DeferredTokens(bound, account, volumes.deferred_tokens)
+        else:
+            self._deferred.pop(key, None)
         refresh = min((t.refresh_at for t in tokens.values()), default=None)
         return Resolution(
             pod=ResolvedPod(
@@ -318,8 +348,29 @@ class Resolver:
                 raise ResolutionFailed("CreateContainerConfigError", str(e)) from None
         return Resolution(pod=ResolvedPod(pod=msgspec.convert(raw, Pod), references=references))
 
-    async def _fetch_tokens(self, key: str, raw: JSON) -> dict[tuple[str, str | None, int], _Token]:
-        wanted: set[tuple[str, str | None, int]] = set()
+    async def token_files(
+        self, namespace: str, name: str, uid: str
+    ) -> dict[str, dict[str, FileContent]]:
+        """`PodTokens` for a `TokensOnDemand` provider: the token files resolution left out."""
+        key = f"{namespace}/{name}"
+        deferred = self._deferred.get(key)
+        if deferred is None or deferred.meta.get("uid") != uid:
+            return {}
+        wanted = {(deferred.account, f.audience, f.expiration_seconds) for f in deferred.files}
+        try:
+            tokens = await self._current_tokens(key, deferred.meta, wanted)
+        except ResolutionFailed as e:
+            raise ProviderError(e.reason, e.message, permanent=False) from None
+        files: dict[str, dict[str, FileContent]] = {}
+        for f in deferred.files:
+            token = tokens[(deferred.account, f.audience, f.expiration_seconds)].token
+            files.setdefault(f.volume, {})[f.path] = FileContent(
+                token.encode(), f.mode, f.owner_uid
+            )
+        return files
+
+    async def _fetch_tokens(self, key: str, raw: JSON) -> dict[_TokenKey, _Token]:
+        wanted: set[_TokenKey] = set()
         account = raw["spec"].get("serviceAccountName") or "default"
         for volume in raw["spec"].get("volumes") or []:
             for source in (volume.get("projected") or {}).get("sources") or []:
@@ -335,6 +386,12 @@ class Resolver:
         if not wanted:
             self._tokens.pop(key, None)
             return {}
+        return await self._current_tokens(key, raw["metadata"], wanted)
+
+    async def _current_tokens(
+        self, key: str, meta: JSON, wanted: set[_TokenKey]
+    ) -> dict[_TokenKey, _Token]:
+        """The pod's cached tokens, with those missing or due for renewal requested now."""
         cache = self._tokens.setdefault(key, {})
         for stale in set(cache) - wanted:
             del cache[stale]
@@ -342,13 +399,12 @@ class Resolver:
         for want in wanted:
             current = cache.get(want)
             if current is None or current.refresh_at <= now:
-                cache[want] = await self._request_token(raw, *want)
+                cache[want] = await self._request_token(meta, *want)
         return cache
 
     async def _request_token(
-        self, raw: JSON, account: str, audience: str | None, seconds: int
+        self, meta: JSON, account: str, audience: str | None, seconds: int
     ) -> _Token:
-        meta = raw["metadata"]
         body: JSON = {
             "apiVersion": "authentication.k8s.io/v1",
             "kind": "TokenRequest",

@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
-from .volumes import ResolvedVolume
+from .volumes import FileContent, ResolvedVolume
 
 __all__ = [
     "Closeable",
@@ -45,9 +45,11 @@ __all__ = [
     "PodLifecycleHandler",
     "PodNotifier",
     "PodStatus",
+    "PodTokens",
     "ProviderContext",
     "ProviderError",
     "ResolvedPod",
+    "TokensOnDemand",
     "UpperAPI",
     "UsesUpperAPI",
 ]
@@ -228,6 +230,36 @@ class UsesUpperAPI(Protocol):
     agent calls `use_upper_api` once, before any other call, with the client it uses itself."""
 
     def use_upper_api(self, api: UpperAPI) -> None: ...
+
+
+class PodTokens(Protocol):
+    """The service-account token files of a `TokensOnDemand` provider's pods, on request."""
+
+    async def token_files(
+        self, namespace: str, name: str, uid: str
+    ) -> Mapping[str, Mapping[str, FileContent]]:
+        """`{volume: {path: content}}`: the token files the pod's projected volumes lack, each
+        with the path, mode and owner the kubelet would give it. A token is requested (bound
+        to the pod) on first use and again once 80 % of its lifetime has passed; between
+        those, the same one is returned. Empty for a pod the node does not know (or of
+        another UID). `ProviderError("FailedMount", ...)` when no token can be had."""
+        ...
+
+
+@runtime_checkable
+class TokensOnDemand(Protocol):
+    """Optional: the provider reads service-account tokens only when something needs them.
+
+    A kubelet requests every projected token before the pod starts, and again at 80 % of its
+    lifetime, whether anything reads it or not: one TokenRequest per pod, about as costly to
+    the apiserver as the pod's status write. A provider whose containers are not real
+    processes (the mock, whose files live in memory until someone execs) need not pay that.
+    With this capability its `ResolvedPod.volumes` lack the token files, their contents do
+    not count as a change (no `update_pod` when a token is renewed), and it asks the
+    `PodTokens` given once, before the first pod, when it needs them.
+    """
+
+    def use_tokens(self, tokens: PodTokens) -> None: ...
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ from vkubelet.node import ContainerLogOptions, ProviderError
 from vkubelet.node import ResolvedPod as ResolvedPodT
 from vkubelet.node.resolve import FilesVolume
 from vkubelet.providers.mock import PRINT_ENV_ANNOTATION, MockConfig, MockProvider
+from vkubelet.sdk.capabilities import AttachIO
 from vkubelet.testing.fakeapi import JSON, FakeApiServer
 
 from .helpers import (
@@ -578,6 +579,83 @@ async def test_a_projected_service_account_token_is_requested_for_the_pod(
     [request] = api.calls_to("POST", f"/namespaces/{NS}/serviceaccounts/default/token$")
     assert request.body["spec"]["audiences"] == ["vault"]
     assert request.body["spec"]["boundObjectRef"]["uid"] == uid_of(api, "web")
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    async def write(self, data: bytes) -> None:
+        self.data += data
+
+
+async def exec_output(mock: MockProvider, name: str, *command: str) -> bytes:
+    out = _Out()
+    io_ = AttachIO(stdin=None, stdout=out, stderr=out)
+    io_.resizes.close()
+    async with asyncio.timeout(5):
+        await mock.exec_in_container(NS, name, "app", list(command), io_)
+    return bytes(out.data)
+
+
+def token_pod(name: str, seconds: int = 3600) -> JSON:
+    source = {"serviceAccountToken": {"path": "token", "expirationSeconds": seconds}}
+    mount = {"name": "sa", "mountPath": "/var/run/secrets/sa"}
+    app = {"name": "app", "image": "registry.test/app:1", "volumeMounts": [mount]}
+    volume = {
+        "name": "sa",
+        "projected": {
+            "sources": [
+                source,
+                {
+                    "downwardAPI": {
+                        "items": [
+                            {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
+                        ]
+                    }
+                },
+            ]
+        },
+    }
+    return pod(name, containers=[app], volumes=[volume])
+
+
+async def test_a_mock_pod_starts_without_a_token_request_and_gets_its_token_on_first_exec(
+    api: FakeApiServer, mock: MockProvider, mock_node: PodHarness
+) -> None:
+    token_path = f"/namespaces/{NS}/serviceaccounts/default/token$"
+    api.create("pods", token_pod("web"))
+    await eventually(lambda: running(api, "web"))
+    assert api.calls_to("POST", token_path) == []
+    # The volume's other files are there from the start; the token joins them when asked for.
+    assert await exec_output(mock, "web", "cat", "/var/run/secrets/sa/namespace") == NS.encode()
+    assert await exec_output(mock, "web", "cat", "/var/run/secrets/sa/token") == b"token-default-1"
+    [request] = api.calls_to("POST", token_path)
+    assert request.body["spec"]["boundObjectRef"]["uid"] == uid_of(api, "web")
+    # Until 80 % of its lifetime has passed, the same token: no request per exec.
+    assert await exec_output(mock, "web", "cat", "/var/run/secrets/sa/token") == b"token-default-1"
+    assert len(api.calls_to("POST", token_path)) == 1
+
+
+async def test_an_on_demand_token_is_renewed_at_use_and_never_causes_an_update(
+    api: FakeApiServer, mock: MockProvider, mock_node: PodHarness
+) -> None:
+    api.create("pods", token_pod("web", seconds=1))
+    await eventually(lambda: running(api, "web"))
+    first = await exec_output(mock, "web", "cat", "/var/run/secrets/sa/token")
+    assert first == b"token-default-1"
+
+    async def renewed() -> bool:
+        return await exec_output(mock, "web", "cat", "/var/run/secrets/sa/token") != first
+
+    for _ in range(50):  # 80 % of a second, at most: each exec asks again once it is due
+        if await renewed():
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the token was never renewed")
+    # A renewal is the provider's business: the pod it was given did not change.
+    await always(lambda: mock_node.controller.updates == 0, duration=1.5)
 
 
 async def test_service_link_variables_follow_a_service_created_after_the_first_pod(

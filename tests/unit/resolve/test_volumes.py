@@ -15,6 +15,7 @@ from vkubelet.node.resolve import (
     FilesVolume,
     HostPathVolume,
     OtherVolume,
+    TokenFile,
     TokenSource,
     VolumeResult,
     resolve_volumes,
@@ -291,6 +292,48 @@ def test_fs_group_makes_every_file_group_readable_and_the_token_0640() -> None:
     assert access.files["token"].mode == 0o640
     assert access.files["ca.crt"].mode == 0o644
     assert files_of(result, "tls") == {"key": FileContent(b"K", 0o440)}
+
+
+def test_deferred_tokens_are_left_out_with_the_place_mode_and_owner_they_would_have() -> None:
+    tokens = FakeTokens()
+    sources = FakeSources(objects=[configmap("kube-root-ca.crt", {"ca.crt": "PEM"})])
+    volume = kube_api_access()
+    volume["projected"]["sources"][0]["serviceAccountToken"]["path"] = "./sa//token"
+    result = resolve_volumes(
+        pod(volumes=[volume], securityContext={"runAsUser": 7, "fsGroup": 9}),
+        sources,
+        token_source=tokens,
+        node_allocatable=ALLOCATABLE,
+        defer_tokens=True,
+    )
+    assert tokens.requests == []
+    assert set(files_of(result, "kube-api-access")) == {"ca.crt", "namespace"}
+    assert result.deferred_tokens == (
+        TokenFile("kube-api-access", "sa/token", 0o640, 7, None, 3607),
+    )
+    assert result.token_expiry is None
+
+
+def test_a_deferred_token_overwritten_by_a_later_source_is_not_deferred() -> None:
+    sources = FakeSources(objects=[configmap("cfg", {"token": "from-config"})])
+    volume = {
+        "name": "v",
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token"}},
+                {"configMap": {"name": "cfg"}},
+            ]
+        },
+    }
+    result = resolve_volumes(
+        pod(volumes=[volume]),
+        sources,
+        token_source=None,
+        node_allocatable=ALLOCATABLE,
+        defer_tokens=True,
+    )
+    assert files_of(result)["token"].data == b"from-config"
+    assert result.deferred_tokens == ()
 
 
 def test_token_volume_fails_when_no_token_can_be_had() -> None:

@@ -44,6 +44,7 @@ from .servicelinks import DEFAULT_MASTER_SERVICES_NAMESPACE
 from .sources import SourceReadError, Sources
 from .volumes import (
     FAILED_MOUNT,
+    TokenFile,
     TokenSource,
     VolumeError,
     VolumeResult,
@@ -83,6 +84,7 @@ __all__ = [
     "ResolvedVolume",
     "SourceReadError",
     "Sources",
+    "TokenFile",
     "TokenSource",
     "VolumeError",
     "VolumeResult",

@@ -12,6 +12,7 @@ or untouched (everything else), for the provider to decide on.
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,29 @@ class TokenSource(Protocol):
 
 
 @dataclass(frozen=True)
+class TokenFile:
+    """A service-account token file left out of its volume, for the provider to ask for when
+    it needs it (`TokensOnDemand`): where it goes, with what mode and owner, and what to
+    request."""
+
+    volume: str
+    path: str
+    mode: int
+    owner_uid: int | None
+    audience: str | None
+    expiration_seconds: int
+
+
+@dataclass(frozen=True)
+class _PendingToken(FileContent):
+    """A token file's place in a projected payload, before its path is cleaned and its mode
+    gets the fsGroup bits: it goes through the same merging and checks as every other file."""
+
+    audience: str | None = None
+    expiration_seconds: int = DEFAULT_TOKEN_EXPIRATION_SECONDS
+
+
+@dataclass(frozen=True)
 class VolumeError:
     """A volume the pod cannot start without; record it as a Warning event on the pod."""
 
@@ -91,6 +115,7 @@ class VolumeResult:
     volumes: tuple[ResolvedVolume, ...]
     errors: tuple[VolumeError, ...] = ()
     token_expiry: datetime | None = None
+    deferred_tokens: tuple[TokenFile, ...] = ()  # with `defer_tokens`: left out of `volumes`
 
     @property
     def ok(self) -> bool:
@@ -181,7 +206,7 @@ def _finish(payload: Mapping[str, FileContent], fs_group: int | None) -> dict[st
         except ValueError as err:
             raise _MountError(str(err)) from err
         if fs_group is not None:
-            content = FileContent(content.data, content.mode | _FS_GROUP_READ, content.owner_uid)
+            content = dataclasses.replace(content, mode=content.mode | _FS_GROUP_READ)
         files[cleaned] = content
     for path in files:
         parts = path.split("/")
@@ -204,10 +229,13 @@ class _VolumeResolver:
         sources: Sources,
         token_source: TokenSource | None,
         node_allocatable: JSON,
+        defer_tokens: bool = False,
     ) -> None:
         self.pod = pod
         self.sources = sources
         self.token_source = token_source
+        self.defer_tokens = defer_tokens
+        self.deferred: list[TokenFile] = []
         self.node_allocatable = node_allocatable
         self.namespace = text(obj(pod.get("metadata")).get("namespace"))
         self.fs_group = fs_group_of(pod)
@@ -313,14 +341,19 @@ class _VolumeResolver:
     def service_account_token(
         self, source: JSON, default_mode: int, errors: list[str]
     ) -> dict[str, FileContent]:
+        expiration = source.get("expirationSeconds")
+        if not isinstance(expiration, int) or isinstance(expiration, bool):
+            expiration = DEFAULT_TOKEN_EXPIRATION_SECONDS
+        mode = self._secret_file_mode(default_mode)
+        path = text(source.get("path"))
+        if self.defer_tokens:
+            audience = text(source.get("audience")) or None
+            return {path: _PendingToken(b"", mode, self.fs_user, audience, expiration)}
         if self.token_source is None:
             errors.append("service account token projection is not supported by this node")
             return {}
         spec = obj(self.pod.get("spec"))
         account = text(spec.get("serviceAccountName")) or "default"
-        expiration = source.get("expirationSeconds")
-        if not isinstance(expiration, int) or isinstance(expiration, bool):
-            expiration = DEFAULT_TOKEN_EXPIRATION_SECONDS
         try:
             token, expiry = self.token_source.request_token(
                 self.namespace, account, text(source.get("audience")) or None, expiration, self.pod
@@ -330,8 +363,7 @@ class _VolumeResolver:
             return {}
         if self.token_expiry is None or expiry < self.token_expiry:
             self.token_expiry = expiry
-        mode = self._secret_file_mode(default_mode)
-        return {text(source.get("path")): FileContent(utf8_bytes(token), mode, self.fs_user)}
+        return {path: FileContent(utf8_bytes(token), mode, self.fs_user)}
 
     def cluster_trust_bundle(
         self, source: JSON, default_mode: int, errors: list[str]
@@ -401,6 +433,19 @@ class _VolumeResolver:
             # Go's aggregate error: one message alone, several as "[a, b]".
             raise _MountError(errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]")
         files = _finish(payload, self.fs_group)
+        for path, content in list(files.items()):
+            if isinstance(content, _PendingToken):
+                del files[path]
+                self.deferred.append(
+                    TokenFile(
+                        name,
+                        path,
+                        content.mode,
+                        content.owner_uid,
+                        content.audience,
+                        content.expiration_seconds,
+                    )
+                )
         return FilesVolume(name, _FILE_KINDS[kind], files, self.fs_group)
 
 
@@ -410,6 +455,7 @@ def resolve_volumes(
     *,
     token_source: TokenSource | None,
     node_allocatable: JSON,
+    defer_tokens: bool = False,
 ) -> VolumeResult:
     """Resolve every volume of `pod` as the kubelet's volume plugins would set it up.
 
@@ -418,8 +464,10 @@ def resolve_volumes(
     `FailedMount` message and left out of `volumes`; the pod must not start until it resolves.
     Missing optional sources give empty volumes or skipped keys. `token_source` None means
     this node cannot issue service-account tokens (volumes that need one fail).
+    `defer_tokens` requests no token: each token file is left out of its volume and listed in
+    `deferred_tokens` instead, for a provider that asks for tokens when it needs them.
     """
-    resolver = _VolumeResolver(pod, sources, token_source, node_allocatable)
+    resolver = _VolumeResolver(pod, sources, token_source, node_allocatable, defer_tokens)
     volumes: list[ResolvedVolume] = []
     errors: list[VolumeError] = []
     for volume in (obj(v) for v in seq(obj(pod.get("spec")).get("volumes"))):
@@ -430,7 +478,9 @@ def resolve_volumes(
             errors.append(
                 VolumeError(name, f'MountVolume.SetUp failed for volume "{name}" : {err}')
             )
-    return VolumeResult(tuple(volumes), tuple(errors), resolver.token_expiry)
+    return VolumeResult(
+        tuple(volumes), tuple(errors), resolver.token_expiry, tuple(resolver.deferred)
+    )
 
 
 # --------------------------------------------------------------------------------------------

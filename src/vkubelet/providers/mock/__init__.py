@@ -9,8 +9,10 @@ Every kubectl verb works against the mock, so that each can be tested end to end
 - `kubectl exec` runs a small set of built-in commands (`MockProvider.exec_in_container` lists
   them, including a little `sh` and the `tar` that `kubectl cp` needs) against an in-memory
   filesystem per container, created on first use and seeded with the pod's volume files at
-  their mount paths. With `-t` a line discipline echoes what is typed, ^C interrupts and the
-  window size is tracked (`stty size`). Nothing there outlives the agent.
+  their mount paths. Service-account tokens are requested then (`TokensOnDemand`), not at
+  every start: a TokenRequest costs the apiserver about what the pod's status write does, and
+  most mock pods are never exec'd into. With `-t` a line discipline echoes what is typed, ^C
+  interrupts and the window size is tracked (`stty size`). Nothing there outlives the agent.
 - `kubectl attach` reaches a "main process" that echoes stdin upper-cased.
 - `kubectl port-forward` connects to the port on 127.0.0.1: the mock's pods "are" the host.
 - `kubectl logs -f` prints `mock: tick N` every second until the pod stops.

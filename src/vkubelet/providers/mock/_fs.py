@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from ._records import MockContainer, MockPod
 
@@ -122,22 +122,15 @@ class Filesystem:
             del self.mtimes[name]
 
 
-def mount_volumes(
-    fs: Filesystem, mock: MockPod, container: MockContainer, *, refresh: bool = False
+def write_mounted(
+    fs: Filesystem, files: Mapping[str, str], mounts: Iterable[tuple[str, str, str]]
 ) -> None:
-    """Put the files of the container's volumes where they are mounted. `refresh` replaces
-    the contents of whole-volume mounts (subPath mounts are never updated, as on a kubelet)."""
-    for volume, mount_path, sub_path in container.mounts:
+    """Write `files` ("volume/path" -> text) where `mounts` (volume, path, subPath) put them,
+    and nothing else: token files fetched on demand join a filesystem that has the rest."""
+    for volume, mount_path, sub_path in mounts:
         target = join("/", mount_path)
         sub = sub_path.strip("/")
-        if refresh:
-            if sub:
-                continue
-            fs.remove(target)
-        if not sub or f"{volume}/{sub}" not in mock.files:  # a directory is mounted
-            with contextlib.suppress(FsError):
-                fs.makedirs(target)
-        for key, text in mock.files.items():
+        for key, text in files.items():
             name, _, rel = key.partition("/")
             if name != volume:
                 continue
@@ -149,6 +142,23 @@ def mount_volumes(
                 continue
             with contextlib.suppress(FsError, NoSpace):
                 fs.write(destination, text.encode())
+
+
+def mount_volumes(
+    fs: Filesystem, mock: MockPod, container: MockContainer, *, refresh: bool = False
+) -> None:
+    """Put the files of the container's volumes where they are mounted. `refresh` replaces
+    the contents of whole-volume mounts (subPath mounts are never updated, as on a kubelet)."""
+    mounts = [m for m in container.mounts if not (refresh and m[2].strip("/"))]
+    for volume, mount_path, sub_path in mounts:
+        target = join("/", mount_path)
+        sub = sub_path.strip("/")
+        if refresh:
+            fs.remove(target)
+        if not sub or f"{volume}/{sub}" not in mock.files:  # a directory is mounted
+            with contextlib.suppress(FsError):
+                fs.makedirs(target)
+    write_mounted(fs, mock.files, mounts)
 
 
 def container_filesystem(mock: MockPod, container: MockContainer) -> Filesystem:

@@ -6,7 +6,7 @@ since the mock's pods "are" this machine."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from ...sdk.capabilities import AttachIO
 from ...sdk.probes import ExecResult, ProbeReader, ProbeWriter
@@ -34,7 +34,7 @@ class MockProbes:
     def __init__(
         self,
         mock: MockPod,
-        filesystem: Callable[[MockPod, MockContainer], Filesystem],
+        filesystem: Callable[[MockPod, MockContainer], Awaitable[Filesystem]],
         stopped: asyncio.Event,
     ) -> None:
         self._mock = mock
@@ -48,7 +48,7 @@ class MockProbes:
         found = self._mock.container(container)
         output = _Collect()
         io = AttachIO(stdin=None, stdout=output, stderr=output)
-        fs = self._filesystem(self._mock, found)
+        fs = await self._filesystem(self._mock, found)
         env = environment(self._mock, found)
         code = await run_command(fs, env, self._mock.name, list(command), io, self._stopped)
         return ExecResult(code, bytes(output.data))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import random
 from collections.abc import AsyncIterator, Callable
@@ -25,15 +26,17 @@ from ...node import ContainerLogOptions, ProviderContext, ProviderError, Resolve
 from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.logs import previous_not_found
 from ...sdk.probes import PodProbes, ProbeEvent, ProbeKind
-from ...sdk.provider import EventSink
+from ...sdk.provider import EventSink, PodTokens
 from ...sdk.status import ContainerReport, Running, Terminated, build_pod_status
 from ._config import MockConfig
-from ._fs import Filesystem, container_filesystem, mount_volumes
+from ._fs import Filesystem, container_filesystem, mount_volumes, write_mounted
 from ._probes import MockProbes
 from ._records import MockContainer, MockPod, containers_of, files_of, now, parse_time
 from ._shell import environment, run_command
 from ._stats import NodeStats
 from ._streams import attach, forward, log_lines
+
+log = logging.getLogger(__name__)
 
 PRINT_ENV_ANNOTATION = "mock.vkubelet.io/print-env"
 # Makes create_pod fail with this reason: lets tests prove how rejected pods are reported.
@@ -80,6 +83,9 @@ class MockProvider:
         self._stops: dict[str, asyncio.Event] = {}  # uid -> set when the pod stops
         self._random = random.Random(node_name)  # noqa: S311 - deterministic fake failures
         self._filesystems: dict[str, dict[str, Filesystem]] = {}  # uid -> container -> files
+        # Service-account tokens are asked for when a filesystem is used, not at every start:
+        # a TokenRequest per pod would cost the apiserver as much as the pod's status write.
+        self._tokens: PodTokens | None = None
         self._stats = NodeStats(node_name, config.memory)
         # How often `logs -f` and an attach without stdin print a line; tests shorten it.
         self.tick_seconds = 1.0
@@ -147,6 +153,9 @@ class MockProvider:
         node.status.allocatable = dict(capacity)
         if self.config.provider_id:
             node.spec.providerID = self.config.provider_id
+
+    def use_tokens(self, tokens: PodTokens) -> None:
+        self._tokens = tokens
 
     async def ping(self) -> None:
         fail = self.config.ping_fail_file
@@ -362,11 +371,28 @@ class MockProvider:
             )
         return mock, found
 
-    def _filesystem(self, mock: MockPod, container: MockContainer) -> Filesystem:
+    async def _filesystem(self, mock: MockPod, container: MockContainer) -> Filesystem:
+        """The container's files, with its service-account tokens current (they are fetched,
+        or renewed once due, here: the first exec into a pod requests them)."""
+        tokens: dict[str, str] = {}
+        if self._tokens is not None:
+            try:
+                given = await self._tokens.token_files(mock.namespace, mock.name, mock.uid)
+            except ProviderError as e:
+                # An apiserver outage must not fail exec probes (and so restart containers):
+                # the files keep the token they have, as a kubelet's would.
+                log.warning("pod %s/%s: %s", mock.namespace, mock.name, e.message)
+                given = {}
+            tokens = {
+                f"{volume}/{path}": content.data.decode(errors="replace")
+                for volume, files in given.items()
+                for path, content in files.items()
+            }
         per_pod = self._filesystems.setdefault(mock.uid, {})
         fs = per_pod.get(container.name)
         if fs is None:
             fs = per_pod[container.name] = container_filesystem(mock, container)
+        write_mounted(fs, tokens, container.mounts)
         return fs
 
     async def container_logs(
@@ -405,7 +431,7 @@ class MockProvider:
         command with 130; it is killed (137) if the pod stops.
         """
         mock, found = self._running_container(namespace, pod, container)
-        fs = self._filesystem(mock, found)
+        fs = await self._filesystem(mock, found)
         env = environment(mock, found)
         return await run_command(fs, env, mock.name, command, io, self._stop_event(mock.uid))
 
