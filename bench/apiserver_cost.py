@@ -1,0 +1,169 @@
+"""Benchmark: what each kind of request an agent makes per pod costs the apiserver. Prints figures.
+
+    .venv/bin/python bench/apiserver_cost.py [--requests 2000] [--rounds 2] [--cluster NAME]
+
+On this machine the apiserver, etcd and the agent share two cores, so at thousands of pods an
+agent's pods/s is bounded by the apiserver's CPU, not its own: every request it makes per pod
+is paid for there. This measures that price per request kind, with `--concurrency` (32) in
+flight against a dev cluster, `--requests` pods made beforehand (bound to a node that does not
+exist, so nothing acts on them):
+
+- `GET pod`: the cheapest request, for scale;
+- `TokenRequest`: a service-account token bound to a pod, which a kubelet requests for every
+  pod with a projected token volume (the ServiceAccount admission plugin adds one to every pod);
+- `event POST`: a new `Started`-style Event;
+- `status PATCH`: a pod status write (strategic merge patch), one per pod started.
+
+Figure: CPU milliseconds of the kube-apiserver and etcd processes (user + system, from /proc)
+per request, median over `--rounds`, each round after the cluster has settled for 2 s.
+
+It is a benchmark, not a test: it asserts nothing and only prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+from _common import cluster_for, http_client, log, new_namespace, print_table
+
+_CLOCK = os.sysconf("SC_CLK_TCK")
+_CONTROL_PLANE = {"kube-apiserver", "etcd"}
+
+
+def control_plane_cpu() -> float:
+    """CPU seconds used so far by every kube-apiserver and etcd process on the machine: run it
+    with only the benchmark's cluster up."""
+    total = 0.0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (proc / "comm").read_text().strip() not in _CONTROL_PLANE:
+                continue
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _CLOCK
+    return total
+
+
+Request = Callable[[int], Awaitable[None]]
+
+
+def requests(client: httpx.AsyncClient, ns: str, uids: list[str]) -> dict[str, Request]:
+    async def ok(response: Awaitable[httpx.Response]) -> None:
+        (await response).raise_for_status()
+
+    async def get(i: int) -> None:
+        await ok(client.get(f"/api/v1/namespaces/{ns}/pods/p{i}"))
+
+    async def token(i: int) -> None:
+        ref = {"apiVersion": "v1", "kind": "Pod", "name": f"p{i}", "uid": uids[i]}
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 3607, "boundObjectRef": ref},
+        }
+        await ok(client.post(f"/api/v1/namespaces/{ns}/serviceaccounts/default/token", json=body))
+
+    async def event(i: int) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"p{i}.{time.monotonic_ns():x}", "namespace": ns},
+            "involvedObject": {"kind": "Pod", "name": f"p{i}", "namespace": ns, "uid": uids[i]},
+            "reason": "Started",
+            "message": "the pod's containers are running",
+            "type": "Normal",
+            "source": {"component": "bench", "host": "nowhere"},
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        await ok(client.post(f"/api/v1/namespaces/{ns}/events", json=body))
+
+    async def patch(i: int) -> None:
+        ready = "True" if time.monotonic_ns() % 2 else "False"  # a change every time
+        body = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": ready}]}}
+        await ok(
+            client.patch(
+                f"/api/v1/namespaces/{ns}/pods/p{i}/status",
+                json=body,
+                headers={"Content-Type": "application/strategic-merge-patch+json"},
+            )
+        )
+
+    return {"GET pod": get, "TokenRequest": token, "event POST": event, "status PATCH": patch}
+
+
+async def run(args: argparse.Namespace) -> None:
+    cluster, ours = cluster_for(args.cluster, "apicost")
+    try:
+        async with http_client(cluster.kubeconfig, args.concurrency) as client:
+            ns = await new_namespace(client, "apicost")
+            limit = asyncio.Semaphore(args.concurrency)
+
+            async def limited(request: Callable[[int], Awaitable[Any]], i: int) -> Any:
+                async with limit:
+                    return await request(i)
+
+            async def make_pod(i: int) -> str:
+                body = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": f"p{i}"},
+                    "spec": {"nodeName": "nowhere", "containers": [{"name": "c", "image": "x"}]},
+                }
+                answer = await client.post(f"/api/v1/namespaces/{ns}/pods", json=body)
+                answer.raise_for_status()
+                return str(answer.json()["metadata"]["uid"])
+
+            log(f"creating {args.requests} pods")
+            uids = list(await asyncio.gather(*(limited(make_pod, i) for i in range(args.requests))))
+            kinds = requests(client, ns, uids)
+            figures: dict[str, list[float]] = {kind: [] for kind in kinds}
+            for round_ in range(args.rounds):
+                order = list(kinds) if round_ % 2 == 0 else list(reversed(kinds))
+                for kind in order:
+                    await asyncio.sleep(2)  # the create burst's (or last kind's) work settles
+                    before = control_plane_cpu()
+                    await asyncio.gather(*(limited(kinds[kind], i) for i in range(args.requests)))
+                    spent = control_plane_cpu() - before
+                    figures[kind].append(spent / args.requests * 1000)
+                    log(f"round {round_ + 1}: {kind}: {figures[kind][-1]:.2f} ms per request")
+    finally:
+        if ours:
+            cluster.down()
+    print(
+        f"\n## apiserver + etcd CPU per request ({args.requests} requests, "
+        f"{args.concurrency} in flight, {args.rounds} rounds)"
+    )
+    base = statistics.median(figures["GET pod"])
+    rows: list[tuple[str, ...]] = [("request", "CPU ms / request", "x a GET")]
+    for kind, values in figures.items():
+        cost = statistics.median(values)
+        rows.append((kind, f"{cost:.2f}", f"{cost / base:.1f}"))
+    print_table(rows)
+    print(f"load: {os.getloadavg()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--cluster", help="a running dev cluster to use (default: a new one)")
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
