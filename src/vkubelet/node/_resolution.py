@@ -187,6 +187,7 @@ class _Token:
     token: str
     expiry: datetime
     refresh_at: float  # monotonic
+    uid: str  # the pod it is bound to: a new pod under the same name needs its own
 
 
 class _Tokens:
@@ -398,7 +399,7 @@ class Resolver:
         now = time.monotonic()
         for want in wanted:
             current = cache.get(want)
-            if current is None or current.refresh_at <= now:
+            if current is None or current.refresh_at <= now or current.uid != meta["uid"]:
                 cache[want] = await self._request_token(meta, *want)
         return cache
 
@@ -431,4 +432,5 @@ class Resolver:
         lifetime = max((expiry - datetime.now(UTC)).total_seconds(), 1.0)
         # The kubelet renews at 80 % of the lifetime, or after 24 hours at the latest.
         refresh_in = min(lifetime * 0.8, timedelta(hours=24).total_seconds())
-        return _Token(answer["status"]["token"], expiry, time.monotonic() + refresh_in)
+        token = answer["status"]["token"]
+        return _Token(token, expiry, time.monotonic() + refresh_in, meta["uid"])

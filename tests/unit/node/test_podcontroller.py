@@ -689,6 +689,27 @@ async def test_service_link_variables_follow_a_service_created_after_the_first_p
     assert "DB_SERVICE_HOST" not in env_of("a")
 
 
+async def test_a_pod_replaced_under_the_same_name_gets_a_token_bound_to_itself(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    source = {"serviceAccountToken": {"path": "token"}}
+    raw = pod("web", volumes=[{"name": "t", "projected": {"sources": [source]}}])
+    api.create("pods", raw)
+    await eventually(lambda: running(api, "web"))
+    first = uid_of(api, "web")
+    # Deleted and created again at once: the agent may see only the new pod under the name.
+    api.delete("pods", "web", NS, grace=0)
+    api.create("pods", raw)
+    second = uid_of(api, "web")
+    await eventually(lambda: push.resolved[f"{NS}/web"].uid == second, what="the new pod")
+    bound = [
+        r.body["spec"]["boundObjectRef"]["uid"]
+        for r in api.calls_to("POST", f"/namespaces/{NS}/serviceaccounts/default/token$")
+    ]
+    assert bound == [first, second]
+    assert volume_file(push, f"{NS}/web", "t", "token") == b"token-default-2"
+
+
 async def test_a_short_lived_token_is_refreshed_and_handed_to_the_provider(
     api: FakeApiServer, push: PushProvider, push_node: PodHarness
 ) -> None:
