@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from vkubelet import ProviderError, ResolvedPod
 from vkubelet.providers.mock import MockConfig, MockProvider
 
 from .helpers import NS, POD, UID, resolved
@@ -47,3 +50,40 @@ async def test_the_agents_applied_digest_is_handed_back_after_a_restart(tmp_path
     again = await MockProvider("n1", MockConfig(state_file=state)).get_pod(NS, POD)
     assert again is not None and again.metadata is not None
     assert again.metadata.annotations == {"vkubelet.io/applied": "abc"}
+
+
+def named(name: str, uid: str) -> ResolvedPod:
+    pod = resolved()
+    assert pod.pod.metadata is not None
+    pod.pod.metadata.name, pod.pod.metadata.uid = name, uid
+    return pod
+
+
+async def test_a_restarted_mock_never_gives_a_new_pod_the_ip_of_one_it_kept(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state.json"
+    first = MockProvider("n1", MockConfig(state_file=state))
+    for i in range(3):
+        await first.create_pod(named(f"p{i}", f"u{i}"))
+    kept = {p["ip"] for p in stored(state)}
+    assert len(kept) == 3
+    again = MockProvider("n1", MockConfig(state_file=state))
+    await again.create_pod(named("new", "u-new"))
+    [new_ip] = {p["ip"] for p in stored(state)} - kept
+    assert new_ip not in kept
+
+
+async def test_pod_ips_are_host_addresses_of_the_cidr_and_run_out_with_a_clear_error() -> None:
+    mock = MockProvider("n1", MockConfig(pod_cidr="10.9.0.0/30"))  # hosts .1 and .2
+    await mock.create_pod(named("a", "ua"))
+    await mock.create_pod(named("b", "ub"))
+    ips = {(await mock.get_pod(NS, n)).status.podIP for n in ("a", "b")}  # type: ignore[union-attr]
+    assert ips == {"10.9.0.1", "10.9.0.2"}
+    with pytest.raises(ProviderError, match=r"every address of podCIDR 10\.9\.0\.0/30 is in use"):
+        await mock.create_pod(named("c", "uc"))
+    gone = await mock.get_pod(NS, "a")
+    assert gone is not None
+    await mock.delete_pod(gone, 0)
+    await mock.create_pod(named("c", "uc"))
+    assert (await mock.get_pod(NS, "c")).status.podIP == "10.9.0.1"  # type: ignore[union-attr]

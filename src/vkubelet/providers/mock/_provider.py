@@ -167,9 +167,28 @@ class MockProvider:
         """Reserve the pod's IP before it starts, so `status.podIP` env vars can be resolved."""
         uid = str(pod.metadata.uid)  # type: ignore[union-attr]
         if uid not in self._ips:
-            self._next_ip += 1
-            self._ips[uid] = str(self._network[self._next_ip % self._network.num_addresses])
+            self._ips[uid] = self._free_ip()
         return [self._ips[uid]]
+
+    def _free_ip(self) -> str:
+        """The next host address of the pod CIDR that no pod holds, round-robin (a freed IP is
+        not handed out again at once). The pods of a state file hold theirs from the start, so
+        a restarted agent's new pods never get the IP of one it adopted."""
+        network = self._network
+        # Hosts only: not the network's own address, nor its broadcast one (a /31 or /32 has
+        # nothing else).
+        offset, size = (0, network.num_addresses)
+        if network.num_addresses > 2:
+            offset, size = 1, network.num_addresses - 2
+        used = set(self._ips.values())
+        for _ in range(min(size, len(used) + 1)):
+            self._next_ip = self._next_ip % size + 1
+            address = str(network[offset + self._next_ip - 1])
+            if address not in used:
+                return address
+        raise ProviderError(
+            "OutOfPodIPs", f"mock provider: every address of podCIDR {network} is in use"
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def create_pod(self, resolved: ResolvedPod) -> None:
