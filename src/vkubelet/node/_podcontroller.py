@@ -321,6 +321,7 @@ class PodController:
             return
         if record.terminal:
             self.objects.release(key)  # its ConfigMap/Secret watches close once no pod uses them
+            self._resolver.forget(key)  # and its tokens are needed no more
             return
         pod = record.pod()
         if await self._deadline_exceeded(key, record, pod, state):

@@ -254,7 +254,10 @@ class Resolver:
         await self._services.ready()  # the `kubernetes` service variables are always set
         pod_ips = [self._host_ip]
         if self._network is not None:
-            pod_ips = await self._network.pod_ips(pod)
+            try:
+                pod_ips = await self._network.pod_ips(pod)
+            except ProviderError as e:  # no address left, say: the pod waits, and says why
+                raise ResolutionFailed(e.reason, e.message) from None
         tokens = {} if self._tokens_on_demand else await self._fetch_tokens(key, raw)
         allocatable = self._allocatable()
         warnings: list[tuple[str, str]] = []
@@ -397,11 +400,15 @@ class Resolver:
         for stale in set(cache) - wanted:
             del cache[stale]
         now = time.monotonic()
+        # Built apart from the cache: a concurrent call for another set of tokens (the pod
+        # re-created under its name) may drop entries from it while this one waits.
+        current: dict[_TokenKey, _Token] = {}
         for want in wanted:
-            current = cache.get(want)
-            if current is None or current.refresh_at <= now or current.uid != meta["uid"]:
-                cache[want] = await self._request_token(meta, *want)
-        return cache
+            token = cache.get(want)
+            if token is None or token.refresh_at <= now or token.uid != meta["uid"]:
+                token = cache[want] = await self._request_token(meta, *want)
+            current[want] = token
+        return current
 
     async def _request_token(
         self, meta: JSON, account: str, audience: str | None, seconds: int

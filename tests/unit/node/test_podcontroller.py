@@ -637,6 +637,34 @@ async def test_a_mock_pod_starts_without_a_token_request_and_gets_its_token_on_f
     assert len(api.calls_to("POST", token_path)) == 1
 
 
+async def test_a_pod_the_mock_has_no_ip_for_waits_and_says_why(api: FakeApiServer) -> None:
+    small = MockProvider(NODE, MockConfig(pod_cidr="10.9.0.0/30"), host_ip=HOST_IP)  # 2 hosts
+    async with PodHarness(api, small):
+        for name in ("a", "b", "c"):
+            api.create("pods", pod(name))
+        await eventually(lambda: running(api, "a") and running(api, "b"))
+
+        def waiting() -> str:
+            statuses = status_of(api, "c").get("containerStatuses") or [{}]
+            return str(statuses[0].get("state", {}).get("waiting", {}).get("reason"))
+
+        await eventually(lambda: waiting() == "OutOfPodIPs", what="c waiting for an IP")
+        assert "OutOfPodIPs" in event_reasons(api, "c")
+        api.delete("pods", "a", NS, grace=0)
+        await eventually(lambda: running(api, "c"), within=15, what="c started on a's IP")
+
+
+async def test_an_on_demand_token_mounted_by_sub_path_is_a_file(
+    api: FakeApiServer, mock: MockProvider, mock_node: PodHarness
+) -> None:
+    raw = token_pod("web")
+    mounts = raw["spec"]["containers"][0]["volumeMounts"]
+    mounts.append({"name": "sa", "mountPath": "/etc/vault-token", "subPath": "token"})
+    api.create("pods", raw)
+    await eventually(lambda: running(api, "web"))
+    assert await exec_output(mock, "web", "cat", "/etc/vault-token") == b"token-default-1"
+
+
 async def test_an_on_demand_token_is_renewed_at_use_and_never_causes_an_update(
     api: FakeApiServer, mock: MockProvider, mock_node: PodHarness
 ) -> None:

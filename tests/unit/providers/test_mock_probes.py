@@ -15,7 +15,7 @@ import pytest
 from lightkube.resources.core_v1 import Pod
 
 from vkubelet.providers.mock import MockConfig, MockProvider
-from vkubelet.sdk import ResolvedPod
+from vkubelet.sdk import ProviderError, ResolvedPod
 
 from .helpers import Input, stdio
 
@@ -162,3 +162,45 @@ async def test_probes_of_a_mock_pod_run_again_after_a_restart_of_the_agent(
         assert not (await app_status(again)).ready  # its readiness probe runs, and fails
     finally:
         await again.aclose()
+
+
+class StuckTokens:
+    """A `PodTokens` whose apiserver never answers."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def token_files(self, namespace: str, name: str, uid: str) -> Any:
+        self.asked += 1
+        await asyncio.Event().wait()
+
+
+async def test_exec_probes_do_not_wait_for_a_token_the_apiserver_is_slow_to_give(
+    mock: MockProvider,
+) -> None:
+    tokens = StuckTokens()
+    mock.use_tokens(tokens)
+    probe = {"exec": {"command": ["true"]}, "periodSeconds": 1, "timeoutSeconds": 1}
+    await mock.create_pod(pod(readinessProbe=probe, livenessProbe=probe))
+    await eventually(lambda: _ready(mock))
+    assert tokens.asked == 1  # one fetch under way, shared, not one per probe
+    assert (await app_status(mock)).restartCount == 0
+
+
+async def test_an_exec_waiting_for_tokens_ends_with_the_pod_and_leaves_nothing_behind(
+    mock: MockProvider,
+) -> None:
+    mock.use_tokens(StuckTokens())
+    await mock.create_pod(pod())
+    session = asyncio.create_task(sh(mock, "sleep 100"))
+    await eventually(lambda: _fetching(mock))
+    found = await mock.get_pod(NS, NAME)
+    assert found is not None
+    await mock.delete_pod(found, 0)
+    with pytest.raises(ProviderError, match="not running"):
+        await asyncio.wait_for(session, 5)
+    assert (mock._filesystems, mock._stops, mock._token_fetches) == ({}, {}, {})
+
+
+async def _fetching(mock: MockProvider) -> bool:
+    return bool(mock._token_fetches)

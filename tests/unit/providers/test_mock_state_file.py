@@ -87,3 +87,20 @@ async def test_pod_ips_are_host_addresses_of_the_cidr_and_run_out_with_a_clear_e
     await mock.delete_pod(gone, 0)
     await mock.create_pod(named("c", "uc"))
     assert (await mock.get_pod(NS, "c")).status.podIP == "10.9.0.1"  # type: ignore[union-attr]
+
+
+async def test_the_ip_of_a_pod_the_mock_refused_is_free_again() -> None:
+    mock = MockProvider("n1", MockConfig(pod_cidr="10.9.0.0/30"))
+    for attempt in range(3):  # more than the CIDR holds: each reservation was given back
+        refused = named(f"r{attempt}", f"ur{attempt}")
+        assert refused.pod.metadata is not None
+        refused.pod.metadata.annotations = {"mock.vkubelet.io/fail": "Nope"}
+        await mock.pod_ips(refused.pod)
+        with pytest.raises(ProviderError, match="rejected because of"):
+            await mock.create_pod(refused)
+    for attempt in range(3):  # resolved, then deleted before it was created
+        never = named(f"n{attempt}", f"un{attempt}")
+        await mock.pod_ips(never.pod)
+        await mock.delete_pod(never.pod, 0)
+    await mock.create_pod(named("a", "ua"))
+    await mock.create_pod(named("b", "ub"))

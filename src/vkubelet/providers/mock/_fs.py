@@ -123,10 +123,16 @@ class Filesystem:
 
 
 def write_mounted(
-    fs: Filesystem, files: Mapping[str, str], mounts: Iterable[tuple[str, str, str]]
+    fs: Filesystem,
+    files: Mapping[str, str],
+    mounts: Iterable[tuple[str, str, str]],
+    *,
+    renew: bool = False,
 ) -> None:
     """Write `files` ("volume/path" -> text) where `mounts` (volume, path, subPath) put them,
-    and nothing else: token files fetched on demand join a filesystem that has the rest."""
+    and nothing else. `renew`: files that change while the container runs (tokens fetched or
+    renewed on demand) — a subPath file already there is kept (the kubelet never updates
+    those), and an empty directory a subPath mount made before its file was known gives way."""
     for volume, mount_path, sub_path in mounts:
         target = join("/", mount_path)
         sub = sub_path.strip("/")
@@ -136,6 +142,10 @@ def write_mounted(
                 continue
             if sub and rel == sub:
                 destination = target
+                if renew and fs.is_file(destination):
+                    continue
+                if fs.is_dir(destination) and not fs.listdir(destination):
+                    fs.remove(destination)
             elif not sub or rel.startswith(sub + "/"):
                 destination = join(target, rel[len(sub) + 1 :] if sub else rel)
             else:
@@ -145,28 +155,36 @@ def write_mounted(
 
 
 def mount_volumes(
-    fs: Filesystem, mock: MockPod, container: MockContainer, *, refresh: bool = False
+    fs: Filesystem,
+    files: Mapping[str, str],
+    container: MockContainer,
+    *,
+    refresh: bool = False,
 ) -> None:
-    """Put the files of the container's volumes where they are mounted. `refresh` replaces
-    the contents of whole-volume mounts (subPath mounts are never updated, as on a kubelet)."""
+    """Put `files` ("volume/path" -> text) where the container mounts their volumes. `refresh`
+    replaces the contents of whole-volume mounts (subPath mounts are never updated, as on a
+    kubelet)."""
     mounts = [m for m in container.mounts if not (refresh and m[2].strip("/"))]
     for volume, mount_path, sub_path in mounts:
         target = join("/", mount_path)
         sub = sub_path.strip("/")
         if refresh:
             fs.remove(target)
-        if not sub or f"{volume}/{sub}" not in mock.files:  # a directory is mounted
+        if not sub or f"{volume}/{sub}" not in files:  # a directory is mounted
             with contextlib.suppress(FsError):
                 fs.makedirs(target)
-    write_mounted(fs, mock.files, mounts)
+    write_mounted(fs, files, mounts)
 
 
-def container_filesystem(mock: MockPod, container: MockContainer) -> Filesystem:
-    """A new container's files: system directories, host names and the mounted volumes."""
+def container_filesystem(
+    mock: MockPod, container: MockContainer, files: Mapping[str, str]
+) -> Filesystem:
+    """A new container's files: system directories, host names and the mounted volumes'
+    `files` ("volume/path" -> text)."""
     fs = Filesystem()
     for directory in (*_BASE_DIRECTORIES, _TMP):
         fs.makedirs(directory)
     fs.write("/etc/hostname", f"{mock.name}\n".encode())
     fs.write("/etc/hosts", f"127.0.0.1\tlocalhost\n{mock.ip}\t{mock.name}\n".encode())
-    mount_volumes(fs, mock, container)
+    mount_volumes(fs, files, container)
     return fs

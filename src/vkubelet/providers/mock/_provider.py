@@ -79,6 +79,7 @@ class MockProvider:
         self._network = ipaddress.ip_network(config.pod_cidr)
         self._next_ip = 0
         self._ips: dict[str, str] = {}  # uid -> reserved IP
+        self._used_ips: set[str] = set()  # the values of `_ips`
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._stops: dict[str, asyncio.Event] = {}  # uid -> set when the pod stops
         self._random = random.Random(node_name)  # noqa: S311 - deterministic fake failures
@@ -86,6 +87,8 @@ class MockProvider:
         # Service-account tokens are asked for when a filesystem is used, not at every start:
         # a TokenRequest per pod would cost the apiserver as much as the pod's status write.
         self._tokens: PodTokens | None = None
+        self._token_files: dict[str, dict[str, str]] = {}  # uid -> the last ones given
+        self._token_fetches: dict[str, asyncio.Task[None]] = {}  # uid -> the one under way
         self._stats = NodeStats(node_name, config.memory)
         # How often `logs -f` and an attach without stdin print a line; tests shorten it.
         self.tick_seconds = 1.0
@@ -104,6 +107,7 @@ class MockProvider:
         for pod in state.pods:
             self._pods[f"{pod.namespace}/{pod.name}"] = pod
             self._ips[pod.uid] = pod.ip
+            self._used_ips.add(pod.ip)
 
     def _save_state(self) -> None:
         """Write the state file soon; many changes in a burst cost one write."""
@@ -167,8 +171,14 @@ class MockProvider:
         """Reserve the pod's IP before it starts, so `status.podIP` env vars can be resolved."""
         uid = str(pod.metadata.uid)  # type: ignore[union-attr]
         if uid not in self._ips:
-            self._ips[uid] = self._free_ip()
+            self._ips[uid] = address = self._free_ip()
+            self._used_ips.add(address)
         return [self._ips[uid]]
+
+    def _release_ip(self, uid: str) -> None:
+        address = self._ips.pop(uid, None)
+        if address is not None:
+            self._used_ips.discard(address)
 
     def _free_ip(self) -> str:
         """The next host address of the pod CIDR that no pod holds, round-robin (a freed IP is
@@ -180,7 +190,7 @@ class MockProvider:
         offset, size = (0, network.num_addresses)
         if network.num_addresses > 2:
             offset, size = 1, network.num_addresses - 2
-        used = set(self._ips.values())
+        used = self._used_ips
         for _ in range(min(size, len(used) + 1)):
             self._next_ip = self._next_ip % size + 1
             address = str(network[offset + self._next_ip - 1])
@@ -194,12 +204,18 @@ class MockProvider:
     async def create_pod(self, resolved: ResolvedPod) -> None:
         pod = resolved.pod
         annotations = pod.metadata.annotations or {}  # type: ignore[union-attr]
+        failure: ProviderError | None = None
         if FAIL_ANNOTATION in annotations:
-            raise ProviderError(
+            failure = ProviderError(
                 annotations[FAIL_ANNOTATION], f"rejected because of {FAIL_ANNOTATION}"
             )
-        if self.config.failure_ratio and self._random.random() < self.config.failure_ratio:
-            raise ProviderError("MockFailure", "the mock provider failed this pod on purpose")
+        elif self.config.failure_ratio and self._random.random() < self.config.failure_ratio:
+            failure = ProviderError("MockFailure", "the mock provider failed this pod on purpose")
+        if failure is not None:
+            running = self._pods.get(f"{resolved.namespace}/{resolved.name}")
+            if running is None or running.uid != resolved.uid:
+                self._release_ip(resolved.uid)  # reserved when the pod was resolved
+            raise failure
         key = f"{resolved.namespace}/{resolved.name}"
         previous = self._pods.get(key)
         mock = MockPod(
@@ -245,17 +261,24 @@ class MockProvider:
         meta = resolved.pod.metadata
         mock.applied = ((meta.annotations if meta else None) or {}).get(APPLIED_ANNOTATION)
         mock.updates += 1
+        files = self._volume_files(mock)
         for container in mock.containers:  # the kubelet updates mounted volumes in place too
             fs = self._filesystems.get(mock.uid, {}).get(container.name)
             if fs is not None:
-                mount_volumes(fs, mock, container, refresh=True)
+                mount_volumes(fs, files, container, refresh=True)
         await self._saved()
 
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
         key = f"{pod.metadata.namespace}/{pod.metadata.name}"  # type: ignore[union-attr]
         mock = self._pods.get(key)
         if mock is None or mock.uid != pod.metadata.uid:  # type: ignore[union-attr]
+            # Never run here (it failed, or its mount did), but its IP was reserved.
+            self._release_ip(str(pod.metadata.uid))  # type: ignore[union-attr]
             return
+        fetch = self._token_fetches.pop(mock.uid, None)
+        if fetch is not None:
+            fetch.cancel()
+        self._token_files.pop(mock.uid, None)
         task = self._starting.pop(key, None)
         if task:
             task.cancel()
@@ -269,7 +292,7 @@ class MockProvider:
         self._stops.pop(mock.uid, None)
         self._filesystems.pop(mock.uid, None)
         del self._pods[key]
-        self._ips.pop(mock.uid, None)
+        self._release_ip(mock.uid)
         await self._saved()
         self._report(mock)
 
@@ -301,7 +324,11 @@ class MockProvider:
             pod = self._to_pod(mock, with_status=False)
             probes = PodProbes(
                 pod,
-                MockProbes(mock, self._filesystem, self._stop_event(mock.uid)),
+                MockProbes(
+                    mock,
+                    lambda m, c: self._filesystem(m, c, wait_for_tokens=False),
+                    self._stop_event(mock.uid),
+                ),
                 lambda name, grace, kind: self._restart(mock, name, kind),
                 on_change=lambda: self._probe_changed(mock),
                 on_event=lambda event: self._probe_event(mock, event),
@@ -390,29 +417,71 @@ class MockProvider:
             )
         return mock, found
 
-    async def _filesystem(self, mock: MockPod, container: MockContainer) -> Filesystem:
-        """The container's files, with its service-account tokens current (they are fetched,
-        or renewed once due, here: the first exec into a pod requests them)."""
-        tokens: dict[str, str] = {}
-        if self._tokens is not None:
-            try:
-                given = await self._tokens.token_files(mock.namespace, mock.name, mock.uid)
-            except ProviderError as e:
-                # An apiserver outage must not fail exec probes (and so restart containers):
-                # the files keep the token they have, as a kubelet's would.
-                log.warning("pod %s/%s: %s", mock.namespace, mock.name, e.message)
-                given = {}
-            tokens = {
-                f"{volume}/{path}": content.data.decode(errors="replace")
-                for volume, files in given.items()
-                for path, content in files.items()
-            }
+    def _volume_files(self, mock: MockPod) -> dict[str, str]:
+        """The pod's volume files, "volume/path" -> text, with the tokens given so far."""
+        return {**mock.files, **self._token_files.get(mock.uid, {})}
+
+    async def _filesystem(
+        self, mock: MockPod, container: MockContainer, *, wait_for_tokens: bool = True
+    ) -> Filesystem:
+        """The container's files. Its service-account tokens are fetched, or renewed once due,
+        as it is used: the first exec into a pod requests them. An exec probe does not wait
+        for that (a slow apiserver must not fail probes, and so restart containers): it sees
+        the files as they are, and the tokens join them when they come."""
+        fetch = self._renew_tokens(mock)
+        if fetch is not None and wait_for_tokens:
+            # Not cancelled with this caller (it is shared), and its end, even cancelled by the
+            # pod's deletion, is not this caller's error: the check below is.
+            await asyncio.wait({fetch})
+            if self._pods.get(f"{mock.namespace}/{mock.name}") is not mock or not mock.running:
+                raise ProviderError("NotFound", f"pod {mock.namespace}/{mock.name} is not running")
         per_pod = self._filesystems.setdefault(mock.uid, {})
         fs = per_pod.get(container.name)
         if fs is None:
-            fs = per_pod[container.name] = container_filesystem(mock, container)
-        write_mounted(fs, tokens, container.mounts)
+            fs = per_pod[container.name] = container_filesystem(
+                mock, container, self._volume_files(mock)
+            )
         return fs
+
+    def _renew_tokens(self, mock: MockPod) -> asyncio.Task[None] | None:
+        """The pod's token fetch: one at a time, shared by whoever needs it."""
+        if self._tokens is None:
+            return None
+        fetch = self._token_fetches.get(mock.uid)
+        if fetch is None:
+            fetch = asyncio.create_task(self._fetch_tokens(self._tokens, mock))
+            self._token_fetches[mock.uid] = fetch
+            fetch.add_done_callback(
+                lambda done: (
+                    self._token_fetches.pop(mock.uid, None)
+                    if self._token_fetches.get(mock.uid) is done
+                    else None
+                )
+            )
+        return fetch
+
+    async def _fetch_tokens(self, tokens: PodTokens, mock: MockPod) -> None:
+        try:
+            given = await tokens.token_files(mock.namespace, mock.name, mock.uid)
+        except ProviderError as e:
+            # The files keep the tokens they have, as a kubelet's would during an outage.
+            log.warning("pod %s/%s: %s", mock.namespace, mock.name, e.message)
+            return
+        if self._pods.get(f"{mock.namespace}/{mock.name}") is not mock:
+            return  # deleted meanwhile
+        files = {
+            f"{volume}/{path}": content.data.decode(errors="replace")
+            for volume, contents in given.items()
+            for path, content in contents.items()
+        }
+        if files == self._token_files.get(mock.uid):
+            return
+        self._token_files[mock.uid] = files
+        filesystems = self._filesystems.get(mock.uid, {})
+        for container in mock.containers:
+            fs = filesystems.get(container.name)
+            if fs is not None:
+                write_mounted(fs, files, container.mounts, renew=True)
 
     async def container_logs(
         self, namespace: str, pod: str, container: str, options: ContainerLogOptions
@@ -450,9 +519,10 @@ class MockProvider:
         command with 130; it is killed (137) if the pod stops.
         """
         mock, found = self._running_container(namespace, pod, container)
+        stopped = self._stop_event(mock.uid)  # before any wait: a deletion meanwhile sets it
         fs = await self._filesystem(mock, found)
         env = environment(mock, found)
-        return await run_command(fs, env, mock.name, command, io, self._stop_event(mock.uid))
+        return await run_command(fs, env, mock.name, command, io, stopped)
 
     async def attach_to_container(
         self, namespace: str, pod: str, container: str, io: AttachIO
