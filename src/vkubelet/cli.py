@@ -116,7 +116,7 @@ def run(
     disable_taint: Annotated[bool, typer.Option(help="Register the node without taints.")] = False,
     kube_api_qps: Annotated[float | None, typer.Option(help="Client-side request limit.")] = None,
     kube_api_burst: Annotated[int, typer.Option()] = 1000,
-    pod_sync_workers: Annotated[int, typer.Option(min=1)] = 32,
+    pod_sync_workers: Annotated[int, typer.Option(min=1)] = 96,
     tls_cert_file: Annotated[
         Path | None, typer.Option(help="Kubelet serving certificate (default: from a CSR).")
     ] = None,

@@ -32,7 +32,7 @@ class AgentConfig:
     nodes: list[NodeSpec]
     kubeconfig: Path | None = None
     client: ClientOptions = field(default_factory=ClientOptions)
-    workers: int = 32
+    workers: int = 96
     # The kubelet API (logs, exec, port-forward, stats) on each node's kubelet port.
     kubelet_api: bool = True
     tls_cert_file: Path | None = None  # serving certificate; default: obtained with a CSR
@@ -59,7 +59,7 @@ class NodeAgent:
         provider: PodLifecycleHandler,
         *,
         services: ServiceCache,
-        workers: int = 32,
+        workers: int = 96,
         startup: asyncio.Semaphore | None = None,
         extra_conditions: Sequence[NodeConditions] = (),
     ) -> None:

@@ -3,7 +3,7 @@
     kubeconfig: ~/.kube/config          # optional; else $KUBECONFIG / in-cluster
     kubeApiQps: 500                     # optional client-side limit (default: none)
     kubeApiBurst: 1000
-    podSyncWorkers: 32
+    podSyncWorkers: 96
     certDir: pki                        # default ~/.local/state/vkubelet/pki (a subdir per cluster)
     approveOwnCSRs: auto                # auto (on a vkubelet dev cluster), true or false
     nodes:
@@ -127,7 +127,7 @@ def load_agent_config(path: Path) -> AgentConfig:
             qps=_number(where, "kubeApiQps", data.get("kubeApiQps")),
             burst=_count(where, "kubeApiBurst", data.get("kubeApiBurst"), 1000),
         ),
-        workers=_count(where, "podSyncWorkers", data.get("podSyncWorkers"), 32),
+        workers=_count(where, "podSyncWorkers", data.get("podSyncWorkers"), 96),
     )
 
 

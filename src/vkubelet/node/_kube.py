@@ -100,14 +100,15 @@ class ClientOptions:
     lean: bool = field(default_factory=lambda: os.environ.get("VKUBELET_HTTP_CLIENT") != "httpx")
 
 
-# Ordinary requests: a bounded pool (the apiserver on the other end is the limit anyway; with
-# httpx, whose pool probes every idle connection's socket per request, a larger pool cost 5 % of
-# the cluster provider's CPU in a 1,000-pod burst). Watches: no cap, since each holds its
+# Ordinary requests: a bounded pool, as large as a node's status workers (a burst's writes wait
+# on a loaded apiserver together; see `_workqueue`). The lean client pays nothing per idle
+# connection (httpx, the fallback, probes each one's socket per request: 5 % of the cluster
+# provider's CPU in a 1,000-pod burst with 64 of them). Watches: no cap, since each holds its
 # connection for minutes, and none kept idle once a watch ends. Idle request connections are
 # kept 30 s, not httpx's 5: a new one costs a TLS handshake with client-certificate checks on
 # both ends (2 % of the agent's CPU in a 1,000-pod burst, where work comes in waves and
 # connections idled out between them).
-_REQUESTS = Limits(max_connections=32, max_idle=32, idle_expiry=30)
+_REQUESTS = Limits(max_connections=96, max_idle=96, idle_expiry=30)
 _WATCHES = Limits(max_connections=None, max_idle=0, idle_expiry=0)
 _HEARTBEATS = Limits(max_connections=16, max_idle=16, idle_expiry=5)
 

@@ -96,7 +96,7 @@ class PodController:
         recorder: EventRecorder,
         resolver_factory: Callable[[ObjectCache], Resolver],
         *,
-        workers: int = 32,
+        workers: int = 96,
         status_poll_interval: float = 5.0,
     ) -> None:
         self._client = client

@@ -68,7 +68,7 @@ def test_a_good_agent_config_is_loaded(tmp_path: Path) -> None:
 def test_defaults_leave_the_client_unthrottled(tmp_path: Path) -> None:
     config = load_agent_config(write(tmp_path, node_yaml()))
     assert config.client.qps is None
-    assert config.workers == 32
+    assert config.workers == 96
     assert config.kubeconfig is None
 
 

@@ -208,3 +208,33 @@ async def test_no_global_rate_limit_a_thousand_keys_are_processed_quickly(
     # The reference's 10/s token bucket (burst 100) would need 90 s for this.
     assert time.monotonic() - start < 2.0
     assert queue.processed == 1000
+
+
+async def test_workers_start_with_work_up_to_the_bound_and_end_when_idle(
+    running: Callable[[WorkQueue], None],
+) -> None:
+    release = asyncio.Event()
+    busy = 0
+    most = 0
+
+    async def process(key: str) -> None:
+        nonlocal busy, most
+        busy += 1
+        most = max(most, busy)
+        await release.wait()
+        busy -= 1
+
+    queue = WorkQueue(process, name="t", workers=8, idle_seconds=0.2)
+    queue.add("early")  # before the run: started with it
+    running(queue)
+    await eventually(lambda: busy == 1)
+    assert queue.workers_running == 1  # a quiet queue holds no more tasks than its work
+    for i in range(20):
+        queue.add(f"k{i}")
+    await eventually(lambda: busy == 8)
+    await always(lambda: most == 8, duration=0.1)  # never more than the bound
+    release.set()
+    await eventually(lambda: queue.processed == 21)
+    await eventually(lambda: queue.workers_running == 0, what="idle workers ending")
+    queue.add("late")  # and work after that starts a worker again
+    await eventually(lambda: queue.processed == 22)
