@@ -19,9 +19,10 @@ works against Kubernetes is for an integration test against a real control plane
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from ..node._events import EventRecorder
 from ..node._podcontroller import PodController
@@ -36,14 +37,29 @@ ALLOCATABLE: JSON = {"cpu": "4", "memory": "16Gi", "pods": "110"}
 
 
 # -- waiting ----------------------------------------------------------------------------------
-async def eventually(check: Callable[[], T], *, within: float = 5.0, what: str = "") -> T:
-    """Poll `check` until it returns something truthy without failing an assert; return that."""
+@overload
+async def eventually(
+    check: Callable[[], Awaitable[T]], *, within: float = 5.0, what: str = ""
+) -> T: ...
+
+
+@overload
+async def eventually(check: Callable[[], T], *, within: float = 5.0, what: str = "") -> T: ...
+
+
+async def eventually(check: Callable[[], Any], *, within: float = 5.0, what: str = "") -> Any:
+    """Poll `check` until it returns something truthy without failing an assert; return that.
+
+    `check` may be a coroutine function, for conditions only an async call can see (what an
+    exec into a pod prints, say)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     last: str = "never true"
     while True:
         try:
             result = check()
+            if inspect.isawaitable(result):
+                result = await result
         except AssertionError as e:
             last = str(e) or "assertion failed"
         else:

@@ -5,8 +5,7 @@ probe restarts the container. A probe second lasts 50 ms here."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from lightkube.resources.core_v1 import Pod
 
 from vkubelet.providers.mock import MockConfig, MockProvider
 from vkubelet.sdk import ProviderError, ResolvedPod
+from vkubelet.testing.harness import eventually
 
 from .helpers import Input, stdio
 
@@ -60,13 +60,6 @@ async def app_status(mock: MockProvider) -> Any:
     status = await mock.get_pod_status(NS, NAME)
     assert status is not None and status.containerStatuses
     return status.containerStatuses[0]
-
-
-async def eventually(check: Callable[[], Any], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 async def sh(mock: MockProvider, script: str) -> int:
