@@ -5,14 +5,16 @@
 On this machine the apiserver, etcd and the agent share two cores, so at thousands of pods an
 agent's pods/s is bounded by the apiserver's CPU, not its own: every request it makes per pod
 is paid for there. This measures that price per request kind, with `--concurrency` (32) in
-flight against a dev cluster, `--requests` pods made beforehand (bound to a node that does not
-exist, so nothing acts on them):
+flight against a dev cluster, `--requests` pods made beforehand (bound to a Node object that no
+agent serves, so nothing acts on them):
 
 - `GET pod`: the cheapest request, for scale;
 - `TokenRequest`: a service-account token bound to a pod, which a kubelet requests for every
   pod with a projected token volume (the ServiceAccount admission plugin adds one to every pod);
 - `event POST`: a new `Started`-style Event;
-- `status PATCH`: a pod status write (strategic merge patch), one per pod started.
+- a pod status write, one per pod started, the same Running status (four conditions, one
+  container status) in the three forms an agent can send it: a strategic merge patch (what
+  vkubelet sends), a JSON merge patch, and a PUT of the whole pod (what the Go library sends).
 
 Figure: CPU milliseconds of the kube-apiserver and etcd processes (user + system, from /proc)
 per request, median over `--rounds`, each round after the cluster has settled for 2 s.
@@ -58,7 +60,9 @@ def control_plane_cpu() -> float:
 Request = Callable[[int], Awaitable[None]]
 
 
-def requests(client: httpx.AsyncClient, ns: str, uids: list[str]) -> dict[str, Request]:
+def requests(client: httpx.AsyncClient, ns: str, pods: list[dict[str, Any]]) -> dict[str, Request]:
+    uids = [str(pod["metadata"]["uid"]) for pod in pods]
+
     async def ok(response: Awaitable[httpx.Response]) -> None:
         (await response).raise_for_status()
 
@@ -91,18 +95,57 @@ def requests(client: httpx.AsyncClient, ns: str, uids: list[str]) -> dict[str, R
         }
         await ok(client.post(f"/api/v1/namespaces/{ns}/events", json=body))
 
-    async def patch(i: int) -> None:
-        ready = "True" if time.monotonic_ns() % 2 else "False"  # a change every time
-        body = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": ready}]}}
-        await ok(
-            client.patch(
-                f"/api/v1/namespaces/{ns}/pods/p{i}/status",
-                json=body,
-                headers={"Content-Type": "application/strategic-merge-patch+json"},
-            )
-        )
+    def full_status() -> dict[str, Any]:
+        """A status as an agent writes when a pod starts, with a change every time."""
+        ready = "True" if time.monotonic_ns() % 2 else "False"
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        condition = {"status": ready, "lastTransitionTime": stamp}
+        return {
+            "phase": "Running",
+            "hostIP": "10.0.0.1",
+            "podIP": "10.244.0.7",
+            "podIPs": [{"ip": "10.244.0.7"}],
+            "startTime": stamp,
+            "conditions": [
+                {"type": kind, **condition}
+                for kind in ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady")
+            ],
+            "containerStatuses": [
+                {
+                    "name": "c",
+                    "image": "x",
+                    "imageID": "",
+                    "ready": ready == "True",
+                    "restartCount": 0,
+                    "started": True,
+                    "state": {"running": {"startedAt": stamp}},
+                }
+            ],
+        }
 
-    return {"GET pod": get, "TokenRequest": token, "event POST": event, "status PATCH": patch}
+    def patcher(content_type: str) -> Request:
+        async def patch(i: int) -> None:
+            body = {"metadata": {"uid": uids[i]}, "status": full_status()}
+            headers = {"Content-Type": content_type}
+            path = f"/api/v1/namespaces/{ns}/pods/p{i}/status"
+            await ok(client.patch(path, json=body, headers=headers))
+
+        return patch
+
+    async def put(i: int) -> None:
+        pod = dict(pods[i])
+        pod["metadata"] = {k: v for k, v in pod["metadata"].items() if k != "resourceVersion"}
+        pod["status"] = full_status()
+        await ok(client.put(f"/api/v1/namespaces/{ns}/pods/p{i}/status", json=pod))
+
+    return {
+        "GET pod": get,
+        "TokenRequest": token,
+        "event POST": event,
+        "status PATCH (strategic merge)": patcher("application/strategic-merge-patch+json"),
+        "status PATCH (JSON merge)": patcher("application/merge-patch+json"),
+        "status PUT (whole pod)": put,
+    }
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -116,20 +159,32 @@ async def run(args: argparse.Namespace) -> None:
                 async with limit:
                     return await request(i)
 
-            async def make_pod(i: int) -> str:
+            # A Node object for the pods, or the pod garbage collector deletes them as orphans
+            # (after 40 s) while the rounds run.
+            node = f"apicost-{os.getpid()}"
+            answer = await client.post("/api/v1/nodes", json={"metadata": {"name": node}})
+            answer.raise_for_status()
+
+            async def make_pod(i: int) -> dict[str, Any]:
                 body = {
                     "apiVersion": "v1",
                     "kind": "Pod",
                     "metadata": {"name": f"p{i}"},
-                    "spec": {"nodeName": "nowhere", "containers": [{"name": "c", "image": "x"}]},
+                    "spec": {
+                        "nodeName": node,
+                        "containers": [{"name": "c", "image": "x"}],
+                        # The node has no agent: it turns NotReady, and its taints would evict.
+                        "tolerations": [{"operator": "Exists"}],
+                    },
                 }
                 answer = await client.post(f"/api/v1/namespaces/{ns}/pods", json=body)
                 answer.raise_for_status()
-                return str(answer.json()["metadata"]["uid"])
+                pod: dict[str, Any] = answer.json()
+                return pod
 
             log(f"creating {args.requests} pods")
-            uids = list(await asyncio.gather(*(limited(make_pod, i) for i in range(args.requests))))
-            kinds = requests(client, ns, uids)
+            pods = list(await asyncio.gather(*(limited(make_pod, i) for i in range(args.requests))))
+            kinds = requests(client, ns, pods)
             figures: dict[str, list[float]] = {kind: [] for kind in kinds}
             for round_ in range(args.rounds):
                 order = list(kinds) if round_ % 2 == 0 else list(reversed(kinds))

@@ -321,7 +321,7 @@ class PodController:
             return
         if record.terminal:
             self.objects.release(key)  # its ConfigMap/Secret watches close once no pod uses them
-            self._resolver.forget(key)  # and its tokens are needed no more
+            await self._resolver.forget(key)  # nor its tokens, nor IPs it never used
             return
         pod = record.pod()
         if await self._deadline_exceeded(key, record, pod, state):
@@ -471,7 +471,7 @@ class PodController:
             self.states.pop(key, None)
         self._listed_applied.pop(key, None)
         self.objects.release(key)
-        self._resolver.forget(key)
+        await self._resolver.forget(key)
         self.sync_queue.forget(key)
         self.status_queue.forget(key)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,11 +73,21 @@ class Resolution:
     refresh_after: float | None = None  # seconds until tokens must be renewed
 
 
+log = logging.getLogger(__name__)
+
+
 @runtime_checkable
 class PodNetwork(Protocol):
-    """Optional provider capability: the pod's IPs, known before it starts."""
+    """Optional provider capability: the pod's IPs, known before it starts.
+
+    `pod_ips` may reserve them (an address, a network namespace); `release_pod_ips` frees
+    what it reserved for a pod that did not start here after all: one whose settings could not
+    be resolved and that was then deleted, replaced or ended. A pod the provider runs keeps its
+    addresses until its `delete_pod`, so `release_pod_ips` leaves those alone."""
 
     async def pod_ips(self, pod: Pod) -> list[str]: ...
+
+    async def release_pod_ips(self, namespace: str, name: str, uid: str) -> None: ...
 
 
 class ServiceCache:
@@ -229,6 +240,7 @@ class Resolver:
         self._host_ip = host_ip
         self._allocatable = allocatable
         self._tokens: dict[str, dict[_TokenKey, _Token]] = {}
+        self._reserved: dict[str, str] = {}  # key -> the UID the provider reserved IPs for
         self._deferred: dict[str, _DeferredTokens] = {}
         # Service-link variables per (namespace, links enabled), with the Services' generation
         # they were made from: the same for every pod of a namespace until a Service changes.
@@ -240,9 +252,21 @@ class Resolver:
         if isinstance(provider, TokensOnDemand):
             provider.use_tokens(self)  # one resolver per node, made before its first pod
 
-    def forget(self, key: str) -> None:
+    async def forget(self, key: str) -> None:
+        """The pod is gone or ended: its tokens are needed no more, nor its reserved IPs."""
         self._tokens.pop(key, None)
         self._deferred.pop(key, None)
+        await self._release_ips(key)
+
+    async def _release_ips(self, key: str) -> None:
+        uid = self._reserved.pop(key, None)
+        if uid is None or self._network is None:
+            return
+        namespace, name = key.split("/", 1)
+        try:
+            await self._network.release_pod_ips(namespace, name, uid)
+        except ProviderError as e:
+            log.warning("pod %s: the provider could not release its IPs: %s", key, e.message)
 
     async def resolve(self, key: str, pod: Pod) -> Resolution:
         raw: JSON = msgspec.to_builtins(pod)
@@ -254,10 +278,14 @@ class Resolver:
         await self._services.ready()  # the `kubernetes` service variables are always set
         pod_ips = [self._host_ip]
         if self._network is not None:
+            uid = raw["metadata"]["uid"]
+            if self._reserved.get(key, uid) != uid:
+                await self._release_ips(key)  # an earlier pod of this name that never started
             try:
                 pod_ips = await self._network.pod_ips(pod)
             except ProviderError as e:  # no address left, say: the pod waits, and says why
                 raise ResolutionFailed(e.reason, e.message) from None
+            self._reserved[key] = uid
         tokens = {} if self._tokens_on_demand else await self._fetch_tokens(key, raw)
         allocatable = self._allocatable()
         warnings: list[tuple[str, str]] = []
@@ -435,9 +463,16 @@ class Resolver:
             raise ResolutionFailed(
                 "FailedMount", f"cannot get a token for service account {account}: {e}"
             ) from None
-        expiry = datetime.fromisoformat(answer["status"]["expirationTimestamp"])
-        lifetime = max((expiry - datetime.now(UTC)).total_seconds(), 1.0)
+        try:
+            expiry = datetime.fromisoformat(answer["status"]["expirationTimestamp"])
+            token = str(answer["status"]["token"])
+            lifetime = max((expiry - datetime.now(UTC)).total_seconds(), 1.0)  # naive: TypeError
+        except (KeyError, TypeError, ValueError) as e:
+            raise ResolutionFailed(
+                "FailedMount",
+                f"cannot get a token for service account {account}: "
+                f"the apiserver's TokenRequest answer has no valid status ({e!r})",
+            ) from None
         # The kubelet renews at 80 % of the lifetime, or after 24 hours at the latest.
         refresh_in = min(lifetime * 0.8, timedelta(hours=24).total_seconds())
-        token = answer["status"]["token"]
         return _Token(token, expiry, time.monotonic() + refresh_in, meta["uid"])

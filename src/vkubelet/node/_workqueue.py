@@ -114,14 +114,17 @@ class WorkQueue:
         return self._running
 
     async def run(self) -> None:
-        try:
-            async with asyncio.TaskGroup() as group:
-                self._group = group
-                for _ in range(min(self._queue.qsize(), self._workers)):  # added before the run
-                    self._spawn()
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            for _ in range(min(self._queue.qsize(), self._workers)):  # added before the run
+                self._spawn()
+            try:
                 await asyncio.Event().wait()  # until cancelled; the workers come and go
-        finally:
-            self._group = None
+            finally:
+                # Before the group cancels the workers: a cancelled worker re-adds its key if it
+                # was added again meanwhile, and a new worker in a group that is shutting down
+                # would turn the agent's clean stop into an error.
+                self._group = None
 
     async def _worker(self) -> None:
         try:

@@ -654,6 +654,25 @@ async def test_a_pod_the_mock_has_no_ip_for_waits_and_says_why(api: FakeApiServe
         await eventually(lambda: running(api, "c"), within=15, what="c started on a's IP")
 
 
+async def test_the_ip_of_a_pod_that_never_started_is_freed_when_it_is_deleted(
+    api: FakeApiServer,
+) -> None:
+    """Its IP is reserved before its settings are resolved (`status.podIP` may be in its env):
+    a pod held by a missing ConfigMap, then deleted, must not keep it."""
+    small = MockProvider(NODE, MockConfig(pod_cidr="10.9.0.0/30"), host_ip=HOST_IP)  # 2 hosts
+    async with PodHarness(api, small):
+        broken = pod("broken")
+        broken["spec"]["containers"][0]["env"] = [
+            {"name": "L", "valueFrom": {"configMapKeyRef": {"name": "absent", "key": "l"}}}
+        ]
+        api.create("pods", broken)
+        await eventually(lambda: "MandatoryConfigMapNotFound" in event_reasons(api, "broken"))
+        api.delete("pods", "broken", NS, grace=0)
+        for name in ("a", "b"):
+            api.create("pods", pod(name))
+        await eventually(lambda: running(api, "a") and running(api, "b"), what="both got an IP")
+
+
 async def test_an_on_demand_token_mounted_by_sub_path_is_a_file(
     api: FakeApiServer, mock: MockProvider, mock_node: PodHarness
 ) -> None:

@@ -238,3 +238,24 @@ async def test_workers_start_with_work_up_to_the_bound_and_end_when_idle(
     await eventually(lambda: queue.workers_running == 0, what="idle workers ending")
     queue.add("late")  # and work after that starts a worker again
     await eventually(lambda: queue.processed == 22)
+
+
+async def test_stopping_while_a_key_is_re_added_mid_processing_is_a_clean_cancel() -> None:
+    """A SIGTERM during a burst: the cancelled worker re-adds its dirty key as it unwinds, and
+    the queue must stop with a plain cancellation, not an error from a worker started in a
+    group that is shutting down."""
+    started = asyncio.Event()
+
+    async def process(key: str) -> None:
+        started.set()
+        await asyncio.Event().wait()  # busy until cancelled
+
+    queue = WorkQueue(process, name="test", workers=4)
+    task = asyncio.create_task(queue.run())
+    queue.add("a")
+    await started.wait()
+    queue.add("a")  # added again while being processed: dirty
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert queue.workers_running == 0

@@ -180,6 +180,36 @@ async def test_exec_probes_do_not_wait_for_a_token_the_apiserver_is_slow_to_give
     assert (await app_status(mock)).restartCount == 0
 
 
+class FailingTokens:
+    """A `PodTokens` whose apiserver refuses every TokenRequest."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def token_files(self, namespace: str, name: str, uid: str) -> Any:
+        self.asked += 1
+        raise ProviderError("FailedMount", "cannot get a token: the apiserver said 503")
+
+
+async def test_probes_back_off_from_a_failing_token_request_and_an_exec_still_asks(
+    mock: MockProvider,
+) -> None:
+    tokens = FailingTokens()
+    mock.use_tokens(tokens)
+    probe = {"exec": {"command": ["true"]}, "periodSeconds": 1, "timeoutSeconds": 1}
+    await mock.create_pod(pod(readinessProbe=probe))
+    await eventually(lambda: _ready(mock))
+    # Twenty probe runs in a second: with a back-off doubling from 1 s, two requests at most.
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 1.0
+    while loop.time() < until:
+        assert tokens.asked <= 2, "a TokenRequest per probe run"
+        await asyncio.sleep(0.05)
+    asked = tokens.asked
+    assert await sh(mock, "true") == 0  # an exec does not wait out the back-off: it asks
+    assert tokens.asked == asked + 1
+
+
 async def test_an_exec_waiting_for_tokens_ends_with_the_pod_and_leaves_nothing_behind(
     mock: MockProvider,
 ) -> None:

@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -89,6 +90,8 @@ class MockProvider:
         self._tokens: PodTokens | None = None
         self._token_files: dict[str, dict[str, str]] = {}  # uid -> the last ones given
         self._token_fetches: dict[str, asyncio.Task[None]] = {}  # uid -> the one under way
+        # uid -> (no fetch for probes before, the delay that set it), after a failed fetch
+        self._token_backoff: dict[str, tuple[float, float]] = {}
         self._stats = NodeStats(node_name, config.memory)
         # How often `logs -f` and an attach without stdin print a line; tests shorten it.
         self.tick_seconds = 1.0
@@ -174,6 +177,11 @@ class MockProvider:
             self._ips[uid] = address = self._free_ip()
             self._used_ips.add(address)
         return [self._ips[uid]]
+
+    async def release_pod_ips(self, namespace: str, name: str, uid: str) -> None:
+        running = self._pods.get(f"{namespace}/{name}")
+        if running is None or running.uid != uid:  # a running pod's delete_pod frees its IP
+            self._release_ip(uid)
 
     def _release_ip(self, uid: str) -> None:
         address = self._ips.pop(uid, None)
@@ -279,6 +287,7 @@ class MockProvider:
         if fetch is not None:
             fetch.cancel()
         self._token_files.pop(mock.uid, None)
+        self._token_backoff.pop(mock.uid, None)
         task = self._starting.pop(key, None)
         if task:
             task.cancel()
@@ -428,7 +437,7 @@ class MockProvider:
         as it is used: the first exec into a pod requests them. An exec probe does not wait
         for that (a slow apiserver must not fail probes, and so restart containers): it sees
         the files as they are, and the tokens join them when they come."""
-        fetch = self._renew_tokens(mock)
+        fetch = self._renew_tokens(mock, despite_failures=wait_for_tokens)
         if fetch is not None and wait_for_tokens:
             # Not cancelled with this caller (it is shared), and its end, even cancelled by the
             # pod's deletion, is not this caller's error: the check below is.
@@ -443,11 +452,17 @@ class MockProvider:
             )
         return fs
 
-    def _renew_tokens(self, mock: MockPod) -> asyncio.Task[None] | None:
-        """The pod's token fetch: one at a time, shared by whoever needs it."""
+    def _renew_tokens(self, mock: MockPod, *, despite_failures: bool) -> asyncio.Task[None] | None:
+        """The pod's token fetch: one at a time, shared by whoever needs it. After a failure,
+        probes do not start another one until a back-off has passed (each probe run of every
+        pod would otherwise be a TokenRequest to an apiserver in trouble); an exec does."""
         if self._tokens is None:
             return None
         fetch = self._token_fetches.get(mock.uid)
+        backoff = self._token_backoff.get(mock.uid)
+        waiting = backoff is not None and time.monotonic() < backoff[0]
+        if fetch is None and waiting and not despite_failures:
+            return None
         if fetch is None:
             fetch = asyncio.create_task(self._fetch_tokens(self._tokens, mock))
             self._token_fetches[mock.uid] = fetch
@@ -463,10 +478,15 @@ class MockProvider:
     async def _fetch_tokens(self, tokens: PodTokens, mock: MockPod) -> None:
         try:
             given = await tokens.token_files(mock.namespace, mock.name, mock.uid)
-        except ProviderError as e:
+        except Exception as e:
             # The files keep the tokens they have, as a kubelet's would during an outage.
-            log.warning("pod %s/%s: %s", mock.namespace, mock.name, e.message)
+            delay = min(max(self._token_backoff.get(mock.uid, (0.0, 0.0))[1] * 2, 1.0), 300.0)
+            self._token_backoff[mock.uid] = (time.monotonic() + delay, delay)
+            message = e.message if isinstance(e, ProviderError) else f"{type(e).__name__}: {e}"
+            pod = f"{mock.namespace}/{mock.name}"
+            log.warning("pod %s: %s (probes try again in %.0fs)", pod, message, delay)
             return
+        self._token_backoff.pop(mock.uid, None)
         if self._pods.get(f"{mock.namespace}/{mock.name}") is not mock:
             return  # deleted meanwhile
         files = {

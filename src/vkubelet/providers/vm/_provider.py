@@ -283,6 +283,11 @@ class VMProvider(RunnerProvider):
         network = await self.runtime.attach_network(str(meta.uid))
         return [network.address]
 
+    async def release_pod_ips(self, namespace: str, name: str, uid: str) -> None:
+        vm = self.vms.get(f"{namespace}/{name}")
+        if vm is None or vm.uid != uid:  # a VM's own deletion detaches its network
+            await self.runtime.detach_network(uid)
+
     def _is_vm_image(self, image: str) -> bool:
         return image.startswith(self.config.image_prefix.rstrip("/") + "/")
 
