@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,48 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of the live process `pid` (not of its reaped children)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def tree_cpu(selected: Callable[[Path], bool]) -> float:
+    """CPU seconds of the live processes `selected` picks, with their reaped children's."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if not selected(proc):
+                continue
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        total += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+    return total / TICKS
+
+
+def control_plane_cpu(cluster: Cluster, only: Collection[str] = ()) -> float:
+    """etcd, kube-apiserver, scheduler and controller-manager (or those of them named in
+    `only`): their command lines name files in the cluster's directory."""
+    marker = str(cluster.directory).encode()
+
+    def selected(proc: Path) -> bool:
+        if only and (proc / "comm").read_text().strip() not in only:
+            return False
+        return marker in (proc / "cmdline").read_bytes()
+
+    return tree_cpu(selected)
+
+
+async def quiet_control_plane(cluster: Cluster, cores: float = 0.2, within: float = 180) -> float:
+    """Wait until the cluster's control plane uses less than `cores` over 2 s (at most `within`
+    seconds); the CPU it used last. A run measured while the last one's aftermath (a namespace
+    and its events being deleted, a compaction) still loads the apiserver measures that too."""
+    deadline = time.monotonic() + within
+    while True:
+        before = control_plane_cpu(cluster)
+        await asyncio.sleep(2)
+        used = (control_plane_cpu(cluster) - before) / 2
+        if used < cores or time.monotonic() > deadline:
+            return used
 
 
 def print_table(rows: list[tuple[str, ...]]) -> None:

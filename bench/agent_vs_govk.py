@@ -16,6 +16,10 @@ objects are gone:
 - the same Go node **unthrottled**: no client QPS limit, 32 workers, queues with per-item
   back-off only.
 
+Each run waits, before it starts, for the last one's namespace to be deleted and for the
+control plane to be quiet (< 0.2 cores over 2 s): otherwise the second agent of a round pays
+for the deletion of the first one's namespace and events.
+
 Per agent it prints pods/s (first create to last pod Running), p50/p99 creation -> Running
 (creation = when our client got the API's answer), delete time, RSS with all pods Running, and
 agent CPU seconds per 1,000 pods — user + system from /proc of the agent and its children, for
@@ -46,7 +50,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2 as httpx
-from _common import cluster_for, http_client, log, new_namespace, pct, print_table
+from _common import (
+    cluster_for,
+    http_client,
+    log,
+    new_namespace,
+    pct,
+    print_table,
+    quiet_control_plane,
+)
 from agent_pods import (
     CONCURRENCY,
     Watcher,
@@ -174,6 +186,16 @@ async def force_delete(client: httpx.AsyncClient, ns: str, names: list[str]) -> 
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
 
 
+async def namespace_gone(client: httpx.AsyncClient, ns: str, within: float = 300) -> None:
+    """Its deletion (its events: thousands) loads the apiserver: not during the next run."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if (await client.get(f"/api/v1/namespaces/{ns}")).status_code == 404:
+            return
+        await asyncio.sleep(1)
+    log(f"namespace {ns} still there after {within:.0f} s")
+
+
 def profile(pid: int, svg: Path) -> subprocess.Popen[bytes] | None:
     spy = shutil.which("py-spy") or str(Path(sys.prefix) / "bin" / "py-spy")
     if not Path(spy).exists():
@@ -206,7 +228,8 @@ async def one_run(
         try:
             await wait_node_ready(client, target.node)
             ns = await new_namespace(client, "vs")
-            await asyncio.sleep(2)  # settle: start-up work is not measured
+            # Settle: neither the agent's start-up nor the last run's aftermath is measured.
+            await quiet_control_plane(cluster)
             watcher = Watcher(client, ns)
             watch_task = asyncio.create_task(watcher.run())
             await watcher.ready.wait()
@@ -251,6 +274,7 @@ async def one_run(
             if ns:
                 await force_delete(client, ns, names)
                 await client.request("DELETE", f"/api/v1/namespaces/{ns}")
+                await namespace_gone(client, ns)
             await client.request("DELETE", f"/api/v1/nodes/{target.node}")
             await client.aclose()
 

@@ -30,32 +30,19 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-from _common import cluster_for, http_client, log, new_namespace, print_table
+from _common import (
+    cluster_for,
+    control_plane_cpu,
+    http_client,
+    log,
+    new_namespace,
+    print_table,
+)
 
-_CLOCK = os.sysconf("SC_CLK_TCK")
-_CONTROL_PLANE = {"kube-apiserver", "etcd"}
-
-
-def control_plane_cpu() -> float:
-    """CPU seconds used so far by every kube-apiserver and etcd process on the machine: run it
-    with only the benchmark's cluster up."""
-    total = 0.0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if (proc / "comm").read_text().strip() not in _CONTROL_PLANE:
-                continue
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / _CLOCK
-    return total
-
+_CONTROL_PLANE = ("kube-apiserver", "etcd")
 
 Request = Callable[[int], Awaitable[None]]
 
@@ -190,9 +177,9 @@ async def run(args: argparse.Namespace) -> None:
                 order = list(kinds) if round_ % 2 == 0 else list(reversed(kinds))
                 for kind in order:
                     await asyncio.sleep(2)  # the create burst's (or last kind's) work settles
-                    before = control_plane_cpu()
+                    before = control_plane_cpu(cluster, _CONTROL_PLANE)
                     await asyncio.gather(*(limited(kinds[kind], i) for i in range(args.requests)))
-                    spent = control_plane_cpu() - before
+                    spent = control_plane_cpu(cluster, _CONTROL_PLANE) - before
                     figures[kind].append(spent / args.requests * 1000)
                     log(f"round {round_ + 1}: {kind}: {figures[kind][-1]:.2f} ms per request")
     finally:

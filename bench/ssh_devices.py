@@ -65,12 +65,14 @@ from _common import (
     PodList,
     WatchEvent,
     cluster_for,
+    control_plane_cpu,
     cpu_seconds,
     http_client,
     log,
     new_namespace,
     pct,
     print_table,
+    tree_cpu,
     wait_until,
 )
 
@@ -106,34 +108,11 @@ def busy_since(before: tuple[float, float]) -> float:
     return (busy - before[0]) / max(total - before[1], 1e-9)
 
 
-def tree_cpu(selected: Callable[[Path], bool]) -> float:
-    """CPU seconds of the live processes `selected` picks, with their reaped children's."""
-    total = 0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if not selected(proc):
-                continue
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        total += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    return total / TICKS
-
-
 def devices_cpu(devices: list[TestDevice]) -> float:
     """Everything of the devices: sshd's, session shells, supervisors, containers. A session's
     shell is reaped by its sshd and a supervisor lives on, so little escapes the count."""
     inodes = {f"net:[{Path('/run/netns', d.netns).stat().st_ino}]" for d in devices}
     return tree_cpu(lambda proc: str((proc / "ns" / "net").readlink()) in inodes)
-
-
-def control_plane_cpu(cluster: Cluster) -> float:
-    """etcd, kube-apiserver, scheduler and controller-manager: their command lines name files
-    in the cluster's directory."""
-    marker = str(cluster.directory).encode()
-    return tree_cpu(lambda proc: marker in (proc / "cmdline").read_bytes())
 
 
 # -- the lab and the agent ------------------------------------------------------------------------
