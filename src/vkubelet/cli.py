@@ -171,8 +171,8 @@ def run(
     shard: Annotated[
         bool,
         typer.Option(
-            help="Replicas with the same --config share its nodes, one Lease per node, each "
-            "taking its fair share (docs/high-availability.md)."
+            help="Replicas with the same --config share its nodes, claimed in buckets through "
+            "Leases, each taking its fair share (docs/high-availability.md)."
         ),
     ] = False,
     leader_elect_namespace: Annotated[
@@ -181,14 +181,14 @@ def run(
     ] = None,
     leader_elect_lease_duration: Annotated[
         float | None,
-        typer.Option(help="Seconds a Lease unrenewed is free to take [default: 15; --shard 20]."),
+        typer.Option(help="Seconds a Lease unrenewed is free to take [default: 10; --shard 20]."),
     ] = None,
     leader_elect_renew_deadline: Annotated[
         float | None,
-        typer.Option(help="A holder stops acting when it could not renew this long [10; 14]."),
+        typer.Option(help="A holder stops acting when it could not renew this long [7; 16]."),
     ] = None,
     leader_elect_retry_period: Annotated[
-        float | None, typer.Option(help="Seconds between attempts and renewals [2; 4].")
+        float | None, typer.Option(help="Seconds between attempts and renewals [1.5; 4].")
     ] = None,
 ) -> None:
     """Run the node agent: register virtual node(s) and run their pods with a provider."""

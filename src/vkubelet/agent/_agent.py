@@ -15,6 +15,7 @@ import functools
 import logging
 import socket
 import ssl
+import weakref
 from collections.abc import Callable
 
 from ..kubelet import KubeletAuth, KubeletServer
@@ -119,7 +120,9 @@ class Agent:
         self._auth: KubeletAuth | None = None
         self._services: ServiceCache | None = None
         self._startup = asyncio.Semaphore(_STARTING_NODES)
-        self._closed: set[int] = set()
+        # Providers closed already, by id: an entry leaves as its provider is freed, so a
+        # later provider (a claimed node's, a fleet member's) that gets the same id is closed.
+        self._closed: dict[int, weakref.ref[object] | object] = {}
 
     def use_client(self, client: KubeClient) -> None:
         """The client to run with (a fenced one, under a Lease), before `run()`."""
@@ -293,7 +296,11 @@ class Agent:
         """`aclose()` a provider once (if it has one); its failure is logged, never raised."""
         if id(provider) in self._closed or not isinstance(provider, Closeable):
             return
-        self._closed.add(id(provider))
+        key = id(provider)
+        try:
+            self._closed[key] = weakref.ref(provider, lambda _: self._closed.pop(key, None))
+        except TypeError:  # not weakly referable: kept, so its id is not reused
+            self._closed[key] = provider
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_SECONDS):
                 await provider.aclose()

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..kubelet import KubeletServer
 from ..node import AgentConfig, KubeClient, NodeFleet, NodeSpec, Unreachable
+from ..node._certs import ServingCertificate
 from ..node._lease import KubeLeases, LeaderElector, LeaseStore, LeaseTiming
 from ..sdk.tasks import TaskSet, run_supervised
 from . import _providers
@@ -140,47 +141,65 @@ def fenced_client(config: AgentConfig, may_write: Callable[[], bool]) -> FencedC
 async def run_leader_elected(
     validated: Agent, make_agent: Callable[[], Agent], options: ReplicaOptions
 ) -> None:
-    """Campaign; while leading run a fresh agent; stand by (serving /healthz) otherwise."""
+    """Campaign; while leading run a fresh agent; stand by (serving /healthz) otherwise.
+
+    The Lease is renewed on a loop of its own, in a thread, as the shards' are (`ShardRunner`
+    says why): an agent whose loop lags by seconds under load would otherwise miss its renew
+    deadline, fence itself and restart every node for nothing."""
     await validated.discard()
     config = validated.config
     names = [spec.settings.name for spec in config.nodes]
-    client = KubeClient.from_kubeconfig(config.kubeconfig, options=config.client)
-    elector = LeaderElector(
-        KubeLeases(client),
-        namespace=options.namespace,
-        identity=options.identity,
-        name=lease_name("agent", names[0] if len(names) == 1 else group_of(names)),
-        timing=options.timing,
-        labels={GROUP_LABEL: group_of(names), ROLE_LABEL: "leader"},
-    )
+    main = asyncio.get_running_loop()
+    elector: LeaderElector | None = None  # made on the Leases' loop, with its client
+
+    def leading() -> bool:
+        return elector is not None and elector.is_leader
+
+    def holds() -> bool:
+        return elector is not None and elector.holds()
+
     ports = {spec.settings.kubelet_port for spec in config.nodes} if config.kubelet_api else set()
-    health = (
-        StandbyHealth(options.health_port, lambda: elector.is_leader)
-        if options.health_port
-        else None
-    )
+    health = StandbyHealth(options.health_port, leading) if options.health_port else None
     shares_port = health is not None and health.port in ports
 
-    async def lead() -> None:
+    async def lead() -> None:  # on this loop
         if health is not None and shares_port:
             await health.close()  # the kubelet API takes the port (and answers /healthz)
         try:
-            await fenced_agent(make_agent, elector).run()
+            agent = make_agent()
+            agent.use_client(fenced_client(agent.config, holds))
+            await agent.run()
         finally:
             if health is not None:
                 await health.start()
 
-    log.info("leader election: %s stands by for Lease %s", options.identity, elector.name)
+    async def campaign() -> None:  # on the Leases' loop
+        nonlocal elector
+        client = KubeClient.from_kubeconfig(config.kubeconfig, options=config.client)
+        elector = LeaderElector(
+            KubeLeases(client),
+            namespace=options.namespace,
+            identity=options.identity,
+            name=lease_name("agent", names[0] if len(names) == 1 else group_of(names)),
+            timing=options.timing,
+            labels={GROUP_LABEL: group_of(names), ROLE_LABEL: "leader"},
+        )
+        log.info("leader election: %s stands by for Lease %s", options.identity, elector.name)
+        try:
+            await elector.run(lambda: run_on(main, lead))
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(elector.release())
+            await client.aclose()
+
     try:
         if health is not None:
             await health.start()
-        await elector.run(lead)
+        async with lease_loop() as loop:
+            await run_on(loop, campaign)
     finally:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(elector.release())
         if health is not None:
             await health.close()
-        await client.aclose()
 
 
 def agent_factory(config: AgentConfig) -> tuple[Agent, Callable[[], Agent]]:
@@ -191,12 +210,6 @@ def agent_factory(config: AgentConfig) -> tuple[Agent, Callable[[], Agent]]:
 
     pristine = copy.deepcopy(config)
     return Agent(config), lambda: Agent(copy.deepcopy(pristine))
-
-
-def fenced_agent(make_agent: Callable[[], Agent], elector: LeaderElector) -> Agent:
-    agent = make_agent()
-    agent.use_client(fenced_client(agent.config, elector.holds))
-    return agent
 
 
 # -- sharding ---------------------------------------------------------------------------------
@@ -490,18 +503,34 @@ class ShardRunner:
         readiness = KubeletApiReadiness(settings.kubelet_port) if agent.config.kubelet_api else None
         node = agent.make_node(settings, built, readiness)
         servers: list[KubeletServer] = []
+        certificates: list[ServingCertificate | None] = []
+
+        async def serve(readiness: KubeletApiReadiness) -> None:
+            """Certificate, listen, renew: retried on its own (as `_serve_port` is), so a CSR
+            the apiserver was too busy for does not restart the node and pause its heartbeats
+            (a dead replica's nodes, claimed at once, ask for theirs together)."""
+            if not servers:  # once listening, a retry never binds again
+                context, certificate = await agent.tls_context(
+                    name, settings.address_list(), readiness.waiting_for
+                )
+                started = await start_servers(
+                    [kubelet_node(node, settings.kubelet_port)],
+                    context,
+                    agent.kubelet_auth(),
+                    readiness,
+                )
+                servers.extend(started)
+                certificates.append(certificate)
+            if certificates[0] is not None:
+                await certificates[0].renew_forever()  # a node held past its certificate's life
+
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(run_node(node))
                 if readiness is not None:
-                    context, _ = await agent.tls_context(
-                        name, settings.address_list(), readiness.waiting_for
-                    )
-                    servers = await start_servers(
-                        [kubelet_node(node, settings.kubelet_port)],
-                        context,
-                        agent.kubelet_auth(),
-                        readiness,
+                    work = functools.partial(serve, readiness)
+                    group.create_task(
+                        run_supervised(work, name=f"kubelet API of {name}", logger=log)
                     )
         finally:
             for server in servers:

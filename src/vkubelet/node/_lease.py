@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import math
 import os
 import socket
 import time
@@ -295,7 +296,8 @@ class LeaderElector:
 
     async def _try(self) -> None:
         now = _micro_time(datetime.now(UTC))
-        duration = max(1, round(self.timing.duration))
+        # Up, never down: a Lease written shorter than the fence would free it while we act.
+        duration = max(1, math.ceil(self.timing.duration))
         if time.monotonic() - self._renewed_at >= self.timing.renew_deadline:
             self._mine = None  # possibly taken meanwhile (a pause, a partition): read it first
         lease = copy.deepcopy(self._mine) if self._mine is not None else None

@@ -5,6 +5,7 @@ providers' events reach the right node's recorder."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 from collections.abc import AsyncIterator, Sequence
@@ -296,3 +297,29 @@ async def test_kubelet_ports_starting_together_share_one_read_of_the_client_ca(
     finally:
         client_ca.close()
         await client.aclose()
+
+
+async def test_a_provider_closed_then_freed_does_not_stop_a_later_one_from_being_closed(
+    api: FakeApiServer, tmp_path: Path
+) -> None:
+    """Claimed nodes and fleet members build and close a provider each time: CPython hands a
+    freed object's id to a later one, which must still be closed (once)."""
+
+    class Counting:
+        closes = 0
+
+        async def aclose(self) -> None:
+            Counting.closes += 1
+
+    agent = Agent(agent_config(tmp_path), client=api.client())
+    first = Counting()
+    await agent.close_provider(first)
+    await agent.close_provider(first)  # once only
+    assert Counting.closes == 1
+    del first
+    gc.collect()
+    for _ in range(50):  # many of them reuse the freed id
+        later = Counting()
+        await agent.close_provider(later)
+        del later
+    assert Counting.closes == 51
