@@ -104,3 +104,25 @@ async def test_the_ip_of_a_pod_the_mock_refused_is_free_again() -> None:
         await mock.delete_pod(never.pod, 0)
     await mock.create_pod(named("a", "ua"))
     await mock.create_pod(named("b", "ub"))
+
+
+async def test_an_address_two_kept_pods_share_is_free_only_once_both_are_gone(
+    tmp_path: Path,
+) -> None:
+    """A state file from before pod IPs were unique may give two pods one address: deleting
+    one of them must not hand that address to a third pod while the other still has it."""
+    state = tmp_path / "state.json"
+    first = MockProvider("n1", MockConfig(state_file=state, pod_cidr="10.9.0.0/29"))
+    await first.create_pod(named("a", "ua"))
+    await first.create_pod(named("b", "ub"))
+    raw = json.loads(state.read_text())
+    shared = raw["pods"][0]["ip"]
+    raw["pods"][1]["ip"] = shared
+    state.write_text(json.dumps(raw))
+    again = MockProvider("n1", MockConfig(state_file=state, pod_cidr="10.9.0.0/29"))
+    gone = await again.get_pod(NS, "a")
+    assert gone is not None
+    await again.delete_pod(gone, 0)
+    for i in range(5):  # every other host address of the /29, round-robin
+        await again.create_pod(named(f"n{i}", f"un{i}"))
+    assert shared not in {p["ip"] for p in stored(state) if p["name"] != "b"}

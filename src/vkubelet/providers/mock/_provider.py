@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -80,7 +81,9 @@ class MockProvider:
         self._network = ipaddress.ip_network(config.pod_cidr)
         self._next_ip = 0
         self._ips: dict[str, str] = {}  # uid -> reserved IP
-        self._used_ips: set[str] = set()  # the values of `_ips`
+        # The values of `_ips`, counted: a state file from before IPs were unique may give
+        # two pods one address, which is free only once both are gone.
+        self._used_ips: Counter[str] = Counter()
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._stops: dict[str, asyncio.Event] = {}  # uid -> set when the pod stops
         self._random = random.Random(node_name)  # noqa: S311 - deterministic fake failures
@@ -110,7 +113,7 @@ class MockProvider:
         for pod in state.pods:
             self._pods[f"{pod.namespace}/{pod.name}"] = pod
             self._ips[pod.uid] = pod.ip
-            self._used_ips.add(pod.ip)
+            self._used_ips[pod.ip] += 1
 
     def _save_state(self) -> None:
         """Write the state file soon; many changes in a burst cost one write."""
@@ -175,7 +178,7 @@ class MockProvider:
         uid = str(pod.metadata.uid)  # type: ignore[union-attr]
         if uid not in self._ips:
             self._ips[uid] = address = self._free_ip()
-            self._used_ips.add(address)
+            self._used_ips[address] += 1
         return [self._ips[uid]]
 
     async def release_pod_ips(self, namespace: str, name: str, uid: str) -> None:
@@ -186,7 +189,9 @@ class MockProvider:
     def _release_ip(self, uid: str) -> None:
         address = self._ips.pop(uid, None)
         if address is not None:
-            self._used_ips.discard(address)
+            self._used_ips[address] -= 1
+            if self._used_ips[address] <= 0:
+                del self._used_ips[address]
 
     def _free_ip(self) -> str:
         """The next host address of the pod CIDR that no pod holds, round-robin (a freed IP is
