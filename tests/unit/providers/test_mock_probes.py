@@ -15,7 +15,7 @@ from lightkube.resources.core_v1 import Pod
 
 from vkubelet.providers.mock import MockConfig, MockProvider
 from vkubelet.sdk import ProviderError, ResolvedPod
-from vkubelet.testing.harness import eventually
+from vkubelet.testing.harness import always, eventually
 
 from .helpers import Input, stdio
 
@@ -200,11 +200,7 @@ async def test_probes_back_off_from_a_failing_token_request_and_an_exec_still_as
     await mock.create_pod(pod(readinessProbe=probe))
     await eventually(lambda: _ready(mock))
     # Twenty probe runs in a second: with a back-off doubling from 1 s, two requests at most.
-    loop = asyncio.get_running_loop()
-    until = loop.time() + 1.0
-    while loop.time() < until:
-        assert tokens.asked <= 2, "a TokenRequest per probe run"
-        await asyncio.sleep(0.05)
+    await always(lambda: tokens.asked <= 2, duration=1.0, what="no TokenRequest per probe run")
     asked = tokens.asked
     assert await sh(mock, "true") == 0  # an exec does not wait out the back-off: it asks
     assert tokens.asked == asked + 1
