@@ -35,6 +35,7 @@ from typing import Any
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
+from ..._files import write_private
 from ...sdk import (
     AttachIO,
     ByteStream,
@@ -136,6 +137,15 @@ class _VM:
         tmp = self.dir / "state.json.tmp"
         tmp.write_text(json.dumps(state))
         tmp.replace(self.dir / "state.json")
+
+
+def _write_pod_file(vm: _VM) -> None:
+    """The pod as given, for adoption after a restart. Owner-only, like the seed ISO: its env
+    holds the values of the Secrets it refers to, resolved by the node."""
+    tmp = vm.dir / "pod.json.tmp"
+    tmp.unlink(missing_ok=True)  # created afresh: an older file's mode is not kept
+    write_private(tmp, json.dumps(vm.pod.to_dict()).encode())
+    tmp.replace(vm.dir / "pod.json")
 
 
 class _Transport:
@@ -471,7 +481,7 @@ class VMProvider(RunnerProvider):
     async def _make_machine(
         self, vm: _VM, resolved: ResolvedPod, plan: MachinePlan, image: PulledImage
     ) -> None:
-        vm.dir.mkdir(parents=True, exist_ok=True)
+        vm.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         disk_dir = self._disk_dir(vm)
         root = disk_dir / "root.qcow2"
         scratch_paths = [self._scratch_path(vm, disk_dir, s, i) for i, s in enumerate(plan.scratch)]
@@ -527,7 +537,7 @@ class VMProvider(RunnerProvider):
             **_power.launch_extras(vm.pod, plan, self.config),
             **(await _power.claim_disks(self, vm, plan)),
         }
-        (vm.dir / "pod.json").write_text(json.dumps(vm.pod.to_dict()))
+        _write_pod_file(vm)
         vm.save()
         self._event(vm, "Normal", "Created", f"Created VM {vm.container}")
 
@@ -701,7 +711,7 @@ class VMProvider(RunnerProvider):
         secret = plan.secret_files | vm.plan.secret_files
         vm.plan = replace(plan, files=plan_files)
         vm.pod = pod.pod
-        (vm.dir / "pod.json").write_text(json.dumps(vm.pod.to_dict()))
+        _write_pod_file(vm)
         meta = vm.pod.metadata
         assert meta is not None
         self.runtime.write_seed(

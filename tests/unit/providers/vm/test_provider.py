@@ -602,3 +602,17 @@ def test_config_map_rules_win_over_the_config_file_s_and_go_when_it_goes(tmp_pat
     assert runtime.translate("vm.vkubelet.io/new") == ("file:///n", None)  # kept
     runtime.set_translation_overrides(None, "ConfigMap a/b")
     assert runtime.translate("vm.vkubelet.io/tiny") == ("file:///file.qcow2", None)
+
+
+async def test_the_pod_kept_on_the_host_is_readable_by_its_owner_only(
+    provider: VMProvider, runtime: FakeRuntime, tmp_path: Path
+) -> None:
+    """Its env holds the values of the Secrets it refers to (the node resolves them)."""
+    secret_env = [{"name": "DB_PASSWORD", "value": "s3cret"}]
+    pod = make_pod(containers=[{"name": "vm", "image": "vm.vkubelet.io/tiny", "env": secret_env}])
+    await provider.create_pod(ResolvedPod(pod))
+    await until(lambda: _launched(runtime))
+    [kept] = list(tmp_path.rglob("pod.json"))
+    assert b"s3cret" in kept.read_bytes()
+    assert kept.stat().st_mode & 0o777 == 0o600
+    assert kept.parent.stat().st_mode & 0o077 == 0
