@@ -644,9 +644,10 @@ async def _cancel_jobs(run: _Run) -> None:
 
 
 # -- restore -------------------------------------------------------------------------------
-def resolve_restore(text: str, allowed: Sequence[Path]) -> list[Path]:
+def resolve_restore(text: str, allowed: Sequence[Path], namespace: str) -> list[Path]:
     """The disk files (root first) of the backup `text` names: a manifest (its latest backup) or
-    one backup's directory. Only under the node's backup directories."""
+    one backup's directory. Only under the node's backup directories, and only a backup of a
+    VM of the pod's own namespace: the backup directories hold every namespace's disks."""
     if not text.startswith("/"):
         raise BackupError(
             "RestoreFailed",
@@ -661,10 +662,20 @@ def resolve_restore(text: str, allowed: Sequence[Path]) -> list[Path]:
     manifest = read_manifest(chain_dir)
     if manifest is None:
         raise BackupError("RestoreFailed", f"{RESTORE_FROM}: no backup manifest at {chain_dir}")
+    owner = (manifest.get("vm") or {}).get("namespace")
+    if owner != namespace:
+        raise BackupError(
+            "RestoreFailed",
+            f"{RESTORE_FROM}: {text} is a backup of a VM of namespace {owner!r}, not of this "
+            f"pod's namespace {namespace!r}",
+        )
     backups = [b for b in manifest["backups"] if wanted is None or b.get("directory") == wanted]
     if not backups:
         raise BackupError("RestoreFailed", f"{RESTORE_FROM}: no backup {text} in the manifest")
-    files = [chain_dir / f for f in backups[-1]["files"]]
+    names = [Path(str(f)) for f in backups[-1]["files"]]
+    if any(name.is_absolute() or ".." in name.parts for name in names):
+        raise BackupError("RestoreFailed", f"{RESTORE_FROM}: the manifest names files outside it")
+    files = [chain_dir / name for name in names]
     for f in files:
         if not f.exists():
             raise BackupError("RestoreFailed", f"{RESTORE_FROM}: {f} is missing")
@@ -874,6 +885,7 @@ class BackupPods:
 
 
 async def restore_if_asked(
+    namespace: str,
     annotations: Mapping[str, str],
     disks: Sequence[Path],
     allowed: Sequence[Path],
@@ -884,7 +896,7 @@ async def restore_if_asked(
     text = annotations.get(RESTORE_FROM)
     if not text or disks[0].exists():
         return
-    sources = resolve_restore(text, allowed)
+    sources = resolve_restore(text, allowed, namespace)
     wanted = [(s, d) for s, d in zip(sources, disks, strict=False) if not d.exists()]
     await restore_disks([s for s, _ in wanted], [d for _, d in wanted])
     if root_size is not None:

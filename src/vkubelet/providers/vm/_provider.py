@@ -487,6 +487,7 @@ class VMProvider(RunnerProvider):
         scratch_paths = [self._scratch_path(vm, disk_dir, s, i) for i, s in enumerate(plan.scratch)]
         try:  # restore-from: the disks come from a backup (before the first boot only)
             await restore_if_asked(
+                resolved.namespace,
                 dict(vm.pod.metadata.annotations or {}) if vm.pod.metadata else {},
                 [root, *scratch_paths],
                 self.config.backup_roots,

@@ -206,7 +206,7 @@ def test_first_backup_is_full_with_a_new_persistent_bitmap_then_incremental_chai
         "0002-incremental/disk0.qcow2",
         "0002-incremental/disk1.qcow2",
     ]
-    assert resolve_restore(str(chain / "manifest.json"), [tmp_path]) == [
+    assert resolve_restore(str(chain / "manifest.json"), [tmp_path], "ns") == [
         chain / "0002-incremental/disk0.qcow2",
         chain / "0002-incremental/disk1.qcow2",
     ]
@@ -322,9 +322,9 @@ def test_restore_from_one_backup_s_directory_takes_that_point_of_the_chain(
     machine = FakeMachine(FakeMonitor(), FakeAgent())
     first, _ = _backup(machine, tmp_path)
     _backup(machine, tmp_path)
-    assert resolve_restore(first.path, [tmp_path])[0] == Path(first.path) / "disk0.qcow2"
+    assert resolve_restore(first.path, [tmp_path], "ns")[0] == Path(first.path) / "disk0.qcow2"
     with pytest.raises(BackupError, match="not a backup's path"):
-        resolve_restore("nightly", [tmp_path])
+        resolve_restore("nightly", [tmp_path], "ns")
 
 
 def test_jobs_and_targets_an_interrupted_backup_left_in_qemu_are_removed_first(
@@ -379,9 +379,24 @@ def test_a_target_without_room_for_the_copy_is_refused_before_the_freeze(tmp_pat
 
 def test_restore_sources_must_be_inside_the_allowed_directories(tmp_path: Path) -> None:
     with pytest.raises(BackupError, match="outside"):
-        resolve_restore("/etc/shadow", [tmp_path])
+        resolve_restore("/etc/shadow", [tmp_path], "ns")
     with pytest.raises(BackupError, match="no backup manifest"):
-        resolve_restore(str(tmp_path / "ns/db/manifest.json"), [tmp_path])
+        resolve_restore(str(tmp_path / "ns/db/manifest.json"), [tmp_path], "ns")
+
+
+def test_a_pod_restores_only_a_backup_of_its_own_namespace_and_only_files_in_it(
+    tmp_path: Path,
+) -> None:
+    machine = FakeMachine(FakeMonitor(), FakeAgent())
+    _backup(machine, tmp_path)
+    manifest = tmp_path / "ns" / "db" / "manifest.json"
+    with pytest.raises(BackupError, match="of namespace 'ns', not of this pod's namespace 'b'"):
+        resolve_restore(str(manifest), [tmp_path], "b")
+    data = json.loads(manifest.read_text())
+    data["backups"][-1]["files"] = ["../../../elsewhere/disk0.qcow2"]
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(BackupError, match="outside it"):
+        resolve_restore(str(manifest), [tmp_path], "ns")
 
 
 def test_backup_directories_in_the_config_are_resolved_and_default_to_the_state_dir(
