@@ -39,7 +39,13 @@ import msgspec
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Pod
 
-from ..sdk.provider import PodLifecycleHandler, PodNotifier, ProviderError, ResolvedPod
+from ..sdk.provider import (
+    AdoptsPods,
+    PodLifecycleHandler,
+    PodNotifier,
+    ProviderError,
+    ResolvedPod,
+)
 from ..sdk.tasks import run_supervised
 from ._events import NORMAL, WARNING, EventRecorder, ObjectRef
 from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
@@ -102,6 +108,7 @@ class PodController:
         self._client = client
         self.node_name = node_name
         self._provider = provider
+        self._adopts = provider if isinstance(provider, AdoptsPods) else None  # checked once
         self._recorder = recorder
         self._status_poll_interval = status_poll_interval
         self.reflector: Reflector[PodRecord] = Reflector(
@@ -367,6 +374,14 @@ class PodController:
                 # something else; a provider that keeps no annotations is not disturbed.
                 given = await self._given(key, record, existing)
                 if given in (None, applied.hex()):
+                    if self._adopts is not None:
+                        try:
+                            await self._adopts.adopt_pod(resolved.pod)
+                        except ProviderError as e:
+                            self._event(record, WARNING, "ProviderAdoptFailed", e.message)
+                            if e.permanent:
+                                return
+                            raise
                     state.applied_now(applied)
                     return
             try:

@@ -23,6 +23,7 @@ from .logs import LogWriter, copy_to_log, previous_not_found, read_log, run_log_
 from .podrunner import PodRunner, RunContainer, RunnerProvider, SignalContainer
 from .probes import ExecResult, PodProbes, ProbeEvent, ProbeTransport, ProbeUnknown
 from .provider import (
+    AdoptsPods,
     Closeable,
     ConditionStatus,
     ContainerLogOptions,
@@ -61,6 +62,7 @@ from .volumes import (
 )
 
 __all__ = [
+    "AdoptsPods",
     "AttachIO",
     "ByteStream",
     "Closeable",

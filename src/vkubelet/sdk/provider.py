@@ -263,6 +263,17 @@ class TokensOnDemand(Protocol):
 
 
 @runtime_checkable
+class AdoptsPods(Protocol):
+    """Optional: told of each pod it already runs that the agent adopted at start-up and
+    gives it no `create_pod` or `update_pod` for (its copy is up to date), with the pod as
+    resolved now. A provider that keeps per-pod state in memory (which objects a pod needs,
+    tokens to renew) rebuilds it here: after a restart `list_pods` tells it only what runs.
+    Raise like `create_pod`: a `ProviderError` is an event and a retry (none if permanent)."""
+
+    async def adopt_pod(self, pod: ResolvedPod) -> None: ...
+
+
+@runtime_checkable
 class Closeable(Protocol):
     """Optional: release what the provider holds when the agent stops (SIGTERM/SIGINT).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 
 # A pod as handed over, the translation settings, its JSON and the references it needs below.
 Prepared = tuple[ResolvedPod, PodTranslation, JSON, set[Reference]]
+
+
+# How long plans wait, after a start, for the agent to hand back the pods found running below.
+ADOPTION_WAIT = 300.0
 
 
 class ProviderCore:
@@ -71,6 +76,11 @@ class ProviderCore:
         # late lower events about the old UID, so every event is checked against the UID.
         self._lower_pods: dict[str, JSON] = {}  # upper "namespace/name" -> lower pod, if seen
         self._pods_listed = False  # whether _lower_pods has been filled by a first listing
+        # Our lower pods `list_pods` found whose upper pods the agent has not handed back yet
+        # (`adopt_pod`), and until when (monotonic) to wait for them: see `_still_adopting`.
+        self._adopting: set[str] = set()
+        self._adopting_listed = False  # whether `list_pods` has run
+        self._adopting_until = time.monotonic() + ADOPTION_WAIT
         self._deleting: dict[str, str] = {}  # upper "namespace/name" -> UID we are deleting
         self._failed: dict[str, JSON] = {}  # upper pods whose lower pod vanished: final status
         self._notify: Callable[[Pod], None] | None = None
@@ -130,6 +140,24 @@ class ProviderCore:
             return known
         upper = to_json(pod.pod)
         return (pod, self.how, upper, needed_references(upper, self.how))
+
+    def _still_adopting(self) -> bool:
+        """Whether pods found running below at start-up are still to be handed back by the
+        agent. Until they are, `_pods` holds only some of the pods we run, and a plan made from
+        it would delete the copies, Services and token Secrets the others use: plans then
+        create and update, and delete nothing. A pod deleted below (an orphan the agent
+        removed) is not waited for, nor any pod after 5 minutes (a pod the agent cannot
+        resolve any more is never handed back). Before `list_pods` (which the agent calls at
+        start-up, after its pod watch's first list) nothing is known: the background loops,
+        started earlier, wait for it too."""
+        if time.monotonic() >= self._adopting_until:
+            self._adopting.clear()
+            return False
+        if not self._adopting_listed:
+            return self._background
+        self._adopting -= self._pods.keys()
+        self._adopting &= self._lower_pods.keys()
+        return bool(self._adopting)
 
     def use_upper_api(self, api: UpperAPI) -> None:
         self._upper = api

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from ._convert import (
     uid_of,
     upper_view,
 )
+from ._core import ADOPTION_WAIT
 from ._deps import KINDS, SOURCE_VERSION, Key, plan_dependencies
 from ._lower import MissingPermissions
 from ._refs import Reference
@@ -225,6 +227,11 @@ class ClusterProvider(
             "the provider config",
         )
 
+    async def adopt_pod(self, pod: ResolvedPod) -> None:
+        """After a restart, a pod that runs below: ours again, with what it needs below (its
+        lower pod is found ours and not created again; upper tokens are minted afresh)."""
+        await self.create_pod(pod)
+
     async def update_pod(self, pod: ResolvedPod) -> None:
         await self._ensure_owner()
         key = f"{pod.namespace}/{pod.name}"
@@ -402,8 +409,13 @@ class ClusterProvider(
             key = f"{identity[0]}/{identity[1]}"
             if not self._about_another(key, lower):
                 self._remember(key, lower)
+            if key not in self._pods:
+                self._adopting.add(key)
             status = status_up(lower, {}, host_ip=self.context.internal_ip, now=now_rfc3339())
             found.append(upper_view(lower, convert_podstatus(status)))
+        if not self._adopting_listed:
+            self._adopting_listed = True
+            self._adopting_until = time.monotonic() + ADOPTION_WAIT
         return found
 
     def notify_pods(self, callback: Callable[[Pod], None]) -> None:
@@ -937,6 +949,9 @@ class ClusterProvider(
                 pvc_storage_class=self.config.pvc_storage_class,
                 needed={k: refs for k, (_, _, _, refs) in prepared.items()},
             )
+            if self._still_adopting():
+                plan.delete.clear()
+                plan.release.clear()
             applied = await self.lower.apply_dependencies(plan, self.owner)
             for key, obj in applied.written.items():
                 if obj is None:

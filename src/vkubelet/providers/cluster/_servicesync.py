@@ -86,6 +86,8 @@ class ServiceReflection(ProviderCore):
             self.owner,
             self.how.lower_namespace,
         )
+        if self._still_adopting():
+            plan.delete.clear()
         applied = await apply_service_plan(self.lower, plan, self.owner)
         for key, obj in applied.written.items():
             if obj is None:

@@ -106,6 +106,8 @@ class UpperTokens(ProviderCore):
                 log.warning("pod %s: refreshing its upper tokens failed: %s", key, e)
 
     async def _sweep_tokens(self) -> None:
+        if self._still_adopting():
+            return  # the next sweep: the pods not handed back yet are not in `_pods`
         selector = f"{self.owner.selector},{ROLE_LABEL}={ROLE_TOKEN}"
         live = {p.uid for p in self._pods.values()}
         for secret in await self.lower.list_objects("Secret", selector=selector):

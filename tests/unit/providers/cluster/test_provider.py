@@ -315,6 +315,7 @@ class FakeLower:
         self.watched: list[str] = []  # the paths of the watches asked for, in order
         self.open_watches: Counter[str] = Counter()  # path -> watches open (and silent)
         self.written: list[tuple[str, str]] = []
+        self.objects: dict[str, list[dict[str, Any]]] = {}  # "configmaps" -> those created
         self.pod_reads = 0
         self.watches = 0
         self.watching_again = asyncio.Event()
@@ -349,7 +350,9 @@ class FakeLower:
                 200, json={"items": self.nodes, "metadata": {"resourceVersion": "9"}}
             )
         if method == "GET" and (request.url.params.get("labelSelector") or path == "/api/v1/pods"):
+            collection = path.rsplit("/", 1)[-1]
             items = list(self.pods.values()) if path == "/api/v1/pods" else []
+            items += [] if collection == "pods" else self.objects.get(collection, [])
             return httpx.Response(200, json={"items": items, "metadata": {"resourceVersion": "9"}})
         if method == "GET" and "/pods/" in path:
             self.pod_reads += 1
@@ -377,6 +380,9 @@ class FakeLower:
             body["metadata"].update(uid=f"lower-{self._next()}", resourceVersion=self._next())
             body["status"] = {"phase": "Pending"}
             self.pods[body["metadata"]["name"]] = body
+        elif method == "POST" and "metadata" in body:
+            body["metadata"].update(uid=f"lower-{self._next()}", resourceVersion=self._next())
+            self.objects.setdefault(path.rsplit("/", 1)[-1], []).append(body)
         return httpx.Response(201, json=body)
 
     def provider(self, tmp_path: Path) -> ClusterProvider:
@@ -627,6 +633,37 @@ def test_a_pod_refused_for_good_is_forgotten_when_deleted_and_its_successor_gets
     ]
     assert ("POST", "/api/v1/namespaces/shop/configmaps") in fake.written
     assert ("POST", "/api/v1/namespaces/shop/pods") in fake.written
+
+
+def test_after_a_restart_the_copies_of_pods_not_yet_adopted_are_kept_and_adoption_owns_them(
+    tmp_path: Path,
+) -> None:
+    """The restarted agent hands its running pods back one by one (`adopt_pod`): a plan made
+    before it is done (another pod's start) must not delete what the others use below."""
+    fake = FakeLower()
+
+    async def scenario() -> None:
+        first = fake.provider(tmp_path)
+        await first.create_pod(web_0("upper-web", config_map=True))
+        await first.aclose()
+        assert [c["metadata"]["name"] for c in fake.objects["configmaps"]] != []
+        restarted = fake.provider(tmp_path)
+        assert [p.metadata.name for p in await restarted.list_pods() if p.metadata] == ["web-0"]
+        other = msgspec.to_builtins(resolved().pod)
+        other["metadata"].update(name="api-0", uid="upper-api")
+        await restarted.create_pod(ResolvedPod(msgspec.convert(other, Pod)))  # plans, once
+        await restarted.adopt_pod(web_0("upper-web", config_map=True))
+        assert "shop/web-0" in restarted._pods
+        await restarted._sync_dependencies(relist=True)  # adopted: its copy is wanted again
+        await restarted.aclose()
+
+    asyncio.run(scenario())
+    deleted = [path for method, path in fake.written if method == "DELETE"]
+    assert not [path for path in deleted if "/configmaps/" in path], deleted
+    assert [path for method, path in fake.written if method == "POST" and "/pods" in path] == [
+        "/api/v1/namespaces/shop/pods",  # web-0's, before the restart
+        "/api/v1/namespaces/shop/pods",  # api-0's; web-0 is not created again
+    ]
 
 
 def test_a_pod_whose_lower_pod_vanished_is_forgotten_when_deleted(tmp_path: Path) -> None:
