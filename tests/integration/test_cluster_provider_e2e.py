@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,11 +103,46 @@ def deploy(kubectl: Kubectl, namespace: str, node: str, replicas: int) -> list[J
 def test_the_agent_killed_and_restarted_adopts_every_lower_pod(
     kubectl: Kubectl, lower_cluster: LowerCluster, cluster_node: ClusterNode
 ) -> None:
+    """Adopted, and with them what they use below: the ConfigMap copy and the Service the
+    pods had stay while the restarted agent hands its pods back and starts a new one."""
     namespace = f"kill-{uuid.uuid4().hex[:6]}"
     create_namespace(kubectl, namespace)
     lk = lower_cluster.kubectl
     try:
+        config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "web-config"}}
+        service = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web"},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]},
+        }
+        for obj in ({**config, "data": {"LEVEL": "info"}}, service):
+            kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(obj))
         deploy(kubectl, namespace, cluster_node.name, 2)
+        keeper = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "keeper", "labels": {"app": "web"}},
+            "spec": {
+                "nodeName": cluster_node.name,
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": "registry.example/web:1",
+                        "envFrom": [{"configMapRef": {"name": "web-config"}}],
+                    }
+                ],
+            },
+        }
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(keeper))
+
+        def below() -> tuple[int, int]:
+            owned = ("-l", "vkubelet.io/owner")
+            copies = lk.json("-n", namespace, "get", "configmaps", *owned)["items"]
+            services = lk.json("-n", namespace, "get", "services", *owned)["items"]
+            return len(copies), len(services)
+
+        wait_for(lambda: below() == (1, 1), timeout=90, what="the ConfigMap copy and Service")
         # A pod without a controller, deleted upstairs while the agent is down.
         lonely = {
             "apiVersion": "v1",
@@ -130,16 +166,33 @@ def test_the_agent_killed_and_restarted_adopts_every_lower_pod(
             items = lk.json("-n", namespace, "get", "pods")["items"]
             return {p["metadata"]["name"]: p["metadata"]["uid"] for p in items}
 
+        wait_for(
+            lambda: (
+                kubectl.json("-n", namespace, "get", "pod", "keeper")["status"].get("phase")
+                == "Running"
+            ),
+            what="keeper Running",
+        )
         before = lower_pods()
-        assert len(before) == 3 and "lonely" in before
+        assert len(before) == 4 and "lonely" in before
         cluster_node.agent.stop(signal.SIGKILL)
         kubectl("-n", namespace, "delete", "pod", "lonely", "--grace-period=0", "--force")
         cluster_node.agent.start()
         wait_for(lambda: "lonely" not in lower_pods(), timeout=90, what="lonely removed below")
         wait_for(lambda: node_ready(kubectl, cluster_node.name), what="the node Ready again")
+        # A new pod meanwhile: its start plans the copies of every pod the agent has so far.
+        late = {**lonely, "metadata": {"name": "late"}}
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(late))
+        wait_for(lambda: "late" in lower_pods(), timeout=90, what="late created below")
+        deadline = time.monotonic() + 15  # the plans of the restart have run by then
+        while time.monotonic() < deadline:
+            assert below() == (1, 1), "a copy or Service the adopted pods use was deleted"
+            time.sleep(1)
         after = lower_pods()
         # The survivors are the very same lower pods: adopted, none re-created.
-        assert after == {k: v for k, v in before.items() if k != "lonely"}
+        assert {k: v for k, v in after.items() if k != "late"} == {
+            k: v for k, v in before.items() if k != "lonely"
+        }
         for name in after:
             assert kubectl.json("-n", namespace, "get", "pod", name)["status"]["phase"] == "Running"
     finally:
