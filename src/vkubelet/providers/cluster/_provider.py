@@ -108,6 +108,26 @@ class ClusterProvider(
 
     # -- pod lifecycle ----------------------------------------------------------------
     async def create_pod(self, pod: ResolvedPod) -> None:
+        try:
+            await self._create_pod(pod)
+        except BaseException:
+            self._forget_unstarted(pod)
+            raise
+
+    def _forget_unstarted(self, pod: ResolvedPod) -> None:
+        """After a failed create: unless its lower pod exists (a create whose answer was lost),
+        the pod is not ours to keep. The agent calls `create_pod` again; but if the upper pod
+        is deleted first, no `delete_pod` comes for a pod that never started, and an entry
+        left here would keep its copies and Services below for good."""
+        key = f"{pod.namespace}/{pod.name}"
+        if self._pods.get(key) is not pod:
+            return
+        lower = self._lower_pods.get(key)
+        identity = upper_identity(lower) if lower is not None else None
+        if identity is None or identity[2] != pod.uid:
+            del self._pods[key]
+
+    async def _create_pod(self, pod: ResolvedPod) -> None:
         self._start()
         await self._ensure_owner()
         key = f"{pod.namespace}/{pod.name}"

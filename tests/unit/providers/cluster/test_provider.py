@@ -666,6 +666,26 @@ def test_after_a_restart_the_copies_of_pods_not_yet_adopted_are_kept_and_adoptio
     ]
 
 
+def test_a_pod_whose_create_failed_holds_nothing_below_once_it_is_deleted_upstairs(
+    tmp_path: Path,
+) -> None:
+    """Its ConfigMap is missing upstairs, so it never starts: deleted then, no `delete_pod`
+    comes for it (the agent never ran it), so the provider must not keep it among its pods."""
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+
+    async def scenario() -> None:
+        waiting = web_0("upper-web", config_map=True)
+        waiting.references[("ConfigMap", "shop", "web-config")] = None  # not there upstairs
+        with pytest.raises(ProviderError, match="not found") as raised:
+            await provider.create_pod(waiting)
+        assert not raised.value.permanent  # retried by the agent while the pod exists
+        assert "shop/web-0" not in provider._pods
+        await provider.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_pod_whose_lower_pod_vanished_is_forgotten_when_deleted(tmp_path: Path) -> None:
     fake = FakeLower()
     provider = fake.provider(tmp_path)
