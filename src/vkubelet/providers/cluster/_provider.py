@@ -255,14 +255,15 @@ class ClusterProvider(
     async def update_pod(self, pod: ResolvedPod) -> None:
         await self._ensure_owner()
         key = f"{pod.namespace}/{pod.name}"
+        previous = self._pods.get(key)
         self._pods[key] = pod
         await self._sync_dependencies()
         body = translate_pod(to_json(pod.pod), self.how)
         spec = body["spec"]
         patch: JSON = {
             "metadata": {
-                "labels": body["metadata"]["labels"],
-                "annotations": body["metadata"]["annotations"],
+                "labels": dict(body["metadata"].get("labels") or {}),
+                "annotations": dict(body["metadata"].get("annotations") or {}),
             },
             "spec": {
                 kind: [{"name": c["name"], "image": c["image"]} for c in spec.get(kind) or []]
@@ -271,6 +272,14 @@ class ClusterProvider(
         }
         if "activeDeadlineSeconds" in spec:
             patch["spec"]["activeDeadlineSeconds"] = spec["activeDeadlineSeconds"]
+        if previous is not None and previous.uid == pod.uid:
+            # A merge patch keeps the keys it does not name: the ones removed upstairs (a pod
+            # taken out of a Service by its label) are removed by name. Only those we sent:
+            # the lower cluster's own (its admission's) stay.
+            sent = translate_pod(to_json(previous.pod), self.how)["metadata"]
+            for field in ("labels", "annotations"):
+                for name in sent.get(field) or {}:
+                    patch["metadata"][field].setdefault(name, None)
         namespace = body["metadata"]["namespace"]
         current = self._lower_pods.get(key) or await self._call(
             self.lower.get("Pod", namespace, pod.name)

@@ -316,6 +316,7 @@ class FakeLower:
         self.open_watches: Counter[str] = Counter()  # path -> watches open (and silent)
         self.written: list[tuple[str, str]] = []
         self.objects: dict[str, list[dict[str, Any]]] = {}  # "configmaps" -> those created
+        self.patches: list[dict[str, Any]] = []  # the bodies of PATCH requests, in order
         self.pod_reads = 0
         self.watches = 0
         self.watching_again = asyncio.Event()
@@ -374,6 +375,8 @@ class FakeLower:
             self.pods.pop(name, None)
             return httpx.Response(200, json={"kind": "Status", "status": "Success"})
         body = json.loads(request.content)
+        if method == "PATCH":
+            self.patches.append(body)
         if body.get("kind") == "Pod" and method == "POST" and body["metadata"]["name"] in self.pods:
             return httpx.Response(409, json={"reason": "AlreadyExists", "message": "exists"})
         if body.get("kind") == "Pod":
@@ -684,6 +687,32 @@ def test_a_pod_whose_create_failed_holds_nothing_below_once_it_is_deleted_upstai
         await provider.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_label_removed_upstairs_is_removed_below_and_the_lower_clusters_own_stay(
+    tmp_path: Path,
+) -> None:
+    """Lower Services select on the pod's labels: a pod taken out of a Service upstairs must
+    leave it below too; a label the lower cluster added itself is not ours to remove."""
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+
+    def labelled(labels: dict[str, str]) -> ResolvedPod:
+        raw = msgspec.to_builtins(web_0("upper-web").pod)
+        raw["metadata"]["labels"] = labels
+        return ResolvedPod(msgspec.convert(raw, Pod))
+
+    async def scenario() -> None:
+        await provider.create_pod(labelled({"app": "web", "tier": "front"}))
+        fake.pods["web-0"]["metadata"]["labels"]["mesh.lower/injected"] = "true"
+        await provider.update_pod(labelled({"app": "web"}))
+        await provider.aclose()
+
+    asyncio.run(scenario())
+    [patch] = [p for p in fake.patches if "labels" in p.get("metadata", {})]
+    labels = patch["metadata"]["labels"]
+    assert labels["tier"] is None and labels["app"] == "web"
+    assert "mesh.lower/injected" not in labels
 
 
 def test_a_pod_whose_lower_pod_vanished_is_forgotten_when_deleted(tmp_path: Path) -> None:
