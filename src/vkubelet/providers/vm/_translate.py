@@ -222,8 +222,16 @@ def _substitute(rule: TranslationRule, match: re.Match[str], image: str) -> str:
         if ref.group(0) == "$$":
             return "$"
         key = ref.group(1) or ref.group(2) or ref.group(3)
-        value = match.group(int(key) if key.isdigit() else key)
-        return value or ""
+        value = match.group(int(key) if key.isdigit() else key) or ""
+        # A pod's image name goes into the URL: it must not climb out of the rule's
+        # directory (`file:///srv/images/$1.qcow2` with `../../var/lib/...`). No image
+        # reference has these (its grammar allows no `..`, `%`, `\` or leading `/`).
+        if ".." in value or "%" in value or "\\" in value or value.startswith("/"):
+            raise TranslationError(
+                f"image {image!r}: the part the rule {rule.where} takes from it ({value!r}) "
+                "may not contain '..', '%' or '\\', nor start with '/'"
+            )
+        return value
 
     url = _GROUP_REF.sub(group, rule.url)
     try:

@@ -164,6 +164,16 @@ def test_a_substituted_url_that_is_not_allowed_names_the_image_and_rule() -> Non
         t.translate("vm.vkubelet.io/ftp")
 
 
+@pytest.mark.parametrize(
+    "image", ["../../var/lib/vkubelet/volumes/pvc-x", "a/%2e%2e/b", "a\\..\\b", "/etc/passwd"]
+)
+def test_an_image_name_cannot_climb_out_of_the_rules_directory(image: str) -> None:
+    t = translator([{"regexp": "(.+)", "url": "file:///srv/images/$1.qcow2"}])
+    with pytest.raises(TranslationError, match=r"may not contain '\.\.'"):
+        t.translate(f"vm.vkubelet.io/{image}")
+    assert t.translate("vm.vkubelet.io/debian/12").url == "file:///srv/images/debian/12.qcow2"
+
+
 def test_redacted_urls_keep_no_credentials_or_query() -> None:
     redacted = redact_url("https://user:hunter2@img.example:8443/a.qcow2?X-Amz-Signature=s3cr3t")
     assert "hunter2" not in redacted and "s3cr3t" not in redacted and "user" not in redacted
