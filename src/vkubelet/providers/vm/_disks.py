@@ -81,14 +81,23 @@ async def _qemu_img(args: Sequence[str], *, limit: float = _TIMEOUT) -> str:
     try:
         stdout, stderr = await asyncio.wait_for(process.communicate(), limit)
     except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        await process.wait()
+        await _kill(process)
         raise DiskError(f"qemu-img {args[0]} timed out after {limit:g}s") from None
+    except asyncio.CancelledError:
+        # The pod was deleted while its disk was made (a restore can take an hour): the
+        # process must not go on writing into the machine's folder.
+        await asyncio.shield(_kill(process))
+        raise
     if process.returncode != 0:
         words = stderr.decode(errors="replace").strip() or f"exit code {process.returncode}"
         raise DiskError(f"qemu-img {args[0]} failed: {words}")
     return stdout.decode(errors="replace")
+
+
+async def _kill(process: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    await process.wait()
 
 
 async def image_info(path: Path) -> ImageInfo:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from vkubelet.providers.vm import _disks
 from vkubelet.providers.vm._disks import (
     DiskError,
     create_blank,
@@ -18,6 +19,7 @@ from vkubelet.providers.vm._disks import (
     resize,
 )
 from vkubelet.providers.vm._store import StoredImage
+from vkubelet.testing.harness import eventually
 
 pytestmark = pytest.mark.skipif(shutil.which("qemu-img") is None, reason="needs qemu-img")
 MiB = 1 << 20
@@ -128,3 +130,29 @@ def test_a_bad_size_names_the_field(value: str) -> None:
 async def test_qemu_img_errors_are_reported(tmp_path: Path) -> None:
     with pytest.raises(DiskError, match="qemu-img info failed"):
         await image_info(tmp_path / "missing.qcow2")
+
+
+def _running(marker: bytes) -> bool:
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes() == marker:
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+async def test_a_cancelled_disk_step_leaves_no_qemu_img_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pod deleted while its disk is restored: the copy must not go on writing."""
+    monkeypatch.setattr(_disks, "QEMU_IMG", "sleep")
+    marker = b"sleep\x0030.4127\x00"
+    task = asyncio.create_task(_disks._qemu_img(["30.4127"]))
+    await eventually(lambda: _running(marker), what="the process started")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not _running(marker)
