@@ -24,7 +24,7 @@ import pytest_asyncio
 
 from vkubelet.providers.vm._accel import _probe, probe_accel
 from vkubelet.providers.vm._machine import Disk, Machine, MachineSpec
-from vkubelet.providers.vm._net import GuestNetwork, PodNetwork
+from vkubelet.providers.vm._net import GuestNetwork, NetworkError, PodNetwork
 from vkubelet.providers.vm._seed import write_seed_iso
 
 pytestmark = [
@@ -338,6 +338,14 @@ async def test_attach_finds_the_same_address_after_a_restart_and_detach_cleans_u
         explicit = await restarted.attach(f"{keys[0]}-x", address="10.199.77.9")
         assert explicit.address == "10.199.77.9"
         keys.append(f"{keys[0]}-x")
+        # A host reboot resets the network: each VM gets its own address back (its guest is
+        # configured with it), whatever the order, and one taken by another VM is refused.
+        await first.detach(keys[0])
+        await first.detach(keys[1])
+        assert (await restarted.attach(keys[1], address=b.address)).address == b.address
+        with pytest.raises(NetworkError, match=f"address {b.address} of this VM is taken"):
+            await restarted.attach(keys[0], address=b.address)
+        assert (await restarted.attach(keys[0], address=a.address)).address == a.address
     finally:
         for key in keys:
             await first.detach(key)

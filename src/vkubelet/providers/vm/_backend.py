@@ -96,6 +96,9 @@ class LaunchSpec:
     seed: Path | None
     network_key: str | None  # the pod uid the network was attached for
     accel: str
+    # The address the guest was configured with (its seed): a relaunch after the host's
+    # network was reset (a reboot) must attach that one again, not the first free one.
+    network_address: str | None = None
     # Live resize and hibernation (`_resize`, `_hibernate`): headroom and extra QEMU options.
     max_vcpus: int | None = None
     max_memory_mib: int | None = None

@@ -93,6 +93,10 @@ class PodNetwork:
                 chosen = address or await self._free_address()
                 if ipaddress.IPv4Address(chosen) not in self.network:
                     raise NetworkError(f"address {chosen} is outside the pod CIDR {self.network}")
+                if address is not None and address in await self._used_addresses():
+                    # The VM's guest is configured with it (its seed): another address would
+                    # leave it unreachable, and two links routing one address break both.
+                    raise NetworkError(f"address {address} of this VM is taken by another one")
                 await self._create(key, chosen)
             else:
                 chosen = existing
@@ -121,7 +125,8 @@ class PodNetwork:
             await _ip("link", "del", link, check=False)  # half-made by an interrupted attach
         return None
 
-    async def _free_address(self) -> str:
+    async def _used_addresses(self) -> set[str]:
+        """The gateway's and every attached VM's, as the kernel's links and routes say."""
         used: set[str] = {self.gateway}
         listing = await _ip("-o", "link", "show", check=False)
         for line in listing.splitlines():
@@ -131,6 +136,10 @@ class PodNetwork:
                 address = await self._guest_address(name)
                 if address:
                     used.add(address)
+        return used
+
+    async def _free_address(self) -> str:
+        used = await self._used_addresses()
         for host in self.network.hosts():
             if str(host) not in used:
                 return str(host)

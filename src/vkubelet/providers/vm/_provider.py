@@ -646,6 +646,7 @@ class VMProvider(RunnerProvider):
             disks=tuple((Path(p), bus) for p, bus in launch["disks"]),
             seed=Path(launch["seed"]) if launch.get("seed") else None,
             network_key=launch.get("network_key"),
+            network_address=vm.address if launch.get("network_key") else None,
             accel=self.accel[0] if self.accel else "tcg",
             **_power.launch_spec_extras(launch),
             incoming=self.migrations.is_target(vm),

@@ -185,7 +185,7 @@ class QemuRuntime:
         network = None
         if spec.network_key is not None:
             network = self._networks.get(spec.network_key) or await self.network.attach(
-                spec.network_key
+                spec.network_key, spec.network_address
             )
             self._networks[spec.network_key] = network
         machine = await Machine.launch(
