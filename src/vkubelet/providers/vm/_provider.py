@@ -680,6 +680,15 @@ class VMProvider(RunnerProvider):
             return
         self._tasks.spawn(machine.stop(seconds), name=f"stop {key}")
 
+    async def adopt_pod(self, pod: ResolvedPod) -> None:
+        """A VM found running after a restart, whose pod did not change meanwhile: its files
+        are the pod's as resolved now, so later updates write only what changes."""
+        vm = self.vms.get(f"{pod.namespace}/{pod.name}")
+        if vm is None or vm.uid != pod.uid or vm.plan is not None:
+            return
+        with contextlib.suppress(SpecError):  # a spec no longer valid: update_pod says so
+            vm.plan = self._plan(pod)
+
     async def update_pod(self, pod: ResolvedPod) -> None:
         """New contents of configMap, secret, downwardAPI and projected volumes reach the guest
         as they reach a container: written in place through the guest agent (each file replaced
@@ -698,33 +707,33 @@ class VMProvider(RunnerProvider):
                 raise ProviderError("InvalidVMSpec", str(e)) from None
             return
         await _power.resize(self, vm, pod, plan, None)  # also for a VM adopted after a restart
-        if vm.plan is None:
-            return  # adopted: its files are those it was made with
-        old = {p: d for p, d in vm.plan.files.items() if p != ENV_FILE}
+        # Adopted after a restart and changed meanwhile: what the guest has is not known, so
+        # every file is written again (the env file stays: a start-time environment).
+        given = vm.plan or replace(plan, files={}, secret_files=frozenset())
+        old = {p: d for p, d in given.files.items() if p != ENV_FILE}
         new = {p: d for p, d in plan.files.items() if p != ENV_FILE}
-        if ENV_FILE in vm.plan.files:
-            plan_files = {**new, ENV_FILE: vm.plan.files[ENV_FILE]}
-        else:
-            plan_files = new
+        env = (vm.plan or plan).files.get(ENV_FILE)
+        plan_files = {**new, ENV_FILE: env} if env is not None else new
         if old == new:
+            vm.plan = vm.plan or plan
             return
         changed = {p: d for p, d in new.items() if old.get(p) != d}
         removed = sorted(set(old) - set(new))
-        secret = plan.secret_files | vm.plan.secret_files
-        vm.plan = replace(plan, files=plan_files)
-        vm.pod = pod.pod
-        _write_pod_file(vm)
-        meta = vm.pod.metadata
+        secret = plan.secret_files | given.secret_files
+        meta = pod.pod.metadata
         assert meta is not None
-        self.runtime.write_seed(
+        self.runtime.write_seed(  # first: a refused seed leaves the plan as it was, to retry
             Path(vm.launch["seed"]),
             pod_name=str(meta.name),
             pod_uid=vm.uid,
             annotations=dict(meta.annotations or {}),
-            files=vm.plan.files,
+            files=plan_files,
             network_key=vm.uid,
             secret_files=secret,
         )
+        vm.plan = replace(plan, files=plan_files)
+        vm.pod = pod.pod
+        _write_pod_file(vm)
         machine = vm.machine
         if machine is None or vm.booted_at is None:
             return  # the next boot reads the new seed

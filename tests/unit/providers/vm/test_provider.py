@@ -583,6 +583,47 @@ async def test_new_volume_contents_are_written_into_the_running_guest(
     assert runtime.seeds[-1]["files"]["/etc/vkubelet/env"] == b"E=1\n"  # start-time env
 
 
+async def test_volume_updates_reach_a_vm_adopted_after_a_restart(
+    tmp_path: Path, runtime: FakeRuntime, events: Events
+) -> None:
+    """Handed back unchanged (`adopt_pod`), then updated: only the changed file is written.
+    Changed while no agent ran (`update_pod` at once): every file is written again."""
+
+    def resolved(files: dict[str, bytes]) -> ResolvedPod:
+        pod = make_pod(volumes=[{"name": "cfg", "configMap": {"name": "c"}}])
+        assert pod.spec is not None
+        pod.spec.containers[0].volumeMounts = [VolumeMount(name="cfg", mountPath="/etc/app")]
+        contents = {name: FileContent(data, 0o644) for name, data in files.items()}
+        return ResolvedPod(pod, {"cfg": FilesVolume("cfg", "configMap", contents)})
+
+    async def restart(previous: VMProvider) -> VMProvider:
+        await previous.aclose()  # the agent goes; the VM does not
+        again = provider_for(tmp_path, runtime, events)
+        await again.list_pods()
+
+        async def booted() -> bool:
+            return again.vms["ns/vm"].booted_at is not None
+
+        await until(booted)
+        return again
+
+    first = provider_for(tmp_path, runtime, events)
+    await first.create_pod(resolved({"a.conf": b"one", "b.conf": b"b"}))
+    await until(lambda: _logged(first, b"booting"))
+    second = await restart(first)
+    machine = runtime.machines[runtime.launches[-1].run_dir]
+    await second.adopt_pod(resolved({"a.conf": b"one", "b.conf": b"b"}))
+    await second.update_pod(resolved({"a.conf": b"two", "b.conf": b"b"}))
+    assert [argv[-2] for argv, _ in machine.execs] == ["/etc/app/a.conf"]
+    assert runtime.seeds[-1]["files"]["/etc/app/a.conf"] == b"two"
+    machine.execs.clear()
+    third = await restart(second)
+    await third.update_pod(resolved({"a.conf": b"three", "b.conf": b"b"}))
+    assert sorted(argv[-2] for argv, _ in machine.execs) == ["/etc/app/a.conf", "/etc/app/b.conf"]
+    assert runtime.seeds[-1]["files"]["/etc/app/a.conf"] == b"three"
+    await third.aclose()
+
+
 def test_config_map_rules_win_over_the_config_file_s_and_go_when_it_goes(tmp_path: Path) -> None:
     from vkubelet.providers.vm._runtime import QemuRuntime
 
