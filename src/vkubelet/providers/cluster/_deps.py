@@ -137,7 +137,10 @@ def plan_dependencies(
         wanted.add(lower_key)
         existing = lower.get(lower_key)
         desired = lower_copy(source, how, key=key, pvc_storage_class=pvc_storage_class)
-        verdict = claim(existing, how.owner, None)
+        # A claim is its data: one re-created upstairs (another UID) is a new, empty volume,
+        # never the old claim's copy below. Other kinds are shared by name.
+        upper_uid = str(metadata_of(source).get("uid") or "") or None
+        verdict = claim(existing, how.owner, upper_uid if kind == "PersistentVolumeClaim" else None)
         if verdict is Claim.TAKEN:
             assert existing is not None
             message = (
@@ -149,6 +152,10 @@ def plan_dependencies(
                 plan.blocked.setdefault(pod_name, message)
         elif verdict is Claim.FREE:
             plan.create.append(desired)
+        elif verdict is Claim.STALE:
+            assert existing is not None
+            plan.replace.append(desired)
+            plan.uids[lower_key] = str(metadata_of(existing).get("uid", ""))
         else:
             assert existing is not None
             _plan_change(plan, kind, existing, desired)
@@ -160,6 +167,10 @@ def plan_dependencies(
         (plan.release if lower_key[0] == "PersistentVolumeClaim" else plan.delete).append(lower_key)
         plan.uids[lower_key] = str((obj.get("metadata") or {}).get("uid", ""))
     return plan
+
+
+def metadata_of(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return obj.get("metadata") or {}
 
 
 def _plan_change(

@@ -904,6 +904,34 @@ class ClusterProvider(
         if not covered:
             await self._sync_dependencies(block_for=key)
 
+    async def _release_claims(self, unused: list[Key], uids: Mapping[Key, str]) -> None:
+        """Lower claims no pod uses are deleted once their upper claim is gone (or re-created:
+        another UID), never while it exists: a StatefulSet pod between two lives keeps its
+        data. An upper claim this agent may not read (the Node authorizer lets a node read
+        only its pods' claims) is kept: not knowing is not gone."""
+        if self._upper is None or self._copies is None:
+            return
+        for key in unused:
+            identity = upper_identity(self._copies.get(key) or {})
+            if identity is None:
+                continue
+            namespace, name, uid = identity
+            path = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}"
+            try:
+                upper = await self._upper.get(path)
+            except ApiError as e:
+                if not e.not_found:
+                    continue
+                upper = {}
+            if (upper.get("metadata") or {}).get("uid") == uid:
+                continue
+            kind, lower_namespace, lower_name = key
+            await self._call(
+                self.lower.delete(kind, lower_namespace, lower_name, uid=uids.get(key))
+            )
+            self._copies.pop(key, None)
+            log.info("lower claim %s/%s released: its upper claim is gone", *key[1:])
+
     def _copies_cover(self, pod: ResolvedPod, needed: set[Reference]) -> bool:
         """Whether our known lower copies hold everything `pod` needs, each ours and copied
         from the upper object at the version the pod was given or later."""
@@ -987,6 +1015,8 @@ class ClusterProvider(
                     self._copies.pop(key, None)
                 else:
                     self._copies[key] = obj
+            if relist:  # an upper read per unused claim: at the periodic resync only
+                await self._release_claims(plan.release, plan.uids)
         if block_for is None:
             return
         why = plan.blocked.get(block_for)

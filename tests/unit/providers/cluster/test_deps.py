@@ -113,6 +113,23 @@ def test_an_immutable_or_retyped_copy_is_replaced() -> None:
     assert {lower_key(o)[2] for o in plan.replace} == {"web-config" + SUFFIX, "web-env" + SUFFIX}
 
 
+def test_a_claim_re_created_upstairs_gets_a_new_claim_below_not_the_old_ones_data() -> None:
+    existing = {
+        lower_key(o): o for o in plan_dependencies([upper_pod()], references(), {}, how()).create
+    }
+    for obj in existing.values():
+        obj["metadata"]["uid"] = "lower-" + obj["metadata"]["name"]
+    refs = references("2")
+    refs[("ConfigMap", "shop", "web-config")]["metadata"]["uid"] = "uid-re-created"
+    refs[("PersistentVolumeClaim", "shop", "web-data")]["metadata"]["uid"] = "uid-re-created"
+    plan = plan_dependencies([upper_pod()], refs, existing, how())
+    claim = ("PersistentVolumeClaim", "shop", "web-data" + SUFFIX)
+    assert [lower_key(o) for o in plan.replace] == [claim]
+    assert plan.uids[claim] == "lower-web-data" + SUFFIX  # the old claim, by its UID
+    # A ConfigMap is shared by name: its copy is updated in place.
+    assert ("ConfigMap", "shop", "web-config" + SUFFIX) in {lower_key(o) for o in plan.update}
+
+
 def test_copies_no_pod_uses_any_more_are_deleted_but_claims_only_released() -> None:
     existing = {
         lower_key(o): o for o in plan_dependencies([upper_pod()], references(), {}, how()).create

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from lightkube.resources.core_v1 import Pod
 
-from vkubelet.node import ConfigError, KubeClient
+from vkubelet.node import ApiError, ConfigError, KubeClient
 from vkubelet.providers.cluster import (
     ClusterProvider,
     LowerCluster,
@@ -678,8 +678,9 @@ def test_a_pod_whose_create_failed_holds_nothing_below_once_it_is_deleted_upstai
     provider = fake.provider(tmp_path)
 
     async def scenario() -> None:
-        waiting = web_0("upper-web", config_map=True)
-        waiting.references[("ConfigMap", "shop", "web-config")] = None  # not there upstairs
+        given = web_0("upper-web", config_map=True)
+        missing = {**given.references, ("ConfigMap", "shop", "web-config"): None}  # not upstairs
+        waiting = dataclasses.replace(given, references=missing)
         with pytest.raises(ProviderError, match="not found") as raised:
             await provider.create_pod(waiting)
         assert not raised.value.permanent  # retried by the agent while the pod exists
@@ -713,6 +714,53 @@ def test_a_label_removed_upstairs_is_removed_below_and_the_lower_clusters_own_st
     labels = patch["metadata"]["labels"]
     assert labels["tier"] is None and labels["app"] == "web"
     assert "mesh.lower/injected" not in labels
+
+
+class ClaimsUpstairs:
+    """An `UpperAPI` that answers reads of upper PVCs: name -> UID, or an HTTP status."""
+
+    def __init__(self, answers: dict[str, str | int]) -> None:
+        self.answers = answers
+
+    async def get(self, path: str, params: Any = None) -> dict[str, Any]:
+        answer = self.answers[path.rsplit("/", 1)[-1]]
+        if isinstance(answer, int):
+            raise ApiError(answer, "Forbidden" if answer == 403 else "NotFound", "no")
+        return {"metadata": {"uid": answer}}
+
+    async def create(self, path: str, body: Any) -> dict[str, Any]:
+        raise AssertionError("no writes upstairs")
+
+    def watch(self, path: str, params: Any, *, timeout_seconds: int) -> Any:
+        raise AssertionError("no watches here")
+
+
+def test_an_unused_lower_claim_is_released_only_once_its_upper_claim_is_known_gone(
+    tmp_path: Path,
+) -> None:
+    """Deleted, or re-created (another UID): released. There, or unreadable (the Node
+    authorizer refuses a node the claims of pods it no longer runs): kept."""
+    fake = FakeLower()
+    provider = fake.provider(tmp_path)
+    answers: dict[str, str | int] = {"gone": 404, "kept": "uid-kept", "hidden": 403, "new": "u2"}
+    provider.use_upper_api(ClaimsUpstairs(answers))
+    owner = provider.owner
+    keys = []
+    copies: dict[Any, Any] = {}
+    for name, uid in (("gone", "uid-gone"), ("kept", "uid-kept"), ("hidden", "x"), ("new", "u1")):
+        key = ("PersistentVolumeClaim", "shop", f"{name}-low")
+        body = {"metadata": {"name": f"{name}-low", "namespace": "shop"}}
+        copies[key] = stamp(body, owner, namespace="shop", name=name, uid=uid)
+        keys.append(key)
+    provider._copies = copies
+    uids = {key: f"lower-{key[2]}" for key in keys}
+    asyncio.run(provider._release_claims(keys, uids))
+    released = sorted(path for method, path in fake.written if method == "DELETE")
+    assert released == [
+        "/api/v1/namespaces/shop/persistentvolumeclaims/gone-low",
+        "/api/v1/namespaces/shop/persistentvolumeclaims/new-low",
+    ]
+    assert sorted(key[2] for key in provider._copies) == ["hidden-low", "kept-low"]
 
 
 def test_a_pod_whose_lower_pod_vanished_is_forgotten_when_deleted(tmp_path: Path) -> None:
