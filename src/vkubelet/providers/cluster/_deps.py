@@ -23,7 +23,7 @@ from typing import Any
 from ._refs import Reference
 from ._stamps import Claim, claim, describe_owner, is_ours, stamp
 from ._status import copy_of
-from ._tokens import is_token_secret
+from ._tokens import ROLE_LABEL, is_token_secret
 from ._translate import PodTranslation, needed_references
 
 __all__ = [
@@ -214,7 +214,8 @@ def lower_copy(
         "metadata": {
             "name": how.lower_name(kind, name),
             "namespace": how.lower_namespace(namespace),
-            "labels": dict(metadata.get("labels") or {}),
+            # Our own role label is not copied: a copy is never taken for a token Secret.
+            "labels": {k: v for k, v in (metadata.get("labels") or {}).items() if k != ROLE_LABEL},
             "annotations": {SOURCE_VERSION: str(metadata.get("resourceVersion", ""))},
         },
     }

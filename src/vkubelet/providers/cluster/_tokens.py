@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._stamps import LABEL_OWNER, Owner, stamp
+from ._stamps import LABEL_OWNER, Owner, stamp, upper_identity
 
 __all__ = [
     "ROLE_LABEL",
@@ -135,5 +135,11 @@ def token_secret(
 
 
 def is_token_secret(obj: Mapping[str, Any]) -> bool:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    return LABEL_OWNER in labels and labels.get(ROLE_LABEL) == ROLE_TOKEN
+    """One of our pods' token Secrets: its role label, and the name its pod's UID gives (a
+    label alone could be an upper object's, copied down: never taken for a token Secret)."""
+    metadata = obj.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    if LABEL_OWNER not in labels or labels.get(ROLE_LABEL) != ROLE_TOKEN:
+        return False
+    identity = upper_identity(obj)
+    return identity is not None and metadata.get("name") == token_secret_name(identity[2])

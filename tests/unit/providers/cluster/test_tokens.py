@@ -100,6 +100,37 @@ def test_the_dependency_planner_never_deletes_a_token_secret() -> None:
     assert key not in plan.delete
 
 
+def test_an_upper_object_labelled_as_a_token_secret_is_copied_as_an_ordinary_one() -> None:
+    """A user's label must not make the provider keep a copy for ever, or delete it as a
+    token Secret of a pod that does not exist."""
+    impostor = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": "db",
+            "namespace": "shop",
+            "uid": "uid-db",
+            "resourceVersion": "1",
+            "labels": {"vkubelet.io/role": "upper-token", "app": "web"},
+        },
+        "data": {},
+    }
+    pod = upper_pod()
+    pod["spec"]["containers"][0]["envFrom"] = [{"secretRef": {"name": "db"}}]
+    [copy] = [
+        o
+        for o in plan_dependencies([pod], {("Secret", "shop", "db"): impostor}, {}, how()).create
+        if o["metadata"]["name"].startswith("db")
+    ]
+    assert copy["metadata"]["labels"].get("vkubelet.io/role") is None
+    assert copy["metadata"]["labels"]["app"] == "web"
+    copy["metadata"]["labels"]["vkubelet.io/role"] = "upper-token"  # even if it were set below
+    assert not is_token_secret(copy)
+    key = ("Secret", "shop", copy["metadata"]["name"])
+    copy["metadata"]["uid"] = "lower-uid"
+    assert key in plan_dependencies([], {}, {key: copy}, how()).delete  # an unused copy goes
+
+
 def test_upper_tokens_need_a_service_account(tmp_path: Path) -> None:
     path = lower_yaml(tmp_path, serviceAccounts="none", serviceAccountTokens="upper")
     with pytest.raises(ConfigError, match="serviceAccountTokens: upper tokens need"):
