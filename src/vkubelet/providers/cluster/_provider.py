@@ -166,6 +166,15 @@ class ClusterProvider(
             return
         if verdict is Claim.TAKEN:
             assert existing is not None
+            if (existing.get("metadata") or {}).get("deletionTimestamp"):
+                # Going away (a StatefulSet pod force-deleted upstairs and re-created on
+                # another virtual node sharing this lower cluster): wait for it, not fail.
+                raise ProviderError(
+                    "LowerPodReplacing",
+                    f"lower pod {namespace}/{pod.name} ({describe_owner(existing)}) is being "
+                    "removed first",
+                    permanent=False,
+                )
             raise ProviderError(
                 "LowerNameConflict",
                 f"lower pod {namespace}/{pod.name} already exists and is "
@@ -194,9 +203,9 @@ class ClusterProvider(
         self._created_at[key] = asyncio.get_running_loop().time()
         try:
             created = await self._call(self.lower.create(body), what="create the lower pod")
-        except ApiError as e:
+        except BaseException as e:
             self._created_at.pop(key, None)
-            if not e.conflict:
+            if not isinstance(e, ApiError) or not e.conflict:
                 raise
             meta = body["metadata"]
             found: JSON | None = await self._call(

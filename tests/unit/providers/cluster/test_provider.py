@@ -123,6 +123,22 @@ def test_the_users_own_lower_pod_of_that_name_is_left_alone(tmp_path: Path) -> N
     assert not any(w[0] in ("DELETE", "PUT", "PATCH") for w in writes)
 
 
+def test_another_owners_lower_pod_that_is_going_away_is_waited_for_not_a_conflict(
+    tmp_path: Path,
+) -> None:
+    """A StatefulSet pod force-deleted upstairs and re-created on another virtual node that
+    shares the lower cluster: the old lower pod is still terminating."""
+    writes: list[Any] = []
+    leaving = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "web-7d9f-abcde", "deletionTimestamp": "2026-11-25T06:00:00Z"},
+    }
+    error = asyncio.run(attempt(scripted(tmp_path, leaving, writes)))
+    assert (error.reason, error.permanent) == ("LowerPodReplacing", False)
+    assert not any(w[0] in ("DELETE", "PUT", "PATCH") for w in writes)
+
+
 def test_a_namespace_forbidden_below_fails_the_pod_with_the_lower_apis_message(
     tmp_path: Path,
 ) -> None:
