@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -375,25 +375,29 @@ class PodController:
                 given = await self._given(key, record, existing)
                 if given in (None, applied.hex()):
                     if self._adopts is not None:
-                        try:
-                            await self._adopts.adopt_pod(resolved.pod)
-                        except ProviderError as e:
-                            self._event(record, WARNING, "ProviderAdoptFailed", e.message)
-                            if e.permanent:
-                                return
-                            raise
+                        adopt = self._adopts.adopt_pod(resolved.pod)
+                        if not await self._told(record, adopt, "ProviderAdoptFailed"):
+                            return
                     state.applied_now(applied)
                     return
-            try:
-                await self._provider.update_pod(resolved.pod)
-            except ProviderError as e:
-                self._event(record, WARNING, "ProviderUpdateFailed", e.message)
-                if e.permanent:
-                    return
-                raise
+            update = self._provider.update_pod(resolved.pod)
+            if not await self._told(record, update, "ProviderUpdateFailed"):
+                return
             state.applied_now(applied)
             self.updates += 1
             self._event(record, NORMAL, "Updated", "provider updated the pod")
+
+    async def _told(self, record: PodRecord, call: Awaitable[None], failed: str) -> bool:
+        """Whether the provider took `call`; its ProviderError is a Warning event `failed`,
+        then False if permanent (no retry helps), else raised for a retry."""
+        try:
+            await call
+        except ProviderError as e:
+            self._event(record, WARNING, failed, e.message)
+            if e.permanent:
+                return False
+            raise
+        return True
 
     async def _given(self, key: str, record: PodRecord, existing: Pod | None) -> str | None:
         """The applied digest on the provider's copy of an adopted pod: as `list_pods` showed it

@@ -458,6 +458,25 @@ async def test_a_restart_with_a_fresh_provider_process_adopts_by_uid(api: FakeAp
     assert provider.count("update") == 0
 
 
+class AdoptingProvider(PushProvider):
+    """Keeps per-pod state in memory: an `AdoptsPods` provider."""
+
+    async def adopt_pod(self, pod: ResolvedPodT) -> None:
+        self.calls.append(("adopt", f"{pod.namespace}/{pod.name}"))
+
+
+async def test_a_provider_that_adopts_pods_is_handed_each_adopted_pod_once(
+    api: FakeApiServer,
+) -> None:
+    web = api.create("pods", pod("web"))
+    provider = AdoptingProvider()
+    provider.add_running(pod("web"), uid=web["metadata"]["uid"])
+    async with PodHarness(api, provider):
+        await eventually(lambda: provider.count("adopt", f"{NS}/web") == 1, what="handed back")
+        await always(lambda: provider.count("adopt") == 1, duration=0.5)
+    assert (provider.count("create"), provider.count("update")) == (0, 0)
+
+
 async def test_provider_pods_unknown_to_the_api_are_deleted_only_if_provably_ours(
     api: FakeApiServer,
 ) -> None:
