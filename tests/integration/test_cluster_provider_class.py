@@ -471,8 +471,14 @@ def test_two_upper_clusters_share_a_lower_cluster_without_touching_each_other(
         )
         return ClusterProvider(config, context, open_lower(config))
 
+    async def started(cluster_id: str, prefix: str) -> ClusterProvider:
+        """A provider as the agent starts one: its pods below listed before any create."""
+        started = provider(cluster_id, prefix)
+        await started.list_pods()
+        return started
+
     async def scenario() -> None:
-        a, b = provider("upper-a", "shared-"), provider("upper-b", "shared-")
+        a, b = await started("upper-a", "shared-"), await started("upper-b", "shared-")
         await create(a, ResolvedPod(upper, references=refs))
         with pytest.raises(ProviderError) as raised:
             await create(b, ResolvedPod(upper, references=refs))
@@ -482,7 +488,7 @@ def test_two_upper_clusters_share_a_lower_cluster_without_touching_each_other(
         )
         await b.aclose()
         # In a namespace of its own, b's pod runs beside a's.
-        b = provider("upper-b", "b-")
+        b = await started("upper-b", "b-")
         await create(b, ResolvedPod(upper, references=refs))
         await until(lambda: _eq(_phase(a, shop, "app-0"), "Running"), "a's app-0 Running")
         await until(lambda: _eq(_phase(b, shop, "app-0"), "Running"), "b's app-0 Running")
