@@ -11,11 +11,13 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Collection, Coroutine
 from pathlib import Path
 from typing import Any
@@ -148,6 +150,22 @@ class WatchEvent(msgspec.Struct):
 class PodList(msgspec.Struct):
     metadata: ObjectMeta
     items: list[Pod]
+
+
+async def request_counts(client: httpx.AsyncClient) -> Counter[str]:
+    """The apiserver's own request counters (`apiserver_request_total`), summed per
+    "VERB resource[/subresource]": diffs of two readings say what a run asked of it."""
+    counts: Counter[str] = Counter()
+    text = (await client.get("/metrics")).text
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+        if not labels.get("resource"):
+            continue
+        what = labels["resource"] + (f"/{labels['subresource']}" if labels["subresource"] else "")
+        counts[f"{labels['verb']} {what}"] += int(float(line.rsplit(" ", 1)[1]))
+    return counts
 
 
 async def wait_until(check: Callable[[], bool], limit: float, what: str) -> None:

@@ -52,12 +52,15 @@ from pathlib import Path
 import httpx2 as httpx
 from _common import (
     cluster_for,
+    control_plane_cpu,
+    cpu_seconds,
     http_client,
     log,
     new_namespace,
     pct,
     print_table,
     quiet_control_plane,
+    request_counts,
 )
 from agent_pods import (
     CONCURRENCY,
@@ -81,6 +84,8 @@ GO_FLAGS = {
     GO_UNTHROTTLED: ["-kube-api-qps", "-1", "-workers", "32", "-queue-rate-limit=false"],
 }
 TICKS = os.sysconf("SC_CLK_TCK")
+# The control plane's processes by `comm` (cut at 15 characters), for the machine's CPU split.
+COMPONENTS = ("kube-apiserver", "etcd", "kube-controller", "kube-scheduler", "metrics-server")
 
 
 def tree_cpu_seconds(root: int) -> float:
@@ -107,6 +112,12 @@ def tree_cpu_seconds(root: int) -> float:
     return sum(times.get(pid, 0.0) for pid in tree)
 
 
+def machine_cpu(cluster: Cluster, agent_pid: int) -> dict[str, float]:
+    """CPU seconds so far of every process that works on a run's pods."""
+    split = {name: control_plane_cpu(cluster, (name,)) for name in COMPONENTS}
+    return split | {"bench": cpu_seconds(os.getpid()), "agent": tree_cpu_seconds(agent_pid)}
+
+
 def load() -> str:
     one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
     return f"load average {one}, {five}, {fifteen}"
@@ -126,6 +137,10 @@ class Run:
     start_cpu_s: float
     delete_cpu_s: float
     load: str
+    # From the first create until all pods are Running: CPU seconds by process (control plane,
+    # this bench, the agent) and the requests the apiserver served, by "VERB resource".
+    machine_cpu_s: dict[str, float]
+    requests: dict[str, int]
 
     @property
     def finished(self) -> bool:
@@ -234,10 +249,14 @@ async def one_run(
             watch_task = asyncio.create_task(watcher.run())
             await watcher.ready.wait()
             spy = profile(target.pid, svg) if svg else None
-            cpu0 = tree_cpu_seconds(target.pid)
+            requests0 = await request_counts(client)
+            machine0 = machine_cpu(cluster, target.pid)
+            cpu0 = machine0["agent"]
             started = time.monotonic()
             created = await create_pods(client, ns, names, target.node, None)
             await wait_for(lambda: len(watcher.running_at) >= pods, budget)
+            machine1 = machine_cpu(cluster, target.pid)
+            requests1 = await request_counts(client)
             running = dict(watcher.running_at)
             last = max(running.values()) if running else time.monotonic()
             elapsed = (last if len(running) == pods else time.monotonic()) - started
@@ -268,6 +287,8 @@ async def one_run(
                 start_cpu_s=cpu1 - cpu0,
                 delete_cpu_s=cpu2 - cpu1,
                 load=load(),
+                machine_cpu_s={k: machine1[k] - machine0[k] for k in machine0},
+                requests=dict(requests1 - requests0),
             )
         finally:
             target.stop()
@@ -311,6 +332,7 @@ def show(pods: int, runs: list[Run]) -> None:
             )
         )
     print_table(rows)
+    show_machine(runs)
 
     def mean(agent: str, value: Callable[[Run], float]) -> float:
         values = [value(r) for r in runs if r.agent == agent]
@@ -332,6 +354,25 @@ def show(pods: int, runs: list[Run]) -> None:
         parts = [f"{name} {mean(VKUBELET, f) / mean(other, f):.2f}x" for name, f in figures]
         unfinished = "" if all(r.finished for r in runs if r.agent == other) else " (Go capped)"
         print(f"  vs {other}{unfinished}: " + ", ".join(parts))
+
+
+def show_machine(runs: list[Run]) -> None:
+    """Where the machine's CPU went until all pods were Running, and what the apiserver was
+    asked: on two shared cores every process's share of a pod bounds pods/s."""
+    print("\nCPU ms per pod started, by process (first create until all Running):")
+    names = [*COMPONENTS, "bench", "agent"]
+    rows: list[tuple[str, ...]] = [("agent", *names, "total", "cores busy")]
+    for r in runs:
+        per_pod = [1000 * r.machine_cpu_s[n] / max(r.running, 1) for n in names]
+        busy = sum(r.machine_cpu_s.values()) * r.pods_per_s / max(r.running, 1)
+        rows.append((r.agent, *(f"{v:.2f}" for v in per_pod), f"{sum(per_pod):.2f}", f"{busy:.2f}"))
+    print_table(rows)
+    print("\nrequests per pod served by the apiserver meanwhile (>= 0.01):")
+    kinds = sorted({k for r in runs for k, n in r.requests.items() if n >= 0.01 * r.running})
+    rows = [("agent", *kinds)]
+    for r in runs:
+        rows.append((r.agent, *(f"{r.requests.get(k, 0) / max(r.running, 1):.3f}" for k in kinds)))
+    print_table(rows)
 
 
 async def main() -> None:

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -63,6 +62,7 @@ from _common import (
     new_namespace,
     pct,
     print_table,
+    request_counts,
     wait_until,
 )
 
@@ -357,22 +357,6 @@ async def burst(
     latencies = [watcher.running_at[n] - created[n] for n in names]
     elapsed = max(watcher.running_at.values()) - started
     return Throughput(pods, elapsed, statistics.median(latencies), pct(latencies, 0.99)), ns
-
-
-async def request_counts(client: httpx.AsyncClient) -> Counter[str]:
-    """The apiserver's own request counters (`apiserver_request_total`), summed per
-    "VERB resource[/subresource]": diffs of two readings say what a run asked of it."""
-    counts: Counter[str] = Counter()
-    text = (await client.get("/metrics")).text
-    for line in text.splitlines():
-        if not line.startswith("apiserver_request_total{"):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
-        if not labels.get("resource"):
-            continue
-        what = labels["resource"] + (f"/{labels['subresource']}" if labels["subresource"] else "")
-        counts[f"{labels['verb']} {what}"] += int(float(line.rsplit(" ", 1)[1]))
-    return counts
 
 
 async def measured_burst(
