@@ -473,9 +473,9 @@ def test_two_upper_clusters_share_a_lower_cluster_without_touching_each_other(
 
     async def started(cluster_id: str, prefix: str) -> ClusterProvider:
         """A provider as the agent starts one: its pods below listed before any create."""
-        started = provider(cluster_id, prefix)
-        await started.list_pods()
-        return started
+        fresh = provider(cluster_id, prefix)
+        await fresh.list_pods()
+        return fresh
 
     async def scenario() -> None:
         a, b = await started("upper-a", "shared-"), await started("upper-b", "shared-")
