@@ -38,6 +38,11 @@ vm_app = typer.Typer(no_args_is_help=True, help="VirtualMachine resources (docs/
 app.add_typer(dev, name="dev")
 app.add_typer(vm_app, name="vm")
 dev.add_typer(cluster_app, name="cluster")
+image_app = typer.Typer(
+    no_args_is_help=True,
+    help="Container images for dev clusters' worker nodes, built locally (no registry).",
+)
+dev.add_typer(image_app, name="image")
 
 
 class _Console:
@@ -385,15 +390,65 @@ def providers() -> None:
 
 
 @dev.command("build")
-def dev_build() -> None:
+def dev_build(
+    workers: Annotated[
+        bool,
+        typer.Option(
+            "--workers",
+            help="Also what worker nodes run: kubelet, kube-proxy, containerd, CoreDNS, pause.",
+        ),
+    ] = False,
+) -> None:
     """Build (or find cached) control-plane binaries without starting anything."""
-    from .devcluster import DevClusterError, ensure_binaries
+    from .devcluster import DevClusterError, ensure_binaries, ensure_worker_binaries
 
     try:
         binaries = ensure_binaries(_progress)
+        node = ensure_worker_binaries(_progress) if workers else {}
     except DevClusterError as e:
         raise _fail(e) from None
     out.print(f"Kubernetes {binaries.kubernetes_version} binaries in {binaries.directory}")
+    for name, path in node.items():
+        out.print(f"{name}: {path}", highlight=False)
+
+
+@image_app.command("build")
+def image_build(
+    kind: Annotated[str, typer.Argument(help="busybox, pause or agent (this source tree).")],
+    force: Annotated[bool, typer.Option(help="Rebuild even when cached.")] = False,
+) -> None:
+    """Build an OCI image archive from Debian packages (or this tree); prints its path."""
+    from .devcluster import DevClusterError, build_image
+
+    try:
+        image = build_image(kind, _progress, force=force)
+    except DevClusterError as e:
+        raise _fail(e) from None
+    out.print(f"{image.reference}\t{image.digest}\t{image.path}", highlight=False)
+
+
+@image_app.command("load")
+def image_load(
+    image: Annotated[
+        str,
+        typer.Argument(help="busybox, pause, agent (built first if needed) or an image archive."),
+    ],
+    name: NameOption = "default",
+) -> None:
+    """Load an image into every worker's containerd (pods use it with imagePullPolicy
+    IfNotPresent or Never); workers started later get it too."""
+    from .devcluster import KINDS, Cluster, DevClusterError, build_image
+
+    try:
+        if image in KINDS:
+            built = build_image(image, _progress)
+            archive, what = built.path, built.reference
+        else:
+            archive, what = Path(image), image
+        names = Cluster(name).load_image(archive)
+    except DevClusterError as e:
+        raise _fail(e) from None
+    out.print(f"Loaded {what} into {', '.join(names)}", highlight=False)
 
 
 @dev.command("vm-image")
@@ -428,13 +483,22 @@ def cluster_up(
             help="Port for kube-apiserver on 127.0.0.1 (default: a free one).", min=1, max=65535
         ),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="Real worker nodes (kubelet, containerd, kube-proxy; CoreDNS for the cluster) "
+            "on a pod network of this machine; needs root. Again on a running cluster: adds "
+            "missing workers and restarts dead worker components.",
+            min=0,
+        ),
+    ] = 0,
 ) -> None:
-    """Start a local cluster and print how to use it."""
+    """Start a local cluster (or reuse it if it is up) and print how to use it."""
     from .devcluster import Cluster, DevClusterError
 
     try:
         cluster = Cluster(name)
-        cluster.up(apiserver_port=apiserver_port, progress=_progress)
+        cluster.up(apiserver_port=apiserver_port, workers=workers, progress=_progress)
     except DevClusterError as e:
         raise _fail(e) from None
     except KeyboardInterrupt:
@@ -447,7 +511,14 @@ def cluster_up(
         f"  export KUBECONFIG={cluster.kubeconfig}\n"
         "  kubectl get --raw /readyz\n"
         "  kubectl get nodes\n\n"
-        f"Status: vkubelet dev cluster status{flag}\n"
+        + (
+            "Worker nodes have the images vkubelet.local/busybox and vkubelet.local/pause; "
+            f"load more with `vkubelet dev image load <archive|agent>{flag}`.\n"
+            f"  kubectl run web --image={cluster.image_reference('busybox')} -- httpd -f -p 80\n\n"
+            if cluster.workers()
+            else ""
+        )
+        + f"Status: vkubelet dev cluster status{flag}\n"
         f"Stop:   vkubelet dev cluster down{flag}",
         highlight=False,
     )

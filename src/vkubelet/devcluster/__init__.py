@@ -7,6 +7,7 @@ from ._build import (
     cached_binaries,
     ensure_binaries,
     ensure_helm,
+    ensure_worker_binaries,
     kubernetes_version,
 )
 from ._cluster import (
@@ -35,6 +36,7 @@ __all__ = [
     "cached_binaries",
     "ensure_binaries",
     "ensure_helm",
+    "ensure_worker_binaries",
     "kubernetes_version",
     "list_clusters",
     "processes_mentioning",

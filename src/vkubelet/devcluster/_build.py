@@ -40,17 +40,24 @@ class BuildFailed(DevClusterError):
 class GoModule:
     """A Go module directory next to this file and the binaries built from it."""
 
-    cache_prefix: str  # the cache directory is <prefix>-<version>-<key of go.mod/go.sum>
+    cache_prefix: str  # the cache directory is <prefix>-<version>-<key of the module's files>
     directory: Path
-    pinned: str  # the module whose version names the build
+    pinned: str  # the module whose version names the build ("" for a program of our own)
     packages: dict[str, str]  # binary name -> Go package
     version_packages: tuple[str, ...]  # packages whose version variables we stamp
     version_variables: tuple[str, ...] = ()  # further variables set to the version (helm's)
+    build_tags: tuple[str, ...] = ()
 
     def go_mod(self) -> str:
         return (self.directory / "go.mod").read_text()
 
+    def sources(self) -> list[Path]:
+        """What the build depends on besides the module graph: our own main packages, if any."""
+        return sorted(self.directory.glob("*.go"))
+
     def version(self) -> str:
+        if not self.pinned:
+            return "v0"
         pattern = rf"^(?:require\s+|\t){re.escape(self.pinned)} (v\S+)"
         match = re.search(pattern, self.go_mod(), re.MULTILINE)
         if not match:
@@ -63,8 +70,9 @@ class GoModule:
 
     def cache_dir(self) -> Path:
         digest = hashlib.sha256()
-        for name in ("go.mod", "go.sum"):
-            digest.update((self.directory / name).read_bytes())
+        for path in [self.directory / "go.mod", self.directory / "go.sum", *self.sources()]:
+            if path.exists():  # a module without dependencies has no go.sum
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
         return cache_root() / f"{self.cache_prefix}-{self.version()}-{digest.hexdigest()[:12]}"
 
     def missing(self) -> list[str]:
@@ -104,6 +112,50 @@ HELM = GoModule(
     version_packages=(),
     version_variables=("helm.sh/helm/v3/internal/version.version",),
 )
+# What a worker node runs (`vkubelet dev cluster up --workers N`), built only when a cluster has
+# workers. The kubelet and kube-proxy come from the control plane's own module, so they are
+# always the same release as the apiserver.
+NODE = GoModule(
+    cache_prefix="k8s-node",
+    directory=KUBERNETES.directory,
+    pinned="k8s.io/kubernetes",
+    packages={
+        "kubelet": "k8s.io/kubernetes/cmd/kubelet",
+        "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
+    },
+    version_packages=KUBERNETES.version_packages,
+)
+CONTAINERD = GoModule(
+    cache_prefix="containerd",
+    directory=Path(__file__).parent / "go-containerd",
+    pinned="github.com/containerd/containerd/v2",
+    packages={
+        "containerd": "github.com/containerd/containerd/v2/cmd/containerd",
+        "containerd-shim-runc-v2": (
+            "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2"
+        ),
+        "ctr": "github.com/containerd/containerd/v2/cmd/ctr",
+    },
+    version_packages=(),
+    version_variables=("github.com/containerd/containerd/v2/version.Version",),
+    # btrfs needs cgo headers; workers use the overlayfs snapshotter.
+    build_tags=("no_btrfs",),
+)
+COREDNS = GoModule(
+    cache_prefix="coredns",
+    directory=Path(__file__).parent / "go-coredns",
+    pinned="github.com/coredns/coredns",
+    packages={"coredns": "vkubelet.local/tools/coredns"},
+    version_packages=(),
+)
+PAUSE = GoModule(
+    cache_prefix="pause",
+    directory=Path(__file__).parent / "go-pause",
+    pinned="",
+    packages={"pause": "vkubelet.local/tools/pause"},
+    version_packages=(),
+)
+WORKER_MODULES = (NODE, CONTAINERD, COREDNS, PAUSE)
 MODULES = (KUBERNETES, METRICS_SERVER)
 GO_MODULE_DIR = KUBERNETES.directory
 PACKAGES: dict[str, str] = {name: pkg for m in MODULES for name, pkg in m.packages.items()}
@@ -218,6 +270,23 @@ def ensure_tool(module: GoModule, progress: Progress = print) -> dict[str, Path]
     return {name: module.cache_dir() / name for name in module.packages}
 
 
+def ensure_worker_binaries(progress: Progress = print) -> dict[str, Path]:
+    """What worker nodes run (kubelet, kube-proxy, containerd, CoreDNS, pause): name -> file.
+
+    Built once (about 8 minutes cold on 2 cores), then cached like the control plane.
+    """
+    missing = [name for module in WORKER_MODULES for name in module.missing()]
+    if missing:
+        progress(
+            f"Building {', '.join(missing)} for worker nodes into {cache_root()} (first time "
+            "only; about 8 minutes on 2 cores)"
+        )
+    paths: dict[str, Path] = {}
+    for module in WORKER_MODULES:
+        paths |= ensure_tool(module, progress)
+    return paths
+
+
 def ensure_helm(progress: Progress = print) -> Path:
     """The pinned helm binary (go-helm/go.mod), built the first time (about 5 minutes)."""
     return ensure_tool(HELM, progress)["helm"]
@@ -226,9 +295,9 @@ def ensure_helm(progress: Progress = print) -> Path:
 def _ldflags(module: GoModule) -> str:
     """Stamp the version like the projects' own builds do, so `kubectl version` tells the truth."""
     version = module.version()
-    major, minor = version.lstrip("v").split(".")[:2]
     flags = ["-s", "-w"]
     for pkg in module.version_packages:
+        major, minor = version.lstrip("v").split(".")[:2]
         flags += [
             f"-X {pkg}.gitVersion={version}",
             f"-X {pkg}.gitMajor={major}",
@@ -252,6 +321,8 @@ def _build_one(go: Path, module: GoModule, name: str, progress: Progress, counte
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         out = Path(tmp) / name
         cmd = [str(go), "build", "-v", "-trimpath", "-ldflags", _ldflags(module)]
+        if module.build_tags:
+            cmd += ["-tags", ",".join(module.build_tags)]
         cmd += ["-o", str(out), module.packages[name]]
         proc = subprocess.Popen(
             cmd,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import http.client
 import json
 import os
@@ -28,9 +29,17 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 
 from .._files import write_kubeconfig, write_private
-from . import _objects, _pki, _proc
-from ._build import Binaries, Progress, ensure_binaries
+from . import _network, _objects, _pki, _proc, _workers
+from ._build import (
+    COREDNS,
+    Binaries,
+    Progress,
+    cache_root,
+    ensure_binaries,
+    ensure_worker_binaries,
+)
 from ._errors import DevClusterError
+from ._network import NetworkPlan
 
 COMPONENTS = (
     "etcd",
@@ -39,7 +48,9 @@ COMPONENTS = (
     "kube-scheduler",
     "metrics-server",
 )
-SERVICE_CIDR = "10.96.0.0/16"  # only an allocation range for ClusterIPs; nothing is routed to it
+#: A cluster with workers also runs the cluster DNS on the host.
+NETWORK_COMPONENTS = (*COMPONENTS, "coredns")
+SERVICE_CIDR = _network.SERVICE_CIDR  # ClusterIPs exist only in the workers' kube-proxy rules
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service, a SAN of the apiserver certificate
 # Components serving with a certificate from the cluster CA (the others' are self-signed).
 _VERIFIED = ("etcd", "kube-apiserver", "metrics-server")
@@ -103,6 +114,8 @@ class Ports:
     scheduler: int
     controller_manager: int
     metrics_server: int = 0  # 0: a cluster started before metrics-server was part of it
+    dns_health: int = 0  # CoreDNS's /health and /ready, on 127.0.0.1 (clusters with workers)
+    dns_ready: int = 0
 
     @classmethod
     def pick(cls, apiserver: int | None) -> Ports:
@@ -119,7 +132,9 @@ class Ports:
             chosen.add(port)
             return port
 
-        return cls(apiserver or fresh(), fresh(), fresh(), fresh(), fresh(), fresh())
+        return cls(
+            apiserver or fresh(), fresh(), fresh(), fresh(), fresh(), fresh(), fresh(), fresh()
+        )
 
 
 @dataclass
@@ -213,6 +228,7 @@ class Cluster:
         self,
         *,
         apiserver_port: int | None = None,
+        workers: int = 0,
         progress: Progress = print,
         tie_to_parent: bool = False,
         extra_args: dict[str, list[str]] | None = None,
@@ -221,45 +237,132 @@ class Cluster:
     ) -> None:
         """Start the cluster; on any failure stop what was started and leave nothing behind.
 
+        `workers` adds that many real worker nodes (kubelet, containerd, kube-proxy) on a pod
+        network of this machine, with CoreDNS; an `up` of a cluster that is already up reuses
+        it (adding workers it lacks, restarting worker components that died).
         `tie_to_parent` makes the kernel kill the components when this process dies (for tests).
         `extra_args` appends flags per component, e.g. a shorter node-monitor grace period.
         """
         extra_args = extra_args or {}
-        unknown = set(extra_args) - set(COMPONENTS)
+        unknown = set(extra_args) - set(NETWORK_COMPONENTS)
         if unknown:
             raise DevClusterError(f"extra_args: unknown component(s) {sorted(unknown)}")
+        if not 0 <= workers <= _network.MAX_WORKERS:
+            raise DevClusterError(f"--workers: 0 to {_network.MAX_WORKERS}, not {workers}")
         with self._lock():
-            if self.exists():
-                if self.is_up():
-                    raise ClusterExists(
-                        f"cluster {self.name!r} is already up ({self.server}); "
-                        f"use it with KUBECONFIG={self.kubeconfig} or stop it with "
-                        f"`vkubelet dev cluster down --name {self.name}`"
-                    )
-                progress(f"Removing stale state of cluster {self.name!r} (no process running)")
-                shutil.rmtree(self.directory)
+            if self.exists() and self.is_up():
+                self._reuse(apiserver_port, workers, progress, tie_to_parent, timeout)
+                return
+            if workers:  # before a possibly long build: what this machine lacks for workers
+                _network.preflight()
+                _workers.check_paths(self.root, cache_root())
             Ports.pick(apiserver_port)  # fail fast, before a possibly long build
             bins = binaries or ensure_binaries(progress)
+            node_bins = ensure_worker_binaries(progress) if workers else {}
+            images = self._worker_images(progress) if workers else []
+            if self.exists():
+                progress(f"Removing stale state of cluster {self.name!r} (no process running)")
+                self._teardown()
             ports = Ports.pick(apiserver_port)
             progress(f"Starting cluster {self.name!r} (Kubernetes {bins.kubernetes_version})")
             try:
-                self._prepare(ports, bins)
+                plan = self._allocate_network() if workers else None
+                self._prepare(ports, bins, plan)
                 self._start_all(ports, bins, extra_args, tie_to_parent, progress, timeout)
+                if workers:
+                    self._add_images(images)
+                    self._start_workers(workers, node_bins, tie_to_parent, progress)
             except BaseException:
                 self._teardown()
                 raise
 
-    def _prepare(self, ports: Ports, bins: Binaries) -> None:
+    def _reuse(
+        self,
+        apiserver_port: int | None,
+        workers: int,
+        progress: Progress,
+        tie_to_parent: bool,
+        timeout: float,
+    ) -> None:
+        state = self._require_state()
+        if apiserver_port is not None and apiserver_port != state["ports"]["apiserver"]:
+            raise ClusterExists(
+                f"cluster {self.name!r} is already up on another port ({self.server}); "
+                f"stop it first with `vkubelet dev cluster down --name {self.name}`"
+            )
+        if workers and not state.get("network"):
+            raise ClusterExists(
+                f"cluster {self.name!r} is up without a pod network, and worker nodes need one "
+                "from the start (the apiserver must listen where pods reach it): stop it with "
+                f"`vkubelet dev cluster down --name {self.name}` and start it again with "
+                "--workers, or use another --name"
+            )
+        progress(f"Cluster {self.name!r} is already up ({self.server}); reusing it")
+        if workers:
+            _network.preflight()
+            node_bins = ensure_worker_binaries(progress)
+            self._add_images(self._worker_images(progress))
+            self._start_workers(workers, node_bins, tie_to_parent, progress)
+
+    def _worker_images(self, progress: Progress) -> list[dict[str, str]]:
+        """What every worker has before its first pod: the pause and busybox images."""
+        from ._images import build_image
+
+        built = [build_image(kind, progress) for kind in ("pause", "busybox")]
+        return [{"reference": i.reference, "path": str(i.path)} for i in built]
+
+    def image_reference(self, stem: str) -> str:
+        """The full name of a loaded image whose name ends in `/<stem>` (e.g. busybox)."""
+        for image in (self.state() or {}).get("images", []):
+            if image["reference"].rsplit(":", 1)[0].endswith(f"/{stem}"):
+                return str(image["reference"])
+        raise DevClusterError(f"no image named like {stem!r} is loaded in cluster {self.name!r}")
+
+    def load_image(self, archive: Path) -> list[str]:
+        """Import an image archive into every worker's containerd (and into later workers)."""
+        if not archive.is_file():
+            raise DevClusterError(f"{archive}: no such image archive")
+        with self._lock():
+            state = self._require_state()
+            workers = self.workers()
+            if not workers:
+                raise DevClusterError(
+                    f"cluster {self.name!r} has no worker nodes to load images into (start it "
+                    "with `vkubelet dev cluster up --workers N`)"
+                )
+            binaries = self._node_binaries()
+            for worker in workers:
+                _workers.import_image(worker, binaries, archive)
+            images = state.setdefault("images", [])
+            if str(archive.resolve()) not in [i["path"] for i in images]:
+                images.append({"reference": "", "path": str(archive.resolve())})
+                self._write_state(state)
+        return [w.name for w in workers]
+
+    def _allocate_network(self) -> NetworkPlan:
+        plan = _network.allocate(self.directory, _owner_is_gone, _workers.reclaim)
+        _network.ensure_bridge(plan)
+        return plan
+
+    def _prepare(self, ports: Ports, bins: Binaries, plan: NetworkPlan | None) -> None:
         for sub in ("pki", "logs", "etcd"):
             (self.directory / sub).mkdir(parents=True, exist_ok=True)
         self.directory.chmod(0o700)
-        self._write_pki()
-        server = f"https://127.0.0.1:{ports.apiserver}"
-        self._write_kubeconfigs(server)
+        # With workers, the apiserver listens on the host bridge, where pods and kubelets in
+        # their namespaces reach it (and it backs the `kubernetes` Service); else on loopback.
+        host = plan.host_ip if plan else "127.0.0.1"
+        self._write_pki(host)
+        server = f"https://{host}:{ports.apiserver}"
+        self._write_kubeconfigs(server, dns=plan is not None)
+        if plan:
+            (self.directory / "Corefile").write_text(_corefile(self.directory, host, ports))
         self._write_state(
             {
                 "name": self.name,
                 "server": server,
+                "host": host,
+                "network": {"index": plan.index} if plan else None,
+                "workers": {},
                 "kubernetesVersion": bins.kubernetes_version,
                 "binaries": str(bins.directory),
                 "ports": ports.__dict__,
@@ -269,7 +372,7 @@ class Cluster:
             }
         )
 
-    def _write_pki(self) -> None:
+    def _write_pki(self, host: str) -> None:
         pki = self.pki
         ca = _pki.new_ca(f"vkubelet-dev-{self.name}-ca")
         ca.write(pki, "ca")
@@ -284,7 +387,7 @@ class Cluster:
                 "kubernetes.default.svc",
                 "kubernetes.default.svc.cluster.local",
             ),
-            ip_addresses=("127.0.0.1", SERVICE_IP),
+            ip_addresses=tuple(dict.fromkeys(("127.0.0.1", host, SERVICE_IP))),
         ).write(pki, "apiserver")
         _pki.issue(
             ca,
@@ -328,6 +431,7 @@ class Cluster:
             ("scheduler", "system:kube-scheduler", ()),
             # For the apiserver and for kubelets, which authorize it on nodes/metrics.
             ("metrics-server", _objects.METRICS_SERVER_USER, ()),
+            ("coredns", _objects.COREDNS_USER, ()),
         ):
             _pki.issue(ca, cn, organizations=orgs, client=True).write(pki, stem)
         # The aggregator checks this certificate for the Service's name, whatever it dials.
@@ -339,13 +443,14 @@ class Cluster:
             ip_addresses=("127.0.0.1",),
         ).write(pki, "metrics-server-serving")
 
-    def _write_kubeconfigs(self, server: str) -> None:
+    def _write_kubeconfigs(self, server: str, *, dns: bool) -> None:
         ca = (self.pki / "ca.crt").read_bytes()
         for stem, path in (
             ("admin", self.kubeconfig),
             ("controller-manager", self.directory / "controller-manager.kubeconfig"),
             ("scheduler", self.directory / "scheduler.kubeconfig"),
             ("metrics-server", self.directory / "metrics-server.kubeconfig"),
+            *((("coredns", self.directory / "coredns.kubeconfig"),) if dns else ()),
         ):
             write_kubeconfig(
                 path,
@@ -360,7 +465,9 @@ class Cluster:
     def _argv(self, component: str, ports: Ports, bins: Binaries) -> list[str]:
         pki = self.pki
         d = self.directory
-        binary = str(bins.path(component))
+        binary = str(
+            COREDNS.cache_dir() / "coredns" if component == "coredns" else bins.path(component)
+        )
         if component == "etcd":
             client = f"https://127.0.0.1:{ports.etcd_client}"
             peer = f"http://127.0.0.1:{ports.etcd_peer}"
@@ -383,13 +490,15 @@ class Cluster:
                 "--log-level=warn",
             ]
         if component == "kube-apiserver":
+            host = self._host()
             return [
                 binary,
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                # Loopback cannot back the `kubernetes` Service endpoints; nothing in a dev
-                # cluster dials them (pods run elsewhere, through providers).
-                "--endpoint-reconciler-type=none",
+                f"--bind-address={host}",
+                f"--advertise-address={host}",
+                # Loopback cannot back the `kubernetes` Service endpoints: without workers
+                # nothing dials them (pods run elsewhere, through providers); with workers the
+                # host bridge address does, and pods reach the API through the Service.
+                "--endpoint-reconciler-type=" + ("none" if host == "127.0.0.1" else "lease"),
                 f"--secure-port={ports.apiserver}",
                 f"--etcd-servers=https://127.0.0.1:{ports.etcd_client}",
                 f"--etcd-cafile={pki / 'ca.crt'}",
@@ -420,6 +529,8 @@ class Cluster:
                 "--profiling=false",
                 "--v=1",
             ]
+        if component == "coredns":
+            return [binary, "-conf", str(d / "Corefile")]
         if component == "metrics-server":
             kubeconfig = d / "metrics-server.kubeconfig"
             return [
@@ -497,7 +608,7 @@ class Cluster:
     ) -> None:
         started = time.monotonic()
         state = self.state() or {}
-        for component in COMPONENTS:
+        for component in self._components():
             argv = self._argv(component, ports, bins) + extra_args.get(component, [])
             state["argv"][component] = argv
             ref = _proc.start(
@@ -510,7 +621,12 @@ class Cluster:
                 self._create(
                     _objects.kubelet_access()
                     + _objects.metrics_server_access()
-                    + _objects.dev_cluster_marker(self.name),
+                    + _objects.dev_cluster_marker(self.name)
+                    + (
+                        _objects.cluster_dns(_network.DNS_SERVICE_IP, self._host())
+                        if self._has_network()
+                        else []
+                    ),
                     timeout,
                 )
             if component == "metrics-server":
@@ -599,7 +715,9 @@ class Cluster:
     def _health_url(self, component: str, ports: Ports) -> str:
         return {
             "etcd": f"https://127.0.0.1:{ports.etcd_client}/health",
-            "kube-apiserver": f"https://127.0.0.1:{ports.apiserver}/readyz",
+            "kube-apiserver": f"https://{self._host()}:{ports.apiserver}/readyz",
+            # Ready once its kubernetes plugin has synced with the API.
+            "coredns": f"http://127.0.0.1:{ports.dns_ready}/ready",
             "kube-scheduler": f"https://127.0.0.1:{ports.scheduler}/healthz",
             "kube-controller-manager": f"https://127.0.0.1:{ports.controller_manager}/healthz",
             # /readyz waits for the first scrapes of kubelets; /livez means it serves.
@@ -636,11 +754,7 @@ class Cluster:
         )
 
     def _log_tail(self, component: str, lines: int = 20) -> str:
-        try:
-            text = self.log_path(component).read_text(errors="replace")
-        except FileNotFoundError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return _tail(self.log_path(component), lines)
 
     def _ssl_context(self, *, verify: bool = True) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
@@ -656,7 +770,10 @@ class Cluster:
         if state is None:
             raise ClusterNotFound(self._not_found_message())
         conn = http.client.HTTPSConnection(
-            "127.0.0.1", state["ports"]["apiserver"], context=self._ssl_context(), timeout=5
+            state.get("host", "127.0.0.1"),
+            state["ports"]["apiserver"],
+            context=self._ssl_context(),
+            timeout=5,
         )
         try:
             payload = None if body is None else json.dumps(body)
@@ -758,6 +875,19 @@ class Cluster:
             except (OSError, http.client.HTTPException):
                 ok = 0
             result[component] = "healthy" if ok == 200 else "unhealthy"
+        for worker in self.workers():
+            record = state["workers"][worker.name]["components"]
+            for component in _workers.COMPONENTS:
+                ref = record.get(component)
+                if not ref or not _proc.is_alive(_proc.ProcessRef.from_json(ref)):
+                    result[f"{worker.name}/{component}"] = "stopped"
+                    continue
+                ok = (
+                    _workers.containerd_answers(worker, self._node_binaries())
+                    if component == "containerd"
+                    else _workers.healthz(worker, component)
+                )
+                result[f"{worker.name}/{component}"] = "healthy" if ok else "unhealthy"
         return result
 
     def down(self) -> None:
@@ -769,12 +899,170 @@ class Cluster:
 
     def _teardown(self) -> None:
         state = self.state() or {}
+        plan = self._network_plan()
+        # Only a network still registered to us (or to nobody) is ours to clean: if this
+        # cluster was dead long enough for another to reclaim its index, that one owns it now.
+        owned = plan is not None and _network.registered_owner(plan.index) in (
+            None,
+            str(self.directory),
+        )
+        if plan is not None and owned:
+            for worker in self.workers():  # the API's clients first
+                _workers.teardown(worker, plan)
+            _workers.reclaim(plan)  # and what a crash left without a record
         # Reverse start order: clients first, etcd last, so nothing logs spurious errors.
-        for component in reversed(COMPONENTS):
+        for component in reversed(NETWORK_COMPONENTS):
             ref = state.get("components", {}).get(component)
             if ref:
                 _proc.stop(_proc.ProcessRef.from_json(ref))
+        if plan is not None and owned:
+            _network.remove_leftovers(plan)
+            _network.release(plan, self.directory)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+    # -- worker nodes ------------------------------------------------------------------------------
+    def _host(self) -> str:
+        return str((self.state() or {}).get("host", "127.0.0.1"))
+
+    def _has_network(self) -> bool:
+        return self._network_plan() is not None
+
+    def _network_plan(self) -> NetworkPlan | None:
+        network = (self.state() or {}).get("network")
+        return NetworkPlan(int(network["index"])) if network else None
+
+    def _components(self) -> tuple[str, ...]:
+        return NETWORK_COMPONENTS if self._has_network() else COMPONENTS
+
+    def worker_name(self, index: int) -> str:
+        return f"{self.name}-worker-{index}"
+
+    def workers(self) -> list[_workers.Worker]:
+        """The worker nodes this cluster has started (in their recorded order)."""
+        plan = self._network_plan()
+        if plan is None:
+            return []
+        return [
+            _workers.Worker(name, plan.worker(int(record["index"])), self._worker_dir(name))
+            for name, record in (self.state() or {}).get("workers", {}).items()
+        ]
+
+    def _worker_dir(self, name: str) -> Path:
+        return self.directory / "workers" / name
+
+    def _node_binaries(self) -> dict[str, Path]:
+        from ._build import WORKER_MODULES
+
+        return {
+            name: module.cache_dir() / name for module in WORKER_MODULES for name in module.packages
+        }
+
+    def _start_workers(
+        self,
+        count: int,
+        binaries: dict[str, Path],
+        tie_to_parent: bool,
+        progress: Progress,
+        timeout: float = 240.0,
+    ) -> None:
+        """Start the workers 0..count-1 that are missing, and worker components that died."""
+        plan = self._network_plan()
+        assert plan is not None
+        state = self._require_state()
+        ca = _pki.load(self.pki / "ca.crt", self.pki / "ca.key")
+        for i in range(count):
+            name = self.worker_name(i)
+            if name not in state["workers"]:
+                state["workers"][name] = {"index": i, "components": {}}
+                self._write_state(state)
+        workers = self.workers()
+        for worker in workers:
+            _network.ensure_worker_link(plan, worker.addresses)
+        _network.route_between([w.addresses for w in workers])
+        started = time.monotonic()
+        for worker in workers:
+            record = state["workers"][worker.name]["components"]
+            dead = [
+                c
+                for c in _workers.COMPONENTS
+                if not (c in record and _proc.is_alive(_proc.ProcessRef.from_json(record[c])))
+            ]
+            if not dead:
+                continue
+            progress(
+                f"Starting worker {worker.name} ({', '.join(dead)}) at {worker.addresses.node_ip}"
+            )
+            if not (worker.directory / "kubelet.yaml").exists():
+                _workers.write_files(
+                    worker, plan=plan, ca=ca, server=self.server, binaries=binaries
+                )
+            _workers.ensure_mount_namespace(worker)
+            _workers.ensure_cgroups(worker)
+            for component in dead:
+                ref = _workers.start(worker, component, binaries, tie_to_parent)
+                record[component] = ref.to_json()
+                self._write_state(state)
+                if component == "containerd":
+                    self._wait_worker(
+                        worker,
+                        component,
+                        "containerd to answer",
+                        functools.partial(_workers.containerd_answers, worker, binaries),
+                        timeout,
+                    )
+                    for image in state.get("images", []):
+                        _workers.import_image(worker, binaries, Path(image["path"]))
+        for worker in workers:
+            self._wait_worker(
+                worker,
+                "kubelet",
+                f"node {worker.name} to become Ready",
+                functools.partial(self._node_ready, worker.name),
+                timeout,
+            )
+        progress(
+            f"{len(workers)} worker node(s) Ready in {time.monotonic() - started:.1f}s: "
+            + ", ".join(f"{w.name} ({w.addresses.node_ip})" for w in workers)
+        )
+
+    def _add_images(self, images: list[dict[str, str]]) -> None:
+        state = self._require_state()
+        known = state.setdefault("images", [])
+        for image in images:
+            known[:] = [i for i in known if i["reference"] != image["reference"]] + [image]
+        self._write_state(state)
+
+    def _node_ready(self, name: str) -> bool:
+        status, body = self.request("GET", f"/api/v1/nodes/{name}")
+        conditions = body.get("status", {}).get("conditions", []) if status == 200 else []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    def _wait_worker(
+        self,
+        worker: _workers.Worker,
+        component: str,
+        what: str,
+        check: Callable[[], bool],
+        timeout: float,
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        log = worker.log_path(component)
+        while time.monotonic() < deadline:
+            for name, ref in self._require_state()["workers"][worker.name]["components"].items():
+                if not _proc.is_alive(_proc.ProcessRef.from_json(ref)):
+                    path = worker.log_path(name)
+                    raise StartupFailed(
+                        f"{name} of {worker.name} exited while waiting for {what}; last lines "
+                        f"of {path}:\n{_tail(path)}"
+                    )
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                if check():
+                    return
+            time.sleep(0.2)
+        raise StartupFailed(
+            f"timed out after {timeout:.0f}s waiting for {what}; last lines of {log}:\n"
+            + _tail(log)
+        )
 
     def _not_found_message(self) -> str:
         known = [c.name for c in list_clusters(self.root)]
@@ -793,11 +1081,56 @@ def list_clusters(root: Path | None = None) -> list[Cluster]:
     ]
 
 
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _owner_is_gone(directory: str) -> bool:
+    """Whether the cluster in `directory` has no live process (its network may be reclaimed)."""
+    try:
+        state = json.loads((Path(directory) / "cluster.json").read_text())
+    except (OSError, ValueError):
+        return True
+    refs = [*state.get("components", {}).values()]
+    for record in state.get("workers", {}).values():
+        refs += record.get("components", {}).values()
+    return not any(_proc.is_alive(_proc.ProcessRef.from_json(ref)) for ref in refs)
+
+
+def _corefile(directory: Path, host: str, ports: Ports) -> str:
+    """CoreDNS on the host bridge: cluster.local from the API, nothing forwarded elsewhere."""
+    return f"""\
+.:53 {{
+    bind {host}
+    errors
+    health 127.0.0.1:{ports.dns_health}
+    ready 127.0.0.1:{ports.dns_ready}
+    kubernetes {_network.CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {directory / "coredns.kubeconfig"}
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 30
+    }}
+    cache 30
+    loadbalance
+}}
+"""
+
+
 def _probe(url: str, ctx: ssl.SSLContext) -> int:
-    without_scheme = url.removeprefix("https://")
+    plain = url.startswith("http://")
+    without_scheme = url.removeprefix("http://" if plain else "https://")
     hostport, _, path = without_scheme.partition("/")
     host, _, port = hostport.partition(":")
-    conn = http.client.HTTPSConnection(host, int(port), context=ctx, timeout=3)
+    conn = (
+        http.client.HTTPConnection(host, int(port), timeout=3)
+        if plain
+        else http.client.HTTPSConnection(host, int(port), context=ctx, timeout=3)
+    )
     try:
         conn.request("GET", "/" + path)
         response = conn.getresponse()

@@ -240,3 +240,80 @@ def metrics_api(port: int, ca_pem: bytes) -> list[Item]:
             },
         ),
     ]
+
+
+COREDNS_USER = "system:coredns"
+DNS_SERVICE = "kube-dns"  # the name kubeadm's clusters give it; tools look for it
+
+
+def cluster_dns(service_ip: str, host_ip: str) -> list[Item]:
+    """CoreDNS's read access and the `kube-dns` Service that points pods at it.
+
+    CoreDNS runs on the host (like metrics-server), listening on the host bridge, not as a pod:
+    the Service has no selector and one EndpointSlice with the host's address, which
+    kube-proxy on every worker turns into DNAT rules for `service_ip`.
+    """
+    role = "vkubelet:coredns"
+    ports = [("dns", "UDP"), ("dns-tcp", "TCP")]
+    return [
+        (
+            f"{RBAC}/clusterroles",
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRole",
+                "metadata": _meta(role),
+                "rules": [
+                    {
+                        "apiGroups": [""],
+                        "resources": ["services", "pods", "namespaces"],
+                        "verbs": ["list", "watch"],
+                    },
+                    {
+                        "apiGroups": ["discovery.k8s.io"],
+                        "resources": ["endpointslices"],
+                        "verbs": ["list", "watch"],
+                    },
+                ],
+            },
+        ),
+        _cluster_binding(role, role, "User", COREDNS_USER),
+        (
+            "/api/v1/namespaces/kube-system/services",
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {
+                    **_meta(DNS_SERVICE, "kube-system"),
+                    "labels": {
+                        "app.kubernetes.io/managed-by": "vkubelet-dev-cluster",
+                        "k8s-app": "kube-dns",
+                        "kubernetes.io/name": "CoreDNS",
+                    },
+                },
+                "spec": {
+                    "clusterIP": service_ip,
+                    "ports": [
+                        {"name": name, "port": 53, "protocol": proto, "targetPort": 53}
+                        for name, proto in ports
+                    ],
+                },
+            },
+        ),
+        (
+            "/apis/discovery.k8s.io/v1/namespaces/kube-system/endpointslices",
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    **_meta(f"{DNS_SERVICE}-host", "kube-system"),
+                    "labels": {
+                        "kubernetes.io/service-name": DNS_SERVICE,
+                        "endpointslice.kubernetes.io/managed-by": "vkubelet-dev-cluster",
+                    },
+                },
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": [host_ip], "conditions": {"ready": True}}],
+                "ports": [{"name": name, "port": 53, "protocol": proto} for name, proto in ports],
+            },
+        ),
+    ]

@@ -1,0 +1,336 @@
+"""The pod network of a dev cluster with worker nodes, all of it on this machine.
+
+A cluster with workers gets a *network index* n (one per cluster on the machine), and every name
+and range follows from it, so that what a crashed run left behind can be found and removed
+from the index alone, without its state files:
+
+- a host bridge `vkbr<n>` on 10.200.<n>.0/24; the host (apiserver, CoreDNS, metrics-server) is
+  .1, worker i is .(10+i);
+- worker i lives in the network namespace `vkb<n>w<i>`, joined to the bridge by a veth pair
+  (`vkb<n>w<i>` on the host, `eth0` inside), with its own pod range 10.(160+n).<i>.0/24 on a CNI
+  bridge inside the namespace;
+- each worker routes the other workers' pod ranges to their node addresses, and the host routes
+  each pod range to its worker (the apiserver reaches pods that serve a kubelet API, such as
+  the agent of the Helm chart). There is no default route anywhere: nothing leaves the machine,
+  and the host forwards nothing (its ip_forward stays as it is).
+
+Service ClusterIPs (10.96.0.0/16, per cluster) exist only in the workers' nftables, which
+kube-proxy writes inside each worker's namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._errors import DevClusterError
+
+MAX_NETWORKS = 32  # 10.160.0.0/16 ... 10.191.0.0/16 for pods
+MAX_WORKERS = 32
+SERVICE_CIDR = "10.96.0.0/16"
+DNS_SERVICE_IP = "10.96.0.10"
+CLUSTER_DOMAIN = "cluster.local"
+CNI_BIN_DIR = Path("/usr/lib/cni")
+CNI_PLUGINS = ("bridge", "host-local", "loopback", "portmap")
+#: Where the network registry and the workers' mount namespaces live (a tmpfs: gone on reboot,
+#: like everything it describes).
+RUN_DIR = Path("/run/vkubelet")
+
+
+class NetworkUnavailable(DevClusterError):
+    """This machine lacks something a worker needs; the message names it and how to get it."""
+
+
+@dataclass(frozen=True)
+class WorkerAddresses:
+    index: int
+    netns: str  # also the name of the veth's host end and of the cgroup directory
+    node_ip: str
+    pod_cidr: str
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    """Every name and address of network `index`: a pure function of it (see the module doc)."""
+
+    index: int
+
+    @property
+    def bridge(self) -> str:
+        return f"vkbr{self.index}"
+
+    @property
+    def node_subnet(self) -> ipaddress.IPv4Network:
+        return ipaddress.IPv4Network(f"10.200.{self.index}.0/24")
+
+    @property
+    def host_ip(self) -> str:
+        return str(self.node_subnet[1])
+
+    @property
+    def cluster_cidr(self) -> ipaddress.IPv4Network:
+        return ipaddress.IPv4Network(f"10.{160 + self.index}.0.0/16")
+
+    @property
+    def prefix(self) -> str:
+        """What every per-worker name of this network starts with."""
+        return f"vkb{self.index}w"
+
+    def worker(self, i: int) -> WorkerAddresses:
+        if not 0 <= i < MAX_WORKERS:
+            raise DevClusterError(f"at most {MAX_WORKERS} workers per cluster")
+        return WorkerAddresses(
+            index=i,
+            netns=f"{self.prefix}{i}",
+            node_ip=str(self.node_subnet[10 + i]),
+            pod_cidr=f"10.{160 + self.index}.{i}.0/24",
+        )
+
+    def ranges(self) -> tuple[ipaddress.IPv4Network, ipaddress.IPv4Network]:
+        return self.node_subnet, self.cluster_cidr
+
+
+# -- what the machine must have -----------------------------------------------------------------
+def preflight() -> None:
+    """Fail before anything starts, naming every missing piece at once."""
+    problems: list[str] = []
+    if os.geteuid() != 0:
+        problems.append("worker nodes need root (network namespaces, cgroups, mounts): run as root")
+    packages = {
+        "ip": "iproute2",
+        "nft": "nftables",
+        "iptables": "iptables",
+        "nsenter": "util-linux",
+        "unshare": "util-linux",
+        "runc": "runc",
+    }
+    missing = sorted({pkg for tool, pkg in packages.items() if shutil.which(tool) is None})
+    absent = [p for p in CNI_PLUGINS if not (CNI_BIN_DIR / p).is_file()]
+    if absent:
+        missing.append("containernetworking-plugins")
+    if missing:
+        problems.append(
+            "missing programs ("
+            + ", ".join(sorted(t for t, p in packages.items() if p in missing))
+            + (f"; CNI plugins {', '.join(absent)} in {CNI_BIN_DIR}" if absent else "")
+            + "): apt-get install -y --no-install-recommends "
+            + " ".join(sorted(set(missing)))
+        )
+    if not Path("/proc/self/ns/net").exists():
+        problems.append("this kernel has no network namespaces")
+    cgroups = Path("/sys/fs/cgroup")
+    if not (cgroups / "cgroup.controllers").exists() and not (cgroups / "memory").is_dir():
+        problems.append("no cgroup hierarchy is mounted under /sys/fs/cgroup")
+    if problems:
+        raise NetworkUnavailable("cannot start worker nodes: " + "; ".join(problems))
+
+
+# -- the registry of networks in use on this machine ---------------------------------------------
+@contextlib.contextmanager
+def _registry_lock() -> Iterator[Path]:
+    directory = RUN_DIR / "networks"
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield directory
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def registered_owner(index: int) -> str | None:
+    """The state directory of the cluster that holds network `index`, if any."""
+    try:
+        data = json.loads((RUN_DIR / "networks" / f"{index}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    owner = data.get("cluster") if isinstance(data, dict) else None
+    return owner if isinstance(owner, str) else None
+
+
+def host_networks_in_use() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 range this machine has an address in or a route to."""
+    used: list[ipaddress.IPv4Network] = []
+    for argv in (
+        ["ip", "-j", "-4", "addr", "show"],
+        ["ip", "-j", "-4", "route", "show", "table", "all"],
+    ):
+        out = subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+        try:
+            entries = json.loads(out or "[]")
+        except ValueError:
+            continue
+        for entry in entries:
+            for info in entry.get("addr_info", []):
+                with contextlib.suppress(ValueError, KeyError):
+                    used.append(
+                        ipaddress.IPv4Interface(f"{info['local']}/{info['prefixlen']}").network
+                    )
+            dst = entry.get("dst")
+            if dst and dst != "default":
+                with contextlib.suppress(ValueError):
+                    used.append(ipaddress.IPv4Network(dst, strict=False))
+    return [n for n in used if not n.is_loopback and n.prefixlen > 0]
+
+
+def allocate(
+    cluster_dir: Path,
+    is_stale: Callable[[str], bool],
+    reclaim: Callable[[NetworkPlan], None],
+) -> NetworkPlan:
+    """Claim the lowest free network index for the cluster in `cluster_dir`.
+
+    An index is free when no live cluster holds it (`is_stale(owner_dir)` says whether the
+    registered owner is gone; `reclaim` then removes what it left) and none of its ranges
+    overlaps an address or route of this machine.
+    """
+    with _registry_lock() as registry:
+        in_use = host_networks_in_use()
+        conflicts: list[str] = []
+        for index in range(MAX_NETWORKS):
+            plan = NetworkPlan(index)
+            owner = registered_owner(index)
+            if owner == str(cluster_dir):
+                return plan
+            if owner is not None:
+                if not is_stale(owner):
+                    continue
+                reclaim(plan)
+                (registry / f"{index}.json").unlink(missing_ok=True)
+                in_use = host_networks_in_use()
+            clash = [str(u) for u in in_use for r in plan.ranges() if r.overlaps(u)]
+            if clash:
+                conflicts.append(
+                    f"{', '.join(map(str, plan.ranges()))} (taken: {', '.join(clash)})"
+                )
+                continue
+            (registry / f"{index}.json").write_text(json.dumps({"cluster": str(cluster_dir)}))
+            return plan
+    detail = "; ".join(conflicts[:3]) or "all held by running clusters"
+    raise NetworkUnavailable(
+        f"no free address range for a cluster network among {MAX_NETWORKS}: {detail}. "
+        "Stop a cluster with workers (`vkubelet dev cluster down --name ...`) or free the range."
+    )
+
+
+def release(plan: NetworkPlan, cluster_dir: Path) -> None:
+    with _registry_lock() as registry:
+        if registered_owner(plan.index) == str(cluster_dir):
+            (registry / f"{plan.index}.json").unlink(missing_ok=True)
+
+
+# -- host side ----------------------------------------------------------------------------------
+def run(argv: list[str], what: str) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise DevClusterError(f"{what}: `{' '.join(argv)}` failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _link_exists(name: str) -> bool:
+    return Path(f"/sys/class/net/{name}").exists()
+
+
+def ensure_bridge(plan: NetworkPlan) -> None:
+    if not _link_exists(plan.bridge):
+        run(["ip", "link", "add", plan.bridge, "type", "bridge"], "create the host bridge")
+    addresses = run(["ip", "-4", "-o", "addr", "show", "dev", plan.bridge], "read the bridge")
+    if f" {plan.host_ip}/" not in addresses:
+        run(
+            ["ip", "addr", "add", f"{plan.host_ip}/24", "dev", plan.bridge],
+            "address the host bridge",
+        )
+    run(["ip", "link", "set", plan.bridge, "up"], "bring the host bridge up")
+
+
+def ensure_worker_link(plan: NetworkPlan, worker: WorkerAddresses) -> None:
+    """The worker's namespace, its veth into the bridge, its address and the host's route."""
+    netns_file = Path("/run/netns") / worker.netns
+    if not netns_file.exists():
+        run(["ip", "netns", "add", worker.netns], f"create the network namespace of {worker.netns}")
+    if not _link_exists(worker.netns):
+        run(
+            [
+                "ip",
+                "link",
+                "add",
+                worker.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                worker.netns,
+            ],
+            f"create the veth pair of {worker.netns}",
+        )
+    run(["ip", "link", "set", worker.netns, "master", plan.bridge, "up"], "attach the veth")
+    inside = ["ip", "-n", worker.netns]
+    addresses = run([*inside, "-4", "-o", "addr", "show", "dev", "eth0"], "read eth0")
+    if f" {worker.node_ip}/" not in addresses:
+        run([*inside, "addr", "add", f"{worker.node_ip}/24", "dev", "eth0"], "address eth0")
+    run([*inside, "link", "set", "eth0", "up"], "bring eth0 up")
+    run([*inside, "link", "set", "lo", "up"], "bring lo up")
+    # Locally made packets to a ClusterIP need a route before kube-proxy's DNAT rewrites them.
+    run([*inside, "route", "replace", SERVICE_CIDR, "via", plan.host_ip], "route Services")
+    for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0")):
+        run(
+            ["nsenter", f"--net={netns_file}", "sysctl", "-q", "-w", f"{key}={value}"],
+            f"set {key} in {worker.netns}",
+        )
+    run(
+        ["ip", "route", "replace", worker.pod_cidr, "via", worker.node_ip, "dev", plan.bridge],
+        f"route {worker.pod_cidr} to {worker.netns}",
+    )
+
+
+def route_between(workers: list[WorkerAddresses]) -> None:
+    """Each worker reaches every other worker's pods through that worker's node address."""
+    for worker in workers:
+        for other in workers:
+            if other.index != worker.index:
+                run(
+                    [
+                        "ip",
+                        "-n",
+                        worker.netns,
+                        "route",
+                        "replace",
+                        other.pod_cidr,
+                        "via",
+                        other.node_ip,
+                    ],
+                    f"route {other.pod_cidr} in {worker.netns}",
+                )
+
+
+def remove_worker_link(plan: NetworkPlan, worker: WorkerAddresses) -> None:
+    subprocess.run(["ip", "route", "del", worker.pod_cidr], capture_output=True, check=False)
+    subprocess.run(["ip", "link", "del", worker.netns], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "del", worker.netns], capture_output=True, check=False)
+
+
+def leftover_netns(plan: NetworkPlan) -> list[str]:
+    run_netns = Path("/run/netns")
+    names = [p.name for p in run_netns.iterdir()] if run_netns.is_dir() else []
+    return sorted(n for n in names if n.startswith(plan.prefix) and n[len(plan.prefix) :].isdigit())
+
+
+def remove_leftovers(plan: NetworkPlan) -> None:
+    """Everything of network `plan.index` on the host side (processes are the caller's)."""
+    for name in leftover_netns(plan):
+        remove_worker_link(plan, plan.worker(int(name[len(plan.prefix) :])))
+    for link in Path("/sys/class/net").iterdir():
+        if link.name.startswith(plan.prefix) and link.name[len(plan.prefix) :].isdigit():
+            subprocess.run(["ip", "link", "del", link.name], capture_output=True, check=False)
+    if _link_exists(plan.bridge):
+        subprocess.run(["ip", "link", "del", plan.bridge], capture_output=True, check=False)
