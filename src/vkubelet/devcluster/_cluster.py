@@ -340,7 +340,7 @@ class Cluster:
         return [w.name for w in workers]
 
     def _allocate_network(self) -> NetworkPlan:
-        plan = _network.allocate(self.directory, _owner_is_gone, _workers.reclaim)
+        plan = _network.allocate(self.directory, _owner_is_gone, _reclaim_network)
         _network.ensure_bridge(plan)
         return plan
 
@@ -908,7 +908,12 @@ class Cluster:
         )
         if plan is not None and owned:
             for worker in self.workers():  # the API's clients first
-                _workers.teardown(worker, plan)
+                refs = state["workers"][worker.name]["components"]
+                _workers.teardown(
+                    worker,
+                    plan,
+                    {c: _proc.ProcessRef.from_json(ref) for c, ref in refs.items()},
+                )
             _workers.reclaim(plan)  # and what a crash left without a record
         # Reverse start order: clients first, etcd last, so nothing logs spurious errors.
         for component in reversed(NETWORK_COMPONENTS):
@@ -1087,6 +1092,12 @@ def _tail(path: Path, lines: int = 20) -> str:
     except FileNotFoundError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def _reclaim_network(plan: NetworkPlan) -> None:
+    """Everything a dead cluster left of its network: workers first, then the host bridge."""
+    _workers.reclaim(plan)
+    _network.remove_leftovers(plan)
 
 
 def _owner_is_gone(directory: str) -> bool:

@@ -68,6 +68,10 @@ class NetworkPlan:
         return f"vkbr{self.index}"
 
     @property
+    def bridge_mac(self) -> str:
+        return f"02:76:6b:62:00:{self.index:02x}"  # locally administered, "vkb", the index
+
+    @property
     def node_subnet(self) -> ipaddress.IPv4Network:
         return ipaddress.IPv4Network(f"10.200.{self.index}.0/24")
 
@@ -136,14 +140,27 @@ def preflight() -> None:
 # -- the registry of networks in use on this machine ---------------------------------------------
 @contextlib.contextmanager
 def _registry_lock() -> Iterator[Path]:
+    """The registry, locked. The last cluster to leave removes it, lock file included: a process
+    that waited on the removed file's lock sees that its file is gone and locks the new one."""
     directory = RUN_DIR / "networks"
-    directory.mkdir(parents=True, exist_ok=True)
-    with (directory / ".lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
+    lock_path = directory / ".lock"
+    while True:
+        directory.mkdir(parents=True, exist_ok=True)
+        with lock_path.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                current = lock_path.stat().st_ino
+            except FileNotFoundError:
+                continue
+            if current != os.fstat(lock.fileno()).st_ino:
+                continue
             yield directory
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            if not any(directory.glob("*.json")):
+                lock_path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+                    RUN_DIR.rmdir()  # unless the workers' mount namespaces still live there
+            return
 
 
 def registered_owner(index: int) -> str | None:
@@ -225,6 +242,13 @@ def release(plan: NetworkPlan, cluster_dir: Path) -> None:
     with _registry_lock() as registry:
         if registered_owner(plan.index) == str(cluster_dir):
             (registry / f"{plan.index}.json").unlink(missing_ok=True)
+    # `ip netns add` made /run/netns a mount point; once empty, it goes (it fails, harmlessly,
+    # while any namespace is still mounted there, ours or anybody's).
+    run_netns = Path("/run/netns")
+    with contextlib.suppress(OSError):
+        if run_netns.is_dir() and not any(run_netns.iterdir()):
+            subprocess.run(["umount", str(run_netns)], capture_output=True, check=False)
+            run_netns.rmdir()
 
 
 # -- host side ----------------------------------------------------------------------------------
@@ -241,7 +265,13 @@ def _link_exists(name: str) -> bool:
 
 def ensure_bridge(plan: NetworkPlan) -> None:
     if not _link_exists(plan.bridge):
-        run(["ip", "link", "add", plan.bridge, "type", "bridge"], "create the host bridge")
+        # A bridge without an address of its own takes the lowest MAC of its ports: adding or
+        # removing a worker would change the host's MAC under the other workers' ARP caches,
+        # and their packets to the apiserver would vanish for half a minute.
+        run(
+            ["ip", "link", "add", plan.bridge, "address", plan.bridge_mac, "type", "bridge"],
+            "create the host bridge",
+        )
     addresses = run(["ip", "-4", "-o", "addr", "show", "dev", plan.bridge], "read the bridge")
     if f" {plan.host_ip}/" not in addresses:
         run(

@@ -462,8 +462,18 @@ def _rmdir_retrying(directory: Path, deadline: float) -> None:
             time.sleep(0.1)
 
 
-def teardown(worker: Worker, plan: NetworkPlan) -> None:
-    """Remove everything of one worker: processes, mounts, cgroups, links, its directory."""
+def teardown(
+    worker: Worker, plan: NetworkPlan, processes: dict[str, _proc.ProcessRef] | None = None
+) -> None:
+    """Remove everything of one worker: processes, mounts, cgroups, links, its directory.
+
+    The components are stopped with SIGTERM first: a kubelet killed outright, its veth deleted
+    a moment later, never gets its FIN to the apiserver, which then waits for that connection
+    for the whole of its own shutdown.
+    """
+    for component in reversed(COMPONENTS):
+        if processes and component in processes:
+            _proc.stop(processes[component], grace=5)
     _kill_everything(worker)
     if _is_mountpoint(worker.mount_ns_file):
         subprocess.run(["umount", str(worker.mount_ns_file)], capture_output=True, check=False)
@@ -482,7 +492,8 @@ def _release_mount_ns_dir() -> None:
 
 
 def reclaim(plan: NetworkPlan, cluster_dir: Path | None = None) -> None:
-    """Remove whatever a dead cluster left of network `plan` (found by name, not by state)."""
+    """Remove whatever a dead cluster left of the workers of network `plan` (found by name, not
+    by state). The host bridge stays: the control plane may still be talking on it."""
     indices = {int(n[len(plan.prefix) :]) for n in _network.leftover_netns(plan)}
     if MOUNT_NS_DIR.is_dir():
         indices |= {
@@ -501,7 +512,6 @@ def reclaim(plan: NetworkPlan, cluster_dir: Path | None = None) -> None:
     for i in sorted(indices):
         directory = (cluster_dir / "workers" / f"w{i}") if cluster_dir else Path("/nonexistent")
         teardown(Worker(f"w{i}", plan.worker(i), directory), plan)
-    _network.remove_leftovers(plan)
 
 
 # -- processes -------------------------------------------------------------------------------------
