@@ -37,7 +37,7 @@ import pytest
 from vkubelet.devcluster._build import cache_root
 
 #: Session fixtures whose tests all go to one worker (one lower cluster per run, not per worker).
-ONE_PER_RUN = ("lower_cluster",)
+ONE_PER_RUN = ("lower_cluster", "worker_cluster")
 #: Estimated seconds of a test without a recorded duration: integration tests wait for processes.
 UNKNOWN_INTEGRATION = 20.0
 UNKNOWN_UNIT = 0.2

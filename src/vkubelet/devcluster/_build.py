@@ -70,9 +70,11 @@ class GoModule:
 
     def cache_dir(self) -> Path:
         digest = hashlib.sha256()
-        for path in [self.directory / "go.mod", self.directory / "go.sum", *self.sources()]:
-            if path.exists():  # a module without dependencies has no go.sum
-                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        for name in ("go.mod", "go.sum"):
+            if (self.directory / name).exists():  # a module without dependencies has no go.sum
+                digest.update((self.directory / name).read_bytes())
+        for source in self.sources():
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
         return cache_root() / f"{self.cache_prefix}-{self.version()}-{digest.hexdigest()[:12]}"
 
     def missing(self) -> list[str]:

@@ -310,7 +310,9 @@ def node_ready(kubectl: Kubectl, node: str) -> bool:
 
 
 @contextlib.contextmanager
-def port_forward(kubectl: Kubectl, pod: str, remote: int) -> Iterator[int]:
+def port_forward(
+    kubectl: Kubectl, pod: str, remote: int, *, namespace: str | None = None
+) -> Iterator[int]:
     """`kubectl port-forward` from a free local port to `remote` in `pod`: yields the local
     port once kubectl says it forwards. Its output is drained meanwhile (a line per connection,
     which would otherwise fill the pipe and stall kubectl)."""
@@ -322,6 +324,7 @@ def port_forward(kubectl: Kubectl, pod: str, remote: int) -> Iterator[int]:
             kubectl.binary,
             "--kubeconfig",
             str(kubectl.kubeconfig),
+            *(["--namespace", namespace] if namespace else []),
             "port-forward",
             pod,
             f"{local}:{remote}",
@@ -493,6 +496,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(env VKUBELET_TEST_CLUSTER); with pytest-xdist all workers share it, so tests that "
         "stop its components (outages) disturb the others: use -n 0 for those",
     )
+    group.addoption(
+        "--vkubelet-worker-cluster",
+        default=os.environ.get("VKUBELET_TEST_WORKER_CLUSTER"),
+        help="reuse this running `vkubelet dev cluster` with workers for the tests that need "
+        "worker nodes (env VKUBELET_TEST_WORKER_CLUSTER)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -519,6 +528,55 @@ def kube_cluster(
         yield cluster
     finally:
         cluster.down()
+
+
+#: Workers of the `worker_cluster` fixture: two, so that traffic crosses nodes.
+TEST_WORKERS = 2
+
+
+@pytest.fixture(scope="session")
+def worker_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """A control plane with real worker nodes (kubelet, containerd, kube-proxy) and CoreDNS.
+
+    Two workers on a pod network of this machine, with the images `vkubelet.local/busybox` and
+    `vkubelet.local/pause` loaded (`Cluster.load_image` loads more). It costs more than
+    `kube_cluster` (about 10 s warm, minutes the first time: the worker binaries are built from
+    Go modules), needs root, and is skipped with the reason when this machine cannot run
+    workers. `--vkubelet-worker-cluster NAME` (or VKUBELET_TEST_WORKER_CLUSTER) reuses one
+    started with `vkubelet dev cluster up --name NAME --workers 2`.
+    """
+    from ..devcluster._network import NetworkUnavailable, preflight
+
+    reuse = request.config.getoption("--vkubelet-worker-cluster")
+    if reuse:
+        existing = {c.name: c for c in list_clusters()}
+        if reuse not in existing or not existing[reuse].workers():
+            pytest.exit(f"--vkubelet-worker-cluster {reuse}: no such cluster with workers is up", 2)
+        yield existing[reuse]
+        return
+    try:
+        preflight()
+    except NetworkUnavailable as e:
+        pytest.skip(str(e))
+    cluster = Cluster(f"pytest-w{os.getpid()}", root=tmp_path_factory.mktemp("vkubelet-workers"))
+    cluster.up(  # a failed `up` leaves nothing behind
+        workers=TEST_WORKERS,
+        progress=lambda m: print(m, file=sys.stderr, flush=True),
+        tie_to_parent=True,
+        extra_args={"kube-controller-manager": ["--node-monitor-grace-period=20s"]},
+    )
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture(scope="session")
+def worker_kubectl(worker_cluster: Cluster) -> Kubectl:
+    """Real kubectl bound to `worker_cluster` with admin credentials."""
+    return Kubectl(worker_cluster.kubeconfig)
 
 
 @contextlib.contextmanager
