@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 import time
 import uuid
@@ -112,7 +111,9 @@ async def main_async(cluster: Cluster, bursts: list[int], rounds: int) -> None:
                             f"wall {wall:.1f}s"
                         )
                         await asyncio.sleep(5)  # let the deletions settle
-    rows = [("node", "burst", "p50 (s)", "p99 (s)", "max (s)", "burst wall (s)")]
+    rows: list[tuple[str, ...]] = [
+        ("node", "burst", "p50 (s)", "p99 (s)", "max (s)", "burst wall (s)")
+    ]
     for (label, size), latencies in results.items():
         rows.append(
             (
@@ -152,4 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -26,7 +26,7 @@ def test_every_name_and_range_follows_from_the_index_and_fits_linux_limits() -> 
     assert len(plan.bridge) <= 15 and len(worker.netns) <= 15  # IFNAMSIZ - 1
     assert worker.netns.startswith(plan.prefix)
     assert ipaddress.ip_address(worker.node_ip) in plan.node_subnet
-    assert ipaddress.ip_network(worker.pod_cidr).subnet_of(plan.cluster_cidr)
+    assert ipaddress.IPv4Network(worker.pod_cidr).subnet_of(plan.cluster_cidr)
     assert plan.host_ip == "10.200.31.1"
 
 
@@ -90,9 +90,9 @@ def test_the_registry_disappears_with_the_last_network(registry: Path, tmp_path:
 def test_preflight_names_every_missing_program_and_the_packages_to_install(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(_network.os, "geteuid", lambda: 0)
+    monkeypatch.setattr("os.geteuid", lambda: 0)
     monkeypatch.setattr(
-        _network.shutil, "which", lambda tool: None if tool in ("nft", "runc") else f"/x/{tool}"
+        "shutil.which", lambda tool: None if tool in ("nft", "runc") else f"/x/{tool}"
     )
     monkeypatch.setattr(_network, "CNI_BIN_DIR", tmp_path)  # no CNI plugins there
     with pytest.raises(NetworkUnavailable) as failure:
@@ -105,6 +105,6 @@ def test_preflight_names_every_missing_program_and_the_packages_to_install(
 
 
 def test_preflight_asks_for_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_network.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
     with pytest.raises(NetworkUnavailable, match="need root"):
         _network.preflight()

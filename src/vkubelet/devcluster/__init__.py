@@ -21,18 +21,25 @@ from ._cluster import (
     state_root,
 )
 from ._errors import DevClusterError
+from ._images import KINDS, ImageArchive, ImageBuildError, build_image
+from ._network import NetworkUnavailable
 from ._proc import processes_mentioning
 
 __all__ = [
     "COMPONENTS",
+    "KINDS",
     "BuildFailed",
     "Cluster",
     "ClusterExists",
     "ClusterNotFound",
     "DevClusterError",
     "GoToolchainMissing",
+    "ImageArchive",
+    "ImageBuildError",
+    "NetworkUnavailable",
     "PortInUse",
     "StartupFailed",
+    "build_image",
     "cached_binaries",
     "ensure_binaries",
     "ensure_helm",

@@ -322,7 +322,9 @@ def _build_one(go: Path, module: GoModule, name: str, progress: Progress, counte
     }
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         out = Path(tmp) / name
-        cmd = [str(go), "build", "-v", "-trimpath", "-ldflags", _ldflags(module)]
+        # -buildvcs=false: our own programs (pause, CoreDNS's main) live in this repository, and
+        # a stamped commit would change the binary (and the pause image) at every commit.
+        cmd = [str(go), "build", "-v", "-trimpath", "-buildvcs=false", "-ldflags", _ldflags(module)]
         if module.build_tags:
             cmd += ["-tags", ",".join(module.build_tags)]
         cmd += ["-o", str(out), module.packages[name]]
