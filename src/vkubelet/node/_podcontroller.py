@@ -544,7 +544,10 @@ class PodController:
 
         Only the status of the answer is decoded: the rest of the pod (its managedFields
         above all) is most of the answer, and this is the agent's most frequent request."""
-        patch = {"metadata": {"uid": record.uid}, "status": _clearing_stale_reasons(status)}
+        patch = {
+            "metadata": {"uid": record.uid},
+            "status": _replacing_ip_lists(_clearing_stale_reasons(status)),
+        }
         try:
             answer = await self._client.request_raw(
                 "PATCH",
@@ -613,6 +616,18 @@ def _clearing_stale_reasons(status: dict[str, Any]) -> dict[str, Any]:
         return status
     cleared = [{"reason": None, "message": None, **c} for c in conditions]
     return {**status, "conditions": cleared}
+
+
+def _replacing_ip_lists(status: dict[str, Any]) -> dict[str, Any]:
+    """A strategic merge patch merges `podIPs` and `hostIPs` by address: a node whose address
+    changed (a replica that took over on another machine) would add its new address beside the
+    old one, which the API refuses (one IP per family), and the pod's status could never be
+    written again. The kubelet sends a deletion for each old address; a replace directive in
+    the list says the same without reading the current status."""
+    for field in ("podIPs", "hostIPs"):
+        if status.get(field):
+            status = {**status, field: [*status[field], {"$patch": "replace"}]}
+    return status
 
 
 class _StatusOnly(msgspec.Struct):

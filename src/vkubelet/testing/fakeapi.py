@@ -228,7 +228,8 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -> Any:
     """A simplified strategic merge patch: merge-keyed lists from MERGE_KEYS, `null` deletes,
-    `{key: ..., "$patch": "delete"}` removes an element of such a list; other directives
+    `{key: ..., "$patch": "delete"}` removes an element of such a list and an element
+    `{"$patch": "replace"}` replaces the whole list with the others; other directives
     (`$setElementOrder/...`, `$retainKeys`) are ignored."""
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
@@ -239,6 +240,8 @@ def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -
         here = (*path, key)
         if value is None:
             result.pop(key, None)
+        elif isinstance(value, list) and here in MERGE_KEYS and {"$patch": "replace"} in value:
+            result[key] = [copy.deepcopy(v) for v in value if v != {"$patch": "replace"}]
         elif isinstance(value, list) and here in MERGE_KEYS and isinstance(result.get(key), list):
             merge_key = MERGE_KEYS[here]
             merged = [copy.deepcopy(item) for item in result[key]]

@@ -175,6 +175,23 @@ async def test_a_status_change_is_written(
     await eventually(lambda: status_of(api, "web")["containerStatuses"][0]["restartCount"] == 1)
 
 
+async def test_a_new_host_address_replaces_the_old_one_in_the_pods_status(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    """A replica that takes over elsewhere reports another hostIP: a merge by address would
+    keep both, which the API refuses (one IP per family)."""
+    api.create("pods", pod("web"))
+    await eventually(lambda: running(api, "web"))
+    assert [h["ip"] for h in status_of(api, "web")["hostIPs"]] == [HOST_IP]
+    running_pod = push.pods[f"{NS}/web"]
+    status = msgspec.to_builtins(running_pod.status)
+    status["hostIP"], status["hostIPs"] = "10.0.0.99", [{"ip": "10.0.0.99"}]
+    running_pod.status = msgspec.convert(status, PodStatus)
+    push.report(f"{NS}/web")
+    await eventually(lambda: status_of(api, "web")["hostIP"] == "10.0.0.99")
+    assert status_of(api, "web")["hostIPs"] == [{"ip": "10.0.0.99"}]
+
+
 async def test_a_condition_that_turns_true_loses_the_reason_it_had_while_false(
     api: FakeApiServer, push: PushProvider, push_node: PodHarness
 ) -> None:
