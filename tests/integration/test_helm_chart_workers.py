@@ -1,0 +1,194 @@
+"""The Helm chart installed for real: `helm install` into a dev cluster with worker nodes, the
+agent image (built from this tree, no registry) running as pods on real kubelets, its virtual
+node Ready at the leader pod's address, kubectl's verbs reaching the virtual node's pods through
+the agent pod, and a deleted leader replaced by the standby without restarting any pod."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vkubelet.devcluster import Cluster, build_image, ensure_helm
+from vkubelet.testing import Kubectl, node_ready, port_forward, wait_for
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "vkubelet"
+NAMESPACE = "vkubelet-system"
+AGENT_UID = 65532  # the chart's podSecurityContext
+
+
+@pytest.fixture(scope="module")
+def release(
+    worker_cluster: Cluster, worker_kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """The chart installed with the mock provider, two replicas, leader election; the mock's
+    backend (its state file) in a directory both replicas mount, as a real backend is shared."""
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    helm = ensure_helm(log)
+    worker_cluster.load_image(build_image("agent", log).path)
+    backend = Path(f"/tmp/vkubelet-chart-backend-{uuid.uuid4().hex[:8]}")
+    backend.mkdir(mode=0o700)
+    os.chown(backend, AGENT_UID, AGENT_UID)
+    node = f"vk-chart-{uuid.uuid4().hex[:6]}"
+    values = {
+        "provider": "mock",
+        "nodeName": node,
+        "providerConfig": {
+            node: {"cpu": "8", "memory": "32Gi", "pods": "110", "stateFile": "/backend/state.json"}
+        },
+        "servingCertificate": {"approveOwnCSRs": True},
+        "logFormat": "text",
+        "extraVolumes": [
+            {"name": "backend", "hostPath": {"path": str(backend), "type": "Directory"}}
+        ],
+        "extraVolumeMounts": [{"name": "backend", "mountPath": "/backend"}],
+    }
+    values_file = tmp_path_factory.mktemp("chart") / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    env = {**os.environ, "KUBECONFIG": str(worker_cluster.kubeconfig)}
+    install = subprocess.run(
+        [str(helm), "install", "vk", str(CHART), "--namespace", NAMESPACE, "--create-namespace",
+         "--values", str(values_file), "--wait",
+         "--timeout", "180s"],
+        capture_output=True, text=True, env=env, check=False, timeout=240,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stdout + install.stderr
+    try:
+        yield {"node": node, "backend": backend}
+    finally:
+        subprocess.run(
+            [str(helm), "uninstall", "vk", "--namespace", NAMESPACE, "--wait"],
+            capture_output=True, env=env, check=False, timeout=120,
+        )  # fmt: skip
+        worker_kubectl("delete", "node", node, "--ignore-not-found", "--wait=false")
+        worker_kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+        shutil.rmtree(backend, ignore_errors=True)
+
+
+def agents(kubectl: Kubectl) -> list[dict[str, Any]]:
+    selector = "app.kubernetes.io/instance=vk"
+    items: list[dict[str, Any]] = kubectl.json("-n", NAMESPACE, "get", "pods", "-l", selector)[
+        "items"
+    ]
+    return items
+
+
+def leader(kubectl: Kubectl, node: str) -> str:
+    lease = kubectl.json("-n", NAMESPACE, "get", "lease", f"vkubelet-agent-{node}")
+    return str(lease["spec"].get("holderIdentity") or "")
+
+
+def internal_ip(kubectl: Kubectl, node: str) -> str:
+    addresses = kubectl.json("get", "node", node)["status"]["addresses"]
+    return str(next(a["address"] for a in addresses if a["type"] == "InternalIP"))
+
+
+@pytest.fixture(scope="module")
+def virtual_pod(worker_kubectl: Kubectl, release: dict[str, Any]) -> Iterator[str]:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "on-the-chart-node"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": release["node"]},
+            "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+            "containers": [{"name": "main", "image": "registry.example/app:1"}],
+        },
+    }
+    worker_kubectl("apply", "-f", "-", input=json.dumps(pod))
+    worker_kubectl("wait", "--for=condition=Ready", "pod/on-the-chart-node", "--timeout=90s",
+                   timeout=120)  # fmt: skip
+    yield "on-the-chart-node"
+    worker_kubectl("delete", "pod", "on-the-chart-node", "--wait=false")
+
+
+def test_the_agent_runs_as_pods_on_workers_and_its_node_is_ready_at_the_leaders_address(
+    worker_cluster: Cluster, worker_kubectl: Kubectl, release: dict[str, Any]
+) -> None:
+    pods = agents(worker_kubectl)
+    assert len(pods) == 2
+    workers = {w.name for w in worker_cluster.workers()}
+    assert {p["spec"]["nodeName"] for p in pods} <= workers
+    assert all(p["status"]["containerStatuses"][0]["ready"] for p in pods)  # probes pass
+    node = release["node"]
+    wait_for(lambda: node_ready(worker_kubectl, node), timeout=60, what=f"{node} Ready")
+    holder = next(p for p in pods if p["metadata"]["name"] == leader(worker_kubectl, node))
+    assert internal_ip(worker_kubectl, node) == holder["status"]["podIP"]
+    # The apiserver reaches the agent's kubelet API at that pod address, through the node proxy.
+    health = worker_kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/healthz").stdout
+    assert health.strip() == "ok"
+
+
+def test_kubectl_logs_exec_port_forward_and_top_reach_the_virtual_nodes_pods_through_the_agent(
+    worker_kubectl: Kubectl, release: dict[str, Any], virtual_pod: str
+) -> None:
+    k = worker_kubectl
+    assert "started" in k("logs", virtual_pod).stdout
+    assert k("exec", virtual_pod, "--", "echo", "through-the-agent").stdout.strip() == (
+        "through-the-agent"
+    )
+    token = k(
+        "exec", virtual_pod, "--", "cat", "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    )
+    assert token.stdout.strip() == "default"
+    # The mock's port-forward reaches 127.0.0.1:<port> where the agent runs: in its pod, the
+    # agent's own kubelet port answers.
+    with port_forward(k, virtual_pod, 10250) as local:
+        import ssl
+
+        insecure = ssl.create_default_context()
+        insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+        with urllib.request.urlopen(
+            f"https://127.0.0.1:{local}/healthz", timeout=10, context=insecure
+        ) as answer:
+            assert answer.read() == b"ok"
+    top = wait_for(
+        lambda: (r := k("top", "pod", virtual_pod, check=False)).returncode == 0 and r.stdout,
+        timeout=90,
+        interval=3,
+        what="kubectl top pod on the virtual node",
+    )
+    assert virtual_pod in top
+
+
+def test_deleting_the_leader_pod_hands_the_node_to_the_standby_without_restarting_pods(
+    worker_kubectl: Kubectl, release: dict[str, Any], virtual_pod: str
+) -> None:
+    k, node = worker_kubectl, release["node"]
+    before = k.json("get", "pod", virtual_pod)
+    old = leader(k, node)
+    standby = next(p["metadata"]["name"] for p in agents(k) if p["metadata"]["name"] != old)
+    started = time.monotonic()
+    k("-n", NAMESPACE, "delete", "pod", old, "--wait=false")
+    wait_for(lambda: leader(k, node) == standby, timeout=15, interval=0.2,
+             what="the standby to take the Lease")  # fmt: skip
+    took_over = time.monotonic() - started
+    # The node now lives at the new leader's address, and kubectl reaches the pod through it.
+    standby_ip = k.json("-n", NAMESPACE, "get", "pod", standby)["status"]["podIP"]
+    wait_for(lambda: internal_ip(k, node) == standby_ip, timeout=15, what="the node's new address")
+    wait_for(
+        lambda: (
+            k("exec", virtual_pod, "--", "echo", "again", check=False).stdout.strip() == "again"
+        ),
+        timeout=30,
+        what="kubectl exec through the new leader",
+    )
+    print(f"takeover after the leader pod's deletion: {took_over:.1f}s", file=sys.stderr)
+    after = k.json("get", "pod", virtual_pod)
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    (was,), (now,) = before["status"]["containerStatuses"], after["status"]["containerStatuses"]
+    assert now["restartCount"] == was["restartCount"] == 0
+    assert now["state"] == was["state"]  # same startedAt: the backend kept the container
+    assert node_ready(k, node)
+    assert after["status"]["hostIP"] == standby_ip
