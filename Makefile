@@ -31,7 +31,7 @@ demo-down: install
 	examples/demo.sh down
 
 build: install
-	$(BIN)/vkubelet dev build
+	$(BIN)/vkubelet dev build --workers
 	$(BIN)/python -c 'from vkubelet.devcluster import ensure_helm; ensure_helm()'  # the chart's tests
 
 lint: install

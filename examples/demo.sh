@@ -78,7 +78,10 @@ if [ "${1:-up}" = down ]; then
   exit 0
 fi
 
-"$BIN/vkubelet" dev cluster status --name demo >/dev/null 2>&1 || "$BIN/vkubelet" dev cluster up --name demo
+# WORKERS=N (make demo WORKERS=1, root only): real worker nodes beside the virtual one, and a real
+# pod next to the virtual ones. Their binaries are built once more (about 8 minutes cold).
+WORKERS=${WORKERS:-0}
+"$BIN/vkubelet" dev cluster up --name demo --workers "$WORKERS"
 KUBECONFIG=$("$BIN/python" -c 'from vkubelet.devcluster import Cluster; print(Cluster("demo").kubeconfig)')
 export KUBECONFIG
 ADDRESS=$(node_address)
@@ -101,6 +104,16 @@ for _ in $(seq 1 60); do "$BIN/kubectl" get node "$NODE" >/dev/null 2>&1 && brea
 "$BIN/kubectl" wait --for=condition=Ready "node/$NODE" --timeout=60s
 "$BIN/kubectl" apply -f examples/deployment.yaml
 "$BIN/kubectl" rollout status deployment/hello-virtual --timeout=60s
+REAL_LINES=""
+if [ "$WORKERS" -gt 0 ]; then
+  BUSYBOX=$("$BIN/python" -c 'from vkubelet.devcluster import Cluster; print(Cluster("demo").image_reference("busybox"))')
+  sed "s|IMAGE|$BUSYBOX|" examples/real-deployment.yaml | "$BIN/kubectl" apply -f -
+  "$BIN/kubectl" rollout status deployment/hello-real --timeout=120s
+  REAL=$("$BIN/kubectl" get pods -l app=hello-real -o jsonpath='{.items[0].metadata.name}')
+  REAL_LINES="
+  kubectl logs $REAL                                   # a real container on a real kubelet
+  kubectl exec $REAL -- wget -q -O- http://hello-real  # a Service, through kube-proxy and DNS"
+fi
 echo "Waiting for the first metrics (metrics-server scrapes the node every 15 s) ..."
 for _ in $(seq 1 60); do
   "$BIN/kubectl" top node "$NODE" >/dev/null 2>&1 && break
@@ -131,7 +144,7 @@ Try:
   kubectl logs $POD
   kubectl exec $POD -- env
   kubectl top node
-  kubectl top pod$PROXY_LINE
+  kubectl top pod$PROXY_LINE$REAL_LINES
   kubectl describe node $NODE
   kubectl scale deployment hello-virtual --replicas=10
   tail -f $STATE/agent.log
