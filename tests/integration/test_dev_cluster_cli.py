@@ -59,9 +59,16 @@ def test_two_clusters_run_side_by_side_and_down_leaves_no_process(state: Path) -
     assert re.search(r"metrics-server\s.*healthy", status.stdout), status.stdout
 
     again = vkubelet(state, "dev", "cluster", "up", "--name", "upper")
-    assert again.returncode == 1
-    assert "already up" in again.stderr
-    assert upper.is_up()  # the refused `up` did not disturb the running cluster
+    assert again.returncode == 0, again.stderr
+    assert "already up" in again.stderr and "reusing it" in again.stderr
+    assert upper.is_up()  # the second `up` reused the running cluster, undisturbed
+    assert Kubectl(upper.kubeconfig)("get", "namespace", "only-in-upper").returncode == 0
+    # Workers need the pod network from the start: asking a running cluster without one is
+    # refused with what to do, and the cluster stays as it was.
+    refused = vkubelet(state, "dev", "cluster", "up", "--name", "upper", "--workers", "1")
+    assert refused.returncode == 1
+    assert "without a pod network" in refused.stderr
+    assert upper.is_up()
 
     for name in ("upper", "lower"):
         assert vkubelet(state, "dev", "cluster", "down", "--name", name).returncode == 0

@@ -192,3 +192,82 @@ def test_deleting_the_leader_pod_hands_the_node_to_the_standby_without_restartin
     assert now["state"] == was["state"]  # same startedAt: the backend kept the container
     assert node_ready(k, node)
     assert after["status"]["hostIP"] == standby_ip
+
+
+@pytest.fixture(scope="module")
+def lower_with_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A second dev cluster with one real worker: the cluster provider's lower cluster, whose
+    apiserver the upper cluster's pods reach at its bridge address."""
+    cluster = Cluster(f"pytest-lw{os.getpid()}", root=tmp_path_factory.mktemp("lower-workers"))
+    cluster.up(workers=1, tie_to_parent=True, progress=lambda m: print(m, file=sys.stderr))
+    yield cluster
+    cluster.down()
+
+
+def test_the_cluster_provider_runs_as_a_pod_and_kubectl_exec_reaches_a_real_process_below(
+    worker_cluster: Cluster,
+    worker_kubectl: Kubectl,
+    lower_with_worker: Cluster,
+    release: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    k, lower = worker_kubectl, Kubectl(lower_with_worker.kubeconfig)
+    helm = ensure_helm(lambda m: print(m, file=sys.stderr))
+    node = f"vk-lower-{uuid.uuid4().hex[:6]}"
+    values = {
+        "provider": "cluster",
+        "nodeName": node,
+        "replicas": 1,
+        "providerConfig": {"kubeconfig": "lower.kubeconfig"},
+        "secretFiles": {"lower.kubeconfig": lower_with_worker.kubeconfig.read_text()},
+        "servingCertificate": {"approveOwnCSRs": True},
+        "logFormat": "text",
+    }
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    env = {**os.environ, "KUBECONFIG": str(worker_cluster.kubeconfig)}
+    namespace = "vkubelet-lower"
+    install = subprocess.run(
+        [str(helm), "install", "vkc", str(CHART), "--namespace", namespace, "--create-namespace",
+         "--values", str(tmp_path / "values.yaml"), "--wait", "--timeout", "180s"],
+        capture_output=True, text=True, env=env, check=False, timeout=240,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stdout + install.stderr
+    try:
+        wait_for(lambda: node_ready(k, node), timeout=90, what=f"{node} Ready")
+        image = lower_with_worker.image_reference("busybox")
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "runs-below"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "tolerations": [{"key": "virtual-kubelet.io/provider", "operator": "Exists"}],
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": image,
+                        "imagePullPolicy": "Never",
+                        "command": ["sh", "-c", "echo below; exec sleep 3600"],
+                    }
+                ],
+            },
+        }
+        k("apply", "-f", "-", input=json.dumps(pod))
+        k("wait", "--for=condition=Ready", "pod/runs-below", "--timeout=120s", timeout=150)
+        # Upstairs kubectl -> upper apiserver -> the agent pod -> lower apiserver -> the lower
+        # worker's real kubelet -> a real process in a real container.
+        lower_pods = lower.json("get", "pods", "-A")["items"]
+        below = [p for p in lower_pods if p["metadata"]["name"].startswith("runs-below")]
+        assert below and below[0]["spec"]["nodeName"] == lower_with_worker.workers()[0].name
+        assert "below" in k("logs", "runs-below").stdout
+        comm = k("exec", "runs-below", "--", "cat", "/proc/1/comm").stdout.strip()
+        assert comm == "sleep"
+        echoed = k("exec", "-i", "runs-below", "--", "cat", input="up and down\n").stdout
+        assert echoed == "up and down\n"
+    finally:
+        k("delete", "pod", "runs-below", "--ignore-not-found", "--wait=false")
+        subprocess.run(
+            [str(helm), "uninstall", "vkc", "--namespace", namespace, "--wait"],
+            capture_output=True, env=env, check=False, timeout=120,
+        )  # fmt: skip
+        k("delete", "node", node, "--ignore-not-found", "--wait=false")

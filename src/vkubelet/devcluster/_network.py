@@ -11,8 +11,10 @@ from the index alone, without its state files:
   bridge inside the namespace;
 - each worker routes the other workers' pod ranges to their node addresses, and the host routes
   each pod range to its worker (the apiserver reaches pods that serve a kubelet API, such as
-  the agent of the Helm chart). There is no default route anywhere: nothing leaves the machine,
-  and the host forwards nothing (its ip_forward stays as it is).
+  the agent of the Helm chart); workers route 10.200.0.0/16 to the host, so pods reach the
+  apiservers of the other dev clusters too (a cluster provider's lower cluster). There is no
+  default route anywhere: nothing leaves the machine, and the host forwards nothing (its
+  ip_forward stays as it is).
 
 Service ClusterIPs (10.96.0.0/16, per cluster) exist only in the workers' nftables, which
 kube-proxy writes inside each worker's namespace.
@@ -36,6 +38,7 @@ from ._errors import DevClusterError
 MAX_NETWORKS = 32  # 10.160.0.0/16 ... 10.191.0.0/16 for pods
 MAX_WORKERS = 32
 SERVICE_CIDR = "10.96.0.0/16"
+HOSTS_CIDR = "10.200.0.0/16"  # every network's node subnet, the host at .1 of each
 DNS_SERVICE_IP = "10.96.0.10"
 CLUSTER_DOMAIN = "cluster.local"
 CNI_BIN_DIR = Path("/usr/lib/cni")
@@ -312,6 +315,10 @@ def ensure_worker_link(plan: NetworkPlan, worker: WorkerAddresses) -> None:
     run([*inside, "link", "set", "lo", "up"], "bring lo up")
     # Locally made packets to a ClusterIP need a route before kube-proxy's DNAT rewrites them.
     run([*inside, "route", "replace", SERVICE_CIDR, "via", plan.host_ip], "route Services")
+    # The host's addresses on the other clusters' bridges (their apiservers): a pod here may
+    # use another dev cluster, as the cluster provider's agent uses its lower cluster. The host
+    # answers for its own addresses on any interface, so nothing is forwarded.
+    run([*inside, "route", "replace", HOSTS_CIDR, "via", plan.host_ip], "route other clusters")
     for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0")):
         run(
             ["nsenter", f"--net={netns_file}", "sysctl", "-q", "-w", f"{key}={value}"],
