@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from vkubelet.devcluster import Cluster
+from vkubelet.devcluster import Cluster, processes_mentioning
 from vkubelet.testing import Kubectl, MockNode, local_test_address, mock_node
 
 from .clusters import LowerCluster, lower_cluster_session
@@ -36,3 +38,14 @@ def api_node(
         yield stack.enter_context(
             mock_node(kube_cluster, kubectl, workdir, prefix="vk-api", address=address)
         )
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    """A private state root; whatever a test leaves running there is a failure and gets killed."""
+    root = tmp_path / "state"
+    yield root
+    leftovers = processes_mentioning(str(root))
+    if leftovers:
+        subprocess.run(["kill", "-9", *map(str, leftovers)], check=False)
+        pytest.fail(f"processes left behind: {leftovers}")

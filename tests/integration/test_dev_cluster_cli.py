@@ -1,10 +1,7 @@
 """`vkubelet dev cluster` as a user drives it: several clusters, clean shutdown, clear errors."""
 
-import os
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,31 +9,7 @@ import pytest
 from vkubelet.devcluster import Cluster, StartupFailed, ensure_binaries, processes_mentioning
 from vkubelet.testing import Kubectl
 
-VKUBELET = str(Path(sys.prefix) / "bin" / "vkubelet")
-
-
-def vkubelet(
-    state: Path, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [VKUBELET, *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "VKUBELET_STATE_DIR": str(state), **(env or {})},
-        check=False,
-    )
-
-
-@pytest.fixture
-def state(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """A private state root; whatever a test leaves running there is a failure and gets killed."""
-    root = tmp_path / "state"
-    yield root
-    leftovers = processes_mentioning(str(root))
-    if leftovers:
-        subprocess.run(["kill", "-9", *map(str, leftovers)], check=False)
-        pytest.fail(f"processes left behind: {leftovers}")
+from .cli import vkubelet
 
 
 def test_two_clusters_run_side_by_side_and_down_leaves_no_process(state: Path) -> None:

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ import pytest
 from vkubelet.devcluster import Cluster, processes_mentioning
 from vkubelet.testing import Kubectl, node_ready, wait_for
 
-VKUBELET = str(Path(sys.prefix) / "bin" / "vkubelet")
+from .cli import vkubelet
+
 #: Paths a kubelet, containerd or CNI would write outside their root directories.
 KUBELET_PATHS = (
     "/var/lib/kubelet",
@@ -30,19 +30,6 @@ KUBELET_PATHS = (
 )
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="worker nodes need root")
-
-
-def vkubelet(
-    state: Path, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [VKUBELET, *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VKUBELET_STATE_DIR": str(state), **(env or {})},
-        check=False,
-    )
 
 
 def traces(index: int) -> dict[str, list[str]]:
@@ -95,17 +82,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] not in "ZX"
-
-
-@pytest.fixture
-def state(tmp_path: Path) -> Iterator[Path]:
-    """A private state root; what a test leaves running there is a failure and gets killed."""
-    root = tmp_path / "state"
-    yield root
-    leftovers = processes_mentioning(str(root))
-    if leftovers:
-        subprocess.run(["kill", "-9", *map(str, leftovers)], check=False)
-        pytest.fail(f"processes left behind: {leftovers}")
 
 
 def test_without_nftables_workers_are_refused_before_anything_starts(

@@ -736,25 +736,13 @@ class Cluster:
         )
 
     def _wait(self, what: str, check: Callable[[], bool], timeout: float, component: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def died() -> tuple[str, Path] | None:
             ref = (self.state() or {}).get("components", {}).get(component)
             if ref and not _proc.is_alive(_proc.ProcessRef.from_json(ref)):
-                raise StartupFailed(
-                    f"{component} exited while waiting for {what}; "
-                    f"last lines of {self.log_path(component)}:\n{self._log_tail(component)}"
-                )
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                if check():
-                    return
-            time.sleep(0.2)
-        raise StartupFailed(
-            f"timed out after {timeout:.0f}s waiting for {what}; last lines of "
-            f"{self.log_path(component)}:\n{self._log_tail(component)}"
-        )
+                return component, self.log_path(component)
+            return None
 
-    def _log_tail(self, component: str, lines: int = 20) -> str:
-        return _tail(self.log_path(component), lines)
+        _wait_until(what, check, timeout, died=died, log=self.log_path(component))
 
     def _ssl_context(self, *, verify: bool = True) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
@@ -1050,24 +1038,13 @@ class Cluster:
         check: Callable[[], bool],
         timeout: float,
     ) -> None:
-        deadline = time.monotonic() + timeout
-        log = worker.log_path(component)
-        while time.monotonic() < deadline:
+        def died() -> tuple[str, Path] | None:
             for name, ref in self._require_state()["workers"][worker.name]["components"].items():
                 if not _proc.is_alive(_proc.ProcessRef.from_json(ref)):
-                    path = worker.log_path(name)
-                    raise StartupFailed(
-                        f"{name} of {worker.name} exited while waiting for {what}; last lines "
-                        f"of {path}:\n{_tail(path)}"
-                    )
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                if check():
-                    return
-            time.sleep(0.2)
-        raise StartupFailed(
-            f"timed out after {timeout:.0f}s waiting for {what}; last lines of {log}:\n"
-            + _tail(log)
-        )
+                    return f"{name} of {worker.name}", worker.log_path(name)
+            return None
+
+        _wait_until(what, check, timeout, died=died, log=worker.log_path(component))
 
     def _not_found_message(self) -> str:
         known = [c.name for c in list_clusters(self.root)]
@@ -1084,6 +1061,33 @@ def list_clusters(root: Path | None = None) -> list[Cluster]:
         for p in sorted(base.iterdir())
         if (p / "cluster.json").exists()
     ]
+
+
+def _wait_until(
+    what: str,
+    check: Callable[[], bool],
+    timeout: float,
+    *,
+    died: Callable[[], tuple[str, Path] | None],
+    log: Path,
+) -> None:
+    """Poll `check`; fail at once, with its log's tail, if a process it needs died (`died`
+    names it and its log), or after `timeout` with the tail of `log`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = died()
+        if dead:
+            name, path = dead
+            raise StartupFailed(
+                f"{name} exited while waiting for {what}; last lines of {path}:\n{_tail(path)}"
+            )
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            if check():
+                return
+        time.sleep(0.2)
+    raise StartupFailed(
+        f"timed out after {timeout:.0f}s waiting for {what}; last lines of {log}:\n{_tail(log)}"
+    )
 
 
 def _tail(path: Path, lines: int = 20) -> str:
