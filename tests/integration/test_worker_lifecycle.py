@@ -40,8 +40,8 @@ def traces(index: int) -> dict[str, list[str]]:
     def run(*argv: str) -> str:
         return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
 
-    prefix = f"vkb{index}w"
-    mine = (prefix, f"vkbr{index}")
+    prefix = f"vkw{index}n"
+    mine = (prefix, f"vkwbr{index}")
     return {
         "netns": [n for n in run("ip", "netns", "list").split() if n.startswith(prefix)],
         "links": [
@@ -49,7 +49,7 @@ def traces(index: int) -> dict[str, list[str]]:
             for word in run("ip", "-o", "link").split()
             if word.startswith(mine)
         ],
-        "routes": [r for r in run("ip", "route").splitlines() if f"vkbr{index} " in r],
+        "routes": [r for r in run("ip", "route").splitlines() if f"vkwbr{index} " in r],
         "cgroups": sorted(str(p) for p in Path("/sys/fs/cgroup").glob(f"*/vkubelet/{prefix}*")),
         "mounts": [
             line for line in Path("/proc/self/mountinfo").read_text().splitlines() if prefix in line

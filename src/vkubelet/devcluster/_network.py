@@ -4,10 +4,10 @@ A cluster with workers gets a *network index* n (one per cluster on the machine)
 and range follows from it, so that what a crashed run left behind can be found and removed
 from the index alone, without its state files:
 
-- a host bridge `vkbr<n>` on 10.200.<n>.0/24; the host (apiserver, CoreDNS, metrics-server) is
+- a host bridge `vkwbr<n>` on 10.200.<n>.0/24; the host (apiserver, CoreDNS, metrics-server) is
   .1, worker i is .(10+i);
-- worker i lives in the network namespace `vkb<n>w<i>`, joined to the bridge by a veth pair
-  (`vkb<n>w<i>` on the host, `eth0` inside), with its own pod range 10.(160+n).<i>.0/24 on a CNI
+- worker i lives in the network namespace `vkw<n>n<i>`, joined to the bridge by a veth pair
+  (`vkw<n>n<i>` on the host, `eth0` inside), with its own pod range 10.(160+n).<i>.0/24 on a CNI
   bridge inside the namespace;
 - each worker routes the other workers' pod ranges to their node addresses, and the host routes
   each pod range to its worker (the apiserver reaches pods that serve a kubelet API, such as
@@ -68,11 +68,11 @@ class NetworkPlan:
 
     @property
     def bridge(self) -> str:
-        return f"vkbr{self.index}"
+        return f"vkwbr{self.index}"
 
     @property
     def bridge_mac(self) -> str:
-        return f"02:76:6b:62:00:{self.index:02x}"  # locally administered, "vkb", the index
+        return f"02:76:6b:77:00:{self.index:02x}"  # locally administered, "vkw", the index
 
     @property
     def node_subnet(self) -> ipaddress.IPv4Network:
@@ -89,7 +89,7 @@ class NetworkPlan:
     @property
     def prefix(self) -> str:
         """What every per-worker name of this network starts with."""
-        return f"vkb{self.index}w"
+        return f"vkw{self.index}n"
 
     def worker(self, i: int) -> WorkerAddresses:
         if not 0 <= i < MAX_WORKERS:
