@@ -114,7 +114,7 @@ async def main_async(cluster: Cluster, bursts: list[int], rounds: int) -> None:
                         results.setdefault((label, size), []).extend(latencies)
                         walls.setdefault((label, size), []).append(wall)
                         log(
-                            f"{label} burst of {size}: p50 {pct(latencies, 50):.2f}s, "
+                            f"{label} burst of {size}: p50 {pct(latencies, 0.5):.2f}s, "
                             f"wall {wall:.1f}s"
                         )
                         await asyncio.sleep(2)
@@ -126,8 +126,8 @@ async def main_async(cluster: Cluster, bursts: list[int], rounds: int) -> None:
             (
                 label,
                 str(size),
-                f"{pct(latencies, 50):.2f}",
-                f"{pct(latencies, 99):.2f}",
+                f"{pct(latencies, 0.5):.2f}",
+                f"{pct(latencies, 0.99):.2f}",
                 f"{max(latencies):.2f}",
                 "/".join(f"{w:.1f}" for w in walls[(label, size)]),
             )
