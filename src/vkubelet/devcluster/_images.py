@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from .. import _debian
 from ._build import PAUSE, _locked, cache_root, ensure_tool
 from ._errors import DevClusterError
 
@@ -306,29 +307,6 @@ def _source_hash() -> str:
 # --- Debian packages -----------------------------------------------------------------------------
 
 
-def _run(argv: list[str], *, cwd: Path | None = None, what: str) -> str:
-    try:
-        done = subprocess.run(
-            argv, cwd=cwd, capture_output=True, text=True, check=False, umask=0o022
-        )
-    except FileNotFoundError:
-        raise ImageBuildError(
-            f"{what}: {argv[0]} not found (images are built from Debian packages: this needs "
-            "apt-get, apt-cache and dpkg-deb, i.e. a Debian or Ubuntu host)"
-        ) from None
-    if done.returncode != 0:
-        raise ImageBuildError(f"{what}: {' '.join(argv)} exited {done.returncode}: {done.stderr}")
-    return done.stdout
-
-
-def _lists_stamp() -> str:
-    lists = Path("/var/lib/apt/lists")
-    try:
-        return ",".join(f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(lists.iterdir()))
-    except OSError:
-        return ""
-
-
 def _debian_versions(
     roots: tuple[str, ...], *, closure: bool, progress: Progress
 ) -> dict[str, str]:
@@ -339,19 +317,24 @@ def _debian_versions(
     """
     key = _sha256(repr((RECIPE_VERSION, roots, closure)).encode())[:12]
     memo = cache_root() / "images" / f"apt-{key}.json"
-    stamp = _sha256(_lists_stamp().encode())
+    stamp = _sha256(_debian.lists_stamp().encode())
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
         remembered = json.loads(memo.read_text())
         if remembered["stamp"] == stamp:
             return dict(remembered["packages"])
     progress(f"resolving Debian packages: {', '.join(roots)}")
-    names = list(roots)
-    if closure:
-        flags = ["--no-recommends", "--no-suggests", "--no-conflicts", "--no-breaks"]
-        flags += ["--no-replaces", "--no-enhances"]
-        deps = _run(["apt-cache", "depends", "--recurse", *flags, *roots], what="resolve packages")
-        names = _closure(deps, roots)
-    packages = _candidate_versions(names)
+    names = sorted(roots)
+    try:
+        if closure:
+            flags = ["--no-recommends", "--no-suggests", "--no-conflicts", "--no-breaks"]
+            flags += ["--no-replaces", "--no-enhances"]
+            deps = _debian.apt_cache(
+                ["depends", "--recurse", *flags, *roots], what="resolve packages"
+            )
+            names = _closure(deps, roots)
+        packages = _debian.candidate_versions(names, what="resolve package versions")
+    except _debian.AptError as e:
+        raise ImageBuildError(str(e)) from None
     memo.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"stamp": stamp, "packages": packages}, sort_keys=True) + "\n")
@@ -410,41 +393,19 @@ def _closure(depends_output: str, roots: Sequence[str]) -> list[str]:
     return sorted(chosen)
 
 
-def _candidate_versions(wanted: list[str]) -> dict[str, str]:
-    policy = _run(["apt-cache", "policy", *wanted], what="resolve package versions")
-    versions: dict[str, str] = {}
-    current = ""
-    for line in policy.splitlines():
-        if line and not line.startswith(" ") and line.endswith(":"):
-            current = line[:-1]
-        elif line.strip().startswith("Candidate:") and current in wanted:
-            candidate = line.split(":", 1)[1].strip()
-            if candidate != "(none)":
-                versions[current] = candidate
-    missing = [p for p in wanted if p not in versions]
-    if missing:
-        raise ImageBuildError(f"{', '.join(missing)} not in the apt lists: run apt-get update")
-    return {p: versions[p] for p in sorted(wanted)}
-
-
 def _upstream_version(debian_version: str) -> str:
     """Without epoch and Debian revision, as upstream names it: "1:1.35.0-4+b3" -> "1.35.0"."""
     return debian_version.split(":", 1)[-1].rsplit("-", 1)[0]
 
 
 def _unpack_debs(work: Path, packages: dict[str, str], progress: Progress) -> Path:
-    """Download and unpack the packages into one tree; maintainer scripts do not run."""
-    debs = work / "debs"
-    debs.mkdir()
+    """Download and unpack the packages into one tree, minus the docs no image reads."""
     progress(f"downloading {len(packages)} Debian packages")
-    _run(
-        ["apt-get", "download", "-q", *(f"{p}={v}" for p, v in packages.items())],
-        cwd=debs,
-        what="apt-get download",
-    )
     root = work / "debroot"
-    for deb in sorted(debs.glob("*.deb")):
-        _run(["dpkg-deb", "-x", str(deb), str(root)], what=f"unpack {deb.name}")
+    try:
+        _debian.download_and_unpack(packages, root)
+    except _debian.AptError as e:
+        raise ImageBuildError(str(e)) from None
     for pruned in PRUNED:
         shutil.rmtree(root / pruned, ignore_errors=True)
     return root
@@ -486,6 +447,13 @@ def _finish_python_runtime(root: Path) -> None:
 
 
 # --- the agent's Python layer --------------------------------------------------------------------
+
+
+def _run(argv: list[str], *, what: str) -> str:
+    try:
+        return _debian.run(argv, what=what)
+    except _debian.AptError as e:
+        raise ImageBuildError(str(e)) from None
 
 
 def _pip(args: list[str], *, what: str) -> str:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .. import _debian
+
 Progress = Callable[[str], None]
 
 RECIPE_VERSION = 1
@@ -91,29 +93,19 @@ def default_cache_dir() -> Path:
     return Path(base) / "vkubelet" / "vm-images"
 
 
-def _run(argv: list[str], *, cwd: Path | None = None, what: str) -> str:
+#: Said when a tool the build runs is missing.
+TOOLS = "apt-get install -y --no-install-recommends qemu-utils syslinux mtools dosfstools cpio"
+
+
+def _run(argv: list[str], *, what: str) -> str:
     try:
-        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False)
-    except FileNotFoundError:
-        raise ImageBuildError(
-            f"{what}: {argv[0]} not found (apt-get install -y --no-install-recommends "
-            "qemu-utils syslinux mtools dosfstools cpio)"
-        ) from None
-    if done.returncode != 0:
-        raise ImageBuildError(f"{what}: {' '.join(argv)} exited {done.returncode}: {done.stderr}")
-    return done.stdout
+        return _debian.run(argv, what=what, missing=TOOLS)
+    except _debian.AptError as e:
+        raise ImageBuildError(str(e)) from None
 
 
 def _data(name: str) -> str:
     return resources.files(__package__).joinpath(name).read_text()
-
-
-def _lists_stamp() -> str:
-    lists = Path("/var/lib/apt/lists")
-    try:
-        return ",".join(f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(lists.iterdir()))
-    except OSError:
-        return ""
 
 
 def resolve_packages(cache_dir: Path | None = None) -> dict[str, str]:
@@ -123,44 +115,29 @@ def resolve_packages(cache_dir: Path | None = None) -> dict[str, str]:
     remembered until the apt lists change (apt-get update).
     """
     memo = (cache_dir or default_cache_dir()) / "resolved.json"
-    stamp = hashlib.sha256(_lists_stamp().encode()).hexdigest()
+    stamp = hashlib.sha256(_debian.lists_stamp().encode()).hexdigest()
     try:
         remembered = json.loads(memo.read_text())
         if remembered.get("stamp") == stamp:
             return dict(remembered["packages"])
     except (OSError, ValueError, KeyError, AttributeError):
         pass
-    deps = _run(["apt-cache", "depends", KERNEL_META], what="resolve the cloud kernel")
-    kernel = next(
-        (line.split(":", 1)[1].strip() for line in deps.splitlines() if "Depends:" in line), None
-    )
-    if kernel is None or not kernel.startswith("linux-image-"):
-        raise ImageBuildError(f"{KERNEL_META} not in the apt lists: run apt-get update")
-    wanted = (kernel, AGENT_PACKAGE, BUSYBOX_PACKAGE)
-    versions = candidate_versions(wanted)
-    ordered = versions
+    try:
+        deps = _debian.apt_cache(["depends", KERNEL_META], what="resolve the cloud kernel")
+        kernel = next(
+            (line.split(":", 1)[1].strip() for line in deps.splitlines() if "Depends:" in line),
+            None,
+        )
+        if kernel is None or not kernel.startswith("linux-image-"):
+            raise ImageBuildError(f"{KERNEL_META} not in the apt lists: run apt-get update")
+        wanted = (kernel, AGENT_PACKAGE, BUSYBOX_PACKAGE)
+        versions = _debian.candidate_versions(wanted, what="resolve package versions")
+    except _debian.AptError as e:
+        raise ImageBuildError(str(e)) from None
     with contextlib.suppress(OSError):
         memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps({"stamp": stamp, "packages": ordered}) + "\n")
-    return ordered
-
-
-def candidate_versions(wanted: tuple[str, ...]) -> dict[str, str]:
-    """apt's candidate version of each package (one apt-cache call); raises when one is missing."""
-    policy = _run(["apt-cache", "policy", *wanted], what="resolve package versions")
-    versions: dict[str, str] = {}
-    current = None
-    for line in policy.splitlines():
-        if line and not line.startswith(" ") and line.endswith(":"):
-            current = line[:-1]
-        elif line.strip().startswith("Candidate:") and current in wanted:
-            candidate = line.split(":", 1)[1].strip()
-            if candidate != "(none)":
-                versions[current] = candidate
-    missing = [p for p in wanted if p not in versions]
-    if missing:
-        raise ImageBuildError(f"{', '.join(missing)} not in the apt lists: run apt-get update")
-    return {p: versions[p] for p in wanted}
+        memo.write_text(json.dumps({"stamp": stamp, "packages": versions}) + "\n")
+    return versions
 
 
 def recipe_hash(packages: dict[str, str]) -> str:
@@ -213,17 +190,12 @@ def build_guest_image(
 
 
 def _build(work: Path, packages: dict[str, str], progress: Progress) -> None:
-    debs = work / "debs"
-    debs.mkdir()
     progress("downloading " + ", ".join(f"{p} {v}" for p, v in packages.items()))
-    _run(
-        ["apt-get", "download", "-q", *(f"{p}={v}" for p, v in packages.items())],
-        cwd=debs,
-        what="apt-get download",
-    )
     root = work / "pkgroot"
-    for deb in sorted(debs.glob("*.deb")):
-        _run(["dpkg-deb", "-x", str(deb), str(root)], what=f"unpack {deb.name}")
+    try:
+        _debian.download_and_unpack(packages, root)
+    except _debian.AptError as e:
+        raise ImageBuildError(str(e)) from None
     kernel = next((root / "boot").glob("vmlinuz-*"))
     release = kernel.name.removeprefix("vmlinuz-")
 

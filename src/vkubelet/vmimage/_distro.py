@@ -37,7 +37,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ._build import GuestImage, ImageBuildError, Progress, _lists_stamp, default_cache_dir
+from .. import _debian
+from ._build import GuestImage, ImageBuildError, Progress, default_cache_dir
 
 RECIPE_VERSION = 1
 SUITE = "bookworm"
@@ -96,18 +97,18 @@ ROOT_MIB = 2048  # virtual size; the qcow2 stores only what is used
 COMPRESSION = "zstd"
 
 
+#: Said when a tool the build runs is missing.
+TOOLS = (
+    "apt-get install -y --no-install-recommends "
+    "debootstrap qemu-utils syslinux mtools dosfstools e2fsprogs"
+)
+
+
 def _run(argv: list[str], *, what: str, env: dict[str, str] | None = None) -> str:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
-    except FileNotFoundError:
-        raise ImageBuildError(
-            f"{what}: {argv[0]} not found (apt-get install -y --no-install-recommends "
-            "debootstrap qemu-utils syslinux mtools dosfstools e2fsprogs)"
-        ) from None
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout)[-4000:]
-        raise ImageBuildError(f"{what}: {' '.join(argv)} exited {done.returncode}: {tail}")
-    return done.stdout
+        return _debian.run(argv, what=what, missing=TOOLS, env=env)
+    except _debian.AptError as e:
+        raise ImageBuildError(str(e)) from None
 
 
 def debian_sources(suite: str = SUITE) -> list[tuple[str, str]]:
@@ -116,7 +117,10 @@ def debian_sources(suite: str = SUITE) -> list[tuple[str, str]]:
     Read from `apt-cache policy`, so the guest comes from the same mirror (and the same
     security/updates suites) as the host's own packages; nothing else is contacted.
     """
-    lines = _run(["apt-cache", "policy"], what="read the host's apt sources").splitlines()
+    try:
+        lines = _debian.apt_cache(["policy"], what="read the host's apt sources").splitlines()
+    except _debian.AptError as e:
+        raise ImageBuildError(str(e)) from None
     found: list[tuple[str, str]] = []
     for source, release in itertools.pairwise(lines):
         words = source.split()
@@ -147,21 +151,12 @@ def resolve_packages() -> dict[str, str]:
 
     The kernel meta package's version pins the concrete kernel, so it stands for it.
     """
-    wanted = (PACKAGES[0], *VERSIONED)
-    policy = _run(["apt-cache", "policy", *wanted], what="resolve the guest's packages")
-    versions: dict[str, str] = {}
-    package = ""
-    for line in policy.splitlines():
-        if line and not line[0].isspace() and line.endswith(":"):
-            package = line[:-1]
-        elif line.strip().startswith("Candidate:") and package:
-            version = line.split(":", 1)[1].strip()
-            if version != "(none)":
-                versions[package] = version
-    missing = [p for p in wanted if p not in versions]
-    if missing:
-        raise ImageBuildError(f"{', '.join(missing)} not in the apt lists: run apt-get update")
-    return versions
+    try:
+        return _debian.candidate_versions(
+            (PACKAGES[0], *VERSIONED), what="resolve the guest's packages"
+        )
+    except _debian.AptError as e:
+        raise ImageBuildError(str(e)) from None
 
 
 def recipe_hash(packages: dict[str, str], sources: list[tuple[str, str]]) -> str:
@@ -185,7 +180,7 @@ def recipe_hash(packages: dict[str, str], sources: list[tuple[str, str]]) -> str
 def _resolve(cache_dir: Path | None) -> tuple[dict[str, str], list[tuple[str, str]]]:
     """Versions and sources, remembered until the apt lists change (apt-cache is slow here)."""
     memo = (cache_dir or default_cache_dir()) / "resolved-distro.json"
-    stamp = hashlib.sha256(_lists_stamp().encode()).hexdigest()
+    stamp = hashlib.sha256(_debian.lists_stamp().encode()).hexdigest()
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         remembered = json.loads(memo.read_text())
         if remembered["stamp"] == stamp:

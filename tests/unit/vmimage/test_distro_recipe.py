@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from vkubelet import _debian
 from vkubelet.vmimage import _distro
 from vkubelet.vmimage._build import ImageBuildError
 
@@ -35,17 +36,17 @@ Pinned packages:
 """
 
 
-def _fake_run(outputs: dict[str, str]) -> object:
-    def run(argv: list[str], *, what: str, env: dict[str, str] | None = None) -> str:
+def _fake_apt(monkeypatch: pytest.MonkeyPatch, outputs: dict[str, str]) -> None:
+    def run(argv: list[str], *, what: str, cwd: Path | None = None) -> str:
         return outputs[" ".join(argv)]
 
-    return run
+    monkeypatch.setattr(_debian, "run", run)
 
 
 def test_the_guest_uses_the_hosts_debian_mirror_release_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_distro, "_run", _fake_run({"apt-cache policy": POLICY}))
+    _fake_apt(monkeypatch, {"apt-cache policy": POLICY})
     assert _distro.debian_sources() == [
         ("http://mirror.local/debian", "bookworm"),
         ("http://deb.debian.org/debian-security", "bookworm-security"),
@@ -57,7 +58,7 @@ def test_a_host_without_a_debian_bookworm_source_cannot_build(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     only_trixie = "\n".join(POLICY.splitlines()[:4] + POLICY.splitlines()[-4:])
-    monkeypatch.setattr(_distro, "_run", _fake_run({"apt-cache policy": only_trixie}))
+    _fake_apt(monkeypatch, {"apt-cache policy": only_trixie})
     with pytest.raises(ImageBuildError, match="no Debian bookworm main source"):
         _distro.debian_sources()
 
@@ -73,7 +74,7 @@ def test_package_versions_name_the_recipe(monkeypatch: pytest.MonkeyPatch) -> No
     wanted = (_distro.PACKAGES[0], *_distro.VERSIONED)
     versions = {p: f"1.{i}" for i, p in enumerate(wanted)}
     key = "apt-cache policy " + " ".join(wanted)
-    monkeypatch.setattr(_distro, "_run", _fake_run({key: _policy(versions)}))
+    _fake_apt(monkeypatch, {key: _policy(versions)})
     assert _distro.resolve_packages() == versions
     sources = [("http://mirror.local/debian", "bookworm")]
     same = _distro.recipe_hash(versions, sources)
@@ -88,7 +89,7 @@ def test_a_package_missing_from_the_apt_lists_is_named(monkeypatch: pytest.Monke
     versions = {p: "1.0" for p in wanted}
     versions["cloud-init"] = "(none)"
     key = "apt-cache policy " + " ".join(wanted)
-    monkeypatch.setattr(_distro, "_run", _fake_run({key: _policy(versions)}))
+    _fake_apt(monkeypatch, {key: _policy(versions)})
     with pytest.raises(ImageBuildError, match="cloud-init not in the apt lists"):
         _distro.resolve_packages()
 
@@ -123,7 +124,7 @@ def test_resolution_is_remembered_until_the_apt_lists_change(
     monkeypatch.setattr(_distro, "resolve_packages", packages)
     monkeypatch.setattr(_distro, "debian_sources", sources)
     stamp = ["lists-1"]
-    monkeypatch.setattr(_distro, "_lists_stamp", lambda: stamp[0])
+    monkeypatch.setattr(_debian, "lists_stamp", lambda: stamp[0])
     assert _distro._resolve(tmp_path) == ({"a": "1"}, [("u", "n")])
     assert _distro._resolve(tmp_path) == ({"a": "1"}, [("u", "n")])
     assert calls == ["p", "s"]
