@@ -310,18 +310,25 @@ def test_exec_with_a_terminal_on_a_device(lab: Lab, kubectl: Kubectl) -> None:
     command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} exec -it {name} -- sh"
     try:
         with terminal_session(command, cols=120, rows=40) as terminal:
-            time.sleep(2)
+            # (tmux's capture drops the prompt's trailing space)
+            wait_for(
+                lambda: terminal.screen().startswith("$"), timeout=30, what="the device's prompt"
+            )
             terminal.type("stty size; id -un")
+            user = lab.devices[2].user
             wait_for(
-                lambda: "40 120" in terminal.screen(), timeout=30, what="the size on the device"
+                lambda: "40 120" in terminal.screen() and user in terminal.screen(),
+                timeout=30,
+                what="the size and the user on the device",
             )
-            assert lab.devices[2].user in terminal.screen()
             terminal.resize(100, 30)
-            time.sleep(1)
-            terminal.type("stty size")
-            wait_for(
-                lambda: "30 100" in terminal.screen(), timeout=30, what="the size after resize"
-            )
+
+            def resized() -> bool:
+                # The new size travels as a resize message; ask until the device has it.
+                terminal.type("stty size")
+                return "30 100" in terminal.screen()
+
+            wait_for(resized, timeout=30, interval=1, what="the size after resize")
             terminal.type("exit")
     finally:
         delete(kubectl, name)
