@@ -37,7 +37,7 @@ import msgspec
 from _common import WatchEvent, cpu_seconds, http_client, new_namespace, pct, wait_until
 
 from vkubelet.devcluster import Cluster, list_clusters
-from vkubelet.node._kube import ClientOptions, KubeClient
+from vkubelet.kube import ClientOptions, KubeClient
 
 CONCURRENCY = 64
 

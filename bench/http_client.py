@@ -34,8 +34,8 @@ from typing import Any
 import msgspec
 from _common import cluster_for, log, print_table
 
-from vkubelet.node import ClientOptions, KubeClient
-from vkubelet.node._http11 import Endpoint
+from vkubelet.kube import ClientOptions, KubeClient
+from vkubelet.kube._http11 import Endpoint
 
 Send = Callable[[str, str, bytes | None], Awaitable[bytes]]
 NODE = "bench-http-client"

@@ -199,9 +199,9 @@ def run(
     """Run the node agent: register virtual node(s) and run their pods with a provider."""
     # Imported here so that `vkubelet dev ...` starts without loading the agent's dependencies.
     from .agent import Agent
+    from .kube import ClientOptions
     from .node import (
         AgentConfig,
-        ClientOptions,
         ConfigError,
         NodeSettings,
         NodeSpec,
@@ -322,8 +322,8 @@ def _replica_options(
     import os
 
     from .agent import ReplicaOptions, leader_timing, shard_timing
+    from .kube import LeaseTiming, default_identity
     from .node import ConfigError
-    from .node._lease import LeaseTiming, default_identity
 
     if not elect:
         return None

@@ -19,9 +19,9 @@ from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Pod
 
 from vkubelet.devcluster import Cluster
+from vkubelet.kube import KubeClient
 from vkubelet.node import ResolvedPod
 from vkubelet.node._agent import NodeAgent
-from vkubelet.node._kube import KubeClient
 from vkubelet.node._nodecontroller import NodeSettings
 from vkubelet.node._resolution import ServiceCache
 from vkubelet.testing import (

@@ -18,11 +18,11 @@ import ssl
 import weakref
 from collections.abc import Callable
 
+from ..kube import KubeClient
 from ..kubelet import KubeletAuth, KubeletServer
 from ..node import (
     AgentConfig,
     ConfigError,
-    KubeClient,
     NodeAgent,
     NodeFleet,
     NodeSettings,

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..node import ApiError, KubeClient
+from ..kube import ApiError, KubeClient
 
 log = logging.getLogger(__name__)
 

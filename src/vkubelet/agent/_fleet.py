@@ -18,8 +18,9 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from ..kube import ApiError, Unreachable
 from ..kubelet import KubeletServer
-from ..node import ApiError, FleetNode, NodeAgent, NodeFleet, NodeSpec, Unreachable
+from ..node import FleetNode, NodeAgent, NodeFleet, NodeSpec
 from ..node._podrecord import PodRecord
 from ..sdk.tasks import TaskSet, run_supervised
 from ._serving import KubeletApiReadiness, kubelet_node, start_servers

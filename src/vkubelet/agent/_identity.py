@@ -8,7 +8,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from ..node import AgentConfig, ApiError, ConfigError, KubeClient, NodeAgent, Unreachable
+from ..kube import ApiError, KubeClient, Unreachable
+from ..node import AgentConfig, ConfigError, NodeAgent
 from ..node._certs import ClientIdentity
 
 log = logging.getLogger(__name__)

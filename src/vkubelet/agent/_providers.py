@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import logging
 
+from ..kube import EventRecorder, ObjectRef
 from ..node import NodeFleet, NodeSpec, PodLifecycleHandler, ProviderContext
-from ..node._events import EventRecorder, ObjectRef
 from ..node._registry import ProviderLoadError, load_provider, provider_label
 from ..sdk.provider import EventType, Pod
 

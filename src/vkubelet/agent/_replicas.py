@@ -33,10 +33,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..kube import KubeClient, KubeLeases, LeaderElector, LeaseStore, LeaseTiming, Unreachable
 from ..kubelet import KubeletServer
-from ..node import AgentConfig, KubeClient, NodeFleet, NodeSpec, Unreachable
+from ..node import AgentConfig, NodeFleet, NodeSpec
 from ..node._certs import ServingCertificate
-from ..node._lease import KubeLeases, LeaderElector, LeaseStore, LeaseTiming
 from ..sdk.tasks import TaskSet, run_supervised
 from . import _providers
 from ._serving import KubeletApiReadiness, kubelet_node, start_servers

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from cryptography import x509
 
+from ..kube import ApiError, KubeClient
 from ..kubelet import KubeletAuth, KubeletNode, KubeletServer, serve_nodes, server_ssl_context
-from ..node import AgentConfig, ApiError, KubeClient, NodeAgent
+from ..node import AgentConfig, NodeAgent
 from ..node._certs import SIGNER, ServingCertificate, cluster_cert_dir, load_ca_bundle
 from ..sdk.provider import NodeCondition
 

@@ -29,10 +29,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ..kube import ApiError, KubeClient, ObjectRef, Unreachable
 from ..kubelet import server_ssl_context
 from ..kubelet._http import Exchange, HttpLimits, serve_connection
-from ..node import ApiError, KubeClient, NodeAgent, Unreachable
-from ..node._events import ObjectRef
+from ..node import NodeAgent
 from ._serving import cluster_ca
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..node import ApiError, Unreachable
+from ..kube import ApiError, Unreachable
 
 log = logging.getLogger(__name__)
 

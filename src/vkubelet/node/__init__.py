@@ -1,4 +1,5 @@
-"""The node agent: node controller, pod controller, events and the provider API."""
+"""The node agent: node controller, pod controller and the provider API (the Kubernetes client
+stack it runs on is `vkubelet.kube`)."""
 
 from ..sdk.provider import (
     ContainerLogOptions,
@@ -16,19 +17,15 @@ from ..sdk.provider import (
 )
 from ._agent import AgentConfig, NodeAgent, NodeSpec
 from ._config import ConfigError, load_agent_config, parse_taint
-from ._kube import ApiError, ClientOptions, KubeClient, Unreachable
 from ._nodecontroller import NodeSettings
 from ._registry import ProviderLoadError, UnknownProvider, available_providers, load_provider
 
 __all__ = [
     "AgentConfig",
-    "ApiError",
-    "ClientOptions",
     "ConfigError",
     "ContainerLogOptions",
     "ContainerLogs",
     "FleetNode",
-    "KubeClient",
     "NodeAgent",
     "NodeConfigurer",
     "NodeFleet",
@@ -43,7 +40,6 @@ __all__ = [
     "ProviderLoadError",
     "ResolvedPod",
     "UnknownProvider",
-    "Unreachable",
     "available_providers",
     "load_agent_config",
     "load_provider",

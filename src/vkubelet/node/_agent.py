@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..kube import ClientOptions, EventRecorder, KubeClient
 from ..sdk.provider import NodeConditions, PodLifecycleHandler, UsesUpperAPI
-from ._events import EventRecorder
-from ._kube import ClientOptions, KubeClient
 from ._nodecontroller import NodeController, NodeSettings
 from ._podcontroller import PodController
 from ._resolution import Resolver, ServiceCache

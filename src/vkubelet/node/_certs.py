@@ -38,7 +38,7 @@ from cryptography.x509.oid import NameOID
 from lightkube.config.kubeconfig import KubeConfig
 
 from .._files import write_kubeconfig, write_private
-from ._kube import ApiError, KubeClient, Unreachable
+from ..kube import ApiError, KubeClient, Unreachable
 
 log = logging.getLogger(__name__)
 

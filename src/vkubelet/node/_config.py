@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
+from ..kube import ClientOptions
 from ._agent import AgentConfig, NodeSpec
-from ._kube import ClientOptions
 from ._nodecontroller import NodeSettings
 
 _NODE_KEYS = {"name", "provider", "providerConfig", "kubeletPort", "internalIP", "labels", "taints"}

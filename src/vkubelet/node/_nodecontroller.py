@@ -39,6 +39,7 @@ import msgspec
 from lightkube.resources.core_v1 import Node
 
 from .. import __version__
+from ..kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 from ..sdk.clock import now_rfc3339
 from ..sdk.provider import (
     NodeCondition,
@@ -47,7 +48,6 @@ from ..sdk.provider import (
     NodeProvider,
     NodeStatusNotifier,
 )
-from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 
 log = logging.getLogger(__name__)
 

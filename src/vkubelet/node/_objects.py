@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from ._kube import ApiError, KubeClient, Unreachable, status_error
+from ..kube import ApiError, KubeClient, Unreachable, status_error
 
 log = logging.getLogger(__name__)
 

@@ -39,6 +39,19 @@ import msgspec
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Pod
 
+from ..kube import (
+    NORMAL,
+    STRATEGIC_MERGE_PATCH,
+    WARNING,
+    ApiError,
+    EventRecorder,
+    Handler,
+    KubeClient,
+    ObjectRef,
+    Reflector,
+    Unreachable,
+    WorkQueue,
+)
 from ..sdk.provider import (
     AdoptsPods,
     PodLifecycleHandler,
@@ -47,14 +60,10 @@ from ..sdk.provider import (
     ResolvedPod,
 )
 from ..sdk.tasks import run_supervised
-from ._events import NORMAL, WARNING, EventRecorder, ObjectRef
-from ._kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 from ._objects import ObjectCache, content
 from ._podrecord import PodRecord, digest, merged_status, visible_status
 from ._podstate import PodState
-from ._reflector import Handler, Reflector
 from ._resolution import Resolution, ResolutionFailed, Resolver
-from ._workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,10 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 from lightkube.resources.core_v1 import Pod, Service
 
+from ..kube import ApiError, Handler, KubeClient, Reflector, Unreachable
 from ..sdk.provider import PassThroughPods, ProviderError, ResolvedPod, TokensOnDemand
 from ..sdk.volumes import FileContent
-from ._kube import ApiError, KubeClient, Unreachable
 from ._objects import ObjectCache, ReadFailed
-from ._reflector import Handler, Reflector
 from .resolve import (
     EnvResolutionError,
     SourceReadError,

@@ -44,7 +44,7 @@ from urllib.parse import unquote
 import httpx2 as httpx
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 
-from vkubelet.node import ClientOptions, KubeClient
+from vkubelet.kube import ClientOptions, KubeClient
 
 JSON = dict[str, Any]
 

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
-from ..node._events import EventRecorder
+from ..kube import EventRecorder
 from ..node._podcontroller import PodController
 from ..node._resolution import Resolver, ServiceCache
 from .fakeapi import JSON, FakeApiServer

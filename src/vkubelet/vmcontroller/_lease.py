@@ -1,4 +1,4 @@
-"""The VM controller's leader election: the shared elector (`vkubelet.node._lease`) over the
+"""The VM controller's leader election: the shared elector (`vkubelet.kube`) over the
 controller's lightkube client."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.coordination_v1 import Lease
 
-from ..node._lease import LeaderElector, LeaseConflict, LeaseTiming
+from ..kube import LeaderElector, LeaseConflict, LeaseTiming
 
 __all__ = ["LEASE_NAME", "LeaderElector", "LeaseTiming", "LightkubeLeases"]
 

@@ -14,7 +14,8 @@ from cryptography import x509
 from lightkube.config.kubeconfig import KubeConfig
 
 from vkubelet._files import write_kubeconfig
-from vkubelet.node import ClientOptions, KubeClient, _certs
+from vkubelet.kube import ClientOptions, KubeClient
+from vkubelet.node import _certs
 from vkubelet.node._certs import (
     ClientIdentity,
     ServingCertificate,

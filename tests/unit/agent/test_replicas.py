@@ -13,8 +13,8 @@ import pytest
 from vkubelet.agent import ReplicaOptions
 from vkubelet.agent._agent import check_shardable
 from vkubelet.agent._replicas import FencedClient, group_of, lease_name
-from vkubelet.node import AgentConfig, ConfigError, NodeSettings, NodeSpec, Unreachable
-from vkubelet.node._lease import LeaseTiming
+from vkubelet.kube import LeaseTiming, Unreachable
+from vkubelet.node import AgentConfig, ConfigError, NodeSettings, NodeSpec
 from vkubelet.testing.fakeapi import kubeconfig
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")

@@ -18,8 +18,8 @@ import pytest
 
 from vkubelet.agent import ReplicaOptions, _replicas
 from vkubelet.agent._replicas import FencedClient, ShardRunner, buckets_of
-from vkubelet.node import NodeSettings, NodeSpec, Unreachable
-from vkubelet.node._lease import LeaseConflict, LeaseTiming
+from vkubelet.kube import LeaseConflict, LeaseTiming, Unreachable
+from vkubelet.node import NodeSettings, NodeSpec
 from vkubelet.testing.fakeapi import kubeconfig
 
 JSON = dict[str, Any]

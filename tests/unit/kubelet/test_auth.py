@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from vkubelet.kube import ApiError, KubeClient
 from vkubelet.kubelet import (
     Attributes,
     AuthenticationError,
@@ -20,7 +21,6 @@ from vkubelet.kubelet import (
     X509Authenticator,
     request_attributes,
 )
-from vkubelet.node import ApiError, KubeClient
 
 
 class FakeApi:

@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import msgspec
 
-from ...node import ApiError, Unreachable
+from ...kube import ApiError, Unreachable
 from ...sdk.provider import ProviderError
 from ._capacity import (
     LowerCapacity,

@@ -11,7 +11,7 @@ from typing import Any
 
 from lightkube.resources.core_v1 import Node, Pod
 
-from ...node import ApiError
+from ...kube import ApiError
 from ...sdk.provider import ProviderContext, ProviderError, ResolvedPod, UpperAPI
 from ...sdk.tasks import TaskSet
 from ...streaming import Endpoint

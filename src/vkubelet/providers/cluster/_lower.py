@@ -18,7 +18,8 @@ import yaml
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ConfigError as KubeConfigError
 
-from ...node import ApiError, ClientOptions, ConfigError, KubeClient
+from ...kube import ApiError, ClientOptions, KubeClient
+from ...node import ConfigError
 from ._config import LowerConfig
 from ._deps import DependencyPlan
 from ._stamps import Owner, describe_owner, is_ours, stamp

@@ -21,7 +21,8 @@ from collections.abc import AsyncGenerator, Sequence
 
 import msgspec
 
-from ...node import ApiError, FleetNode, Unreachable
+from ...kube import ApiError, Unreachable
+from ...node import FleetNode
 from ...sdk.provider import ProviderContext
 from ._config import LowerConfig
 from ._lower import LowerCluster, open_lower

@@ -26,7 +26,7 @@ import msgspec
 from lightkube.models.core_v1 import PodStatus, Taint
 from lightkube.resources.core_v1 import Node, Pod
 
-from ...node import ApiError, Unreachable
+from ...kube import ApiError, Unreachable
 from ...sdk.provider import EventType, NodeCondition, ProviderError, ResolvedPod
 from ...sdk.tasks import supervise
 from ._admission import ConstraintAdmission

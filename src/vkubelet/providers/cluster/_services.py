@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...node import ApiError
+from ...kube import ApiError
 from ._deps import SOURCE_VERSION
 from ._stamps import LABEL_OWNER, Owner, describe_owner, is_ours, stamp, upper_identity
 

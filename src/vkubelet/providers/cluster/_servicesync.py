@@ -7,7 +7,7 @@ import logging
 
 import msgspec
 
-from ...node import ApiError
+from ...kube import ApiError
 from ._convert import name_key
 from ._core import ProviderCore
 from ._services import apply_service_plan, plan_services, selects_anything

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 
-from ...node import ApiError, Unreachable
+from ...kube import ApiError, Unreachable
 from ...sdk.provider import ProviderError, ResolvedPod
 from ._convert import epoch, to_json
 from ._core import ProviderCore

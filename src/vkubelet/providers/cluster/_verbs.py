@@ -7,7 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...node import ApiError
+from ...kube import ApiError
 from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.provider import ContainerLogOptions, ProviderError
 from ...streaming import Endpoint, UpgradeFailed, attach, exec_command

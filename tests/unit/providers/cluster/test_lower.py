@@ -11,7 +11,8 @@ import httpx2 as httpx
 import pytest
 import yaml
 
-from vkubelet.node import ConfigError, KubeClient
+from vkubelet.kube import KubeClient
+from vkubelet.node import ConfigError
 from vkubelet.providers.cluster import (
     REQUIRED_PERMISSIONS,
     LowerCluster,

@@ -13,7 +13,8 @@ import msgspec
 import pytest
 from lightkube.resources.core_v1 import Node
 
-from vkubelet.node import ConfigError, KubeClient
+from vkubelet.kube import KubeClient
+from vkubelet.node import ConfigError
 from vkubelet.providers.cluster import (
     ClusterFleet,
     ClusterProvider,

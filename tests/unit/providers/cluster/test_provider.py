@@ -14,7 +14,8 @@ import msgspec
 import pytest
 from lightkube.resources.core_v1 import Pod
 
-from vkubelet.node import ApiError, ConfigError, KubeClient
+from vkubelet.kube import ApiError, KubeClient
+from vkubelet.node import ConfigError
 from vkubelet.providers.cluster import (
     ClusterProvider,
     LowerCluster,

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from lightkube.resources.core_v1 import Pod
 
-from vkubelet.node import ApiError
+from vkubelet.kube import ApiError
 from vkubelet.providers.cluster import (
     ClusterProvider,
     LowerCluster,

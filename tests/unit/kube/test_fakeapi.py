@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from vkubelet.node import ApiError, Unreachable
+from vkubelet.kube import ApiError, Unreachable
 from vkubelet.testing.fakeapi import FakeApiServer, merge_patch, strategic_merge_patch
 
-from .helpers import NS, pod
+from ..node.helpers import NS, pod
 
 
 def test_merge_patch_replaces_lists_and_deletes_with_null() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from vkubelet.node._lease import LeaderElector, LeaseConflict, LeaseTiming
+from vkubelet.kube import LeaderElector, LeaseConflict, LeaseTiming
 
 TIMING = LeaseTiming(duration=2.0, renew_deadline=1.0, retry=0.1)  # whole seconds: the field
 

@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 import pytest
 from lightkube.resources.core_v1 import Pod
 
-from vkubelet.node import KubeClient
-from vkubelet.node._reflector import Handler, Reflector, key_of
+from vkubelet.kube import Handler, KubeClient, Reflector, key_of
 from vkubelet.testing.fakeapi import FakeApiServer
 
-from .helpers import NODE, NS, eventually, pod
+from ..node.helpers import NODE, NS, eventually, pod
 
 
 @dataclass

@@ -10,11 +10,11 @@ import msgspec
 import pytest
 from lightkube.resources.core_v1 import Pod
 
-from vkubelet.node._events import EventRecorder
+from vkubelet.kube import EventRecorder
 from vkubelet.sdk import EventSink
 from vkubelet.testing.fakeapi import FakeApiServer
 
-from .helpers import NODE, NS, cancel_and_wait, eventually, pod
+from ..node.helpers import NODE, NS, cancel_and_wait, eventually, pod
 
 
 @pytest.fixture

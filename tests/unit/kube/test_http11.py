@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 
-from vkubelet.node import ApiError, ClientOptions, KubeClient, Unreachable
-from vkubelet.node._http11 import Pool
+from vkubelet.kube import ApiError, ClientOptions, KubeClient, Unreachable
+from vkubelet.kube._http11 import Pool
 from vkubelet.testing.harness import eventually
 
 

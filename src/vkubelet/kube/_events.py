@@ -26,7 +26,8 @@ from lightkube.resources.core_v1 import Pod
 
 from ..sdk.clock import now_rfc3339
 from ..sdk.provider import EventType
-from ._kube import MERGE_PATCH, ApiError, KubeClient, TokenBucket, Unreachable
+from ._client import MERGE_PATCH, KubeClient, TokenBucket
+from ._errors import ApiError, Unreachable
 
 log = logging.getLogger(__name__)
 

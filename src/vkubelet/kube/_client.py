@@ -1,4 +1,4 @@
-"""A thin asynchronous Kubernetes API client for the node agent.
+"""A thin asynchronous Kubernetes API client, the one every part of vkubelet talks through.
 
 lightkube loads kubeconfigs (client certs, tokens, exec plugins, in-cluster accounts); requests go
 through the lean HTTP/1.1 client of `_http11` (asyncio streams and h11, ~1/10 of httpx2's CPU per
@@ -27,6 +27,7 @@ from lightkube.config.client_adapter import ConnectionParams
 from lightkube.config.kubeconfig import SingleConfig
 
 from .._kubeconfig import load_kubeconfig
+from ._errors import Unreachable, api_error
 from ._http11 import Auth, Endpoint, Limits, Pool, StreamedAnswer, TransportFailure, supports
 
 JSON = dict[str, Any]
@@ -37,32 +38,6 @@ _encode = msgspec.json.encode
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
-
-
-class ApiError(Exception):
-    """A non-2xx answer from the apiserver, with its Status reason when it sent one."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"{status} {reason}: {message}")
-        self.status = status
-        self.reason = reason
-        self.message = message
-
-    @property
-    def not_found(self) -> bool:
-        return self.status == 404
-
-    @property
-    def conflict(self) -> bool:
-        return self.status == 409
-
-    @property
-    def gone(self) -> bool:
-        return self.status == 410
-
-
-class Unreachable(Exception):
-    """The apiserver could not be reached (connection refused, TLS failure, timeout)."""
 
 
 class TokenBucket:
@@ -322,7 +297,7 @@ class KubeClient:
         except TransportFailure as e:
             raise Unreachable(f"{self.server}: {e}") from e
         if status >= 300:
-            raise _api_error(status, answer)
+            raise api_error(status, answer)
         return answer
 
     async def get(self, path: str, params: Mapping[str, str] | None = None) -> JSON:
@@ -401,7 +376,7 @@ class KubeClient:
                             content = b"".join([c async for c in answer.chunks])
                     except TimeoutError:
                         raise Unreachable(f"{self.server}: timed out reading an error") from None
-                    raise _api_error(answer.status, content)
+                    raise api_error(answer.status, content)
                 async for chunk in answer.chunks:
                     yield chunk
         except TransportFailure as e:
@@ -414,21 +389,3 @@ class _WatchEvent(msgspec.Struct):
 
 
 _decode_event = msgspec.json.Decoder(_WatchEvent).decode
-
-
-def _api_error(status: int, content: bytes) -> ApiError:
-    try:
-        body = _decode(content)
-    except msgspec.DecodeError:
-        return ApiError(status, "Unknown", content.decode(errors="replace")[:500])
-    if isinstance(body, dict):
-        return ApiError(status, str(body.get("reason", "")), str(body.get("message", "")))
-    return ApiError(status, "Unknown", str(body)[:500])
-
-
-def status_error(raw: bytes) -> ApiError:
-    """Turn the object of a watch ERROR event (a metav1.Status) into an ApiError."""
-    body = _decode(raw)
-    return ApiError(
-        int(body.get("code", 500)), str(body.get("reason", "")), body.get("message", "")
-    )

@@ -18,7 +18,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from ._kube import ApiError, KubeClient, Unreachable, status_error
+from ._client import KubeClient
+from ._errors import ApiError, Unreachable, status_error
 
 log = logging.getLogger(__name__)
 # The longest wait between attempts while the apiserver cannot be reached.

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from vkubelet.node._workqueue import WorkQueue
+from vkubelet.kube import WorkQueue
 
-from .helpers import always, eventually
+from ..node.helpers import always, eventually
 
 
 @pytest.fixture

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from ._kube import ApiError, KubeClient
+from ._client import KubeClient
+from ._errors import ApiError
 
 __all__ = [
     "KubeLeases",

@@ -1,0 +1,56 @@
+"""The one Kubernetes client stack: client, errors, reflector, work queue, events and leases.
+
+Every part of vkubelet that talks to an apiserver (the node agent, the providers, the VM
+controller) goes through this package, so that the hard-won details live once: watches that
+resume from bookmarks and relist on 410, back-off that does not hammer a loaded apiserver,
+events that are deduplicated and rate-limited, leader election that fences its work. It sits
+below the node agent and the providers and knows nothing of either.
+"""
+
+from ._client import (
+    JSON_PATCH,
+    MERGE_PATCH,
+    STRATEGIC_MERGE_PATCH,
+    ClientOptions,
+    KubeClient,
+    TokenBucket,
+)
+from ._errors import ApiError, Unreachable, status_error
+from ._events import NORMAL, WARNING, EventRecorder, ObjectRef, node_ref
+from ._lease import (
+    KubeLeases,
+    LeaderElector,
+    LeaseConflict,
+    LeaseStore,
+    LeaseTiming,
+    default_identity,
+)
+from ._reflector import Handler, Reflector, key_of
+from ._workqueue import WorkQueue
+
+__all__ = [
+    "JSON_PATCH",
+    "MERGE_PATCH",
+    "NORMAL",
+    "STRATEGIC_MERGE_PATCH",
+    "WARNING",
+    "ApiError",
+    "ClientOptions",
+    "EventRecorder",
+    "Handler",
+    "KubeClient",
+    "KubeLeases",
+    "LeaderElector",
+    "LeaseConflict",
+    "LeaseStore",
+    "LeaseTiming",
+    "ObjectRef",
+    "Reflector",
+    "TokenBucket",
+    "Unreachable",
+    "WorkQueue",
+    "default_identity",
+    "key_of",
+    "node_ref",
+    "status_error",
+]
