@@ -1,19 +1,55 @@
-"""Files that hold secrets: private keys and kubeconfigs, readable by their owner only."""
+"""Files written whole, and files that hold secrets.
+
+Every file the agent or the dev tools rewrite goes through `write_atomic`: readers (another
+process, or this one after a crash) see the old content or the new, never a mix, and a private
+file is owner-only from its first byte.
+"""
 
 from __future__ import annotations
 
 import base64
 import os
+import secrets
 from pathlib import Path
 
 import yaml
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Create a file that only its owner can read, without a window where it is world-readable."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+def write_atomic(
+    path: Path, data: bytes | str, *, mode: int = 0o666, durable: bool = False
+) -> None:
+    """Write a fresh file beside `path`, then rename it over `path`.
+
+    The temporary name is unique, so concurrent writers (two processes sharing a cache) never
+    write into each other's file. It is created with `mode` less the umask, as `open` would:
+    an older file's mode is not kept, and 0o600 is never readable by others, even for a moment.
+    `durable` waits for the disk (the file, then the rename in its directory) when what the
+    file names must survive a power cut, not just a crash of this process.
+    """
+    content = data.encode() if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def write_private(path: Path, data: bytes | str) -> None:
+    """A file only its owner can read (private keys, kubeconfigs, state holding secrets)."""
+    write_atomic(path, data, mode=0o600)
 
 
 def write_kubeconfig(

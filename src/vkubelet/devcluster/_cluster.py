@@ -28,7 +28,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 
-from .._files import write_kubeconfig, write_private
+from .._files import write_atomic, write_kubeconfig, write_private
 from . import _network, _objects, _pki, _proc, _workers
 from ._build import (
     COREDNS,
@@ -181,9 +181,7 @@ class Cluster:
         return data
 
     def _write_state(self, state: dict[str, Any]) -> None:
-        tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self._state_file)
+        write_atomic(self._state_file, json.dumps(state, indent=2))
 
     def exists(self) -> bool:
         return self._state_file.exists()

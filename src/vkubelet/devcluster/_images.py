@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from .. import _debian
+from .._files import write_atomic
 from ._build import PAUSE, _locked, cache_root, ensure_tool
 from ._errors import DevClusterError
 
@@ -336,9 +337,7 @@ def _debian_versions(
     except _debian.AptError as e:
         raise ImageBuildError(str(e)) from None
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"stamp": stamp, "packages": packages}, sort_keys=True) + "\n")
-    tmp.replace(memo)
+    write_atomic(memo, json.dumps({"stamp": stamp, "packages": packages}, sort_keys=True) + "\n")
     return packages
 
 

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from lightkube.config.kubeconfig import KubeConfig
 
-from .._files import write_kubeconfig, write_private
+from .._files import write_atomic, write_kubeconfig, write_private
 from ..kube import ApiError, KubeClient, Unreachable
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class ServingCertificate:
             self.on_csr(None)
         # Key first, then the certificate: a reader that sees the new certificate finds its key.
         write_private(self.key_path, key_pem)
-        self.cert_path.write_bytes(pem)
+        write_atomic(self.cert_path, pem)
         return x509.load_pem_x509_certificate(pem)
 
 

@@ -28,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 
 from .. import _debian
+from .._files import write_atomic
 
 Progress = Callable[[str], None]
 
@@ -136,7 +137,7 @@ def resolve_packages(cache_dir: Path | None = None) -> dict[str, str]:
         raise ImageBuildError(str(e)) from None
     with contextlib.suppress(OSError):
         memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps({"stamp": stamp, "packages": versions}) + "\n")
+        write_atomic(memo, json.dumps({"stamp": stamp, "packages": versions}) + "\n")
     return versions
 
 

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .. import _debian
+from .._files import write_atomic
 from ._build import GuestImage, ImageBuildError, Progress, default_cache_dir
 
 RECIPE_VERSION = 1
@@ -188,8 +189,8 @@ def _resolve(cache_dir: Path | None) -> tuple[dict[str, str], list[tuple[str, st
     packages, sources = resolve_packages(), debian_sources()
     with contextlib.suppress(OSError):
         memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(
-            json.dumps({"stamp": stamp, "packages": packages, "sources": sources}) + "\n"
+        write_atomic(
+            memo, json.dumps({"stamp": stamp, "packages": packages, "sources": sources}) + "\n"
         )
     return packages, sources
 

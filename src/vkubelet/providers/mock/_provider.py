@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import os
 import random
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ import msgspec
 from lightkube.models.core_v1 import Container, PodSpec, PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
+from ..._files import write_private
 from ...node import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
 from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.logs import previous_not_found
@@ -140,14 +140,10 @@ class MockProvider:
         path = self.config.state_file
         assert path is not None and flush is not None
         try:
-            tmp = path.with_suffix(".tmp")
             state = _State(self.creates, list(self._pods.values()))
             # The fake backend's disk holds secret-derived env and files: owner-only, like a
             # kubelet's.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(msgspec.json.encode(state))
-            tmp.replace(path)
+            write_private(path, msgspec.json.encode(state))
         except OSError as e:
             flush.set_exception(e)
             flush.exception()  # retrieved: a burst without waiters must not log it as lost

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..._files import write_atomic
 from ._machine import QEMU
 
 FIRMWARE_BUDGET = 1.5  # seconds; TCG needs ~0.15 s here, healthy KVM less
@@ -64,7 +65,7 @@ def _store(key: str, choice: AccelChoice) -> None:
     with contextlib.suppress(OSError):
         path = _cache_file()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, "choice": asdict(choice)}) + "\n")
+        write_atomic(path, json.dumps({"key": key, "choice": asdict(choice)}) + "\n")
 
 
 async def probe_accel(

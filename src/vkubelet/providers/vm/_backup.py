@@ -62,6 +62,7 @@ from typing import Any, Protocol, runtime_checkable
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Pod
 
+from ..._files import write_atomic
 from ...sdk import ContainerReport, ProviderError, TaskSet, Waiting, build_pod_status
 from ...sdk.logs import LogWriter, previous_not_found, read_log
 from ...sdk.provider import ContainerLogOptions, EventSink, EventType
@@ -236,10 +237,7 @@ def read_manifest(chain_dir: Path) -> dict[str, Any] | None:
 
 
 def _write_manifest(chain_dir: Path, data: Mapping[str, Any]) -> None:
-    tmp = chain_dir / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    _fsync(tmp)
-    tmp.replace(chain_dir / MANIFEST)
+    write_atomic(chain_dir / MANIFEST, json.dumps(data, indent=2) + "\n", durable=True)
 
 
 def _fsync(path: Path) -> None:

@@ -15,6 +15,7 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
+from ..._files import write_atomic
 from ...sdk.logs import MAX_LINE_BYTES, LogEncoder
 
 __all__ = ["ConsoleTailer"]
@@ -36,9 +37,7 @@ class ConsoleTailer:
             return 0
 
     def _save(self, offset: int) -> None:
-        tmp = self.mark.with_suffix(".tmp")
-        tmp.write_text(str(offset))
-        tmp.replace(self.mark)
+        write_atomic(self.mark, str(offset))
 
     def copy(self, *, final: bool = False) -> int:
         """Copy what is new; with `final`, also a last line without its newline. Bytes copied."""

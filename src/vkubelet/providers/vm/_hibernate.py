@@ -31,6 +31,7 @@ from typing import Any
 
 from lightkube.resources.core_v1 import Pod
 
+from ..._files import write_atomic
 from . import _persist
 from ._machine import Machine
 from ._qmp import ExecuteError, MonitorUnavailable
@@ -182,9 +183,7 @@ async def hibernate(
         )
     partial.replace(where / "state")
     meta = {"launch": launch, "savedAt": time.time(), "seconds": time.monotonic() - started}
-    tmp = where / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta))
-    tmp.replace(where / "meta.json")
+    write_atomic(where / "meta.json", json.dumps(meta))
     size = (where / "state").stat().st_size
     return f"state saved ({size} bytes) in {time.monotonic() - started:.2f} s"
 

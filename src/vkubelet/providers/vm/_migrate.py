@@ -39,7 +39,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._files import write_private
 from ...sdk import Terminated
 from ._backend import MachineHandle
 from ._console import ConsoleTailer
@@ -779,12 +779,7 @@ class Migrations:
     @staticmethod
     def _write_record(vm: _VM, **record: Any) -> None:
         """Atomically, readable by root only (it holds the token)."""
-        tmp = vm.dir / f"{RECORD}.tmp"
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump(record, out)
-        tmp.replace(vm.dir / RECORD)
+        write_private(vm.dir / RECORD, json.dumps(record))
 
     def _failed(self, vm: _VM, runner: PodRunner, record: dict[str, Any], error: str) -> None:
         target = None

@@ -28,6 +28,8 @@ from typing import Any, Final
 
 from lightkube.resources.core_v1 import Pod
 
+from ..._files import write_atomic
+
 __all__ = [
     "MACHINE_ANNOTATION",
     "MachineGC",
@@ -104,9 +106,7 @@ def record_image(directory: Path, image_sha256: str | None) -> None:
     if image_sha256:
         images.add(image_sha256)
     data["images"] = sorted(images)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data))
 
 
 def machine_images(state_dir: Path) -> set[str]:

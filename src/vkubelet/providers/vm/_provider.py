@@ -35,7 +35,7 @@ from typing import Any
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
-from ..._files import write_private
+from ..._files import write_atomic, write_private
 from ...sdk import (
     AttachIO,
     ByteStream,
@@ -134,18 +134,13 @@ class _VM:
             "startTime": self.start_time.isoformat(),
             "startedAt": self.started_at.isoformat() if self.started_at else None,
         }
-        tmp = self.dir / "state.json.tmp"
-        tmp.write_text(json.dumps(state))
-        tmp.replace(self.dir / "state.json")
+        write_atomic(self.dir / "state.json", json.dumps(state))
 
 
 def _write_pod_file(vm: _VM) -> None:
     """The pod as given, for adoption after a restart. Owner-only, like the seed ISO: its env
     holds the values of the Secrets it refers to, resolved by the node."""
-    tmp = vm.dir / "pod.json.tmp"
-    tmp.unlink(missing_ok=True)  # created afresh: an older file's mode is not kept
-    write_private(tmp, json.dumps(vm.pod.to_dict()).encode())
-    tmp.replace(vm.dir / "pod.json")
+    write_private(vm.dir / "pod.json", json.dumps(vm.pod.to_dict()))
 
 
 class _Transport:

@@ -13,13 +13,13 @@ to the real ones for readers that know neither extension.
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 import pycdlib
+
+from ..._files import write_private
 
 LABEL = "cidata"
 CONFIG_DRIVE_LABEL = "config-2"
@@ -97,15 +97,10 @@ def write_seed_iso(
             file_mode=0o100000 | (modes.get(name, DEFAULT_FILE_MODE) & 0o7777),
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".seed-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            iso.write_fp(out)
-        iso.close()
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    image = io.BytesIO()
+    iso.write_fp(image)
+    iso.close()
+    write_private(path, image.getvalue())  # it holds the pod's secrets
 
 
 def _check(name: str) -> str:
