@@ -5,6 +5,10 @@ must never miss a delete needs to know when it relisted. This one lists in pages
 list's resourceVersion with bookmarks, resumes from the last version after a dropped connection,
 relists on 410 Gone (diffing against the store so the handler still sees every change), and waits
 with capped back-off while the apiserver is unreachable — it never gives up.
+
+Objects are typed (decoded into `cls`, keyed "namespace/name") or plain JSON (`cls=dict`, for
+callers whose logic works on JSON; keyed by UID, so an object deleted and re-created under its
+name is two objects, as a watch reports it).
 """
 
 from __future__ import annotations
@@ -12,13 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from ._client import KubeClient
 from ._errors import ApiError, Unreachable, status_error
 
 log = logging.getLogger(__name__)
@@ -38,7 +41,19 @@ class HasMeta(Protocol):
     def metadata(self) -> Any: ...
 
 
-T = TypeVar("T", bound=HasMeta)
+T = TypeVar("T", bound=HasMeta | dict[str, Any])
+
+
+class ListWatch(Protocol):
+    """What a reflector asks of a client (`KubeClient` is one)."""
+
+    async def request_raw(
+        self, method: str, path: str, *, params: Mapping[str, str] | None = None
+    ) -> bytes: ...
+
+    def watch(
+        self, path: str, params: Mapping[str, str], *, timeout_seconds: int
+    ) -> AsyncIterator[tuple[str, bytes]]: ...
 
 
 @dataclass
@@ -48,11 +63,24 @@ class Handler(Generic[T]):
     on_add: Callable[[T], None]
     on_update: Callable[[T, T], None]
     on_delete: Callable[[T], None]
+    # After every (re)list, the store being that listing: for state kept beside the store.
+    on_listed: Callable[[], None] | None = None
 
 
-def key_of(obj: HasMeta) -> str:
+def key_of(obj: HasMeta | dict[str, Any]) -> str:
+    if isinstance(obj, dict):
+        meta = obj.get("metadata") or {}
+        return str(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}")
     meta = obj.metadata
     return f"{meta.namespace}/{meta.name}" if meta.namespace else str(meta.name)
+
+
+def _version_of(obj: HasMeta | dict[str, Any]) -> str | None:
+    if isinstance(obj, dict):
+        version = (obj.get("metadata") or {}).get("resourceVersion")
+        return None if version is None else str(version)
+    version = obj.metadata.resourceVersion
+    return None if version is None else str(version)
 
 
 class _BookmarkMeta(msgspec.Struct):
@@ -79,7 +107,7 @@ _list_decoder = msgspec.json.Decoder(_List)
 class Reflector(Generic[T]):
     def __init__(
         self,
-        client: KubeClient,
+        client: ListWatch,
         path: str,
         cls: type[T],
         handler: Handler[T],
@@ -89,15 +117,24 @@ class Reflector(Generic[T]):
         watch_timeout: tuple[int, int] = (300, 600),
         name: str = "",
         decode: Callable[[bytes], T] | None = None,
+        relist_every: int | None = None,
+        from_now: bool = False,
     ) -> None:
-        """`decode` turns one object's JSON into T (default: msgspec into `cls`)."""
+        """`decode` turns one object's JSON into T (default: msgspec into `cls`).
+        `relist_every`: each watch lasts that long and is followed by a relist, for a store
+        that must notice objects gone without a DELETED event (missed by a watch that was
+        down). `from_now`: a stream of changes, not a state (Events): no listing (one item is
+        read for the version), no store, no history replayed, and after 410 Gone the watch
+        starts from now again."""
         self._client = client
         self._path = path
         self._cls = cls
         self._handler = handler
         self._params = dict(params or {})
         self._page_size = page_size
-        self._watch_timeout = watch_timeout
+        self._watch_timeout = (relist_every, relist_every) if relist_every else watch_timeout
+        self._relist_each = relist_every is not None
+        self._from_now = from_now
         self.name = name or path
         self.items: dict[str, T] = {}
         self.resource_version: str | None = None
@@ -114,6 +151,8 @@ class Reflector(Generic[T]):
                 if self.resource_version is None:
                     await self._relist()
                 await self._watch()
+                if self._relist_each:
+                    self.resource_version = None
                 backoff = 0.2
             except ApiError as e:
                 if e.gone:
@@ -135,10 +174,19 @@ class Reflector(Generic[T]):
 
     def _prepare(self, obj: T) -> T:
         # managedFields are a large share of every object and of no use to an agent.
-        obj.metadata.managedFields = None
+        if isinstance(obj, dict):
+            (obj.get("metadata") or {}).pop("managedFields", None)
+        else:
+            obj.metadata.managedFields = None
         return obj
 
     async def _relist(self) -> None:
+        if self._from_now:
+            params = {**self._params, "limit": "1"}
+            page = await self._client.request_raw("GET", self._path, params=params)
+            self.resource_version = _list_decoder.decode(page).metadata.resourceVersion
+            self.synced.set()
+            return
         seen: dict[str, T] = {}
         params = {**self._params, "limit": str(self._page_size)}
         version: str | None = None
@@ -163,12 +211,14 @@ class Reflector(Generic[T]):
             before = old.get(key)
             if before is None:
                 self._handler.on_add(obj)
-            elif before.metadata.resourceVersion != obj.metadata.resourceVersion:
+            elif _version_of(before) != _version_of(obj):
                 self._handler.on_update(before, obj)
         for key, obj in old.items():
             if key not in seen:
                 self._handler.on_delete(obj)
         self.resource_version = version
+        if self._handler.on_listed is not None:
+            self._handler.on_listed()
         self.synced.set()
 
     async def _watch(self) -> None:
@@ -197,6 +247,10 @@ class Reflector(Generic[T]):
             if kind == "DELETED":
                 self.items.pop(key, None)
                 self._handler.on_delete(obj)
+            elif self._from_now and kind == "ADDED":
+                self._handler.on_add(obj)
+            elif self._from_now:
+                self._handler.on_update(obj, obj)
             else:
                 before = self.items.get(key)
                 self.items[key] = obj
@@ -204,4 +258,4 @@ class Reflector(Generic[T]):
                     self._handler.on_add(obj)
                 else:
                     self._handler.on_update(before, obj)
-            self.resource_version = obj.metadata.resourceVersion
+            self.resource_version = _version_of(obj)

@@ -5,8 +5,9 @@ patience while the apiserver is unreachable."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from lightkube.resources.core_v1 import Pod
@@ -194,6 +195,73 @@ async def test_an_unreachable_apiserver_is_retried_until_it_is_back(api: FakeApi
         api.create("pods", pod("b"))
         await eventually(lambda: f"{NS}/b" in reflector.items, within=5)
         assert reflector.relists == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+
+
+@dataclass
+class SeenJSON:
+    changes: list[tuple[str, str]] = field(default_factory=list)
+    listed: int = 0
+
+    def handler(self) -> Handler[dict[str, Any]]:
+        def note(what: str) -> Callable[[dict[str, Any]], None]:
+            return lambda obj: self.changes.append((what, obj["metadata"]["name"]))
+
+        def listed() -> None:
+            self.listed += 1
+
+        return Handler(note("add"), lambda _old, new: note("update")(new), note("delete"), listed)
+
+
+async def test_json_objects_are_keyed_by_uid_and_relisted_after_each_watch_of_relist_every(
+    api: FakeApiServer,
+) -> None:
+    raw = pod("a")
+    raw["metadata"]["managedFields"] = [{"manager": "kubectl"}]
+    api.create("pods", raw)
+    client = api.client()
+    seen = SeenJSON()
+    reflector: Reflector[dict[str, Any]] = Reflector(
+        client, "/api/v1/pods", dict, seen.handler(), relist_every=1
+    )
+    task = asyncio.create_task(reflector.run())
+    try:
+        await eventually(lambda: reflector.relists >= 2, within=5, what="a relist after 1 s")
+        stored = api.get("pods", "a", NS)
+        assert stored is not None
+        assert list(reflector.items) == [stored["metadata"]["uid"]]
+        assert "managedFields" not in reflector.items[stored["metadata"]["uid"]]["metadata"]
+        assert seen.changes == [("add", "a")], "a relist that finds nothing new is silent"
+        assert seen.listed == reflector.relists
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_from_now_replays_no_history_not_even_after_410_gone(api: FakeApiServer) -> None:
+    api.create("pods", pod("old"))
+    client = api.client()
+    seen = SeenJSON()
+    reflector: Reflector[dict[str, Any]] = Reflector(
+        client, "/api/v1/pods", dict, seen.handler(), from_now=True
+    )
+    task = asyncio.create_task(reflector.run())
+    try:
+        await asyncio.wait_for(reflector.synced.wait(), 5)
+        assert [c.params.get("limit") for c in api.calls_to("GET", "^/api/v1/pods$")] == ["1"]
+        await eventually(lambda: api.watch_count("pods") == 1, what="the watch to open")
+        api.create("pods", pod("new"))
+        await eventually(lambda: seen.changes == [("add", "new")])
+        api.watch_error(410)
+        await eventually(lambda: len(api.calls_to("GET", "^/api/v1/pods$")) == 2)
+        await eventually(lambda: api.watch_count("pods") == 1, what="watching again")
+        api.create("pods", pod("newer"))
+        await eventually(lambda: seen.changes == [("add", "new"), ("add", "newer")])
+        assert reflector.items == {}
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
