@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from ..kube import ApiError, KubeClient, Unreachable
 from ..node import AgentConfig, ConfigError, NodeAgent
 from ..node._certs import ClientIdentity
+from ..sdk.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ async def identify(client: KubeClient, nodes: Sequence[NodeAgent]) -> str:
 
     Waits (with back-off, saying so) while the apiserver is unreachable.
     """
-    backoff = 0.5
+    backoff = Backoff(initial=0.5, cap=30.0)
     while True:
         try:
             review = await client.create(
@@ -43,12 +44,12 @@ async def identify(client: KubeClient, nodes: Sequence[NodeAgent]) -> str:
             )
             break
         except Unreachable as e:
-            log.warning("apiserver unreachable (%s); retrying in %.1fs", e, backoff)
+            delay = backoff.next_delay()
+            log.warning("apiserver unreachable (%s); retrying in %.1fs", e, delay)
+            await asyncio.sleep(delay)
         except ApiError as e:
             log.warning("cannot tell who we are (%s); assuming an unrestricted identity", e)
             return ""
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, 30)
     user: str = review.get("status", {}).get("userInfo", {}).get("username", "")
     if user.startswith("system:node:"):
         own = user.removeprefix("system:node:")

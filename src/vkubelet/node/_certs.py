@@ -39,6 +39,7 @@ from lightkube.config.kubeconfig import KubeConfig
 
 from .._files import write_atomic, write_kubeconfig, write_private
 from ..kube import ApiError, KubeClient, Unreachable
+from ..sdk.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class ServingCertificate:
         """Renew at 80 % of the lifetime. A failed renewal is retried with back-off while the
         current certificate keeps serving; it never ends this loop."""
         cert = _load(self.cert_path)
-        backoff = self.retry_seconds
+        backoff = Backoff(initial=self.retry_seconds, cap=RENEW_RETRY_MAX_SECONDS)
         while True:
             start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
             renew_at = start + (end - start) * 0.8
@@ -197,18 +198,18 @@ class ServingCertificate:
                 cert = await self._request()
                 self.on_renewed(self.cert_path, self.key_path)
             except Exception as e:  # any failure: retried, the current certificate serves
+                delay = backoff.next_delay()
                 log.warning(
                     "node %s: serving certificate renewal failed (%s); the current one serves "
                     "until %s; retrying in %.0fs",
                     self.node_name,
                     e,
                     end.isoformat(),
-                    backoff,
+                    delay,
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RENEW_RETRY_MAX_SECONDS)
+                await asyncio.sleep(delay)
                 continue
-            backoff = self.retry_seconds
+            backoff.reset()
 
     async def _request(self) -> x509.Certificate:
         self._cert_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -447,7 +448,7 @@ class ClientIdentity:
         """Renew with the current identity; `client` switches to the new certificate. A failed
         renewal is retried with back-off while the current certificate still works; it never
         ends this loop (nor the process)."""
-        backoff = RENEW_RETRY_SECONDS
+        backoff = Backoff(initial=RENEW_RETRY_SECONDS, cap=RENEW_RETRY_MAX_SECONDS)
         while True:
             cert = self.current()
             if cert is not None:
@@ -458,16 +459,16 @@ class ClientIdentity:
                 await self._obtain(client)
                 renewed = KubeConfig.from_file(self.kubeconfig).get()
             except Exception as e:
+                delay = backoff.next_delay()
                 log.warning(
                     "node %s: client certificate renewal failed (%s); retrying in %.0fs",
                     self.node_name,
                     e,
-                    backoff,
+                    delay,
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RENEW_RETRY_MAX_SECONDS)
+                await asyncio.sleep(delay)
                 continue
-            backoff = RENEW_RETRY_SECONDS
+            backoff.reset()
             if renewed is not None:
                 client.reload(renewed)
 

@@ -48,6 +48,7 @@ from ..sdk.provider import (
     NodeProvider,
     NodeStatusNotifier,
 )
+from ..sdk.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -569,19 +570,19 @@ class NodeController:
 
     async def run(self) -> None:
         """Register (retrying until it works), then run the lease, status and ping loops."""
-        backoff = 0.5
+        backoff = Backoff(initial=0.5, cap=30.0)
         while not self.registered.is_set():
             try:
                 await self.register()
             except (ApiError, Unreachable) as e:
+                delay = backoff.next_delay()
                 log.warning(
                     "node %s: registration failed (%s); retrying in %.1fs",
                     self.settings.name,
                     e,
-                    backoff,
+                    delay,
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30)
+                await asyncio.sleep(delay)
         for source in (self._provider, *self._extra_conditions):
             if isinstance(source, NodeStatusNotifier):
                 source.notify_node_status(lambda _node: self.notify_status_changed())

@@ -29,6 +29,7 @@ from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.logs import previous_not_found
 from ...sdk.probes import PodProbes, ProbeEvent, ProbeKind
 from ...sdk.provider import EventSink, PodTokens
+from ...sdk.retry import Backoff
 from ...sdk.status import ContainerReport, Running, Terminated, build_pod_status
 from ._config import MockConfig
 from ._fs import Filesystem, container_filesystem, mount_volumes, write_mounted
@@ -93,8 +94,8 @@ class MockProvider:
         self._tokens: PodTokens | None = None
         self._token_files: dict[str, dict[str, str]] = {}  # uid -> the last ones given
         self._token_fetches: dict[str, asyncio.Task[None]] = {}  # uid -> the one under way
-        # uid -> (no fetch for probes before, the delay that set it), after a failed fetch
-        self._token_backoff: dict[str, tuple[float, float]] = {}
+        # uid -> (no fetch for probes before, the back-off that set it), after a failed fetch
+        self._token_backoff: dict[str, tuple[float, Backoff]] = {}
         self._stats = NodeStats(node_name, config.memory)
         # How often `logs -f` and an attach without stdin print a line; tests shorten it.
         self.tick_seconds = 1.0
@@ -481,8 +482,9 @@ class MockProvider:
             given = await tokens.token_files(mock.namespace, mock.name, mock.uid)
         except Exception as e:
             # The files keep the tokens they have, as a kubelet's would during an outage.
-            delay = min(max(self._token_backoff.get(mock.uid, (0.0, 0.0))[1] * 2, 1.0), 300.0)
-            self._token_backoff[mock.uid] = (time.monotonic() + delay, delay)
+            _, backoff = self._token_backoff.get(mock.uid, (0.0, Backoff(initial=1.0, cap=300.0)))
+            delay = backoff.next_delay()
+            self._token_backoff[mock.uid] = (time.monotonic() + delay, backoff)
             message = e.message if isinstance(e, ProviderError) else f"{type(e).__name__}: {e}"
             pod = f"{mock.namespace}/{mock.name}"
             log.warning("pod %s: %s (probes try again in %.0fs)", pod, message, delay)

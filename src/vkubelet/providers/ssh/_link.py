@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import asyncssh
 
+from ...sdk.retry import Backoff
 from ._inventory import DeviceConfig
 
 log = logging.getLogger(__name__)
@@ -89,25 +90,27 @@ class DeviceLink:
     # -- keeping the connection ---------------------------------------------------------------
     async def maintain(self) -> None:
         """Connect, probe every `pingInterval`, reconnect with back-off: runs until cancelled."""
-        backoff = 1.0
+        # No jitter: devices reconnect each on their own, and "retrying in 30s" in the log says
+        # that the link waits its longest.
+        backoff = Backoff(initial=1.0, cap=30.0, jitter=0.0)
         try:
             while True:
                 try:
                     conn = await self._connector(self.config)  # type: ignore[misc]
                 except (OSError, asyncssh.Error, TimeoutError) as e:
                     self.last_error = _describe(e)
+                    delay = backoff.next_delay()
                     log.warning(
                         "device %s (%s:%d) unreachable: %s; retrying in %.0fs",
                         self.config.name,
                         self.config.address,
                         self.config.port,
                         self.last_error,
-                        backoff,
+                        delay,
                     )
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 30)
+                    await asyncio.sleep(delay)
                     continue
-                backoff = 1.0
+                backoff.reset()
                 self._conn = conn
                 self.last_error = None
                 self._up.set()

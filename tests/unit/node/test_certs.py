@@ -24,8 +24,8 @@ from vkubelet.node._certs import (
 )
 from vkubelet.testing.fakeapi import FakeApiServer
 
-from ..node.helpers import cancel_and_wait, eventually
-from .pki import TestCA, approved, pending_csrs, sign_pending, signer
+from ..agent.pki import TestCA, approved, pending_csrs, sign_pending, signer
+from .helpers import cancel_and_wait, eventually
 
 ADDRESSES = ["10.0.0.7", "vk-a"]
 

@@ -14,8 +14,8 @@ from vkubelet.node import AgentConfig, FleetNode, NodeSpec
 from vkubelet.providers.mock import MockConfig, MockProvider
 from vkubelet.testing.fakeapi import FakeApiServer
 
-from .helpers import NS, always, cancel_and_wait, eventually, phase_of, pod
-from .test_nodecontroller import lease_of, settings
+from ..node.helpers import NS, always, cancel_and_wait, eventually, phase_of, pod
+from ..node.test_nodecontroller import lease_of, settings
 
 
 class Fleet:
