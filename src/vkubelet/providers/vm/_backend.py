@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ._machine import MachineExit, Usage
+from ._qga import GuestAgent
+from ._qmp import Monitor
+
 __all__ = [
     "Exit",
     "GuestAddress",
@@ -26,27 +30,37 @@ __all__ = [
 
 
 class Exit(Protocol):
-    code: int
-    reason: str
+    @property
+    def code(self) -> int: ...
+
+    @property
+    def reason(self) -> str: ...
 
 
 class Output(Protocol):
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
+    @property
+    def exit_code(self) -> int: ...
 
+    @property
+    def stdout(self) -> bytes: ...
 
-@dataclass(frozen=True)
-class Usage:
-    cpu_ns: int  # cumulative CPU time used by the machine
-    memory_bytes: int  # host memory it holds
+    @property
+    def stderr(self) -> bytes: ...
 
 
 class MachineHandle(Protocol):
-    """One running QEMU (see `_machine.Machine`)."""
+    """One running QEMU (`_machine.Machine`). Its monitor and guest agent are None for a
+    runtime without QEMU behind it (the provider's test fake): no hibernation, live resize,
+    backup or migration then."""
 
     @property
     def pid(self) -> int: ...
+
+    @property
+    def monitor(self) -> Monitor | None: ...
+
+    @property
+    def agent(self) -> GuestAgent | None: ...
 
     @property
     def console_log(self) -> Path: ...
@@ -66,6 +80,8 @@ class MachineHandle(Protocol):
     ) -> Output: ...
 
     async def stop(self, grace: float) -> Exit: ...
+
+    async def end(self, outcome: MachineExit) -> Exit: ...
 
     async def kill(self) -> None: ...
 

@@ -19,16 +19,14 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final, Literal
 
 from ...sdk.quantity import Quantity, QuantityError, divide_ceil, parse_quantity
-
-if TYPE_CHECKING:
-    from ._store import StoredImage
 
 __all__ = [
     "DiskError",
     "ImageInfo",
+    "StoredImage",
     "create_blank",
     "create_overlay",
     "image_info",
@@ -40,6 +38,14 @@ QEMU_IMG: Final = "qemu-img"
 _SECTOR: Final = 512
 _TIMEOUT: Final = 120.0
 _ONE: Final = Quantity(1, 0)
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    path: Path  # <root>/data/<sha256>: stable while the data file lives (overlays point here)
+    sha256: str
+    format: Literal["qcow2", "raw"]
+    virtual_size: int
 
 
 class DiskError(Exception):

@@ -25,16 +25,21 @@ import json
 import shlex
 import shutil
 import time
-from dataclasses import dataclass
+from collections.abc import Coroutine
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from lightkube.resources.core_v1 import Pod
 
 from ..._files import write_atomic
-from . import _persist
-from ._machine import Machine
-from ._qmp import ExecuteError, MonitorUnavailable
+from . import _persist, _resize
+from ._backend import MachineHandle
+from ._machine import MachineExit
+from ._net import readdress
+from ._qmp import ExecuteError, Monitor, MonitorUnavailable
+from ._vm import VM, Launch, ResizeState, VMHost
 
 __all__ = [
     "HIBERNATED",
@@ -43,10 +48,11 @@ __all__ = [
     "POWER_OFF_ANNOTATION",
     "HibernateError",
     "Saved",
-    "controls",
     "hibernate",
     "incoming_args",
+    "launch",
     "machine_dir",
+    "power_off",
     "resume",
     "saved_state",
     "wants_hibernate",
@@ -56,8 +62,6 @@ MACHINE_ANNOTATION = "vm.vkubelet.io/machine"
 POWER_OFF_ANNOTATION = "vm.vkubelet.io/power-off"
 HIBERNATED = "Hibernated"
 HIBERNATE_FAILED = "HibernateFailed"
-# What must be equal between the saved machine and the one that resumes it.
-_LAYOUT = ("vcpus", "memory_mib", "max_vcpus", "max_memory_mib", "memory_slots", "hotplug")
 
 
 class HibernateError(RuntimeError):
@@ -81,12 +85,6 @@ def wants_hibernate(pod: Pod) -> bool:
     return _annotations(pod).get(POWER_OFF_ANNOTATION, "").strip().lower() == "hibernate"
 
 
-def controls(handle: object) -> Machine | None:
-    """The QEMU machine behind the provider's handle (None for a test fake: no live control)."""
-    machine = getattr(handle, "machine", None)
-    return machine if isinstance(machine, Machine) else None
-
-
 def _state_dir(directory: Path) -> Path:
     return directory / "hibernate"
 
@@ -96,24 +94,23 @@ class Saved:
     """A saved state: the file and the launch layout it needs."""
 
     state: Path
-    launch: dict[str, Any]
+    launch: Launch
     saved_at: float
     size: int
 
-    def compatible(self, launch: dict[str, Any]) -> str | None:
+    def compatible(self, launch: Launch) -> str | None:
         """Why `launch` cannot resume this state, or None when it can: the writable disks must
         be the very files the hibernated guest had (the seed, read-only, may be another)."""
-        mine = [str(d[0]) for d in launch.get("disks", [])]
-        saved = [str(d[0]) for d in self.launch.get("disks", [])]
+        mine = [path for path, _ in launch.disks]
+        saved = [path for path, _ in self.launch.disks]
         if mine != saved:
             return (
                 f"the pod's disks {mine} are not the hibernated machine's {saved} "
                 "(only disks kept in the machine's directory survive its pods)"
             )
-        claims = [str(c[0]) for c in launch.get("claims") or []]
-        if claims != [str(c[0]) for c in self.launch.get("claims") or []]:
+        if [p for p, _ in launch.claims] != [p for p, _ in self.launch.claims]:
             return "the pod's persistentVolumeClaim disks differ from the hibernated machine's"
-        if bool(launch.get("seed")) != bool(self.launch.get("seed")):
+        if bool(launch.seed) != bool(self.launch.seed):
             return "the seed disk differs"
         return None
 
@@ -125,7 +122,8 @@ def saved_state(directory: Path | None) -> Saved | None:
     try:
         meta = json.loads((where / "meta.json").read_text())
         state = where / "state"
-        return Saved(state, dict(meta["launch"]), float(meta["savedAt"]), state.stat().st_size)
+        launch = Launch.from_json(dict(meta["launch"]))
+        return Saved(state, launch, float(meta["savedAt"]), state.stat().st_size)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -134,25 +132,25 @@ def drop_state(directory: Path) -> None:
     shutil.rmtree(_state_dir(directory), ignore_errors=True)
 
 
-async def _migration_done(machine: Machine, timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
+async def _migration_done(monitor: Monitor, timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
     """Until QEMU's migration job ends; its last `query-migrate` reply."""
     deadline = time.monotonic() + timeout
     while True:
-        info = await machine.monitor.execute("query-migrate")
+        info = await monitor.execute("query-migrate")
         status = str(info.get("status", ""))
         if status in ("completed", "failed", "cancelled"):
             return dict(info)
         if time.monotonic() > deadline:
             with contextlib.suppress(ExecuteError, MonitorUnavailable):
-                await machine.monitor.execute("migrate_cancel")
+                await monitor.execute("migrate_cancel")
             raise HibernateError(f"saving the state took longer than {timeout:g} s")
         await asyncio.sleep(0.05)
 
 
 async def hibernate(
-    machine: Machine,
+    monitor: Monitor,
     directory: Path,
-    launch: dict[str, Any],
+    launch: Launch,
     timeout: float = 120.0,  # noqa: ASYNC109
 ) -> str:
     """Pause the guest and save its state into `directory`; what was saved, for the record. The
@@ -165,50 +163,63 @@ async def hibernate(
     (where / "meta.json").unlink(missing_ok=True)
     started = time.monotonic()
     try:
-        await machine.monitor.execute("stop")
-        await machine.monitor.execute(
+        await monitor.execute("stop")
+        await monitor.execute(
             "migrate", {"uri": "exec:cat > " + shlex.quote(str(partial.resolve()))}
         )
-        info = await _migration_done(machine, timeout)
+        info = await _migration_done(monitor, timeout)
     except (ExecuteError, MonitorUnavailable) as e:
-        await _running_again(machine)
+        await _running_again(monitor)
         raise HibernateError(f"QEMU refused to save the state: {e}") from None
     except HibernateError:
-        await _running_again(machine)
+        await _running_again(monitor)
         raise
     if info.get("status") != "completed":
-        await _running_again(machine)
+        await _running_again(monitor)
         raise HibernateError(
             f"saving the state {info.get('status')}: {info.get('error-desc', 'no reason given')}"
         )
     partial.replace(where / "state")
-    meta = {"launch": launch, "savedAt": time.time(), "seconds": time.monotonic() - started}
+    meta = {
+        "launch": launch.to_json(),
+        "savedAt": time.time(),
+        "seconds": time.monotonic() - started,
+    }
     write_atomic(where / "meta.json", json.dumps(meta))
     size = (where / "state").stat().st_size
     return f"state saved ({size} bytes) in {time.monotonic() - started:.2f} s"
 
 
-async def _running_again(machine: Machine) -> None:
+async def _running_again(monitor: Monitor) -> None:
     with contextlib.suppress(ExecuteError, MonitorUnavailable):
-        await machine.monitor.execute("cont")
+        await monitor.execute("cont")
 
 
 def incoming_args(saved: Saved) -> tuple[str, ...]:
     return ("-incoming", "exec:cat " + shlex.quote(str(saved.state.resolve())))
 
 
-def resumed_launch(launch: dict[str, Any], saved: Saved) -> dict[str, Any]:
+def resumed_launch(launch: Launch, saved: Saved) -> Launch:
     """The pod's launch with the saved machine's layout (it must be the same to load the state)."""
-    return {**launch, **{k: saved.launch[k] for k in _LAYOUT if k in saved.launch}}
+    layout = saved.launch
+    return replace(
+        launch,
+        vcpus=layout.vcpus,
+        memory_mib=layout.memory_mib,
+        max_vcpus=layout.max_vcpus,
+        max_memory_mib=layout.max_memory_mib,
+        memory_slots=layout.memory_slots,
+        hotplug=layout.hotplug,
+    )
 
 
-async def resume(machine: Machine, directory: Path, timeout: float = 120.0) -> float:  # noqa: ASYNC109
+async def resume(monitor: Monitor, directory: Path, timeout: float = 120.0) -> float:  # noqa: ASYNC109
     """Wait until the incoming state is loaded, run the guest, drop the state; seconds taken."""
     started = time.monotonic()
     deadline = started + timeout
     while True:
         try:
-            status = await machine.monitor.status()
+            status = await monitor.status()
         except MonitorUnavailable as e:
             raise HibernateError(f"QEMU ended while loading the state: {e}") from None
         if status != "inmigrate":
@@ -216,10 +227,109 @@ async def resume(machine: Machine, directory: Path, timeout: float = 120.0) -> f
         if time.monotonic() > deadline:
             raise HibernateError(f"loading the state took longer than {timeout:g} s")
         await asyncio.sleep(0.05)
-    info = await machine.monitor.execute("query-migrate")
+    info = await monitor.execute("query-migrate")
     if info.get("status") not in (None, "completed"):
         raise HibernateError(f"loading the state {info.get('status')}")
     if status in ("paused", "postmigrate", "prelaunch"):
-        await machine.monitor.execute("cont")
+        await monitor.execute("cont")
     drop_state(directory)
     return time.monotonic() - started
+
+
+# -- the pod's power cycle ----------------------------------------------------------------------
+async def launch(host: VMHost, vm: VM) -> MachineHandle:
+    """Start the VM's machine: resumed from its saved state if it has one, else a cold boot
+    with the pod's current size (a resize deferred to the next power cycle lands here)."""
+    directory = machine_dir(vm.pod, host.config.state_dir)
+    saved = saved_state(directory)
+    assert vm.launch is not None
+    if saved is not None and directory is not None:
+        if (why := saved.compatible(vm.launch)) is not None:
+            host.event(vm, "Warning", "ResumeRefused", f"booting cold: {why}")
+            drop_state(directory)
+        else:
+            handle = await _resume(host, vm, directory, saved)
+            if handle is not None:
+                return handle
+    if vm.plan is not None:  # the pod's size now
+        vm.launch = _resize.sized(vm.launch, vm.pod, vm.plan, host.config)
+        vm.save()
+    vm.power.resize = ResizeState(applied=_resize.resources(vm.pod))
+    vm.power.outcome = None
+    return await host.launch_machine(vm)
+
+
+async def _resume(host: VMHost, vm: VM, directory: Path, saved: Saved) -> MachineHandle | None:
+    assert vm.launch is not None
+    vm.launch = resumed_launch(vm.launch, saved)
+    vm.save()
+    handle = await host.launch_machine(vm, incoming_args(saved))
+    if handle.monitor is None:
+        return handle
+    try:
+        took = await resume(handle.monitor, directory)
+    except (HibernateError, ExecuteError, MonitorUnavailable) as e:
+        host.event(vm, "Warning", "ResumeFailed", f"booting cold: {e}")
+        with contextlib.suppress(Exception):
+            await handle.kill()
+        drop_state(directory)
+        return None
+    running = _resize.running_size(vm.launch)
+    vm.power.resize = ResizeState(applied=_resize.resources(vm.pod))
+    if vm.plan is not None and (vm.plan.vcpus, vm.plan.memory_mib) != (
+        running.vcpus,
+        running.memory_mib,
+    ):
+        vm.power.resize.pending = (
+            "Deferred",
+            f"resumed with the hibernated size ({running.vcpus} vCPUs, "
+            f"{running.memory_mib} MiB): {_resize.NEXT_POWER_CYCLE}",
+        )
+        vm.power.pending_since = datetime.now(UTC)
+    vm.power.outcome = None
+    old = saved.launch.address
+    if old and vm.address and old != vm.address and handle.agent is not None:
+        # The guest still has its previous pod's address (the pod network is keyed by the
+        # pod): it gets this pod's, so that probes, port-forward and Services reach it.
+        why = await readdress(handle.agent, vm.address, host.config.pod_cidr, timeout=10)
+        if why is not None:
+            message = f"the resumed guest keeps its previous address {old} (not {vm.address}): "
+            host.event(vm, "Warning", "ReaddressFailed", message + why)
+    host.event(
+        vm,
+        "Normal",
+        "Resumed",
+        f"resumed from hibernation in {took:.2f} s ({saved.size} bytes of state, "
+        f"saved {time.time() - saved.saved_at:.0f} s ago)",
+    )
+    return handle
+
+
+def power_off(
+    host: VMHost, vm: VM, handle: MachineHandle, grace: float
+) -> Coroutine[Any, Any, object] | None:
+    """Hibernation instead of a shutdown, when the pod asks for it and has a machine."""
+    directory = machine_dir(vm.pod, host.config.state_dir)
+    if directory is None or not (vm.power.hibernate or wants_hibernate(vm.pod)):
+        return None
+    if handle.monitor is None:
+        return None
+    return _hibernate_or_stop(host, vm, handle, handle.monitor, directory, grace)
+
+
+async def _hibernate_or_stop(
+    host: VMHost, vm: VM, handle: MachineHandle, monitor: Monitor, directory: Path, grace: float
+) -> object:
+    started = time.monotonic()
+    assert vm.launch is not None
+    try:
+        launch = replace(vm.launch, address=vm.address)
+        message = await hibernate(monitor, directory, launch, timeout=max(grace * 0.8, 5.0))
+    except (HibernateError, OSError) as e:
+        vm.power.outcome = (HIBERNATE_FAILED, str(e))
+        host.event(vm, "Warning", HIBERNATE_FAILED, f"shutting down: {e}")
+        drop_state(directory)
+        return await handle.stop(max(grace - (time.monotonic() - started), 1.0))
+    vm.power.outcome = (HIBERNATED, message)
+    host.event(vm, "Normal", HIBERNATED, message)
+    return await handle.end(MachineExit(0, HIBERNATED, message))

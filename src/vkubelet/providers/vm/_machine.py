@@ -76,6 +76,14 @@ class MachineExit:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """What the node's stats report of a machine."""
+
+    cpu_ns: int  # cumulative CPU time used by the machine
+    memory_bytes: int  # host memory it holds
+
+
+@dataclass(frozen=True)
 class MachineStats:
     cpu_ns: int  # QEMU's user + system CPU time
     memory_bytes: int  # QEMU's resident set
@@ -296,6 +304,10 @@ class Machine:
         """Drop our connections (QEMU keeps running)."""
         await self.agent.close()
         await self.monitor.close()
+
+    async def usage(self) -> Usage:
+        stats = await self.stats()
+        return Usage(stats.cpu_ns, stats.memory_bytes)
 
     async def stats(self) -> MachineStats:
         cpu_ns, rss = _proc_usage(self.pid)

@@ -44,17 +44,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..._files import write_private
-from ...sdk import Terminated
+from ...sdk import PodRunner, Terminated
 from ._backend import MachineHandle
 from ._console import ConsoleTailer
+from ._net import readdress
 from ._qmp import EventListener, ExecuteError, Monitor, MonitorUnavailable
-
-if TYPE_CHECKING:
-    from ...sdk import PodRunner
-    from ._provider import _VM, VMProvider
+from ._vm import VM, VMHost
 
 __all__ = [
     "MIGRATE_TO",
@@ -622,29 +620,16 @@ def outcome_message(outcome: Outcome) -> str:
 
 # -- the provider's side: pods and their conditions ------------------------------------------------
 def _monitor(machine: MachineHandle) -> Monitor:
-    monitor = getattr(machine, "monitor", None)
-    if not isinstance(monitor, Monitor):
+    if machine.monitor is None:
         raise MigrationError("this runtime cannot migrate VMs (no QMP monitor)")
-    return monitor
+    return machine.monitor
 
 
-# The guest's new address after it arrived (each node has its own pod CIDR): the first interface
-# but lo gets it, and the default route. Addresses are arguments, never part of the script.
-_READDRESS = (
-    'for d in /sys/class/net/*; do n="${d##*/}"; [ "$n" = lo ] && continue; '
-    'ip addr flush dev "$n" && ip addr add "$1" dev "$n" && ip link set "$n" up && '
-    'ip route replace default via "$2" dev "$n"; exit $?; done'
-)
 HISTORY_TIMEOUT = 30.0
 
 
 RECORD = "migration.json"  # the source's migration, in the VM's directory (see `Migrations`)
 _ACTIVE = ("setup", "active", "pre-switchover", "device", "cancelling", "wait-unplug")
-
-
-def _pod_annotations(vm: _VM) -> dict[str, str]:
-    meta = vm.pod.metadata
-    return dict((meta.annotations if meta else None) or {})
 
 
 async def _until_running(monitor: Monitor) -> None:
@@ -668,56 +653,58 @@ class Migrations:
     migration's state (`RECORD`: endpoint, token, running/completed/failed, the condition's
     message) before each step that matters, and QEMU itself says where the stream is."""
 
-    def __init__(self, provider: VMProvider) -> None:
-        self.provider = provider
+    def __init__(self, host: VMHost) -> None:
+        self.host = host
         self._sending: set[str] = set()
 
     @staticmethod
-    def is_target(vm: _VM) -> bool:
+    def is_target(vm: VM) -> bool:
         """A target that has not received its VM yet (afterwards it boots like any VM)."""
-        return bool(_pod_annotations(vm).get(MIGRATION_SOURCE)) and not vm.launch.get("migratedIn")
+        arrived = vm.launch is not None and vm.launch.migrated_in
+        return bool(vm.annotations.get(MIGRATION_SOURCE)) and not arrived
 
     # -- target ----------------------------------------------------------------------------------
-    async def receive(self, vm: _VM, machine: MachineHandle, runner: PodRunner, run: int) -> None:
+    async def receive(self, vm: VM, machine: MachineHandle, runner: PodRunner, run: int) -> None:
         """Export the disks, publish the endpoint, wait for the VM; then its console history
         goes first into this run's log (before the console tailer starts)."""
-        provider = self.provider
+        host = self.host
         incoming: IncomingMigration | None = None
         try:
-            token = _pod_annotations(vm).get(MIGRATION_TOKEN, "")
+            token = vm.annotations.get(MIGRATION_TOKEN, "")
             incoming = IncomingMigration(
-                _monitor(machine), provider.host_ip, token, vm.dir / "nbd-in.sock"
+                _monitor(machine), host.host_ip, token, vm.dir / "nbd-in.sock"
             )
             try:
                 endpoint = await incoming.open()
             except (MonitorUnavailable, ExecuteError, OSError) as e:
                 raise MigrationError(f"could not prepare the target: {e}") from None
             runner.set_condition(TARGET_CONDITION, "True", "Ready", endpoint.to_json())
-            provider._event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
+            host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
             await incoming.wait()
             self._arrived(vm, runner)
             history = await incoming.history(HISTORY_TIMEOUT)
-            cri_log = provider.log_path(vm.uid, vm.container, run)
+            cri_log = host.log_path(vm.uid, vm.container, run)
             cri_log.parent.mkdir(parents=True, exist_ok=True)
             with cri_log.open("ab") as out:
                 out.write(history)
             await incoming.stop_exports()
         except MigrationError as e:
             runner.set_condition(TARGET_CONDITION, "False", "Failed", str(e))
-            provider._event(vm, "Warning", "MigrationFailed", str(e))
+            host.event(vm, "Warning", "MigrationFailed", str(e))
             raise
         finally:
             if incoming is not None:
                 await incoming.close()
-        provider._tasks.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
+        host.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
 
-    def _arrived(self, vm: _VM, runner: PodRunner) -> None:
-        vm.launch["migratedIn"] = True
+    def _arrived(self, vm: VM, runner: PodRunner) -> None:
+        assert vm.launch is not None
+        vm.launch.migrated_in = True
         vm.save()
         runner.set_condition(TARGET_CONDITION, "False", "Completed", "the VM runs here")
-        self.provider._event(vm, "Normal", "Migrated", "the VM arrived and runs here")
+        self.host.event(vm, "Normal", "Migrated", "the VM arrived and runs here")
 
-    async def resume_incoming(self, vm: _VM, machine: MachineHandle, runner: PodRunner) -> None:
+    async def resume_incoming(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
         """An adopted target the VM had not (yet, as far as we knew) arrived at. Its ports died
         with the previous agent: a stream QEMU already reads goes on (the source decides its
         end), one not started never will (MigrationError: the caller stops this QEMU, so the
@@ -734,42 +721,30 @@ class Migrations:
                 raise MigrationError(f"the incoming migration failed: {e}") from None
         except MigrationError as e:
             runner.set_condition(TARGET_CONDITION, "False", "Failed", str(e))
-            self.provider._event(vm, "Warning", "MigrationFailed", str(e))
+            self.host.event(vm, "Warning", "MigrationFailed", str(e))
             raise
         self._arrived(vm, runner)
         log.warning("%s: the VM arrived while no agent ran: its console history is lost", vm.uid)
         with contextlib.suppress(MonitorUnavailable, ExecuteError):
             await monitor.execute("nbd-server-stop")
-        self.provider._tasks.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
+        self.host.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
 
-    async def _readdress(self, vm: _VM, machine: MachineHandle) -> None:
+    async def _readdress(self, vm: VM, machine: MachineHandle) -> None:
         """The guest still has the source's address: give it this node's."""
-        import ipaddress
-
-        network = ipaddress.IPv4Network(self.provider.config.pod_cidr)
-        if vm.address is None:
+        if vm.address is None or machine.agent is None:
             return
         try:
             await machine.wait_guest_agent(120)
-            result = await machine.exec(
-                [
-                    "sh",
-                    "-c",
-                    _READDRESS,
-                    "sh",
-                    f"{vm.address}/{network.prefixlen}",
-                    str(network.network_address + 1),
-                ]
-            )
-            if result.exit_code != 0:
-                raise MigrationError(result.stderr.decode(errors="replace")[:200])
+            why = await readdress(machine.agent, vm.address, self.host.config.pod_cidr)
         except Exception as e:
-            message = f"could not give the guest its new address {vm.address}: {e}"
-            self.provider._event(vm, "Warning", "MigrationReaddressFailed", message)
+            why = str(e)
+        if why is not None:
+            message = f"could not give the guest its new address {vm.address}: {why}"
+            self.host.event(vm, "Warning", "MigrationReaddressFailed", message)
 
     # -- source: the record ----------------------------------------------------------------------
     @staticmethod
-    def _record(vm: _VM) -> dict[str, Any]:
+    def _record(vm: VM) -> dict[str, Any]:
         with contextlib.suppress(OSError, ValueError):
             data = json.loads((vm.dir / RECORD).read_text())
             if isinstance(data, dict):
@@ -777,28 +752,29 @@ class Migrations:
         return {}
 
     @staticmethod
-    def _write_record(vm: _VM, **record: Any) -> None:
+    def _write_record(vm: VM, **record: Any) -> None:
         """Atomically, readable by root only (it holds the token)."""
         write_private(vm.dir / RECORD, json.dumps(record))
 
-    def _failed(self, vm: _VM, runner: PodRunner, record: dict[str, Any], error: str) -> None:
+    def _failed(self, vm: VM, runner: PodRunner, record: dict[str, Any], error: str) -> None:
         target = None
         with contextlib.suppress(MigrationError):
             target = Endpoint.from_json(str(record.get("endpoint"))).target
         message = json.dumps({"error": error, "target": target})
         self._write_record(vm, **{**record, "state": "failed", "message": message})
         runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
-        self.provider._event(vm, "Warning", "MigrationFailed", f"the VM stays here: {error}")
+        self.host.event(vm, "Warning", "MigrationFailed", f"the VM stays here: {error}")
 
     # -- source ----------------------------------------------------------------------------------
-    def update(self, key: str, vm: _VM, annotations: dict[str, str]) -> None:
-        """`migrate-to` on a running VM: migrate it (once per endpoint)."""
+    def update(self, vm: VM, runner: PodRunner | None, annotations: dict[str, str]) -> None:
+        """`migrate-to` (in the pod's newest `annotations`) on a running VM: migrate it (once
+        per endpoint)."""
+        key = vm.key
         value = annotations.get(MIGRATE_TO)
         if not value or key in self._sending or vm.migrated is not None:
             return
         if self._record(vm).get("endpoint") == value:
             return  # tried (maybe by the previous agent: its VM's run resumes that)
-        runner = self.provider.runners.get(key)
         if runner is None:
             return
         record: dict[str, Any] = {"endpoint": value, "state": "running"}
@@ -817,15 +793,15 @@ class Migrations:
             return
         self._write_record(vm, **record, token=token)
         self._sending.add(key)
-        task = self.provider._tasks.spawn(
+        task = self.host.spawn(
             self._send(vm, vm.machine, runner, endpoint, token), name=f"migrate {key}"
         )
         task.add_done_callback(lambda _: self._sending.discard(key))
 
     async def _send(
-        self, vm: _VM, machine: MachineHandle, runner: PodRunner, endpoint: Endpoint, token: str
+        self, vm: VM, machine: MachineHandle, runner: PodRunner, endpoint: Endpoint, token: str
     ) -> None:
-        provider = self.provider
+        host = self.host
 
         def report(progress: Progress) -> None:
             message = {**json.loads(progress.message()), "target": endpoint.target}
@@ -833,7 +809,7 @@ class Migrations:
 
         report(Progress())
         log.info("%s: migrating to %s", vm.uid, endpoint.to_json())
-        provider._event(vm, "Normal", "Migrating", f"to {endpoint.host}")
+        host.event(vm, "Normal", "Migrating", f"to {endpoint.host}")
         try:
             outcome = await migrate_out(
                 _monitor(machine), endpoint, vm.dir / "nbd.sock", report, token=token
@@ -847,7 +823,7 @@ class Migrations:
 
     async def _switched_over(
         self,
-        vm: _VM,
+        vm: VM,
         machine: MachineHandle,
         runner: PodRunner,
         endpoint: Endpoint,
@@ -856,9 +832,9 @@ class Migrations:
     ) -> None:
         """The guest runs at the target and is paused here for good: say so (first on disk),
         send the console history (this run's log, with what the console printed last), end."""
-        provider = self.provider
+        host = self.host
         self._write_record(vm, **{**self._record(vm), "state": "completed", "message": message})
-        cri_log = provider.log_path(vm.uid, vm.container, vm.run)
+        cri_log = host.log_path(vm.uid, vm.container, vm.run)
         tailer = ConsoleTailer(machine.console_log, cri_log, vm.dir / "console.offset")
         with contextlib.suppress(OSError):
             while tailer.copy(final=True):
@@ -867,16 +843,16 @@ class Migrations:
             history = cri_log.read_bytes() if cri_log.exists() else b""
             await send_history(endpoint, history, token)
         except (OSError, TimeoutError) as e:
-            provider._event(vm, "Warning", "MigrationHistoryLost", f"console history: {e}")
+            host.event(vm, "Warning", "MigrationHistoryLost", f"console history: {e}")
         log.info("%s: migrated: %s", vm.uid, message)
         vm.migrated = message
         runner.set_condition(MIGRATION_CONDITION, "True", "Completed", message)
-        provider._event(vm, "Normal", "Migrated", message)
+        host.event(vm, "Normal", "Migrated", message)
         runner.finish()  # the run's end is the pod's end: it never boots here again
         with contextlib.suppress(MigrationError):
             await _monitor(machine).quit()
 
-    async def resume_outgoing(self, vm: _VM, machine: MachineHandle, runner: PodRunner) -> None:
+    async def resume_outgoing(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
         """An adopted source: re-report a finished migration, finish or roll back one the
         previous agent left running. It never lets both guests run: the switchover needs this
         agent's `migrate-continue` (pause-before-switchover), so a migration QEMU reports
@@ -934,7 +910,7 @@ class Migrations:
         log.warning("%s: %s", vm.uid, error)
         self._failed(vm, runner, record, error)
 
-    def ended_while_away(self, vm: _VM, runner: PodRunner) -> Terminated | None:
+    def ended_while_away(self, vm: VM, runner: PodRunner) -> Terminated | None:
         """The source's QEMU ended while no agent ran, in the middle of a migration: the pod
         never boots it here again (the target may run the guest; the controller decides from
         the target's word), the run ends `Migrated` or `MigrationInterrupted`."""

@@ -19,6 +19,8 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._qga import GuestAgent, GuestAgentError, GuestAgentUnavailable
+
 #: The tap device inside every VM's netns (one VM per netns, so one fixed name).
 TAP_NAME = "vktap0"
 _BRIDGE = "vkbr0"
@@ -175,3 +177,34 @@ class PodNetwork:
 def _proxy_arp(link: str) -> None:
     """The guest's ARP for other pod addresses is answered by the host (routed from there)."""
     Path(f"/proc/sys/net/ipv4/conf/{link}/proxy_arp").write_text("1")
+
+
+# The guest's interface (the first but lo: a VM has one) gets address $1 (address/prefix)
+# instead of the IPv4 ones it has, the default route via $2, and forgets its neighbours (the new
+# pod's gateway link has another MAC). The addresses are arguments, never part of the script.
+_READDRESS = (
+    'for d in /sys/class/net/*; do n="${d##*/}"; [ "$n" = lo ] && continue; '
+    'ip -4 addr flush dev "$n" && ip addr add "$1" dev "$n" && ip link set "$n" up && '
+    'ip route replace default via "$2" dev "$n" && ip neigh flush dev "$n"; exit $?; done; exit 3'
+)
+
+
+async def readdress(
+    agent: GuestAgent,
+    address: str,
+    pod_cidr: str,
+    timeout: float | None = None,  # noqa: ASYNC109 - the guest agent's own limit
+) -> str | None:
+    """Give a running guest this pod's address, through its agent: a guest resumed from
+    hibernation, or arrived by migration, still has the address of the pod it left. Returns
+    why that failed (the guest keeps its old address), or None."""
+    network = ipaddress.IPv4Network(pod_cidr)
+    gateway = str(network.network_address + 1)  # as `PodNetwork` assigns it
+    argv = ["sh", "-c", _READDRESS, "sh", f"{address}/{network.prefixlen}", gateway]
+    try:
+        result = await agent.exec(argv, timeout=timeout)
+    except (GuestAgentError, GuestAgentUnavailable, TimeoutError, OSError) as e:
+        return str(e) or type(e).__name__
+    if result.exit_code != 0:
+        return result.stderr.decode(errors="replace")[:200] or f"exit {result.exit_code}"
+    return None

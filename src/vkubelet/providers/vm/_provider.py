@@ -26,8 +26,8 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from typing import Any
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
-from ..._files import write_atomic, write_private
+from ..._files import write_private
 from ...sdk import (
     AttachIO,
     ByteStream,
@@ -55,7 +55,7 @@ from ...sdk import (
     build_pod_status,
 )
 from ...sdk.provider import ContainerLogOptions, EventSink, EventType
-from . import _persist, _power
+from . import _hibernate, _persist, _resize
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._backup import BackupPods, BackupSource, is_backup_pod, restore_if_asked
 from ._config import VMConfig
@@ -64,7 +64,8 @@ from ._migrate import MigrationError, Migrations
 from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
-from ._volumes import DiskProvisioner
+from ._vm import VM, Launch, decorate
+from ._volumes import DiskProvisioner, claim_disks, drive_args
 
 __all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
 
@@ -81,63 +82,7 @@ ACCELERATOR_CONDITION = "Accelerator"
 _MIB = 2**20
 
 
-# -- per pod ------------------------------------------------------------------------------------
-@dataclass
-class _VM:
-    """One VM pod's bookkeeping (what outlives the agent is in `dir`)."""
-
-    pod: Pod
-    dir: Path
-    plan: MachinePlan | None = None
-    address: str | None = None
-    image_sha256: str | None = None
-    launch: dict[str, Any] = field(default_factory=dict)  # LaunchSpec fields but accel
-    waiting: Waiting = field(default_factory=Waiting)  # while preparing
-    status: PodStatus | None = None  # while preparing
-    machine: MachineHandle | None = None
-    adopted: MachineHandle | None = None  # the first run after an agent restart uses it
-    ended: int | None = None  # or: that run ended (this exit code) while no agent ran
-    started_wall: float = 0.0  # when the current run's machine started (epoch seconds)
-    run: int = 0
-    booted_at: float | None = None
-    # The pod's startTime and the current run's startedAt (the guest up), kept in state.json so
-    # that a restarted agent reports them unchanged, as a kubelet does.
-    start_time: datetime = field(default_factory=lambda: datetime.now(UTC))
-    started_at: datetime | None = None
-    power: _power.PowerState = field(default_factory=_power.PowerState)  # hibernate, resize
-    migrated: str | None = None  # migrated away: the outcome (JSON); the pod ends with the run
-
-    @property
-    def uid(self) -> str:
-        return str(self.pod.metadata.uid)  # type: ignore[union-attr]
-
-    @property
-    def container(self) -> str:
-        return str(self.pod.spec.containers[0].name)  # type: ignore[union-attr]
-
-    @property
-    def machine_dir(self) -> Path:
-        return self.dir / "m"  # short: unix socket paths have a 108-byte limit
-
-    @property
-    def key(self) -> str:
-        meta = self.pod.metadata
-        assert meta is not None
-        return f"{meta.namespace}/{meta.name}"
-
-    def save(self) -> None:
-        state = {
-            "run": self.run,
-            "address": self.address,
-            "image": self.image_sha256,
-            "launch": self.launch,
-            "startTime": self.start_time.isoformat(),
-            "startedAt": self.started_at.isoformat() if self.started_at else None,
-        }
-        write_atomic(self.dir / "state.json", json.dumps(state))
-
-
-def _write_pod_file(vm: _VM) -> None:
+def _write_pod_file(vm: VM) -> None:
     """The pod as given, for adoption after a restart. Owner-only, like the seed ISO: its env
     holds the values of the Secrets it refers to, resolved by the node."""
     write_private(vm.dir / "pod.json", json.dumps(vm.pod.to_dict()))
@@ -182,13 +127,13 @@ class VMProvider(RunnerProvider):
     ) -> None:
         super().__init__(host_ip=host_ip, log_dir=config.log_root, events=events)
         self.node_name, self.config, self.runtime = node_name, config, runtime
-        self.vms: dict[str, _VM] = {}  # "namespace/name"
+        self.vms: dict[str, VM] = {}  # "namespace/name"
         cpus = host_millicpu if host_millicpu is not None else (os.cpu_count() or 1) * 1000
         memory = host_memory if host_memory is not None else _host_memory()
         self.millicpu = max(cpus - config.reserved_millicpu, 0)
         self.memory = max(memory - config.reserved_memory, 0)
         self.accel: tuple[str, str] | None = None  # (accel, reason) once probed
-        self.disk_provisioner: DiskProvisioner | None = None  # PVC disks (`_power.start_storage`)
+        self.disk_provisioner: DiskProvisioner | None = None  # PVC disks, with `storage`
         self._push: Callable[[Pod], None] = lambda pod: None
         self._node_changed: Callable[[Node], None] = lambda node: None
         self._grace: dict[str, int] = {}
@@ -247,7 +192,7 @@ class VMProvider(RunnerProvider):
         meta = pod.metadata
         vm = self.vms.get(f"{meta.namespace}/{meta.name}") if meta else None
         if vm is not None and pod.status is not None:
-            _power.decorate(pod.status, vm.power, vm.container)
+            decorate(pod.status, vm.power, vm.container)
         return pod
 
     async def _start(self) -> None:
@@ -271,7 +216,11 @@ class VMProvider(RunnerProvider):
         self._tasks.spawn(self._gc_loop(), name="image gc")
         if self.config.machine_gc is not None:  # persistent machines (_persist)
             self._tasks.spawn(self._machine_gc_loop(), name="machine gc")
-        _power.start_storage(self)
+        if (storage := self.config.storage) is not None:
+            self.disk_provisioner = DiskProvisioner(
+                self.node_name, storage, self.config.volume_root, self.runtime.create_blank
+            )
+            self._tasks.spawn(self.disk_provisioner.run(), name="disk provisioner")
         if self.config.translation_config_map is not None:
             self._tasks.spawn(self._config_map_loop(), name="translation configmap")
 
@@ -327,7 +276,7 @@ class VMProvider(RunnerProvider):
                 f"spec.containers[0].image: {plan.image!r} is not a VM image "
                 f"(this node runs {prefix}<name> images)",
             )
-        vm = _VM(pod.pod, self.config.run_root / pod.uid, plan=plan)
+        vm = VM(pod.pod, self.config.run_root / pod.uid, plan=plan)
         vm.address = (await self.runtime.attach_network(pod.uid)).address
         self.vms[key] = vm
         self._report_waiting(vm, Waiting())
@@ -335,7 +284,7 @@ class VMProvider(RunnerProvider):
         self._preparing[key] = task
         task.add_done_callback(lambda _: self._preparing.pop(key, None))
 
-    def _report_waiting(self, vm: _VM, waiting: Waiting) -> None:
+    def _report_waiting(self, vm: VM, waiting: Waiting) -> None:
         vm.waiting = waiting
         assert vm.pod.spec is not None
         vm.status = build_pod_status(
@@ -350,11 +299,26 @@ class VMProvider(RunnerProvider):
             vm.status.podIP, vm.status.podIPs = None, None
         self._push(Pod(metadata=vm.pod.metadata, spec=vm.pod.spec, status=vm.status))
 
-    def _event(self, vm: _VM, kind: EventType, reason: str, message: str) -> None:
+    # -- what the parts get (`_vm.VMHost`) -------------------------------------------------------
+    def event(self, vm: VM, kind: EventType, reason: str, message: str) -> None:
         if self.events is not None:
             self.events.pod_event(vm.pod, kind, reason, message)
 
-    async def _prepare(self, key: str, vm: _VM, resolved: ResolvedPod) -> None:
+    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        return self._tasks.spawn(work, name=name)
+
+    def runner(self, vm: VM) -> PodRunner | None:
+        return self.runners.get(vm.key)
+
+    def publish(self, vm: VM) -> None:
+        if (runner := self.runner(vm)) is not None:
+            self._notify(runner.as_pod())
+
+    async def launch_machine(self, vm: VM, extra_args: tuple[str, ...] = ()) -> MachineHandle:
+        spec = self._launch_spec(vm)
+        return await self.runtime.launch(replace(spec, extra_args=spec.extra_args + extra_args))
+
+    async def _prepare(self, key: str, vm: VM, resolved: ResolvedPod) -> None:
         """Pull (with the kubelet's image back-off), make the disks, seed and network, boot."""
         plan = vm.plan
         assert plan is not None
@@ -365,23 +329,23 @@ class VMProvider(RunnerProvider):
                 await self._make_machine(vm, resolved, plan, image)
                 break
             except ProviderError as e:  # the pod's own fault: no retry helps until it changes
-                self._event(vm, "Warning", "Failed", f"Error: {e.message}")
+                self.event(vm, "Warning", "Failed", f"Error: {e.message}")
                 self._report_waiting(vm, Waiting(e.reason, e.message))
                 return
             except Exception as e:
                 log.warning("%s: could not create the VM: %s", key, e)
-                self._event(vm, "Warning", "Failed", f"Error: {e}")
+                self.event(vm, "Warning", "Failed", f"Error: {e}")
                 finished = time.monotonic()
                 self._report_waiting(vm, Waiting("CreateContainerError", str(e)))
                 await asyncio.sleep(max(backoff.delay(finished), 1.0))
                 backoff.restarted(finished, time.monotonic())
         self._start_vm(key, vm, restart_count=0)
 
-    async def _pull(self, vm: _VM, image: str) -> PulledImage:
+    async def _pull(self, vm: VM, image: str) -> PulledImage:
         backoff = RestartBackoff()
         while True:
             started = time.monotonic()
-            self._event(vm, "Normal", "Pulling", f'Pulling image "{image}"')
+            self.event(vm, "Normal", "Pulling", f'Pulling image "{image}"')
             try:
                 url, sha256 = self.runtime.translate(image)
                 shown = [-1]
@@ -392,7 +356,7 @@ class VMProvider(RunnerProvider):
                     quarter = done * 4 // total
                     if quarter > shown[0] and quarter < 4:
                         shown[0] = quarter
-                        self._event(
+                        self.event(
                             vm,
                             "Normal",
                             "Pulling",
@@ -402,13 +366,13 @@ class VMProvider(RunnerProvider):
                 pulled = await self.runtime.pull(image, url, sha256, progress)
             except Exception as e:
                 message = f'Failed to pull image "{image}": {e}'
-                self._event(vm, "Warning", "Failed", message)
-                self._event(vm, "Warning", "Failed", "Error: ErrImagePull")
+                self.event(vm, "Warning", "Failed", message)
+                self.event(vm, "Warning", "Failed", "Error: ErrImagePull")
                 self._report_waiting(vm, Waiting("ErrImagePull", str(e)))
                 finished = time.monotonic()
                 delay = max(backoff.delay(finished), 1.0)
                 await asyncio.sleep(min(delay, 2.0))  # ErrImagePull shows for a moment
-                self._event(vm, "Normal", "BackOff", f'Back-off pulling image "{image}"')
+                self.event(vm, "Normal", "BackOff", f'Back-off pulling image "{image}"')
                 self._report_waiting(
                     vm,
                     Waiting(
@@ -420,7 +384,7 @@ class VMProvider(RunnerProvider):
                 backoff.restarted(finished, time.monotonic())
                 continue
             took = time.monotonic() - started
-            self._event(
+            self.event(
                 vm,
                 "Normal",
                 "Pulled",
@@ -431,23 +395,18 @@ class VMProvider(RunnerProvider):
             return pulled
 
     # -- persistent machines (see _persist) ------------------------------------------------------
-    def machine_dir(self, pod: Pod) -> Path | None:
-        """`<stateDir>/machines/<id>/` for a pod of a persistent machine (annotation
-        `vm.vkubelet.io/machine`): its disks and saved state outlive the pod. None otherwise."""
-        return _persist.machine_dir(self.config.state_dir, pod)
-
     @staticmethod
-    def _scratch_path(vm: _VM, disk_dir: Path, scratch: ScratchDisk, index: int) -> Path:
+    def _scratch_path(vm: VM, disk_dir: Path, scratch: ScratchDisk, index: int) -> Path:
         """A machine's emptyDir disks are named by volume, so a new pod of the machine with the
         same volumes finds them; a plain pod's by position."""
         name = f"scratch{index}" if disk_dir == vm.dir else f"empty-{scratch.volume}"
         return disk_dir / f"{name}.qcow2"
 
-    def _disk_dir(self, vm: _VM) -> Path:
+    def _disk_dir(self, vm: VM) -> Path:
         """Where a pod's disks go: its machine's directory, claimed for this pod (a machine runs
         in one pod at a time), or the pod's own run directory."""
         try:
-            directory = self.machine_dir(vm.pod)
+            directory = _persist.machine_dir(self.config.state_dir, vm.pod)
         except ValueError as e:
             raise ProviderError("CreateContainerConfigError", str(e)) from None
         if directory is None:
@@ -474,7 +433,7 @@ class VMProvider(RunnerProvider):
             await asyncio.sleep(gc.interval)
 
     async def _make_machine(
-        self, vm: _VM, resolved: ResolvedPod, plan: MachinePlan, image: PulledImage
+        self, vm: VM, resolved: ResolvedPod, plan: MachinePlan, image: PulledImage
     ) -> None:
         vm.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         disk_dir = self._disk_dir(vm)
@@ -523,21 +482,21 @@ class VMProvider(RunnerProvider):
             )
         except ValueError as e:
             raise ProviderError("CreateContainerConfigError", str(e)) from None
-        vm.launch = {
-            "name": f"{meta.namespace}/{meta.name}",
-            "vcpus": plan.vcpus,
-            "memory_mib": plan.memory_mib,
-            "disks": [[str(p), bus] for p, bus in disks],
-            "seed": str(seed),
-            "network_key": vm.uid,
-            **_power.launch_extras(vm.pod, plan, self.config),
-            **(await _power.claim_disks(self, vm, plan)),
-        }
+        launch = Launch(
+            name=f"{meta.namespace}/{meta.name}",
+            disks=[(str(p), bus) for p, bus in disks],
+            seed=str(seed),
+            network_key=vm.uid,
+        )
+        vm.launch = _resize.sized(launch, vm.pod, plan, self.config)
+        vm.launch.claims = await claim_disks(
+            self.disk_provisioner, str(meta.namespace), plan.claims
+        )
         _write_pod_file(vm)
         vm.save()
-        self._event(vm, "Normal", "Created", f"Created VM {vm.container}")
+        self.event(vm, "Normal", "Created", f"Created VM {vm.container}")
 
-    def _start_vm(self, key: str, vm: _VM, *, restart_count: int) -> None:
+    def _start_vm(self, key: str, vm: VM, *, restart_count: int) -> None:
         vm.status = None
         self.start_runner(
             ResolvedPod(vm.pod),
@@ -550,7 +509,7 @@ class VMProvider(RunnerProvider):
             confirms_start=True,  # Running once the guest is up, not when QEMU starts
         )
 
-    async def _run(self, key: str, vm: _VM, count: int) -> int | Terminated:
+    async def _run(self, key: str, vm: VM, count: int) -> int | Terminated:
         """Run `count` of the VM's container: one boot of the machine, to its exit code."""
         runner = self.runners[key]
         if vm.ended is not None:  # this run ended while no agent ran
@@ -564,13 +523,14 @@ class VMProvider(RunnerProvider):
         adopted = machine is not None
         resumed_target = adopted and self.migrations.is_target(vm)
         if machine is None:
-            vm.machine_dir.mkdir(parents=True, exist_ok=True)
+            vm.run_dir.mkdir(parents=True, exist_ok=True)
             # A new console file per run, so that each run's log starts at its own boot.
-            for stale in (vm.machine_dir / "console.log", console_mark):
+            for stale in (vm.run_dir / "console.log", console_mark):
                 stale.unlink(missing_ok=True)
             vm.started_at = None
-            machine = await _power.launch(self, vm)
-            self._event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
+            self._machine_free(vm)
+            machine = await _hibernate.launch(self, vm)
+            self.event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
         elif vm.started_at is not None:
             # Adopted, its guest up before the agent restarted: running since then. (One adopted
             # while still booting is up when its guest agent answers, as after a launch.)
@@ -614,7 +574,7 @@ class VMProvider(RunnerProvider):
                 tailer.copy(final=True)
             vm.machine, vm.booted_at = None, None
 
-    async def _boot(self, key: str, vm: _VM, machine: MachineHandle, runner: PodRunner) -> None:
+    async def _boot(self, key: str, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
         """Running once the guest agent answers (or after the timeout, with a warning: an image
         without an agent still runs, its readiness is then the probes')."""
         try:
@@ -622,7 +582,7 @@ class VMProvider(RunnerProvider):
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._event(
+            self.event(
                 vm, "Warning", "GuestAgentUnavailable", f"the guest agent did not answer: {e}"
             )
         vm.booted_at = time.monotonic()
@@ -631,23 +591,38 @@ class VMProvider(RunnerProvider):
             vm.save()
         runner.confirm_start(vm.container, vm.run, vm.started_at)
 
-    def _launch_spec(self, vm: _VM) -> LaunchSpec:
+    def _machine_free(self, vm: VM) -> None:
+        """Two pods of one persistent machine never run at once (they would share its disks)."""
+        directory = _hibernate.machine_dir(vm.pod, self.config.state_dir)
+        if directory is None:
+            return
+        for other in self.vms.values():
+            running = other is not vm and other.machine is not None
+            if running and _hibernate.machine_dir(other.pod, self.config.state_dir) == directory:
+                name = other.pod.metadata.name if other.pod.metadata else "?"
+                raise RuntimeError(f"its machine still runs as pod {name}; waiting for it")
+
+    def _launch_spec(self, vm: VM) -> LaunchSpec:
         launch = vm.launch
+        assert launch is not None
         return LaunchSpec(
-            name=launch["name"],
-            run_dir=vm.machine_dir,
-            vcpus=launch["vcpus"],
-            memory_mib=launch["memory_mib"],
-            disks=tuple((Path(p), bus) for p, bus in launch["disks"]),
-            seed=Path(launch["seed"]) if launch.get("seed") else None,
-            network_key=launch.get("network_key"),
-            network_address=vm.address if launch.get("network_key") else None,
+            name=launch.name,
+            run_dir=vm.run_dir,
+            vcpus=launch.vcpus,
+            memory_mib=launch.memory_mib,
+            disks=tuple((Path(p), bus) for p, bus in launch.disks),
+            seed=Path(launch.seed) if launch.seed else None,
+            network_key=launch.network_key,
+            network_address=vm.address if launch.network_key else None,
             accel=self.accel[0] if self.accel else "tcg",
-            **_power.launch_spec_extras(launch),
+            max_vcpus=launch.max_vcpus,
+            max_memory_mib=launch.max_memory_mib,
+            memory_slots=launch.memory_slots,
+            extra_args=drive_args(launch.claims) + _resize.hotplug_args(launch),
             incoming=self.migrations.is_target(vm),
         )
 
-    def _drop_old_logs(self, vm: _VM, run: int) -> None:
+    def _drop_old_logs(self, vm: VM, run: int) -> None:
         """Keep the current and the previous run's log (`-p`), as the kubelet does."""
         directory = self.log_path(vm.uid, vm.container, run).parent
         for path in directory.glob("*.log"):
@@ -655,7 +630,7 @@ class VMProvider(RunnerProvider):
                 if int(path.stem) < run - 1:
                     path.unlink()
 
-    def _signal(self, key: str, vm: _VM, signum: int) -> None:
+    def _signal(self, key: str, vm: VM, signum: int) -> None:
         """SIGTERM: a graceful stop (guest agent, ACPI, quit) within the grace period; SIGKILL:
         QEMU is killed. The runner waits for the machine's exit either way."""
         machine = vm.machine
@@ -670,7 +645,7 @@ class VMProvider(RunnerProvider):
             grace = spec.terminationGracePeriodSeconds if spec else None
         seconds = float(30 if grace is None else grace)
         stopping = key in self.runners and self.runners[key].stopping
-        if stopping and (power_off := _power.power_off(self, vm, machine, seconds)) is not None:
+        if stopping and (power_off := _hibernate.power_off(self, vm, machine, seconds)) is not None:
             self._tasks.spawn(power_off, name=f"power off {key}")
             return
         self._tasks.spawn(machine.stop(seconds), name=f"stop {key}")
@@ -692,16 +667,17 @@ class VMProvider(RunnerProvider):
         key = f"{pod.namespace}/{pod.name}"
         vm = self.vms.get(key)
         if vm is not None and vm.uid == pod.uid:  # (an adopted VM has no plan: checked below)
-            self.migrations.update(key, vm, dict(pod.pod.metadata.annotations or {}))  # type: ignore[union-attr]
-        if vm is None or vm.uid != pod.uid or not vm.launch:
+            annotations = dict(pod.pod.metadata.annotations or {})  # type: ignore[union-attr]
+            self.migrations.update(vm, self.runners.get(key), annotations)
+        if vm is None or vm.uid != pod.uid or vm.launch is None:
             return  # not made yet: the seed is written with the newest files anyway
         try:
             plan = self._plan(pod)
         except SpecError as e:
-            if not await _power.resize(self, vm, pod, None, str(e)):
+            if not await _resize.resize(self, vm, pod, None, str(e)):
                 raise ProviderError("InvalidVMSpec", str(e)) from None
             return
-        await _power.resize(self, vm, pod, plan, None)  # also for a VM adopted after a restart
+        await _resize.resize(self, vm, pod, plan, None)  # also for a VM adopted after a restart
         # Adopted after a restart and changed meanwhile: what the guest has is not known, so
         # every file is written again (the env file stays: a start-time environment).
         given = vm.plan or replace(plan, files={}, secret_files=frozenset())
@@ -718,7 +694,7 @@ class VMProvider(RunnerProvider):
         meta = pod.pod.metadata
         assert meta is not None
         self.runtime.write_seed(  # first: a refused seed leaves the plan as it was, to retry
-            Path(vm.launch["seed"]),
+            Path(str(vm.launch.seed)),
             pod_name=str(meta.name),
             pod_uid=vm.uid,
             annotations=dict(meta.annotations or {}),
@@ -737,10 +713,10 @@ class VMProvider(RunnerProvider):
             result = await machine.exec(["sh", "-c", _REPLACE_FILE, "sh", path, mode], stdin=data)
             if result.exit_code != 0:
                 message = f"could not update {path} in the guest: {result.stderr.decode()[:200]}"
-                self._event(vm, "Warning", "FailedUpdate", message)
+                self.event(vm, "Warning", "FailedUpdate", message)
         if removed:
             await machine.exec(["rm", "-f", "--", *removed])
-        self._event(vm, "Normal", "Updated", f"{len(changed) + len(removed)} file(s) updated")
+        self.event(vm, "Normal", "Updated", f"{len(changed) + len(removed)} file(s) updated")
 
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
         meta = pod.metadata
@@ -753,7 +729,8 @@ class VMProvider(RunnerProvider):
         if vm is None or vm.uid != meta.uid:
             return
         self._grace[key] = grace_period_seconds
-        _power.deleting(vm, pod)
+        # The pod as deleted (its newest annotations: a controller sets power-off just before).
+        vm.power.hibernate = _hibernate.wants_hibernate(pod)
         runner = self.runners.get(key)
         if runner is None:  # still preparing: nothing runs yet
             if (task := self._preparing.get(key)) is not None:
@@ -765,7 +742,7 @@ class VMProvider(RunnerProvider):
                 self._finish(key, vm, runner, grace_period_seconds), name=f"delete {key}"
             )
 
-    async def _finish(self, key: str, vm: _VM, runner: PodRunner | None, grace: int) -> None:
+    async def _finish(self, key: str, vm: VM, runner: PodRunner | None, grace: int) -> None:
         if runner is not None:
             await runner.stop(grace)
             if self.runners.get(key) is runner:
@@ -789,7 +766,7 @@ class VMProvider(RunnerProvider):
         shutil.rmtree(self.log_dir / vm.uid, ignore_errors=True)
         if vm.migrated is not None:  # the machine lives elsewhere now: no stale disks here
             with contextlib.suppress(ValueError):
-                if (gone := self.machine_dir(vm.pod)) is not None:
+                if (gone := _persist.machine_dir(self.config.state_dir, vm.pod)) is not None:
                     shutil.rmtree(gone, ignore_errors=True)
 
     async def aclose(self) -> None:
@@ -836,7 +813,7 @@ class VMProvider(RunnerProvider):
     ) -> tuple[object | None, BackupSource] | None:
         """A VM pod for a backup pod: its machine (None when not up) and identity."""
         vm = self.vms.get(f"{namespace}/{name}")
-        if vm is None or not vm.launch or vm.pod.metadata is None:
+        if vm is None or vm.launch is None or vm.pod.metadata is None:
             return None
         meta = vm.pod.metadata
         source = BackupSource(
@@ -845,10 +822,9 @@ class VMProvider(RunnerProvider):
             pod_uid=vm.uid,
             vm_name=(meta.labels or {}).get("vm.vkubelet.io/name", name),
             machine=(meta.annotations or {}).get("vm.vkubelet.io/machine"),
-            disks=tuple(Path(p) for p, _ in vm.launch["disks"]),
+            disks=tuple(Path(p) for p, _ in vm.launch.disks),
         )
-        up = vm.machine is not None and vm.booted_at is not None
-        return (vm.machine if up else None), source
+        return (vm.machine if vm.up else None), source
 
     # -- adoption --------------------------------------------------------------------------------
     async def _adopt_all(self) -> None:
@@ -863,12 +839,13 @@ class VMProvider(RunnerProvider):
                 continue
             assert isinstance(pod, Pod) and pod.metadata is not None
             key = f"{pod.metadata.namespace}/{pod.metadata.name}"
-            vm = _VM(pod, directory, address=state.get("address"))
-            vm.image_sha256, vm.launch, vm.run = state.get("image"), state["launch"], state["run"]
+            vm = VM(pod, directory, address=state.get("address"))
+            vm.image_sha256, vm.run = state.get("image"), state["run"]
+            vm.launch = Launch.from_json(state["launch"]) if state["launch"] else None
             vm.start_time = _moment(state.get("startTime")) or vm.start_time
             vm.started_at = _moment(state.get("startedAt"))
             try:
-                vm.adopted = await self.runtime.adopt(vm.machine_dir)
+                vm.adopted = await self.runtime.adopt(vm.run_dir)
             except Exception as e:  # one VM never keeps the others from being adopted
                 log.warning("%s: could not adopt its VM (%s); treating it as ended", key, e)
             self.vms[key] = vm
@@ -879,11 +856,11 @@ class VMProvider(RunnerProvider):
             # The VM ended while no agent ran: its run is over (the console's last lines go to
             # that run's log), with the exit QEMU's watcher recorded (else unknown: 137); the
             # restart policy decides what comes next.
-            vm.ended = _recorded_exit(vm.machine_dir)
+            vm.ended = _recorded_exit(vm.run_dir)
             log.info("%s: its VM ended (exit %d) while no agent ran", key, vm.ended)
             with contextlib.suppress(OSError):
                 ConsoleTailer(
-                    vm.machine_dir / "console.log",
+                    vm.run_dir / "console.log",
                     self.log_path(vm.uid, vm.container, vm.run),
                     directory / "console.offset",
                 ).copy(final=True)
@@ -948,7 +925,7 @@ class VMProvider(RunnerProvider):
                 log.info("image gc: removed unused image %s", digest)
 
     # -- kubectl verbs ---------------------------------------------------------------------------
-    def _running(self, namespace: str, pod: str, container: str) -> _VM:
+    def _running(self, namespace: str, pod: str, container: str) -> VM:
         vm = self.vms.get(f"{namespace}/{pod}")
         if vm is None:
             raise ProviderError("NotFound", f"pod {namespace}/{pod} not found")
@@ -1024,7 +1001,7 @@ def _recorded_exit(machine_dir: Path) -> int:
 
 
 def _moment(text: object) -> datetime | None:
-    """A time `_VM.save` wrote, or None (missing: state written by an older agent)."""
+    """A time `VM.save` wrote, or None (missing: state written by an older agent)."""
     with contextlib.suppress(TypeError, ValueError):
         return datetime.fromisoformat(str(text)) if text else None
     return None

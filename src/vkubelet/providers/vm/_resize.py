@@ -24,26 +24,32 @@ hotplugged are recorded in the launch so that a resume from hibernation recreate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from lightkube.models.core_v1 import ContainerStatus, PodCondition, PodStatus, ResourceRequirements
+from lightkube.resources.core_v1 import Pod
 
-from ._config import quantity_bytes
-from ._machine import Machine
+from ...sdk import ProviderError, ResolvedPod
+from ._backend import MachineHandle
+from ._config import VMConfig, quantity_bytes
+from ._qga import GuestAgent, GuestAgentError, GuestAgentUnavailable
+from ._qmp import ExecuteError, Monitor, MonitorUnavailable
+from ._spec import MachinePlan
+from ._vm import VM, Launch, ResizeState, VMHost
 
 __all__ = [
     "BLOCK_MIB",
     "ROOT_DISK_ANNOTATIONS",
     "Decision",
     "Headroom",
-    "ResizeState",
     "Size",
     "decide",
     "headroom_for",
     "hotplug_args",
+    "resize",
 ]
 
 BLOCK_MIB = 128  # x86-64 memory block: the unit the guest onlines
@@ -149,25 +155,54 @@ def decide(
     return Decision(vcpus, memory, pending)
 
 
-def hotplug_args(launch: dict[str, Any]) -> tuple[str, ...]:
+def hotplug_args(launch: Launch) -> tuple[str, ...]:
     """QEMU options that recreate the devices live resize plugged (for a resume: the incoming
     machine must have the same devices as the one whose state it loads)."""
     args: list[str] = []
-    hotplug = launch.get("hotplug") or {}
-    for cpu in hotplug.get("cpus", []):
+    for cpu in launch.hotplug.get("cpus", []):
         props = ",".join(f"{k}={int(v)}" for k, v in sorted(cpu["props"].items()))
         args += ["-device", f"{cpu['driver']},id={cpu['id']},{props}"]
-    for dimm in hotplug.get("dimms", []):
+    for dimm in launch.hotplug.get("dimms", []):
         args += ["-object", f"memory-backend-ram,id=mem-{dimm['id']},size={int(dimm['mib'])}M"]
         args += ["-device", f"pc-dimm,id={dimm['id']},memdev=mem-{dimm['id']}"]
     return tuple(args)
 
 
-def running_size(launch: dict[str, Any]) -> Size:
-    hotplug = launch.get("hotplug") or {}
+def running_size(launch: Launch) -> Size:
     return Size(
-        int(launch["vcpus"]) + len(hotplug.get("cpus", [])),
-        int(launch["memory_mib"]) + sum(int(d["mib"]) for d in hotplug.get("dimms", [])),
+        launch.vcpus + len(launch.hotplug.get("cpus", [])),
+        launch.memory_mib + sum(int(d["mib"]) for d in launch.hotplug.get("dimms", [])),
+    )
+
+
+def headroom(launch: Launch) -> Headroom:
+    return Headroom(
+        launch.max_vcpus or launch.vcpus,
+        launch.max_memory_mib or launch.memory_mib,
+        launch.memory_slots,
+    )
+
+
+def sized(launch: Launch, pod: Pod, plan: MachinePlan, config: VMConfig) -> Launch:
+    """`launch` with the pod's size and the live-resize headroom a new machine starts with."""
+    try:
+        room = headroom_for(
+            _annotations(pod),
+            Size(plan.vcpus, plan.memory_mib),
+            config.hotplug_max_vcpus,
+            config.hotplug_max_memory,
+            config.hotplug_slots,
+        )
+    except ValueError as e:
+        raise ProviderError("CreateContainerConfigError", str(e)) from None
+    return replace(
+        launch,
+        vcpus=plan.vcpus,
+        memory_mib=plan.memory_mib,
+        max_vcpus=room.max_vcpus,
+        max_memory_mib=room.max_memory_mib,
+        memory_slots=room.slots,
+        hotplug={},
     )
 
 
@@ -175,14 +210,20 @@ class ResizeError(RuntimeError):
     pass
 
 
-async def add_vcpus(machine: Machine, launch: dict[str, Any], total: int, wait: float) -> None:
+def _controls(machine: MachineHandle) -> tuple[Monitor, GuestAgent]:
+    if machine.monitor is None or machine.agent is None:
+        raise ResizeError("this runtime cannot resize VMs live")
+    return machine.monitor, machine.agent
+
+
+async def add_vcpus(machine: MachineHandle, launch: Launch, total: int, wait: float) -> None:
     """Plug CPUs until the machine has `total`, online them in the guest."""
-    hotplug = launch.setdefault("hotplug", {})
-    cpus: list[dict[str, Any]] = hotplug.setdefault("cpus", [])
+    monitor, agent = _controls(machine)
+    cpus = launch.hotplug.setdefault("cpus", [])
     have = running_size(launch).vcpus
     if total <= have:
         return
-    slots = await machine.monitor.execute("query-hotpluggable-cpus")
+    slots = await monitor.execute("query-hotpluggable-cpus")
     free = sorted(
         (s for s in slots if not s.get("qom-path")),
         key=lambda s: tuple(sorted(s["props"].items())),
@@ -190,20 +231,20 @@ async def add_vcpus(machine: Machine, launch: dict[str, Any], total: int, wait: 
     for slot in free[: total - have]:
         device = f"vcpu{len(cpus) + 1}"
         props = {k: int(v) for k, v in slot["props"].items() if k.endswith("-id")}
-        await machine.monitor.execute("device_add", {"driver": slot["type"], "id": device, **props})
+        await monitor.execute("device_add", {"driver": slot["type"], "id": device, **props})
         cpus.append({"driver": slot["type"], "id": device, "props": props})
-    await _online_vcpus(machine, total, wait)
+    await _online_vcpus(agent, total, wait)
 
 
-async def _online_vcpus(machine: Machine, total: int, wait: float) -> None:
+async def _online_vcpus(agent: GuestAgent, total: int, wait: float) -> None:
     deadline = time.monotonic() + wait
     while True:
-        vcpus = await machine.agent.call("guest-get-vcpus")
+        vcpus = await agent.call("guest-get-vcpus")
         offline = [
             {"logical-id": v["logical-id"], "online": True} for v in vcpus if not v["online"]
         ]
         if offline:
-            await machine.agent.call("guest-set-vcpus", {"vcpus": offline})
+            await agent.call("guest-set-vcpus", {"vcpus": offline})
         elif len(vcpus) >= total:
             return
         if time.monotonic() > deadline:
@@ -211,25 +252,25 @@ async def _online_vcpus(machine: Machine, total: int, wait: float) -> None:
         await asyncio.sleep(0.2)
 
 
-async def add_memory(machine: Machine, launch: dict[str, Any], total_mib: int, wait: float) -> None:
+async def add_memory(machine: MachineHandle, launch: Launch, total_mib: int, wait: float) -> None:
     """Plug one DIMM with the missing memory, online its blocks in the guest."""
-    hotplug = launch.setdefault("hotplug", {})
-    dimms: list[dict[str, Any]] = hotplug.setdefault("dimms", [])
+    monitor, agent = _controls(machine)
+    dimms = launch.hotplug.setdefault("dimms", [])
     grow = total_mib - running_size(launch).memory_mib
     if grow <= 0:
         return
     device = f"dimm{len(dimms) + 1}"
-    await machine.monitor.execute(
+    await monitor.execute(
         "object-add",
         {"qom-type": "memory-backend-ram", "id": f"mem-{device}", "size": grow * _MIB},
     )
-    await machine.monitor.execute(
+    await monitor.execute(
         "device_add", {"driver": "pc-dimm", "id": device, "memdev": f"mem-{device}"}
     )
     dimms.append({"id": device, "mib": grow})
     deadline = time.monotonic() + wait
     while True:
-        blocks = await machine.agent.call("guest-get-memory-blocks")
+        blocks = await agent.call("guest-get-memory-blocks")
         offline = [
             {"phys-index": b["phys-index"], "online": True} for b in blocks if not b["online"]
         ]
@@ -237,75 +278,145 @@ async def add_memory(machine: Machine, launch: dict[str, Any], total_mib: int, w
             if len(blocks) * BLOCK_MIB >= total_mib - BLOCK_MIB:  # blocks cover the new total
                 return
         else:
-            await machine.agent.call("guest-set-memory-blocks", {"mem-blks": offline})
+            await agent.call("guest-set-memory-blocks", {"mem-blks": offline})
         if time.monotonic() > deadline:
             raise ResizeError("the guest did not online the new memory")
         await asyncio.sleep(0.2)
 
 
-async def root_disk_size(machine: Machine) -> int:
-    for device in await machine.monitor.execute("query-block"):
+async def root_disk_size(machine: MachineHandle) -> int:
+    monitor, _ = _controls(machine)
+    for device in await monitor.execute("query-block"):
         if device.get("device") == "disk0":
             return int(device["inserted"]["image"]["virtual-size"])
     raise ResizeError("the root disk is not attached")
 
 
-async def grow_root_disk(machine: Machine, size: int) -> None:
-    await machine.monitor.execute("block_resize", {"device": "disk0", "size": size})
+async def grow_root_disk(machine: MachineHandle, size: int) -> None:
+    monitor, _ = _controls(machine)
+    await monitor.execute("block_resize", {"device": "disk0", "size": size})
 
 
-# -- status ----------------------------------------------------------------------------------
-@dataclass
-class ResizeState:
-    """What the provider reports about resizes of one VM."""
-
-    applied: dict[str, Any]  # the container's resources (requests/limits) now in effect
-    pending: tuple[str, str] | None = None
-    in_progress: bool = False
-    error: str | None = None
-    # The status is merged into the API's (strategic merge patch): a condition once reported
-    # stays until it is reported otherwise, so a resolved one is reported False.
-    reported: frozenset[str] = frozenset()
+# -- the pod's resize ---------------------------------------------------------------------------
+_LIVE_ERRORS = (
+    ResizeError,
+    ExecuteError,
+    MonitorUnavailable,
+    GuestAgentError,
+    GuestAgentUnavailable,
+    TimeoutError,
+    OSError,
+)
 
 
-def decorate(status: PodStatus, state: ResizeState, container: str, since: datetime | None) -> None:
-    """The kubelet's in-place resize fields on a pod status built by the SDK."""
-    for cs in status.containerStatuses or []:
-        if isinstance(cs, ContainerStatus) and cs.name == container:
-            requests = state.applied.get("requests") or None
-            limits = state.applied.get("limits") or None
-            cs.resources = ResourceRequirements(requests=requests, limits=limits)
-            cs.allocatedResources = dict(requests or limits or {}) or None
-    conditions = [c for c in status.conditions or [] if not c.type.startswith("PodResize")]
-    now = (since or datetime.now(UTC)).replace(microsecond=0)
-    if state.pending is not None:
-        reason, message = state.pending
-        conditions.append(
-            PodCondition(
-                type="PodResizePending",
-                status="True",
-                reason=reason,
-                message=message,
-                lastTransitionTime=now,
+def _annotations(pod: Pod) -> dict[str, str]:
+    return dict((pod.metadata.annotations if pod.metadata else None) or {})
+
+
+def resources(pod: Pod) -> dict[str, Any]:
+    """The container's requests and limits, as the status reports them in effect."""
+    container = pod.spec.containers[0] if pod.spec and pod.spec.containers else None
+    wanted = container.resources if container is not None else None
+    if wanted is None:
+        return {}
+    return {k: dict(v) for k, v in (("requests", wanted.requests), ("limits", wanted.limits)) if v}
+
+
+def _set_pending(vm: VM, pending: tuple[str, str] | None) -> None:
+    state = vm.power.resize
+    assert state is not None
+    if pending != state.pending:
+        vm.power.pending_since = datetime.now(UTC)
+    state.pending = pending
+
+
+def _root_size_wanted(pod: Pod, plan: MachinePlan | None) -> int | None:
+    annotations = _annotations(pod)
+    for name in ROOT_DISK_ANNOTATIONS:
+        if name in annotations:
+            with contextlib.suppress(ValueError):
+                return quantity_bytes(annotations[name])
+    return plan.root_size if plan is not None else None
+
+
+async def resize(
+    host: VMHost, vm: VM, resolved: ResolvedPod, plan: MachinePlan | None, refused: str | None
+) -> bool:
+    """Apply a changed size to the running VM; True if `refused` (the pod's new size does not
+    fit the node) was taken as an infeasible resize."""
+    vm.pod = resolved.pod
+    if vm.power.resize is None:
+        vm.power.resize = ResizeState(applied={})
+    state = vm.power.resize
+    if refused is not None:
+        if ".resources" not in refused and "VirtletVCPUCount" not in refused:
+            return False
+        _set_pending(vm, ("Infeasible", refused))
+        host.publish(vm)
+        return True
+    assert plan is not None
+    machine = vm.machine if vm.booted_at is not None else None
+    if vm.plan is not None:
+        vm.plan = replace(vm.plan, vcpus=plan.vcpus, memory_mib=plan.memory_mib)
+    if machine is None or machine.monitor is None or vm.launch is None:
+        # Not running (yet): the next launch takes the pod's size.
+        state.applied = resources(vm.pod)
+        _set_pending(vm, None)
+        return False
+    launch = vm.launch
+    current = running_size(launch)
+    desired = Size(plan.vcpus, plan.memory_mib)
+    if current != desired:
+        decision = decide(
+            current,
+            desired,
+            headroom(launch),
+            dimms=len(launch.hotplug.get("dimms", [])),
+            node_vcpus=max(host.millicpu // 1000, 1),
+            node_memory_mib=host.memory // _MIB,
+        )
+        state.in_progress, state.error = True, None
+        host.publish(vm)
+        try:
+            await add_vcpus(machine, launch, decision.vcpus, wait=30.0)
+            await add_memory(machine, launch, decision.memory_mib, wait=30.0)
+        except _LIVE_ERRORS as e:
+            state.error = f"live resize failed: {e}"
+            host.event(vm, "Warning", "ResizeFailed", state.error)
+        finally:
+            state.in_progress = False
+            vm.save()
+        if state.error is None:
+            reached = running_size(launch)
+            message = f"{reached.vcpus} vCPUs, {reached.memory_mib} MiB (live)"
+            host.event(vm, "Normal", "Resized", message)
+            if decision.pending is None:
+                state.applied = resources(vm.pod)
+            _set_pending(vm, decision.pending)
+    else:
+        state.applied = resources(vm.pod)
+        _set_pending(vm, None)
+    await _grow_root(host, vm, machine, _root_size_wanted(vm.pod, plan))
+    host.publish(vm)
+    return False
+
+
+async def _grow_root(host: VMHost, vm: VM, machine: MachineHandle, wanted: int | None) -> None:
+    if wanted is None or wanted == vm.power.root_size:
+        return
+    try:
+        size = await root_disk_size(machine)
+        if wanted > size:
+            wanted = -(-wanted // 512) * 512
+            await grow_root_disk(machine, wanted)
+            host.event(vm, "Normal", "RootDiskResized", f"{size} -> {wanted} bytes (live)")
+        elif wanted < size:
+            host.event(
+                vm,
+                "Warning",
+                "RootDiskShrinkRefused",
+                f"the root disk is {size} bytes; a root disk cannot shrink to {wanted}",
             )
-        )
-    elif "PodResizePending" in state.reported:
-        conditions.append(
-            PodCondition(type="PodResizePending", status="False", lastTransitionTime=now)
-        )
-    if state.in_progress or state.error:
-        conditions.append(
-            PodCondition(
-                type="PodResizeInProgress",
-                status="True",
-                reason="Error" if state.error else None,
-                message=state.error,
-                lastTransitionTime=now,
-            )
-        )
-    elif "PodResizeInProgress" in state.reported:
-        conditions.append(
-            PodCondition(type="PodResizeInProgress", status="False", lastTransitionTime=now)
-        )
-    state.reported |= {c.type for c in conditions if c.type.startswith("PodResize")}
-    status.conditions = conditions
+        vm.power.root_size = wanted
+    except _LIVE_ERRORS as e:
+        host.event(vm, "Warning", "ResizeFailed", f"root disk: {e}")

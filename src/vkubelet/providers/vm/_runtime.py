@@ -16,13 +16,12 @@ from typing import Any
 
 import yaml
 
-from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage, Usage
+from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage
 from ._cloudinit import build_seed_content
 from ._config import ConfigError, VMConfig
 from ._disks import create_blank, create_overlay
 from ._machine import Disk, Machine, MachineSpec
 from ._net import GuestNetwork, PodNetwork
-from ._qmp import Monitor
 from ._seed import write_seed_iso
 from ._store import ImageStore, StoredImage
 from ._translate import (
@@ -36,58 +35,6 @@ from ._translate import (
 __all__ = ["QemuRuntime"]
 
 log = logging.getLogger(__name__)
-
-
-class _Handle:
-    """A `Machine` as the provider's `MachineHandle` (usage in the provider's units)."""
-
-    def __init__(self, machine: Machine) -> None:
-        self.machine = machine
-
-    @property
-    def pid(self) -> int:
-        return self.machine.pid
-
-    @property
-    def console_log(self) -> Path:
-        return self.machine.console_log
-
-    @property
-    def console_socket(self) -> Path:
-        return self.machine.console_socket
-
-    async def wait(self) -> Any:
-        return await self.machine.wait()
-
-    async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
-        await self.machine.wait_guest_agent(timeout)
-
-    async def exec(
-        self,
-        argv: Any,
-        stdin: bytes = b"",
-        timeout: float | None = None,  # noqa: ASYNC109
-    ) -> Any:
-        return await self.machine.exec(list(argv), stdin=stdin, timeout=timeout)
-
-    async def stop(self, grace: float) -> Any:
-        return await self.machine.stop(grace)
-
-    async def kill(self) -> None:
-        await self.machine.kill()
-
-    # QMP (block jobs of backups, live migration) and the guest agent (backups' fsfreeze)
-    @property
-    def monitor(self) -> Monitor:
-        return self.machine.monitor
-
-    @property
-    def agent(self) -> Any:
-        return self.machine.agent
-
-    async def usage(self) -> Usage:
-        stats = await self.machine.stats()
-        return Usage(stats.cpu_ns, stats.memory_bytes)
 
 
 class QemuRuntime:
@@ -208,11 +155,10 @@ class QemuRuntime:
                 extra_args=spec.extra_args + (("-incoming", "defer") if spec.incoming else ()),
             )
         )
-        return _Handle(machine)
+        return machine
 
     async def adopt(self, run_dir: Path) -> MachineHandle | None:
-        machine = await Machine.adopt(run_dir)
-        return _Handle(machine) if machine is not None else None
+        return await Machine.adopt(run_dir)
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:
         if mode == "tcg":

@@ -41,7 +41,7 @@ from typing import BinaryIO, Final, Literal, cast
 
 import httpx2 as httpx
 
-from ._disks import DiskError, image_info
+from ._disks import DiskError, StoredImage, image_info
 from ._translate import ImageSource, redact_url
 
 __all__ = ["ImageStore", "PullError", "StoredImage"]
@@ -87,14 +87,6 @@ class PullError(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
-
-
-@dataclass(frozen=True)
-class StoredImage:
-    path: Path  # <root>/data/<sha256>: stable while the data file lives (overlays point here)
-    sha256: str
-    format: Literal["qcow2", "raw"]
-    virtual_size: int
 
 
 @dataclass

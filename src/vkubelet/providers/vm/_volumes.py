@@ -23,10 +23,13 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ...sdk import ProviderError
+from ._disks import parse_size
 
 __all__ = [
     "PROVISIONER",
@@ -76,12 +79,6 @@ def storage_class_manifest() -> dict[str, Any]:
         "reclaimPolicy": "Delete",
         "allowVolumeExpansion": False,
     }
-
-
-def _size_bytes(quantity: str) -> int:
-    from ._config import quantity_bytes
-
-    return quantity_bytes(quantity)
 
 
 def to_provision(
@@ -172,10 +169,11 @@ def to_delete(pv: dict[str, Any], node: str, volumes: Path) -> Path | None:
     return path
 
 
-def drive_args(launch: dict[str, Any]) -> tuple[str, ...]:
-    """QEMU options attaching the launch's claim disks (after the root, scratch and seed)."""
+def drive_args(claims: Sequence[tuple[str, str]]) -> tuple[str, ...]:
+    """QEMU options attaching a launch's claim disks, (path, serial) each (after the root,
+    scratch and seed)."""
     args: list[str] = []
-    for index, (path, serial) in enumerate(launch.get("claims") or []):
+    for index, (path, serial) in enumerate(claims):
         drive = f"file={_opt(Path(path).resolve())},if=none,id=claim{index},format=qcow2"
         device = f"virtio-blk-pci,drive=claim{index},serial={_opt(serial)}"
         args += ["-drive", drive, "-device", device]
@@ -274,7 +272,7 @@ class DiskProvisioner:
         from lightkube.resources.core_v1 import PersistentVolume
 
         path = self.volumes / f"{pv_name(pvc)}.qcow2"
-        size = _size_bytes(pvc["spec"]["resources"]["requests"]["storage"])
+        size = parse_size(pvc["spec"]["resources"]["requests"]["storage"], field="storage")
         if not path.exists():
             await self._create_blank(path, size)
         try:
@@ -301,3 +299,19 @@ class DiskProvisioner:
         if _pv_node(pv) != self.node or path.parent != self.volumes or not _is_file(path):
             raise RuntimeError(f"claim {claim}'s volume {volume} is not a disk of this node")
         return ClaimDisk(claim, path)
+
+
+async def claim_disks(
+    provisioner: DiskProvisioner | None, namespace: str, claims: Sequence[str]
+) -> list[tuple[str, str]]:
+    """A pod's PVC disks for its launch, (path, serial) each; a claim not bound yet raises
+    RuntimeError (the pod's preparation retries with back-off)."""
+    if not claims:
+        return []
+    if provisioner is None:
+        raise ProviderError(
+            "CreateContainerConfigError",
+            "spec.volumes: persistentVolumeClaim disks need `storage` in the node's vm config",
+        )
+    disks = [await provisioner.claim_disk(namespace, claim) for claim in claims]
+    return [(str(d.path), d.serial) for d in disks]

@@ -13,6 +13,7 @@ import pytest
 
 from vkubelet.providers.vm._migrate import Endpoint, MigrationError, Migrations
 from vkubelet.providers.vm._qmp import Monitor
+from vkubelet.providers.vm._vm import Launch
 
 ENDPOINT = Endpoint("127.0.0.1", 1, 2, 3, ("disk0",))  # nothing listens there
 
@@ -61,13 +62,15 @@ class Runner:
 
 def _setup(tmp_path: Path, state: str, **record: Any) -> tuple[Migrations, Any, Runner]:
     events: list[tuple[str, str]] = []
-    provider = SimpleNamespace(
-        _event=lambda vm, kind, reason, message: events.append((reason, message)),
+    host = SimpleNamespace(
+        event=lambda vm, kind, reason, message: events.append((reason, message)),
         log_path=lambda uid, container, run: tmp_path / "logs" / f"{run}.log",
         events=events,
     )
-    vm = SimpleNamespace(dir=tmp_path, uid="u1", container="vm", run=0, migrated=None, launch={})
-    migrations = Migrations(provider)  # type: ignore[arg-type]
+    vm = SimpleNamespace(
+        dir=tmp_path, uid="u1", container="vm", run=0, migrated=None, launch=Launch()
+    )
+    migrations = Migrations(host)
     migrations._write_record(
         vm,  # type: ignore[arg-type]
         endpoint=ENDPOINT.to_json(),
@@ -148,12 +151,12 @@ class FakeTarget(Monitor):
 
 def _target(tmp_path: Path) -> tuple[Migrations, Any, Runner]:
     spawned: list[Any] = []
-    provider = SimpleNamespace(
-        _event=lambda vm, kind, reason, message: None,
-        _tasks=SimpleNamespace(spawn=lambda coro, name: spawned.append(coro.close())),
+    host = SimpleNamespace(
+        event=lambda vm, kind, reason, message: None,
+        spawn=lambda coro, name: spawned.append(coro.close()),
     )
-    vm = SimpleNamespace(dir=tmp_path, uid="u2", launch={}, save=lambda: None)
-    return Migrations(provider), vm, Runner()  # type: ignore[arg-type]
+    vm = SimpleNamespace(dir=tmp_path, uid="u2", launch=Launch(), save=lambda: None)
+    return Migrations(host), vm, Runner()
 
 
 @pytest.mark.parametrize(
@@ -166,7 +169,7 @@ async def test_a_restarted_target_agent_takes_a_vm_that_arrived_or_is_arriving(
     migrations, vm, runner = _target(tmp_path)
     qemu = FakeTarget(states, incoming)
     await migrations.resume_incoming(vm, SimpleNamespace(monitor=qemu), runner)  # type: ignore[arg-type]
-    assert vm.launch["migratedIn"] is True
+    assert vm.launch.migrated_in is True
     assert runner.conditions["vm.vkubelet.io/MigrationTarget"][1] == "Completed"
 
 
@@ -176,5 +179,5 @@ async def test_a_restarted_target_agent_stops_a_target_no_stream_reached(tmp_pat
     qemu = FakeTarget(["inmigrate"], None)
     with pytest.raises(MigrationError, match="restarted before the VM came"):
         await migrations.resume_incoming(vm, SimpleNamespace(monitor=qemu), runner)  # type: ignore[arg-type]
-    assert "migratedIn" not in vm.launch
+    assert not vm.launch.migrated_in
     assert runner.conditions["vm.vkubelet.io/MigrationTarget"][1] == "Failed"

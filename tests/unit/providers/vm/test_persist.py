@@ -60,7 +60,7 @@ async def test_the_next_pod_of_a_machine_boots_from_the_same_disks(
     await provider.create_pod(resolved(first))
     await until(lambda: _running(provider, "db-abcde"))
     machine_dir = tmp_path / "s" / "machines" / "m-1"
-    assert provider.machine_dir(first) == machine_dir
+    assert _persist.machine_dir(provider.config.state_dir, first) == machine_dir
     disks = [Path(p) for p, _ in runtime.launches[0].disks]
     assert disks == [machine_dir / "root.qcow2", machine_dir / "empty-data.qcow2"]
     (machine_dir / "root.qcow2").write_bytes(b"written by the guest")
@@ -104,7 +104,7 @@ async def test_a_plain_pod_keeps_its_disks_in_its_run_directory(
         }
     )
     assert isinstance(pod, Pod)
-    assert provider.machine_dir(pod) is None
+    assert _persist.machine_dir(provider.config.state_dir, pod) is None
     await provider.create_pod(ResolvedPod(pod))
     await until(lambda: _launched(runtime))
     assert Path(runtime.launches[0].disks[0][0]).parent == tmp_path / "s" / "vms" / "uid-p"

@@ -18,8 +18,8 @@ from lightkube.resources.core_v1 import Pod
 
 from vkubelet.providers.vm import _hibernate, _resize, _volumes
 from vkubelet.providers.vm._config import ConfigError, parse_config
-from vkubelet.providers.vm._power import PowerState, decorate
 from vkubelet.providers.vm._resize import Decision, Headroom, Size, decide
+from vkubelet.providers.vm._vm import Launch, PowerState, ResizeState, decorate
 
 ROOM = Headroom(max_vcpus=4, max_memory_mib=2048, slots=2)
 
@@ -85,10 +85,10 @@ def test_headroom_comes_from_the_config_or_the_pod_s_annotations() -> None:
 
 
 def test_hotplugged_devices_are_recreated_for_a_resume() -> None:
-    launch: dict[str, Any] = {
-        "vcpus": 1,
-        "memory_mib": 256,
-        "hotplug": {
+    launch = Launch(
+        vcpus=1,
+        memory_mib=256,
+        hotplug={
             "cpus": [
                 {
                     "driver": "qemu64-x86_64-cpu",
@@ -98,7 +98,7 @@ def test_hotplugged_devices_are_recreated_for_a_resume() -> None:
             ],
             "dimms": [{"id": "dimm1", "mib": 512}],
         },
-    }
+    )
     assert _resize.hotplug_args(launch) == (
         "-device", "qemu64-x86_64-cpu,id=vcpu1,core-id=1,socket-id=0",
         "-object", "memory-backend-ram,id=mem-dimm1,size=512M",
@@ -129,21 +129,21 @@ def test_hibernate_is_asked_by_the_power_off_annotation() -> None:
 
 def test_a_saved_state_resumes_only_with_the_same_disks(tmp_path: Path) -> None:
     saved = _hibernate.Saved(
-        tmp_path / "state", {"disks": [["r", "virtio"]], "seed": "s", "claims": []}, 0.0, 1
+        tmp_path / "state", Launch(disks=[("r", "virtio")], seed="s", claims=[]), 0.0, 1
     )
-    assert saved.compatible({"disks": [["r", "virtio"]], "seed": "another pod's"}) is None
-    assert saved.compatible({"disks": [["r2", "virtio"]], "seed": "s"})  # another root file
-    assert saved.compatible({"disks": [["r", "virtio"], ["x", "virtio"]], "seed": "s"})
-    assert saved.compatible({"disks": [["r", "virtio"]], "seed": "s", "claims": [["c", "c"]]})
+    assert saved.compatible(Launch(disks=[("r", "virtio")], seed="another pod's")) is None
+    assert saved.compatible(Launch(disks=[("r2", "virtio")], seed="s"))  # another root file
+    assert saved.compatible(Launch(disks=[("r", "virtio"), ("x", "virtio")], seed="s"))
+    assert saved.compatible(Launch(disks=[("r", "virtio")], seed="s", claims=[("c", "c")]))
     # the resumed launch takes the saved layout (hotplugged devices included), not the pod's
-    launch = {"vcpus": 1, "memory_mib": 256, "seed": "new"}
-    layout = {"vcpus": 2, "memory_mib": 512, "hotplug": {"cpus": []}}
+    launch = Launch(vcpus=1, memory_mib=256, seed="new")
+    layout = Launch(vcpus=2, memory_mib=512, hotplug={"cpus": []})
     resumed = _hibernate.resumed_launch(launch, _hibernate.Saved(tmp_path, layout, 0.0, 1))
-    assert resumed == {"vcpus": 2, "memory_mib": 512, "seed": "new", "hotplug": {"cpus": []}}
+    assert resumed == Launch(vcpus=2, memory_mib=512, seed="new", hotplug={"cpus": []})
 
 
 def test_the_incoming_command_quotes_the_state_path(tmp_path: Path) -> None:
-    saved = _hibernate.Saved(tmp_path / "a b" / "state", {}, 0.0, 1)
+    saved = _hibernate.Saved(tmp_path / "a b" / "state", Launch(), 0.0, 1)
     flag, uri = _hibernate.incoming_args(saved)
     assert flag == "-incoming" and uri == f"exec:cat '{tmp_path}/a b/state'"
 
@@ -163,7 +163,7 @@ def test_status_says_hibernated_and_carries_the_resize_fields() -> None:
         ],
     )
     power = PowerState(outcome=("Hibernated", "state saved"))
-    power.resize = _resize.ResizeState(
+    power.resize = ResizeState(
         applied={"limits": {"cpu": "2"}}, pending=("Deferred", "x: applied at next power cycle")
     )
     decorate(status, power, "vm")
@@ -234,7 +234,7 @@ def test_only_released_pvs_of_ours_with_delete_are_removed(tmp_path: Path) -> No
 def test_claim_disks_attach_with_the_claim_name_as_serial(tmp_path: Path) -> None:
     disk = _volumes.ClaimDisk("a-very-long-claim-name-indeed", tmp_path / "x.qcow2")
     assert disk.serial == "a-very-long-claim-na"  # virtio-blk keeps 20 bytes
-    args = _volumes.drive_args({"claims": [[str(tmp_path / "x,y.qcow2"), "data"]]})
+    args = _volumes.drive_args([(str(tmp_path / "x,y.qcow2"), "data")])
     assert args == (
         "-drive", f"file={tmp_path}/x,,y.qcow2,if=none,id=claim0,format=qcow2",
         "-device", "virtio-blk-pci,drive=claim0,serial=data",
@@ -277,19 +277,14 @@ class _Monitor:
         return {}
 
 
-class _Machine:
-    def __init__(self, fail: str) -> None:
-        self.monitor = _Monitor(fail)
-
-
 @pytest.mark.parametrize("fail", ["migrate", "none"])
 async def test_a_failed_save_leaves_the_guest_running_and_says_why(
     tmp_path: Path, fail: str
 ) -> None:
-    machine: Any = _Machine(fail)
+    monitor: Any = _Monitor(fail)
     with pytest.raises(_hibernate.HibernateError) as caught:
-        await _hibernate.hibernate(machine, tmp_path, {"vcpus": 1})
-    assert machine.monitor.calls[0] == "stop" and machine.monitor.calls[-1] == "cont"
+        await _hibernate.hibernate(monitor, tmp_path, Launch(vcpus=1))
+    assert monitor.calls[0] == "stop" and monitor.calls[-1] == "cont"
     if fail == "none":
         assert "disk full" in str(caught.value)
     assert _hibernate.saved_state(tmp_path) is None

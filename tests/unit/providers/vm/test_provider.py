@@ -20,6 +20,8 @@ from lightkube.resources.core_v1 import Node, Pod
 from vkubelet.providers.vm._backend import GuestAddress, LaunchSpec, PulledImage, Usage
 from vkubelet.providers.vm._config import VMConfig
 from vkubelet.providers.vm._provider import VMProvider
+from vkubelet.providers.vm._qga import GuestAgent
+from vkubelet.providers.vm._qmp import Monitor
 from vkubelet.sdk import (
     AttachIO,
     ContainerLogOptions,
@@ -55,7 +57,9 @@ class FakeMachine:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         self.console_log = spec.run_dir / "console.log"
         self.console_socket = spec.run_dir / "console.sock"
-        self.agent = asyncio.Event()
+        self.agent_up = asyncio.Event()
+        self.monitor: Monitor | None = None  # no QEMU: no hibernation, live resize, migration
+        self.agent: GuestAgent | None = None
         self.exit: asyncio.Future[Exited] = asyncio.get_running_loop().create_future()
         self.stops: list[float] = []
         self.execs: list[tuple[list[str], bytes]] = []
@@ -74,7 +78,7 @@ class FakeMachine:
         return await asyncio.shield(self.exit)
 
     async def wait_guest_agent(self, timeout: float) -> None:
-        await asyncio.wait_for(self.agent.wait(), timeout)
+        await asyncio.wait_for(self.agent_up.wait(), timeout)
 
     async def exec(
         self, argv: Sequence[str], stdin: bytes = b"", timeout: float | None = None
@@ -88,6 +92,10 @@ class FakeMachine:
         self.stops.append(grace)
         self.console(b"shutdown requested\r\n")
         self.power_off()
+        return await self.wait()
+
+    async def end(self, outcome: Any) -> Exited:
+        self.power_off(outcome.code)
         return await self.wait()
 
     async def kill(self) -> None:
@@ -152,7 +160,7 @@ class FakeRuntime:
         self.launches.append(spec)
         machine = FakeMachine(spec)
         if self.boot_at_once:
-            machine.agent.set()
+            machine.agent_up.set()
         self.machines[spec.run_dir] = machine
         return machine
 
@@ -285,7 +293,7 @@ async def test_a_pod_is_running_with_its_ip_once_the_guest_agent_answers(
     machine = next(iter(runtime.machines.values()))
     await asyncio.sleep(0.3)  # a broken provider would report Running meanwhile
     booting = len(PUSHED)
-    machine.agent.set()
+    machine.agent_up.set()
 
     async def running() -> bool:
         _, status = await state(provider)
@@ -435,7 +443,7 @@ async def test_a_vm_adopted_while_booting_is_running_only_once_its_guest_agent_a
         assert status.state.waiting is not None
         assert status.state.waiting.reason == "ContainerCreating"
         await asyncio.sleep(0.05)
-    next(iter(runtime.machines.values())).agent.set()
+    next(iter(runtime.machines.values())).agent_up.set()
 
     async def running() -> bool:
         _, status = await state(second)
