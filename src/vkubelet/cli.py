@@ -398,13 +398,19 @@ def dev_build(
             help="Also what worker nodes run: kubelet, kube-proxy, containerd, CoreDNS, pause.",
         ),
     ] = False,
+    helm: Annotated[
+        bool,
+        typer.Option("--helm", help="Also helm, for installing the chart (none needed on PATH)."),
+    ] = False,
 ) -> None:
     """Build (or find cached) control-plane binaries without starting anything."""
-    from .devcluster import DevClusterError, ensure_binaries, ensure_worker_binaries
+    from .devcluster import DevClusterError, ensure_binaries, ensure_helm, ensure_worker_binaries
 
     try:
         binaries = ensure_binaries(_progress)
         node = ensure_worker_binaries(_progress) if workers else {}
+        if helm:
+            node = {**node, "helm": ensure_helm(_progress)}
     except DevClusterError as e:
         raise _fail(e) from None
     out.print(f"Kubernetes {binaries.kubernetes_version} binaries in {binaries.directory}")
