@@ -11,10 +11,10 @@ from lightkube.resources.core_v1 import Pod
 
 from ..protocols.remotecommand import HEADER_ACCEPTED_PROTOCOL_VERSIONS, HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import SpdyLimits
+from ..sdk._spdy import SocketTransport, SpdySession
 from ..sdk.provider import PodLifecycleHandler
 from ._http import Exchange, HttpError, Request
 from ._metrics import ServerMetrics
-from ._spdy import SpdySession
 from ._websocket import accept_token
 
 PodSource = Callable[[], Iterable[Pod | bytes]]
@@ -180,9 +180,8 @@ async def start_spdy_session(
     )
     config = call.config
     session = SpdySession(
-        call.exchange.reader,
-        call.exchange.writer,
-        trailing,
+        SocketTransport(call.exchange.reader, call.exchange.writer, trailing),
+        client=False,
         limits=config.spdy_limits,
         idle_timeout=config.stream_idle_timeout,
         stream_buffer=config.stream_buffer,

@@ -31,6 +31,7 @@ from ..protocols.remotecommand import (
     stream_type,
 )
 from ..protocols.spdy import RstStatus
+from ..sdk._spdy import SpdySession, SpdyStream
 from ..sdk.capabilities import (
     AttachIO,
     ContainerAttach,
@@ -48,7 +49,6 @@ from ._context import (
     websocket_subprotocols,
 )
 from ._http import HttpError
-from ._spdy import SpdySession, SpdyStream
 from ._websocket import WebSocketSession
 
 log = logging.getLogger(__name__)

@@ -29,6 +29,7 @@ from ..protocols.portforward import (
 )
 from ..protocols.remotecommand import HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import RstStatus
+from ..sdk._spdy import SpdyStream
 from ..sdk.capabilities import ByteStream, PortForwarder
 from ._context import (
     Call,
@@ -38,7 +39,6 @@ from ._context import (
     websocket_subprotocols,
 )
 from ._http import HttpError
-from ._spdy import SpdyStream
 from ._websocket import WebSocketSession, WsChannel
 
 log = logging.getLogger(__name__)

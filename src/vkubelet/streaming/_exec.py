@@ -30,10 +30,11 @@ from ..protocols.remotecommand import (
     encode_resize,
 )
 from ..sdk._pipe import InboundPipe
+from ..sdk._spdy import SpdySession, SpdyStream
 from ..sdk.capabilities import AttachIO, InputStream, OutputStream, ResizeQueue
 from ._connect import Endpoint, upgrade
 from ._errors import RemoteCommandError, StreamingError, UpgradeFailed
-from ._spdy import SocketTransport, SpdyClient, SpdyClientStream
+from ._spdy import client_session, open_stream, socket_transport, wait_replied
 from ._websocket import WebSocket, open_websocket
 
 log = logging.getLogger(__name__)
@@ -275,11 +276,10 @@ async def _over_spdy(endpoint: Endpoint, target: str, io: AttachIO, stream_timeo
     if protocol is None:
         await upgraded.aclose()
         raise UpgradeFailed(101, "ProtocolMismatch", f"the server chose protocol {chosen!r}")
-    client = SpdyClient(SocketTransport(upgraded))
-    client.start()
+    client = client_session(socket_transport(upgraded))
     try:
         streams = _open_spdy_streams(client, io, protocol)
-        await client.wait_replied(streams.values(), stream_timeout)
+        await wait_replied(client, streams.values(), stream_timeout)
         status = await _relay(
             io,
             stdin=streams.get(StreamType.STDIN),
@@ -296,8 +296,8 @@ async def _over_spdy(endpoint: Endpoint, target: str, io: AttachIO, stream_timeo
 
 
 def _open_spdy_streams(
-    client: SpdyClient, io: AttachIO, protocol: ExecProtocol
-) -> dict[StreamType, SpdyClientStream]:
+    client: SpdySession, io: AttachIO, protocol: ExecProtocol
+) -> dict[StreamType, SpdyStream]:
     """The error stream first, then the stdio ones, as client-go opens them."""
     wanted = [StreamType.ERROR]
     if io.stdin is not None:
@@ -308,7 +308,7 @@ def _open_spdy_streams(
         wanted.append(StreamType.STDERR)
     if io.tty and protocol.supports_resize:
         wanted.append(StreamType.RESIZE)
-    return {kind: client.open({"streamType": kind.value}) for kind in wanted}
+    return {kind: open_stream(client, {"streamType": kind.value}) for kind in wanted}
 
 
 # --- shared ----------------------------------------------------------------------------------

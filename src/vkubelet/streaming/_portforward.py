@@ -20,11 +20,12 @@ from ..protocols.portforward import (
     pair_headers,
 )
 from ..protocols.remotecommand import HEADER_PROTOCOL_VERSION
+from ..sdk._spdy import ByteTransport, SocketTransport, SpdySession, SpdyStream
 from ..sdk.capabilities import ByteStream
 from ._connect import Endpoint, upgrade
 from ._errors import PortForwardError, StreamingError, UpgradeFailed
 from ._exec import Transport
-from ._spdy import ByteTransport, SocketTransport, SpdyClient, SpdyClientStream, TunnelTransport
+from ._spdy import TunnelTransport, client_session, open_stream, socket_transport, wait_replied
 from ._websocket import open_websocket
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class ForwardedConnection:
     """One TCP connection to a port in the pod. Implements the capabilities' `ByteStream`:
     `read` (b"" once the pod's side has finished), `write`, and `close` to half-close."""
 
-    def __init__(self, port: int, data: SpdyClientStream, error: SpdyClientStream) -> None:
+    def __init__(self, port: int, data: SpdyStream, error: SpdyStream) -> None:
         self.port = port
         self._data = data
         self._error = error
@@ -66,7 +67,7 @@ class PortForwardSession:
     """An upgraded connection to one pod's port-forward endpoint, carrying any number of
     forwarded connections. Use as an async context manager, or call `aclose`."""
 
-    def __init__(self, client: SpdyClient, *, stream_timeout: float = 30.0) -> None:
+    def __init__(self, client: SpdySession, *, stream_timeout: float = 30.0) -> None:
         self._client = client
         self._stream_timeout = stream_timeout
         self._next_request_id = 0
@@ -83,10 +84,9 @@ class PortForwardSession:
         ping_interval: float | None = 5.0,
     ) -> PortForwardSession:
         """Raises `UpgradeFailed` (e.g. 404 for an unknown pod) or `StreamingError`."""
-        client = SpdyClient(
+        client = client_session(
             await _transport(endpoint, namespace, pod, transport), ping_interval=ping_interval
         )
-        client.start()
         return cls(client, stream_timeout=stream_timeout)
 
     @property
@@ -99,10 +99,10 @@ class PortForwardSession:
         request_id = self._next_request_id
         self._next_request_id += 1
         error_headers, data_headers = pair_headers(port, request_id)
-        error = self._client.open(error_headers)
-        data = self._client.open(data_headers)
+        error = open_stream(self._client, error_headers)
+        data = open_stream(self._client, data_headers)
         try:
-            await self._client.wait_replied((error, data), self._stream_timeout)
+            await wait_replied(self._client, (error, data), self._stream_timeout)
             await error.close()  # we never write on it
         except BaseException:
             data.reset()
@@ -208,7 +208,7 @@ async def _direct(endpoint: Endpoint, target: str) -> SocketTransport:
     if chosen != PORT_FORWARD_PROTOCOL:
         await upgraded.aclose()
         raise StreamingError(f"the server chose protocol {chosen!r}, not {PORT_FORWARD_PROTOCOL}")
-    return SocketTransport(upgraded)
+    return socket_transport(upgraded)
 
 
 async def _copy_and_close(source: ByteStream, target: ByteStream) -> None:
