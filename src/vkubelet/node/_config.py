@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .._fields import reject_unknown
 from ..kube import ClientOptions
 from ._agent import AgentConfig, NodeSpec
 from ._nodecontroller import NodeSettings
@@ -81,7 +83,7 @@ def load_agent_config(path: Path) -> AgentConfig:
         raise ConfigError(f"{where}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping at the top level")
-    _no_unknown(where, "", data, _TOP_KEYS)
+    reject_unknown(data, _TOP_KEYS, "", _failure(where))
     nodes = data.get("nodes")
     if not isinstance(nodes, list) or not nodes:
         raise ConfigError(f"{where}: nodes: expected a non-empty list")
@@ -134,7 +136,7 @@ def load_agent_config(path: Path) -> AgentConfig:
 def _node(where: str, at: str, raw: Any, base: Path) -> NodeSpec:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: {at}: expected a mapping")
-    _no_unknown(where, at + ".", raw, _NODE_KEYS)
+    reject_unknown(raw, _NODE_KEYS, at, _failure(where))
     for required in ("name", "provider"):
         if not isinstance(raw.get(required), str) or not raw[required]:
             raise ConfigError(f"{where}: {at}.{required}: required (a string)")
@@ -182,10 +184,8 @@ def _node(where: str, at: str, raw: Any, base: Path) -> NodeSpec:
     )
 
 
-def _no_unknown(where: str, at: str, raw: dict[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"{where}: {at}{unknown[0]}: unknown field (known: {sorted(known)})")
+def _failure(where: str) -> Callable[[str, str], ConfigError]:
+    return lambda field, problem: ConfigError(f"{where}: {field}: {problem}")
 
 
 def _count(where: str, name: str, value: Any, default: int) -> int:

@@ -34,12 +34,14 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import yaml
 
+from ..._fields import reject_unknown
 from ...node import ConfigError
 from ._webhookconfig import WebhookConfig, parse_webhook_config
 
@@ -175,7 +177,7 @@ def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
     def fail(name: str, problem: str) -> ConfigError:
         return ConfigError(f"{where}: {name}: {problem}")
 
-    _no_unknown(where, "", data, _TOP_KEYS)
+    reject_unknown(data, _TOP_KEYS, "", _failure(where))
     kubeconfig = data.get("kubeconfig")
     if not isinstance(kubeconfig, str) or not kubeconfig:
         raise fail("kubeconfig", "required: the lower cluster's kubeconfig (relative to this file)")
@@ -276,7 +278,7 @@ def _namespaces(where: str, raw: Any) -> NamespaceMapping:
         return NamespaceMapping()
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: namespaces: expected a mapping (prefix, map, create)")
-    _no_unknown(where, "namespaces.", raw, _NAMESPACE_KEYS)
+    reject_unknown(raw, _NAMESPACE_KEYS, "namespaces", _failure(where))
     prefix = raw.get("prefix", "")
     if not isinstance(prefix, str) or (prefix and not re.fullmatch(r"[a-z0-9][-a-z0-9]*", prefix)):
         raise ConfigError(
@@ -318,7 +320,7 @@ def _resync(where: str, raw: Any) -> Resync:
         return Resync()
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: resync: expected a mapping like {{pods: 60, nodes: 30}}")
-    _no_unknown(where, "resync.", raw, _RESYNC_KEYS)
+    reject_unknown(raw, _RESYNC_KEYS, "resync", _failure(where))
     values = {}
     for key in sorted(_RESYNC_KEYS):
         if key in raw:
@@ -377,12 +379,8 @@ def _count(where: str, name: str, value: Any, default: int) -> int:
     return value
 
 
-def _no_unknown(where: str, at: str, raw: dict[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(map(str, raw)) - known)
-    if unknown:
-        raise ConfigError(
-            f"{where}: {at}{unknown[0]}: unknown field (known: {', '.join(sorted(known))})"
-        )
+def _failure(where: str) -> Callable[[str, str], ConfigError]:
+    return lambda field, problem: ConfigError(f"{where}: {field}: {problem}")
 
 
 def _seconds(where: str, name: str, value: Any, default: float) -> float:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..._fields import reject_unknown
 from ...node import ConfigError
 
 __all__ = ["WebhookConfig", "parse_webhook_config"]
@@ -44,14 +45,11 @@ def parse_webhook_config(where: str, raw: Any, base: Path) -> WebhookConfig:
         return WebhookConfig()
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: webhook: expected a mapping (enabled, port, ...)")
-    unknown = sorted(set(map(str, raw)) - _KEYS)
-    if unknown:
-        raise ConfigError(
-            f"{where}: webhook.{unknown[0]}: unknown field (known: {', '.join(sorted(_KEYS))})"
-        )
 
     def fail(name: str, problem: str) -> ConfigError:
         return ConfigError(f"{where}: webhook.{name}: {problem}")
+
+    reject_unknown(raw, _KEYS, "", fail)
 
     enabled = raw.get("enabled", False)
     if not isinstance(enabled, bool):

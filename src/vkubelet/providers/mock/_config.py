@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..._fields import reject_unknown
 from ...sdk.quantity import parse_quantity
 
 _KNOWN_KEYS = {
@@ -70,12 +71,9 @@ class MockConfig:
         entry = data[node_name]
         if not isinstance(entry, dict):
             raise ConfigError(f"{where}: {node_name}: expected an object")
-        unknown = set(entry) - _KNOWN_KEYS
-        if unknown:
-            raise ConfigError(
-                f"{where}: {node_name}.{sorted(unknown)[0]}: unknown field "
-                f"(known: {', '.join(sorted(_KNOWN_KEYS))})"
-            )
+        reject_unknown(
+            entry, _KNOWN_KEYS, node_name, lambda at, why: ConfigError(f"{where}: {at}: {why}")
+        )
         for name in ("cpu", "memory", "pods"):
             if name in entry:
                 _check_quantity(where, f"{node_name}.{name}", entry[name])

@@ -27,12 +27,14 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ..._fields import reject_unknown
 from ...node import ConfigError, parse_taint
 from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
 from ...sdk.quantity import parse_quantity
@@ -109,15 +111,12 @@ def load_inventory(path: Path) -> Inventory:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping with `devices` (and `defaults`)")
-    unknown = set(data) - {"defaults", "devices"}
-    if unknown:
-        raise ConfigError(
-            f"{where}: {sorted(unknown)[0]}: unknown field (known: defaults, devices)"
-        )
+    fail = _failure(where)
+    reject_unknown(data, ("defaults", "devices"), "", fail)
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise ConfigError(f"{where}: defaults: expected a mapping")
-    _no_unknown(where, "defaults", defaults, _SETTINGS)
+    reject_unknown(defaults, _SETTINGS, "defaults", fail)
     raw_devices = data.get("devices") or []
     if not isinstance(raw_devices, list):
         raise ConfigError(f"{where}: devices: expected a list")
@@ -126,7 +125,7 @@ def load_inventory(path: Path) -> Inventory:
         at = f"devices[{i}]"
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: {at}: expected a mapping")
-        _no_unknown(where, at, raw, _DEVICE_KEYS)
+        reject_unknown(raw, _DEVICE_KEYS, at, fail)
         devices.append(_device(where, at, {**defaults, **raw}, path.parent))
     names = [d.name for d in devices]
     for name in names:
@@ -245,9 +244,5 @@ def _device(where: str, at: str, raw: dict[str, Any], base: Path) -> DeviceConfi
     )
 
 
-def _no_unknown(where: str, at: str, raw: dict[str, Any], known: set[str]) -> None:
-    unknown = set(raw) - known
-    if unknown:
-        raise ConfigError(
-            f"{where}: {at}.{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})"
-        )
+def _failure(where: str) -> Callable[[str, str], ConfigError]:
+    return lambda field, problem: ConfigError(f"{where}: {field}: {problem}")

@@ -32,6 +32,7 @@ from typing import Any, Literal, cast
 
 import yaml
 
+from ..._fields import reject_unknown
 from ...sdk.quantity import QuantityError, parse_quantity
 from ._persist import MachineGC, parse_machine_gc
 from ._volumes import StorageConfig
@@ -143,14 +144,11 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
     """`data` as loaded from `origin`; relative paths are relative to `base`."""
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: expected a mapping of options")
-    unknown = sorted(set(data) - _KNOWN)
-    if unknown:
-        raise ConfigError(
-            f"{origin}: {unknown[0]}: unknown field (known: {', '.join(sorted(_KNOWN))})"
-        )
 
     def fail(name: str, why: str) -> ConfigError:
         return ConfigError(f"{origin}: {name}: {why}")
+
+    reject_unknown(data, _KNOWN, "", fail)
 
     def text(name: str, default: str) -> str:
         value = data.get(name, default)
@@ -255,9 +253,7 @@ def _config_map(value: object, fail: Any, base: Path) -> ConfigMapSource | None:
         return None
     if not isinstance(value, dict):
         raise fail(name, "expected a mapping with namespace, name and kubeconfig")
-    unknown = sorted(set(value) - {"namespace", "name", "kubeconfig", "intervalSeconds"})
-    if unknown:
-        raise fail(f"{name}.{unknown[0]}", "unknown field")
+    reject_unknown(value, ("namespace", "name", "kubeconfig", "intervalSeconds"), name, fail)
     for key in ("namespace", "name", "kubeconfig"):
         if not isinstance(value.get(key), str) or not value[key]:
             raise fail(f"{name}.{key}", f"expected a non-empty string, got {value.get(key)!r}")

@@ -28,6 +28,7 @@ from typing import Any, Final
 
 from lightkube.resources.core_v1 import Pod
 
+from ..._fields import reject_unknown
 from ..._files import write_atomic
 
 __all__ = [
@@ -63,9 +64,7 @@ def parse_machine_gc(
         return None
     if not isinstance(value, dict) or not isinstance(value.get("kubeconfig"), str):
         raise fail("machineGC", "expected a mapping with kubeconfig (and intervalSeconds)")
-    unknown = sorted(set(value) - {"kubeconfig", "intervalSeconds"})
-    if unknown:
-        raise fail(f"machineGC.{unknown[0]}", "unknown field")
+    reject_unknown(value, ("kubeconfig", "intervalSeconds"), "machineGC", fail)
     interval = value.get("intervalSeconds", 300)
     if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
         raise fail("machineGC.intervalSeconds", f"expected a positive number, got {interval!r}")
