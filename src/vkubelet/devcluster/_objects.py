@@ -29,6 +29,27 @@ def _subject(kind: str, name: str) -> Obj:
     return {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": name}
 
 
+def _cluster_role(
+    name: str, rules: list[dict[str, Any]], labels: dict[str, str] | None = None
+) -> Item:
+    metadata = _meta(name)
+    if labels:
+        metadata["labels"] = {**metadata.get("labels", {}), **labels}
+    return (
+        f"{RBAC}/clusterroles",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": metadata,
+            "rules": rules,
+        },
+    )
+
+
+def _rule(group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
+    return {"apiGroups": [group], "resources": resources, "verbs": verbs}
+
+
 def _cluster_binding(name: str, role: str, kind: str, subject: str) -> Item:
     return (
         f"{RBAC}/clusterrolebindings",
@@ -133,6 +154,9 @@ def dev_cluster_marker(cluster_name: str) -> list[Item]:
     ]
 
 
+AGGREGATE_TO = ("view", "edit", "admin")
+
+
 def metrics_server_access() -> list[Item]:
     """metrics-server's RBAC, as its own manifests grant it (to a user instead of an account).
 
@@ -143,21 +167,12 @@ def metrics_server_access() -> list[Item]:
     """
     role = METRICS_SERVER_USER
     return [
-        (
-            f"{RBAC}/clusterroles",
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRole",
-                "metadata": _meta(role),
-                "rules": [
-                    {"apiGroups": [""], "resources": ["nodes/metrics"], "verbs": ["get"]},
-                    {
-                        "apiGroups": [""],
-                        "resources": ["nodes", "pods"],
-                        "verbs": ["get", "list", "watch"],
-                    },
-                ],
-            },
+        _cluster_role(
+            role,
+            [
+                _rule("", ["nodes/metrics"], ["get"]),
+                _rule("", ["nodes", "pods"], ["get", "list", "watch"]),
+            ],
         ),
         _cluster_binding(role, role, "User", METRICS_SERVER_USER),
         _cluster_binding(
@@ -173,28 +188,10 @@ def metrics_server_access() -> list[Item]:
             "User",
             METRICS_SERVER_USER,
         ),
-        (  # `kubectl top` for whoever may view, edit or administer (upstream's manifest)
-            f"{RBAC}/clusterroles",
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRole",
-                "metadata": {
-                    **_meta("system:aggregated-metrics-reader"),
-                    "labels": {
-                        "app.kubernetes.io/managed-by": "vkubelet-dev-cluster",
-                        "rbac.authorization.k8s.io/aggregate-to-view": "true",
-                        "rbac.authorization.k8s.io/aggregate-to-edit": "true",
-                        "rbac.authorization.k8s.io/aggregate-to-admin": "true",
-                    },
-                },
-                "rules": [
-                    {
-                        "apiGroups": ["metrics.k8s.io"],
-                        "resources": ["pods", "nodes"],
-                        "verbs": ["get", "list", "watch"],
-                    }
-                ],
-            },
+        _cluster_role(  # `kubectl top` for whoever may view, edit or administer (upstream's)
+            "system:aggregated-metrics-reader",
+            [_rule("metrics.k8s.io", ["pods", "nodes"], ["get", "list", "watch"])],
+            labels={f"rbac.authorization.k8s.io/aggregate-to-{r}": "true" for r in AGGREGATE_TO},
         ),
     ]
 
@@ -256,25 +253,12 @@ def cluster_dns(service_ip: str, host_ip: str) -> list[Item]:
     role = "vkubelet:coredns"
     ports = [("dns", "UDP"), ("dns-tcp", "TCP")]
     return [
-        (
-            f"{RBAC}/clusterroles",
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRole",
-                "metadata": _meta(role),
-                "rules": [
-                    {
-                        "apiGroups": [""],
-                        "resources": ["services", "pods", "namespaces"],
-                        "verbs": ["list", "watch"],
-                    },
-                    {
-                        "apiGroups": ["discovery.k8s.io"],
-                        "resources": ["endpointslices"],
-                        "verbs": ["list", "watch"],
-                    },
-                ],
-            },
+        _cluster_role(
+            role,
+            [
+                _rule("", ["services", "pods", "namespaces"], ["list", "watch"]),
+                _rule("discovery.k8s.io", ["endpointslices"], ["list", "watch"]),
+            ],
         ),
         _cluster_binding(role, role, "User", COREDNS_USER),
         (
