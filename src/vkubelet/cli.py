@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from .agent import ReplicaOptions
+    from .kube import KubeClient
 
 # `vkubelet run` imports neither the dev cluster's code nor rich (each restart of an agent pays
 # for what it imports): the commands that need them import them.
@@ -300,13 +301,13 @@ def run(
     from .vmcontroller import ControllerConfig, run_controller
 
     async def agent_and_controller() -> None:
-        client = _lightkube(kubeconfig)
+        client = _kube_client(kubeconfig)
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(run_agent())
                 group.create_task(run_controller(client, ControllerConfig()))
         finally:
-            await client.close()
+            await client.aclose()
 
     asyncio.run(_run_until_signalled(agent_and_controller))
 
@@ -612,13 +613,10 @@ KubeconfigOption = Annotated[
 ]
 
 
-def _lightkube(kubeconfig: Path | None) -> Any:
-    from lightkube import AsyncClient
+def _kube_client(kubeconfig: Path | None) -> KubeClient:
+    from .kube import KubeClient
 
-    from ._kubeconfig import load_kubeconfig
-
-    config = load_kubeconfig(kubeconfig)
-    return AsyncClient(config=config)
+    return KubeClient.from_kubeconfig(kubeconfig)
 
 
 @vm_app.command("install-crds")
@@ -637,11 +635,11 @@ def vm_install_crds(
         return
 
     async def install() -> list[str]:
-        client = _lightkube(kubeconfig)
+        client = _kube_client(kubeconfig)
         try:
             return await install_crds(client)
         finally:
-            await client.close()
+            await client.aclose()
 
     try:
         names = asyncio.run(install())
@@ -672,7 +670,8 @@ def vm_controller(
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING, ERROR.")] = "INFO",
 ) -> None:
     """Run the VirtualMachine controller (one active instance by leader election)."""
-    from .vmcontroller import ControllerConfig, LeaseTiming, run_controller
+    from .kube import LeaseTiming
+    from .vmcontroller import ControllerConfig, run_controller
 
     setup_logging(LogFormat.text, log_level)
     for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):  # every request, at DEBUG
@@ -685,11 +684,11 @@ def vm_controller(
     )
 
     async def controller() -> None:
-        client = _lightkube(kubeconfig)
+        client = _kube_client(kubeconfig)
         try:
             await run_controller(client, config)
         finally:
-            await client.close()
+            await client.aclose()
 
     asyncio.run(_run_until_signalled(controller))
 

@@ -26,12 +26,32 @@ from ._lease import (
     default_identity,
 )
 from ._reflector import Handler, Reflector, key_of
+from ._resources import (
+    APPLY_PATCH,
+    CUSTOM_RESOURCE_DEFINITIONS,
+    EVENTS,
+    LEASES,
+    NODES,
+    PERSISTENT_VOLUME_CLAIMS,
+    PERSISTENT_VOLUMES,
+    PODS,
+    Resource,
+    label_selector,
+)
 from ._workqueue import WorkQueue
 
 __all__ = [
+    "APPLY_PATCH",
+    "CUSTOM_RESOURCE_DEFINITIONS",
+    "EVENTS",
     "JSON_PATCH",
+    "LEASES",
     "MERGE_PATCH",
+    "NODES",
     "NORMAL",
+    "PERSISTENT_VOLUMES",
+    "PERSISTENT_VOLUME_CLAIMS",
+    "PODS",
     "STRATEGIC_MERGE_PATCH",
     "WARNING",
     "ApiError",
@@ -46,11 +66,13 @@ __all__ = [
     "LeaseTiming",
     "ObjectRef",
     "Reflector",
+    "Resource",
     "TokenBucket",
     "Unreachable",
     "WorkQueue",
     "default_identity",
     "key_of",
+    "label_selector",
     "node_ref",
     "status_error",
 ]

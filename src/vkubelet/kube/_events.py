@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,18 @@ class ObjectRef:
     name: str
     uid: str
     api_version: str = "v1"
+
+    @classmethod
+    def of(cls, obj: Mapping[str, Any]) -> ObjectRef:
+        """The reference to an object as the apiserver returned it (with apiVersion and kind)."""
+        meta = obj.get("metadata") or {}
+        return cls(
+            str(obj.get("kind") or ""),
+            str(meta.get("namespace") or ""),
+            str(meta.get("name") or ""),
+            str(meta.get("uid") or ""),
+            str(obj.get("apiVersion") or "v1"),
+        )
 
 
 def node_ref(node_name: str) -> ObjectRef:

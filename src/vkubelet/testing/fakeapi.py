@@ -2,7 +2,8 @@
 
 It serves what the agent uses, with the apiserver's semantics where the agent depends on them:
 
-- GET one object; LIST with `fieldSelector` (`a=b`, `a!=b`, any dotted field path) and
+- GET one object; LIST with `fieldSelector` (`a=b`, `a!=b`, any dotted field path),
+  `labelSelector` (`k=v`, `k!=v`, `k`, `!k`) and
   `limit`/`continue` pages served from a snapshot, like etcd-backed lists;
 - WATCH as a streamed newline-delimited JSON response: replay from `resourceVersion`, synthetic
   ADDED events when it is empty or "0", BOOKMARKs on request (`bookmark()`), `ERROR` 410 Expired
@@ -14,6 +15,8 @@ It serves what the agent uses, with the apiserver's semantics where the agent de
   `containerStatuses`, are replaced, as in Kubernetes), `metadata.uid`/`metadata.resourceVersion`
   in a patch act as preconditions (409), the `status` subresource changes only the status and
   the main resource never changes pod or node status;
+- `pods/resize` changes only the containers (their resources);
+- the VM controller's custom resources (`vkubelet.io/v1alpha1`), with a status subresource;
 - DELETE with `gracePeriodSeconds` and `preconditions` (query or DeleteOptions body): pods bound
   to a node and not terminal get `deletionTimestamp`/`deletionGracePeriodSeconds` and stay until
   deleted with grace 0; everything else goes at once;
@@ -60,17 +63,23 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "events": ("/api/v1", True, "Event"),
     "serviceaccounts": ("/api/v1", True, "ServiceAccount"),
     "persistentvolumeclaims": ("/api/v1", True, "PersistentVolumeClaim"),
+    "persistentvolumes": ("/api/v1", False, "PersistentVolume"),
     "leases": ("/apis/coordination.k8s.io/v1", True, "Lease"),
     "certificatesigningrequests": (
         "/apis/certificates.k8s.io/v1",
         False,
         "CertificateSigningRequest",
     ),
+    # the VM controller's custom resources
+    "virtualmachines": ("/apis/vkubelet.io/v1alpha1", True, "VirtualMachine"),
+    "virtualmachinebackups": ("/apis/vkubelet.io/v1alpha1", True, "VirtualMachineBackup"),
+    "virtualmachinemigrations": ("/apis/vkubelet.io/v1alpha1", True, "VirtualMachineMigration"),
 }
 _API_VERSION = {
     "/api/v1": "v1",
     "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
     "/apis/certificates.k8s.io/v1": "certificates.k8s.io/v1",
+    "/apis/vkubelet.io/v1alpha1": "vkubelet.io/v1alpha1",
 }
 
 # Strategic merge patch: lists merged by key (path of the list -> merge key). Every other list
@@ -87,7 +96,14 @@ MERGE_KEYS: dict[tuple[str, ...], str] = {
 }
 
 # Resources whose status is a subresource.
-_WITH_STATUS = {"pods", "nodes", "certificatesigningrequests"}
+_WITH_STATUS = {
+    "pods",
+    "nodes",
+    "certificatesigningrequests",
+    "virtualmachines",
+    "virtualmachinebackups",
+    "virtualmachinemigrations",
+}
 _REASONS = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 410: "Expired"}
 
 
@@ -211,6 +227,34 @@ def _selector(text: str) -> Callable[[JSON], bool]:
             raise _Error(400, "BadRequest", f"invalid field selector {term!r}")
         terms.append((match[1], match[2] != "!=", match[3]))
     return lambda obj: all((field_value(obj, f) == v) == eq for f, eq, v in terms)
+
+
+def _label_selector(text: str) -> Callable[[JSON], bool]:
+    """`k=v`, `k==v`, `k!=v`, `k` (the label exists) and `!k` (it does not)."""
+    # (key, the value wanted or None for presence, whether it must match)
+    terms: list[tuple[str, str | None, bool]] = []
+    for term in filter(None, (t.strip() for t in text.split(","))):
+        match = re.fullmatch(r"([\w./-]+)\s*(!=|==|=)\s*(.*)", term)
+        if match is not None:
+            terms.append((match[1], match[3], match[2] != "!="))
+        elif re.fullmatch(r"!?[\w./-]+", term):
+            terms.append((term.lstrip("!"), None, not term.startswith("!")))
+        else:
+            raise _Error(400, "BadRequest", f"invalid label selector {term!r}")
+
+    def matches(obj: JSON) -> bool:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        return all(
+            ((k in labels) if v is None else (labels.get(k) == v)) == eq for k, v, eq in terms
+        )
+
+    return matches
+
+
+def _selectors(params: dict[str, str]) -> Callable[[JSON], bool]:
+    fields = _selector(params.get("fieldSelector", ""))
+    labels = _label_selector(params.get("labelSelector", ""))
+    return lambda obj: fields(obj) and labels(obj)
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -525,7 +569,7 @@ class FakeApiServer:
                 raise _Error(410, "Expired", "the provided continue parameter is too old")
             rv, items = self._snapshots.pop(token)
         else:
-            selector = _selector(params.get("fieldSelector", ""))
+            selector = _selectors(params)
             rv = self._rv
             items = [
                 copy.deepcopy(o)
@@ -552,7 +596,7 @@ class FakeApiServer:
     def _watch(
         self, resource: str, namespace: str | None, params: dict[str, str]
     ) -> httpx.Response:
-        selector = _selector(params.get("fieldSelector", ""))
+        selector = _selectors(params)
         watch = _Watch(resource, namespace, selector, params.get("allowWatchBookmarks") == "true")
         since = params.get("resourceVersion", "")
         replay: list[JSON] = []
@@ -658,6 +702,9 @@ class FakeApiServer:
         if sub in ("status", "approval"):  # a CSR's approval is a status subresource too
             result = copy.deepcopy(current)
             result["status"] = updated.get("status") or {}
+        elif sub == "resize" and resource == "pods":  # in-place resize: the containers only
+            result = copy.deepcopy(current)
+            result["spec"]["containers"] = updated["spec"]["containers"]
         elif sub is None:
             result = updated
             if resource in _WITH_STATUS:

@@ -10,12 +10,11 @@ from ._base import (
     POWER_OFF_ANNOTATION,
     ROOT_DISK_SIZE_ANNOTATION,
     Context,
-    EventRecorder,
     Reconciler,
+    Watched,
 )
 from ._controller import ControllerConfig, VMController, default_reconcilers, run_controller
 from ._crds import crd_yaml, install_crds
-from ._lease import LeaderElector, LeaseTiming
 from ._resources import VirtualMachine, VirtualMachineBackup, VirtualMachineMigration
 
 __all__ = [
@@ -25,14 +24,12 @@ __all__ = [
     "ROOT_DISK_SIZE_ANNOTATION",
     "Context",
     "ControllerConfig",
-    "EventRecorder",
-    "LeaderElector",
-    "LeaseTiming",
     "Reconciler",
     "VMController",
     "VirtualMachine",
     "VirtualMachineBackup",
     "VirtualMachineMigration",
+    "Watched",
     "crd_yaml",
     "default_reconcilers",
     "install_crds",

@@ -24,12 +24,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, Final
 
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import PersistentVolume, PersistentVolumeClaim, Pod
-from lightkube.types import PatchType
-
+from ..kube import (
+    PERSISTENT_VOLUME_CLAIMS,
+    PERSISTENT_VOLUMES,
+    PODS,
+    ApiError,
+    ObjectRef,
+    Resource,
+    label_selector,
+)
 from ._base import Context
 from ._resources import VirtualMachine, VirtualMachineBackup
 
@@ -184,7 +189,7 @@ class BackupReconciler:
         status = dict(backup.get("status") or {})
         if status.get("phase") in _TERMINAL:
             return None
-        pod = await _read(ctx, Pod, pod_name_for(name), namespace)
+        pod = await _read(ctx, PODS, pod_name_for(name), namespace)
         if pod is None and status.get("phase") == "Running":
             failure = _Failure("PodDeleted", "the backup pod was deleted")
             await self._finish(ctx, backup, status, failure)
@@ -210,10 +215,10 @@ class BackupReconciler:
         claim = volume = None
         if isinstance(target, Mapping) and isinstance(target.get("persistentVolumeClaim"), str):
             claim = await _read(
-                ctx, PersistentVolumeClaim, target["persistentVolumeClaim"], namespace
+                ctx, PERSISTENT_VOLUME_CLAIMS, target["persistentVolumeClaim"], namespace
             )
             if (pv := _get(claim, "spec", "volumeName")) is not None:
-                volume = await _read(ctx, PersistentVolume, pv, None)
+                volume = await _read(ctx, PERSISTENT_VOLUMES, pv, None)
         try:
             annotation = target_annotation(target, claim, volume)
         except TargetInvalid as e:
@@ -227,19 +232,18 @@ class BackupReconciler:
             return _Failure("VMNotRunning", f"VM {vm_name} is not running")
         manifest = backup_pod(backup, vm_pod, annotation)
         try:
-            created = await ctx.client.create(cast(Pod, Pod.from_dict(manifest)))
-            pod: dict[str, Any] = created.to_dict()
+            pod: dict[str, Any] = await ctx.client.create(PODS.path(namespace), manifest)
         except ApiError as e:
-            if e.status.code != 409:
+            if not e.conflict:
                 raise
-            found = await _read(ctx, Pod, manifest["metadata"]["name"], namespace)
+            found = await _read(ctx, PODS, manifest["metadata"]["name"], namespace)
             if found is None:
                 raise
             pod = found
         else:
             node = manifest["spec"]["nodeName"]
             ctx.events.emit(
-                _obj(backup),
+                ObjectRef.of(backup),
                 "Normal",
                 "Started",
                 f"backup pod {pod_name_for(meta['name'])} on {node}",
@@ -259,38 +263,32 @@ class BackupReconciler:
                 f"{status.get('kind')} backup of {status.get('sizeBytes')} bytes in "
                 f"{status.get('durationSeconds')} s at {status.get('path')}"
             )
-            ctx.events.emit(_obj(backup), "Normal", "Succeeded", message)
+            ctx.events.emit(ObjectRef.of(backup), "Normal", "Succeeded", message)
         else:
-            ctx.events.emit(_obj(backup), "Warning", str(status["reason"]), str(status["message"]))
+            ctx.events.emit(
+                ObjectRef.of(backup), "Warning", str(status["reason"]), str(status["message"])
+            )
 
 
 async def _read(
-    ctx: Context, resource: Any, name: str, namespace: str | None
+    ctx: Context, resource: Resource, name: str, namespace: str | None
 ) -> dict[str, Any] | None:
     try:
-        if namespace is None:
-            found = await ctx.client.get(resource, name)
-        else:
-            found = await ctx.client.get(resource, name, namespace=namespace)
+        found: dict[str, Any] = await ctx.client.get(resource.path(namespace, name))
     except ApiError as e:
-        if e.status.code == 404:
+        if e.not_found:
             return None
         raise
-    return _as_dict(found)
-
-
-def _as_dict(obj: Any) -> dict[str, Any]:
-    return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
-
-
-def _obj(backup: dict[str, Any]) -> Any:
-    return VirtualMachineBackup.from_dict(backup)
+    return found
 
 
 async def _running_pod(ctx: Context, namespace: str, vm: str) -> dict[str, Any] | None:
     """The VM's pod that runs (Running, bound to a node, not being deleted)."""
-    async for pod in ctx.client.list(Pod, namespace=namespace, labels={NAME_LABEL: vm}):
-        p = _as_dict(pod)
+    found = await ctx.client.get(
+        PODS.path(namespace), {"labelSelector": label_selector({NAME_LABEL: vm})}
+    )
+    pods: list[dict[str, Any]] = found.get("items") or []
+    for p in pods:
         if (
             _get(p, "status", "phase") == "Running"
             and _get(p, "spec", "nodeName")
@@ -310,14 +308,11 @@ async def _set_status(
     meta = backup["metadata"]
     try:
         await ctx.client.patch(
-            VirtualMachineBackup.Status,
-            meta["name"],
+            VirtualMachineBackup.path(meta["namespace"], meta["name"], "status"),
             {"status": changed},
-            namespace=meta["namespace"],
-            patch_type=PatchType.MERGE,
         )
     except ApiError as e:
-        if e.status.code != 404:
+        if not e.not_found:
             raise
 
 

@@ -1,11 +1,11 @@
 """The controller process: leader election, watches, a work queue, the reconcilers.
 
-While this instance leads, one watch per reconciler's resource and one on the pods labelled
+While this instance leads, one Reflector per reconciler's resource and one on the pods labelled
 `vm.vkubelet.io/name` turn changes into keys; a key is reconciled by one worker at a time
 (changes arriving meanwhile queue it once more), failures are retried with a growing delay, a
-reconciler's own requeue delay is honoured, and everything is resynced periodically (a missed
-watch event costs at most one resync interval). The leader's work is cancelled as soon as the
-Lease is lost (see `_lease`).
+reconciler's own requeue delay is honoured, and everything the watches know of is queued again
+periodically (a reconciler's time-based steps need no watch event). The leader's work is
+cancelled as soon as the Lease is lost (see `vkubelet.kube`'s `LeaderElector`).
 """
 
 from __future__ import annotations
@@ -13,44 +13,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
-from lightkube import ALL_NS, AsyncClient
-from lightkube.operators import exists
-from lightkube.resources.core_v1 import Pod
-
-from ._base import NAME_LABEL, Context, EventRecorder, PodWatcher, Reconciler
-from ._lease import LEASE_NAME, LeaderElector, LeaseTiming, LightkubeLeases
+from ..kube import (
+    PODS,
+    EventRecorder,
+    Handler,
+    KubeClient,
+    KubeLeases,
+    LeaderElector,
+    LeaseTiming,
+    Reflector,
+    Unreachable,
+    WorkQueue,
+    default_identity,
+    label_selector,
+)
+from ._backup import BackupReconciler
+from ._base import NAME_LABEL, Context, PodWatcher, Reconciler, Watched
+from ._migration import MigrationReconciler
 from ._vm import VirtualMachineReconciler
 
 __all__ = ["ControllerConfig", "VMController", "default_reconcilers", "run_controller"]
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, str, str]  # (reconciler index, namespace, name)
-_MAX_BACKOFF: Final = 60.0
+LEASE_NAME: Final = "vkubelet-vm-controller"
+COMPONENT: Final = "vkubelet-vm-controller"
+# A failed reconcile is retried after 0.5 s, doubling to a minute.
+_RETRY_DELAY: Final = 0.5
+_MAX_RETRY_DELAY: Final = 60.0
 
 
 def default_reconcilers() -> list[Reconciler]:
-    """The VirtualMachine reconciler, and those of backups and migrations when installed."""
-    reconcilers: list[Reconciler] = [VirtualMachineReconciler()]
-    for module, attribute in (
-        ("vkubelet.vmcontroller._backup", "BackupReconciler"),
-        ("vkubelet.vmcontroller._migration", "MigrationReconciler"),
-    ):
-        try:
-            imported = __import__(module, fromlist=[attribute])
-        except ImportError:
-            continue
-        factory = getattr(imported, attribute, None)
-        if factory is not None:
-            reconcilers.append(factory())
-    return reconcilers
+    """The VirtualMachine, VirtualMachineBackup and VirtualMachineMigration reconcilers."""
+    return [VirtualMachineReconciler(), BackupReconciler(), MigrationReconciler()]
 
 
 @dataclass(frozen=True)
@@ -63,48 +62,9 @@ class ControllerConfig:
     timing: LeaseTiming = field(default_factory=LeaseTiming)
 
 
-class _Queue:
-    """Keys to reconcile: each at most once in the queue and handled by one worker at a time."""
-
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[Key] = asyncio.Queue()
-        self._dirty: set[Key] = set()
-        self._active: set[Key] = set()
-        self._timers: set[asyncio.TimerHandle] = set()
-
-    def add(self, key: Key) -> None:
-        if key in self._dirty:
-            return
-        self._dirty.add(key)
-        if key not in self._active:
-            self._queue.put_nowait(key)
-
-    def add_after(self, key: Key, delay: float) -> None:
-        loop = asyncio.get_running_loop()
-        handle: asyncio.TimerHandle
-
-        def fire() -> None:
-            self._timers.discard(handle)
-            self.add(key)
-
-        handle = loop.call_later(delay, fire)
-        self._timers.add(handle)
-
-    async def get(self) -> Key:
-        key = await self._queue.get()
-        self._dirty.discard(key)
-        self._active.add(key)
-        return key
-
-    def done(self, key: Key) -> None:
-        self._active.discard(key)
-        if key in self._dirty:
-            self._queue.put_nowait(key)
-
-    def close(self) -> None:
-        for handle in self._timers:
-            handle.cancel()
-        self._timers.clear()
+def _key(index: int, namespace: str, name: str) -> str:
+    """A work queue key: the reconciler's index and the object (names hold no '/')."""
+    return f"{index}/{namespace}/{name}"
 
 
 class VMController:
@@ -112,142 +72,91 @@ class VMController:
 
     def __init__(
         self,
-        client: AsyncClient,
+        client: KubeClient,
         reconcilers: Sequence[Reconciler],
         config: ControllerConfig,
+        *,
+        identity: str = "",
     ) -> None:
         self.client, self.reconcilers, self.config = client, list(reconcilers), config
-        self.events = EventRecorder(client)
+        self.events = EventRecorder(client, component=COMPONENT, host=identity)
         self.ctx = Context(client, self.events)
-        self._failures: dict[Key, int] = {}
+        self.queue = WorkQueue(
+            self._reconcile,
+            name="vm controller",
+            workers=config.workers,
+            base_delay=_RETRY_DELAY,
+            max_delay=_MAX_RETRY_DELAY,
+            outage=(Unreachable,),
+            outage_max_delay=_MAX_RETRY_DELAY,
+        )
+        self.reflectors = [
+            self._reflector(reconciler.resource.path(config.namespace), self._keys_of(index))
+            for index, reconciler in enumerate(self.reconcilers)
+        ]
+        self.pods = self._reflector(
+            PODS.path(config.namespace), self._keys_of_pod, {NAME_LABEL: None}
+        )
         self.reconciled = 0  # reconcile passes run (for tests and logs)
 
-    @property
-    def _ns(self) -> str:
-        return self.config.namespace or ALL_NS
+    def _reflector(
+        self,
+        path: str,
+        keys: Callable[[Watched], list[str]],
+        labels: dict[str, str | None] | None = None,
+    ) -> Reflector[Watched]:
+        def queue(obj: Watched) -> None:
+            for key in keys(obj):
+                self.queue.add(key)
+
+        handler = Handler(queue, lambda _old, new: queue(new), queue)
+        params = {"labelSelector": label_selector(labels)} if labels else None
+        return Reflector(self.client, path, Watched, handler, params=params)
+
+    def _keys_of(self, index: int) -> Callable[[Watched], list[str]]:
+        def keys(obj: Watched) -> list[str]:
+            meta = obj.metadata
+            return [_key(index, str(meta.namespace), meta.name)] if meta.name else []
+
+        return keys
+
+    def _keys_of_pod(self, pod: Watched) -> list[str]:
+        return [
+            _key(index, namespace, name)
+            for index, reconciler in enumerate(self.reconcilers)
+            if isinstance(reconciler, PodWatcher)
+            for namespace, name in reconciler.keys_for_pod(pod)
+        ]
 
     async def run(self) -> None:
-        queue = _Queue()
-        try:
-            async with asyncio.TaskGroup() as group:
-                for index, reconciler in enumerate(self.reconcilers):
-                    group.create_task(self._watch(queue, index, reconciler))
-                group.create_task(self._watch_pods(queue))
-                group.create_task(self._resync(queue))
-                for number in range(self.config.workers):
-                    group.create_task(self._work(queue), name=f"vm worker {number}")
-        finally:
-            queue.close()
-            await self.events.aclose()
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self.events.run())
+            group.create_task(self.queue.run())
+            for reflector in [*self.reflectors, self.pods]:
+                group.create_task(reflector.run())
+            group.create_task(self._resync())
 
-    async def _enqueue_all(self, queue: _Queue) -> None:
-        for index, reconciler in enumerate(self.reconcilers):
-            obj: Any
-            try:
-                async for obj in self.client.list(reconciler.resource, namespace=self._ns):
-                    meta = _metadata(obj)
-                    if meta is not None and meta.name:
-                        queue.add((index, str(meta.namespace), str(meta.name)))
-            except Exception as e:
-                log.warning("cannot list %s: %s", reconciler.resource.__name__, e)
-
-    async def _resync(self, queue: _Queue) -> None:
+    async def _resync(self) -> None:
         while True:
-            await self._enqueue_all(queue)
             await asyncio.sleep(self.config.resync)
-
-    async def _watch(self, queue: _Queue, index: int, reconciler: Reconciler) -> None:
-        def keys(obj: Any) -> list[Key]:
-            meta = _metadata(obj)
-            if meta is not None and meta.name:
-                return [(index, str(meta.namespace), str(meta.name))]
-            return []
-
-        await self._keep_watching(
-            queue, reconciler.resource.__name__, reconciler.resource, None, keys
-        )
-
-    async def _watch_pods(self, queue: _Queue) -> None:
-        watchers = [(i, r) for i, r in enumerate(self.reconcilers) if isinstance(r, PodWatcher)]
-
-        def keys(pod: Any) -> list[Key]:
-            return [
-                (index, namespace, name)
-                for index, reconciler in watchers
-                for namespace, name in reconciler.keys_for_pod(pod)
-            ]
-
-        await self._keep_watching(queue, "VM pods", Pod, {NAME_LABEL: exists()}, keys)
-
-    async def _keep_watching(
-        self,
-        queue: _Queue,
-        what: str,
-        resource: Any,
-        labels: Any,
-        keys: Callable[[Any], list[Key]],
-    ) -> None:
-        """Watch for ever; after an error (the apiserver away, the CRD not installed yet) wait
-        1 s doubling to 30 s, then re-list everything (events may have been missed)."""
-        failures = 0
-        while True:
-            try:
-                async for _, obj in self.client.watch(resource, namespace=self._ns, labels=labels):
-                    failures = 0
+            for index, reflector in enumerate(self.reflectors):
+                keys = self._keys_of(index)
+                for obj in list(reflector.items.values()):
                     for key in keys(obj):
-                        queue.add(key)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                failures += 1
-                log.log(
-                    logging.WARNING if failures in (1, 5) else logging.DEBUG,
-                    "watch of %s ended: %s; watching again",
-                    what,
-                    e,
-                )
-            await asyncio.sleep(min(2.0 ** max(failures - 1, 0), 30.0))
-            await self._enqueue_all(queue)
+                        self.queue.add(key)
 
-    async def _work(self, queue: _Queue) -> None:
-        while True:
-            key = await queue.get()
-            index, namespace, name = key
-            reconciler = self.reconcilers[index]
-            try:
-                self.reconciled += 1
-                log.debug("reconcile %s %s/%s", reconciler.resource.__name__, namespace, name)
-                after = await reconciler.reconcile(self.ctx, namespace, name)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                failures = self._failures.get(key, 0) + 1
-                self._failures[key] = failures
-                delay = min(0.5 * 2 ** (failures - 1), _MAX_BACKOFF)
-                log.warning(
-                    "%s %s/%s: reconcile failed (%s: %s); again in %.1fs",
-                    reconciler.resource.__name__,
-                    namespace,
-                    name,
-                    type(e).__name__,
-                    e,
-                    delay,
-                )
-                queue.add_after(key, delay)
-            else:
-                self._failures.pop(key, None)
-                if after is not None:
-                    queue.add_after(key, max(after, 0.0))
-            finally:
-                queue.done(key)
-
-
-def default_identity() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    async def _reconcile(self, key: str) -> None:
+        number, namespace, name = key.split("/", 2)
+        reconciler = self.reconcilers[int(number)]
+        self.reconciled += 1
+        log.debug("reconcile %s %s/%s", reconciler.resource.kind, namespace, name)
+        after = await reconciler.reconcile(self.ctx, namespace, name)
+        if after is not None:
+            self.queue.add_after(key, max(after, 0.0))
 
 
 async def run_controller(
-    client: AsyncClient,
+    client: KubeClient,
     config: ControllerConfig,
     reconcilers: Sequence[Reconciler] | None = None,
 ) -> None:
@@ -255,21 +164,20 @@ async def run_controller(
     the Lease is released so that another instance takes over at once)."""
     identity = config.identity or default_identity()
     elector = LeaderElector(
-        LightkubeLeases(client),
+        KubeLeases(client),
         namespace=config.lease_namespace,
         identity=identity,
         name=LEASE_NAME,
         timing=config.timing,
     )
     controller = VMController(
-        client, reconcilers if reconcilers is not None else default_reconcilers(), config
+        client,
+        reconcilers if reconcilers is not None else default_reconcilers(),
+        config,
+        identity=identity,
     )
     try:
         await elector.run(controller.run)
     finally:
         with contextlib.suppress(Exception):
             await asyncio.shield(elector.release())
-
-
-def _metadata(obj: Any) -> Any:
-    return obj.metadata

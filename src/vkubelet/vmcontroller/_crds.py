@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from importlib import resources
-from typing import Any, cast
+from typing import Any
 
 import yaml
-from lightkube import AsyncClient
-from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
+
+from ..kube import APPLY_PATCH, CUSTOM_RESOURCE_DEFINITIONS, KubeClient
 
 __all__ = ["CRD_FILES", "crd_documents", "crd_yaml", "install_crds"]
 
@@ -32,19 +32,27 @@ def crd_documents() -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(crd_yaml()) if doc]
 
 
-async def install_crds(client: AsyncClient, *, wait: float = 60.0) -> list[str]:
+async def install_crds(client: KubeClient, *, wait: float = 60.0) -> list[str]:
     """Apply the CRDs and wait until each is Established; the names installed."""
     names = []
     for doc in crd_documents():
-        crd = cast(CustomResourceDefinition, CustomResourceDefinition.from_dict(doc))
-        await client.apply(crd, field_manager=FIELD_MANAGER, force=True)
-        names.append(doc["metadata"]["name"])
+        name = doc["metadata"]["name"]
+        await client.request(
+            "PATCH",
+            CUSTOM_RESOURCE_DEFINITIONS.path(name=name),
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            body=doc,
+            content_type=APPLY_PATCH,
+        )
+        names.append(name)
     deadline = time.monotonic() + wait
     for name in names:
         while True:
-            crd = await client.get(CustomResourceDefinition, name)
-            conditions = crd.status.conditions if crd.status else None
-            if any(c.type == "Established" and c.status == "True" for c in conditions or ()):
+            crd = await client.get(CUSTOM_RESOURCE_DEFINITIONS.path(name=name))
+            conditions = (crd.get("status") or {}).get("conditions") or ()
+            if any(
+                c.get("type") == "Established" and c.get("status") == "True" for c in conditions
+            ):
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"CRD {name} not Established after {wait:g}s")

@@ -25,13 +25,10 @@ import json
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Node, Pod
-from lightkube.types import PatchType
-
-from ._base import Context
+from ..kube import NODES, PODS, ApiError, ObjectRef, label_selector
+from ._base import Context, Watched
 from ._placement import TRIGGER_ANNOTATION, node_admits
 from ._resources import VirtualMachine, VirtualMachineMigration
 
@@ -379,10 +376,8 @@ class MigrationReconciler:
 
     resource = VirtualMachineMigration
 
-    def keys_for_pod(self, pod: Pod) -> Iterable[tuple[str, str]]:
+    def keys_for_pod(self, pod: Watched) -> Iterable[tuple[str, str]]:
         meta = pod.metadata
-        if meta is None:
-            return
         name = (meta.labels or {}).get(MIGRATION_LABEL) or (meta.annotations or {}).get(
             MIGRATION_LABEL
         )
@@ -392,52 +387,48 @@ class MigrationReconciler:
     async def reconcile(self, ctx: Context, namespace: str, name: str) -> float | None:
         client = ctx.client
         try:
-            migration = dict(await client.get(VirtualMachineMigration, name, namespace=namespace))
+            migration = await client.get(VirtualMachineMigration.path(namespace, name))
         except ApiError as e:
-            if e.status.code == 404:
+            if e.not_found:
                 return None
             raise
         vm_name = str((migration.get("spec") or {}).get("vmName"))
         vm: dict[str, Any] | None
         try:
-            vm = dict(await client.get(VirtualMachine, vm_name, namespace=namespace))
+            vm = await client.get(VirtualMachine.path(namespace, vm_name))
         except ApiError as e:
-            if e.status.code != 404:
+            if not e.not_found:
                 raise
             vm = None
-        pods = [
-            p.to_dict()
-            async for p in client.list(Pod, namespace=namespace, labels={NAME_LABEL: vm_name})
-        ]
-        nodes = {str(n.metadata.name): n.to_dict() async for n in client.list(Node) if n.metadata}
+        selector = {"labelSelector": label_selector({NAME_LABEL: vm_name})}
+        pods = (await client.get(PODS.path(namespace), selector)).get("items") or []
+        nodes = {
+            str(n["metadata"]["name"]): n
+            for n in (await client.get(NODES.path())).get("items") or []
+        }
         step = decide(migration, vm, pods, nodes)
-        obj = VirtualMachineMigration.from_dict(migration)
+        obj = ObjectRef.of(migration)
         if step.create is not None:
-            created = await client.create(cast(Pod, Pod.from_dict(step.create)))
-            assert created.metadata is not None
-            step.status["targetPod"] = created.metadata.name
+            created = await client.create(PODS.path(namespace), step.create)
+            step.status["targetPod"] = created["metadata"]["name"]
         for pod, changes in step.annotate.items():
             patch = {"metadata": {"annotations": changes}}
             try:
-                await client.patch(Pod, pod, patch, namespace=namespace, patch_type=PatchType.MERGE)
+                await client.patch(PODS.path(namespace, pod), patch)
             except ApiError as e:
-                if e.status.code != 404:
+                if not e.not_found:
                     raise
         for pod in step.delete:
             try:
-                await client.delete(Pod, pod, namespace=namespace)
+                await client.delete(PODS.path(namespace, pod))
             except ApiError as e:
-                if e.status.code != 404:
+                if not e.not_found:
                     raise
         old = dict(migration.get("status") or {})
         changed = {k: v for k, v in step.status.items() if old.get(k) != v}
         if changed:
             await client.patch(
-                VirtualMachineMigration.Status,
-                name,
-                {"status": changed},
-                namespace=namespace,
-                patch_type=PatchType.MERGE,
+                VirtualMachineMigration.path(namespace, name, "status"), {"status": changed}
             )
         for kind, reason, message in step.events:
             ctx.events.emit(obj, kind, reason, message)

@@ -1,15 +1,13 @@
-"""The lightkube classes of the three custom resources (the CRDs are in `crds/`)."""
+"""Where the three custom resources live in the API (the CRDs are in `crds/`)."""
 
-from lightkube.generic_resource import create_namespaced_resource
+from ..kube import Resource
 
 __all__ = ["VirtualMachine", "VirtualMachineBackup", "VirtualMachineMigration"]
 
-VirtualMachine = create_namespaced_resource(
-    "vkubelet.io", "v1alpha1", "VirtualMachine", "virtualmachines"
+VirtualMachine = Resource("vkubelet.io/v1alpha1", "VirtualMachine", "virtualmachines")
+VirtualMachineBackup = Resource(
+    "vkubelet.io/v1alpha1", "VirtualMachineBackup", "virtualmachinebackups"
 )
-VirtualMachineBackup = create_namespaced_resource(
-    "vkubelet.io", "v1alpha1", "VirtualMachineBackup", "virtualmachinebackups"
-)
-VirtualMachineMigration = create_namespaced_resource(
-    "vkubelet.io", "v1alpha1", "VirtualMachineMigration", "virtualmachinemigrations"
+VirtualMachineMigration = Resource(
+    "vkubelet.io/v1alpha1", "VirtualMachineMigration", "virtualmachinemigrations"
 )

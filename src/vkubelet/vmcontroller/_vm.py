@@ -19,12 +19,16 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Final, cast
+from typing import Any, Final
 
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Node, Pod
-from lightkube.types import PatchType
-
+from ..kube import (
+    NODES,
+    PODS,
+    STRATEGIC_MERGE_PATCH,
+    ApiError,
+    ObjectRef,
+    label_selector,
+)
 from ..sdk.backoff import go_duration
 from ..sdk.quantity import QuantityError, parse_quantity
 from ._backup import RestoreError, restore_path
@@ -38,6 +42,7 @@ from ._base import (
     POWER_OFF_ANNOTATION,
     ROOT_DISK_SIZE_ANNOTATION,
     Context,
+    Watched,
 )
 from ._placement import NODE_SELECTION_CONDITION, decide_placement
 from ._powerbackoff import delay_for, failure_of, parse_time, ran_long_enough
@@ -469,24 +474,21 @@ def _sync(vm: Mapping[str, Any], pod: Mapping[str, Any], decision: Decision) -> 
 class VirtualMachineReconciler:
     resource = VirtualMachine
 
-    def keys_for_pod(self, pod: Pod) -> Iterable[tuple[str, str]]:
+    def keys_for_pod(self, pod: Watched) -> Iterable[tuple[str, str]]:
         meta = pod.metadata
-        if meta is not None and meta.labels and NAME_LABEL in meta.labels:
+        if meta.labels and NAME_LABEL in meta.labels:
             yield str(meta.namespace), meta.labels[NAME_LABEL]
 
     async def reconcile(self, ctx: Context, namespace: str, name: str) -> float | None:
         client = ctx.client
         try:
-            vm = await client.get(VirtualMachine, name, namespace=namespace)
+            vm_dict = await client.get(VirtualMachine.path(namespace, name))
         except ApiError as e:
-            if e.status.code == 404:
+            if e.not_found:
                 return None
             raise
-        pods = [
-            p.to_dict()
-            async for p in client.list(Pod, namespace=namespace, labels={NAME_LABEL: name})
-        ]
-        vm_dict: dict[str, Any] = dict(vm)
+        vm = ObjectRef.of(vm_dict)
+        pods = await list_pods(ctx, namespace, name)
         now = datetime.now(UTC)
         decision = decide(vm_dict, pods, now=now)
         failure = None
@@ -502,14 +504,12 @@ class VirtualMachineReconciler:
                 ctx.events.emit(vm, "Warning", failure[0], failure[1])
         if decision.create is not None and failure is None:
             try:
-                created = await client.create(cast(Pod, Pod.from_dict(decision.create)))
-                assert created.metadata is not None
-                log.info(
-                    "%s/%s: powering on: created pod %s", namespace, name, created.metadata.name
-                )
-                ctx.events.emit(vm, "Normal", "PoweringOn", f"Created pod {created.metadata.name}")
+                created = await client.create(PODS.path(namespace), decision.create)
+                created_name = created["metadata"]["name"]
+                log.info("%s/%s: powering on: created pod %s", namespace, name, created_name)
+                ctx.events.emit(vm, "Normal", "PoweringOn", f"Created pod {created_name}")
             except ApiError as e:
-                failure = ("FailedCreate", f"the pod was refused: {e.status.message}")
+                failure = ("FailedCreate", f"the pod was refused: {e.message}")
                 ctx.events.emit(vm, "Warning", "FailedCreate", failure[1])
         for pod_name, patch in decision.patch.items():
             await _patch(ctx, namespace, pod_name, patch)
@@ -517,19 +517,15 @@ class VirtualMachineReconciler:
             log.info("%s/%s: resizing pod %s: %s", namespace, name, pod_name, patch)
             try:
                 await client.patch(
-                    Pod.Resize,
-                    pod_name,
-                    patch,
-                    namespace=namespace,
-                    patch_type=PatchType.STRATEGIC,
+                    PODS.path(namespace, pod_name, "resize"), patch, STRATEGIC_MERGE_PATCH
                 )
                 ctx.events.emit(vm, "Normal", "Resizing", f"resize of {pod_name}: {patch}")
             except ApiError as e:
-                if e.status.code != 404:
-                    log.warning("%s/%s: resize refused: %s", namespace, name, e.status.message)
+                if not e.not_found:
+                    log.warning("%s/%s: resize refused: %s", namespace, name, e.message)
                     failure = (
                         "ResizeRefused",
-                        f"pods/resize refused: {e.status.message}; the template's resources "
+                        f"pods/resize refused: {e.message}; the template's resources "
                         "apply at the next power-on",
                     )
                     ctx.events.emit(vm, "Warning", "ResizeRefused", failure[1])
@@ -551,7 +547,7 @@ class VirtualMachineReconciler:
     async def _place(
         self,
         ctx: Context,
-        vm: Any,
+        vm: ObjectRef,
         vm_dict: Mapping[str, Any],
         pods: list[dict[str, Any]],
         decision: Decision,
@@ -570,26 +566,26 @@ class VirtualMachineReconciler:
         namespace = str(_meta(vm_dict).get("namespace"))
         try:
             nodes = {
-                str(n.metadata.name): n.to_dict() async for n in ctx.client.list(Node) if n.metadata
+                str(n["metadata"]["name"]): n
+                for n in (await ctx.client.get(NODES.path())).get("items") or []
             }
-            migrations = [
-                dict(m) async for m in ctx.client.list(VirtualMachineMigration, namespace=namespace)
-            ]
+            found = await ctx.client.get(VirtualMachineMigration.path(namespace))
+            migrations: list[dict[str, Any]] = found.get("items") or []
         except ApiError as e:
-            if e.status.code not in (403, 404):
+            if e.status not in (403, 404):
                 raise
             # Without the migration CRD or the permission to list nodes, VMs stay where they
             # are: everything else the reconciler does must not depend on it.
-            log.debug("node selection not checked: %s", e.status.message)
+            log.debug("node selection not checked: %s", e.message)
             return
         placement = decide_placement(vm_dict, pod, nodes, migrations)
         if placement is None:
             return
         if placement.create is not None:
             try:
-                await ctx.client.create(VirtualMachineMigration.from_dict(placement.create))
+                await ctx.client.create(VirtualMachineMigration.path(namespace), placement.create)
             except ApiError as e:
-                if e.status.code != 409:  # 409: made by an earlier pass
+                if not e.conflict:  # 409: made by an earlier pass
                     raise
             else:
                 log.info("%s: %s", _meta(vm_dict).get("name"), placement.message)
@@ -613,7 +609,7 @@ class VirtualMachineReconciler:
             decision.requeue = min(decision.requeue or _UNSETTLED_REQUEUE, _UNSETTLED_REQUEUE)
 
     async def _power_off(
-        self, ctx: Context, vm: Any, namespace: str, pod_name: str, mode: str
+        self, ctx: Context, vm: ObjectRef, namespace: str, pod_name: str, mode: str
     ) -> None:
         """Annotate the power-off mode, then delete: the provider reads the annotation when
         the deletion reaches it (a restart in between annotates again, then deletes)."""
@@ -624,7 +620,7 @@ class VirtualMachineReconciler:
             log.info(
                 "%s/%s: powering off (%s): deleted pod %s",
                 namespace,
-                vm.metadata.name,
+                vm.name,
                 mode,
                 pod_name,
             )
@@ -644,24 +640,27 @@ class VirtualMachineReconciler:
             return
         try:
             await ctx.client.patch(
-                VirtualMachine.Status,
-                name,
-                {"status": changed},
-                namespace=namespace,
-                patch_type=PatchType.MERGE,
+                VirtualMachine.path(namespace, name, "status"), {"status": changed}
             )
         except ApiError as e:
-            if e.status.code != 404:
+            if not e.not_found:
                 raise
+
+
+async def list_pods(ctx: Context, namespace: str, vm: str) -> list[dict[str, Any]]:
+    """The pods labelled with the VM's name (a quorum read: never a cache, see the module)."""
+    found = await ctx.client.get(
+        PODS.path(namespace), {"labelSelector": label_selector({NAME_LABEL: vm})}
+    )
+    pods: list[dict[str, Any]] = found.get("items") or []
+    return pods
 
 
 async def _patch(ctx: Context, namespace: str, pod_name: str, patch: dict[str, Any]) -> bool:
     try:
-        await ctx.client.patch(
-            Pod, pod_name, patch, namespace=namespace, patch_type=PatchType.MERGE
-        )
+        await ctx.client.patch(PODS.path(namespace, pod_name), patch)
     except ApiError as e:
-        if e.status.code == 404:
+        if e.not_found:
             return False
         raise
     return True
@@ -669,9 +668,9 @@ async def _patch(ctx: Context, namespace: str, pod_name: str, patch: dict[str, A
 
 async def _delete(ctx: Context, namespace: str, pod_name: str) -> bool:
     try:
-        await ctx.client.delete(Pod, pod_name, namespace=namespace)
+        await ctx.client.delete(PODS.path(namespace, pod_name))
     except ApiError as e:
-        if e.status.code == 404:
+        if e.not_found:
             return False
         raise
     return True

@@ -3,78 +3,24 @@ node whose outcome becomes the status; bad requests fail with a message and crea
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx2 as httpx
 import pytest
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import PersistentVolume, PersistentVolumeClaim, Pod
 
+from vkubelet.testing.fakeapi import FakeApiServer
 from vkubelet.vmcontroller._backup import BackupReconciler, RestoreError, restore_path
 from vkubelet.vmcontroller._base import Context
-from vkubelet.vmcontroller._resources import VirtualMachine, VirtualMachineBackup
 
 NS = "apps"
 
-
-def _error(code: int) -> ApiError:
-    body = {"kind": "Status", "apiVersion": "v1", "code": code, "message": f"error {code}"}
-    return ApiError(response=httpx.Response(code, json=body))
-
-
-class FakeClient:
-    """Objects by (kind, namespace, name) as dicts; records creates and status patches."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str | None, str], dict[str, Any]] = {}
-        self.created: list[dict[str, Any]] = []
-
-    def put(self, kind: str, obj: dict[str, Any]) -> None:
-        meta = obj["metadata"]
-        self.objects[(kind, meta.get("namespace"), meta["name"])] = obj
-
-    @staticmethod
-    def _kind(resource: Any) -> str:
-        return {
-            VirtualMachineBackup: "VirtualMachineBackup",
-            VirtualMachineBackup.Status: "VirtualMachineBackup",
-            VirtualMachine: "VirtualMachine",
-            Pod: "Pod",
-            PersistentVolumeClaim: "PersistentVolumeClaim",
-            PersistentVolume: "PersistentVolume",
-        }[resource]
-
-    async def get(self, resource: Any, name: str, *, namespace: str | None = None) -> Any:
-        obj = self.objects.get((self._kind(resource), namespace, name))
-        if obj is None:
-            raise _error(404)
-        return resource.from_dict(json.loads(json.dumps(obj)))
-
-    async def create(self, obj: Any) -> Any:
-        data = obj.to_dict()
-        kind = data["kind"]
-        if (kind, data["metadata"]["namespace"], data["metadata"]["name"]) in self.objects:
-            raise _error(409)
-        self.put(kind, data)
-        self.created.append(data)
-        return obj
-
-    async def patch(self, resource: Any, name: str, obj: Any, **kw: Any) -> Any:
-        target = self.objects[(self._kind(resource), kw["namespace"], name)]
-        target.setdefault("status", {}).update(obj["status"])
-        return None
-
-    async def list(
-        self, resource: Any, *, namespace: str, labels: dict[str, str]
-    ) -> AsyncIterator[Any]:
-        for (kind, ns, _), obj in list(self.objects.items()):
-            mine = obj["metadata"].get("labels") or {}
-            matches = all(mine.get(k) == v for k, v in labels.items())
-            if kind == self._kind(resource) and ns == namespace and matches:
-                yield resource.from_dict(obj)
+RESOURCES = {
+    "VirtualMachineBackup": "virtualmachinebackups",
+    "VirtualMachine": "virtualmachines",
+    "Pod": "pods",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "PersistentVolume": "persistentvolumes",
+}
 
 
 class Events:
@@ -85,13 +31,29 @@ class Events:
         self.emitted.append((type, reason, message))
 
 
-def _context() -> tuple[Context, FakeClient, Events]:
-    client, events = FakeClient(), Events()
-    return Context(client=client, events=events), client, events  # type: ignore[arg-type]
+def _context() -> tuple[Context, FakeApiServer, Events]:
+    api, events = FakeApiServer(), Events()
+    return Context(client=api.client(), events=events), api, events  # type: ignore[arg-type]
 
 
-def _backup(client: FakeClient, target: dict[str, Any], vm: str = "db") -> None:
-    client.put(
+def _put(api: FakeApiServer, kind: str, obj: dict[str, Any]) -> None:
+    api.create(RESOURCES[kind], obj)
+
+
+def _uid(api: FakeApiServer) -> str:
+    backup = api.get("virtualmachinebackups", "nightly", NS)
+    assert backup is not None
+    return str(backup["metadata"]["uid"])
+
+
+def _created(api: FakeApiServer) -> list[dict[str, Any]]:
+    """The pods the reconciler created, as it sent them."""
+    return [c.body for c in api.calls if c.method == "POST" and c.path.endswith("/pods")]
+
+
+def _backup(client: FakeApiServer, target: dict[str, Any], vm: str = "db") -> None:
+    _put(
+        client,
         "VirtualMachineBackup",
         {
             "apiVersion": "vkubelet.io/v1alpha1",
@@ -102,8 +64,9 @@ def _backup(client: FakeClient, target: dict[str, Any], vm: str = "db") -> None:
     )
 
 
-def _vm(client: FakeClient, phase: str = "Running") -> None:
-    client.put(
+def _vm(client: FakeApiServer, phase: str = "Running") -> None:
+    _put(
+        client,
         "VirtualMachine",
         {
             "apiVersion": "vkubelet.io/v1alpha1",
@@ -112,7 +75,8 @@ def _vm(client: FakeClient, phase: str = "Running") -> None:
             "spec": {"replicas": 1},
         },
     )
-    client.put(
+    _put(
+        client,
         "Pod",
         {
             "apiVersion": "v1",
@@ -131,38 +95,49 @@ def _vm(client: FakeClient, phase: str = "Running") -> None:
     )
 
 
-def _reconcile(ctx: Context) -> float | None:
-    return asyncio.run(BackupReconciler().reconcile(ctx, NS, "nightly"))
+async def _reconcile(ctx: Context) -> float | None:
+    return await BackupReconciler().reconcile(ctx, NS, "nightly")
 
 
-def _status(client: FakeClient) -> dict[str, Any]:
-    status: dict[str, Any] = client.objects[("VirtualMachineBackup", NS, "nightly")]["status"]
+def _status(client: FakeApiServer) -> dict[str, Any]:
+    backup = client.get("virtualmachinebackups", "nightly", NS)
+    assert backup is not None
+    status: dict[str, Any] = backup["status"]
     return status
 
 
-def _finish_pod(client: FakeClient, phase: str, terminated: dict[str, Any]) -> None:
-    pod = client.objects[("Pod", NS, "nightly-backup")]
-    pod["status"] = {
-        "phase": phase,
-        "containerStatuses": [
-            {
-                "name": "backup",
-                "image": "vm.vkubelet.io/backup",
-                "imageID": "",
-                "ready": False,
-                "restartCount": 0,
-                "state": {"terminated": terminated},
-            }
-        ],
-    }
+def _set_status(client: FakeApiServer, resource: str, name: str, status: dict[str, Any]) -> None:
+    client.patch(resource, name, {"status": None}, NS, subresource="status")
+    client.patch(resource, name, {"status": status}, NS, subresource="status")
 
 
-def test_a_backup_becomes_a_pod_pinned_to_the_vm_s_node_owned_by_the_backup() -> None:
+def _finish_pod(client: FakeApiServer, phase: str, terminated: dict[str, Any]) -> None:
+    _set_status(
+        client,
+        "pods",
+        "nightly-backup",
+        {
+            "phase": phase,
+            "containerStatuses": [
+                {
+                    "name": "backup",
+                    "image": "vm.vkubelet.io/backup",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": terminated},
+                }
+            ],
+        },
+    )
+
+
+async def test_a_backup_becomes_a_pod_pinned_to_the_vm_s_node_owned_by_the_backup() -> None:
     ctx, client, events = _context()
     _vm(client)
     _backup(client, {"directory": "/srv/backups"})
-    assert _reconcile(ctx) is not None  # polls while the pod runs
-    [pod] = client.created
+    assert await _reconcile(ctx) is not None  # polls while the pod runs
+    [pod] = _created(client)
     assert pod["metadata"]["name"] == "nightly-backup"
     assert pod["spec"]["nodeName"] == "hv-1" and pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["containers"][0]["image"] == "vm.vkubelet.io/backup"
@@ -174,27 +149,27 @@ def test_a_backup_becomes_a_pod_pinned_to_the_vm_s_node_owned_by_the_backup() ->
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
         "VirtualMachineBackup",
         "nightly",
-        "b-uid",
+        _uid(client),
         True,
     )
     assert "vm.vkubelet.io/name" not in (pod["metadata"].get("labels") or {})
     assert _status(client) == {"phase": "Pending", "podName": "nightly-backup", "nodeName": "hv-1"}
     assert events.emitted[0][:2] == ("Normal", "Started")
     # again: the same pod is found, never a second one
-    _reconcile(ctx)
-    assert len(client.created) == 1
+    await _reconcile(ctx)
+    assert len(_created(client)) == 1
 
 
-def test_the_status_is_the_pod_s_outcome_size_duration_path() -> None:
+async def test_the_status_is_the_pod_s_outcome_size_duration_path() -> None:
     ctx, client, events = _context()
     _vm(client)
     _backup(client, {"directory": "/srv/backups"})
-    _reconcile(ctx)
+    await _reconcile(ctx)
     result = {"kind": "incremental", "sizeBytes": 1234, "durationSeconds": 0.5, "path": "/srv/x"}
     _finish_pod(
         client, "Succeeded", {"exitCode": 0, "reason": "Completed", "message": json.dumps(result)}
     )
-    assert _reconcile(ctx) is None
+    assert await _reconcile(ctx) is None
     assert _status(client) == {
         "phase": "Succeeded",
         "podName": "nightly-backup",
@@ -204,16 +179,16 @@ def test_the_status_is_the_pod_s_outcome_size_duration_path() -> None:
     assert events.emitted[-1][:2] == ("Normal", "Succeeded")
     # terminal: nothing changes any more
     _finish_pod(client, "Failed", {"exitCode": 1, "reason": "BackupFailed", "message": "x"})
-    assert _reconcile(ctx) is None and _status(client)["phase"] == "Succeeded"
+    assert await _reconcile(ctx) is None and _status(client)["phase"] == "Succeeded"
 
 
-def test_a_failed_pod_fails_the_backup_with_its_reason_and_message() -> None:
+async def test_a_failed_pod_fails_the_backup_with_its_reason_and_message() -> None:
     ctx, client, events = _context()
     _vm(client)
     _backup(client, {"directory": "/srv/backups"})
-    _reconcile(ctx)
+    await _reconcile(ctx)
     _finish_pod(client, "Failed", {"exitCode": 1, "reason": "TargetRefused", "message": "outside"})
-    _reconcile(ctx)
+    await _reconcile(ctx)
     status = _status(client)
     assert (status["phase"], status["reason"], status["message"]) == (
         "Failed",
@@ -223,25 +198,25 @@ def test_a_failed_pod_fails_the_backup_with_its_reason_and_message() -> None:
     assert events.emitted[-1] == ("Warning", "TargetRefused", "outside")
 
 
-def test_a_vm_that_does_not_run_fails_the_backup_and_creates_nothing() -> None:
+async def test_a_vm_that_does_not_run_fails_the_backup_and_creates_nothing() -> None:
     ctx, client, _ = _context()
     _vm(client, phase="Pending")
     _backup(client, {"directory": "/srv/backups"})
-    assert _reconcile(ctx) is None
+    assert await _reconcile(ctx) is None
     assert _status(client) == {
         "phase": "Failed",
         "reason": "VMNotRunning",
         "message": "VM db is not running",
     }
-    assert not client.created
+    assert not _created(client)
 
 
-def test_an_unknown_vm_fails_the_backup() -> None:
+async def test_an_unknown_vm_fails_the_backup() -> None:
     ctx, client, _ = _context()
     _backup(client, {"directory": "/srv/backups"}, vm="ghost")
-    _reconcile(ctx)
+    await _reconcile(ctx)
     assert _status(client)["reason"] == "VMNotFound" and "'ghost'" in _status(client)["message"]
-    assert not client.created
+    assert not _created(client)
 
 
 @pytest.mark.parametrize(
@@ -255,16 +230,18 @@ def test_an_unknown_vm_fails_the_backup() -> None:
         ({"persistentVolumeClaim": "disk"}, "no directory on the node"),
     ],
 )
-def test_an_unknown_or_unusable_target_fails_with_a_clear_message_and_creates_nothing(
+async def test_an_unknown_or_unusable_target_fails_with_a_clear_message_and_creates_nothing(
     target: dict[str, Any], words: str
 ) -> None:
     ctx, client, events = _context()
     _vm(client)
-    client.put(
+    _put(
+        client,
         "PersistentVolumeClaim",
         {"metadata": {"name": "pending", "namespace": NS}, "status": {"phase": "Pending"}},
     )
-    client.put(
+    _put(
+        client,
         "PersistentVolumeClaim",
         {
             "metadata": {"name": "disk", "namespace": NS},
@@ -272,23 +249,25 @@ def test_an_unknown_or_unusable_target_fails_with_a_clear_message_and_creates_no
             "status": {"phase": "Bound"},
         },
     )
-    client.put(
+    _put(
+        client,
         "PersistentVolume",
         {"metadata": {"name": "pv-img"}, "spec": {"csi": {"driver": "x", "volumeHandle": "h"}}},
     )
     _backup(client, target)
-    assert _reconcile(ctx) is None
+    assert await _reconcile(ctx) is None
     status = _status(client)
     assert status["phase"] == "Failed" and status["reason"] == "TargetRefused"
     assert words in status["message"]
-    assert not client.created
+    assert not _created(client)
     assert events.emitted[-1][:2] == ("Warning", "TargetRefused")
 
 
-def test_a_pvc_bound_to_a_local_volume_targets_its_path() -> None:
+async def test_a_pvc_bound_to_a_local_volume_targets_its_path() -> None:
     ctx, client, _ = _context()
     _vm(client)
-    client.put(
+    _put(
+        client,
         "PersistentVolumeClaim",
         {
             "metadata": {"name": "backups", "namespace": NS},
@@ -296,37 +275,38 @@ def test_a_pvc_bound_to_a_local_volume_targets_its_path() -> None:
             "status": {"phase": "Bound"},
         },
     )
-    client.put(
+    _put(
+        client,
         "PersistentVolume",
         {"metadata": {"name": "pv-local"}, "spec": {"local": {"path": "/srv/pv1"}}},
     )
     _backup(client, {"persistentVolumeClaim": "backups"})
-    _reconcile(ctx)
-    annotation = client.created[0]["metadata"]["annotations"]["vm.vkubelet.io/backup-target"]
+    await _reconcile(ctx)
+    annotation = _created(client)[0]["metadata"]["annotations"]["vm.vkubelet.io/backup-target"]
     assert json.loads(annotation) == {"persistentVolumeClaim": "backups", "path": "/srv/pv1"}
 
 
-def test_a_deleted_backup_pod_fails_a_running_backup() -> None:
+async def test_a_deleted_backup_pod_fails_a_running_backup() -> None:
     ctx, client, _ = _context()
     _vm(client)
     _backup(client, {"directory": "/srv/backups"})
-    _reconcile(ctx)
-    client.objects[("Pod", NS, "nightly-backup")]["status"] = {"phase": "Running"}
-    _reconcile(ctx)
-    del client.objects[("Pod", NS, "nightly-backup")]
-    _reconcile(ctx)
+    await _reconcile(ctx)
+    _set_status(client, "pods", "nightly-backup", {"phase": "Running"})
+    await _reconcile(ctx)
+    client.delete("pods", "nightly-backup", NS, grace=0)
+    await _reconcile(ctx)
     assert _status(client)["reason"] == "PodDeleted"
-    assert len(client.created) == 1
+    assert len(_created(client)) == 1
 
 
-def test_restore_from_a_backup_name_is_its_path_once_it_succeeded() -> None:
+async def test_restore_from_a_backup_name_is_its_path_once_it_succeeded() -> None:
     ctx, client, _ = _context()
     _vm(client)
     _backup(client, {"directory": "/srv/backups"})
     with pytest.raises(RestoreError, match="has not succeeded"):
-        asyncio.run(restore_path(ctx, NS, "nightly"))
+        await restore_path(ctx, NS, "nightly")
     with pytest.raises(RestoreError, match="not found"):
-        asyncio.run(restore_path(ctx, NS, "other"))
-    _status_obj = client.objects[("VirtualMachineBackup", NS, "nightly")]
-    _status_obj["status"] = {"phase": "Succeeded", "path": "/srv/backups/apps/db/0001-full"}
-    assert asyncio.run(restore_path(ctx, NS, "nightly"))[0] == "/srv/backups/apps/db/0001-full"
+        await restore_path(ctx, NS, "other")
+    succeeded = {"phase": "Succeeded", "path": "/srv/backups/apps/db/0001-full"}
+    _set_status(client, "virtualmachinebackups", "nightly", succeeded)
+    assert (await restore_path(ctx, NS, "nightly"))[0] == "/srv/backups/apps/db/0001-full"

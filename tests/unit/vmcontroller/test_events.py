@@ -3,50 +3,45 @@ already written instead of writing another (a reconcile loop finding the same pr
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
 
-from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Event
-
-from vkubelet.vmcontroller import EventRecorder, VirtualMachine
-
-
-class FakeClient:
-    def __init__(self) -> None:
-        self.created: list[Event] = []
-        self.patched: list[tuple[str, dict[str, Any]]] = []
-
-    async def create(self, event: Event) -> Event:
-        assert event.metadata is not None
-        event.metadata.name = f"db.{len(self.created)}"
-        self.created.append(event)
-        return event
-
-    async def patch(self, res: type, name: str, body: dict[str, Any], **_: Any) -> None:
-        self.patched.append((name, body))
+from vkubelet.kube import EventRecorder, ObjectRef
+from vkubelet.testing.fakeapi import FakeApiServer
+from vkubelet.testing.harness import cancel_and_wait, eventually
+from vkubelet.vmcontroller._controller import COMPONENT
 
 
 async def test_an_event_names_the_virtual_machine_and_a_repeat_bumps_its_count() -> None:
-    client = FakeClient()
-    events = EventRecorder(client)  # type: ignore[arg-type]
-    vm = VirtualMachine(metadata=ObjectMeta(name="db", namespace="ns", uid="u1"))
-    events.emit(vm, "Warning", "FailedCreate", "refused")
-    await events.aclose()
-    events.emit(vm, "Warning", "FailedCreate", "refused")
-    await events.aclose()
-    (event,) = client.created
-    ref = event.involvedObject
-    assert (ref.apiVersion, ref.kind, ref.name, ref.namespace, ref.uid) == (
+    api = FakeApiServer()
+    client = api.client()
+    events = EventRecorder(client, component=COMPONENT, host="controller-1")
+    task = asyncio.create_task(events.run())
+    try:
+        vm = api.create(
+            "virtualmachines",
+            {"metadata": {"name": "db", "namespace": "ns"}, "spec": {"replicas": 1}},
+        )
+        events.emit(ObjectRef.of(vm), "Warning", "FailedCreate", "refused")
+        await eventually(lambda: events.sent == 1)
+        events.emit(ObjectRef.of(vm), "Warning", "FailedCreate", "refused")
+        await eventually(lambda: events.sent == 2)
+    finally:
+        await cancel_and_wait(task)
+        await client.aclose()
+    (event,) = api.objects("events", "ns")
+    ref = event["involvedObject"]
+    assert (ref["apiVersion"], ref["kind"], ref["name"], ref["namespace"], ref["uid"]) == (
         "vkubelet.io/v1alpha1",
         "VirtualMachine",
         "db",
         "ns",
-        "u1",
+        vm["metadata"]["uid"],
     )
-    assert (event.type, event.reason, event.message, event.count) == (
+    assert (event["type"], event["reason"], event["message"]) == (
         "Warning",
         "FailedCreate",
         "refused",
-        1,
     )
-    assert [(name, body["count"]) for name, body in client.patched] == [("db.0", 2)]
+    assert event["source"]["component"] == COMPONENT
+    writes = [(c.method, (c.body or {}).get("count")) for c in api.calls if "/events" in c.path]
+    assert writes == [("POST", 1), ("PATCH", 2)]

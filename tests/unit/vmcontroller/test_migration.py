@@ -1,18 +1,17 @@
 """The VirtualMachineMigration reconciler: its decisions from the objects alone, and one whole
-migration through a fake apiserver client (the providers' part played by the test)."""
+migration through the fake apiserver (the providers' part played by the test)."""
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import Any
 
+import msgspec
 import pytest
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Node, Pod
 
-from vkubelet.vmcontroller._base import Context
+from vkubelet.testing.fakeapi import FakeApiServer
+from vkubelet.vmcontroller._base import Context, Watched
 from vkubelet.vmcontroller._migration import (
     MIGRATE_TO,
     MIGRATION_CONDITION,
@@ -24,7 +23,6 @@ from vkubelet.vmcontroller._migration import (
     decide,
 )
 from vkubelet.vmcontroller._resources import (
-    VirtualMachine,
     VirtualMachineMigration,
 )
 
@@ -280,67 +278,7 @@ def test_a_missing_vm_fails_the_migration() -> None:
     assert step.status["message"] == "VirtualMachine db does not exist"
 
 
-# -- through a fake client ------------------------------------------------------------------
-class _Status:
-    code = 404
-
-
-class FakeClient:
-    def __init__(self, objects: dict[tuple[str, str], dict[str, Any]]) -> None:
-        self.objects = objects  # (kind, name) -> object
-        self.created = 0
-
-    @staticmethod
-    def _kind(resource: Any) -> str:
-        return str(getattr(resource, "_api_info").resource.kind)  # noqa: B009
-
-    def _missing(self) -> ApiError:
-        error = ApiError.__new__(ApiError)
-        error.status = _Status()  # type: ignore[assignment]
-        return error
-
-    async def get(self, resource: Any, name: str, namespace: str | None = None) -> Any:
-        kind = self._kind(resource)
-        if (kind, name) not in self.objects:
-            raise self._missing()
-        return resource.from_dict(copy.deepcopy(self.objects[kind, name]))
-
-    async def list(
-        self, resource: Any, namespace: str | None = None, labels: Any = None
-    ) -> AsyncIterator[Any]:
-        kind = self._kind(resource)
-        for (k, _), obj in list(self.objects.items()):
-            wanted = labels or {}
-            have = obj["metadata"].get("labels") or {}
-            if k == kind and all(have.get(key) == value for key, value in wanted.items()):
-                yield resource.from_dict(copy.deepcopy(obj))
-
-    async def create(self, obj: Pod) -> Pod:
-        data = obj.to_dict()
-        self.created += 1
-        data["metadata"]["name"] = f"{data['metadata']['generateName']}t{self.created}"
-        data["status"] = {"phase": "Pending", "conditions": []}
-        self.objects["Pod", data["metadata"]["name"]] = data
-        return cast(Pod, Pod.from_dict(data))
-
-    async def patch(self, resource: Any, name: str, patch: dict[str, Any], **_: Any) -> None:
-        kind = self._kind(resource)
-        obj = self.objects[kind, name]
-        for key in ("status",):
-            if key in patch:
-                obj.setdefault(key, {}).update(patch[key])
-        if "metadata" in patch:
-            annotations = obj["metadata"].setdefault("annotations", {})
-            for key, value in patch["metadata"]["annotations"].items():
-                if value is None:
-                    annotations.pop(key, None)
-                else:
-                    annotations[key] = value
-
-    async def delete(self, resource: Any, name: str, namespace: str | None = None) -> None:
-        self.objects.pop((self._kind(resource), name))
-
-
+# -- through the fake apiserver -------------------------------------------------------------
 class Events:
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
@@ -349,55 +287,68 @@ class Events:
         self.seen.append((type, reason))
 
 
-def _api(obj: dict[str, Any], kind: str, version: str = "vkubelet.io/v1alpha1") -> Any:
-    return {"apiVersion": version, "kind": kind, **obj}
+def _created(api: FakeApiServer) -> int:
+    return sum(1 for c in api.calls if c.method == "POST" and c.path.endswith("/pods"))
 
 
 async def test_a_whole_migration_through_the_api_with_a_controller_restart_in_the_middle() -> None:
-    nodes = {("Node", n): _api(obj, "Node", "v1") for n, obj in NODES.items()}
-    client = FakeClient(
-        {
-            ("VirtualMachineMigration", "move"): _api(migration(), "VirtualMachineMigration"),
-            ("VirtualMachine", "db"): _api(VM, "VirtualMachine"),
-            ("Pod", "db-abcde"): _api(source_pod(), "Pod", "v1"),
-            **nodes,
-        }
-    )
+    api = FakeApiServer()
+    for node in NODES.values():
+        api.create("nodes", copy.deepcopy(node))
+    api.create("virtualmachinemigrations", migration())
+    vm_uid = api.create("virtualmachines", copy.deepcopy(VM))["metadata"]["uid"]
+    source = source_pod()
+    source["metadata"]["ownerReferences"][0]["uid"] = vm_uid
+    source["metadata"]["annotations"]["vm.vkubelet.io/machine"] = vm_uid
+    api.create("pods", source)
     events = Events()
-    ctx = Context(client=client, events=events)  # type: ignore[arg-type]
+    ctx = Context(client=api.client(), events=events)  # type: ignore[arg-type]
 
     def status() -> dict[str, Any]:
-        return dict(client.objects["VirtualMachineMigration", "move"]["status"])
+        found = api.get("virtualmachinemigrations", "move", "ns")
+        assert found is not None
+        return dict(found["status"])
+
+    def add_condition(name: str, *condition: Any) -> dict[str, Any]:
+        pod = api.get("pods", name, "ns")
+        assert pod is not None
+        pod["status"].setdefault("conditions", [])
+        with_condition(pod, *condition)
+        api.patch("pods", name, {"status": pod["status"]}, "ns", subresource="status")
+        return pod
 
     assert await MigrationReconciler().reconcile(ctx, "ns", "move") is not None
     assert status()["phase"] == "Preparing"
     target = status()["targetPod"]
-    pod = client.objects["Pod", target]
-    assert pod["spec"]["nodeName"] == "hv-2"
+    pod = api.get("pods", target, "ns")
+    assert pod is not None and pod["spec"]["nodeName"] == "hv-2"
     # The target's provider is ready; a fresh reconciler (a restarted controller) goes on.
-    with_condition(pod, TARGET_CONDITION, "True", "Ready", ENDPOINT)
+    add_condition(target, TARGET_CONDITION, "True", "Ready", ENDPOINT)
     await MigrationReconciler().reconcile(ctx, "ns", "move")
     assert status()["phase"] == "Migrating"
-    source = client.objects["Pod", "db-abcde"]
-    assert json.loads(source["metadata"]["annotations"][MIGRATE_TO]) == ENDPOINT
+    annotated = api.get("pods", "db-abcde", "ns")
+    assert annotated is not None
+    assert json.loads(annotated["metadata"]["annotations"][MIGRATE_TO]) == ENDPOINT
     report = {"downtimeMilliseconds": 19, "totalMilliseconds": 700, "target": HERE}
-    with_condition(source, MIGRATION_CONDITION, "True", "Completed", report)
+    add_condition("db-abcde", MIGRATION_CONDITION, "True", "Completed", report)
     assert await MigrationReconciler().reconcile(ctx, "ns", "move") is None
     assert status()["phase"] == "Succeeded" and status()["downtimeMilliseconds"] == 19
-    assert ("Pod", "db-abcde") not in client.objects and ("Pod", target) in client.objects
+    # The source is deleted (gracefully: its QEMU stops), the target stays.
+    deleted = api.get("pods", "db-abcde", "ns")
+    assert deleted is None or deleted["metadata"].get("deletionTimestamp")
+    assert api.get("pods", target, "ns") is not None
     assert ("Normal", "Migrated") in events.seen
-    assert client.created == 1
+    assert _created(api) == 1
     # Finished: nothing more happens.
     assert await MigrationReconciler().reconcile(ctx, "ns", "move") is None
-    assert client.created == 1
+    assert _created(api) == 1
 
 
 def test_the_reconciler_watches_its_resource_and_the_pods_that_name_it() -> None:
     reconciler = MigrationReconciler()
     assert reconciler.resource is VirtualMachineMigration
-    target = cast(Pod, Pod.from_dict(_api(target_pod(), "Pod", "v1")))
+    target = msgspec.convert(target_pod(), Watched)
     assert list(reconciler.keys_for_pod(target)) == [("ns", "move")]
-    assert VirtualMachine is not None and Node is not None
 
 
 def test_a_vm_pod_that_arrived_by_an_earlier_migration_can_move_again() -> None:
