@@ -358,8 +358,7 @@ def _reconcile_until_done(lab: Lab, kubeconfig: Any, name: str) -> dict[str, Any
     import asyncio
     import time
 
-    from lightkube import AsyncClient, KubeConfig
-
+    from vkubelet.kube import KubeClient
     from vkubelet.vmcontroller._base import Context
     from vkubelet.vmcontroller._migration import MigrationReconciler
 
@@ -368,7 +367,7 @@ def _reconcile_until_done(lab: Lab, kubeconfig: Any, name: str) -> dict[str, Any
             print(f"event {type} {reason}: {message}")
 
     async def run() -> None:
-        client = AsyncClient(config=KubeConfig.from_file(kubeconfig))
+        client = KubeClient.from_kubeconfig(kubeconfig)
         reconciler = MigrationReconciler()  # a fresh one each pass: no memory between passes
         try:
             deadline = time.monotonic() + 150
@@ -379,7 +378,7 @@ def _reconcile_until_done(lab: Lab, kubeconfig: Any, name: str) -> dict[str, Any
                 reconciler = MigrationReconciler()
                 await asyncio.sleep(0.5)
         finally:
-            await client.close()
+            await client.aclose()
 
     asyncio.run(run())
     return dict(lab.kubectl.json("-n", lab.namespace, "get", "vmmigration", name)["status"])
