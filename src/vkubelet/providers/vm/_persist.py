@@ -30,6 +30,7 @@ from lightkube.resources.core_v1 import Pod
 
 from ..._fields import reject_unknown
 from ..._files import write_atomic
+from ...kube import ApiError, KubeClient
 
 __all__ = [
     "MACHINE_ANNOTATION",
@@ -122,29 +123,22 @@ def machine_images(state_dir: Path) -> set[str]:
 async def existing_machines(kubeconfig: Path) -> set[str] | None:
     """The uids of all VirtualMachines, or None when that cannot be known (the CRD absent, the
     apiserver away, no permission): then nothing may be deleted."""
-    from lightkube import ALL_NS, AsyncClient, KubeConfig
-    from lightkube.core.exceptions import ApiError
-    from lightkube.generic_resource import create_namespaced_resource
-
-    resource = create_namespaced_resource(
-        "vkubelet.io", "v1alpha1", "VirtualMachine", "virtualmachines"
-    )
-    client = AsyncClient(config=KubeConfig.from_file(kubeconfig))
+    client = KubeClient.from_kubeconfig(kubeconfig)
     try:
+        listed = await client.get("/apis/vkubelet.io/v1alpha1/virtualmachines")
         uids = set()
-        async for vm in client.list(resource, namespace=ALL_NS):
-            meta = vm.metadata
-            if meta is not None and meta.uid:
-                uids.add(str(meta.uid))
+        for vm in listed.get("items") or []:
+            if uid := (vm.get("metadata") or {}).get("uid"):
+                uids.add(str(uid))
         return uids
     except ApiError as e:
-        log.debug("machine gc: cannot list VirtualMachines (%s); nothing removed", e.status.message)
+        log.debug("machine gc: cannot list VirtualMachines (%s); nothing removed", e.message)
         return None
     except Exception as e:
         log.debug("machine gc: cannot list VirtualMachines (%s); nothing removed", e)
         return None
     finally:
-        await client.close()
+        await client.aclose()
 
 
 async def gc_machines(state_dir: Path, kubeconfig: Path, in_use: Collection[str]) -> list[str]:

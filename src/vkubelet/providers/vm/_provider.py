@@ -36,6 +36,7 @@ from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ..._files import write_private
+from ...kube import ApiError, KubeClient
 from ...sdk import (
     AttachIO,
     ByteStream,
@@ -47,14 +48,15 @@ from ...sdk import (
     ProviderContext,
     ProviderError,
     ResolvedPod,
-    RestartBackoff,
     RunnerProvider,
     TaskSet,
     Terminated,
     Waiting,
     build_pod_status,
 )
+from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
 from ...sdk.provider import ContainerLogOptions, EventSink, EventType
+from ...sdk.retry import Backoff
 from . import _hibernate, _persist, _resize
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._backup import BackupPods, BackupSource, is_backup_pod, restore_if_asked
@@ -323,7 +325,7 @@ class VMProvider(RunnerProvider):
         plan = vm.plan
         assert plan is not None
         image = await self._pull(vm, plan.image)
-        backoff = RestartBackoff()
+        backoff, retried = _image_backoff(), False
         while True:
             try:
                 await self._make_machine(vm, resolved, plan, image)
@@ -335,14 +337,13 @@ class VMProvider(RunnerProvider):
             except Exception as e:
                 log.warning("%s: could not create the VM: %s", key, e)
                 self.event(vm, "Warning", "Failed", f"Error: {e}")
-                finished = time.monotonic()
                 self._report_waiting(vm, Waiting("CreateContainerError", str(e)))
-                await asyncio.sleep(max(backoff.delay(finished), 1.0))
-                backoff.restarted(finished, time.monotonic())
+                await asyncio.sleep(backoff.next_delay() if retried else 1.0)
+                retried = True
         self._start_vm(key, vm, restart_count=0)
 
     async def _pull(self, vm: VM, image: str) -> PulledImage:
-        backoff = RestartBackoff()
+        backoff, retried = _image_backoff(), False
         while True:
             started = time.monotonic()
             self.event(vm, "Normal", "Pulling", f'Pulling image "{image}"')
@@ -369,8 +370,7 @@ class VMProvider(RunnerProvider):
                 self.event(vm, "Warning", "Failed", message)
                 self.event(vm, "Warning", "Failed", "Error: ErrImagePull")
                 self._report_waiting(vm, Waiting("ErrImagePull", str(e)))
-                finished = time.monotonic()
-                delay = max(backoff.delay(finished), 1.0)
+                delay, retried = (backoff.next_delay() if retried else 1.0), True
                 await asyncio.sleep(min(delay, 2.0))  # ErrImagePull shows for a moment
                 self.event(vm, "Normal", "BackOff", f'Back-off pulling image "{image}"')
                 self._report_waiting(
@@ -380,8 +380,7 @@ class VMProvider(RunnerProvider):
                         f'Back-off pulling image "{image}": ErrImagePull: {e}',
                     ),
                 )
-                await asyncio.sleep(max(backoff.remaining(finished, time.monotonic()), 0.0))
-                backoff.restarted(finished, time.monotonic())
+                await asyncio.sleep(max(delay - 2.0, 0.0))
                 continue
             took = time.monotonic() - started
             self.event(
@@ -871,21 +870,18 @@ class VMProvider(RunnerProvider):
         """Re-read the translation ConfigMap every interval; its rules win over the config's."""
         source = self.config.translation_config_map
         assert source is not None
-        from lightkube import AsyncClient, KubeConfig
-        from lightkube.core.exceptions import ApiError
-        from lightkube.resources.core_v1 import ConfigMap
-
         origin = f"ConfigMap {source.namespace}/{source.name}"
-        client = AsyncClient(config=KubeConfig.from_file(source.kubeconfig))
+        path = f"/api/v1/namespaces/{source.namespace}/configmaps/{source.name}"
+        client = KubeClient.from_kubeconfig(source.kubeconfig)
         seen: object = ()  # nothing yet
         try:
             while True:
                 data: dict[str, str] | None
                 try:
-                    found = await client.get(ConfigMap, source.name, namespace=source.namespace)
-                    data = dict(found.data or {})
+                    found = await client.get(path)
+                    data = {str(k): str(v) for k, v in (found.get("data") or {}).items()}
                 except ApiError as e:
-                    if e.status.code != 404:
+                    if not e.not_found:
                         log.warning("%s: cannot read it: %s", origin, e)
                         await asyncio.sleep(source.interval)
                         continue
@@ -908,7 +904,7 @@ class VMProvider(RunnerProvider):
                             )
                 await asyncio.sleep(source.interval)
         finally:
-            await client.close()
+            await client.aclose()
 
     # -- image gc --------------------------------------------------------------------------------
     async def _gc_loop(self) -> None:
@@ -1005,6 +1001,13 @@ def _moment(text: object) -> datetime | None:
     with contextlib.suppress(TypeError, ValueError):
         return datetime.fromisoformat(str(text)) if text else None
     return None
+
+
+def _image_backoff() -> Backoff:
+    """The kubelet's image back-off (pulls, and making the VM's disks): the first failure is
+    tried again after a second, as the kubelet's first retry comes at once, then 10 s doubling
+    to 5 min, without jitter (its waits are read in the pod's events)."""
+    return Backoff(initial=INITIAL_SECONDS, cap=MAX_SECONDS, jitter=0.0)
 
 
 def _host_memory() -> int:

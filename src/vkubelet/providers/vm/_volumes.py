@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...kube import ApiError, KubeClient
 from ...sdk import ProviderError
 from ._disks import parse_size
 
@@ -188,6 +189,17 @@ def _opt(value: object) -> str:
     return str(value).replace(",", ",,")
 
 
+_STORAGE_CLASSES = "/apis/storage.k8s.io/v1/storageclasses"
+_VOLUMES = "/api/v1/persistentvolumes"
+
+
+async def _items(
+    api: KubeClient, path: str, params: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    listed = await api.get(path, params)
+    return list(listed.get("items") or [])
+
+
 class DiskProvisioner:
     """The provisioning loop of one vm node, and the claim lookup the provider needs."""
 
@@ -200,27 +212,22 @@ class DiskProvisioner:
     ) -> None:
         self.node, self.config, self.volumes = node, config, volumes
         self._create_blank = create_blank
-        self._client: Any = None
+        self._client: KubeClient | None = None
 
-    def _api(self) -> Any:
+    def _api(self) -> KubeClient:
         if self._client is None:
-            from lightkube import AsyncClient, KubeConfig
-
-            self._client = AsyncClient(config=KubeConfig.from_file(self.config.kubeconfig))
+            self._client = KubeClient.from_kubeconfig(self.config.kubeconfig)
         return self._client
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.close()
+            await self._client.aclose()
 
     async def ensure_storage_class(self) -> None:
-        from lightkube.core.exceptions import ApiError
-        from lightkube.resources.storage_v1 import StorageClass
-
         try:
-            await self._api().create(StorageClass.from_dict(storage_class_manifest()))
+            await self._api().create(_STORAGE_CLASSES, storage_class_manifest())
         except ApiError as e:
-            if e.status.code != 409:
+            if not e.conflict:
                 raise
 
     async def run(self) -> None:
@@ -240,61 +247,49 @@ class DiskProvisioner:
             await asyncio.sleep(self.config.interval)
 
     async def sync_once(self) -> None:
-        from lightkube.resources.core_v1 import PersistentVolume, PersistentVolumeClaim, Pod
-        from lightkube.resources.storage_v1 import StorageClass
-
         api = self._api()
         classes = {
-            sc.metadata.name: sc.reclaimPolicy or "Delete"
-            async for sc in api.list(StorageClass)
-            if sc.provisioner == PROVISIONER and sc.metadata is not None
+            sc["metadata"]["name"]: sc.get("reclaimPolicy") or "Delete"
+            for sc in await _items(api, _STORAGE_CLASSES)
+            if sc.get("provisioner") == PROVISIONER
         }
         consumers: dict[str, str] = {}
-        async for pod in api.list(Pod, namespace="*", fields={"spec.nodeName": self.node}):
-            for volume in (pod.spec.volumes if pod.spec else None) or []:
-                if volume.persistentVolumeClaim is not None and pod.metadata is not None:
-                    claim = volume.persistentVolumeClaim.claimName
-                    consumers[f"{pod.metadata.namespace}/{claim}"] = self.node
-        async for pvc in api.list(PersistentVolumeClaim, namespace="*"):
-            raw = pvc.to_dict()
-            if to_provision(raw, self.node, set(classes), consumers):
-                await self._provision(raw, classes[raw["spec"]["storageClassName"]])
-        async for pv in api.list(PersistentVolume):
-            raw = pv.to_dict()
-            if (path := to_delete(raw, self.node, self.volumes)) is not None:
+        on_node = {"fieldSelector": f"spec.nodeName={self.node}"}
+        for pod in await _items(api, "/api/v1/pods", on_node):
+            for volume in (pod.get("spec") or {}).get("volumes") or []:
+                if claim := (volume.get("persistentVolumeClaim") or {}).get("claimName"):
+                    consumers[f"{pod['metadata']['namespace']}/{claim}"] = self.node
+        for pvc in await _items(api, "/api/v1/persistentvolumeclaims"):
+            if to_provision(pvc, self.node, set(classes), consumers):
+                await self._provision(pvc, classes[pvc["spec"]["storageClassName"]])
+        for pv in await _items(api, _VOLUMES):
+            if (path := to_delete(pv, self.node, self.volumes)) is not None:
                 path.unlink(missing_ok=True)
                 with contextlib.suppress(Exception):
-                    await api.delete(PersistentVolume, raw["metadata"]["name"])
-                log.info("deleted volume %s (%s)", raw["metadata"]["name"], path)
+                    await api.delete(f"{_VOLUMES}/{pv['metadata']['name']}")
+                log.info("deleted volume %s (%s)", pv["metadata"]["name"], path)
 
     async def _provision(self, pvc: dict[str, Any], reclaim: str) -> None:
-        from lightkube.core.exceptions import ApiError
-        from lightkube.resources.core_v1 import PersistentVolume
-
         path = self.volumes / f"{pv_name(pvc)}.qcow2"
         size = parse_size(pvc["spec"]["resources"]["requests"]["storage"], field="storage")
         if not path.exists():
             await self._create_blank(path, size)
         try:
-            await self._api().create(
-                PersistentVolume.from_dict(pv_for(pvc, self.node, path, reclaim))
-            )
+            await self._api().create(_VOLUMES, pv_for(pvc, self.node, path, reclaim))
         except ApiError as e:
-            if e.status.code != 409:
+            if not e.conflict:
                 raise
         meta = pvc["metadata"]
         log.info("provisioned %s for claim %s/%s", path, meta["namespace"], meta["name"])
 
     async def claim_disk(self, namespace: str, claim: str) -> ClaimDisk:
         """The disk of a bound claim of ours on this node; RuntimeError (retried) until then."""
-        from lightkube.resources.core_v1 import PersistentVolume, PersistentVolumeClaim
-
         api = self._api()
-        pvc = await api.get(PersistentVolumeClaim, claim, namespace=namespace)
-        volume = pvc.spec.volumeName if pvc.spec else None
+        pvc = await api.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
+        volume = (pvc.get("spec") or {}).get("volumeName")
         if not volume:
             raise RuntimeError(f"claim {claim} is not bound yet")
-        pv = (await api.get(PersistentVolume, volume)).to_dict()
+        pv = await api.get(f"{_VOLUMES}/{volume}")
         path = Path((pv.get("spec", {}).get("local") or {}).get("path", ""))
         if _pv_node(pv) != self.node or path.parent != self.volumes or not _is_file(path):
             raise RuntimeError(f"claim {claim}'s volume {volume} is not a disk of this node")
