@@ -38,7 +38,8 @@ import httpx2 as httpx
 import yaml
 from _common import cluster_for, cpu_seconds, http_client, log, new_namespace, pct, print_table
 
-from vkubelet.agent._replicas import buckets_of, group_of, lease_name
+from vkubelet.agent._leases import group_of, lease_name
+from vkubelet.agent._sharding import buckets_of
 
 EXE = str(Path(sys.prefix) / "bin" / "vkubelet")
 

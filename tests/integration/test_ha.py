@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vkubelet.agent._replicas import buckets_of, group_of, lease_name
+from vkubelet.agent._leases import group_of, lease_name
+from vkubelet.agent._sharding import buckets_of
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     AgentProcess,

@@ -8,21 +8,19 @@ This package sits above both `vkubelet.node` (node and pod controllers) and `vku
 - `_serving`: each kubelet port's serving certificate, server and readiness condition;
 - `_clientca`: the CA that the kubelet API trusts for the apiserver's client certificate;
 - `_providers`: building providers (entry point, module or file) and routing their events;
-- `_supervision`: running node agents so that one node's failure never stops the others;
+- `_runner`: one node run (its agent and kubelet API), however the process came to run it;
 - `_fleet`: fleets of nodes that come and go, and the drain of a node that left;
-- `_replicas`: leader election and sharding between replicas, through Leases;
+- `_leases`: what replicas share to coordinate through Leases (names, fencing, their own loop);
+- `_leader`: leader election between replicas, each term a whole `Agent`;
+- `_sharding`: sharing nodes between replicas, in buckets claimed through Leases;
 - `_standby`: the `/healthz` a replica answers while it runs no node on the kubelet port.
 """
 
 from ._agent import Agent
+from ._leader import agent_factory, leader_timing, run_leader_elected
+from ._leases import ReplicaOptions
 from ._providers import NodeEventRouter, build_provider
-from ._replicas import (
-    ReplicaOptions,
-    agent_factory,
-    leader_timing,
-    run_leader_elected,
-    shard_timing,
-)
+from ._sharding import shard_timing
 
 __all__ = [
     "Agent",

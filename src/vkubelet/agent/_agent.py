@@ -37,16 +37,11 @@ from . import _providers
 from ._clientca import ClientCA
 from ._fleet import FleetRunner
 from ._identity import bootstrap_identity, identify
-from ._replicas import ReplicaOptions, ShardRunner, fenced_client
-from ._serving import (
-    KubeletApiReadiness,
-    ServingTLS,
-    approves_own_csrs,
-    kubelet_node,
-    start_servers,
-)
+from ._leases import ReplicaOptions, fenced_client
+from ._runner import NodeRunner
+from ._serving import KubeletApiReadiness, ServingTLS, approves_own_csrs
+from ._sharding import ShardRunner, check_shardable
 from ._standby import StandbyHealth
-from ._supervision import run_node
 from ._webhook import serve_webhook, webhooks
 
 log = logging.getLogger(__name__)
@@ -73,7 +68,7 @@ class Agent:
         replicas: ReplicaOptions | None = None,
     ) -> None:
         """`replicas` with `shard`: this replica runs the share of the nodes it claims (see
-        `_replicas`); leader election wraps whole agents instead (`run_leader_elected`)."""
+        `_sharding`); leader election wraps whole agents instead (`run_leader_elected`)."""
         self.config = config
         self.replicas = replicas
         self.identity = bootstrap_identity(config)
@@ -107,11 +102,8 @@ class Agent:
                 "fleet's provider decides its nodes itself (run it with --leader-elect)"
             )
         self._client = client
-        self.nodes: list[NodeAgent] = []
+        self.runners: list[NodeRunner] = []
         self.fleets: list[FleetRunner] = []
-        self.servers: list[KubeletServer] = []
-        self._readiness: dict[int, KubeletApiReadiness] = {}
-        self._serving: dict[int, ServingCertificate | None] = {}  # port -> its certificate
         self._port_tls: dict[int, asyncio.Future[ssl.SSLContext]] = {}  # for admission webhooks
         self.shard: ShardRunner | None = None
         self._client_ca = ClientCA(config.client_ca_file)
@@ -159,8 +151,14 @@ class Agent:
         self.events.add(settings.name, node.events)
         return node
 
-    def forget_node(self, node: NodeAgent) -> None:
-        self.events.remove(node.settings.name)
+    @property
+    def nodes(self) -> list[NodeAgent]:
+        """The configured nodes (not a fleet's, nor a shard's)."""
+        return [node for runner in self.runners for node in runner.nodes]
+
+    @property
+    def servers(self) -> list[KubeletServer]:
+        return [server for runner in self.runners for server in runner.servers]
 
     def node_exists(self, name: str) -> bool:
         return any(n.settings.name == name for n in self.nodes) or any(
@@ -179,19 +177,18 @@ class Agent:
             else:
                 self._client = KubeClient.from_kubeconfig(kubeconfig, options=self.config.client)
         self._services = ServiceCache(self.client)  # one Service watch for all nodes
-        for spec in self._single:
-            port = spec.settings.kubelet_port
-            if self.config.kubelet_api and port not in self._readiness:
-                self._readiness[port] = KubeletApiReadiness(port)
         if self.replicas is not None and self.replicas.shard:
             # The providers built at start only validated the config: each claim builds its
             # own, reading the backend as the node's last holder left it.
             await self.discard()
             self.shard = ShardRunner(self, self._shard_specs, self.replicas)
             return
-        self.nodes = [
-            self.make_node(spec.settings, provider, self._readiness.get(spec.settings.kubelet_port))
-            for spec, provider in zip(self._single, self.providers, strict=True)
+        by_port: dict[int, list[tuple[NodeSettings, PodLifecycleHandler]]] = {}
+        for spec, provider in zip(self._single, self.providers, strict=True):
+            by_port.setdefault(spec.settings.kubelet_port, []).append((spec.settings, provider))
+        self.runners = [
+            NodeRunner(self, nodes, on_serving=functools.partial(self._port_serves, port))
+            for port, nodes in by_port.items()
         ]
         self.fleets = [FleetRunner(self, spec, fleet) for spec, fleet in self._fleet_specs]
 
@@ -222,22 +219,15 @@ class Agent:
                 # would delay every node's first lease renewals behind a thousand registrations;
                 # as many as may start at once start at once (a restart of a few nodes is on
                 # the clock: its pods wait).
-                many = len(self.nodes) > _STARTING_NODES
-                spread = min(5.0 / len(self.nodes), 0.05) if many else 0.0
-                for index, node in enumerate(self.nodes):
+                count = len(self.nodes)
+                spread = min(5.0 / count, 0.05) if count > _STARTING_NODES else 0.0
+                started = 0
+                for runner in self.runners:
                     group.create_task(
-                        run_node(node, delay=index * spread), name=f"node {node.settings.name}"
+                        runner.run(delay=started * spread, spread=spread),
+                        name=f"nodes on port {runner.port}",
                     )
-                if self.config.kubelet_api:
-                    for port, nodes in self._by_port().items():
-                        group.create_task(
-                            run_supervised(
-                                functools.partial(self._serve_port, port, nodes),
-                                name=f"kubelet API on port {port}",
-                                logger=log,
-                            ),
-                            name=f"kubelet API {port}",
-                        )
+                    started += len(runner.nodes)
                 for node, webhook in webhooks(self.nodes):
                     port = node.settings.kubelet_port
                     group.create_task(
@@ -277,9 +267,8 @@ class Agent:
         log.info("stopping: closing the kubelet API and the providers")
         for fleet in self.fleets:
             await fleet.aclose()
-        for server in self.servers:
-            await server.close()
-        self.servers.clear()
+        for runner in self.runners:  # stopped when their tasks ended, unless never started
+            await runner.stop()
         for provider in self.providers:
             await self.close_provider(provider)
         self._client_ca.close()
@@ -308,12 +297,6 @@ class Agent:
             log.exception("closing provider %s failed", type(provider).__name__)
 
     # -- the kubelet API ------------------------------------------------------------------------
-    def _by_port(self) -> dict[int, list[NodeAgent]]:
-        by_port: dict[int, list[NodeAgent]] = {}
-        for node in self.nodes:
-            by_port.setdefault(node.settings.kubelet_port, []).append(node)
-        return by_port
-
     def kubelet_auth(self) -> KubeletAuth:
         if self._auth is None:
             if self.config.insecure_kubelet_api:
@@ -336,46 +319,10 @@ class Agent:
         """The TLS context of a kubelet port, once it serves (an admission webhook shares it)."""
         return await asyncio.shield(self._port_tls.setdefault(port, asyncio.Future()))
 
-    async def _serve_port(self, port: int, nodes: list[NodeAgent]) -> None:
-        """Certificate, then listen, then renew: retried from the start (by the supervisor) if
-        obtaining the certificate or listening fails; a failed renewal only retries itself."""
-        if port not in self._serving:  # once listening, a retry never binds again
-            readiness = self._readiness[port]
-            addresses = [a for n in nodes for a in n.settings.address_list()]
-            context, certificate = await self.tls_context(
-                nodes[0].settings.name, addresses, readiness.waiting_for
-            )
-            servers = await start_servers(
-                [kubelet_node(n, port) for n in nodes], context, self.kubelet_auth(), readiness
-            )
-            self.servers.extend(servers)
-            self._serving[port] = certificate
-            ready = self._port_tls.setdefault(port, asyncio.Future())
-            if not ready.done():
-                ready.set_result(context)
-        certificate = self._serving[port]
-        if certificate is not None:
-            await certificate.renew_forever()
-
-
-def check_shardable(config: AgentConfig, replicas: ReplicaOptions) -> None:
-    """Sharding shares single nodes, each on a kubelet port of its own."""
-    ports: dict[int, str] = {}
-    for spec in config.nodes:
-        name, port = spec.settings.name, spec.settings.kubelet_port
-        if not config.kubelet_api:
-            continue
-        if port == replicas.health_port:
-            raise ConfigError(
-                f"{name}: with --shard the replica's /healthz has port {port} (--kubelet-port); "
-                "give the node another kubeletPort (0: any free port)"
-            )
-        if port in ports:
-            raise ConfigError(
-                f"{name}: with --shard each node needs a kubeletPort of its own "
-                f"({ports[port]} has {port} too; 0: any free port)"
-            )
-        ports[port] = name
+    def _port_serves(self, port: int, context: ssl.SSLContext) -> None:
+        ready = self._port_tls.setdefault(port, asyncio.Future())
+        if not ready.done():
+            ready.set_result(context)
 
 
 async def _close_when_cancelled(health: StandbyHealth) -> None:

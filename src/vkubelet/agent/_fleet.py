@@ -16,18 +16,14 @@ import json
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..kube import ApiError, Unreachable
-from ..kubelet import KubeletServer
-from ..node import FleetNode, NodeAgent, NodeFleet, NodeSpec
+from ..node import FleetNode, NodeFleet, NodeSpec
+from ..node._certs import ServingCertificate
 from ..node._podrecord import PodRecord
 from ..sdk.tasks import TaskSet, run_supervised
-from ._serving import KubeletApiReadiness, kubelet_node, start_servers
-from ._supervision import run_node
-
-if TYPE_CHECKING:
-    from ._agent import Agent
+from ._runner import NodeHost, NodeRunner, OnCsr
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +36,13 @@ RETRY_SECONDS = 5.0
 @dataclasses.dataclass(eq=False)
 class Member:
     member: FleetNode
-    node: NodeAgent
-    readiness: KubeletApiReadiness | None
+    runner: NodeRunner
     task: asyncio.Task[None] | None = None
-    servers: list[KubeletServer] = dataclasses.field(default_factory=list)
 
 
 class FleetRunner:
-    def __init__(self, agent: Agent, spec: NodeSpec, fleet: NodeFleet) -> None:
-        self._agent = agent
+    def __init__(self, host: NodeHost, spec: NodeSpec, fleet: NodeFleet) -> None:
+        self._host = host
         self.spec = spec
         self.fleet = fleet
         self.name = spec.settings.name
@@ -68,7 +62,7 @@ class FleetRunner:
             group.create_task(
                 run_supervised(self._watch, name=f"fleet {self.name}: watch", logger=log)
             )
-            if self._agent.config.kubelet_api:
+            if self._host.config.kubelet_api:
                 group.create_task(
                     run_supervised(self._serve_tls, name=f"fleet {self.name}: TLS", logger=log)
                 )
@@ -86,7 +80,7 @@ class FleetRunner:
         """Every member is served at the fleet's address, each on a port of its own (so
         node-level requests such as /stats/summary reach the right member): one certificate for
         the address serves them all."""
-        context, certificate = await self._agent.tls_context(
+        context, certificate = await self._host.tls_context(
             self.name, self.spec.settings.address_list(), self._on_csr
         )
         self._tls = context
@@ -98,8 +92,8 @@ class FleetRunner:
         self._csr = csr
         if not self._tls_ready.is_set():
             for member in self.members.values():
-                if member.readiness is not None:
-                    member.readiness.waiting_for(csr)
+                if member.runner.readiness is not None:
+                    member.runner.readiness.waiting_for(csr)
 
     async def reconcile(self) -> None:
         wanted = self._wanted
@@ -120,7 +114,7 @@ class FleetRunner:
                 continue
             if name in self.draining:
                 continue  # gone and back: started once the old node has drained
-            if self._agent.node_exists(name):
+            if self._host.node_exists(name):
                 if name not in self._skipped:
                     log.error("fleet %s: node %s exists already; skipped", self.name, name)
                     self._skipped.add(name)
@@ -128,7 +122,7 @@ class FleetRunner:
             self._start(fleet_node)
 
     def _start(self, fleet_node: FleetNode) -> None:
-        agent = self._agent
+        host = self._host
         base = self.spec.settings
         settings = dataclasses.replace(
             base,
@@ -138,62 +132,40 @@ class FleetRunner:
             if fleet_node.taints is not None
             else base.taints,
             addresses=[dict(a) for a in base.addresses],
-            kubelet_port=agent.free_port() if agent.config.kubelet_api else 0,
+            kubelet_port=host.free_port() if host.config.kubelet_api else 0,
         )
-        readiness = KubeletApiReadiness(settings.kubelet_port) if agent.config.kubelet_api else None
-        if readiness is not None and self._csr is not None and not self._tls_ready.is_set():
-            readiness.csr = self._csr
-        node = agent.make_node(settings, fleet_node.provider, readiness)
-        member = Member(fleet_node, node, readiness)
+        runner = NodeRunner(host, [(settings, fleet_node.provider)], tls=self._member_tls)
+        if runner.readiness is not None and self._csr is not None and not self._tls_ready.is_set():
+            runner.readiness.csr = self._csr
+        member = Member(fleet_node, runner)
         name = fleet_node.name
-        member.task = self._running.spawn(self._run_member(member), name=f"node {name}")
+        member.task = self._running.spawn(runner.run(), name=f"node {name}")
         self.members[fleet_node.name] = member
         log.info("fleet %s: node %s started", self.name, fleet_node.name)
 
-    async def _run_member(self, member: Member) -> None:
-        async with asyncio.TaskGroup() as group:
-            group.create_task(run_node(member.node))
-            if member.readiness is not None:
-                group.create_task(
-                    run_supervised(
-                        lambda: self._serve_member(member),
-                        name=f"node {member.node.settings.name}: kubelet API",
-                        logger=log,
-                    )
-                )
-
-    async def _serve_member(self, member: Member) -> None:
-        assert member.readiness is not None
+    async def _member_tls(self, _: OnCsr) -> tuple[ssl.SSLContext, ServingCertificate | None]:
+        """The fleet's own context (its CSR shows on every member, see `_on_csr`); the fleet
+        renews its certificate."""
         await self._tls_ready.wait()
         assert self._tls is not None
-        port = member.node.settings.kubelet_port
-        member.servers = await start_servers(
-            [kubelet_node(member.node, port)],
-            self._tls,
-            self._agent.kubelet_auth(),
-            member.readiness,
-        )
+        return self._tls, None
 
     async def _stop(self, member: Member, *, close_provider: bool = True) -> None:
         """Stop a member's agent and servers; close its provider (once) unless it stays."""
+        member.runner.close_providers = close_provider
         if member.task is not None:
             member.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await member.task
             member.task = None
-        for server in member.servers:
-            await server.close()
-        member.servers = []
-        self._agent.forget_node(member.node)
-        if close_provider:
-            await self._agent.close_provider(member.member.provider)
+        await member.runner.stop()  # in case its task was cancelled before it started
 
     async def _drain(self, name: str, member: Member) -> None:
         """Cordon the node, evict its pods, then delete it. Its agent keeps running meanwhile,
         so the evicted pods stop gracefully on the member's backend; disruption budgets are
         respected (an eviction they refuse is retried). DaemonSet pods are left alone: they
         neither block the drain nor would stay away (their controller tolerates cordons)."""
-        client = self._agent.client
+        client = self._host.client
         path = f"/api/v1/nodes/{name}"
         try:
             log.info("node %s left its fleet: draining it", name)
@@ -202,7 +174,9 @@ class FleetRunner:
                 lambda: client.patch(path, {"spec": {"unschedulable": True}}),
             )
             while pods := [
-                r for r in member.node.pods.reflector.items.values() if not daemonset_pod(r)
+                r
+                for r in member.runner.nodes[0].pods.reflector.items.values()
+                if not daemonset_pod(r)
             ]:
                 for record in pods:
                     if not record.deleting:
@@ -225,7 +199,7 @@ class FleetRunner:
         }
         where = f"{record.namespace}/{record.name}"
         try:
-            await self._agent.client.create(
+            await self._host.client.create(
                 f"/api/v1/namespaces/{record.namespace}/pods/{record.name}/eviction", eviction
             )
         except Unreachable:
@@ -244,7 +218,7 @@ class FleetRunner:
         self.members.clear()
         self.draining.clear()
         await self._running.aclose()
-        await self._agent.close_provider(self.fleet)
+        await self._host.close_provider(self.fleet)
 
 
 def daemonset_pod(record: PodRecord) -> bool:

@@ -11,8 +11,8 @@ import httpx2 as httpx
 import pytest
 
 from vkubelet.agent import ReplicaOptions
-from vkubelet.agent._agent import check_shardable
-from vkubelet.agent._replicas import FencedClient, group_of, lease_name
+from vkubelet.agent._leases import FencedClient, group_of, lease_name
+from vkubelet.agent._sharding import check_shardable
 from vkubelet.kube import LeaseTiming, Unreachable
 from vkubelet.node import AgentConfig, ConfigError, NodeSettings, NodeSpec
 from vkubelet.testing.fakeapi import kubeconfig

@@ -16,8 +16,9 @@ from typing import Any, cast
 import httpx2 as httpx
 import pytest
 
-from vkubelet.agent import ReplicaOptions, _replicas
-from vkubelet.agent._replicas import FencedClient, ShardRunner, buckets_of
+from vkubelet.agent import ReplicaOptions, _leases, _sharding
+from vkubelet.agent._leases import FencedClient
+from vkubelet.agent._sharding import ShardRunner, buckets_of
 from vkubelet.kube import LeaseConflict, LeaseTiming, Unreachable
 from vkubelet.node import NodeSettings, NodeSpec
 from vkubelet.testing.fakeapi import kubeconfig
@@ -112,7 +113,7 @@ class Replica(ShardRunner):
         identity = self.options.identity
         self.runs.now.setdefault(name, []).append(identity)
         self.runs.started.append((time.monotonic(), identity, name))
-        self.runs.fences[name] = _replicas._FENCE.get()
+        self.runs.fences[name] = _leases.FENCE.get()
         try:
             await asyncio.Future()
         finally:
@@ -136,7 +137,7 @@ async def stop(replicas: list[Replica]) -> None:
 
 @pytest.fixture(autouse=True)
 def no_start_spread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_replicas, "START_SPREAD_SECONDS", 0.0)
+    monkeypatch.setattr(_sharding, "START_SPREAD_SECONDS", 0.0)
 
 
 NAMES = [f"node-{i:02d}" for i in range(20)]
@@ -246,7 +247,7 @@ async def test_a_nodes_writes_answer_to_its_own_buckets_lease_only() -> None:
     client.may_write = lambda: True  # every other bucket holds
 
     async def in_a_lapsed_bucket() -> None:
-        _replicas._FENCE.set(lambda: False)
+        _leases.FENCE.set(lambda: False)
         with pytest.raises(Unreachable, match="fenced"):
             await client.patch("/api/v1/nodes/n", {"metadata": {}})
         await client.get("/api/v1/nodes/n")

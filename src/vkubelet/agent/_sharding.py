@@ -1,12 +1,4 @@
-"""Replicas of the agent, coordinated by Kubernetes Leases and nothing else.
-
-Leader election (`--leader-elect`): replicas with the same nodes compete for one Lease; the
-holder runs a whole `Agent` (built afresh at each term, so that its providers read their
-backend's state as the last leader left it, and adopt its pods), the others stand by. Losing
-the Lease, or failing to renew it for the renew deadline, cancels that agent before any other
-replica may take over (fencing): a partitioned leader stops writing on its own.
-
-Sharding (`--shard`): replicas with the same list of nodes share them. The nodes are dealt into
+"""Sharding (`--shard`): replicas with the same list of nodes share them. The nodes are dealt into
 a fixed number of buckets (64, or one per node below that), one Lease per bucket: a Lease write
 per bucket and period rather than per node. Each replica also holds a membership Lease, so that
 each knows how many replicas are alive and claims no more than its fair share of buckets,
@@ -21,37 +13,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import functools
 import hashlib
 import logging
 import math
-import re
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
-from ..kube import KubeClient, KubeLeases, LeaderElector, LeaseStore, LeaseTiming, Unreachable
-from ..kubelet import KubeletServer
-from ..node import AgentConfig, NodeFleet, NodeSpec
-from ..node._certs import ServingCertificate
+from ..kube import KubeClient, KubeLeases, LeaderElector, LeaseStore, LeaseTiming
+from ..node import AgentConfig, ConfigError, NodeFleet, NodeSpec
 from ..sdk.tasks import TaskSet, run_supervised
 from . import _providers
-from ._serving import KubeletApiReadiness, kubelet_node, start_servers
-from ._standby import StandbyHealth
-from ._supervision import run_node
-
-if TYPE_CHECKING:
-    from ._agent import Agent
+from ._leases import (
+    FENCE,
+    GROUP_LABEL,
+    ROLE_LABEL,
+    SHARD_BUCKETS,
+    ReplicaOptions,
+    group_of,
+    lease_loop,
+    lease_name,
+    run_on,
+)
+from ._runner import NodeHost, NodeRunner
 
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 
-GROUP_LABEL = "vkubelet.io/replica-group"
-ROLE_LABEL = "vkubelet.io/replica-role"
 # A dead replica's membership Lease is deleted by the others after this many lease durations.
 FORGET_MEMBER_AFTER = 10
 # The pause between the starts of claimed nodes: building a node's provider and agent takes the
@@ -61,35 +51,11 @@ FORGET_MEMBER_AFTER = 10
 # and the Lease renewals no longer need them (the claims have their own event loop).
 START_SPREAD_SECONDS = 0.05
 START_SPREAD_TOTAL = 8.0
-# Nodes are claimed in buckets: a Lease write per bucket and renewal period, not per node (at a
-# thousand nodes per-node claims were 250 writes/s besides the nodes' own heartbeats).
-SHARD_BUCKETS = 64
-
-# The fence of the work under way in this task: set in a bucket's task, inherited by every task
-# its nodes start (asyncio copies the context), read by `FencedClient` as each request leaves.
-_FENCE: ContextVar[Callable[[], bool] | None] = ContextVar("vkubelet_fence", default=None)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaOptions:
-    namespace: str
-    identity: str
-    timing: LeaseTiming
-    shard: bool = False
-    health_port: int = 0  # the standby's /healthz (0: none)
-    buckets: int = SHARD_BUCKETS  # the same for every replica of a group
 
 
 def start_spread(nodes: int) -> float:
     """The pause between the starts of `nodes` nodes claimed in one round."""
     return min(START_SPREAD_SECONDS, START_SPREAD_TOTAL / nodes) if nodes else START_SPREAD_SECONDS
-
-
-def leader_timing() -> LeaseTiming:
-    """client-go's proportions on a 10 s Lease (its default is 15 s): a standby sees the last
-    renewal up to a period late and polls once a period, so a dead leader's node is taken over
-    within ~13 s."""
-    return LeaseTiming(duration=10.0, renew_deadline=7.0, retry=1.5)
 
 
 def shard_timing() -> LeaseTiming:
@@ -100,119 +66,6 @@ def shard_timing() -> LeaseTiming:
     return LeaseTiming(duration=20.0, renew_deadline=16.0, retry=4.0)
 
 
-def group_of(names: list[str]) -> str:
-    """Replicas configured with the same nodes form one group (a label value: short)."""
-    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:16]
-
-
-def lease_name(*parts: str) -> str:
-    """A Lease name (a DNS subdomain) from parts that may not be one (a hostname, say)."""
-    raw = "-".join(("vkubelet", *parts)).lower()
-    name = re.sub(r"[^a-z0-9.-]+", "-", raw).strip("-.")
-    if len(name) > 200 or name != raw:
-        name = f"{name[:180]}-{hashlib.sha256(raw.encode()).hexdigest()[:10]}"
-    return name
-
-
-class FencedClient(KubeClient):
-    """The client of work done under a Lease: it sends no write once `may_write()` says no
-    (the Lease's renew deadline passed), whatever task asks. The elector cancels that work too,
-    but after a pause (SIGSTOP, a frozen VM) queued callbacks run in timer order as the process
-    resumes, some before the elector's own: this check, made as each request leaves, catches
-    those. Reads stay allowed: they change nothing."""
-
-    may_write: Callable[[], bool] = staticmethod(lambda: True)  # set by `fenced_client`
-
-    def _before_send(self, method: str) -> None:
-        fence = _FENCE.get() or self.may_write
-        if method != "GET" and not fence():
-            raise Unreachable(f"{self.server}: fenced: this replica's Lease expired")
-
-
-def fenced_client(config: AgentConfig, may_write: Callable[[], bool]) -> FencedClient:
-    """Made as the agent makes its client (the same kubeconfig, in-cluster rules and options)."""
-    client = FencedClient.from_kubeconfig(config.kubeconfig, options=config.client)
-    assert isinstance(client, FencedClient)
-    client.may_write = may_write
-    return client
-
-
-# -- one leader -------------------------------------------------------------------------------
-async def run_leader_elected(
-    validated: Agent, make_agent: Callable[[], Agent], options: ReplicaOptions
-) -> None:
-    """Campaign; while leading run a fresh agent; stand by (serving /healthz) otherwise.
-
-    The Lease is renewed on a loop of its own, in a thread, as the shards' are (`ShardRunner`
-    says why): an agent whose loop lags by seconds under load would otherwise miss its renew
-    deadline, fence itself and restart every node for nothing."""
-    await validated.discard()
-    config = validated.config
-    names = [spec.settings.name for spec in config.nodes]
-    main = asyncio.get_running_loop()
-    elector: LeaderElector | None = None  # made on the Leases' loop, with its client
-
-    def leading() -> bool:
-        return elector is not None and elector.is_leader
-
-    def holds() -> bool:
-        return elector is not None and elector.holds()
-
-    ports = {spec.settings.kubelet_port for spec in config.nodes} if config.kubelet_api else set()
-    health = StandbyHealth(options.health_port, leading) if options.health_port else None
-    shares_port = health is not None and health.port in ports
-
-    async def lead() -> None:  # on this loop
-        if health is not None and shares_port:
-            await health.close()  # the kubelet API takes the port (and answers /healthz)
-        try:
-            agent = make_agent()
-            agent.use_client(fenced_client(agent.config, holds))
-            await agent.run()
-        finally:
-            if health is not None:
-                await health.start()
-
-    async def campaign() -> None:  # on the Leases' loop
-        nonlocal elector
-        client = KubeClient.from_kubeconfig(config.kubeconfig, options=config.client)
-        elector = LeaderElector(
-            KubeLeases(client),
-            namespace=options.namespace,
-            identity=options.identity,
-            name=lease_name("agent", names[0] if len(names) == 1 else group_of(names)),
-            timing=options.timing,
-            labels={GROUP_LABEL: group_of(names), ROLE_LABEL: "leader"},
-        )
-        log.info("leader election: %s stands by for Lease %s", options.identity, elector.name)
-        try:
-            await elector.run(lambda: run_on(main, lead))
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(elector.release())
-            await client.aclose()
-
-    try:
-        if health is not None:
-            await health.start()
-        async with lease_loop() as loop:
-            await run_on(loop, campaign)
-    finally:
-        if health is not None:
-            await health.close()
-
-
-def agent_factory(config: AgentConfig) -> tuple[Agent, Callable[[], Agent]]:
-    """An agent built now, which validates the config (loudly, at start) and is then discarded
-    unrun, and the maker of each term's agent, from a pristine copy of the config (building
-    providers changes it): built when the term starts, its providers read the backend then."""
-    from ._agent import Agent
-
-    pristine = copy.deepcopy(config)
-    return Agent(config), lambda: Agent(copy.deepcopy(pristine))
-
-
-# -- sharding ---------------------------------------------------------------------------------
 class ShardStore(LeaseStore, Protocol):
     """The Lease API as sharding uses it: one list per round shows every Lease of the group."""
 
@@ -230,69 +83,13 @@ def buckets_of(names: Iterable[str], count: int = SHARD_BUCKETS) -> list[list[st
     return [ordered[i::count] for i in range(count)]
 
 
-@contextlib.asynccontextmanager
-async def lease_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
-    """An event loop running in a thread of its own, for as long as the context lasts."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="vkubelet leases", daemon=True)
-    thread.start()
-    try:
-        yield loop
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        await asyncio.to_thread(thread.join)
-        loop.close()
-
-
-async def run_on(
-    loop: asyncio.AbstractEventLoop | None, work: Callable[[], Awaitable[None]]
-) -> None:
-    """Run `work()` as a task on `loop` (another thread's, or this one) until it ends; its error
-    is raised here. Cancelled, it cancels that task and waits for its end: work under a Lease
-    has stopped when this returns."""
-    here = asyncio.get_running_loop()
-    there = loop or here
-    ended: asyncio.Future[None] = here.create_future()
-    started: list[asyncio.Task[None]] = []
-
-    def settle(task: asyncio.Task[None]) -> None:
-        if ended.done():
-            return
-        if task.cancelled():
-            ended.cancel()
-        elif (error := task.exception()) is not None:
-            ended.set_exception(error)
-        else:
-            ended.set_result(None)
-
-    def start() -> None:
-        task = there.create_task(_call(work))
-        task.add_done_callback(lambda t: here.call_soon_threadsafe(settle, t))
-        started.append(task)
-
-    there.call_soon_threadsafe(start)
-    try:
-        await asyncio.shield(ended)
-    except asyncio.CancelledError:
-        if not ended.done():  # cancelled here: stop it there (after `start`: FIFO), await it
-            there.call_soon_threadsafe(lambda: started[0].cancel())
-            while not ended.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(ended)
-        raise
-
-
-async def _call(work: Callable[[], Awaitable[None]]) -> None:
-    await work()
-
-
 class ShardRunner:
     """Claims this replica's share of the node buckets and runs the nodes of each bucket it
     holds while it holds the bucket's Lease (fencing per bucket, as for a single leader)."""
 
-    def __init__(self, agent: Agent, specs: list[NodeSpec], options: ReplicaOptions) -> None:
+    def __init__(self, host: NodeHost, specs: list[NodeSpec], options: ReplicaOptions) -> None:
         """`specs` as configured: no provider built from them yet."""
-        self._agent = agent
+        self._host = host
         self._specs = {spec.settings.name: spec for spec in specs}
         self.options = options
         self.group = group_of(list(self._specs))
@@ -343,7 +140,7 @@ class ShardRunner:
     async def _run_with_own_client(self) -> None:
         # The Leases have a client of their own, made on their loop: the agent's is fenced,
         # and its pools carry the nodes' traffic.
-        leases = KubeClient(self._agent.client.config, self._agent.config.client)
+        leases = KubeClient(self._host.client.config, self._host.config.client)
         try:
             await self._run(KubeLeases(leases))
         finally:
@@ -479,8 +276,8 @@ class ShardRunner:
     async def _run_bucket(self, index: int, delay: float, spread: float) -> None:
         """The nodes of a bucket, each supervised (one failing does not stop the others), their
         starts spread. Every write made on their behalf (in this task or any it starts) answers
-        to this bucket's Lease: `_FENCE` is set in this task's context, which they inherit."""
-        _FENCE.set(self.electors[index].holds)
+        to this bucket's Lease: `FENCE` is set in this task's context, which they inherit."""
+        FENCE.set(self.electors[index].holds)
         async with asyncio.TaskGroup() as group:
             for offset, name in enumerate(self.buckets[index]):
                 start = delay + offset * spread
@@ -495,45 +292,27 @@ class ShardRunner:
     async def _run_node(self, name: str) -> None:
         """One claimed node: a provider built now (reading the backend's state as the last
         holder left it), its node agent and kubelet API; all stopped when the claim ends."""
-        agent = self._agent
         spec = copy.deepcopy(self._specs[name])
-        built = _providers.build_provider(spec, agent.events)
+        built = _providers.build_provider(spec, self._host.events)
         assert not isinstance(built, NodeFleet)  # refused at start
-        settings = spec.settings
-        readiness = KubeletApiReadiness(settings.kubelet_port) if agent.config.kubelet_api else None
-        node = agent.make_node(settings, built, readiness)
-        servers: list[KubeletServer] = []
-        certificates: list[ServingCertificate | None] = []
+        await NodeRunner(self._host, [(spec.settings, built)]).run()
 
-        async def serve(readiness: KubeletApiReadiness) -> None:
-            """Certificate, listen, renew: retried on its own (as `_serve_port` is), so a CSR
-            the apiserver was too busy for does not restart the node and pause its heartbeats
-            (a dead replica's nodes, claimed at once, ask for theirs together)."""
-            if not servers:  # once listening, a retry never binds again
-                context, certificate = await agent.tls_context(
-                    name, settings.address_list(), readiness.waiting_for
-                )
-                started = await start_servers(
-                    [kubelet_node(node, settings.kubelet_port)],
-                    context,
-                    agent.kubelet_auth(),
-                    readiness,
-                )
-                servers.extend(started)
-                certificates.append(certificate)
-            if certificates[0] is not None:
-                await certificates[0].renew_forever()  # a node held past its certificate's life
 
-        try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(run_node(node))
-                if readiness is not None:
-                    work = functools.partial(serve, readiness)
-                    group.create_task(
-                        run_supervised(work, name=f"kubelet API of {name}", logger=log)
-                    )
-        finally:
-            for server in servers:
-                await server.close()
-            agent.forget_node(node)
-            await agent.close_provider(built)
+def check_shardable(config: AgentConfig, replicas: ReplicaOptions) -> None:
+    """Sharding shares single nodes, each on a kubelet port of its own."""
+    ports: dict[int, str] = {}
+    for spec in config.nodes:
+        name, port = spec.settings.name, spec.settings.kubelet_port
+        if not config.kubelet_api:
+            continue
+        if port == replicas.health_port:
+            raise ConfigError(
+                f"{name}: with --shard the replica's /healthz has port {port} (--kubelet-port); "
+                "give the node another kubeletPort (0: any free port)"
+            )
+        if port in ports:
+            raise ConfigError(
+                f"{name}: with --shard each node needs a kubeletPort of its own "
+                f"({ports[port]} has {port} too; 0: any free port)"
+            )
+        ports[port] = name
