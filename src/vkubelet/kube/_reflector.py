@@ -22,6 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
+from ..sdk.retry import Backoff
 from ._errors import ApiError, Unreachable, status_error
 
 log = logging.getLogger(__name__)
@@ -140,37 +141,38 @@ class Reflector(Generic[T]):
         self.resource_version: str | None = None
         self.synced = asyncio.Event()
         self.relists = 0  # observable in tests and metrics
+        self._backoff = Backoff(initial=0.2, cap=30.0)
         self._decode: Callable[[bytes], T] = decode or msgspec.json.Decoder(cls).decode
 
     async def run(self) -> None:
         """Run until cancelled."""
-        backoff = 0.2
         while True:
-            cap = 30.0
             try:
                 if self.resource_version is None:
                     await self._relist()
                 await self._watch()
                 if self._relist_each:
                     self.resource_version = None
-                backoff = 0.2
+                self._backoff.reset()
+                delay = self._backoff.delay(1)  # a watch that ended: again soon, not at once
             except ApiError as e:
                 if e.gone:
                     log.info("%s: resourceVersion too old (410 Gone); relisting", self.name)
                     self.resource_version = None
                     continue
-                log.warning("%s: %s; retrying in %.1fs", self.name, e, backoff)
-                if e.status >= 500 or e.status == 429:  # an apiserver starting or overloaded
-                    cap = UNREACHABLE_MAX_BACKOFF
-            except Unreachable as e:
-                log.warning(
-                    "%s: apiserver unreachable (%s); retrying in %.1fs", self.name, e, backoff
+                overloaded = e.status >= 500 or e.status == 429  # an apiserver starting or busy
+                delay = self._backoff.next_delay(
+                    cap=UNREACHABLE_MAX_BACKOFF if overloaded else None
                 )
+                log.warning("%s: %s; retrying in %.1fs", self.name, e, delay)
+            except Unreachable as e:
                 # Cheap to try (a refused connection) and what everything waits for: an apiserver
                 # back from a restart is noticed within seconds, not up to 30 s later.
-                cap = UNREACHABLE_MAX_BACKOFF
-            await asyncio.sleep(backoff * (0.8 + 0.4 * random.random()))  # noqa: S311
-            backoff = min(backoff * 2, cap)
+                delay = self._backoff.next_delay(cap=UNREACHABLE_MAX_BACKOFF)
+                log.warning(
+                    "%s: apiserver unreachable (%s); retrying in %.1fs", self.name, e, delay
+                )
+            await asyncio.sleep(delay)
 
     def _prepare(self, obj: T) -> T:
         # managedFields are a large share of every object and of no use to an agent.

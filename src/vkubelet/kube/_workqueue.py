@@ -18,6 +18,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from ..sdk.retry import Backoff
+
 log = logging.getLogger(__name__)
 # Failures of an item logged at INFO before they become warnings (~6 s at the default delays).
 _QUIET_RETRIES = 7
@@ -46,8 +48,8 @@ class WorkQueue:
         self._group: asyncio.TaskGroup | None = None  # set while `run` runs
         self._running = 0  # worker tasks alive
         self._waiting = 0  # of those, waiting for an item
-        self._base_delay = base_delay
-        self._max_delay = max_delay
+        # The rule only, per key's count of failures; no jitter: keys fail at different times.
+        self._backoff = Backoff(initial=base_delay, cap=max_delay, jitter=0.0)
         self._outage = outage
         self._outage_max_delay = outage_max_delay
         self._queue: asyncio.Queue[str] = asyncio.Queue()
@@ -153,8 +155,8 @@ class WorkQueue:
             except Exception as e:
                 failures = self._failures.get(key, 0) + 1
                 self._failures[key] = failures
-                cap = self._outage_max_delay if isinstance(e, self._outage) else self._max_delay
-                delay = min(self._base_delay * 2 ** (failures - 1), cap)
+                cap = self._outage_max_delay if isinstance(e, self._outage) else None
+                delay = self._backoff.delay(failures, cap=cap)
                 # The first few seconds of failures are often races that retrying settles (the
                 # Node authorizer learns of a new pod's objects a moment after the pod appears):
                 # a warning only once an item has kept failing.
