@@ -15,7 +15,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +27,12 @@ from lightkube.resources.core_v1 import Node, Pod
 from vkubelet.providers.cluster import ClusterProvider, load_lower_config, open_lower
 from vkubelet.sdk import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
 from vkubelet.testing import Kubectl, create_namespace
+from vkubelet.testing.harness import eventually
 
 from .clusters import LowerCluster as LowerTestCluster
 from .clusters import restart_clients_of_the_apiserver
 
 JSON = dict[str, Any]
-
-
-async def until(check: Callable[[], Awaitable[Any]], what: str, limit: float = 60) -> Any:
-    """Poll an async condition until it holds (the async twin of vkubelet.testing.wait_for)."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.3)
-    pytest.fail(f"timed out after {limit}s waiting for {what}")
 
 
 @pytest.fixture
@@ -135,10 +125,17 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
             status = await p.get_pod_status(shop, name)
             return None if status is None else status.phase
 
-        await until(lambda: _eq(phase(provider, "web-0"), "Running"), "web-0 Running")
-        await until(
-            lambda: _true(any(p.status and p.status.podIP for p in pushed)),
-            "a pushed status with the lower pod IP",
+        await eventually(
+            lambda: _eq(phase(provider, "web-0"), "Running"),
+            what="web-0 Running",
+            within=60,
+            interval=0.3,
+        )
+        await eventually(
+            lambda: any(p.status and p.status.podIP for p in pushed),
+            what="a pushed status with the lower pod IP",
+            within=60,
+            interval=0.3,
         )
         below = lk.json("-n", lower_ns, "get", "pod", "web-0")
         assert "hunter2x" not in json.dumps(below)
@@ -147,9 +144,11 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
         assert status.hostIP == "10.0.0.9"
 
         # The lower scheduler's event comes up, naming the lower node.
-        await until(
-            lambda: _true(any(e[1] == "Scheduled" for e in events.pods if e[0] == "web-0")),
-            "the lower Scheduled event mirrored",
+        await eventually(
+            lambda: any(e[1] == "Scheduled" for e in events.pods if e[0] == "web-0"),
+            what="the lower Scheduled event mirrored",
+            within=60,
+            interval=0.3,
         )
         scheduled = next(e for e in events.pods if e[0] == "web-0" and e[1] == "Scheduled")
         assert scheduled[2].startswith("lower cluster: Successfully assigned")
@@ -216,7 +215,9 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
             provider.configure_node(node)
             return bool(node.status and node.status.allocatable)
 
-        await until(configured, "capacity from the lower cluster")
+        await eventually(
+            configured, what="capacity from the lower cluster", within=60, interval=0.3
+        )
         assert node.metadata is not None and node.metadata.labels is not None
         assert node.metadata.labels["topology.kubernetes.io/region"] == "eu"
         assert node.status is not None and node.status.allocatable is not None
@@ -233,7 +234,9 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
                 assert node.status is not None and node.status.allocatable is not None
                 return int(node.status.allocatable["pods"]) < pods_before
 
-            await until(shrunk, "the cordon reflected in the capacity", limit=10)
+            await eventually(
+                shrunk, what="the cordon reflected in the capacity", within=10, interval=0.3
+            )
         finally:
             lk("uncordon", node_c)
         await provider.aclose()
@@ -252,7 +255,12 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
 
         # Deleted below behind our back: the upper pod fails, with the reason.
         lk("-n", lower_ns, "delete", "pod", "web-0", "--grace-period=0", "--force")
-        await until(lambda: _eq(phase(provider, "web-0"), "Failed"), "web-0 Failed")
+        await eventually(
+            lambda: _eq(phase(provider, "web-0"), "Failed"),
+            what="web-0 Failed",
+            within=60,
+            interval=0.3,
+        )
         failed = await provider.get_pod_status(shop, "web-0")
         assert failed is not None and failed.reason == "LowerPodDeleted"
 
@@ -282,21 +290,21 @@ def test_the_provider_runs_adopts_updates_and_fails_pods_in_the_lower_cluster(
             status = await provider.get_pod_status(shop, "big-0")
             return status is not None and status.reason == "Unschedulable"
 
-        await until(unschedulable, "big-0 Unschedulable below")
+        await eventually(unschedulable, what="big-0 Unschedulable below", within=60, interval=0.3)
         status = await provider.get_pod_status(shop, "big-0")
         assert status is not None and status.phase == "Pending"
         assert status.message is not None and "affinity" in status.message
 
         # Deleting through the provider removes the lower pod and reports it stopped.
         await provider.delete_pod(big, 0)
-        await until(
-            lambda: _true(
-                any(
-                    p.metadata and p.metadata.name == "big-0" and p.status and p.status.phase
-                    for p in pushed
-                )
+        await eventually(
+            lambda: any(
+                p.metadata and p.metadata.name == "big-0" and p.status and p.status.phase
+                for p in pushed
             ),
-            "big-0's final status pushed",
+            what="big-0's final status pushed",
+            within=60,
+            interval=0.3,
         )
         assert lk("-n", lower_ns, "get", "pod", "big-0", check=False).returncode != 0
         await provider.aclose()
@@ -331,10 +339,6 @@ class RecordedEvents:
 
 async def _eq(value: Awaitable[Any], expected: Any) -> bool:
     return bool((await value) == expected)
-
-
-async def _true(value: object) -> bool:
-    return bool(value)
 
 
 def test_an_unreachable_lower_cluster_makes_the_node_not_ready_and_fails_no_pod(
@@ -376,7 +380,9 @@ def test_an_unreachable_lower_cluster_makes_the_node_not_ready_and_fails_no_pod(
             status = await provider.get_pod_status(shop, "steady")
             return None if status is None else status.phase
 
-        await until(lambda: _eq(phase(), "Running"), "steady Running")
+        await eventually(
+            lambda: _eq(phase(), "Running"), what="steady Running", within=60, interval=0.3
+        )
         lower_uid = lower_cluster.kubectl.json("-n", shop, "get", "pod", "steady")["metadata"][
             "uid"
         ]
@@ -406,7 +412,7 @@ def test_an_unreachable_lower_cluster_makes_the_node_not_ready_and_fails_no_pod(
                 return False
             return provider.node_conditions() == []
 
-        await until(healthy, "the lower cluster answering again", limit=90)
+        await eventually(healthy, what="the lower cluster answering again", within=90, interval=0.3)
         # The pod watch is back (it sees a change made after the outage) and, having re-listed,
         # still finds the pod: nothing failed or redone.
         lower_cluster.kubectl("-n", shop, "annotate", "pod", "steady", "healed=yes")
@@ -415,7 +421,12 @@ def test_an_unreachable_lower_cluster_makes_the_node_not_ready_and_fails_no_pod(
             seen = provider._lower_pods.get(f"{shop}/steady") or {}
             return bool((seen.get("metadata") or {}).get("annotations", {}).get("healed") == "yes")
 
-        await until(watch_back, "the pod watch to see a change after the outage", limit=90)
+        await eventually(
+            watch_back,
+            what="the pod watch to see a change after the outage",
+            within=90,
+            interval=0.3,
+        )
         assert await phase() == "Running"
         assert not any(p.status and p.status.phase == "Failed" for p in pushed)
         below = lower_cluster.kubectl.json("-n", shop, "get", "pod", "steady")
@@ -490,8 +501,18 @@ def test_two_upper_clusters_share_a_lower_cluster_without_touching_each_other(
         # In a namespace of its own, b's pod runs beside a's.
         b = await started("upper-b", "b-")
         await create(b, ResolvedPod(upper, references=refs))
-        await until(lambda: _eq(_phase(a, shop, "app-0"), "Running"), "a's app-0 Running")
-        await until(lambda: _eq(_phase(b, shop, "app-0"), "Running"), "b's app-0 Running")
+        await eventually(
+            lambda: _eq(_phase(a, shop, "app-0"), "Running"),
+            what="a's app-0 Running",
+            within=60,
+            interval=0.3,
+        )
+        await eventually(
+            lambda: _eq(_phase(b, shop, "app-0"), "Running"),
+            what="b's app-0 Running",
+            within=60,
+            interval=0.3,
+        )
         copies = {
             item["metadata"]["namespace"]: item["metadata"]["name"]
             for ns in ("shared-" + shop, "b-" + shop)
@@ -500,13 +521,15 @@ def test_two_upper_clusters_share_a_lower_cluster_without_touching_each_other(
         assert len(copies) == 2 and len(set(copies.values())) == 2
         # a stops its pod: its copy goes, b's pod and copy stay.
         await a.delete_pod(upper, 0)
-        await until(
-            lambda: _true(
+        await eventually(
+            lambda: (
                 not lk.json("-n", "shared-" + shop, "get", "configmaps", "-l", "vkubelet.io/owner")[
                     "items"
                 ]
             ),
-            "a's copy removed once its pod is gone",
+            what="a's copy removed once its pod is gone",
+            within=60,
+            interval=0.3,
         )
         assert lk.json("-n", "b-" + shop, "get", "pod", "app-0")["status"]["phase"] == "Running"
         assert lk.json("-n", "b-" + shop, "get", "configmap", copies["b-" + shop])

@@ -9,7 +9,7 @@ import asyncio
 import base64
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from vkubelet.testing import (
     start_agent,
     wait_for,
 )
+from vkubelet.testing.harness import eventually
 from vkubelet.testing.sshlab import SshDeviceFactory, ssh_inventory
 
 TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
@@ -133,17 +134,6 @@ class RecordingPassThrough:
         return (self.updated or self.created)[-1]
 
 
-async def eventually(check: Callable[[], Any], *, within: float = 30.0, what: str = "") -> Any:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        found = check()
-        if found:
-            return found
-        assert loop.time() < deadline, f"timed out waiting for {what or check}"
-        await asyncio.sleep(0.1)
-
-
 async def run_kubectl(kubectl: Kubectl, *args: str, input: str | None = None) -> str:
     """kubectl off the event loop, so the in-process agent keeps running meanwhile."""
     result = await asyncio.to_thread(kubectl, *args, input=input)
@@ -208,7 +198,9 @@ async def test_a_pass_through_provider_gets_the_pod_unresolved_its_objects_and_t
         await run_kubectl(kubectl, "apply", "-f", "-", input=msgspec.json.encode(item).decode())
     try:
         async with pass_through_node(kube_cluster, kubectl, tmp_path, provider) as node:
-            await eventually(lambda: node_ready(kubectl, node), what="node Ready")
+            await eventually(
+                lambda: node_ready(kubectl, node), what="node Ready", within=30, interval=0.1
+            )
             container = {
                 "name": "main",
                 "image": "registry.example/app:1",
@@ -238,7 +230,7 @@ async def test_a_pass_through_provider_gets_the_pod_unresolved_its_objects_and_t
             await run_kubectl(
                 kubectl, "apply", "-f", "-", input=msgspec.json.encode(manifest).decode()
             )
-            await eventually(lambda: provider.created, what="create_pod")
+            await eventually(lambda: provider.created, what="create_pod", within=30)
             given = provider.created[0]
             spec: dict[str, Any] = msgspec.to_builtins(given.pod.spec)
             [main] = spec["containers"]
@@ -270,6 +262,8 @@ async def test_a_pass_through_provider_gets_the_pod_unresolved_its_objects_and_t
                     kubectl.json("get", "pod", "web", "-n", ns)["status"].get("phase") == "Running"
                 ),
                 what="Running",
+                within=30,
+                interval=0.1,
             )
 
             patch = '{"stringData": {"pw": "n3w"}}'
@@ -279,7 +273,11 @@ async def test_a_pass_through_provider_gets_the_pod_unresolved_its_objects_and_t
                 creds = provider.latest.references[("Secret", ns, "creds")]
                 return creds and creds["data"]
 
-            await eventually(lambda: secret_data() == {"pw": b64("n3w")}, what="Secret update")
+            await eventually(
+                lambda: secret_data() == {"pw": b64("n3w")},
+                what="Secret update",
+                within=30,
+            )
             assert provider.updated, "told through update_pod"
 
             patch = '{"data": {"MODE": "dev"}}'
@@ -289,7 +287,11 @@ async def test_a_pass_through_provider_gets_the_pod_unresolved_its_objects_and_t
                 found = provider.latest.references[("ConfigMap", ns, "settings")]
                 return found and found["data"]
 
-            await eventually(lambda: settings() == {"MODE": "dev"}, what="ConfigMap update")
+            await eventually(
+                lambda: settings() == {"MODE": "dev"},
+                what="ConfigMap update",
+                within=30,
+            )
             assert len(provider.created) == 1
     finally:
         await run_kubectl(kubectl, "delete", "namespace", ns, "--wait=false")

@@ -3,7 +3,6 @@
 import asyncio
 import importlib.util
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from vkubelet.sdk import (
     ProviderContext,
     ResolvedPod,
 )
+from vkubelet.testing.harness import eventually
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "local_provider.py"
 
@@ -50,12 +50,6 @@ def pod(name: str, command: list[str], policy: str = "Always") -> ResolvedPod:
     return ResolvedPod(msgspec.convert(raw, Pod))
 
 
-async def until(check: Callable[[], bool]) -> None:
-    async with asyncio.timeout(10):
-        while not check():  # noqa: ASYNC110 - polling what the provider reported
-            await asyncio.sleep(0.02)
-
-
 async def test_example_provider_reports_running_then_the_exit_code() -> None:
     provider = load_example().create(ProviderContext("n", None, "127.0.0.1", 10250))
     assert isinstance(provider, PodLifecycleHandler) and isinstance(provider, PodNotifier)
@@ -63,7 +57,7 @@ async def test_example_provider_reports_running_then_the_exit_code() -> None:
     provider.notify_pods(lambda p: seen.append(msgspec.to_builtins(p)["status"]))
     code = "import time; time.sleep(0.3); raise SystemExit(3)"
     await provider.create_pod(pod("fails", [sys.executable, "-c", code], "Never"))
-    await until(lambda: seen[-1]["phase"] == "Failed")
+    await eventually(lambda: seen[-1]["phase"] == "Failed", within=10)
     assert "Running" in [s["phase"] for s in seen]
     terminated = seen[-1]["containerStatuses"][0]["state"]["terminated"]
     assert terminated["exitCode"] == 3 and terminated["reason"] == "Error"
@@ -76,8 +70,8 @@ async def test_example_provider_restarts_a_failed_container_and_keeps_its_logs()
     code = "print('run', flush=True); raise SystemExit(1)"
     resolved = pod("crashes", [sys.executable, "-c", code], "OnFailure")
     await provider.create_pod(resolved)
-    await until(lambda: seen[-1]["containerStatuses"][0]["restartCount"] >= 1)
-    await until(lambda: "waiting" in seen[-1]["containerStatuses"][0]["state"])
+    await eventually(lambda: seen[-1]["containerStatuses"][0]["restartCount"] >= 1, within=10)
+    await eventually(lambda: "waiting" in seen[-1]["containerStatuses"][0]["state"], within=10)
     status = seen[-1]["containerStatuses"][0]
     assert status["state"]["waiting"]["reason"] == "CrashLoopBackOff"
     assert status["state"]["waiting"]["message"].startswith("back-off 10s restarting failed")
@@ -87,7 +81,7 @@ async def test_example_provider_restarts_a_failed_container_and_keeps_its_logs()
     )
     assert b"".join([chunk async for chunk in previous]) == b"run\n"
     await provider.delete_pod(resolved.pod, 1)  # returns at once; the stop is reported
-    await until(lambda: "terminated" in seen[-1]["containerStatuses"][0]["state"])
+    await eventually(lambda: "terminated" in seen[-1]["containerStatuses"][0]["state"], within=10)
 
 
 async def test_example_provider_execs_in_the_container_s_environment() -> None:
@@ -117,6 +111,6 @@ async def test_example_provider_stops_a_pod_within_its_grace_period() -> None:
     await provider.create_pod(resolved)
     started = asyncio.get_running_loop().time()
     await provider.delete_pod(resolved.pod, 5)
-    await until(lambda: not provider.runners)
+    await eventually(lambda: not provider.runners, within=10)
     assert asyncio.get_running_loop().time() - started < 5
     assert await provider.get_pod("default", "sleeper") is None

@@ -39,19 +39,28 @@ ALLOCATABLE: JSON = {"cpu": "4", "memory": "16Gi", "pods": "110"}
 # -- waiting ----------------------------------------------------------------------------------
 @overload
 async def eventually(
-    check: Callable[[], Awaitable[T]], *, within: float = 5.0, what: str = ""
+    check: Callable[[], Awaitable[T]],
+    *,
+    within: float = 5.0,
+    what: str = "",
+    interval: float = 0.01,
 ) -> T: ...
 
 
 @overload
-async def eventually(check: Callable[[], T], *, within: float = 5.0, what: str = "") -> T: ...
+async def eventually(
+    check: Callable[[], T], *, within: float = 5.0, what: str = "", interval: float = 0.01
+) -> T: ...
 
 
-async def eventually(check: Callable[[], Any], *, within: float = 5.0, what: str = "") -> Any:
+async def eventually(
+    check: Callable[[], Any], *, within: float = 5.0, what: str = "", interval: float = 0.01
+) -> Any:
     """Poll `check` until it returns something truthy without failing an assert; return that.
 
     `check` may be a coroutine function, for conditions only an async call can see (what an
-    exec into a pod prints, say)."""
+    exec into a pod prints, say). A longer `interval` suits a check that costs something (a
+    `kubectl` process) or that blocks the loop the code under test runs on."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     last: str = "never true"
@@ -68,7 +77,7 @@ async def eventually(check: Callable[[], Any], *, within: float = 5.0, what: str
             last = f"returned {result!r}"
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {within}s waiting for {what or check}: {last}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(interval)
 
 
 async def always(check: Callable[[], object], *, duration: float, what: str = "") -> None:

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from vkubelet.providers.vm._accel import _probe, probe_accel
 from vkubelet.providers.vm._machine import Disk, Machine, MachineSpec
 from vkubelet.providers.vm._net import GuestNetwork, NetworkError, PodNetwork
 from vkubelet.providers.vm._seed import write_seed_iso
+from vkubelet.testing.harness import eventually
 
 pytestmark = [
     pytest.mark.integration,
@@ -240,13 +241,6 @@ async def test_stop_is_graceful_and_detach_leaves_no_netns_or_links(booted: Boot
     assert booted.pod_network.host_link(booted.key) not in links
 
 
-async def _eventually(check: Callable[[], Awaitable[bool]], within: float) -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        assert time.monotonic() < deadline, f"not true within {within} s"
-        await asyncio.sleep(0.1)
-
-
 def _netns_and_links() -> tuple[str, str]:
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
@@ -287,7 +281,7 @@ async def test_stop_without_a_guest_agent_presses_the_acpi_power_button(
                 return True
             return False
 
-        await _eventually(agent_gone, 30)
+        await eventually(agent_gone, within=30, interval=0.1)
         outcome = await machine.stop(grace=30)
         assert (outcome.code, outcome.reason) == (0, "Completed")
         log = machine.console_log.read_text(errors="replace")

@@ -22,6 +22,7 @@ from vkubelet.agent._sharding import ShardRunner, buckets_of
 from vkubelet.kube import LeaseConflict, LeaseTiming, Unreachable
 from vkubelet.node import NodeSettings, NodeSpec
 from vkubelet.testing.fakeapi import kubeconfig
+from vkubelet.testing.harness import eventually
 
 JSON = dict[str, Any]
 TIMING = LeaseTiming(duration=1.0, renew_deadline=0.7, retry=0.2)
@@ -121,13 +122,6 @@ class Replica(ShardRunner):
             self.runs.stopped.append((time.monotonic(), identity, name))
 
 
-async def until(check: Any, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 async def stop(replicas: list[Replica]) -> None:
     for r in replicas:
         assert r.task is not None
@@ -175,7 +169,7 @@ async def test_replicas_share_the_buckets_fairly_and_run_each_node_exactly_once(
     api, runs = FakeApi(), Runs()
     replicas = started(3, api, runs)
     try:
-        await until(lambda: settled(replicas, runs))
+        await eventually(lambda: settled(replicas, runs), within=10)
         # ...and stays so: no node stopped or started twice over a few lease durations.
         starts = len(runs.started)
         end = time.monotonic() + 3 * TIMING.duration
@@ -194,12 +188,12 @@ async def test_a_cut_off_replicas_nodes_stop_before_the_others_start_them() -> N
     api, runs = FakeApi(), Runs()
     replicas = started(3, api, runs)
     try:
-        await until(lambda: settled(replicas, runs))
+        await eventually(lambda: settled(replicas, runs), within=10)
         victim = replicas[2]
         its_nodes = {n for n, ids in runs.now.items() if ids == ["r2"]}
         cut_at = time.monotonic()
         victim.store.cut = True
-        await until(lambda: settled(replicas[:2], runs))
+        await eventually(lambda: settled(replicas[:2], runs), within=10)
         took = time.monotonic() - cut_at
         # Taken over after one lease duration, plus a round or two: not before, not much after.
         assert TIMING.duration <= took < TIMING.duration + 4 * TIMING.retry
@@ -216,11 +210,11 @@ async def test_a_replica_joining_later_gets_buckets_handed_back_to_it() -> None:
     api, runs = FakeApi(), Runs()
     replicas = started(2, api, runs)
     try:
-        await until(lambda: settled(replicas, runs))
+        await eventually(lambda: settled(replicas, runs), within=10)
         late = Replica("r2", NAMES, runs, Store(api))
         replicas.append(late)
         late.start()
-        await until(lambda: settled(replicas, runs) and len(late.running) >= 2)
+        await eventually(lambda: settled(replicas, runs) and len(late.running) >= 2, within=10)
     finally:
         await stop(replicas)
 
@@ -230,7 +224,7 @@ async def test_a_nodes_writes_answer_to_its_own_buckets_lease_only() -> None:
     replica = Replica("r0", NAMES, runs, Store(api))
     replica.start()
     try:
-        await until(lambda: sorted(runs.now) == NAMES)
+        await eventually(lambda: sorted(runs.now) == NAMES, within=10)
         for index, bucket in enumerate(replica.buckets):
             for node in bucket:
                 assert runs.fences[node] == replica.electors[index].holds
@@ -265,7 +259,7 @@ async def test_renewals_keep_their_deadline_while_the_nodes_loop_is_blocked() ->
     replica = Replica("r0", NAMES, runs, Store(api))
     replica.start()
     try:
-        await until(lambda: sorted(runs.now) == NAMES)
+        await eventually(lambda: sorted(runs.now) == NAMES, within=10)
         renewals = api.version
         time.sleep(3 * TIMING.renew_deadline)  # noqa: ASYNC251 - the point: a blocked loop
         assert api.version > renewals  # renewed meanwhile, from the claims' thread

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from vkubelet.kube import LeaderElector, LeaseConflict, LeaseTiming
+from vkubelet.testing.harness import eventually
 
 TIMING = LeaseTiming(duration=2.0, renew_deadline=1.0, retry=0.1)  # whole seconds: the field
 
@@ -75,20 +76,13 @@ class Work:
             self.running, self.cancelled_at = False, time.monotonic()
 
 
-async def _until(check: Any, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 async def test_of_two_candidates_exactly_one_leads_at_any_time() -> None:
     leases = FakeLeases()
     works = {name: Work() for name in ("a", "b")}
     electors = {name: elector(leases, name) for name in works}
     tasks = [asyncio.create_task(electors[n].run(works[n])) for n in works]
     try:
-        await _until(lambda: any(w.running for w in works.values()))
+        await eventually(lambda: any(w.running for w in works.values()))
         deadline = time.monotonic() + 3 * TIMING.duration
         while time.monotonic() < deadline:  # several lease durations: no second leader
             assert sum(w.running for w in works.values()) == 1
@@ -110,7 +104,7 @@ async def test_a_lease_left_by_a_dead_leader_is_taken_once_it_expires() -> None:
     started = time.monotonic()
     task = asyncio.create_task(elector(leases, "heir").run(work))
     try:
-        await _until(lambda: work.running)
+        await eventually(lambda: work.running)
         assert time.monotonic() - started >= TIMING.duration * 0.9  # not before it expired
         assert leases.stored is not None
         assert leases.stored["spec"]["holderIdentity"] == "heir"
@@ -125,17 +119,17 @@ async def test_a_leader_that_cannot_renew_stops_acting_before_its_lease_expires(
     work = Work()
     task = asyncio.create_task(elector(leases, "a").run(work))
     try:
-        await _until(lambda: work.running)
+        await eventually(lambda: work.running)
         await asyncio.sleep(0.2)
         leases.broken = True
         broken_at = time.monotonic()
-        await _until(lambda: not work.running)
+        await eventually(lambda: not work.running)
         assert work.cancelled_at is not None
         # The last renewal was before the break; another candidate may take over one lease
         # duration after it: the work stopped earlier than that.
         assert work.cancelled_at - broken_at < TIMING.duration
         leases.broken = False
-        await _until(lambda: work.started == 2)  # campaigns again, leads again
+        await eventually(lambda: work.started == 2)  # campaigns again, leads again
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -175,7 +169,7 @@ async def test_a_stopped_leader_stops_no_later_than_the_renew_deadline_when_writ
     a = elector(leases, "a")
     task = asyncio.create_task(a.run(work))
     try:
-        await _until(lambda: work.running)
+        await eventually(lambda: work.running)
         hang: asyncio.Future[None] = asyncio.Future()
 
         async def hanging(lease: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +178,7 @@ async def test_a_stopped_leader_stops_no_later_than_the_renew_deadline_when_writ
 
         leases.replace = hanging  # type: ignore[method-assign]
         last_ok = a._renewed_at
-        await _until(lambda: not work.running)
+        await eventually(lambda: not work.running)
         assert work.cancelled_at is not None
         assert work.cancelled_at - last_ok <= TIMING.renew_deadline + 0.1
     finally:
@@ -201,7 +195,7 @@ async def test_a_renewal_lost_to_a_stalled_request_is_retried_within_the_deadlin
     a = LeaderElector(leases, namespace="ns", identity="a", name="l", timing=timing)
     task = asyncio.create_task(a.run(work))
     try:
-        await _until(lambda: work.running)
+        await eventually(lambda: work.running)
         fast = leases.replace
         stalled: list[float] = []
 
@@ -212,7 +206,7 @@ async def test_a_renewal_lost_to_a_stalled_request_is_retried_within_the_deadlin
             return await fast(lease)
 
         leases.replace = stall_once  # type: ignore[method-assign]
-        await _until(lambda: bool(stalled))
+        await eventually(lambda: bool(stalled))
         await asyncio.sleep(2 * timing.duration)
         assert work.running and work.started == 1
     finally:

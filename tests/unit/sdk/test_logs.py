@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from vkubelet.sdk.logs import (
     tail_offset,
 )
 from vkubelet.sdk.provider import ContainerLogOptions
+from vkubelet.testing.harness import eventually
 
 T0 = datetime(2024, 5, 1, 10, 0, 0, tzinfo=UTC)
 LOG = (
@@ -135,12 +136,6 @@ def test_times_are_rfc3339() -> None:
 
 
 # -- writing and reading files ---------------------------------------------------------------------
-async def until(check: Callable[[], bool], what: str) -> None:
-    async with asyncio.timeout(5):
-        while not check():  # noqa: ASYNC110 - polling the test's own list
-            await asyncio.sleep(0.01)
-
-
 def test_the_encoder_writes_full_lines_and_long_ones_in_partial_pieces() -> None:
     encoder = LogEncoder("stderr", max_line=4)
     out = encoder.feed(b"ab\ncdefgh", T0) + encoder.feed(b"i\nxy", T0) + encoder.flush(T0)
@@ -229,7 +224,7 @@ async def test_following_shows_appended_lines_until_the_run_ends(tmp_path: Path)
     task = asyncio.create_task(follow())
     await asyncio.sleep(0.05)
     writer.write("stdout", b"after\n")
-    await until(lambda: seen == [b"after\n"], "the appended line")
+    await eventually(lambda: seen == [b"after\n"], what="the appended line")
     writer.write("stderr", b"last words\n")
     running = False
     await asyncio.wait_for(task, 5)  # ends by itself, once the last line is shown
@@ -249,12 +244,12 @@ async def test_following_a_rotated_file_goes_on_with_the_new_one(tmp_path: Path)
             seen.append(chunk)
 
     task = asyncio.create_task(follow())
-    await until(lambda: b"".join(seen) == b"one\n", "the first line")
+    await eventually(lambda: b"".join(seen) == b"one\n", what="the first line")
     writer.close()
     path.rename(tmp_path / "0.log.1")
     writer = LogWriter(path)
     writer.write("stdout", b"two\n")
-    await until(lambda: b"".join(seen) == b"one\ntwo\n", "the new file")
+    await eventually(lambda: b"".join(seen) == b"one\ntwo\n", what="the new file")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -9,7 +9,7 @@ import contextlib
 import datetime
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from vkubelet.sdk.probes import (
     ProbeUnknown,
     ProbeWriter,
 )
+from vkubelet.testing.harness import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -154,13 +155,6 @@ def make_pod(
         metadata=ObjectMeta(name="p", namespace="ns", uid="u1"),
         spec=PodSpec(containers=[container], terminationGracePeriodSeconds=grace),
     )
-
-
-async def eventually(condition: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def periods(n: float) -> None:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import signal
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from lightkube.resources.core_v1 import Pod
 from vkubelet.providers.ssh._link import Completed
 from vkubelet.providers.ssh._probes import DeviceProbes
 from vkubelet.sdk.probes import PodProbes, ProbeEvent
+from vkubelet.testing.harness import eventually
 
 from .local_link import LocalLink
 
@@ -94,13 +94,6 @@ def make_pod(**probes: Any) -> Pod:
         metadata=ObjectMeta(name="p", namespace="ns", uid=UID),
         spec=PodSpec(containers=[container], terminationGracePeriodSeconds=5),
     )
-
-
-async def eventually(condition: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def test_an_exec_probe_runs_in_the_container_s_directory(harness: Harness) -> None:

@@ -3,10 +3,8 @@ local sh in a temporary HOME): deletions, values it cannot carry, adoption after
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from lightkube.resources.core_v1 import Pod
 from vkubelet.providers.ssh._inventory import DeviceConfig
 from vkubelet.providers.ssh._provider import DeviceProvider
 from vkubelet.sdk import ProviderError, ResolvedPod
+from vkubelet.testing.harness import eventually
 
 from .local_link import LocalLink
 
@@ -76,13 +75,6 @@ def make_pod(name: str, uid: str, **container: Any) -> ResolvedPod:
     return ResolvedPod(pod)
 
 
-async def eventually(condition: Callable[[], Any], within: float = 15.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 async def status(provider: DeviceProvider, name: str) -> PodStatus | None:
     return await provider.get_pod_status("ns", name)
 
@@ -97,10 +89,7 @@ async def wait_running(provider: DeviceProvider, name: str) -> None:
         s = await status(provider, name)
         return s is not None and s.phase == "Running"
 
-    deadline = time.monotonic() + 15
-    while not await running():
-        assert time.monotonic() < deadline, f"{name} never ran"
-        await asyncio.sleep(0.05)
+    await eventually(running, within=15, what=f"{name} to run")
 
 
 # -- deletions ------------------------------------------------------------------------------------
@@ -117,7 +106,7 @@ async def test_deleted_pods_leave_no_task_behind(device: Device) -> None:
         await provider.delete_pod(pod, 0)  # again, as the agent may: still one removal
     assert provider.pending_removals == 3
     await eventually(lambda: not provider._pods, within=20)
-    await eventually(lambda: provider.pending_removals == 0)
+    await eventually(lambda: provider.pending_removals == 0, within=15)
     assert all(not task.done() for task in provider._tasks)  # only the long-lived ones
 
 
@@ -152,7 +141,7 @@ async def test_an_adopted_pod_keeps_its_probes_and_image(device: Device) -> None
     await first.create_pod(make_pod("p", "u1", readinessProbe=probe))
     await wait_running(first, "p")
     (device.pod_fs("u1") / "ready").touch()
-    await eventually(lambda: first._pods["ns/p"].prober is not None)
+    await eventually(lambda: first._pods["ns/p"].prober is not None, within=15)
     await first.aclose()  # the agent stops; the pod runs on
 
     second = device.provider()  # the agent restarted: it adopts the pod
@@ -164,7 +153,7 @@ async def test_an_adopted_pod_keeps_its_probes_and_image(device: Device) -> None
     assert container.env is None and container.command is None  # never kept on the device
     await wait_running(second, "p")
     entry = second._pods["ns/p"]
-    await eventually(lambda: entry.prober is not None and entry.prober.ready("main"))
+    await eventually(lambda: entry.prober is not None and entry.prober.ready("main"), within=15)
     ready = main_status(await status(second, "p"))
     assert ready.ready and ready.image == "host"
     (device.pod_fs("u1") / "ready").unlink()  # the readiness probe still runs: not ready
@@ -173,6 +162,7 @@ async def test_an_adopted_pod_keeps_its_probes_and_image(device: Device) -> None
             entry.status is not None
             and entry.status.containerStatuses is not None
             and not entry.status.containerStatuses[0].ready
-        )
+        ),
+        within=15,
     )
     assert not main_status(await status(second, "p")).ready

@@ -44,6 +44,7 @@ from vkubelet.providers.ssh._remote import (
     sweep_script,
 )
 from vkubelet.sdk.logs import LogLine, LogParser
+from vkubelet.testing import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,14 +100,13 @@ class Device:
     def wait(
         self, condition: Callable[[RemotePod], bool], uid: str = "u1", timeout: float = 10
     ) -> RemotePod:
-        deadline = time.monotonic() + timeout
-        while True:
+        def matching() -> RemotePod:
             pod = self.sweep([uid]).get(uid)
-            if pod is not None and condition(pod):
-                return pod
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out; last seen: {pod}")
-            time.sleep(0.05)
+            assert pod is not None and condition(pod), f"last seen: {pod}"
+            return pod
+
+        result: RemotePod = wait_for(matching, timeout=timeout, interval=0.05, what=f"pod {uid}")
+        return result
 
     def pod_dir(self, uid: str = "u1") -> Path:
         root = Path(self.root) if self.root.startswith("/") else self.home / self.root
@@ -144,14 +144,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat_line.rpartition(")")[2].split()[0] != "Z"
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.05)
 
 
 def make_device(tmp_path: Path, kind: str) -> Device:
@@ -333,7 +325,7 @@ def test_init_containers_run_in_order_before_the_containers(device: Device) -> N
     assert [c.exit_code for c in pod.init_containers] == [0, 0]
     order = device.pod_dir() / "fs" / "order"
     # "running" is reported once main is started, not once its first line has run
-    wait_until(lambda: order.read_text().count("\n") == 3)
+    wait_for(lambda: order.read_text().count("\n") == 3, timeout=10)
     assert order.read_text() == "first\nsecond\nmain\n"
 
 
@@ -363,7 +355,7 @@ def test_stop_terminates_the_whole_process_group_and_the_supervisor_ends(
     any_device.start(pod_plan(ctr("main", "sleep 30 & echo $! >child; wait"), policy="Always"))
     any_device.wait(state_of("main", "running"))
     child_file = any_device.pod_dir() / "fs" / "child"
-    wait_until(lambda: child_file.exists() and child_file.read_text().strip() != "")
+    wait_for(lambda: child_file.exists() and child_file.read_text().strip() != "", timeout=10)
     child = int(child_file.read_text())
     assert alive(child)
     any_device.run(stop_pod_script(ROOT, "u1", 10))
@@ -371,7 +363,7 @@ def test_stop_terminates_the_whole_process_group_and_the_supervisor_ends(
     assert pod.stopping
     assert status(pod).exit_code == 143  # SIGTERM, long before the grace period
     assert status(pod).restart_count == 0  # stopped: never restarted
-    wait_until(lambda: not alive(child), timeout=2)
+    wait_for(lambda: not alive(child), timeout=2)
     assert (any_device.pod_dir() / "supervisor.log").read_text() == ""
 
 
@@ -381,7 +373,7 @@ def test_a_process_that_ignores_term_is_killed_after_the_grace_period(any_device
     pid = status(any_device.wait(state_of("main", "running"))).pid
     assert pid is not None
     # "running" is recorded when the shell starts: a stop before the trap is set would end it.
-    wait_until(lambda: (any_device.pod_dir() / "fs" / "trapped").exists())
+    wait_for(lambda: (any_device.pod_dir() / "fs" / "trapped").exists(), timeout=10)
     stopped = time.monotonic()
     any_device.run(stop_pod_script(ROOT, "u1", 3))
     assert time.monotonic() - stopped < 2.5  # the script does not wait for the grace period
@@ -432,12 +424,12 @@ def test_remove_kills_everything_and_deletes_the_pod(device: Device) -> None:
     supervisor = device.start(pod_plan(ctr("main", script), policy="Always"))
     main = status(device.wait(state_of("main", "running"))).pid
     child_file = device.pod_dir() / "fs" / "child"
-    wait_until(lambda: child_file.exists() and child_file.read_text().strip() != "")
+    wait_for(lambda: child_file.exists() and child_file.read_text().strip() != "", timeout=10)
     child = int(child_file.read_text())
     device.run(remove_pod_script(ROOT, "u1"))
     assert not device.pod_dir().exists()
     assert main is not None
-    wait_until(lambda: not any(alive(pid) for pid in (supervisor, main, child)), timeout=2)
+    wait_for(lambda: not any(alive(pid) for pid in (supervisor, main, child)), timeout=2)
     assert device.sweep() == {}
     device.run(remove_pod_script(ROOT, "u1"))  # nothing left to remove: fine
 
@@ -502,7 +494,7 @@ def test_a_pod_whose_supervisor_died_starts_over_and_keeps_its_counts(device: De
     assert not device.wait(lambda p: not p.supervisor_alive).supervisor_alive
     assert alive(first)
     assert device.start(plan) != supervisor
-    wait_until(lambda: not alive(first), timeout=2)  # what the old one left is killed
+    wait_for(lambda: not alive(first), timeout=2)  # what the old one left is killed
     pod = device.wait(lambda p: status(p).state == "running" and status(p).pid != first)
     assert status(pod).restart_count == 1  # run 0 happened: this one is a restart
 

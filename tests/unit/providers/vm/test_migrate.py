@@ -12,6 +12,7 @@ import pytest
 from vkubelet.providers.vm import _migrate
 from vkubelet.providers.vm._migrate import Endpoint, MigrationError, Progress
 from vkubelet.providers.vm._qmp import Monitor
+from vkubelet.testing.harness import eventually
 
 
 def test_the_endpoint_round_trips_through_its_json_and_the_controller_may_add_a_bandwidth() -> None:
@@ -64,7 +65,7 @@ async def test_migrate_to_on_a_vm_that_cannot_migrate_fails_and_the_vm_runs_on(
 ) -> None:
     from vkubelet.sdk import ResolvedPod
 
-    from .test_provider import Events, FakeRuntime, make_pod, provider_for, state, until
+    from .test_provider import Events, FakeRuntime, make_pod, provider_for, state
 
     provider = provider_for(tmp_path, FakeRuntime(), Events())
     await provider.create_pod(ResolvedPod(make_pod()))
@@ -73,7 +74,7 @@ async def test_migrate_to_on_a_vm_that_cannot_migrate_fails_and_the_vm_runs_on(
         _, status = await state(provider)
         return status is not None and status.state.running is not None
 
-    await until(running)
+    await eventually(running)
     pod = make_pod()
     endpoint = Endpoint("10.0.0.2", 4000, 4001, 4002, ("disk0",))
     assert pod.metadata is not None
@@ -88,7 +89,7 @@ async def test_migrate_to_on_a_vm_that_cannot_migrate_fails_and_the_vm_runs_on(
         condition = _condition(current, "vm.vkubelet.io/Migration")
         return condition is not None and condition.reason == "Failed"
 
-    await until(failed)
+    await eventually(failed)
     current = await provider.get_pod("ns", "vm")
     report = json.loads(_condition(current, "vm.vkubelet.io/Migration").message)
     assert report["target"] == "10.0.0.2:4000" and "cannot migrate" in report["error"]
@@ -101,7 +102,7 @@ async def test_a_migration_target_waits_for_the_vm_and_reports_why_it_cannot(
 ) -> None:
     from vkubelet.sdk import ResolvedPod
 
-    from .test_provider import Events, FakeRuntime, make_pod, provider_for, until
+    from .test_provider import Events, FakeRuntime, make_pod, provider_for
 
     runtime = FakeRuntime()
     provider = provider_for(tmp_path, runtime, Events())
@@ -115,7 +116,7 @@ async def test_a_migration_target_waits_for_the_vm_and_reports_why_it_cannot(
         condition = _condition(current, "vm.vkubelet.io/MigrationTarget") if current else None
         return condition is not None and condition.reason == "Failed"
 
-    await until(failed)
+    await eventually(failed)
     assert runtime.launches[0].incoming  # QEMU started waiting for the state
     await provider.aclose()
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from vkubelet.providers.vm._migrate import IncomingMigration
+from vkubelet.testing.harness import eventually
 
 TOKEN = "5e" * 32
 
@@ -44,14 +45,6 @@ async def _send(port: int, data: bytes, *, read: bool = False) -> bytes:
     return got
 
 
-async def _until(check: Any) -> None:
-    for _ in range(200):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met")
-
-
 async def test_only_a_connection_with_the_token_reaches_the_target_qemu(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -63,11 +56,11 @@ async def test_only_a_connection_with_the_token_reaches_the_target_qemu(
         # The migration stream: a stranger, then a wrong token, are refused; QEMU is not told.
         await _send(endpoint.migration_port, b"QEVM\x00\x00\x00\x03")
         await _send(endpoint.migration_port, b"0" * 64 + b"\nQEVM")
-        await _until(lambda: caplog.text.count("refused") >= 2)
+        await eventually(lambda: caplog.text.count("refused") >= 2)
         assert "migrate-incoming" not in [c for c, _ in monitor.commands]
         # The right token: QEMU gets the connection, and reads the stream from its first byte.
         await _send(endpoint.migration_port, TOKEN.encode() + b"\nQEVM-stream")
-        await _until(lambda: "migrate-incoming" in [c for c, _ in monitor.commands])
+        await eventually(lambda: "migrate-incoming" in [c for c, _ in monitor.commands])
         stream = socket.socket(fileno=monitor.fds["migration-in"])
         stream.settimeout(5)
         assert stream.recv(100) == b"QEVM-stream"

@@ -15,8 +15,9 @@ from vkubelet.providers.vm._config import ConfigError, parse_config
 from vkubelet.providers.vm._provider import VMProvider
 from vkubelet.sdk import ResolvedPod
 from vkubelet.sdk.volumes import EmptyDirVolume
+from vkubelet.testing.harness import eventually
 
-from .test_provider import FakeRuntime, _launched, state, until
+from .test_provider import FakeRuntime, _launched, state
 from .test_provider import events as events
 from .test_provider import provider as provider
 from .test_provider import runtime as runtime
@@ -58,7 +59,7 @@ async def test_the_next_pod_of_a_machine_boots_from_the_same_disks(
 ) -> None:
     first = machine_pod("db-abcde")
     await provider.create_pod(resolved(first))
-    await until(lambda: _running(provider, "db-abcde"))
+    await eventually(lambda: _running(provider, "db-abcde"))
     machine_dir = tmp_path / "s" / "machines" / "m-1"
     assert _persist.machine_dir(provider.config.state_dir, first) == machine_dir
     disks = [Path(p) for p, _ in runtime.launches[0].disks]
@@ -66,13 +67,13 @@ async def test_the_next_pod_of_a_machine_boots_from_the_same_disks(
     (machine_dir / "root.qcow2").write_bytes(b"written by the guest")
 
     await provider.delete_pod(first, 5)
-    await until(lambda: _gone(provider, "db-abcde"))
+    await eventually(lambda: _gone(provider, "db-abcde"))
     assert (machine_dir / "root.qcow2").read_bytes() == b"written by the guest"
     assert not (tmp_path / "s" / "vms" / "uid-db-abcde").exists()  # the run dir goes
 
     second = machine_pod("db-fghij")
     await provider.create_pod(resolved(second))
-    await until(lambda: _running(provider, "db-fghij"))
+    await eventually(lambda: _running(provider, "db-fghij"))
     assert [Path(p) for p, _ in runtime.launches[1].disks] == disks
     assert (machine_dir / "root.qcow2").read_bytes() == b"written by the guest"
     assert _persist.machine_images(tmp_path / "s") == {"abc"}  # kept from the image GC
@@ -82,7 +83,7 @@ async def test_a_machine_runs_in_one_pod_at_a_time(
     provider: VMProvider, runtime: FakeRuntime
 ) -> None:
     await provider.create_pod(ResolvedPod(machine_pod("db-1")))
-    await until(lambda: _running(provider, "db-1"))
+    await eventually(lambda: _running(provider, "db-1"))
     await provider.create_pod(ResolvedPod(machine_pod("db-2")))
 
     async def refused() -> bool:
@@ -90,7 +91,7 @@ async def test_a_machine_runs_in_one_pod_at_a_time(
         waiting = status.state.waiting if status else None
         return waiting is not None and "still in use by pod ns/db-1" in (waiting.message or "")
 
-    await until(refused)
+    await eventually(refused)
     assert len(runtime.launches) == 1
 
 
@@ -106,7 +107,7 @@ async def test_a_plain_pod_keeps_its_disks_in_its_run_directory(
     assert isinstance(pod, Pod)
     assert _persist.machine_dir(provider.config.state_dir, pod) is None
     await provider.create_pod(ResolvedPod(pod))
-    await until(lambda: _launched(runtime))
+    await eventually(lambda: _launched(runtime))
     assert Path(runtime.launches[0].disks[0][0]).parent == tmp_path / "s" / "vms" / "uid-p"
 
 

@@ -1,4 +1,4 @@
-# ruff: noqa: ASYNC109, ASYNC110, ASYNC240
+# ruff: noqa: ASYNC109, ASYNC240
 """The VM provider's kubelet logic on a fake runtime: pull, boot, restart, stop, adopt, verbs.
 
 The real runtime (QEMU, image store, network) is proven by tests/integration/vm; here each rule
@@ -30,6 +30,7 @@ from vkubelet.sdk import (
     ProviderError,
     ResolvedPod,
 )
+from vkubelet.testing.harness import eventually
 
 GI = 2**30
 
@@ -243,14 +244,6 @@ async def state(provider: VMProvider, name: str = "vm") -> tuple[str, Any]:
     return str(pod.status.phase), statuses[0] if statuses else None
 
 
-async def until(condition: Callable[[], Any], timeout: float = 5.0) -> None:
-    async def check() -> None:
-        while not await condition():
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(check(), timeout)
-
-
 async def logs(provider: VMProvider, previous: bool = False) -> bytes:
     chunks = [
         chunk
@@ -287,7 +280,7 @@ async def test_a_pod_is_running_with_its_ip_once_the_guest_agent_answers(
     PUSHED.clear()
     assert await provider.pod_ips(make_pod()) == ["10.213.0.2"]  # known before the start
     await provider.create_pod(ResolvedPod(make_pod()))
-    await until(lambda: _launched(runtime))
+    await eventually(lambda: _launched(runtime))
     _, status = await state(provider)
     assert status.state.waiting is not None  # QEMU runs, the guest boots
     machine = next(iter(runtime.machines.values()))
@@ -299,7 +292,7 @@ async def test_a_pod_is_running_with_its_ip_once_the_guest_agent_answers(
         _, status = await state(provider)
         return status is not None and status.state.running is not None
 
-    await until(running)
+    await eventually(running)
     assert not any(_is_running(p) for p in PUSHED[:booting])  # not before the agent answered
     assert all(p.status and p.status.podIP == "10.213.0.2" for p in PUSHED)
     pod = await provider.get_pod("ns", "vm")
@@ -312,7 +305,7 @@ async def test_a_pod_is_running_with_its_ip_once_the_guest_agent_answers(
     async def console_logged() -> bool:
         return b"booting vm\n" in await logs(provider)
 
-    await until(console_logged)
+    await eventually(console_logged)
 
 
 def _is_running(pod: Pod) -> bool:
@@ -337,8 +330,8 @@ async def test_an_unknown_image_waits_in_image_pull_back_off(provider: VMProvide
         waiting = status.state.waiting if status else None
         return waiting is not None and waiting.reason == "ErrImagePull"
 
-    await until(err_pull)
-    await until(backing_off)
+    await eventually(err_pull)
+    await eventually(backing_off)
     _, status = await state(provider)
     assert "no translation rule matches" in status.state.waiting.message
 
@@ -347,16 +340,16 @@ async def test_a_guest_poweroff_restarts_the_vm_and_the_previous_log_is_kept(
     provider: VMProvider, runtime: FakeRuntime
 ) -> None:
     await provider.create_pod(ResolvedPod(make_pod()))
-    await until(lambda: _launched(runtime))
+    await eventually(lambda: _launched(runtime))
     first = next(iter(runtime.machines.values()))
 
     async def restarted() -> bool:
         _, status = await state(provider)
         return status.restartCount == 1 and status.state.running is not None
 
-    await until(lambda: _logged(provider, b"booting vm"))
+    await eventually(lambda: _logged(provider, b"booting vm"))
     first.power_off()
-    await until(restarted)
+    await eventually(restarted)
     assert len(runtime.launches) == 2
     previous = await logs(provider, previous=True)
     assert b"reboot: Power down\n" in previous
@@ -374,14 +367,14 @@ async def test_deleting_the_pod_stops_the_guest_gracefully_and_cleans_up(
 ) -> None:
     pod = make_pod(terminationGracePeriodSeconds=7)
     await provider.create_pod(ResolvedPod(pod))
-    await until(lambda: _logged(provider, b"booting"))
+    await eventually(lambda: _logged(provider, b"booting"))
     machine = next(iter(runtime.machines.values()))
     await provider.delete_pod(pod, 7)
 
     async def gone() -> bool:
         return await provider.get_pod("ns", "vm") is None
 
-    await until(gone)
+    await eventually(gone)
     assert machine.stops == [7.0]
     assert runtime.detached == ["uid-vm"]
     assert not (tmp_path / "s" / "vms" / "uid-vm").exists()
@@ -392,18 +385,18 @@ async def test_a_restarted_agent_adopts_the_running_vm_with_its_restart_count(
 ) -> None:
     first = provider_for(tmp_path, runtime, events)
     await first.create_pod(ResolvedPod(make_pod()))
-    await until(lambda: _logged(first, b"booting"))
+    await eventually(lambda: _logged(first, b"booting"))
     next(iter(runtime.machines.values())).power_off()
 
     async def restarted() -> bool:
         _, status = await state(first)
         return status.restartCount == 1 and status.state.running is not None
 
-    await until(restarted)
-    await until(lambda: _logged(first, b"booting"))
+    await eventually(restarted)
+    await eventually(lambda: _logged(first, b"booting"))
     machine = runtime.machines[runtime.launches[-1].run_dir]
     machine.console(b"line before the agent died\r\n")
-    await until(lambda: _logged(first, b"before the agent died"))
+    await eventually(lambda: _logged(first, b"before the agent died"))
     before = await first.get_pod("ns", "vm")
     assert before is not None and before.status is not None
     await first.aclose()  # the agent goes; the VM does not
@@ -415,7 +408,7 @@ async def test_a_restarted_agent_adopts_the_running_vm_with_its_restart_count(
     assert pod.status is not None
     assert pod.status.containerStatuses[0].restartCount == 1  # type: ignore[index]
     assert len(runtime.launches) == 2  # adopted, not booted again
-    await until(lambda: _logged(second, b"while no agent ran"))
+    await eventually(lambda: _logged(second, b"while no agent ran"))
     text = await logs(second)
     assert text.count(b"before the agent died") == 1
     assert second.vms["ns/vm"].machine is machine
@@ -434,7 +427,7 @@ async def test_a_vm_adopted_while_booting_is_running_only_once_its_guest_agent_a
     runtime.boot_at_once = False
     first = provider_for(tmp_path, runtime, events)
     await first.create_pod(ResolvedPod(make_pod()))
-    await until(lambda: _launched(runtime))
+    await eventually(lambda: _launched(runtime))
     await first.aclose()  # the agent goes while the guest boots
     second = provider_for(tmp_path, runtime, events)
     await second.list_pods()
@@ -449,7 +442,7 @@ async def test_a_vm_adopted_while_booting_is_running_only_once_its_guest_agent_a
         _, status = await state(second)
         return status.state.running is not None
 
-    await until(running)
+    await eventually(running)
     assert len(runtime.launches) == 1  # adopted, not booted again
     await second.aclose()
 
@@ -458,7 +451,7 @@ async def test_exec_runs_through_the_guest_agent_and_a_terminal_is_refused(
     provider: VMProvider, runtime: FakeRuntime
 ) -> None:
     await provider.create_pod(ResolvedPod(make_pod()))
-    await until(lambda: _logged(provider, b"booting"))
+    await eventually(lambda: _logged(provider, b"booting"))
 
     class In:
         def __init__(self) -> None:
@@ -501,7 +494,7 @@ async def test_pods_that_cannot_be_vms_are_refused_with_the_field(provider: VMPr
 
 async def test_stats_report_each_vm_s_qemu(provider: VMProvider, runtime: FakeRuntime) -> None:
     await provider.create_pod(ResolvedPod(make_pod()))
-    await until(lambda: _logged(provider, b"booting"))
+    await eventually(lambda: _logged(provider, b"booting"))
     summary = await provider.stats_summary()
     (pod,) = summary["pods"]
     assert pod["podRef"]["name"] == "vm"
@@ -525,13 +518,13 @@ async def test_images_no_pod_uses_are_garbage_collected(
     runtime.gc_images = gc  # type: ignore[method-assign]
     provider = provider_for(tmp_path, runtime, events, gc_interval=0.05)
     await provider.create_pod(ResolvedPod(make_pod()))
-    await until(lambda: _logged(provider, b"booting"))
+    await eventually(lambda: _logged(provider, b"booting"))
     seen.clear()
 
     async def collected_with_the_pods_image_kept() -> bool:
         return bool(seen) and seen[-1] == {"abc"}
 
-    await until(collected_with_the_pods_image_kept)
+    await eventually(collected_with_the_pods_image_kept)
     await provider.aclose()
 
 
@@ -540,7 +533,7 @@ async def test_a_vm_that_ended_while_no_agent_ran_is_a_run_that_ended(
 ) -> None:
     first = provider_for(tmp_path, runtime, events)
     await first.create_pod(ResolvedPod(make_pod()))
-    await until(lambda: _logged(first, b"booting"))
+    await eventually(lambda: _logged(first, b"booting"))
     await first.aclose()
     machine = next(iter(runtime.machines.values()))
     machine.console(b"last words\r\n")
@@ -554,7 +547,7 @@ async def test_a_vm_that_ended_while_no_agent_ran_is_a_run_that_ended(
         _, status = await state(second)
         return status.restartCount == 1 and status.state.running is not None
 
-    await until(restarted)  # restartPolicy Always
+    await eventually(restarted)  # restartPolicy Always
     assert len(runtime.launches) == 2
     previous = await logs(second, previous=True)
     assert b"last words\n" in previous and b"reboot: Power down\n" in previous
@@ -576,13 +569,13 @@ async def test_new_volume_contents_are_written_into_the_running_guest(
         return ResolvedPod(pod, {"cfg": FilesVolume("cfg", "configMap", files)})
 
     await provider.create_pod(resolved(b"one", "1"))
-    await until(lambda: _logged(provider, b"booting"))
+    await eventually(lambda: _logged(provider, b"booting"))
     machine = next(iter(runtime.machines.values()))
 
     async def booted() -> bool:
         return provider.vms["ns/vm"].booted_at is not None
 
-    await until(booted)
+    await eventually(booted)
     await provider.update_pod(resolved(b"two", "2"))
     ((argv, stdin),) = machine.execs
     assert argv[:2] == ["sh", "-c"] and argv[3:] == ["sh", "/etc/app/a.conf", "644"]
@@ -612,12 +605,12 @@ async def test_volume_updates_reach_a_vm_adopted_after_a_restart(
         async def booted() -> bool:
             return again.vms["ns/vm"].booted_at is not None
 
-        await until(booted)
+        await eventually(booted)
         return again
 
     first = provider_for(tmp_path, runtime, events)
     await first.create_pod(resolved({"a.conf": b"one", "b.conf": b"b"}))
-    await until(lambda: _logged(first, b"booting"))
+    await eventually(lambda: _logged(first, b"booting"))
     second = await restart(first)
     machine = runtime.machines[runtime.launches[-1].run_dir]
     await second.adopt_pod(resolved({"a.conf": b"one", "b.conf": b"b"}))
@@ -660,7 +653,7 @@ async def test_the_pod_kept_on_the_host_is_readable_by_its_owner_only(
     secret_env = [{"name": "DB_PASSWORD", "value": "s3cret"}]
     pod = make_pod(containers=[{"name": "vm", "image": "vm.vkubelet.io/tiny", "env": secret_env}])
     await provider.create_pod(ResolvedPod(pod))
-    await until(lambda: _launched(runtime))
+    await eventually(lambda: _launched(runtime))
     [kept] = list(tmp_path.rglob("pod.json"))
     assert b"s3cret" in kept.read_bytes()
     assert kept.stat().st_mode & 0o777 == 0o600
