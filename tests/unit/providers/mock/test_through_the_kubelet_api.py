@@ -28,7 +28,7 @@ from vkubelet.kubelet import (
 from vkubelet.protocols.remotecommand import TerminalSize, encode_resize
 from vkubelet.providers.mock import MockConfig, MockProvider
 
-from ..kubelet.harness import (
+from ...kubelet.harness import (
     FakeAuthorizer,
     FakeTokens,
     HttpClient,

@@ -26,7 +26,7 @@ from vkubelet.sdk.capabilities import (
     TerminalSize,
 )
 
-from ..kubelet.harness import start_echo_server
+from ...kubelet.harness import start_echo_server
 from .helpers import NS, POD, UID, Connection, Input, make_tar, read_tar, resolved, stdio
 
 

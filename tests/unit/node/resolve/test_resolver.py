@@ -19,7 +19,7 @@ from vkubelet.node._objects import ObjectCache
 from vkubelet.node._resolution import Resolver, ServiceCache
 from vkubelet.testing.fakeapi import JSON, FakeApiServer
 
-from ..node.helpers import (
+from ..helpers import (
     ALLOCATABLE,
     HOST_IP,
     NS,
