@@ -29,15 +29,9 @@ from vkubelet.testing import (
     terminal_session,
     wait_for,
 )
-from vkubelet.testing import (
-    start_agent as start_agent_process,
-)
 from vkubelet.testing.sshlab import TestDevice, ssh_inventory
 
-TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
-
-
-inventory = ssh_inventory  # test_ssh_root_device.py imports it from here
+from .sshagent import TOLERATE, pod_manifest, start_agent, status
 
 
 @dataclass
@@ -51,18 +45,6 @@ class Lab:
         tmp = self.inventory_path.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(ssh_inventory(devices, **extra)))
         tmp.replace(self.inventory_path)
-
-
-def start_agent(cluster: Cluster, workdir: Path, path: Path, address: str) -> AgentProcess:
-    return start_agent_process(
-        cluster,
-        workdir,
-        provider="ssh",
-        config=path,
-        name="lab",
-        address=address,
-        extra_args=("--log-level", "debug"),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -90,34 +72,6 @@ def lab(
                 kubectl("delete", "node", device.name, "--ignore-not-found", "--wait=false")
 
 
-def apply(kubectl: Kubectl, manifest: dict[str, Any]) -> None:
-    kubectl("apply", "-f", "-", input=json.dumps(manifest))
-
-
-def pod_manifest(
-    name: str, node: str, command: list[str], *, restart: str = "Always", **extra: Any
-) -> dict[str, Any]:
-    container = {"name": "main", "image": "host", "command": command, **extra.pop("container", {})}
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeName": node,
-            "restartPolicy": restart,
-            "tolerations": TOLERATE,
-            "terminationGracePeriodSeconds": 5,
-            "containers": [container],
-            **extra,
-        },
-    }
-
-
-def status(kubectl: Kubectl, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = kubectl.json("get", "pod", name).get("status") or {}
-    return found
-
-
 def container(kubectl: Kubectl, name: str) -> dict[str, Any]:
     statuses = status(kubectl, name).get("containerStatuses") or [{}]
     first: dict[str, Any] = statuses[0]
@@ -126,7 +80,7 @@ def container(kubectl: Kubectl, name: str) -> dict[str, Any]:
 
 def run_pod(kubectl: Kubectl, node: str, command: list[str], **extra: Any) -> str:
     name = f"p-{uuid.uuid4().hex[:6]}"
-    apply(kubectl, pod_manifest(name, node, command, **extra))
+    kubectl.apply(pod_manifest(name, node, command, **extra))
     wait_for(lambda: status(kubectl, name).get("phase") == "Running", what=f"{name} Running")
     return name
 
@@ -189,7 +143,7 @@ def test_a_deployment_spreads_over_the_devices_its_node_selector_picks(
             },
         },
     }
-    apply(kubectl, deployment)
+    kubectl.apply(deployment)
     try:
 
         def running() -> list[dict[str, Any]]:
@@ -219,9 +173,9 @@ def test_exit_codes_and_restart_policies_are_reported_like_a_kubelet(
         for policy in ("Never", "OnFailure", "Always")
     }
     for policy, name in names.items():
-        apply(kubectl, pod_manifest(name, node, ["sh", "-c", "echo ran; exit 3"], restart=policy))
+        kubectl.apply(pod_manifest(name, node, ["sh", "-c", "echo ran; exit 3"], restart=policy))
     ok = f"exit-ok-{uuid.uuid4().hex[:4]}"
-    apply(kubectl, pod_manifest(ok, node, ["true"], restart="OnFailure"))
+    kubectl.apply(pod_manifest(ok, node, ["true"], restart="OnFailure"))
     try:
         wait_for(lambda: status(kubectl, names["Never"]).get("phase") == "Failed", what="Failed")
         terminated = container(kubectl, names["Never"])["state"]["terminated"]
@@ -439,7 +393,7 @@ def test_an_unsupported_image_is_refused_with_a_clear_reason(lab: Lab, kubectl: 
     name = f"img-{uuid.uuid4().hex[:6]}"
     manifest = pod_manifest(name, lab.devices[0].name, ["true"])
     manifest["spec"]["containers"][0]["image"] = "busybox:1.36"
-    apply(kubectl, manifest)
+    kubectl.apply(manifest)
     try:
         wait_for(lambda: status(kubectl, name).get("phase") == "Failed", what="Failed")
         assert status(kubectl, name).get("reason") == "ImageNotSupported"

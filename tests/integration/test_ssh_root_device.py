@@ -11,9 +11,9 @@ import yaml
 
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import Kubectl, local_test_address, node_ready, wait_for
-from vkubelet.testing.sshlab import ssh_lab
+from vkubelet.testing.sshlab import ssh_inventory, ssh_lab
 
-from .test_ssh_devices import apply, inventory, pod_manifest, start_agent, status
+from .sshagent import pod_manifest, start_agent, status
 
 
 def test_a_pod_on_a_root_device_gets_sigterm_then_stops(
@@ -23,13 +23,13 @@ def test_a_pod_on_a_root_device_gets_sigterm_then_stops(
     marker = Path(f"/tmp/vk-term-{uuid.uuid4().hex[:8]}")
     with local_test_address() as address, ssh_lab(1, workdir, root=True) as [device]:
         path = workdir / "inventory.yaml"
-        path.write_text(yaml.safe_dump(inventory([device])))
+        path.write_text(yaml.safe_dump(ssh_inventory([device])))
         agent = start_agent(kube_cluster, workdir, path, address)
         try:
             wait_for(lambda: node_ready(kubectl, device.name), timeout=60, what="node Ready")
             name = f"root-{uuid.uuid4().hex[:6]}"
             script = f"trap 'echo term > {marker}; exit 0' TERM; id -u; while :; do sleep 0.2; done"
-            apply(kubectl, pod_manifest(name, device.name, ["sh", "-c", script]))
+            kubectl.apply(pod_manifest(name, device.name, ["sh", "-c", script]))
             wait_for(lambda: status(kubectl, name).get("phase") == "Running", what="Running")
             wait_for(lambda: kubectl("logs", name).stdout == "0\n", what="running as root")
             kubectl("delete", "pod", name, "--wait=true", timeout=60)

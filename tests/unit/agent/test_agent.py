@@ -25,8 +25,7 @@ from vkubelet.node import AgentConfig, FleetNode, NodeSpec, ProviderContext
 from vkubelet.providers.mock import MockConfig, MockProvider
 from vkubelet.testing.fakeapi import JSON, FakeApiServer
 
-from ..node.helpers import always, cancel_and_wait, eventually
-from ..node.test_nodecontroller import conditions, lease_of, settings
+from ..node.helpers import always, cancel_and_wait, conditions, eventually, lease_of, settings
 from .pki import TestCA, pending_csrs, signer
 
 

@@ -14,8 +14,16 @@ from vkubelet.node import AgentConfig, FleetNode, NodeSpec
 from vkubelet.providers.mock import MockConfig, MockProvider
 from vkubelet.testing.fakeapi import FakeApiServer
 
-from ..node.helpers import NS, always, cancel_and_wait, eventually, phase_of, pod
-from ..node.test_nodecontroller import lease_of, settings
+from ..node.helpers import (
+    NS,
+    always,
+    cancel_and_wait,
+    eventually,
+    lease_of,
+    phase_of,
+    pod,
+    settings,
+)
 
 
 class Fleet:

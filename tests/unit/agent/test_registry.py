@@ -12,7 +12,7 @@ from vkubelet.node import NodeSpec, ProviderLoadError, UnknownProvider, load_pro
 from vkubelet.node._registry import provider_label
 from vkubelet.providers.mock import MockProvider, create
 
-from ..node.test_nodecontroller import settings
+from ..node.helpers import settings
 
 
 def spec(provider: str) -> NodeSpec:

@@ -12,8 +12,7 @@ from vkubelet.kubelet import ServerConfig
 from vkubelet.protocols.remotecommand import TerminalSize, encode_resize
 from vkubelet.protocols.spdy import RstStatus
 
-from .conftest import Kubelet, StartKubelet
-from .harness import HttpClient, SpdyClient
+from .harness import HttpClient, Kubelet, SpdyClient, StartKubelet
 
 CLIENT_GO = ["v5.channel.k8s.io", "v4.channel.k8s.io", "v3.channel.k8s.io", "v2.channel.k8s.io"]
 

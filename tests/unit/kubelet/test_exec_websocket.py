@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from .conftest import Kubelet
-from .harness import WsClient
+from .harness import Kubelet, WsClient
 
 EXEC = "/exec/default/web/app"
 

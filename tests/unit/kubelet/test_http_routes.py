@@ -19,15 +19,16 @@ from vkubelet.kubelet import (
     server_ssl_context,
 )
 
-from .conftest import Kubelet, StartKubelet
 from .harness import (
     CONTAINER,
     NAMESPACE,
     POD,
     FakeProvider,
     HttpClient,
+    Kubelet,
     LifecycleOnly,
     Pki,
+    StartKubelet,
     client_context,
     fetch,
     make_pod,

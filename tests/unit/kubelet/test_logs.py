@@ -14,8 +14,7 @@ from vkubelet.kubelet import KubeletNode
 from vkubelet.sdk.capabilities import ContainerLogOptions
 from vkubelet.sdk.provider import ProviderError
 
-from .conftest import Kubelet, StartKubelet
-from .harness import FakeProvider, HttpClient, make_pod
+from .harness import FakeProvider, HttpClient, Kubelet, StartKubelet, make_pod
 
 LOGS = "/containerLogs/default/web/app"
 

@@ -11,8 +11,7 @@ import pytest
 
 from vkubelet.kubelet import ServerConfig
 
-from .conftest import Kubelet, StartKubelet
-from .harness import SpdyClient, WsClient, start_echo_server
+from .harness import Kubelet, SpdyClient, StartKubelet, WsClient, start_echo_server
 
 TARGET = "/portForward/default/web"
 PROTOCOL = ["portforward.k8s.io"]

@@ -1,5 +1,6 @@
-"""Shared pieces of the node agent's unit tests: polling, pod builders, scripted providers and a
-pod controller wired to the fake apiserver."""
+"""Shared pieces of the node agent's unit tests (and the agent's, which run the same nodes):
+polling, node settings and the Node and Lease as the fake apiserver holds them, pod builders,
+scripted providers and a pod controller wired to the fake apiserver."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import msgspec
 from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Pod
 
-from vkubelet.node import ProviderError, ResolvedPod
+from vkubelet.node import NodeSettings, ProviderError, ResolvedPod
+from vkubelet.node._nodecontroller import LEASE_NAMESPACE
 from vkubelet.testing.fakeapi import JSON, FakeApiServer, now_rfc3339
 from vkubelet.testing.harness import PodHarness as PodHarness
 from vkubelet.testing.harness import always as always
@@ -24,6 +26,34 @@ NODE = "vk-test"
 NS = "shop"
 HOST_IP = "10.0.0.1"
 ALLOCATABLE: JSON = {"cpu": "4", "memory": "16Gi", "pods": "110"}
+
+
+# -- the node -------------------------------------------------------------------------------
+def settings(**overrides: object) -> NodeSettings:
+    values: dict[str, object] = {
+        "name": NODE,
+        "provider": "mock",
+        "renew_interval": 0.05,
+        "status_interval": 0.2,
+        "ping_interval": 0.02,
+        "ping_timeout": 0.2,
+    }
+    values.update(overrides)
+    return NodeSettings(**values)  # type: ignore[arg-type]
+
+
+def node_of(api: FakeApiServer, name: str = NODE) -> JSON:
+    found = api.get("nodes", name)
+    assert found is not None, f"node {name} does not exist"
+    return found
+
+
+def lease_of(api: FakeApiServer, name: str = NODE) -> JSON | None:
+    return api.get("leases", name, LEASE_NAMESPACE)
+
+
+def conditions(api: FakeApiServer, name: str = NODE) -> dict[str, JSON]:
+    return {c["type"]: c for c in node_of(api, name)["status"].get("conditions") or []}
 
 
 # -- objects ----------------------------------------------------------------------------------

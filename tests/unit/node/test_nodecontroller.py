@@ -20,20 +20,19 @@ from vkubelet.providers.mock import MockConfig, MockProvider
 from vkubelet.sdk import NodeCondition
 from vkubelet.testing.fakeapi import JSON, FakeApiServer
 
-from .helpers import NODE, NS, always, cancel_and_wait, eventually, phase_of, pod
-
-
-def settings(**overrides: object) -> NodeSettings:
-    values: dict[str, object] = {
-        "name": NODE,
-        "provider": "mock",
-        "renew_interval": 0.05,
-        "status_interval": 0.2,
-        "ping_interval": 0.02,
-        "ping_timeout": 0.2,
-    }
-    values.update(overrides)
-    return NodeSettings(**values)  # type: ignore[arg-type]
+from .helpers import (
+    NODE,
+    NS,
+    always,
+    cancel_and_wait,
+    conditions,
+    eventually,
+    lease_of,
+    node_of,
+    phase_of,
+    pod,
+    settings,
+)
 
 
 class NodeHarness:
@@ -64,20 +63,6 @@ class NodeHarness:
 @pytest.fixture
 def api() -> FakeApiServer:
     return FakeApiServer()
-
-
-def node_of(api: FakeApiServer, name: str = NODE) -> JSON:
-    found = api.get("nodes", name)
-    assert found is not None, f"node {name} does not exist"
-    return found
-
-
-def lease_of(api: FakeApiServer, name: str = NODE) -> JSON | None:
-    return api.get("leases", name, LEASE_NAMESPACE)
-
-
-def conditions(api: FakeApiServer, name: str = NODE) -> dict[str, JSON]:
-    return {c["type"]: c for c in node_of(api, name)["status"].get("conditions") or []}
 
 
 def taint_ids(api: FakeApiServer) -> set[str]:

@@ -13,8 +13,7 @@ from vkubelet.sdk.capabilities import AttachIO
 from vkubelet.streaming import Endpoint, StreamingError, UpgradeFailed, exec_command
 from vkubelet.streaming._exec import _target
 
-from ..kubelet.conftest import Kubelet, StartKubelet
-from ..kubelet.harness import CONTAINER, NAMESPACE, POD, Pki
+from ..kubelet.harness import CONTAINER, NAMESPACE, POD, Kubelet, Pki, StartKubelet
 from .stdio import Collected, Feed
 
 

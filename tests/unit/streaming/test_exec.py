@@ -24,8 +24,7 @@ from vkubelet.streaming import (
 )
 from vkubelet.streaming import _exec as streaming_exec
 
-from ..kubelet.conftest import Kubelet
-from ..kubelet.harness import CONTAINER, NAMESPACE, POD
+from ..kubelet.harness import CONTAINER, NAMESPACE, POD, Kubelet
 from .stdio import Collected, Feed, Payload, SlowSink
 
 BOTH: list[Transport] = ["websocket", "spdy"]

@@ -18,8 +18,7 @@ from vkubelet.streaming import (
     port_forward,
 )
 
-from ..kubelet.conftest import Kubelet
-from ..kubelet.harness import NAMESPACE, POD, start_echo_server
+from ..kubelet.harness import NAMESPACE, POD, Kubelet, start_echo_server
 from .stdio import Loopback, SlowSink
 
 ECHO_PORT = 8080

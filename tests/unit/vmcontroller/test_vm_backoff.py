@@ -10,7 +10,7 @@ from vkubelet.sdk.backoff import INITIAL_SECONDS, MAX_SECONDS, RESET_SECONDS
 from vkubelet.vmcontroller._powerbackoff import delay_for, failure_of
 from vkubelet.vmcontroller._vm import Decision, decide
 
-from .test_vm_decisions import pod, vm
+from .fakes import pod, vm
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 MESSAGE = (
