@@ -21,8 +21,10 @@ API I/O in its own module:
 - `_mirror`: `mode: mirror`, a fleet of one virtual node per lower node;
 - `_constraints`, `_admission`, `_webhookconfig`: the constraint webhook (constraints moved into
   one annotation upstairs and restored below; its admission answers; `webhook:` options);
-- `_provider`: the provider class wiring them to the agent's protocols, built from `_core`
-  (shared state, owner identity) and `_verbs`, `_capacityloop`, `_servicesync`, `_tokenkeeper`.
+- `_provider`: the provider class: the pod lifecycle and the node protocol, composed of parts
+  that own their state and see the pods through narrow callbacks: `_capacityloop` (capacity,
+  labels, fit check), `_depsync` (dependency copies), `_servicesync` (Services below),
+  `_tokenkeeper` (upper tokens), `_eventmirror` (lower Events) and `_verbs` (kubectl verbs).
 
 See docs/cluster-provider.md.
 """

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._constraints import ANNOTATION, ConstraintsError, VirtualKeys, move
-from ._core import ProviderCore
 from ._webhookconfig import WebhookConfig
 
 __all__ = [
@@ -261,13 +260,3 @@ def json_patch(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[JSON
         else:
             ops.append({"op": "replace", "path": path, "value": new})
     return ops
-
-
-class ConstraintAdmission(ProviderCore):
-    """The provider's side of the agent's `ServesAdmission` protocol."""
-
-    def admission_webhook(self) -> ConstraintWebhook | None:
-        webhook = self.config.webhook
-        if not webhook.enabled:
-            return None
-        return ConstraintWebhook(self.context.node_name, webhook, self.context.internal_ip)

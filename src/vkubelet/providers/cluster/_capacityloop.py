@@ -18,13 +18,13 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 
-import msgspec
-
-from ...kube import ApiError, Unreachable
-from ...sdk.provider import ProviderError
+from ...kube import ApiError, Handler, Reflector, Unreachable
+from ...sdk.provider import EventSink, ProviderError, UpperAPI
+from ...sdk.retry import Backoff
+from ...sdk.tasks import TaskSet
 from ._capacity import (
     LowerCapacity,
     format_quantity,
@@ -32,10 +32,11 @@ from ._capacity import (
     mirror_capacity,
     pod_requests,
 )
-from ._convert import JSON, convert_node, uid_of
-from ._core import ProviderCore
+from ._config import LowerConfig
+from ._convert import JSON, uid_of
 from ._fit import NodeUsage, fit_verdict, largest_free
-from ._stamps import is_ours
+from ._lower import LowerCluster
+from ._stamps import Owner, is_ours
 
 CANNOT_FIT = "LowerClusterCannotFit"
 CANNOT_FIT_TAINT = {"key": "vkubelet.io/lower-cannot-fit", "effect": "NoSchedule"}
@@ -47,93 +48,123 @@ __all__ = ["CANNOT_FIT", "CANNOT_FIT_TAINT", "LARGEST_FREE_ANNOTATION", "Capacit
 log = logging.getLogger(__name__)
 
 
-class CapacityFollowing(ProviderCore):
-    """The virtual node's capacity and labels, following the lower nodes and pods."""
+class CapacityFollowing:
+    """The virtual node's capacity and labels, following the lower nodes and pods; it tells the
+    provider only that the node changed (`notify_node`). The lower pods come from the
+    provider's one lower pod reflector (`pod_changed`, `listed`)."""
 
-    async def _follow_capacity(self) -> None:
+    def __init__(
+        self,
+        config: LowerConfig,
+        lower: LowerCluster,
+        owner: Callable[[], Owner],
+        notify_node: Callable[[], None],
+        events: EventSink,
+        node_name: str,
+        spawned: TaskSet,
+        lower_node: str | None,
+    ) -> None:
+        """`lower_node`: mirror mode, this virtual node stands for that one lower node."""
+        self.config, self.lower, self._owner, self._notify_node = config, lower, owner, notify_node
+        self._events, self._node_name, self._spawned = events, node_name, spawned
+        self.lower_node = lower_node
+        self.upper: UpperAPI | None = None  # to see the taint published
+        self.capacity = LowerCapacity(allocatable={})
+        self.known = False  # aggregate mode: computed from a listing once
+        self.mirrored: JSON | None = None  # mirror mode: that lower node, as last seen
+        # The watch caches of every lower node and pod (the reflectors' stores): kind -> UID ->
+        # object; the snapshot (capacity, fit check) is the same once both kinds have been
+        # listed, else None.
+        self._listed: dict[str, dict[str, JSON]] = {}
+        self.snapshot: dict[str, dict[str, JSON]] | None = None
+        self._deleted_nodes: set[str] = set()  # lower nodes the node watch saw deleted
+        self._changed = asyncio.Event()  # a lower node or pod changed: recompute
+        self._usage: NodeUsage | None = None  # the snapshot's pods' requests per lower node
+        self._cannot_fit_until = 0.0  # loop time until which the node carries the taint
+        self._taint_backoff = Backoff(jitter=0.0)  # its length doubles while refusals come
+        self._taint_seconds = 0.0
+        self._no_usable_reported = False  # see _explain_no_usable_node
+
+    async def run(self) -> None:
         """Keep the capacity current: list, then watch, the lower nodes (re-listed every
         `resync.nodes` seconds), and recompute (at most once a second) on every change of
-        them or of the lower pods, which the one lower pod reflector (`_follow_pods`) keeps in
-        the same snapshot. A cordon or a new pod below shows upstairs within seconds."""
-        await self._ensure_owner()
-        while True:
-            answer = await self.lower.client.get("/api/v1/nodes")
-            nodes = {uid_of(o): o for o in answer.get("items") or []}
-            version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
-            self._lower_listed("Node", nodes)
-            timeout = max(1, int(self.config.resync.nodes))
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._watch_nodes(version, nodes, timeout))
-                group.create_task(self._recompute(timeout))
+        them or of the lower pods. A cordon or a new pod below shows upstairs within seconds."""
+        nodes: Reflector[JSON] = Reflector(
+            self.lower.client,
+            "/api/v1/nodes",
+            dict,
+            Handler(
+                self._node_seen,
+                lambda _old, node: self._node_seen(node),
+                self._lower_node_deleted,
+                on_listed=lambda: self._lower_listed("Node", nodes.items),
+            ),
+            relist_every=max(1, int(self.config.resync.nodes)),
+        )
+        async with asyncio.TaskGroup() as group:
+            group.create_task(nodes.run())
+            group.create_task(self._recompute())
+
+    def listed(self, pods: dict[str, JSON]) -> None:
+        self._lower_listed("Pod", pods)
 
     def _lower_listed(self, kind: str, objects: dict[str, JSON]) -> None:
         """A fresh listing of the lower nodes or pods (UID -> object) becomes the snapshot's;
-        the snapshot exists once both have been listed."""
+        the snapshot exists once both have been listed. The pods' usage is kept pod by pod
+        from then on (`pod_changed`)."""
         self._listed[kind] = objects
-        if kind == "Pod":
+        if kind == "Pod" and self._usage is None:
             self._usage = NodeUsage(objects.items())
         if len(self._listed) == 2:
-            self._snapshot = self._listed
-            if self._lower_node is not None:
+            self.snapshot = self._listed
+            if self.lower_node is not None:
                 self._follow_mirrored(self._listed)  # with the listing: no moment "gone"
-        self._lower_changed.set()
+        self._changed.set()
 
-    def _lower_pod_changed(self, kind: str, pod: JSON) -> None:
-        """A lower pod watch event, for the capacity's snapshot and per-node usage."""
-        pods = self._listed.get("Pod")
-        if pods is None:
-            return
+    def pod_changed(self, pod: JSON, *, deleted: bool = False) -> None:
+        """A lower pod event, for the capacity's per-node usage."""
         key = uid_of(pod)
-        if kind == "DELETED":
-            pods.pop(key, None)
+        if deleted:
             if self._usage is not None:
                 self._usage.drop(key)
         else:
-            pods[key] = pod
             if self._usage is not None:
                 self._usage.put(key, pod)
             meta = pod.get("metadata") or {}
             if (
                 meta.get("deletionTimestamp")
                 and self._on_gone_node(pod)
-                and is_ours(pod, self.owner)
+                and is_ours(pod, self._owner())
             ):
                 self._spawned.spawn(self._force_delete(meta), name=f"force-delete {key} below")
-        self._lower_changed.set()
+        self._changed.set()
 
     def _on_gone_node(self, pod: JSON) -> bool:
         """Bound to a lower node whose deletion the node watch reported."""
         return (pod.get("spec") or {}).get("nodeName") in self._deleted_nodes
 
-    async def _watch_nodes(self, version: str, into: dict[str, JSON], seconds: int) -> None:
-        """Keep `into` as the lower node watch tells."""
-        params = {"resourceVersion": version, "allowWatchBookmarks": "true"}
-        try:
-            async for kind, raw in self.lower.client.watch(
-                "/api/v1/nodes", params, timeout_seconds=seconds
-            ):
-                if kind == "ERROR":
-                    return
-                if kind == "BOOKMARK":
-                    continue
-                obj = msgspec.json.decode(raw)
-                if kind == "DELETED":
-                    into.pop(uid_of(obj), None)
-                    self._lower_node_deleted(obj)
-                else:
-                    into[uid_of(obj)] = obj
-                    self._deleted_nodes.discard((obj.get("metadata") or {}).get("name", ""))
-                self._lower_changed.set()
-        except ApiError as e:
-            if not e.gone:
-                raise
+    def on_vanished_node(self, lower: JSON) -> bool:
+        """Whether the lower pod is bound to a lower node that no longer exists: a graceful
+        deletion would wait for the lower pod garbage collector (a minute or so), and a
+        mirrored node's drain with it."""
+        where = (lower.get("spec") or {}).get("nodeName")
+        if not where or self.snapshot is None:
+            return False
+        return not any(
+            (n.get("metadata") or {}).get("name") == where for n in self.snapshot["Node"].values()
+        )
+
+    def _node_seen(self, node: JSON) -> None:
+        self._deleted_nodes.discard((node.get("metadata") or {}).get("name", ""))
+        self._changed.set()
 
     def _lower_node_deleted(self, node: JSON) -> None:
         """Our lower pods being deleted on a node that is now gone: no kubelet is left to end
         them, so their graceful deletion would wait for the lower pod garbage collector (40 s
         and more; a mirrored node's drain with it). They are deleted at once, by UID. A
         deletion seen before the node's is the case here; one seen after is in
-        `_lower_pod_changed`, and one that starts after asks for no grace (`_on_vanished_node`)."""
+        `pod_changed`, and one that starts after asks for no grace (`on_vanished_node`)."""
+        self._changed.set()
         where = (node.get("metadata") or {}).get("name")
         if where:
             self._deleted_nodes.add(str(where))
@@ -144,7 +175,7 @@ class CapacityFollowing(ProviderCore):
                 where
                 and (pod.get("spec") or {}).get("nodeName") == where
                 and meta.get("deletionTimestamp")
-                and is_ours(pod, self.owner)
+                and is_ours(pod, self._owner())
             ):
                 where_pod = f"{meta.get('namespace')}/{meta.get('name')}"
                 self._spawned.spawn(
@@ -168,20 +199,15 @@ class CapacityFollowing(ProviderCore):
                 e,
             )
 
-    async def _recompute(self, seconds: int) -> None:
-        changed = self._lower_changed
-        deadline = asyncio.get_running_loop().time() + seconds
-        changed.set()
-        while asyncio.get_running_loop().time() < deadline:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), timeout=1.0)
-            if not changed.is_set():
-                continue
-            changed.clear()
-            objects, usage = self._snapshot, self._usage
+    async def _recompute(self) -> None:
+        owner = self._owner()  # settled before the loops start
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            objects, usage = self.snapshot, self._usage
             if objects is None or usage is None:
                 continue  # the first listing of both kinds sets `changed` again
-            if self._lower_node is not None:
+            if self.lower_node is not None:
                 self._follow_mirrored(objects)
                 await asyncio.sleep(1.0)
                 continue
@@ -189,16 +215,15 @@ class CapacityFollowing(ProviderCore):
                 lower_capacity(
                     objects["Node"].values(),
                     objects["Pod"].values(),
-                    lambda p: is_ours(p, self.owner),
+                    lambda p: is_ours(p, owner),
                     label_excluded=self.config.label_excluded,
                 ),
                 largest_free=largest_free(objects["Node"].values(), usage),
             )
-            if capacity != self._capacity or not self._capacity_known:
+            if capacity != self.capacity or not self.known:
                 self._explain_no_usable_node(objects["Node"].values(), capacity)
-                self._capacity, self._capacity_known = capacity, True
-                if self._node_notify is not None:
-                    self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
+                self.capacity, self.known = capacity, True
+                self._notify_node()
             await asyncio.sleep(1.0)  # at most one recomputation a second
 
     def _explain_no_usable_node(self, nodes: Iterable[JSON], capacity: LowerCapacity) -> None:
@@ -217,51 +242,50 @@ class CapacityFollowing(ProviderCore):
             f"no lower node counts for capacity: {len(ready)} Ready node(s) ({names}) are all "
             "cordoned or tainted NoSchedule/NoExecute; the virtual node's capacity is zero"
         )
-        log.warning("node %s: %s", self.context.node_name, message)
-        self.context.events.node_event(
-            self.context.node_name, "Warning", "NoUsableLowerNode", message
-        )
+        log.warning("node %s: %s", self._node_name, message)
+        self._events.node_event(self._node_name, "Warning", "NoUsableLowerNode", message)
 
     def _follow_mirrored(self, objects: dict[str, dict[str, JSON]]) -> None:
         """Mirror mode: this virtual node's capacity, labels, cordon and readiness follow its
         one lower node (pods not ours subtracted)."""
+        owner = self._owner()
         node = next(
             (
                 n
                 for n in objects["Node"].values()
-                if (n.get("metadata") or {}).get("name") == self._lower_node
+                if (n.get("metadata") or {}).get("name") == self.lower_node
             ),
             None,
         )
         capacity = (
-            LowerCapacity(allocatable={}, labels=self._capacity.labels)  # gone: keep its labels
+            LowerCapacity(allocatable={}, labels=self.capacity.labels)  # gone: keep its labels
             if node is None
             else mirror_capacity(
                 node,
                 objects["Pod"].values(),
-                lambda p: is_ours(p, self.owner),
+                lambda p: is_ours(p, owner),
                 label_excluded=self.config.label_excluded,
             )
         )
-        before = (self._capacity, _node_state(self._mirrored))
-        self._capacity, self._mirrored = capacity, node
+        before = (self.capacity, _node_state(self.mirrored))
+        self.capacity, self.mirrored = capacity, node
         if (capacity, _node_state(node)) != before:
             self._notify_node()
 
     # -- the fit check (aggregate mode) ---------------------------------------------------------
-    async def _check_fit(self, body: JSON) -> None:
+    async def check_fit(self, body: JSON) -> None:
         """Refuse `body` (the lower pod about to be created) when no single lower node of the
         snapshot can take it. No snapshot yet, or the check turned off: let the lower
         scheduler decide."""
-        if not self.config.fit_check or self._snapshot is None or self._lower_node is not None:
+        if not self.config.fit_check or self.snapshot is None or self.lower_node is not None:
             return
-        pods = self._usage if self._usage is not None else self._snapshot["Pod"].values()
-        misfit = fit_verdict(body, self._snapshot["Node"].values(), pods)
+        pods = self._usage if self._usage is not None else self.snapshot["Pod"].values()
+        misfit = fit_verdict(body, self.snapshot["Node"].values(), pods)
         if misfit is None:
-            self._cannot_fit_backoff = 0.0  # a pod fits: the next refusal starts short again
+            self._taint_backoff.reset()  # a pod fits: the next refusal starts short again
             return
         wanted = pod_requests(body)
-        largest = self._capacity.largest_free
+        largest = self.capacity.largest_free
         needs = "; ".join(
             f"{r}: needs {format_quantity(wanted.get(r, Fraction(1 if r == 'pods' else 0)))}, "
             f"at most {largest.get(r, '0')} free on one node"
@@ -272,21 +296,21 @@ class CapacityFollowing(ProviderCore):
             + (f" (lacking {', '.join(misfit.lacking)}: {needs})" if misfit.lacking else "")
             + f"; lower cluster: {misfit.message}"
         )
-        if self._start_cannot_fit_backoff(message):
-            await self._taint_published()
+        if self.start_cannot_fit_backoff(message):
+            await self.taint_published()
         raise ProviderError(CANNOT_FIT, message, permanent=True)
 
-    async def _taint_published(self, limit: float = 3.0) -> None:
+    async def taint_published(self, limit: float = 3.0) -> None:
         """Wait (briefly) until the upper Node shows the taint, before the pod is failed: its
         replacement is created at once, and bound to this node again if the upper scheduler
         has not seen the taint yet (one wasted pod per back-off round, seen in tests)."""
-        if self._upper is None:
+        if self.upper is None:
             return
-        path = f"/api/v1/nodes/{self.context.node_name}"
+        path = f"/api/v1/nodes/{self._node_name}"
         deadline = asyncio.get_running_loop().time() + limit
         while asyncio.get_running_loop().time() < deadline:
             try:
-                node = await self._upper.get(path)
+                node = await self.upper.get(path)
             except ApiError:
                 return
             taints = (node.get("spec") or {}).get("taints") or []
@@ -294,7 +318,7 @@ class CapacityFollowing(ProviderCore):
                 return
             await asyncio.sleep(0.1)
 
-    def _start_cannot_fit_backoff(self, message: str) -> bool:
+    def start_cannot_fit_backoff(self, message: str) -> bool:
         """Taint the node for the next back-off; whether the taint is (now) wanted."""
         base = self.config.cannot_fit_backoff
         if base <= 0:
@@ -303,39 +327,35 @@ class CapacityFollowing(ProviderCore):
         now = loop.time()
         if now < self._cannot_fit_until:
             return True  # tainted already: pods bound before the taint landed
-        self._cannot_fit_backoff = min(
-            max(base, self._cannot_fit_backoff * 2), base * _MAX_BACKOFF_FACTOR
-        )
-        self._cannot_fit_until = now + self._cannot_fit_backoff
+        backoff = self._taint_backoff  # the numbers of the config as it is now
+        backoff.initial, backoff.cap = base, base * _MAX_BACKOFF_FACTOR
+        self._taint_seconds = backoff.next_delay()
+        self._cannot_fit_until = now + self._taint_seconds
         log.warning(
             "node %s: tainted %s for %.0fs: %s",
-            self.context.node_name,
+            self._node_name,
             CANNOT_FIT_TAINT["key"],
-            self._cannot_fit_backoff,
+            self._taint_seconds,
             message,
         )
-        self.context.events.node_event(
-            self.context.node_name,
+        self._events.node_event(
+            self._node_name,
             "Warning",
             CANNOT_FIT,
             f"tainted {CANNOT_FIT_TAINT['key']}:NoSchedule for "
-            f"{self._cannot_fit_backoff:.0f}s so that replacements go elsewhere: {message}",
+            f"{self._taint_seconds:.0f}s so that replacements go elsewhere: {message}",
         )
         self._notify_node()
-        loop.call_later(self._cannot_fit_backoff + 0.05, self._notify_node)
+        loop.call_later(self._taint_seconds + 0.05, self._notify_node)
         return True
 
-    def _cannot_fit_tainted(self) -> bool:
+    def cannot_fit_tainted(self) -> bool:
         with contextlib.suppress(RuntimeError):  # no running loop: no taint
             return asyncio.get_running_loop().time() < self._cannot_fit_until
         return False
 
-    def _largest_free_annotation(self) -> str:
-        return json.dumps(self._capacity.largest_free, sort_keys=True, separators=(",", ":"))
-
-    def _notify_node(self) -> None:
-        if self._node_notify is not None:
-            self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
+    def largest_free_annotation(self) -> str:
+        return json.dumps(self.capacity.largest_free, sort_keys=True, separators=(",", ":"))
 
 
 def _node_state(node: JSON | None) -> tuple[object, ...]:

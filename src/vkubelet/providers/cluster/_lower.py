@@ -20,6 +20,7 @@ from lightkube.core.exceptions import ConfigError as KubeConfigError
 
 from ...kube import ApiError, ClientOptions, KubeClient
 from ...node import ConfigError
+from ...sdk.provider import ProviderError
 from ._config import LowerConfig
 from ._deps import DependencyPlan
 from ._stamps import Owner, describe_owner, is_ours, stamp
@@ -157,6 +158,31 @@ class LowerCluster:
             },
         )
         return bool((review.get("status") or {}).get("allowed"))
+
+    async def call(self, action: Any, *, what: str = "") -> Any:
+        """Await a lower API call; the lower API's refusals become the pod's reason."""
+        try:
+            return await action
+        except ApiError as e:
+            if e.status == 403 and "service account" in e.message and "not found" in e.message:
+                # A namespace just created below gets its `default` account a moment later.
+                raise ProviderError(
+                    "LowerServiceAccountPending",
+                    f"lower cluster: {what or 'request'}: {e.message}",
+                    permanent=False,
+                ) from None
+            if e.status == 404 and "namespaces" in e.message:
+                raise ProviderError(
+                    "LowerNamespaceMissing",
+                    f"lower cluster: {what or 'request'}: {e.message}",
+                    permanent=not self.config.namespaces.create,  # else: re-created, retried
+                ) from None
+            if e.status in (400, 403, 422) or (e.status == 404 and what):
+                raise ProviderError(
+                    "LowerRejected" if e.status != 403 else "LowerForbidden",
+                    f"lower cluster: {what or 'request'}: {e.message or e.reason}",
+                ) from None
+            raise
 
     async def server_version(self) -> JSON:
         """The cheapest request that proves the lower apiserver answers (the ping)."""

@@ -1,6 +1,6 @@
 """Mirror mode: one virtual node per lower node, as a fleet (`NodeFleet`) the agent runs.
 
-The fleet only follows which lower nodes exist (list, then watch; re-listed every
+The fleet only follows which lower nodes exist (a reflector: list, then watch; re-listed every
 `resync.nodes` seconds) and gives each a `ClusterProvider` pinned to it (`lower_node`): that
 provider follows its node's capacity, labels, cordon and readiness itself, so a change to a lower
 node never restarts its member. A lower node that appears is registered upstairs at once; one
@@ -14,17 +14,18 @@ restart and its dependency copies are its own, exactly as for an aggregate node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
 from collections.abc import AsyncGenerator, Sequence
+from functools import partial
 
-import msgspec
-
-from ...kube import ApiError, Unreachable
+from ...kube import Handler, Reflector
 from ...node import FleetNode
 from ...sdk.provider import ProviderContext
 from ._config import LowerConfig
+from ._convert import JSON
 from ._lower import LowerCluster, open_lower
 from ._provider import ClusterProvider
 
@@ -32,7 +33,6 @@ __all__ = ["ClusterFleet", "member_name"]
 
 log = logging.getLogger(__name__)
 
-RETRY_SECONDS = 2.0
 _MAX_NAME = 253
 
 
@@ -77,36 +77,43 @@ class ClusterFleet:
     async def watch_nodes(self) -> AsyncGenerator[Sequence[FleetNode], None]:
         """The lower nodes, whole, at start and after every node added or deleted. While the
         lower apiserver does not answer, the members stay (their pings make them NotReady)."""
+        names: set[str] = set()
+        changes: asyncio.Queue[set[str]] = asyncio.Queue()  # the names after each change
+
+        def change(node: JSON, *, gone: bool = False) -> None:
+            name = str(node["metadata"]["name"])
+            if gone:
+                names.discard(name)
+            else:
+                names.add(name)
+            if nodes.synced.is_set():  # the first listing is told whole, once (`listed`)
+                changes.put_nowait(set(names))
+
+        def listed() -> None:
+            names.clear()
+            names.update(str(n["metadata"]["name"]) for n in nodes.items.values())
+            changes.put_nowait(set(names))
+
+        nodes: Reflector[JSON] = Reflector(
+            self.lower.client,
+            "/api/v1/nodes",
+            dict,
+            Handler(change, lambda _old, _new: None, partial(change, gone=True), listed),
+            relist_every=max(1, int(self.config.resync.nodes)),
+            name=f"mirror {self.context.node_name}: lower nodes",
+        )
+        following = asyncio.create_task(nodes.run())
         known: set[str] | None = None
-        while True:
-            try:
-                answer = await self.lower.client.get("/api/v1/nodes")
-            except (ApiError, Unreachable) as e:
-                log.warning("mirror %s: cannot list the lower nodes: %s", self.context.node_name, e)
-                await asyncio.sleep(RETRY_SECONDS)
-                continue
-            names = {str(n["metadata"]["name"]) for n in answer.get("items") or []}
-            if names != known:
-                known = names
-                yield self._current(names)
-            version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
-            params = {"resourceVersion": version, "allowWatchBookmarks": "true"}
-            try:
-                async for kind, raw in self.lower.client.watch(
-                    "/api/v1/nodes", params, timeout_seconds=max(1, int(self.config.resync.nodes))
-                ):
-                    if kind == "ERROR":
-                        break
-                    if kind not in ("ADDED", "DELETED"):
-                        continue
-                    name = str(msgspec.json.decode(raw)["metadata"]["name"])
-                    changed = (known | {name}) if kind == "ADDED" else (known - {name})
-                    if changed != known:
-                        known = changed
-                        yield self._current(known)
-            except (ApiError, Unreachable) as e:
-                log.warning("mirror %s: lower node watch ended: %s", self.context.node_name, e)
-                await asyncio.sleep(RETRY_SECONDS)
+        try:
+            while True:
+                current = await changes.get()
+                if current != known:
+                    known = current
+                    yield self._current(current)
+        finally:
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await following
 
     async def aclose(self) -> None:
         await self.lower.aclose()

@@ -1,9 +1,9 @@
 """The cluster provider: the parts (`_translate`, `_deps`, `_status`, `_capacity`) wired to the
 agent's provider protocols over one lower-cluster client. This module holds the pod lifecycle,
-the lower pod and event watches, the dependency sync and the node protocol; the class is built
-from `_core` (shared state, owner identity) and one part per concern: `_verbs` (kubectl verbs),
-`_capacityloop` (capacity and labels), `_servicesync` (Services below) and `_tokenkeeper`
-(upper tokens).
+the one reflector of the lower pods and the node protocol; every other concern is a part that
+owns its state: `_capacityloop` (capacity and labels), `_depsync` (dependency copies),
+`_servicesync` (Services below), `_tokenkeeper` (upper tokens), `_eventmirror` (lower Events)
+and `_verbs` (kubectl verbs).
 
 It must be a pass-through provider (`PassThroughPods`): an agent that resolved env first would
 give it pods with Secret values written into `env`, to be copied into the lower pod spec.
@@ -19,40 +19,46 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-import msgspec
 from lightkube.models.core_v1 import PodStatus, Taint
 from lightkube.resources.core_v1 import Node, Pod
 
-from ...kube import ApiError, Unreachable
-from ...sdk.provider import EventType, NodeCondition, ProviderError, ResolvedPod
-from ...sdk.tasks import supervise
-from ._admission import ConstraintAdmission
+from ...kube import ApiError, Handler, Reflector, Unreachable
+from ...sdk.capabilities import AttachIO, ByteStream
+from ...sdk.provider import (
+    ContainerLogOptions,
+    NodeCondition,
+    ProviderContext,
+    ProviderError,
+    ResolvedPod,
+    UpperAPI,
+)
+from ...sdk.tasks import TaskSet, supervise
+from ._admission import ConstraintWebhook
 from ._capacityloop import CANNOT_FIT_TAINT, LARGEST_FREE_ANNOTATION, CapacityFollowing
+from ._config import LowerConfig
 from ._convert import (
     JSON,
     convert_node,
     convert_pod,
     convert_podstatus,
     newer,
-    newest,
     now_rfc3339,
     requests_and_limits,
     to_json,
     uid_of,
     upper_view,
 )
-from ._core import ADOPTION_WAIT
-from ._deps import KINDS, SOURCE_VERSION, Key, plan_dependencies
-from ._lower import MissingPermissions
-from ._refs import Reference
+from ._depsync import DependencySync
+from ._eventmirror import EventMirror
+from ._lower import LowerCluster, MissingPermissions
 from ._servicesync import ServiceReflection
-from ._stamps import Claim, claim, describe_owner, is_ours, upper_identity
+from ._stamps import Claim, Owner, claim, describe_owner, is_ours, upper_identity
 from ._status import gone_status, status_up, vanished_reason
 from ._tokenkeeper import UpperTokens
-from ._translate import needed_references, translate_pod
+from ._translate import PodTranslation, translate_pod
 from ._verbs import LowerVerbs
 
 __all__ = ["RUN_DAEMON_SET_ANNOTATION", "ClusterProvider"]
@@ -62,39 +68,273 @@ RUN_DAEMON_SET_ANNOTATION = "vkubelet.io/run-on-virtual-node"
 PENDING_HOLD = 5.0
 # Waiting reasons of a container the lower kubelet is still creating: they tell nothing yet.
 _BEING_CREATED = ("ContainerCreating", "PodInitializing")
-# Lower events not mirrored: the lower kubelet's Created and Started say what the agent's own
-# events on the upper pod say (and cost a mirrored event each, two per pod).
-_NOT_MIRRORED = ("Created", "Started")
+# How long plans wait, after a start, for the agent to hand back the pods found running below.
+ADOPTION_WAIT = 300.0
 
 log = logging.getLogger(__name__)
 
 
-class ClusterProvider(
-    LowerVerbs, CapacityFollowing, ServiceReflection, UpperTokens, ConstraintAdmission
-):
-    """One virtual node standing for a whole lower cluster."""
+class ClusterProvider:
+    """One virtual node standing for a whole lower cluster. It keeps the pod lifecycle and the
+    node protocol; each other concern is a part owning its state (`capacity`, `deps`,
+    `services`, `tokens`, `verbs`, `events`), reading the pods through a narrow view."""
 
     pass_through = True
+
+    def __init__(
+        self,
+        config: LowerConfig,
+        context: ProviderContext,
+        lower: LowerCluster,
+        *,
+        background: bool = True,
+        lower_node: str | None = None,
+    ) -> None:
+        """`background=False` leaves out the watch, capacity and resync loops (unit tests).
+        `lower_node`: mirror mode, this virtual node stands for that one lower node."""
+        self.config, self.context, self.lower = config, context, lower
+        self._background = background
+        self.how = PodTranslation(
+            owner=Owner(config.upper_cluster_id or "", context.node_name),
+            namespaces=config.namespaces,
+            dependency_names=config.dependency_names,
+            service_accounts=config.service_accounts,
+            service_account_tokens=config.service_account_tokens,
+            virtual_labels={"type": "virtual-kubelet", "kubernetes.io/hostname": context.node_name},
+            lower_node=lower_node,
+            virtual_topology_keys=(config.cluster_label,) if config.cluster_label else (),
+        )
+        self._lower_node = lower_node
+        self._pods: dict[str, ResolvedPod] = {}  # upper "namespace/name" -> what we were given
+        # Both keyed by name, as the lower pod's name is the upper one: only one lower pod can
+        # exist per key, but an upper pod deleted and re-created at once (a StatefulSet) has
+        # late lower events about the old UID, so every event is checked against the UID.
+        self._lower_pods: dict[str, JSON] = {}  # upper "namespace/name" -> lower pod, if seen
+        self._pods_listed = False  # whether _lower_pods has been filled by a first listing
+        # Our lower pods `list_pods` found whose upper pods the agent has not handed back yet
+        # (`adopt_pod`), and until when (monotonic) to wait for them: see `_still_adopting`.
+        self._adopting: set[str] = set()
+        self._adopting_listed = False  # whether `list_pods` has run
+        self._adopting_until = time.monotonic() + ADOPTION_WAIT
+        self._deleting: dict[str, str] = {}  # upper "namespace/name" -> UID we are deleting
+        self._failed: dict[str, JSON] = {}  # upper pods whose lower pod vanished: final status
+        self._notify: Callable[[Pod], None] | None = None
+        self._node_notify: Callable[[Node], None] | None = None
+        self._unreachable: str | None = None
+        self._denied: str | None = None  # missing lower permissions, as MissingPermissions says
+        self._tasks: list[asyncio.Task[None]] = []
+        self._spawned = TaskSet(f"cluster {context.node_name}")
+        # Pods whose lower pod this agent created lately (loop time) and whose Pending status
+        # is being held back (see `_hold_pending`).
+        self._created_at: dict[str, float] = {}
+        self._held: set[str] = set()
+        # Pods whose lower pod the lower scheduler cannot place: since when (loop time), with
+        # the upper UID (see `_check_unschedulable`).
+        self._unschedulable: dict[str, tuple[float, str]] = {}
+        # The upper cluster, when the agent hands us its client (`use_upper_api`): Services to
+        # reflect, tokens to mint, the default upper cluster ID.
+        self._upper: UpperAPI | None = None
+        self._owner_known = config.upper_cluster_id is not None
+        self._owner_lock = asyncio.Lock()
+        self._identity_problem: str | None = None
+        name, events, spawned = context.node_name, context.events, self._spawned
+
+        def how() -> PodTranslation:
+            return self.how
+
+        self.capacity = CapacityFollowing(
+            config, lower, lambda: self.owner, self._notify_node, events, name, spawned, lower_node
+        )
+        self.services = ServiceReflection(
+            config, lower, how, self._running_in, self._still_adopting, events, name
+        )
+        self.deps = DependencySync(
+            config,
+            lower,
+            how,
+            self._running,
+            self._pods,
+            self._still_adopting,
+            self.services.changed,
+            spawned,
+        )
+        self.tokens = UpperTokens(
+            config, lower, how, self._pods, self._deleting, self._still_adopting, spawned
+        )
+        self.verbs = LowerVerbs(lower, name, self._lower_pods, how)
+        self.events = EventMirror(lower.client, self._upper_pod_of, events)
+        self.lower_pod_reflector: Reflector[JSON] = Reflector(
+            lower.client,
+            "/api/v1/pods",
+            dict,
+            Handler(
+                self._lower_pod_seen,
+                lambda _old, new: self._lower_pod_seen(new),
+                self._lower_pod_gone,
+                on_listed=self._lower_pods_listed,
+            ),
+            relist_every=max(1, int(config.resync.pods)),
+        )
+
+    @property
+    def owner(self) -> Owner:
+        return self.how.owner
+
+    def _still_adopting(self) -> bool:
+        """Whether pods found running below at start-up are still to be handed back by the
+        agent. Until they are, `_pods` holds only some of the pods we run, and a plan made from
+        it would delete the copies, Services and token Secrets the others use: plans then
+        create and update, and delete nothing. A pod deleted below (an orphan the agent
+        removed) is not waited for, nor any pod after 5 minutes (a pod the agent cannot
+        resolve any more is never handed back). Before `list_pods` (which the agent calls at
+        start-up, after its pod watch's first list) nothing is known: the background loops,
+        started earlier, wait for it too."""
+        if time.monotonic() >= self._adopting_until:
+            self._adopting.clear()
+            return False
+        if not self._adopting_listed:
+            return self._background
+        self._adopting -= self._pods.keys()
+        self._adopting &= self._lower_pods.keys()
+        return bool(self._adopting)
+
+    def use_upper_api(self, api: UpperAPI) -> None:
+        self._upper = self.capacity.upper = self.deps.upper = api
+        self.services.upper = self.tokens.upper = api
+
+    def admission_webhook(self) -> ConstraintWebhook | None:
+        webhook = self.config.webhook
+        if not webhook.enabled:
+            return None
+        return ConstraintWebhook(self.context.node_name, webhook, self.context.internal_ip)
+
+    # -- kubectl verbs: the lower pod's, through the lower API (`_verbs`) ----------------------
+    def container_logs(
+        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
+    ) -> AsyncIterator[bytes]:
+        return self.verbs.container_logs(namespace, pod, container, options)
+
+    async def exec_in_container(
+        self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
+    ) -> int:
+        return await self.verbs.exec_in_container(namespace, pod, container, command, io)
+
+    async def attach_to_container(
+        self, namespace: str, pod: str, container: str, io: AttachIO
+    ) -> None:
+        await self.verbs.attach_to_container(namespace, pod, container, io)
+
+    async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
+        await self.verbs.port_forward(namespace, pod, port, stream)
+
+    async def stats_summary(self) -> dict[str, Any]:
+        return await self.verbs.stats_summary()
+
+    async def metrics_resource(self) -> str:
+        return await self.verbs.metrics_resource()
+
+    # -- the pods as the parts see them ------------------------------------------------------
+    def _running(self) -> list[ResolvedPod]:
+        """The pods that run (or are to): given, neither being deleted nor failed."""
+        return [
+            p
+            for k, p in self._pods.items()
+            if self._deleting.get(k) != p.uid and k not in self._failed
+        ]
+
+    def _running_in(self, namespaces: set[str]) -> list[JSON]:
+        """The running pods in `namespaces`, as JSON prepared once per pod (not per call)."""
+        return [self.deps.prepared(p)[2] for p in self._running() if p.namespace in namespaces]
+
+    def _upper_pod_of(self, namespace: str, name: str, uid: str | None) -> Pod | None:
+        """The upper pod our lower pod `namespace/name` (of `uid`, if given) stands for.
+        Looked up by name (the lower pod's name is the upper one), not by a scan of every pod
+        per event: with ~3 lower events per pod, a scan made a burst quadratic."""
+        upper_namespace = self.how.namespaces.upper(namespace)
+        key = f"{upper_namespace}/{name}"
+        lower = self._lower_pods.get(key)
+        if upper_namespace is None or lower is None:
+            return None
+        metadata = lower.get("metadata") or {}
+        if (metadata.get("namespace"), metadata.get("name")) != (namespace, name) or uid not in (
+            None,
+            metadata.get("uid"),
+        ):
+            return None
+        given = self._pods.get(key)
+        return None if given is None else given.pod
+
+    def _notify_node(self) -> None:
+        if self._node_notify is not None:
+            self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
+
+    async def _ensure_owner(self) -> None:
+        """Settle the owner stamps before the first lower call. Without `upperClusterID`, the
+        upper cluster's identity is the UID of its kube-system namespace (as Liqo does): stable
+        for the cluster's life, distinct between clusters, and readable by the agent."""
+        if self._owner_known:
+            return
+        async with self._owner_lock:
+            if self._owner_known:
+                return
+            cluster_id = ""
+            if self._upper is not None:
+                try:
+                    found = await self._upper.get("/api/v1/namespaces/kube-system")
+                except ApiError as e:
+                    self._identity_problem = (
+                        f"{self.config.source}: upperClusterID is not set, and the upper "
+                        "cluster's kube-system namespace (whose UID is the default) cannot be "
+                        f"read: {e.message or e.reason}; set upperClusterID"
+                    )
+                    log.error("%s", self._identity_problem)
+                    if self._node_notify is not None:
+                        self._node_notify(
+                            convert_node({"metadata": {"name": self.context.node_name}})
+                        )
+                    raise ProviderError(
+                        "UpperClusterIDUnknown", self._identity_problem, permanent=False
+                    ) from None
+                cluster_id = str((found.get("metadata") or {}).get("uid") or "")
+            owner = Owner(cluster_id, self.context.node_name)
+            self.how = dataclasses.replace(self.how, owner=owner)
+            self._identity_problem = None
+            self._owner_known = True
+            log.info("node %s: upper cluster ID %r", self.context.node_name, cluster_id)
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
         if self._tasks or not self._background:
             return
         name = self.context.node_name
-        self._tasks = [
-            supervise(self._check_access, name=f"cluster {name}: lower permissions"),
-            supervise(self._follow_pods, name=f"cluster {name}: lower pods"),
-            supervise(self._follow_capacity, name=f"cluster {name}: capacity"),
-            supervise(self._resync_dependencies, name=f"cluster {name}: dependencies"),
-            supervise(self._follow_events, name=f"cluster {name}: lower events"),
-        ]
+        loops: dict[str, Callable[[], Awaitable[None]]] = {
+            "lower permissions": self._check_access,
+            "lower pods": self.lower_pod_reflector.run,
+            "capacity": self.capacity.run,
+            "dependencies": self.deps.run,
+            "lower events": self.events.reflector.run,
+        }
         if self._upper is not None and self.config.service_account_tokens == "upper":
-            self._tasks.append(supervise(self._refresh_tokens, name=f"cluster {name}: tokens"))
+            loops["tokens"] = self.tokens.run
         if self._upper is not None:
-            self._tasks += [
-                supervise(self._follow_upper_services, name=f"cluster {name}: upper services"),
-                supervise(self._reflect_services, name=f"cluster {name}: services below"),
-            ]
+            loops["upper services"] = self.services.follow
+            loops["services below"] = self.services.run
+        self._tasks = [
+            supervise(self._once_owner_known(loop), name=f"cluster {name}: {what}")
+            for what, loop in loops.items()
+        ]
+
+    def _once_owner_known(
+        self, loop: Callable[[], Awaitable[None]]
+    ) -> Callable[[], Awaitable[None]]:
+        """Every loop reads or writes stamped lower objects: none starts before the owner
+        stamps are settled (`_ensure_owner`)."""
+
+        async def run() -> None:
+            await self._ensure_owner()
+            await loop()
+
+        return run
 
     async def aclose(self) -> None:
         for task in self._tasks:
@@ -147,9 +387,9 @@ class ClusterProvider(
         self._deleting.pop(key, None)  # an earlier pod's deletion is not this pod's
         if self._about_another(key, self._lower_pods.get(key)):
             del self._lower_pods[key]  # an earlier pod's lower pod: not this pod's status
-        await self._dependencies_for(pod)
-        await self._deliver_tokens(pod)  # before adoption too: a restart mints fresh ones
-        body = translate_pod(self._prepared_pod(pod)[2], self.how)  # its JSON, made once
+        await self.deps.for_pod(pod)
+        await self.tokens.deliver(pod)  # before adoption too: a restart mints fresh ones
+        body = translate_pod(self.deps.prepared(pod)[2], self.how)  # its JSON, made once
         namespace = body["metadata"]["namespace"]
         if self._pods_listed and key not in self._lower_pods:
             # The lower pod watch knows no pod of ours by this name: create at once, and read
@@ -158,7 +398,7 @@ class ClusterProvider(
             if existing is None:
                 return
         else:
-            existing = await self._call(self.lower.get("Pod", namespace, pod.name))
+            existing = await self.lower.call(self.lower.get("Pod", namespace, pod.name))
         verdict = claim(existing, self.owner, pod.uid)
         if verdict is Claim.OURS:
             assert existing is not None
@@ -183,7 +423,9 @@ class ClusterProvider(
         if verdict is Claim.STALE:
             assert existing is not None
             uid = str(existing["metadata"].get("uid", ""))
-            await self._call(self.lower.delete("Pod", namespace, pod.name, grace_period=0, uid=uid))
+            await self.lower.call(
+                self.lower.delete("Pod", namespace, pod.name, grace_period=0, uid=uid)
+            )
             raise ProviderError(
                 "LowerPodReplacing",
                 f"an earlier lower pod {namespace}/{pod.name} is being removed first",
@@ -198,17 +440,17 @@ class ClusterProvider(
 
     async def _create_or_find(self, key: str, body: JSON) -> JSON | None:
         """Create the lower pod: None when created, else the pod that already holds the name."""
-        await self._check_fit(body)
+        await self.capacity.check_fit(body)
         # Before the request: the watch often sees the new pod before its answer is processed.
         self._created_at[key] = asyncio.get_running_loop().time()
         try:
-            created = await self._call(self.lower.create(body), what="create the lower pod")
+            created = await self.lower.call(self.lower.create(body), what="create the lower pod")
         except BaseException as e:
             self._created_at.pop(key, None)
             if not isinstance(e, ApiError) or not e.conflict:
                 raise
             meta = body["metadata"]
-            found: JSON | None = await self._call(
+            found: JSON | None = await self.lower.call(
                 self.lower.get("Pod", meta["namespace"], meta["name"])
             )
             if found is not None:
@@ -266,7 +508,7 @@ class ClusterProvider(
         key = f"{pod.namespace}/{pod.name}"
         previous = self._pods.get(key)
         self._pods[key] = pod
-        await self._sync_dependencies()
+        await self.deps.sync()
         body = translate_pod(to_json(pod.pod), self.how)
         spec = body["spec"]
         patch: JSON = {
@@ -290,7 +532,7 @@ class ClusterProvider(
                 for name in sent.get(field) or {}:
                     patch["metadata"][field].setdefault(name, None)
         namespace = body["metadata"]["namespace"]
-        current = self._lower_pods.get(key) or await self._call(
+        current = self._lower_pods.get(key) or await self.lower.call(
             self.lower.get("Pod", namespace, pod.name)
         )
         if current is None or not is_ours(current, self.owner):
@@ -303,7 +545,7 @@ class ClusterProvider(
             patch["spec"]["tolerations"] = existing + added
         path = f"/api/v1/namespaces/{namespace}/pods/{pod.name}"
         patch["metadata"]["uid"] = (current or {}).get("metadata", {}).get("uid")
-        patched = await self._call(
+        patched = await self.lower.call(
             self.lower.client.patch(path, patch, "application/strategic-merge-patch+json"),
             what="update the lower pod",
         )
@@ -319,7 +561,7 @@ class ClusterProvider(
             != requests_and_limits(lower_resources.get(c["name"]))
         ]
         if resized:
-            await self._call(
+            await self.lower.call(
                 self.lower.client.patch(
                     path + "/resize",
                     {"spec": {"containers": resized}},
@@ -341,7 +583,7 @@ class ClusterProvider(
         known = self._lower_pods.get(key)
         if known is not None and await self._delete_lower(known, upper_uid, grace_period_seconds):
             return  # its DELETED event finishes the deletion (`_push_gone`)
-        current = await self._call(self.lower.get("Pod", namespace, name))
+        current = await self.lower.call(self.lower.get("Pod", namespace, name))
         if current is not None and await self._delete_lower(
             current, upper_uid, grace_period_seconds
         ):
@@ -357,9 +599,9 @@ class ClusterProvider(
         if identity is not None and identity[2] != upper_uid:
             return False
         metadata = lower["metadata"]
-        if self._on_vanished_node(lower):
+        if self.capacity.on_vanished_node(lower):
             grace_period = 0  # no kubelet is left to stop it gracefully
-        deleted: bool = await self._call(
+        deleted: bool = await self.lower.call(
             self.lower.delete(
                 "Pod",
                 str(metadata["namespace"]),
@@ -369,17 +611,6 @@ class ClusterProvider(
             )
         )
         return deleted
-
-    def _on_vanished_node(self, lower: Mapping[str, Any]) -> bool:
-        """Whether the lower pod is bound to a lower node that no longer exists: a graceful
-        deletion would wait for the lower pod garbage collector (a minute or so), and a
-        mirrored node's drain with it."""
-        where = (lower.get("spec") or {}).get("nodeName")
-        if not where or self._snapshot is None:
-            return False
-        return not any(
-            (n.get("metadata") or {}).get("name") == where for n in self._snapshot["Node"].values()
-        )
 
     def _gone_without_lower(self, key: str, uid: str, pod: Pod) -> None:
         """No lower pod of ours stands for `pod` (refused for good, vanished, or never made), so
@@ -396,8 +627,8 @@ class ClusterProvider(
         if identity is None or identity[2] == uid:
             self._lower_pods.pop(key, None)  # deleted below before we saw its DELETED event
         failed = self._failed.pop(key, None)
-        self._release_soon()
-        self._drop_tokens(key, uid)
+        self.deps.release_soon()
+        self.tokens.drop(key, uid)
         if self._notify is None:
             return
         upper = to_json(given.pod if given is not None else pod)
@@ -436,7 +667,7 @@ class ClusterProvider(
     async def list_pods(self) -> list[Pod]:
         self._start()
         await self._ensure_owner()
-        pods = await self._call(self.lower.list_objects("Pod", selector=self.owner.selector))
+        pods = await self.lower.call(self.lower.list_objects("Pod", selector=self.owner.selector))
         found = []
         for lower in pods:
             if not is_ours(lower, self.owner):
@@ -489,7 +720,7 @@ class ClusterProvider(
                     f"lower cluster {self.lower.client.server}: {self._unreachable}",
                 )
             ]
-        if self._lower_node is None and not self._capacity_known:
+        if self._lower_node is None and not self.capacity.known:
             # Ready with no allocatable yet would be a node the scheduler cannot use, and
             # the labels published from below would be missing for a moment.
             message = "waiting for the first listing of the lower cluster's nodes and pods"
@@ -499,12 +730,12 @@ class ClusterProvider(
     def _mirrored_problem(self) -> NodeCondition | None:
         """Mirror mode: Ready follows the lower node's own Ready."""
         where = f"lower node {self._lower_node}"
-        if self._snapshot is None:
+        if self.capacity.snapshot is None:
             message = f"{where}: waiting for the first listing of the lower cluster"
             return NodeCondition("Ready", "False", "LowerNodeUnknown", message)
-        if self._mirrored is None:
+        if self.capacity.mirrored is None:
             return NodeCondition("Ready", "False", "LowerNodeGone", f"{where} does not exist")
-        for condition in (self._mirrored.get("status") or {}).get("conditions") or []:
+        for condition in (self.capacity.mirrored.get("status") or {}).get("conditions") or []:
             if condition.get("type") == "Ready":
                 if condition.get("status") == "True":
                     return None
@@ -519,20 +750,20 @@ class ClusterProvider(
         if self._lower_node is not None:
             self._configure_mirror(node)
             return
-        allocatable = dict(self._capacity.allocatable)
+        allocatable = dict(self.capacity.capacity.allocatable)
         node.status.capacity = dict(allocatable)
         node.status.allocatable = dict(allocatable)
         # The node's own labels (the agent's and the operator's, not those published from
         # below): scheduling terms on them only chose this node and are dropped on the way down.
-        common = self._capacity.labels
+        common = self.capacity.capacity.labels
         own = {k: v for k, v in (node.metadata.labels or {}).items() if common.get(k) != v}
         own.setdefault("kubernetes.io/hostname", self.context.node_name)
         own.update(self._cluster_label())
         node.metadata.annotations = {
             **(node.metadata.annotations or {}),
-            LARGEST_FREE_ANNOTATION: self._largest_free_annotation(),
+            LARGEST_FREE_ANNOTATION: self.capacity.largest_free_annotation(),
         }
-        if node.spec is not None and self._cannot_fit_tainted():
+        if node.spec is not None and self.capacity.cannot_fit_tainted():
             node.spec.taints = [
                 *(node.spec.taints or []),
                 Taint(key=CANNOT_FIT_TAINT["key"], effect=CANNOT_FIT_TAINT["effect"]),
@@ -541,7 +772,7 @@ class ClusterProvider(
             self.how = dataclasses.replace(self.how, virtual_labels=own)
         labels = {**(node.metadata.labels or {}), **self._cluster_label()}
         if self.config.publish_common_labels:
-            for key, value in self._capacity.labels.items():
+            for key, value in self.capacity.capacity.labels.items():
                 if not self.config.label_excluded(key):
                     labels.setdefault(key, value)
         node.metadata.labels = labels
@@ -556,10 +787,10 @@ class ClusterProvider(
         """One lower node's shape: its allocatable (minus pods not ours), its labels (over the
         agent's defaults: its arch, say), and its cordon once it has been seen."""
         assert node.status is not None and node.metadata is not None
-        allocatable = dict(self._capacity.allocatable)
+        allocatable = dict(self.capacity.capacity.allocatable)
         node.status.capacity = dict(allocatable)
         node.status.allocatable = dict(allocatable)
-        published = self._capacity.labels if self.config.publish_common_labels else {}
+        published = self.capacity.capacity.labels if self.config.publish_common_labels else {}
         labels = {**(node.metadata.labels or {}), **published, **self._cluster_label()}
         own = {k: v for k, v in labels.items() if published.get(k) != v}
         own["kubernetes.io/hostname"] = self.context.node_name
@@ -570,8 +801,10 @@ class ClusterProvider(
             **(node.metadata.annotations or {}),
             "vkubelet.io/lower-node": str(self._lower_node),
         }
-        if self._mirrored is not None and node.spec is not None:
-            node.spec.unschedulable = bool((self._mirrored.get("spec") or {}).get("unschedulable"))
+        if self.capacity.mirrored is not None and node.spec is not None:
+            node.spec.unschedulable = bool(
+                (self.capacity.mirrored.get("spec") or {}).get("unschedulable")
+            )
 
     def notify_node_status(self, callback: Callable[[Node], None]) -> None:
         self._node_notify = callback
@@ -591,52 +824,37 @@ class ClusterProvider(
                 self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
 
     # -- background ----------------------------------------------------------------
+    # -- the one reflector of the lower pods ---------------------------------------------
+    # Every lower pod, listed, watched and re-listed every `resync.pods` seconds so a pod that
+    # vanished without an event is noticed. It feeds both consumers: the capacity snapshot
+    # (pods not ours take room; per-node usage for the fit check) and our pods' statuses (the
+    # pods carrying our stamps). A second watch of our pods by label cost each of their events
+    # twice (received, decoded: ~4 % of the agent's CPU in a burst).
     async def _follow_pods(self) -> None:
-        """The one reflector of the lower pods: list, then watch, every lower pod, re-listed
-        every `resync.pods` seconds so a pod that vanished without an event is noticed. It
-        feeds both consumers: the capacity snapshot (pods not ours take room; per-node usage
-        for the fit check) and our pods' statuses (the pods carrying our stamps). A second
-        watch of our pods by label cost each of their events twice (received, decoded: ~4 %
-        of the agent's CPU in a burst)."""
-        await self._ensure_owner()
-        while True:
-            answer = await self.lower.client.get("/api/v1/pods")
-            items = answer.get("items") or []
-            version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
-            self._lower_listed("Pod", {uid_of(o): o for o in items})
-            seen = {}
-            for lower in items:
-                key = self._key_of(lower)
-                if key is not None and not self._about_another(key, lower):
-                    seen[key] = lower
-            self._pods_listed = True
-            for key, known in list(self._lower_pods.items()):
-                if key not in seen and not newer(known, version):
-                    self._vanished(key, known)
-            for key, lower in seen.items():
-                self._observed(key, lower)
-            timeout = max(1, int(self.config.resync.pods))
-            params = {"resourceVersion": version, "allowWatchBookmarks": "true"}
-            try:
-                async for kind, raw in self.lower.client.watch(
-                    "/api/v1/pods", params, timeout_seconds=timeout
-                ):
-                    if kind == "ERROR":
-                        break
-                    if kind == "BOOKMARK":
-                        continue
-                    lower = msgspec.json.decode(raw)
-                    self._lower_pod_changed(kind, lower)
-                    key = self._key_of(lower)
-                    if key is None:
-                        continue
-                    if kind == "DELETED":
-                        self._vanished(key, lower)
-                    else:
-                        self._observed(key, lower)
-            except ApiError as e:
-                if not e.gone:
-                    raise
+        await self._once_owner_known(self.lower_pod_reflector.run)()
+
+    def _lower_pod_seen(self, lower: JSON) -> None:
+        self.capacity.pod_changed(lower)
+        key = self._key_of(lower)
+        if key is not None:
+            self._observed(key, lower)
+
+    def _lower_pod_gone(self, lower: JSON) -> None:
+        self.capacity.pod_changed(lower, deleted=True)
+        key = self._key_of(lower)
+        if key is not None:
+            self._vanished(key, lower)
+
+    def _lower_pods_listed(self) -> None:
+        """After a listing: a lower pod known only from a request's answer (created, adopted)
+        that the listing lacks, and was not written after it, vanished unseen."""
+        listing = self.lower_pod_reflector.items
+        self.capacity.listed(listing)
+        self._pods_listed = True
+        version = self.lower_pod_reflector.resource_version or ""
+        for key, known in list(self._lower_pods.items()):
+            if uid_of(known) not in listing and not newer(known, version):
+                self._vanished(key, known)
 
     def _key_of(self, lower: Mapping[str, Any]) -> str | None:
         if not is_ours(lower, self.owner):
@@ -686,7 +904,7 @@ class ClusterProvider(
                 last, upper, host_ip=self.context.internal_ip, now=now_rfc3339()
             )
         self._failed[key] = gone_status(upper, reason=reason, message=message, now=now_rfc3339())
-        self._services_dirty.set()
+        self.services.changed()
         log.warning("pod %s: %s", key, message)
         self.context.events.pod_event(given.pod, "Warning", reason, message)
         self._push(key)
@@ -735,13 +953,13 @@ class ClusterProvider(
         )
         log.warning("pod %s: %s", key, message)
         self.context.events.pod_event(given.pod, "Warning", UNSCHEDULABLE_BELOW, message)
-        if self.config.mode == "aggregate" and self._start_cannot_fit_backoff(message):
-            self._spawned.spawn(self._taint_published(), name=f"taint for {key}")
+        if self.config.mode == "aggregate" and self.capacity.start_cannot_fit_backoff(message):
+            self._spawned.spawn(self.capacity.taint_published(), name=f"taint for {key}")
         self._push(key)
         namespace, _, name = key.partition("/")
         lower_uid = str((lower.get("metadata") or {}).get("uid", ""))
         self._spawned.spawn(
-            self._call(
+            self.lower.call(
                 self.lower.delete(
                     "Pod", self.how.lower_namespace(namespace), name, grace_period=0, uid=lower_uid
                 )
@@ -822,11 +1040,11 @@ class ClusterProvider(
         and drop the copies no other pod needs."""
         given = self._pods.pop(key, None)
         self._deleting.pop(key, None)
-        self._release_soon()
+        self.deps.release_soon()
         identity = None if last is None else upper_identity(last)
         uid = identity[2] if identity is not None else (given.uid if given is not None else "")
         if uid:
-            self._drop_tokens(key, uid)
+            self.tokens.drop(key, uid)
         if given is None or self._notify is None:
             return
         upper = to_json(given.pod)
@@ -837,219 +1055,6 @@ class ClusterProvider(
         status = gone_status(upper, reason="Deleted", message="", now=now_rfc3339())
         pod = convert_pod({**upper, "status": status})
         self._notify(pod)
-
-    async def _follow_events(self) -> None:
-        """Mirror the lower cluster's Events about our lower pods onto the upper pods (the
-        agent's event sink aggregates and rate-limits them). Only new ones: a restart does not
-        replay history."""
-        skipped = "".join(f",reason!={r}" for r in _NOT_MIRRORED)
-        selector = {"fieldSelector": "involvedObject.kind=Pod" + skipped}
-        answer = await self.lower.client.get("/api/v1/events", {**selector, "limit": "1"})
-        version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
-        while True:
-            params = {**selector, "resourceVersion": version, "allowWatchBookmarks": "true"}
-            try:
-                async for kind, raw in self.lower.client.watch(
-                    "/api/v1/events", params, timeout_seconds=300
-                ):
-                    if kind == "ERROR":
-                        return  # expired: start again from now (supervised restart)
-                    event = msgspec.json.decode(raw)
-                    version = str(event.get("metadata", {}).get("resourceVersion", version))
-                    if kind in ("ADDED", "MODIFIED"):
-                        self._mirror(event)
-            except ApiError as e:
-                if e.gone:
-                    return
-                raise
-
-    def _mirror(self, event: Mapping[str, Any]) -> None:
-        involved = event.get("involvedObject") or {}
-        namespace, name = involved.get("namespace"), involved.get("name")
-        # Looked up by name (the lower pod's name is the upper one), not by a scan of every
-        # pod per event: with ~3 lower events per pod, a scan made a burst quadratic.
-        upper_namespace = self.how.namespaces.upper(str(namespace))
-        key = f"{upper_namespace}/{name}"
-        lower = self._lower_pods.get(key)
-        if upper_namespace is None or lower is None:
-            return
-        metadata = lower.get("metadata") or {}
-        if (metadata.get("namespace"), metadata.get("name")) != (namespace, name) or involved.get(
-            "uid"
-        ) not in (None, metadata.get("uid")):
-            return
-        given = self._pods.get(key)
-        if given is not None:
-            kind: EventType = "Warning" if event.get("type") == "Warning" else "Normal"
-            message = f"lower cluster: {event.get('message') or ''}".strip()
-            self.context.events.pod_event(
-                given.pod, kind, str(event.get("reason") or "Lower"), message
-            )
-
-    async def _resync_dependencies(self) -> None:
-        await self._ensure_owner()
-        while True:
-            await asyncio.sleep(self.config.resync.dependencies)
-            await self._sync_dependencies(relist=True)
-
-    async def _dependencies_for(self, pod: ResolvedPod) -> None:
-        """Before a pod starts, the lower copies it needs. When our copies already hold every
-        object it needs at least at the version it was given (always so for a pod that needs
-        nothing but its namespace), a plan would write nothing for it: only the namespace is
-        made sure of. A plan covers every running pod, so planning on each start made a burst
-        quadratic (17 % of the agent's CPU in a 1,000-pod burst)."""
-        key = f"{pod.namespace}/{pod.name}"
-        prepared = self._prepared[key] = self._prepared_pod(pod)
-        namespace = self.how.lower_namespace(pod.namespace)
-        async with self._deps_lock:  # a plan under way may be deleting a copy it needs
-            covered = self._copies_cover(pod, prepared[3])
-            if covered:
-                self._services_dirty.set()  # the pods changed: so may the Services below
-                try:
-                    await self.lower.ensure_namespace(namespace, self.owner)
-                except ApiError as e:
-                    message = f"namespace {namespace}: {e.message or e.reason}"
-                    raise ProviderError("LowerDependencyFailed", message, permanent=False) from None
-        if not covered:
-            await self._sync_dependencies(block_for=key)
-
-    async def _release_claims(self, unused: list[Key], uids: Mapping[Key, str]) -> None:
-        """Lower claims no pod uses are deleted once their upper claim is gone (or re-created:
-        another UID), never while it exists: a StatefulSet pod between two lives keeps its
-        data. An upper claim this agent may not read (the Node authorizer lets a node read
-        only its pods' claims) is kept: not knowing is not gone."""
-        if self._upper is None or self._copies is None:
-            return
-        for key in unused:
-            identity = upper_identity(self._copies.get(key) or {})
-            if identity is None:
-                continue
-            namespace, name, uid = identity
-            path = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}"
-            try:
-                upper = await self._upper.get(path)
-            except ApiError as e:
-                if not e.not_found:
-                    continue
-                upper = {}
-            if (upper.get("metadata") or {}).get("uid") == uid:
-                continue
-            kind, lower_namespace, lower_name = key
-            await self._call(
-                self.lower.delete(kind, lower_namespace, lower_name, uid=uids.get(key))
-            )
-            self._copies.pop(key, None)
-            log.info("lower claim %s/%s released: its upper claim is gone", *key[1:])
-
-    def _copies_cover(self, pod: ResolvedPod, needed: set[Reference]) -> bool:
-        """Whether our known lower copies hold everything `pod` needs, each ours and copied
-        from the upper object at the version the pod was given or later."""
-        if self._copies is None:
-            return False
-        lower_namespace = self.how.lower_namespace(pod.namespace)
-        for ref in needed:
-            if ref.kind == "ServiceAccount" and ref.name == "default":
-                continue  # the lower namespace's own account
-            source = pod.references.get((ref.kind, pod.namespace, ref.name))
-            copy = self._copies.get(
-                (ref.kind, lower_namespace, self.how.lower_name(ref.kind, ref.name))
-            )
-            if source is None or copy is None or not is_ours(copy, self.owner):
-                return False
-            copied = ((copy.get("metadata") or {}).get("annotations") or {}).get(SOURCE_VERSION)
-            given = (source.get("metadata") or {}).get("resourceVersion")
-            try:
-                if int(str(copied)) < int(str(given)):
-                    return False  # the pod was given a later version: the copy is updated
-            except ValueError:
-                return False
-        return True
-
-    def _release_soon(self) -> None:
-        """Drop the copies no pod needs any more, once for a run of deletions: a plan covers
-        every running pod, so one per deleted pod made removing a burst quadratic."""
-        self._release_wanted = True
-        if self._releasing is None or self._releasing.done():
-            self._releasing = self._spawned.spawn(self._release(), name="release copies")
-
-    async def _release(self) -> None:
-        while self._release_wanted:
-            self._release_wanted = False
-            await self._sync_dependencies()
-
-    async def _sync_dependencies(
-        self, block_for: str | None = None, *, relist: bool = False
-    ) -> None:
-        """Make the lower copies match what the pods need; raise for `block_for`'s blockers.
-
-        The copies we own are listed (by owner label) once and on every periodic resync, and
-        otherwise known from our own writes, so starting a pod costs no list requests.
-        """
-        self._services_dirty.set()  # the pods changed: so may the Services they need below
-        async with self._deps_lock:
-            running = [
-                p
-                for k, p in self._pods.items()
-                if self._deleting.get(k) != p.uid and k not in self._failed
-            ]
-            references: dict[Key, Mapping[str, Any] | None] = {}
-            for pod in running:
-                for key, obj in pod.references.items():
-                    references[key] = newest(references.get(key), obj)
-            prepared = {f"{p.namespace}/{p.name}": self._prepared_pod(p) for p in running}
-            self._prepared = prepared  # drops the pods no longer running
-            if self._copies is None or relist:
-                copies: dict[Key, JSON] = {}
-                for kind in KINDS:
-                    for obj in await self._call(
-                        self.lower.list_objects(kind, selector=self.owner.selector)
-                    ):
-                        meta = obj["metadata"]
-                        copies[(kind, meta["namespace"], meta["name"])] = obj
-                self._copies = copies
-            plan = plan_dependencies(
-                [upper for _, _, upper, _ in prepared.values()],
-                references,
-                self._copies,
-                self.how,
-                pvc_storage_class=self.config.pvc_storage_class,
-                needed={k: refs for k, (_, _, _, refs) in prepared.items()},
-            )
-            if self._still_adopting():
-                plan.delete.clear()
-                plan.release.clear()
-            applied = await self.lower.apply_dependencies(plan, self.owner)
-            for key, obj in applied.written.items():
-                if obj is None:
-                    self._copies.pop(key, None)
-                else:
-                    self._copies[key] = obj
-            if relist:  # an upper read per unused claim: at the periodic resync only
-                await self._release_claims(plan.release, plan.uids)
-        if block_for is None:
-            return
-        why = plan.blocked.get(block_for)
-        if why is not None:
-            permanent = "not found" not in why
-            reason = "LowerDependencyConflict" if permanent else "DependencyMissing"
-            raise ProviderError(reason, why, permanent=permanent)
-        given = self._pods.get(block_for)
-        if given is not None and applied.conflicts:
-            needed = {
-                (
-                    r.kind,
-                    self.how.lower_namespace(given.namespace),
-                    self.how.lower_name(r.kind, r.name),
-                )
-                for r in needed_references(to_json(given.pod), self.how)
-            }
-            for key, message in applied.conflicts.items():
-                if key in needed:
-                    raise ProviderError("LowerDependencyConflict", message)
-        if applied.problems:
-            raise ProviderError(
-                "LowerDependencyFailed", "; ".join(applied.problems), permanent=False
-            )
 
 
 def _version(obj: Mapping[str, Any]) -> str:

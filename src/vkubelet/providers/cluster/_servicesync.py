@@ -4,104 +4,132 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import msgspec
 
-from ...kube import ApiError
-from ._convert import name_key
-from ._core import ProviderCore
+from ...kube import Handler, Reflector
+from ...sdk.provider import EventSink, UpperAPI
+from ._config import LowerConfig
+from ._convert import JSON, name_key
+from ._lower import LowerCluster
 from ._services import apply_service_plan, plan_services, selects_anything
 from ._stamps import is_ours
+from ._translate import PodTranslation
 
 __all__ = ["ServiceReflection"]
 
 log = logging.getLogger(__name__)
 
 
-class ServiceReflection(ProviderCore):
-    """Upper Services of our pods kept below (`_services` plans, this follows and applies)."""
+class ServiceReflection:
+    """Upper Services of our pods kept below (`_services` plans, this follows and applies).
+    `pods_in(namespaces)`: the provider's running pods there, as JSON."""
 
-    async def _follow_upper_services(self) -> None:
+    def __init__(
+        self,
+        config: LowerConfig,
+        lower: LowerCluster,
+        how: Callable[[], PodTranslation],
+        pods_in: Callable[[set[str]], list[JSON]],
+        still_adopting: Callable[[], bool],
+        events: EventSink,
+        node_name: str,
+    ) -> None:
+        self.config, self.lower, self._how, self._pods_in = config, lower, how, pods_in
+        self._still_adopting, self._events, self._node_name = still_adopting, events, node_name
+        self.upper: UpperAPI | None = None
+        self.upper_services: dict[tuple[str, str], JSON] = {}  # upper (namespace, name)
+        self._lower_services: dict[tuple[str, str], JSON] | None = None  # ours, lower key
+        self._dirty = asyncio.Event()
+        self._listed = asyncio.Event()  # the upper Services, once listed
+        self._conflicts: set[tuple[str, str]] = set()  # reported once each
+
+    def changed(self) -> None:
+        """The pods changed: so may the Services they need below."""
+        self._dirty.set()
+
+    async def follow(self) -> None:
         """List, then watch, the upper Services (every namespace: a `system:node` may)."""
-        assert self._upper is not None
-        while True:
-            answer = await self._upper.get("/api/v1/services")
-            self._upper_services = {name_key(s): s for s in answer.get("items") or []}
-            self._upper_services_listed.set()
-            self._services_dirty.set()
-            version = str((answer.get("metadata") or {}).get("resourceVersion", ""))
-            params = {"resourceVersion": version, "allowWatchBookmarks": "true"}
-            try:
-                async for kind, raw in self._upper.watch(
-                    "/api/v1/services", params, timeout_seconds=300
-                ):
-                    if kind == "ERROR":
-                        break
-                    if kind == "BOOKMARK":
-                        continue
-                    service = msgspec.json.decode(raw)
-                    if kind == "DELETED":
-                        self._upper_services.pop(name_key(service), None)
-                    else:
-                        self._upper_services[name_key(service)] = service
-                    self._services_dirty.set()
-            except ApiError as e:
-                if not e.gone:
-                    raise
+        assert self.upper is not None
+        handler = Handler(self._put, self._update, self._drop, on_listed=self._listed.set)
+        await Reflector(_Raw(self.upper), "/api/v1/services", dict, handler).run()
 
-    async def _reflect_services(self) -> None:
+    async def run(self) -> None:
         """Keep the lower Services (`_services`) matching the upper ones and our pods: at every
         change of either, and every `resync.dependencies` seconds from a fresh lower list."""
-        await self._ensure_owner()
-        await self._upper_services_listed.wait()  # never plan from an empty upper view
+        await self._listed.wait()  # never plan from an empty upper view
         relist = True
         while True:
-            self._services_dirty.clear()
-            await self._sync_services(relist=relist)
+            self._dirty.clear()
+            await self.sync(relist=relist)
             relist = False
             try:
                 async with asyncio.timeout(self.config.resync.dependencies):
-                    await self._services_dirty.wait()
+                    await self._dirty.wait()
             except TimeoutError:
                 relist = True
             await asyncio.sleep(0.2)  # gather a burst of changes (a Deployment scaling)
 
-    async def _sync_services(self, *, relist: bool) -> None:
+    def _put(self, service: JSON) -> None:
+        self.upper_services[name_key(service)] = service
+        self._dirty.set()
+
+    def _update(self, _old: JSON, service: JSON) -> None:
+        self._put(service)
+
+    def _drop(self, service: JSON) -> None:
+        self.upper_services.pop(name_key(service), None)
+        self._dirty.set()
+
+    async def sync(self, *, relist: bool) -> None:
+        owner = self._how().owner
         if self._lower_services is None or relist:
-            found = await self.lower.list_objects("Service", selector=self.owner.selector)
-            self._lower_services = {name_key(s): s for s in found if is_ours(s, self.owner)}
+            found = await self.lower.list_objects("Service", selector=owner.selector)
+            self._lower_services = {name_key(s): s for s in found if is_ours(s, owner)}
         # Only pods in a namespace where some upper Service selects pods can be selected: in a
         # burst this runs every 0.2 s, and going over every pod each time cost ~1 % of the
         # agent's CPU when no Service selects any of them.
-        selecting = {name_key(s)[0] for s in self._upper_services.values() if selects_anything(s)}
-        running = [
-            self._prepared_pod(p)[2]  # its JSON as prepared once per pod, not again per sync
-            for k, p in self._pods.items()
-            if p.namespace in selecting and self._deleting.get(k) != p.uid and k not in self._failed
-        ]
+        selecting = {name_key(s)[0] for s in self.upper_services.values() if selects_anything(s)}
         plan = plan_services(
-            self._upper_services.values(),
-            running,
+            self.upper_services.values(),
+            self._pods_in(selecting),
             self._lower_services,
-            self.owner,
-            self.how.lower_namespace,
+            owner,
+            self._how().lower_namespace,
         )
         if self._still_adopting():
             plan.delete.clear()
-        applied = await apply_service_plan(self.lower, plan, self.owner)
+        applied = await apply_service_plan(self.lower, plan, owner)
         for key, obj in applied.written.items():
             if obj is None:
                 self._lower_services.pop(key, None)
             else:
                 self._lower_services[key] = obj
         for key, message in applied.conflicts.items():
-            if key not in self._service_conflicts:
-                self._service_conflicts.add(key)
+            if key not in self._conflicts:
+                self._conflicts.add(key)
                 log.warning("%s", message)
-                self.context.events.node_event(
-                    self.context.node_name, "Warning", "LowerServiceConflict", message
-                )
+                self._events.node_event(self._node_name, "Warning", "LowerServiceConflict", message)
         if applied.problems:
             log.warning("services below: %s", "; ".join(applied.problems))
-            self._services_dirty.set()  # retried after the pause
+            self._dirty.set()  # retried after the pause
             await asyncio.sleep(2.0)
+
+
+class _Raw:
+    """The agent's client (`UpperAPI`, plain JSON) as a reflector lists through it."""
+
+    def __init__(self, api: UpperAPI) -> None:
+        self._api = api
+
+    async def request_raw(
+        self, method: str, path: str, *, params: Mapping[str, str] | None = None
+    ) -> bytes:
+        assert method == "GET"
+        return msgspec.json.encode(await self._api.get(path, params))
+
+    def watch(
+        self, path: str, params: Mapping[str, str], *, timeout_seconds: int
+    ) -> AsyncIterator[tuple[str, bytes]]:
+        return self._api.watch(path, params, timeout_seconds=timeout_seconds)

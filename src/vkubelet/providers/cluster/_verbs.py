@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from ...kube import ApiError
@@ -12,18 +12,32 @@ from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.provider import ContainerLogOptions, ProviderError
 from ...streaming import Endpoint, UpgradeFailed, attach, exec_command
 from ...streaming import port_forward as streaming_port_forward
-from ._core import ProviderCore
+from ._convert import JSON
+from ._lower import LowerCluster
 from ._stamps import is_ours, upper_identity
 from ._stats import merge_resource_metrics, merge_summaries
+from ._translate import PodTranslation
 
 __all__ = ["LowerVerbs"]
 
 log = logging.getLogger(__name__)
 
 
-class LowerVerbs(ProviderCore):
+class LowerVerbs:
     """kubectl logs, exec, attach, port-forward and top on upper pods, served by the lower
-    apiserver and kubelets."""
+    apiserver and kubelets. It reads the provider's lower pods (upper "namespace/name" ->
+    lower pod) and keeps only its connection details and the scrape errors it reported."""
+
+    def __init__(
+        self,
+        lower: LowerCluster,
+        node_name: str,
+        lower_pods: Mapping[str, JSON],
+        how: Callable[[], PodTranslation],
+    ) -> None:
+        self.lower, self._node_name, self._lower_pods, self._how = lower, node_name, lower_pods, how
+        self._stream_endpoint: Endpoint | None = None
+        self._scrape_errors: dict[str, str] = {}  # lower node -> its last stats error
 
     async def container_logs(
         self, namespace: str, pod: str, container: str, options: ContainerLogOptions
@@ -47,11 +61,8 @@ class LowerVerbs(ProviderCore):
         ):
             if on:
                 params[flag] = "true"
-        lower_ns = self.how.lower_namespace(namespace)
-        current = self._lower_pods.get(f"{namespace}/{pod}")
-        if current is None or not is_ours(current, self.owner):
-            raise ProviderError("NotFound", f"pod {namespace}/{pod} does not run here")
-        path = f"/api/v1/namespaces/{lower_ns}/pods/{pod}/log"
+        lower_ns, name = self._lower_ref(namespace, pod)
+        path = f"/api/v1/namespaces/{lower_ns}/pods/{name}/log"
         try:
             async for chunk in self.lower.client.stream(path, params):
                 yield chunk
@@ -87,7 +98,7 @@ class LowerVerbs(ProviderCore):
     def _lower_ref(self, namespace: str, pod: str) -> tuple[str, str]:
         """Where the upper pod runs below; only our own pods are reachable this way."""
         current = self._lower_pods.get(f"{namespace}/{pod}")
-        if current is None or not is_ours(current, self.owner):
+        if current is None or not is_ours(current, self._how().owner):
             raise ProviderError("NotFound", f"pod {namespace}/{pod} does not run here")
         metadata = current.get("metadata") or {}
         return str(metadata.get("namespace")), str(metadata.get("name"))
@@ -106,7 +117,7 @@ class LowerVerbs(ProviderCore):
         )
         self._note_scrapes("stats/summary", nodes, answers)
         summaries = [a for a in answers if isinstance(a, dict)]
-        return merge_summaries(self.context.node_name, summaries, renames)
+        return merge_summaries(self._node_name, summaries, renames)
 
     async def metrics_resource(self) -> str:
         """The metrics-server's scrape: the lower kubelets' `/metrics/resource`, our pods only."""

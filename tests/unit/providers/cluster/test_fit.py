@@ -158,12 +158,15 @@ def test_a_pod_that_fits_no_single_lower_node_is_refused_and_the_node_tainted_fo
         provider = scripted(tmp_path, None, writes)
         events = NodeEvents()
         provider.context = dataclasses.replace(provider.context, events=events)
-        provider._snapshot = {
+        provider.capacity._events = events
+        provider.capacity.snapshot = {
             "Node": {n["metadata"]["uid"]: n for n in FOUR},
             "Pod": {p["metadata"]["uid"]: p for p in BUSY},
         }
-        provider._capacity = (
-            msgspec.structs.replace(provider._capacity) if False else (provider._capacity)
+        provider.capacity.capacity = (
+            msgspec.structs.replace(provider.capacity.capacity)
+            if False
+            else (provider.capacity.capacity)
         )
         object.__setattr__(provider.config, "cannot_fit_backoff", 0.3)
         big = resolved()

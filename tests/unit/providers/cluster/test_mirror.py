@@ -114,8 +114,8 @@ def test_a_mirrored_node_follows_its_lower_nodes_cordon_readiness_and_labels(
             lower = node("lower-a", "4", labels={"topology.kubernetes.io/zone": "a"})
             lower["spec"]["unschedulable"] = True
             objects = {"Node": {"lower-a": lower}, "Pod": {}}
-            provider._snapshot = objects
-            provider._follow_mirrored(objects)
+            provider.capacity.snapshot = objects
+            provider.capacity._follow_mirrored(objects)
             configured = msgspec.convert(
                 {
                     "metadata": {"name": "vk-lower", "labels": {"type": "virtual-kubelet"}},
@@ -135,13 +135,13 @@ def test_a_mirrored_node_follows_its_lower_nodes_cordon_readiness_and_labels(
             lower["status"]["conditions"] = [
                 {"type": "Ready", "status": "Unknown", "message": "Kubelet stopped posting"}
             ]
-            provider._follow_mirrored(objects)
+            provider.capacity._follow_mirrored(objects)
             (ready,) = provider.node_conditions()
             assert (ready.status, ready.reason) == ("False", "LowerNodeNotReady")
             assert "Kubelet stopped posting" in ready.message
 
             objects["Node"].clear()
-            provider._follow_mirrored(objects)
+            provider.capacity._follow_mirrored(objects)
             (gone,) = provider.node_conditions()
             assert gone.reason == "LowerNodeGone"
         finally:
@@ -206,10 +206,12 @@ def test_a_lower_pod_on_a_vanished_lower_node_is_deleted_without_grace(tmp_path:
     async def scenario() -> None:
         provider = mirror_provider(tmp_path)
         try:
-            provider._snapshot = {"Node": {"a": node("lower-a", "1")}, "Pod": {}}
-            assert not provider._on_vanished_node({"spec": {"nodeName": "lower-a"}})
-            assert provider._on_vanished_node({"spec": {"nodeName": "lower-x"}})
-            assert not provider._on_vanished_node({"spec": {}}), "not bound: the scheduler's"
+            provider.capacity.snapshot = {"Node": {"a": node("lower-a", "1")}, "Pod": {}}
+            assert not provider.capacity.on_vanished_node({"spec": {"nodeName": "lower-a"}})
+            assert provider.capacity.on_vanished_node({"spec": {"nodeName": "lower-x"}})
+            assert not provider.capacity.on_vanished_node({"spec": {}}), (
+                "not bound: the scheduler's"
+            )
         finally:
             await provider.aclose()
 
@@ -237,18 +239,20 @@ def test_our_lower_pods_being_deleted_on_a_lower_node_that_vanishes_are_deleted_
 
     async def scenario() -> None:
         try:
-            provider._force_delete = force  # type: ignore[method-assign]
+            provider.capacity._force_delete = force  # type: ignore[method-assign]
             pods = [
                 lower("evicted", "lower-a"),
                 lower("running", "lower-a", deleting=False),
                 lower("elsewhere", "lower-b"),
                 lower("not-ours", "lower-a", ours=False),
             ]
-            provider._lower_listed("Node", {"a": node("lower-a", "1"), "b": node("lower-b", "1")})
-            provider._lower_listed("Pod", {p["metadata"]["uid"]: p for p in pods})
-            provider._lower_node_deleted(node("lower-a", "1"))
-            provider._lower_pod_changed("MODIFIED", lower("later", "lower-a"))
-            provider._lower_pod_changed("MODIFIED", lower("later-b", "lower-b"))
+            provider.capacity._lower_listed(
+                "Node", {"a": node("lower-a", "1"), "b": node("lower-b", "1")}
+            )
+            provider.capacity._lower_listed("Pod", {p["metadata"]["uid"]: p for p in pods})
+            provider.capacity._lower_node_deleted(node("lower-a", "1"))
+            provider.capacity.pod_changed(lower("later", "lower-a"))
+            provider.capacity.pod_changed(lower("later-b", "lower-b"))
             await eventually(lambda: len(forced) == 2, what="two forced deletions")
             assert sorted(forced) == ["evicted", "later"]
         finally:

@@ -20,6 +20,7 @@ from vkubelet.providers.cluster import (
     ClusterProvider,
     LowerCluster,
     _deps,
+    _depsync,
     _provider,
     create,
     load_lower_config,
@@ -213,7 +214,7 @@ def test_a_pod_whose_copies_are_current_starts_without_a_plan_and_a_newer_versio
         plans.append(len(pods))
         return real_plan(pods, *args, **kwargs)
 
-    monkeypatch.setattr(_provider, "plan_dependencies", plan)
+    monkeypatch.setattr(_depsync, "plan_dependencies", plan)
 
     def handler(request: httpx.Request) -> httpx.Response:
         requests.append((request.method, request.url.path))
@@ -550,7 +551,7 @@ def test_late_events_of_a_force_deleted_pod_do_not_touch_its_successor_of_the_sa
             async with asyncio.timeout(10):
                 await fake.watching_again.wait()
                 await running.wait()
-            await provider._sync_dependencies()  # what the periodic resync would do
+            await provider.deps.sync()  # what the periodic resync would do
         finally:
             follow.cancel()
             await provider.aclose()
@@ -603,16 +604,19 @@ def test_one_lower_pod_watch_feeds_both_the_capacity_and_our_pods_statuses(
         fake.pods.update({"web-0": ours, "theirs": theirs})  # as the next listing says
         tasks = [
             asyncio.create_task(provider._follow_pods()),
-            asyncio.create_task(provider._follow_capacity()),
+            asyncio.create_task(provider.capacity.run()),
         ]
         try:
             await eventually(
-                lambda: running() and provider._capacity.allocatable == {"cpu": "3", "pods": "9"},
+                lambda: (
+                    running()
+                    and provider.capacity.capacity.allocatable == {"cpu": "3", "pods": "9"}
+                ),
                 within=10,
                 what="our pod Running and the room their pod takes subtracted",
             )
-            assert provider._snapshot is not None
-            assert {"t-1", ours["metadata"]["uid"]} <= set(provider._snapshot["Pod"])
+            assert provider.capacity.snapshot is not None
+            assert {"t-1", ours["metadata"]["uid"]} <= set(provider.capacity.snapshot["Pod"])
             await eventually(lambda: fake.open_watches["/api/v1/pods"], what="watching again")
             await always(
                 lambda: fake.open_watches["/api/v1/pods"] == 1, duration=0.5, what="one pod watch"
@@ -674,7 +678,7 @@ def test_after_a_restart_the_copies_of_pods_not_yet_adopted_are_kept_and_adoptio
         await restarted.create_pod(ResolvedPod(msgspec.convert(other, Pod)))  # plans, once
         await restarted.adopt_pod(web_0("upper-web", config_map=True))
         assert "shop/web-0" in restarted._pods
-        await restarted._sync_dependencies(relist=True)  # adopted: its copy is wanted again
+        await restarted.deps.sync(relist=True)  # adopted: its copy is wanted again
         await restarted.aclose()
 
     asyncio.run(scenario())
@@ -769,15 +773,15 @@ def test_an_unused_lower_claim_is_released_only_once_its_upper_claim_is_known_go
         body = {"metadata": {"name": f"{name}-low", "namespace": "shop"}}
         copies[key] = stamp(body, owner, namespace="shop", name=name, uid=uid)
         keys.append(key)
-    provider._copies = copies
+    provider.deps.copies = copies
     uids = {key: f"lower-{key[2]}" for key in keys}
-    asyncio.run(provider._release_claims(keys, uids))
+    asyncio.run(provider.deps._release_claims(keys, uids))
     released = sorted(path for method, path in fake.written if method == "DELETE")
     assert released == [
         "/api/v1/namespaces/shop/persistentvolumeclaims/gone-low",
         "/api/v1/namespaces/shop/persistentvolumeclaims/new-low",
     ]
-    assert sorted(key[2] for key in provider._copies) == ["hidden-low", "kept-low"]
+    assert sorted(key[2] for key in provider.deps.copies) == ["hidden-low", "kept-low"]
 
 
 def test_a_pod_whose_lower_pod_vanished_is_forgotten_when_deleted(tmp_path: Path) -> None:
@@ -824,7 +828,7 @@ def test_deleting_an_earlier_pod_after_its_successor_was_given_leaves_the_succes
             await provider.create_pod(new)
         await provider.delete_pod(old.pod, 0)
         await provider.create_pod(new)  # the agent's retry
-        await provider._sync_dependencies()  # what the periodic resync does
+        await provider.deps.sync()  # what the periodic resync does
         await provider.aclose()
 
     asyncio.run(scenario())
@@ -1030,6 +1034,7 @@ def test_zero_capacity_from_tainted_lower_nodes_is_explained_once_per_change(
     provider = FakeLower().provider(tmp_path)
     events = NodeEvents()
     provider.context = dataclasses.replace(provider.context, events=events)
+    provider.capacity._events = events
     tainted = {
         "metadata": {"name": "mock-1"},
         "spec": {"taints": [{"key": "virtual-kubelet.io/provider", "effect": "NoSchedule"}]},
@@ -1039,11 +1044,13 @@ def test_zero_capacity_from_tainted_lower_nodes_is_explained_once_per_change(
         },
     }
     nothing = lower_capacity([tainted], [], lambda p: False)
-    provider._explain_no_usable_node([tainted], nothing)
-    provider._explain_no_usable_node([tainted], nothing)  # the same state: said once
+    provider.capacity._explain_no_usable_node([tainted], nothing)
+    provider.capacity._explain_no_usable_node([tainted], nothing)  # the same state: said once
     assert [reason for reason, _ in events.seen] == ["NoUsableLowerNode"]
     assert "mock-1" in events.seen[0][1]
     untainted = {**tainted, "spec": {}}
-    provider._explain_no_usable_node([untainted], lower_capacity([untainted], [], lambda p: False))
-    provider._explain_no_usable_node([tainted], nothing)  # tainted again: said again
+    provider.capacity._explain_no_usable_node(
+        [untainted], lower_capacity([untainted], [], lambda p: False)
+    )
+    provider.capacity._explain_no_usable_node([tainted], nothing)  # tainted again: said again
     assert len(events.seen) == 2

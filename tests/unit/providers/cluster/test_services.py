@@ -222,12 +222,14 @@ def test_the_provider_reflects_services_of_its_pods_and_never_touches_anyone_els
         lower_api.create(
             "services", {"metadata": {"name": "web"}, "spec": {"ports": [{"port": 1}]}}, "shop"
         )
-        given._upper_services = {("shop", name): service(name) for name in ("web", "users", "api")}
+        given.services.upper_services = {
+            ("shop", name): service(name) for name in ("web", "users", "api")
+        }
         upper = upper_pod()
         upper["metadata"]["labels"] = {"app": "web"}
         given._pods["shop/p"] = ResolvedPod(msgspec.convert(upper, Pod))
 
-        await given._sync_services(relist=True)
+        await given.services.sync(relist=True)
         names = {s["metadata"]["name"]: s for s in lower_api.objects("services", "shop")}
         assert set(names) == {"web", "users", "api"}
         assert names["web"]["spec"]["ports"] == [{"port": 1}], "the user's own: left alone"
@@ -235,7 +237,7 @@ def test_the_provider_reflects_services_of_its_pods_and_never_touches_anyone_els
         assert names["api"]["spec"]["selector"]["vkubelet.io/owner"] == given.owner.key
 
         del given._pods["shop/p"]
-        await given._sync_services(relist=False)
+        await given.services.sync(relist=False)
         assert {s["metadata"]["name"] for s in lower_api.objects("services", "shop")} == {
             "web",
             "users",

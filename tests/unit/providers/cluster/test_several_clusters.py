@@ -88,8 +88,8 @@ def test_mirrored_nodes_carry_the_cluster_name_of_their_fleet(tmp_path: Path) ->
         provider = member.provider
         assert isinstance(provider, ClusterProvider)
         try:
-            provider._snapshot = {"Node": {"a": node("lower-a", "2")}, "Pod": {}}
-            provider._follow_mirrored(provider._snapshot)
+            provider.capacity.snapshot = {"Node": {"a": node("lower-a", "2")}, "Pod": {}}
+            provider.capacity._follow_mirrored(provider.capacity.snapshot)
             labels = configured(provider)
             assert (labels[CLUSTER], member.name) == ("eu-1", "vk-lower-lower-a")
         finally:

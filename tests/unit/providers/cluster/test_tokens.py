@@ -185,7 +185,7 @@ def test_tokens_are_minted_bound_to_the_pod_refreshed_when_due_and_removed_with_
                 return None
             return base64.b64decode(found["data"]["kube-api-access-x7k2p.0"]).decode()
 
-        await provider._deliver_tokens(pod)
+        await provider.tokens.deliver(pod)
         assert token_in_secret() == "t1"
         path, request = minter.requests[0]
         assert path == "/api/v1/namespaces/shop/serviceaccounts/web/token"
@@ -196,16 +196,16 @@ def test_tokens_are_minted_bound_to_the_pod_refreshed_when_due_and_removed_with_
             "uid": pod.uid,
         }
         assert request["spec"]["expirationSeconds"] == 3607
-        uid, due = provider._token_due["shop/" + pod.name]
+        uid, due = provider.tokens.due["shop/" + pod.name]
         assert uid == pod.uid and time.time() + 2800 < due < time.time() + 2900
 
-        await provider._refresh_due_tokens()
+        await provider.tokens.refresh_due()
         assert token_in_secret() == "t1", "not due yet"
-        provider._token_due["shop/" + pod.name] = (pod.uid, time.time() - 1)
-        await provider._refresh_due_tokens()
+        provider.tokens.due["shop/" + pod.name] = (pod.uid, time.time() - 1)
+        await provider.tokens.refresh_due()
         assert token_in_secret() == "t2"
 
-        provider._drop_tokens("shop/" + pod.name, pod.uid)
+        provider.tokens.drop("shop/" + pod.name, pod.uid)
         for _ in range(100):
             if token_in_secret() is None:
                 break
