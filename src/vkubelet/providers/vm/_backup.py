@@ -53,20 +53,18 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
-from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Pod
 
 from ..._files import write_atomic
-from ...sdk import ContainerReport, ProviderError, TaskSet, Waiting, build_pod_status
-from ...sdk.logs import LogWriter, previous_not_found, read_log
-from ...sdk.provider import ContainerLogOptions, EventSink, EventType
-from ...sdk.status import Running, State, Terminated
+from ...sdk.logs import LogWriter
+from ...sdk.provider import EventType
+from ...sdk.status import Terminated
 from ._disks import DiskError, _qemu_img, resize
 
 __all__ = [
@@ -76,8 +74,8 @@ __all__ = [
     "BACKUP_TARGET",
     "RESTORE_FROM",
     "BackupError",
-    "BackupPods",
     "BackupResult",
+    "BackupRuns",
     "BackupSource",
     "Backupable",
     "is_backup_pod",
@@ -111,9 +109,9 @@ class BackupError(Exception):
         self.reason, self.message = reason, message
 
 
-@runtime_checkable
 class Backupable(Protocol):
-    """A running machine as the backup needs it: its QMP monitor and its guest agent."""
+    """A running machine as the backup needs it: its QMP monitor and its guest agent (None: a
+    runtime without them, which cannot back up)."""
 
     @property
     def monitor(self) -> Any: ...
@@ -313,7 +311,7 @@ async def _block_devices(run: _Run) -> dict[str, dict[str, Any]]:
 
 
 async def run_backup(
-    machine: object,
+    machine: Backupable,
     source: BackupSource,
     target: Path,
     mode: str,
@@ -324,7 +322,7 @@ async def run_backup(
     """Take one backup of the running machine into `target`; raises BackupError."""
     if mode not in ("Auto", "Full", "Incremental"):
         raise BackupError("BackupFailed", f"{BACKUP_MODE}: expected Auto, Full or Incremental")
-    if not isinstance(machine, Backupable):
+    if machine.monitor is None or machine.agent is None:
         raise BackupError("BackupFailed", "this node's runtime cannot back up a running VM")
     started = time.monotonic()
     chain_dir = target / source.namespace / source.vm_name
@@ -712,86 +710,26 @@ class ProgressLog:
 
 
 # -- backup pods ---------------------------------------------------------------------------
-FindVM = Callable[[str, str], "tuple[object | None, BackupSource] | None"]
+FindVM = Callable[[str, str], "tuple[Backupable | None, BackupSource] | None"]
+Event = Callable[[EventType, str, str], None]
 
 
-@dataclass
-class _BackupPod:
-    pod: Pod
-    state: State
-    start_time: datetime
-    status: PodStatus | None = None
-    task: asyncio.Task[None] | None = None
+class BackupRuns:
+    """What a backup pod's one run does: the backup of a VM pod of this node, its progress as
+    the container's log, its outcome as the container's final state. The pod itself is run as
+    any pod (`PodRunner`, restartPolicy Never). `find_vm` gives the running machine and identity
+    of a VM pod (None: no such pod on this node; a None machine: its VM is not up)."""
 
-
-class BackupPods:
-    """The node's backup pods: each one task, its status built as a kubelet would (one
-    container, restartPolicy Never), its progress as the container's log. `find_vm` gives the
-    running machine and identity of a VM pod (None: no such pod on this node; a None machine:
-    the pod exists but its VM is not up)."""
-
-    def __init__(
-        self,
-        *,
-        host_ip: str,
-        allowed: Sequence[Path],
-        log_path: Callable[[str, str, int], Path],
-        push: Callable[[Pod], None],
-        events: EventSink | None,
-        find_vm: FindVM,
-        tasks: TaskSet,
-    ) -> None:
-        self._host_ip, self._allowed, self._log_path = host_ip, list(allowed), log_path
-        self._push, self._events, self._find_vm, self._tasks = push, events, find_vm, tasks
-        self.pods: dict[str, _BackupPod] = {}
+    def __init__(self, allowed: Sequence[Path], find_vm: FindVM) -> None:
+        self._allowed, self._find_vm = list(allowed), find_vm
         self._locks: dict[str, asyncio.Lock] = {}  # one backup at a time per VM pod
 
-    def owns(self, namespace: str, name: str) -> bool:
-        return f"{namespace}/{name}" in self.pods
-
-    def create(self, pod: Pod) -> None:
+    async def run(self, pod: Pod, log_path: Path, event: Event) -> Terminated:
         meta = pod.metadata
-        assert meta is not None and meta.uid
-        key = f"{meta.namespace}/{meta.name}"
-        known = self.pods.get(key)
-        if known is not None and known.pod.metadata.uid == meta.uid:  # type: ignore[union-attr]
-            return
-        entry = _BackupPod(pod, Waiting(), datetime.now(UTC))
-        self.pods[key] = entry
-        self._report(entry)
-        entry.task = self._tasks.spawn(self._run(key, entry), name=f"backup {key}")
-
-    def _report(self, entry: _BackupPod) -> None:
-        spec = entry.pod.spec
-        assert spec is not None
-        name = spec.containers[0].name
-        entry.status = build_pod_status(
-            spec,
-            {name: ContainerReport(entry.state)},
-            host_ip=self._host_ip,
-            pod_ips=[self._host_ip],
-            start_time=entry.start_time,
-            previous=entry.status,
-        )
-        self._push(self.as_pod(entry))
-
-    @staticmethod
-    def as_pod(entry: _BackupPod) -> Pod:
-        return Pod(metadata=entry.pod.metadata, spec=entry.pod.spec, status=entry.status)
-
-    def _event(self, entry: _BackupPod, kind: EventType, reason: str, message: str) -> None:
-        if self._events is not None:
-            self._events.pod_event(entry.pod, kind, reason, message)
-
-    async def _run(self, key: str, entry: _BackupPod) -> None:
-        meta, spec = entry.pod.metadata, entry.pod.spec
-        assert meta is not None and spec is not None
+        assert meta is not None
         annotations = dict(meta.annotations or {})
         namespace, vm_pod = str(meta.namespace), annotations.get(BACKUP_OF, "")
-        started = datetime.now(UTC)
-        entry.state = Running(started)
-        self._report(entry)
-        progress = ProgressLog(self._log_path(str(meta.uid), spec.containers[0].name, 0))
+        progress = ProgressLog(log_path)
         try:
             target = resolve_target(annotations.get(BACKUP_TARGET), self._allowed)
             found = self._find_vm(namespace, vm_pod)
@@ -800,11 +738,11 @@ class BackupPods:
             lock = self._locks.setdefault(f"{namespace}/{vm_pod}", asyncio.Lock())
             async with lock:
                 found = self._find_vm(namespace, vm_pod)  # it may have stopped meanwhile
-                if found is None or found[0] is None:
+                machine, source = found if found is not None else (None, None)
+                if machine is None or source is None:
                     raise BackupError(
                         "VMNotRunning", f"the VM of pod {namespace}/{vm_pod} is not running"
                     )
-                machine, source = found
                 result = await run_backup(
                     machine,
                     source,
@@ -815,71 +753,20 @@ class BackupPods:
                 )
         except BackupError as e:
             progress(f"failed: {e.reason}: {e.message}")
-            entry.state = Terminated(1, started, datetime.now(UTC), e.reason, e.message)
-            self._event(entry, "Warning", e.reason, e.message)
+            event("Warning", e.reason, e.message)
+            return Terminated(1, reason=e.reason, message=e.message)
         except Exception as e:  # a bug: still a Failed pod with the reason, not a stuck one
-            log.exception("%s: backup failed", key)
+            log.exception("%s/%s: backup failed", namespace, meta.name)
             message = f"{type(e).__name__}: {e}"
             progress(f"failed: {message}")
-            entry.state = Terminated(1, started, datetime.now(UTC), "BackupFailed", message)
-            self._event(entry, "Warning", "BackupFailed", message)
-        else:
-            summary = f"{result.kind} backup, {result.size_bytes} bytes in "
-            summary += f"{result.duration_seconds:.2f} s to {result.path} ({result.consistency})"
-            entry.state = Terminated(0, started, datetime.now(UTC), "Completed", result.message())
-            self._event(entry, "Normal", "BackupCompleted", summary)
+            event("Warning", "BackupFailed", message)
+            return Terminated(1, reason="BackupFailed", message=message)
         finally:
             progress.close()
-        self._report(entry)
-
-    def get(self, namespace: str, name: str) -> Pod | None:
-        entry = self.pods.get(f"{namespace}/{name}")
-        return self.as_pod(entry) if entry is not None else None
-
-    def list(self) -> list[Pod]:
-        return [self.as_pod(e) for e in self.pods.values()]
-
-    async def delete(self, pod: Pod) -> None:
-        """A deleted backup pod: a backup still running is cancelled (jobs cancelled, its files
-        removed, the guest thawed)."""
-        meta = pod.metadata
-        assert meta is not None
-        key = f"{meta.namespace}/{meta.name}"
-        entry = self.pods.get(key)
-        if entry is None or entry.pod.metadata.uid != meta.uid:  # type: ignore[union-attr]
-            return
-        if entry.task is not None and not entry.task.done():
-            entry.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await entry.task
-        assert entry.pod.spec is not None
-        if not isinstance(entry.state, Terminated):
-            entry.state = Terminated(143, entry.start_time, datetime.now(UTC), "Cancelled", "")
-        name = entry.pod.spec.containers[0].name
-        entry.status = build_pod_status(
-            entry.pod.spec,
-            {name: ContainerReport(entry.state)},
-            host_ip=self._host_ip,
-            pod_ips=[self._host_ip],
-            start_time=entry.start_time,
-            previous=entry.status,
-            terminating=True,
-        )
-        self._push(self.as_pod(entry))
-        del self.pods[key]
-        shutil.rmtree(self._log_path(str(meta.uid), name, 0).parent.parent, ignore_errors=True)
-
-    def logs(
-        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
-    ) -> AsyncIterator[bytes]:
-        entry = self.pods.get(f"{namespace}/{pod}")
-        assert entry is not None and entry.pod.spec is not None
-        if container != entry.pod.spec.containers[0].name:
-            raise ProviderError("NotFound", f"container {container} is not valid for pod {pod}")
-        if options.previous:
-            raise previous_not_found(container, pod)
-        path = self._log_path(str(entry.pod.metadata.uid), container, 0)  # type: ignore[union-attr]
-        return read_log(path, options, running=lambda: not isinstance(entry.state, Terminated))
+        summary = f"{result.kind} backup, {result.size_bytes} bytes in "
+        summary += f"{result.duration_seconds:.2f} s to {result.path} ({result.consistency})"
+        event("Normal", "BackupCompleted", summary)
+        return Terminated(0, reason="Completed", message=result.message())
 
 
 async def restore_if_asked(

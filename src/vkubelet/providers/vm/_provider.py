@@ -26,7 +26,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,11 +55,11 @@ from ...sdk import (
     build_pod_status,
 )
 from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
-from ...sdk.provider import ContainerLogOptions, EventSink, EventType
+from ...sdk.provider import EventSink, EventType
 from ...sdk.retry import Backoff
 from . import _hibernate, _persist, _resize
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
-from ._backup import BackupPods, BackupSource, is_backup_pod, restore_if_asked
+from ._backup import BackupRuns, BackupSource, is_backup_pod, restore_if_asked
 from ._config import VMConfig
 from ._console import ConsoleTailer
 from ._migrate import MigrationError, Migrations
@@ -147,15 +147,9 @@ class VMProvider(RunnerProvider):
         self.migrations = Migrations(self)
         config.run_root.mkdir(parents=True, exist_ok=True)
         config.log_root.mkdir(parents=True, exist_ok=True)
-        self.backups = BackupPods(  # backup pods (`_backup`): tasks, not VMs
-            host_ip=host_ip,
-            allowed=config.backup_roots,
-            log_path=self.log_path,
-            push=lambda pod: self._push(pod),
-            events=events,
-            find_vm=self._backup_source,
-            tasks=self._tasks,
-        )
+        # Backup pods (`_backup`) are run by the runner too, but on the host: no VM.
+        self.backups = BackupRuns(config.backup_roots, self._backup_source)
+        self._backing_up: dict[str, asyncio.Task[Terminated]] = {}
 
     # -- node -----------------------------------------------------------------------------------
     def configure_node(self, node: Node) -> None:
@@ -258,10 +252,16 @@ class VMProvider(RunnerProvider):
 
     async def create_pod(self, pod: ResolvedPod) -> None:
         await self._start()
-        if is_backup_pod(pod.pod.metadata.annotations if pod.pod.metadata else None):
-            self.backups.create(pod.pod)
-            return
         key = f"{pod.namespace}/{pod.name}"
+        if is_backup_pod(pod.pod.metadata.annotations if pod.pod.metadata else None):
+            if (known_runner := self.runners.get(key)) is None or _uid(known_runner) != pod.uid:
+                self.start_runner(
+                    pod,
+                    lambda container, count: self._backup(pod.pod, container.name, count),
+                    lambda container, signum: self._cancel_backup(key),
+                    pod_ips=[self.host_ip],
+                )
+            return
         known = self.vms.get(key)
         if known is not None and known.uid == pod.uid:
             return  # adopted, or already being prepared
@@ -721,8 +721,8 @@ class VMProvider(RunnerProvider):
         meta = pod.metadata
         assert meta is not None
         key = f"{meta.namespace}/{meta.name}"
-        if self.backups.owns(str(meta.namespace), str(meta.name)):
-            await self.backups.delete(pod)
+        if is_backup_pod(meta.annotations):
+            await super().delete_pod(pod, grace_period_seconds)
             return
         vm = self.vms.get(key)
         if vm is None or vm.uid != meta.uid:
@@ -769,9 +769,46 @@ class VMProvider(RunnerProvider):
                     shutil.rmtree(gone, ignore_errors=True)
 
     async def aclose(self) -> None:
-        """The agent stops; the VMs do not: a restarted agent adopts them (see `_adopt_all`)."""
+        """The agent stops; the VMs do not: a restarted agent adopts them (see `_adopt_all`).
+        A backup in progress is cancelled (its jobs and files dropped, the guest thawed); its
+        pod runs again under the next agent."""
         self._closed = True
+        for task in self._backing_up.values():
+            task.cancel()
+        await asyncio.gather(*self._backing_up.values(), return_exceptions=True)
         await self._tasks.aclose()
+
+    # -- backup pods -----------------------------------------------------------------------------
+    async def _backup(self, pod: Pod, container: str, count: int) -> Terminated:
+        """A backup pod's one run; its deletion cancels it (`_cancel_backup`)."""
+        meta = pod.metadata
+        assert meta is not None
+        key = f"{meta.namespace}/{meta.name}"
+
+        def event(kind: EventType, reason: str, message: str) -> None:
+            if self.events is not None:
+                self.events.pod_event(pod, kind, reason, message)
+
+        log_path = self.log_path(str(meta.uid), container, count)
+        task = asyncio.ensure_future(self.backups.run(pod, log_path, event))
+        self._backing_up[key] = task
+        try:
+            await asyncio.wait({task})
+        finally:
+            task.cancel()
+            if self._backing_up.get(key) is task:
+                del self._backing_up[key]
+        if self._closed:  # the agent is going: the next agent runs this pod again
+            await asyncio.Future()
+        if task.cancelled():
+            return Terminated(143, reason="Cancelled")
+        return task.result()
+
+    def _cancel_backup(self, key: str) -> None:
+        task = self._backing_up.get(key)
+        if task is None or task.done():
+            raise ProcessLookupError(key)
+        task.cancel()
 
     # -- status ----------------------------------------------------------------------------------
     async def get_pod(self, namespace: str, name: str) -> Pod | None:
@@ -780,8 +817,6 @@ class VMProvider(RunnerProvider):
         if key in self.runners:
             pod = await super().get_pod(namespace, name)
             return self._decorated(pod) if pod is not None else None
-        if self.backups.owns(namespace, name):
-            return self.backups.get(namespace, name)
         vm = self.vms.get(key)
         if vm is None:
             return None
@@ -798,18 +833,12 @@ class VMProvider(RunnerProvider):
             namespace, name = key.split("/", 1)
             if (pod := await self.get_pod(namespace, name)) is not None:
                 pods.append(pod)
-        return pods + self.backups.list()
-
-    def container_logs(
-        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
-    ) -> AsyncIterator[bytes]:
-        if self.backups.owns(namespace, pod):  # a backup pod's log: its progress
-            return self.backups.logs(namespace, pod, container, options)
-        return super().container_logs(namespace, pod, container, options)
+        backups = [r.as_pod() for k, r in self.runners.items() if k not in self.vms]
+        return pods + backups
 
     def _backup_source(
         self, namespace: str, name: str
-    ) -> tuple[object | None, BackupSource] | None:
+    ) -> tuple[MachineHandle | None, BackupSource] | None:
         """A VM pod for a backup pod: its machine (None when not up) and identity."""
         vm = self.vms.get(f"{namespace}/{name}")
         if vm is None or vm.launch is None or vm.pod.metadata is None:
@@ -987,6 +1016,10 @@ class VMProvider(RunnerProvider):
                 )
             )
         return usages
+
+
+def _uid(runner: PodRunner) -> str:
+    return str(runner.pod.metadata.uid)  # type: ignore[union-attr]
 
 
 def _recorded_exit(machine_dir: Path) -> int:
