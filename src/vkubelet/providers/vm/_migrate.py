@@ -23,7 +23,9 @@ annotation `vm.vkubelet.io/migration-token`, made by the controller): the agent 
 QEMU sees a byte, so nobody else on the network can feed the target a machine or its disks.
 The switchover waits for the source agent's `migrate-continue` (pause-before-switchover), and
 the source records its migration's state on disk: a restarted agent on either side finishes the
-migration or rolls it back from that record and QEMU's own state (`Migrations.resume_*`).
+migration or rolls it back from that record and QEMU's own state (`_migrations`).
+
+This module is the engine and knows no pod; `_migrations` is the pods' side.
 
 QEMU runs inside the VM's network namespace, which has no route to other nodes, so it never
 opens a TCP socket itself: the agent does, in the host namespace, and hands QEMU the descriptor
@@ -46,13 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..._files import write_private
-from ...sdk import PodRunner, Terminated
-from ._backend import MachineHandle
-from ._console import ConsoleTailer
-from ._net import readdress
 from ._qmp import EventListener, ExecuteError, Monitor, MonitorUnavailable
-from ._vm import VM, VMHost
 
 __all__ = [
     "MIGRATE_TO",
@@ -62,10 +58,12 @@ __all__ = [
     "Endpoint",
     "IncomingMigration",
     "MigrationError",
-    "Migrations",
     "Outcome",
+    "block_jobs",
+    "drop_jobs",
     "migrate_out",
     "send_history",
+    "until_running",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,7 +87,7 @@ DOWNTIME_LIMIT_MS = 50  # issue 13's target; QEMU measured 15-26 ms here
 # up, a wait QEMU's downtime figure does not even count. Small buffers make the source feel
 # the target's pace. 256 KiB still carries more than the default 128 MiB/s at a 1 ms RTT.
 STREAM_BUFFER = 256 * 1024
-_POLL = 0.05
+POLL = 0.05
 
 
 class MigrationError(RuntimeError):
@@ -324,7 +322,7 @@ class IncomingMigration:
     async def wait(self) -> None:
         """Until the guest runs here; MigrationError when QEMU went away (its incoming side
         failed: it exits) first."""
-        await _until_running(self.monitor)
+        await until_running(self.monitor)
 
     async def history(self, timeout: float) -> bytes:  # noqa: ASYNC109
         """The source's console history (CRI log lines), b"" when none came in time."""
@@ -377,11 +375,11 @@ async def _relay(
     await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
 
 
-async def _jobs(monitor: Monitor) -> dict[str, dict[str, Any]]:
+async def block_jobs(monitor: Monitor) -> dict[str, dict[str, Any]]:
     return {job["id"]: job for job in await monitor.execute("query-jobs")}
 
 
-async def _drop_jobs(monitor: Monitor, ids: Sequence[str]) -> None:
+async def drop_jobs(monitor: Monitor, ids: Sequence[str]) -> None:
     """Cancel what runs, dismiss what ended (best effort: used on the failure path)."""
     with contextlib.suppress(MonitorUnavailable):
         for job_id in ids:
@@ -389,7 +387,7 @@ async def _drop_jobs(monitor: Monitor, ids: Sequence[str]) -> None:
                 await monitor.execute("block-job-cancel", {"device": job_id, "force": True})
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            jobs = await _jobs(monitor)
+            jobs = await block_jobs(monitor)
             pending = [j for j in ids if j in jobs]
             for job_id in pending:
                 if jobs[job_id]["status"] == "concluded":
@@ -397,7 +395,7 @@ async def _drop_jobs(monitor: Monitor, ids: Sequence[str]) -> None:
                         await monitor.execute("job-dismiss", {"id": job_id})
             if not pending:
                 return
-            await asyncio.sleep(_POLL)
+            await asyncio.sleep(POLL)
 
 
 async def migrate_out(
@@ -482,7 +480,7 @@ async def migrate_out(
         for job in jobs:
             with contextlib.suppress(ExecuteError):
                 await monitor.execute("block-job-cancel", {"device": job})
-        await _drop_jobs(monitor, jobs)
+        await drop_jobs(monitor, jobs)
         ram = info.get("ram", {})
         return Outcome(
             downtime_ms=int(info.get("downtime", 0)),
@@ -495,7 +493,7 @@ async def migrate_out(
         if migrating:
             with contextlib.suppress(MonitorUnavailable, ExecuteError):
                 await monitor.execute("migrate_cancel")
-        await _drop_jobs(monitor, jobs)
+        await drop_jobs(monitor, jobs)
         raise
     finally:
         relay.close()
@@ -511,7 +509,7 @@ async def _until_mirrored(
 ) -> None:
     last = 0.0
     while True:
-        found = await _jobs(monitor)
+        found = await block_jobs(monitor)
         for job in jobs:
             info = found.get(job)
             if info is None or info["status"] in ("concluded", "null", "aborting"):
@@ -524,7 +522,7 @@ async def _until_mirrored(
         if time.monotonic() - last >= 1:
             last = time.monotonic()
             report(progress)
-        await asyncio.sleep(_POLL)
+        await asyncio.sleep(POLL)
 
 
 async def _until_migrated(
@@ -549,7 +547,7 @@ async def _until_migrated(
                 # failed migration would resume a guest that already runs at the target.
                 await _nap(listener)
                 continue
-            found = await _jobs(monitor)
+            found = await block_jobs(monitor)
             for job in jobs:
                 if found.get(job, {}).get("status") not in ("ready", "running"):
                     raise MigrationError(f"the mirror of {job.removeprefix('migrate-')} stopped")
@@ -582,9 +580,9 @@ async def _completed(monitor: Monitor, info: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _nap(listener: EventListener) -> None:
-    """_POLL, or less when QEMU says the migration's state changed."""
+    """POLL, or less when QEMU says the migration's state changed."""
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(listener.get(), _POLL)
+        await asyncio.wait_for(listener.get(), POLL)
 
 
 async def send_history(endpoint: Endpoint, history: bytes, token: str) -> None:
@@ -618,21 +616,7 @@ def outcome_message(outcome: Outcome) -> str:
     )
 
 
-# -- the provider's side: pods and their conditions ------------------------------------------------
-def _monitor(machine: MachineHandle) -> Monitor:
-    if machine.monitor is None:
-        raise MigrationError("this runtime cannot migrate VMs (no QMP monitor)")
-    return machine.monitor
-
-
-HISTORY_TIMEOUT = 30.0
-
-
-RECORD = "migration.json"  # the source's migration, in the VM's directory (see `Migrations`)
-_ACTIVE = ("setup", "active", "pre-switchover", "device", "cancelling", "wait-unplug")
-
-
-async def _until_running(monitor: Monitor) -> None:
+async def until_running(monitor: Monitor) -> None:
     """Until the guest runs here (the state arrived); MigrationError when QEMU exits first."""
     while True:
         try:
@@ -641,288 +625,4 @@ async def _until_running(monitor: Monitor) -> None:
             raise MigrationError("the incoming migration failed (QEMU exited)") from None
         if status == "running":
             return
-        await asyncio.sleep(_POLL)
-
-
-class Migrations:
-    """Live migration for `VMProvider`: the target pod's incoming side (`receive`, from its
-    run) and the source pod's `migrate-to` (`update`, from `update_pod`).
-
-    A restarted agent finishes or rolls back what the previous one left (`resume_incoming`,
-    `resume_outgoing`, `ended_while_away`, from the adopted VM's run): the source writes its
-    migration's state (`RECORD`: endpoint, token, running/completed/failed, the condition's
-    message) before each step that matters, and QEMU itself says where the stream is."""
-
-    def __init__(self, host: VMHost) -> None:
-        self.host = host
-        self._sending: set[str] = set()
-
-    @staticmethod
-    def is_target(vm: VM) -> bool:
-        """A target that has not received its VM yet (afterwards it boots like any VM)."""
-        arrived = vm.launch is not None and vm.launch.migrated_in
-        return bool(vm.annotations.get(MIGRATION_SOURCE)) and not arrived
-
-    # -- target ----------------------------------------------------------------------------------
-    async def receive(self, vm: VM, machine: MachineHandle, runner: PodRunner, run: int) -> None:
-        """Export the disks, publish the endpoint, wait for the VM; then its console history
-        goes first into this run's log (before the console tailer starts)."""
-        host = self.host
-        incoming: IncomingMigration | None = None
-        try:
-            token = vm.annotations.get(MIGRATION_TOKEN, "")
-            incoming = IncomingMigration(
-                _monitor(machine), host.host_ip, token, vm.dir / "nbd-in.sock"
-            )
-            try:
-                endpoint = await incoming.open()
-            except (MonitorUnavailable, ExecuteError, OSError) as e:
-                raise MigrationError(f"could not prepare the target: {e}") from None
-            runner.set_condition(TARGET_CONDITION, "True", "Ready", endpoint.to_json())
-            host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
-            await incoming.wait()
-            self._arrived(vm, runner)
-            history = await incoming.history(HISTORY_TIMEOUT)
-            cri_log = host.log_path(vm.uid, vm.container, run)
-            cri_log.parent.mkdir(parents=True, exist_ok=True)
-            with cri_log.open("ab") as out:
-                out.write(history)
-            await incoming.stop_exports()
-        except MigrationError as e:
-            runner.set_condition(TARGET_CONDITION, "False", "Failed", str(e))
-            host.event(vm, "Warning", "MigrationFailed", str(e))
-            raise
-        finally:
-            if incoming is not None:
-                await incoming.close()
-        host.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
-
-    def _arrived(self, vm: VM, runner: PodRunner) -> None:
-        assert vm.launch is not None
-        vm.launch.migrated_in = True
-        vm.save()
-        runner.set_condition(TARGET_CONDITION, "False", "Completed", "the VM runs here")
-        self.host.event(vm, "Normal", "Migrated", "the VM arrived and runs here")
-
-    async def resume_incoming(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
-        """An adopted target the VM had not (yet, as far as we knew) arrived at. Its ports died
-        with the previous agent: a stream QEMU already reads goes on (the source decides its
-        end), one not started never will (MigrationError: the caller stops this QEMU, so the
-        source's migration fails and its guest runs on there)."""
-        monitor = _monitor(machine)
-        try:
-            try:
-                if await monitor.status() != "running":
-                    info = await monitor.execute("query-migrate")
-                    if info.get("status") in (None, "none"):
-                        raise MigrationError("the target's agent restarted before the VM came")
-                    await _until_running(monitor)
-            except (MonitorUnavailable, ExecuteError) as e:
-                raise MigrationError(f"the incoming migration failed: {e}") from None
-        except MigrationError as e:
-            runner.set_condition(TARGET_CONDITION, "False", "Failed", str(e))
-            self.host.event(vm, "Warning", "MigrationFailed", str(e))
-            raise
-        self._arrived(vm, runner)
-        log.warning("%s: the VM arrived while no agent ran: its console history is lost", vm.uid)
-        with contextlib.suppress(MonitorUnavailable, ExecuteError):
-            await monitor.execute("nbd-server-stop")
-        self.host.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
-
-    async def _readdress(self, vm: VM, machine: MachineHandle) -> None:
-        """The guest still has the source's address: give it this node's."""
-        if vm.address is None or machine.agent is None:
-            return
-        try:
-            await machine.wait_guest_agent(120)
-            why = await readdress(machine.agent, vm.address, self.host.config.pod_cidr)
-        except Exception as e:
-            why = str(e)
-        if why is not None:
-            message = f"could not give the guest its new address {vm.address}: {why}"
-            self.host.event(vm, "Warning", "MigrationReaddressFailed", message)
-
-    # -- source: the record ----------------------------------------------------------------------
-    @staticmethod
-    def _record(vm: VM) -> dict[str, Any]:
-        with contextlib.suppress(OSError, ValueError):
-            data = json.loads((vm.dir / RECORD).read_text())
-            if isinstance(data, dict):
-                return data
-        return {}
-
-    @staticmethod
-    def _write_record(vm: VM, **record: Any) -> None:
-        """Atomically, readable by root only (it holds the token)."""
-        write_private(vm.dir / RECORD, json.dumps(record))
-
-    def _failed(self, vm: VM, runner: PodRunner, record: dict[str, Any], error: str) -> None:
-        target = None
-        with contextlib.suppress(MigrationError):
-            target = Endpoint.from_json(str(record.get("endpoint"))).target
-        message = json.dumps({"error": error, "target": target})
-        self._write_record(vm, **{**record, "state": "failed", "message": message})
-        runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
-        self.host.event(vm, "Warning", "MigrationFailed", f"the VM stays here: {error}")
-
-    # -- source ----------------------------------------------------------------------------------
-    def update(self, vm: VM, runner: PodRunner | None, annotations: dict[str, str]) -> None:
-        """`migrate-to` (in the pod's newest `annotations`) on a running VM: migrate it (once
-        per endpoint)."""
-        key = vm.key
-        value = annotations.get(MIGRATE_TO)
-        if not value or key in self._sending or vm.migrated is not None:
-            return
-        if self._record(vm).get("endpoint") == value:
-            return  # tried (maybe by the previous agent: its VM's run resumes that)
-        if runner is None:
-            return
-        record: dict[str, Any] = {"endpoint": value, "state": "running"}
-        try:
-            endpoint = Endpoint.from_json(value)
-        except MigrationError as e:
-            self._failed(vm, runner, record, str(e))
-            return
-        token = annotations.get(MIGRATION_TOKEN, "")
-        if not token:
-            self._failed(vm, runner, record, f"no {MIGRATION_TOKEN} beside {MIGRATE_TO}")
-            return
-        if vm.machine is None or vm.booted_at is None:
-            log.warning("%s: migrate-to, but the VM is not running", vm.uid)
-            self._failed(vm, runner, record, "the VM is not running")
-            return
-        self._write_record(vm, **record, token=token)
-        self._sending.add(key)
-        task = self.host.spawn(
-            self._send(vm, vm.machine, runner, endpoint, token), name=f"migrate {key}"
-        )
-        task.add_done_callback(lambda _: self._sending.discard(key))
-
-    async def _send(
-        self, vm: VM, machine: MachineHandle, runner: PodRunner, endpoint: Endpoint, token: str
-    ) -> None:
-        host = self.host
-
-        def report(progress: Progress) -> None:
-            message = {**json.loads(progress.message()), "target": endpoint.target}
-            runner.set_condition(MIGRATION_CONDITION, "True", "Running", json.dumps(message))
-
-        report(Progress())
-        log.info("%s: migrating to %s", vm.uid, endpoint.to_json())
-        host.event(vm, "Normal", "Migrating", f"to {endpoint.host}")
-        try:
-            outcome = await migrate_out(
-                _monitor(machine), endpoint, vm.dir / "nbd.sock", report, token=token
-            )
-        except MigrationError as e:
-            log.warning("%s: migration failed, the VM stays here: %s", vm.uid, e)
-            self._failed(vm, runner, self._record(vm), str(e))
-            return
-        message = json.dumps({**json.loads(outcome_message(outcome)), "target": endpoint.target})
-        await self._switched_over(vm, machine, runner, endpoint, token, message)
-
-    async def _switched_over(
-        self,
-        vm: VM,
-        machine: MachineHandle,
-        runner: PodRunner,
-        endpoint: Endpoint,
-        token: str,
-        message: str,
-    ) -> None:
-        """The guest runs at the target and is paused here for good: say so (first on disk),
-        send the console history (this run's log, with what the console printed last), end."""
-        host = self.host
-        self._write_record(vm, **{**self._record(vm), "state": "completed", "message": message})
-        cri_log = host.log_path(vm.uid, vm.container, vm.run)
-        tailer = ConsoleTailer(machine.console_log, cri_log, vm.dir / "console.offset")
-        with contextlib.suppress(OSError):
-            while tailer.copy(final=True):
-                pass
-        try:
-            history = cri_log.read_bytes() if cri_log.exists() else b""
-            await send_history(endpoint, history, token)
-        except (OSError, TimeoutError) as e:
-            host.event(vm, "Warning", "MigrationHistoryLost", f"console history: {e}")
-        log.info("%s: migrated: %s", vm.uid, message)
-        vm.migrated = message
-        runner.set_condition(MIGRATION_CONDITION, "True", "Completed", message)
-        host.event(vm, "Normal", "Migrated", message)
-        runner.finish()  # the run's end is the pod's end: it never boots here again
-        with contextlib.suppress(MigrationError):
-            await _monitor(machine).quit()
-
-    async def resume_outgoing(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
-        """An adopted source: re-report a finished migration, finish or roll back one the
-        previous agent left running. It never lets both guests run: the switchover needs this
-        agent's `migrate-continue` (pause-before-switchover), so a migration QEMU reports
-        `completed` passed every check; any other state is cancelled, and QEMU runs the guest
-        on here (its disks were never given up)."""
-        record = self._record(vm)
-        state = record.get("state")
-        if state == "failed":
-            runner.set_condition(MIGRATION_CONDITION, "False", "Failed", str(record["message"]))
-            return
-        if state not in ("running", "completed"):
-            return
-        try:
-            endpoint = Endpoint.from_json(str(record.get("endpoint")))
-        except MigrationError as e:
-            self._failed(vm, runner, record, str(e))
-            return
-        token = str(record.get("token") or "")
-        if state == "completed":
-            await self._switched_over(vm, machine, runner, endpoint, token, str(record["message"]))
-            return
-        try:
-            monitor = _monitor(machine)
-            info = await monitor.execute("query-migrate")
-            if info.get("status") == "completed":
-                ram = info.get("ram", {})
-                message = {
-                    "progress": 100,
-                    "downtimeMilliseconds": int(info.get("downtime", 0)),
-                    "totalMilliseconds": int(info.get("total-time", 0)),
-                    "ramBytes": int(ram.get("transferred", 0)),
-                    "target": endpoint.target,
-                }
-                await _drop_jobs(monitor, [j for j in await _jobs(monitor) if "migrate-" in j])
-                log.info("%s: the migration completed while no agent ran", vm.uid)
-                await self._switched_over(vm, machine, runner, endpoint, token, json.dumps(message))
-                return
-            if info.get("status") in _ACTIVE:
-                await monitor.execute("migrate_cancel")
-                for _ in range(200):
-                    status = (await monitor.execute("query-migrate")).get("status")
-                    if status not in _ACTIVE:
-                        break
-                    await asyncio.sleep(_POLL)
-            await _drop_jobs(monitor, [j for j in await _jobs(monitor) if "migrate-" in j])
-            for node in await monitor.execute("query-named-block-nodes"):
-                if str(node.get("node-name", "")).startswith("migrate-nbd-"):
-                    with contextlib.suppress(ExecuteError):
-                        await monitor.execute("blockdev-del", {"node-name": node["node-name"]})
-            if await monitor.status() != "running":
-                await monitor.execute("cont")  # never completed: the guest is this side's
-        except (MonitorUnavailable, ExecuteError) as e:
-            log.warning("%s: rolling back the interrupted migration: %s", vm.uid, e)
-        error = "the source's agent restarted during the migration: cancelled, the VM runs here"
-        log.warning("%s: %s", vm.uid, error)
-        self._failed(vm, runner, record, error)
-
-    def ended_while_away(self, vm: VM, runner: PodRunner) -> Terminated | None:
-        """The source's QEMU ended while no agent ran, in the middle of a migration: the pod
-        never boots it here again (the target may run the guest; the controller decides from
-        the target's word), the run ends `Migrated` or `MigrationInterrupted`."""
-        record = self._record(vm)
-        if record.get("state") == "completed":
-            vm.migrated = str(record["message"])
-            runner.set_condition(MIGRATION_CONDITION, "True", "Completed", vm.migrated)
-            runner.finish()
-            return Terminated(0, reason="Migrated", message=vm.migrated)
-        if record.get("state") == "running":
-            error = "the source QEMU ended during the migration while no agent ran"
-            self._failed(vm, runner, record, error)
-            runner.finish()
-            return Terminated(1, reason="MigrationInterrupted", message=error)
-        return None
+        await asyncio.sleep(POLL)

@@ -62,7 +62,8 @@ from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._backup import BackupRuns, BackupSource, is_backup_pod, restore_if_asked
 from ._config import VMConfig
 from ._console import ConsoleTailer
-from ._migrate import MigrationError, Migrations
+from ._migrate import MigrationError
+from ._migrations import Migrations
 from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from vkubelet.providers.vm._migrate import Endpoint, MigrationError, Migrations
+from vkubelet.providers.vm._migrate import Endpoint, MigrationError
+from vkubelet.providers.vm._migrations import Migrations
 from vkubelet.providers.vm._qmp import Monitor
 from vkubelet.providers.vm._vm import Launch
 
