@@ -14,38 +14,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ._machine import MachineExit, Usage
-from ._qga import GuestAgent
+from ._qga import ExecOutput, GuestAgent
 from ._qmp import Monitor
 
 __all__ = [
-    "Exit",
     "GuestAddress",
     "LaunchSpec",
     "MachineHandle",
-    "Output",
     "PulledImage",
     "Runtime",
     "Usage",
 ]
-
-
-class Exit(Protocol):
-    @property
-    def code(self) -> int: ...
-
-    @property
-    def reason(self) -> str: ...
-
-
-class Output(Protocol):
-    @property
-    def exit_code(self) -> int: ...
-
-    @property
-    def stdout(self) -> bytes: ...
-
-    @property
-    def stderr(self) -> bytes: ...
 
 
 class MachineHandle(Protocol):
@@ -68,7 +47,7 @@ class MachineHandle(Protocol):
     @property
     def console_socket(self) -> Path: ...
 
-    async def wait(self) -> Exit: ...
+    async def wait(self) -> MachineExit: ...
 
     async def wait_guest_agent(self, timeout: float) -> None: ...  # noqa: ASYNC109
 
@@ -77,11 +56,11 @@ class MachineHandle(Protocol):
         argv: Sequence[str],
         stdin: bytes = b"",
         timeout: float | None = None,  # noqa: ASYNC109 - the guest agent's own limit
-    ) -> Output: ...
+    ) -> ExecOutput: ...
 
-    async def stop(self, grace: float) -> Exit: ...
+    async def stop(self, grace: float) -> MachineExit: ...
 
-    async def end(self, outcome: MachineExit) -> Exit: ...
+    async def end(self, outcome: MachineExit) -> MachineExit: ...
 
     async def kill(self) -> None: ...
 

@@ -19,8 +19,9 @@ from lightkube.resources.core_v1 import Node, Pod
 
 from vkubelet.providers.vm._backend import GuestAddress, LaunchSpec, PulledImage, Usage
 from vkubelet.providers.vm._config import VMConfig
+from vkubelet.providers.vm._machine import MachineExit
 from vkubelet.providers.vm._provider import VMProvider
-from vkubelet.providers.vm._qga import GuestAgent
+from vkubelet.providers.vm._qga import ExecOutput, GuestAgent
 from vkubelet.providers.vm._qmp import Monitor
 from vkubelet.sdk import (
     AttachIO,
@@ -33,19 +34,6 @@ from vkubelet.sdk import (
 from vkubelet.testing.harness import eventually
 
 GI = 2**30
-
-
-@dataclass
-class Exited:
-    code: int
-    reason: str
-
-
-@dataclass
-class Output:
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
 
 
 class FakeMachine:
@@ -61,7 +49,7 @@ class FakeMachine:
         self.agent_up = asyncio.Event()
         self.monitor: Monitor | None = None  # no QEMU: no hibernation, live resize, migration
         self.agent: GuestAgent | None = None
-        self.exit: asyncio.Future[Exited] = asyncio.get_running_loop().create_future()
+        self.exit: asyncio.Future[MachineExit] = asyncio.get_running_loop().create_future()
         self.stops: list[float] = []
         self.execs: list[tuple[list[str], bytes]] = []
         self.console(b"SeaBIOS\r\nbooting vm\r\n")
@@ -73,9 +61,9 @@ class FakeMachine:
     def power_off(self, code: int = 0) -> None:
         self.console(b"reboot: Power down\r\n")
         if not self.exit.done():
-            self.exit.set_result(Exited(code, "Completed" if code == 0 else "Error"))
+            self.exit.set_result(MachineExit(code, "Completed" if code == 0 else "Error"))
 
-    async def wait(self) -> Exited:
+    async def wait(self) -> MachineExit:
         return await asyncio.shield(self.exit)
 
     async def wait_guest_agent(self, timeout: float) -> None:
@@ -83,25 +71,25 @@ class FakeMachine:
 
     async def exec(
         self, argv: Sequence[str], stdin: bytes = b"", timeout: float | None = None
-    ) -> Output:
+    ) -> ExecOutput:
         self.execs.append((list(argv), stdin))
         if argv[:1] == ["false"]:
-            return Output(3, b"", b"no\n")
-        return Output(0, b"out:" + stdin, b"")
+            return ExecOutput(3, b"", b"no\n")
+        return ExecOutput(0, b"out:" + stdin, b"")
 
-    async def stop(self, grace: float) -> Exited:
+    async def stop(self, grace: float) -> MachineExit:
         self.stops.append(grace)
         self.console(b"shutdown requested\r\n")
         self.power_off()
         return await self.wait()
 
-    async def end(self, outcome: Any) -> Exited:
+    async def end(self, outcome: Any) -> MachineExit:
         self.power_off(outcome.code)
         return await self.wait()
 
     async def kill(self) -> None:
         if not self.exit.done():
-            self.exit.set_result(Exited(137, "Error"))
+            self.exit.set_result(MachineExit(137, "Error"))
 
     async def usage(self) -> Usage:
         return Usage(cpu_ns=5 * 10**9, memory_bytes=300 * 2**20)
