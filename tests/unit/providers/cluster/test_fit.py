@@ -5,7 +5,6 @@ its node for a back-off so that the pod's replacement is not bound to it again a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -155,19 +154,12 @@ def test_a_pod_that_fits_no_single_lower_node_is_refused_and_the_node_tainted_fo
 ) -> None:
     async def scenario() -> None:
         writes: list[Any] = []
-        provider = scripted(tmp_path, None, writes)
         events = NodeEvents()
-        provider.context = dataclasses.replace(provider.context, events=events)
-        provider.capacity._events = events
+        provider = scripted(tmp_path, None, writes, events)
         provider.capacity.snapshot = {
             "Node": {n["metadata"]["uid"]: n for n in FOUR},
             "Pod": {p["metadata"]["uid"]: p for p in BUSY},
         }
-        provider.capacity.capacity = (
-            msgspec.structs.replace(provider.capacity.capacity)
-            if False
-            else (provider.capacity.capacity)
-        )
         object.__setattr__(provider.config, "cannot_fit_backoff", 0.3)
         big = resolved()
         raw = msgspec.to_builtins(big.pod)

@@ -28,18 +28,19 @@ from vkubelet.providers.cluster import (
     stamp,
 )
 from vkubelet.providers.cluster._capacity import lower_capacity
-from vkubelet.sdk import ProviderContext, ProviderError, ResolvedPod
+from vkubelet.sdk import EventSink, ProviderContext, ProviderError, ResolvedPod
 from vkubelet.testing.harness import always, eventually
 
 from .pods import OTHER, upper_pod
 from .test_lower import lower_yaml
 
 
-def context(tmp_path: Path | None) -> ProviderContext:
+def context(tmp_path: Path | None, events: EventSink | None = None) -> ProviderContext:
     path = None if tmp_path is None else tmp_path / "lower.yaml"
-    return ProviderContext(
+    made = ProviderContext(
         node_name="vk-lower", config_path=path, internal_ip="10.0.0.9", kubelet_port=0
     )
+    return made if events is None else dataclasses.replace(made, events=events)
 
 
 def test_the_factory_needs_lower_yaml_and_does_not_contact_the_lower_cluster(
@@ -54,7 +55,10 @@ def test_the_factory_needs_lower_yaml_and_does_not_contact_the_lower_cluster(
 
 
 def scripted(
-    tmp_path: Path, lower_pod: dict[str, Any] | None, writes: list[Any]
+    tmp_path: Path,
+    lower_pod: dict[str, Any] | None,
+    writes: list[Any],
+    events: EventSink | None = None,
 ) -> ClusterProvider:
     config = load_lower_config(lower_yaml(tmp_path))
 
@@ -79,7 +83,7 @@ def scripted(
     lower = LowerCluster(
         KubeClient(real.client.config, transport=httpx.MockTransport(handler)), config
     )
-    return ClusterProvider(config, context(tmp_path), lower, background=False)
+    return ClusterProvider(config, context(tmp_path, events), lower, background=False)
 
 
 def resolved() -> ResolvedPod:
@@ -406,12 +410,12 @@ class FakeLower:
             self.objects.setdefault(path.rsplit("/", 1)[-1], []).append(body)
         return httpx.Response(201, json=body)
 
-    def provider(self, tmp_path: Path) -> ClusterProvider:
+    def provider(self, tmp_path: Path, events: EventSink | None = None) -> ClusterProvider:
         config = load_lower_config(lower_yaml(tmp_path))
         real = open_lower(config)
         transport = httpx.MockTransport(self.handle)
         lower = LowerCluster(KubeClient(real.client.config, transport=transport), config)
-        return ClusterProvider(config, context(tmp_path), lower, background=False)
+        return ClusterProvider(config, context(tmp_path, events), lower, background=False)
 
 
 def web_0(uid: str, *, config_map: bool = False) -> ResolvedPod:
@@ -1031,10 +1035,8 @@ def test_zero_capacity_from_tainted_lower_nodes_is_explained_once_per_change(
 ) -> None:
     """A new user's lower cluster of default mock nodes (tainted NoSchedule): the virtual node
     gets no capacity, and a Warning names the nodes instead of a bare "Too many pods"."""
-    provider = FakeLower().provider(tmp_path)
     events = NodeEvents()
-    provider.context = dataclasses.replace(provider.context, events=events)
-    provider.capacity._events = events
+    provider = FakeLower().provider(tmp_path, events)
     tainted = {
         "metadata": {"name": "mock-1"},
         "spec": {"taints": [{"key": "virtual-kubelet.io/provider", "effect": "NoSchedule"}]},
