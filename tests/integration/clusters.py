@@ -36,12 +36,26 @@ from vkubelet.testing import (
 
 __all__ = [
     "LOWER_NODES",
+    "TOLERATION",
+    "ClusterNode",
     "LowerCluster",
     "LowerNodeSpec",
     "lower_cluster_session",
     "mock_nodes_in_one_agent",
     "restart_clients_of_the_apiserver",
 ]
+
+
+#: Lets an upper pod onto a virtual node (they carry the provider taint).
+TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
+
+
+@dataclass
+class ClusterNode:
+    """An agent of the cluster provider, a node of the upper cluster."""
+
+    name: str
+    agent: AgentProcess
 
 
 @dataclass(frozen=True)

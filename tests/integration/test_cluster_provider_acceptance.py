@@ -47,8 +47,7 @@ from vkubelet.testing import (
     wait_for,
 )
 
-from .clusters import LowerCluster, restart_clients_of_the_apiserver
-from .test_cluster_provider_e2e import TOLERATION
+from .clusters import TOLERATION, LowerCluster, restart_clients_of_the_apiserver
 
 JSON = dict[str, Any]
 OWNER = "vkubelet.io/owner"

@@ -9,7 +9,6 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ import yaml
 
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
-    AgentProcess,
     Kubectl,
     create_namespace,
     node_ready,
@@ -26,16 +24,9 @@ from vkubelet.testing import (
     wait_for,
 )
 
-from .clusters import LowerCluster
+from .clusters import TOLERATION, ClusterNode, LowerCluster
 
 JSON = dict[str, Any]
-TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
-
-
-@dataclass
-class ClusterNode:
-    name: str
-    agent: AgentProcess
 
 
 @pytest.fixture

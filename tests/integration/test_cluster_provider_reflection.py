@@ -17,8 +17,7 @@ import yaml
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import Kubectl, create_namespace, node_ready, start_agent, wait_for
 
-from .clusters import LowerCluster
-from .test_cluster_provider_e2e import TOLERATION, ClusterNode
+from .clusters import TOLERATION, ClusterNode, LowerCluster
 
 JSON = dict[str, Any]
 
