@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 from lightkube.resources.core_v1 import Pod
@@ -19,6 +20,8 @@ from vkubelet.providers.ssh._link import Completed
 from vkubelet.providers.ssh._provider import DeviceProvider, _PodEntry
 from vkubelet.sdk import ContainerLogOptions
 
+from .local_link import LocalLink
+
 UID = "u1"
 T0 = datetime(2024, 5, 1, 10, 0, tzinfo=UTC)
 
@@ -26,7 +29,7 @@ T0 = datetime(2024, 5, 1, 10, 0, tzinfo=UTC)
 class Counted:
     """A process's stdout that counts what crossed "the network"."""
 
-    def __init__(self, stream: asyncio.StreamReader, link: LocalLink) -> None:
+    def __init__(self, stream: asyncio.StreamReader, link: CountingLink) -> None:
         self.stream, self.link = stream, link
 
     async def read(self, n: int = -1) -> bytes:
@@ -40,37 +43,25 @@ class Counted:
         return data
 
 
-class LocalLink:
-    """A DeviceLink whose device is this machine's sh; counts the bytes it hands over."""
+class CountingLink(LocalLink):
+    """Counts the bytes the device hands over."""
 
-    connected = True
-
-    def __init__(self) -> None:
-        self.on_connected: list[object] = []
-        self.received = 0
+    received = 0
 
     async def run(self, script: str, *, deadline: float = 30.0) -> Completed:
-        proc = await asyncio.create_subprocess_exec("sh", "-s", stdin=-1, stdout=-1, stderr=-1)
-        out, err = await proc.communicate(script.encode())
-        self.received += len(out)
-        return Completed(proc.returncode or 0, out, err)
+        done = await super().run(script, deadline=deadline)
+        self.received += len(done.stdout)
+        return done
 
     @contextlib.asynccontextmanager
-    async def process(self, command: str, **_: object) -> AsyncIterator[object]:
-        proc = await asyncio.create_subprocess_exec(
-            "sh", "-c", command, stdin=asyncio.subprocess.DEVNULL, stdout=-1
-        )
-        assert proc.stdout is not None
-        try:
+    async def process(self, command: str, **options: Any) -> AsyncIterator[Any]:
+        async with super().process(command, **options) as proc:
+            assert proc.stdout is not None
             yield SimpleNamespace(stdout=Counted(proc.stdout, self))
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
 
 
-def provider_with_log(tmp_path: Path, lines: int) -> tuple[DeviceProvider, LocalLink]:
-    link = LocalLink()
+def provider_with_log(tmp_path: Path, lines: int) -> tuple[DeviceProvider, CountingLink]:
+    link = CountingLink(tmp_path)
     config = DeviceConfig(name="d", address="127.0.0.1", pod_dir=str(tmp_path))
     provider = DeviceProvider(config, link=link)  # type: ignore[arg-type]
     pod = msgspec.convert(
