@@ -22,7 +22,7 @@ from vkubelet.providers.cluster._config import parse_lower_config
 from vkubelet.providers.cluster._constraints import ANNOTATION, move, restore
 from vkubelet.providers.cluster._webhookconfig import WebhookConfig, parse_webhook_config
 
-from .test_constraints import pods
+from .strategies import pods
 
 JSON = dict[str, Any]
 

@@ -14,7 +14,7 @@ from lightkube.resources.core_v1 import Pod
 from vkubelet.providers.cluster import ClusterProvider
 from vkubelet.sdk import ProviderError, ResolvedPod
 
-from .test_provider import resolved, scripted
+from .fakes import resolved, scripted
 
 
 def daemon_pod(**annotations: str) -> ResolvedPod:

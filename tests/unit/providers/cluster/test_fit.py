@@ -14,32 +14,9 @@ from lightkube.resources.core_v1 import Node, Pod
 from vkubelet.providers.cluster._fit import NodeUsage, fit_verdict, largest_free
 from vkubelet.sdk import EventType, ProviderError, ResolvedPod
 
-from .test_provider import resolved, scripted
+from .fakes import node, pod, resolved, scripted
 
 JSON = dict[str, Any]
-
-
-def node(name: str, cpu: str, *, labels: dict[str, str] | None = None, **spec: Any) -> JSON:
-    return {
-        "metadata": {"name": name, "uid": name, "labels": labels or {}},
-        "spec": spec,
-        "status": {
-            "allocatable": {"cpu": cpu, "memory": "8Gi", "pods": "10"},
-            "conditions": [{"type": "Ready", "status": "True"}],
-        },
-    }
-
-
-def pod(cpu: str, node_name: str | None = None, **spec: Any) -> JSON:
-    return {
-        "metadata": {"name": "p", "uid": f"p-{node_name}-{cpu}"},
-        "spec": {
-            **({"nodeName": node_name} if node_name else {}),
-            "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}],
-            **spec,
-        },
-        "status": {"phase": "Running"},
-    }
 
 
 # 8 CPUs free as 2+2+2+2 (each 4-CPU node runs a 2-CPU pod).

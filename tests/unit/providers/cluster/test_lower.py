@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx2 as httpx
 import pytest
-import yaml
 
 from vkubelet.kube import KubeClient
 from vkubelet.node import ConfigError
@@ -22,26 +21,8 @@ from vkubelet.providers.cluster import (
     open_lower,
 )
 
+from .fakes import lower_yaml
 from .pods import OWNER
-
-KUBECONFIG = {
-    "apiVersion": "v1",
-    "kind": "Config",
-    "clusters": [{"name": "lower", "cluster": {"server": "https://lower.example:6443"}}],
-    "users": [{"name": "lower-agent", "user": {"token": "t"}}],
-    "contexts": [{"name": "lower", "context": {"cluster": "lower", "user": "lower-agent"}}],
-    "current-context": "lower",
-}
-
-
-def lower_yaml(tmp_path: Path, kubeconfig: Any = KUBECONFIG, **extra: Any) -> Path:
-    if kubeconfig is not None:
-        (tmp_path / "lower.kubeconfig").write_text(
-            kubeconfig if isinstance(kubeconfig, str) else yaml.safe_dump(kubeconfig)
-        )
-    path = tmp_path / "lower.yaml"
-    path.write_text(yaml.safe_dump({"kubeconfig": "lower.kubeconfig", **extra}))
-    return path
 
 
 def test_a_missing_kubeconfig_names_lower_yaml_the_field_and_the_file(tmp_path: Path) -> None:

@@ -28,10 +28,8 @@ from vkubelet.providers.cluster._capacity import mirror_capacity
 from vkubelet.providers.cluster._stamps import stamp
 from vkubelet.testing.harness import eventually
 
+from .fakes import context, lower_yaml, node, pod
 from .pods import OWNER, how, upper_pod
-from .test_fit import node, pod
-from .test_lower import lower_yaml
-from .test_provider import context
 
 JSON = dict[str, Any]
 

@@ -28,19 +28,11 @@ from vkubelet.providers.cluster import (
     stamp,
 )
 from vkubelet.providers.cluster._capacity import lower_capacity
-from vkubelet.sdk import EventSink, ProviderContext, ProviderError, ResolvedPod
+from vkubelet.sdk import EventSink, ProviderError, ResolvedPod
 from vkubelet.testing.harness import always, eventually
 
+from .fakes import context, lower_yaml, resolved, scripted
 from .pods import OTHER, upper_pod
-from .test_lower import lower_yaml
-
-
-def context(tmp_path: Path | None, events: EventSink | None = None) -> ProviderContext:
-    path = None if tmp_path is None else tmp_path / "lower.yaml"
-    made = ProviderContext(
-        node_name="vk-lower", config_path=path, internal_ip="10.0.0.9", kubelet_port=0
-    )
-    return made if events is None else dataclasses.replace(made, events=events)
 
 
 def test_the_factory_needs_lower_yaml_and_does_not_contact_the_lower_cluster(
@@ -52,48 +44,6 @@ def test_the_factory_needs_lower_yaml_and_does_not_contact_the_lower_cluster(
     provider = create(context(tmp_path))
     assert isinstance(provider, ClusterProvider) and provider.pass_through
     asyncio.run(provider.lower.aclose())
-
-
-def scripted(
-    tmp_path: Path,
-    lower_pod: dict[str, Any] | None,
-    writes: list[Any],
-    events: EventSink | None = None,
-) -> ClusterProvider:
-    config = load_lower_config(lower_yaml(tmp_path))
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.method == "GET" and request.url.params.get("labelSelector"):
-            return httpx.Response(200, json={"items": [], "metadata": {"resourceVersion": "1"}})
-        if request.method == "GET" and "/pods/" in request.url.path:
-            if lower_pod is None:
-                return httpx.Response(404, json={"reason": "NotFound", "message": "no"})
-            return httpx.Response(200, json=lower_pod)
-        if request.method == "GET" and "/namespaces/" in request.url.path:
-            return httpx.Response(200, json={"metadata": {"name": "shop"}})
-        writes.append((request.method, request.url.path, json.loads(request.content or b"null")))
-        if request.url.path.endswith("/pods"):
-            return httpx.Response(
-                403,
-                json={"reason": "Forbidden", "message": 'pods is forbidden: namespace "shop"'},
-            )
-        return httpx.Response(201, json=json.loads(request.content))
-
-    real = open_lower(config)
-    lower = LowerCluster(
-        KubeClient(real.client.config, transport=httpx.MockTransport(handler)), config
-    )
-    return ClusterProvider(config, context(tmp_path, events), lower, background=False)
-
-
-def resolved() -> ResolvedPod:
-    pod = upper_pod(
-        volumes=[], imagePullSecrets=[], serviceAccountName="default", initContainers=[]
-    )
-    pod["spec"]["containers"][0]["env"] = []
-    pod["spec"]["containers"][0]["envFrom"] = []
-    pod["spec"]["containers"][0]["volumeMounts"] = []
-    return ResolvedPod(msgspec.convert(pod, Pod))
 
 
 async def attempt(provider: ClusterProvider) -> ProviderError:

@@ -21,8 +21,8 @@ from vkubelet.providers.cluster._services import lower_service, plan_services, s
 from vkubelet.sdk import ProviderContext, ProviderError, ResolvedPod
 from vkubelet.testing.fakeapi import FakeApiServer
 
+from .fakes import lower_yaml
 from .pods import OTHER, OWNER, upper_pod
-from .test_lower import lower_yaml
 
 JSON = dict[str, Any]
 

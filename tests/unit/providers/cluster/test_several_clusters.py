@@ -25,10 +25,8 @@ from vkubelet.providers.cluster import (
 )
 from vkubelet.providers.cluster._config import cluster_label_value
 
+from .fakes import context, lower_yaml, node
 from .pods import how, upper_pod
-from .test_fit import node
-from .test_lower import lower_yaml
-from .test_provider import context
 
 CLUSTER = "vkubelet.io/cluster"
 

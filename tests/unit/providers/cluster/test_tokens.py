@@ -33,8 +33,8 @@ from vkubelet.providers.cluster._translate import needed_references
 from vkubelet.sdk import ProviderContext, ResolvedPod
 from vkubelet.testing.fakeapi import FakeApiServer, now_rfc3339
 
+from .fakes import lower_yaml
 from .pods import OWNER, how, upper_pod
-from .test_lower import lower_yaml
 
 JSON = dict[str, Any]
 
