@@ -65,7 +65,7 @@ async def test_migrate_to_on_a_vm_that_cannot_migrate_fails_and_the_vm_runs_on(
 ) -> None:
     from vkubelet.sdk import ResolvedPod
 
-    from .test_provider import Events, FakeRuntime, make_pod, provider_for, state
+    from .fakes import Events, FakeRuntime, make_pod, provider_for, state
 
     provider = provider_for(tmp_path, FakeRuntime(), Events())
     await provider.create_pod(ResolvedPod(make_pod()))
@@ -102,7 +102,7 @@ async def test_a_migration_target_waits_for_the_vm_and_reports_why_it_cannot(
 ) -> None:
     from vkubelet.sdk import ResolvedPod
 
-    from .test_provider import Events, FakeRuntime, make_pod, provider_for
+    from .fakes import Events, FakeRuntime, make_pod, provider_for
 
     runtime = FakeRuntime()
     provider = provider_for(tmp_path, runtime, Events())

@@ -17,10 +17,7 @@ from vkubelet.sdk import ResolvedPod
 from vkubelet.sdk.volumes import EmptyDirVolume
 from vkubelet.testing.harness import eventually
 
-from .test_provider import FakeRuntime, _launched, state
-from .test_provider import events as events
-from .test_provider import provider as provider
-from .test_provider import runtime as runtime
+from .fakes import FakeRuntime, launched, state
 
 
 def machine_pod(name: str, machine: str = "m-1", **spec: Any) -> Pod:
@@ -107,7 +104,7 @@ async def test_a_plain_pod_keeps_its_disks_in_its_run_directory(
     assert isinstance(pod, Pod)
     assert _persist.machine_dir(provider.config.state_dir, pod) is None
     await provider.create_pod(ResolvedPod(pod))
-    await eventually(lambda: _launched(runtime))
+    await eventually(lambda: launched(runtime))
     assert Path(runtime.launches[0].disks[0][0]).parent == tmp_path / "s" / "vms" / "uid-p"
 
 

@@ -1,4 +1,4 @@
-# ruff: noqa: ASYNC109, ASYNC240
+# ruff: noqa: ASYNC240
 """The VM provider's kubelet logic on a fake runtime: pull, boot, restart, stop, adopt, verbs.
 
 The real runtime (QEMU, image store, network) is proven by tests/integration/vm; here each rule
@@ -8,21 +8,15 @@ of the provider is checked quickly and deterministically.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 import pytest
 from lightkube.models.core_v1 import EnvVar, VolumeMount
 from lightkube.resources.core_v1 import Node, Pod
 
-from vkubelet.providers.vm._backend import GuestAddress, LaunchSpec, PulledImage, Usage
 from vkubelet.providers.vm._config import VMConfig
-from vkubelet.providers.vm._machine import MachineExit
 from vkubelet.providers.vm._provider import VMProvider
-from vkubelet.providers.vm._qga import ExecOutput, GuestAgent
-from vkubelet.providers.vm._qmp import Monitor
 from vkubelet.sdk import (
     AttachIO,
     ContainerLogOptions,
@@ -33,203 +27,7 @@ from vkubelet.sdk import (
 )
 from vkubelet.testing.harness import eventually
 
-GI = 2**30
-
-
-class FakeMachine:
-    count = 0
-
-    def __init__(self, spec: LaunchSpec) -> None:
-        FakeMachine.count += 1
-        self.pid = 1000 + FakeMachine.count
-        self.spec = spec
-        spec.run_dir.mkdir(parents=True, exist_ok=True)
-        self.console_log = spec.run_dir / "console.log"
-        self.console_socket = spec.run_dir / "console.sock"
-        self.agent_up = asyncio.Event()
-        self.monitor: Monitor | None = None  # no QEMU: no hibernation, live resize, migration
-        self.agent: GuestAgent | None = None
-        self.exit: asyncio.Future[MachineExit] = asyncio.get_running_loop().create_future()
-        self.stops: list[float] = []
-        self.execs: list[tuple[list[str], bytes]] = []
-        self.console(b"SeaBIOS\r\nbooting vm\r\n")
-
-    def console(self, data: bytes) -> None:
-        with self.console_log.open("ab") as f:
-            f.write(data)
-
-    def power_off(self, code: int = 0) -> None:
-        self.console(b"reboot: Power down\r\n")
-        if not self.exit.done():
-            self.exit.set_result(MachineExit(code, "Completed" if code == 0 else "Error"))
-
-    async def wait(self) -> MachineExit:
-        return await asyncio.shield(self.exit)
-
-    async def wait_guest_agent(self, timeout: float) -> None:
-        await asyncio.wait_for(self.agent_up.wait(), timeout)
-
-    async def exec(
-        self, argv: Sequence[str], stdin: bytes = b"", timeout: float | None = None
-    ) -> ExecOutput:
-        self.execs.append((list(argv), stdin))
-        if argv[:1] == ["false"]:
-            return ExecOutput(3, b"", b"no\n")
-        return ExecOutput(0, b"out:" + stdin, b"")
-
-    async def stop(self, grace: float) -> MachineExit:
-        self.stops.append(grace)
-        self.console(b"shutdown requested\r\n")
-        self.power_off()
-        return await self.wait()
-
-    async def end(self, outcome: Any) -> MachineExit:
-        self.power_off(outcome.code)
-        return await self.wait()
-
-    async def kill(self) -> None:
-        if not self.exit.done():
-            self.exit.set_result(MachineExit(137, "Error"))
-
-    async def usage(self) -> Usage:
-        return Usage(cpu_ns=5 * 10**9, memory_bytes=300 * 2**20)
-
-
-@dataclass
-class FakeRuntime:
-    rules: dict[str, str] = field(default_factory=lambda: {"vm.vkubelet.io/tiny": "file:///t"})
-    machines: dict[Path, FakeMachine] = field(default_factory=dict)
-    launches: list[LaunchSpec] = field(default_factory=list)
-    seeds: list[dict[str, Any]] = field(default_factory=list)
-    detached: list[str] = field(default_factory=list)
-    boot_at_once: bool = True
-
-    def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
-        pass
-
-    def translate(self, image: str) -> tuple[str, str | None]:
-        if image not in self.rules:
-            raise ValueError(f"image {image!r}: no translation rule matches")
-        return self.rules[image], None
-
-    async def pull(
-        self, image: str, url: str, sha256: str | None, progress: Callable[[int, int | None], None]
-    ) -> PulledImage:
-        progress(50, 100)
-        progress(100, 100)
-        return PulledImage(Path("/images/data/abc"), "abc", GI)
-
-    async def create_overlay(self, base: PulledImage, path: Path, size: int | None) -> None:
-        path.write_bytes(b"overlay")
-
-    async def create_blank(self, path: Path, size: int) -> None:
-        path.write_bytes(b"blank")
-
-    def write_seed(
-        self,
-        path: Path,
-        *,
-        pod_name: str,
-        pod_uid: str,
-        annotations: Mapping[str, str],
-        files: Mapping[str, bytes],
-        network_key: str | None,
-        secret_files: Collection[str] = (),
-    ) -> None:
-        self.seeds.append({"name": pod_name, "files": dict(files)})
-        path.write_bytes(b"seed")
-
-    async def attach_network(self, key: str) -> GuestAddress:
-        return GuestAddress("10.213.0.2", f"vkvm-{key[:8]}")
-
-    async def detach_network(self, key: str) -> None:
-        self.detached.append(key)
-
-    async def launch(self, spec: LaunchSpec) -> FakeMachine:
-        self.launches.append(spec)
-        machine = FakeMachine(spec)
-        if self.boot_at_once:
-            machine.agent_up.set()
-        self.machines[spec.run_dir] = machine
-        return machine
-
-    async def adopt(self, run_dir: Path) -> FakeMachine | None:
-        machine = self.machines.get(run_dir)
-        return machine if machine is not None and not machine.exit.done() else None
-
-    async def probe_accel(self, mode: str) -> tuple[str, str]:
-        return "tcg", "KVM cannot boot a guest here"
-
-    def gc_images(self, in_use: Collection[str]) -> list[str]:
-        return []
-
-
-@dataclass
-class Events:
-    pod: list[tuple[str, str, str]] = field(default_factory=list)
-    node: list[tuple[str, str, str]] = field(default_factory=list)
-
-    def pod_event(self, pod: Pod, type: str, reason: str, message: str) -> None:
-        self.pod.append((type, reason, message))
-
-    def node_event(self, node_name: str, type: str, reason: str, message: str) -> None:
-        self.node.append((type, reason, message))
-
-
-def make_pod(name: str = "vm", image: str = "vm.vkubelet.io/tiny", **spec: Any) -> Pod:
-    body = {
-        "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"},
-        "spec": {"containers": [{"name": "vm", "image": image}], **spec},
-    }
-    return Pod.from_dict(body)  # type: ignore[return-value]
-
-
-@pytest.fixture
-def runtime() -> FakeRuntime:
-    return FakeRuntime()
-
-
-@pytest.fixture
-def events() -> Events:
-    return Events()
-
-
-def provider_for(
-    tmp_path: Path, runtime: FakeRuntime, events: Events, *, gc_interval: float = 600.0
-) -> VMProvider:
-    config = VMConfig(
-        state_dir=tmp_path / "s",
-        image_store=tmp_path / "s" / "images",
-        reserved_millicpu=1000,
-        reserved_memory=GI,
-        image_gc_interval=gc_interval,
-    )
-    provider = VMProvider(
-        "hv-1",
-        config,
-        runtime,
-        host_ip="192.0.2.1",
-        events=events,
-        host_millicpu=4000,
-        host_memory=8 * GI,
-    )
-    provider.notify_pods(PUSHED.append)
-    return provider
-
-
-PUSHED: list[Pod] = []
-
-
-@pytest.fixture
-def provider(tmp_path: Path, runtime: FakeRuntime, events: Events) -> VMProvider:
-    return provider_for(tmp_path, runtime, events)
-
-
-async def state(provider: VMProvider, name: str = "vm") -> tuple[str, Any]:
-    pod = await provider.get_pod("ns", name)
-    assert pod is not None and pod.status is not None
-    statuses = pod.status.containerStatuses or []
-    return str(pod.status.phase), statuses[0] if statuses else None
+from .fakes import GI, PUSHED, Events, FakeRuntime, launched, make_pod, provider_for, state
 
 
 async def logs(provider: VMProvider, previous: bool = False) -> bytes:
@@ -268,7 +66,7 @@ async def test_a_pod_is_running_with_its_ip_once_the_guest_agent_answers(
     PUSHED.clear()
     assert await provider.pod_ips(make_pod()) == ["10.213.0.2"]  # known before the start
     await provider.create_pod(ResolvedPod(make_pod()))
-    await eventually(lambda: _launched(runtime))
+    await eventually(lambda: launched(runtime))
     _, status = await state(provider)
     assert status.state.waiting is not None  # QEMU runs, the guest boots
     machine = next(iter(runtime.machines.values()))
@@ -301,10 +99,6 @@ def _is_running(pod: Pod) -> bool:
     return bool(statuses and statuses[0].state and statuses[0].state.running)
 
 
-async def _launched(runtime: FakeRuntime) -> bool:
-    return bool(runtime.machines)
-
-
 async def test_an_unknown_image_waits_in_image_pull_back_off(provider: VMProvider) -> None:
     await provider.create_pod(ResolvedPod(make_pod(image="vm.vkubelet.io/nope")))
 
@@ -328,7 +122,7 @@ async def test_a_guest_poweroff_restarts_the_vm_and_the_previous_log_is_kept(
     provider: VMProvider, runtime: FakeRuntime
 ) -> None:
     await provider.create_pod(ResolvedPod(make_pod()))
-    await eventually(lambda: _launched(runtime))
+    await eventually(lambda: launched(runtime))
     first = next(iter(runtime.machines.values()))
 
     async def restarted() -> bool:
@@ -415,7 +209,7 @@ async def test_a_vm_adopted_while_booting_is_running_only_once_its_guest_agent_a
     runtime.boot_at_once = False
     first = provider_for(tmp_path, runtime, events)
     await first.create_pod(ResolvedPod(make_pod()))
-    await eventually(lambda: _launched(runtime))
+    await eventually(lambda: launched(runtime))
     await first.aclose()  # the agent goes while the guest boots
     second = provider_for(tmp_path, runtime, events)
     await second.list_pods()
@@ -641,7 +435,7 @@ async def test_the_pod_kept_on_the_host_is_readable_by_its_owner_only(
     secret_env = [{"name": "DB_PASSWORD", "value": "s3cret"}]
     pod = make_pod(containers=[{"name": "vm", "image": "vm.vkubelet.io/tiny", "env": secret_env}])
     await provider.create_pod(ResolvedPod(pod))
-    await eventually(lambda: _launched(runtime))
+    await eventually(lambda: launched(runtime))
     [kept] = list(tmp_path.rglob("pod.json"))
     assert b"s3cret" in kept.read_bytes()
     assert kept.stat().st_mode & 0o777 == 0o600
