@@ -1,6 +1,7 @@
 """The node agent: node controller, pod controller and the provider API (the Kubernetes client
 stack it runs on is `vkubelet.kube`)."""
 
+from ..sdk.config import ConfigError, parse_taint
 from ..sdk.provider import (
     ContainerLogOptions,
     ContainerLogs,
@@ -16,7 +17,7 @@ from ..sdk.provider import (
     ResolvedPod,
 )
 from ._agent import AgentConfig, NodeAgent, NodeSpec
-from ._config import ConfigError, load_agent_config, parse_taint
+from ._config import load_agent_config
 from ._nodecontroller import NodeSettings
 from ._registry import ProviderLoadError, UnknownProvider, available_providers, load_provider
 

@@ -30,6 +30,7 @@ import yaml
 
 from .._fields import reject_unknown
 from ..kube import ClientOptions
+from ..sdk.config import ConfigError, parse_taint
 from ._agent import AgentConfig, NodeSpec
 from ._nodecontroller import NodeSettings
 
@@ -48,29 +49,8 @@ _TOP_KEYS = {
     "approveOwnCSRs",
     "insecureKubeletAPI",
 }
-_EFFECTS = {"NoSchedule", "PreferNoSchedule", "NoExecute"}
 # A node name is a DNS-1123 subdomain.
 _DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-
-
-class ConfigError(ValueError):
-    pass
-
-
-def parse_taint(text: str) -> dict[str, str]:
-    """`key=value:Effect` or `key:Effect`, as kubectl taint writes them."""
-    spec, sep, effect = text.rpartition(":")
-    if not sep or effect not in _EFFECTS:
-        raise ConfigError(
-            f"taint {text!r}: expected key[=value]:Effect with Effect one of {sorted(_EFFECTS)}"
-        )
-    key, _, value = spec.partition("=")
-    if not key:
-        raise ConfigError(f"taint {text!r}: empty key")
-    taint = {"key": key, "effect": effect}
-    if value:
-        taint["value"] = value
-    return taint
 
 
 def load_agent_config(path: Path) -> AgentConfig:

@@ -19,6 +19,7 @@ from .capabilities import (
     StatsProvider,
     TerminalSize,
 )
+from .config import ConfigError, parse_taint
 from .logs import LogWriter, copy_to_log, previous_not_found, read_log, run_log_path
 from .podrunner import PodRunner, RunContainer, RunnerProvider, SignalContainer
 from .probes import ExecResult, PodProbes, ProbeEvent, ProbeTransport, ProbeUnknown
@@ -67,6 +68,7 @@ __all__ = [
     "ByteStream",
     "Closeable",
     "ConditionStatus",
+    "ConfigError",
     "ContainerAttach",
     "ContainerExec",
     "ContainerLogOptions",
@@ -125,6 +127,7 @@ __all__ = [
     "copy_to_log",
     "crash_loop_message",
     "parse_quantity",
+    "parse_taint",
     "previous_not_found",
     "read_log",
     "relay",

@@ -31,7 +31,7 @@ See docs/cluster-provider.md.
 
 import dataclasses
 
-from ...node import ConfigError, ProviderContext
+from ...sdk import ConfigError, ProviderContext
 from ._capacity import LowerCapacity, common_labels, lower_capacity, node_usable, pod_requests
 from ._config import (
     LowerConfig,

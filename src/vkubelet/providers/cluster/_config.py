@@ -42,7 +42,7 @@ from typing import Any, Literal, cast
 import yaml
 
 from ..._fields import reject_unknown
-from ...node import ConfigError
+from ...sdk import ConfigError
 from ._webhookconfig import WebhookConfig, parse_webhook_config
 
 __all__ = [

@@ -19,7 +19,7 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ConfigError as KubeConfigError
 
 from ...kube import ApiError, ClientOptions, KubeClient
-from ...node import ConfigError
+from ...sdk import ConfigError
 from ...sdk.provider import ProviderError
 from ._config import LowerConfig
 from ._deps import DependencyPlan

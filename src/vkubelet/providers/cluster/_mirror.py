@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Sequence
 from functools import partial
 
 from ...kube import Handler, Reflector
-from ...node import FleetNode
+from ...sdk import FleetNode
 from ...sdk.provider import ProviderContext
 from ._config import LowerConfig
 from ._convert import JSON

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._fields import reject_unknown
-from ...node import ConfigError
+from ...sdk import ConfigError
 
 __all__ = ["WebhookConfig", "parse_webhook_config"]
 

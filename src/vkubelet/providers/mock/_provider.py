@@ -24,7 +24,7 @@ from lightkube.models.core_v1 import Container, PodSpec, PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ..._files import write_private
-from ...node import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
+from ...sdk import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
 from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.logs import previous_not_found
 from ...sdk.probes import PodProbes, ProbeEvent, ProbeKind

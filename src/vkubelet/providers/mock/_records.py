@@ -14,7 +14,7 @@ import msgspec
 from lightkube.models.core_v1 import Container
 from lightkube.resources.core_v1 import Pod
 
-from ...node import ProviderError, ResolvedPod
+from ...sdk import ProviderError, ResolvedPod
 from ...sdk.clock import now_rfc3339
 from ...sdk.volumes import FilesVolume
 

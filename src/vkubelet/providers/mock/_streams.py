@@ -13,7 +13,7 @@ import contextlib
 import os
 from collections.abc import AsyncGenerator
 
-from ...node import ContainerLogOptions
+from ...sdk import ContainerLogOptions
 from ...sdk.capabilities import AttachIO, ByteStream
 from ._records import MockContainer, MockPod, now, parse_time
 from ._terminal import LineReader, Terminal, unless, wait

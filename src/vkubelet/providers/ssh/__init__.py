@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...node import ConfigError, ProviderContext
+from ...sdk import ConfigError, ProviderContext
 
 if TYPE_CHECKING:
     from ._fleet import SshFleet

@@ -7,7 +7,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from ...node import ConfigError, FleetNode
+from ...sdk import ConfigError, FleetNode
 from ...sdk.provider import EventSink
 from ._inventory import DeviceConfig, Inventory, load_inventory
 from ._provider import DeviceProvider

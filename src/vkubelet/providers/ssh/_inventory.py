@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from ..._fields import reject_unknown
-from ...node import ConfigError, parse_taint
+from ...sdk import ConfigError, parse_taint
 from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
 from ...sdk.quantity import parse_quantity
 

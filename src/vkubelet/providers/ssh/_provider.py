@@ -30,7 +30,7 @@ from lightkube.models.core_v1 import NodeSpec, NodeStatus, PodStatus
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node, Pod
 
-from ...node import ContainerLogOptions, ProviderError, ResolvedPod
+from ...sdk import ContainerLogOptions, ProviderError, ResolvedPod
 from ...sdk.backoff import crash_loop_message
 from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.logs import LogParser, previous_not_found, render, render_chunks
