@@ -28,9 +28,9 @@ from ..node import (
     NodeSettings,
     NodeSpec,
     PodLifecycleHandler,
+    ServiceCache,
+    ServingCertificate,
 )
-from ..node._certs import ServingCertificate
-from ..node._resolution import ServiceCache
 from ..sdk.provider import Closeable
 from ..sdk.tasks import run_supervised
 from . import _providers

@@ -19,9 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..kube import ApiError, Unreachable
-from ..node import FleetNode, NodeFleet, NodeSpec
-from ..node._certs import ServingCertificate
-from ..node._podrecord import PodRecord
+from ..node import FleetNode, NodeFleet, NodeSpec, PodRecord, ServingCertificate
 from ..sdk.tasks import TaskSet, run_supervised
 from ._runner import NodeHost, NodeRunner, OnCsr
 

@@ -9,8 +9,7 @@ import logging
 from collections.abc import Sequence
 
 from ..kube import ApiError, KubeClient, Unreachable
-from ..node import AgentConfig, ConfigError, NodeAgent
-from ..node._certs import ClientIdentity
+from ..node import AgentConfig, ClientIdentity, ConfigError, NodeAgent
 from ..sdk.retry import Backoff
 
 log = logging.getLogger(__name__)

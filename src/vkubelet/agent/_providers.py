@@ -10,8 +10,15 @@ import functools
 import logging
 
 from ..kube import EventRecorder, ObjectRef
-from ..node import NodeFleet, NodeSpec, PodLifecycleHandler, ProviderContext
-from ..node._registry import ProviderLoadError, load_provider, provider_label
+from ..node import (
+    NodeFleet,
+    NodeSpec,
+    PodLifecycleHandler,
+    ProviderContext,
+    ProviderLoadError,
+    load_provider,
+    provider_label,
+)
 from ..sdk.provider import EventType, Pod
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,7 @@ from typing import Protocol
 
 from ..kube import KubeClient
 from ..kubelet import KubeletAuth, KubeletServer
-from ..node import AgentConfig, NodeAgent, NodeSettings, PodLifecycleHandler
-from ..node._certs import ServingCertificate
+from ..node import AgentConfig, NodeAgent, NodeSettings, PodLifecycleHandler, ServingCertificate
 from ..sdk.tasks import run_supervised
 from ._providers import NodeEventRouter
 from ._serving import KubeletApiReadiness, kubelet_node, start_servers

@@ -23,8 +23,14 @@ from cryptography import x509
 
 from ..kube import ApiError, KubeClient
 from ..kubelet import KubeletAuth, KubeletNode, KubeletServer, serve_nodes, server_ssl_context
-from ..node import AgentConfig, NodeAgent
-from ..node._certs import SIGNER, ServingCertificate, cluster_cert_dir, load_ca_bundle
+from ..node import (
+    SIGNER,
+    AgentConfig,
+    NodeAgent,
+    ServingCertificate,
+    cluster_cert_dir,
+    load_ca_bundle,
+)
 from ..sdk.provider import NodeCondition
 
 log = logging.getLogger(__name__)

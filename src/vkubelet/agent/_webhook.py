@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..kube import ApiError, KubeClient, ObjectRef, Unreachable
-from ..kubelet import server_ssl_context
-from ..kubelet._http import Exchange, HttpLimits, serve_connection
+from ..kubelet import Exchange, HttpLimits, serve_connection, server_ssl_context
 from ..node import NodeAgent
 from ._serving import cluster_ca
 

@@ -22,7 +22,8 @@ from ._cluster import (
 )
 from ._errors import DevClusterError
 from ._images import KINDS, ImageArchive, ImageBuildError, build_image
-from ._network import NetworkUnavailable
+from ._network import NetworkUnavailable, preflight
+from ._pki import csr_pem, new_key
 from ._proc import processes_mentioning
 
 __all__ = [
@@ -41,11 +42,14 @@ __all__ = [
     "StartupFailed",
     "build_image",
     "cached_binaries",
+    "csr_pem",
     "ensure_binaries",
     "ensure_helm",
     "ensure_worker_binaries",
     "kubernetes_version",
     "list_clusters",
+    "new_key",
+    "preflight",
     "processes_mentioning",
     "state_root",
     "write_kubeconfig",

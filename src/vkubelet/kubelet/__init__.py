@@ -38,6 +38,7 @@ from ._auth import (
     request_attributes,
 )
 from ._context import KubeletNode, ServerConfig
+from ._http import Exchange, HttpLimits, serve_connection
 from ._logs import log_options
 from ._server import KubeletServer, match_route, serve_nodes
 from ._tls import server_ssl_context
@@ -51,6 +52,8 @@ __all__ = [
     "Authorizer",
     "Credentials",
     "Decision",
+    "Exchange",
+    "HttpLimits",
     "KubeletAuth",
     "KubeletNode",
     "KubeletServer",
@@ -64,6 +67,7 @@ __all__ = [
     "log_options",
     "match_route",
     "request_attributes",
+    "serve_connection",
     "serve_nodes",
     "server_ssl_context",
 ]

@@ -11,8 +11,8 @@ from lightkube.resources.core_v1 import Pod
 
 from ..protocols.remotecommand import HEADER_ACCEPTED_PROTOCOL_VERSIONS, HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import SpdyLimits
-from ..sdk._spdy import SocketTransport, SpdySession
 from ..sdk.provider import PodLifecycleHandler
+from ..sdk.spdy import SocketTransport, SpdySession
 from ._http import Exchange, HttpError, Request
 from ._metrics import ServerMetrics
 from ._websocket import accept_token

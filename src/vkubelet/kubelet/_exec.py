@@ -31,7 +31,6 @@ from ..protocols.remotecommand import (
     stream_type,
 )
 from ..protocols.spdy import RstStatus
-from ..sdk._spdy import SpdySession, SpdyStream
 from ..sdk.capabilities import (
     AttachIO,
     ContainerAttach,
@@ -41,6 +40,7 @@ from ..sdk.capabilities import (
     ResizeQueue,
 )
 from ..sdk.provider import ProviderError
+from ..sdk.spdy import SpdySession, SpdyStream
 from ._context import (
     Call,
     start_spdy_session,

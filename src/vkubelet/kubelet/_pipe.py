@@ -1,4 +1,4 @@
-"""Closing a streaming session; its inbound buffers are `vkubelet.sdk._pipe.InboundPipe`."""
+"""Closing a streaming session; its inbound buffers are `vkubelet.sdk.pipe.InboundPipe`."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ from ..protocols.portforward import (
 )
 from ..protocols.remotecommand import HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import RstStatus
-from ..sdk._spdy import SpdyStream
 from ..sdk.capabilities import ByteStream, PortForwarder
+from ..sdk.spdy import SpdyStream
 from ._context import (
     Call,
     start_spdy_session,

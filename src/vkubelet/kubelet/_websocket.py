@@ -19,7 +19,7 @@ from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import LocalProtocolError, generate_accept_token
 
 from ..protocols.channel import ChannelClose, ChannelData, ChannelError, ChannelFraming
-from ..sdk._pipe import InboundPipe
+from ..sdk.pipe import InboundPipe
 from ._pipe import shut_down
 
 log = logging.getLogger(__name__)

@@ -29,9 +29,9 @@ from ..protocols.remotecommand import (
     decode_exit_status,
     encode_resize,
 )
-from ..sdk._pipe import InboundPipe
-from ..sdk._spdy import SpdySession, SpdyStream
 from ..sdk.capabilities import AttachIO, InputStream, OutputStream, ResizeQueue
+from ..sdk.pipe import InboundPipe
+from ..sdk.spdy import SpdySession, SpdyStream
 from ._connect import Endpoint, upgrade
 from ._errors import RemoteCommandError, StreamingError, UpgradeFailed
 from ._spdy import client_session, open_stream, socket_transport, wait_replied

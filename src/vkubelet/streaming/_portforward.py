@@ -20,8 +20,8 @@ from ..protocols.portforward import (
     pair_headers,
 )
 from ..protocols.remotecommand import HEADER_PROTOCOL_VERSION
-from ..sdk._spdy import ByteTransport, SocketTransport, SpdySession, SpdyStream
 from ..sdk.capabilities import ByteStream
+from ..sdk.spdy import ByteTransport, SocketTransport, SpdySession, SpdyStream
 from ._connect import Endpoint, upgrade
 from ._errors import PortForwardError, StreamingError, UpgradeFailed
 from ._exec import Transport

@@ -3,14 +3,14 @@ failures as `StreamingError`.
 
 The SPDY bytes are the same whichever way they travel: straight over the upgraded TLS socket,
 or (port-forward through an apiserver since 1.31) inside WebSocket binary messages. A
-`ByteTransport` hides which; `vkubelet.sdk._spdy` is the one session both ends run.
+`ByteTransport` hides which; `vkubelet.sdk.spdy` is the one session both ends run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..sdk._spdy import ByteTransport, SocketTransport, SpdySession, SpdyStream
+from ..sdk.spdy import ByteTransport, SocketTransport, SpdySession, SpdyStream
 from ._connect import Upgraded
 from ._errors import StreamingError
 from ._websocket import WebSocket

@@ -262,8 +262,7 @@ def node_kubeconfig(cluster: Cluster, kubectl: Kubectl, node: str, path: Path) -
     signer kubernetes.io/kube-apiserver-client-kubelet, as a real kubelet's identity."""
     from cryptography.hazmat.primitives import serialization
 
-    from ..devcluster import write_kubeconfig
-    from ..devcluster._pki import csr_pem, new_key
+    from ..devcluster import csr_pem, new_key, write_kubeconfig
 
     key = new_key()
     name = f"{node}-client-{uuid.uuid4().hex[:6]}"
@@ -547,7 +546,7 @@ def worker_cluster(
     workers. `--vkubelet-worker-cluster NAME` (or VKUBELET_TEST_WORKER_CLUSTER) reuses one
     started with `vkubelet dev cluster up --name NAME --workers 2`.
     """
-    from ..devcluster._network import NetworkUnavailable, preflight
+    from ..devcluster import NetworkUnavailable, preflight
 
     reuse = request.config.getoption("--vkubelet-worker-cluster")
     if reuse:

@@ -25,8 +25,7 @@ from types import TracebackType
 from typing import Any, TypeVar, overload
 
 from ..kube import EventRecorder
-from ..node._podcontroller import PodController
-from ..node._resolution import Resolver, ServiceCache
+from ..node import PodController, Resolver, ServiceCache
 from .fakeapi import JSON, FakeApiServer
 
 T = TypeVar("T")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from vkubelet._files import write_kubeconfig
-from vkubelet.sdk._pipe import InboundPipe
 from vkubelet.sdk.capabilities import AttachIO
+from vkubelet.sdk.pipe import InboundPipe
 from vkubelet.streaming import Endpoint, StreamingError, UpgradeFailed, exec_command
 from vkubelet.streaming._exec import _target
 

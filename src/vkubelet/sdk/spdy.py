@@ -31,7 +31,7 @@ from ..protocols.spdy import (
     StreamReset,
     StreamStateError,
 )
-from ._pipe import InboundPipe
+from .pipe import InboundPipe
 
 log = logging.getLogger(__name__)
 
