@@ -66,6 +66,9 @@ class Handler(Generic[T]):
     on_delete: Callable[[T], None]
     # After every (re)list, the store being that listing: for state kept beside the store.
     on_listed: Callable[[], None] | None = None
+    # A failed list or watch (tried again after the back-off): for a caller whose waiters must
+    # hear that the objects could not be read, rather than wait for them.
+    on_error: Callable[[ApiError | Unreachable], None] | None = None
 
 
 def key_of(obj: HasMeta | dict[str, Any]) -> str:
@@ -160,12 +163,16 @@ class Reflector(Generic[T]):
                     log.info("%s: resourceVersion too old (410 Gone); relisting", self.name)
                     self.resource_version = None
                     continue
+                if self._handler.on_error is not None:
+                    self._handler.on_error(e)
                 overloaded = e.status >= 500 or e.status == 429  # an apiserver starting or busy
                 delay = self._backoff.next_delay(
                     cap=UNREACHABLE_MAX_BACKOFF if overloaded else None
                 )
                 log.warning("%s: %s; retrying in %.1fs", self.name, e, delay)
             except Unreachable as e:
+                if self._handler.on_error is not None:
+                    self._handler.on_error(e)
                 # Cheap to try (a refused connection) and what everything waits for: an apiserver
                 # back from a restart is noticed within seconds, not up to 30 s later.
                 delay = self._backoff.next_delay(cap=UNREACHABLE_MAX_BACKOFF)

@@ -4,7 +4,8 @@ The reference implementation watches every ConfigMap and Secret in the cluster (
 the cluster, and a node identity under the Node authorizer may not even list them). Like the real
 kubelet, we watch exactly the objects our pods use — `fieldSelector=metadata.name=<name>`, which
 the Node authorizer permits for objects referenced by pods bound to the node — and tell the pod
-controller which pods to re-sync when one changes.
+controller which pods to re-sync when one changes. Each watch is a `Reflector` over that
+one-name selector (relists on 410, back-off, resume from bookmarks, as every other watch).
 
 ServiceAccounts and PersistentVolumeClaims (which pass-through providers need) the Node
 authorizer lets a node only `get`, by name: those are polled instead.
@@ -14,17 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from ..kube import ApiError, KubeClient, Unreachable, status_error
-
-log = logging.getLogger(__name__)
+from ..kube import ApiError, Handler, KubeClient, Reflector, Unreachable
 
 Ref = tuple[str, str, str]  # (kind, namespace, name); kind is one of _PLURAL's keys
 
@@ -37,15 +34,6 @@ _PLURAL = {
 _WATCHABLE = frozenset({"ConfigMap", "Secret"})
 # How often an object that cannot be watched is read again.
 POLL_INTERVAL = 30.0
-
-
-class _Meta(msgspec.Struct):
-    resourceVersion: str | None = None
-
-
-class _List(msgspec.Struct):
-    metadata: _Meta
-    items: list[dict[str, Any]]
 
 
 class ReadFailed(Exception):
@@ -135,44 +123,29 @@ class ObjectCache:
 
     async def _watch(self, ref: Ref, entry: _Entry) -> None:
         kind, namespace, name = ref
-        path = f"/api/v1/namespaces/{namespace}/{_PLURAL[kind]}"
-        params = {"fieldSelector": f"metadata.name={name}"}
-        version: str | None = None
-        backoff = 0.5
-        while True:
-            try:
-                if version is None:
-                    raw = await self._client.request_raw("GET", path, params=params)
-                    listed = msgspec.json.decode(raw, type=_List)
-                    self._store(ref, entry, listed.items[0] if listed.items else None)
-                    version = listed.metadata.resourceVersion
-                async for kind_, raw_obj in self._client.watch(
-                    path,
-                    {**params, "resourceVersion": version or "", "allowWatchBookmarks": "true"},
-                    timeout_seconds=random.randint(300, 600),  # noqa: S311
-                ):
-                    if kind_ == "ERROR":
-                        raise status_error(raw_obj)
-                    obj = msgspec.json.decode(raw_obj)
-                    version = obj.get("metadata", {}).get("resourceVersion", version)
-                    if kind_ == "BOOKMARK":
-                        continue
-                    self._store(ref, entry, None if kind_ == "DELETED" else obj)
-                backoff = 0.5
-                continue
-            except ApiError as e:
-                if e.gone:
-                    version = None
-                    continue
-                if not entry.loaded.is_set() or e.status in (401, 403):
-                    entry.error = f"{kind} {namespace}/{name}: {e}"
-                    entry.loaded.set()
-            except Unreachable as e:
-                if not entry.loaded.is_set():
-                    entry.error = f"{kind} {namespace}/{name}: {e}"
-                    entry.loaded.set()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 30.0)
+
+        def store(*_: object) -> None:
+            # At most one object has the name (keyed by UID, a re-created one is a second for a
+            # moment): what the pods see is whichever the store holds now, or none.
+            self._store(ref, entry, next(iter(reflector.items.values()), None))
+
+        def listed() -> None:
+            # A listing that changed nothing still answers the first read, or one that failed.
+            if not entry.loaded.is_set() or entry.error is not None:
+                store()
+
+        handler: Handler[dict[str, Any]] = Handler(
+            store, store, store, on_listed=listed, on_error=lambda e: self._failed(ref, entry, e)
+        )
+        reflector = Reflector(
+            self._client,
+            f"/api/v1/namespaces/{namespace}/{_PLURAL[kind]}",
+            dict,
+            handler,
+            params={"fieldSelector": f"metadata.name={name}"},
+            name=f"{kind} {namespace}/{name}",
+        )
+        await reflector.run()
 
     async def _poll(self, ref: Ref, entry: _Entry) -> None:
         kind, namespace, name = ref
@@ -184,14 +157,19 @@ class ObjectCache:
             except ApiError as e:
                 if e.not_found:
                     self._store(ref, entry, None)
-                elif not entry.loaded.is_set() or e.status in (401, 403):
-                    entry.error = f"{kind} {namespace}/{name}: {e}"
-                    entry.loaded.set()
+                else:
+                    self._failed(ref, entry, e)
             except Unreachable as e:
-                if not entry.loaded.is_set():
-                    entry.error = f"{kind} {namespace}/{name}: {e}"
-                    entry.loaded.set()
+                self._failed(ref, entry, e)
             await asyncio.sleep(self._poll_interval)
+
+    def _failed(self, ref: Ref, entry: _Entry, error: ApiError | Unreachable) -> None:
+        # The first read, and a refusal at any time, fail the pods' reads; a passing outage
+        # keeps the last object seen.
+        refused = isinstance(error, ApiError) and error.status in (401, 403)
+        if not entry.loaded.is_set() or refused:
+            entry.error = f"{ref[0]} {ref[1]}/{ref[2]}: {error}"
+            entry.loaded.set()
 
     def _store(self, ref: Ref, entry: _Entry, obj: dict[str, Any] | None) -> None:
         first = not entry.loaded.is_set()

@@ -168,6 +168,29 @@ async def test_other_watch_errors_retry_the_watch_from_the_same_version(running:
     assert reflector.relists == 1
 
 
+async def test_failures_are_told_to_the_handler_and_410_gone_is_not_one(
+    api: FakeApiServer,
+) -> None:
+    api.create("pods", pod("a"))
+    api.fail("GET", "^/api/v1/pods$", status=403)
+    client = api.client()
+    failures: list[int] = []
+    handler: Handler[Pod] = Seen().handler()
+    handler.on_error = lambda e: failures.append(getattr(e, "status", 0))
+    reflector = Reflector(client, "/api/v1/pods", Pod, handler)
+    task = asyncio.create_task(reflector.run())
+    try:
+        await asyncio.wait_for(reflector.synced.wait(), 5)
+        await eventually(lambda: api.watch_count("pods") == 1, what="the watch to open")
+        api.watch_error(410)
+        await eventually(lambda: reflector.relists == 2)
+        assert failures == [403]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+
+
 async def test_an_unreachable_apiserver_is_retried_until_it_is_back(api: FakeApiServer) -> None:
     api.create("pods", pod("a"))
     client = api.client()
