@@ -1,19 +1,29 @@
-"""Where the agent's API credentials come from when no kubeconfig is named.
+"""Kubeconfigs, read in one place: where the credentials come from when no kubeconfig is named,
+and what a loaded context gives a connection (TLS, Authorization, httpx's parameters).
 
-In a pod, as client-go does: the service account's token, CA and namespace files plus the
-`KUBERNETES_SERVICE_HOST`/`_PORT` the kubelet sets. lightkube knows this layout, but tries it
-before `$KUBECONFIG` (client-go prefers a kubeconfig it was pointed at) and only at the fixed
-path; tests (and unusual mounts) need another directory, so `VKUBELET_SERVICEACCOUNT_DIR` names
-one. The token file is re-read by lightkube on a 401, so the kubelet's token rotation needs
-nothing more.
+lightkube parses kubeconfigs (client certificates, tokens, exec plugins); every connection of
+vkubelet (the client stack, the streaming client, test tools) asks this module rather than
+lightkube's adapters, so that a kubeconfig means the same thing to each of them.
+
+When none is named, in a pod, as client-go does: the service account's token, CA and namespace
+files plus the `KUBERNETES_SERVICE_HOST`/`_PORT` the kubelet sets. lightkube knows this layout,
+but tries it before `$KUBECONFIG` (client-go prefers a kubeconfig it was pointed at) and only at
+the fixed path; tests (and unusual mounts) need another directory, so
+`VKUBELET_SERVICEACCOUNT_DIR` names one. The token file is re-read by lightkube on a 401, so the
+kubelet's token rotation needs nothing more.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
+from typing import Any
 
-from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig
+import httpx2 as httpx
+from lightkube.config.client_adapter import ConnectionParams, user_auth, verify_cluster
+from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig, SingleConfig
+from lightkube.config.models import User
 from lightkube.core.exceptions import ConfigError
 
 SERVICE_ACCOUNT_DIR_ENV = "VKUBELET_SERVICEACCOUNT_DIR"
@@ -50,3 +60,45 @@ def load_kubeconfig(path: Path | str | None = None) -> KubeConfig:
         f"(automountServiceAccountToken: false? ${SERVICE_ACCOUNT_DIR_ENV} names another "
         f"directory) and there is no kubeconfig ({default}, $KUBECONFIG or --kubeconfig)"
     )
+
+
+def load_context(path: Path | str | None = None, context: str | None = None) -> SingleConfig:
+    """`path`'s `context` (default: the current one), `path` found as `load_kubeconfig` does."""
+    config = load_kubeconfig(path).get(context)
+    if config is None:
+        raise ValueError(f"kubeconfig {path or '(from environment)'}: no context {context!r}")
+    return config
+
+
+def http11_tls(config: SingleConfig) -> ssl.SSLContext:
+    """The context's TLS (its cluster's CA, its user's client certificate), HTTP/1.1 only: an
+    upgrade exists only there, and the lean client speaks nothing else."""
+    tls = verify_cluster(config.cluster, config.user or User(), config.abs_file, trust_env=False)
+    tls.set_alpn_protocols(["http/1.1"])
+    return tls
+
+
+def httpx_auth(config: SingleConfig) -> httpx.Auth | None:
+    """The Authorization flow of the context's user (token, token file, exec plugin...)."""
+    if config.user is None:
+        return None
+    auth: httpx.Auth | None = user_auth(config.user)
+    return auth
+
+
+def httpx_params(
+    config: SingleConfig,
+    *,
+    timeout: float,
+    transport: httpx.AsyncBaseTransport | None = None,
+    http2: bool = False,
+) -> dict[str, Any]:
+    """`httpx.AsyncClient`'s keyword arguments for the context (base URL, TLS, auth)."""
+    params = ConnectionParams(
+        timeout=httpx.Timeout(timeout),
+        trust_env=False,
+        transport=transport,  # type: ignore[arg-type]  # lightkube annotates the sync type
+        http2=http2,
+    )
+    found: dict[str, Any] = params.httpx_params(config)
+    return found

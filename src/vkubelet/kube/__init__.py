@@ -7,6 +7,7 @@ events that are deduplicated and rate-limited, leader election that fences its w
 below the node agent and the providers and knows nothing of either.
 """
 
+from .._kubeconfig import httpx_params, load_context, load_kubeconfig
 from ._client import (
     JSON_PATCH,
     MERGE_PATCH,
@@ -71,8 +72,11 @@ __all__ = [
     "Unreachable",
     "WorkQueue",
     "default_identity",
+    "httpx_params",
     "key_of",
     "label_selector",
+    "load_context",
+    "load_kubeconfig",
     "node_ref",
     "status_error",
 ]

@@ -23,10 +23,9 @@ from typing import Any, Protocol
 
 import httpx2 as httpx
 import msgspec
-from lightkube.config.client_adapter import ConnectionParams
 from lightkube.config.kubeconfig import SingleConfig
 
-from .._kubeconfig import load_kubeconfig
+from .._kubeconfig import httpx_params, load_context
 from ._errors import Unreachable, api_error
 from ._http11 import Auth, Endpoint, Limits, Pool, StreamedAnswer, TransportFailure, supports
 
@@ -191,14 +190,12 @@ class KubeClient:
         return pools[0], pools[1], pools[2]
 
     def _new_httpx(self, config: SingleConfig, limits: Limits) -> httpx.AsyncClient:
-        params = ConnectionParams(
-            timeout=httpx.Timeout(self._options.timeout),
-            trust_env=False,
-            transport=self._transport,  # type: ignore[arg-type]  # lightkube annotates the sync type
-            http2=self._options.http2,
+        options = self._options
+        params = httpx_params(
+            config, timeout=options.timeout, transport=self._transport, http2=options.http2
         )
         return httpx.AsyncClient(
-            **params.httpx_params(config),
+            **params,
             limits=httpx.Limits(
                 max_connections=limits.max_connections,
                 max_keepalive_connections=limits.max_idle,
@@ -218,11 +215,7 @@ class KubeClient:
         options: ClientOptions = ClientOptions(),
     ) -> KubeClient:
         """Load `path`, or $KUBECONFIG / ~/.kube/config / the in-cluster account when None."""
-        kubeconfig = load_kubeconfig(path)
-        config = kubeconfig.get(context)
-        if config is None:
-            raise ValueError(f"kubeconfig {path or '(from environment)'}: no context {context!r}")
-        return cls(config, options)
+        return cls(load_context(path, context), options)
 
     def reload(self, config: SingleConfig) -> None:
         """Switch to new credentials (a renewed client certificate). Requests in flight finish on

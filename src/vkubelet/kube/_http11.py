@@ -44,10 +44,10 @@ from typing import cast
 from urllib.parse import urlencode, urlsplit
 
 import httptools
-from lightkube.config.client_adapter import verify_cluster
 from lightkube.config.kubeconfig import SingleConfig
-from lightkube.config.models import User
 from lightkube.core.exceptions import ConfigError
+
+from .._kubeconfig import http11_tls
 
 _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 _READ_SIZE = 256 * 1024
@@ -138,9 +138,7 @@ class Endpoint:
         port = url.port or (443 if secure else 80)
         tls = None
         if secure:
-            user = config.user or User()
-            tls = verify_cluster(config.cluster, user, config.abs_file, trust_env=False)
-            tls.set_alpn_protocols(["http/1.1"])
+            tls = http11_tls(config)
         return cls(host, port, tls, url.path.rstrip("/"), url.netloc.rpartition("@")[2].encode())
 
     def target(self, path: str, params: Mapping[str, str] | None) -> bytes:

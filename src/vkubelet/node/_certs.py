@@ -35,10 +35,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from lightkube.config.kubeconfig import KubeConfig
 
 from .._files import write_atomic, write_kubeconfig, write_private
-from ..kube import ApiError, KubeClient, Unreachable
+from ..kube import ApiError, KubeClient, Unreachable, load_kubeconfig
 from ..sdk.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -371,7 +370,7 @@ CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
 def _cluster_of(kubeconfig: Path) -> tuple[str, bytes] | None:
     """(server, CA PEM) of a kubeconfig's current cluster; None if unreadable."""
     try:
-        config = KubeConfig.from_file(kubeconfig).get()
+        config = load_kubeconfig(kubeconfig).get()
         if config is None:
             return None
         cluster = config.cluster
@@ -457,7 +456,7 @@ class ClientIdentity:
                 await asyncio.sleep(max(wait, 1.0))
             try:
                 await self._obtain(client)
-                renewed = KubeConfig.from_file(self.kubeconfig).get()
+                renewed = load_kubeconfig(self.kubeconfig).get()
             except Exception as e:
                 delay = backoff.next_delay()
                 log.warning(

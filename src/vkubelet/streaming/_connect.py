@@ -22,10 +22,9 @@ from urllib.parse import quote, urlencode, urlsplit
 import h11
 import httpx2 as httpx
 import msgspec
-from lightkube.config.client_adapter import user_auth, verify_cluster
 from lightkube.config.kubeconfig import SingleConfig
 
-from .._kubeconfig import load_kubeconfig
+from .._kubeconfig import http11_tls, httpx_auth, load_context
 from ._errors import StreamingError, UpgradeFailed
 
 READ_SIZE = 64 * 1024
@@ -67,11 +66,7 @@ class Endpoint:
     ) -> Endpoint:
         """`path`'s `context` (default: current), or $KUBECONFIG / ~/.kube/config /
         the in-cluster service account when `path` is None."""
-        kubeconfig = load_kubeconfig(path)
-        config = kubeconfig.get(context)
-        if config is None:
-            raise ValueError(f"kubeconfig {path or '(from environment)'}: no context {context!r}")
-        return cls.from_config(config)
+        return cls.from_config(load_context(path, context))
 
     @classmethod
     def from_config(cls, config: SingleConfig) -> Endpoint:
@@ -79,12 +74,8 @@ class Endpoint:
         if config.user is None:
             raise ValueError("the kubeconfig context names no user")
         server = str(config.cluster.server)
-        context = None
-        if server.startswith("https:"):
-            context = _http11(
-                verify_cluster(config.cluster, config.user, config.abs_file, trust_env=False)
-            )
-        return cls(server, context, user_auth(config.user))
+        context = http11_tls(config) if server.startswith("https:") else None
+        return cls(server, context, httpx_auth(config))
 
     @property
     def host(self) -> str:

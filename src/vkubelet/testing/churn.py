@@ -32,8 +32,8 @@ from typing import Any
 
 import httpx2 as httpx
 import msgspec
-from lightkube.config.client_adapter import ConnectionParams
-from lightkube.config.kubeconfig import KubeConfig
+
+from ..kube import httpx_params, load_context
 
 GENERATION = "churn.vkubelet.io/generation"
 _GEN_FILE = "meta/generation"  # volume/path in the mock's record of the pod's files
@@ -149,11 +149,8 @@ class _MockState(msgspec.Struct):
 
 
 def http_client(kubeconfig: Path) -> httpx.AsyncClient:
-    config = KubeConfig.from_file(kubeconfig).get()
-    assert config is not None
-    params = ConnectionParams(timeout=httpx.Timeout(30.0), trust_env=False)
     return httpx.AsyncClient(
-        **params.httpx_params(config),
+        **httpx_params(load_context(kubeconfig), timeout=30.0),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=128),
     )
 
