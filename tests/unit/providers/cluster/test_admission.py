@@ -1,5 +1,5 @@
 """The constraint webhook's answers, configuration and audit verdicts (sans I/O); the real
-apiserver applying them is tests/integration/test_cluster_provider_webhook.py."""
+apiserver applying them is tests/integration/cluster/test_webhook.py."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from vkubelet.testing import (
     wait_for,
 )
 
-from .clusters import LowerCluster, LowerNodeSpec, existing_cluster, mock_nodes_in_one_agent
+from ..clusters import LowerCluster, LowerNodeSpec, existing_cluster, mock_nodes_in_one_agent
 
 JSON = dict[str, Any]
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}

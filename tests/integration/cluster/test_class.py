@@ -29,8 +29,8 @@ from vkubelet.sdk import ContainerLogOptions, ProviderContext, ProviderError, Re
 from vkubelet.testing import Kubectl, create_namespace
 from vkubelet.testing.harness import eventually
 
-from .clusters import LowerCluster as LowerTestCluster
-from .clusters import restart_clients_of_the_apiserver
+from ..clusters import LowerCluster as LowerTestCluster
+from ..clusters import restart_clients_of_the_apiserver
 
 JSON = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """`vkubelet run --provider cluster` end to end: a whole lower dev cluster as one node of the upper
 dev cluster, with the real agent, real kubectl on both sides. (The issue's Deployment, outage and
-shared-lower-cluster scenarios are in test_cluster_provider_acceptance.py.)"""
+shared-lower-cluster scenarios are in test_acceptance.py.)"""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from vkubelet.testing import (
     wait_for,
 )
 
-from .clusters import TOLERATION, ClusterNode, LowerCluster
+from ..clusters import TOLERATION, ClusterNode, LowerCluster
 
 JSON = dict[str, Any]
 

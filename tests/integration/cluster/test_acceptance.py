@@ -11,7 +11,7 @@ cluster's nodes vkubelet mock nodes of different sizes (the session's `lower_clu
 - two agents of two upper clusters sharing the lower cluster through create/delete churn: neither
   touches the other's pods or dependency copies, nor the user's own lower objects.
 
-The agent killed with SIGKILL and restarted is in test_cluster_provider_e2e.py.
+The agent killed with SIGKILL and restarted is in test_e2e.py.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from vkubelet.testing import (
     wait_for,
 )
 
-from .clusters import TOLERATION, LowerCluster, restart_clients_of_the_apiserver
+from ..clusters import TOLERATION, LowerCluster, restart_clients_of_the_apiserver
 
 JSON = dict[str, Any]
 OWNER = "vkubelet.io/owner"

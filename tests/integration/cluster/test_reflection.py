@@ -17,7 +17,7 @@ import yaml
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import Kubectl, create_namespace, node_ready, start_agent, wait_for
 
-from .clusters import TOLERATION, ClusterNode, LowerCluster
+from ..clusters import TOLERATION, ClusterNode, LowerCluster
 
 JSON = dict[str, Any]
 

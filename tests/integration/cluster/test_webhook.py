@@ -28,7 +28,7 @@ from vkubelet.testing import (
     wait_for,
 )
 
-from .clusters import LowerCluster
+from ..clusters import LowerCluster
 
 JSON = dict[str, Any]
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}

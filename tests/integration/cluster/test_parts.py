@@ -36,11 +36,11 @@ from vkubelet.providers.cluster import (
 from vkubelet.sdk import parse_quantity
 from vkubelet.testing import Kubectl, create_namespace, wait_for
 
-from .clusters import LOWER_NODES
-from .clusters import LowerCluster as LowerTestCluster
+from ..clusters import LOWER_NODES
+from ..clusters import LowerCluster as LowerTestCluster
 
 JSON = dict[str, Any]
-DOCS = Path(__file__).parents[2] / "docs" / "cluster-provider.md"
+DOCS = Path(__file__).parents[3] / "docs" / "cluster-provider.md"
 KINDS = ("configmaps", "secrets", "serviceaccounts", "persistentvolumeclaims")
 
 
