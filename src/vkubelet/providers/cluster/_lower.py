@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
-from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ConfigError as KubeConfigError
 
-from ...kube import ApiError, ClientOptions, KubeClient
+from ...kube import ApiError, ClientOptions, KubeClient, load_kubeconfig
 from ...sdk import ConfigError
 from ...sdk.provider import ProviderError
 from ._config import LowerConfig
@@ -337,7 +336,7 @@ def open_lower(config: LowerConfig) -> LowerCluster:
     if not config.kubeconfig.is_file():
         raise ConfigError(f"{at}: no such file")
     try:
-        kubeconfig = KubeConfig.from_file(config.kubeconfig)
+        kubeconfig = load_kubeconfig(config.kubeconfig)
     except (KubeConfigError, OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
         raise ConfigError(f"{at}: not a usable kubeconfig: {e}") from None
     try:
