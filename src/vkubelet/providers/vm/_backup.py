@@ -4,7 +4,8 @@ A pod with annotation `vm.vkubelet.io/backup-of: <VM pod>` (image `vm.vkubelet.i
 restartPolicy Never, bound to the VM's node) is not a VM: it is one backup task of the VM pod
 named, in the same namespace. Its one container runs the task and ends Succeeded (termination
 message `{"kind","sizeBytes","durationSeconds","path"}`) or Failed with a reason (`VMNotFound`,
-`TargetRefused`, `BackupFailed`, ...). Its log is the task's progress.
+`TargetRefused`, `BackupFailed`, ...). Its log is the task's progress. This module is the
+engine and knows no pod; `_backups` runs the pods.
 
 How a backup is taken, and why:
 - The guest's filesystems are frozen through the guest agent (`guest-fsfreeze-freeze`), so the
@@ -59,12 +60,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from lightkube.resources.core_v1 import Pod
-
 from ..._files import write_atomic
 from ...sdk.logs import LogWriter
-from ...sdk.provider import EventType
-from ...sdk.status import Terminated
 from ._disks import DiskError, _qemu_img, resize
 
 __all__ = [
@@ -75,7 +72,6 @@ __all__ = [
     "RESTORE_FROM",
     "BackupError",
     "BackupResult",
-    "BackupRuns",
     "BackupSource",
     "Backupable",
     "is_backup_pod",
@@ -707,66 +703,6 @@ class ProgressLog:
 
     def close(self) -> None:
         self._writer.close()
-
-
-# -- backup pods ---------------------------------------------------------------------------
-FindVM = Callable[[str, str], "tuple[Backupable | None, BackupSource] | None"]
-Event = Callable[[EventType, str, str], None]
-
-
-class BackupRuns:
-    """What a backup pod's one run does: the backup of a VM pod of this node, its progress as
-    the container's log, its outcome as the container's final state. The pod itself is run as
-    any pod (`PodRunner`, restartPolicy Never). `find_vm` gives the running machine and identity
-    of a VM pod (None: no such pod on this node; a None machine: its VM is not up)."""
-
-    def __init__(self, allowed: Sequence[Path], find_vm: FindVM) -> None:
-        self._allowed, self._find_vm = list(allowed), find_vm
-        self._locks: dict[str, asyncio.Lock] = {}  # one backup at a time per VM pod
-
-    async def run(self, pod: Pod, log_path: Path, event: Event) -> Terminated:
-        meta = pod.metadata
-        assert meta is not None
-        annotations = dict(meta.annotations or {})
-        namespace, vm_pod = str(meta.namespace), annotations.get(BACKUP_OF, "")
-        progress = ProgressLog(log_path)
-        try:
-            target = resolve_target(annotations.get(BACKUP_TARGET), self._allowed)
-            found = self._find_vm(namespace, vm_pod)
-            if found is None:
-                raise BackupError("VMNotFound", f"no VM pod {namespace}/{vm_pod} on this node")
-            lock = self._locks.setdefault(f"{namespace}/{vm_pod}", asyncio.Lock())
-            async with lock:
-                found = self._find_vm(namespace, vm_pod)  # it may have stopped meanwhile
-                machine, source = found if found is not None else (None, None)
-                if machine is None or source is None:
-                    raise BackupError(
-                        "VMNotRunning", f"the VM of pod {namespace}/{vm_pod} is not running"
-                    )
-                result = await run_backup(
-                    machine,
-                    source,
-                    target,
-                    annotations.get(BACKUP_MODE) or "Auto",
-                    backup_pod=str(meta.name),
-                    progress=progress,
-                )
-        except BackupError as e:
-            progress(f"failed: {e.reason}: {e.message}")
-            event("Warning", e.reason, e.message)
-            return Terminated(1, reason=e.reason, message=e.message)
-        except Exception as e:  # a bug: still a Failed pod with the reason, not a stuck one
-            log.exception("%s/%s: backup failed", namespace, meta.name)
-            message = f"{type(e).__name__}: {e}"
-            progress(f"failed: {message}")
-            event("Warning", "BackupFailed", message)
-            return Terminated(1, reason="BackupFailed", message=message)
-        finally:
-            progress.close()
-        summary = f"{result.kind} backup, {result.size_bytes} bytes in "
-        summary += f"{result.duration_seconds:.2f} s to {result.path} ({result.consistency})"
-        event("Normal", "BackupCompleted", summary)
-        return Terminated(0, reason="Completed", message=result.message())
 
 
 async def restore_if_asked(

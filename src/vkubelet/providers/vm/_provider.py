@@ -59,7 +59,8 @@ from ...sdk.provider import EventSink, EventType
 from ...sdk.retry import Backoff
 from . import _hibernate, _persist, _resize
 from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
-from ._backup import BackupRuns, BackupSource, is_backup_pod, restore_if_asked
+from ._backup import BackupSource, is_backup_pod, restore_if_asked
+from ._backups import BackupPods
 from ._config import VMConfig
 from ._console import ConsoleTailer
 from ._migrate import MigrationError
@@ -148,9 +149,7 @@ class VMProvider(RunnerProvider):
         self.migrations = Migrations(self)
         config.run_root.mkdir(parents=True, exist_ok=True)
         config.log_root.mkdir(parents=True, exist_ok=True)
-        # Backup pods (`_backup`) are run by the runner too, but on the host: no VM.
-        self.backups = BackupRuns(config.backup_roots, self._backup_source)
-        self._backing_up: dict[str, asyncio.Task[Terminated]] = {}
+        self.backups = BackupPods(config.backup_roots, self._backup_source, events)
 
     # -- node -----------------------------------------------------------------------------------
     def configure_node(self, node: Node) -> None:
@@ -258,8 +257,10 @@ class VMProvider(RunnerProvider):
             if (known_runner := self.runners.get(key)) is None or _uid(known_runner) != pod.uid:
                 self.start_runner(
                     pod,
-                    lambda container, count: self._backup(pod.pod, container.name, count),
-                    lambda container, signum: self._cancel_backup(key),
+                    lambda container, count: self.backups.run(
+                        pod.pod, self.log_path(pod.uid, container.name, count)
+                    ),
+                    lambda container, signum: self.backups.cancel(key),
                     pod_ips=[self.host_ip],
                 )
             return
@@ -774,42 +775,8 @@ class VMProvider(RunnerProvider):
         A backup in progress is cancelled (its jobs and files dropped, the guest thawed); its
         pod runs again under the next agent."""
         self._closed = True
-        for task in self._backing_up.values():
-            task.cancel()
-        await asyncio.gather(*self._backing_up.values(), return_exceptions=True)
+        await self.backups.aclose()
         await self._tasks.aclose()
-
-    # -- backup pods -----------------------------------------------------------------------------
-    async def _backup(self, pod: Pod, container: str, count: int) -> Terminated:
-        """A backup pod's one run; its deletion cancels it (`_cancel_backup`)."""
-        meta = pod.metadata
-        assert meta is not None
-        key = f"{meta.namespace}/{meta.name}"
-
-        def event(kind: EventType, reason: str, message: str) -> None:
-            if self.events is not None:
-                self.events.pod_event(pod, kind, reason, message)
-
-        log_path = self.log_path(str(meta.uid), container, count)
-        task = asyncio.ensure_future(self.backups.run(pod, log_path, event))
-        self._backing_up[key] = task
-        try:
-            await asyncio.wait({task})
-        finally:
-            task.cancel()
-            if self._backing_up.get(key) is task:
-                del self._backing_up[key]
-        if self._closed:  # the agent is going: the next agent runs this pod again
-            await asyncio.Future()
-        if task.cancelled():
-            return Terminated(143, reason="Cancelled")
-        return task.result()
-
-    def _cancel_backup(self, key: str) -> None:
-        task = self._backing_up.get(key)
-        if task is None or task.done():
-            raise ProcessLookupError(key)
-        task.cancel()
 
     # -- status ----------------------------------------------------------------------------------
     async def get_pod(self, namespace: str, name: str) -> Pod | None:
