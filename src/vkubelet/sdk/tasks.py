@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx2 as httpx
 
+from .retry import Backoff
+
 log = logging.getLogger(__name__)
 
 # A supervised task that ran this long without failing starts its next back-off from the bottom.
@@ -35,7 +37,7 @@ async def run_supervised(
     """Run `work()` until it returns; when it raises, log the error and run it again after a
     back-off that doubles up to `max_backoff` (reset after a steady run). Cancellation stops it.
     """
-    backoff = initial_backoff
+    backoff = Backoff(initial=initial_backoff, cap=max_backoff, jitter=0.0)
     while True:
         started = time.monotonic()
         try:
@@ -45,15 +47,15 @@ async def run_supervised(
             raise
         except Exception as error:
             if time.monotonic() - started > _STEADY_SECONDS:
-                backoff = initial_backoff
+                backoff.reset()
+            delay = backoff.next_delay()
             if _unreachable(error):
                 # A peer that is down (a lower cluster, a device) fails every retry the same
                 # way: one line each, not a traceback each, so the log stays readable.
-                logger.warning("%s failed: %s; restarting in %.1fs", name, error, backoff)
+                logger.warning("%s failed: %s; restarting in %.1fs", name, error, delay)
             else:
-                logger.exception("%s failed; restarting in %.1fs", name, backoff)
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, max_backoff)
+                logger.exception("%s failed; restarting in %.1fs", name, delay)
+        await asyncio.sleep(delay)
 
 
 def _unreachable(error: BaseException) -> bool:
