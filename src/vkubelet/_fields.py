@@ -17,12 +17,14 @@ import yaml
 from msgspec import inspect
 
 from .sdk.config import ConfigError
+from .sdk.quantity import parse_quantity
 
 __all__ = [
     "FilePath",
     "PositiveInt",
     "PositiveNumber",
     "Section",
+    "check_quantities",
     "decode",
     "read_file",
     "reject_unknown",
@@ -63,7 +65,7 @@ def decode(raw: Any, schema: type[T], where: str, *, at: str = "", what: str = "
     """`raw` (the parsed file, or its part at field path `at`) as a `schema`. `what` says what the
     whole is when it is not even a mapping (default: the schema's description)."""
     try:
-        return msgspec.convert(raw, schema, strict=True)
+        return msgspec.convert(raw, schema, strict=True, dec_hook=_custom)
     except msgspec.ValidationError as e:
         found = _ERROR.fullmatch(str(e))
         assert found is not None  # the pattern matches any text
@@ -73,6 +75,24 @@ def decode(raw: Any, schema: type[T], where: str, *, at: str = "", what: str = "
         raise ConfigError(
             f"{where}: {field}: {problem}" if field else f"{where}: {problem}"
         ) from None
+
+
+def check_quantities(values: Mapping[str, str], where: str, at: str) -> None:
+    """Each of `values` (the mapping at field path `at`) is a Kubernetes quantity."""
+    for name, value in values.items():
+        try:
+            parse_quantity(value)
+        except ValueError:
+            raise ConfigError(
+                f"{where}: {at}.{name}: {value!r} is not a Kubernetes quantity"
+            ) from None
+
+
+def _custom(kind: type, value: Any) -> Any:
+    """The type msgspec does not know: a path."""
+    if kind is Path and isinstance(value, str) and value:
+        return Path(value)
+    raise TypeError(f"not a {kind.__name__}")  # said as "expected ..." by _explain
 
 
 def _explain(problem: str, kind: Any, steps: list[str], what: str) -> tuple[str, str]:
@@ -137,6 +157,8 @@ def _describe(kind: Any) -> str:
         )
     if isinstance(kind, inspect.LiteralType):
         return "one of " + ", ".join(map(str, kind.values))
+    if isinstance(kind, inspect.CustomType):
+        return "a path"
     if isinstance(kind, inspect.StrType):
         return "a non-empty string" if kind.min_length else "a string"
     return "true or false" if isinstance(kind, inspect.BoolType) else "a list"

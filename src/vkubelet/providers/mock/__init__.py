@@ -24,7 +24,8 @@ kept of a pod), `_fs` (a container's files), `_terminal` (session stdio, the pty
 and `_stats` (stats summary and resource metrics).
 """
 
-from ._config import ConfigError, MockConfig
+from ...sdk import ConfigError
+from ._config import MockConfig
 from ._fs import FILESYSTEM_LIMIT
 from ._provider import FAIL_ANNOTATION, PRINT_ENV_ANNOTATION, MockProvider, create
 
