@@ -99,12 +99,12 @@ def _explain(problem: str, kind: Any, steps: list[str], what: str) -> tuple[str,
     """The field path and the problem, in the words of the schema rather than of msgspec."""
     path = ""
     for step in steps:
-        kind = _bare(kind)
-        if isinstance(kind, inspect.StructType):
-            kind = next(f.type for f in kind.fields if f.encode_name == step)
+        bare = _bare(kind)
+        if isinstance(bare, inspect.StructType):
+            kind = next(f.type for f in bare.fields if f.encode_name == step)
             path += f".{step}"
-        elif isinstance(_bare(_item(kind)), inspect.StructType):  # an entry of a list of sections
-            kind = _item(kind)
+        elif isinstance(_bare(_item(bare)), inspect.StructType):  # an entry of a list of sections
+            kind = _item(bare)
             path += f"[{step}]"
         else:  # a bad entry of a list or mapping of plain values: the list or mapping is bad
             break
@@ -125,11 +125,14 @@ def _explain(problem: str, kind: Any, steps: list[str], what: str) -> tuple[str,
 
 
 def _bare(kind: Any) -> Any:
-    return kind.type if isinstance(kind, inspect.Metadata) else kind
+    """The type itself, without its description or its `| None`."""
+    if isinstance(kind, inspect.UnionType):
+        types = [k for k in kind.types if not isinstance(k, inspect.NoneType)]
+        kind = types[0] if len(types) == 1 else kind
+    return _bare(kind.type) if isinstance(kind, inspect.Metadata) else kind
 
 
 def _item(kind: Any) -> Any:
-    kind = _bare(kind)
     if isinstance(kind, inspect.ListType | inspect.SetType | inspect.VarTupleType):
         return kind.item_type
     return kind.value_type if isinstance(kind, inspect.DictType) else None

@@ -27,40 +27,64 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-import yaml
+import msgspec
+from msgspec import Meta
 
-from ..._fields import reject_unknown
+from ..._fields import FilePath, Section, check_quantities, decode, read_file
 from ...sdk import ConfigError, parse_taint
 from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
-from ...sdk.quantity import parse_quantity
 
 __all__ = ["DeviceConfig", "Inventory", "load_inventory"]
 
 _DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_SETTINGS = {
-    "user",
-    "port",
-    "identityFile",
-    "agent",
-    "knownHosts",
-    "insecureIgnoreHostKey",
-    "podDir",
-    "hostImages",
-    "allowHostPath",
-    "maxSessions",
-    "connectTimeout",
-    "pingInterval",
-    "labels",
-    "taints",
-    "capacity",
-    "restartBackoff",
-}
-_DEVICE_KEYS = _SETTINGS | {"name", "address"}
+_Text = Annotated[str, Meta(min_length=1)]
+_Seconds = Annotated[float, Meta(gt=0, le=86400, description="seconds in (0, 86400]")]
+
+
+class _Backoff(Section):
+    initial: _Seconds = INITIAL_SECONDS
+    most: _Seconds = msgspec.field(default=MAX_SECONDS, name="max")
+
+
+class _Settings(Section):
+    """What `defaults` may set for every device."""
+
+    user: _Text | None = None
+    port: Annotated[int, Meta(ge=1, le=65535)] = 22
+    identity_file: FilePath | None = None
+    agent: bool = False
+    known_hosts: FilePath | None = None
+    insecure_ignore_host_key: bool = False
+    pod_dir: _Text = ".vkubelet"
+    host_images: Annotated[list[_Text], Meta(description="a list of image names or patterns")] = (
+        msgspec.field(default_factory=lambda: ["host"])
+    )
+    allow_host_path: bool = False
+    max_sessions: Annotated[float, Meta(ge=2, le=10000)] = 10
+    connect_timeout: Annotated[float, Meta(ge=0.1, le=600)] = 10
+    ping_interval: Annotated[float, Meta(ge=0.1, le=3600)] = 10
+    labels: dict[str, Any] | None = None  # values are taken as strings, as are capacity's
+    taints: Annotated[list[str], Meta(description="a list like [key=value:NoSchedule]")] | None = (
+        None
+    )
+    capacity: (
+        Annotated[dict[str, Any], Meta(description="a mapping like {cpu: '4', memory: 4Gi}")] | None
+    ) = None
+    restart_backoff: _Backoff | None = None
+
+
+class _Device(_Settings, kw_only=True):
+    name: _Text
+    address: _Text
+
+
+class _File(Section):
+    defaults: dict[str, Any] | None = None
+    devices: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,32 +125,17 @@ class Inventory:
 
 def load_inventory(path: Path) -> Inventory:
     where = str(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{where}: cannot read it: {e}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping with `devices` (and `defaults`)")
-    fail = _failure(where)
-    reject_unknown(data, ("defaults", "devices"), "", fail)
-    defaults = data.get("defaults") or {}
-    if not isinstance(defaults, dict):
-        raise ConfigError(f"{where}: defaults: expected a mapping")
-    reject_unknown(defaults, _SETTINGS, "defaults", fail)
-    raw_devices = data.get("devices") or []
-    if not isinstance(raw_devices, list):
-        raise ConfigError(f"{where}: devices: expected a list")
+    data = read_file(path)
+    top = decode(
+        {} if data is None else data, _File, where, what="a mapping with `devices` (and `defaults`)"
+    )
+    defaults = top.defaults or {}
+    decode(defaults, _Settings, where, at="defaults")
     devices = []
-    for i, raw in enumerate(raw_devices):
+    for i, raw in enumerate(top.devices or []):
         at = f"devices[{i}]"
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: {at}: expected a mapping")
-        reject_unknown(raw, _DEVICE_KEYS, at, fail)
-        devices.append(_device(where, at, {**defaults, **raw}, path.parent))
+        merged = {**defaults, **raw} if isinstance(raw, dict) else raw
+        devices.append(_device(where, at, decode(merged, _Device, where, at=at), path.parent))
     names = [d.name for d in devices]
     for name in names:
         if names.count(name) > 1:
@@ -134,115 +143,53 @@ def load_inventory(path: Path) -> Inventory:
     return Inventory(tuple(devices))
 
 
-def _device(where: str, at: str, raw: dict[str, Any], base: Path) -> DeviceConfig:
+def _device(where: str, at: str, raw: _Device, base: Path) -> DeviceConfig:
     def fail(name: str, problem: str) -> ConfigError:
         return ConfigError(f"{where}: {at}.{name}: {problem}")
 
-    def text(name: str, default: str | None = None) -> str:
-        value = raw.get(name, default)
-        if not isinstance(value, str) or not value:
-            raise fail(name, "expected a non-empty string")
-        return value
+    def file(value: str | None) -> Path | None:
+        return None if value is None else base / Path(value).expanduser()
 
-    def flag(name: str, default: bool) -> bool:
-        value = raw.get(name, default)
-        if not isinstance(value, bool):
-            raise fail(name, "expected true or false")
-        return value
-
-    def number(name: str, default: float, low: float, high: float) -> float:
-        value = raw.get(name, default)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not low <= value <= high
-        ):
-            raise fail(name, f"expected a number in {low:g}..{high:g}")
-        return float(value)
-
-    def file(name: str) -> Path | None:
-        value = raw.get(name)
-        if value is None:
-            return None
-        if not isinstance(value, str) or not value:
-            raise fail(name, "expected a path")
-        return base / Path(value).expanduser()
-
-    name = text("name")
-    if len(name) > 253 or not _DNS1123.fullmatch(name):
-        raise fail("name", f"{name!r} is not a valid node name (lower-case DNS-1123 subdomain)")
-    port = raw.get("port", 22)
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise fail("port", "expected an integer in 1..65535")
-    agent = flag("agent", False)
-    identity = file("identityFile")
-    if identity is None and not agent:
+    if len(raw.name) > 253 or not _DNS1123.fullmatch(raw.name):
+        raise fail("name", f"{raw.name!r} is not a valid node name (lower-case DNS-1123 subdomain)")
+    if raw.identity_file is None and not raw.agent:
         raise fail("identityFile", "required (or `agent: true` to use ssh-agent)")
-    known_hosts = file("knownHosts")
-    insecure = flag("insecureIgnoreHostKey", False)
-    if known_hosts is None and not insecure:
+    if raw.known_hosts is None and not raw.insecure_ignore_host_key:
         raise fail(
             "knownHosts",
             "required: host keys are verified (`insecureIgnoreHostKey: true` turns that off)",
         )
-    pod_dir = text("podDir", ".vkubelet")
-    if "\n" in pod_dir or "\0" in pod_dir:
+    if "\n" in raw.pod_dir or "\0" in raw.pod_dir:
         raise fail("podDir", "must be a single-line path")
-    images = raw.get("hostImages", ["host"])
-    if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
-        raise fail("hostImages", "expected a list of image names or patterns")
-    labels = raw.get("labels") or {}
-    if not isinstance(labels, dict):
-        raise fail("labels", "expected a mapping")
-    taints = raw.get("taints")
-    parsed_taints = None
-    if taints is not None:
-        if not isinstance(taints, list):
-            raise fail("taints", "expected a list like [key=value:NoSchedule]")
+    taints = None
+    if raw.taints is not None:
         try:
-            parsed_taints = tuple(tuple(sorted(parse_taint(str(t)).items())) for t in taints)
+            taints = tuple(tuple(sorted(parse_taint(t).items())) for t in raw.taints)
         except ConfigError as e:
             raise fail("taints", str(e)) from None
-    capacity = raw.get("capacity") or {}
-    if not isinstance(capacity, dict):
-        raise fail("capacity", "expected a mapping like {cpu: '4', memory: 4Gi}")
-    for key, value in capacity.items():
-        try:
-            parse_quantity(str(value))
-        except ValueError:
-            raise fail(f"capacity.{key}", f"{value!r} is not a Kubernetes quantity") from None
-    backoff = raw.get("restartBackoff") or {}
-    if not isinstance(backoff, dict) or set(backoff) - {"initial", "max"}:
-        raise fail("restartBackoff", "expected {initial: seconds, max: seconds}")
-    initial = backoff.get("initial", INITIAL_SECONDS)
-    most = backoff.get("max", MAX_SECONDS)
-    for key, value in (("initial", initial), ("max", most)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86400:
-            raise fail(f"restartBackoff.{key}", "expected seconds in (0, 86400]")
-    if most < initial:
+    capacity = {str(k): str(v) for k, v in (raw.capacity or {}).items()}
+    check_quantities(capacity, where, f"{at}.capacity")
+    backoff = raw.restart_backoff or _Backoff()
+    if backoff.most < backoff.initial:
         raise fail("restartBackoff.max", "must not be less than initial")
     return DeviceConfig(
-        name=name,
-        address=text("address"),
-        port=port,
-        user=text("user", os.environ.get("USER", "root")),
-        identity_file=identity,
-        agent=agent,
-        known_hosts=known_hosts,
-        insecure_ignore_host_key=insecure,
-        pod_dir=pod_dir,
-        host_images=tuple(images),
-        allow_host_path=flag("allowHostPath", False),
-        max_sessions=int(number("maxSessions", 10, 2, 10000)),
-        connect_timeout=number("connectTimeout", 10, 0.1, 600),
-        ping_interval=number("pingInterval", 10, 0.1, 3600),
-        labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())),
-        taints=parsed_taints,
-        capacity=tuple(sorted((str(k), str(v)) for k, v in capacity.items())),
-        backoff_initial=float(initial),
-        backoff_max=float(most),
+        name=raw.name,
+        address=raw.address,
+        port=raw.port,
+        user=raw.user or os.environ.get("USER", "root"),
+        identity_file=file(raw.identity_file),
+        agent=raw.agent,
+        known_hosts=file(raw.known_hosts),
+        insecure_ignore_host_key=raw.insecure_ignore_host_key,
+        pod_dir=raw.pod_dir,
+        host_images=tuple(raw.host_images),
+        allow_host_path=raw.allow_host_path,
+        max_sessions=int(raw.max_sessions),
+        connect_timeout=raw.connect_timeout,
+        ping_interval=raw.ping_interval,
+        labels=tuple(sorted((str(k), str(v)) for k, v in (raw.labels or {}).items())),
+        taints=taints,
+        capacity=tuple(sorted(capacity.items())),
+        backoff_initial=backoff.initial,
+        backoff_max=backoff.most,
     )
-
-
-def _failure(where: str) -> Callable[[str, str], ConfigError]:
-    return lambda field, problem: ConfigError(f"{where}: {field}: {problem}")

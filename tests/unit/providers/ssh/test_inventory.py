@@ -40,7 +40,7 @@ devices:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("devices: [{address: 1.2.3.4}]", "devices[0].name: expected a non-empty string"),
+        ("devices: [{address: 1.2.3.4}]", "devices[0].name: required (a non-empty string)"),
         ("devices: [{name: Bad_Name, address: a}]", "devices[0].name: 'Bad_Name' is not a valid"),
         ("devices: [{name: a, address: b, port: 70000}]", "devices[0].port: expected an integer"),
         ("devices: [{name: a, address: b, knownHosts: k}]", "devices[0].identityFile: required"),
@@ -58,7 +58,7 @@ devices:
             "devices[0].taints:",
         ),
         ("devices: {a: 1}", "devices: expected a list"),
-        ("devices: [", "cannot read it"),
+        ("devices: [", "not valid YAML"),
     ],
 )
 def test_a_broken_inventory_is_refused_naming_the_field(
