@@ -34,14 +34,14 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal
 
-import yaml
+import msgspec
+from msgspec import Meta
 
-from ..._fields import reject_unknown
+from ..._fields import PositiveInt, PositiveNumber, Section, decode, read_file
 from ...sdk import ConfigError
 from ._webhookconfig import WebhookConfig, parse_webhook_config
 
@@ -54,31 +54,6 @@ __all__ = [
     "load_lower_config",
 ]
 
-_TOP_KEYS = {
-    "kubeconfig",
-    "context",
-    "upperClusterID",
-    "namespaces",
-    "dependencyNames",
-    "serviceAccounts",
-    "serviceAccountTokens",
-    "pvcStorageClass",
-    "publishCommonLabels",
-    "excludeLabels",
-    "resync",
-    "kubeApiQps",
-    "kubeApiBurst",
-    "mode",
-    "fitCheck",
-    "cannotFitBackoff",
-    "unschedulableTimeout",
-    "daemonSetPods",
-    "clusterName",
-    "clusterLabel",
-    "webhook",
-}
-_NAMESPACE_KEYS = {"prefix", "map", "create"}
-_RESYNC_KEYS = {"pods", "nodes", "dependencies"}
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # Stamps carry the upper cluster's identity in a label value: at most 63 characters of these.
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
@@ -88,6 +63,58 @@ _LABEL_KEY = re.compile(
     r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
 )
 DEFAULT_CLUSTER_LABEL = "vkubelet.io/cluster"
+_Seconds = Annotated[float, Meta(ge=0, description="a number of seconds >= 0")]
+_ResyncSeconds = Annotated[float, Meta(ge=1, le=86400, description="seconds in 1..86400")]
+
+
+class _Namespaces(Section):
+    prefix: str = ""
+    mapping: Annotated[dict[str, str], Meta(description="a mapping upper: lower")] = msgspec.field(
+        default_factory=dict, name="map"
+    )
+    create: bool = True
+
+
+class _Resync(Section):
+    pods: _ResyncSeconds = 60.0
+    nodes: _ResyncSeconds = 30.0
+    dependencies: _ResyncSeconds = 300.0
+
+
+class _File(Section):
+    kubeconfig: Annotated[
+        str, Meta(min_length=1, description="the lower cluster's kubeconfig, relative to this file")
+    ]
+    context: Annotated[str, Meta(min_length=1, description="a context name")] | None = None
+    upper_cluster_id: (
+        Annotated[str, Meta(max_length=63, description="a string of at most 63 characters")] | None
+    ) = msgspec.field(default=None, name="upperClusterID")
+    namespaces: _Namespaces | None = None
+    dependency_names: Literal["suffixed", "same"] = "suffixed"
+    service_accounts: Literal["lower", "none"] = "lower"
+    service_account_tokens: Literal["lower", "upper"] = "lower"
+    pvc_storage_class: Annotated[str, Meta(description='a class name, "" or null')] | None = None
+    publish_common_labels: bool = True
+    exclude_labels: (
+        Annotated[
+            list[Annotated[str, Meta(min_length=1)]],
+            Meta(description="a list of label keys or patterns"),
+        ]
+        | None
+    ) = None
+    resync: _Resync | None = None
+    kube_api_qps: PositiveNumber | None = None
+    kube_api_burst: PositiveInt = 100
+    mode: Literal["aggregate", "mirror"] = "aggregate"
+    fit_check: bool = True
+    cannot_fit_backoff: _Seconds = 10.0
+    unschedulable_timeout: _Seconds = 120.0
+    daemon_set_pods: Literal["refuse", "run"] = "refuse"
+    cluster_name: str | None = None
+    cluster_label: str | None = DEFAULT_CLUSTER_LABEL
+    webhook: (
+        Annotated[dict[str, Any], Meta(description="a mapping (enabled, port, ...)")] | None
+    ) = None  # read by parse_webhook_config
 
 
 @dataclass(frozen=True)
@@ -159,84 +186,56 @@ class LowerConfig:
 
 
 def load_lower_config(path: Path) -> LowerConfig:
-    where = str(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{where}: cannot read it: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping with at least `kubeconfig: PATH`")
-    return parse_lower_config(data, path)
+    return parse_lower_config(read_file(path), path)
 
 
-def parse_lower_config(data: dict[str, Any], path: Path) -> LowerConfig:
+def parse_lower_config(data: Any, path: Path) -> LowerConfig:
     where = str(path)
 
     def fail(name: str, problem: str) -> ConfigError:
         return ConfigError(f"{where}: {name}: {problem}")
 
-    reject_unknown(data, _TOP_KEYS, "", _failure(where))
-    kubeconfig = data.get("kubeconfig")
-    if not isinstance(kubeconfig, str) or not kubeconfig:
-        raise fail("kubeconfig", "required: the lower cluster's kubeconfig (relative to this file)")
-    context = data.get("context")
-    if context is not None and (not isinstance(context, str) or not context):
-        raise fail("context", "expected a context name")
-    cluster_id = data.get("upperClusterID")
-    if cluster_id is not None:
-        if not isinstance(cluster_id, str) or len(cluster_id) > 63:
-            raise fail("upperClusterID", "expected a string of at most 63 characters")
-        if not _LABEL_VALUE.fullmatch(cluster_id):
-            raise fail(
-                "upperClusterID",
-                f"{cluster_id!r} is not a valid label value (letters, digits, '-', '_', '.')",
-            )
-    service_accounts = _choice(where, data, "serviceAccounts", ("lower", "none"))
-    tokens = _choice(where, data, "serviceAccountTokens", ("lower", "upper"))
-    if tokens == "upper" and service_accounts == "none":
+    raw = decode(data, _File, where, what="a mapping with at least `kubeconfig: PATH`")
+    cluster_id = raw.upper_cluster_id
+    if cluster_id is not None and not _LABEL_VALUE.fullmatch(cluster_id):
+        raise fail(
+            "upperClusterID",
+            f"{cluster_id!r} is not a valid label value (letters, digits, '-', '_', '.')",
+        )
+    if raw.service_account_tokens == "upper" and raw.service_accounts == "none":
         raise fail(
             "serviceAccountTokens",
             "upper tokens need a service account: not with serviceAccounts: none",
         )
-    webhook = parse_webhook_config(where, data.get("webhook"), path.parent)
-    if webhook.enabled and data.get("mode") == "mirror":
+    webhook = parse_webhook_config(where, raw.webhook, path.parent)
+    if webhook.enabled and raw.mode == "mirror":
         raise fail(
             "webhook",
             "the constraint webhook is for mode: aggregate (mirrored nodes show the lower labels)",
         )
+    resync = raw.resync or _Resync()
     return LowerConfig(
-        kubeconfig=path.parent / Path(kubeconfig).expanduser(),
+        kubeconfig=path.parent / Path(raw.kubeconfig).expanduser(),
         source=path,
-        context=context,
+        context=raw.context,
         upper_cluster_id=cluster_id,
-        namespaces=_namespaces(where, data.get("namespaces")),
-        dependency_names=cast(
-            Literal["suffixed", "same"],
-            _choice(where, data, "dependencyNames", ("suffixed", "same")),
-        ),
-        service_accounts=cast(Literal["lower", "none"], service_accounts),
-        service_account_tokens=cast(Literal["lower", "upper"], tokens),
-        pvc_storage_class=_storage_class(where, data.get("pvcStorageClass")),
-        publish_common_labels=_flag(where, "publishCommonLabels", data, True),
-        exclude_labels=_patterns(where, data.get("excludeLabels")),
-        resync=_resync(where, data.get("resync")),
-        kube_api_qps=_number(where, "kubeApiQps", data.get("kubeApiQps")),
-        kube_api_burst=_count(where, "kubeApiBurst", data.get("kubeApiBurst"), 100),
-        mode=cast(
-            Literal["aggregate", "mirror"], _choice(where, data, "mode", ("aggregate", "mirror"))
-        ),
-        fit_check=_flag(where, "fitCheck", data, True),
-        daemon_set_pods=cast(
-            Literal["refuse", "run"], _choice(where, data, "daemonSetPods", ("refuse", "run"))
-        ),
-        cannot_fit_backoff=_seconds(where, "cannotFitBackoff", data.get("cannotFitBackoff"), 10.0),
-        unschedulable_timeout=_seconds(
-            where, "unschedulableTimeout", data.get("unschedulableTimeout"), 120.0
-        ),
-        cluster_name=_cluster_name(where, data.get("clusterName")),
-        cluster_label=_cluster_label(where, data.get("clusterLabel", DEFAULT_CLUSTER_LABEL)),
+        namespaces=_namespaces(where, raw.namespaces or _Namespaces()),
+        dependency_names=raw.dependency_names,
+        service_accounts=raw.service_accounts,
+        service_account_tokens=raw.service_account_tokens,
+        pvc_storage_class=raw.pvc_storage_class,
+        publish_common_labels=raw.publish_common_labels,
+        exclude_labels=tuple(raw.exclude_labels or ()),
+        resync=Resync(pods=resync.pods, nodes=resync.nodes, dependencies=resync.dependencies),
+        kube_api_qps=raw.kube_api_qps,
+        kube_api_burst=raw.kube_api_burst,
+        mode=raw.mode,
+        fit_check=raw.fit_check,
+        daemon_set_pods=raw.daemon_set_pods,
+        cannot_fit_backoff=raw.cannot_fit_backoff,
+        unschedulable_timeout=raw.unschedulable_timeout,
+        cluster_name=_cluster_name(where, raw.cluster_name),
+        cluster_label=_cluster_label(where, raw.cluster_label),
         webhook=webhook,
     )
 
@@ -273,31 +272,21 @@ def cluster_label_value(node_name: str) -> str:
     return f"{head}-{digest}" if head else digest
 
 
-def _namespaces(where: str, raw: Any) -> NamespaceMapping:
-    if raw is None:
-        return NamespaceMapping()
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: namespaces: expected a mapping (prefix, map, create)")
-    reject_unknown(raw, _NAMESPACE_KEYS, "namespaces", _failure(where))
-    prefix = raw.get("prefix", "")
-    if not isinstance(prefix, str) or (prefix and not re.fullmatch(r"[a-z0-9][-a-z0-9]*", prefix)):
+def _namespaces(where: str, raw: _Namespaces) -> NamespaceMapping:
+    prefix = raw.prefix
+    if prefix and not re.fullmatch(r"[a-z0-9][-a-z0-9]*", prefix):
         raise ConfigError(
             f"{where}: namespaces.prefix: {prefix!r} must start a namespace name "
             "(lower-case letters, digits and '-', starting with a letter or digit)"
         )
-    explicit = raw.get("map") or {}
-    if not isinstance(explicit, dict):
-        raise ConfigError(f"{where}: namespaces.map: expected a mapping upper: lower")
-    pairs: list[tuple[str, str]] = []
-    for upper, lower in explicit.items():
+    for upper, lower in raw.mapping.items():
         for role, name in (("upper", upper), ("lower", lower)):
-            if not isinstance(name, str) or not _namespace_name(name):
+            if not _namespace_name(name):
                 raise ConfigError(
                     f"{where}: namespaces.map.{upper}: {role} namespace {name!r} is not a "
                     "valid namespace name"
                 )
-        pairs.append((upper, lower))
-    lowers = [lower for _, lower in pairs]
+    lowers = list(raw.mapping.values())
     for lower in lowers:
         if lowers.count(lower) > 1:
             raise ConfigError(
@@ -305,87 +294,9 @@ def _namespaces(where: str, raw: Any) -> NamespaceMapping:
                 "their pods and objects would collide"
             )
     return NamespaceMapping(
-        prefix=prefix,
-        explicit=tuple(sorted(pairs)),
-        create=_flag(where, "namespaces.create", raw, True, key="create"),
+        prefix=prefix, explicit=tuple(sorted(raw.mapping.items())), create=raw.create
     )
 
 
 def _namespace_name(name: str) -> bool:
     return len(name) <= 63 and bool(_DNS1123_LABEL.fullmatch(name))
-
-
-def _resync(where: str, raw: Any) -> Resync:
-    if raw is None:
-        return Resync()
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: resync: expected a mapping like {{pods: 60, nodes: 30}}")
-    reject_unknown(raw, _RESYNC_KEYS, "resync", _failure(where))
-    values = {}
-    for key in sorted(_RESYNC_KEYS):
-        if key in raw:
-            value = raw[key]
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"{where}: resync.{key}: expected seconds in 1..86400")
-            if not 1 <= value <= 86400:
-                raise ConfigError(f"{where}: resync.{key}: expected seconds in 1..86400")
-            values[key] = float(value)
-    return Resync(**values)
-
-
-def _choice(where: str, data: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
-    value = data.get(name, allowed[0])
-    if value not in allowed:
-        raise ConfigError(f"{where}: {name}: expected one of {', '.join(allowed)} (got {value!r})")
-    return str(value)
-
-
-def _storage_class(where: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ConfigError(f'{where}: pvcStorageClass: expected a class name, "" or null')
-    return value
-
-
-def _flag(where: str, name: str, data: dict[str, Any], default: bool, *, key: str = "") -> bool:
-    value = data.get(key or name, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: {name}: expected true or false")
-    return value
-
-
-def _patterns(where: str, value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
-        raise ConfigError(f"{where}: excludeLabels: expected a list of label keys or patterns")
-    return tuple(value)
-
-
-def _number(where: str, name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(f"{where}: {name}: expected a positive number")
-    return float(value)
-
-
-def _count(where: str, name: str, value: Any, default: int) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{where}: {name}: expected a positive integer")
-    return value
-
-
-def _failure(where: str) -> Callable[[str, str], ConfigError]:
-    return lambda field, problem: ConfigError(f"{where}: {field}: {problem}")
-
-
-def _seconds(where: str, name: str, value: Any, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"{where}: {name}: expected a number of seconds >= 0 (got {value!r})")
-    return float(value)

@@ -85,7 +85,7 @@ kubeApiBurst: 40
         ("kubeconfig: k\nexcludeLabels: zone\n", "lower.yaml: excludeLabels: expected a list"),
         ("kubeconfig: k\npvcStorageClass: 3\n", "lower.yaml: pvcStorageClass: expected"),
         ("- kubeconfig: k\n", "expected a mapping with at least `kubeconfig: PATH`"),
-        ("kubeconfig: [\n", "lower.yaml: cannot read it"),
+        ("kubeconfig: [\n", "lower.yaml: not valid YAML"),
     ],
 )
 def test_errors_name_the_file_and_the_field(tmp_path: Path, text: str, error: str) -> None:
