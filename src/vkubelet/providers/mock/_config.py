@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from msgspec import Meta, field
 
@@ -22,7 +22,7 @@ from ...sdk import ConfigError
 
 
 class MockConfig(Section):
-    cpu: str = "20"  # quantities are strings, as in the reference
+    cpu: str = "20"
     memory: str = "100Gi"
     pods: str = "110"
     others: Annotated[dict[str, str], Meta(description="an object")] = field(default_factory=dict)
@@ -47,7 +47,12 @@ class MockConfig(Section):
             raise ConfigError(
                 f"{where}: no entry for node {node_name!r} (entries: {', '.join(data) or 'none'})"
             )
-        config = decode(data[node_name], cls, where, at=node_name, what="an object")
+        entry = data[node_name]
+        if isinstance(entry, dict):  # a bare number is a quantity too (`pods: 110` in Helm values)
+            entry = {k: _text(v) if k in ("cpu", "memory", "pods") else v for k, v in entry.items()}
+            if isinstance(entry.get("others"), dict):
+                entry["others"] = {k: _text(v) for k, v in entry["others"].items()}
+        config = decode(entry, cls, where, at=node_name, what="an object")
         check_quantities(
             {"cpu": config.cpu, "memory": config.memory, "pods": config.pods}, where, node_name
         )
@@ -57,3 +62,7 @@ class MockConfig(Section):
         except ValueError as e:
             raise ConfigError(f"{where}: {node_name}.podCIDR: {e}") from None
         return config
+
+
+def _text(value: Any) -> Any:
+    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
