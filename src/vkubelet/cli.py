@@ -301,13 +301,9 @@ def run(
     from .vmcontroller import ControllerConfig, run_controller
 
     async def agent_and_controller() -> None:
-        client = _kube_client(kubeconfig)
-        try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(run_agent())
-                group.create_task(run_controller(client, ControllerConfig()))
-        finally:
-            await client.aclose()
+        async with _kube_client(kubeconfig) as client, asyncio.TaskGroup() as group:
+            group.create_task(run_agent())
+            group.create_task(run_controller(client, ControllerConfig()))
 
     asyncio.run(_run_until_signalled(agent_and_controller))
 
@@ -635,11 +631,8 @@ def vm_install_crds(
         return
 
     async def install() -> list[str]:
-        client = _kube_client(kubeconfig)
-        try:
+        async with _kube_client(kubeconfig) as client:
             return await install_crds(client)
-        finally:
-            await client.aclose()
 
     try:
         names = asyncio.run(install())
@@ -684,11 +677,8 @@ def vm_controller(
     )
 
     async def controller() -> None:
-        client = _kube_client(kubeconfig)
-        try:
+        async with _kube_client(kubeconfig) as client:
             await run_controller(client, config)
-        finally:
-            await client.aclose()
 
     asyncio.run(_run_until_signalled(controller))
 

@@ -140,11 +140,8 @@ class ShardRunner:
     async def _run_with_own_client(self) -> None:
         # The Leases have a client of their own, made on their loop: the agent's is fenced,
         # and its pools carry the nodes' traffic.
-        leases = KubeClient(self._host.client.config, self._host.config.client)
-        try:
+        async with KubeClient(self._host.client.config, self._host.config.client) as leases:
             await self._run(KubeLeases(leases))
-        finally:
-            await leases.aclose()
 
     async def _run(self, store: ShardStore) -> None:
         self._store = store
@@ -243,10 +240,6 @@ class ShardRunner:
         return hashlib.sha256(
             f"{self.options.identity}/{self.electors[index].name}".encode()
         ).hexdigest()
-
-    def holder_of(self, node: str) -> LeaderElector:
-        """The elector of the bucket a node belongs to."""
-        return next(self.electors[i] for i, names in enumerate(self.buckets) if node in names)
 
     def _claimed(self, index: int, *, delay: float, spread: float) -> None:
         elector = self.electors[index]

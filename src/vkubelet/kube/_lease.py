@@ -29,9 +29,9 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from ..sdk.clock import now_micro
 from ._client import KubeClient
 from ._errors import ApiError
 
@@ -134,10 +134,6 @@ def default_identity() -> str:
     if pod:
         return pod
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def _micro_time(moment: datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class _Held(Exception):
@@ -296,7 +292,7 @@ class LeaderElector:
         return True
 
     async def _try(self) -> None:
-        now = _micro_time(datetime.now(UTC))
+        now = now_micro()
         # Up, never down: a Lease written shorter than the fence would free it while we act.
         duration = max(1, math.ceil(self.timing.duration))
         if time.monotonic() - self._renewed_at >= self.timing.renew_deadline:

@@ -30,13 +30,6 @@ log = logging.getLogger(__name__)
 UNREACHABLE_MAX_BACKOFF = 4.0
 
 
-class _Meta(Protocol):
-    name: str | None
-    namespace: str | None
-    resourceVersion: str | None
-    managedFields: Any
-
-
 class HasMeta(Protocol):
     @property
     def metadata(self) -> Any: ...
@@ -132,7 +125,6 @@ class Reflector(Generic[T]):
         starts from now again."""
         self._client = client
         self._path = path
-        self._cls = cls
         self._handler = handler
         self._params = dict(params or {})
         self._page_size = page_size

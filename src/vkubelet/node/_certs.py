@@ -118,8 +118,7 @@ def stored_certificate_problem(
         return "none stored"
     except ValueError:
         return "unreadable"
-    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
-    if dt.datetime.now(dt.UTC) > start + (end - start) * 0.8:
+    if dt.datetime.now(dt.UTC) > _renewal_due(cert):
         return "due for renewal"
     try:
         present = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -136,6 +135,17 @@ def stored_certificate_problem(
 
 def _load(cert_path: Path) -> x509.Certificate:
     return x509.load_pem_x509_certificate(cert_path.read_bytes())
+
+
+def _renewal_due(cert: x509.Certificate) -> dt.datetime:
+    """80 % into the certificate's lifetime, when a kubelet renews: a failed renewal leaves a
+    fifth of the lifetime for retries while the current certificate still works."""
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return start + (end - start) * 0.8
+
+
+async def _sleep_until(moment: dt.datetime) -> None:
+    await asyncio.sleep(max((moment - dt.datetime.now(dt.UTC)).total_seconds(), 1.0))
 
 
 class ServingCertificate:
@@ -190,9 +200,7 @@ class ServingCertificate:
         cert = _load(self.cert_path)
         backoff = Backoff(initial=self.retry_seconds, cap=RENEW_RETRY_MAX_SECONDS)
         while True:
-            start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
-            renew_at = start + (end - start) * 0.8
-            await asyncio.sleep(max((renew_at - dt.datetime.now(dt.UTC)).total_seconds(), 1.0))
+            await _sleep_until(_renewal_due(cert))
             try:
                 cert = await self._request()
                 self.on_renewed(self.cert_path, self.key_path)
@@ -203,7 +211,7 @@ class ServingCertificate:
                     "until %s; retrying in %.0fs",
                     self.node_name,
                     e,
-                    end.isoformat(),
+                    cert.not_valid_after_utc.isoformat(),
                     delay,
                 )
                 await asyncio.sleep(delay)
@@ -338,7 +346,7 @@ async def _wait_signed(
 ) -> bytes:
     """The signed certificate, once there. A WARNING with the approve command comes after
     `first_reminder` seconds (default: a minute) and then every minute while it is pending."""
-    delay = 0.2
+    backoff = Backoff(initial=0.2, factor=1.5, cap=10.0, jitter=0.0)
     next_reminder = time.monotonic() + (
         PENDING_REMINDER_SECONDS if first_reminder is None else first_reminder
     )
@@ -360,8 +368,7 @@ async def _wait_signed(
             if not approved and time.monotonic() >= next_reminder:
                 _remind(name, node_name, purpose)
                 next_reminder = time.monotonic() + PENDING_REMINDER_SECONDS
-        await asyncio.sleep(delay)
-        delay = min(delay * 1.5, 10.0)
+        await backoff.wait()
 
 
 CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
@@ -410,8 +417,7 @@ class ClientIdentity:
         names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         if not names or names[0].value != f"system:node:{self.node_name}":
             return None
-        start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
-        if dt.datetime.now(dt.UTC) > start + (end - start) * 0.8:
+        if dt.datetime.now(dt.UTC) > _renewal_due(cert):
             return None
         if self.bootstrap is not None and _cluster_of(self.bootstrap) != _cluster_of(
             self.kubeconfig
@@ -437,11 +443,8 @@ class ClientIdentity:
                 f"{self.kubeconfig} holds no valid client certificate for system:node:"
                 f"{self.node_name}, and no bootstrap kubeconfig was given to obtain one"
             )
-        client = KubeClient.from_kubeconfig(self.bootstrap)
-        try:
+        async with KubeClient.from_kubeconfig(self.bootstrap) as client:
             await self._obtain(client)
-        finally:
-            await client.aclose()
 
     async def renew_forever(self, client: KubeClient) -> None:
         """Renew with the current identity; `client` switches to the new certificate. A failed
@@ -451,9 +454,7 @@ class ClientIdentity:
         while True:
             cert = self.current()
             if cert is not None:
-                start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
-                wait = (start + (end - start) * 0.8 - dt.datetime.now(dt.UTC)).total_seconds()
-                await asyncio.sleep(max(wait, 1.0))
+                await _sleep_until(_renewal_due(cert))
             try:
                 await self._obtain(client)
                 renewed = load_kubeconfig(self.kubeconfig).get()

@@ -32,7 +32,6 @@ import platform
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -40,7 +39,7 @@ from lightkube.resources.core_v1 import Node
 
 from .. import __version__
 from ..kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
-from ..sdk.clock import now_rfc3339
+from ..sdk.clock import now_micro, now_rfc3339
 from ..sdk.provider import (
     NodeCondition,
     NodeConditions,
@@ -196,10 +195,6 @@ def node_may_set_label(key: str) -> bool:
         or key in _NODE_ALLOWED_LABELS
         or any(key.startswith(p) for p in _NODE_ALLOWED_PREFIXES)
     )
-
-
-def now_micro() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class NodeController:

@@ -233,7 +233,6 @@ class Resolver:
     ) -> None:
         self._client = client
         self._objects = objects
-        self._provider = provider
         self._services = services
         self._sources = _Sources(objects, services)
         self._host_ip = host_ip

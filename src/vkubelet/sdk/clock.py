@@ -8,6 +8,7 @@ second and reused.
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 
 _last: tuple[int, str] = (-1, "")
 _clock = time.time  # replaced in tests
@@ -19,3 +20,9 @@ def now_rfc3339() -> str:
     if second != _last[0]:
         _last = (second, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second)))
     return _last[1]
+
+
+def now_micro() -> str:
+    """Now as a MicroTime (a Lease's renewTime): microseconds, so renewals within a second
+    differ."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 
 from ..devcluster import Cluster, list_clusters
+from ..sdk.retry import Backoff
 
 
 def find_kubectl() -> str:
@@ -101,7 +102,7 @@ def wait_for(
     """
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
-    pause = min(0.05, interval)
+    backoff = Backoff(initial=min(0.05, interval), cap=interval, jitter=0.0)
     while time.monotonic() < deadline:
         try:
             value = check()
@@ -110,8 +111,7 @@ def wait_for(
         else:
             if value:
                 return value
-        time.sleep(pause)
-        pause = min(pause * 2, interval)
+        time.sleep(backoff.next_delay())
     detail = f" (last error: {last_error})" if last_error else ""
     pytest.fail(f"timed out after {timeout}s waiting for {what or check}{detail}")
 
