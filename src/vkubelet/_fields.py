@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -27,7 +27,6 @@ __all__ = [
     "check_quantities",
     "decode",
     "read_file",
-    "reject_unknown",
 ]
 
 T = TypeVar("T")
@@ -165,17 +164,3 @@ def _describe(kind: Any) -> str:
     if isinstance(kind, inspect.StrType):
         return "a non-empty string" if kind.min_length else "a string"
     return "true or false" if isinstance(kind, inspect.BoolType) else "a list"
-
-
-def reject_unknown(
-    raw: Mapping[Any, Any],
-    known: Collection[str],
-    at: str,
-    fail: Callable[[str, str], Exception],
-) -> None:
-    """Raise `fail(field path, problem)` for the first key of `raw` (the mapping at field path
-    `at`, "" for the top of the file) that is not in `known`."""
-    unknown = sorted(set(map(str, raw)) - set(known))
-    if unknown:
-        path = f"{at}.{unknown[0]}" if at else unknown[0]
-        raise fail(path, f"unknown field (known: {', '.join(sorted(known))})")

@@ -26,44 +26,81 @@ as their origin) when the provider starts.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal
 
-import yaml
+import msgspec
+from msgspec import Meta
 
-from ..._fields import reject_unknown
+from ..._fields import FilePath, PositiveNumber, Section, decode, read_file
+from ...sdk import ConfigError
 from ...sdk.quantity import QuantityError, parse_quantity
-from ._persist import MachineGC, parse_machine_gc
+from ._persist import MachineGC
 from ._volumes import StorageConfig
 
 __all__ = ["ConfigError", "ConfigMapSource", "VMConfig", "load_config"]
 
 Accel = Literal["auto", "kvm", "tcg"]
 
-_KNOWN = {
-    "stateDir",
-    "imageStore",
-    "accel",
-    "reserved",
-    "podCIDR",
-    "imagePrefix",
-    "translations",
-    "translationsFile",
-    "translationConfigMap",
-    "imageGCIntervalSeconds",
-    "guestAgentTimeoutSeconds",
-    "defaults",
-    "machineGC",  # _persist
-    "hotplug",
-    "storage",
-    "backupDirectories",
-}
 _MIB = 2**20
+_Text = Annotated[str, Meta(min_length=1)]
+_Seconds = Annotated[float, Meta(gt=0, description="a positive number of seconds")]
+_Count = Annotated[int, Meta(ge=0, le=255, description="a whole number 0-255")]
 
 
-class ConfigError(ValueError):
-    """A bad provider config; the message names the file and the field."""
+class _Resources(Section):
+    cpu: str | float | None = None  # quantities
+    memory: str | float | None = None
+
+
+class _ConfigMap(Section):
+    namespace: _Text
+    name: _Text
+    kubeconfig: _Text
+    interval_seconds: PositiveNumber = 30.0
+
+
+class _MachineGC(Section):  # _persist
+    kubeconfig: FilePath
+    interval_seconds: PositiveNumber = 300.0
+
+
+class _Storage(Section):  # _volumes
+    kubeconfig: FilePath
+    interval_seconds: PositiveNumber = 2.0
+
+
+class _Hotplug(Section):
+    max_cpus: _Count | None = None
+    max_memory: str | float | None = None
+    memory_slots: _Count | None = None
+
+
+class _File(Section):
+    state_dir: FilePath | None = None
+    image_store: FilePath | None = None
+    accel: Literal["auto", "kvm", "tcg"] = "auto"
+    reserved: _Resources | None = None
+    pod_cidr: _Text = msgspec.field(default="10.213.0.0/24", name="podCIDR")
+    image_prefix: _Text = "vm.vkubelet.io"
+    translations: Annotated[
+        list[dict[str, Any]], Meta(description="a list of rules (mappings with name|regexp, url)")
+    ] = msgspec.field(default_factory=list)
+    translations_file: FilePath | None = None
+    translation_config_map: _ConfigMap | None = None
+    image_gc_interval_seconds: _Seconds = msgspec.field(
+        default=600.0, name="imageGCIntervalSeconds"
+    )
+    guest_agent_timeout_seconds: _Seconds = 300.0
+    defaults: _Resources | None = None
+    machine_gc: _MachineGC | None = msgspec.field(default=None, name="machineGC")
+    hotplug: _Hotplug | None = None
+    storage: _Storage | None = None
+    backup_directories: Annotated[list[_Text], Meta(description="a list of directories")] = (
+        msgspec.field(default_factory=list)
+    )
 
 
 @dataclass(frozen=True)
@@ -130,159 +167,88 @@ def load_config(path: Path | None) -> VMConfig:
     if path is None:
         state = Path("/var/lib/vkubelet/vm")
         return VMConfig(state_dir=state, image_store=state / "images")
-    where = str(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML: {e}") from None
-    return parse_config(data or {}, origin=where, base=path.parent)
+    return parse_config(read_file(path) or {}, origin=str(path), base=path.parent)
 
 
 def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
     """`data` as loaded from `origin`; relative paths are relative to `base`."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{origin}: expected a mapping of options")
+    raw = decode(data, _File, origin, what="a mapping of options")
 
     def fail(name: str, why: str) -> ConfigError:
         return ConfigError(f"{origin}: {name}: {why}")
 
-    reject_unknown(data, _KNOWN, "", fail)
-
-    def text(name: str, default: str) -> str:
-        value = data.get(name, default)
-        if not isinstance(value, str) or not value:
-            raise fail(name, f"expected a non-empty string, got {value!r}")
-        return value
-
-    def a_path(name: str, default: Path | None) -> Path | None:
-        if name not in data:
-            return default
-        return base / text(name, "")
-
-    def seconds(name: str, default: float) -> float:
-        value = data.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise fail(name, f"expected a positive number of seconds, got {value!r}")
-        return float(value)
-
-    state_dir = a_path("stateDir", base / "vm-state")
-    assert state_dir is not None
-    image_store = a_path("imageStore", state_dir / "images")
-    assert image_store is not None
-    accel = data.get("accel", "auto")
-    if accel not in ("auto", "kvm", "tcg"):
-        raise fail("accel", f"expected auto, kvm or tcg, got {accel!r}")
-    reserved_cpu, reserved_memory = _resources(data, "reserved", fail, (0, 256 * _MIB))
-    default_cpu, default_memory = _resources(data, "defaults", fail, (1000, 256 * _MIB))
+    state_dir = base / raw.state_dir if raw.state_dir is not None else base / "vm-state"
+    image_store = base / raw.image_store if raw.image_store is not None else state_dir / "images"
+    reserved_cpu, reserved_memory = _resources(raw.reserved, "reserved", fail, (0, 256 * _MIB))
+    default_cpu, default_memory = _resources(raw.defaults, "defaults", fail, (1000, 256 * _MIB))
     if default_cpu <= 0 or default_memory < 16 * _MIB:
         raise fail("defaults", "a VM needs at least some CPU and 16Mi of memory")
-    cidr = text("podCIDR", "10.213.0.0/24")
     try:
-        network = ipaddress.IPv4Network(cidr)
+        network = ipaddress.IPv4Network(raw.pod_cidr)
     except ValueError as e:
         raise fail("podCIDR", f"not an IPv4 network: {e}") from None
     if network.prefixlen > 29:
-        raise fail("podCIDR", f"{cidr} is too small for a gateway and guests")
-    translations = data.get("translations", [])
-    if not isinstance(translations, list) or not all(isinstance(r, dict) for r in translations):
-        raise fail("translations", "expected a list of rules (mappings with name|regexp, url)")
-    backups = data.get("backupDirectories", [])
-    if not isinstance(backups, list) or not all(isinstance(d, str) and d for d in backups):
-        raise fail("backupDirectories", f"expected a list of directories, got {backups!r}")
+        raise fail("podCIDR", f"{raw.pod_cidr} is too small for a gateway and guests")
+    cm = raw.translation_config_map
+    gc, storage = raw.machine_gc, raw.storage
     return VMConfig(
-        backup_directories=tuple((base / d).resolve() for d in backups),
-        translation_config_map=_config_map(data.get("translationConfigMap"), fail, base),
+        backup_directories=tuple((base / d).resolve() for d in raw.backup_directories),
+        translation_config_map=ConfigMapSource(
+            cm.namespace, cm.name, base / cm.kubeconfig, cm.interval_seconds
+        )
+        if cm
+        else None,
         state_dir=state_dir,
         image_store=image_store,
-        accel=cast(Accel, accel),
+        accel=raw.accel,
         reserved_millicpu=reserved_cpu,
         reserved_memory=reserved_memory,
         pod_cidr=str(network),
-        image_prefix=text("imagePrefix", "vm.vkubelet.io"),
-        translations=list(translations),
-        translations_file=a_path("translationsFile", None),
-        image_gc_interval=seconds("imageGCIntervalSeconds", 600.0),
-        guest_agent_timeout=seconds("guestAgentTimeoutSeconds", 300.0),
+        image_prefix=raw.image_prefix,
+        translations=raw.translations,
+        translations_file=base / raw.translations_file if raw.translations_file else None,
+        image_gc_interval=raw.image_gc_interval_seconds,
+        guest_agent_timeout=raw.guest_agent_timeout_seconds,
         default_millicpu=default_cpu,
         default_memory=default_memory,
         origin=origin,
-        machine_gc=parse_machine_gc(data.get("machineGC"), fail, base),
-        storage=_storage(data.get("storage"), fail, base),
-        **_hotplug(data.get("hotplug"), fail),
+        machine_gc=MachineGC(base / gc.kubeconfig, gc.interval_seconds) if gc else None,
+        storage=StorageConfig(base / storage.kubeconfig, storage.interval_seconds)
+        if storage
+        else None,
+        **_hotplug(raw.hotplug or _Hotplug(), fail),
     )
 
 
-def _storage(value: object, fail: Any, base: Path) -> StorageConfig | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict) or set(value) - {"kubeconfig", "intervalSeconds"}:
-        raise fail("storage", "expected a mapping with kubeconfig and intervalSeconds")
-    if not isinstance(value.get("kubeconfig"), str) or not value["kubeconfig"]:
-        raise fail("storage.kubeconfig", f"expected a path, got {value.get('kubeconfig')!r}")
-    interval = value.get("intervalSeconds", 2)
-    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
-        raise fail("storage.intervalSeconds", f"expected a positive number, got {interval!r}")
-    return StorageConfig(base / value["kubeconfig"], float(interval))
-
-
-def _hotplug(value: object, fail: Any) -> dict[str, int]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or set(value) - {"maxCpus", "maxMemory", "memorySlots"}:
-        raise fail("hotplug", "expected a mapping with maxCpus, maxMemory and/or memorySlots")
-    out: dict[str, int] = {}
-    for key, field_name in (("maxCpus", "hotplug_max_vcpus"), ("memorySlots", "hotplug_slots")):
-        if key in value:
-            number = value[key]
-            if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= 255:
-                raise fail(f"hotplug.{key}", f"expected a whole number 0-255, got {number!r}")
-            out[field_name] = number
-    if "maxMemory" in value:
-        try:
-            out["hotplug_max_memory"] = quantity_bytes(value["maxMemory"])
-        except (QuantityError, ValueError) as e:
-            raise fail("hotplug.maxMemory", str(e)) from None
-    return out
-
-
-def _config_map(value: object, fail: Any, base: Path) -> ConfigMapSource | None:
-    name = "translationConfigMap"
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise fail(name, "expected a mapping with namespace, name and kubeconfig")
-    reject_unknown(value, ("namespace", "name", "kubeconfig", "intervalSeconds"), name, fail)
-    for key in ("namespace", "name", "kubeconfig"):
-        if not isinstance(value.get(key), str) or not value[key]:
-            raise fail(f"{name}.{key}", f"expected a non-empty string, got {value.get(key)!r}")
-    interval = value.get("intervalSeconds", 30)
-    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
-        raise fail(f"{name}.intervalSeconds", f"expected a positive number, got {interval!r}")
-    return ConfigMapSource(
-        value["namespace"], value["name"], base / value["kubeconfig"], float(interval)
-    )
+def _hotplug(raw: _Hotplug, fail: Callable[[str, str], ConfigError]) -> dict[str, int]:
+    out = {"hotplug_max_vcpus": raw.max_cpus, "hotplug_slots": raw.memory_slots}
+    try:
+        out["hotplug_max_memory"] = (
+            None if raw.max_memory is None else quantity_bytes(raw.max_memory)
+        )
+    except (QuantityError, ValueError) as e:
+        raise fail("hotplug.maxMemory", str(e)) from None
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _resources(
-    data: dict[str, Any], name: str, fail: Any, default: tuple[int, int]
+    raw: _Resources | None,
+    name: str,
+    fail: Callable[[str, str], ConfigError],
+    default: tuple[int, int],
 ) -> tuple[int, int]:
     """`{cpu, memory}` quantities as (millicores, bytes)."""
-    value = data.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, dict) or set(value) - {"cpu", "memory"}:
-        raise fail(name, "expected a mapping with cpu and/or memory")
     cpu, memory = default
+    if raw is None:
+        return default
     try:
-        if "cpu" in value:
-            cpu = millicpu(value["cpu"])
+        if raw.cpu is not None:
+            cpu = millicpu(raw.cpu)
     except (QuantityError, ValueError) as e:
         raise fail(f"{name}.cpu", str(e)) from None
     try:
-        if "memory" in value:
-            memory = quantity_bytes(value["memory"])
+        if raw.memory is not None:
+            memory = quantity_bytes(raw.memory)
     except (QuantityError, ValueError) as e:
         raise fail(f"{name}.memory", str(e)) from None
     if cpu < 0 or memory < 0:

@@ -21,14 +21,13 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from lightkube.resources.core_v1 import Pod
 
-from ..._fields import reject_unknown
 from ..._files import write_atomic
 from ...kube import ApiError, KubeClient
 
@@ -39,7 +38,6 @@ __all__ = [
     "machine_dir",
     "machine_id",
     "machine_images",
-    "parse_machine_gc",
     "record_image",
 ]
 
@@ -55,21 +53,6 @@ log = logging.getLogger(__name__)
 class MachineGC:
     kubeconfig: Path
     interval: float = 300.0
-
-
-def parse_machine_gc(
-    value: object, fail: Callable[[str, str], Exception], base: Path
-) -> MachineGC | None:
-    """The config's `machineGC: {kubeconfig: path, intervalSeconds: 300}` (or None)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("kubeconfig"), str):
-        raise fail("machineGC", "expected a mapping with kubeconfig (and intervalSeconds)")
-    reject_unknown(value, ("kubeconfig", "intervalSeconds"), "machineGC", fail)
-    interval = value.get("intervalSeconds", 300)
-    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
-        raise fail("machineGC.intervalSeconds", f"expected a positive number, got {interval!r}")
-    return MachineGC(base / value["kubeconfig"], float(interval))
 
 
 def machine_id(pod: Pod) -> str | None:
