@@ -55,6 +55,7 @@ __all__ = [
     "move",
     "moved_constraints",
     "restore",
+    "set_or_drop",
 ]
 
 JSON = dict[str, Any]
@@ -170,7 +171,7 @@ def _move_node_selector(spec: JSON, keys: VirtualKeys, record: JSON) -> None:
     if not moved:
         return
     record["nodeSelector"] = moved
-    _set_or_drop(spec, "nodeSelector", {k: v for k, v in selector.items() if k not in moved})
+    set_or_drop(spec, "nodeSelector", {k: v for k, v in selector.items() if k not in moved})
 
 
 def _move_required_affinity(spec: JSON, keys: VirtualKeys, record: JSON) -> None:
@@ -189,8 +190,8 @@ def _move_required_affinity(spec: JSON, keys: VirtualKeys, record: JSON) -> None
         node_affinity[_REQUIRED] = {**required, "nodeSelectorTerms": kept}
     else:  # a term met by any node: upstairs, the pod is not constrained by node affinity
         del node_affinity[_REQUIRED]
-        _set_or_drop(affinity, "nodeAffinity", node_affinity)
-        _set_or_drop(spec, "affinity", affinity)
+        set_or_drop(affinity, "nodeAffinity", node_affinity)
+        set_or_drop(spec, "affinity", affinity)
 
 
 def _virtual_part(term: Mapping[str, Any], keys: VirtualKeys) -> JSON:
@@ -198,7 +199,7 @@ def _virtual_part(term: Mapping[str, Any], keys: VirtualKeys) -> JSON:
     expressions = term.get("matchExpressions")
     if expressions:
         kept = [e for e in expressions if keys.label(str(e.get("key", "")))]
-        _set_or_drop(out, "matchExpressions", kept)
+        set_or_drop(out, "matchExpressions", kept)
     return out
 
 
@@ -212,10 +213,10 @@ def _move_listed(
     if not moved:
         return
     record[record_key or field] = moved
-    _set_or_drop(spec, field, [item for item in items if stays(item)])
+    set_or_drop(spec, field, [item for item in items if stays(item)])
 
 
-def _set_or_drop(holder: JSON, key: str, value: Any) -> None:
+def set_or_drop(holder: JSON, key: str, value: Any) -> None:
     if value:
         holder[key] = value
     else:

@@ -19,16 +19,14 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from lightkube.models.core_v1 import PodStatus, Taint
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...kube import ApiError, Handler, Reflector, Unreachable
-from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.provider import (
-    ContainerLogOptions,
     NodeCondition,
     ProviderContext,
     ProviderError,
@@ -162,6 +160,13 @@ class ClusterProvider:
             config, lower, how, self._pods, self._deleting, self._still_adopting, spawned
         )
         self.verbs = LowerVerbs(lower, name, self._lower_pods, how)
+        # kubectl's verbs are the lower pod's own, through the lower API (`_verbs`).
+        self.container_logs = self.verbs.container_logs
+        self.exec_in_container = self.verbs.exec_in_container
+        self.attach_to_container = self.verbs.attach_to_container
+        self.port_forward = self.verbs.port_forward
+        self.stats_summary = self.verbs.stats_summary
+        self.metrics_resource = self.verbs.metrics_resource
         self.events = EventMirror(lower.client, self._upper_pod_of, events)
         self.lower_pod_reflector: Reflector[JSON] = Reflector(
             lower.client,
@@ -207,31 +212,6 @@ class ClusterProvider:
         if not webhook.enabled:
             return None
         return ConstraintWebhook(self.context.node_name, webhook, self.context.internal_ip)
-
-    # -- kubectl verbs: the lower pod's, through the lower API (`_verbs`) ----------------------
-    def container_logs(
-        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
-    ) -> AsyncIterator[bytes]:
-        return self.verbs.container_logs(namespace, pod, container, options)
-
-    async def exec_in_container(
-        self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
-    ) -> int:
-        return await self.verbs.exec_in_container(namespace, pod, container, command, io)
-
-    async def attach_to_container(
-        self, namespace: str, pod: str, container: str, io: AttachIO
-    ) -> None:
-        await self.verbs.attach_to_container(namespace, pod, container, io)
-
-    async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
-        await self.verbs.port_forward(namespace, pod, port, stream)
-
-    async def stats_summary(self) -> dict[str, Any]:
-        return await self.verbs.stats_summary()
-
-    async def metrics_resource(self) -> str:
-        return await self.verbs.metrics_resource()
 
     # -- the pods as the parts see them ------------------------------------------------------
     def _running(self) -> list[ResolvedPod]:
@@ -288,10 +268,7 @@ class ClusterProvider:
                         f"read: {e.message or e.reason}; set upperClusterID"
                     )
                     log.error("%s", self._identity_problem)
-                    if self._node_notify is not None:
-                        self._node_notify(
-                            convert_node({"metadata": {"name": self.context.node_name}})
-                        )
+                    self._notify_node()
                     raise ProviderError(
                         "UpperClusterIDUnknown", self._identity_problem, permanent=False
                     ) from None
@@ -820,10 +797,8 @@ class ClusterProvider:
             self.context.events.node_event(
                 self.context.node_name, "Warning", "LowerPermissionsMissing", str(e)
             )
-            if self._node_notify is not None:
-                self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
+            self._notify_node()
 
-    # -- background ----------------------------------------------------------------
     # -- the one reflector of the lower pods ---------------------------------------------
     # Every lower pod, listed, watched and re-listed every `resync.pods` seconds so a pod that
     # vanished without an event is noticed. It feeds both consumers: the capacity snapshot

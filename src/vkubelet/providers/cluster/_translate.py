@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._config import NamespaceMapping
-from ._constraints import lower_view
+from ._constraints import lower_view, set_or_drop
 from ._refs import Reference, pod_references, rename_references
 from ._stamps import Owner, dependency_name, stamp
 from ._tokens import token_secret_name, token_sources, use_token_secret
@@ -160,18 +160,18 @@ def _scheduling(spec: JSON, how: PodTranslation) -> None:
             for k, v in selector.items()
             if not (k in virtual_keys and how.virtual_labels.get(k) == v)
         }
-        _set_or_drop(spec, "nodeSelector", kept)
+        set_or_drop(spec, "nodeSelector", kept)
     tolerations = spec.get("tolerations")
     if tolerations:
         kept_tolerations = [t for t in tolerations if t.get("key") not in how.virtual_taint_keys]
-        _set_or_drop(spec, "tolerations", kept_tolerations)
+        set_or_drop(spec, "tolerations", kept_tolerations)
     affinity = spec.get("affinity")
     if isinstance(affinity, dict):
         node_affinity = affinity.get("nodeAffinity")
         if isinstance(node_affinity, dict):
             _node_affinity(node_affinity, lambda key: key in virtual_keys)
-            _set_or_drop(affinity, "nodeAffinity", node_affinity)
-        _set_or_drop(spec, "affinity", affinity)
+            set_or_drop(affinity, "nodeAffinity", node_affinity)
+        set_or_drop(spec, "affinity", affinity)
     if how.virtual_topology_keys:
         _drop_virtual_topology(spec, how.virtual_topology_keys)
     if how.lower_node is not None:
@@ -182,7 +182,7 @@ def _drop_virtual_topology(spec: JSON, keys: Collection[str]) -> None:
     spread = spec.get("topologySpreadConstraints")
     if spread:
         kept = [c for c in spread if c.get("topologyKey") not in keys]
-        _set_or_drop(spec, "topologySpreadConstraints", kept)
+        set_or_drop(spec, "topologySpreadConstraints", kept)
     affinity = spec.get("affinity")
     if not isinstance(affinity, dict):
         return
@@ -193,7 +193,7 @@ def _drop_virtual_topology(spec: JSON, keys: Collection[str]) -> None:
         required = terms.get("requiredDuringSchedulingIgnoredDuringExecution")
         if isinstance(required, list):
             kept = [t for t in required if t.get("topologyKey") not in keys]
-            _set_or_drop(terms, "requiredDuringSchedulingIgnoredDuringExecution", kept)
+            set_or_drop(terms, "requiredDuringSchedulingIgnoredDuringExecution", kept)
         preferred = terms.get("preferredDuringSchedulingIgnoredDuringExecution")
         if isinstance(preferred, list):
             kept = [
@@ -201,9 +201,9 @@ def _drop_virtual_topology(spec: JSON, keys: Collection[str]) -> None:
                 for t in preferred
                 if (t.get("podAffinityTerm") or {}).get("topologyKey") not in keys
             ]
-            _set_or_drop(terms, "preferredDuringSchedulingIgnoredDuringExecution", kept)
-        _set_or_drop(affinity, kind, terms)
-    _set_or_drop(spec, "affinity", affinity)
+            set_or_drop(terms, "preferredDuringSchedulingIgnoredDuringExecution", kept)
+        set_or_drop(affinity, kind, terms)
+    set_or_drop(spec, "affinity", affinity)
 
 
 def _pin(spec: JSON, node: str) -> None:
@@ -240,7 +240,7 @@ def _node_affinity(node_affinity: JSON, virtual: Callable[[str], bool]) -> None:
             term = _term(item.get("preference") or {}, virtual)
             if term:
                 kept.append({**item, "preference": term})
-        _set_or_drop(node_affinity, "preferredDuringSchedulingIgnoredDuringExecution", kept)
+        set_or_drop(node_affinity, "preferredDuringSchedulingIgnoredDuringExecution", kept)
 
 
 def _term(term: Mapping[str, Any], virtual: Callable[[str], bool]) -> JSON:
@@ -253,10 +253,3 @@ def _term(term: Mapping[str, Any], virtual: Callable[[str], bool]) -> JSON:
     if fields:
         out["matchFields"] = fields
     return out
-
-
-def _set_or_drop(holder: JSON, key: str, value: Any) -> None:
-    if value:
-        holder[key] = value
-    else:
-        holder.pop(key, None)

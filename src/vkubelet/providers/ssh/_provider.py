@@ -243,8 +243,6 @@ class DeviceProvider:
             info.kernelVersion = self._facts.get("kernel", info.kernelVersion)
             info.osImage = self._facts.get("image", info.osImage)
             info.containerRuntimeVersion = "vkubelet-ssh://host"
-        addresses = list(node.status.addresses or [])
-        node.status.addresses = addresses
 
     def notify_node_status(self, callback: Callable[[Node], None]) -> None:
         self._node_notify = callback
@@ -484,9 +482,7 @@ class DeviceProvider:
 
     async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
         entry = self._pods.get(f"{namespace}/{name}")
-        if entry is None:
-            return None
-        return self._status(entry)
+        return None if entry is None else self._status(entry)
 
     async def list_pods(self) -> list[Pod]:
         # Right after a start, wait (a little) for the device so that its pods are adopted.
@@ -704,7 +700,10 @@ class DeviceProvider:
         # `fifo` is a shell word from `_remote` (it may expand $HOME): used as it is.
         command = f"[ -p {fifo} ] && exec cat > {fifo}"
         async with self.link.process(command) as proc:
-            await _pump_in(source, proc)
+            while data := await source.read():
+                proc.stdin.write(data)
+                await proc.stdin.drain()
+            proc.stdin.write_eof()
             await proc.wait()
 
     async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
@@ -737,13 +736,6 @@ def _exit_code(proc: asyncssh.SSHClientProcess[bytes]) -> int:
         number = getattr(signal, f"SIG{name}", None)
         return -int(number) if number is not None else 255
     return 255
-
-
-async def _pump_in(source: Any, proc: asyncssh.SSHClientProcess[bytes]) -> None:
-    while data := await source.read():
-        proc.stdin.write(data)
-        await proc.stdin.drain()
-    proc.stdin.write_eof()
 
 
 def _key(entry: _PodEntry) -> str:

@@ -766,11 +766,9 @@ def _status(name: str, words: list[str], restarts: int) -> ContainerStatus:
     if not words:
         words = ["waiting", "ContainerCreating"]
     match words:
-        case ["waiting", reason] if _REASON.fullmatch(reason):
-            return ContainerStatus(name, "waiting", reason, None, None, None, None, restarts)
-        case ["waiting", reason, seconds] if _REASON.fullmatch(reason):
+        case ["waiting", reason, *seconds] if _REASON.fullmatch(reason) and len(seconds) < 2:
             status = ContainerStatus(name, "waiting", reason, None, None, None, None, restarts)
-            status.backoff_seconds = _count(seconds)
+            status.backoff_seconds = _count(seconds[0]) if seconds else None
             return status
         case ["running", pid, started]:
             return ContainerStatus(
