@@ -637,9 +637,7 @@ class ClusterProvider:
         upper = to_json(given.pod) if given is not None else {}
         if lower is None:
             return None
-        return convert_podstatus(
-            status_up(lower, upper, host_ip=self.context.internal_ip, now=now_rfc3339())
-        )
+        return convert_podstatus(self._status_up(lower, upper))
 
     async def list_pods(self) -> list[Pod]:
         self._start()
@@ -657,8 +655,7 @@ class ClusterProvider:
                 self._remember(key, lower)
             if key not in self._pods:
                 self._adopting.add(key)
-            status = status_up(lower, {}, host_ip=self.context.internal_ip, now=now_rfc3339())
-            found.append(upper_view(lower, convert_podstatus(status)))
+            found.append(upper_view(lower, convert_podstatus(self._status_up(lower, {}))))
         if not self._adopting_listed:
             self._adopting_listed = True
             self._adopting_until = time.monotonic() + ADOPTION_WAIT
@@ -873,12 +870,7 @@ class ClusterProvider:
             self._push_gone(key, last)
             return
         reason, message = vanished_reason(last)
-        upper = to_json(given.pod)
-        if last is not None:
-            upper["status"] = status_up(
-                last, upper, host_ip=self.context.internal_ip, now=now_rfc3339()
-            )
-        self._failed[key] = gone_status(upper, reason=reason, message=message, now=now_rfc3339())
+        self._failed[key] = self._ended(given.pod, last, reason, message)["status"]
         self.services.changed()
         log.warning("pod %s: %s", key, message)
         self.context.events.pod_event(given.pod, "Warning", reason, message)
@@ -919,13 +911,7 @@ class ClusterProvider:
             f"the lower cluster could not schedule this pod for "
             f"{self.config.unschedulable_timeout:.0f}s: {scheduled.get('message') or 'no reason'}"
         )
-        upper = to_json(given.pod)
-        upper["status"] = status_up(
-            lower, upper, host_ip=self.context.internal_ip, now=now_rfc3339()
-        )
-        self._failed[key] = gone_status(
-            upper, reason=UNSCHEDULABLE_BELOW, message=message, now=now_rfc3339()
-        )
+        self._failed[key] = self._ended(given.pod, lower, UNSCHEDULABLE_BELOW, message)["status"]
         log.warning("pod %s: %s", key, message)
         self.context.events.pod_event(given.pod, "Warning", UNSCHEDULABLE_BELOW, message)
         if self.config.mode == "aggregate" and self.capacity.start_cannot_fit_backoff(message):
@@ -998,7 +984,7 @@ class ClusterProvider:
                     "spec": {"readinessGates": to_json(gates) if gates else []},
                     "status": to_json(given.pod.status),
                 }
-            status = status_up(lower, upper, host_ip=self.context.internal_ip, now=now_rfc3339())
+            status = self._status_up(lower, upper)
         if given is not None:
             namespace, name, uid = given.namespace, given.name, given.uid
         else:
@@ -1022,14 +1008,19 @@ class ClusterProvider:
             self.tokens.drop(key, uid)
         if given is None or self._notify is None:
             return
-        upper = to_json(given.pod)
+        self._notify(convert_pod(self._ended(given.pod, last, "Deleted", "")))
+
+    def _ended(self, pod: Pod, last: JSON | None, reason: str, message: str) -> JSON:
+        """The upper pod (as JSON) with its final status: as its lower pod was last seen, then
+        Failed for `reason` unless it had ended already."""
+        upper = to_json(pod)
         if last is not None:
-            upper["status"] = status_up(
-                last, upper, host_ip=self.context.internal_ip, now=now_rfc3339()
-            )
-        status = gone_status(upper, reason="Deleted", message="", now=now_rfc3339())
-        pod = convert_pod({**upper, "status": status})
-        self._notify(pod)
+            upper["status"] = self._status_up(last, upper)
+        upper["status"] = gone_status(upper, reason=reason, message=message, now=now_rfc3339())
+        return upper
+
+    def _status_up(self, lower: Mapping[str, Any], upper: Mapping[str, Any]) -> JSON:
+        return status_up(lower, upper, host_ip=self.context.internal_ip, now=now_rfc3339())
 
 
 def _version(obj: Mapping[str, Any]) -> str:

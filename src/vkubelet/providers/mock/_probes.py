@@ -13,19 +13,9 @@ from ...sdk.probes import ExecResult, ProbeReader, ProbeWriter
 from ._fs import Filesystem
 from ._records import MockContainer, MockPod
 from ._shell import environment, run_command
+from ._terminal import Collector
 
 __all__ = ["MockProbes"]
-
-
-class _Collect:
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    async def write(self, data: bytes) -> None:
-        self.data += data
-
-    async def close(self) -> None:
-        pass
 
 
 class MockProbes:
@@ -46,7 +36,7 @@ class MockProbes:
 
     async def exec(self, container: str, command: Sequence[str], limit: float) -> ExecResult:
         found = self._mock.container(container)
-        output = _Collect()
+        output = Collector()
         io = AttachIO(stdin=None, stdout=output, stderr=output)
         fs = await self._filesystem(self._mock, found)
         env = environment(self._mock, found)

@@ -26,6 +26,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from ..._files import write_private
 from ...sdk import ContainerLogOptions, ProviderContext, ProviderError, ResolvedPod
 from ...sdk.capabilities import AttachIO, ByteStream
+from ...sdk.clock import now_rfc3339
 from ...sdk.logs import previous_not_found
 from ...sdk.probes import PodProbes, ProbeEvent, ProbeKind
 from ...sdk.provider import EventSink, PodTokens
@@ -34,7 +35,7 @@ from ...sdk.status import ContainerReport, Running, Terminated, build_pod_status
 from ._config import MockConfig
 from ._fs import Filesystem, container_filesystem, mount_volumes, write_mounted
 from ._probes import MockProbes
-from ._records import MockContainer, MockPod, containers_of, files_of, now, parse_time
+from ._records import MockContainer, MockPod, containers_of, files_of, parse_time
 from ._shell import environment, run_command
 from ._stats import NodeStats
 from ._streams import attach, forward, log_lines
@@ -235,7 +236,7 @@ class MockProvider:
             node=self.node_name,
             ip=(await self.pod_ips(pod))[0],
             containers=containers_of(pod),
-            created=now(),
+            created=now_rfc3339(),
             print_env=annotations.get(PRINT_ENV_ANNOTATION) == "true",
             files=files_of(resolved),
             applied=annotations.get(APPLIED_ANNOTATION),
@@ -247,7 +248,7 @@ class MockProvider:
         self._pods[key] = mock
         self.creates += 1
         if not self.config.start_delay:
-            mock.started = now()
+            mock.started = now_rfc3339()
         await self._saved()
         self._report(mock)  # with a start delay: Pending first
         if self.config.start_delay:
@@ -257,7 +258,7 @@ class MockProvider:
         await asyncio.sleep(self.config.start_delay)
         self._starting.pop(key, None)
         if self._pods.get(key) is mock and mock.stopped is None:
-            mock.started = now()
+            mock.started = now_rfc3339()
             self._report(mock)
             self._save_state()
 
@@ -294,7 +295,7 @@ class MockProvider:
         if task:
             task.cancel()
         self._stats.retire(mock)
-        mock.stopped = now()
+        mock.stopped = now_rfc3339()
         probes = self._probes.pop(mock.uid, None)
         self._probed.pop(mock.uid, None)
         if probes is not None:
@@ -359,7 +360,7 @@ class MockProvider:
         a fresh filesystem), whatever the restart policy, as the mock's processes are fake."""
         found = mock.container(container)
         found.restarts += 1
-        found.restarted = now()
+        found.restarted = now_rfc3339()
         self._filesystems.get(mock.uid, {}).pop(container, None)
         self._report(mock)
         self._save_state()

@@ -15,7 +15,6 @@ from lightkube.models.core_v1 import Container
 from lightkube.resources.core_v1 import Pod
 
 from ...sdk import ProviderError, ResolvedPod
-from ...sdk.clock import now_rfc3339
 from ...sdk.volumes import FilesVolume
 
 
@@ -25,10 +24,6 @@ def format_time(moment: datetime) -> str:
 
 def parse_time(stamp: str) -> datetime:
     return datetime.fromisoformat(stamp)
-
-
-def now() -> str:
-    return now_rfc3339()
 
 
 @dataclass(slots=True)

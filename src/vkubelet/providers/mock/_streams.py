@@ -15,7 +15,8 @@ from collections.abc import AsyncGenerator
 
 from ...sdk import ContainerLogOptions
 from ...sdk.capabilities import AttachIO, ByteStream
-from ._records import MockContainer, MockPod, now, parse_time
+from ...sdk.clock import now_rfc3339
+from ._records import MockContainer, MockPod, parse_time
 from ._terminal import LineReader, Terminal, unless, wait
 
 _FORWARD_LINGER = 1.0  # seconds a client may go on sending after the server closed (containerd's)
@@ -52,7 +53,7 @@ async def log_lines(
     count = 0
     while not await wait(stopped, tick):
         count += 1
-        stamp = f"{now()} " if options.timestamps else ""
+        stamp = f"{now_rfc3339()} " if options.timestamps else ""
         yield f"{stamp}mock: tick {count}\n".encode()
 
 

@@ -52,11 +52,6 @@ async def race(event: asyncio.Event, work: Awaitable[T]) -> tuple[bool, T | None
     return True, task.result()
 
 
-class NoInput:
-    async def read(self, max_bytes: int = CHUNK) -> bytes:
-        return b""
-
-
 class BytesInput:
     def __init__(self, data: bytes) -> None:
         self._data = data
@@ -234,11 +229,11 @@ class Terminal:
             tty_out = TtyOutput(raw)
             if io.stdin is not None:
                 self._discipline = LineDiscipline(io.stdin, raw, self._interrupt)
-            stdin: InputStream = self._discipline or NoInput()
+            stdin: InputStream = self._discipline or BytesInput(b"")
             self.stdio = Stdio(stdin, tty_out, tty_out)
         else:
             self.stdio = Stdio(
-                io.stdin if io.stdin is not None else NoInput(),
+                io.stdin if io.stdin is not None else BytesInput(b""),
                 raw,
                 io.stderr if io.stderr is not None else Discard(),
             )

@@ -16,23 +16,17 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SshFleet"]
 
+_POLL_INTERVAL = 2.0  # seconds between two looks at the inventory file
+
 
 class SshFleet:
     """Implements `NodeFleet`: the inventory file is polled for changes (a stat every
-    `poll_interval` seconds, cheap and portable across editors that replace files)."""
+    `_POLL_INTERVAL` seconds, cheap and portable across editors that replace files)."""
 
-    def __init__(
-        self,
-        path: Path,
-        inventory: Inventory,
-        *,
-        poll_interval: float = 2.0,
-        events: EventSink | None = None,
-    ) -> None:
+    def __init__(self, path: Path, inventory: Inventory, *, events: EventSink | None) -> None:
         self.path = path
         self.events = events  # probe events of the devices' pods
         self.inventory = inventory
-        self.poll_interval = poll_interval
         self._members_by_name: dict[str, tuple[DeviceConfig, FleetNode]] = {}
 
     def _members(self) -> list[FleetNode]:
@@ -62,7 +56,7 @@ class SshFleet:
         yield self._members()
         stamp = _stamp(self.path)
         while True:
-            await asyncio.sleep(self.poll_interval)
+            await asyncio.sleep(_POLL_INTERVAL)
             current = _stamp(self.path)
             if current == stamp:
                 continue

@@ -44,9 +44,6 @@ class Completed:
         return self.stdout
 
 
-Connector = Callable[[DeviceConfig], "asyncio.Future[asyncssh.SSHClientConnection]"]
-
-
 async def connect(config: DeviceConfig) -> asyncssh.SSHClientConnection:
     """Open the connection as the inventory says: host keys verified unless told otherwise."""
     known_hosts: str | None = None
@@ -70,9 +67,8 @@ async def connect(config: DeviceConfig) -> asyncssh.SSHClientConnection:
 
 
 class DeviceLink:
-    def __init__(self, config: DeviceConfig, *, connector: Callable[..., object] = connect) -> None:
+    def __init__(self, config: DeviceConfig) -> None:
         self.config = config
-        self._connector = connector
         self._conn: asyncssh.SSHClientConnection | None = None
         self._up = asyncio.Event()
         # One session is kept for the device's event stream.
@@ -96,7 +92,7 @@ class DeviceLink:
         try:
             while True:
                 try:
-                    conn = await self._connector(self.config)  # type: ignore[misc]
+                    conn = await connect(self.config)
                 except (OSError, asyncssh.Error, TimeoutError) as e:
                     self.last_error = _describe(e)
                     delay = backoff.next_delay()

@@ -582,7 +582,8 @@ async def test_mounts_survive_a_restart_through_the_state_file(tmp_path: Path) -
 def test_a_mock_pod_stopped_in_the_second_it_started_ends_succeeded() -> None:
     """The status is replayed from the pod's life; only its last step may end the pod."""
     from vkubelet.providers.mock._provider import _status
-    from vkubelet.providers.mock._records import MockContainer, MockPod, now
+    from vkubelet.providers.mock._records import MockContainer, MockPod
+    from vkubelet.sdk.clock import now_rfc3339 as now
 
     t = now()
     containers = [MockContainer("setup", "img", [], init=True), MockContainer("app", "img", [])]
