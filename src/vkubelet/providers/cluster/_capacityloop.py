@@ -130,18 +130,19 @@ class CapacityFollowing:
         else:
             if self._usage is not None:
                 self._usage.put(key, pod)
-            meta = pod.get("metadata") or {}
-            if (
-                meta.get("deletionTimestamp")
-                and self._on_gone_node(pod)
-                and is_ours(pod, self._owner())
-            ):
-                self._spawned.spawn(self._force_delete(meta), name=f"force-delete {key} below")
+            self._end_if_stranded(pod)
         self._changed.set()
 
-    def _on_gone_node(self, pod: JSON) -> bool:
-        """Bound to a lower node whose deletion the node watch reported."""
-        return (pod.get("spec") or {}).get("nodeName") in self._deleted_nodes
+    def _end_if_stranded(self, pod: JSON) -> None:
+        """Our lower pod being deleted on a lower node whose deletion the node watch reported:
+        deleted at once, by UID (see `_lower_node_deleted`)."""
+        meta = pod.get("metadata") or {}
+        if (
+            meta.get("deletionTimestamp")
+            and (pod.get("spec") or {}).get("nodeName") in self._deleted_nodes
+            and is_ours(pod, self._owner())
+        ):
+            self._spawned.spawn(self._force_delete(meta), name=f"force-delete {uid_of(pod)} below")
 
     def on_vanished_node(self, lower: JSON) -> bool:
         """Whether the lower pod is bound to a lower node that no longer exists: a graceful
@@ -166,21 +167,12 @@ class CapacityFollowing:
         `pod_changed`, and one that starts after asks for no grace (`on_vanished_node`)."""
         self._changed.set()
         where = (node.get("metadata") or {}).get("name")
-        if where:
-            self._deleted_nodes.add(str(where))
-        pods = self._listed.get("Pod") or {}
-        for pod in list(pods.values()):
-            meta = pod.get("metadata") or {}
-            if (
-                where
-                and (pod.get("spec") or {}).get("nodeName") == where
-                and meta.get("deletionTimestamp")
-                and is_ours(pod, self._owner())
-            ):
-                where_pod = f"{meta.get('namespace')}/{meta.get('name')}"
-                self._spawned.spawn(
-                    self._force_delete(meta), name=f"force-delete {where_pod} below"
-                )
+        if not where:
+            return
+        self._deleted_nodes.add(str(where))
+        for pod in list((self._listed.get("Pod") or {}).values()):
+            if (pod.get("spec") or {}).get("nodeName") == where:
+                self._end_if_stranded(pod)
 
     async def _force_delete(self, meta: JSON) -> None:
         try:

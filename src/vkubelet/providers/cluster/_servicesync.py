@@ -52,7 +52,9 @@ class ServiceReflection:
     async def follow(self) -> None:
         """List, then watch, the upper Services (every namespace: a `system:node` may)."""
         assert self.upper is not None
-        handler = Handler(self._put, self._update, self._drop, on_listed=self._listed.set)
+        handler = Handler(
+            self._put, lambda _old, new: self._put(new), self._drop, on_listed=self._listed.set
+        )
         await Reflector(_Raw(self.upper), "/api/v1/services", dict, handler).run()
 
     async def run(self) -> None:
@@ -74,9 +76,6 @@ class ServiceReflection:
     def _put(self, service: JSON) -> None:
         self.upper_services[name_key(service)] = service
         self._dirty.set()
-
-    def _update(self, _old: JSON, service: JSON) -> None:
-        self._put(service)
 
     def _drop(self, service: JSON) -> None:
         self.upper_services.pop(name_key(service), None)
