@@ -26,16 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..kube import (
-    PERSISTENT_VOLUME_CLAIMS,
-    PERSISTENT_VOLUMES,
-    PODS,
-    ApiError,
-    ObjectRef,
-    Resource,
-    label_selector,
-)
-from ._base import Context
+from ..kube import PERSISTENT_VOLUME_CLAIMS, PERSISTENT_VOLUMES, PODS, ApiError, ObjectRef
+from ._base import API_VERSION, BACKUP_OF_ANNOTATION, Context, read, vm_pods, write_status
 from ._resources import VirtualMachine, VirtualMachineBackup
 
 __all__ = [
@@ -48,14 +40,11 @@ __all__ = [
     "target_annotation",
 ]
 
-NAME_LABEL: Final = "vm.vkubelet.io/name"
-BACKUP_OF: Final = "vm.vkubelet.io/backup-of"
 BACKUP_TARGET: Final = "vm.vkubelet.io/backup-target"
 BACKUP_MODE: Final = "vm.vkubelet.io/backup-mode"
 BACKUP_LABEL: Final = "vm.vkubelet.io/backup"  # on the pod: the backup's name (not NAME_LABEL:
 # the VirtualMachine reconciler counts the pods carrying that one as the VM's own)
 BACKUP_IMAGE: Final = "vm.vkubelet.io/backup"
-API_VERSION: Final = "vkubelet.io/v1alpha1"
 _TERMINAL: Final = ("Succeeded", "Failed")
 _POLL: Final = 2.0
 
@@ -124,7 +113,7 @@ def backup_pod(backup: Mapping[str, Any], vm_pod: Mapping[str, Any], target: str
             "namespace": meta["namespace"],
             "labels": {BACKUP_LABEL: meta["name"]},
             "annotations": {
-                BACKUP_OF: vm_pod["metadata"]["name"],
+                BACKUP_OF_ANNOTATION: vm_pod["metadata"]["name"],
                 BACKUP_TARGET: target,
                 BACKUP_MODE: str(_get(backup, "spec", "mode") or "Auto"),
             },
@@ -183,25 +172,25 @@ class BackupReconciler:
     resource = VirtualMachineBackup
 
     async def reconcile(self, ctx: Context, namespace: str, name: str) -> float | None:
-        backup = await _read(ctx, VirtualMachineBackup, name, namespace)
+        backup = await read(ctx, VirtualMachineBackup, name, namespace)
         if backup is None:
             return None  # deleted: its pod goes with it (owner reference)
         status = dict(backup.get("status") or {})
         if status.get("phase") in _TERMINAL:
             return None
-        pod = await _read(ctx, PODS, pod_name_for(name), namespace)
+        pod = await read(ctx, PODS, pod_name_for(name), namespace)
         if pod is None and status.get("phase") == "Running":
             failure = _Failure("PodDeleted", "the backup pod was deleted")
-            await self._finish(ctx, backup, status, failure)
+            await self._finish(ctx, backup, failure)
             return None
         if pod is None:
             outcome = await self._start(ctx, backup)
             if isinstance(outcome, _Failure):
-                await self._finish(ctx, backup, status, outcome)
+                await self._finish(ctx, backup, outcome)
                 return None
             pod = outcome
         new = status_from_pod(pod)
-        await _set_status(ctx, backup, status, new)
+        await write_status(ctx, VirtualMachineBackup, backup, new)
         if new["phase"] in _TERMINAL:
             self._announce(ctx, backup, new)
             return None
@@ -214,17 +203,17 @@ class BackupReconciler:
         target = spec.get("target")
         claim = volume = None
         if isinstance(target, Mapping) and isinstance(target.get("persistentVolumeClaim"), str):
-            claim = await _read(
+            claim = await read(
                 ctx, PERSISTENT_VOLUME_CLAIMS, target["persistentVolumeClaim"], namespace
             )
             if (pv := _get(claim, "spec", "volumeName")) is not None:
-                volume = await _read(ctx, PERSISTENT_VOLUMES, pv, None)
+                volume = await read(ctx, PERSISTENT_VOLUMES, pv, None)
         try:
             annotation = target_annotation(target, claim, volume)
         except TargetInvalid as e:
             return _Failure("TargetRefused", str(e))
         vm_name = str(spec.get("vmName") or "")
-        vm = await _read(ctx, VirtualMachine, vm_name, namespace) if vm_name else None
+        vm = await read(ctx, VirtualMachine, vm_name, namespace) if vm_name else None
         if vm is None:
             return _Failure("VMNotFound", f"VirtualMachine {vm_name!r} not found")
         vm_pod = await _running_pod(ctx, namespace, vm_name)
@@ -236,7 +225,7 @@ class BackupReconciler:
         except ApiError as e:
             if not e.conflict:
                 raise
-            found = await _read(ctx, PODS, manifest["metadata"]["name"], namespace)
+            found = await read(ctx, PODS, manifest["metadata"]["name"], namespace)
             if found is None:
                 raise
             pod = found
@@ -250,11 +239,9 @@ class BackupReconciler:
             )
         return pod
 
-    async def _finish(
-        self, ctx: Context, backup: dict[str, Any], old: dict[str, Any], failure: _Failure
-    ) -> None:
+    async def _finish(self, ctx: Context, backup: dict[str, Any], failure: _Failure) -> None:
         new = {"phase": "Failed", "reason": failure.reason, "message": failure.message}
-        await _set_status(ctx, backup, old, new)
+        await write_status(ctx, VirtualMachineBackup, backup, new)
         self._announce(ctx, backup, new)
 
     def _announce(self, ctx: Context, backup: dict[str, Any], status: Mapping[str, Any]) -> None:
@@ -270,56 +257,23 @@ class BackupReconciler:
             )
 
 
-async def _read(
-    ctx: Context, resource: Resource, name: str, namespace: str | None
-) -> dict[str, Any] | None:
-    try:
-        found: dict[str, Any] = await ctx.client.get(resource.path(namespace, name))
-    except ApiError as e:
-        if e.not_found:
-            return None
-        raise
-    return found
-
-
 async def _running_pod(ctx: Context, namespace: str, vm: str) -> dict[str, Any] | None:
     """The VM's pod that runs (Running, bound to a node, not being deleted)."""
-    found = await ctx.client.get(
-        PODS.path(namespace), {"labelSelector": label_selector({NAME_LABEL: vm})}
-    )
-    pods: list[dict[str, Any]] = found.get("items") or []
-    for p in pods:
+    for p in await vm_pods(ctx, namespace, vm):
         if (
             _get(p, "status", "phase") == "Running"
             and _get(p, "spec", "nodeName")
             and not _get(p, "metadata", "deletionTimestamp")
-            and BACKUP_OF not in (_get(p, "metadata", "annotations") or {})
+            and BACKUP_OF_ANNOTATION not in (_get(p, "metadata", "annotations") or {})
         ):
             return p
     return None
 
 
-async def _set_status(
-    ctx: Context, backup: dict[str, Any], old: Mapping[str, Any], new: Mapping[str, Any]
-) -> None:
-    changed = {k: v for k, v in new.items() if old.get(k) != v}
-    if not changed:
-        return
-    meta = backup["metadata"]
-    try:
-        await ctx.client.patch(
-            VirtualMachineBackup.path(meta["namespace"], meta["name"], "status"),
-            {"status": changed},
-        )
-    except ApiError as e:
-        if not e.not_found:
-            raise
-
-
 async def restore_path(ctx: Context, namespace: str, backup: str) -> tuple[str, str | None]:
     """The `restore-from` annotation for `spec.restoreFrom.backup`: the backup's directory, and
     the node that holds it. RestoreError when the backup is missing or did not succeed."""
-    found = await _read(ctx, VirtualMachineBackup, backup, namespace)
+    found = await read(ctx, VirtualMachineBackup, backup, namespace)
     if found is None:
         raise RestoreError(f"spec.restoreFrom.backup: VirtualMachineBackup {backup!r} not found")
     status = found.get("status") or {}

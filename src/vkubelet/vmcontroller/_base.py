@@ -1,4 +1,5 @@
-"""What every reconciler of the VM controller shares: the protocol, the context, the names.
+"""What every reconciler of the VM controller shares: the protocol, the context, the names, and
+the few reads and writes they all make (a missing object is an answer there, not an error).
 
 A reconciler is level-triggered: it is handed a (namespace, name), reads the objects it needs
 from the apiserver (never from memory kept between calls), takes the next step and returns. The
@@ -9,13 +10,13 @@ back from what the objects say.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
 import msgspec
 
-from ..kube import EventRecorder, KubeClient, Resource
+from ..kube import NODES, PODS, ApiError, EventRecorder, KubeClient, Resource, label_selector
 
 __all__ = [
     "BACKUP_OF_ANNOTATION",
@@ -29,9 +30,17 @@ __all__ = [
     "PodWatcher",
     "Reconciler",
     "Watched",
+    "annotations_of",
+    "delete_pod",
+    "meta_of",
+    "nodes_by_name",
+    "patch_pod",
+    "read",
+    "require_on_node",
+    "vm_pods",
+    "write_status",
 ]
 
-GROUP: Final = "vkubelet.io"
 API_VERSION: Final = "vkubelet.io/v1alpha1"
 NAME_LABEL: Final = "vm.vkubelet.io/name"  # on a VM's pod: the VirtualMachine's name
 MACHINE_ANNOTATION: Final = "vm.vkubelet.io/machine"  # the VirtualMachine's uid: its disks
@@ -87,4 +96,88 @@ class Context:
 
     client: KubeClient
     events: EventRecorder
-    extra: dict[str, Any] = field(default_factory=dict)  # room for shared settings, unused yet
+
+
+def meta_of(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(obj.get("metadata") or {})
+
+
+def annotations_of(obj: Mapping[str, Any]) -> dict[str, str]:
+    return dict(meta_of(obj).get("annotations") or {})
+
+
+def require_on_node(spec: dict[str, Any], kind: str, requirements: list[dict[str, Any]]) -> None:
+    """Add node `requirements` (`kind`: matchFields or matchExpressions) to a pod spec's required
+    node affinity. Its terms are ORed, so each one gets them: none may lead elsewhere."""
+    affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        term[kind] = [*(term.get(kind) or []), *requirements]
+    required["nodeSelectorTerms"] = terms
+
+
+async def read(
+    ctx: Context, resource: Resource, name: str, namespace: str | None
+) -> dict[str, Any] | None:
+    try:
+        found: dict[str, Any] = await ctx.client.get(resource.path(namespace, name))
+    except ApiError as e:
+        if e.not_found:
+            return None
+        raise
+    return found
+
+
+async def vm_pods(ctx: Context, namespace: str, vm: str) -> list[dict[str, Any]]:
+    """The pods labelled with the VM's name (a quorum read: never a cache)."""
+    found = await ctx.client.get(
+        PODS.path(namespace), {"labelSelector": label_selector({NAME_LABEL: vm})}
+    )
+    pods: list[dict[str, Any]] = found.get("items") or []
+    return pods
+
+
+async def nodes_by_name(ctx: Context) -> dict[str, dict[str, Any]]:
+    listed = (await ctx.client.get(NODES.path())).get("items") or []
+    return {str(n["metadata"]["name"]): n for n in listed}
+
+
+async def patch_pod(ctx: Context, namespace: str, pod: str, patch: dict[str, Any]) -> bool:
+    """False when the pod is gone."""
+    try:
+        await ctx.client.patch(PODS.path(namespace, pod), patch)
+    except ApiError as e:
+        if e.not_found:
+            return False
+        raise
+    return True
+
+
+async def delete_pod(ctx: Context, namespace: str, pod: str) -> bool:
+    """False when the pod was gone already."""
+    try:
+        await ctx.client.delete(PODS.path(namespace, pod))
+    except ApiError as e:
+        if e.not_found:
+            return False
+        raise
+    return True
+
+
+async def write_status(
+    ctx: Context, resource: Resource, obj: Mapping[str, Any], status: Mapping[str, Any]
+) -> None:
+    """Patch the status fields that changed from `obj`'s (an object deleted meanwhile: none)."""
+    old = dict(obj.get("status") or {})
+    changed = {k: v for k, v in status.items() if old.get(k) != v}
+    if not changed:
+        return
+    try:
+        await ctx.client.patch(
+            resource.path(meta_of(obj)["namespace"], meta_of(obj)["name"], "status"),
+            {"status": changed},
+        )
+    except ApiError as e:
+        if not e.not_found:
+            raise

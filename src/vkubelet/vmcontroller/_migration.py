@@ -27,14 +27,26 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kube import NODES, PODS, ApiError, ObjectRef, label_selector
-from ._base import Context, Watched
-from ._placement import TRIGGER_ANNOTATION, node_admits
+from ..kube import PODS, ObjectRef
+from ._base import (
+    NAME_LABEL,
+    Context,
+    Watched,
+    annotations_of,
+    delete_pod,
+    meta_of,
+    nodes_by_name,
+    patch_pod,
+    read,
+    require_on_node,
+    vm_pods,
+    write_status,
+)
+from ._placement import TRIGGER_ANNOTATION, VM_NODE_CONDITION, node_admits
 from ._resources import VirtualMachine, VirtualMachineMigration
 
 __all__ = ["MigrationReconciler", "Step", "decide"]
 
-NAME_LABEL = "vm.vkubelet.io/name"
 MIGRATION_LABEL = "vm.vkubelet.io/migration"  # on the target pod: the migration's name
 MIGRATION_SOURCE = "vm.vkubelet.io/migration-source"
 MIGRATE_TO = "vm.vkubelet.io/migrate-to"
@@ -44,7 +56,6 @@ MIGRATION_TOKEN = "vm.vkubelet.io/migration-token"  # noqa: S105 - its name, not
 TARGET_CONDITION = "vm.vkubelet.io/MigrationTarget"
 MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
 BACKUP_OF = "vm.vkubelet.io/backup-of"
-VM_NODE_CONDITION = "Accelerator"  # the vm provider's node condition
 _TERMINAL = ("Succeeded", "Failed")
 _POLL = 1.0
 
@@ -59,14 +70,6 @@ class Step:
     delete: list[str] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     requeue: float | None = None
-
-
-def _meta(obj: Mapping[str, Any]) -> dict[str, Any]:
-    return dict(obj.get("metadata") or {})
-
-
-def _annotations(obj: Mapping[str, Any]) -> dict[str, str]:
-    return dict(_meta(obj).get("annotations") or {})
 
 
 def _condition(pod: Mapping[str, Any] | None, kind: str) -> dict[str, Any]:
@@ -88,8 +91,7 @@ def _node_problem(nodes: Mapping[str, Mapping[str, Any]], name: str, source: str
     node = nodes.get(name)
     if node is None:
         return f"node {name} does not exist"
-    conditions = (node.get("status") or {}).get("conditions") or []
-    if not any(c.get("type") == VM_NODE_CONDITION for c in conditions):
+    if not _is_vm_node(node):
         return f"node {name} is not a vm node"
     if name == source:
         return f"node {name} already runs the VM"
@@ -102,7 +104,7 @@ def _outside_selection(
     """A target outside the VM template's node selection is refused: the VM would run where
     its own spec says it must not, and the node-selection reconciler (`_placement`) would
     move it straight back."""
-    if vm is None or _annotations(migration).get(TRIGGER_ANNOTATION) == "NodeSelection":
+    if vm is None or annotations_of(migration).get(TRIGGER_ANNOTATION) == "NodeSelection":
         return None
     template = dict(((vm.get("spec") or {}).get("template") or {}).get("spec") or {})
     if node_admits(node, template, taints=False):
@@ -117,14 +119,12 @@ def _outside_selection(
 
 def vm_nodes(nodes: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """The nodes a VM can move to: those the vm provider runs (its node condition)."""
-    return sorted(
-        name
-        for name, node in nodes.items()
-        if any(
-            c.get("type") == VM_NODE_CONDITION
-            for c in (node.get("status") or {}).get("conditions") or []
-        )
-    )
+    return sorted(name for name, node in nodes.items() if _is_vm_node(node))
+
+
+def _is_vm_node(node: Mapping[str, Any]) -> bool:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == VM_NODE_CONDITION for c in conditions)
 
 
 def target_pod(
@@ -137,7 +137,7 @@ def target_pod(
     """A copy of the VM's pod for `node` (None: the scheduler picks among the `candidates`, the
     vm nodes: a pod that tolerates every virtual-kubelet taint could otherwise land on a node of
     another provider; never the source's node)."""
-    meta, name = _meta(source), str(_meta(migration).get("name"))
+    meta, name = meta_of(source), str(meta_of(migration).get("name"))
     spec = copy.deepcopy(dict(source.get("spec") or {}))
     source_node = spec.pop("nodeName", None)
     # The service account's token volume is the admission plugin's: it adds its own again.
@@ -154,12 +154,7 @@ def target_pod(
             if template.get(key):
                 spec[key] = copy.deepcopy(template[key])
         pin = {"key": "metadata.name", "operator": "In", "values": [node]}
-        affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
-        required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-        terms = required.get("nodeSelectorTerms") or [{}]
-        for term in terms:
-            term["matchFields"] = [*(term.get("matchFields") or []), pin]
-        required["nodeSelectorTerms"] = terms
+        require_on_node(spec, "matchFields", [pin])
     if node is not None:
         spec["nodeName"] = node
     elif source_node:
@@ -167,14 +162,9 @@ def target_pod(
         if candidates is not None:  # no other vm node: unschedulable, the scheduler says so
             others = [n for n in candidates if n != source_node] or [source_node]
             away.append({"key": "kubernetes.io/hostname", "operator": "In", "values": others})
-        affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
-        required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-        terms = required.get("nodeSelectorTerms") or [{}]
-        for term in terms:  # terms are ORed: each must keep away from the source
-            term["matchExpressions"] = [*(term.get("matchExpressions") or []), *away]
-        required["nodeSelectorTerms"] = terms
+        require_on_node(spec, "matchExpressions", away)
     annotations = {
-        k: v for k, v in _annotations(source).items() if k not in (MIGRATE_TO, MIGRATION_TOKEN)
+        k: v for k, v in annotations_of(source).items() if k not in (MIGRATE_TO, MIGRATION_TOKEN)
     }
     annotations[MIGRATION_SOURCE] = str(meta["name"])
     annotations[MIGRATION_TOKEN] = secrets.token_hex(32)
@@ -196,7 +186,7 @@ def _template_placement(
 ) -> dict[str, Any] | None:
     """The VM template's pod spec when the migration was made because its node selection
     changed (`_placement`): the target pod takes that selection."""
-    if _annotations(migration).get(TRIGGER_ANNOTATION) != "NodeSelection" or vm is None:
+    if annotations_of(migration).get(TRIGGER_ANNOTATION) != "NodeSelection" or vm is None:
         return None
     return dict(((vm.get("spec") or {}).get("template") or {}).get("spec") or {})
 
@@ -208,27 +198,27 @@ def decide(
     nodes: Mapping[str, Mapping[str, Any]],
 ) -> Step:
     """The next step of `migration`, from the objects alone."""
-    name = str(_meta(migration).get("name"))
+    name = str(meta_of(migration).get("name"))
     spec, status = dict(migration.get("spec") or {}), dict(migration.get("status") or {})
-    live = [p for p in pods if not _meta(p).get("deletionTimestamp")]
-    by_name = {str(_meta(p).get("name")): p for p in live}
-    targets = [p for p in live if (_meta(p).get("labels") or {}).get(MIGRATION_LABEL) == name]
+    live = [p for p in pods if not meta_of(p).get("deletionTimestamp")]
+    by_name = {str(meta_of(p).get("name")): p for p in live}
+    targets = [p for p in live if (meta_of(p).get("labels") or {}).get(MIGRATION_LABEL) == name]
     target = targets[0] if targets else None
     source = by_name.get(str(status.get("sourcePod") or ""))
     step = Step()
 
     def fail(reason: str, message: str) -> Step:
         step.status.update(phase="Failed", reason=reason, message=message)
-        step.delete += [str(_meta(t)["name"]) for t in targets]
-        if source is not None and MIGRATE_TO in _annotations(source):
-            step.annotate[str(_meta(source)["name"])] = {MIGRATE_TO: None, MIGRATION_TOKEN: None}
+        step.delete += [str(meta_of(t)["name"]) for t in targets]
+        if source is not None and MIGRATE_TO in annotations_of(source):
+            step.annotate[str(meta_of(source)["name"])] = {MIGRATE_TO: None, MIGRATION_TOKEN: None}
         step.events.append(("Warning", reason, message))
         step.requeue = None
         return step
 
     if status.get("phase") in _TERMINAL:
         if status["phase"] == "Failed":  # a target left by an interrupted clean-up
-            step.delete += [str(_meta(t)["name"]) for t in targets]
+            step.delete += [str(meta_of(t)["name"]) for t in targets]
         return step
     vm_name = str(spec.get("vmName"))
     if vm is None:
@@ -236,14 +226,14 @@ def decide(
 
     if not status.get("sourcePod") and target is not None:
         # Created by a pass whose status write did not happen: take it up from the target.
-        source = by_name.get(_annotations(target).get(MIGRATION_SOURCE, ""))
+        source = by_name.get(annotations_of(target).get(MIGRATION_SOURCE, ""))
         if source is None:
             return fail("SourceGone", "the VM's pod went away")
         step.status.update(
             phase="Scheduling",
-            sourcePod=_meta(source)["name"],
+            sourcePod=meta_of(source)["name"],
             sourceNode=str((source.get("spec") or {}).get("nodeName") or ""),
-            targetPod=_meta(target)["name"],
+            targetPod=meta_of(target)["name"],
             progress=0,
         )
         step.requeue = _POLL
@@ -254,8 +244,8 @@ def decide(
             for p in live
             if (p.get("status") or {}).get("phase") == "Running"
             # a target only while its source lives (a completed one is the VM's pod)
-            and _annotations(p).get(MIGRATION_SOURCE) not in by_name
-            and BACKUP_OF not in _annotations(p)
+            and annotations_of(p).get(MIGRATION_SOURCE) not in by_name
+            and BACKUP_OF not in annotations_of(p)
         ]
         if not running:
             return fail("VMNotRunning", f"VirtualMachine {vm_name} has no running pod to move")
@@ -275,7 +265,7 @@ def decide(
         )
         step.status.update(
             phase="Preparing" if wanted else "Scheduling",
-            sourcePod=_meta(source)["name"],
+            sourcePod=meta_of(source)["name"],
             sourceNode=source_node,
             progress=0,
         )
@@ -300,13 +290,13 @@ def decide(
         )
         step.requeue = _POLL
         return step
-    target_name = str(_meta(target)["name"])
+    target_name = str(meta_of(target)["name"])
     step.status["targetPod"] = target_name
     ready = _condition(target, TARGET_CONDITION)
     endpoint = _json(ready.get("message")) if ready.get("status") == "True" else {}
     # The source's outcome is this migration's when we annotated it (our name beside the
     # endpoint) and the condition speaks of that endpoint: never an earlier migration's.
-    given = _annotations(source or {})
+    given = annotations_of(source or {})
     sent = _json(given.get(MIGRATE_TO)) if given.get(MIGRATION_LABEL) == name else {}
     outcome = _condition(source, MIGRATION_CONDITION)
     report = _json(outcome.get("message"))
@@ -359,11 +349,11 @@ def decide(
         step.requeue = _POLL
         return step
     step.status["phase"] = "Migrating"
-    if _annotations(source).get(MIGRATE_TO) != ready["message"]:
+    if annotations_of(source).get(MIGRATE_TO) != ready["message"]:
         step.annotate[str(status["sourcePod"])] = {
             MIGRATE_TO: str(ready["message"]),
             MIGRATION_LABEL: name,
-            MIGRATION_TOKEN: _annotations(target).get(MIGRATION_TOKEN),
+            MIGRATION_TOKEN: annotations_of(target).get(MIGRATION_TOKEN),
         }
     elif ours:
         step.status["progress"] = int(report.get("progress", 0))
@@ -385,51 +375,22 @@ class MigrationReconciler:
             yield str(meta.namespace), name
 
     async def reconcile(self, ctx: Context, namespace: str, name: str) -> float | None:
-        client = ctx.client
-        try:
-            migration = await client.get(VirtualMachineMigration.path(namespace, name))
-        except ApiError as e:
-            if e.not_found:
-                return None
-            raise
+        migration = await read(ctx, VirtualMachineMigration, name, namespace)
+        if migration is None:
+            return None
         vm_name = str((migration.get("spec") or {}).get("vmName"))
-        vm: dict[str, Any] | None
-        try:
-            vm = await client.get(VirtualMachine.path(namespace, vm_name))
-        except ApiError as e:
-            if not e.not_found:
-                raise
-            vm = None
-        selector = {"labelSelector": label_selector({NAME_LABEL: vm_name})}
-        pods = (await client.get(PODS.path(namespace), selector)).get("items") or []
-        nodes = {
-            str(n["metadata"]["name"]): n
-            for n in (await client.get(NODES.path())).get("items") or []
-        }
-        step = decide(migration, vm, pods, nodes)
+        vm = await read(ctx, VirtualMachine, vm_name, namespace)
+        pods = await vm_pods(ctx, namespace, vm_name)
+        step = decide(migration, vm, pods, await nodes_by_name(ctx))
         obj = ObjectRef.of(migration)
         if step.create is not None:
-            created = await client.create(PODS.path(namespace), step.create)
+            created = await ctx.client.create(PODS.path(namespace), step.create)
             step.status["targetPod"] = created["metadata"]["name"]
         for pod, changes in step.annotate.items():
-            patch = {"metadata": {"annotations": changes}}
-            try:
-                await client.patch(PODS.path(namespace, pod), patch)
-            except ApiError as e:
-                if not e.not_found:
-                    raise
+            await patch_pod(ctx, namespace, pod, {"metadata": {"annotations": changes}})
         for pod in step.delete:
-            try:
-                await client.delete(PODS.path(namespace, pod))
-            except ApiError as e:
-                if not e.not_found:
-                    raise
-        old = dict(migration.get("status") or {})
-        changed = {k: v for k, v in step.status.items() if old.get(k) != v}
-        if changed:
-            await client.patch(
-                VirtualMachineMigration.path(namespace, name, "status"), {"status": changed}
-            )
+            await delete_pod(ctx, namespace, pod)
+        await write_status(ctx, VirtualMachineMigration, migration, step.status)
         for kind, reason, message in step.events:
             ctx.events.emit(obj, kind, reason, message)
         return step.requeue

@@ -21,14 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from ..kube import (
-    NODES,
-    PODS,
-    STRATEGIC_MERGE_PATCH,
-    ApiError,
-    ObjectRef,
-    label_selector,
-)
+from ..kube import PODS, STRATEGIC_MERGE_PATCH, ApiError, ObjectRef
 from ..sdk.backoff import go_duration
 from ..sdk.quantity import QuantityError, parse_quantity
 from ._backup import RestoreError, restore_path
@@ -43,6 +36,15 @@ from ._base import (
     ROOT_DISK_SIZE_ANNOTATION,
     Context,
     Watched,
+    annotations_of,
+    delete_pod,
+    meta_of,
+    nodes_by_name,
+    patch_pod,
+    read,
+    require_on_node,
+    vm_pods,
+    write_status,
 )
 from ._placement import NODE_SELECTION_CONDITION, decide_placement
 from ._powerbackoff import delay_for, failure_of, parse_time, ran_long_enough
@@ -75,14 +77,6 @@ class Decision:
     event: tuple[str, str, str] | None = None  # (type, reason, message), once per decision
 
 
-def _meta(obj: Mapping[str, Any]) -> dict[str, Any]:
-    return dict(obj.get("metadata") or {})
-
-
-def _annotations(obj: Mapping[str, Any]) -> dict[str, str]:
-    return dict(_meta(obj).get("annotations") or {})
-
-
 def root_size(annotations: Mapping[str, str]) -> str | None:
     for key in ROOT_SIZE_KEYS:
         if annotations.get(key):
@@ -97,13 +91,13 @@ def _template(vm: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def desired_labels(vm: Mapping[str, Any]) -> dict[str, str]:
     tmeta, _ = _template(vm)
-    return {**(tmeta.get("labels") or {}), NAME_LABEL: str(_meta(vm)["name"])}
+    return {**(tmeta.get("labels") or {}), NAME_LABEL: str(meta_of(vm)["name"])}
 
 
 def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
     """The VM's pod: the template, named `<vm>-<random>`, owned by and labelled with the VM,
     annotated with the machine (the VM's uid: the provider keeps its disks under it)."""
-    meta = _meta(vm)
+    meta = meta_of(vm)
     tmeta, tspec = _template(vm)
     annotations = {**(tmeta.get("annotations") or {}), MACHINE_ANNOTATION: str(meta["uid"])}
     if (size := root_size(annotations)) is not None:
@@ -144,22 +138,16 @@ def _pinned(spec: dict[str, Any], node: str | None) -> dict[str, Any]:
     if not node or spec.get("nodeName"):
         return spec
     pin = {"key": "metadata.name", "operator": "In", "values": [node]}
-    affinity = spec.setdefault("affinity", {})
-    node_affinity = affinity.setdefault("nodeAffinity", {})
-    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-    terms = required.get("nodeSelectorTerms") or [{}]
-    for term in terms:
-        term["matchFields"] = [*(term.get("matchFields") or []), pin]
-    required["nodeSelectorTerms"] = terms
+    require_on_node(spec, "matchFields", [pin])
     return spec
 
 
 def _owned(vm: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
-    uid = _meta(vm).get("uid")
-    refs = _meta(pod).get("ownerReferences") or []
+    uid = meta_of(vm).get("uid")
+    refs = meta_of(pod).get("ownerReferences") or []
     if any(ref.get("uid") == uid for ref in refs):
         return True
-    return _annotations(pod).get(MACHINE_ANNOTATION) == uid
+    return annotations_of(pod).get(MACHINE_ANNOTATION) == uid
 
 
 def _container_state(pod: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,14 +199,14 @@ def _sort_key(pod: Mapping[str, Any]) -> tuple[bool, str, str]:
     """The pod to keep when (through some accident) there are several: a running one first,
     then the oldest."""
     running = "running" in _container_state(pod)
-    meta = _meta(pod)
+    meta = meta_of(pod)
     return (not running, str(meta.get("creationTimestamp") or ""), str(meta.get("name")))
 
 
 def _phase_of(pod: Mapping[str, Any]) -> str:
     if (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
         return "Failed"
-    if _annotations(pod).get(MIGRATE_TO_ANNOTATION):
+    if annotations_of(pod).get(MIGRATE_TO_ANNOTATION):
         return "Migrating"
     return "Running" if "running" in _container_state(pod) else "Starting"
 
@@ -266,7 +254,7 @@ def decide(
     message of this pass's failed create, for the status)."""
     now = now or datetime.now(UTC)
     stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-    meta, spec = _meta(vm), dict(vm.get("spec") or {})
+    meta, spec = meta_of(vm), dict(vm.get("spec") or {})
     old_status = dict(vm.get("status") or {})
     generation = meta.get("generation")
     replicas = int(spec.get("replicas", 1))
@@ -275,12 +263,12 @@ def decide(
     if meta.get("deletionTimestamp"):
         return decision  # the garbage collector deletes the pods (owner references)
 
-    own = [p for p in pods if _owned(vm, p) and BACKUP_OF_ANNOTATION not in _annotations(p)]
-    terminating = [p for p in own if _meta(p).get("deletionTimestamp")]
-    live = [p for p in own if not _meta(p).get("deletionTimestamp")]
-    live_names = {_meta(p).get("name") for p in live}
+    own = [p for p in pods if _owned(vm, p) and BACKUP_OF_ANNOTATION not in annotations_of(p)]
+    terminating = [p for p in own if meta_of(p).get("deletionTimestamp")]
+    live = [p for p in own if not meta_of(p).get("deletionTimestamp")]
+    live_names = {meta_of(p).get("name") for p in live}
     # A migration target is the migration reconciler's while its source pod lives.
-    targets = [p for p in live if _annotations(p).get(MIGRATION_SOURCE_ANNOTATION) in live_names]
+    targets = [p for p in live if annotations_of(p).get(MIGRATION_SOURCE_ANNOTATION) in live_names]
     finished = [
         p
         for p in live
@@ -289,8 +277,8 @@ def decide(
     # An ended source of a live target (its QEMU died mid-migration) is the migration
     # reconciler's too: whether the guest arrived decides which pod goes, and which node keeps
     # the machine (status.machineNode); deleting it here would make the target the VM's pod.
-    sources = {_annotations(p).get(MIGRATION_SOURCE_ANNOTATION) for p in targets}
-    held = [p for p in finished if _meta(p).get("name") in sources]
+    sources = {annotations_of(p).get(MIGRATION_SOURCE_ANNOTATION) for p in targets}
+    held = [p for p in finished if meta_of(p).get("name") in sources]
     terminal = [p for p in finished if p not in held]
     active = sorted((p for p in live if p not in targets and p not in finished), key=_sort_key)
     last_power_off = old_status.get("lastPowerOff")
@@ -310,25 +298,25 @@ def decide(
     backing_off = False
     if replicas == 0:
         for pod in active:
-            decision.power_off[str(_meta(pod)["name"])] = mode
+            decision.power_off[str(meta_of(pod)["name"])] = mode
             last_power_off = mode
-        decision.delete += [str(_meta(p)["name"]) for p in targets + terminal]
+        decision.delete += [str(meta_of(p)["name"]) for p in targets + terminal]
         kept = None
     else:
         kept = active[0] if active else None
         failed = max(
-            terminal, key=lambda p: str(_meta(p).get("creationTimestamp") or ""), default=None
+            terminal, key=lambda p: str(meta_of(p).get("creationTimestamp") or ""), default=None
         )
         if (
             kept is None
             and failed is not None
-            and _meta(failed).get("name") != last_failure.get("podName")
+            and meta_of(failed).get("name") != last_failure.get("podName")
         ):
             restarts = 1 if ran_long_enough(failed, now) else restarts + 1
             delay = delay_for(restarts)
             reason, message = failure_of(failed)
             last_failure = {
-                "podName": _meta(failed).get("name"),
+                "podName": meta_of(failed).get("name"),
                 "reason": reason,
                 "message": message,
                 "time": stamp,
@@ -348,11 +336,11 @@ def decide(
             decision.requeue = max((next_start - now).total_seconds(), 0.5)
         else:
             next_start = None
-            decision.delete += [str(_meta(p)["name"]) for p in terminal]
+            decision.delete += [str(meta_of(p)["name"]) for p in terminal]
             if not own and failure is None:
                 decision.create = pod_for(vm)
         for extra in active[1:]:  # never two: keep the running (or oldest) one
-            decision.power_off[str(_meta(extra)["name"])] = "Shutdown"
+            decision.power_off[str(meta_of(extra)["name"])] = "Shutdown"
         if kept is not None:
             _sync(vm, kept, decision)
 
@@ -405,7 +393,7 @@ def decide(
         )
     else:
         new_conditions.append(_condition(conditions, "Synced", "True", "", "", generation, stamp))
-    kept_meta = _meta(kept or {})
+    kept_meta = meta_of(kept or {})
     decision.status = {
         "phase": phase,
         "nodeName": ((kept or {}).get("spec") or {}).get("nodeName") or None,
@@ -443,8 +431,8 @@ def _sync(vm: Mapping[str, Any], pod: Mapping[str, Any], decision: Decision) -> 
     root disk size (an annotation the provider grows the disk from) and CPU/memory (the
     `pods/resize` subresource, Kubernetes' in-place resize). Other template changes apply at
     the next power-on."""
-    name = str(_meta(pod)["name"])
-    labels = dict(_meta(pod).get("labels") or {})
+    name = str(meta_of(pod)["name"])
+    labels = dict(meta_of(pod).get("labels") or {})
     wanted = desired_labels(vm)
     patch_labels: dict[str, str | None] = {k: v for k, v in wanted.items() if labels.get(k) != v}
     patch_labels.update({k: None for k in labels if k not in wanted})
@@ -453,7 +441,7 @@ def _sync(vm: Mapping[str, Any], pod: Mapping[str, Any], decision: Decision) -> 
         patch["labels"] = patch_labels
     tmeta, tspec = _template(vm)
     size = root_size(dict(tmeta.get("annotations") or {}))
-    annotations = _annotations(pod)
+    annotations = annotations_of(pod)
     if size is not None and annotations.get(ROOT_DISK_SIZE_ANNOTATION) != size:
         patch["annotations"] = {ROOT_DISK_SIZE_ANNOTATION: size, "vm.vkubelet.io/root-size": size}
     if patch:
@@ -481,14 +469,11 @@ class VirtualMachineReconciler:
 
     async def reconcile(self, ctx: Context, namespace: str, name: str) -> float | None:
         client = ctx.client
-        try:
-            vm_dict = await client.get(VirtualMachine.path(namespace, name))
-        except ApiError as e:
-            if e.not_found:
-                return None
-            raise
+        vm_dict = await read(ctx, VirtualMachine, name, namespace)
+        if vm_dict is None:
+            return None
         vm = ObjectRef.of(vm_dict)
-        pods = await list_pods(ctx, namespace, name)
+        pods = await vm_pods(ctx, namespace, name)
         now = datetime.now(UTC)
         decision = decide(vm_dict, pods, now=now)
         failure = None
@@ -497,7 +482,7 @@ class VirtualMachineReconciler:
         for pod_name, mode in decision.power_off.items():
             await self._power_off(ctx, vm, namespace, pod_name, mode)
         for pod_name in decision.delete:
-            await _delete(ctx, namespace, pod_name)
+            await delete_pod(ctx, namespace, pod_name)
         if decision.create is not None:
             failure = await _resolve_restore(ctx, namespace, decision.create)
             if failure is not None:
@@ -512,7 +497,7 @@ class VirtualMachineReconciler:
                 failure = ("FailedCreate", f"the pod was refused: {e.message}")
                 ctx.events.emit(vm, "Warning", "FailedCreate", failure[1])
         for pod_name, patch in decision.patch.items():
-            await _patch(ctx, namespace, pod_name, patch)
+            await patch_pod(ctx, namespace, pod_name, patch)
         for pod_name, patch in decision.resize.items():
             log.info("%s/%s: resizing pod %s: %s", namespace, name, pod_name, patch)
             try:
@@ -532,7 +517,7 @@ class VirtualMachineReconciler:
         if failure is not None:
             decision = decide(vm_dict, pods, failure=failure, now=now)
         await self._place(ctx, vm, vm_dict, pods, decision)
-        await self._write_status(ctx, vm_dict, namespace, name, decision.status)
+        await write_status(ctx, VirtualMachine, vm_dict, decision.status)
         before = (vm_dict.get("status") or {}).get("phase")
         after = decision.status.get("phase")
         if after and after != before:
@@ -560,15 +545,12 @@ class VirtualMachineReconciler:
             decision.status["conditions"] = [*decision.status["conditions"], *kept]
         if decision.status.get("phase") != "Running":
             return
-        pod = next((p for p in pods if _meta(p).get("name") == decision.status["podName"]), None)
+        pod = next((p for p in pods if meta_of(p).get("name") == decision.status["podName"]), None)
         if pod is None:
             return
-        namespace = str(_meta(vm_dict).get("namespace"))
+        namespace = str(meta_of(vm_dict).get("namespace"))
         try:
-            nodes = {
-                str(n["metadata"]["name"]): n
-                for n in (await ctx.client.get(NODES.path())).get("items") or []
-            }
+            nodes = await nodes_by_name(ctx)
             found = await ctx.client.get(VirtualMachineMigration.path(namespace))
             migrations: list[dict[str, Any]] = found.get("items") or []
         except ApiError as e:
@@ -588,7 +570,7 @@ class VirtualMachineReconciler:
                 if not e.conflict:  # 409: made by an earlier pass
                     raise
             else:
-                log.info("%s: %s", _meta(vm_dict).get("name"), placement.message)
+                log.info("%s: %s", meta_of(vm_dict).get("name"), placement.message)
                 ctx.events.emit(vm, "Normal", "NodeSelectionChanged", placement.message)
         elif placement.reason == "NoMatchingNode" and not any(
             c.get("reason") == "NoMatchingNode" for c in old
@@ -601,7 +583,7 @@ class VirtualMachineReconciler:
             placement.status,
             placement.reason,
             placement.message,
-            _meta(vm_dict).get("generation"),
+            meta_of(vm_dict).get("generation"),
             stamp,
         )
         decision.status["conditions"] = [*decision.status["conditions"], condition]
@@ -614,9 +596,9 @@ class VirtualMachineReconciler:
         """Annotate the power-off mode, then delete: the provider reads the annotation when
         the deletion reaches it (a restart in between annotates again, then deletes)."""
         patch = {"metadata": {"annotations": {POWER_OFF_ANNOTATION: mode}}}
-        if not await _patch(ctx, namespace, pod_name, patch):
+        if not await patch_pod(ctx, namespace, pod_name, patch):
             return
-        if await _delete(ctx, namespace, pod_name):
+        if await delete_pod(ctx, namespace, pod_name):
             log.info(
                 "%s/%s: powering off (%s): deleted pod %s",
                 namespace,
@@ -625,55 +607,6 @@ class VirtualMachineReconciler:
                 pod_name,
             )
             ctx.events.emit(vm, "Normal", "PoweringOff", f"{mode}: deleting pod {pod_name}")
-
-    async def _write_status(
-        self,
-        ctx: Context,
-        vm: Mapping[str, Any],
-        namespace: str,
-        name: str,
-        status: dict[str, Any],
-    ) -> None:
-        old = dict(vm.get("status") or {})
-        changed = {k: v for k, v in status.items() if old.get(k) != v}
-        if not changed:
-            return
-        try:
-            await ctx.client.patch(
-                VirtualMachine.path(namespace, name, "status"), {"status": changed}
-            )
-        except ApiError as e:
-            if not e.not_found:
-                raise
-
-
-async def list_pods(ctx: Context, namespace: str, vm: str) -> list[dict[str, Any]]:
-    """The pods labelled with the VM's name (a quorum read: never a cache, see the module)."""
-    found = await ctx.client.get(
-        PODS.path(namespace), {"labelSelector": label_selector({NAME_LABEL: vm})}
-    )
-    pods: list[dict[str, Any]] = found.get("items") or []
-    return pods
-
-
-async def _patch(ctx: Context, namespace: str, pod_name: str, patch: dict[str, Any]) -> bool:
-    try:
-        await ctx.client.patch(PODS.path(namespace, pod_name), patch)
-    except ApiError as e:
-        if e.not_found:
-            return False
-        raise
-    return True
-
-
-async def _delete(ctx: Context, namespace: str, pod_name: str) -> bool:
-    try:
-        await ctx.client.delete(PODS.path(namespace, pod_name))
-    except ApiError as e:
-        if e.not_found:
-            return False
-        raise
-    return True
 
 
 async def _resolve_restore(
