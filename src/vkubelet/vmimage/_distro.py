@@ -195,14 +195,6 @@ def _resolve(cache_dir: Path | None) -> tuple[dict[str, str], list[tuple[str, st
     return packages, sources
 
 
-def cached_distro_image(cache_dir: Path | None = None) -> GuestImage | None:
-    """The distribution guest for today's recipe if it was built before (no build)."""
-    packages, sources = _resolve(cache_dir)
-    digest = recipe_hash(packages, sources)
-    disk = (cache_dir or default_cache_dir()) / digest / "disk.qcow2"
-    return GuestImage(disk, digest, packages) if disk.is_file() else None
-
-
 def build_distro_image(
     cache_dir: Path | None = None, progress: Progress = lambda _: None, *, force: bool = False
 ) -> GuestImage:

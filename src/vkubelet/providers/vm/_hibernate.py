@@ -44,7 +44,6 @@ from ._vm import VM, Launch, ResizeState, VMHost
 __all__ = [
     "HIBERNATED",
     "HIBERNATE_FAILED",
-    "MACHINE_ANNOTATION",
     "POWER_OFF_ANNOTATION",
     "HibernateError",
     "Saved",
@@ -58,7 +57,6 @@ __all__ = [
     "wants_hibernate",
 ]
 
-MACHINE_ANNOTATION = "vm.vkubelet.io/machine"
 POWER_OFF_ANNOTATION = "vm.vkubelet.io/power-off"
 HIBERNATED = "Hibernated"
 HIBERNATE_FAILED = "HibernateFailed"
@@ -168,17 +166,14 @@ async def hibernate(
             "migrate", {"uri": "exec:cat > " + shlex.quote(str(partial.resolve()))}
         )
         info = await _migration_done(monitor, timeout)
-    except (ExecuteError, MonitorUnavailable) as e:
+        if info.get("status") != "completed":
+            why = info.get("error-desc", "no reason given")
+            raise HibernateError(f"saving the state {info.get('status')}: {why}")
+    except (ExecuteError, MonitorUnavailable, HibernateError) as e:
         await _running_again(monitor)
+        if isinstance(e, HibernateError):
+            raise
         raise HibernateError(f"QEMU refused to save the state: {e}") from None
-    except HibernateError:
-        await _running_again(monitor)
-        raise
-    if info.get("status") != "completed":
-        await _running_again(monitor)
-        raise HibernateError(
-            f"saving the state {info.get('status')}: {info.get('error-desc', 'no reason given')}"
-        )
     partial.replace(where / "state")
     meta = {
         "launch": launch.to_json(),

@@ -79,8 +79,8 @@ def machine_dir(state_dir: Path, pod: Pod) -> Path | None:
 
 def record_image(directory: Path, image_sha256: str | None) -> None:
     """Remember the image the machine's root overlay is backed by (for the image GC)."""
-    data: dict[str, Any] = {}
     path = directory / "machine.json"
+    data: dict[str, Any]
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -114,11 +114,9 @@ async def existing_machines(kubeconfig: Path) -> set[str] | None:
             if uid := (vm.get("metadata") or {}).get("uid"):
                 uids.add(str(uid))
         return uids
-    except ApiError as e:
-        log.debug("machine gc: cannot list VirtualMachines (%s); nothing removed", e.message)
-        return None
     except Exception as e:
-        log.debug("machine gc: cannot list VirtualMachines (%s); nothing removed", e)
+        why = e.message if isinstance(e, ApiError) else e
+        log.debug("machine gc: cannot list VirtualMachines (%s); nothing removed", why)
         return None
     finally:
         await client.aclose()

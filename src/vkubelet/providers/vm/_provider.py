@@ -32,7 +32,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from lightkube.models.core_v1 import PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ..._files import write_private
@@ -98,14 +97,11 @@ class _Transport:
     def __init__(self, provider: VMProvider, key: str) -> None:
         self._provider, self._key = provider, key
 
-    def _machine(self) -> MachineHandle:
-        vm = self._provider.vms.get(self._key)
-        if vm is None or vm.machine is None or vm.booted_at is None:
-            raise ProbeUnknown("the guest is not up")
-        return vm.machine
-
     async def exec(self, container: str, command: Sequence[str], limit: float) -> ExecResult:
-        output = await self._machine().exec(list(command), timeout=limit)
+        vm = self._provider.vms.get(self._key)
+        if vm is None or vm.machine is None or not vm.up:
+            raise ProbeUnknown("the guest is not up")
+        output = await vm.machine.exec(list(command), timeout=limit)
         return ExecResult(output.exit_code, output.stdout + output.stderr)
 
     async def open_connection(self, host: str, port: int) -> Any:
@@ -113,7 +109,7 @@ class _Transport:
 
     def available(self) -> bool:
         vm = self._provider.vms.get(self._key)
-        return vm is not None and vm.machine is not None and vm.booted_at is not None
+        return vm is not None and vm.up
 
 
 # -- the provider -------------------------------------------------------------------------------
@@ -272,13 +268,12 @@ class VMProvider(RunnerProvider):
         except SpecError as e:
             await self.runtime.detach_network(pod.uid)
             raise ProviderError("InvalidVMSpec", str(e)) from None
-        prefix = self.config.image_prefix.rstrip("/") + "/"
-        if not plan.image.startswith(prefix):
+        if not self._is_vm_image(plan.image):
             await self.runtime.detach_network(pod.uid)
             raise ProviderError(
                 "UnsupportedImage",
                 f"spec.containers[0].image: {plan.image!r} is not a VM image "
-                f"(this node runs {prefix}<name> images)",
+                f"(this node runs {self.config.image_prefix.rstrip('/')}/<name> images)",
             )
         vm = VM(pod.pod, self.config.run_root / pod.uid, plan=plan)
         vm.address = (await self.runtime.attach_network(pod.uid)).address
@@ -460,12 +455,10 @@ class VMProvider(RunnerProvider):
             await self.runtime.create_overlay(image, root, plan.root_size)
         elif disk_dir != vm.dir and plan.root_size is not None:
             await _persist.grow_root(root, plan.root_size)  # asked bigger while powered off
-        disks = [(root, plan.disk_bus)]
-        for index, scratch in enumerate(plan.scratch):
-            path = self._scratch_path(vm, disk_dir, scratch, index)
+        for scratch, path in zip(plan.scratch, scratch_paths, strict=True):
             if not path.exists():
                 await self.runtime.create_blank(path, scratch.size)
-            disks.append((path, plan.disk_bus))
+        disks = [(p, plan.disk_bus) for p in (root, *scratch_paths)]
         network = await self.runtime.attach_network(vm.uid)
         vm.address = network.address
         meta = vm.pod.metadata
@@ -790,10 +783,6 @@ class VMProvider(RunnerProvider):
             return None
         return Pod(metadata=vm.pod.metadata, spec=vm.pod.spec, status=vm.status)
 
-    async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
-        pod = await self.get_pod(namespace, name)
-        return pod.status if pod is not None else None
-
     async def list_pods(self) -> list[Pod]:
         await self._start()
         pods = []
@@ -877,16 +866,12 @@ class VMProvider(RunnerProvider):
                 try:
                     found = await client.get(path)
                     data = {str(k): str(v) for k, v in (found.get("data") or {}).items()}
-                except ApiError as e:
-                    if not e.not_found:
+                except Exception as e:  # the apiserver away: try again later
+                    if not (isinstance(e, ApiError) and e.not_found):
                         log.warning("%s: cannot read it: %s", origin, e)
                         await asyncio.sleep(source.interval)
                         continue
                     data = None
-                except Exception as e:  # the apiserver away: try again later
-                    log.warning("%s: cannot read it: %s", origin, e)
-                    await asyncio.sleep(source.interval)
-                    continue
                 if data != seen:
                     seen = data
                     try:

@@ -77,27 +77,27 @@ class Monitor:
         """Hand QEMU an open file (SCM_RIGHTS) as a new fd set; returns its id (a node opens it as
         `/dev/fdset/<id>`). For files QEMU cannot open by path: it runs in the VM's network
         namespace's own mount namespace, which does not see what is mounted after it started."""
-        await self.connect()
-        async with self._commands:  # the fd waits in QEMU for the next command: nothing between
-            try:
-                self._client.send_fd_scm(fd)
-            except (QMPError, OSError, AssertionError) as e:
-                raise MonitorUnavailable(f"QMP add-fd: {e}") from None
-            reply = await self._execute("add-fd", None)
+        reply = await self._send_fd(fd, "add-fd", None, "add-fd")
         return int(reply["fdset-id"])
 
     async def pass_fd(self, name: str, fd: int) -> None:
         """Hand QEMU an open file descriptor (SCM_RIGHTS, then `getfd`) under `name`: a socket
         the agent opened where QEMU cannot (QEMU runs inside the VM's network namespace)."""
+        await self._send_fd(fd, "getfd", {"fdname": name}, f"getfd {name}")
+
+    async def _send_fd(
+        self, fd: int, command: str, arguments: Mapping[str, Any] | None, what: str
+    ) -> Any:
+        """Send `fd`, then the `command` that claims it."""
         await self.connect()
         # QEMU keeps a passed descriptor only until its next read of the socket: nothing may
-        # come between it and the `getfd` that claims it.
+        # come between it and the command that claims it.
         async with self._commands:
             try:
                 self._client.send_fd_scm(fd)
             except (QMPError, OSError, AssertionError) as e:
-                raise MonitorUnavailable(f"QMP getfd {name}: {e}") from None
-            await self._execute("getfd", {"fdname": name})
+                raise MonitorUnavailable(f"QMP {what}: {e}") from None
+            return await self._execute(command, arguments)
 
     async def status(self) -> str:
         """The run state: running, paused, shutdown, guest-panicked, ..."""

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from ...sdk import AttachIO, ByteStream, ProviderError
+from ...sdk import AttachIO, ByteStream
 from ._backend import MachineHandle
 
 __all__ = ["TTY_REFUSED", "attach_console", "exec_through_agent", "forward_tcp"]
@@ -28,8 +28,7 @@ _CHUNK = 65536
 
 
 async def exec_through_agent(machine: MachineHandle, command: Sequence[str], io: AttachIO) -> int:
-    if io.tty:
-        raise ProviderError("BadRequest", TTY_REFUSED)
+    """A command without a terminal (the caller refuses `-t` with `TTY_REFUSED`)."""
     chunks = []
     while io.stdin is not None and (data := await io.stdin.read()):
         chunks.append(data)

@@ -31,6 +31,7 @@ from typing import Any
 from ...kube import ApiError, KubeClient
 from ...sdk import ProviderError
 from ._disks import parse_size
+from ._machine import _opt
 
 __all__ = [
     "PROVISIONER",
@@ -183,10 +184,6 @@ def drive_args(claims: Sequence[tuple[str, str]]) -> tuple[str, ...]:
 
 def _is_file(path: Path) -> bool:
     return path.is_file()  # a stat of a local file: not worth a thread
-
-
-def _opt(value: object) -> str:
-    return str(value).replace(",", ",,")
 
 
 _STORAGE_CLASSES = "/apis/storage.k8s.io/v1/storageclasses"
