@@ -62,6 +62,7 @@ from typing import Any, Protocol
 
 from ..._files import write_atomic
 from ...sdk.logs import LogWriter
+from ...sdk.retry import Backoff
 from ._disks import DiskError, _qemu_img, resize
 
 __all__ = [
@@ -545,7 +546,7 @@ async def _check_space(
 
 async def _wait_jobs(run: _Run) -> None:
     shown = -1
-    pause = 0.01  # short at first: a small incremental is done in milliseconds
+    pause = Backoff(initial=0.01, cap=_POLL, jitter=0.0)  # a small incremental takes milliseconds
     while True:
         jobs = {
             str(j["id"]): j
@@ -569,8 +570,7 @@ async def _wait_jobs(run: _Run) -> None:
             if errors:
                 raise BackupError("BackupFailed", "; ".join(errors))
             return
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, _POLL)
+        await pause.wait()
 
 
 async def _drop_targets(run: _Run) -> None:
