@@ -75,22 +75,21 @@ async def run_leader_elected(
 
     async def campaign() -> None:  # on the Leases' loop
         nonlocal elector
-        client = KubeClient.from_kubeconfig(config.kubeconfig, options=config.client)
-        elector = LeaderElector(
-            KubeLeases(client),
-            namespace=options.namespace,
-            identity=options.identity,
-            name=lease_name("agent", names[0] if len(names) == 1 else group_of(names)),
-            timing=options.timing,
-            labels={GROUP_LABEL: group_of(names), ROLE_LABEL: "leader"},
-        )
-        log.info("leader election: %s stands by for Lease %s", options.identity, elector.name)
-        try:
-            await elector.run(lambda: run_on(main, lead))
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(elector.release())
-            await client.aclose()
+        async with KubeClient.from_kubeconfig(config.kubeconfig, options=config.client) as client:
+            elector = LeaderElector(
+                KubeLeases(client),
+                namespace=options.namespace,
+                identity=options.identity,
+                name=lease_name("agent", names[0] if len(names) == 1 else group_of(names)),
+                timing=options.timing,
+                labels={GROUP_LABEL: group_of(names), ROLE_LABEL: "leader"},
+            )
+            log.info("leader election: %s stands by for Lease %s", options.identity, elector.name)
+            try:
+                await elector.run(lambda: run_on(main, lead))
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(elector.release())
 
     try:
         if health is not None:

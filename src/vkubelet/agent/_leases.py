@@ -15,8 +15,9 @@ import dataclasses
 import hashlib
 import re
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextvars import ContextVar
+from typing import Any
 
 from ..kube import KubeClient, LeaseTiming, Unreachable
 from ..node import AgentConfig
@@ -94,7 +95,7 @@ async def lease_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
 
 
 async def run_on(
-    loop: asyncio.AbstractEventLoop | None, work: Callable[[], Awaitable[None]]
+    loop: asyncio.AbstractEventLoop | None, work: Callable[[], Coroutine[Any, Any, None]]
 ) -> None:
     """Run `work()` as a task on `loop` (another thread's, or this one) until it ends; its error
     is raised here. Cancelled, it cancels that task and waits for its end: work under a Lease
@@ -115,7 +116,7 @@ async def run_on(
             ended.set_result(None)
 
     def start() -> None:
-        task = there.create_task(_call(work))
+        task = there.create_task(work())
         task.add_done_callback(lambda t: here.call_soon_threadsafe(settle, t))
         started.append(task)
 
@@ -129,7 +130,3 @@ async def run_on(
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(ended)
         raise
-
-
-async def _call(work: Callable[[], Awaitable[None]]) -> None:
-    await work()

@@ -213,14 +213,13 @@ class LeaderElector:
         with contextlib.suppress(_Held):
             renewal = self._mine is not None
             if await self._attempt():
-                if renewal:
-                    return True
-                log.info(
-                    "leader election: %s now leads (Lease %s/%s)",
-                    self.identity,
-                    self.namespace,
-                    self.name,
-                )
+                if not renewal:
+                    log.info(
+                        "leader election: %s now leads (Lease %s/%s)",
+                        self.identity,
+                        self.namespace,
+                        self.name,
+                    )
                 return True
         return False
 
