@@ -405,13 +405,13 @@ def dev_build(
 
     try:
         binaries = ensure_binaries(_progress)
-        node = ensure_worker_binaries(_progress) if workers else {}
+        more = ensure_worker_binaries(_progress) if workers else {}
         if helm:
-            node = {**node, "helm": ensure_helm(_progress)}
+            more["helm"] = ensure_helm(_progress)
     except DevClusterError as e:
         raise _fail(e) from None
     out.print(f"Kubernetes {binaries.kubernetes_version} binaries in {binaries.directory}")
-    for name, path in node.items():
+    for name, path in more.items():
         out.print(f"{name}: {path}", highlight=False)
 
 
