@@ -16,7 +16,7 @@ import logging
 import socket
 import ssl
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from ..kube import KubeClient
 from ..kubelet import KubeletAuth, KubeletServer
@@ -205,16 +205,14 @@ class Agent:
             await self._connect()
             await self.identify()
             async with asyncio.TaskGroup() as group:
+
+                def supervise(work: Callable[[], Awaitable[None]], name: str, task: str) -> None:
+                    group.create_task(run_supervised(work, name=name, logger=log), name=task)
+
                 if self.identity is not None:
                     identity, client = self.identity, self.client
-                    group.create_task(
-                        run_supervised(
-                            lambda: identity.renew_forever(client),
-                            name="client certificate renewal",
-                            logger=log,
-                        ),
-                        name="identity",
-                    )
+                    renew = functools.partial(identity.renew_forever, client)
+                    supervise(renew, "client certificate renewal", "identity")
                 # Many nodes start spread over a few seconds rather than in one burst, which
                 # would delay every node's first lease renewals behind a thousand registrations;
                 # as many as may start at once start at once (a restart of a few nodes is on
@@ -229,32 +227,16 @@ class Agent:
                     )
                     started += len(runner.nodes)
                 for node, webhook in webhooks(self.nodes):
-                    port = node.settings.kubelet_port
-                    group.create_task(
-                        run_supervised(
-                            functools.partial(
-                                serve_webhook,
-                                self.client,
-                                node,
-                                webhook,
-                                functools.partial(self.port_tls, port)
-                                if self.config.kubelet_api
-                                else None,
-                            ),
-                            name=f"admission webhook of {node.settings.name}",
-                            logger=log,
-                        ),
-                        name=f"webhook {node.settings.name}",
+                    port, name = node.settings.kubelet_port, node.settings.name
+                    tls = (
+                        functools.partial(self.port_tls, port) if self.config.kubelet_api else None
                     )
+                    serve = functools.partial(serve_webhook, self.client, node, webhook, tls)
+                    supervise(serve, f"admission webhook of {name}", f"webhook {name}")
                 for fleet in self.fleets:
-                    group.create_task(
-                        run_supervised(fleet.run, name=f"fleet {fleet.name}", logger=log),
-                        name=f"fleet {fleet.name}",
-                    )
+                    supervise(fleet.run, f"fleet {fleet.name}", f"fleet {fleet.name}")
                 if self.shard is not None:
-                    group.create_task(
-                        run_supervised(self.shard.run, name="sharding", logger=log), name="shard"
-                    )
+                    supervise(self.shard.run, "sharding", "shard")
                     if self.replicas is not None and self.replicas.health_port:
                         health = StandbyHealth(self.replicas.health_port, lambda: True)
                         await health.start()

@@ -29,11 +29,6 @@ class ClientCA:
         self._directory: Path | None = None
         self._reading: asyncio.Task[Path | None] | None = None
 
-    @property
-    def directory(self) -> Path | None:
-        """The process's temporary directory, if one was made."""
-        return self._directory
-
     async def file(self, client: KubeClient) -> Path | None:
         """In order: `clientCAFile` from the config; the cluster's own statement of it
         (ConfigMap kube-system/extension-apiserver-authentication, readable with the right

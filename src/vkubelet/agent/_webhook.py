@@ -29,14 +29,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..kube import ApiError, KubeClient, ObjectRef, Unreachable
+from ..kube import APPLY_PATCH, ApiError, KubeClient, ObjectRef, Unreachable
 from ..kubelet import Exchange, HttpLimits, serve_connection, server_ssl_context
 from ..node import NodeAgent
 from ._serving import cluster_ca
 
 log = logging.getLogger(__name__)
 
-APPLY_PATCH = "application/apply-patch+yaml"
 _CONFIGURATIONS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 # A pod in an AdmissionReview can be as large as the object limit of etcd (1.5 MiB), twice over
 # on updates; we only see creates.

@@ -16,10 +16,10 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 import httpx2 as httpx
 import msgspec
@@ -87,24 +87,6 @@ _WATCHES = Limits(max_connections=None, max_idle=0, idle_expiry=0)
 _HEARTBEATS = Limits(max_connections=16, max_idle=16, idle_expiry=5)
 
 
-class _Pool(Protocol):
-    async def request(
-        self,
-        method: str,
-        path: str,
-        params: Mapping[str, str] | None,
-        body: bytes | None,
-        content_type: str | None,
-        before_write: Callable[[], None],
-    ) -> tuple[int, bytes]: ...
-
-    def stream(
-        self, path: str, params: Mapping[str, str] | None, read_timeout: float | None
-    ) -> AbstractAsyncContextManager[StreamedAnswer]: ...
-
-    async def aclose(self) -> None: ...
-
-
 class _HttpxPool:
     """The httpx path, kept for an injected transport (unit tests, `testing.fakeapi`) and for
     credentials the lean client does not handle (exec plugins): lightkube's auth flows do."""
@@ -153,6 +135,9 @@ class _HttpxPool:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+_Pool = Pool | _HttpxPool
 
 
 class KubeClient:
@@ -256,12 +241,8 @@ class KubeClient:
         content_type: str = "application/json",
     ) -> JSON:
         """Send one request and decode the JSON answer; raise ApiError or Unreachable."""
-        content = await self.request_raw(
-            method, path, params=params, body=body, content_type=content_type
-        )
-        if not content:
-            return {}
-        decoded: JSON = _decode(content)
+        content = await self._send(self._http, method, path, params, body, content_type)
+        decoded: JSON = _decode(content) if content else {}
         return decoded
 
     async def request_raw(

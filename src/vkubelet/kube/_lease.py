@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from ..sdk.clock import now_micro
 from ._client import KubeClient
 from ._errors import ApiError
+from ._resources import LEASES
 
 __all__ = [
     "KubeLeases",
@@ -84,47 +85,45 @@ class KubeLeases:
     def __init__(self, client: KubeClient) -> None:
         self._client = client
 
-    @staticmethod
-    def path(namespace: str, name: str = "") -> str:
-        base = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
-        return f"{base}/{name}" if name else base
-
     async def get(self, namespace: str, name: str) -> JSON | None:
         try:
-            return await self._client.get(self.path(namespace, name))
+            return await self._client.get(LEASES.path(namespace, name))
         except ApiError as e:
             if e.not_found:
                 return None
             raise
 
     async def create(self, lease: JSON) -> JSON:
-        try:
-            return await self._client.create(self.path(lease["metadata"]["namespace"]), lease)
-        except ApiError as e:
-            if e.conflict:
-                raise LeaseConflict(str(e)) from e
-            raise
+        return await _unless_conflict(
+            self._client.create(LEASES.path(lease["metadata"]["namespace"]), lease)
+        )
 
     async def replace(self, lease: JSON) -> JSON:
         meta = lease["metadata"]
-        try:
-            return await self._client.replace(self.path(meta["namespace"], meta["name"]), lease)
-        except ApiError as e:
-            if e.conflict:
-                raise LeaseConflict(str(e)) from e
-            raise
+        path = LEASES.path(meta["namespace"], meta["name"])
+        return await _unless_conflict(self._client.replace(path, lease))
 
     async def list(self, namespace: str, selector: str) -> list[JSON]:
-        answer = await self._client.get(self.path(namespace), {"labelSelector": selector})
+        answer = await self._client.get(LEASES.path(namespace), {"labelSelector": selector})
         items: list[JSON] = answer.get("items") or []
         return items
 
     async def delete(self, namespace: str, name: str) -> None:
         try:
-            await self._client.delete(self.path(namespace, name))
+            await self._client.delete(LEASES.path(namespace, name))
         except ApiError as e:
             if not e.not_found:
                 raise
+
+
+async def _unless_conflict(write: Awaitable[JSON]) -> JSON:
+    """The stored Lease; a 409 is `LeaseConflict`."""
+    try:
+        return await write
+    except ApiError as e:
+        if e.conflict:
+            raise LeaseConflict(str(e)) from e
+        raise
 
 
 def default_identity() -> str:

@@ -43,6 +43,9 @@ from ..sdk.retry import Backoff
 log = logging.getLogger(__name__)
 
 SIGNER = "kubernetes.io/kubelet-serving"
+CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
+# What the CSR of each purpose asks for: its signer and its extended key usage.
+_PURPOSES = {"serving": (SIGNER, "server auth"), "client": (CLIENT_SIGNER, "client auth")}
 _CSR_PATH = "/apis/certificates.k8s.io/v1/certificatesigningrequests"
 # How often a CSR that nobody approves is brought up again in the log.
 PENDING_REMINDER_SECONDS = 60.0
@@ -224,11 +227,9 @@ class ServingCertificate:
             key_pem, pem = await request_certificate(
                 self._client,
                 node_name=self.node_name,
-                signer=SIGNER,
-                usages=["digital signature", "server auth"],
+                purpose="serving",
                 sans=_sans(self.addresses),
                 approve=self._approve,
-                purpose="serving",
                 on_sent=self.on_csr,
             )
         finally:
@@ -243,11 +244,9 @@ async def request_certificate(
     client: KubeClient,
     *,
     node_name: str,
-    signer: str,
-    usages: list[str],
-    sans: list[x509.GeneralName],
-    approve: bool,
     purpose: str,
+    sans: Sequence[x509.GeneralName] = (),
+    approve: bool = False,
     on_sent: Callable[[str], None] = lambda name: None,
 ) -> tuple[bytes, bytes]:
     """(key PEM, certificate PEM) for `system:node:<name>` from the CSR API.
@@ -255,6 +254,7 @@ async def request_certificate(
     With `approve`, the CSR is approved with our own identity; if that is refused (no rights),
     we wait for someone else to approve it, saying how.
     """
+    signer, usage = _PURPOSES[purpose]
     key = ec.generate_private_key(ec.SECP256R1())
     builder = x509.CertificateSigningRequestBuilder().subject_name(
         x509.Name(
@@ -275,7 +275,7 @@ async def request_certificate(
         "spec": {
             "request": base64.b64encode(request.public_bytes(serialization.Encoding.PEM)).decode(),
             "signerName": signer,
-            "usages": usages,
+            "usages": ["digital signature", usage],
         },
     }
     await client.create(_CSR_PATH, body)
@@ -290,13 +290,8 @@ async def request_certificate(
             log.warning("node %s: cannot approve CSR %s ourselves: %s", node_name, name, e)
     # A client certificate is the controller-manager's to approve (bootstrap tokens): say so only
     # when it takes long. A serving certificate is nobody's to approve by default: say so now.
-    pem = await _wait_signed(
-        client,
-        name,
-        node_name=node_name,
-        purpose=purpose,
-        first_reminder=0.0 if (purpose == "serving" and not approved) else None,
-    )
+    remind_now = purpose == "serving" and not approved
+    pem = await _wait_signed(client, name, node_name, purpose, remind_now)
     cert = x509.load_pem_x509_certificate(pem)
     log.info(
         "node %s: %s certificate signed, valid until %s",
@@ -325,31 +320,13 @@ async def _approve_csr(client: KubeClient, name: str) -> None:
     await client.replace(f"{_CSR_PATH}/{name}/approval", csr)
 
 
-def _remind(name: str, node_name: str, purpose: str) -> None:
-    log.warning(
-        "node %s: CSR %s for its %s certificate is waiting for approval; a cluster admin "
-        "approves it with: kubectl certificate approve %s",
-        node_name,
-        name,
-        purpose,
-        name,
-    )
-
-
 async def _wait_signed(
-    client: KubeClient,
-    name: str,
-    *,
-    node_name: str = "",
-    purpose: str = "",
-    first_reminder: float | None = None,
+    client: KubeClient, name: str, node_name: str, purpose: str, remind_now: bool
 ) -> bytes:
-    """The signed certificate, once there. A WARNING with the approve command comes after
-    `first_reminder` seconds (default: a minute) and then every minute while it is pending."""
+    """The signed certificate, once there. A WARNING with the approve command comes at once
+    with `remind_now`, else after a minute, and then every minute while it is pending."""
     backoff = Backoff(initial=0.2, factor=1.5, cap=10.0, jitter=0.0)
-    next_reminder = time.monotonic() + (
-        PENDING_REMINDER_SECONDS if first_reminder is None else first_reminder
-    )
+    next_reminder = time.monotonic() + (0.0 if remind_now else PENDING_REMINDER_SECONDS)
     while True:
         try:
             csr = await client.get(f"{_CSR_PATH}/{name}")
@@ -366,12 +343,16 @@ async def _wait_signed(
                 return base64.b64decode(status["certificate"])
             approved = any(c.get("type") == "Approved" for c in status.get("conditions") or [])
             if not approved and time.monotonic() >= next_reminder:
-                _remind(name, node_name, purpose)
+                log.warning(
+                    "node %s: CSR %s for its %s certificate is waiting for approval; a cluster "
+                    "admin approves it with: kubectl certificate approve %s",
+                    node_name,
+                    name,
+                    purpose,
+                    name,
+                )
                 next_reminder = time.monotonic() + PENDING_REMINDER_SECONDS
         await backoff.wait()
-
-
-CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
 
 
 def _cluster_of(kubeconfig: Path) -> tuple[str, bytes] | None:
@@ -474,13 +455,7 @@ class ClientIdentity:
 
     async def _obtain(self, client: KubeClient) -> None:
         key_pem, cert_pem = await request_certificate(
-            client,
-            node_name=self.node_name,
-            signer=CLIENT_SIGNER,
-            usages=["digital signature", "client auth"],
-            sans=[],
-            approve=False,
-            purpose="client",
+            client, node_name=self.node_name, purpose="client"
         )
         cluster = client.config.cluster
         if cluster.certificate_auth_data:

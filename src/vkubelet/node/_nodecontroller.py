@@ -38,7 +38,7 @@ import msgspec
 from lightkube.resources.core_v1 import Node
 
 from .. import __version__
-from ..kube import STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
+from ..kube import LEASES, NODES, STRATEGIC_MERGE_PATCH, ApiError, KubeClient, Unreachable
 from ..sdk.clock import now_micro, now_rfc3339
 from ..sdk.provider import (
     NodeCondition,
@@ -213,10 +213,8 @@ class NodeController:
         # condition type -> (status, lastTransitionTime) as last published
         self._transitions: dict[str, tuple[str, str]] = {}
         self._published: set[str] = set()  # condition types the API has from us
-        self._path = f"/api/v1/nodes/{settings.name}"
-        self._lease_path = (
-            f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{settings.name}"
-        )
+        self._path = NODES.path(name=settings.name)
+        self._lease_path = LEASES.path(LEASE_NAMESPACE, settings.name)
         self._wake = asyncio.Event()
         self.uid: str | None = None
         self.healthy = True
@@ -353,7 +351,7 @@ class NodeController:
             if not e.not_found:
                 raise
             desired["status"]["conditions"] = self._conditions()
-            created = await self._client.create("/api/v1/nodes", desired)
+            created = await self._client.create(NODES.path(), desired)
             self.uid = created["metadata"]["uid"]
             # Status in a create is dropped by the apiserver: set it through the subresource.
             await self._patch_status(desired["status"])
@@ -534,9 +532,7 @@ class NodeController:
             "spec": self._lease_spec(),
         }
         try:
-            await self._client.create(
-                f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases", lease
-            )
+            await self._client.create(LEASES.path(LEASE_NAMESPACE), lease)
         except ApiError as e:
             if not e.conflict:
                 raise
@@ -599,13 +595,8 @@ class NodeController:
             else:
                 try:
                     await self._renew()
-                except ApiError as e:
-                    if e.not_found:
-                        await self._reregister("its Lease is gone")
-                    else:
-                        log.warning("node %s: lease renewal failed: %s", self.settings.name, e)
-                except Unreachable as e:
-                    log.warning("node %s: lease renewal failed: %s", self.settings.name, e)
+                except (ApiError, Unreachable) as e:
+                    await self._failed("lease renewal", e, gone="its Lease is gone")
                 else:
                     now = loop.time()
                     if self.renewals and now - last > interval * 1.5:
@@ -639,13 +630,15 @@ class NodeController:
                     # A refused label (NodeRestriction, say) must not stop status updates.
                     log.warning("node %s: label update failed: %s", self.settings.name, e)
                 await self._patch_status(desired["status"])
-            except ApiError as e:
-                if e.not_found:
-                    await self._reregister("the Node object is gone")
-                else:
-                    log.warning("node %s: status update failed: %s", self.settings.name, e)
-            except Unreachable as e:
-                log.warning("node %s: status update failed: %s", self.settings.name, e)
+            except (ApiError, Unreachable) as e:
+                await self._failed("status update", e, gone="the Node object is gone")
+
+    async def _failed(self, what: str, e: ApiError | Unreachable, *, gone: str) -> None:
+        """A heartbeat that failed; a 404 says the Node was deleted (its Lease with it)."""
+        if isinstance(e, ApiError) and e.not_found:
+            await self._reregister(gone)
+        else:
+            log.warning("node %s: %s failed: %s", self.settings.name, what, e)
 
     async def _ping_loop(self) -> None:
         assert isinstance(self._provider, NodeProvider)

@@ -127,7 +127,7 @@ class PodController:
             Handler(self._on_add, self._on_update, self._on_delete),
             params={"fieldSelector": f"spec.nodeName={node_name}"},
             name=f"pods of {node_name}",
-            decode=PodRecord.from_json,
+            decode=PodRecord,
         )
         self.objects = ObjectCache(client, self._on_object_change)
         self._resolver = resolver_factory(self.objects)

@@ -163,10 +163,6 @@ class PodRecord:
             parts["status"] = wire.status
         self.raw = _encode(parts)
 
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> PodRecord:
-        return cls(raw)
-
     @property
     def metadata(self) -> PodRecord:
         """Lets the reflector read `.metadata.name` etc. without decoding the pod."""

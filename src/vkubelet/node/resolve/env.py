@@ -26,7 +26,7 @@ from typing import Final, Literal
 from .expansion import expand
 from .fieldpath import FieldSelectorError, pod_field_value
 from .jsonvalues import bytes_to_env, decode_base64_map, obj, seq, string_map, text
-from .podips import host_ips_of, pod_ips_of
+from .podips import ips_of
 from .resourcefields import env_allocatable, env_resource_value
 from .servicelinks import DEFAULT_MASTER_SERVICES_NAMESPACE, pod_service_env
 from .sources import JSON, SourceReadError, Sources
@@ -292,8 +292,8 @@ def resolve_env(
     cannot start.
     """
     resolver = _EnvResolver(pod, container, sources)
-    known_pod_ips = list(pod_ips) if pod_ips is not None else pod_ips_of(pod)
-    known_host_ips = list(host_ips) if host_ips is not None else host_ips_of(pod)
+    known_pod_ips = list(pod_ips) if pod_ips is not None else ips_of(pod, "podIP")
+    known_host_ips = list(host_ips) if host_ips is not None else ips_of(pod, "hostIP")
     if service_env is None:
         try:
             service_env = pod_service_env(pod, sources, master_services_namespace)

@@ -9,23 +9,14 @@ from .jsonvalues import obj, seq, text
 from .sources import JSON
 
 
-def pod_ips_of(pod: JSON) -> list[str]:
-    """The pod's IPs from its status (`podIPs`, falling back to `podIP`)."""
+def ips_of(pod: JSON, single: str) -> list[str]:
+    """The pod's (`single` "podIP") or its node's ("hostIP") IPs as its status records them:
+    the list field (`podIPs`), falling back to the single one."""
     status = obj(pod.get("status"))
-    ips = [text(obj(entry).get("ip")) for entry in seq(status.get("podIPs"))]
+    ips = [text(obj(entry).get("ip")) for entry in seq(status.get(f"{single}s"))]
     ips = [ip for ip in ips if ip]
-    if not ips and text(status.get("podIP")):
-        ips = [text(status.get("podIP"))]
-    return ips
-
-
-def host_ips_of(pod: JSON) -> list[str]:
-    """The node's IPs as recorded in the pod status (`hostIPs`, falling back to `hostIP`)."""
-    status = obj(pod.get("status"))
-    ips = [text(obj(entry).get("ip")) for entry in seq(status.get("hostIPs"))]
-    ips = [ip for ip in ips if ip]
-    if not ips and text(status.get("hostIP")):
-        ips = [text(status.get("hostIP"))]
+    if not ips and text(status.get(single)):
+        ips = [text(status.get(single))]
     return ips
 
 
