@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..kube import PERSISTENT_VOLUME_CLAIMS, PERSISTENT_VOLUMES, PODS, ApiError, ObjectRef
-from ._base import API_VERSION, BACKUP_OF_ANNOTATION, Context, read, vm_pods, write_status
+from ._base import (
+    BACKUP_OF_ANNOTATION,
+    TERMINAL,
+    Context,
+    controller_ref,
+    read,
+    vm_pods,
+    write_status,
+)
 from ._resources import VirtualMachine, VirtualMachineBackup
 
 __all__ = [
@@ -45,7 +53,6 @@ BACKUP_MODE: Final = "vm.vkubelet.io/backup-mode"
 BACKUP_LABEL: Final = "vm.vkubelet.io/backup"  # on the pod: the backup's name (not NAME_LABEL:
 # the VirtualMachine reconciler counts the pods carrying that one as the VM's own)
 BACKUP_IMAGE: Final = "vm.vkubelet.io/backup"
-_TERMINAL: Final = ("Succeeded", "Failed")
 _POLL: Final = 2.0
 
 
@@ -117,16 +124,7 @@ def backup_pod(backup: Mapping[str, Any], vm_pod: Mapping[str, Any], target: str
                 BACKUP_TARGET: target,
                 BACKUP_MODE: str(_get(backup, "spec", "mode") or "Auto"),
             },
-            "ownerReferences": [
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": "VirtualMachineBackup",
-                    "name": meta["name"],
-                    "uid": meta["uid"],
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "ownerReferences": [controller_ref("VirtualMachineBackup", backup)],
         },
         "spec": {
             "nodeName": vm_pod["spec"]["nodeName"],
@@ -142,7 +140,7 @@ def status_from_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     """The backup's status from its pod's (phase, and the outcome the provider reported)."""
     phase = _get(pod, "status", "phase") or "Pending"
     status: dict[str, Any] = {
-        "phase": phase if phase in ("Pending", "Running", *_TERMINAL) else "Pending",
+        "phase": phase if phase in ("Pending", "Running", *TERMINAL) else "Pending",
         "podName": _get(pod, "metadata", "name"),
         "nodeName": _get(pod, "spec", "nodeName"),
     }
@@ -176,7 +174,7 @@ class BackupReconciler:
         if backup is None:
             return None  # deleted: its pod goes with it (owner reference)
         status = dict(backup.get("status") or {})
-        if status.get("phase") in _TERMINAL:
+        if status.get("phase") in TERMINAL:
             return None
         pod = await read(ctx, PODS, pod_name_for(name), namespace)
         if pod is None and status.get("phase") == "Running":
@@ -191,7 +189,7 @@ class BackupReconciler:
             pod = outcome
         new = status_from_pod(pod)
         await write_status(ctx, VirtualMachineBackup, backup, new)
-        if new["phase"] in _TERMINAL:
+        if new["phase"] in TERMINAL:
             self._announce(ctx, backup, new)
             return None
         return _POLL

@@ -26,11 +26,14 @@ __all__ = [
     "NAME_LABEL",
     "POWER_OFF_ANNOTATION",
     "ROOT_DISK_SIZE_ANNOTATION",
+    "TERMINAL",
     "Context",
     "PodWatcher",
     "Reconciler",
     "Watched",
     "annotations_of",
+    "condition_of",
+    "controller_ref",
     "delete_pod",
     "meta_of",
     "nodes_by_name",
@@ -49,6 +52,7 @@ ROOT_DISK_SIZE_ANNOTATION: Final = "vm.vkubelet.io/root-disk-size"
 MIGRATION_SOURCE_ANNOTATION: Final = "vm.vkubelet.io/migration-source"  # on a migration target
 MIGRATE_TO_ANNOTATION: Final = "vm.vkubelet.io/migrate-to"  # on a migrating source pod
 BACKUP_OF_ANNOTATION: Final = "vm.vkubelet.io/backup-of"  # on a backup pod
+TERMINAL: Final = ("Succeeded", "Failed")  # the phases a pod (or a backup, a migration) ends in
 
 
 @runtime_checkable
@@ -104,6 +108,28 @@ def meta_of(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 def annotations_of(obj: Mapping[str, Any]) -> dict[str, str]:
     return dict(meta_of(obj).get("annotations") or {})
+
+
+def condition_of(obj: Mapping[str, Any] | None, type: str) -> dict[str, Any]:
+    """The object's status condition of `type` ({} when it has none)."""
+    for condition in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if condition.get("type") == type:
+            return dict(condition)
+    return {}
+
+
+def controller_ref(kind: str, obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The owner reference that makes `obj` (one of our kinds) the controller of what carries
+    it: the garbage collector deletes that with it."""
+    meta = meta_of(obj)
+    return {
+        "apiVersion": API_VERSION,
+        "kind": kind,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def require_on_node(spec: dict[str, Any], kind: str, requirements: list[dict[str, Any]]) -> None:

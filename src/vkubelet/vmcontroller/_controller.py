@@ -97,7 +97,6 @@ class VMController:
         self.pods = self._reflector(
             PODS.path(config.namespace), self._keys_of_pod, {NAME_LABEL: None}
         )
-        self.reconciled = 0  # reconcile passes run (for tests and logs)
 
     def _reflector(
         self,
@@ -148,7 +147,6 @@ class VMController:
     async def _reconcile(self, key: str) -> None:
         number, namespace, name = key.split("/", 2)
         reconciler = self.reconcilers[int(number)]
-        self.reconciled += 1
         log.debug("reconcile %s %s/%s", reconciler.resource.kind, namespace, name)
         after = await reconciler.reconcile(self.ctx, namespace, name)
         if after is not None:

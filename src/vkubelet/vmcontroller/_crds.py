@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from ..kube import APPLY_PATCH, CUSTOM_RESOURCE_DEFINITIONS, KubeClient
+from ._base import condition_of
 
 __all__ = ["CRD_FILES", "crd_documents", "crd_yaml", "install_crds"]
 
@@ -49,10 +50,7 @@ async def install_crds(client: KubeClient, *, wait: float = 60.0) -> list[str]:
     for name in names:
         while True:
             crd = await client.get(CUSTOM_RESOURCE_DEFINITIONS.path(name=name))
-            conditions = (crd.get("status") or {}).get("conditions") or ()
-            if any(
-                c.get("type") == "Established" and c.get("status") == "True" for c in conditions
-            ):
+            if condition_of(crd, "Established").get("status") == "True":
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"CRD {name} not Established after {wait:g}s")

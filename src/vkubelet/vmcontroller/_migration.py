@@ -29,10 +29,15 @@ from typing import Any
 
 from ..kube import PODS, ObjectRef
 from ._base import (
+    BACKUP_OF_ANNOTATION,
+    MIGRATE_TO_ANNOTATION,
+    MIGRATION_SOURCE_ANNOTATION,
     NAME_LABEL,
+    TERMINAL,
     Context,
     Watched,
     annotations_of,
+    condition_of,
     delete_pod,
     meta_of,
     nodes_by_name,
@@ -48,15 +53,11 @@ from ._resources import VirtualMachine, VirtualMachineMigration
 __all__ = ["MigrationReconciler", "Step", "decide"]
 
 MIGRATION_LABEL = "vm.vkubelet.io/migration"  # on the target pod: the migration's name
-MIGRATION_SOURCE = "vm.vkubelet.io/migration-source"
-MIGRATE_TO = "vm.vkubelet.io/migrate-to"
 # The per-migration secret: on the target pod from its creation, on the source beside
 # `migrate-to`; the target's agent refuses any connection that does not start with it.
 MIGRATION_TOKEN = "vm.vkubelet.io/migration-token"  # noqa: S105 - its name, not its value
 TARGET_CONDITION = "vm.vkubelet.io/MigrationTarget"
 MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
-BACKUP_OF = "vm.vkubelet.io/backup-of"
-_TERMINAL = ("Succeeded", "Failed")
 _POLL = 1.0
 
 
@@ -70,13 +71,6 @@ class Step:
     delete: list[str] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     requeue: float | None = None
-
-
-def _condition(pod: Mapping[str, Any] | None, kind: str) -> dict[str, Any]:
-    for condition in ((pod or {}).get("status") or {}).get("conditions") or []:
-        if condition.get("type") == kind:
-            return dict(condition)
-    return {}
 
 
 def _json(text: object) -> dict[str, Any]:
@@ -164,9 +158,11 @@ def target_pod(
             away.append({"key": "kubernetes.io/hostname", "operator": "In", "values": others})
         require_on_node(spec, "matchExpressions", away)
     annotations = {
-        k: v for k, v in annotations_of(source).items() if k not in (MIGRATE_TO, MIGRATION_TOKEN)
+        k: v
+        for k, v in annotations_of(source).items()
+        if k not in (MIGRATE_TO_ANNOTATION, MIGRATION_TOKEN)
     }
-    annotations[MIGRATION_SOURCE] = str(meta["name"])
+    annotations[MIGRATION_SOURCE_ANNOTATION] = str(meta["name"])
     annotations[MIGRATION_TOKEN] = secrets.token_hex(32)
     labels = {**(meta.get("labels") or {}), MIGRATION_LABEL: name}
     vm_name = labels.get(NAME_LABEL) or str(meta["name"])
@@ -210,13 +206,16 @@ def decide(
     def fail(reason: str, message: str) -> Step:
         step.status.update(phase="Failed", reason=reason, message=message)
         step.delete += [str(meta_of(t)["name"]) for t in targets]
-        if source is not None and MIGRATE_TO in annotations_of(source):
-            step.annotate[str(meta_of(source)["name"])] = {MIGRATE_TO: None, MIGRATION_TOKEN: None}
+        if source is not None and MIGRATE_TO_ANNOTATION in annotations_of(source):
+            step.annotate[str(meta_of(source)["name"])] = {
+                MIGRATE_TO_ANNOTATION: None,
+                MIGRATION_TOKEN: None,
+            }
         step.events.append(("Warning", reason, message))
         step.requeue = None
         return step
 
-    if status.get("phase") in _TERMINAL:
+    if status.get("phase") in TERMINAL:
         if status["phase"] == "Failed":  # a target left by an interrupted clean-up
             step.delete += [str(meta_of(t)["name"]) for t in targets]
         return step
@@ -226,7 +225,7 @@ def decide(
 
     if not status.get("sourcePod") and target is not None:
         # Created by a pass whose status write did not happen: take it up from the target.
-        source = by_name.get(annotations_of(target).get(MIGRATION_SOURCE, ""))
+        source = by_name.get(annotations_of(target).get(MIGRATION_SOURCE_ANNOTATION, ""))
         if source is None:
             return fail("SourceGone", "the VM's pod went away")
         step.status.update(
@@ -244,8 +243,8 @@ def decide(
             for p in live
             if (p.get("status") or {}).get("phase") == "Running"
             # a target only while its source lives (a completed one is the VM's pod)
-            and annotations_of(p).get(MIGRATION_SOURCE) not in by_name
-            and BACKUP_OF not in annotations_of(p)
+            and annotations_of(p).get(MIGRATION_SOURCE_ANNOTATION) not in by_name
+            and BACKUP_OF_ANNOTATION not in annotations_of(p)
         ]
         if not running:
             return fail("VMNotRunning", f"VirtualMachine {vm_name} has no running pod to move")
@@ -292,13 +291,13 @@ def decide(
         return step
     target_name = str(meta_of(target)["name"])
     step.status["targetPod"] = target_name
-    ready = _condition(target, TARGET_CONDITION)
+    ready = condition_of(target, TARGET_CONDITION)
     endpoint = _json(ready.get("message")) if ready.get("status") == "True" else {}
     # The source's outcome is this migration's when we annotated it (our name beside the
     # endpoint) and the condition speaks of that endpoint: never an earlier migration's.
     given = annotations_of(source or {})
-    sent = _json(given.get(MIGRATE_TO)) if given.get(MIGRATION_LABEL) == name else {}
-    outcome = _condition(source, MIGRATION_CONDITION)
+    sent = _json(given.get(MIGRATE_TO_ANNOTATION)) if given.get(MIGRATION_LABEL) == name else {}
+    outcome = condition_of(source, MIGRATION_CONDITION)
     report = _json(outcome.get("message"))
     ours = bool(sent) and report.get("target") == f"{sent.get('host')}:{sent.get('migrationPort')}"
 
@@ -330,7 +329,7 @@ def decide(
 
     node = (target.get("spec") or {}).get("nodeName")
     if not node:
-        scheduled = _condition(target, "PodScheduled")
+        scheduled = condition_of(target, "PodScheduled")
         if scheduled.get("reason") == "Unschedulable":
             message = f"no vm node can take the VM: {scheduled.get('message', '')}"
             return fail("Unschedulable", message)
@@ -342,16 +341,16 @@ def decide(
     step.status["targetNode"] = node
     if ready.get("reason") == "Failed":
         return fail("TargetFailed", str(ready.get("message") or "the target failed"))
-    if (target.get("status") or {}).get("phase") in _TERMINAL:
+    if (target.get("status") or {}).get("phase") in TERMINAL:
         return fail("TargetFailed", f"the target pod {target_name} ended")
     if not endpoint:
         step.status["phase"] = "Preparing"
         step.requeue = _POLL
         return step
     step.status["phase"] = "Migrating"
-    if annotations_of(source).get(MIGRATE_TO) != ready["message"]:
+    if annotations_of(source).get(MIGRATE_TO_ANNOTATION) != ready["message"]:
         step.annotate[str(status["sourcePod"])] = {
-            MIGRATE_TO: str(ready["message"]),
+            MIGRATE_TO_ANNOTATION: str(ready["message"]),
             MIGRATION_LABEL: name,
             MIGRATION_TOKEN: annotations_of(target).get(MIGRATION_TOKEN),
         }

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..sdk.scheduling import term_matches, tolerates
+from ._base import TERMINAL
 
 __all__ = ["NODE_SELECTION_CONDITION", "Placement", "decide_placement", "node_admits"]
 
 NODE_SELECTION_CONDITION: Final = "NodeSelectionMatched"
 TRIGGER_ANNOTATION: Final = "vm.vkubelet.io/trigger"  # on a migration the controller made
 VM_NODE_CONDITION: Final = "Accelerator"
-_TERMINAL: Final = ("Succeeded", "Failed")
 _BLOCKING: Final = ("NoSchedule", "NoExecute")
 
 
@@ -115,7 +115,7 @@ def decide_placement(
             return Placement("False", "MigrationFailed", message + f"; the VM stays on {here}")
         target = (ours.get("spec") or {}).get("targetNode")
         return Placement("False", "Migrating", f"moving from {here} to {target} ({name})")
-    running = [m for m in mine if (m.get("status") or {}).get("phase") not in _TERMINAL]
+    running = [m for m in mine if (m.get("status") or {}).get("phase") not in TERMINAL]
     if running:  # someone else's migration: let it end first
         other = (running[0].get("metadata") or {}).get("name")
         return Placement("False", "Migrating", f"waiting for the migration {other} to end")

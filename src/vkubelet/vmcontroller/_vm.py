@@ -26,7 +26,6 @@ from ..sdk.backoff import go_duration
 from ..sdk.quantity import QuantityError, parse_quantity
 from ._backup import RestoreError, restore_path
 from ._base import (
-    API_VERSION,
     BACKUP_OF_ANNOTATION,
     MACHINE_ANNOTATION,
     MIGRATE_TO_ANNOTATION,
@@ -37,6 +36,8 @@ from ._base import (
     Context,
     Watched,
     annotations_of,
+    condition_of,
+    controller_ref,
     delete_pod,
     meta_of,
     nodes_by_name,
@@ -47,7 +48,7 @@ from ._base import (
     write_status,
 )
 from ._placement import NODE_SELECTION_CONDITION, decide_placement
-from ._powerbackoff import delay_for, failure_of, parse_time, ran_long_enough
+from ._powerbackoff import delay_for, failure_of, parse_time, ran_long_enough, stamp
 from ._resources import VirtualMachine, VirtualMachineMigration
 
 __all__ = ["Decision", "VirtualMachineReconciler", "decide", "pod_for"]
@@ -116,16 +117,7 @@ def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
             "namespace": meta.get("namespace"),
             "labels": desired_labels(vm),
             "annotations": annotations,
-            "ownerReferences": [
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": "VirtualMachine",
-                    "name": meta["name"],
-                    "uid": meta["uid"],
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "ownerReferences": [controller_ref("VirtualMachine", vm)],
         },
         "spec": _pinned(copy.deepcopy(tspec), (vm.get("status") or {}).get("machineNode")),
     }
@@ -153,13 +145,6 @@ def _owned(vm: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
 def _container_state(pod: Mapping[str, Any]) -> dict[str, Any]:
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     return dict((statuses[0] if statuses else {}).get("state") or {})
-
-
-def _ready(pod: Mapping[str, Any]) -> dict[str, Any] | None:
-    for condition in (pod.get("status") or {}).get("conditions") or []:
-        if condition.get("type") == "Ready":
-            return dict(condition)
-    return None
 
 
 def _resources(spec: Mapping[str, Any]) -> tuple[str, dict[str, dict[str, str]]] | None:
@@ -213,10 +198,10 @@ def _phase_of(pod: Mapping[str, Any]) -> str:
 
 def _unscheduled(pod: Mapping[str, Any]) -> dict[str, Any] | None:
     """The scheduler's reason a pod has no node yet (e.g. no vm node fits), if it gave one."""
-    for condition in (pod.get("status") or {}).get("conditions") or []:
-        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
-            return {**condition, "reason": condition.get("reason") or "Unschedulable"}
-    return None
+    condition = condition_of(pod, "PodScheduled")
+    if condition.get("status") != "False":
+        return None
+    return {**condition, "reason": condition.get("reason") or "Unschedulable"}
 
 
 def _condition(
@@ -253,7 +238,7 @@ def decide(
     """What to do for `vm` given the pods carrying its name label (`failure`: the reason and
     message of this pass's failed create, for the status)."""
     now = now or datetime.now(UTC)
-    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    now_stamp = stamp(now)
     meta, spec = meta_of(vm), dict(vm.get("spec") or {})
     old_status = dict(vm.get("status") or {})
     generation = meta.get("generation")
@@ -319,7 +304,7 @@ def decide(
                 "podName": meta_of(failed).get("name"),
                 "reason": reason,
                 "message": message,
-                "time": stamp,
+                "time": now_stamp,
                 "observedGeneration": generation,
             }
             next_start = now + delay
@@ -359,8 +344,8 @@ def decide(
         phase = "Starting"
     pod_status = dict((kept or {}).get("status") or {})
     conditions = old_status.get("conditions") or []
-    ready = _ready(kept) if kept is not None else None
-    if ready is not None:
+    ready = condition_of(kept, "Ready")
+    if ready:
         ready_condition = _condition(
             conditions,
             "Ready",
@@ -368,11 +353,11 @@ def decide(
             str(ready.get("reason") or ""),
             str(ready.get("message") or ""),
             generation,
-            stamp,
+            now_stamp,
         )
     else:
         why = {"Stopped": "PoweredOff", "Hibernated": "Hibernated"}.get(phase, phase)
-        ready_condition = _condition(conditions, "Ready", "False", why, "", generation, stamp)
+        ready_condition = _condition(conditions, "Ready", "False", why, "", generation, now_stamp)
     if phase == "Failed" and failure is None and last_failure.get("reason"):
         # The failed pod's words, not just "Failed", while the VM waits to power on again.
         ready_condition["reason"] = str(last_failure["reason"])
@@ -389,10 +374,12 @@ def decide(
     if failure is not None:
         reason, message = failure
         new_conditions.append(
-            _condition(conditions, "Synced", "False", reason, message, generation, stamp)
+            _condition(conditions, "Synced", "False", reason, message, generation, now_stamp)
         )
     else:
-        new_conditions.append(_condition(conditions, "Synced", "True", "", "", generation, stamp))
+        new_conditions.append(
+            _condition(conditions, "Synced", "True", "", "", generation, now_stamp)
+        )
     kept_meta = meta_of(kept or {})
     decision.status = {
         "phase": phase,
@@ -414,7 +401,7 @@ def decide(
         "lastPowerOff": last_power_off,
         "restarts": restarts,
         "lastFailure": last_failure or None,
-        "nextStartAfter": next_start.strftime("%Y-%m-%dT%H:%M:%SZ") if next_start else None,
+        "nextStartAfter": stamp(next_start) if next_start else None,
         "conditions": new_conditions,
     }
     if backing_off:
@@ -576,7 +563,6 @@ class VirtualMachineReconciler:
             c.get("reason") == "NoMatchingNode" for c in old
         ):
             ctx.events.emit(vm, "Warning", "NoMatchingNode", placement.message)
-        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         condition = _condition(
             old,
             NODE_SELECTION_CONDITION,
@@ -584,7 +570,7 @@ class VirtualMachineReconciler:
             placement.reason,
             placement.message,
             meta_of(vm_dict).get("generation"),
-            stamp,
+            stamp(datetime.now(UTC)),
         )
         decision.status["conditions"] = [*decision.status["conditions"], condition]
         if placement.reason == "Migrating":

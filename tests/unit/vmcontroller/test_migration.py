@@ -11,12 +11,12 @@ import msgspec
 import pytest
 
 from vkubelet.testing.fakeapi import FakeApiServer
+from vkubelet.vmcontroller._base import MIGRATE_TO_ANNOTATION as MIGRATE_TO
+from vkubelet.vmcontroller._base import MIGRATION_SOURCE_ANNOTATION as MIGRATION_SOURCE
 from vkubelet.vmcontroller._base import Context, Watched
 from vkubelet.vmcontroller._migration import (
-    MIGRATE_TO,
     MIGRATION_CONDITION,
     MIGRATION_LABEL,
-    MIGRATION_SOURCE,
     MIGRATION_TOKEN,
     TARGET_CONDITION,
     MigrationReconciler,

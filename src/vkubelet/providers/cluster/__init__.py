@@ -32,19 +32,13 @@ See docs/cluster-provider.md.
 import dataclasses
 
 from ...sdk import ConfigError, ProviderContext
-from ._capacity import LowerCapacity, common_labels, lower_capacity, node_usable, pod_requests
-from ._config import (
-    LowerConfig,
-    NamespaceMapping,
-    Resync,
-    cluster_label_value,
-    load_lower_config,
-)
-from ._deps import DependencyPlan, lower_copy, plan_dependencies
-from ._lower import REQUIRED_PERMISSIONS, LowerCluster, MissingPermissions, Permission, open_lower
+from ._capacity import lower_capacity, pod_requests
+from ._config import NamespaceMapping, cluster_label_value, load_lower_config
+from ._deps import plan_dependencies
+from ._lower import REQUIRED_PERMISSIONS, LowerCluster, MissingPermissions, open_lower
 from ._mirror import ClusterFleet, member_name
 from ._provider import ClusterProvider
-from ._refs import Reference, pod_references, rename_references
+from ._refs import pod_references
 from ._stamps import Claim, Owner, claim, dependency_name, is_ours, stamp
 from ._status import LOWER_POD_DELETED, gone_status, status_up, vanished_reason
 from ._translate import PodTranslation, translate_pod
@@ -55,33 +49,23 @@ __all__ = [
     "Claim",
     "ClusterFleet",
     "ClusterProvider",
-    "DependencyPlan",
-    "LowerCapacity",
     "LowerCluster",
-    "LowerConfig",
     "MissingPermissions",
     "NamespaceMapping",
     "Owner",
-    "Permission",
     "PodTranslation",
-    "Reference",
-    "Resync",
     "claim",
-    "common_labels",
     "create",
     "dependency_name",
     "gone_status",
     "is_ours",
     "load_lower_config",
     "lower_capacity",
-    "lower_copy",
     "member_name",
-    "node_usable",
     "open_lower",
     "plan_dependencies",
     "pod_references",
     "pod_requests",
-    "rename_references",
     "stamp",
     "status_up",
     "translate_pod",

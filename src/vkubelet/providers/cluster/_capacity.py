@@ -68,9 +68,24 @@ def lower_capacity(
     label_excluded: Callable[[str], bool] = lambda key: False,
 ) -> LowerCapacity:
     usable = [n for n in nodes if node_usable(n)]
-    names = {str((n.get("metadata") or {}).get("name")) for n in usable}
+    return LowerCapacity(
+        allocatable=_free(usable, pods, is_ours),
+        labels=common_labels(usable, label_excluded),
+        usable_nodes=len(usable),
+    )
+
+
+def _free(
+    nodes: Iterable[Mapping[str, Any]],
+    pods: Iterable[Mapping[str, Any]],
+    is_ours: Callable[[Mapping[str, Any]], bool],
+) -> dict[str, str]:
+    """The nodes' allocatable minus the requests of the pods bound to them that are not ours
+    and not terminal, clamped at zero per resource."""
+    names = set()
     free: dict[str, Fraction] = defaultdict(Fraction)
-    for node in usable:
+    for node in nodes:
+        names.add(str((node.get("metadata") or {}).get("name")))
         for resource, value in ((node.get("status") or {}).get("allocatable") or {}).items():
             free[resource] += _value(value)
     for pod in pods:
@@ -81,11 +96,7 @@ def lower_capacity(
         for resource, value in pod_requests(pod).items():
             free[resource] -= value
         free["pods"] -= 1
-    return LowerCapacity(
-        allocatable={r: format_quantity(max(v, Fraction(0))) for r, v in sorted(free.items())},
-        labels=common_labels(usable, label_excluded),
-        usable_nodes=len(usable),
-    )
+    return {r: format_quantity(max(v, Fraction(0))) for r, v in sorted(free.items())}
 
 
 # Mirror mode: a lower node's own labels go up (zone, region, instance type, arch ...), minus
@@ -104,21 +115,8 @@ def mirror_capacity(
     """One lower node as one virtual node: its allocatable minus the requests of the pods
     bound to it that are not ours (clamped at zero), and its labels. Whether it is usable
     (Ready, cordoned) is the node's condition and `unschedulable`, not a zero capacity."""
-    name = (node.get("metadata") or {}).get("name")
-    free: dict[str, Fraction] = defaultdict(Fraction)
-    for resource, value in ((node.get("status") or {}).get("allocatable") or {}).items():
-        free[resource] += _value(value)
-    for pod in pods:
-        if (pod.get("spec") or {}).get("nodeName") != name:
-            continue
-        if (pod.get("status") or {}).get("phase") in _TERMINAL or is_ours(pod):
-            continue
-        for resource, value in pod_requests(pod).items():
-            free[resource] -= value
-        free["pods"] -= 1
-    allocatable = {r: format_quantity(max(v, Fraction(0))) for r, v in sorted(free.items())}
     return LowerCapacity(
-        allocatable=allocatable,
+        allocatable=_free([node], pods, is_ours),
         labels=mirror_labels(node, label_excluded),
         usable_nodes=1 if node_usable(node) else 0,
     )

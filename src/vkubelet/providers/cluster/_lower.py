@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from lightkube.core.exceptions import ConfigError as KubeConfigError
 
-from ...kube import ApiError, ClientOptions, KubeClient, load_kubeconfig
+from ...kube import ApiError, ClientOptions, KubeClient, Resource, load_kubeconfig
 from ...sdk import ConfigError
 from ...sdk.provider import ProviderError
 from ._config import LowerConfig
@@ -95,26 +95,11 @@ class MissingPermissions(Exception):
         )
 
 
-_CORE = {
-    "Pod": "pods",
-    "ConfigMap": "configmaps",
-    "Secret": "secrets",
-    "ServiceAccount": "serviceaccounts",
-    "PersistentVolumeClaim": "persistentvolumeclaims",
-    "Service": "services",
-    "Event": "events",
-}
-
-
 def resource_path(kind: str, namespace: str | None = None, name: str | None = None) -> str:
-    """The API path of a core kind (namespaced, or across namespaces when `namespace` is None)."""
-    if kind == "Namespace":
-        return "/api/v1/namespaces" + (f"/{name}" if name else "")
-    if kind == "Node":
-        return "/api/v1/nodes" + (f"/{name}" if name else "")
-    plural = _CORE[kind]
-    base = f"/api/v1/namespaces/{namespace}/{plural}" if namespace else f"/api/v1/{plural}"
-    return base + (f"/{name}" if name else "")
+    """The API path of a core kind (namespaced, or across namespaces when `namespace` is None);
+    each kind the provider uses has its name in lower case plus "s" as its plural."""
+    resource = Resource("v1", kind, f"{kind.lower()}s", kind not in ("Namespace", "Node"))
+    return resource.path(namespace, name or "")
 
 
 class LowerCluster:

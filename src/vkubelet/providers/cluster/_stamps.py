@@ -155,7 +155,6 @@ def claim(existing: Mapping[str, Any] | None, owner: Owner, upper_uid: str | Non
     return Claim.STALE
 
 
-DependencyKind = Literal["ConfigMap", "Secret", "ServiceAccount", "PersistentVolumeClaim"]
 _MAX_NAME = 253
 
 
