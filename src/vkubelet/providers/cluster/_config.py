@@ -75,7 +75,9 @@ class _Namespaces(Section):
     create: bool = True
 
 
-class _Resync(Section):
+class Resync(Section):
+    """Seconds between full reconciles; watches deliver changes in between."""
+
     pods: _ResyncSeconds = 60.0
     nodes: _ResyncSeconds = 30.0
     dependencies: _ResyncSeconds = 300.0
@@ -102,7 +104,7 @@ class _File(Section):
         ]
         | None
     ) = None
-    resync: _Resync | None = None
+    resync: Resync | None = None
     kube_api_qps: PositiveNumber | None = None
     kube_api_burst: PositiveInt = 100
     mode: Literal["aggregate", "mirror"] = "aggregate"
@@ -145,15 +147,6 @@ class NamespaceMapping:
 
 
 @dataclass(frozen=True)
-class Resync:
-    """Seconds between full reconciles; watches deliver changes in between."""
-
-    pods: float = 60.0
-    nodes: float = 30.0
-    dependencies: float = 300.0
-
-
-@dataclass(frozen=True)
 class LowerConfig:
     kubeconfig: Path
     source: Path  # the lower.yaml this came from, for messages
@@ -166,7 +159,7 @@ class LowerConfig:
     pvc_storage_class: str | None = None
     publish_common_labels: bool = True
     exclude_labels: tuple[str, ...] = ()
-    resync: Resync = Resync()
+    resync: Resync = field(default_factory=Resync)
     kube_api_qps: float | None = None
     kube_api_burst: int = 100
     mode: Literal["aggregate", "mirror"] = "aggregate"
@@ -213,30 +206,18 @@ def parse_lower_config(data: Any, path: Path) -> LowerConfig:
             "webhook",
             "the constraint webhook is for mode: aggregate (mirrored nodes show the lower labels)",
         )
-    resync = raw.resync or _Resync()
     return LowerConfig(
-        kubeconfig=path.parent / Path(raw.kubeconfig).expanduser(),
-        source=path,
-        context=raw.context,
-        upper_cluster_id=cluster_id,
-        namespaces=_namespaces(where, raw.namespaces or _Namespaces()),
-        dependency_names=raw.dependency_names,
-        service_accounts=raw.service_accounts,
-        service_account_tokens=raw.service_account_tokens,
-        pvc_storage_class=raw.pvc_storage_class,
-        publish_common_labels=raw.publish_common_labels,
-        exclude_labels=tuple(raw.exclude_labels or ()),
-        resync=Resync(pods=resync.pods, nodes=resync.nodes, dependencies=resync.dependencies),
-        kube_api_qps=raw.kube_api_qps,
-        kube_api_burst=raw.kube_api_burst,
-        mode=raw.mode,
-        fit_check=raw.fit_check,
-        daemon_set_pods=raw.daemon_set_pods,
-        cannot_fit_backoff=raw.cannot_fit_backoff,
-        unschedulable_timeout=raw.unschedulable_timeout,
-        cluster_name=_cluster_name(where, raw.cluster_name),
-        cluster_label=_cluster_label(where, raw.cluster_label),
-        webhook=webhook,
+        **{
+            **msgspec.structs.asdict(raw),  # the fields taken as they are, then the others
+            "kubeconfig": path.parent / Path(raw.kubeconfig).expanduser(),
+            "source": path,
+            "namespaces": _namespaces(where, raw.namespaces or _Namespaces()),
+            "exclude_labels": tuple(raw.exclude_labels or ()),
+            "resync": raw.resync or Resync(),
+            "cluster_name": _cluster_name(where, raw.cluster_name),
+            "cluster_label": _cluster_label(where, raw.cluster_label),
+            "webhook": webhook,
+        }
     )
 
 

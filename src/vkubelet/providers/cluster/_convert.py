@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 from lightkube.models.core_v1 import PodStatus
-from lightkube.resources.core_v1 import Node, Pod
+from lightkube.resources.core_v1 import Pod
 
 from ...sdk.clock import now_rfc3339
 from ...sdk.quantity import parse_quantity
@@ -16,9 +16,6 @@ from ._stamps import ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_NODE, ANN
 
 __all__ = [
     "JSON",
-    "convert_node",
-    "convert_pod",
-    "convert_podstatus",
     "epoch",
     "name_key",
     "newer",
@@ -82,22 +79,10 @@ def to_json(obj: Any) -> JSON:
     return result
 
 
-def convert_pod(data: Mapping[str, Any]) -> Pod:
-    return msgspec.convert(data, Pod)
-
-
-def convert_podstatus(data: Mapping[str, Any]) -> PodStatus:
-    return msgspec.convert(data, PodStatus)
-
-
-def convert_node(data: Mapping[str, Any]) -> Node:
-    return msgspec.convert(data, Node)
-
-
 def upper_view(lower: Mapping[str, Any], status: PodStatus) -> Pod:
     """The upper pod a stamped lower pod stands for, as far as the lower copy tells."""
     annotations = (lower.get("metadata") or {}).get("annotations") or {}
-    return convert_pod(
+    return msgspec.convert(
         {
             "metadata": {
                 "namespace": annotations.get(ANNOTATION_NAMESPACE),
@@ -114,7 +99,8 @@ def upper_view(lower: Mapping[str, Any], status: PodStatus) -> Pod:
                 "containers": (lower.get("spec") or {}).get("containers") or [],
             },
             "status": to_json(status),
-        }
+        },
+        Pod,
     )
 
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 from lightkube.models.core_v1 import PodStatus, Taint
 from lightkube.resources.core_v1 import Node, Pod
 
@@ -39,9 +40,6 @@ from ._capacityloop import CANNOT_FIT_TAINT, LARGEST_FREE_ANNOTATION, CapacityFo
 from ._config import LowerConfig
 from ._convert import (
     JSON,
-    convert_node,
-    convert_pod,
-    convert_podstatus,
     newer,
     now_rfc3339,
     requests_and_limits,
@@ -246,7 +244,7 @@ class ClusterProvider:
 
     def _notify_node(self) -> None:
         if self._node_notify is not None:
-            self._node_notify(convert_node({"metadata": {"name": self.context.node_name}}))
+            self._node_notify(msgspec.convert({"metadata": {"name": self.context.node_name}}, Node))
 
     async def _ensure_owner(self) -> None:
         """Settle the owner stamps before the first lower call. Without `upperClusterID`, the
@@ -386,11 +384,9 @@ class ClusterProvider:
             if (existing.get("metadata") or {}).get("deletionTimestamp"):
                 # Going away (a StatefulSet pod force-deleted upstairs and re-created on
                 # another virtual node sharing this lower cluster): wait for it, not fail.
-                raise ProviderError(
-                    "LowerPodReplacing",
+                raise _replacing(
                     f"lower pod {namespace}/{pod.name} ({describe_owner(existing)}) is being "
-                    "removed first",
-                    permanent=False,
+                    "removed first"
                 )
             raise ProviderError(
                 "LowerNameConflict",
@@ -403,16 +399,10 @@ class ClusterProvider:
             await self.lower.call(
                 self.lower.delete("Pod", namespace, pod.name, grace_period=0, uid=uid)
             )
-            raise ProviderError(
-                "LowerPodReplacing",
-                f"an earlier lower pod {namespace}/{pod.name} is being removed first",
-                permanent=False,
-            )
+            raise _replacing(f"an earlier lower pod {namespace}/{pod.name} is being removed first")
         if await self._create_or_find(key, body) is not None:
-            raise ProviderError(
-                "LowerPodReplacing",
-                f"lower pod {namespace}/{pod.name} appeared while it was being created",
-                permanent=False,
+            raise _replacing(
+                f"lower pod {namespace}/{pod.name} appeared while it was being created"
             )
 
     async def _create_or_find(self, key: str, body: JSON) -> JSON | None:
@@ -432,10 +422,8 @@ class ClusterProvider:
             )
             if found is not None:
                 return found
-            raise ProviderError(
-                "LowerPodReplacing",
-                f"lower pod {meta['namespace']}/{meta['name']} was being removed",
-                permanent=False,
+            raise _replacing(
+                f"lower pod {meta['namespace']}/{meta['name']} was being removed"
             ) from None
         self._remember(key, created)
         return None
@@ -612,7 +600,7 @@ class ClusterProvider:
         if failed is not None:
             upper["status"] = failed
         status = gone_status(upper, reason="Deleted", message="", now=now_rfc3339())
-        self._notify(convert_pod({**upper, "status": status}))
+        self._notify(msgspec.convert({**upper, "status": status}, Pod))
 
     async def get_pod(self, namespace: str, name: str) -> Pod | None:
         key = f"{namespace}/{name}"
@@ -624,20 +612,20 @@ class ClusterProvider:
         if given is not None:
             upper = to_json(given.pod)
             upper["status"] = to_json(status)
-            return convert_pod(upper)
+            return msgspec.convert(upper, Pod)
         assert lower is not None
         return upper_view(lower, status)
 
     async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
         key = f"{namespace}/{name}"
         if key in self._failed:
-            return convert_podstatus(self._failed[key])
+            return msgspec.convert(self._failed[key], PodStatus)
         lower = self._lower_pods.get(key)
         given = self._pods.get(key)
         upper = to_json(given.pod) if given is not None else {}
         if lower is None:
             return None
-        return convert_podstatus(self._status_up(lower, upper))
+        return msgspec.convert(self._status_up(lower, upper), PodStatus)
 
     async def list_pods(self) -> list[Pod]:
         self._start()
@@ -655,7 +643,7 @@ class ClusterProvider:
                 self._remember(key, lower)
             if key not in self._pods:
                 self._adopting.add(key)
-            found.append(upper_view(lower, convert_podstatus(self._status_up(lower, {}))))
+            found.append(upper_view(lower, msgspec.convert(self._status_up(lower, {}), PodStatus)))
         if not self._adopting_listed:
             self._adopting_listed = True
             self._adopting_until = time.monotonic() + ADOPTION_WAIT
@@ -992,9 +980,8 @@ class ClusterProvider:
             if identity is None:
                 return None
             namespace, name, uid = identity
-        return convert_pod(
-            {"metadata": {"namespace": namespace, "name": name, "uid": uid}, "status": status}
-        )
+        metadata = {"namespace": namespace, "name": name, "uid": uid}
+        return msgspec.convert({"metadata": metadata, "status": status}, Pod)
 
     def _push_gone(self, key: str, last: JSON | None) -> None:
         """Our own deletion finished: report the containers stopped, so the agent removes it,
@@ -1008,7 +995,7 @@ class ClusterProvider:
             self.tokens.drop(key, uid)
         if given is None or self._notify is None:
             return
-        self._notify(convert_pod(self._ended(given.pod, last, "Deleted", "")))
+        self._notify(msgspec.convert(self._ended(given.pod, last, "Deleted", ""), Pod))
 
     def _ended(self, pod: Pod, last: JSON | None, reason: str, message: str) -> JSON:
         """The upper pod (as JSON) with its final status: as its lower pod was last seen, then
@@ -1021,6 +1008,11 @@ class ClusterProvider:
 
     def _status_up(self, lower: Mapping[str, Any], upper: Mapping[str, Any]) -> JSON:
         return status_up(lower, upper, host_ip=self.context.internal_ip, now=now_rfc3339())
+
+
+def _replacing(message: str) -> ProviderError:
+    """The lower pod's name is held by a pod on its way out: the agent retries the create."""
+    return ProviderError("LowerPodReplacing", message, permanent=False)
 
 
 def _version(obj: Mapping[str, Any]) -> str:
