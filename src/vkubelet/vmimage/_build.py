@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from .. import _debian
 from .._files import write_atomic
@@ -109,20 +110,28 @@ def _data(name: str) -> str:
     return resources.files(__package__).joinpath(name).read_text()
 
 
-def resolve_packages(cache_dir: Path | None = None) -> dict[str, str]:
-    """The concrete Debian packages and versions the recipe uses (from the local apt lists).
-
-    apt-cache takes a second or more per call here (no binary package cache), so the answer is
-    remembered until the apt lists change (apt-get update).
-    """
-    memo = (cache_dir or default_cache_dir()) / "resolved.json"
+def remembered(memo: Path, resolve: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """What `resolve()` answers, remembered in `memo` until the apt lists change (apt-get
+    update): apt-cache takes a second or more per call here (no binary package cache)."""
     stamp = hashlib.sha256(_debian.lists_stamp().encode()).hexdigest()
-    try:
-        remembered = json.loads(memo.read_text())
-        if remembered.get("stamp") == stamp:
-            return dict(remembered["packages"])
-    except (OSError, ValueError, KeyError, AttributeError):
-        pass
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+        known = json.loads(memo.read_text())
+        if known["stamp"] == stamp:
+            return {key: value for key, value in known.items() if key != "stamp"}
+    answer = resolve()
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(memo, json.dumps({"stamp": stamp, **answer}) + "\n")
+    return answer
+
+
+def resolve_packages(cache_dir: Path | None = None) -> dict[str, str]:
+    """The concrete Debian packages and versions the recipe uses (from the local apt lists)."""
+    memo = (cache_dir or default_cache_dir()) / "resolved.json"
+    return dict(remembered(memo, lambda: {"packages": _versions()})["packages"])
+
+
+def _versions() -> dict[str, str]:
     try:
         deps = _debian.apt_cache(["depends", KERNEL_META], what="resolve the cloud kernel")
         kernel = next(
@@ -132,13 +141,9 @@ def resolve_packages(cache_dir: Path | None = None) -> dict[str, str]:
         if kernel is None or not kernel.startswith("linux-image-"):
             raise ImageBuildError(f"{KERNEL_META} not in the apt lists: run apt-get update")
         wanted = (kernel, AGENT_PACKAGE, BUSYBOX_PACKAGE)
-        versions = _debian.candidate_versions(wanted, what="resolve package versions")
+        return _debian.candidate_versions(wanted, what="resolve package versions")
     except _debian.AptError as e:
         raise ImageBuildError(str(e)) from None
-    with contextlib.suppress(OSError):
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(memo, json.dumps({"stamp": stamp, "packages": versions}) + "\n")
-    return versions
 
 
 def recipe_hash(packages: dict[str, str]) -> str:
@@ -156,38 +161,47 @@ def recipe_hash(packages: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cached_image(cache_dir: Path | None = None) -> GuestImage | None:
-    """The image for today's recipe if it was built before (no build, no download)."""
+def _today(cache_dir: Path | None) -> GuestImage:
+    """Today's recipe: its image, built or not."""
     packages = resolve_packages(cache_dir)
     digest = recipe_hash(packages)
-    disk = (cache_dir or default_cache_dir()) / digest / "disk.qcow2"
-    return GuestImage(disk, digest, packages) if disk.is_file() else None
+    return GuestImage((cache_dir or default_cache_dir()) / digest / "disk.qcow2", digest, packages)
+
+
+def cached_image(cache_dir: Path | None = None) -> GuestImage | None:
+    """The image for today's recipe if it was built before (no build, no download)."""
+    image = _today(cache_dir)
+    return image if image.disk.is_file() else None
+
+
+def publish(out: Path, recipe: dict[str, Any], target: Path, *, replace: bool) -> None:
+    """Move a finished build (`out`) into the cache as `target`, its recipe beside the disk."""
+    (out / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
+    if replace or not (target / "disk.qcow2").is_file():  # else a concurrent build won: keep it
+        if target.exists():
+            shutil.rmtree(target)
+        out.rename(target)  # atomic: a half-built image is never seen as cached
 
 
 def build_guest_image(
     cache_dir: Path | None = None, progress: Progress = lambda _: None, *, force: bool = False
 ) -> GuestImage:
     """Build the test guest, or return the cached one for the same recipe."""
-    packages = resolve_packages(cache_dir)
-    digest = recipe_hash(packages)
-    target = (cache_dir or default_cache_dir()) / digest
-    disk = target / "disk.qcow2"
-    if disk.is_file() and not force:
-        progress(f"cached test guest {disk}")
-        return GuestImage(disk, digest, packages)
+    image = _today(cache_dir)
+    if image.disk.is_file() and not force:
+        progress(f"cached test guest {image.disk}")
+        return image
+    target = image.disk.parent
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".build-{digest}-", dir=target.parent) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix=f".build-{image.recipe_hash}-", dir=target.parent
+    ) as tmp:
         work = Path(tmp)
-        _build(work, packages, progress)
-        (work / "out" / "recipe.json").write_text(
-            json.dumps({"hash": digest, "packages": packages}, indent=2) + "\n"
-        )
-        if not disk.is_file():  # else a concurrent build finished first: keep its image
-            if target.exists():
-                shutil.rmtree(target)
-            (work / "out").rename(target)  # atomic: a half-built image is never seen as cached
-    progress(f"test guest ready: {disk}")
-    return GuestImage(disk, digest, packages)
+        _build(work, image.packages, progress)
+        recipe = {"hash": image.recipe_hash, "packages": image.packages}
+        publish(work / "out", recipe, target, replace=False)
+    progress(f"test guest ready: {image.disk}")
+    return image
 
 
 def _build(work: Path, packages: dict[str, str], progress: Progress) -> None:

@@ -23,7 +23,6 @@ recipe below and the candidate versions of the main packages in the host's apt l
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -38,8 +37,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .. import _debian
-from .._files import write_atomic
-from ._build import GuestImage, ImageBuildError, Progress, default_cache_dir
+from ._build import (
+    GuestImage,
+    ImageBuildError,
+    Progress,
+    default_cache_dir,
+    publish,
+    remembered,
+)
 
 RECIPE_VERSION = 1
 SUITE = "bookworm"
@@ -179,20 +184,10 @@ def recipe_hash(packages: dict[str, str], sources: list[tuple[str, str]]) -> str
 
 
 def _resolve(cache_dir: Path | None) -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """Versions and sources, remembered until the apt lists change (apt-cache is slow here)."""
+    """Versions and sources (remembered: apt-cache is slow here)."""
     memo = (cache_dir or default_cache_dir()) / "resolved-distro.json"
-    stamp = hashlib.sha256(_debian.lists_stamp().encode()).hexdigest()
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        remembered = json.loads(memo.read_text())
-        if remembered["stamp"] == stamp:
-            return dict(remembered["packages"]), [(u, n) for u, n in remembered["sources"]]
-    packages, sources = resolve_packages(), debian_sources()
-    with contextlib.suppress(OSError):
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(
-            memo, json.dumps({"stamp": stamp, "packages": packages, "sources": sources}) + "\n"
-        )
-    return packages, sources
+    found = remembered(memo, lambda: {"packages": resolve_packages(), "sources": debian_sources()})
+    return dict(found["packages"]), [(u, n) for u, n in found["sources"]]
 
 
 def build_distro_image(
@@ -214,17 +209,8 @@ def build_distro_image(
         out = work / "out"
         out.mkdir()
         _build(work, out / "disk.qcow2", sources, progress)
-        (out / "recipe.json").write_text(
-            json.dumps(
-                {"hash": digest, "kind": "debian-distro", "packages": packages, "sources": sources},
-                indent=2,
-            )
-            + "\n"
-        )
-        if force or not disk.is_file():  # else a concurrent build finished first: keep its image
-            if target.exists():
-                shutil.rmtree(target)
-            out.rename(target)  # atomic: a half-built image is never seen as cached
+        recipe = {"hash": digest, "kind": "debian-distro", "packages": packages, "sources": sources}
+        publish(out, recipe, target, replace=force)
     finally:
         _remove_tree(work)
     progress(f"distribution guest ready: {disk}")

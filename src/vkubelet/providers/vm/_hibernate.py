@@ -39,7 +39,7 @@ from ._backend import MachineHandle
 from ._machine import MachineExit
 from ._net import readdress
 from ._qmp import ExecuteError, Monitor, MonitorUnavailable
-from ._vm import VM, Launch, ResizeState, VMHost
+from ._vm import VM, Launch, ResizeState, VMHost, pod_annotations
 
 __all__ = [
     "HIBERNATED",
@@ -66,10 +66,6 @@ class HibernateError(RuntimeError):
     """Saving or loading the state failed; the message says where."""
 
 
-def _annotations(pod: Pod) -> dict[str, str]:
-    return dict((pod.metadata.annotations if pod.metadata else None) or {})
-
-
 def machine_dir(pod: Pod, state_dir: Path) -> Path | None:
     """The persistent directory of the pod's machine; None for a plain pod or an unsafe id
     (which `_persist` refuses with a clear error when the disks are prepared)."""
@@ -80,7 +76,7 @@ def machine_dir(pod: Pod, state_dir: Path) -> Path | None:
 
 
 def wants_hibernate(pod: Pod) -> bool:
-    return _annotations(pod).get(POWER_OFF_ANNOTATION, "").strip().lower() == "hibernate"
+    return pod_annotations(pod).get(POWER_OFF_ANNOTATION, "").strip().lower() == "hibernate"
 
 
 def _state_dir(directory: Path) -> Path:

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
+
 from ._net import TAP_NAME, GuestNetwork
 from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable
 from ._qmp import ExecuteError, Monitor, MonitorUnavailable
@@ -433,28 +435,15 @@ def _outcome_of(event: str, data: dict[str, Any]) -> MachineExit | None:
 
 
 def _spec_to_json(spec: MachineSpec) -> dict[str, Any]:
-    data = asdict(spec)
-    data["run_dir"] = str(spec.run_dir)
-    data["seed"] = str(spec.seed) if spec.seed else None
-    data["disks"] = [{**asdict(d), "path": str(d.path)} for d in spec.disks]
-    data["extra_args"] = list(spec.extra_args)
+    data: dict[str, Any] = msgspec.to_builtins(spec, enc_hook=str)  # paths as text
     return data
 
 
 def _spec_from_json(data: dict[str, Any]) -> MachineSpec:
-    network = data.get("network")
-    return MachineSpec(
-        name=data["name"],
-        run_dir=Path(data["run_dir"]),
-        vcpus=int(data["vcpus"]),
-        memory_mib=int(data["memory_mib"]),
-        disks=tuple(Disk(**{**d, "path": Path(d["path"])}) for d in data["disks"]),
-        seed=Path(data["seed"]) if data.get("seed") else None,
-        network=GuestNetwork(**{**network, "dns": tuple(network["dns"])}) if network else None,
-        netns=data.get("netns"),
-        accel=data.get("accel", "tcg"),
-        extra_args=tuple(data.get("extra_args", ())),
-        max_vcpus=data.get("max_vcpus"),
-        max_memory_mib=data.get("max_memory_mib"),
-        memory_slots=int(data.get("memory_slots", 0)),
-    )
+    return msgspec.convert(data, MachineSpec, dec_hook=_path)
+
+
+def _path(kind: type, value: Any) -> Path:
+    if kind is Path:
+        return Path(value)
+    raise NotImplementedError(kind)

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...sdk.retry import Backoff
+
 _DELIMITER = b"\xff"
 _LIMIT = 64 * 1024 * 1024  # guest-exec-status carries all output at once, base64
-_FILE_CHUNK = 48 * 1024
 
 
 class GuestAgentError(Exception):
@@ -177,7 +178,7 @@ class GuestAgent:
             arguments["input-data"] = base64.b64encode(stdin).decode()
         pid = int((await self.call("guest-exec", arguments))["pid"])
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.02
+        pause = Backoff(initial=0.02, cap=0.25, factor=1.5, jitter=0.0)
         while True:
             left = self.timeout if deadline is None else max(0.5, deadline - time.monotonic())
             status = await self.call(
@@ -185,26 +186,12 @@ class GuestAgent:
             )
             if status.get("exited"):
                 return exec_output(status)
+            delay = pause.next_delay()
             if deadline is not None and time.monotonic() + delay > deadline:
                 with contextlib.suppress(GuestAgentError, GuestAgentUnavailable, TimeoutError):
                     await self.call("guest-exec", {"path": "kill", "arg": ["-KILL", str(pid)]})
                 raise TimeoutError(f"exec {argv[0]}: still running after {timeout:g} s")
             await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.25)
-
-    async def write_file(self, path: str, data: bytes) -> None:
-        """Replace a file's content in the guest (guest-file-open/write/close)."""
-        handle = await self.call("guest-file-open", {"path": path, "mode": "w"})
-        try:
-            for start in range(0, max(len(data), 1), _FILE_CHUNK):
-                chunk = data[start : start + _FILE_CHUNK]
-                if chunk:
-                    await self.call(
-                        "guest-file-write",
-                        {"handle": handle, "buf-b64": base64.b64encode(chunk).decode()},
-                    )
-        finally:
-            await self.call("guest-file-close", {"handle": handle})
 
     # -- the channel --------------------------------------------------------------------------
 

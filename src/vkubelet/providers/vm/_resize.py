@@ -38,7 +38,7 @@ from ._config import VMConfig, quantity_bytes
 from ._qga import GuestAgent, GuestAgentError, GuestAgentUnavailable
 from ._qmp import ExecuteError, Monitor, MonitorUnavailable
 from ._spec import MachinePlan
-from ._vm import VM, Launch, ResizeState, VMHost
+from ._vm import VM, Launch, ResizeState, VMHost, pod_annotations
 
 __all__ = [
     "BLOCK_MIB",
@@ -187,7 +187,7 @@ def sized(launch: Launch, pod: Pod, plan: MachinePlan, config: VMConfig) -> Laun
     """`launch` with the pod's size and the live-resize headroom a new machine starts with."""
     try:
         room = headroom_for(
-            _annotations(pod),
+            pod_annotations(pod),
             Size(plan.vcpus, plan.memory_mib),
             config.hotplug_max_vcpus,
             config.hotplug_max_memory,
@@ -233,22 +233,25 @@ async def add_vcpus(machine: MachineHandle, launch: Launch, total: int, wait: fl
         props = {k: int(v) for k, v in slot["props"].items() if k.endswith("-id")}
         await monitor.execute("device_add", {"driver": slot["type"], "id": device, **props})
         cpus.append({"driver": slot["type"], "id": device, "props": props})
-    await _online_vcpus(agent, total, wait)
+    shows = f"the guest shows {{}} of {total} vCPUs"
+    await _online(agent, "vcpus", "logical-id", "vcpus", total, wait, shows)
 
 
-async def _online_vcpus(agent: GuestAgent, total: int, wait: float) -> None:
+async def _online(
+    agent: GuestAgent, kind: str, key: str, argument: str, wanted: int, wait: float, failed: str
+) -> None:
+    """Online what the guest has offline (`guest-get-<kind>`, `guest-set-<kind>`) until it has
+    `wanted` units; else ResizeError(`failed`, given the count it shows)."""
     deadline = time.monotonic() + wait
     while True:
-        vcpus = await agent.call("guest-get-vcpus")
-        offline = [
-            {"logical-id": v["logical-id"], "online": True} for v in vcpus if not v["online"]
-        ]
+        units = await agent.call(f"guest-get-{kind}")
+        offline = [{key: u[key], "online": True} for u in units if not u["online"]]
         if offline:
-            await agent.call("guest-set-vcpus", {"vcpus": offline})
-        elif len(vcpus) >= total:
+            await agent.call(f"guest-set-{kind}", {argument: offline})
+        elif len(units) >= wanted:
             return
         if time.monotonic() > deadline:
-            raise ResizeError(f"the guest shows {len(vcpus)} of {total} vCPUs")
+            raise ResizeError(failed.format(len(units)))
         await asyncio.sleep(0.2)
 
 
@@ -268,20 +271,9 @@ async def add_memory(machine: MachineHandle, launch: Launch, total_mib: int, wai
         "device_add", {"driver": "pc-dimm", "id": device, "memdev": f"mem-{device}"}
     )
     dimms.append({"id": device, "mib": grow})
-    deadline = time.monotonic() + wait
-    while True:
-        blocks = await agent.call("guest-get-memory-blocks")
-        offline = [
-            {"phys-index": b["phys-index"], "online": True} for b in blocks if not b["online"]
-        ]
-        if not offline:
-            if len(blocks) * BLOCK_MIB >= total_mib - BLOCK_MIB:  # blocks cover the new total
-                return
-        else:
-            await agent.call("guest-set-memory-blocks", {"mem-blks": offline})
-        if time.monotonic() > deadline:
-            raise ResizeError("the guest did not online the new memory")
-        await asyncio.sleep(0.2)
+    blocks = -(-(total_mib - BLOCK_MIB) // BLOCK_MIB)  # the blocks that cover the new total
+    failed = "the guest did not online the new memory"
+    await _online(agent, "memory-blocks", "phys-index", "mem-blks", blocks, wait, failed)
 
 
 async def root_disk_size(machine: MachineHandle) -> int:
@@ -309,10 +301,6 @@ _LIVE_ERRORS = (
 )
 
 
-def _annotations(pod: Pod) -> dict[str, str]:
-    return dict((pod.metadata.annotations if pod.metadata else None) or {})
-
-
 def resources(pod: Pod) -> dict[str, Any]:
     """The container's requests and limits, as the status reports them in effect."""
     container = pod.spec.containers[0] if pod.spec and pod.spec.containers else None
@@ -331,11 +319,11 @@ def _set_pending(vm: VM, pending: tuple[str, str] | None) -> None:
 
 
 def _root_size_wanted(pod: Pod, plan: MachinePlan | None) -> int | None:
-    annotations = _annotations(pod)
+    given = pod_annotations(pod)
     for name in ROOT_DISK_ANNOTATIONS:
-        if name in annotations:
+        if name in given:
             with contextlib.suppress(ValueError):
-                return quantity_bytes(annotations[name])
+                return quantity_bytes(given[name])
     return plan.root_size if plan is not None else None
 
 

@@ -34,7 +34,7 @@ from ._backend import MachineHandle
 from ._config import VMConfig
 from ._spec import MachinePlan
 
-__all__ = ["VM", "Launch", "PowerState", "ResizeState", "VMHost", "decorate"]
+__all__ = ["VM", "Launch", "PowerState", "ResizeState", "VMHost", "decorate", "pod_annotations"]
 
 
 @dataclass
@@ -117,7 +117,6 @@ class PowerState:
     hibernate: bool = False  # the deleted pod asked for it
     resize: ResizeState | None = None
     pending_since: datetime | None = None
-    resizes: int = 0
     root_size: int | None = None  # the root disk's size as last resized live
 
 
@@ -168,8 +167,7 @@ class VM:
 
     @property
     def annotations(self) -> dict[str, str]:
-        meta = self.pod.metadata
-        return dict((meta.annotations if meta else None) or {})
+        return pod_annotations(self.pod)
 
     @property
     def up(self) -> bool:
@@ -186,6 +184,10 @@ class VM:
             "startedAt": self.started_at.isoformat() if self.started_at else None,
         }
         write_atomic(self.dir / "state.json", json.dumps(state))
+
+
+def pod_annotations(pod: Pod) -> dict[str, str]:
+    return dict((pod.metadata.annotations if pod.metadata else None) or {})
 
 
 class VMHost(Protocol):

@@ -214,21 +214,3 @@ async def test_network_interfaces_are_parsed(agent: FakeAgent) -> None:
     interfaces = await GuestAgent(agent.path).network_interfaces()
     eth0 = next(i for i in interfaces if i.name == "eth0")
     assert eth0.mac == "52:54:00:00:00:01" and eth0.addresses == (("10.88.0.2", 24),)
-
-
-async def test_write_file_writes_in_chunks_and_closes_the_handle(agent: FakeAgent) -> None:
-    written = bytearray()
-
-    def write(_: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        chunk = base64.b64decode(arguments["buf-b64"])
-        written.extend(chunk)
-        return {"count": len(chunk), "eof": False}
-
-    agent.handlers["guest-file-open"] = lambda c, a: 11
-    agent.handlers["guest-file-write"] = write
-    agent.handlers["guest-file-close"] = lambda c, a: {}
-    data = bytes(range(256)) * 500  # 128 000 bytes: more than one chunk
-    await GuestAgent(agent.path).write_file("/etc/app.conf", data)
-    assert bytes(written) == data
-    assert agent.commands()[0] == "guest-file-open" and agent.commands()[-1] == "guest-file-close"
-    assert ("guest-file-open", {"path": "/etc/app.conf", "mode": "w"}) in agent.received
