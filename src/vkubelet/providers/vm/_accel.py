@@ -95,21 +95,15 @@ async def _probe(
     to check the detection itself)."""
     with tempfile.TemporaryDirectory(prefix="vkubelet-accel-") as tmp:
         log = Path(tmp) / "firmware.log"
-        argv = [
-            QEMU, "-machine", f"q35,accel={accel}", "-m", "64M", "-nodefaults", "-no-user-config",
-            "-display", "none", "-no-reboot",
-            "-chardev", f"file,id=dbg,path={log}",
-            "-device", "isa-debugcon,iobase=0x402,chardev=dbg",
-        ]  # fmt: skip
+        qemu = [QEMU, "-machine", f"q35,accel={accel}", "-nodefaults", "-no-user-config",
+                "-display", "none", "-no-reboot"]  # fmt: skip
+        argv = [*qemu, "-m", "64M", "-chardev", f"file,id=dbg,path={log}",
+                "-device", "isa-debugcon,iobase=0x402,chardev=dbg"]  # fmt: skip
         elapsed, ok, detail = await _run_until(argv, budget, lambda: _firmware_done(log))
         if not ok:
             return AccelChoice("tcg", f"KVM unusable, using TCG: firmware probe {detail}")
         if kernel is not None:
-            argv = [
-                QEMU, "-machine", f"q35,accel={accel}", "-m", "256M", "-nodefaults",
-                "-no-user-config", "-display", "none", "-no-reboot",
-                "-kernel", str(kernel), "-append", "panic=-1 quiet",
-            ]  # fmt: skip
+            argv = [*qemu, "-m", "256M", "-kernel", str(kernel), "-append", "panic=-1 quiet"]
             kernel_elapsed, ok, detail = await _run_until(argv, 20.0, None)
             if not ok:
                 return AccelChoice("tcg", f"KVM unusable, using TCG: kernel probe {detail}")

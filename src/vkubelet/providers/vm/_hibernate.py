@@ -166,7 +166,8 @@ async def hibernate(
             why = info.get("error-desc", "no reason given")
             raise HibernateError(f"saving the state {info.get('status')}: {why}")
     except (ExecuteError, MonitorUnavailable, HibernateError) as e:
-        await _running_again(monitor)
+        with contextlib.suppress(ExecuteError, MonitorUnavailable):
+            await monitor.execute("cont")  # the guest runs on
         if isinstance(e, HibernateError):
             raise
         raise HibernateError(f"QEMU refused to save the state: {e}") from None
@@ -179,11 +180,6 @@ async def hibernate(
     write_atomic(where / "meta.json", json.dumps(meta))
     size = (where / "state").stat().st_size
     return f"state saved ({size} bytes) in {time.monotonic() - started:.2f} s"
-
-
-async def _running_again(monitor: Monitor) -> None:
-    with contextlib.suppress(ExecuteError, MonitorUnavailable):
-        await monitor.execute("cont")
 
 
 def incoming_args(saved: Saved) -> tuple[str, ...]:

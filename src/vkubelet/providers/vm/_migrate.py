@@ -44,7 +44,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -405,7 +405,6 @@ async def migrate_out(
     report: Callable[[Progress], None],
     *,
     token: str,
-    downtime_limit_ms: int = DOWNTIME_LIMIT_MS,
     stream_buffer: int = STREAM_BUFFER,
 ) -> Outcome:
     """Mirror every disk to the target, migrate, complete the mirrors; MigrationError (the
@@ -448,7 +447,7 @@ async def migrate_out(
                 )
             await _until_mirrored(monitor, jobs, progress, report)
             parameters: dict[str, Any] = {
-                "downtime-limit": downtime_limit_ms,
+                "downtime-limit": DOWNTIME_LIMIT_MS,
                 # Always set: parameters outlive a migration (QEMU's default: 128 MiB/s).
                 "max-bandwidth": endpoint.max_bandwidth or DEFAULT_BANDWIDTH,
             }
@@ -603,15 +602,14 @@ async def send_history(endpoint: Endpoint, history: bytes, token: str) -> None:
 
 
 def outcome_message(outcome: Outcome) -> str:
-    data = asdict(outcome)
     return json.dumps(
         {
             "progress": 100,
-            "downtimeMilliseconds": data["downtime_ms"],
-            "totalMilliseconds": data["total_ms"],
-            "wallMilliseconds": data["wall_ms"],
-            "ramBytes": data["ram_bytes"],
-            "diskBytes": data["disk_bytes"],
+            "downtimeMilliseconds": outcome.downtime_ms,
+            "totalMilliseconds": outcome.total_ms,
+            "wallMilliseconds": outcome.wall_ms,
+            "ramBytes": outcome.ram_bytes,
+            "diskBytes": outcome.disk_bytes,
         }
     )
 

@@ -62,14 +62,13 @@ async def _ip(*args: str, check: bool = True) -> str:
 
 
 class PodNetwork:
-    def __init__(self, cidr: str, *, prefix: str = "vkvm", dns: tuple[str, ...] = ()) -> None:
+    def __init__(self, cidr: str, *, prefix: str = "vkvm") -> None:
         self.network = ipaddress.IPv4Network(cidr)
         if self.network.num_addresses < 4:
             raise NetworkError(f"pod CIDR {cidr} is too small")
         if len(prefix) > _IFNAMSIZ - 6:
             raise NetworkError(f"link prefix {prefix!r} is too long (at most {_IFNAMSIZ - 6})")
         self.prefix = prefix
-        self.dns = dns
         self.gateway = str(self.network.network_address + 1)
         self._lock = asyncio.Lock()
 
@@ -102,13 +101,7 @@ class PodNetwork:
                 await self._create(key, chosen)
             else:
                 chosen = existing
-            return GuestNetwork(
-                address=chosen,
-                prefix=self.network.prefixlen,
-                gateway=self.gateway,
-                mac=self.mac(key),
-                dns=self.dns,
-            )
+            return GuestNetwork(chosen, self.network.prefixlen, self.gateway, self.mac(key))
 
     async def detach(self, key: str) -> None:
         """Remove the VM's links and netns; nothing to do when they are already gone."""

@@ -109,11 +109,8 @@ async def existing_machines(kubeconfig: Path) -> set[str] | None:
     client = KubeClient.from_kubeconfig(kubeconfig)
     try:
         listed = await client.get("/apis/vkubelet.io/v1alpha1/virtualmachines")
-        uids = set()
-        for vm in listed.get("items") or []:
-            if uid := (vm.get("metadata") or {}).get("uid"):
-                uids.add(str(uid))
-        return uids
+        items = listed.get("items") or []
+        return {str(uid) for vm in items if (uid := (vm.get("metadata") or {}).get("uid"))}
     except Exception as e:
         why = e.message if isinstance(e, ApiError) else e
         log.debug("machine gc: cannot list VirtualMachines (%s); nothing removed", why)

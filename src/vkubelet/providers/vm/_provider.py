@@ -26,7 +26,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -67,7 +67,7 @@ from ._migrations import Migrations
 from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
-from ._vm import VM, Launch, decorate
+from ._vm import VM, Launch, decorate, pod_annotations
 from ._volumes import DiskProvisioner, claim_disks, drive_args
 
 __all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
@@ -438,7 +438,7 @@ class VMProvider(RunnerProvider):
         try:  # restore-from: the disks come from a backup (before the first boot only)
             await restore_if_asked(
                 resolved.namespace,
-                dict(vm.pod.metadata.annotations or {}) if vm.pod.metadata else {},
+                vm.annotations,
                 [root, *scratch_paths],
                 self.config.backup_roots,
                 plan.root_size,
@@ -465,15 +465,7 @@ class VMProvider(RunnerProvider):
         assert meta is not None
         seed = vm.dir / "seed.iso"
         try:
-            self.runtime.write_seed(
-                seed,
-                pod_name=str(meta.name),
-                pod_uid=vm.uid,
-                annotations=dict(meta.annotations or {}),
-                files=plan.files,
-                network_key=vm.uid,
-                secret_files=plan.secret_files,
-            )
+            self._write_seed(vm, vm.pod, seed, plan.files, plan.secret_files)
         except ValueError as e:
             raise ProviderError("CreateContainerConfigError", str(e)) from None
         launch = Launch(
@@ -489,6 +481,19 @@ class VMProvider(RunnerProvider):
         _write_pod_file(vm)
         vm.save()
         self.event(vm, "Normal", "Created", f"Created VM {vm.container}")
+
+    def _write_seed(
+        self, vm: VM, pod: Pod, path: Path, files: Mapping[str, bytes], secret: Collection[str]
+    ) -> None:
+        self.runtime.write_seed(
+            path,
+            pod_name=str(pod.metadata.name),  # type: ignore[union-attr]
+            pod_uid=vm.uid,
+            annotations=pod_annotations(pod),
+            files=files,
+            network_key=vm.uid,
+            secret_files=secret,
+        )
 
     def _start_vm(self, key: str, vm: VM, *, restart_count: int) -> None:
         vm.status = None
@@ -685,17 +690,8 @@ class VMProvider(RunnerProvider):
         changed = {p: d for p, d in new.items() if old.get(p) != d}
         removed = sorted(set(old) - set(new))
         secret = plan.secret_files | given.secret_files
-        meta = pod.pod.metadata
-        assert meta is not None
-        self.runtime.write_seed(  # first: a refused seed leaves the plan as it was, to retry
-            Path(str(vm.launch.seed)),
-            pod_name=str(meta.name),
-            pod_uid=vm.uid,
-            annotations=dict(meta.annotations or {}),
-            files=plan_files,
-            network_key=vm.uid,
-            secret_files=secret,
-        )
+        # First: a refused seed leaves the plan as it was, to retry.
+        self._write_seed(vm, pod.pod, Path(str(vm.launch.seed)), plan_files, secret)
         vm.plan = replace(plan, files=plan_files)
         vm.pod = pod.pod
         _write_pod_file(vm)

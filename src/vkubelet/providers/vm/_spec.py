@@ -108,7 +108,7 @@ def plan_machine(
             f"{where}.resources.limits.cpu",
             f"{cpu}m is more than the node can give a VM ({allocatable_millicpu}m)",
         )
-    files, secrets = _files(resolved, container, where)
+    files, secrets = _files(resolved, container)
     return MachinePlan(
         container=container.name,
         image=container.image,
@@ -116,7 +116,7 @@ def plan_machine(
         memory_mib=_mib(memory),
         root_size=_root_size(annotations),
         disk_bus=_disk_bus(annotations),
-        scratch=_scratch(resolved, container, where),
+        scratch=_scratch(resolved, container),
         files=files,
         secret_files=frozenset(secrets),
         claims=_claims(resolved),
@@ -209,7 +209,7 @@ def _mounts(container: Container) -> dict[str, list[tuple[str, str]]]:
     return mounts
 
 
-def _scratch(resolved: ResolvedPod, container: Container, where: str) -> tuple[ScratchDisk, ...]:
+def _scratch(resolved: ResolvedPod, container: Container) -> tuple[ScratchDisk, ...]:
     mounts = _mounts(container)
     disks = []
     for index, volume in enumerate(_volume_list(resolved)):
@@ -233,9 +233,7 @@ def _volume_list(resolved: ResolvedPod) -> list[object]:
     return [resolved.volumes.get(v.name) for v in spec.volumes or []]
 
 
-def _files(
-    resolved: ResolvedPod, container: Container, where: str
-) -> tuple[dict[str, bytes], set[str]]:
+def _files(resolved: ResolvedPod, container: Container) -> tuple[dict[str, bytes], set[str]]:
     files: dict[str, bytes] = {}
     secrets: set[str] = set()
     mounts = _mounts(container)
@@ -268,5 +266,4 @@ def _files(
         lines = [f"{var.name}={shlex.quote(var.value or '')}" for var in env]
         files[ENV_FILE] = ("\n".join(lines) + "\n").encode()
         secrets.add(ENV_FILE)  # env values may come from secrets
-    del where
     return files, secrets

@@ -41,6 +41,7 @@ from typing import BinaryIO, Final, Literal, cast
 
 import httpx2 as httpx
 
+from ...sdk.retry import Backoff
 from ._disks import DiskError, StoredImage, image_info
 from ._translate import ImageSource, redact_url
 
@@ -157,7 +158,7 @@ class ImageStore:
         self.links.mkdir(parents=True, exist_ok=True)
         self._timeout = timeout
         self._retries = retries
-        self._retry_delay = retry_delay
+        self._backoff = Backoff(initial=retry_delay, cap=5 * retry_delay)
         self._verify = (
             ssl.create_default_context(cafile=str(verify))
             if isinstance(verify, str | Path)
@@ -327,14 +328,12 @@ class ImageStore:
             digest = await asyncio.to_thread(
                 _copy_and_hash, src, part, self.data, threadsafe_report
             )
-        except OSError as exc:
+        except BaseException as exc:
             part.unlink(missing_ok=True)
             self._active_parts.discard(part)
-            why = exc.strerror or str(exc)
-            raise PullError(f"image {source.name}: cannot read {src}: {why}") from None
-        except BaseException:
-            part.unlink(missing_ok=True)
-            self._active_parts.discard(part)
+            if isinstance(exc, OSError):
+                why = exc.strerror or str(exc)
+                raise PullError(f"image {source.name}: cannot read {src}: {why}") from None
             raise
         return part, digest
 
@@ -382,7 +381,7 @@ class ImageStore:
                             transfer.done,
                             _describe(exc),
                         )
-                        await asyncio.sleep(self._retry_delay * min(failures, 5))
+                        await asyncio.sleep(self._backoff.delay(failures))
                     except httpx.HTTPError as exc:  # too many redirects and the like: final
                         raise PullError(
                             f"image {source.name}: downloading {shown}: {_describe(exc)}"
@@ -416,8 +415,9 @@ class ImageStore:
                 headers["If-Range"] = transfer.validator
         async with client.stream("GET", url, headers=headers) as response:
             status = response.status_code
-            if transfer.done and status == 206 and _range_start(response) == transfer.done:
-                total = _range_total(response)
+            start, range_total = _content_range(response)
+            if transfer.done and status == 206 and start == transfer.done:
+                total = range_total
                 mode = "ab"
             elif status == 200:
                 total = _int_header(response, "content-length")
@@ -529,14 +529,6 @@ def _content_range(response: httpx.Response) -> tuple[int | None, int | None]:
         return None, None
     total = match.group(2)
     return int(match.group(1)), (int(total) if total.isdigit() else None)
-
-
-def _range_start(response: httpx.Response) -> int | None:
-    return _content_range(response)[0]
-
-
-def _range_total(response: httpx.Response) -> int | None:
-    return _content_range(response)[1]
 
 
 def _validator(response: httpx.Response) -> str | None:
