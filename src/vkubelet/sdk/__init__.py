@@ -51,7 +51,7 @@ from .provider import (
 )
 from .quantity import Quantity, QuantityError, parse_quantity
 from .status import ContainerReport, Running, Terminated, Waiting, build_pod_status
-from .stdio import relay, relay_process
+from .stdio import forward_connection, relay, relay_process
 from .tasks import TaskSet, run_supervised, supervise
 from .volumes import (
     EmptyDirVolume,
@@ -126,6 +126,7 @@ __all__ = [
     "build_pod_status",
     "copy_to_log",
     "crash_loop_message",
+    "forward_connection",
     "parse_quantity",
     "parse_taint",
     "previous_not_found",

@@ -10,6 +10,9 @@ CRI stream) copies the same three streams the same way; the details are where re
   there is no stderr (a terminal merges it).
 - terminal resizes: passed to a callback as they come.
 - the relay ends when the outputs have ended; what still reads stdin or resizes is cancelled.
+
+`forward_connection` is the same relay for `kubectl port-forward`: one byte stream to one
+connection, both ways.
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
-from .capabilities import AttachIO, InputStream, OutputStream
+from .capabilities import AttachIO, ByteStream, InputStream, OutputStream
 
-__all__ = ["ProcessInput", "ProcessOutput", "initial_size", "relay", "relay_process"]
+__all__ = [
+    "ProcessInput",
+    "ProcessOutput",
+    "forward_connection",
+    "initial_size",
+    "relay",
+    "relay_process",
+]
 
 _CHUNK = 64 * 1024
 
@@ -40,6 +50,14 @@ class ProcessInput(Protocol):
     async def drain(self) -> None: ...
 
     def write_eof(self) -> None: ...
+
+
+class ConnectionInput(ProcessInput, Protocol):
+    """The sending half of a forwarded connection: asyncio's `StreamWriter`, asyncssh's..."""
+
+    def can_write_eof(self) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 async def _copy_in(source: InputStream | None, target: ProcessInput) -> None:
@@ -116,3 +134,44 @@ async def relay_process(proc: asyncio.subprocess.Process, io: AttachIO) -> int:
                 proc.kill()
             with contextlib.suppress(Exception):
                 await asyncio.shield(proc.wait())
+
+
+async def forward_connection(
+    stream: ByteStream,
+    reader: ProcessOutput,
+    writer: ConnectionInput,
+    *,
+    linger: float | None = None,
+) -> None:
+    """Copy a port-forward `stream` to a connection and back, then close the connection.
+
+    When the client finishes sending, the connection is half-closed (EOF) and the server
+    decides when it ends; when the server closes first, the client may go on sending for
+    `linger` seconds (None: until it is done; containerd gives it one second). A failure either
+    way ends both directions with that error."""
+
+    async def upstream() -> None:  # client -> server
+        while data := await stream.read():
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+
+    async def downstream() -> None:  # server -> client
+        while data := await reader.read(_CHUNK):
+            await stream.write(data)
+        await stream.close()
+
+    up, down = asyncio.create_task(upstream()), asyncio.create_task(downstream())
+    try:
+        done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        if not any(task.exception() for task in done):
+            await (asyncio.wait({up}, timeout=linger) if down in done else asyncio.wait({down}))
+        for task in (down, up):
+            if task.done() and (error := task.exception()) is not None:
+                raise error
+    finally:
+        for task in (up, down):
+            task.cancel()
+        await asyncio.gather(up, down, return_exceptions=True)
+        writer.close()

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 from ...sdk import ContainerLogOptions
 from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.clock import now_rfc3339
+from ...sdk.stdio import forward_connection
 from ._records import MockContainer, MockPod, parse_time
 from ._terminal import LineReader, Terminal, unless, wait
 
@@ -95,37 +96,8 @@ async def forward(port: int, stream: ByteStream, pod: str) -> None:
             f"dial tcp4 127.0.0.1:{port}: connect: {reason.lower()}"
         ) from None
 
-    async def upstream() -> None:  # client -> server
-        while data := await stream.read():
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-
-    async def downstream() -> None:  # server -> client
-        while data := await reader.read(65536):
-            await stream.write(data)
-        await stream.close()
-
-    up, down = asyncio.create_task(upstream()), asyncio.create_task(downstream())
     try:
-        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-        if not _failed(up) and not _failed(down):
-            if down.done() and not up.done():
-                await asyncio.wait({up}, timeout=_FORWARD_LINGER)
-            elif up.done() and not down.done():
-                await asyncio.wait({down})
-        for task in (down, up):
-            if _failed(task) and (error := task.exception()) is not None:
-                raise error
+        await forward_connection(stream, reader, writer, linger=_FORWARD_LINGER)
     finally:
-        for task in (up, down):
-            task.cancel()
-        await asyncio.gather(up, down, return_exceptions=True)
-        writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
-
-
-def _failed(task: asyncio.Task[None]) -> bool:
-    return task.done() and not task.cancelled() and task.exception() is not None

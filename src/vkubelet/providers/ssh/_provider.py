@@ -37,7 +37,7 @@ from ...sdk.logs import LogParser, previous_not_found, render, render_chunks
 from ...sdk.probes import PodProbes, ProbeEvent
 from ...sdk.provider import EventSink
 from ...sdk.status import ContainerReport, Running, Terminated, Waiting, build_pod_status
-from ...sdk.stdio import initial_size, relay
+from ...sdk.stdio import forward_connection, initial_size, relay
 from ...sdk.tasks import TaskSet
 from ...sdk.volumes import EmptyDirVolume, FilesVolume, HostPathVolume
 from . import _remote
@@ -709,22 +709,7 @@ class DeviceProvider:
     async def port_forward(self, namespace: str, pod: str, port: int, stream: ByteStream) -> None:
         self._entry(namespace, pod)
         reader, writer = await self.link.open_connection("127.0.0.1", port)
-
-        async def upstream() -> None:
-            while data := await stream.read():
-                writer.write(data)
-                await writer.drain()
-            writer.write_eof()
-
-        async def downstream() -> None:
-            while data := await reader.read(65536):
-                await stream.write(data)
-            await stream.close()
-
-        try:
-            await asyncio.gather(upstream(), downstream())
-        finally:
-            writer.close()
+        await forward_connection(stream, reader, writer)
 
 
 def _exit_code(proc: asyncssh.SSHClientProcess[bytes]) -> int:

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from ...sdk import AttachIO, ByteStream
+from ...sdk import AttachIO, ByteStream, forward_connection
 from ._backend import MachineHandle
 
 __all__ = ["TTY_REFUSED", "attach_console", "exec_through_agent", "forward_tcp"]
@@ -64,20 +64,4 @@ async def attach_console(socket: Path, io: AttachIO) -> None:
 async def forward_tcp(address: str, port: int, stream: ByteStream) -> None:
     """One forwarded connection, copied both ways until both directions have ended."""
     reader, writer = await asyncio.open_connection(address, port)
-
-    async def to_guest() -> None:
-        while data := await stream.read():
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-
-    async def from_guest() -> None:
-        while data := await reader.read(_CHUNK):
-            await stream.write(data)
-        await stream.close()
-
-    try:
-        await asyncio.gather(to_guest(), from_guest())
-    finally:
-        writer.close()
+    await forward_connection(stream, reader, writer)
