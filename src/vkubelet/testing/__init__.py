@@ -397,16 +397,37 @@ def terminal_session(command: str, *, cols: int = 120, rows: int = 40) -> Iterat
 _TEST_NETNS = re.compile(r"vkt([0-9a-f]{6})[0-9a-f]{3}")
 
 
-def _ipv4_networks_in_use() -> list[ipaddress.IPv4Network]:
-    listing = subprocess.run(
-        ["ip", "-4", "-o", "addr", "show"], check=True, capture_output=True, text=True
-    ).stdout
-    networks = []
-    for line in listing.splitlines():
-        words = line.split()
-        if "inet" in words:
-            networks.append(ipaddress.IPv4Interface(words[words.index("inet") + 1]).network)
-    return networks
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+
+
+def _must(result: subprocess.CompletedProcess[str]) -> None:
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, result.args))}: {result.stderr.strip()}")
+
+
+def _claim_subnet(device: str, second: range, third: range, what: str) -> ipaddress.IPv4Network:
+    """Put the first address of a random /30 of 10.`second`.`third`.x that no interface of this
+    machine overlaps on `device`. A parallel run that takes the same one between the check and
+    the `ip addr add` is seen (two holders) and the later side moves on.
+    """
+    for _ in range(50):
+        net = ipaddress.IPv4Network(
+            (f"10.{random.choice(second)}.{random.choice(third)}.{4 * random.randrange(64)}", 30)
+        )
+        listing = (line.split() for line in _ip("-4", "-o", "addr", "show").stdout.splitlines())
+        in_use = [words[words.index("inet") + 1] for words in listing if "inet" in words]
+        if any(net.overlaps(ipaddress.IPv4Interface(a).network) for a in in_use):
+            continue
+        added = _ip("addr", "add", f"{net[1]}/30", "dev", device)
+        if "File exists" in added.stderr:
+            continue
+        _must(added)
+        if len(_ip("-4", "-o", "addr", "show", "to", str(net)).stdout.splitlines()) == 1:
+            return net
+        _ip("addr", "del", f"{net[1]}/30", "dev", device)
+        time.sleep(random.random() / 10)
+    raise RuntimeError(f"no free {what}")
 
 
 def _remove_abandoned_test_netns() -> None:
@@ -420,19 +441,9 @@ def _remove_abandoned_test_netns() -> None:
         try:
             os.kill(int(found.group(1), 16), 0)
         except ProcessLookupError:
-            subprocess.run(["ip", "netns", "del", entry.name], check=False, capture_output=True)
+            _ip("netns", "del", entry.name)
         except PermissionError:
             pass  # alive, another user's
-
-
-def _holders(network: ipaddress.IPv4Network) -> int:
-    listing = subprocess.run(
-        ["ip", "-4", "-o", "addr", "show", "to", str(network)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return len(listing.splitlines())
 
 
 @contextlib.contextmanager
@@ -441,49 +452,28 @@ def local_test_address(name: str | None = None) -> Iterator[str]:
 
     The apiserver refuses to proxy `nodes/<name>/proxy/...` to loopback addresses, so a virtual
     node whose kubelet API must be reachable that way needs another address. Traffic to it never
-    leaves the machine. Needs root and iproute2. The /30 is a random one of 10.250.0-249.x that
-    no interface of this machine overlaps; a parallel run that takes the same one between the
-    check and the `ip addr add` is seen (two holders) and the later side moves on.
+    leaves the machine. Needs root and iproute2. The /30 is a random free one of 10.250.0-249.x.
     """
     _remove_abandoned_test_netns()
     tag = name or f"vkt{os.getpid() & 0xFFFFFF:06x}{uuid.uuid4().hex[:3]}"
     host, peer = f"{tag}h", f"{tag}n"
     try:
         for command in (
-            ["ip", "netns", "add", tag],
-            ["ip", "link", "add", host, "type", "veth", "peer", "name", peer],
-            ["ip", "link", "set", peer, "netns", tag],
-            ["ip", "link", "set", host, "up"],
-            ["ip", "-n", tag, "link", "set", peer, "up"],
+            ["netns", "add", tag],
+            ["link", "add", host, "type", "veth", "peer", "name", peer],
+            ["link", "set", peer, "netns", tag],
+            ["link", "set", host, "up"],
+            ["-n", tag, "link", "set", peer, "up"],
         ):
-            subprocess.run(command, check=True, capture_output=True)
-        for _ in range(50):
-            net = ipaddress.IPv4Network(
-                (f"10.250.{random.randrange(250)}.{4 * random.randrange(64)}", 30)
-            )
-            if any(net.overlaps(used) for used in _ipv4_networks_in_use()):
-                continue
-            added = subprocess.run(
-                ["ip", "addr", "add", f"{net[1]}/30", "dev", host], capture_output=True, text=True
-            )
-            if "File exists" in added.stderr:
-                continue
-            added.check_returncode()
-            if _holders(net) == 1:
-                break
-            subprocess.run(["ip", "addr", "del", f"{net[1]}/30", "dev", host], capture_output=True)
-            time.sleep(random.random() / 10)
-        else:
-            raise RuntimeError("no free 10.250.0-249.x/30 for a test address")
-        subprocess.run(
-            ["ip", "-n", tag, "addr", "add", f"{net[2]}/30", "dev", peer],
-            check=True,
-            capture_output=True,
+            _must(_ip(*command))
+        net = _claim_subnet(
+            host, range(250, 251), range(250), "10.250.0-249.x/30 for a test address"
         )
+        _must(_ip("-n", tag, "addr", "add", f"{net[2]}/30", "dev", peer))
         yield str(net[1])
     finally:
-        subprocess.run(["ip", "link", "del", host], check=False, capture_output=True)
-        subprocess.run(["ip", "netns", "del", tag], check=False, capture_output=True)
+        _ip("link", "del", host)
+        _ip("netns", "del", tag)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -515,9 +505,16 @@ def kube_cluster(
             pytest.exit(f"--vkubelet-cluster {reuse}: no such cluster is up", returncode=2)
         yield existing[reuse]
         return
-    cluster = Cluster(f"pytest-{os.getpid()}", root=tmp_path_factory.mktemp("vkubelet-state"))
+    yield from _session_cluster(
+        Cluster(f"pytest-{os.getpid()}", root=tmp_path_factory.mktemp("vkubelet-state"))
+    )
+
+
+def _session_cluster(cluster: Cluster, workers: int = 0) -> Iterator[Cluster]:
+    """`cluster` up for the session (a failed `up` leaves nothing behind), then down."""
     cluster.up(
-        progress=lambda m: print(m, file=sys.stderr, flush=True),
+        workers=workers,
+        progress=_progress,
         tie_to_parent=True,
         # A node whose lease stops is marked NotReady after 20 s instead of 50 s, so tests of
         # node health do not spend most of their time waiting.
@@ -527,6 +524,10 @@ def kube_cluster(
         yield cluster
     finally:
         cluster.down()
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 #: Workers of the `worker_cluster` fixture: two, so that traffic crosses nodes.
@@ -559,17 +560,8 @@ def worker_cluster(
         preflight()
     except NetworkUnavailable as e:
         pytest.skip(str(e))
-    cluster = Cluster(f"pytest-w{os.getpid()}", root=tmp_path_factory.mktemp("vkubelet-workers"))
-    cluster.up(  # a failed `up` leaves nothing behind
-        workers=TEST_WORKERS,
-        progress=lambda m: print(m, file=sys.stderr, flush=True),
-        tie_to_parent=True,
-        extra_args={"kube-controller-manager": ["--node-monitor-grace-period=20s"]},
-    )
-    try:
-        yield cluster
-    finally:
-        cluster.down()
+    root = tmp_path_factory.mktemp("vkubelet-workers")
+    yield from _session_cluster(Cluster(f"pytest-w{os.getpid()}", root=root), TEST_WORKERS)
 
 
 @pytest.fixture(scope="session")
@@ -604,7 +596,7 @@ def vm_guest_image() -> Path:
 
     try:
         with _image_build_lock("guest"):
-            image = build_guest_image(progress=lambda m: print(m, file=sys.stderr, flush=True))
+            image = build_guest_image(progress=_progress)
     except ImageBuildError as e:
         pytest.skip(f"cannot build the test guest: {e}")
     return image.disk
@@ -617,7 +609,7 @@ def vm_distro_image() -> Path:
 
     try:
         with _image_build_lock("distro"):
-            image = build_distro_image(progress=lambda m: print(m, file=sys.stderr, flush=True))
+            image = build_distro_image(progress=_progress)
     except ImageBuildError as e:
         pytest.skip(f"cannot build the distribution guest: {e}")
     return image.disk

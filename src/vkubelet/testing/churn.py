@@ -51,10 +51,6 @@ class Intent:
     deleted: bool = False
     last_ack: float = 0.0  # monotonic time of the API's answer to its latest operation
 
-    @property
-    def kept(self) -> bool:
-        return self.created and not self.deleted
-
 
 def fate_of(index: int) -> str:
     return ("update", "keep", "delete", "force", "update", "keep", "delete", "update2")[index % 8]
@@ -75,17 +71,7 @@ class Report:
 
     @property
     def clean(self) -> bool:
-        return not any(
-            (
-                self.missing_in_provider,
-                self.duplicated,
-                self.not_deleted,
-                self.stale,
-                self.terminating,
-                self.not_running,
-                self.missing_in_api,
-            )
-        )
+        return not any(self.counts().values())
 
     def counts(self) -> dict[str, int]:
         return {
@@ -384,16 +370,6 @@ class Disruption:
     trace: list[tuple[float, str]] = field(default_factory=list)
 
 
-async def measure_after(churn: Churn, disruption: Disruption, back: float, limit: float) -> None:
-    """Fill in `disruption.reconciled`: the pods acknowledged before the component came back
-    (at monotonic `back`) are all consistent again."""
-    churn.trace = []
-    report, _ = await churn.wait_consistent(back, limit=limit)
-    disruption.report = report
-    disruption.trace = churn.trace
-    disruption.reconciled = time.monotonic() - back if report.clean else None
-
-
 async def disrupt_during(
     churn: Churn,
     times: list[float],
@@ -403,16 +379,19 @@ async def disrupt_during(
 ) -> list[Disruption]:
     """At each of `times` (seconds after now, and not before the previous disruption was
     reconciled) run `disrupt` (returns what it did and the seconds the component was away),
-    then measure the reconciliation."""
+    then measure the reconciliation: until the pods acknowledged before the component came
+    back are all consistent again."""
     start = time.monotonic()
     done: list[Disruption] = []
     for at in times:
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         began = time.monotonic() - start
         what, down = await disrupt()
-        disruption = Disruption(what, began, down)
-        await measure_after(churn, disruption, time.monotonic(), limit)
-        done.append(disruption)
+        back = time.monotonic()
+        churn.trace = []
+        report, _ = await churn.wait_consistent(back, limit=limit)
+        reconciled = time.monotonic() - back if report.clean else None
+        done.append(Disruption(what, began, down, reconciled, report, churn.trace))
     return done
 
 
@@ -491,6 +470,5 @@ __all__ = [
     "disrupt_during",
     "fate_of",
     "http_client",
-    "measure_after",
     "pod_body",
 ]

@@ -259,35 +259,32 @@ def _selectors(params: dict[str, str]) -> Callable[[JSON], bool]:
 
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
+    return _merge(target, patch, None)
 
 
-def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -> Any:
+def strategic_merge_patch(target: Any, patch: Any) -> Any:
     """A simplified strategic merge patch: merge-keyed lists from MERGE_KEYS, `null` deletes,
     `{key: ..., "$patch": "delete"}` removes an element of such a list and an element
     `{"$patch": "replace"}` replaces the whole list with the others; other directives
     (`$setElementOrder/...`, `$retainKeys`) are ignored."""
+    return _merge(target, patch, ())
+
+
+def _merge(target: Any, patch: Any, path: tuple[str, ...] | None) -> Any:
+    """A merge patch; with `path` (where `patch` is in the object) a strategic one."""
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
     result = dict(target) if isinstance(target, dict) else {}
     for key, value in patch.items():
-        if key.startswith("$"):
+        here = None if path is None else (*path, key)
+        merge_key = MERGE_KEYS.get(here) if here is not None and isinstance(value, list) else None
+        if here is not None and key.startswith("$"):
             continue
-        here = (*path, key)
         if value is None:
             result.pop(key, None)
-        elif isinstance(value, list) and here in MERGE_KEYS and {"$patch": "replace"} in value:
+        elif merge_key is not None and {"$patch": "replace"} in value:
             result[key] = [copy.deepcopy(v) for v in value if v != {"$patch": "replace"}]
-        elif isinstance(value, list) and here in MERGE_KEYS and isinstance(result.get(key), list):
-            merge_key = MERGE_KEYS[here]
+        elif merge_key is not None and isinstance(result.get(key), list):
             merged = [copy.deepcopy(item) for item in result[key]]
             for item in value:
                 if not isinstance(item, dict):
@@ -304,12 +301,12 @@ def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -
                     if index is not None:
                         del merged[index]
                 elif index is None:
-                    merged.append(strategic_merge_patch({}, item, here))
+                    merged.append(_merge({}, item, here))
                 else:
-                    merged[index] = strategic_merge_patch(merged[index], item, here)
+                    merged[index] = _merge(merged[index], item, here)
             result[key] = merged
         else:
-            result[key] = strategic_merge_patch(result.get(key), value, here)
+            result[key] = _merge(result.get(key), value, here)
     return result
 
 
@@ -490,10 +487,7 @@ class FakeApiServer:
                 return _json(201, self._create(resource, namespace, body))
             raise _Error(405, "MethodNotAllowed", f"{method} on a collection")
         if method == "GET":
-            found = self._objects[resource].get((namespace or "", name))
-            if found is None:
-                raise _not_found(resource, name)
-            return _json(200, found)
+            return _json(200, self._existing(resource, (namespace or "", name)))
         if method == "POST" and resource == "serviceaccounts" and sub == "token":
             return _json(201, self._token(namespace or "", name, body))
         if method == "POST" and resource == "pods" and sub == "eviction":
@@ -530,6 +524,12 @@ class FakeApiServer:
             return False
         return watch.selector(obj)
 
+    def _existing(self, resource: str, key: tuple[str, str]) -> JSON:
+        found = self._objects[resource].get(key)
+        if found is None:
+            raise _not_found(resource, key[1])
+        return found
+
     def _create(self, resource: str, namespace: str | None, body: Any) -> JSON:
         if not isinstance(body, dict):
             raise _Error(400, "BadRequest", "expected an object")
@@ -557,7 +557,9 @@ class FakeApiServer:
         for server_set in ("deletionTimestamp", "deletionGracePeriodSeconds"):
             meta.pop(server_set, None)
         if resource == "pods":
-            obj["status"] = {"phase": "Pending", **_pod_status_seed(obj.get("status"))}
+            # Pods are created Pending; tests may seed more status (a terminal phase, say).
+            seed = obj.get("status")
+            obj["status"] = {"phase": "Pending", **(seed if isinstance(seed, dict) else {})}
         self._objects[resource][key] = obj
         self._record(resource, "ADDED", obj)
         return obj
@@ -672,9 +674,7 @@ class FakeApiServer:
         content_type: str,
     ) -> JSON:
         key = (namespace or "", name)
-        current = self._objects[resource].get(key)
-        if current is None:
-            raise _not_found(resource, name)
+        current = self._existing(resource, key)
         if not isinstance(patch, dict):
             raise _Error(400, "BadRequest", "patch must be an object")
         self._check_preconditions(resource, current, patch.get("metadata") or {})
@@ -690,9 +690,7 @@ class FakeApiServer:
         self, resource: str, namespace: str | None, name: str, sub: str | None, body: Any
     ) -> JSON:
         key = (namespace or "", name)
-        current = self._objects[resource].get(key)
-        if current is None:
-            raise _not_found(resource, name)
+        current = self._existing(resource, key)
         self._check_preconditions(resource, current, (body or {}).get("metadata") or {})
         return self._store(resource, key, current, copy.deepcopy(body), sub)
 
@@ -735,9 +733,7 @@ class FakeApiServer:
 
     def _delete(self, resource: str, namespace: str | None, name: str, options: JSON) -> JSON:
         key = (namespace or "", name)
-        current = self._objects[resource].get(key)
-        if current is None:
-            raise _not_found(resource, name)
+        current = self._existing(resource, key)
         self._check_preconditions(resource, current, options.get("preconditions") or {})
         grace = 0
         if resource == "pods":
@@ -783,11 +779,6 @@ class FakeApiServer:
                 "expirationTimestamp": now_rfc3339(seconds),
             },
         }
-
-
-def _pod_status_seed(status: Any) -> JSON:
-    # Pods are created Pending; tests may seed extra status (e.g. a terminal phase) explicitly.
-    return dict(status) if isinstance(status, dict) else {}
 
 
 def _line(event: JSON) -> bytes:

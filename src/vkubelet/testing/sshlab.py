@@ -12,10 +12,8 @@ and then gets the `ssh_devices` fixture.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import pwd
-import random
 import shutil
 import signal
 import socket
@@ -29,6 +27,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
+
+from . import _claim_subnet, _ip, _must
 
 # --- SSH device lab --------------------------------------------------------------------------
 #
@@ -172,15 +172,6 @@ def _runuser() -> str:
     return shutil.which("runuser") or "/usr/sbin/runuser"
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-
-
-def _must(result: subprocess.CompletedProcess[str]) -> None:
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, result.args))}: {result.stderr.strip()}")
-
-
 def _retry_shadow_tool(argv: list[str], busy_codes: tuple[int, ...]) -> int:
     """Run useradd/userdel, retrying while another one (a parallel test run) holds the
     /etc/passwd lock (exit 10) or for the codes in `busy_codes`."""
@@ -279,45 +270,6 @@ def _free_tag() -> str:
     raise RuntimeError("no free device tag")  # pragma: no cover - 16M names
 
 
-def _used_networks() -> list[ipaddress.IPv4Network]:
-    result = _ip("-4", "-o", "addr", "show")
-    networks = []
-    for line in result.stdout.splitlines():
-        words = line.split()
-        if "inet" in words:
-            networks.append(ipaddress.ip_interface(words[words.index("inet") + 1]).network)
-    return [n for n in networks if isinstance(n, ipaddress.IPv4Network)]
-
-
-def _address_veth(veth: str) -> ipaddress.IPv4Network:
-    """Put a random free 10.251-254.x.y/30 on the host end `veth`.
-
-    Another lab (a parallel test run) may pick the same subnet between our check and our
-    `ip addr add`; each side then sees two holders and the later one moves on.
-    """
-    for _ in range(50):
-        net = ipaddress.IPv4Network(
-            (
-                f"10.{random.randrange(251, 255)}.{random.randrange(256)}"
-                f".{4 * random.randrange(64)}",
-                30,
-            )
-        )
-        if any(net.overlaps(used) for used in _used_networks()):
-            continue
-        added = _ip("addr", "add", f"{net[1]}/30", "dev", veth)
-        if added.returncode != 0:
-            if "File exists" in added.stderr:
-                continue
-            _must(added)
-        holders = _ip("-4", "-o", "addr", "show", "to", str(net)).stdout.splitlines()
-        if len(holders) == 1:
-            return net
-        _ip("addr", "del", f"{net[1]}/30", "dev", veth)
-        time.sleep(random.random() / 10)
-    raise RuntimeError("no free 10.251-254.x.y/30 subnet for a test device")
-
-
 def _keygen(path: Path, comment: str) -> str:
     """A fresh ed25519 key pair at `path` (mode 0600) and `path.pub`; returns the public line."""
     subprocess.run(
@@ -410,7 +362,9 @@ def _ssh_device(name: str, workdir: Path, *, root: bool) -> Iterator[TestDevice]
         _must(_ip("link", "add", veth, "type", "veth", "peer", "name", peer))
         setup.veth = veth
         _must(_ip("link", "set", peer, "netns", netns))
-        net = _address_veth(veth)
+        net = _claim_subnet(
+            veth, range(251, 255), range(256), "10.251-254.x.y/30 subnet for a test device"
+        )
         host_address, address = str(net[1]), str(net[2])
         _must(_ip("link", "set", veth, "up"))
         _must(_ip("-n", netns, "addr", "add", f"{address}/30", "dev", peer))
