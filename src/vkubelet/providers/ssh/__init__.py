@@ -10,39 +10,23 @@ into pod statuses and serves logs, exec, attach and port-forward over the same c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...sdk import ConfigError, ProviderContext
+from ._inventory import DeviceConfig, Inventory, load_inventory
 
 if TYPE_CHECKING:
     from ._fleet import SshFleet
 
-__all__ = ["DeviceConfig", "DeviceProvider", "Inventory", "SshFleet", "create", "load_inventory"]
+__all__ = ["DeviceConfig", "Inventory", "create", "load_inventory"]
 
 
 def create(context: ProviderContext) -> SshFleet:
     """Entry point (`vkubelet.providers`: ssh): the inventory is `--provider-config`."""
+    # Imported here: `vkubelet providers` lists this provider without importing asyncssh.
     from ._fleet import SshFleet
-    from ._inventory import load_inventory
 
     if context.config_path is None:
         raise ConfigError("the ssh provider needs --provider-config: the inventory of devices")
     inventory = load_inventory(context.config_path)
     return SshFleet(context.config_path, inventory, events=context.events)
-
-
-def __getattr__(name: str) -> Any:
-    # Loaded on first use: `vkubelet providers` lists this provider without importing asyncssh.
-    if name in ("DeviceConfig", "Inventory", "load_inventory"):
-        from . import _inventory
-
-        return getattr(_inventory, name)
-    if name == "DeviceProvider":
-        from ._provider import DeviceProvider
-
-        return DeviceProvider
-    if name == "SshFleet":
-        from ._fleet import SshFleet
-
-        return SshFleet
-    raise AttributeError(name)

@@ -256,9 +256,7 @@ class DeviceProvider:
 
     async def create_pod(self, pod: ResolvedPod) -> None:
         uid = pod.uid
-        if not _UID.fullmatch(uid):
-            raise ProviderError("InvalidPod", f"pod uid {uid!r} is not a Kubernetes UID")
-        plan = self._plan(pod)
+        plan = self._plan(pod)  # a uid that is no Kubernetes UID fails here (InvalidPod)
         key = f"{pod.namespace}/{pod.name}"
         # One SSH session: volumes, then the supervisor. Starting is idempotent on the device
         # (a pod it runs already, e.g. after an agent restart, is left alone), so there is
@@ -352,7 +350,6 @@ class DeviceProvider:
                 init_containers=[plan(c) for c in spec.initContainers or []],
                 containers=[plan(c) for c in spec.containers],
                 metadata_json=json.dumps(metadata).encode(),
-                extra_env={},
             )
         except ValueError as e:
             raise ProviderError("InvalidPod", str(e)) from None
@@ -482,7 +479,7 @@ class DeviceProvider:
 
     async def get_pod_status(self, namespace: str, name: str) -> PodStatus | None:
         entry = self._pods.get(f"{namespace}/{name}")
-        return None if entry is None else self._status(entry)
+        return None if entry is None else pod_status(entry, self.config.address)
 
     async def list_pods(self) -> list[Pod]:
         # Right after a start, wait (a little) for the device so that its pods are adopted.
@@ -492,7 +489,7 @@ class DeviceProvider:
 
     def _pod_object(self, entry: _PodEntry) -> Pod:
         pod = msgspec.convert(msgspec.to_builtins(entry.pod), Pod)
-        pod.status = self._status(entry)
+        pod.status = pod_status(entry, self.config.address)
         return pod
 
     def _probe(self, entry: _PodEntry) -> None:
@@ -524,14 +521,11 @@ class DeviceProvider:
         entry.prober.sync(running, terminating=stopping)
 
     def _publish(self, entry: _PodEntry) -> None:
-        status = self._status(entry)
+        status = pod_status(entry, self.config.address)
         if status != entry.status:
             entry.status = status
             if self._notify is not None:
                 self._notify(self._pod_object(entry))
-
-    def _status(self, entry: _PodEntry) -> PodStatus:
-        return pod_status(entry, self.config.address)
 
     # -- kubectl verbs -------------------------------------------------------------------------
     def _entry(self, namespace: str, pod: str, container: str | None = None) -> _PodEntry:

@@ -67,7 +67,7 @@ import base64
 import binascii
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
@@ -131,7 +131,6 @@ class PodPlan:
     init_containers: list[ContainerPlan]
     containers: list[ContainerPlan]
     metadata_json: bytes  # written to pod.json
-    extra_env: dict[str, str] = field(default_factory=dict)  # for every container, before its own
 
     def __post_init__(self) -> None:
         _check_uid(self.uid)
@@ -143,9 +142,6 @@ class PodPlan:
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"pod {self.uid}: two containers are named {name}")
-        for container in self.all_containers:
-            for name, value in self.extra_env.items():
-                _check_env(container.name, name, value)
 
     @property
     def all_containers(self) -> list[ContainerPlan]:
@@ -383,7 +379,7 @@ def start_pod_script(root: str, plan: PodPlan) -> str:
     for container in plan.all_containers:
         name = container.name
         parts += [
-            _heredoc(f'cat >"$P/env/{name}"', _profile(plan, container)),
+            _heredoc(f'cat >"$P/env/{name}"', _profile(container)),
             '[ -s "$P/env/' + name + '" ] || fail "cannot write env/' + name + '"\n',
             _heredoc(f'cat >"$P/c/{name}/cmd"', _container_script(plan.uid, container)),
             f'd="$P/c/{name}"; rm -f "$d/pid" "$d/backoff"\n',
@@ -407,7 +403,7 @@ def start_pod_script(root: str, plan: PodPlan) -> str:
     return "".join(parts)
 
 
-def _profile(plan: PodPlan, container: ContainerPlan) -> str:
+def _profile(container: ContainerPlan) -> str:
     """The env file: the working directory first, while no pod value can have replaced
     VKUBELET_POD_DIR, then the environment. A directory that is not there fails the run like a
     runtime's StartError (exit 128), its message in the log."""
@@ -417,8 +413,7 @@ def _profile(plan: PodPlan, container: ContainerPlan) -> str:
     ]
     if container.working_dir:
         lines.append(f"cd -- {shlex.quote(container.working_dir)} || exit 128")
-    env = {**plan.extra_env, **container.env}
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in container.env.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -791,16 +786,17 @@ def _status(name: str, words: list[str], restarts: int) -> ContainerStatus:
 
 
 # -- stopping ---------------------------------------------------------------------------------
+def _pod_script(what: str, root: str, uid: str) -> str:
+    """The head of a script about one pod: what it does, the helpers, and P, the pod directory."""
+    return f"# vkubelet: {what}\n" + _HELPERS + f"\nP={pod_word(root, uid)}\n"
+
+
 def stop_pod_script(root: str, uid: str, grace_seconds: int) -> str:
     """Stop the pod: no more (re)starts, TERM to every running container's process group, KILL
     after `grace_seconds` to those still running. Returns at once; the supervisor then ends."""
-    pod = pod_word(root, uid)
     return (
-        f"# vkubelet: stop pod {uid}\n"
-        + _HELPERS
-        + f"""
-P={pod}
-[ -d "$P" ] || exit 0
+        _pod_script(f"stop pod {uid}", root, uid)
+        + """[ -d "$P" ] || exit 0
 : >"$P/stop" || exit 1
 # Back-offs end now (see backoff in run.sh), then the running containers.
 for f in "$P"/c/*/backoff; do
@@ -816,24 +812,16 @@ def restart_container_script(root: str, uid: str, container: str, grace_seconds:
     """End the container's current run (a failed liveness probe): TERM, KILL after the grace
     period. The supervisor then restarts it or not, as the restart policy says."""
     _check_container(container)
-    pod = pod_word(root, uid)
-    return (
-        f"# vkubelet: restart container {container} of pod {uid}\n"
-        + _HELPERS
-        + f"\nP={pod}\n"
-        + _terminate(f'"$P"/c/{container}/pid', grace_seconds)
+    return _pod_script(f"restart container {container} of pod {uid}", root, uid) + _terminate(
+        f'"$P"/c/{container}/pid', grace_seconds
     )
 
 
 def remove_pod_script(root: str, uid: str) -> str:
     """Kill whatever of the pod still runs and delete its directory, logs included."""
-    pod = pod_word(root, uid)
     return (
-        f"# vkubelet: remove pod {uid}\n"
-        + _HELPERS
-        + f"""
-P={pod}
-[ -d "$P" ] || exit 0
+        _pod_script(f"remove pod {uid}", root, uid)
+        + """[ -d "$P" ] || exit 0
 # Nothing may start any more: containers check for stop and run.sh before they exec.
 : >"$P/stop"
 rm -f "$P/run.sh"

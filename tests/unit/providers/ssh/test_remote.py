@@ -708,9 +708,6 @@ def test_hostile_values_reach_the_program_literally_and_run_nothing(tmp_path: Pa
 def test_environment_names_sh_cannot_export_are_rejected(name: str) -> None:
     with pytest.raises(ValueError, match=rf"container web: .*{re.escape(repr(name))}"):
         ContainerPlan("web", ["true"], {name: "x"}, None)
-    container = ContainerPlan("web", ["true"], {}, None)
-    with pytest.raises(ValueError, match="container web"):
-        PodPlan("u1", "Never", [], [container], b"", extra_env={name: "x"})
 
 
 def test_values_no_process_could_receive_are_rejected() -> None:
