@@ -28,6 +28,7 @@ import queue
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -153,14 +154,8 @@ class AgentProcess:
 
     def stop(self, sig: int = 15) -> None:
         """Stop with `sig` (SIGTERM by default, SIGKILL for a crash) and wait for the exit."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None and self.proc.poll() is None:
+            _stop(self.proc, sig, 20)
 
     @property
     def running(self) -> bool:
@@ -349,12 +344,17 @@ def port_forward(
             raise RuntimeError(f"kubectl port-forward: {line.strip() or 'exited'}")
         yield local
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc, signal.SIGTERM, 10)
+
+
+def _stop(proc: subprocess.Popen[Any], sig: int, seconds: float) -> None:
+    """Send `sig` and wait for the exit; SIGKILL after `seconds`."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class TerminalSession:

@@ -102,11 +102,8 @@ class TestDevice:
         inode = _netns_inode(self.netns)
         if inode is None:  # the lab is gone
             return []
-        found = []
-        for proc in _processes(inode):
-            if proc.uid == uid and not proc.zombie and pattern in proc.cmdline:
-                found.append(proc.pid)
-        return found
+        procs = _processes(inode)
+        return [p.pid for p in procs if p.uid == uid and not p.zombie and pattern in p.cmdline]
 
 
 @dataclass
@@ -334,13 +331,6 @@ def _ssh_device(name: str, workdir: Path, *, root: bool) -> Iterator[TestDevice]
             argv = ["useradd", "--non-unique", "--uid", "0", "--gid", "0", "--no-create-home"]
             argv += ["--home-dir", str(home), "--shell", "/bin/sh", "--password", "*"]
             argv += ["--comment", f"vkubelet test device {name} (root)", user]
-            code = _retry_shadow_tool(argv, busy_codes=())
-            if code != 0:
-                raise RuntimeError(f"useradd {user} exited {code}")
-            setup.user = user
-            setup.root = True
-            sshd_dir = workdir / f"{name}-sshd"
-            sshd_dir.mkdir(mode=0o700)
         else:
             user = f"vkd-{tag}"
             skel = workdir / ".vkd-empty-skel"  # no .bashrc/.profile: every exec stays cheap
@@ -348,13 +338,14 @@ def _ssh_device(name: str, workdir: Path, *, root: bool) -> Iterator[TestDevice]
             argv = ["useradd", "--create-home", "--skel", str(skel), "--shell", "/bin/sh"]
             # "*", not useradd's locked "!": sshd without PAM refuses locked accounts.
             argv += ["--password", "*", "--comment", f"vkubelet test device {name}", user]
-            code = _retry_shadow_tool(argv, busy_codes=())
-            if code != 0:
-                raise RuntimeError(f"useradd {user} exited {code}")
-            setup.user = user
+        code = _retry_shadow_tool(argv, busy_codes=())
+        if code != 0:
+            raise RuntimeError(f"useradd {user} exited {code}")
+        setup.user, setup.root = user, root
+        if not root:
             home = Path(pwd.getpwnam(user).pw_dir)
-            sshd_dir = home / ".vkd-sshd"
-            sshd_dir.mkdir(mode=0o700)
+        sshd_dir = workdir / f"{name}-sshd" if root else home / ".vkd-sshd"
+        sshd_dir.mkdir(mode=0o700)
 
         netns, veth, peer = f"vkd-{tag}", f"vkd{tag}h", f"vkd{tag}n"
         _must(_ip("netns", "add", netns))

@@ -222,10 +222,8 @@ class MockProvider:
             )
         elif self.config.failure_ratio and self._random.random() < self.config.failure_ratio:
             failure = ProviderError("MockFailure", "the mock provider failed this pod on purpose")
-        if failure is not None:
-            running = self._pods.get(f"{resolved.namespace}/{resolved.name}")
-            if running is None or running.uid != resolved.uid:
-                self._release_ip(resolved.uid)  # reserved when the pod was resolved
+        if failure is not None:  # the IP reserved when the pod was resolved is free again
+            await self.release_pod_ips(resolved.namespace, resolved.name, resolved.uid)
             raise failure
         key = f"{resolved.namespace}/{resolved.name}"
         previous = self._pods.get(key)
@@ -271,7 +269,6 @@ class MockProvider:
         mock.files = files_of(resolved)
         meta = resolved.pod.metadata
         mock.applied = ((meta.annotations if meta else None) or {}).get(APPLIED_ANNOTATION)
-        mock.updates += 1
         files = self._volume_files(mock)
         for container in mock.containers:  # the kubelet updates mounted volumes in place too
             fs = self._filesystems.get(mock.uid, {}).get(container.name)

@@ -47,20 +47,6 @@ class _Usage:
 
 
 @dataclass(frozen=True, slots=True)
-class _PodUsage:
-    pod: MockPod
-    containers: list[tuple[MockContainer, _Usage]]
-    total: _Usage
-
-
-@dataclass(frozen=True, slots=True)
-class _Snapshot:
-    time: datetime
-    node: _Usage
-    pods: list[_PodUsage]
-
-
-@dataclass(frozen=True, slots=True)
 class _Rates:
     """What a running pod's usage derives from: its containers' rates, from a hash of the pod's
     UID and the container's name (so they stay put for the container's life), its start, and
@@ -154,8 +140,11 @@ class NodeStats:
             working_set=_SYSTEM_MEMORY + pods.working_set,
         )
 
-    def _snapshot(self, pods: Iterable[MockPod], now: datetime) -> _Snapshot:
-        usages = []
+    def summary(self, pods: Iterable[MockPod]) -> dict[str, Any]:
+        """A `stats/v1alpha1` Summary."""
+        now = datetime.now(UTC).replace(microsecond=0)  # the JSON has whole seconds
+        stamp = format_time(now)
+        summaries, totals = [], []
         for mock, rates in self._running(pods):
             containers = [
                 (container, _Usage(nanocores, cpu, working_set))
@@ -163,15 +152,9 @@ class NodeStats:
                     rates.usage, rates.cpu(now), strict=True
                 )
             ]
-            usages.append(_PodUsage(mock, containers, _Usage.total(u for _, u in containers)))
-        return _Snapshot(now, self._node(now, _Usage.total(u.total for u in usages)), usages)
-
-    def summary(self, pods: Iterable[MockPod]) -> dict[str, Any]:
-        """A `stats/v1alpha1` Summary."""
-        now = datetime.now(UTC).replace(microsecond=0)  # the JSON has whole seconds
-        snapshot = self._snapshot(pods, now)
-        stamp = format_time(now)
-        node = snapshot.node
+            totals.append(_Usage.total(u for _, u in containers))
+            summaries.append(_pod_summary(stamp, mock, containers, totals[-1]))
+        node = self._node(now, _Usage.total(totals))
         available = max(int(parse_quantity(self._memory).to_fraction()) - node.working_set, 0)
         return {
             "node": {
@@ -180,7 +163,7 @@ class NodeStats:
                 "cpu": _cpu_stats(stamp, node),
                 "memory": _memory_stats(stamp, node, available),
             },
-            "pods": [_pod_summary(stamp, usage) for usage in snapshot.pods],
+            "pods": summaries,
         }
 
     def resource_metrics(self, pods: Iterable[MockPod], now: datetime | None = None) -> str:
@@ -253,8 +236,9 @@ class _Layout:
         )
 
 
-def _pod_summary(stamp: str, usage: _PodUsage) -> dict[str, Any]:
-    mock = usage.pod
+def _pod_summary(
+    stamp: str, mock: MockPod, containers: list[tuple[MockContainer, _Usage]], total: _Usage
+) -> dict[str, Any]:
     return {
         "podRef": {"name": mock.name, "namespace": mock.namespace, "uid": mock.uid},
         "startTime": mock.created,
@@ -265,11 +249,11 @@ def _pod_summary(stamp: str, usage: _PodUsage) -> dict[str, Any]:
                 "cpu": _cpu_stats(stamp, u),
                 "memory": _memory_stats(stamp, u),
             }
-            for c, u in usage.containers
+            for c, u in containers
         ],
-        "cpu": _cpu_stats(stamp, usage.total),
-        "memory": _memory_stats(stamp, usage.total),
-        "process_stats": {"process_count": len(usage.containers)},
+        "cpu": _cpu_stats(stamp, total),
+        "memory": _memory_stats(stamp, total),
+        "process_stats": {"process_count": len(containers)},
     }
 
 
