@@ -30,7 +30,7 @@ import contextlib
 import logging
 import platform
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -371,28 +371,17 @@ class NodeController:
         for _ in range(5):
             meta = current["metadata"]
             annotations = meta.get("annotations") or {}
-            previously = set(
-                filter(None, annotations.get(MANAGED_LABELS_ANNOTATION, "").split(","))
+            labels = _dropping(
+                desired["metadata"]["labels"], _managed(annotations, MANAGED_LABELS_ANNOTATION)
             )
-            labels: dict[str, str | None] = dict(desired["metadata"]["labels"])
-            for stale in previously - set(labels):
-                labels[stale] = None
-            wanted_annotations: dict[str, str | None] = dict(desired["metadata"]["annotations"])
-            for stale in set(
-                filter(None, annotations.get(MANAGED_ANNOTATIONS_ANNOTATION, "").split(","))
-            ) - set(wanted_annotations):
-                wanted_annotations[stale] = None
-            old_taints = set(
-                filter(None, annotations.get(MANAGED_TAINTS_ANNOTATION, "").split(","))
+            wanted_annotations = _dropping(
+                desired["metadata"]["annotations"],
+                _managed(annotations, MANAGED_ANNOTATIONS_ANNOTATION),
             )
             ours = desired["spec"]["taints"]
-            ours_ids = {_taint_id(t) for t in ours}
+            mine = _managed(annotations, MANAGED_TAINTS_ANNOTATION) | {_taint_id(t) for t in ours}
             present = (current.get("spec") or {}).get("taints") or []
-            kept = [
-                t
-                for t in present
-                if _taint_id(t) not in old_taints and _taint_id(t) not in ours_ids
-            ]
+            kept = [t for t in present if _taint_id(t) not in mine]
             patch: dict[str, Any] = {
                 "metadata": {
                     "resourceVersion": meta["resourceVersion"],  # optimistic concurrency
@@ -406,19 +395,15 @@ class NodeController:
             unschedulable = desired["spec"].get("unschedulable")
             if unschedulable is not None:
                 patch.setdefault("spec", {})["unschedulable"] = unschedulable
-            if _shows(current, patch):  # a restart, mostly: nothing to write
-                self.uid = meta["uid"]
-                await self._patch_status(desired["status"])
-                log.info("took over existing node %s", self.settings.name)
-                return
-            try:
-                updated = await self._client.patch(self._path, patch)
-            except ApiError as e:
-                if not e.conflict:
-                    raise
-                current = await self._client.get(self._path)
-                continue
-            self.uid = updated["metadata"]["uid"]
+            if not _shows(current, patch):  # it mostly does: an agent restart
+                try:
+                    current = await self._client.patch(self._path, patch)
+                except ApiError as e:
+                    if not e.conflict:
+                        raise
+                    current = await self._client.get(self._path)
+                    continue
+            self.uid = current["metadata"]["uid"]
             await self._patch_status(desired["status"])
             log.info("took over existing node %s", self.settings.name)
             return
@@ -438,13 +423,10 @@ class NodeController:
         annotations = self._annotations if annotations is None else annotations
         if self._labels is None or (labels, annotations) == (self._labels, self._annotations):
             return
-        patch: dict[str, str | None] = dict(labels)
-        for stale in set(self._labels) - set(labels):
-            patch[stale] = None
+        patch = _dropping(labels, self._labels)
         written: dict[str, str | None] = {MANAGED_LABELS_ANNOTATION: ",".join(sorted(labels))}
         if annotations != self._annotations:
-            written.update(annotations)
-            written.update(dict.fromkeys(set(self._annotations) - set(annotations)))
+            written.update(_dropping(annotations, self._annotations))
             written[MANAGED_ANNOTATIONS_ANNOTATION] = ",".join(sorted(annotations))
         await self._client.patch(
             self._path, {"metadata": {"labels": patch, "annotations": written}}
@@ -700,6 +682,16 @@ def _shows(current: dict[str, Any], patch: dict[str, Any]) -> bool:
     return "unschedulable" not in wanted or bool(spec.get("unschedulable")) == bool(
         wanted["unschedulable"]
     )
+
+
+def _managed(annotations: dict[str, str], key: str) -> set[str]:
+    """What one of our managed-* annotations lists (label keys, annotation keys, taint ids)."""
+    return set(filter(None, annotations.get(key, "").split(",")))
+
+
+def _dropping(wanted: dict[str, str], before: Iterable[str]) -> dict[str, str | None]:
+    """`wanted`, with a null (a merge patch's removal) for each key of `before` not wanted."""
+    return {**dict.fromkeys(set(before) - set(wanted)), **wanted}
 
 
 def _taint_set(taints: list[dict[str, str]]) -> set[tuple[str, str, str]]:

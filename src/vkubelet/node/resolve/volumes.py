@@ -242,21 +242,28 @@ class _VolumeResolver:
         self.fs_user = fs_user_of(pod)
         self.token_expiry: datetime | None = None
 
-    def configmap(
-        self, source: JSON, default_mode: int, errors: list[str]
+    def object_files(
+        self, kind: str, source: JSON, name: str, default_mode: int, errors: list[str]
     ) -> dict[str, FileContent]:
-        name = text(source.get("name"))
+        """A ConfigMap's (`kind` "configmap") or a Secret's ("secret") keys as files."""
         optional = source.get("optional") is True
         try:
-            configmap = self.sources.get_configmap(self.namespace, name)
-            binary = decode_base64_map(obj(configmap).get("binaryData"))
+            if kind == "configmap":
+                found = self.sources.get_configmap(self.namespace, name)
+                binary = decode_base64_map(obj(found).get("binaryData"))
+            else:
+                found = self.sources.get_secret(self.namespace, name)
+                binary = decode_base64_map(obj(found).get("data"))
         except SourceReadError as err:
-            errors.append(f'failed to read configmap "{self.namespace}/{name}": {err}')
+            errors.append(f'failed to read {kind} "{self.namespace}/{name}": {err}')
             return {}
-        if configmap is None and not optional:
-            errors.append(f'configmap "{name}" not found')
+        if found is None and not optional:
+            errors.append(f'{kind} "{name}" not found')
             return {}
-        data = string_map(obj(configmap).get("data"))
+        if kind == "secret":
+            missing = "references non-existent secret key"
+            return self._items(source, binary, (binary,), default_mode, optional, errors, missing)
+        data = string_map(obj(found).get("data"))
         contents = {key: utf8_bytes(value) for key, value in data.items()}
         # With no items, every key becomes a file; binaryData wins a (forbidden) duplicate key.
         contents_for_all = {**contents, **binary}
@@ -265,22 +272,6 @@ class _VolumeResolver:
         return self._items(
             source, contents_for_all, tables, default_mode, optional, errors, missing
         )
-
-    def secret(
-        self, source: JSON, name: str, default_mode: int, errors: list[str]
-    ) -> dict[str, FileContent]:
-        optional = source.get("optional") is True
-        try:
-            secret = self.sources.get_secret(self.namespace, name)
-            data = decode_base64_map(obj(secret).get("data"))
-        except SourceReadError as err:
-            errors.append(f'failed to read secret "{self.namespace}/{name}": {err}')
-            return {}
-        if secret is None and not optional:
-            errors.append(f'secret "{name}" not found')
-            return {}
-        missing = "references non-existent secret key"
-        return self._items(source, data, (data,), default_mode, optional, errors, missing)
 
     def _items(
         self,
@@ -382,11 +373,13 @@ class _VolumeResolver:
         payload: dict[str, FileContent] = {}
         for projection in (obj(p) for p in seq(source.get("sources"))):
             if isinstance(projection.get("configMap"), Mapping):
-                payload |= self.configmap(obj(projection["configMap"]), default_mode, errors)
+                configmap = obj(projection["configMap"])
+                name = text(configmap.get("name"))
+                payload |= self.object_files("configmap", configmap, name, default_mode, errors)
             elif isinstance(projection.get("secret"), Mapping):
                 secret = obj(projection["secret"])
                 name = text(secret.get("name"))
-                payload |= self.secret(secret, name, default_mode, errors)
+                payload |= self.object_files("secret", secret, name, default_mode, errors)
             elif isinstance(projection.get("downwardAPI"), Mapping):
                 downward = obj(projection["downwardAPI"])
                 payload |= self.downward_api(downward, default_mode, errors)
@@ -422,11 +415,9 @@ class _VolumeResolver:
             payload = self.projected(source, errors)
         else:
             default_mode = _mode(source.get("defaultMode"), DEFAULT_MODE)
-            if kind == "configMap":
-                payload = self.configmap(source, default_mode, errors)
-            elif kind == "secret":
-                secret_name = text(source.get("secretName"))
-                payload = self.secret(source, secret_name, default_mode, errors)
+            if kind in ("configMap", "secret"):
+                named = text(source.get("name" if kind == "configMap" else "secretName"))
+                payload = self.object_files(kind.lower(), source, named, default_mode, errors)
             else:
                 payload = self.downward_api(source, default_mode, errors)
         if errors:
