@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightkube.resources.core_v1 import Pod
+from wsproto.utilities import generate_accept_token
 
+from ..protocols.channel import ChannelFraming
 from ..protocols.remotecommand import HEADER_ACCEPTED_PROTOCOL_VERSIONS, HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import SpdyLimits
 from ..sdk.provider import PodLifecycleHandler
 from ..sdk.spdy import SocketTransport, SpdySession
+from ..sdk.websocket import ChannelSession, WebSocket
 from ._http import Exchange, HttpError, Request
 from ._metrics import ServerMetrics
-from ._websocket import accept_token
 
 PodSource = Callable[[], Iterable[Pod | bytes]]
 """The pods bound to a node: lightkube Pods, or each pod's JSON as bytes (served as it is, which
@@ -144,8 +146,12 @@ def websocket_subprotocols(request: Request) -> list[str]:
     ]
 
 
-def websocket_accept_headers(request: Request, subprotocol: str) -> list[tuple[str, str]]:
-    """Check the WebSocket handshake and build the 101 headers (RFC 6455 §4.2)."""
+async def start_websocket_session(
+    call: Call, subprotocol: str, framing: ChannelFraming, inbound: Iterable[int]
+) -> ChannelSession:
+    """Check the WebSocket handshake (RFC 6455 §4.2), answer 101 and return a running session
+    over the same connection that keeps what arrives on the `inbound` channels."""
+    request = call.request
     if request.method != "GET":
         raise HttpError(400, "a WebSocket upgrade must be a GET request")
     if request.header("sec-websocket-version") != "13":
@@ -156,11 +162,28 @@ def websocket_accept_headers(request: Request, subprotocol: str) -> list[tuple[s
     headers = [
         ("Upgrade", "websocket"),
         ("Connection", "Upgrade"),
-        ("Sec-WebSocket-Accept", accept_token(key)),
+        ("Sec-WebSocket-Accept", generate_accept_token(key.strip().encode()).decode()),
     ]
     if subprotocol:
         headers.append(("Sec-WebSocket-Protocol", subprotocol))
-    return headers
+    trailing = await call.exchange.switch_protocols(headers)
+    config = call.config
+    session = ChannelSession(
+        WebSocket(
+            call.exchange.reader,
+            call.exchange.writer,
+            trailing,
+            client=False,
+            idle_timeout=config.stream_idle_timeout,
+        ),
+        framing,
+        max_message=config.max_websocket_message,
+        channel_buffer=config.stream_buffer,
+    )
+    for number in inbound:
+        session.channel(number)
+    session.start()
+    return session
 
 
 async def start_spdy_session(

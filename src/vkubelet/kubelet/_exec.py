@@ -44,12 +44,11 @@ from ..sdk.spdy import SpdySession, SpdyStream
 from ._context import (
     Call,
     start_spdy_session,
+    start_websocket_session,
     upgrade_kind,
-    websocket_accept_headers,
     websocket_subprotocols,
 )
 from ._http import HttpError
-from ._websocket import WebSocketSession
 
 log = logging.getLogger(__name__)
 
@@ -227,21 +226,9 @@ async def _serve_websocket(call: Call, options: StreamOptions, run: Runner) -> N
             f"unable to upgrade: unable to negotiate protocol: client supports {offered}, "
             f"server accepts {[p for p in WEBSOCKET_EXEC_PROTOCOLS if p]}",
         )
-    headers = websocket_accept_headers(call.request, protocol.name)
-    trailing = await call.exchange.switch_protocols(headers)
-    config = call.config
-    session = WebSocketSession(
-        call.exchange.reader,
-        call.exchange.writer,
-        trailing,
-        framing=protocol.framing,
-        idle_timeout=config.stream_idle_timeout,
-        max_message=config.max_websocket_message,
-        channel_buffer=config.stream_buffer,
-    )
-    stdin = session.channel(Channel.STDIN) if options.stdin else None
-    resize = session.channel(Channel.RESIZE) if options.tty else None
-    session.start()
+    inputs = ((Channel.STDIN, options.stdin), (Channel.RESIZE, options.tty))
+    inbound = [channel for channel, on in inputs if on]
+    session = await start_websocket_session(call, protocol.name, protocol.framing, inbound)
     try:
         # An empty message on each output channel tells the client the session is ready.
         for channel, wanted in (
@@ -253,10 +240,10 @@ async def _serve_websocket(call: Call, options: StreamOptions, run: Runner) -> N
                 await session.send(channel, b"")
         io, pump = _attach_io(
             options,
-            stdin=stdin,
+            stdin=session.channel(Channel.STDIN) if options.stdin else None,
             stdout=session.channel(Channel.STDOUT) if options.stdout else None,
             stderr=session.channel(Channel.STDERR) if options.stderr else None,
-            resize=resize,
+            resize=session.channel(Channel.RESIZE) if options.tty else None,
         )
         try:
             status = await _outcome(protocol, run, io, session.closed)
@@ -268,7 +255,7 @@ async def _serve_websocket(call: Call, options: StreamOptions, run: Runner) -> N
     except OSError as exc:
         log.debug("WebSocket exec ended early: %s", exc)
     finally:
-        await session.aclose(grace=config.close_grace)
+        await session.aclose(grace=call.config.close_grace)
 
 
 # --- shared ----------------------------------------------------------------------------------

@@ -31,15 +31,15 @@ from ..protocols.remotecommand import HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import RstStatus
 from ..sdk.capabilities import ByteStream, PortForwarder
 from ..sdk.spdy import SpdyStream
+from ..sdk.websocket import WsChannel
 from ._context import (
     Call,
     start_spdy_session,
+    start_websocket_session,
     upgrade_kind,
-    websocket_accept_headers,
     websocket_subprotocols,
 )
 from ._http import HttpError
-from ._websocket import WebSocketSession, WsChannel
 
 log = logging.getLogger(__name__)
 
@@ -174,23 +174,13 @@ async def _serve_websocket(call: Call, forwarder: PortForwarder, uid: str) -> No
             f"unable to upgrade: unable to negotiate protocol: client supports {offered}",
         )
     name, framing = negotiated
-    trailing = await call.exchange.switch_protocols(websocket_accept_headers(call.request, name))
-    config = call.config
-    session = WebSocketSession(
-        call.exchange.reader,
-        call.exchange.writer,
-        trailing,
-        framing=framing,
-        idle_timeout=config.stream_idle_timeout,
-        max_message=config.max_websocket_message,
-        channel_buffer=config.stream_buffer,
-    )
-    channels = [tuple(session.channel(n) for n in port_channels(i)) for i in range(len(ports))]
-    session.start()
+    numbers = [port_channels(i) for i in range(len(ports))]
+    session = await start_websocket_session(call, name, framing, [n for p in numbers for n in p])
+    channels = [(session.channel(data), session.channel(error)) for data, error in numbers]
     tasks: list[asyncio.Task[None]] = []
     try:
         for message in port_greetings(ports, framing):
-            await session.send_raw(message)
+            await session.ws.send(message)
         tasks = [
             asyncio.create_task(_forward(call, forwarder, uid, port, data, error))
             for port, (data, error) in zip(ports, channels, strict=True)
@@ -215,4 +205,4 @@ async def _serve_websocket(call: Call, forwarder: PortForwarder, uid: str) -> No
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await session.aclose(grace=config.close_grace)
+        await session.aclose(grace=call.config.close_grace)

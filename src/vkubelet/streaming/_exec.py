@@ -16,7 +16,6 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any, Literal, Protocol
 
-from ..protocols.channel import ChannelClose, ChannelData, ChannelError, ChannelFraming
 from ..protocols.remotecommand import (
     CLIENT_SPDY_EXEC_PROTOCOLS,
     CLIENT_WEBSOCKET_EXEC_PROTOCOLS,
@@ -32,10 +31,11 @@ from ..protocols.remotecommand import (
 from ..sdk.capabilities import AttachIO, InputStream, OutputStream, ResizeQueue
 from ..sdk.pipe import InboundPipe
 from ..sdk.spdy import SpdySession, SpdyStream
+from ..sdk.websocket import ChannelSession, WebSocket
 from ._connect import Endpoint, upgrade
 from ._errors import RemoteCommandError, StreamingError, UpgradeFailed
 from ._spdy import client_session, open_stream, socket_transport, wait_replied
-from ._websocket import WebSocket, open_websocket
+from ._websocket import open_websocket
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +102,13 @@ async def _remote_command(
     target = _target(endpoint, kind, namespace, pod, container, command, io)
     if transport != "spdy":
         try:
-            ws = await open_websocket(endpoint, target, CLIENT_WEBSOCKET_EXEC_PROTOCOLS)
+            ws, chosen = await open_websocket(endpoint, target, CLIENT_WEBSOCKET_EXEC_PROTOCOLS)
         except UpgradeFailed as exc:
             if transport == "websocket":
                 raise
             log.debug("WebSocket %s refused (%s); falling back to SPDY", kind, exc)
         else:
-            return await _over_websocket(ws, io)
+            return await _over_websocket(ws, chosen, io)
     return await _over_spdy(endpoint, target, io, stream_timeout)
 
 
@@ -146,120 +146,30 @@ def _target(
 # --- WebSocket -------------------------------------------------------------------------------
 
 
-class ChannelMux:
-    """Numbered channels over a client WebSocket: one read loop fills an inbox per channel."""
-
-    def __init__(
-        self,
-        ws: WebSocket,
-        framing: ChannelFraming,
-        inbound: Sequence[int],
-        *,
-        buffer: int = 1 << 20,
-        max_message: int = 1 << 20,
-    ) -> None:
-        self.ws = ws
-        self.framing = framing
-        self.inboxes = {channel: InboundPipe(buffer) for channel in inbound}
-        self.max_message = max_message
-        self.error: str | None = None  # why the session ended, when it was not orderly
-        self.closed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="websocket channel read loop")
-
-    async def send(self, channel: int, data: bytes) -> None:
-        view = memoryview(data)
-        for start in range(0, len(view), SEND_CHUNK):
-            message = self.framing.encode(channel, bytes(view[start : start + SEND_CHUNK]))
-            await self.ws.send(message.encode() if isinstance(message, str) else message)
-
-    async def close_channel(self, channel: int) -> None:
-        """v5 tells the server that we send nothing more on `channel`; older versions cannot."""
-        if self.framing.stream_close:
-            await self.ws.send(self.framing.encode_close(channel))
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.ws.aclose()
-
-    async def _run(self) -> None:
-        parts: list[bytes] = []
-        size = 0
-        try:
-            while (piece := await self.ws.receive()) is not None:
-                data, finished = piece
-                size += len(data)
-                if size > self.max_message:
-                    self.error = f"the server sent a message over {self.max_message} bytes"
-                    return
-                parts.append(data)
-                if not finished:
-                    continue
-                message = b"".join(parts)
-                parts.clear()
-                size = 0
-                await self._deliver(self.framing.decode(message))
-            if self.ws.close_code not in (1000, None):
-                self.error = f"the WebSocket closed with code {self.ws.close_code}"
-        except (ChannelError, StreamingError) as exc:
-            self.error = str(exc)
-        finally:
-            for inbox in self.inboxes.values():
-                inbox.feed_eof()
-            self.closed.set()
-
-    async def _deliver(self, decoded: ChannelData | ChannelClose | None) -> None:
-        match decoded:
-            case ChannelData(channel, payload):
-                if (inbox := self.inboxes.get(channel)) is not None:
-                    await inbox.put(payload)
-            case ChannelClose(channel):
-                if (inbox := self.inboxes.get(channel)) is not None:
-                    inbox.feed_eof()
-            case None:
-                pass
-
-
-class _ChannelSink:
-    def __init__(self, mux: ChannelMux, channel: int) -> None:
-        self._mux = mux
-        self._channel = channel
-
-    async def write(self, data: bytes) -> None:
-        await self._mux.send(self._channel, data)
-
-    async def close(self) -> None:
-        await self._mux.close_channel(self._channel)
-
-
-async def _over_websocket(ws: WebSocket, io: AttachIO) -> int:
-    protocol = WEBSOCKET_EXEC_PROTOCOLS[ws.subprotocol]
-    # Only channels someone reads get an inbox: data for any other is dropped, not held.
-    inbound = [Channel.ERROR]
-    if io.stdout is not None:
-        inbound.append(Channel.STDOUT)
-    if io.stderr is not None and not io.tty:
-        inbound.append(Channel.STDERR)
-    mux = ChannelMux(ws, protocol.framing, inbound)
-    mux.start()
+async def _over_websocket(ws: WebSocket, subprotocol: str, io: AttachIO) -> int:
+    protocol = WEBSOCKET_EXEC_PROTOCOLS[subprotocol]
+    session = ChannelSession(ws, protocol.framing)
+    # Only channels someone reads get a pipe: data for any other is dropped, not held.
+    stdout = session.channel(Channel.STDOUT) if io.stdout is not None else None
+    stderr = session.channel(Channel.STDERR) if io.stderr is not None and not io.tty else None
+    error = session.channel(Channel.ERROR)
+    stdin, resize = session.channel(Channel.STDIN), session.channel(Channel.RESIZE)
+    for outbound in (stdin, resize):
+        outbound.pipe.discard()  # we only send on them: anything arriving is dropped
+    session.start()
     try:
         status = await _relay(
             io,
-            stdin=_ChannelSink(mux, Channel.STDIN),
-            stdout=mux.inboxes.get(Channel.STDOUT),
-            stderr=mux.inboxes.get(Channel.STDERR),
-            resize=_ChannelSink(mux, Channel.RESIZE) if io.tty else None,
-            status=mux.inboxes[Channel.ERROR],
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            resize=resize if io.tty else None,
+            status=error.pipe,
         )
     finally:
-        await mux.aclose()
-    if not status and mux.error:
-        raise StreamingError(mux.error)
+        await session.aclose()
+    if not status and session.error:
+        raise StreamingError(session.error)
     return _exit_code(protocol, status)
 
 

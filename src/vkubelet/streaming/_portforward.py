@@ -187,7 +187,7 @@ async def _transport(
     target = endpoint.target(["api", "v1", "namespaces", namespace, "pods", pod, "portforward"])
     if transport != "spdy":
         try:
-            ws = await open_websocket(endpoint, target, [WEBSOCKET_SPDY_TUNNEL_PROTOCOL])
+            ws, _ = await open_websocket(endpoint, target, [WEBSOCKET_SPDY_TUNNEL_PROTOCOL])
         except UpgradeFailed as exc:
             if transport == "websocket":
                 raise

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..sdk.spdy import ByteTransport, SocketTransport, SpdySession, SpdyStream
+from ..sdk.websocket import WebSocket
 from ._connect import Upgraded
 from ._errors import StreamingError
-from ._websocket import WebSocket
 
 
 def socket_transport(upgraded: Upgraded) -> SocketTransport:
@@ -29,12 +29,9 @@ class TunnelTransport:
         self._ws = websocket
 
     async def read(self) -> bytes:
-        try:
-            while (piece := await self._ws.receive()) is not None:
-                if piece[0]:
-                    return piece[0]
-        except StreamingError as exc:
-            raise ConnectionError(str(exc)) from exc
+        while (piece := await self._ws.receive()) is not None:
+            if piece[0]:
+                return piece[0]
         return b""
 
     def write(self, data: bytes) -> None:
