@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
-from typing import Any
 
 from ..protocols.channel import port_channels, port_greetings
 from ..protocols.portforward import (
@@ -31,6 +29,7 @@ from ..protocols.remotecommand import HEADER_PROTOCOL_VERSION
 from ..protocols.spdy import RstStatus
 from ..sdk.capabilities import ByteStream, PortForwarder
 from ..sdk.spdy import SpdyStream
+from ..sdk.tasks import TaskSet
 from ..sdk.websocket import WsChannel
 from ._context import (
     Call,
@@ -88,12 +87,7 @@ async def _serve_spdy(call: Call, forwarder: PortForwarder, uid: str) -> None:
     config = call.config
     pairer = StreamPairer()
     timers: dict[str, asyncio.TimerHandle] = {}
-    tasks: set[asyncio.Task[None]] = set()
-
-    def spawn(coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    tasks = TaskSet("port-forward", logger=log)
 
     async def expire(request_id: str) -> None:
         timers.pop(request_id, None)
@@ -109,7 +103,7 @@ async def _serve_spdy(call: Call, forwarder: PortForwarder, uid: str) -> None:
             data.reset()
 
     def start_expiry(request_id: str) -> None:
-        spawn(expire(request_id))
+        tasks.spawn(expire(request_id), name=f"expire {request_id}")
 
     async def run_pair(pair: PairComplete) -> None:
         data, error = session.stream(pair.data_stream_id), session.stream(pair.error_stream_id)
@@ -134,7 +128,7 @@ async def _serve_spdy(call: Call, forwarder: PortForwarder, uid: str) -> None:
             result = pairer.add_stream(stream.id, stream.headers)
             match result:
                 case StreamRejected():
-                    spawn(reject(stream, result))
+                    tasks.spawn(reject(stream, result), name=f"reject {stream.id}")
                 case PairPending(request_id):
                     stream.reply()
                     if request_id not in timers:
@@ -146,15 +140,11 @@ async def _serve_spdy(call: Call, forwarder: PortForwarder, uid: str) -> None:
                     timer = timers.pop(result.request_id, None)
                     if timer is not None:
                         timer.cancel()
-                    spawn(run_pair(result))
+                    tasks.spawn(run_pair(result), name=f"forward {result.port}")
     finally:
         for timer in timers.values():
             timer.cancel()
-        for task in list(tasks):
-            task.cancel()
-        for task in list(tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await tasks.aclose()
         await session.aclose(config.close_grace)
 
 
