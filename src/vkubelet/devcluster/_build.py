@@ -77,9 +77,13 @@ class GoModule:
             digest.update(source.name.encode() + b"\0" + source.read_bytes())
         return cache_root() / f"{self.cache_prefix}-{self.version()}-{digest.hexdigest()[:12]}"
 
-    def missing(self) -> list[str]:
+    def paths(self) -> dict[str, Path]:
+        """Where its binaries are cached (once built): name -> file."""
         directory = self.cache_dir()
-        return [name for name in self.packages if not (directory / name).is_file()]
+        return {name: directory / name for name in self.packages}
+
+    def missing(self) -> list[str]:
+        return [name for name, path in self.paths().items() if not path.is_file()]
 
 
 KUBERNETES = GoModule(
@@ -159,23 +163,17 @@ PAUSE = GoModule(
 )
 WORKER_MODULES = (NODE, CONTAINERD, COREDNS, PAUSE)
 MODULES = (KUBERNETES, METRICS_SERVER)
-GO_MODULE_DIR = KUBERNETES.directory
-PACKAGES: dict[str, str] = {name: pkg for m in MODULES for name, pkg in m.packages.items()}
 
 
 @dataclass(frozen=True)
 class Binaries:
     paths: dict[str, Path]  # binary name -> file
     kubernetes_version: str
-    metrics_server_version: str
 
     @property
     def directory(self) -> Path:
         """Where the Kubernetes binaries are."""
         return self.paths["kube-apiserver"].parent
-
-    def path(self, name: str) -> Path:
-        return self.paths[name]
 
 
 def kubernetes_version() -> str:
@@ -191,8 +189,7 @@ def cache_root() -> Path:
 
 
 def _binaries() -> Binaries:
-    paths = {name: m.cache_dir() / name for m in MODULES for name in m.packages}
-    return Binaries(paths, KUBERNETES.version(), METRICS_SERVER.version())
+    return Binaries(KUBERNETES.paths() | METRICS_SERVER.paths(), KUBERNETES.version())
 
 
 def cached_binaries() -> Binaries | None:
@@ -269,7 +266,7 @@ def ensure_tool(module: GoModule, progress: Progress = print) -> dict[str, Path]
             todo = module.missing()
             for index, name in enumerate(todo, 1):
                 _build_one(go, module, name, progress, f"{index}/{len(todo)}")
-    return {name: module.cache_dir() / name for name in module.packages}
+    return module.paths()
 
 
 def ensure_worker_binaries(progress: Progress = print) -> dict[str, Path]:
@@ -283,10 +280,14 @@ def ensure_worker_binaries(progress: Progress = print) -> dict[str, Path]:
             f"Building {', '.join(missing)} for worker nodes into {cache_root()} (first time "
             "only; about 8 minutes on 2 cores)"
         )
-    paths: dict[str, Path] = {}
     for module in WORKER_MODULES:
-        paths |= ensure_tool(module, progress)
-    return paths
+        ensure_tool(module, progress)
+    return worker_binaries()
+
+
+def worker_binaries() -> dict[str, Path]:
+    """Where what worker nodes run is cached (once built): name -> file."""
+    return {name: path for module in WORKER_MODULES for name, path in module.paths().items()}
 
 
 def ensure_helm(progress: Progress = print) -> Path:

@@ -10,7 +10,6 @@ own directory (PKI, etcd data, logs, kubeconfigs, `cluster.json`), so several ca
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import http.client
 import json
@@ -21,7 +20,7 @@ import shutil
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +33,11 @@ from ._build import (
     COREDNS,
     Binaries,
     Progress,
+    _locked,
     cache_root,
     ensure_binaries,
     ensure_worker_binaries,
+    worker_binaries,
 )
 from ._errors import DevClusterError
 from ._network import NetworkPlan
@@ -188,10 +189,7 @@ class Cluster:
 
     def running_components(self) -> dict[str, bool]:
         state = self.state() or {}
-        return {
-            name: _proc.is_alive(_proc.ProcessRef.from_json(ref))
-            for name, ref in state.get("components", {}).items()
-        }
+        return {name: _proc.alive(ref) for name, ref in state.get("components", {}).items()}
 
     def is_up(self) -> bool:
         running = self.running_components()
@@ -199,27 +197,15 @@ class Cluster:
 
     @property
     def server(self) -> str:
-        state = self.state()
-        if state is None:
-            raise ClusterNotFound(self._not_found_message())
-        url: str = state["server"]
-        return url
+        return str(self._require_state()["server"])
 
     @property
     def kubernetes_version(self) -> str:
         return str((self.state() or {}).get("kubernetesVersion", "unknown"))
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
+    def _lock(self) -> contextlib.AbstractContextManager[None]:
         """One `up`/`down` per name at a time, across processes."""
-        lock_path = self.root / "clusters" / f".{self.name}.lock"
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with lock_path.open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        return _locked(self.root / "clusters" / f".{self.name}.lock")
 
     # -- up ----------------------------------------------------------------------------------------
     def up(
@@ -328,7 +314,7 @@ class Cluster:
                     f"cluster {self.name!r} has no worker nodes to load images into (start it "
                     "with `vkubelet dev cluster up --workers N`)"
                 )
-            binaries = self._node_binaries()
+            binaries = worker_binaries()
             for worker in workers:
                 _workers.import_image(worker, binaries, archive)
             images = state.setdefault("images", [])
@@ -410,14 +396,7 @@ class Cluster:
             pki, "front-proxy-client"
         )
         sa_key = _pki.new_key()
-        write_private(
-            pki / "sa.key",
-            sa_key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            ),
-        )
+        write_private(pki / "sa.key", _pki.private_pem(sa_key))
         (pki / "sa.pub").write_bytes(
             sa_key.public_key().public_bytes(
                 serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -464,7 +443,7 @@ class Cluster:
         pki = self.pki
         d = self.directory
         binary = str(
-            COREDNS.cache_dir() / "coredns" if component == "coredns" else bins.path(component)
+            COREDNS.cache_dir() / "coredns" if component == "coredns" else bins.paths[component]
         )
         if component == "etcd":
             client = f"https://127.0.0.1:{ports.etcd_client}"
@@ -710,25 +689,28 @@ class Cluster:
         )
         return path
 
-    def _health_url(self, component: str, ports: Ports) -> str:
-        return {
-            "etcd": f"https://127.0.0.1:{ports.etcd_client}/health",
-            "kube-apiserver": f"https://{self._host()}:{ports.apiserver}/readyz",
+    def _healthy(self, component: str, ports: Ports) -> bool:
+        host, port, path = {
+            "etcd": ("127.0.0.1", ports.etcd_client, "/health"),
+            "kube-apiserver": (self._host(), ports.apiserver, "/readyz"),
             # Ready once its kubernetes plugin has synced with the API.
-            "coredns": f"http://127.0.0.1:{ports.dns_ready}/ready",
-            "kube-scheduler": f"https://127.0.0.1:{ports.scheduler}/healthz",
-            "kube-controller-manager": f"https://127.0.0.1:{ports.controller_manager}/healthz",
+            "coredns": ("127.0.0.1", ports.dns_ready, "/ready"),
+            "kube-scheduler": ("127.0.0.1", ports.scheduler, "/healthz"),
+            "kube-controller-manager": ("127.0.0.1", ports.controller_manager, "/healthz"),
             # /readyz waits for the first scrapes of kubelets; /livez means it serves.
-            "metrics-server": f"https://127.0.0.1:{ports.metrics_server}/livez",
+            "metrics-server": ("127.0.0.1", ports.metrics_server, "/livez"),
         }[component]
+        try:
+            # The scheduler and controller-manager serve with self-signed certificates.
+            ctx = None if component == "coredns" else self._ssl_context(component in _VERIFIED)
+            return _network.request(host, port, "GET", path, ctx=ctx, timeout=3)[0] == 200
+        except (OSError, http.client.HTTPException):
+            return False
 
     def _wait_healthy(self, component: str, ports: Ports, timeout: float) -> None:
-        url = self._health_url(component, ports)
-        # The scheduler and controller-manager serve with self-signed certificates.
-        verify = component in _VERIFIED
         self._wait(
             f"{component} to become healthy",
-            lambda: _probe(url, self._ssl_context(verify=verify)) == 200,
+            lambda: self._healthy(component, ports),
             timeout,
             component,
         )
@@ -736,13 +718,13 @@ class Cluster:
     def _wait(self, what: str, check: Callable[[], bool], timeout: float, component: str) -> None:
         def died() -> tuple[str, Path] | None:
             ref = (self.state() or {}).get("components", {}).get(component)
-            if ref and not _proc.is_alive(_proc.ProcessRef.from_json(ref)):
+            if ref and not _proc.alive(ref):
                 return component, self.log_path(component)
             return None
 
         _wait_until(what, check, timeout, died=died, log=self.log_path(component))
 
-    def _ssl_context(self, *, verify: bool = True) -> ssl.SSLContext:
+    def _ssl_context(self, verify: bool = True) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
         if not verify:
             ctx.check_hostname = False
@@ -752,27 +734,20 @@ class Cluster:
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """A minimal admin call to the apiserver, for readiness checks without extra clients."""
-        state = self.state()
-        if state is None:
-            raise ClusterNotFound(self._not_found_message())
-        conn = http.client.HTTPSConnection(
+        state = self._require_state()
+        status, raw = _network.request(
             state.get("host", "127.0.0.1"),
             state["ports"]["apiserver"],
-            context=self._ssl_context(),
+            method,
+            path,
+            ctx=self._ssl_context(),
+            body=None if body is None else json.dumps(body),
             timeout=5,
         )
         try:
-            payload = None if body is None else json.dumps(body)
-            headers = {"Content-Type": "application/json"} if payload else {}
-            conn.request(method, path, body=payload, headers=headers)
-            response = conn.getresponse()
-            raw = response.read()
-        finally:
-            conn.close()
-        try:
-            return response.status, json.loads(raw)
+            return status, json.loads(raw)
         except ValueError:
-            return response.status, raw.decode(errors="replace")
+            return status, raw.decode(errors="replace")
 
     # -- components, for tests that break and heal the control plane ------------------------------
     def stop_component(self, component: str) -> None:
@@ -783,8 +758,7 @@ class Cluster:
 
     def start_component(self, component: str, *, tie_to_parent: bool = False) -> None:
         state = self._require_state()
-        ref = state["components"].get(component)
-        if ref and _proc.is_alive(_proc.ProcessRef.from_json(ref)):
+        if _proc.alive(state["components"].get(component)):
             return
         argv = state["argv"][component]
         new = _proc.start(
@@ -820,22 +794,16 @@ class Cluster:
         return revision
 
     def _etcd(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        state = self._require_state()
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
         ctx.load_cert_chain(
             self.pki / "apiserver-etcd-client.crt", self.pki / "apiserver-etcd-client.key"
         )
-        conn = http.client.HTTPSConnection(
-            "127.0.0.1", state["ports"]["etcd_client"], context=ctx, timeout=30
+        port = self._require_state()["ports"]["etcd_client"]
+        status, raw = _network.request(
+            "127.0.0.1", port, "POST", path, ctx=ctx, body=json.dumps(body), timeout=30
         )
-        try:
-            conn.request("POST", path, body=json.dumps(body))
-            response = conn.getresponse()
-            raw = response.read()
-        finally:
-            conn.close()
-        if response.status != 200:
-            raise DevClusterError(f"etcd {path}: {response.status} {raw[:200]!r}")
+        if status != 200:
+            raise DevClusterError(f"etcd {path}: {status} {raw[:200]!r}")
         answer: dict[str, Any] = json.loads(raw)
         return answer
 
@@ -854,22 +822,16 @@ class Cluster:
         for component, alive in self.running_components().items():
             if not alive:
                 result[component] = "stopped"
-                continue
-            verify = component in _VERIFIED
-            try:
-                ok = _probe(self._health_url(component, ports), self._ssl_context(verify=verify))
-            except (OSError, http.client.HTTPException):
-                ok = 0
-            result[component] = "healthy" if ok == 200 else "unhealthy"
+            else:
+                result[component] = "healthy" if self._healthy(component, ports) else "unhealthy"
         for worker in self.workers():
             record = state["workers"][worker.name]["components"]
             for component in _workers.COMPONENTS:
-                ref = record.get(component)
-                if not ref or not _proc.is_alive(_proc.ProcessRef.from_json(ref)):
+                if not _proc.alive(record.get(component)):
                     result[f"{worker.name}/{component}"] = "stopped"
                     continue
                 ok = (
-                    _workers.containerd_answers(worker, self._node_binaries())
+                    _workers.containerd_answers(worker, worker_binaries())
                     if component == "containerd"
                     else _workers.healthz(worker, component)
                 )
@@ -941,13 +903,6 @@ class Cluster:
     def _worker_dir(self, name: str) -> Path:
         return self.directory / "workers" / name
 
-    def _node_binaries(self) -> dict[str, Path]:
-        from ._build import WORKER_MODULES
-
-        return {
-            name: module.cache_dir() / name for module in WORKER_MODULES for name in module.packages
-        }
-
     def _start_workers(
         self,
         count: int,
@@ -973,11 +928,7 @@ class Cluster:
         started = time.monotonic()
         for worker in workers:
             record = state["workers"][worker.name]["components"]
-            dead = [
-                c
-                for c in _workers.COMPONENTS
-                if not (c in record and _proc.is_alive(_proc.ProcessRef.from_json(record[c])))
-            ]
+            dead = [c for c in _workers.COMPONENTS if not _proc.alive(record.get(c))]
             if not dead:
                 continue
             progress(
@@ -990,7 +941,12 @@ class Cluster:
             _workers.ensure_mount_namespace(worker)
             _workers.ensure_cgroups(worker)
             for component in dead:
-                ref = _workers.start(worker, component, binaries, tie_to_parent)
+                ref = _proc.start(
+                    _workers.argv(worker, component, binaries),
+                    worker.log_path(component),
+                    cwd=worker.directory,
+                    tie_to_parent=tie_to_parent,
+                )
                 record[component] = ref.to_json()
                 self._write_state(state)
                 if component == "containerd":
@@ -1038,7 +994,7 @@ class Cluster:
     ) -> None:
         def died() -> tuple[str, Path] | None:
             for name, ref in self._require_state()["workers"][worker.name]["components"].items():
-                if not _proc.is_alive(_proc.ProcessRef.from_json(ref)):
+                if not _proc.alive(ref):
                     return f"{name} of {worker.name}", worker.log_path(name)
             return None
 
@@ -1111,7 +1067,7 @@ def _owner_is_gone(directory: str) -> bool:
     refs = [*state.get("components", {}).values()]
     for record in state.get("workers", {}).values():
         refs += record.get("components", {}).values()
-    return not any(_proc.is_alive(_proc.ProcessRef.from_json(ref)) for ref in refs)
+    return not any(_proc.alive(ref) for ref in refs)
 
 
 def _corefile(directory: Path, host: str, ports: Ports) -> str:
@@ -1132,22 +1088,3 @@ def _corefile(directory: Path, host: str, ports: Ports) -> str:
     loadbalance
 }}
 """
-
-
-def _probe(url: str, ctx: ssl.SSLContext) -> int:
-    plain = url.startswith("http://")
-    without_scheme = url.removeprefix("http://" if plain else "https://")
-    hostport, _, path = without_scheme.partition("/")
-    host, _, port = hostport.partition(":")
-    conn = (
-        http.client.HTTPConnection(host, int(port), timeout=3)
-        if plain
-        else http.client.HTTPSConnection(host, int(port), context=ctx, timeout=3)
-    )
-    try:
-        conn.request("GET", "/" + path)
-        response = conn.getresponse()
-        response.read()
-        return response.status
-    finally:
-        conn.close()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
-import io
 import json
 import os
 import re
@@ -568,35 +567,21 @@ def _entries(tree: Path) -> list[Path]:
 
 def _write_layer(tree: Path, out: Path, epoch: int) -> None:
     """An uncompressed layer tar of `tree`: sorted, owned by 0:0, every mtime `epoch`."""
-    first_link: dict[tuple[int, int], str] = {}
+
+    def normalised(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        if not (info.isreg() or info.islnk() or info.isdir() or info.issym()):
+            raise ImageBuildError(
+                f"{tree / info.name}: only files, directories and symlinks go in images"
+            )
+        info.mtime = epoch
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
         for path in _entries(tree):
-            st = path.lstat()
-            info = tarfile.TarInfo(path.relative_to(tree).as_posix())
-            info.mode = stat.S_IMODE(st.st_mode)
-            info.mtime = epoch
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            if stat.S_ISDIR(st.st_mode):
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            elif stat.S_ISLNK(st.st_mode):
-                info.type = tarfile.SYMTYPE
-                info.linkname = str(path.readlink())
-                tar.addfile(info)
-            elif stat.S_ISREG(st.st_mode):
-                inode = (st.st_dev, st.st_ino)
-                if st.st_nlink > 1 and inode in first_link:
-                    info.type = tarfile.LNKTYPE
-                    info.linkname = first_link[inode]
-                    tar.addfile(info)
-                    continue
-                first_link[inode] = info.name
-                info.size = st.st_size
-                with path.open("rb") as data:
-                    tar.addfile(info, data)
-            else:
-                raise ImageBuildError(f"{path}: only files, directories and symlinks go in images")
+            # tarfile stores a second link to an inode as a hard link to the first, as images do.
+            tar.add(path, path.relative_to(tree).as_posix(), recursive=False, filter=normalised)
 
 
 def _sha256(data: bytes) -> str:
@@ -604,11 +589,8 @@ def _sha256(data: bytes) -> str:
 
 
 def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _json(value: object) -> bytes:
@@ -620,14 +602,23 @@ def _write_archive(
 ) -> str:
     """Write the OCI layout tar of an image made of `layers` (uncompressed tars); its digest.
 
-    The gzip-compressed layers are written next to `out` first (they are blobs of the archive).
+    The layout is assembled in a directory next to `out` first, then written as a layer is
+    (sorted, owned by 0:0, one mtime), so that its bytes too depend on the content only.
     """
-    blobs: dict[str, Path | bytes] = {}  # hex digest -> content
+    layout = out.with_name(f"{out.name}.layout")
+    blobs = layout / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def blob(content: bytes) -> str:
+        digest = _sha256(content)
+        (blobs / digest).write_bytes(content)
+        return digest
+
     layer_digests: list[str] = []
     diff_ids: list[str] = []
-    for number, layer in enumerate(layers):
+    for layer in layers:
         diff_ids.append(f"sha256:{_file_sha256(layer)}")
-        compressed = out.with_name(f"{out.name}.layer{number}.gz")
+        compressed = blobs / "layer.gz"
         # No file name, mtime 0: the compressed bytes depend on the content only.
         with (
             layer.open("rb") as raw,
@@ -636,7 +627,7 @@ def _write_archive(
         ):
             shutil.copyfileobj(raw, gz, 1 << 20)
         layer_digests.append(_file_sha256(compressed))
-        blobs[layer_digests[-1]] = compressed
+        compressed.replace(blobs / layer_digests[-1])
     created = datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     image_config = _json(
         {
@@ -648,8 +639,7 @@ def _write_archive(
             "history": [{"created": created, "created_by": "vkubelet.devcluster"} for _ in layers],
         }
     )
-    config_digest = _sha256(image_config)
-    blobs[config_digest] = image_config
+    config_digest = blob(image_config)
     manifest = _json(
         {
             "schemaVersion": 2,
@@ -660,13 +650,16 @@ def _write_archive(
                 "size": len(image_config),
             },
             "layers": [
-                {"mediaType": OCI_LAYER_GZIP, "digest": f"sha256:{d}", "size": _size(blobs[d])}
+                {
+                    "mediaType": OCI_LAYER_GZIP,
+                    "digest": f"sha256:{d}",
+                    "size": (blobs / d).stat().st_size,
+                }
                 for d in layer_digests
             ],
         }
     )
-    manifest_digest = _sha256(manifest)
-    blobs[manifest_digest] = manifest
+    manifest_digest = blob(manifest)
     index = {
         "schemaVersion": 2,
         "mediaType": OCI_INDEX,
@@ -686,42 +679,13 @@ def _write_archive(
         "RepoTags": [reference],
         "Layers": [f"blobs/sha256/{d}" for d in layer_digests],
     }
-    members: dict[str, Path | bytes | None] = {"blobs": None, "blobs/sha256": None}
-    members |= {f"blobs/sha256/{digest}": blob for digest, blob in blobs.items()}
-    members["oci-layout"] = _json({"imageLayoutVersion": "1.0.0"})
-    members["index.json"] = _json(index)
-    members["manifest.json"] = _json([docker_manifest])
-    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(members):
-            _add_member(tar, name, members[name], epoch)
-    for blob in blobs.values():
-        if isinstance(blob, Path):
-            blob.unlink()
+    (layout / "oci-layout").write_bytes(_json({"imageLayoutVersion": "1.0.0"}))
+    (layout / "index.json").write_bytes(_json(index))
+    (layout / "manifest.json").write_bytes(_json([docker_manifest]))
+    _normalise_modes(layout, {})
+    _write_layer(layout, out, epoch)
+    shutil.rmtree(layout)
     return f"sha256:{manifest_digest}"
-
-
-def _size(blob: Path | bytes) -> int:
-    return len(blob) if isinstance(blob, bytes) else blob.stat().st_size
-
-
-def _add_member(tar: tarfile.TarFile, name: str, content: Path | bytes | None, epoch: int) -> None:
-    info = tarfile.TarInfo(name)
-    info.mtime = epoch
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    if content is None:
-        info.type = tarfile.DIRTYPE
-        info.mode = 0o755
-        tar.addfile(info)
-        return
-    info.mode = 0o644
-    if isinstance(content, bytes):
-        info.size = _size(content)
-        tar.addfile(info, io.BytesIO(content))
-        return
-    info.size = _size(content)
-    with content.open("rb") as data:
-        tar.addfile(info, data)
 
 
 def _tag(reference: str) -> str:

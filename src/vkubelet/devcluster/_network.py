@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import http.client
 import ipaddress
+import itertools
 import json
 import os
 import shutil
+import ssl
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,6 +49,7 @@ CNI_PLUGINS = ("bridge", "host-local", "loopback", "portmap")
 #: Where the network registry and the workers' mount namespaces live (a tmpfs: gone on reboot,
 #: like everything it describes).
 RUN_DIR = Path("/run/vkubelet")
+NETNS_DIR = Path("/run/netns")  # where `ip netns` binds network namespaces
 
 
 class NetworkUnavailable(DevClusterError):
@@ -103,6 +107,13 @@ class NetworkPlan:
 
     def ranges(self) -> tuple[ipaddress.IPv4Network, ipaddress.IPv4Network]:
         return self.node_subnet, self.cluster_cidr
+
+    def workers_in(self, directory: Path) -> dict[str, int]:
+        """The entries of `directory` named after a worker of this network (a namespace, link or
+        cgroup), name -> worker index: how what a crash left is found without state."""
+        names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+        digits = {name: name.removeprefix(self.prefix) for name in names}
+        return {n: int(i) for n, i in digits.items() if n.startswith(self.prefix) and i.isdigit()}
 
 
 # -- what the machine must have -----------------------------------------------------------------
@@ -247,11 +258,10 @@ def release(plan: NetworkPlan, cluster_dir: Path) -> None:
             (registry / f"{plan.index}.json").unlink(missing_ok=True)
     # `ip netns add` made /run/netns a mount point; once empty, it goes (it fails, harmlessly,
     # while any namespace is still mounted there, ours or anybody's).
-    run_netns = Path("/run/netns")
     with contextlib.suppress(OSError):
-        if run_netns.is_dir() and not any(run_netns.iterdir()):
-            subprocess.run(["umount", str(run_netns)], capture_output=True, check=False)
-            run_netns.rmdir()
+        if NETNS_DIR.is_dir() and not any(NETNS_DIR.iterdir()):
+            subprocess.run(["umount", str(NETNS_DIR)], capture_output=True, check=False)
+            NETNS_DIR.rmdir()
 
 
 # -- host side ----------------------------------------------------------------------------------
@@ -260,6 +270,31 @@ def run(argv: list[str], what: str) -> str:
     if done.returncode != 0:
         raise DevClusterError(f"{what}: `{' '.join(argv)}` failed: {done.stderr.strip()}")
     return done.stdout
+
+
+def request(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    *,
+    ctx: ssl.SSLContext | None = None,
+    body: str | None = None,
+    timeout: float,
+) -> tuple[int, bytes]:
+    """One request to a component on this machine (HTTPS when `ctx` is given): status, body."""
+    conn = (
+        http.client.HTTPConnection(host, port, timeout=timeout)
+        if ctx is None
+        else http.client.HTTPSConnection(host, port, context=ctx, timeout=timeout)
+    )
+    try:
+        headers = {"Content-Type": "application/json"} if body else {}
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
 
 
 def _link_exists(name: str) -> bool:
@@ -286,26 +321,12 @@ def ensure_bridge(plan: NetworkPlan) -> None:
 
 def ensure_worker_link(plan: NetworkPlan, worker: WorkerAddresses) -> None:
     """The worker's namespace, its veth into the bridge, its address and the host's route."""
-    netns_file = Path("/run/netns") / worker.netns
+    netns_file = NETNS_DIR / worker.netns
     if not netns_file.exists():
         run(["ip", "netns", "add", worker.netns], f"create the network namespace of {worker.netns}")
     if not _link_exists(worker.netns):
-        run(
-            [
-                "ip",
-                "link",
-                "add",
-                worker.netns,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                worker.netns,
-            ],
-            f"create the veth pair of {worker.netns}",
-        )
+        veth = ["ip", "link", "add", worker.netns, "type", "veth", "peer", "name", "eth0"]
+        run([*veth, "netns", worker.netns], f"create the veth pair of {worker.netns}")
     run(["ip", "link", "set", worker.netns, "master", plan.bridge, "up"], "attach the veth")
     inside = ["ip", "-n", worker.netns]
     addresses = run([*inside, "-4", "-o", "addr", "show", "dev", "eth0"], "read eth0")
@@ -332,42 +353,24 @@ def ensure_worker_link(plan: NetworkPlan, worker: WorkerAddresses) -> None:
 
 def route_between(workers: list[WorkerAddresses]) -> None:
     """Each worker reaches every other worker's pods through that worker's node address."""
-    for worker in workers:
-        for other in workers:
-            if other.index != worker.index:
-                run(
-                    [
-                        "ip",
-                        "-n",
-                        worker.netns,
-                        "route",
-                        "replace",
-                        other.pod_cidr,
-                        "via",
-                        other.node_ip,
-                    ],
-                    f"route {other.pod_cidr} in {worker.netns}",
-                )
+    for worker, other in itertools.permutations(workers, 2):
+        run(
+            ["ip", "-n", worker.netns, "route", "replace", other.pod_cidr, "via", other.node_ip],
+            f"route {other.pod_cidr} in {worker.netns}",
+        )
 
 
-def remove_worker_link(plan: NetworkPlan, worker: WorkerAddresses) -> None:
+def remove_worker_link(worker: WorkerAddresses) -> None:
     subprocess.run(["ip", "route", "del", worker.pod_cidr], capture_output=True, check=False)
     subprocess.run(["ip", "link", "del", worker.netns], capture_output=True, check=False)
     subprocess.run(["ip", "netns", "del", worker.netns], capture_output=True, check=False)
 
 
-def leftover_netns(plan: NetworkPlan) -> list[str]:
-    run_netns = Path("/run/netns")
-    names = [p.name for p in run_netns.iterdir()] if run_netns.is_dir() else []
-    return sorted(n for n in names if n.startswith(plan.prefix) and n[len(plan.prefix) :].isdigit())
-
-
 def remove_leftovers(plan: NetworkPlan) -> None:
     """Everything of network `plan.index` on the host side (processes are the caller's)."""
-    for name in leftover_netns(plan):
-        remove_worker_link(plan, plan.worker(int(name[len(plan.prefix) :])))
-    for link in Path("/sys/class/net").iterdir():
-        if link.name.startswith(plan.prefix) and link.name[len(plan.prefix) :].isdigit():
-            subprocess.run(["ip", "link", "del", link.name], capture_output=True, check=False)
+    for index in plan.workers_in(NETNS_DIR).values():
+        remove_worker_link(plan.worker(index))
+    for link in plan.workers_in(Path("/sys/class/net")):
+        subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
     if _link_exists(plan.bridge):
         subprocess.run(["ip", "link", "del", plan.bridge], capture_output=True, check=False)

@@ -33,11 +33,7 @@ class KeyPair:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
     def key_pem(self) -> bytes:
-        return self.key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+        return private_pem(self.key)
 
     def write(self, directory: Path, stem: str) -> tuple[Path, Path]:
         """Write `<stem>.crt` and `<stem>.key` (the key readable by the owner only)."""
@@ -59,19 +55,33 @@ def new_key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def new_ca(common_name: str) -> KeyPair:
-    key = new_key()
+def private_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _builder(
+    subject: x509.Name,
+    issuer: x509.Name,
+    key: ec.EllipticCurvePrivateKey,
+    validity: dt.timedelta,
+    *,
+    ca: bool,
+) -> x509.CertificateBuilder:
+    """What CA and leaf certificates share; only a CA may sign certificates."""
     now = dt.datetime.now(dt.UTC)
-    name = _name(common_name)
-    cert = (
+    return (
         x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
+        .subject_name(subject)
+        .issuer_name(issuer)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _CLOCK_SKEW)
-        .not_valid_after(now + 10 * _VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .not_valid_after(now + validity)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
                 digital_signature=True,
@@ -79,13 +89,21 @@ def new_ca(common_name: str) -> KeyPair:
                 key_encipherment=False,
                 data_encipherment=False,
                 key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
+                key_cert_sign=ca,
+                crl_sign=ca,
                 encipher_only=False,
                 decipher_only=False,
             ),
             critical=True,
         )
+    )
+
+
+def new_ca(common_name: str) -> KeyPair:
+    key = new_key()
+    name = _name(common_name)
+    cert = (
+        _builder(name, name, key, 10 * _VALIDITY, ca=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -106,35 +124,13 @@ def issue(
     if not (server or client):
         raise ValueError("a leaf certificate must be for a server, a client or both")
     key = new_key()
-    now = dt.datetime.now(dt.UTC)
     usages = []
     if server:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
     if client:
         usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name, organizations))
-        .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _CLOCK_SKEW)
-        .not_valid_after(now + _VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        _builder(_name(common_name, organizations), ca.cert.subject, key, _VALIDITY, ca=False)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False

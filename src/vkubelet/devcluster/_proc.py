@@ -32,20 +32,29 @@ class ProcessRef:
         return cls(int(data["pid"]), int(data["start_time"]))
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time) of a pid, or None when it does not exist."""
+def _stat(pid: int) -> tuple[bool, int, int] | None:
+    """(running, process group, start time) of a pid, or None when it does not exist."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    except OSError:
         return None
     # The command name may contain spaces and parentheses: split after the last ')'.
     fields = raw[raw.rindex(")") + 2 :].split()
-    return fields[0], int(fields[19])
+    return fields[0] not in ("Z", "X"), int(fields[2]), int(fields[19])
+
+
+def pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
 
 
 def is_alive(ref: ProcessRef) -> bool:
     stat = _stat(ref.pid)
-    return stat is not None and stat[1] == ref.start_time and stat[0] not in ("Z", "X")
+    return stat is not None and stat[0] and stat[2] == ref.start_time
+
+
+def alive(record: dict[str, Any] | None) -> bool:
+    """Whether the process recorded as `record` (`ProcessRef.to_json`) still runs."""
+    return record is not None and is_alive(ProcessRef.from_json(record))
 
 
 def _die_with_parent() -> None:
@@ -70,7 +79,7 @@ def start(argv: list[str], log_path: Path, *, cwd: Path, tie_to_parent: bool = F
             preexec_fn=_die_with_parent if tie_to_parent else None,
         )
     stat = _stat(proc.pid)
-    return ProcessRef(proc.pid, stat[1] if stat else 0)
+    return ProcessRef(proc.pid, stat[2] if stat else 0)
 
 
 def _reap(pid: int) -> None:
@@ -103,18 +112,7 @@ def stop(ref: ProcessRef, *, grace: float = 10.0) -> None:
 
 def _group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is `pgid`."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
+    return [pid for pid in pids() if (stat := _stat(pid)) and stat[0] and stat[1] == pgid]
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
@@ -125,15 +123,13 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 def processes_mentioning(text: str) -> list[int]:
     """Pids whose command line contains `text`: how tests prove that nothing was left behind."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in pids():
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if text in cmdline and int(entry.name) != os.getpid():
-            stat = _stat(int(entry.name))
-            if stat and stat[0] not in ("Z", "X"):
-                found.append(int(entry.name))
+        if text in cmdline.decode(errors="replace") and pid != os.getpid():
+            stat = _stat(pid)
+            if stat and stat[0]:
+                found.append(pid)
     return found

@@ -63,7 +63,7 @@ class Worker:
 
     @property
     def netns_file(self) -> Path:
-        return Path("/run/netns") / self.addresses.netns
+        return _network.NETNS_DIR / self.addresses.netns
 
     @property
     def mount_ns_file(self) -> Path:
@@ -402,13 +402,11 @@ def _pids_in_namespaces(files: Iterable[Path]) -> set[int]:
     if not inodes:
         return set()
     pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in _proc.pids():
         for kind in ("net", "mnt"):
             with contextlib.suppress(OSError):
-                if (entry / "ns" / kind).stat().st_ino in inodes:
-                    pids.add(int(entry.name))
+                if Path(f"/proc/{pid}/ns/{kind}").stat().st_ino in inodes:
+                    pids.add(pid)
     pids.discard(os.getpid())
     return pids
 
@@ -480,7 +478,7 @@ def teardown(
     worker.mount_ns_file.unlink(missing_ok=True)
     _release_mount_ns_dir()
     _remove_cgroups(worker)
-    _network.remove_worker_link(plan, worker.addresses)
+    _network.remove_worker_link(worker.addresses)
     shutil.rmtree(worker.directory, ignore_errors=True)
 
 
@@ -491,27 +489,12 @@ def _release_mount_ns_dir() -> None:
             MOUNT_NS_DIR.rmdir()
 
 
-def reclaim(plan: NetworkPlan, cluster_dir: Path | None = None) -> None:
+def reclaim(plan: NetworkPlan) -> None:
     """Remove whatever a dead cluster left of the workers of network `plan` (found by name, not
     by state). The host bridge stays: the control plane may still be talking on it."""
-    indices = {int(n[len(plan.prefix) :]) for n in _network.leftover_netns(plan)}
-    if MOUNT_NS_DIR.is_dir():
-        indices |= {
-            int(p.name[len(plan.prefix) :])
-            for p in MOUNT_NS_DIR.iterdir()
-            if p.name.startswith(plan.prefix) and p.name[len(plan.prefix) :].isdigit()
-        }
-    for hierarchy in _hierarchies():
-        parent = hierarchy / CGROUP_PARENT
-        if parent.is_dir():
-            indices |= {
-                int(p.name[len(plan.prefix) :])
-                for p in parent.iterdir()
-                if p.name.startswith(plan.prefix) and p.name[len(plan.prefix) :].isdigit()
-            }
-    for i in sorted(indices):
-        directory = (cluster_dir / "workers" / f"w{i}") if cluster_dir else Path("/nonexistent")
-        teardown(Worker(f"w{i}", plan.worker(i), directory), plan)
+    places = [_network.NETNS_DIR, MOUNT_NS_DIR, *(h / CGROUP_PARENT for h in _hierarchies())]
+    for i in sorted({i for place in places for i in plan.workers_in(place).values()}):
+        teardown(Worker(f"w{i}", plan.worker(i), Path("/nonexistent")), plan)
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -583,24 +566,8 @@ def import_image(worker: Worker, binaries: dict[str, Path], archive: Path) -> No
 def healthz(worker: Worker, component: str) -> bool:
     """The component's own health endpoint, reachable from the host at the node's address."""
     port = {"kubelet": KUBELET_HEALTHZ_PORT, "kube-proxy": PROXY_HEALTHZ_PORT}[component]
-    conn = http.client.HTTPConnection(worker.addresses.node_ip, port, timeout=2)
     try:
-        conn.request("GET", "/healthz")
-        response = conn.getresponse()
-        response.read()
-        return response.status == 200
+        answer = _network.request(worker.addresses.node_ip, port, "GET", "/healthz", timeout=2)
     except (OSError, http.client.HTTPException):
         return False
-    finally:
-        conn.close()
-
-
-def start(
-    worker: Worker, component: str, binaries: dict[str, Path], tie_to_parent: bool
-) -> _proc.ProcessRef:
-    return _proc.start(
-        argv(worker, component, binaries),
-        worker.log_path(component),
-        cwd=worker.directory,
-        tie_to_parent=tie_to_parent,
-    )
+    return answer[0] == 200
