@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -70,11 +71,24 @@ err = _Console(stderr=True)
 NameOption = Annotated[
     str, typer.Option("--name", "-n", help="Cluster name; several can run side by side.")
 ]
+KubeconfigOption = Annotated[
+    Path | None,
+    typer.Option(envvar="KUBECONFIG", help="Default: ~/.kube/config or in-cluster."),
+]
 
 
 def _fail(error: Exception) -> typer.Exit:
     err.print(f"[bold red]error:[/] {error}", highlight=False, markup=True, soft_wrap=True)
     return typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _failing(*errors: type[Exception]) -> Iterator[None]:
+    """Errors a user can act on: their message, exit status 1, no traceback."""
+    try:
+        yield
+    except errors as e:
+        raise _fail(e) from None
 
 
 def _progress(message: str) -> None:
@@ -103,10 +117,7 @@ def run(
     nodename: Annotated[
         str, typer.Option(envvar="VKUBELET_NODENAME", help="Name of the virtual node.")
     ] = "vkubelet",
-    kubeconfig: Annotated[
-        Path | None,
-        typer.Option(envvar="KUBECONFIG", help="Default: ~/.kube/config or in-cluster."),
-    ] = None,
+    kubeconfig: KubeconfigOption = None,
     config: Annotated[
         Path | None,
         typer.Option(envvar="VKUBELET_CONFIG", help="Agent config (YAML) listing several nodes."),
@@ -212,7 +223,7 @@ def run(
     )
 
     setup_logging(log_format, log_level)
-    try:
+    with _failing(ConfigError, ProviderLoadError, ValueError, OSError):
         if config is not None:
             agent_config = load_agent_config(config)
             if kubeconfig and agent_config.kubeconfig is None:
@@ -292,8 +303,6 @@ def run(
         else:
             agent = Agent(agent_config, replicas=replicas)
             run_agent = agent.run
-    except (ConfigError, ProviderLoadError, ValueError, OSError) as e:
-        raise _fail(e) from None
     _tune_gc()
     if not vm_controller:
         asyncio.run(_run_until_signalled(run_agent))
@@ -403,13 +412,11 @@ def dev_build(
     """Build (or find cached) control-plane binaries without starting anything."""
     from .devcluster import DevClusterError, ensure_binaries, ensure_helm, ensure_worker_binaries
 
-    try:
+    with _failing(DevClusterError):
         binaries = ensure_binaries(_progress)
         more = ensure_worker_binaries(_progress) if workers else {}
         if helm:
             more["helm"] = ensure_helm(_progress)
-    except DevClusterError as e:
-        raise _fail(e) from None
     out.print(f"Kubernetes {binaries.kubernetes_version} binaries in {binaries.directory}")
     for name, path in more.items():
         out.print(f"{name}: {path}", highlight=False)
@@ -423,10 +430,8 @@ def image_build(
     """Build an OCI image archive from Debian packages (or this tree); prints its path."""
     from .devcluster import DevClusterError, build_image
 
-    try:
+    with _failing(DevClusterError):
         image = build_image(kind, _progress, force=force)
-    except DevClusterError as e:
-        raise _fail(e) from None
     out.print(f"{image.reference}\t{image.digest}\t{image.path}", highlight=False)
 
 
@@ -442,15 +447,13 @@ def image_load(
     IfNotPresent or Never); workers started later get it too."""
     from .devcluster import KINDS, Cluster, DevClusterError, build_image
 
-    try:
+    with _failing(DevClusterError):
         if image in KINDS:
             built = build_image(image, _progress)
             archive, what = built.path, built.reference
         else:
             archive, what = Path(image), image
         names = Cluster(name).load_image(archive)
-    except DevClusterError as e:
-        raise _fail(e) from None
     out.print(f"Loaded {what} into {', '.join(names)}", highlight=False)
 
 
@@ -470,10 +473,8 @@ def dev_vm_image(
     from .vmimage import ImageBuildError, build_distro_image, build_guest_image
 
     build = build_distro_image if distro else build_guest_image
-    try:
+    with _failing(ImageBuildError):
         image = build(out_dir, _progress, force=force)
-    except ImageBuildError as e:
-        raise _fail(e) from None
     out.print(str(image.disk), highlight=False)
 
 
@@ -532,10 +533,8 @@ def cluster_down(name: NameOption = "default") -> None:
     """Stop every process of a cluster and delete its state."""
     from .devcluster import Cluster, DevClusterError
 
-    try:
+    with _failing(DevClusterError):
         Cluster(name).down()
-    except DevClusterError as e:
-        raise _fail(e) from None
     out.print(f"Cluster {name} is down.")
 
 
@@ -546,11 +545,9 @@ def cluster_status(name: NameOption = "default") -> None:
 
     from .devcluster import Cluster, DevClusterError
 
-    try:
+    with _failing(DevClusterError):
         cluster = Cluster(name)
         status = cluster.status()
-    except DevClusterError as e:
-        raise _fail(e) from None
     table = Table(title=f"cluster {name} — {cluster.server}")
     table.add_column("component")
     table.add_column("state")
@@ -571,11 +568,9 @@ def cluster_bootstrap_kubeconfig(
     """Write a kubeconfig with a new bootstrap token, for `vkubelet run --bootstrap-kubeconfig`."""
     from .devcluster import Cluster, DevClusterError
 
-    try:
+    with _failing(DevClusterError):
         output.parent.mkdir(parents=True, exist_ok=True)
         path = Cluster(name).bootstrap_kubeconfig(output)
-    except DevClusterError as e:
-        raise _fail(e) from None
     out.print(f"Bootstrap kubeconfig written to {path} (valid 24 h).", highlight=False)
 
 
@@ -603,12 +598,6 @@ def cluster_list() -> None:
     out.print(table)
 
 
-KubeconfigOption = Annotated[
-    Path | None,
-    typer.Option(envvar="KUBECONFIG", help="Default: ~/.kube/config or in-cluster."),
-]
-
-
 def _kube_client(kubeconfig: Path | None) -> KubeClient:
     from .kube import KubeClient
 
@@ -634,10 +623,8 @@ def vm_install_crds(
         async with _kube_client(kubeconfig) as client:
             return await install_crds(client)
 
-    try:
+    with _failing(Exception):
         names = asyncio.run(install())
-    except Exception as e:
-        raise _fail(e) from None
     for name in names:
         out.print(f"{name} established", highlight=False)
 

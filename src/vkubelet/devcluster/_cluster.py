@@ -55,6 +55,8 @@ SERVICE_CIDR = _network.SERVICE_CIDR  # ClusterIPs exist only in the workers' ku
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service, a SAN of the apiserver certificate
 # Components serving with a certificate from the cluster CA (the others' are self-signed).
 _VERIFIED = ("etcd", "kube-apiserver", "metrics-server")
+#: Seconds a worker has for containerd to answer and for its node to become Ready.
+WORKER_TIMEOUT = 240.0
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 
 
@@ -235,7 +237,7 @@ class Cluster:
             raise DevClusterError(f"--workers: 0 to {_network.MAX_WORKERS}, not {workers}")
         with self._lock():
             if self.exists() and self.is_up():
-                self._reuse(apiserver_port, workers, progress, tie_to_parent, timeout)
+                self._reuse(apiserver_port, workers, progress, tie_to_parent)
                 return
             if workers:  # before a possibly long build: what this machine lacks for workers
                 _network.preflight()
@@ -266,7 +268,6 @@ class Cluster:
         workers: int,
         progress: Progress,
         tie_to_parent: bool,
-        timeout: float,
     ) -> None:
         state = self._require_state()
         if apiserver_port is not None and apiserver_port != state["ports"]["apiserver"]:
@@ -509,12 +510,9 @@ class Cluster:
         if component == "coredns":
             return [binary, "-conf", str(d / "Corefile")]
         if component == "metrics-server":
-            kubeconfig = d / "metrics-server.kubeconfig"
             return [
                 binary,
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
+                *_kubeconfig_flags(d / "metrics-server.kubeconfig"),
                 "--bind-address=127.0.0.1",
                 f"--secure-port={ports.metrics_server}",
                 f"--tls-cert-file={pki / 'metrics-server-serving.crt'}",
@@ -539,22 +537,16 @@ class Cluster:
             "--v=1",
         ]
         if component == "kube-scheduler":
-            kubeconfig = d / "scheduler.kubeconfig"
             return [
                 binary,
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
+                *_kubeconfig_flags(d / "scheduler.kubeconfig"),
                 f"--secure-port={ports.scheduler}",
                 *common,
             ]
         if component == "kube-controller-manager":
-            kubeconfig = d / "controller-manager.kubeconfig"
             return [
                 binary,
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
+                *_kubeconfig_flags(d / "controller-manager.kubeconfig"),
                 f"--secure-port={ports.controller_manager}",
                 # The CSR signer: kubelet client and serving certificates are signed by the
                 # cluster CA, which the apiserver trusts for clients and for kubelets.
@@ -585,7 +577,8 @@ class Cluster:
     ) -> None:
         started = time.monotonic()
         state = self.state() or {}
-        for component in self._components():
+        network = self._network_plan() is not None
+        for component in NETWORK_COMPONENTS if network else COMPONENTS:
             argv = self._argv(component, ports, bins) + extra_args.get(component, [])
             state["argv"][component] = argv
             ref = _proc.start(
@@ -601,7 +594,7 @@ class Cluster:
                     + _objects.dev_cluster_marker(self.name)
                     + (
                         _objects.cluster_dns(_network.DNS_SERVICE_IP, self._host())
-                        if self._has_network()
+                        if network
                         else []
                     ),
                     timeout,
@@ -644,19 +637,22 @@ class Cluster:
             timeout,
         )
 
-        def available() -> bool:
-            status, body = self.request(
-                "GET", "/apis/apiregistration.k8s.io/v1/apiservices/v1beta1.metrics.k8s.io"
-            )
-            conditions = body.get("status", {}).get("conditions", []) if status == 200 else []
-            return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
-
         self._wait(
             "the metrics.k8s.io APIService to become available",
-            available,
+            functools.partial(
+                self._has_condition,
+                "/apis/apiregistration.k8s.io/v1/apiservices/v1beta1.metrics.k8s.io",
+                "Available",
+            ),
             timeout,
             "metrics-server",
         )
+
+    def _has_condition(self, path: str, condition: str) -> bool:
+        """Whether the object at `path` (a node, an APIService) has `condition` True."""
+        status, body = self.request("GET", path)
+        conditions = body.get("status", {}).get("conditions", []) if status == 200 else []
+        return any(c["type"] == condition and c["status"] == "True" for c in conditions)
 
     def bootstrap_kubeconfig(self, path: Path, *, ttl_hours: int = 24) -> Path:
         """A kubeconfig with a fresh bootstrap token, for an agent's `--bootstrap-kubeconfig`."""
@@ -858,9 +854,7 @@ class Cluster:
             for worker in self.workers():  # the API's clients first
                 refs = state["workers"][worker.name]["components"]
                 _workers.teardown(
-                    worker,
-                    plan,
-                    {c: _proc.ProcessRef.from_json(ref) for c, ref in refs.items()},
+                    worker, {c: _proc.ProcessRef.from_json(ref) for c, ref in refs.items()}
                 )
             _workers.reclaim(plan)  # and what a crash left without a record
         # Reverse start order: clients first, etcd last, so nothing logs spurious errors.
@@ -877,18 +871,9 @@ class Cluster:
     def _host(self) -> str:
         return str((self.state() or {}).get("host", "127.0.0.1"))
 
-    def _has_network(self) -> bool:
-        return self._network_plan() is not None
-
     def _network_plan(self) -> NetworkPlan | None:
         network = (self.state() or {}).get("network")
         return NetworkPlan(int(network["index"])) if network else None
-
-    def _components(self) -> tuple[str, ...]:
-        return NETWORK_COMPONENTS if self._has_network() else COMPONENTS
-
-    def worker_name(self, index: int) -> str:
-        return f"{self.name}-worker-{index}"
 
     def workers(self) -> list[_workers.Worker]:
         """The worker nodes this cluster has started (in their recorded order)."""
@@ -896,12 +881,11 @@ class Cluster:
         if plan is None:
             return []
         return [
-            _workers.Worker(name, plan.worker(int(record["index"])), self._worker_dir(name))
+            _workers.Worker(
+                name, plan.worker(int(record["index"])), self.directory / "workers" / name
+            )
             for name, record in (self.state() or {}).get("workers", {}).items()
         ]
-
-    def _worker_dir(self, name: str) -> Path:
-        return self.directory / "workers" / name
 
     def _start_workers(
         self,
@@ -909,7 +893,6 @@ class Cluster:
         binaries: dict[str, Path],
         tie_to_parent: bool,
         progress: Progress,
-        timeout: float = 240.0,
     ) -> None:
         """Start the workers 0..count-1 that are missing, and worker components that died."""
         plan = self._network_plan()
@@ -917,7 +900,7 @@ class Cluster:
         state = self._require_state()
         ca = _pki.load(self.pki / "ca.crt", self.pki / "ca.key")
         for i in range(count):
-            name = self.worker_name(i)
+            name = f"{self.name}-worker-{i}"
             if name not in state["workers"]:
                 state["workers"][name] = {"index": i, "components": {}}
                 self._write_state(state)
@@ -955,7 +938,6 @@ class Cluster:
                         component,
                         "containerd to answer",
                         functools.partial(_workers.containerd_answers, worker, binaries),
-                        timeout,
                     )
                     for image in state.get("images", []):
                         _workers.import_image(worker, binaries, Path(image["path"]))
@@ -964,8 +946,7 @@ class Cluster:
                 worker,
                 "kubelet",
                 f"node {worker.name} to become Ready",
-                functools.partial(self._node_ready, worker.name),
-                timeout,
+                functools.partial(self._has_condition, f"/api/v1/nodes/{worker.name}", "Ready"),
             )
         progress(
             f"{len(workers)} worker node(s) Ready in {time.monotonic() - started:.1f}s: "
@@ -979,18 +960,12 @@ class Cluster:
             known[:] = [i for i in known if i["reference"] != image["reference"]] + [image]
         self._write_state(state)
 
-    def _node_ready(self, name: str) -> bool:
-        status, body = self.request("GET", f"/api/v1/nodes/{name}")
-        conditions = body.get("status", {}).get("conditions", []) if status == 200 else []
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
     def _wait_worker(
         self,
         worker: _workers.Worker,
         component: str,
         what: str,
         check: Callable[[], bool],
-        timeout: float,
     ) -> None:
         def died() -> tuple[str, Path] | None:
             for name, ref in self._require_state()["workers"][worker.name]["components"].items():
@@ -998,7 +973,7 @@ class Cluster:
                     return f"{name} of {worker.name}", worker.log_path(name)
             return None
 
-        _wait_until(what, check, timeout, died=died, log=worker.log_path(component))
+        _wait_until(what, check, WORKER_TIMEOUT, died=died, log=worker.log_path(component))
 
     def _not_found_message(self) -> str:
         known = [c.name for c in list_clusters(self.root)]
@@ -1068,6 +1043,12 @@ def _owner_is_gone(directory: str) -> bool:
     for record in state.get("workers", {}).values():
         refs += record.get("components", {}).values()
     return not any(_proc.alive(ref) for ref in refs)
+
+
+def _kubeconfig_flags(kubeconfig: Path) -> list[str]:
+    """One identity for a component's own calls and for the authentication and authorization
+    of its callers (which it delegates to the apiserver)."""
+    return [f"--{use}kubeconfig={kubeconfig}" for use in ("", "authentication-", "authorization-")]
 
 
 def _corefile(directory: Path, host: str, ports: Ports) -> str:

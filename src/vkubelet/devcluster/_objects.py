@@ -25,16 +25,11 @@ def _meta(name: str, namespace: str | None = None) -> Obj:
     return meta
 
 
-def _subject(kind: str, name: str) -> Obj:
-    return {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": name}
-
-
 def _cluster_role(
     name: str, rules: list[dict[str, Any]], labels: dict[str, str] | None = None
 ) -> Item:
     metadata = _meta(name)
-    if labels:
-        metadata["labels"] = {**metadata.get("labels", {}), **labels}
+    metadata["labels"] |= labels or {}
     return (
         f"{RBAC}/clusterroles",
         {
@@ -50,32 +45,19 @@ def _rule(group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
     return {"apiGroups": [group], "resources": resources, "verbs": verbs}
 
 
-def _cluster_binding(name: str, role: str, kind: str, subject: str) -> Item:
+def _binding(name: str, role: str, kind: str, subject: str, namespace: str = "") -> Item:
+    """A RoleBinding to a Role of `namespace`; without one, a ClusterRoleBinding."""
+    scope = "Role" if namespace else "ClusterRole"
     return (
-        f"{RBAC}/clusterrolebindings",
+        f"{RBAC}/namespaces/{namespace}/rolebindings"
+        if namespace
+        else f"{RBAC}/clusterrolebindings",
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": _meta(name),
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": role,
-            },
-            "subjects": [_subject(kind, subject)],
-        },
-    )
-
-
-def _role_binding(name: str, namespace: str, role: str, kind: str, subject: str) -> Item:
-    return (
-        f"{RBAC}/namespaces/{namespace}/rolebindings",
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
+            "kind": f"{scope}Binding",
             "metadata": _meta(name, namespace),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
-            "subjects": [_subject(kind, subject)],
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": scope, "name": role},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": subject}],
         },
     )
 
@@ -89,25 +71,25 @@ def kubelet_access() -> list[Item]:
     approves, as it approves nodes' renewals.
     """
     return [
-        _cluster_binding(
+        _binding(
             "vkubelet:apiserver-kubelet-api-admin",
             "system:kubelet-api-admin",
             "User",
             "kube-apiserver-kubelet-client",
         ),
-        _cluster_binding(
+        _binding(
             "vkubelet:node-bootstrapper",
             "system:node-bootstrapper",
             "Group",
             "system:bootstrappers",
         ),
-        _cluster_binding(
+        _binding(
             "vkubelet:node-autoapprove-bootstrap",
             "system:certificates.k8s.io:certificatesigningrequests:nodeclient",
             "Group",
             "system:bootstrappers",
         ),
-        _cluster_binding(
+        _binding(
             "vkubelet:node-autoapprove-certificate-rotation",
             "system:certificates.k8s.io:certificatesigningrequests:selfnodeclient",
             "Group",
@@ -150,7 +132,7 @@ def dev_cluster_marker(cluster_name: str) -> list[Item]:
                 ],
             },
         ),
-        _role_binding(role, MARKER_NAMESPACE, role, "Group", "system:authenticated"),
+        _binding(role, role, "Group", "system:authenticated", MARKER_NAMESPACE),
     ]
 
 
@@ -174,19 +156,19 @@ def metrics_server_access() -> list[Item]:
                 _rule("", ["nodes", "pods"], ["get", "list", "watch"]),
             ],
         ),
-        _cluster_binding(role, role, "User", METRICS_SERVER_USER),
-        _cluster_binding(
+        _binding(role, role, "User", METRICS_SERVER_USER),
+        _binding(
             "vkubelet:metrics-server:auth-delegator",
             "system:auth-delegator",
             "User",
             METRICS_SERVER_USER,
         ),
-        _role_binding(
+        _binding(
             "vkubelet:metrics-server-auth-reader",
-            "kube-system",
             "extension-apiserver-authentication-reader",
             "User",
             METRICS_SERVER_USER,
+            "kube-system",
         ),
         _cluster_role(  # `kubectl top` for whoever may view, edit or administer (upstream's)
             "system:aggregated-metrics-reader",
@@ -260,7 +242,7 @@ def cluster_dns(service_ip: str, host_ip: str) -> list[Item]:
                 _rule("discovery.k8s.io", ["endpointslices"], ["list", "watch"]),
             ],
         ),
-        _cluster_binding(role, role, "User", COREDNS_USER),
+        _binding(role, role, "User", COREDNS_USER),
         (
             "/api/v1/namespaces/kube-system/services",
             {

@@ -460,9 +460,7 @@ def _rmdir_retrying(directory: Path, deadline: float) -> None:
             time.sleep(0.1)
 
 
-def teardown(
-    worker: Worker, plan: NetworkPlan, processes: dict[str, _proc.ProcessRef] | None = None
-) -> None:
+def teardown(worker: Worker, processes: dict[str, _proc.ProcessRef] | None = None) -> None:
     """Remove everything of one worker: processes, mounts, cgroups, links, its directory.
 
     The components are stopped with SIGTERM first: a kubelet killed outright, its veth deleted
@@ -494,41 +492,27 @@ def reclaim(plan: NetworkPlan) -> None:
     by state). The host bridge stays: the control plane may still be talking on it."""
     places = [_network.NETNS_DIR, MOUNT_NS_DIR, *(h / CGROUP_PARENT for h in _hierarchies())]
     for i in sorted({i for place in places for i in plan.workers_in(place).values()}):
-        teardown(Worker(f"w{i}", plan.worker(i), Path("/nonexistent")), plan)
+        teardown(Worker(f"w{i}", plan.worker(i), Path("/nonexistent")))
 
 
 # -- processes -------------------------------------------------------------------------------------
 def argv(worker: Worker, component: str, binaries: dict[str, Path]) -> list[str]:
     d = worker.directory
-    if component == "containerd":
-        # containerd finds its shim on PATH.
-        path = f"{binaries['containerd'].parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
-        return [
-            *worker.enter(),
-            "env",
-            f"PATH={path}",
-            str(binaries["containerd"]),
-            f"--config={d / 'containerd.toml'}",
-            "--log-level=warn",
-        ]
-    if component == "kubelet":
-        return [
-            *worker.enter(),
-            str(binaries["kubelet"]),
+    flags = {
+        "containerd": [f"--config={d / 'containerd.toml'}", "--log-level=warn"],
+        "kubelet": [
             f"--config={d / 'kubelet.yaml'}",
             f"--kubeconfig={d / 'kubelet.kubeconfig'}",
             f"--hostname-override={worker.name}",
             f"--node-ip={worker.addresses.node_ip}",
             "--v=1",
-        ]
-    if component == "kube-proxy":
-        return [
-            *worker.enter(),
-            str(binaries["kube-proxy"]),
-            f"--config={d / 'kube-proxy.yaml'}",
-            "--v=1",
-        ]
-    raise DevClusterError(f"unknown worker component {component!r}")
+        ],
+        "kube-proxy": [f"--config={d / 'kube-proxy.yaml'}", "--v=1"],
+    }[component]
+    # containerd finds its shim on PATH.
+    path = f"{binaries['containerd'].parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    env = ["env", f"PATH={path}"] if component == "containerd" else []
+    return [*worker.enter(), *env, str(binaries[component]), *flags]
 
 
 def ctr(worker: Worker, binaries: dict[str, Path], *args: str, timeout: float = 300) -> str:
