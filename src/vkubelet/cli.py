@@ -264,10 +264,8 @@ def run(
         if tls_cert_file or tls_private_key_file:
             if not (tls_cert_file and tls_private_key_file):
                 raise ConfigError("--tls-cert-file and --tls-private-key-file go together")
-            agent_config.tls_cert_file, agent_config.tls_key_file = (
-                tls_cert_file,
-                tls_private_key_file,
-            )
+            agent_config.tls_cert_file = tls_cert_file
+            agent_config.tls_key_file = tls_private_key_file
         if client_ca_file:
             agent_config.client_ca_file = client_ca_file
         if cert_dir:
@@ -276,10 +274,8 @@ def run(
             agent_config.approve_csrs = approve_own_csrs
         if bootstrap_kubeconfig:
             agent_config.bootstrap_kubeconfig = bootstrap_kubeconfig
-        agent_config.insecure_kubelet_api = (
-            agent_config.insecure_kubelet_api or insecure_kubelet_api
-        )
-        agent_config.kubelet_api = agent_config.kubelet_api and kubelet_api
+        agent_config.insecure_kubelet_api |= insecure_kubelet_api
+        agent_config.kubelet_api &= kubelet_api
         replicas = _replica_options(
             leader_elect or shard,
             shard,

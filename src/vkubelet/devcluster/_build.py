@@ -192,13 +192,6 @@ def _binaries() -> Binaries:
     return Binaries(KUBERNETES.paths() | METRICS_SERVER.paths(), KUBERNETES.version())
 
 
-def cached_binaries() -> Binaries | None:
-    """The cached builds of the pinned versions, if they are complete."""
-    if any(m.missing() for m in MODULES):
-        return None
-    return _binaries()
-
-
 def find_go(need: tuple[int, int] | None = None) -> Path:
     """The Go toolchain on PATH, if it is at least `need` (default: what every module needs)."""
     need = need or max(m.required_go() for m in MODULES)
@@ -235,37 +228,46 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def ensure_binaries(progress: Progress = print) -> Binaries:
-    """Return the cached binaries, building whatever is missing first."""
-    found = cached_binaries()
-    if found:
-        return found
-    go = find_go(max(m.required_go() for m in MODULES if m.missing()))
+def _build_missing(
+    modules: tuple[GoModule, ...],
+    progress: Progress,
+    announce: Callable[[str], str] | None = None,
+) -> None:
+    """Build the binaries of `modules` that are not cached yet; `announce(names)` says so first,
+    then how long it took."""
+    if not any(m.missing() for m in modules):
+        return
+    go = find_go(max(m.required_go() for m in modules if m.missing()))
     with _locked(cache_root() / "build.lock"):
         # Another process may have built some while we waited for the lock.
-        todo = [(m, name) for m in MODULES for name in m.missing()]
+        todo = [(m, name) for m in modules for name in m.missing()]
         if not todo:
-            return _binaries()
-        names = ", ".join(name for _, name in todo)
-        progress(
-            f"Building {names} from Go modules into {cache_root()} (first time only; "
-            "a cold build of the whole control plane takes 10-25 minutes on 2 cores)"
-        )
+            return
+        if announce:
+            progress(announce(", ".join(name for _, name in todo)))
         started = time.monotonic()
         for index, (module, name) in enumerate(todo, 1):
             _build_one(go, module, name, progress, f"{index}/{len(todo)}")
-        progress(f"Built in {_minutes(time.monotonic() - started)}")
+        if announce:
+            progress(f"Built in {_minutes(time.monotonic() - started)}")
+
+
+def ensure_binaries(progress: Progress = print) -> Binaries:
+    """Return the cached binaries, building whatever is missing first."""
+    _build_missing(
+        MODULES,
+        progress,
+        lambda names: (
+            f"Building {names} from Go modules into {cache_root()} (first time only; "
+            "a cold build of the whole control plane takes 10-25 minutes on 2 cores)"
+        ),
+    )
     return _binaries()
 
 
 def ensure_tool(module: GoModule, progress: Progress = print) -> dict[str, Path]:
     """A tool's cached binaries (name -> file), building them first if missing (minutes once)."""
-    if module.missing():
-        go = find_go(module.required_go())
-        with _locked(cache_root() / "build.lock"):
-            todo = module.missing()
-            for index, name in enumerate(todo, 1):
-                _build_one(go, module, name, progress, f"{index}/{len(todo)}")
+    _build_missing((module,), progress)
     return module.paths()
 
 

@@ -382,13 +382,6 @@ class Cluster:
             dns_names=("localhost",),
             ip_addresses=("127.0.0.1",),
         ).write(pki, "etcd")
-        _pki.issue(ca, "kube-apiserver-etcd-client", client=True).write(
-            pki, "apiserver-etcd-client"
-        )
-        # How the apiserver proves itself to kubelets (and so to vkubelet's kubelet port).
-        _pki.issue(ca, "kube-apiserver-kubelet-client", client=True).write(
-            pki, "apiserver-kubelet-client"
-        )
         # The aggregation layer (metrics-server behind `kubectl top`) authenticates the
         # apiserver's proxied requests with a separate CA, as in kubeadm clusters.
         front_proxy_ca = _pki.new_ca(f"vkubelet-dev-{self.name}-front-proxy-ca")
@@ -405,6 +398,9 @@ class Cluster:
         )
         for stem, cn, orgs in (
             ("admin", "kubernetes-admin", ("system:masters",)),
+            ("apiserver-etcd-client", "kube-apiserver-etcd-client", ()),
+            # How the apiserver proves itself to kubelets (and so to vkubelet's kubelet port).
+            ("apiserver-kubelet-client", "kube-apiserver-kubelet-client", ()),
             ("controller-manager", "system:kube-controller-manager", ()),
             ("scheduler", "system:kube-scheduler", ()),
             # For the apiserver and for kubelets, which authorize it on nodes/metrics.
