@@ -514,7 +514,9 @@ def cluster_up(
         + (
             "Worker nodes have the images vkubelet.local/busybox and vkubelet.local/pause; "
             f"load more with `vkubelet dev image load <archive|agent>{flag}`.\n"
-            f"  kubectl run web --image={cluster.image_reference('busybox')} -- httpd -f -p 80\n\n"
+            f"  kubectl run web --image={cluster.image_reference('busybox')} -- httpd -f -p 80\n"
+            f"VM nodes on this machine: a /24 of {cluster.virtual_pod_cidr()} as podCIDR "
+            "(routed from the workers).\n\n"
             if cluster.workers()
             else ""
         )

@@ -4,6 +4,9 @@ kubectl's streaming verbs work through real kubelets, and a virtual node lives b
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -203,8 +206,17 @@ def test_kubectl_logs_exec_port_forward_and_top_work_on_worker_pods(
         what="kubectl top pod on a worker pod",
     )
     assert pod in top
-    nodes = k("top", "node").stdout
-    assert all(node in nodes for node in set(web.values()))
+    # Node metrics come from the kubelets' summaries, scraped apart from the pods' (a worker
+    # may not have been scraped yet when its pod's metrics are).
+    wait_for(
+        lambda: (
+            (r := k("top", "node", check=False)).returncode == 0
+            and all(node in r.stdout for node in set(web.values()))
+        ),
+        timeout=90,
+        interval=3,
+        what="kubectl top node lists both workers",
+    )
 
 
 def test_a_virtual_mock_node_works_beside_the_workers_and_taints_keep_pods_apart(
@@ -250,3 +262,132 @@ def test_a_virtual_mock_node_works_beside_the_workers_and_taints_keep_pods_apart
         # The workers are untouched by the virtual node's arrival.
         assert fetch(k, ns, "http://web/") in web
         k("-n", ns, "delete", "pod", "virtual", "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def virtual_pod(worker_cluster: Cluster, ns: str) -> Iterator[str]:
+    """A stand-in for a VM of a vm node on this machine: a network namespace linked to the host
+    as the vm provider links a VM (a /32 route over a veth whose host end holds the gateway and
+    forwards), with an address from the cluster's virtual range and an HTTP server on :8080.
+    Its resolv.conf names the cluster DNS, as a routed VM's network config does."""
+    virtual = worker_cluster.virtual_pod_cidr()
+    assert virtual is not None
+    base = virtual.rsplit(".", 2)[0]  # "10.(224+n)"
+    gateway, address = f"{base}.250.1", f"{base}.250.2"
+    name = f"vkt{uuid.uuid4().hex[:8]}"
+    resolv = Path("/etc/netns") / name / "resolv.conf"
+    serve = Path("/tmp") / name
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", name],
+        ["ip", "addr", "add", f"{gateway}/32", "dev", name],
+        ["ip", "link", "set", name, "up"],
+        ["ip", "route", "replace", f"{address}/32", "dev", name, "src", gateway],
+        ["sysctl", "-q", "-w", f"net.ipv4.conf.{name}.forwarding=1"],
+        ["ip", "-n", name, "link", "set", "lo", "up"],
+        ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", "eth0"],
+        ["ip", "-n", name, "link", "set", "eth0", "up"],
+        ["ip", "-n", name, "route", "add", "default", "via", gateway],
+    ]
+    server = None
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True)
+        resolv.parent.mkdir(parents=True, exist_ok=True)
+        resolv.write_text(
+            f"search {ns}.svc.cluster.local svc.cluster.local\nnameserver 10.96.0.10\n"
+        )
+        serve.mkdir()
+        (serve / "index.html").write_text("virtual pod\n")
+        server = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                sys.executable,
+                "-m",
+                "http.server",
+                "8080",
+                "--bind",
+                address,
+                "--directory",
+                str(serve),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        yield address
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        shutil.rmtree(resolv.parent, ignore_errors=True)
+        shutil.rmtree(serve, ignore_errors=True)
+
+
+def fetch_from_virtual_pod(address: str, url: str) -> subprocess.CompletedProcess[str]:
+    """One HTTP GET from inside the stand-in's namespace (found by its address's host link)."""
+    route = subprocess.run(
+        ["ip", "-o", "route", "get", address], capture_output=True, text=True, check=True
+    ).stdout
+    netns = route.split(" dev ")[1].split()[0]
+    get = (
+        "import sys, urllib.request as u; print(u.urlopen(sys.argv[1], timeout=5).read().decode())"
+    )
+    return subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", get, url],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+
+
+def test_a_worker_pod_reaches_a_virtual_pod_by_address_and_through_a_service(
+    worker_kubectl: Kubectl, ns: str, web: dict[str, str], virtual_pod: str
+) -> None:
+    assert wait_for(
+        lambda: fetch(worker_kubectl, ns, f"http://{virtual_pod}:8080/") == "virtual pod",
+        timeout=30,
+    )
+    # A Service whose endpoint is the virtual pod, as a vm node's Ready VM pod would make it.
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "virt"},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    }
+    endpoints = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": "virt-1", "labels": {"kubernetes.io/service-name": "virt"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [virtual_pod], "conditions": {"ready": True}}],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    }
+    for item in (service, endpoints):
+        worker_kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(item))
+    url = f"http://virt.{ns}.svc.cluster.local/"
+    assert wait_for(lambda: fetch(worker_kubectl, ns, url) == "virtual pod", timeout=30)
+
+
+def test_a_virtual_pod_reaches_worker_pods_and_their_service_by_dns_name(
+    worker_kubectl: Kubectl, ns: str, web: dict[str, str], virtual_pod: str
+) -> None:
+    pods = worker_kubectl.json("-n", ns, "get", "pods", "-l", "app=web")["items"]
+    for pod in pods:
+        direct = fetch_from_virtual_pod(virtual_pod, f"http://{pod['status']['podIP']}:8080/")
+        assert direct.stdout.strip() == pod["metadata"]["name"], direct.stderr
+    # By the Service's DNS name: the name goes to cluster DNS and the ClusterIP to a worker,
+    # both through the cluster's routing table for its virtual range.
+    seen: set[str] = set()
+    for _ in range(40):
+        answer = fetch_from_virtual_pod(virtual_pod, "http://web/")
+        assert answer.returncode == 0, answer.stderr
+        seen.add(answer.stdout.strip())
+        if set(web) <= seen:
+            break
+    assert set(web) <= seen, seen

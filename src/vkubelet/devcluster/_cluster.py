@@ -871,6 +871,12 @@ class Cluster:
         network = (self.state() or {}).get("network")
         return NetworkPlan(int(network["index"])) if network else None
 
+    def virtual_pod_cidr(self) -> str | None:
+        """Where this cluster's vm nodes take their pods' addresses (routed from its workers);
+        None without a pod network. Give each vm node its own /24 of it as `podCIDR`."""
+        plan = self._network_plan()
+        return str(plan.virtual_cidr) if plan else None
+
     def workers(self) -> list[_workers.Worker]:
         """The worker nodes this cluster has started (in their recorded order)."""
         plan = self._network_plan()
@@ -904,6 +910,7 @@ class Cluster:
         for worker in workers:
             _network.ensure_worker_link(plan, worker.addresses)
         _network.route_between([w.addresses for w in workers])
+        _network.route_virtual_services(plan, workers[0].addresses if workers else None)
         started = time.monotonic()
         for worker in workers:
             record = state["workers"][worker.name]["components"]

@@ -12,12 +12,24 @@ from the index alone, without its state files:
 - each worker routes the other workers' pod ranges to their node addresses, and the host routes
   each pod range to its worker (the apiserver reaches pods that serve a kubelet API, such as
   the agent of the Helm chart); workers route 10.200.0.0/16 to the host, so pods reach the
-  apiservers of the other dev clusters too (a cluster provider's lower cluster). There is no
-  default route anywhere: nothing leaves the machine, and the host forwards nothing (its
-  ip_forward stays as it is).
+  apiservers of the other dev clusters too (a cluster provider's lower cluster);
+- *virtual nodes* (a vm node's VMs, on this machine) take their pod addresses from
+  10.(224+n).0.0/16, each node a /24 of it as its `podCIDR`; the provider routes each of its
+  pods' addresses on the host (a /32 over the VM's own link).
+
+Workers route every cluster's worker pods (10.160.0.0/11) and virtual pods (10.224.0.0/11) to the
+host, which forwards them on: a worker pod reaches a VM, and a pod of one cluster a pod of
+another. The host forwards only what arrives on links we own: forwarding is switched on for the
+bridge here (and by the vm provider for each VM's link), per interface, so the machine's
+`ip_forward` and every other interface stay as they are. There is no default route anywhere:
+nothing leaves the machine.
 
 Service ClusterIPs (10.96.0.0/16, per cluster) exist only in the workers' nftables, which
-kube-proxy writes inside each worker's namespace.
+kube-proxy writes inside each worker's namespace. Every cluster has the same Service range, so
+the host cannot route a VM's Service traffic by its destination: a rule sends what comes *from*
+the cluster's virtual range through the cluster's own table, where the Service range goes to
+worker 0. Its kube-proxy translates it, and masquerades it (the virtual range is outside the
+`clusterCIDR` it is given), so the answers come back the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +54,10 @@ MAX_NETWORKS = 32  # 10.160.0.0/16 ... 10.191.0.0/16 for pods
 MAX_WORKERS = 32
 SERVICE_CIDR = "10.96.0.0/16"
 HOSTS_CIDR = "10.200.0.0/16"  # every network's node subnet, the host at .1 of each
+WORKER_PODS_CIDR = "10.160.0.0/11"  # every network's worker pods (10.160 ... 10.191)
+VIRTUAL_PODS_CIDR = "10.224.0.0/11"  # every network's virtual nodes' pods (10.224 ... 10.255)
+#: The routing table (and rule priority) of network n's virtual range is this plus n.
+VIRTUAL_TABLE_BASE = 7600
 DNS_SERVICE_IP = "10.96.0.10"
 CLUSTER_DOMAIN = "cluster.local"
 CNI_BIN_DIR = Path("/usr/lib/cni")
@@ -91,6 +107,15 @@ class NetworkPlan:
         return ipaddress.IPv4Network(f"10.{160 + self.index}.0.0/16")
 
     @property
+    def virtual_cidr(self) -> ipaddress.IPv4Network:
+        """Where virtual nodes of this cluster (vm nodes) take their pods' addresses."""
+        return ipaddress.IPv4Network(f"10.{224 + self.index}.0.0/16")
+
+    @property
+    def virtual_table(self) -> int:
+        return VIRTUAL_TABLE_BASE + self.index
+
+    @property
     def prefix(self) -> str:
         """What every per-worker name of this network starts with."""
         return f"vkw{self.index}n"
@@ -105,8 +130,8 @@ class NetworkPlan:
             pod_cidr=f"10.{160 + self.index}.{i}.0/24",
         )
 
-    def ranges(self) -> tuple[ipaddress.IPv4Network, ipaddress.IPv4Network]:
-        return self.node_subnet, self.cluster_cidr
+    def ranges(self) -> tuple[ipaddress.IPv4Network, ...]:
+        return self.node_subnet, self.cluster_cidr, self.virtual_cidr
 
     def workers_in(self, directory: Path) -> dict[str, int]:
         """The entries of `directory` named after a worker of this network (a namespace, link or
@@ -317,6 +342,12 @@ def ensure_bridge(plan: NetworkPlan) -> None:
             "address the host bridge",
         )
     run(["ip", "link", "set", plan.bridge, "up"], "bring the host bridge up")
+    forward_from(plan.bridge)
+
+
+def forward_from(link: str) -> None:
+    """Let the host forward what arrives on `link` (and nothing else: see the module doc)."""
+    run(["sysctl", "-q", "-w", f"net.ipv4.conf.{link}.forwarding=1"], f"forward from {link}")
 
 
 def ensure_worker_link(plan: NetworkPlan, worker: WorkerAddresses) -> None:
@@ -340,6 +371,8 @@ def ensure_worker_link(plan: NetworkPlan, worker: WorkerAddresses) -> None:
     # use another dev cluster, as the cluster provider's agent uses its lower cluster. The host
     # answers for its own addresses on any interface, so nothing is forwarded.
     run([*inside, "route", "replace", HOSTS_CIDR, "via", plan.host_ip], "route other clusters")
+    for pods in (WORKER_PODS_CIDR, VIRTUAL_PODS_CIDR):
+        run([*inside, "route", "replace", pods, "via", plan.host_ip], f"route {pods}")
     for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0")):
         run(
             ["nsenter", f"--net={netns_file}", "sysctl", "-q", "-w", f"{key}={value}"],
@@ -349,6 +382,34 @@ def ensure_worker_link(plan: NetworkPlan, worker: WorkerAddresses) -> None:
         ["ip", "route", "replace", worker.pod_cidr, "via", worker.node_ip, "dev", plan.bridge],
         f"route {worker.pod_cidr} to {worker.netns}",
     )
+
+
+def route_virtual_services(plan: NetworkPlan, gateway: WorkerAddresses | None) -> None:
+    """What the cluster's virtual pods send to a Service goes to `gateway` (None: nowhere)."""
+    table = str(plan.virtual_table)
+    source = str(plan.virtual_cidr)
+    rule = ["ip", "rule", "add", "from", source, "lookup", table, "priority", table]
+    if gateway is None:
+        unroute_virtual_services(plan)
+        return
+    if f"from {source} lookup {table}" not in run(["ip", "rule", "show"], "read the rules"):
+        run(rule, f"route {source} by table {table}")
+    run(
+        ["ip", "route", "replace", SERVICE_CIDR, "via", gateway.node_ip, "table", table],
+        f"route the Services of {source} to {gateway.netns}",
+    )
+
+
+def unroute_virtual_services(plan: NetworkPlan) -> None:
+    table = str(plan.virtual_table)
+    subprocess.run(["ip", "route", "flush", "table", table], capture_output=True, check=False)
+    while (
+        subprocess.run(
+            ["ip", "rule", "del", "priority", table], capture_output=True, check=False
+        ).returncode
+        == 0
+    ):
+        pass
 
 
 def route_between(workers: list[WorkerAddresses]) -> None:
@@ -374,3 +435,4 @@ def remove_leftovers(plan: NetworkPlan) -> None:
         subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
     if _link_exists(plan.bridge):
         subprocess.run(["ip", "link", "del", plan.bridge], capture_output=True, check=False)
+    unroute_virtual_services(plan)

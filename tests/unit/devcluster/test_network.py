@@ -30,6 +30,12 @@ def test_every_name_and_range_follows_from_the_index_and_fits_linux_limits() -> 
     assert plan.host_ip == "10.200.31.1"
 
 
+def test_every_network_s_pod_ranges_fall_in_what_the_workers_route_to_the_host() -> None:
+    for plan in (NetworkPlan(0), NetworkPlan(_network.MAX_NETWORKS - 1)):
+        assert plan.cluster_cidr.subnet_of(ipaddress.IPv4Network(_network.WORKER_PODS_CIDR))
+        assert plan.virtual_cidr.subnet_of(ipaddress.IPv4Network(_network.VIRTUAL_PODS_CIDR))
+
+
 def test_two_networks_and_two_workers_never_share_a_range() -> None:
     plans = [NetworkPlan(i) for i in range(_network.MAX_NETWORKS)]
     ranges = [r for p in plans for r in p.ranges()]
