@@ -57,7 +57,8 @@ def test_allocation_skips_ranges_the_machine_uses_and_ones_held_by_live_clusters
         _network, "host_networks_in_use", lambda: [ipaddress.ip_network("10.200.0.0/16")]
     )
     with pytest.raises(
-        NetworkUnavailable, match=r"10\.200\.0\.0/24, 10\.160\.0\.0/16 \(taken: 10\.200\.0\.0/16\)"
+        NetworkUnavailable,
+        match=r"10\.200\.0\.0/24, 10\.160\.0\.0/16, 10\.224\.0\.0/16 \(taken: 10\.200\.0\.0/16\)",
     ):
         _network.allocate(tmp_path / "a", lambda _: False, lambda _: None)
 
