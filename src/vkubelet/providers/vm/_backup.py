@@ -344,13 +344,7 @@ async def run_backup(
     if missing:
         raise BackupError("BackupFailed", f"the VM has no block device {missing[0]}")
     previous = manifest["backups"][-1] if manifest["backups"] else None
-    has_bitmap = all(
-        any(
-            m.get("name") == bitmap and m.get("persistent") and not m.get("inconsistent")
-            for m in devices[n]["inserted"].get("dirty-bitmaps", [])
-        )
-        for n in names
-    )
+    has_bitmap = all(_usable(_bitmap(devices, n, bitmap)) for n in names)
     can_increment = (
         previous is not None and has_bitmap and len(previous.get("files", [])) == len(names)
     )
@@ -415,19 +409,17 @@ async def run_backup(
             }
             if kind == "full":
                 # The bitmap starts with this backup: cleared (or made) in the same transaction.
-                found = [
-                    m
-                    for m in devices[name]["inserted"].get("dirty-bitmaps", [])
-                    if m.get("name") == bitmap
-                ]
-                if found and (found[0].get("inconsistent") or not found[0].get("persistent")):
+                found = _bitmap(devices, name, bitmap)
+                if found is not None and not _usable(found):
                     await machine.monitor.execute(
                         "block-dirty-bitmap-remove", {"node": name, "name": bitmap}
                     )
-                    found = []
-                action = "block-dirty-bitmap-clear" if found else "block-dirty-bitmap-add"
+                    found = None
+                action = (
+                    "block-dirty-bitmap-clear" if found is not None else "block-dirty-bitmap-add"
+                )
                 data: dict[str, Any] = {"node": name, "name": bitmap}
-                if not found:
+                if found is None:
                     data["persistent"] = True
                 actions.append({"type": action, "data": data})
                 backup["sync"] = "full"
@@ -495,6 +487,17 @@ async def run_backup(
     return BackupResult(kind, size, duration, str(backup_dir), consistency, copy_seconds)
 
 
+def _bitmap(devices: Mapping[str, Any], device: str, name: str) -> dict[str, Any] | None:
+    """The device's dirty bitmap `name`, as `query-block` lists it."""
+    found = devices[device]["inserted"].get("dirty-bitmaps", [])
+    return next((m for m in found if m.get("name") == name), None)
+
+
+def _usable(bitmap: dict[str, Any] | None) -> bool:
+    """Counts writes since the last backup: persistent, and not dropped as inconsistent."""
+    return bitmap is not None and bool(bitmap.get("persistent")) and not bitmap.get("inconsistent")
+
+
 def _job_seconds(events: Sequence[Mapping[str, Any]], names: set[str]) -> float | None:
     """From the first job running to the last one done, by QEMU's event timestamps."""
     starts, ends = [], []
@@ -534,8 +537,7 @@ async def _check_space(
             except (DiskError, ValueError, KeyError) as e:
                 raise BackupError("BackupFailed", f"cannot measure disk {name}: {e}") from None
         else:
-            found = devices[name]["inserted"].get("dirty-bitmaps", [])
-            needed += sum(int(m.get("count", 0)) for m in found if m.get("name") == bitmap)
+            needed += int((_bitmap(devices, name, bitmap) or {}).get("count", 0))
     free = shutil.disk_usage(chain_dir).free
     if free < needed:
         raise BackupError(

@@ -66,7 +66,7 @@ import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, cast
 
 import yaml
 
@@ -252,14 +252,11 @@ def _seed_kind(annotations: Mapping[str, str]) -> SeedKind:
         value = annotations.get(names.seed_kind)
         if value is None:
             continue
-        for known in _KINDS:
-            if value.strip().lower() == known:
-                kind = known
-                break
-        else:
+        if value.strip().lower() not in _KINDS:
             raise CloudInitError(
                 f"annotation {names.seed_kind}: must be nocloud or configdrive, got {value!r}"
             )
+        kind = cast(SeedKind, value.strip().lower())
     return kind
 
 

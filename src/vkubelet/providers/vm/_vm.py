@@ -246,34 +246,20 @@ def _decorate_resize(
             cs.allocatedResources = dict(requests or limits or {}) or None
     conditions = [c for c in status.conditions or [] if not c.type.startswith("PodResize")]
     now = (since or datetime.now(UTC)).replace(microsecond=0)
-    if state.pending is not None:
-        reason, message = state.pending
-        conditions.append(
-            PodCondition(
-                type="PodResizePending",
-                status="True",
-                reason=reason,
-                message=message,
-                lastTransitionTime=now,
+
+    def report(kind: str, why: tuple[str | None, str | None] | None) -> None:
+        """True with `why` (reason, message); else False, once it was reported True."""
+        if why is not None or kind in state.reported:
+            reason, message = why or (None, None)
+            on = "True" if why is not None else "False"
+            conditions.append(
+                PodCondition(
+                    type=kind, status=on, reason=reason, message=message, lastTransitionTime=now
+                )
             )
-        )
-    elif "PodResizePending" in state.reported:
-        conditions.append(
-            PodCondition(type="PodResizePending", status="False", lastTransitionTime=now)
-        )
-    if state.in_progress or state.error:
-        conditions.append(
-            PodCondition(
-                type="PodResizeInProgress",
-                status="True",
-                reason="Error" if state.error else None,
-                message=state.error,
-                lastTransitionTime=now,
-            )
-        )
-    elif "PodResizeInProgress" in state.reported:
-        conditions.append(
-            PodCondition(type="PodResizeInProgress", status="False", lastTransitionTime=now)
-        )
-    state.reported |= {c.type for c in conditions if c.type.startswith("PodResize")}
+            state.reported |= {kind}
+
+    report("PodResizePending", state.pending)
+    error = ("Error", state.error) if state.error else None
+    report("PodResizeInProgress", error or ((None, None) if state.in_progress else None))
     status.conditions = conditions
