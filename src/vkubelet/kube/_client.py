@@ -65,9 +65,6 @@ class TokenBucket:
 class ClientOptions:
     qps: float | None = None  # None: no client-side limit (the apiserver's APF still applies)
     burst: int = 1000
-    # HTTP/1.1: with httpx2 2.16 a request on an HTTP/2 connection waits until the connection's
-    # open watch streams end (measured: 29.5 s), so multiplexing would stall the agent.
-    http2: bool = False
     timeout: float = 30.0
     # The lean HTTP/1.1 client (`_http11`); VKUBELET_HTTP_CLIENT=httpx switches every request
     # back to httpx2, a fallback should an apiserver or proxy disagree with the lean client.
@@ -166,8 +163,7 @@ class KubeClient:
         limits = (_REQUESTS, _WATCHES, _HEARTBEATS)
         timeout = self._options.timeout
         pools: list[_Pool]
-        options = self._options
-        if self._transport is None and options.lean and not options.http2 and supports(config):
+        if self._transport is None and self._options.lean and supports(config):
             endpoint, auth = Endpoint.from_config(config), Auth(config)
             pools = [Pool(endpoint, auth, each, timeout) for each in limits]
         else:
@@ -175,10 +171,10 @@ class KubeClient:
         return pools[0], pools[1], pools[2]
 
     def _new_httpx(self, config: SingleConfig, limits: Limits) -> httpx.AsyncClient:
-        options = self._options
-        params = httpx_params(
-            config, timeout=options.timeout, transport=self._transport, http2=options.http2
-        )
+        # HTTP/1.1 only: with httpx2 2.16 a request on an HTTP/2 connection waits until the
+        # connection's open watch streams end (measured: 29.5 s), so multiplexing would stall
+        # the agent.
+        params = httpx_params(config, timeout=self._options.timeout, transport=self._transport)
         return httpx.AsyncClient(
             **params,
             limits=httpx.Limits(

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 NORMAL = "Normal"
 WARNING = "Warning"
 _DEDUP_WINDOW = 600.0
+_MAX_PENDING = 1000  # of each kind (warnings, normal events); the oldest are dropped
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,13 @@ class EventRecorder:
         host: str,
         qps: float = 50.0,
         burst: int = 100,
-        max_pending: int = 1000,
     ) -> None:
         self._client = client
         self._component = component
         self._host = host
         self._bucket = TokenBucket(qps, burst)
-        self._warnings: deque[_Pending] = deque(maxlen=max_pending)
-        self._normal: deque[_Pending] = deque(maxlen=max_pending)
+        self._warnings: deque[_Pending] = deque(maxlen=_MAX_PENDING)
+        self._normal: deque[_Pending] = deque(maxlen=_MAX_PENDING)
         self._wake = asyncio.Event()
         self._queued: dict[tuple[str, str, str, str, str], _Pending] = {}
         # (uid, reason, message) -> (event name, count, first seen)

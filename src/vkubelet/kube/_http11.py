@@ -136,9 +136,7 @@ class Endpoint:
         secure = url.scheme == "https"
         host = url.hostname or "localhost"
         port = url.port or (443 if secure else 80)
-        tls = None
-        if secure:
-            tls = http11_tls(config)
+        tls = http11_tls(config) if secure else None
         return cls(host, port, tls, url.path.rstrip("/"), url.netloc.rpartition("@")[2].encode())
 
     def target(self, path: str, params: Mapping[str, str] | None) -> bytes:

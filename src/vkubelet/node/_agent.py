@@ -7,6 +7,7 @@ process itself (kubelet API servers, certificates, supervision) is `vkubelet.age
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,21 +76,16 @@ class NodeAgent:
         self._services = services
         self.events = EventRecorder(client, component="vkubelet", host=settings.name)
         self.node = NodeController(client, settings, provider, extra_conditions=extra_conditions)
-        host_ip = settings.internal_ip
-        self.pods = PodController(
+        resolver = functools.partial(
+            Resolver,
             client,
-            settings.name,
-            provider,
-            self.events,
-            lambda objects: Resolver(
-                client,
-                objects,
-                provider,
-                services,
-                host_ip=host_ip,
-                allocatable=lambda: self.node.allocatable,
-            ),
-            workers=workers,
+            provider=provider,
+            services=services,
+            host_ip=settings.internal_ip,
+            allocatable=lambda: self.node.allocatable,
+        )
+        self.pods = PodController(
+            client, settings.name, provider, self.events, resolver, workers=workers
         )
 
     async def run(self) -> None:

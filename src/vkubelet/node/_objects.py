@@ -50,15 +50,9 @@ class _Entry:
 
 
 class ObjectCache:
-    def __init__(
-        self,
-        client: KubeClient,
-        on_change: Callable[[Ref, set[str]], None],
-        *,
-        poll_interval: float = POLL_INTERVAL,
-    ) -> None:
+    def __init__(self, client: KubeClient, on_change: Callable[[Ref, set[str]], None]) -> None:
         self._client = client
-        self._poll_interval = poll_interval
+        self._poll_interval = POLL_INTERVAL
         self._on_change = on_change
         self._entries: dict[Ref, _Entry] = {}
         self._by_user: dict[str, set[Ref]] = {}
