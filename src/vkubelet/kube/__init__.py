@@ -8,16 +8,9 @@ below the node agent and the providers and knows nothing of either.
 """
 
 from .._kubeconfig import httpx_params, load_context, load_kubeconfig
-from ._client import (
-    JSON_PATCH,
-    MERGE_PATCH,
-    STRATEGIC_MERGE_PATCH,
-    ClientOptions,
-    KubeClient,
-    TokenBucket,
-)
-from ._errors import ApiError, Unreachable, status_error
-from ._events import NORMAL, WARNING, EventRecorder, ObjectRef, node_ref
+from ._client import STRATEGIC_MERGE_PATCH, ClientOptions, KubeClient
+from ._errors import ApiError, Unreachable
+from ._events import NORMAL, WARNING, EventRecorder, ObjectRef
 from ._lease import (
     KubeLeases,
     LeaderElector,
@@ -45,9 +38,7 @@ __all__ = [
     "APPLY_PATCH",
     "CUSTOM_RESOURCE_DEFINITIONS",
     "EVENTS",
-    "JSON_PATCH",
     "LEASES",
-    "MERGE_PATCH",
     "NODES",
     "NORMAL",
     "PERSISTENT_VOLUMES",
@@ -68,7 +59,6 @@ __all__ = [
     "ObjectRef",
     "Reflector",
     "Resource",
-    "TokenBucket",
     "Unreachable",
     "WorkQueue",
     "default_identity",
@@ -77,6 +67,4 @@ __all__ = [
     "label_selector",
     "load_context",
     "load_kubeconfig",
-    "node_ref",
-    "status_error",
 ]

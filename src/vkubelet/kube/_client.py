@@ -36,7 +36,6 @@ _encode = msgspec.json.encode
 
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
-JSON_PATCH = "application/json-patch+json"
 
 
 class TokenBucket:

@@ -36,15 +36,6 @@ from ._client import KubeClient
 from ._errors import ApiError
 from ._resources import LEASES
 
-__all__ = [
-    "KubeLeases",
-    "LeaderElector",
-    "LeaseConflict",
-    "LeaseStore",
-    "LeaseTiming",
-    "default_identity",
-]
-
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]

@@ -694,6 +694,3 @@ def _digest(pod: ResolvedPod) -> bytes:
     if pod.references:  # only then: digests of pods adopted from an older agent stay the same
         parts += ([(ref, content(ref[0], pod.references[ref])) for ref in sorted(pod.references)],)
     return digest(parts)
-
-
-__all__ = ["PodController", "PodStatus", "ResolvedPod"]

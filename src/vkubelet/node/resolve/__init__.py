@@ -9,14 +9,13 @@ providers that forward pods unresolved). Each concern has its module: `env` (var
 `volumes`, `references`, `jsonvalues` (typed views of untrusted JSON), `sources` (the inputs).
 """
 
-from ...sdk.quantity import Quantity, QuantityError, divide_ceil, parse_quantity
+from ...sdk.quantity import QuantityError, divide_ceil, parse_quantity
 from ...sdk.volumes import (
     EmptyDirVolume,
     FileContent,
     FilesVolume,
     HostPathVolume,
     OtherVolume,
-    ResolvedVolume,
 )
 from .env import (
     FAILED_TO_READ_MANDATORY_CONFIGMAP,
@@ -38,22 +37,18 @@ from .env import (
     resolve_env,
 )
 from .expansion import expand, expand_command_and_args
-from .fieldpath import FieldSelectorError
-from .references import ObjectRef, Reference, pass_through_references, referenced_objects
-from .servicelinks import DEFAULT_MASTER_SERVICES_NAMESPACE
-from .sources import SourceReadError, Sources
+from .references import pass_through_references, referenced_objects
+from .sources import SourceReadError
 from .volumes import (
     FAILED_MOUNT,
     TokenFile,
     TokenSource,
-    VolumeError,
     VolumeResult,
     clean_volume_path,
     resolve_volumes,
 )
 
 __all__ = [
-    "DEFAULT_MASTER_SERVICES_NAMESPACE",
     "FAILED_MOUNT",
     "FAILED_TO_READ_MANDATORY_CONFIGMAP",
     "FAILED_TO_READ_MANDATORY_SECRET",
@@ -72,21 +67,14 @@ __all__ = [
     "EnvResolutionError",
     "EnvResult",
     "Event",
-    "FieldSelectorError",
     "FileContent",
     "FilesVolume",
     "HostPathVolume",
-    "ObjectRef",
     "OtherVolume",
-    "Quantity",
     "QuantityError",
-    "Reference",
-    "ResolvedVolume",
     "SourceReadError",
-    "Sources",
     "TokenFile",
     "TokenSource",
-    "VolumeError",
     "VolumeResult",
     "clean_volume_path",
     "divide_ceil",
