@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -97,16 +98,13 @@ async def serve_webhook(
         assert task is not None
         connections.add(task)
         try:
-            await serve_connection(reader, writer, handler, _LIMITS)
+            await serve_connection(reader, writer, functools.partial(_handle, webhook), _LIMITS)
         except asyncio.CancelledError:
             # Closing ends the apiserver's kept-alive connections this way; asyncio's own
             # connection task would otherwise report the cancellation as an error.
             pass
         finally:
             connections.discard(task)
-
-    async def handler(exchange: Exchange) -> None:
-        await _handle(webhook, exchange)
 
     server = await asyncio.start_server(
         on_connection, port=webhook.port, ssl=context, ssl_handshake_timeout=10.0

@@ -177,7 +177,6 @@ class ServingCertificate:
         self._approve = approve
         self.on_renewed = on_renewed
         self.on_csr = on_csr
-        self._cert_dir = cert_dir
         self.retry_seconds = RENEW_RETRY_SECONDS
 
     async def ensure(self) -> x509.Certificate:
@@ -222,7 +221,7 @@ class ServingCertificate:
             backoff.reset()
 
     async def _request(self) -> x509.Certificate:
-        self._cert_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.cert_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             key_pem, pem = await request_certificate(
                 self._client,
