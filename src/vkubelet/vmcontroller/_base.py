@@ -10,9 +10,9 @@ back from what the objects say.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
@@ -43,6 +43,8 @@ __all__ = [
     "vm_pods",
     "write_status",
 ]
+
+T = TypeVar("T")
 
 API_VERSION: Final = "vkubelet.io/v1alpha1"
 NAME_LABEL: Final = "vm.vkubelet.io/name"  # on a VM's pod: the VirtualMachine's name
@@ -143,16 +145,20 @@ def require_on_node(spec: dict[str, Any], kind: str, requirements: list[dict[str
     required["nodeSelectorTerms"] = terms
 
 
-async def read(
-    ctx: Context, resource: Resource, name: str, namespace: str | None
-) -> dict[str, Any] | None:
+async def _unless_gone(call: Awaitable[T]) -> T | None:
+    """The answer, or None when the object is not there (an answer here, not an error)."""
     try:
-        found: dict[str, Any] = await ctx.client.get(resource.path(namespace, name))
+        return await call
     except ApiError as e:
         if e.not_found:
             return None
         raise
-    return found
+
+
+async def read(
+    ctx: Context, resource: Resource, name: str, namespace: str | None
+) -> dict[str, Any] | None:
+    return await _unless_gone(ctx.client.get(resource.path(namespace, name)))
 
 
 async def vm_pods(ctx: Context, namespace: str, vm: str) -> list[dict[str, Any]]:
@@ -171,24 +177,12 @@ async def nodes_by_name(ctx: Context) -> dict[str, dict[str, Any]]:
 
 async def patch_pod(ctx: Context, namespace: str, pod: str, patch: dict[str, Any]) -> bool:
     """False when the pod is gone."""
-    try:
-        await ctx.client.patch(PODS.path(namespace, pod), patch)
-    except ApiError as e:
-        if e.not_found:
-            return False
-        raise
-    return True
+    return await _unless_gone(ctx.client.patch(PODS.path(namespace, pod), patch)) is not None
 
 
 async def delete_pod(ctx: Context, namespace: str, pod: str) -> bool:
     """False when the pod was gone already."""
-    try:
-        await ctx.client.delete(PODS.path(namespace, pod))
-    except ApiError as e:
-        if e.not_found:
-            return False
-        raise
-    return True
+    return await _unless_gone(ctx.client.delete(PODS.path(namespace, pod))) is not None
 
 
 async def write_status(
@@ -199,11 +193,5 @@ async def write_status(
     changed = {k: v for k, v in status.items() if old.get(k) != v}
     if not changed:
         return
-    try:
-        await ctx.client.patch(
-            resource.path(meta_of(obj)["namespace"], meta_of(obj)["name"], "status"),
-            {"status": changed},
-        )
-    except ApiError as e:
-        if not e.not_found:
-            raise
+    path = resource.path(meta_of(obj)["namespace"], meta_of(obj)["name"], "status")
+    await _unless_gone(ctx.client.patch(path, {"status": changed}))

@@ -15,6 +15,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Final
 
 from ..kube import (
@@ -91,7 +92,9 @@ class VMController:
             outage_max_delay=_MAX_RETRY_DELAY,
         )
         self.reflectors = [
-            self._reflector(reconciler.resource.path(config.namespace), self._keys_of(index))
+            self._reflector(
+                reconciler.resource.path(config.namespace), partial(self._keys_of, index)
+            )
             for index, reconciler in enumerate(self.reconcilers)
         ]
         self.pods = self._reflector(
@@ -112,12 +115,9 @@ class VMController:
         params = {"labelSelector": label_selector(labels)} if labels else None
         return Reflector(self.client, path, Watched, handler, params=params)
 
-    def _keys_of(self, index: int) -> Callable[[Watched], list[str]]:
-        def keys(obj: Watched) -> list[str]:
-            meta = obj.metadata
-            return [_key(index, str(meta.namespace), meta.name)] if meta.name else []
-
-        return keys
+    def _keys_of(self, index: int, obj: Watched) -> list[str]:
+        meta = obj.metadata
+        return [_key(index, str(meta.namespace), meta.name)] if meta.name else []
 
     def _keys_of_pod(self, pod: Watched) -> list[str]:
         return [
@@ -139,9 +139,8 @@ class VMController:
         while True:
             await asyncio.sleep(self.config.resync)
             for index, reflector in enumerate(self.reflectors):
-                keys = self._keys_of(index)
                 for obj in list(reflector.items.values()):
-                    for key in keys(obj):
+                    for key in self._keys_of(index, obj):
                         self.queue.add(key)
 
     async def _reconcile(self, key: str) -> None:

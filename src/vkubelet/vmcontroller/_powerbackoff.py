@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ..sdk.backoff import INITIAL_SECONDS, MAX_SECONDS, RESET_SECONDS
+from ..sdk.logs import parse_rfc3339
 
 __all__ = ["delay_for", "failure_of", "parse_time", "ran_long_enough", "stamp"]
 
@@ -27,13 +28,7 @@ def stamp(when: datetime) -> str:
 
 def parse_time(value: object) -> datetime | None:
     """An RFC 3339 time as the apiserver writes it (None if absent or unreadable)."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    return parse_rfc3339(value) if isinstance(value, str) else None
 
 
 def delay_for(restarts: int) -> timedelta:

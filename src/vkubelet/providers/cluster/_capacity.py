@@ -31,6 +31,7 @@ __all__ = [
     "lower_capacity",
     "mirror_capacity",
     "mirror_labels",
+    "node_ready",
     "node_usable",
     "pod_requests",
 ]
@@ -56,6 +57,10 @@ def node_usable(node: Mapping[str, Any]) -> bool:
         return False
     if any(t.get("effect") in _BLOCKING_EFFECTS for t in spec.get("taints") or []):
         return False
+    return node_ready(node)
+
+
+def node_ready(node: Mapping[str, Any]) -> bool:
     conditions = (node.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 

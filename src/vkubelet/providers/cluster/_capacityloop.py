@@ -30,6 +30,7 @@ from ._capacity import (
     format_quantity,
     lower_capacity,
     mirror_capacity,
+    node_ready,
     pod_requests,
 )
 from ._config import LowerConfig
@@ -222,7 +223,7 @@ class CapacityFollowing:
         """A node with no capacity only says "Too many pods" to the upper scheduler. When the
         lower cluster has Ready nodes but none counts (cordoned, or tainted NoSchedule or
         NoExecute: the mock provider's nodes are, by default), say which, once per change."""
-        ready = [n for n in nodes if _ready(n)]
+        ready = [n for n in nodes if node_ready(n)]
         if capacity.usable_nodes or not ready:
             self._no_usable_reported = False
             return
@@ -363,8 +364,3 @@ def _node_state(node: JSON | None) -> tuple[object, ...]:
         None,
     )
     return (True, bool((node.get("spec") or {}).get("unschedulable")), ready)
-
-
-def _ready(node: JSON) -> bool:
-    conditions = (node.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

@@ -205,14 +205,9 @@ class DependencySync:
             raise ProviderError(reason, why, permanent=permanent)
         given = self._given.get(block_for)
         if given is not None and applied.conflicts:
-            needed = {
-                (
-                    r.kind,
-                    self._how().lower_namespace(given.namespace),
-                    self._how().lower_name(r.kind, r.name),
-                )
-                for r in needed_references(to_json(given.pod), self._how())
-            }
+            how, refs = self._how(), self.prepared(given)[3]
+            namespace = how.lower_namespace(given.namespace)
+            needed = {(r.kind, namespace, how.lower_name(r.kind, r.name)) for r in refs}
             for key, message in applied.conflicts.items():
                 if key in needed:
                     raise ProviderError("LowerDependencyConflict", message)

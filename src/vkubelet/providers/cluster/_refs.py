@@ -49,53 +49,41 @@ def _slots(spec: MutableMapping[str, Any]) -> Iterator[_Slot]:
             yield from _container_slots(container)
 
 
+def _named(kind: str, holder: object, key: str = "name", optional: bool = True) -> Iterator[_Slot]:
+    """The slot, when `holder` is a reference naming an object at `key`; optional if it says so
+    (`optional=False`: a kind of reference the API gives no such field)."""
+    if isinstance(holder, dict) and holder.get(key):
+        yield _Slot(kind, holder, key, optional and bool(holder.get("optional")))
+
+
 def _volume_slots(volume: MutableMapping[str, Any]) -> Iterator[_Slot]:
-    source = volume.get("configMap")
-    if isinstance(source, dict) and source.get("name"):
-        yield _Slot("ConfigMap", source, "name", bool(source.get("optional")))
-    source = volume.get("secret")
-    if isinstance(source, dict) and source.get("secretName"):
-        yield _Slot("Secret", source, "secretName", bool(source.get("optional")))
-    source = volume.get("persistentVolumeClaim")
-    if isinstance(source, dict) and source.get("claimName"):
-        yield _Slot("PersistentVolumeClaim", source, "claimName")
+    yield from _named("ConfigMap", volume.get("configMap"))
+    yield from _named("Secret", volume.get("secret"), "secretName")
+    claim = volume.get("persistentVolumeClaim")
+    yield from _named("PersistentVolumeClaim", claim, "claimName", optional=False)
     projected = volume.get("projected")
-    if isinstance(projected, dict):
-        for item in projected.get("sources") or []:
-            for kind, field in (("ConfigMap", "configMap"), ("Secret", "secret")):
-                ref = item.get(field)
-                if isinstance(ref, dict) and ref.get("name"):
-                    yield _Slot(kind, ref, "name", bool(ref.get("optional")))
+    for item in (projected.get("sources") or []) if isinstance(projected, dict) else []:
+        yield from _named("ConfigMap", item.get("configMap"))
+        yield from _named("Secret", item.get("secret"))
     csi = volume.get("csi")
     if isinstance(csi, dict):
-        ref = csi.get("nodePublishSecretRef")
-        if isinstance(ref, dict) and ref.get("name"):
-            yield _Slot("Secret", ref, "name")
+        yield from _named("Secret", csi.get("nodePublishSecretRef"), optional=False)
     for name in _SECRET_REF_VOLUMES:
         source = volume.get(name)
         if isinstance(source, dict):
-            ref = source.get("secretRef")
-            if isinstance(ref, dict) and ref.get("name"):
-                yield _Slot("Secret", ref, "name")
-    azure = volume.get("azureFile")
-    if isinstance(azure, dict) and azure.get("secretName"):
-        yield _Slot("Secret", azure, "secretName")
+            yield from _named("Secret", source.get("secretRef"), optional=False)
+    yield from _named("Secret", volume.get("azureFile"), "secretName", optional=False)
 
 
 def _container_slots(container: MutableMapping[str, Any]) -> Iterator[_Slot]:
     for env in container.get("env") or []:
         value_from = env.get("valueFrom")
-        if not isinstance(value_from, dict):
-            continue
-        for kind, field in (("ConfigMap", "configMapKeyRef"), ("Secret", "secretKeyRef")):
-            ref = value_from.get(field)
-            if isinstance(ref, dict) and ref.get("name"):
-                yield _Slot(kind, ref, "name", bool(ref.get("optional")))
+        if isinstance(value_from, dict):
+            yield from _named("ConfigMap", value_from.get("configMapKeyRef"))
+            yield from _named("Secret", value_from.get("secretKeyRef"))
     for source in container.get("envFrom") or []:
-        for kind, field in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
-            ref = source.get(field)
-            if isinstance(ref, dict) and ref.get("name"):
-                yield _Slot(kind, ref, "name", bool(ref.get("optional")))
+        yield from _named("ConfigMap", source.get("configMapRef"))
+        yield from _named("Secret", source.get("secretRef"))
 
 
 def pod_references(spec: MutableMapping[str, Any]) -> set[Reference]:

@@ -27,7 +27,6 @@ __all__ = [
     "ANNOTATION_UID",
     "LABEL_OWNER",
     "LABEL_UID",
-    "STAMP_PREFIX",
     "Claim",
     "Owner",
     "claim",
@@ -38,7 +37,6 @@ __all__ = [
     "upper_identity",
 ]
 
-STAMP_PREFIX = "vkubelet.io/"
 LABEL_OWNER = "vkubelet.io/owner"
 LABEL_UID = "vkubelet.io/upper-uid"
 ANNOTATION_CLUSTER = "vkubelet.io/upper-cluster"

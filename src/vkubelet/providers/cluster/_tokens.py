@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,21 +54,23 @@ class TokenSource:
     seconds: int
 
 
-def token_sources(spec: Mapping[str, Any]) -> list[TokenSource]:
-    found = []
+def _tokens_in(spec: Mapping[str, Any]) -> Iterator[tuple[list[JSON], int, str, JSON]]:
+    """Each `serviceAccountToken` projected source: its list, its index there, its key in the
+    token Secret ("<volume>.<index>") and the source itself."""
     for volume in spec.get("volumes") or []:
-        sources = (volume.get("projected") or {}).get("sources") or []
+        projected = volume.get("projected")
+        sources = (projected.get("sources") or []) if isinstance(projected, dict) else []
         for index, source in enumerate(sources):
             token = source.get("serviceAccountToken")
             if token is not None:
-                seconds = int(token.get("expirationSeconds") or _DEFAULT_SECONDS)
-                found.append(
-                    TokenSource(
-                        f"{volume.get('name')}.{index}",
-                        token.get("audience") or None,
-                        max(seconds, _MIN_SECONDS),
-                    )
-                )
+                yield sources, index, f"{volume.get('name')}.{index}", token
+
+
+def token_sources(spec: Mapping[str, Any]) -> list[TokenSource]:
+    found = []
+    for _, _, key, token in _tokens_in(spec):
+        seconds = int(token.get("expirationSeconds") or _DEFAULT_SECONDS)
+        found.append(TokenSource(key, token.get("audience") or None, max(seconds, _MIN_SECONDS)))
     return found
 
 
@@ -80,17 +82,9 @@ def token_secret_name(upper_uid: str) -> str:
 def use_token_secret(spec: JSON, secret_name: str) -> None:
     """Point every `serviceAccountToken` source of the lower spec at the token Secret (same
     path), and keep the lower ServiceAccount admission from mounting a lower token there."""
-    for volume in spec.get("volumes") or []:
-        projected = volume.get("projected")
-        if not isinstance(projected, dict):
-            continue
-        sources = projected.get("sources") or []
-        for index, source in enumerate(sources):
-            token = source.get("serviceAccountToken")
-            if token is not None:
-                key = f"{volume.get('name')}.{index}"
-                item = {"key": key, "path": token.get("path") or "token"}
-                sources[index] = {"secret": {"name": secret_name, "items": [item]}}
+    for sources, index, key, token in _tokens_in(spec):
+        item = {"key": key, "path": token.get("path") or "token"}
+        sources[index] = {"secret": {"name": secret_name, "items": [item]}}
     spec["automountServiceAccountToken"] = False
 
 
