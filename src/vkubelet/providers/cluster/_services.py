@@ -15,7 +15,8 @@ running elsewhere (on other upper nodes) are not endpoints below; reaching them 
 the upper Service address and a flat pod network (docs/cluster-provider.md, *Network*).
 
 Only stamped lower Services are updated or deleted; a lower name held by anyone else is a
-conflict, left alone. Pure planning here; `apply_service_plan` is the thin I/O part.
+conflict, left alone. Pure planning here; the plan is carried out as a dependency plan is
+(`LowerCluster.apply_dependencies`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...kube import ApiError
 from ._deps import SOURCE_VERSION
-from ._stamps import LABEL_OWNER, Owner, describe_owner, is_ours, stamp, upper_identity
+from ._stamps import LABEL_OWNER, Owner, stamp, upper_identity
 
 __all__ = [
     "ServicePlan",
-    "apply_service_plan",
     "lower_service",
     "plan_services",
     "selects",
@@ -165,52 +164,3 @@ def plan_services(
         if key not in wanted:
             plan.delete.append((key, str((current.get("metadata") or {}).get("uid", ""))))
     return plan
-
-
-@dataclass
-class ServicesApplied:
-    written: dict[Key, JSON | None] = field(default_factory=dict)  # None: deleted
-    conflicts: dict[Key, str] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-
-async def apply_service_plan(lower: Any, plan: ServicePlan, owner: Owner) -> ServicesApplied:
-    """Carry out a plan against the lower cluster (`LowerCluster`), never stopping at the first
-    problem (the next pass retries). A name found taken on create is someone else's Service:
-    reported, never touched."""
-    done = ServicesApplied()
-
-    def key_of(obj: Mapping[str, Any]) -> Key:
-        metadata = obj.get("metadata") or {}
-        return (str(metadata.get("namespace")), str(metadata.get("name")))
-
-    for (namespace, name), uid in plan.delete:
-        try:
-            await lower.delete("Service", namespace, name, uid=uid or None)
-            done.written[(namespace, name)] = None
-        except ApiError as e:
-            done.problems.append(f"delete Service {namespace}/{name}: {e.message or e.reason}")
-    for obj in [*plan.create, *plan.replace]:
-        key = key_of(obj)
-        try:
-            await lower.ensure_namespace(key[0], owner)
-            done.written[key] = await lower.create(obj)
-        except ApiError as e:
-            if not e.conflict:
-                done.problems.append(f"create Service {key[0]}/{key[1]}: {e.message or e.reason}")
-                continue
-            found = await lower.get("Service", *key)
-            if found is not None and is_ours(found, owner):
-                done.written[key] = found  # ours already (written by an earlier pass)
-            elif found is not None:
-                done.conflicts[key] = (
-                    f"lower Service {key[0]}/{key[1]} already exists and is "
-                    f"{describe_owner(found)}; it is left alone"
-                )
-    for obj in plan.update:
-        key = key_of(obj)
-        try:
-            done.written[key] = await lower.replace(obj)
-        except ApiError as e:
-            done.problems.append(f"update Service {key[0]}/{key[1]}: {e.message or e.reason}")
-    return done

@@ -12,8 +12,9 @@ from ...kube import Handler, Reflector
 from ...sdk.provider import EventSink, UpperAPI
 from ._config import LowerConfig
 from ._convert import JSON, name_key
+from ._deps import DependencyPlan
 from ._lower import LowerCluster
-from ._services import apply_service_plan, plan_services, selects_anything
+from ._services import plan_services, selects_anything
 from ._stamps import is_ours
 from ._translate import PodTranslation
 
@@ -99,15 +100,27 @@ class ServiceReflection:
         )
         if self._still_adopting():
             plan.delete.clear()
-        applied = await apply_service_plan(self.lower, plan, owner)
-        for key, obj in applied.written.items():
+            plan.replace.clear()  # a replacement deletes first
+        replaced = {name_key(s) for s in plan.replace}
+        applied = await self.lower.apply_dependencies(
+            DependencyPlan(
+                namespaces={name_key(s)[0] for s in plan.create + plan.replace},
+                create=plan.create,
+                update=plan.update,
+                replace=plan.replace,  # deleted first, by UID
+                delete=[("Service", *key) for key, _ in plan.delete if key not in replaced],
+                uids={("Service", *key): uid for key, uid in plan.delete},
+            ),
+            owner,
+        )
+        for (_, namespace, name), obj in applied.written.items():
             if obj is None:
-                self._lower_services.pop(key, None)
+                self._lower_services.pop((namespace, name), None)
             else:
-                self._lower_services[key] = obj
-        for key, message in applied.conflicts.items():
-            if key not in self._conflicts:
-                self._conflicts.add(key)
+                self._lower_services[(namespace, name)] = obj
+        for (_, namespace, name), message in applied.conflicts.items():
+            if (namespace, name) not in self._conflicts:
+                self._conflicts.add((namespace, name))
                 log.warning("%s", message)
                 self._events.node_event(self._node_name, "Warning", "LowerServiceConflict", message)
         if applied.problems:
