@@ -26,7 +26,7 @@ import msgspec
 from lightkube.models.core_v1 import PodStatus, Taint
 from lightkube.resources.core_v1 import Node, Pod
 
-from ...kube import ApiError, Handler, Reflector, Unreachable
+from ...kube import PODS, STRATEGIC_MERGE_PATCH, ApiError, Handler, Reflector, Unreachable
 from ...sdk.provider import (
     NodeCondition,
     ProviderContext,
@@ -34,7 +34,7 @@ from ...sdk.provider import (
     ResolvedPod,
     UpperAPI,
 )
-from ...sdk.tasks import TaskSet, supervise
+from ...sdk.tasks import TaskSet, run_supervised
 from ._admission import ConstraintWebhook
 from ._capacityloop import CANNOT_FIT_TAINT, LARGEST_FREE_ANNOTATION, CapacityFollowing
 from ._config import LowerConfig
@@ -118,8 +118,8 @@ class ClusterProvider:
         self._node_notify: Callable[[Node], None] | None = None
         self._unreachable: str | None = None
         self._denied: str | None = None  # missing lower permissions, as MissingPermissions says
-        self._tasks: list[asyncio.Task[None]] = []
-        self._spawned = TaskSet(f"cluster {context.node_name}")
+        self._started = False  # the background loops (`_start`)
+        self._spawned = TaskSet(f"cluster {context.node_name}")  # they and short-lived tasks
         # Pods whose lower pod this agent created lately (loop time) and whose Pending status
         # is being held back (see `_hold_pending`).
         self._created_at: dict[str, float] = {}
@@ -279,8 +279,9 @@ class ClusterProvider:
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
-        if self._tasks or not self._background:
+        if self._started or not self._background:
             return
+        self._started = True
         name = self.context.node_name
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "lower permissions": self._check_access,
@@ -294,10 +295,9 @@ class ClusterProvider:
         if self._upper is not None:
             loops["upper services"] = self.services.follow
             loops["services below"] = self.services.run
-        self._tasks = [
-            supervise(self._once_owner_known(loop), name=f"cluster {name}: {what}")
-            for what, loop in loops.items()
-        ]
+        for what, loop in loops.items():
+            work = run_supervised(self._once_owner_known(loop), name=f"cluster {name}: {what}")
+            self._spawned.spawn(work, name=what)
 
     def _once_owner_known(
         self, loop: Callable[[], Awaitable[None]]
@@ -312,12 +312,6 @@ class ClusterProvider:
         return run
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
         await self._spawned.aclose()
         await self.lower.aclose()
 
@@ -508,11 +502,10 @@ class ClusterProvider:
         added = [t for t in spec.get("tolerations") or [] if t not in existing]
         if added:
             patch["spec"]["tolerations"] = existing + added
-        path = f"/api/v1/namespaces/{namespace}/pods/{pod.name}"
-        patch["metadata"]["uid"] = (current or {}).get("metadata", {}).get("uid")
+        path = PODS.path(namespace, pod.name)
+        patch["metadata"]["uid"] = current.get("metadata", {}).get("uid")
         patched = await self.lower.call(
-            self.lower.client.patch(path, patch, "application/strategic-merge-patch+json"),
-            what="update the lower pod",
+            self.lower.client.patch(path, patch, STRATEGIC_MERGE_PATCH), what="update the lower pod"
         )
         # In-place resize goes through its own subresource (Kubernetes 1.33+).
         lower_resources = {
@@ -526,12 +519,9 @@ class ClusterProvider:
             != requests_and_limits(lower_resources.get(c["name"]))
         ]
         if resized:
+            body = {"spec": {"containers": resized}}
             await self.lower.call(
-                self.lower.client.patch(
-                    path + "/resize",
-                    {"spec": {"containers": resized}},
-                    "application/strategic-merge-patch+json",
-                ),
+                self.lower.client.patch(f"{path}/resize", body, STRATEGIC_MERGE_PATCH),
                 what="resize the lower pod",
             )
 

@@ -43,24 +43,18 @@ class LowerVerbs:
         self, namespace: str, pod: str, container: str, options: ContainerLogOptions
     ) -> AsyncIterator[bytes]:
         """`kubectl logs` upstairs is the lower apiserver's pod log, options passed through."""
-        params = {"container": container}
-        if options.tail_lines is not None:
-            params["tailLines"] = str(options.tail_lines)
-        if options.limit_bytes is not None:
-            params["limitBytes"] = str(options.limit_bytes)
-        if options.since_seconds is not None:
-            params["sinceSeconds"] = str(options.since_seconds)
-        elif options.since_time is not None:
-            since = options.earliest()
-            assert since is not None
-            params["sinceTime"] = since.strftime("%Y-%m-%dT%H:%M:%SZ")
-        for flag, on in (
-            ("timestamps", options.timestamps),
-            ("follow", options.follow),
-            ("previous", options.previous),
-        ):
-            if on:
-                params[flag] = "true"
+        since = options.earliest() if options.since_seconds is None else None
+        given = {
+            "container": container,
+            "tailLines": options.tail_lines,
+            "limitBytes": options.limit_bytes,
+            "sinceSeconds": options.since_seconds,
+            "sinceTime": since.strftime("%Y-%m-%dT%H:%M:%SZ") if since is not None else None,
+            "timestamps": "true" if options.timestamps else None,
+            "follow": "true" if options.follow else None,
+            "previous": "true" if options.previous else None,
+        }
+        params = {key: str(value) for key, value in given.items() if value is not None}
         lower_ns, name = self._lower_ref(namespace, pod)
         path = f"/api/v1/namespaces/{lower_ns}/pods/{name}/log"
         try:
