@@ -331,8 +331,7 @@ class ClusterProvider:
         key = f"{pod.namespace}/{pod.name}"
         if self._pods.get(key) is not pod:
             return
-        lower = self._lower_pods.get(key)
-        identity = upper_identity(lower) if lower is not None else None
+        identity = upper_identity(self._lower_pods.get(key) or {})
         if identity is None or identity[2] != pod.uid:
             del self._pods[key]
 
@@ -577,8 +576,7 @@ class ClusterProvider:
         if given is not None and given.uid != uid:
             return  # the pod of this name is a newer one: only the deletion mark was ours
         self._pods.pop(key, None)
-        tracked = self._lower_pods.get(key)
-        identity = None if tracked is None else upper_identity(tracked)
+        identity = upper_identity(self._lower_pods.get(key) or {})
         if identity is None or identity[2] == uid:
             self._lower_pods.pop(key, None)  # deleted below before we saw its DELETED event
         failed = self._failed.pop(key, None)
@@ -623,12 +621,9 @@ class ClusterProvider:
         pods = await self.lower.call(self.lower.list_objects("Pod", selector=self.owner.selector))
         found = []
         for lower in pods:
-            if not is_ours(lower, self.owner):
+            key = self._key_of(lower)
+            if key is None:
                 continue
-            identity = upper_identity(lower)
-            if identity is None:
-                continue
-            key = f"{identity[0]}/{identity[1]}"
             if not self._about_another(key, lower):
                 self._remember(key, lower)
             if key not in self._pods:
