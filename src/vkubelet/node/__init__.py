@@ -1,17 +1,13 @@
-"""The node agent: node controller, pod controller and the provider API (the Kubernetes client
-stack it runs on is `vkubelet.kube`)."""
+"""The node agent: node controller, pod controller and the provider API types the agent uses
+(providers import them from `vkubelet.sdk`; the Kubernetes client stack the agent runs on is
+`vkubelet.kube`)."""
 
 from ..sdk.config import ConfigError, parse_taint
 from ..sdk.provider import (
     ContainerLogOptions,
-    ContainerLogs,
     FleetNode,
-    NodeConfigurer,
     NodeFleet,
-    NodeProvider,
-    NodeStatusNotifier,
     PodLifecycleHandler,
-    PodNotifier,
     ProviderContext,
     ProviderError,
     ResolvedPod,
@@ -37,18 +33,13 @@ __all__ = [
     "ClientIdentity",
     "ConfigError",
     "ContainerLogOptions",
-    "ContainerLogs",
     "FleetNode",
     "NodeAgent",
-    "NodeConfigurer",
     "NodeFleet",
-    "NodeProvider",
     "NodeSettings",
     "NodeSpec",
-    "NodeStatusNotifier",
     "PodController",
     "PodLifecycleHandler",
-    "PodNotifier",
     "PodRecord",
     "ProviderContext",
     "ProviderError",

@@ -102,7 +102,6 @@ class EnvResolutionError(Exception):
         super().__init__(f"{where}: {detail}")
         self.container = container
         self.variable = variable
-        self.detail = detail
         self.events = tuple(events)
         self.permanent = permanent
 
