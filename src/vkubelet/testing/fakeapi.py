@@ -53,34 +53,26 @@ JSON = dict[str, Any]
 
 SERVER = "https://fake-apiserver.test:6443"
 
-# resource (plural) -> (API prefix, namespaced, kind)
+# resource (plural) -> (apiVersion, namespaced, kind)
 RESOURCES: dict[str, tuple[str, bool, str]] = {
-    "pods": ("/api/v1", True, "Pod"),
-    "nodes": ("/api/v1", False, "Node"),
-    "configmaps": ("/api/v1", True, "ConfigMap"),
-    "secrets": ("/api/v1", True, "Secret"),
-    "services": ("/api/v1", True, "Service"),
-    "events": ("/api/v1", True, "Event"),
-    "serviceaccounts": ("/api/v1", True, "ServiceAccount"),
-    "persistentvolumeclaims": ("/api/v1", True, "PersistentVolumeClaim"),
-    "persistentvolumes": ("/api/v1", False, "PersistentVolume"),
-    "leases": ("/apis/coordination.k8s.io/v1", True, "Lease"),
-    "certificatesigningrequests": (
-        "/apis/certificates.k8s.io/v1",
-        False,
-        "CertificateSigningRequest",
-    ),
+    "pods": ("v1", True, "Pod"),
+    "nodes": ("v1", False, "Node"),
+    "configmaps": ("v1", True, "ConfigMap"),
+    "secrets": ("v1", True, "Secret"),
+    "services": ("v1", True, "Service"),
+    "events": ("v1", True, "Event"),
+    "serviceaccounts": ("v1", True, "ServiceAccount"),
+    "persistentvolumeclaims": ("v1", True, "PersistentVolumeClaim"),
+    "persistentvolumes": ("v1", False, "PersistentVolume"),
+    "leases": ("coordination.k8s.io/v1", True, "Lease"),
+    "certificatesigningrequests": ("certificates.k8s.io/v1", False, "CertificateSigningRequest"),
     # the VM controller's custom resources
-    "virtualmachines": ("/apis/vkubelet.io/v1alpha1", True, "VirtualMachine"),
-    "virtualmachinebackups": ("/apis/vkubelet.io/v1alpha1", True, "VirtualMachineBackup"),
-    "virtualmachinemigrations": ("/apis/vkubelet.io/v1alpha1", True, "VirtualMachineMigration"),
+    "virtualmachines": ("vkubelet.io/v1alpha1", True, "VirtualMachine"),
+    "virtualmachinebackups": ("vkubelet.io/v1alpha1", True, "VirtualMachineBackup"),
+    "virtualmachinemigrations": ("vkubelet.io/v1alpha1", True, "VirtualMachineMigration"),
 }
-_API_VERSION = {
-    "/api/v1": "v1",
-    "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
-    "/apis/certificates.k8s.io/v1": "certificates.k8s.io/v1",
-    "/apis/vkubelet.io/v1alpha1": "vkubelet.io/v1alpha1",
-}
+# API path prefix -> apiVersion
+_PREFIXES = {("/api/" if v == "v1" else "/apis/") + v: v for v, _, _ in RESOURCES.values()}
 
 # Strategic merge patch: lists merged by key (path of the list -> merge key). Every other list
 # is replaced, which is what Kubernetes does for lists without a patch strategy — notably
@@ -193,17 +185,15 @@ class _Fault:
 
 def _parse(path: str) -> tuple[str, str | None, str | None, str | None]:
     """(resource, namespace, name, subresource) of an API path."""
-    for prefix in _API_VERSION:
-        if path.startswith(prefix + "/"):
-            parts = [unquote(p) for p in path[len(prefix) + 1 :].split("/") if p]
-            break
-    else:
+    prefix = next((p for p in _PREFIXES if path.startswith(p + "/")), None)
+    if prefix is None:
         raise _Error(404, "NotFound", f"the server could not find the requested resource {path}")
+    parts = [unquote(p) for p in path[len(prefix) + 1 :].split("/") if p]
     namespace = None
     if len(parts) >= 3 and parts[0] == "namespaces":
         namespace, parts = parts[1], parts[2:]
     resource = parts[0]
-    if resource not in RESOURCES or RESOURCES[resource][0] != prefix:
+    if resource not in RESOURCES or RESOURCES[resource][0] != _PREFIXES[prefix]:
         raise _Error(404, "NotFound", f"the server could not find the requested resource {path}")
     if RESOURCES[resource][1] != (namespace is not None) and len(parts) > 1:
         raise _Error(404, "NotFound", f"{resource}: wrong scope in {path}")
@@ -545,9 +535,7 @@ class FakeApiServer:
         key = (namespace or "", name)
         if key in self._objects[resource]:
             raise _Error(409, "AlreadyExists", f'{resource} "{name}" already exists')
-        prefix, namespaced, kind = RESOURCES[resource]
-        obj["apiVersion"] = _API_VERSION[prefix]
-        obj["kind"] = kind
+        obj["apiVersion"], namespaced, obj["kind"] = RESOURCES[resource]
         meta["name"] = name
         if namespaced:
             meta["namespace"] = namespace
@@ -587,10 +575,10 @@ class FakeApiServer:
             meta["continue"] = next_token
             meta["remainingItemCount"] = len(rest)
             items = page
-        prefix, _, kind = RESOURCES[resource]
+        version, _, kind = RESOURCES[resource]
         return {
             "kind": f"{kind}List",
-            "apiVersion": _API_VERSION[prefix],
+            "apiVersion": version,
             "metadata": meta,
             "items": items,
         }

@@ -33,7 +33,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from ...sdk import ContainerLogOptions, ProviderError, ResolvedPod
 from ...sdk.backoff import crash_loop_message
 from ...sdk.capabilities import AttachIO, ByteStream
-from ...sdk.logs import LogParser, previous_not_found, render, render_chunks
+from ...sdk.logs import LogParser, previous_not_found, render_chunks
 from ...sdk.probes import PodProbes, ProbeEvent
 from ...sdk.provider import EventSink
 from ...sdk.status import ContainerReport, Running, Terminated, Waiting, build_pod_status
@@ -542,12 +542,9 @@ class DeviceProvider:
         return entry
 
     def _container(self, entry: _PodEntry, name: str) -> _remote.ContainerStatus | None:
-        if entry.remote is None:
-            return None
-        for status in [*entry.remote.init_containers, *entry.remote.containers]:
-            if status.name == name:
-                return status
-        return None
+        remote = entry.remote
+        statuses = [*remote.init_containers, *remote.containers] if remote else []
+        return next((status for status in statuses if status.name == name), None)
 
     async def container_logs(
         self, namespace: str, pod: str, container: str, options: ContainerLogOptions
@@ -585,10 +582,10 @@ class DeviceProvider:
                 yield out
         if not options.follow or options.previous:
             return
-        async for chunk in self._follow(entry, container, run, path, offset, parser):
-            for line in chunk:
-                if since is None or line.time >= since:
-                    yield render(line, timestamps=options.timestamps)
+        followed = self._follow(entry, container, run, path, offset)
+        lines = render_chunks(followed, since=since, timestamps=options.timestamps, parser=parser)
+        async for out in lines:
+            yield out
 
     async def _follow(
         self,
@@ -597,9 +594,9 @@ class DeviceProvider:
         run: int,
         path: str,
         offset: int,
-        parser: LogParser,
-    ) -> AsyncIterator[list[Any]]:
-        """New log lines of run `run` until that run has ended and its log is complete."""
+    ) -> AsyncIterator[bytes]:
+        """What run `run` adds to its log from `offset`, until it has ended and its log is
+        complete."""
 
         def ended() -> bool:
             state = self._container(entry, container)
@@ -619,7 +616,7 @@ class DeviceProvider:
                             if not data:
                                 break
                             offset += len(data)
-                            yield parser.feed(data)
+                            yield data
                             reader = asyncio.ensure_future(proc.stdout.read(65536))
                         elif ended():
                             reader.cancel()
@@ -629,7 +626,7 @@ class DeviceProvider:
         # The run is over and its log complete: whatever tail had not shown yet.
         with contextlib.suppress(Unreachable):
             rest = await self.link.run(f"tail -c +{offset + 1} {path} 2>/dev/null || true\n")
-            yield parser.feed(rest.stdout)
+            yield rest.stdout
 
     async def exec_in_container(
         self, namespace: str, pod: str, container: str, command: list[str], io: AttachIO
