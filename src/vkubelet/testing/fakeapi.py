@@ -352,11 +352,7 @@ class FakeApiServer:
         subresource: str | None = None,
     ) -> JSON:
         """Change an object as another actor would (bumps the version, sends MODIFIED)."""
-        kind = (
-            "application/strategic-merge-patch+json"
-            if strategic
-            else "application/merge-patch+json"
-        )
+        kind = f"application/{'strategic-merge' if strategic else 'merge'}-patch+json"
         return copy.deepcopy(self._patch(resource, namespace, name, subresource, patch, kind))
 
     def delete(

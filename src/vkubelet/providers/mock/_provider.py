@@ -283,14 +283,11 @@ class MockProvider:
             # Never run here (it failed, or its mount did), but its IP was reserved.
             self._release_ip(str(pod.metadata.uid))  # type: ignore[union-attr]
             return
-        fetch = self._token_fetches.pop(mock.uid, None)
-        if fetch is not None:
-            fetch.cancel()
+        for task in (self._token_fetches.pop(mock.uid, None), self._starting.pop(key, None)):
+            if task is not None:
+                task.cancel()
         self._token_files.pop(mock.uid, None)
         self._token_backoff.pop(mock.uid, None)
-        task = self._starting.pop(key, None)
-        if task:
-            task.cancel()
         self._stats.retire(mock)
         mock.stopped = now_rfc3339()
         probes = self._probes.pop(mock.uid, None)

@@ -772,16 +772,8 @@ def _status(name: str, words: list[str], restarts: int) -> ContainerStatus:
         case ["terminated", code, started, finished]:
             exit_code = _count(code)
             reason = "Completed" if exit_code == 0 else "Error"
-            return ContainerStatus(
-                name,
-                "terminated",
-                reason,
-                None,
-                _time(started),
-                _time(finished),
-                exit_code,
-                restarts,
-            )
+            times = _time(started), _time(finished)
+            return ContainerStatus(name, "terminated", reason, None, *times, exit_code, restarts)
     raise _Malformed(" ".join(words))
 
 
