@@ -269,6 +269,7 @@ class MockProvider:
         mock.files = files_of(resolved)
         meta = resolved.pod.metadata
         mock.applied = ((meta.annotations if meta else None) or {}).get(APPLIED_ANNOTATION)
+        mock.updates += 1
         files = self._volume_files(mock)
         for container in mock.containers:  # the kubelet updates mounted volumes in place too
             fs = self._filesystems.get(mock.uid, {}).get(container.name)

@@ -68,6 +68,7 @@ class MockPod:
     files: dict[str, str] = field(default_factory=dict)  # "volume/path" -> text, as mounted
     started: str | None = None
     stopped: str | None = None
+    updates: int = 0  # update_pod calls: the state file shows that an update reached the backend
     creates: int = 1  # create_pod calls for this very pod (its UID): more than one is a bug
     # The agent's digest of what it gave the pod (its `vkubelet.io/applied` annotation), handed
     # back by get_pod: after a restart the agent updates an adopted pod only when it differs.
