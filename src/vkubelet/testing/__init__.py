@@ -38,12 +38,15 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ..devcluster import Cluster, list_clusters
 from ..sdk.retry import Backoff
+
+if TYPE_CHECKING:
+    from ..vmimage import GuestImage
 
 
 def find_kubectl() -> str:
@@ -570,49 +573,41 @@ def worker_kubectl(worker_cluster: Cluster) -> Kubectl:
     return Kubectl(worker_cluster.kubeconfig)
 
 
-@contextlib.contextmanager
-def _image_build_lock(kind: str) -> Iterator[None]:
-    """One build of a guest image at a time on this machine: parallel test workers (or runs)
-    that need it wait for the first one's build and then find it cached, instead of each
-    building it again (minutes of CPU on a cold cache)."""
+def _built_image(kind: str, build: Callable[..., GuestImage], what: str) -> Path:
+    """The disk of a guest image, built once, then cached; skips the test when this host cannot
+    build it (no apt lists, no QEMU tools: the message says what is missing).
+
+    One build of an image at a time on this machine: parallel test workers (or runs) that need
+    it wait for the first one's build and then find it cached, instead of each building it
+    again (minutes of CPU on a cold cache)."""
     import fcntl
 
-    from ..vmimage import default_cache_dir
+    from ..vmimage import ImageBuildError, default_cache_dir
 
     default_cache_dir().mkdir(parents=True, exist_ok=True)
-    with (default_cache_dir() / f".{kind}-build.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    try:
+        with (default_cache_dir() / f".{kind}-build.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            image = build(progress=_progress)
+    except ImageBuildError as e:
+        pytest.skip(f"cannot build {what}: {e}")
+    return image.disk
 
 
 @pytest.fixture(scope="session")
 def vm_guest_image() -> Path:
-    """The small test guest's qcow2 (built from Debian packages once, then cached).
+    """The small test guest's qcow2 (built from Debian packages once, then cached)."""
+    from ..vmimage import build_guest_image
 
-    Skips the test when the host cannot build it (no apt lists, no QEMU tools): the message says
-    what is missing.
-    """
-    from ..vmimage import ImageBuildError, build_guest_image
-
-    try:
-        with _image_build_lock("guest"):
-            image = build_guest_image(progress=_progress)
-    except ImageBuildError as e:
-        pytest.skip(f"cannot build the test guest: {e}")
-    return image.disk
+    return _built_image("guest", build_guest_image, "the test guest")
 
 
 @pytest.fixture(scope="session")
 def vm_distro_image() -> Path:
     """The Debian guest with cloud-init and qemu-guest-agent (debootstrap once, then cached)."""
-    from ..vmimage import ImageBuildError, build_distro_image
+    from ..vmimage import build_distro_image
 
-    try:
-        with _image_build_lock("distro"):
-            image = build_distro_image(progress=_progress)
-    except ImageBuildError as e:
-        pytest.skip(f"cannot build the distribution guest: {e}")
-    return image.disk
+    return _built_image("distro", build_distro_image, "the distribution guest")
 
 
 @pytest.fixture(scope="session")
