@@ -26,11 +26,11 @@ if [ -n "$seed" ] && mount -t iso9660 -o ro "$seed" /seed; then
             *) hostname "$name"; echo "$name" > /etc/hostname ;; esac
     fi
     if [ -r $d/network ]; then
-        mac= addr= gw= dns=
+        mac= addr= gw= dns= search=
         while IFS='=' read -r key value; do
             case $key in
                 MAC) mac=$value ;; ADDRESS) addr=$value ;; GATEWAY) gw=$value ;;
-                DNS) dns="$dns $value" ;;
+                DNS) dns="$dns $value" ;; SEARCH) search="$search $value" ;;
             esac
         done < $d/network
         dev=eth0
@@ -45,6 +45,11 @@ if [ -n "$seed" ] && mount -t iso9660 -o ro "$seed" /seed; then
         for s in $dns; do
             case $s in *[!0-9a-fA-F.:]*) ;; *) echo "nameserver $s" >> /etc/resolv.conf ;; esac
         done
+        domains=
+        for s in $search; do
+            case $s in *[!a-zA-Z0-9.-]*) ;; *) domains="$domains $s" ;; esac
+        done
+        [ -n "$domains" ] && echo "search$domains" >> /etc/resolv.conf
     fi
     if [ -d $d/files ]; then
         (cd $d/files && find . -type f) | while read -r f; do

@@ -129,6 +129,7 @@ class Runtime(Protocol):
         path: Path,
         *,
         pod_name: str,
+        pod_namespace: str,
         pod_uid: str,
         annotations: Mapping[str, str],
         files: Mapping[str, bytes],

@@ -43,7 +43,9 @@ ConfigDrive's meta_data.json says the same in OpenStack's names: uuid, hostname,
 pod name) and public_keys (a mapping key0, key1, ...); the meta-data annotation is merged over
 those names there. Its network_data.json gives the pod's address as OpenStack does: one link
 (ethernet_mac_address, named eth0 like the netplan's set-name), one static network on it with
-the default route, and dns services.
+the default route, and dns services (OpenStack's format has no search domains: a ConfigDrive
+guest gets the nameservers only; netplan's `nameservers.search` and the small guest's `SEARCH=`
+carry them).
 
 Generated user-data holds what the pod needs: `write_files` for its volume files and env file
 (base64, so any bytes survive; mode 0644 unless `modes` says otherwise, e.g. 0600 for secrets) and
@@ -114,6 +116,7 @@ ANNOTATIONS: Final = (VIRTLET, OURS)  # in the order they apply
 SeedKind = Literal["nocloud", "configdrive"]
 _KINDS: Final[tuple[SeedKind, ...]] = ("nocloud", "configdrive")
 _MAC: Final = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){5}")
+_DOMAIN: Final = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _DEFAULT_MODE: Final = 0o644
 
 
@@ -134,6 +137,8 @@ class GuestNetworkLike(Protocol):
     def mac(self) -> str: ...
     @property
     def dns(self) -> tuple[str, ...]: ...
+    @property
+    def search(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -232,6 +237,8 @@ def build_seed_content(
         ]
         if network.dns:
             lines.append("DNS=" + " ".join(network.dns))
+        if network.search:
+            lines.append("SEARCH=" + " ".join(network.search))
         extra["vkubelet/network"] = ("\n".join(lines) + "\n").encode()
     for path in paths:
         extra["vkubelet/files" + path] = files[path]
@@ -356,6 +363,9 @@ def _check_network(network: GuestNetworkLike) -> None:
     ip(network.gateway, "gateway")
     for server in network.dns:
         ip(server, "dns")
+    for domain in network.search:
+        if not _DOMAIN.fullmatch(domain):
+            raise CloudInitError(f"network.search: {domain!r} is not a DNS domain")
     if not _MAC.fullmatch(network.mac.lower()):
         raise CloudInitError(f"network.mac: {network.mac!r} is not a MAC address")
 
@@ -371,6 +381,8 @@ def _netplan(network: GuestNetworkLike) -> dict[str, Any]:
     }
     if network.dns:
         eth0["nameservers"] = {"addresses": list(network.dns)}
+        if network.search:
+            eth0["nameservers"]["search"] = list(network.search)
     return {"version": 2, "ethernets": {"eth0": eth0}}
 
 

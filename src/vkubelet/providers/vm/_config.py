@@ -4,7 +4,11 @@
     imageStore: images                   # default <stateDir>/images
     accel: auto                          # auto | kvm | tcg
     reserved: {cpu: "1", memory: 1Gi}    # kept for the host; capacity = host minus this
-    podCIDR: 10.213.0.0/24
+    podCIDR: 10.213.0.0/24               # this node's VMs' addresses (no other route may cover it)
+    network:                             # `_net`
+      mode: routed                       # routed (default) | host-only
+      clusterDNS: [10.96.0.10]           # the guests' nameservers (default: none), and their
+      clusterDomain: cluster.local       # search list <ns>.svc.<domain> svc.<domain> <domain>
     imagePrefix: vm.vkubelet.io
     translations: [{name: tiny, url: file:///srv/tiny.qcow2}]
     translationsFile: images.yaml        # re-read when it changes (a mounted ConfigMap); wins
@@ -26,6 +30,7 @@ as their origin) when the provider starts.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +48,12 @@ from ._volumes import StorageConfig
 __all__ = ["ConfigError", "ConfigMapSource", "VMConfig", "load_config"]
 
 Accel = Literal["auto", "kvm", "tcg"]
+#: routed: the host forwards between its VMs and the pod network; host-only: only the host (and
+#: the agent on it) reaches them.
+NetworkMode = Literal["routed", "host-only"]
 
 _MIB = 2**20
+_DOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\.?")
 _Text = Annotated[str, Meta(min_length=1)]
 _Seconds = Annotated[float, Meta(gt=0, description="a positive number of seconds")]
 _Count = Annotated[int, Meta(ge=0, le=255, description="a whole number 0-255")]
@@ -78,12 +87,21 @@ class _Hotplug(Section):
     memory_slots: _Count | None = None
 
 
+class _Network(Section):
+    mode: NetworkMode = "routed"
+    cluster_dns: Annotated[list[_Text], Meta(description="a list of IP addresses")] = msgspec.field(
+        default_factory=list, name="clusterDNS"
+    )
+    cluster_domain: _Text = "cluster.local"
+
+
 class _File(Section):
     state_dir: FilePath | None = None
     image_store: FilePath | None = None
     accel: Literal["auto", "kvm", "tcg"] = "auto"
     reserved: _Resources | None = None
     pod_cidr: _Text = msgspec.field(default="10.213.0.0/24", name="podCIDR")
+    network: _Network | None = None
     image_prefix: _Text = "vm.vkubelet.io"
     translations: Annotated[
         list[dict[str, Any]], Meta(description="a list of rules (mappings with name|regexp, url)")
@@ -122,6 +140,9 @@ class VMConfig:
     reserved_millicpu: int = 0
     reserved_memory: int = 256 * _MIB  # bytes
     pod_cidr: str = "10.213.0.0/24"
+    network_mode: NetworkMode = "routed"
+    cluster_dns: tuple[str, ...] = ()  # the guests' nameservers; () = none
+    cluster_domain: str = "cluster.local"
     image_prefix: str = "vm.vkubelet.io"
     translations: list[dict[str, Any]] = field(default_factory=list)  # as written; vmstore parses
     translations_file: Path | None = None
@@ -189,6 +210,14 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         raise fail("podCIDR", f"not an IPv4 network: {e}") from None
     if network.prefixlen > 29:
         raise fail("podCIDR", f"{raw.pod_cidr} is too small for a gateway and guests")
+    net = raw.network or _Network()
+    for i, server in enumerate(net.cluster_dns):
+        try:
+            ipaddress.ip_address(server)
+        except ValueError:
+            raise fail(f"network.clusterDNS[{i}]", f"{server!r} is not an IP address") from None
+    if not _DOMAIN.fullmatch(net.cluster_domain):
+        raise fail("network.clusterDomain", f"{net.cluster_domain!r} is not a DNS domain")
     cm = raw.translation_config_map
     gc, storage = raw.machine_gc, raw.storage
     return VMConfig(
@@ -204,6 +233,9 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         reserved_millicpu=reserved_cpu,
         reserved_memory=reserved_memory,
         pod_cidr=str(network),
+        network_mode=net.mode,
+        cluster_dns=tuple(net.cluster_dns),
+        cluster_domain=net.cluster_domain.rstrip("."),
         image_prefix=raw.image_prefix,
         translations=raw.translations,
         translations_file=base / raw.translations_file if raw.translations_file else None,

@@ -4,7 +4,13 @@ Per VM (the virtlet model, measured in notes/vm.md): a netns holding a bridge th
 tap and one end of a veth pair; the other end stays on the host, holds the gateway address (/32,
 the same on every such link) and carries a /32 route to the guest. So the host, and the agent on
 it, reaches every guest IP without a shared bridge, and a VM's links vanish with its netns.
-Guest-to-guest traffic would need IP forwarding on the host, which we do not switch on.
+
+*Routed* mode (the default) lets the host forward what arrives on each VM's link: forwarding is
+switched on for that link alone (`net.ipv4.conf.<link>.forwarding`), never the machine's
+`ip_forward`, so a guest reaches the pod network through the host's routes and the rest of the
+machine forwards nothing new. Packets *to* a VM arrive on some other link of the host (a dev
+cluster's bridge, the host's uplink), which must forward too; the /32 route takes them on.
+*Host-only* mode leaves forwarding off: only the host reaches its VMs.
 
 The kernel is the state: a re-attach after an agent restart finds the netns and reads the guest
 address back from the host route, so nothing has to be stored. Names are derived from the key
@@ -16,8 +22,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ._qga import GuestAgent, GuestAgentError, GuestAgentUnavailable
 
@@ -40,12 +49,19 @@ class GuestNetwork:
     gateway: str
     mac: str
     dns: tuple[str, ...] = ()
+    search: tuple[str, ...] = ()  # DNS search domains
 
     def seed_file(self) -> bytes:
         """The `vkubelet/network` file the small test guest reads."""
         lines = [f"MAC={self.mac}", f"ADDRESS={self.address}/{self.prefix}"]
         lines += [f"GATEWAY={self.gateway}", *(f"DNS={d}" for d in self.dns)]
+        lines += [f"SEARCH={d}" for d in self.search]
         return ("\n".join(lines) + "\n").encode()
+
+
+def pod_dns_search(namespace: str, domain: str) -> tuple[str, ...]:
+    """The search list a kubelet gives a pod of `namespace` (dnsPolicy ClusterFirst)."""
+    return (f"{namespace}.svc.{domain}", f"svc.{domain}", domain)
 
 
 async def _ip(*args: str, check: bool = True) -> str:
@@ -61,14 +77,52 @@ async def _ip(*args: str, check: bool = True) -> str:
     return out.decode()
 
 
+def is_vm_link(name: str, prefix: str = "vkvm") -> bool:
+    """Whether `name` is a VM's host link (as `PodNetwork.host_link` names them)."""
+    tag = name.removeprefix(prefix)
+    return name != tag and len(name) == _IFNAMSIZ and all(c in _HEX for c in tag)
+
+
+def host_routes() -> list[dict[str, Any]]:
+    """Every IPv4 route of this host, every table (local addresses included), as `ip -j`."""
+    listing = subprocess.run(
+        ["ip", "-j", "-4", "route", "show", "table", "all"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    routes: list[dict[str, Any]] = json.loads(listing or "[]")
+    return routes
+
+
+def foreign_routes(cidr: str, routes: list[dict[str, Any]], prefix: str = "vkvm") -> list[str]:
+    """The `routes` that overlap `cidr` and are not on a VM's link: a pod range that another
+    network of the host already covers would send the VMs' packets (or the host's own) the wrong
+    way, so the node refuses it."""
+    network = ipaddress.IPv4Network(cidr)
+    found: list[str] = []
+    for route in routes:
+        dst, dev = route.get("dst", "default"), route.get("dev", "")
+        if dst == "default" or is_vm_link(dev, prefix):
+            continue
+        try:
+            overlaps = ipaddress.IPv4Network(dst, strict=False).overlaps(network)
+        except ValueError:
+            continue
+        if overlaps:
+            found.append(f"{dst} dev {dev or '-'} table {route.get('table', 'main')}")
+    return found
+
+
 class PodNetwork:
-    def __init__(self, cidr: str, *, prefix: str = "vkvm") -> None:
+    def __init__(self, cidr: str, *, prefix: str = "vkvm", forward: bool = True) -> None:
         self.network = ipaddress.IPv4Network(cidr)
         if self.network.num_addresses < 4:
             raise NetworkError(f"pod CIDR {cidr} is too small")
         if len(prefix) > _IFNAMSIZ - 6:
             raise NetworkError(f"link prefix {prefix!r} is too long (at most {_IFNAMSIZ - 6})")
         self.prefix = prefix
+        self.forward = forward  # routed mode (see the module doc)
         self.gateway = str(self.network.network_address + 1)
         self._lock = asyncio.Lock()
 
@@ -101,6 +155,8 @@ class PodNetwork:
                 await self._create(key, chosen)
             else:
                 chosen = existing
+            # Also on a link an earlier agent made: the mode may have changed since.
+            _link_settings(link, forward=self.forward)
             return GuestNetwork(chosen, self.network.prefixlen, self.gateway, self.mac(key))
 
     async def detach(self, key: str) -> None:
@@ -126,8 +182,7 @@ class PodNetwork:
         listing = await _ip("-o", "link", "show", check=False)
         for line in listing.splitlines():
             name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-            tag = name.removeprefix(self.prefix)
-            if name != tag and len(name) == _IFNAMSIZ and all(c in _HEX for c in tag):
+            if is_vm_link(name, self.prefix):
                 address = await self._guest_address(name)
                 if address:
                     used.add(address)
@@ -164,12 +219,15 @@ class PodNetwork:
         await _ip("-n", ns, "link", "del", _PEER, check=False)
         for step in steps:
             await _ip(*step)
-        _proxy_arp(link)
 
 
-def _proxy_arp(link: str) -> None:
-    """The guest's ARP for other pod addresses is answered by the host (routed from there)."""
-    Path(f"/proc/sys/net/ipv4/conf/{link}/proxy_arp").write_text("1")
+def _link_settings(link: str, *, forward: bool) -> None:
+    """proxy_arp: the guest's ARP for other addresses of its range (other VMs) is answered by
+    the host, which routes them; forwarding: what the guest sends beyond the host is forwarded
+    (routed mode), or dropped (host-only)."""
+    conf = Path(f"/proc/sys/net/ipv4/conf/{link}")
+    (conf / "proxy_arp").write_text("1")
+    (conf / "forwarding").write_text("1" if forward else "0")
 
 
 # The guest's interface (the first but lo: a VM has one) gets address $1 (address/prefix)

@@ -488,6 +488,7 @@ class VMProvider(RunnerProvider):
         self.runtime.write_seed(
             path,
             pod_name=str(pod.metadata.name),  # type: ignore[union-attr]
+            pod_namespace=str(pod.metadata.namespace),  # type: ignore[union-attr]
             pod_uid=vm.uid,
             annotations=pod_annotations(pod),
             files=files,
@@ -832,6 +833,7 @@ class VMProvider(RunnerProvider):
             self.vms[key] = vm
             if vm.adopted is not None:
                 log.info("%s: adopted VM (pid %d, run %d)", key, vm.adopted.pid, vm.run)
+                await self._reattach(key, vm)
                 self._start_vm(key, vm, restart_count=vm.run)
                 continue
             # The VM ended while no agent ran: its run is over (the console's last lines go to
@@ -846,6 +848,16 @@ class VMProvider(RunnerProvider):
                     directory / "console.offset",
                 ).copy(final=True)
             self._start_vm(key, vm, restart_count=vm.run)
+
+    async def _reattach(self, key: str, vm: VM) -> None:
+        """The running VM's links are the kernel's (they outlived the agent): found again, with
+        this config's network mode applied to them (routed: the host forwards for the VM)."""
+        if vm.launch is None or not vm.launch.network_key:
+            return
+        try:
+            await self.runtime.attach_network(vm.launch.network_key)
+        except Exception as e:  # the VM runs on; it is reachable as its links still allow
+            log.warning("%s: could not re-attach its network: %s", key, e)
 
     # -- the translation ConfigMap ------------------------------------------------------------
     async def _config_map_loop(self) -> None:
@@ -1002,10 +1014,17 @@ def _host_memory() -> int:
 
 def create(context: ProviderContext) -> VMProvider:
     """Entry point (`vkubelet.providers`: vm)."""
-    from ._config import load_config
+    from ._config import ConfigError, load_config
+    from ._net import foreign_routes, host_routes
     from ._runtime import QemuRuntime
 
     config = load_config(context.config_path)
+    # Before anything is made on the host: a range another route covers is a broken node.
+    if clash := foreign_routes(config.pod_cidr, host_routes()):
+        raise ConfigError(
+            f"{config.origin}: podCIDR: {config.pod_cidr} overlaps route(s) of this host that "
+            f"are not its VMs': {'; '.join(clash[:3])}. Give the node a range of its own."
+        )
     return VMProvider(
         context.node_name,
         config,

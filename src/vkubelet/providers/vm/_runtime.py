@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from ._cloudinit import build_seed_content
 from ._config import ConfigError, VMConfig
 from ._disks import create_blank, create_overlay
 from ._machine import Disk, Machine, MachineSpec
-from ._net import GuestNetwork, PodNetwork
+from ._net import GuestNetwork, PodNetwork, pod_dns_search
 from ._seed import write_seed_iso
 from ._store import ImageStore, StoredImage
 from ._translate import (
@@ -49,7 +50,7 @@ class QemuRuntime:
         self._file_rules: list[TranslationRule] = []
         self._config_map_rules: list[TranslationRule] = []
         self.store = ImageStore(config.image_store)
-        self.network = PodNetwork(config.pod_cidr)
+        self.network = PodNetwork(config.pod_cidr, forward=config.network_mode == "routed")
         self._networks: dict[str, GuestNetwork] = {}
 
     def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
@@ -107,6 +108,7 @@ class QemuRuntime:
         path: Path,
         *,
         pod_name: str,
+        pod_namespace: str,
         pod_uid: str,
         annotations: Mapping[str, str],
         files: Mapping[str, bytes],
@@ -114,6 +116,9 @@ class QemuRuntime:
         secret_files: Collection[str] = (),
     ) -> None:
         network = self._networks.get(network_key) if network_key else None
+        if network is not None and self.config.cluster_dns:  # as a kubelet's ClusterFirst
+            search = pod_dns_search(pod_namespace, self.config.cluster_domain)
+            network = replace(network, dns=self.config.cluster_dns, search=search)
         modes = {name: 0o600 for name in secret_files if name in files}
         content = build_seed_content(pod_name, pod_uid, annotations, files, network, modes=modes)
         iso_modes = {f"vkubelet/files{name}": mode for name, mode in modes.items()}

@@ -117,6 +117,7 @@ class FakeRuntime:
         path: Path,
         *,
         pod_name: str,
+        pod_namespace: str,
         pod_uid: str,
         annotations: Mapping[str, str],
         files: Mapping[str, bytes],

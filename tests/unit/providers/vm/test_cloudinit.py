@@ -27,6 +27,7 @@ class Net:
     gateway: str = "10.244.1.1"
     mac: str = "52:54:00:AB:CD:EF"
     dns: tuple[str, ...] = ("10.96.0.10", "1.1.1.1")
+    search: tuple[str, ...] = ()
 
 
 def seed(
@@ -329,3 +330,16 @@ def test_configdrive_network_data_is_openstack_static_ipv4_matched_by_mac() -> N
         == seed(network=Net()).extra_files["vkubelet/network"]
     )
     assert configdrive().network_config is None
+
+
+def test_cluster_dns_search_domains_reach_netplan_and_the_small_guest() -> None:
+    search = ("shop.svc.cluster.local", "svc.cluster.local", "cluster.local")
+    content = seed(network=Net(dns=("10.96.0.10",), search=search))
+    assert content.network_config is not None
+    eth0 = yaml.safe_load(content.network_config)["ethernets"]["eth0"]
+    assert eth0["nameservers"] == {"addresses": ["10.96.0.10"], "search": list(search)}
+    assert content.extra_files["vkubelet/network"].endswith(
+        b"DNS=10.96.0.10\nSEARCH=shop.svc.cluster.local svc.cluster.local cluster.local\n"
+    )
+    with pytest.raises(CloudInitError, match=r"^network\.search: "):
+        seed(network=Net(search=("a b; reboot",)))

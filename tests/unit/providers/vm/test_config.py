@@ -79,3 +79,33 @@ def test_a_missing_or_broken_file_is_named(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "a: [\n"))
+
+
+def test_the_network_is_routed_without_cluster_dns_unless_configured(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "{}\n"))
+    assert (config.network_mode, config.cluster_dns, config.cluster_domain) == (
+        "routed",
+        (),
+        "cluster.local",
+    )
+    text = "network: {mode: host-only, clusterDNS: [10.96.0.10], clusterDomain: corp.example.}\n"
+    config = load_config(write(tmp_path, text))
+    assert (config.network_mode, config.cluster_dns, config.cluster_domain) == (
+        "host-only",
+        ("10.96.0.10",),
+        "corp.example",
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("network: {mode: bridged}\n", "network.mode"),
+        ("network: {clusterDNS: [10.96.0.10, dns.local]}\n", r"network\.clusterDNS\[1\]"),
+        ("network: {clusterDomain: 'cluster local'}\n", "network.clusterDomain"),
+    ],
+)
+def test_a_bad_network_setting_is_refused_naming_it(tmp_path: Path, text: str, field: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{path}: {field}:"):
+        load_config(path)

@@ -43,3 +43,34 @@ def test_seed_file_is_the_key_value_lines_the_small_guest_reads() -> None:
     assert network.seed_file() == (
         b"MAC=52:54:00:aa:bb:cc\nADDRESS=10.88.0.5/24\nGATEWAY=10.88.0.1\nDNS=10.96.0.10\n"
     )
+
+
+def test_a_pod_range_that_another_route_of_the_host_covers_is_named_vm_links_are_not() -> None:
+    from vkubelet.providers.vm._net import foreign_routes
+
+    link = PodNetwork("10.224.1.0/24").host_link("uid-1")
+    routes = [
+        {"dst": "default", "gateway": "192.0.2.1", "dev": "eth0"},
+        {"dst": "192.0.2.0/24", "dev": "eth0"},
+        {"dst": "10.224.1.7", "dev": link},  # a VM's /32 and the gateway on its link
+        {"type": "local", "dst": "10.224.1.1", "dev": link, "table": "local"},
+        {"dst": "10.224.0.0/16", "dev": "br0"},
+        {"type": "local", "dst": "10.224.1.9", "dev": "eth1", "table": "local"},
+        {"type": "unreachable", "dst": "10.224.1.128/25"},
+    ]
+    assert foreign_routes("10.224.1.0/24", routes) == [
+        "10.224.0.0/16 dev br0 table main",
+        "10.224.1.9 dev eth1 table local",
+        "10.224.1.128/25 dev - table main",
+    ]
+    assert foreign_routes("10.224.2.0/24", routes) == ["10.224.0.0/16 dev br0 table main"]
+
+
+def test_the_search_list_is_the_kubelet_s_for_the_pod_s_namespace() -> None:
+    from vkubelet.providers.vm._net import pod_dns_search
+
+    assert pod_dns_search("shop", "cluster.local") == (
+        "shop.svc.cluster.local",
+        "svc.cluster.local",
+        "cluster.local",
+    )

@@ -90,6 +90,7 @@ class Net:
     gateway: str = "10.244.1.1"
     mac: str = "52:54:00:ab:cd:ef"
     dns: tuple[str, ...] = ("10.96.0.10",)
+    search: tuple[str, ...] = ()
 
 
 def test_a_configdrive_is_labelled_config_2_with_openstack_files_and_the_same_extras(
@@ -147,6 +148,7 @@ def test_the_runtime_writes_the_kind_the_pod_s_annotation_asks_for(tmp_path: Pat
         runtime.write_seed(
             seed,
             pod_name="web-0",
+            pod_namespace="default",
             pod_uid="uid-1",
             annotations=annotations,
             files={"/run/secrets/token": b"s3cr3t"},
@@ -166,3 +168,34 @@ def test_the_runtime_writes_the_kind_the_pod_s_annotation_asks_for(tmp_path: Pat
     # A ValueError naming the annotation: the provider's CreateContainerConfigError.
     with pytest.raises(ValueError, match=r"^annotation vm\.vkubelet\.io/cloud-init-type: "):
         write({"vm.vkubelet.io/cloud-init-type": "cdrom"})
+
+
+def test_the_runtime_gives_a_guest_the_cluster_dns_with_its_namespace_s_search_list(
+    tmp_path: Path,
+) -> None:
+    from vkubelet.providers.vm._config import VMConfig
+    from vkubelet.providers.vm._net import GuestNetwork
+    from vkubelet.providers.vm._runtime import QemuRuntime
+
+    config = VMConfig(
+        state_dir=tmp_path, image_store=tmp_path / "images", cluster_dns=("10.96.0.10",)
+    )
+    runtime = QemuRuntime(config)
+    runtime._networks["uid-1"] = GuestNetwork("10.224.1.2", 24, "10.224.1.1", "52:54:00:aa:bb:cc")
+    seed = tmp_path / "seed.iso"
+    runtime.write_seed(
+        seed,
+        pod_name="web-0",
+        pod_namespace="shop",
+        pod_uid="uid-1",
+        annotations={},
+        files={},
+        network_key="uid-1",
+    )
+    iso = _open(seed)
+    lines = _read(iso, rr_path="/vkubelet/network").decode().splitlines()
+    assert lines[-2:] == [
+        "DNS=10.96.0.10",
+        "SEARCH=shop.svc.cluster.local svc.cluster.local cluster.local",
+    ]
+    iso.close()
