@@ -1,7 +1,7 @@
 """Benchmark: request latency and throughput on the pod network, from a real worker pod.
 
     .venv/bin/python bench/pod_network.py [--cluster NAME] [--requests 400] [--seconds 5]
-        [--concurrency 8]
+        [--concurrency 8] [--no-vm]
 
 In a dev cluster with two workers (started here unless `--cluster` names one that has them), a
 client pod on worker 0 measures HTTP requests to busybox httpd replicas:
@@ -10,9 +10,12 @@ client pod on worker 0 measures HTTP requests to busybox httpd replicas:
 - pod -> a host-side *virtual pod* through a Service: a network namespace linked to the host the
   way the vm provider links a VM (a veth whose host end holds the gateway and forwards, a /32
   route), serving from busybox httpd like the replicas. It is the VM path without QEMU: what
-  routing through the hypervisor host costs. (QEMU's own cost under TCG, with no vhost-net, is
-  far larger and says little about hardware virtualisation; the VM figure comes with the vm
-  provider's routed mode.)
+  routing through the hypervisor host costs;
+- pod -> VM through a Service: a vm node on this machine (`vkubelet run --provider vm`, routed
+  mode, podCIDR a /24 of the cluster's virtual range), the small test guest serving with busybox
+  httpd. Caveat: QEMU here runs under TCG (software emulation) with a user-space virtio-net (no
+  vhost-net), so this figure is mostly the emulator's cost, not what KVM hardware would show;
+  the virtual-pod row is the network path alone. `--no-vm` leaves the VM out (no root/QEMU).
 
 Requests are made from the client pod's own network namespace (entered with nsenter from the
 host, found by the pod's cgroup), by a small Python client: one new TCP connection and one
@@ -33,7 +36,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,10 @@ from typing import Any
 from _common import log, pct, print_table
 
 from vkubelet.devcluster import Cluster, list_clusters
-from vkubelet.testing import Kubectl, wait_for
+from vkubelet.testing import Kubectl, local_test_address, node_ready, start_agent, wait_for
+
+BIN = Path(sys.executable).parent
+TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists"}
 
 #: Runs inside the client pod's network namespace. argv: url requests seconds concurrency.
 CLIENT = r"""
@@ -179,6 +185,75 @@ def virtual_pod(cluster: Cluster, busybox: Path) -> Iterator[str]:
         shutil.rmtree(www, ignore_errors=True)
 
 
+@contextmanager
+def vm_serving(cluster: Cluster, kubectl: Kubectl, ns: str) -> Iterator[None]:
+    """A vm node (routed) and a VM pod `vm` serving HTTP on :8080 behind the Service `vm`."""
+    image = subprocess.run(
+        [str(BIN / "vkubelet"), "dev", "vm-image"], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    base = str(cluster.virtual_pod_cidr()).rsplit(".", 2)[0]
+    work = Path(tempfile.mkdtemp(prefix="vkbn-", dir="/tmp"))  # short: QEMU's socket paths
+    node = f"hv-bench-{uuid.uuid4().hex[:5]}"
+    config = work / "vm.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "stateDir": "state",
+                "accel": "tcg",
+                "podCIDR": f"{base}.252.0/24",
+                "reserved": {"memory": "1Gi"},
+                "translations": [{"name": "tiny", "url": Path(image).as_uri()}],
+                "network": {"clusterDNS": ["10.96.0.10"]},
+            }
+        )
+    )
+    with ExitStack() as stack:
+        address = stack.enter_context(local_test_address())
+        agent = start_agent(cluster, work, provider="vm", config=config, name=node, address=address)
+        try:
+            wait_for(lambda: node_ready(kubectl, node), timeout=90, what=f"node {node} Ready")
+            vm = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "vm", "labels": {"app": "vm"}},
+                "spec": {
+                    "nodeName": node,
+                    "tolerations": [TOLERATION],
+                    "containers": [
+                        {
+                            "name": "vm",
+                            "image": "vm.vkubelet.io/tiny",
+                            "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                            "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+                        }
+                    ],
+                },
+            }
+            for item in (vm, service("vm", {"app": "vm"})):
+                kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(item))
+            serve = (
+                "mkdir -p /tmp/www && echo ok > /tmp/www/index.html && httpd -p 8080 -h /tmp/www"
+            )
+            wait_for(
+                lambda: (
+                    kubectl("-n", ns, "exec", "vm", "--", "sh", "-c", serve, check=False).returncode
+                    == 0
+                ),
+                timeout=300,
+                interval=2,
+                what="the VM's guest serving HTTP",
+            )
+            kubectl(
+                "-n", ns, "wait", "--for=condition=Ready", "pod/vm", "--timeout=2m", timeout=150
+            )
+            yield
+        finally:
+            kubectl("-n", ns, "delete", "pod", "vm", "--wait=true", check=False, timeout=120)
+            agent.stop()
+            kubectl("delete", "node", node, "--ignore-not-found", "--wait=false", check=False)
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def measure(netns: str, url: str, args: argparse.Namespace) -> tuple[list[float], float]:
     argv = [str(args.requests), str(args.seconds), str(args.concurrency)]
     done = subprocess.run(
@@ -217,18 +292,23 @@ def run(cluster: Cluster, args: argparse.Namespace) -> None:
         busybox = shutil.which("busybox")
         if busybox is None:
             raise SystemExit("busybox is not installed on this machine (apt-get install busybox)")
-        with virtual_pod(cluster, Path(busybox)) as address:
+        with ExitStack() as stack:
+            address = stack.enter_context(virtual_pod(cluster, Path(busybox)))
+            if args.vm:
+                stack.enter_context(vm_serving(cluster, kubectl, ns))
             kubectl(*k, "apply", "-f", "-", input=json.dumps(endpoint_slice(address)))
             web_ip = kubectl.json(*k, "get", "pod", "web")["status"]["podIP"]
             ip_of = {
                 s: kubectl.json(*k, "get", "service", s)["spec"]["clusterIP"]
-                for s in ("web", "virt")
+                for s in ("web", "virt", *(["vm"] if args.vm else []))
             }
             targets = {
                 "pod -> pod (address)": f"http://{web_ip}:8080/",
                 "pod -> pod (Service)": f"http://{ip_of['web']}/",
                 "pod -> virtual pod (Service)": f"http://{ip_of['virt']}/",
             }
+            if args.vm:
+                targets["pod -> VM (Service; TCG)"] = f"http://{ip_of['vm']}/"
             netns = pod_netns(kubectl, ns, "client")
             figures = {name: Figures([], []) for name in targets}
             wait_for(
@@ -294,6 +374,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--seconds", type=float, default=5)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--no-vm", dest="vm", action="store_false", help="leave the VM out")
     args = parser.parse_args()
     if args.cluster:
         found = {c.name: c for c in list_clusters()}
