@@ -44,7 +44,14 @@ from typing import Any
 from _common import log, pct, print_table
 
 from vkubelet.devcluster import Cluster, list_clusters
-from vkubelet.testing import Kubectl, local_test_address, node_ready, start_agent, wait_for
+from vkubelet.testing import (
+    Kubectl,
+    local_test_address,
+    node_ready,
+    start_agent,
+    virtual_pod,
+    wait_for,
+)
 
 BIN = Path(sys.executable).parent
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists"}
@@ -146,43 +153,6 @@ def pod_netns(kubectl: Kubectl, ns: str, pod: str) -> str:
             except OSError:
                 continue
     raise SystemExit(f"no process of pod {pod} ({uid}) found on this machine")
-
-
-@contextmanager
-def virtual_pod(cluster: Cluster, busybox: Path) -> Iterator[str]:
-    """A netns linked as a vm node links a VM, with busybox httpd on :8080 (see the module doc)."""
-    base = str(cluster.virtual_pod_cidr()).rsplit(".", 2)[0]
-    gateway, address = f"{base}.251.1", f"{base}.251.2"
-    name = f"vkb{uuid.uuid4().hex[:8]}"
-    www = Path(tempfile.mkdtemp(prefix="vkb-www-"))
-    (www / "index.html").write_text("ok\n")
-    steps = [
-        ["ip", "netns", "add", name],
-        ["ip", "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", name],
-        ["ip", "addr", "add", f"{gateway}/32", "dev", name],
-        ["ip", "link", "set", name, "up"],
-        ["ip", "route", "replace", f"{address}/32", "dev", name, "src", gateway],
-        ["sysctl", "-q", "-w", f"net.ipv4.conf.{name}.forwarding=1"],
-        ["ip", "-n", name, "link", "set", "lo", "up"],
-        ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", "eth0"],
-        ["ip", "-n", name, "link", "set", "eth0", "up"],
-        ["ip", "-n", name, "route", "add", "default", "via", gateway],
-    ]
-    server = None
-    try:
-        for step in steps:
-            subprocess.run(step, check=True, capture_output=True)
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", name, str(busybox), "httpd", "-f", "-p", "8080", "-h", str(www)]
-        )
-        yield address
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait()
-        subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-        shutil.rmtree(www, ignore_errors=True)
 
 
 @contextmanager
@@ -289,11 +259,8 @@ def run(cluster: Cluster, args: argparse.Namespace) -> None:
             kubectl(
                 *k, "wait", "--for=condition=Ready", f"pod/{pod}", "--timeout=120s", timeout=150
             )
-        busybox = shutil.which("busybox")
-        if busybox is None:
-            raise SystemExit("busybox is not installed on this machine (apt-get install busybox)")
         with ExitStack() as stack:
-            address = stack.enter_context(virtual_pod(cluster, Path(busybox)))
+            address = stack.enter_context(virtual_pod(cluster, "ok\n"))
             if args.vm:
                 stack.enter_context(vm_serving(cluster, kubectl, ns))
             kubectl(*k, "apply", "-f", "-", input=json.dumps(endpoint_slice(address)))
@@ -349,7 +316,9 @@ def endpoint_slice(address: str) -> dict[str, Any]:
 
 def report(figures: dict[str, Figures], args: argparse.Namespace) -> None:
     base = figures["pod -> pod (Service)"]
-    rows = [("target", "p50 ms", "p99 ms", "req/s", "p50 vs Service", "req/s vs Service")]
+    rows: list[tuple[str, ...]] = [
+        ("target", "p50 ms", "p99 ms", "req/s", "p50 vs Service", "req/s vs Service")
+    ]
     for name, f in figures.items():
         rows.append(
             (

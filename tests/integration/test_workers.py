@@ -4,7 +4,6 @@ kubectl's streaming verbs work through real kubelets, and a virtual node lives b
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from vkubelet import testing
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import Kubectl, create_namespace, mock_node, port_forward, wait_for
 
@@ -266,66 +266,10 @@ def test_a_virtual_mock_node_works_beside_the_workers_and_taints_keep_pods_apart
 
 @pytest.fixture(scope="module")
 def virtual_pod(worker_cluster: Cluster, ns: str) -> Iterator[str]:
-    """A stand-in for a VM of a vm node on this machine: a network namespace linked to the host
-    as the vm provider links a VM (a /32 route over a veth whose host end holds the gateway and
-    forwards), with an address from the cluster's virtual range and an HTTP server on :8080.
-    Its resolv.conf names the cluster DNS, as a routed VM's network config does."""
-    virtual = worker_cluster.virtual_pod_cidr()
-    assert virtual is not None
-    base = virtual.rsplit(".", 2)[0]  # "10.(224+n)"
-    gateway, address = f"{base}.250.1", f"{base}.250.2"
-    name = f"vkt{uuid.uuid4().hex[:8]}"
-    resolv = Path("/etc/netns") / name / "resolv.conf"
-    serve = Path("/tmp") / name
-    steps = [
-        ["ip", "netns", "add", name],
-        ["ip", "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", name],
-        ["ip", "addr", "add", f"{gateway}/32", "dev", name],
-        ["ip", "link", "set", name, "up"],
-        ["ip", "route", "replace", f"{address}/32", "dev", name, "src", gateway],
-        ["sysctl", "-q", "-w", f"net.ipv4.conf.{name}.forwarding=1"],
-        ["ip", "-n", name, "link", "set", "lo", "up"],
-        ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", "eth0"],
-        ["ip", "-n", name, "link", "set", "eth0", "up"],
-        ["ip", "-n", name, "route", "add", "default", "via", gateway],
-    ]
-    server = None
-    try:
-        for step in steps:
-            subprocess.run(step, check=True, capture_output=True)
-        resolv.parent.mkdir(parents=True, exist_ok=True)
-        resolv.write_text(
-            f"search {ns}.svc.cluster.local svc.cluster.local\nnameserver 10.96.0.10\n"
-        )
-        serve.mkdir()
-        (serve / "index.html").write_text("virtual pod\n")
-        server = subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                name,
-                sys.executable,
-                "-m",
-                "http.server",
-                "8080",
-                "--bind",
-                address,
-                "--directory",
-                str(serve),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    """A stand-in for a routed VM (see `vkubelet.testing.virtual_pod`) answering "virtual pod"."""
+    search = (f"{ns}.svc.cluster.local", "svc.cluster.local")
+    with testing.virtual_pod(worker_cluster, "virtual pod\n", search=search) as address:
         yield address
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait()
-        subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-        shutil.rmtree(resolv.parent, ignore_errors=True)
-        shutil.rmtree(serve, ignore_errors=True)
 
 
 def fetch_from_virtual_pod(address: str, url: str) -> subprocess.CompletedProcess[str]:

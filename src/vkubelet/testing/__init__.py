@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -477,6 +478,58 @@ def local_test_address(name: str | None = None) -> Iterator[str]:
     finally:
         _ip("link", "del", host)
         _ip("netns", "del", tag)
+
+
+@contextlib.contextmanager
+def virtual_pod(cluster: Cluster, text: str, *, search: tuple[str, ...] = ()) -> Iterator[str]:
+    """A stand-in for a VM of a vm node on this machine, without QEMU: a network namespace
+    linked to the host as the vm provider links a VM in routed mode (a veth whose host end holds
+    the gateway /32 and forwards, a /32 route to the address), with an address from the
+    cluster's virtual pod range and busybox httpd answering `text` on :8080. Its resolv.conf
+    names the cluster DNS (with `search`), as a routed VM's network config does. Yields the
+    address; `ip netns exec <the link's name>` runs a command inside (see `ip route get`).
+    Needs root, iproute2 and busybox, and a cluster with workers."""
+    virtual = cluster.virtual_pod_cidr()
+    busybox = shutil.which("busybox")
+    if virtual is None or busybox is None:
+        raise RuntimeError("a virtual pod needs a dev cluster with workers and busybox")
+    _remove_abandoned_test_netns()
+    base = virtual.rsplit(".", 2)[0]
+    gateway, address = f"{base}.250.1", f"{base}.250.{random.randrange(2, 255)}"
+    tag = f"vkt{os.getpid() & 0xFFFFFF:06x}{uuid.uuid4().hex[:3]}"
+    resolv = Path("/etc/netns") / tag / "resolv.conf"
+    www = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
+    server = None
+    try:
+        for command in (
+            ["netns", "add", tag],
+            ["link", "add", tag, "type", "veth", "peer", "name", "eth0", "netns", tag],
+            ["addr", "add", f"{gateway}/32", "dev", tag],
+            ["link", "set", tag, "up"],
+            ["route", "replace", f"{address}/32", "dev", tag, "src", gateway],
+            ["-n", tag, "link", "set", "lo", "up"],
+            ["-n", tag, "addr", "add", f"{address}/24", "dev", "eth0"],
+            ["-n", tag, "link", "set", "eth0", "up"],
+            ["-n", tag, "route", "add", "default", "via", gateway],
+        ):
+            _must(_ip(*command))
+        Path(f"/proc/sys/net/ipv4/conf/{tag}/forwarding").write_text("1")
+        resolv.parent.mkdir(parents=True, exist_ok=True)
+        lines = [f"search {' '.join(search)}"] if search else []
+        resolv.write_text("\n".join([*lines, "nameserver 10.96.0.10", ""]))
+        (www / "index.html").write_text(text)
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", tag, busybox, "httpd", "-f", "-p", "8080", "-h", str(www)]
+        )
+        yield address
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        _ip("link", "del", tag)
+        _ip("netns", "del", tag)
+        shutil.rmtree(resolv.parent, ignore_errors=True)
+        shutil.rmtree(www, ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
