@@ -295,11 +295,12 @@ def test_hibernate_and_resume_keep_memory_and_uptime_faster_than_a_cold_boot(
     node.kubectl("-n", node.namespace, "wait", "--for=delete", f"pod/{vm.name}", "--timeout=60s")
     vm.name = "power-2"
     # A pod that never boots (no image rule) takes the freed address, so that the resumed
-    # guest's new pod gets another one and must move to it.
+    # guest's new pod gets another one and must move to it. It asks for it: the node never
+    # hands a powered-off machine's address out as a free one.
     placeholder = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "placeholder"},
+        "metadata": {"name": "placeholder", "annotations": {"vm.vkubelet.io/address": old_ip}},
         "spec": {
             "nodeName": node.name,
             "tolerations": [TOLERATION],

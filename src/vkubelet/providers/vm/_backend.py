@@ -79,6 +79,8 @@ class PulledImage:
 class GuestAddress:
     address: str  # the pod IP
     netns: str | None
+    prefix: int = 32  # the guest's view: address/prefix, default route via gateway
+    gateway: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,17 @@ class Runtime(Protocol):
         """The cloud-init seed; raises ValueError (CloudInitError) naming the annotation."""
         ...
 
-    async def attach_network(self, key: str) -> GuestAddress: ...
+    async def attach_network(
+        self, key: str, address: str | None = None, *, standby: bool = False
+    ) -> GuestAddress:
+        """The pod's network (idempotent per key); `address`: the one its VM keeps (raises
+        `_net.AddressRefused` when this node cannot give it); `standby`: a migration target's,
+        routed here only once `claim_network` says the guest arrived."""
+        ...
+
+    async def claim_network(self, key: str) -> GuestAddress:
+        """The guest's address routes to this pod's link from now on (a migration arrived)."""
+        ...
 
     async def detach_network(self, key: str) -> None: ...
 

@@ -9,6 +9,7 @@
       mode: routed                       # routed (default) | host-only
       clusterDNS: [10.96.0.10]           # the guests' nameservers (default: none), and their
       clusterDomain: cluster.local       # search list <ns>.svc.<domain> svc.<domain> <domain>
+    sharedPodCIDRs: [10.213.0.0/16]      # other vm nodes' ranges a VM migrated here keeps
     imagePrefix: vm.vkubelet.io
     translations: [{name: tiny, url: file:///srv/tiny.qcow2}]
     translationsFile: images.yaml        # re-read when it changes (a mounted ConfigMap); wins
@@ -102,6 +103,9 @@ class _File(Section):
     reserved: _Resources | None = None
     pod_cidr: _Text = msgspec.field(default="10.213.0.0/24", name="podCIDR")
     network: _Network | None = None
+    shared_pod_cidrs: Annotated[list[_Text], Meta(description="a list of IPv4 networks")] = (
+        msgspec.field(default_factory=list, name="sharedPodCIDRs")
+    )
     image_prefix: _Text = "vm.vkubelet.io"
     translations: Annotated[
         list[dict[str, Any]], Meta(description="a list of rules (mappings with name|regexp, url)")
@@ -143,6 +147,9 @@ class VMConfig:
     network_mode: NetworkMode = "routed"
     cluster_dns: tuple[str, ...] = ()  # the guests' nameservers; () = none
     cluster_domain: str = "cluster.local"
+    # Other vm nodes' ranges whose addresses this node takes for a VM that moved here (it
+    # keeps its address, `_net`): the cluster's virtual pod range the nodes share.
+    shared_pod_cidrs: tuple[str, ...] = ()
     image_prefix: str = "vm.vkubelet.io"
     translations: list[dict[str, Any]] = field(default_factory=list)  # as written; vmstore parses
     translations_file: Path | None = None
@@ -218,6 +225,12 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
             raise fail(f"network.clusterDNS[{i}]", f"{server!r} is not an IP address") from None
     if not _DOMAIN.fullmatch(net.cluster_domain):
         raise fail("network.clusterDomain", f"{net.cluster_domain!r} is not a DNS domain")
+    shared = []
+    for index, cidr in enumerate(raw.shared_pod_cidrs):
+        try:
+            shared.append(ipaddress.IPv4Network(cidr))
+        except ValueError as e:
+            raise fail(f"sharedPodCIDRs[{index}]", f"not an IPv4 network: {e}") from None
     cm = raw.translation_config_map
     gc, storage = raw.machine_gc, raw.storage
     return VMConfig(
@@ -236,6 +249,7 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         network_mode=net.mode,
         cluster_dns=tuple(net.cluster_dns),
         cluster_domain=net.cluster_domain.rstrip("."),
+        shared_pod_cidrs=tuple(str(n) for n in shared),
         image_prefix=raw.image_prefix,
         translations=raw.translations,
         translations_file=base / raw.translations_file if raw.translations_file else None,

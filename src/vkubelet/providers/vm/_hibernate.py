@@ -276,9 +276,13 @@ async def _resume(host: VMHost, vm: VM, directory: Path, saved: Saved) -> Machin
     vm.power.outcome = None
     old = saved.launch.address
     if old and vm.address and old != vm.address and handle.agent is not None:
-        # The guest still has its previous pod's address (the pod network is keyed by the
-        # pod): it gets this pod's, so that probes, port-forward and Services reach it.
-        why = await readdress(handle.agent, vm.address, host.config.pod_cidr, timeout=10)
+        # The guest still has its previous pod's address (a pod that does not ask for its
+        # VM's address, `ADDRESS_ANNOTATION`, gets a free one): it gets this pod's, so that
+        # probes, port-forward and Services reach it.
+        network = await host.claim_network(vm)
+        why = await readdress(
+            handle.agent, network.address, network.prefix, network.gateway or "", timeout=10
+        )
         if why is not None:
             message = f"the resumed guest keeps its previous address {old} (not {vm.address}): "
             host.event(vm, "Warning", "ReaddressFailed", message + why)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..._files import write_private
 from ...sdk import PodRunner, Terminated
-from ._backend import MachineHandle
+from ._backend import GuestAddress, MachineHandle
 from ._console import ConsoleTailer
 from ._migrate import (
     MIGRATE_TO,
@@ -93,6 +93,7 @@ class Migrations:
             host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
             await incoming.wait()
             self._arrived(vm, runner)
+            network = await self._claim(vm)
             history = await incoming.history(HISTORY_TIMEOUT)
             cri_log = host.log_path(vm.uid, vm.container, run)
             cri_log.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +107,7 @@ class Migrations:
         finally:
             if incoming is not None:
                 await incoming.close()
-        host.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
+        host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
 
     def _arrived(self, vm: VM, runner: PodRunner) -> None:
         assert vm.launch is not None
@@ -135,22 +136,35 @@ class Migrations:
             self.host.event(vm, "Warning", "MigrationFailed", str(e))
             raise
         self._arrived(vm, runner)
+        network = await self._claim(vm)
         log.warning("%s: the VM arrived while no agent ran: its console history is lost", vm.uid)
         with contextlib.suppress(MonitorUnavailable, ExecuteError):
             await monitor.execute("nbd-server-stop")
-        self.host.spawn(self._readdress(vm, machine), name=f"readdress {vm.uid}")
+        self.host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
 
-    async def _readdress(self, vm: VM, machine: MachineHandle) -> None:
-        """The guest still has the source's address: give it this node's."""
-        if vm.address is None or machine.agent is None:
+    async def _claim(self, vm: VM) -> GuestAddress | None:
+        """The guest's address routes here now, first thing after its arrival: a VM that
+        keeps its address had it routed to the source until then (see `_net`)."""
+        try:
+            return await self.host.claim_network(vm)
+        except Exception as e:
+            self.host.event(vm, "Warning", "MigrationRouteFailed", f"no route to the guest: {e}")
+            return None
+
+    async def _readdress(
+        self, vm: VM, machine: MachineHandle, network: GuestAddress | None
+    ) -> None:
+        """The guest still has the source's view of its network (its address, unless it
+        keeps it; the source's gateway): give it this node's."""
+        if network is None or network.gateway is None or machine.agent is None:
             return
         try:
             await machine.wait_guest_agent(120)
-            why = await readdress(machine.agent, vm.address, self.host.config.pod_cidr)
+            why = await readdress(machine.agent, network.address, network.prefix, network.gateway)
         except Exception as e:
             why = str(e)
         if why is not None:
-            message = f"could not give the guest its new address {vm.address}: {why}"
+            message = f"could not give the guest its address {network.address} here: {why}"
             self.host.event(vm, "Warning", "MigrationReaddressFailed", message)
 
     # -- source: the record ----------------------------------------------------------------------

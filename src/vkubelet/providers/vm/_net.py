@@ -15,6 +15,14 @@ cluster's bridge, the host's uplink), which must forward too; the /32 route take
 The kernel is the state: a re-attach after an agent restart finds the netns and reads the guest
 address back from the host route, so nothing has to be stored. Names are derived from the key
 (the pod UID), short enough for IFNAMSIZ.
+
+A VM keeps its address (issue 26): each new pod of it asks for it (`attach(address=...)`). It
+may lie outside this node's pod CIDR when the VM moved here from another vm node: `shared`
+lists the ranges the nodes share (the cluster's virtual pod range), whose addresses this node
+accepts and routes; such a guest's prefix is the shared range's, so this node's gateway is
+on-link for it. A migration target attaches on *standby*: its /32 route gets a high metric while
+the source's still carries the traffic, and `claim` makes it the route when the guest arrives
+(on one machine both nodes share the routing table, so the /32 moves from link to link).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import hashlib
 import ipaddress
 import json
 import subprocess
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,8 +47,20 @@ _IFNAMSIZ = 15
 _HEX = frozenset("0123456789abcdef")
 
 
+#: The metric of a migration target's /32 until the guest arrives (the source's route is 0).
+STANDBY_METRIC = 1000
+
+
 class NetworkError(RuntimeError):
     """An `ip` command failed, or the CIDR has no free address."""
+
+
+class AddressRefused(NetworkError):
+    """A requested address this node cannot give: `reason` is the pod's waiting reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -115,7 +136,17 @@ def foreign_routes(cidr: str, routes: list[dict[str, Any]], prefix: str = "vkvm"
 
 
 class PodNetwork:
-    def __init__(self, cidr: str, *, prefix: str = "vkvm", forward: bool = True) -> None:
+    def __init__(
+        self,
+        cidr: str,
+        *,
+        prefix: str = "vkvm",
+        forward: bool = True,
+        shared: Sequence[str] = (),
+        reserved: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
+        """`shared`: the ranges this node shares with other vm nodes (see the module);
+        `reserved`: addresses kept for VMs that are powered off here (never handed out)."""
         self.network = ipaddress.IPv4Network(cidr)
         if self.network.num_addresses < 4:
             raise NetworkError(f"pod CIDR {cidr} is too small")
@@ -123,6 +154,8 @@ class PodNetwork:
             raise NetworkError(f"link prefix {prefix!r} is too long (at most {_IFNAMSIZ - 6})")
         self.prefix = prefix
         self.forward = forward  # routed mode (see the module doc)
+        self.shared = tuple(ipaddress.IPv4Network(s) for s in shared)
+        self.reserved = reserved
         self.gateway = str(self.network.network_address + 1)
         self._lock = asyncio.Lock()
 
@@ -139,25 +172,72 @@ class PodNetwork:
         digest = hashlib.sha256(b"mac:" + key.encode()).digest()
         return "52:54:00:" + ":".join(f"{b:02x}" for b in digest[:3])
 
-    async def attach(self, key: str, address: str | None = None) -> GuestNetwork:
-        """Create (or find) the VM's netns, bridge, tap and host link; idempotent per key."""
+    async def attach(
+        self, key: str, address: str | None = None, *, standby: bool = False
+    ) -> GuestNetwork:
+        """Create (or find) the VM's netns, bridge, tap and host link; idempotent per key.
+        `address`: the one the VM keeps (AddressRefused when this node cannot give it);
+        `standby`: a migration target's, still routed to the source (see the module)."""
         async with self._lock:
             link = self.host_link(key)
             existing = await self._guest_address(link)
             if existing is None:
                 chosen = address or await self._free_address()
-                if ipaddress.IPv4Address(chosen) not in self.network:
-                    raise NetworkError(f"address {chosen} is outside the pod CIDR {self.network}")
-                if address is not None and address in await self._used_addresses():
+                self.prefix_for(chosen)  # refuses an address outside what this node routes
+                if address is not None and not standby and address in await self._used_addresses():
                     # The VM's guest is configured with it (its seed): another address would
                     # leave it unreachable, and two links routing one address break both.
-                    raise NetworkError(f"address {address} of this VM is taken by another one")
-                await self._create(key, chosen)
+                    raise AddressRefused(
+                        "AddressInUse", f"address {address} of this VM is taken by another one"
+                    )
+                await self._create(key, chosen, standby=standby)
             else:
                 chosen = existing
             # Also on a link an earlier agent made: the mode may have changed since.
             _link_settings(link, forward=self.forward)
-            return GuestNetwork(chosen, self.network.prefixlen, self.gateway, self.mac(key))
+            return self._guest(key, chosen)
+
+    async def claim(self, key: str) -> GuestNetwork:
+        """The arrived guest's /32 routes over this VM's link from now on (a migration target's
+        standby route becomes the route, taking it from the source's link on one machine)."""
+        async with self._lock:
+            link = self.host_link(key)
+            address = await self._guest_address(link)
+            if address is None:
+                raise NetworkError(f"VM link {link} is gone")
+            route = f"{address}/32"
+            await _ip("route", "replace", route, "dev", link, "src", self.gateway)
+            await _ip(
+                "route", "del", route, "dev", link, "metric", str(STANDBY_METRIC), check=False
+            )
+            return self._guest(key, address)
+
+    def prefix_for(self, address: str) -> int:
+        """The guest's prefix length: the pod CIDR's, or the shared range's holding it.
+        AddressRefused when it is in neither, or is the gateway or a network's edge."""
+        ip = ipaddress.IPv4Address(address)
+        for network in (self.network, *self.shared):
+            if ip in network:
+                if ip in (network.network_address, network.broadcast_address) or (
+                    address == self.gateway
+                ):
+                    raise AddressRefused(
+                        "AddressOutOfRange", f"address {address} is not a host address here"
+                    )
+                return network.prefixlen
+        ranges = ", ".join(str(n) for n in self.shared) or "none"
+        raise AddressRefused(
+            "AddressOutOfRange",
+            f"address {address} is outside this node's podCIDR {self.network} and its "
+            f"sharedPodCIDRs ({ranges})",
+        )
+
+    def _guest(self, key: str, address: str) -> GuestNetwork:
+        try:
+            prefix = self.prefix_for(address)
+        except AddressRefused:  # attached before a shared range was removed from the config
+            prefix = self.network.prefixlen
+        return GuestNetwork(address, prefix, self.gateway, self.mac(key))
 
     async def detach(self, key: str) -> None:
         """Remove the VM's links and netns; nothing to do when they are already gone."""
@@ -177,8 +257,13 @@ class PodNetwork:
         return None
 
     async def _used_addresses(self) -> set[str]:
-        """The gateway's and every attached VM's, as the kernel's links and routes say."""
+        """The gateway's and every attached VM's, as the kernel's links and routes say, and
+        every host route's (another node's VM on this machine, a VM migrated away)."""
         used: set[str] = {self.gateway}
+        for line in (await _ip("-4", "route", "show", "table", "main", check=False)).splitlines():
+            first = line.split()[0] if line.split() else ""
+            if first and "/" not in first and first != "default":
+                used.add(first)
         listing = await _ip("-o", "link", "show", check=False)
         for line in listing.splitlines():
             name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
@@ -189,13 +274,13 @@ class PodNetwork:
         return used
 
     async def _free_address(self) -> str:
-        used = await self._used_addresses()
+        used = await self._used_addresses() | set(self.reserved())
         for host in self.network.hosts():
             if str(host) not in used:
                 return str(host)
         raise NetworkError(f"pod CIDR {self.network} has no free address")
 
-    async def _create(self, key: str, address: str) -> None:
+    async def _create(self, key: str, address: str, *, standby: bool = False) -> None:
         ns, link = self.netns(key), self.host_link(key)
         if not (await _ip("netns", "list", check=False)).count(ns):
             await _ip("netns", "add", ns)
@@ -211,7 +296,8 @@ class PodNetwork:
             ("-n", ns, "link", "set", _BRIDGE, "up"),
             ("addr", "add", f"{self.gateway}/32", "dev", link),
             ("link", "set", link, "up"),
-            ("route", "replace", f"{address}/32", "dev", link, "src", self.gateway),
+            ("route", "replace", f"{address}/32", "dev", link, "src", self.gateway)
+            + (("metric", str(STANDBY_METRIC)) if standby else ()),
         ]
         # A netns left by an interrupted attach may hold some of these already.
         await _ip("-n", ns, "link", "del", _BRIDGE, check=False)
@@ -243,15 +329,15 @@ _READDRESS = (
 async def readdress(
     agent: GuestAgent,
     address: str,
-    pod_cidr: str,
+    prefix: int,
+    gateway: str,
     timeout: float | None = None,  # noqa: ASYNC109 - the guest agent's own limit
 ) -> str | None:
-    """Give a running guest this pod's address, through its agent: a guest resumed from
-    hibernation, or arrived by migration, still has the address of the pod it left. Returns
-    why that failed (the guest keeps its old address), or None."""
-    network = ipaddress.IPv4Network(pod_cidr)
-    gateway = str(network.network_address + 1)  # as `PodNetwork` assigns it
-    argv = ["sh", "-c", _READDRESS, "sh", f"{address}/{network.prefixlen}", gateway]
+    """Give a running guest this node's view of its address (`address/prefix`, default route
+    via `gateway`), through its agent: a guest resumed from hibernation, or arrived by
+    migration, still has the network of the pod it left. Returns why that failed (the guest
+    keeps its old network), or None."""
+    argv = ["sh", "-c", _READDRESS, "sh", f"{address}/{prefix}", gateway]
     try:
         result = await agent.exec(argv, timeout=timeout)
     except (GuestAgentError, GuestAgentUnavailable, TimeoutError, OSError) as e:

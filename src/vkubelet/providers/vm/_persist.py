@@ -17,6 +17,7 @@ the CRD is not installed, nothing is ever removed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -35,9 +36,11 @@ __all__ = [
     "MACHINE_ANNOTATION",
     "MachineGC",
     "gc_machines",
+    "machine_addresses",
     "machine_dir",
     "machine_id",
     "machine_images",
+    "record_address",
     "record_image",
 ]
 
@@ -77,30 +80,49 @@ def machine_dir(state_dir: Path, pod: Pod) -> Path | None:
     return None if ident is None else state_dir / MACHINES / ident
 
 
+def _record(directory: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((directory / "machine.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def record_image(directory: Path, image_sha256: str | None) -> None:
     """Remember the image the machine's root overlay is backed by (for the image GC)."""
-    path = directory / "machine.json"
-    data: dict[str, Any]
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
+    data = _record(directory)
     images = set(data.get("images") or [])
     if image_sha256:
         images.add(image_sha256)
     data["images"] = sorted(images)
-    write_atomic(path, json.dumps(data))
+    write_atomic(directory / "machine.json", json.dumps(data))
+
+
+def record_address(directory: Path, address: str) -> None:
+    """Remember the machine's address: this node never gives it to another VM while the
+    machine is powered off (its next pod asks for it again)."""
+    data = _record(directory)
+    if data.get("address") != address:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_atomic(directory / "machine.json", json.dumps({**data, "address": address}))
+
+
+def _records(state_dir: Path) -> list[dict[str, Any]]:
+    return [_record(path.parent) for path in (state_dir / MACHINES).glob("*/machine.json")]
 
 
 def machine_images(state_dir: Path) -> set[str]:
     """The images any machine's disks are backed by: never garbage-collected."""
     images: set[str] = set()
-    for path in (state_dir / MACHINES).glob("*/machine.json"):
-        try:
-            images.update(json.loads(path.read_text()).get("images") or [])
-        except (OSError, ValueError, AttributeError):
-            continue
+    for data in _records(state_dir):
+        with contextlib.suppress(TypeError):
+            images.update(str(i) for i in data.get("images") or [])
     return images
+
+
+def machine_addresses(state_dir: Path) -> set[str]:
+    """The addresses the machines of this node keep (`record_address`)."""
+    return {str(data["address"]) for data in _records(state_dir) if data.get("address")}
 
 
 async def existing_machines(kubeconfig: Path) -> set[str] | None:

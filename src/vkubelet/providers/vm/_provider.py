@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -57,17 +58,18 @@ from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
 from ...sdk.provider import EventSink, EventType
 from ...sdk.retry import Backoff
 from . import _hibernate, _persist, _resize
-from ._backend import LaunchSpec, MachineHandle, PulledImage, Runtime
+from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._backup import BackupSource, is_backup_pod, restore_if_asked
 from ._backups import BackupPods
 from ._config import VMConfig
 from ._console import ConsoleTailer
-from ._migrate import MigrationError
+from ._migrate import MIGRATION_SOURCE, MigrationError
 from ._migrations import Migrations
+from ._net import AddressRefused
 from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
-from ._vm import VM, Launch, decorate, pod_annotations
+from ._vm import ADDRESS_ANNOTATION, VM, Launch, decorate, pod_annotations
 from ._volumes import DiskProvisioner, claim_disks, drive_args
 
 __all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
@@ -226,8 +228,47 @@ class VMProvider(RunnerProvider):
             return [self.host_ip]  # create_pod refuses it
         if is_backup_pod(meta.annotations):
             return [self.host_ip]  # a task on the host, not a VM
-        network = await self.runtime.attach_network(str(meta.uid))
-        return [network.address]
+        standby = bool(pod_annotations(pod).get(MIGRATION_SOURCE))  # not arrived: no VM yet
+        return [(await self._attach(pod, standby=standby)).address]
+
+    async def _attach(self, pod: Pod, *, standby: bool) -> GuestAddress:
+        """The pod's network, with the address its VM keeps when the pod asks for one (the VM
+        controller sets `ADDRESS_ANNOTATION` from the VirtualMachine's status.ip); a refusal
+        names the annotation and becomes the pod's reason. A machine's address is recorded in
+        its directory, so that this node keeps it while the machine is powered off."""
+        field = f"metadata.annotations[{ADDRESS_ANNOTATION}]"
+        wanted = pod_annotations(pod).get(ADDRESS_ANNOTATION, "").strip() or None
+        if wanted is not None:
+            try:
+                wanted = str(ipaddress.IPv4Address(wanted))
+            except ValueError:
+                message = f"{field}: {wanted!r} is not an IPv4 address"
+                raise ProviderError("InvalidAddress", message) from None
+        assert pod.metadata is not None
+        uid = str(pod.metadata.uid)
+        try:
+            network = await self.runtime.attach_network(uid, wanted, standby=standby)
+        except AddressRefused as e:
+            if not (standby and e.reason == "AddressOutOfRange"):
+                raise ProviderError(e.reason, f"{field}: {e}") from None
+            # A migration to a node that cannot route the VM's address (no shared range)
+            # still moves the VM: with an address of this node, given to the guest on arrival.
+            network = await self.runtime.attach_network(uid, standby=standby)
+            if self.events is not None:
+                message = f"{field}: {e}; the VM gets {network.address} here"
+                self.events.pod_event(pod, "Warning", "AddressNotKept", message)
+        if not standby:
+            self._keep_address(pod, network.address)
+        return network
+
+    def _keep_address(self, pod: Pod, address: str) -> None:
+        if (directory := _hibernate.machine_dir(pod, self.config.state_dir)) is not None:
+            _persist.record_address(directory, address)
+
+    async def claim_network(self, vm: VM) -> GuestAddress:
+        network = await self.runtime.claim_network(vm.uid)
+        self._keep_address(vm.pod, network.address)
+        return network
 
     async def release_pod_ips(self, namespace: str, name: str, uid: str) -> None:
         vm = self.vms.get(f"{namespace}/{name}")
@@ -276,7 +317,7 @@ class VMProvider(RunnerProvider):
                 f"(this node runs {self.config.image_prefix.rstrip('/')}/<name> images)",
             )
         vm = VM(pod.pod, self.config.run_root / pod.uid, plan=plan)
-        vm.address = (await self.runtime.attach_network(pod.uid)).address
+        vm.address = (await self._attach(pod.pod, standby=self.migrations.is_target(vm))).address
         self.vms[key] = vm
         self._report_waiting(vm, Waiting())
         task = self._tasks.spawn(self._prepare(key, vm, pod), name=f"prepare {key}")
@@ -459,7 +500,7 @@ class VMProvider(RunnerProvider):
             if not path.exists():
                 await self.runtime.create_blank(path, scratch.size)
         disks = [(p, plan.disk_bus) for p in (root, *scratch_paths)]
-        network = await self.runtime.attach_network(vm.uid)
+        network = await self._attach(vm.pod, standby=self.migrations.is_target(vm))
         vm.address = network.address
         meta = vm.pod.metadata
         assert meta is not None

@@ -23,6 +23,7 @@ from ._config import ConfigError, VMConfig
 from ._disks import create_blank, create_overlay
 from ._machine import Disk, Machine, MachineSpec
 from ._net import GuestNetwork, PodNetwork, pod_dns_search
+from ._persist import machine_addresses
 from ._seed import write_seed_iso
 from ._store import ImageStore, StoredImage
 from ._translate import (
@@ -50,7 +51,12 @@ class QemuRuntime:
         self._file_rules: list[TranslationRule] = []
         self._config_map_rules: list[TranslationRule] = []
         self.store = ImageStore(config.image_store)
-        self.network = PodNetwork(config.pod_cidr, forward=config.network_mode == "routed")
+        self.network = PodNetwork(
+            config.pod_cidr,
+            forward=config.network_mode == "routed",
+            shared=config.shared_pod_cidrs,
+            reserved=lambda: machine_addresses(config.state_dir),
+        )
         self._networks: dict[str, GuestNetwork] = {}
 
     def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
@@ -124,10 +130,19 @@ class QemuRuntime:
         iso_modes = {f"vkubelet/files{name}": mode for name, mode in modes.items()}
         write_seed_iso(content, path, file_modes=iso_modes)
 
-    async def attach_network(self, key: str) -> GuestAddress:
-        network = await self.network.attach(key)
+    async def attach_network(
+        self, key: str, address: str | None = None, *, standby: bool = False
+    ) -> GuestAddress:
+        return self._attached(key, await self.network.attach(key, address, standby=standby))
+
+    async def claim_network(self, key: str) -> GuestAddress:
+        return self._attached(key, await self.network.claim(key))
+
+    def _attached(self, key: str, network: GuestNetwork) -> GuestAddress:
         self._networks[key] = network
-        return GuestAddress(network.address, self.network.netns(key))
+        return GuestAddress(
+            network.address, self.network.netns(key), network.prefix, network.gateway
+        )
 
     async def detach_network(self, key: str) -> None:
         self._networks.pop(key, None)
@@ -137,7 +152,7 @@ class QemuRuntime:
         network = None
         if spec.network_key is not None:
             network = self._networks.get(spec.network_key) or await self.network.attach(
-                spec.network_key, spec.network_address
+                spec.network_key, spec.network_address, standby=spec.incoming
             )
             self._networks[spec.network_key] = network
         machine = await Machine.launch(

@@ -30,11 +30,20 @@ from lightkube.resources.core_v1 import Pod
 from ..._files import write_atomic
 from ...sdk import PodRunner, Waiting
 from ...sdk.provider import EventType
-from ._backend import MachineHandle
+from ._backend import GuestAddress, MachineHandle
 from ._config import VMConfig
 from ._spec import MachinePlan
 
-__all__ = ["VM", "Launch", "PowerState", "ResizeState", "VMHost", "decorate", "pod_annotations"]
+__all__ = [
+    "ADDRESS_ANNOTATION",
+    "VM",
+    "Launch",
+    "PowerState",
+    "ResizeState",
+    "VMHost",
+    "decorate",
+    "pod_annotations",
+]
 
 
 @dataclass
@@ -186,6 +195,10 @@ class VM:
         write_atomic(self.dir / "state.json", json.dumps(state))
 
 
+#: The address a VM's pod asks for: the one the VM keeps (set by the VM controller).
+ADDRESS_ANNOTATION = "vm.vkubelet.io/address"
+
+
 def pod_annotations(pod: Pod) -> dict[str, str]:
     return dict((pod.metadata.annotations if pod.metadata else None) or {})
 
@@ -219,6 +232,11 @@ class VMHost(Protocol):
 
     async def launch_machine(self, vm: VM, extra_args: tuple[str, ...] = ()) -> MachineHandle:
         """The VM's machine, launched from `vm.launch`."""
+        ...
+
+    async def claim_network(self, vm: VM) -> GuestAddress:
+        """The VM's address routes to its link here from now on (a migrated guest arrived);
+        the guest's view of its network (address, prefix, gateway) on this node."""
         ...
 
 

@@ -89,6 +89,7 @@ class FakeRuntime:
     launches: list[LaunchSpec] = field(default_factory=list)
     seeds: list[dict[str, Any]] = field(default_factory=list)
     detached: list[str] = field(default_factory=list)
+    attached: list[tuple[str, str | None, bool]] = field(default_factory=list)
     boot_at_once: bool = True
 
     def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
@@ -127,8 +128,14 @@ class FakeRuntime:
         self.seeds.append({"name": pod_name, "files": dict(files)})
         path.write_bytes(b"seed")
 
-    async def attach_network(self, key: str) -> GuestAddress:
-        return GuestAddress("10.213.0.2", f"vkvm-{key[:8]}")
+    async def attach_network(
+        self, key: str, address: str | None = None, *, standby: bool = False
+    ) -> GuestAddress:
+        self.attached.append((key, address, standby))
+        return GuestAddress(address or "10.213.0.2", f"vkvm-{key[:8]}", 24, "10.213.0.1")
+
+    async def claim_network(self, key: str) -> GuestAddress:
+        return GuestAddress("10.213.0.2", f"vkvm-{key[:8]}", 24, "10.213.0.1")
 
     async def detach_network(self, key: str) -> None:
         self.detached.append(key)
