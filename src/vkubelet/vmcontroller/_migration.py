@@ -25,7 +25,7 @@ import json
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from ..kube import PODS, ObjectRef
 from ._base import (
@@ -49,6 +49,7 @@ from ._base import (
 )
 from ._placement import TRIGGER_ANNOTATION, VM_NODE_CONDITION, node_admits
 from ._resources import VirtualMachine, VirtualMachineMigration
+from ._vm import ADDRESS_ANNOTATION
 
 __all__ = ["MigrationReconciler", "Step", "decide"]
 
@@ -59,6 +60,8 @@ MIGRATION_TOKEN = "vm.vkubelet.io/migration-token"  # noqa: S105 - its name, not
 TARGET_CONDITION = "vm.vkubelet.io/MigrationTarget"
 MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
 _POLL = 1.0
+# The vm provider's waiting reasons for an address it cannot give (`providers/vm/_net`).
+ADDRESS_REFUSALS: Final = ("InvalidAddress", "AddressOutOfRange", "AddressInUse")
 
 
 @dataclass
@@ -164,6 +167,8 @@ def target_pod(
     }
     annotations[MIGRATION_SOURCE_ANNOTATION] = str(meta["name"])
     annotations[MIGRATION_TOKEN] = secrets.token_hex(32)
+    if ip := (source.get("status") or {}).get("podIP"):
+        annotations[ADDRESS_ANNOTATION] = str(ip)  # the guest keeps its address there
     labels = {**(meta.get("labels") or {}), MIGRATION_LABEL: name}
     vm_name = labels.get(NAME_LABEL) or str(meta["name"])
     metadata: dict[str, Any] = {
@@ -175,6 +180,15 @@ def target_pod(
     if meta.get("ownerReferences"):
         metadata["ownerReferences"] = copy.deepcopy(meta["ownerReferences"])
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def _address_refused(pod: Mapping[str, Any]) -> str | None:
+    """The vm provider's refusal of the address a pod asks for (its waiting reason), if any."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (status.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in ADDRESS_REFUSALS:
+            return f"{waiting['reason']}: {waiting.get('message') or ''}".rstrip(": ")
+    return None
 
 
 def _template_placement(
@@ -341,6 +355,8 @@ def decide(
     step.status["targetNode"] = node
     if ready.get("reason") == "Failed":
         return fail("TargetFailed", str(ready.get("message") or "the target failed"))
+    if (refused := _address_refused(target)) is not None:
+        return fail("AddressRefused", f"node {node} cannot take the VM's address: {refused}")
     if (target.get("status") or {}).get("phase") in TERMINAL:
         return fail("TargetFailed", f"the target pod {target_name} ended")
     if not endpoint:

@@ -62,6 +62,8 @@ ROOT_SIZE_KEYS: Final = (
     "VirtletRootVolumeSize",
 )
 RESTORE_FROM_ANNOTATION: Final = "vm.vkubelet.io/restore-from"
+# The address a VM's pod asks the vm provider for: the VM keeps its address (status.ip).
+ADDRESS_ANNOTATION: Final = "vm.vkubelet.io/address"
 _UNSETTLED_REQUEUE: Final = 5.0  # while starting or stopping: look again (the watch may lag)
 _FAILED_REQUEUE: Final = 30.0
 
@@ -97,10 +99,14 @@ def desired_labels(vm: Mapping[str, Any]) -> dict[str, str]:
 
 def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
     """The VM's pod: the template, named `<vm>-<random>`, owned by and labelled with the VM,
-    annotated with the machine (the VM's uid: the provider keeps its disks under it)."""
+    annotated with the machine (the VM's uid: the provider keeps its disks under it) and with
+    the VM's address (status.ip, kept across power cycles: its guest, Services' endpoints and
+    whoever remembers it expect it; a template that names an address itself wins)."""
     meta = meta_of(vm)
     tmeta, tspec = _template(vm)
     annotations = {**(tmeta.get("annotations") or {}), MACHINE_ANNOTATION: str(meta["uid"])}
+    if ip := (vm.get("status") or {}).get("ip"):
+        annotations.setdefault(ADDRESS_ANNOTATION, str(ip))
     if (size := root_size(annotations)) is not None:
         annotations[ROOT_DISK_SIZE_ANNOTATION] = size
         annotations["vm.vkubelet.io/root-size"] = size
@@ -384,7 +390,7 @@ def decide(
     decision.status = {
         "phase": phase,
         "nodeName": ((kept or {}).get("spec") or {}).get("nodeName") or None,
-        "ip": pod_status.get("podIP") or None,
+        "ip": pod_status.get("podIP") or old_status.get("ip") or None,  # kept while off
         "podName": kept_meta.get("name") or None,
         "machine": meta.get("uid"),
         "machineNode": next(

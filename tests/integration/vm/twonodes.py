@@ -2,9 +2,10 @@
 agents against one cluster, each with its own state directory, pod CIDR and node address.
 
 Their pod networks cannot collide: every netns and link name is derived from the pod's UID
-(cluster-unique), each node routes only its own CIDR, and the gateway address each node puts on
-its host links is the first of its own CIDR. What one machine does share is the host's routing
-table, so the two CIDRs must differ (they do: one random /24 each).
+(cluster-unique), each node routes its own CIDR (and the /32 of a VM that moved to it from the
+other: both share `SHARED`, so a VM keeps its address), and the gateway address each node puts
+on its host links is the first of its own CIDR. What one machine does share is the host's
+routing table, so the two CIDRs must differ (they do: one random /24 each).
 
 Import the fixture into a test module: `from .twonodes import vm_node_pair  # noqa: F401`.
 """
@@ -26,6 +27,8 @@ from vkubelet.devcluster import Cluster
 from vkubelet.testing import AgentProcess, Kubectl, local_test_address, node_ready, wait_for
 
 from .vmlab import clean_up, require_vm_host, start_vm_agent
+
+SHARED = "10.212.0.0/16"  # both nodes' /24s: the range whose addresses a moved VM keeps
 
 
 @dataclass
@@ -66,7 +69,7 @@ def vm_node_pair(
                 address = stack.enter_context(local_test_address())
                 agent = start_vm_agent(
                     kube_cluster, workdir, name=name, address=address, cidr=cidr,
-                    image=vm_guest_image,
+                    image=vm_guest_image, sharedPodCIDRs=[SHARED],
                 )  # fmt: skip
                 nodes.append(VMNode(name, agent, workdir, cidr, address))
             for node in nodes:

@@ -394,3 +394,27 @@ def test_each_target_pod_gets_its_own_token_never_the_sources_old_one() -> None:
     assert first is not None and second is not None
     tokens = {p["metadata"]["annotations"][MIGRATION_TOKEN] for p in (first, second)}
     assert len(tokens) == 2 and TOKEN not in tokens and all(len(t) == 64 for t in tokens)
+
+
+# -- the VM keeps its address (issue 26) ---------------------------------------------------------
+ADDRESS = "vm.vkubelet.io/address"
+
+
+def test_the_target_asks_for_the_source_s_address() -> None:
+    source = source_pod()
+    source["status"]["podIP"] = "10.224.1.5"
+    step = decide(migration(), VM, [source], NODES)
+    assert step.create is not None
+    assert step.create["metadata"]["annotations"][ADDRESS] == "10.224.1.5"
+
+
+def test_a_target_node_that_refuses_the_address_fails_the_migration_naming_it() -> None:
+    waiting = {"reason": "AddressOutOfRange", "message": "address 10.224.1.5 is outside"}
+    refused = target_pod(containerStatuses=[{"name": "vm", "state": {"waiting": waiting}}])
+    step = decide(migration(sourcePod="db-abcde"), VM, [source_pod(), refused], NODES)
+    assert step.status["phase"] == "Failed"
+    assert step.status["reason"] == "AddressRefused"
+    assert step.status["message"] == (
+        "node hv-2 cannot take the VM's address: AddressOutOfRange: address 10.224.1.5 is outside"
+    )
+    assert step.delete == ["db-fghij"]

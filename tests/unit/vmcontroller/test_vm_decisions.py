@@ -294,3 +294,25 @@ def test_only_the_first_power_on_restores_from_a_backup() -> None:
     again = decide(restoring, []).create
     assert again is not None
     assert "vm.vkubelet.io/restore-from" not in again["metadata"]["annotations"]
+
+
+# -- the VM keeps its address (issue 26) ---------------------------------------------------------
+ADDRESS = "vm.vkubelet.io/address"
+
+
+def test_a_powered_off_vm_keeps_its_ip_and_its_next_pod_asks_for_it() -> None:
+    running = vm()
+    running["status"] = decide(running, [pod()]).status
+    stopped = decide({**running, "spec": {**running["spec"], "replicas": 0}}, [])
+    assert (stopped.status["phase"], stopped.status["ip"]) == ("Stopped", "10.213.0.5")
+    powered_on = decide({**running, "status": stopped.status}, [])
+    assert powered_on.create is not None
+    assert powered_on.create["metadata"]["annotations"][ADDRESS] == "10.213.0.5"
+    assert powered_on.status["ip"] == "10.213.0.5"  # while the new pod has none yet
+
+
+def test_the_first_pod_asks_for_no_address_and_a_template_s_own_address_wins() -> None:
+    assert ADDRESS not in pod_for(vm())["metadata"]["annotations"]
+    chosen = vm(meta={"annotations": {ADDRESS: "10.213.0.77"}})
+    chosen["status"] = {"ip": "10.213.0.5"}
+    assert pod_for(chosen)["metadata"]["annotations"][ADDRESS] == "10.213.0.77"
