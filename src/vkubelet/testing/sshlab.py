@@ -7,11 +7,16 @@ of pytest). Needs root, iproute2 and openssh-server. Not loaded by default: a su
     pytest_plugins = ["vkubelet.testing.sshlab"]
 
 and then gets the `ssh_devices` fixture.
+
+A lab may be *routed* (`routed_in`): its devices then take their addresses from a dev cluster's
+virtual pod range and the host forwards what they send, so the cluster's worker pods reach them
+as they reach any virtual node's pods (the address is the device pods' IP).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import pwd
 import shutil
@@ -38,6 +43,9 @@ from . import _claim_subnet, _ip, _must
 
 SSHD = "/usr/sbin/sshd"
 SSH_DEVICE_PORT = 2222
+#: The third octets of a routed lab's /30s in its /16: clear of the /24s vm nodes take in tests
+#: (1-249) and bench/pod_network.py (.252), and of the stand-in VM `virtual_pod` (.250).
+_ROUTED_THIRD = range(253, 255)
 _STD_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -316,7 +324,9 @@ def _ensure_root_login_possible() -> None:
 
 
 @contextlib.contextmanager
-def _ssh_device(name: str, workdir: Path, *, root: bool) -> Iterator[TestDevice]:
+def _ssh_device(
+    name: str, workdir: Path, *, root: bool, routed_in: ipaddress.IPv4Network | None
+) -> Iterator[TestDevice]:
     tag = _free_tag()
     setup = _DeviceSetup(name)
     try:
@@ -353,14 +363,30 @@ def _ssh_device(name: str, workdir: Path, *, root: bool) -> Iterator[TestDevice]
         _must(_ip("link", "add", veth, "type", "veth", "peer", "name", peer))
         setup.veth = veth
         _must(_ip("link", "set", peer, "netns", netns))
-        net = _claim_subnet(
-            veth, range(251, 255), range(256), "10.251-254.x.y/30 subnet for a test device"
-        )
+        if routed_in is None:
+            net = _claim_subnet(
+                veth, range(251, 255), range(256), "10.251-254.x.y/30 subnet for a test device"
+            )
+        else:
+            second = routed_in.network_address.packed[1]
+            net = _claim_subnet(
+                veth,
+                range(second, second + 1),
+                _ROUTED_THIRD,
+                f"10.{second}.253-254.x/30 subnet of {routed_in} for a routed test device",
+            )
         host_address, address = str(net[1]), str(net[2])
         _must(_ip("link", "set", veth, "up"))
         _must(_ip("-n", netns, "addr", "add", f"{address}/30", "dev", peer))
         _must(_ip("-n", netns, "link", "set", peer, "up"))
         _must(_ip("-n", netns, "link", "set", "lo", "up"))  # pods listen on the device's lo
+        if routed_in is not None:
+            # The device answers worker pods through the host, which forwards what arrives on
+            # this link (and only this link: the machine's ip_forward stays as it is). The
+            # host's route to the device is the link's own /30.
+            _must(_ip("-n", netns, "route", "add", "default", "via", host_address))
+            sysctl = ["sysctl", "-q", "-w", f"net.ipv4.conf.{veth}.forwarding=1"]
+            subprocess.run(sysctl, check=True, capture_output=True)
 
         port = SSH_DEVICE_PORT
         host_public = _keygen(sshd_dir / "ssh_host_ed25519_key", f"{name} host key")
@@ -435,7 +461,9 @@ Subsystem sftp /usr/lib/openssh/sftp-server
 
 
 @contextlib.contextmanager
-def ssh_lab(count: int, workdir: Path, *, root: bool = False) -> Iterator[list[TestDevice]]:
+def ssh_lab(
+    count: int, workdir: Path, *, root: bool = False, routed_in: str | None = None
+) -> Iterator[list[TestDevice]]:
     """`count` SSH devices, each an sshd in its own netns behind a veth, logged in to with a
     key and verified with a known_hosts file, as the SSH provider meets real boards.
 
@@ -443,14 +471,24 @@ def ssh_lab(count: int, workdir: Path, *, root: bool = False) -> Iterator[list[T
     `home` is then a fresh directory to use as the pod directory). Everything is removed on
     exit, also after a failed setup: processes of the user and of the netns, the veth, the
     netns, the user and its home. sshd logs to `workdir/<name>-sshd.log`. Needs root.
+
+    `routed_in` (a /16 of 10/8, such as a dev cluster's `virtual_pod_cidr()`): each device
+    takes its address from a /30 of the range's 10.x.253-254.0 and a default route to the host,
+    whose end of the link forwards (`forwarding=1` on that link alone), so the pods of a
+    cluster whose workers route that range to the host reach the devices and get answers.
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, not {count}")
+    network = None if routed_in is None else ipaddress.IPv4Network(routed_in)
+    if network is not None and (network.prefixlen != 16 or network.network_address.packed[0] != 10):
+        raise ValueError(f"routed_in must be a /16 of 10.0.0.0/8, not {routed_in}")
     workdir.mkdir(parents=True, exist_ok=True)
     lab = uuid.uuid4().hex[:6]
     with contextlib.ExitStack() as stack:
         yield [
-            stack.enter_context(_ssh_device(f"dev-{lab}-{i}", workdir, root=root))
+            stack.enter_context(
+                _ssh_device(f"dev-{lab}-{i}", workdir, root=root, routed_in=network)
+            )
             for i in range(count)
         ]
 
@@ -488,7 +526,9 @@ def ssh_lab_unavailable() -> str | None:
 
 
 class SshDeviceFactory(Protocol):
-    def __call__(self, count: int = 1, *, root: bool = False) -> list[TestDevice]: ...
+    def __call__(
+        self, count: int = 1, *, root: bool = False, routed_in: str | None = None
+    ) -> list[TestDevice]: ...
 
 
 @pytest.fixture
@@ -498,6 +538,7 @@ def ssh_devices(tmp_path: Path) -> Iterator[SshDeviceFactory]:
     def test_my_device(ssh_devices):
         [device] = ssh_devices()
         boards = ssh_devices(3, root=True)
+        routed = ssh_devices(routed_in=worker_cluster.virtual_pod_cidr())
     """
     reason = ssh_lab_unavailable()
     if reason:
@@ -505,9 +546,12 @@ def ssh_devices(tmp_path: Path) -> Iterator[SshDeviceFactory]:
     labs = 0
     with contextlib.ExitStack() as stack:
 
-        def make(count: int = 1, *, root: bool = False) -> list[TestDevice]:
+        def make(
+            count: int = 1, *, root: bool = False, routed_in: str | None = None
+        ) -> list[TestDevice]:
             nonlocal labs
             labs += 1
-            return stack.enter_context(ssh_lab(count, tmp_path / f"ssh-lab-{labs}", root=root))
+            workdir = tmp_path / f"ssh-lab-{labs}"
+            return stack.enter_context(ssh_lab(count, workdir, root=root, routed_in=routed_in))
 
         yield make

@@ -258,6 +258,7 @@ class DeviceProvider:
         uid = pod.uid
         plan = self._plan(pod)  # a uid that is no Kubernetes UID fails here (InvalidPod)
         key = f"{pod.namespace}/{pod.name}"
+        self._check_ports(key, pod.pod)  # before any await: two creations cannot both pass
         # One SSH session: volumes, then the supervisor. Starting is idempotent on the device
         # (a pod it runs already, e.g. after an agent restart, is left alone), so there is
         # nothing to ask first.
@@ -281,6 +282,30 @@ class DeviceProvider:
             raise
         self._poked.add(uid)
         self._poke.set()
+
+    def _check_ports(self, key: str, pod: Pod) -> None:
+        """Refuse a pod that declares a port another pod of this device declares.
+
+        A device's pods share its address (their pod IP), so of two pods serving one port the
+        second could never bind it: without this it would crash-loop without saying why. A
+        holder that is stopping will let go: the pod waits (a transient error, retried)."""
+        others = {
+            other_key: entry
+            for other_key, entry in self._pods.items()
+            if other_key != key and not _finished(entry)
+        }
+        for (port, protocol), container in declared_ports(pod).items():
+            for other_key, entry in others.items():
+                if (port, protocol) not in declared_ports(entry.pod):
+                    continue
+                waiting = ", which is stopping: waiting for it" if entry.deleting else ""
+                raise ProviderError(
+                    "PortInUse",
+                    f"container {container}: port {port}/{protocol} is already used by pod "
+                    f"{other_key} on device {self.config.name}{waiting}; the pods of a device "
+                    "share its address, so one port serves one pod",
+                    permanent=not entry.deleting,
+                )
 
     def _plan(self, resolved: ResolvedPod) -> _remote.PodPlan:
         pod = resolved.pod
@@ -743,6 +768,22 @@ def _rfc3339(value: datetime | None) -> str | None:
     if value is None:
         return None
     return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def declared_ports(pod: Pod) -> dict[tuple[int, str], str]:
+    """(port, protocol) -> the first container that declares it, for every container."""
+    spec = pod.spec
+    containers = [*(spec.initContainers or []), *spec.containers] if spec else []
+    found: dict[tuple[int, str], str] = {}
+    for container in containers:
+        for port in container.ports or []:
+            found.setdefault((port.containerPort, port.protocol or "TCP"), container.name)
+    return found
+
+
+def _finished(entry: _PodEntry) -> bool:
+    """Whether the pod has ended for good (Succeeded or Failed): its ports are free again."""
+    return entry.status is not None and entry.status.phase in ("Succeeded", "Failed")
 
 
 def _all_done(remote: _remote.RemotePod) -> bool:

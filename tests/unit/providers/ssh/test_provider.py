@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from lightkube.models.core_v1 import (
     Container,
+    ContainerPort,
     EnvVar,
     ExecAction,
     PodSpec,
@@ -166,3 +167,56 @@ async def test_an_adopted_pod_keeps_its_probes_and_image(device: Device) -> None
         within=15,
     )
     assert not main_status(await status(second, "p")).ready
+
+
+# -- one port, one pod ----------------------------------------------------------------------------
+def serving(port: int, protocol: str = "TCP") -> dict[str, Any]:
+    return {"ports": [ContainerPort(containerPort=port, protocol=protocol)]}
+
+
+async def test_a_second_pod_declaring_a_port_of_the_device_is_refused_naming_port_and_holder(
+    device: Device,
+) -> None:
+    provider = device.provider()
+    await provider.create_pod(make_pod("first", "u1", **serving(8080)))
+    with pytest.raises(ProviderError) as raised:
+        await provider.create_pod(make_pod("second", "u2", **serving(8080)))
+    error = raised.value
+    assert error.reason == "PortInUse" and error.permanent
+    assert "port 8080/TCP" in error.message and "pod ns/first" in error.message
+    assert "ns/second" not in provider._pods  # nothing started for it
+    # Another port, or the same number over another protocol, is the device's to give.
+    await provider.create_pod(make_pod("other", "u3", **serving(8081)))
+    await provider.create_pod(make_pod("udp", "u4", **serving(8080, "UDP")))
+    await wait_running(provider, "other")
+
+
+async def test_a_pod_waits_for_a_stopping_holder_of_its_port_then_starts(device: Device) -> None:
+    provider = device.provider()
+    first = make_pod("first", "u1", **serving(8080))
+    await provider.create_pod(first)
+    await wait_running(provider, "first")
+    await provider.delete_pod(first.pod, 0)
+    with pytest.raises(ProviderError) as raised:
+        await provider.create_pod(make_pod("second", "u2", **serving(8080)))
+    assert raised.value.reason == "PortInUse" and not raised.value.permanent
+    assert "stopping" in raised.value.message
+    await eventually(lambda: "ns/first" not in provider._pods, within=20)
+    await provider.create_pod(make_pod("second", "u2", **serving(8080)))
+    await wait_running(provider, "second")
+
+
+async def test_a_finished_pod_no_longer_holds_its_port(device: Device) -> None:
+    provider = device.provider()
+    done = make_pod("done", "u1", command=["true"], **serving(8080))
+    assert done.pod.spec is not None
+    done.pod.spec.restartPolicy = "Never"
+    await provider.create_pod(done)
+
+    async def succeeded() -> bool:
+        s = await status(provider, "done")
+        return s is not None and s.phase == "Succeeded"
+
+    await eventually(succeeded, within=15, what="the first pod to succeed")
+    await provider.create_pod(make_pod("next", "u2", **serving(8080)))
+    await wait_running(provider, "next")
