@@ -57,6 +57,9 @@ PACKAGES = (
     "udev",
     "dbus",  # hostnamectl (cloud-init's set_hostname under systemd) talks to systemd-hostnamed
     "cloud-init",
+    # cloud-init's network config goes to systemd-networkd, which hands DNS servers and search
+    # domains to resolved only: without it /etc/resolv.conf would not name the cluster DNS.
+    "systemd-resolved",
     "qemu-guest-agent",
     "openssh-server",
 )
@@ -91,7 +94,7 @@ DISABLED_UNITS = (
     "fstrim.timer",
     "getty@tty1.service",
 )
-ENABLED_UNITS = ("systemd-networkd.service",)
+ENABLED_UNITS = ("systemd-networkd.service", "systemd-resolved.service")
 KERNEL_CMDLINE = "ro console=ttyS0 panic=-1"
 SYSLINUX_MBR = Path("/usr/lib/syslinux/mbr/mbr.bin")
 SECTOR = 512

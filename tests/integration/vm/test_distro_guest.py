@@ -18,15 +18,16 @@ import shutil
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import asyncssh
 import pytest
 import pytest_asyncio
 
+from vkubelet.providers.vm._cloudinit import build_seed_content
 from vkubelet.providers.vm._machine import Disk, Machine, MachineSpec
-from vkubelet.providers.vm._net import GuestNetwork, PodNetwork
+from vkubelet.providers.vm._net import GuestNetwork, PodNetwork, pod_dns_search
 from vkubelet.providers.vm._seed import write_seed_iso
 
 pytestmark = [
@@ -42,6 +43,8 @@ USER = "debian"  # Debian's cloud.cfg default user: ssh_authorized_keys land the
 CONFIG = "listen=8080\nmode=test\n"
 SECRET = "s3cr3t-token\n"
 RUNCMD_MARKER = "/run/vkubelet-runcmd"
+CLUSTER_DNS = "10.96.0.10"
+NAMESPACE = "shop"
 
 
 @dataclass(frozen=True)
@@ -79,17 +82,9 @@ write_files:
 runcmd:
   - [sh, -c, "hostname > {RUNCMD_MARKER}"]
 """
-    network_config = f"""version: 2
-ethernets:
-  eth0:
-    match:
-      macaddress: "{network.mac}"
-    set-name: eth0
-    addresses: ["{network.address}/{network.prefix}"]
-    routes:
-      - to: 0.0.0.0/0
-        via: {network.gateway}
-"""
+    # The provider's own netplan, with the cluster DNS a routed vm node gives its guests.
+    dns = replace(network, dns=(CLUSTER_DNS,), search=pod_dns_search(NAMESPACE, "cluster.local"))
+    network_config = build_seed_content(pod, uid, {}, {}, dns).network_config
     return Seed(f"instance-id: {uid}\nlocal-hostname: {pod}\n", user_data, network_config)
 
 
@@ -195,6 +190,17 @@ async def test_network_config_gives_the_guest_its_pod_address(booted: Booted) ->
     eth0 = next(i for i in interfaces if i.name == "eth0")
     assert eth0.mac == booted.network.mac
     assert (booted.network.address, booted.network.prefix) in eth0.addresses
+
+
+async def test_network_config_names_the_cluster_dns_and_the_pod_s_search_list(
+    booted: Booted,
+) -> None:
+    # networkd hands them to resolved: its stub resolv.conf carries the search list, and the
+    # servers it asks are the cluster DNS.
+    stub = await _run(booted, "cat", "/etc/resolv.conf")
+    assert f"search {NAMESPACE}.svc.cluster.local svc.cluster.local cluster.local" in stub
+    uplink = await _run(booted, "cat", "/run/systemd/resolve/resolv.conf")
+    assert f"nameserver {CLUSTER_DNS}" in uplink
 
 
 async def test_ssh_key_from_user_data_logs_in_over_the_pod_ip(booted: Booted) -> None:

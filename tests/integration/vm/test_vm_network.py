@@ -62,24 +62,24 @@ class Lab:
         )  # fmt: skip
         return result.stdout.strip() if result.returncode == 0 else ""
 
-    def in_vm(self, *argv: str) -> subprocess.CompletedProcess[str]:
+    def in_vm(self, *argv: str, pod: str = "vm") -> subprocess.CompletedProcess[str]:
         """A command in the guest (kubectl exec, through the guest agent)."""
-        return self.kubectl("-n", self.namespace, "exec", "vm", "--", *argv, check=False)
+        return self.kubectl("-n", self.namespace, "exec", pod, "--", *argv, check=False)
 
     def fetch_from_vm(self, url: str) -> str:
         result = self.in_vm("timeout", "5", "wget", "-q", "-O", "-", url)
         return result.stdout.strip() if result.returncode == 0 else ""
 
-    def vm_pod(self) -> dict[str, Any]:
-        return dict(self.kubectl.json("-n", self.namespace, "get", "pod", "vm"))
+    def vm_pod(self, pod: str = "vm") -> dict[str, Any]:
+        return dict(self.kubectl.json("-n", self.namespace, "get", "pod", pod))
 
-    def vm_ready(self) -> bool:
-        statuses = self.vm_pod()["status"].get("containerStatuses") or [{}]
+    def vm_ready(self, pod: str = "vm") -> bool:
+        statuses = self.vm_pod(pod)["status"].get("containerStatuses") or [{}]
         return bool(statuses[0].get("ready"))
 
-    def host_link(self) -> str:
+    def host_link(self, pod: str = "vm") -> str:
         """The VM's link on the host (the one its /32 route goes over)."""
-        ip = self.vm_pod()["status"]["podIP"]
+        ip = self.vm_pod(pod)["status"]["podIP"]
         route = subprocess.run(
             ["ip", "-o", "route", "get", ip], capture_output=True, text=True, check=True
         ).stdout
@@ -90,6 +90,31 @@ class Lab:
             self.cluster, self.workdir, provider="vm", config=self.workdir / "vm.yaml",
             name=self.node, address=self.address,
         )  # fmt: skip
+
+
+def vm_pod(name: str, node: str) -> dict[str, Any]:
+    """A VM of the small guest on `node`, Ready once it answers HTTP on 8080."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "nodeName": node,
+            "tolerations": [TOLERATION],
+            "terminationGracePeriodSeconds": 30,
+            "containers": [
+                {
+                    "name": "vm",
+                    "image": "vm.vkubelet.io/tiny",
+                    "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                    "readinessProbe": {"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 2},
+                }
+            ],
+        },
+    }
+
+
+SERVE = "mkdir -p /tmp/www && hostname > /tmp/www/index.html && httpd -p 8080 -h /tmp/www"
 
 
 def _manifests(busybox: str, node: str) -> list[dict[str, Any]]:
@@ -143,27 +168,7 @@ def _manifests(busybox: str, node: str) -> list[dict[str, Any]]:
                 "terminationGracePeriodSeconds": 1,
             },
         },
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "vm", "labels": {"app": "vm"}},
-            "spec": {
-                "nodeName": node,
-                "tolerations": [TOLERATION],
-                "terminationGracePeriodSeconds": 30,
-                "containers": [
-                    {
-                        "name": "vm",
-                        "image": "vm.vkubelet.io/tiny",
-                        "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
-                        "readinessProbe": {
-                            "httpGet": {"path": "/", "port": 8080},
-                            "periodSeconds": 2,
-                        },
-                    }
-                ],
-            },
-        },
+        vm_pod("vm", node),
         {
             "apiVersion": "v1",
             "kind": "Service",
@@ -260,8 +265,50 @@ def test_a_restarted_agent_applies_routed_mode_to_the_links_it_finds(lab: Lab) -
     lab.restart_agent()
     wait_for(lambda: forwarding.read_text().strip() == "1", timeout=90, what="forwarding again")
     wait_for(lambda: lab.fetch_from_vm("http://web/") in names, timeout=90, what="web from the VM")
+    # The VM's endpoint is back once the new agent's readiness probe passes (the node may have
+    # been marked unreachable meanwhile, its pods not Ready).
+    wait_for(lab.vm_ready, timeout=120, what="the VM pod Ready after the restart")
     url = f"http://vm.{lab.namespace}.svc.cluster.local/"
-    wait_for(lambda: lab.fetch_from_worker(url) == "vm", timeout=60, what="the VM via its Service")
+    wait_for(lambda: lab.fetch_from_worker(url) == "vm", timeout=90, what="the VM via its Service")
+
+
+def test_a_host_only_node_s_vm_answers_its_host_but_not_the_pod_network(
+    lab: Lab, vm_guest_image: Path
+) -> None:
+    third = int(lab.vm_pod()["status"]["podIP"].split(".")[2]) % 249 + 1  # another /24
+    cidr = f"{lab.vm_pod()['status']['podIP'].rsplit('.', 2)[0]}.{third}.0/24"
+    workdir = Path(tempfile.mkdtemp(prefix="vkho-", dir="/tmp"))
+    node = f"hv-ho-{uuid.uuid4().hex[:6]}"
+    k = lab.kubectl
+    with local_test_address() as address:
+        agent = start_vm_agent(
+            lab.cluster, workdir, name=node, address=address, cidr=cidr, image=vm_guest_image,
+            network={"mode": "host-only"},
+        )  # fmt: skip
+        try:
+            wait_for(lambda: node_ready(k, node), timeout=90, what=f"node {node} Ready")
+            k("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(vm_pod("isolated", node)))
+            wait_for(
+                lambda: lab.in_vm("true", pod="isolated").returncode == 0,
+                timeout=BOOT_TIMEOUT,
+                interval=2,
+                what="the host-only VM's guest agent",
+            )
+            assert lab.in_vm("sh", "-c", SERVE, pod="isolated").returncode == 0
+            # Ready: the agent's probe, from the host, reaches it.
+            wait_for(lambda: lab.vm_ready("isolated"), timeout=60, what="the VM Ready")
+            link = Path(f"/proc/sys/net/ipv4/conf/{lab.host_link('isolated')}/forwarding")
+            assert link.read_text().strip() == "0"
+            ip = lab.vm_pod("isolated")["status"]["podIP"]
+            assert lab.fetch_from_worker(f"http://{ip}:8080/") == ""
+            assert lab.fetch_from_worker(f"http://{lab.vm_pod()['status']['podIP']}:8080/")
+        finally:
+            k("-n", lab.namespace, "delete", "pod", "isolated", "--wait=true", check=False,
+              timeout=90)  # fmt: skip
+            agent.stop()
+            clean_up(workdir / "state", cidr)
+            k("delete", "node", node, "--ignore-not-found", "--wait=false")
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_a_pod_range_another_route_of_the_host_covers_stops_the_agent_naming_it(
