@@ -1011,7 +1011,8 @@ def _wait_until(
         if dead:
             name, path = dead
             raise StartupFailed(
-                f"{name} exited while waiting for {what}; last lines of {path}:\n{_tail(path)}"
+                f"{name} exited while waiting for {what}{_diagnosis(path)}; "
+                f"last lines of {path}:\n{_tail(path)}"
             )
         with contextlib.suppress(OSError, http.client.HTTPException):
             if check():
@@ -1019,6 +1020,29 @@ def _wait_until(
         time.sleep(0.2)
     raise StartupFailed(
         f"timed out after {timeout:.0f}s waiting for {what}; last lines of {log}:\n{_tail(log)}"
+    )
+
+
+_INOTIFY_EXHAUSTED = re.compile(r"(?:fsnotify|inotify)[^\n]*too many open files", re.IGNORECASE)
+_INOTIFY_LIMIT = Path("/proc/sys/fs/inotify/max_user_instances")
+
+
+def _diagnosis(log: Path) -> str:
+    """A cause the last lines of a dead component's log hide. Running out of inotify instances
+    (a per-user limit, shared by every cluster on the machine: each kubelet, containerd and
+    apiserver holds several) shows first as a watcher error, then as an unrelated failure (the
+    kubelet: "unknown service runtime.v1.RuntimeService"), so it is named here."""
+    try:
+        text = log.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    if not _INOTIFY_EXHAUSTED.search(text):
+        return ""
+    limit = _INOTIFY_LIMIT.read_text().strip() if _INOTIFY_LIMIT.exists() else "?"
+    return (
+        f" (it ran out of inotify instances: fs.inotify.max_user_instances is {limit}, for all"
+        " clusters and processes of this user on the machine; raise it, e.g."
+        " `sysctl -w fs.inotify.max_user_instances=512`)"
     )
 
 
