@@ -280,7 +280,9 @@ def test_a_deployment_below_with_probes_and_a_configmap_serves_through_an_upper_
 ) -> None:
     """What a real workload brings: image pull policy IfNotPresent, startup, liveness and
     readiness probes (a named port, an exec command) run by the lower kubelet, a ConfigMap
-    copied below as a file and env, a Service with a named target port upstairs."""
+    copied below as a file and env, a Service with a named target port upstairs (reached from
+    an upper worker by its upper name, and from a pod below by the short name of its
+    reflection)."""
     k = worker_kubectl
     labels = {"app": "dep"}
     config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "dep"}}
@@ -344,6 +346,9 @@ def test_a_deployment_below_with_probes_and_a_configmap_serves_through_an_upper_
         if {f"hello {n}" for n in names} <= seen:
             break
     assert {f"hello {n}" for n in names} <= seen, seen
+    # Below, the upper Service is reflected and the lower DNS resolves its short name.
+    answer = wait_for(lambda: fetch(k, ns, "below", "http://dep/") or None, timeout=30, what="dep")
+    assert answer in {f"hello {n}" for n in names}
     for name in names:
         assert (
             k(
