@@ -66,6 +66,8 @@ def test_a_pod_runs_below_with_only_the_charts_rbac(
     [
         ("get", "namespaces:kube-system", "yes"),  # the upper cluster's identity
         ("get", "namespaces:default", "no"),  # ...and no other namespace
+        ("watch", "endpointslices.discovery.k8s.io", "yes"),  # every endpoint of a Service
+        ("create", "endpointslices.discovery.k8s.io", "no"),
         ("list", "namespaces", "no"),  # only with the constraint webhook
         ("patch", "mutatingwebhookconfigurations", "no"),
         ("delete", "nodes", "no"),

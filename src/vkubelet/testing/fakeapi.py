@@ -60,6 +60,7 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "configmaps": ("v1", True, "ConfigMap"),
     "secrets": ("v1", True, "Secret"),
     "services": ("v1", True, "Service"),
+    "endpointslices": ("discovery.k8s.io/v1", True, "EndpointSlice"),
     "events": ("v1", True, "Event"),
     "serviceaccounts": ("v1", True, "ServiceAccount"),
     "persistentvolumeclaims": ("v1", True, "PersistentVolumeClaim"),

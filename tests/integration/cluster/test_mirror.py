@@ -387,3 +387,99 @@ def test_the_upper_scheduler_sees_the_real_shape_spread_over_zones_and_insuffici
     finally:
         kubectl("delete", "namespace", namespace, "--wait=false")
         lk("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
+
+
+def test_members_share_one_lower_service_which_outlives_a_member_leaving(
+    kubectl: Kubectl, lower_cluster: LowerCluster, mirror: Mirror, tmp_path: Path
+) -> None:
+    """One lower copy of an upper Service for the whole fleet, whichever member writes it;
+    a member leaving (its lower node deleted, its pod evicted) does not take it down while
+    another member runs a replica; it goes once no member has one."""
+    lk = lower_cluster.kubectl
+    namespace = create_namespace(kubectl, f"msvc-{uuid.uuid4().hex[:6]}")
+    staying = mirror.member(lower_cluster.node("lower-a").name)
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+
+    def pod(name: str, member: str) -> str:
+        return json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "labels": {"app": "web"}},
+                "spec": {
+                    "nodeName": member,
+                    "tolerations": [TOLERATION],
+                    "terminationGracePeriodSeconds": 0,
+                    "containers": [{"name": "app", "image": "registry.example/web:1"}],
+                },
+            }
+        )
+
+    def lower_web() -> JSON | None:
+        found = lk("-n", namespace, "get", "service", "web", "-o", "json", check=False)
+        return json.loads(found.stdout) if found.returncode == 0 else None
+
+    def slice_addresses() -> set[str]:
+        slices = lk.json(
+            "-n", namespace, "get", "endpointslices", "-l", "kubernetes.io/service-name=web"
+        )["items"]
+        return {a for s in slices for e in s.get("endpoints") or [] for a in e["addresses"]}
+
+    def upper_ip(name: str) -> str | None:
+        status = kubectl.json("-n", namespace, "get", "pod", name).get("status") or {}
+        return status.get("podIP") if status.get("phase") == "Running" else None
+
+    address = "127.0.0.1"
+    try:
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(service))
+        with (
+            local_test_address()
+            if os.geteuid() == 0
+            else contextlib.nullcontext(address) as address,
+            mock_node(
+                lower_cluster.cluster,
+                lk,
+                tmp_path / "lower-e",
+                prefix="lower-e",
+                mock_config={"cpu": "2", "memory": "2Gi", "pods": "10", "podCIDR": "10.245.9.0/24"},
+                address=address,
+                extra_args=("--disable-taint",),
+            ) as extra,
+        ):
+            leaving = mirror.member(extra.name)
+            wait_for(lambda: node_ready(kubectl, leaving), timeout=30, what=f"{leaving} Ready")
+            kubectl("-n", namespace, "apply", "-f", "-", input=pod("web-leaving", leaving))
+            ip_leaving = wait_for(lambda: upper_ip("web-leaving"), timeout=90, what="running")
+            kubectl("-n", namespace, "apply", "-f", "-", input=pod("web-staying", staying))
+            ip_staying = wait_for(lambda: upper_ip("web-staying"), timeout=90, what="running")
+            wait_for(
+                lambda: slice_addresses() == {ip_leaving, ip_staying},
+                timeout=60,
+                what="both members' replicas endpoints below",
+            )
+            copy = lower_web()
+            assert copy is not None
+            annotations = copy["metadata"]["annotations"]
+            assert annotations["vkubelet.io/virtual-node"] == mirror.prefix, "the fleet's"
+            assert "selector" not in copy["spec"]
+            uid = copy["metadata"]["uid"]
+            assert "LowerServiceConflict" not in mirror.agent.log()
+            extra.agent.stop()
+        # mock_node's exit deleted the lower node: the member leaves, its pod is evicted.
+
+        def member_gone_and_service_kept() -> bool:
+            current = lower_web()
+            assert current is not None and current["metadata"]["uid"] == uid, "a gap below"
+            gone = kubectl("get", "node", leaving, "--ignore-not-found", "-o", "name")
+            return gone.stdout.strip() == "" and slice_addresses() == {ip_staying}
+
+        wait_for(member_gone_and_service_kept, timeout=120, what=f"{leaving} gone, web kept")
+        kubectl("-n", namespace, "delete", "pod", "web-staying", "--wait=false")
+        wait_for(lambda: lower_web() is None, timeout=60, what="web deleted below")
+    finally:
+        kubectl("delete", "namespace", namespace, "--wait=false")

@@ -96,9 +96,11 @@ class MissingPermissions(Exception):
 
 
 def resource_path(kind: str, namespace: str | None = None, name: str | None = None) -> str:
-    """The API path of a core kind (namespaced, or across namespaces when `namespace` is None);
-    each kind the provider uses has its name in lower case plus "s" as its plural."""
-    resource = Resource("v1", kind, f"{kind.lower()}s", kind not in ("Namespace", "Node"))
+    """The API path of a kind the provider uses (namespaced, or across namespaces when
+    `namespace` is None): each has its name in lower case plus "s" as its plural, and all but
+    EndpointSlice are core kinds."""
+    version = "discovery.k8s.io/v1" if kind == "EndpointSlice" else "v1"
+    resource = Resource(version, kind, f"{kind.lower()}s", kind not in ("Namespace", "Node"))
     return resource.path(namespace, name or "")
 
 

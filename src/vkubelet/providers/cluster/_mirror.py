@@ -8,7 +8,8 @@ that vanishes leaves the fleet, and the agent drains its virtual node (cordon, e
 respect disruption budgets, then the Node is deleted), as for any fleet.
 
 Each member is its own owner below (`<upperClusterID>/<member name>`): its pods, adoption after a
-restart and its dependency copies are its own, exactly as for an aggregate node.
+restart and its dependency copies are its own, exactly as for an aggregate node. Services below
+are the fleet's (`SharedServices`): one copy each, written by whichever member needs it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ._config import LowerConfig
 from ._convert import JSON
 from ._lower import LowerCluster, open_lower
 from ._provider import ClusterProvider
+from ._servicesync import SharedServices
 
 __all__ = ["ClusterFleet", "member_name"]
 
@@ -54,6 +56,10 @@ class ClusterFleet:
         self.context = context
         self.lower = lower
         self._members: dict[str, FleetNode] = {}  # lower node name -> its member
+        self._shared = SharedServices(context.node_name, self._member_names)
+
+    def _member_names(self) -> set[str]:
+        return {member.name for member in self._members.values()}
 
     def _member(self, lower_node: str) -> FleetNode:
         found = self._members.get(lower_node)
@@ -64,6 +70,7 @@ class ClusterFleet:
                 dataclasses.replace(self.context, node_name=name),
                 open_lower(self.config),
                 lower_node=lower_node,
+                shared_services=self._shared,
             )
             found = FleetNode(name=name, provider=provider)
             self._members[lower_node] = found

@@ -50,7 +50,7 @@ from ._convert import (
 from ._depsync import DependencySync
 from ._eventmirror import EventMirror
 from ._lower import LowerCluster, MissingPermissions
-from ._servicesync import ServiceReflection
+from ._servicesync import ServiceReflection, SharedServices
 from ._stamps import Claim, Owner, claim, describe_owner, is_ours, upper_identity
 from ._status import gone_status, status_up, vanished_reason
 from ._tokenkeeper import UpperTokens
@@ -85,9 +85,11 @@ class ClusterProvider:
         *,
         background: bool = True,
         lower_node: str | None = None,
+        shared_services: SharedServices | None = None,
     ) -> None:
         """`background=False` leaves out the watch, capacity and resync loops (unit tests).
-        `lower_node`: mirror mode, this virtual node stands for that one lower node."""
+        `lower_node`: mirror mode, this virtual node stands for that one lower node, and shares
+        the Services below with the other members (`shared_services`)."""
         self.config, self.context, self.lower = config, context, lower
         self._background = background
         self.how = PodTranslation(
@@ -142,7 +144,14 @@ class ClusterProvider:
             config, lower, lambda: self.owner, self._notify_node, events, name, spawned, lower_node
         )
         self.services = ServiceReflection(
-            config, lower, how, self._running_in, self._still_adopting, events, name
+            config,
+            lower,
+            how,
+            self._running_in,
+            self._still_adopting,
+            events,
+            name,
+            shared_services,
         )
         self.deps = DependencySync(
             config,
@@ -294,6 +303,7 @@ class ClusterProvider:
             loops["tokens"] = self.tokens.run
         if self._upper is not None:
             loops["upper services"] = self.services.follow
+            loops["upper endpointslices"] = self.services.follow_slices
             loops["services below"] = self.services.run
         for what, loop in loops.items():
             work = run_supervised(self._once_owner_known(loop), name=f"cluster {name}: {what}")

@@ -17,7 +17,14 @@ from vkubelet.providers.cluster import (
     load_lower_config,
     open_lower,
 )
-from vkubelet.providers.cluster._services import lower_service, plan_services, selects
+from vkubelet.providers.cluster._services import (
+    MANAGER,
+    ServicePlan,
+    lower_endpoint_slice,
+    lower_service,
+    plan_services,
+    selects,
+)
 from vkubelet.sdk import ProviderContext, ProviderError, ResolvedPod
 from vkubelet.testing.fakeapi import FakeApiServer
 
@@ -65,11 +72,54 @@ def test_a_service_selects_pods_of_its_namespace_with_all_its_labels() -> None:
     assert not selects(service(type="ExternalName"), pod({"app": "web"})), "a DNS alias"
 
 
-def test_the_lower_copy_selects_only_this_owners_pods_and_opens_no_node_port() -> None:
+def endpoint_slice(name: str, *endpoints: tuple[str, str, bool], service: str = "web") -> JSON:
+    """An upper EndpointSlice of `service`: (address, node, ready) per endpoint."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "namespace": "shop",
+            "name": name,
+            "uid": f"uid-{name}",
+            "resourceVersion": "20",
+            "labels": {
+                "kubernetes.io/service-name": service,
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [
+            {
+                "addresses": [address],
+                "conditions": {"ready": ready, "serving": ready, "terminating": False},
+                "nodeName": node,
+                "zone": "a",
+                "targetRef": {"kind": "Pod", "namespace": "shop", "name": f"pod-{address}"},
+            }
+            for address, node, ready in endpoints
+        ],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    }
+
+
+NODES = {"vk-lower"}
+
+
+def plan(
+    services: list[JSON],
+    pods: list[JSON],
+    ours: dict[tuple[str, str, str], JSON] | None = None,
+    slices: dict[tuple[str, str], list[JSON]] | None = None,
+    nodes: set[str] = NODES,
+) -> ServicePlan:
+    return plan_services(services, pods, slices, ours or {}, OWNER, prefixed, nodes)
+
+
+def test_the_lower_copy_has_no_selector_and_opens_no_node_port() -> None:
     lower = lower_service(service(), OWNER, "up-shop")
     assert lower["metadata"]["namespace"] == "up-shop"
     assert lower["metadata"]["name"] == "web", "the DNS name is kept"
-    assert lower["spec"]["selector"] == {"app": "web", "vkubelet.io/owner": OWNER.key}
+    assert "selector" not in lower["spec"], "its EndpointSlices are written by the provider"
     assert lower["spec"]["type"] == "ClusterIP"
     assert lower["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http"}]
     assert "clusterIP" not in lower["spec"], "the lower cluster allocates its own"
@@ -81,61 +131,116 @@ def test_the_lower_copy_selects_only_this_owners_pods_and_opens_no_node_port() -
     assert headless["spec"]["clusterIP"] == "None"
 
 
-def test_only_services_matching_a_pod_of_the_node_are_created() -> None:
-    plan = plan_services(
+def test_the_lower_endpoint_slice_holds_every_upper_endpoint_without_upper_node_or_pod() -> None:
+    upper = endpoint_slice("web-abc", ("10.160.0.5", "worker-0", True), ("10.244.1.7", "vk", False))
+    upper["endpoints"][0]["hostname"] = "web-0"
+    lower = lower_endpoint_slice(upper, OWNER, "up-shop")
+    assert lower["metadata"]["namespace"] == "up-shop" and lower["metadata"]["name"] == "web-abc"
+    labels = lower["metadata"]["labels"]
+    assert labels["kubernetes.io/service-name"] == "web"
+    assert labels["endpointslice.kubernetes.io/managed-by"] == MANAGER, "not the controller's"
+    assert labels["vkubelet.io/owner"] == OWNER.key
+    assert lower["endpoints"] == [
+        {
+            "addresses": ["10.160.0.5"],
+            "conditions": {"ready": True, "serving": True, "terminating": False},
+            "hostname": "web-0",
+        },
+        {
+            "addresses": ["10.244.1.7"],
+            "conditions": {"ready": False, "serving": False, "terminating": False},
+        },
+    ]
+    assert lower["ports"] == [{"name": "http", "port": 8080, "protocol": "TCP"}]
+    assert lower["metadata"]["annotations"]["vkubelet.io/upper-resource-version"] == "20"
+
+
+def test_only_services_matching_a_pod_of_the_node_are_created_with_their_slices() -> None:
+    slices = {
+        ("shop", "web"): [endpoint_slice("web-abc", ("10.160.0.5", "worker-0", True))],
+        ("shop", "db"): [endpoint_slice("db-xyz", ("10.160.0.6", "worker-1", True), service="db")],
+    }
+    made = plan(
         [service("web"), service("db", selector={"app": "db"})],
         [pod({"app": "web"})],
-        {},
-        OWNER,
-        prefixed,
+        slices=slices,
     )
-    assert [s["metadata"]["name"] for s in plan.create] == ["web"]
-    assert not plan.update and not plan.delete
+    assert [(o["kind"], o["metadata"]["name"]) for o in made.create] == [
+        ("Service", "web"),
+        ("EndpointSlice", "web-abc"),
+    ], "the replica on an upper worker is an endpoint below too"
+    assert not made.update and not made.delete
+
+
+def test_an_endpoint_on_a_node_sharing_the_copies_keeps_its_service_below() -> None:
+    slices = {("shop", "web"): [endpoint_slice("web-abc", ("10.244.2.3", "vk-b", True))]}
+    mirror = plan([service()], [], slices=slices, nodes={"vk-a", "vk-b"})
+    assert [o["kind"] for o in mirror.create] == ["Service", "EndpointSlice"]
+    elsewhere = plan([service()], [], slices=slices, nodes={"vk-a"})
+    assert not elsewhere.create, "no pod of ours, no endpoint on a node of ours"
+    hand_made = plan([service(selector={})], [], slices=slices, nodes={"vk-a", "vk-b"})
+    assert not hand_made.create, "a Service without a selector is not reflected"
 
 
 def test_an_unchanged_copy_is_left_alone_and_a_changed_one_updated_keeping_its_ip() -> None:
     current = lower_service(service(), OWNER, "up-shop")
     current["metadata"] |= {"uid": "lower-1", "resourceVersion": "77"}
     current["spec"] |= {"clusterIP": "10.0.0.7", "clusterIPs": ["10.0.0.7"]}
-    ours = {("up-shop", "web"): current}
-    assert plan_services([service()], [pod({"app": "web"})], ours, OWNER, prefixed).update == []
+    ours = {("Service", "up-shop", "web"): current}
+    assert plan([service()], [pod({"app": "web"})], ours).update == []
     changed = service()
     changed["metadata"]["resourceVersion"] = "11"
     changed["spec"]["ports"][0]["port"] = 8080
-    plan = plan_services([changed], [pod({"app": "web"})], ours, OWNER, prefixed)
-    [update] = plan.update
+    [update] = plan([changed], [pod({"app": "web"})], ours).update
     assert update["spec"]["ports"][0]["port"] == 8080
     assert update["spec"]["clusterIP"] == "10.0.0.7"
     assert update["metadata"]["resourceVersion"] == "77"
 
 
+def test_a_changed_upper_slice_updates_its_copy_and_a_gone_one_deletes_it() -> None:
+    old = lower_endpoint_slice(endpoint_slice("web-abc"), OWNER, "up-shop")
+    old["metadata"] |= {"uid": "lower-s", "resourceVersion": "5"}
+    gone = lower_endpoint_slice(endpoint_slice("web-old"), OWNER, "up-shop")
+    gone["metadata"]["uid"] = "lower-g"
+    service_copy = lower_service(service(), OWNER, "up-shop")
+    ours = {
+        ("Service", "up-shop", "web"): service_copy,
+        ("EndpointSlice", "up-shop", "web-abc"): old,
+        ("EndpointSlice", "up-shop", "web-old"): gone,
+    }
+    newer = endpoint_slice("web-abc", ("10.160.0.5", "worker-0", True))
+    newer["metadata"]["resourceVersion"] = "21"
+    made = plan([service()], [pod({"app": "web"})], ours, slices={("shop", "web"): [newer]})
+    [update] = made.update
+    assert update["endpoints"][0]["addresses"] == ["10.160.0.5"]
+    assert update["metadata"]["resourceVersion"] == "5"
+    assert made.delete == [(("EndpointSlice", "up-shop", "web-old"), "lower-g")]
+    unknown = plan([service()], [pod({"app": "web"})], ours, slices=None)
+    assert not unknown.delete and not unknown.update, "unreadable upper slices: left as they are"
+
+
 def test_a_copy_no_pod_needs_or_whose_upper_service_went_is_deleted_with_its_uid() -> None:
     current = lower_service(service(), OWNER, "up-shop")
     current["metadata"]["uid"] = "lower-1"
-    ours = {("up-shop", "web"): current}
-    no_pod = plan_services([service()], [pod({"app": "db"})], ours, OWNER, prefixed)
-    assert no_pod.delete == [(("up-shop", "web"), "lower-1")]
-    no_service = plan_services([], [pod({"app": "web"})], ours, OWNER, prefixed)
-    assert no_service.delete == [(("up-shop", "web"), "lower-1")]
+    ours = {("Service", "up-shop", "web"): current}
+    no_pod = plan([service()], [pod({"app": "db"})], ours)
+    assert no_pod.delete == [(("Service", "up-shop", "web"), "lower-1")]
+    no_service = plan([], [pod({"app": "web"})], ours)
+    assert no_service.delete == [(("Service", "up-shop", "web"), "lower-1")]
 
 
-def test_turning_headless_deletes_and_recreates_the_copy() -> None:
+def test_turning_headless_or_a_copy_with_a_selector_deletes_and_recreates_it() -> None:
     current = lower_service(service(), OWNER, "up-shop")
     current["metadata"]["uid"] = "lower-1"
     current["spec"]["clusterIP"] = "10.0.0.7"
     headless = service(clusterIP="None")
     headless["metadata"]["resourceVersion"] = "12"
-    plan = plan_services(
-        [headless], [pod({"app": "web"})], {("up-shop", "web"): current}, OWNER, prefixed
-    )
-    assert plan.delete == [(("up-shop", "web"), "lower-1")]
-    assert [s["spec"]["clusterIP"] for s in plan.replace] == ["None"]
-
-
-def test_two_owners_copies_select_disjoint_pods() -> None:
-    mine = lower_service(service(), OWNER, "shop")["spec"]["selector"]
-    theirs = lower_service(service(), OTHER, "shop")["spec"]["selector"]
-    assert mine != theirs
+    made = plan([headless], [pod({"app": "web"})], {("Service", "up-shop", "web"): current})
+    assert made.delete == [(("Service", "up-shop", "web"), "lower-1")]
+    assert [s["spec"]["clusterIP"] for s in made.replace] == ["None"]
+    current["spec"]["selector"] = {"app": "web", "vkubelet.io/owner": OWNER.key}
+    earlier = plan([service()], [pod({"app": "web"})], {("Service", "up-shop", "web"): current})
+    assert [s["metadata"]["name"] for s in earlier.replace] == ["web"], "made by an earlier version"
 
 
 class UpperStub:
@@ -234,7 +339,7 @@ def test_the_provider_reflects_services_of_its_pods_and_never_touches_anyone_els
         assert set(names) == {"web", "users", "api"}
         assert names["web"]["spec"]["ports"] == [{"port": 1}], "the user's own: left alone"
         assert names["users"]["spec"]["selector"] == {"app": "users"}, "another owner's"
-        assert names["api"]["spec"]["selector"]["vkubelet.io/owner"] == given.owner.key
+        assert names["api"]["metadata"]["labels"]["vkubelet.io/owner"] == given.owner.key
 
         del given._pods["shop/p"]
         await given.services.sync(relist=False)
@@ -242,6 +347,61 @@ def test_the_provider_reflects_services_of_its_pods_and_never_touches_anyone_els
             "web",
             "users",
         }
+        await given.aclose()
+
+    asyncio.run(run())
+
+
+class NodeEvents:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def pod_event(self, pod: Pod, type: str, reason: str, message: str) -> None:
+        pass
+
+    def node_event(self, node_name: str, type: str, reason: str, message: str) -> None:
+        self.events.append((reason, message))
+
+
+def test_the_provider_writes_the_upper_slices_below_and_says_once_when_it_may_not_read_them(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        config = load_lower_config(
+            lower_yaml(tmp_path, upperClusterID="upper-a", namespaces={"create": False})
+        )
+        lower_api, events = FakeApiServer(), NodeEvents()
+        context = ProviderContext(
+            node_name="vk-lower",
+            config_path=None,
+            internal_ip="10.0.0.9",
+            kubelet_port=0,
+            events=events,
+        )
+        given = ClusterProvider(
+            config, context, LowerCluster(lower_api.client(), config), background=False
+        )
+        denied = ApiError(403, "Forbidden", "endpointslices.discovery.k8s.io is forbidden")
+        given.services._slices_failed(denied)
+        given.services._slices_failed(denied)
+        [(reason, message)] = events.events
+        assert reason == "UpperEndpointSlicesForbidden"
+        assert "list/watch endpointslices.discovery.k8s.io" in message
+        given.services.upper_services = {("shop", "web"): service("web")}
+        given.services._put_slice(endpoint_slice("web-abc", ("10.160.0.5", "worker-0", True)))
+        given.services._slices_listed()
+        upper = upper_pod()
+        upper["metadata"]["labels"] = {"app": "web"}
+        given._pods["shop/p"] = ResolvedPod(msgspec.convert(upper, Pod))
+
+        await given.services.sync(relist=True)
+        [copy] = lower_api.objects("endpointslices", "shop")
+        assert copy["endpoints"][0]["addresses"] == ["10.160.0.5"]
+        assert copy["metadata"]["labels"]["kubernetes.io/service-name"] == "web"
+
+        given.services._drop_slice(endpoint_slice("web-abc"))
+        await given.services.sync(relist=False)
+        assert lower_api.objects("endpointslices", "shop") == []
         await given.aclose()
 
     asyncio.run(run())
