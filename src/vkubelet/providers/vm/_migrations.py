@@ -93,7 +93,10 @@ class Migrations:
             host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
             await incoming.wait()
             self._arrived(vm, runner)
+            # Its route and gateway first: the console history may take seconds to come,
+            # and until then answers from the guest would go to the source's gateway.
             network = await self._claim(vm)
+            host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
             history = await incoming.history(HISTORY_TIMEOUT)
             cri_log = host.log_path(vm.uid, vm.container, run)
             cri_log.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +110,6 @@ class Migrations:
         finally:
             if incoming is not None:
                 await incoming.close()
-        host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
 
     def _arrived(self, vm: VM, runner: PodRunner) -> None:
         assert vm.launch is not None
