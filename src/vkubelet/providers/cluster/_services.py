@@ -187,7 +187,11 @@ def plan_services(
     """From the upper Services, the upper pods this node runs, the upper EndpointSlices by
     Service (None: unknown), our lower Services and EndpointSlices (by lower key), what to
     write. `nodes`: the virtual nodes sharing these copies (an endpoint on any of them keeps
-    its Service below); `lower_namespace` maps an upper namespace to its lower one."""
+    its Service below); `lower_namespace` maps an upper namespace to its lower one.
+
+    A Service's EndpointSlices are planned only once the lower Service is ours (in `ours`): a
+    lower Service of that name that is someone else's must not get our endpoints through the
+    `kubernetes.io/service-name` label. So a new Service's slices come one pass later."""
     pods = list(pods)
     wanted: dict[LowerKey, JSON] = {}
     for service in upper_services:
@@ -199,7 +203,10 @@ def plan_services(
         ):
             continue
         namespace = lower_namespace(upper_key[0])
-        wanted[("Service", namespace, upper_key[1])] = lower_service(service, owner, namespace)
+        service_key = ("Service", namespace, upper_key[1])
+        wanted[service_key] = lower_service(service, owner, namespace)
+        if service_key not in ours:
+            continue  # its slices once it is ours: a name held by someone else gets none
         for upper in slices if upper_slices is not None else ():
             copy = lower_endpoint_slice(upper, owner, namespace)
             wanted[("EndpointSlice", namespace, copy["metadata"]["name"])] = copy

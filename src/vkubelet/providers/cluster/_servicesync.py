@@ -219,6 +219,8 @@ class ServiceReflection:
                 self._lower.pop(key, None)
             else:
                 self._lower[key] = obj
+        if any(obj["kind"] == "Service" for obj in plan.create + plan.replace):
+            self._dirty.set()  # their EndpointSlices, now that they are ours (`plan_services`)
         for (kind, namespace, name), message in applied.conflicts.items():
             if kind == "Service" and (namespace, name) not in self._conflicts:
                 self._conflicts.add((namespace, name))

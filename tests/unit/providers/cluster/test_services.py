@@ -160,22 +160,27 @@ def test_only_services_matching_a_pod_of_the_node_are_created_with_their_slices(
         ("shop", "web"): [endpoint_slice("web-abc", ("10.160.0.5", "worker-0", True))],
         ("shop", "db"): [endpoint_slice("db-xyz", ("10.160.0.6", "worker-1", True), service="db")],
     }
-    made = plan(
-        [service("web"), service("db", selector={"app": "db"})],
-        [pod({"app": "web"})],
-        slices=slices,
-    )
-    assert [(o["kind"], o["metadata"]["name"]) for o in made.create] == [
-        ("Service", "web"),
-        ("EndpointSlice", "web-abc"),
-    ], "the replica on an upper worker is an endpoint below too"
+    upper = [service("web"), service("db", selector={"app": "db"})]
+    made = plan(upper, [pod({"app": "web"})], slices=slices)
+    assert [(o["kind"], o["metadata"]["name"]) for o in made.create] == [("Service", "web")]
     assert not made.update and not made.delete
+    ours = {("Service", "up-shop", "web"): made.create[0]}
+    then = plan(upper, [pod({"app": "web"})], ours, slices=slices)
+    assert [(o["kind"], o["metadata"]["name"]) for o in then.create] == [
+        ("EndpointSlice", "web-abc")
+    ], "once the Service is ours; the replica on an upper worker is an endpoint below too"
+
+
+def test_a_lower_service_held_by_someone_else_gets_no_endpoint_slice_of_ours() -> None:
+    slices = {("shop", "web"): [endpoint_slice("web-abc", ("10.160.0.5", "worker-0", True))]}
+    made = plan([service()], [pod({"app": "web"})], slices=slices)
+    assert [o["kind"] for o in made.create] == ["Service"], "its create may meet a conflict"
 
 
 def test_an_endpoint_on_a_node_sharing_the_copies_keeps_its_service_below() -> None:
     slices = {("shop", "web"): [endpoint_slice("web-abc", ("10.244.2.3", "vk-b", True))]}
     mirror = plan([service()], [], slices=slices, nodes={"vk-a", "vk-b"})
-    assert [o["kind"] for o in mirror.create] == ["Service", "EndpointSlice"]
+    assert [o["kind"] for o in mirror.create] == ["Service"]
     elsewhere = plan([service()], [], slices=slices, nodes={"vk-a"})
     assert not elsewhere.create, "no pod of ours, no endpoint on a node of ours"
     hand_made = plan([service(selector={})], [], slices=slices, nodes={"vk-a", "vk-b"})
@@ -387,15 +392,21 @@ def test_the_provider_writes_the_upper_slices_below_and_says_once_when_it_may_no
         [(reason, message)] = events.events
         assert reason == "UpperEndpointSlicesForbidden"
         assert "list/watch endpointslices.discovery.k8s.io" in message
-        given.services.upper_services = {("shop", "web"): service("web")}
+        given.services.upper_services = {("shop", n): service(n) for n in ("web", "mine")}
         given.services._put_slice(endpoint_slice("web-abc", ("10.160.0.5", "worker-0", True)))
+        given.services._put_slice(
+            endpoint_slice("mine-x", ("10.160.0.6", "w", True), service="mine")
+        )
+        lower_api.create("services", {"metadata": {"name": "mine"}, "spec": {}}, "shop")
         given.services._slices_listed()
         upper = upper_pod()
         upper["metadata"]["labels"] = {"app": "web"}
         given._pods["shop/p"] = ResolvedPod(msgspec.convert(upper, Pod))
 
         await given.services.sync(relist=True)
-        [copy] = lower_api.objects("endpointslices", "shop")
+        assert lower_api.objects("endpointslices", "shop") == [], "not before the Service"
+        await given.services.sync(relist=False)
+        [copy] = lower_api.objects("endpointslices", "shop")  # none for the user's Service
         assert copy["endpoints"][0]["addresses"] == ["10.160.0.5"]
         assert copy["metadata"]["labels"]["kubernetes.io/service-name"] == "web"
 
