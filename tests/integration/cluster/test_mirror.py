@@ -480,6 +480,8 @@ def test_members_share_one_lower_service_which_outlives_a_member_leaving(
 
         wait_for(member_gone_and_service_kept, timeout=120, what=f"{leaving} gone, web kept")
         kubectl("-n", namespace, "delete", "pod", "web-staying", "--wait=false")
-        wait_for(lambda: lower_web() is None, timeout=60, what="web deleted below")
+        # No member has a replica any more: deleted after the grace that lets a lone replica
+        # move between members (SHARED_GRACE, 30 s).
+        wait_for(lambda: lower_web() is None, timeout=90, what="web deleted below")
     finally:
         kubectl("delete", "namespace", namespace, "--wait=false")

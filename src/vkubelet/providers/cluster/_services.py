@@ -37,6 +37,7 @@ __all__ = [
     "MANAGER",
     "SERVICE_NAME",
     "ServicePlan",
+    "held_deletes",
     "lower_endpoint_slice",
     "lower_service",
     "plan_services",
@@ -238,3 +239,35 @@ def _update(current: Mapping[str, Any], desired: JSON) -> JSON:
         kept = {k: spec[k] for k in ("clusterIP", "clusterIPs") if spec.get(k)}
         update["spec"] = {**desired["spec"], **kept}
     return update
+
+
+def held_deletes(
+    deletes: Sequence[tuple[LowerKey, str]],
+    ours: Mapping[LowerKey, Mapping[str, Any]],
+    upper_services: Collection[Key],
+    unneeded_since: Mapping[LowerKey, float],
+    now: float,
+    grace: float,
+) -> tuple[list[tuple[LowerKey, str]], dict[LowerKey, float]]:
+    """Mirror mode: which of a plan's deletes to make now. A shared Service copy no member
+    needs while its upper Service still exists is kept, with its EndpointSlices, until it has
+    been unneeded for `grace` seconds: a lone replica moving between members (evicted from a
+    leaving member, then bound to another) keeps the Service, and its lower ClusterIP, below.
+    Returns the deletes to make and, for the next pass, since when each Service kept for this
+    reason has been unneeded (`now` and `unneeded_since`: one monotonic clock)."""
+    since: dict[LowerKey, float] = {}
+    held: set[Key] = set()  # lower (namespace, Service name)
+    for key, _ in deletes:
+        identity = upper_identity(ours.get(key) or {})
+        if key[0] == "Service" and identity is not None and identity[:2] in upper_services:
+            since[key] = unneeded_since.get(key, now)
+            if now - since[key] < grace:
+                held.add((key[1], key[2]))
+
+    def service_of(key: LowerKey) -> Key:
+        if key[0] == "Service":
+            return (key[1], key[2])
+        labels = ((ours.get(key) or {}).get("metadata") or {}).get("labels") or {}
+        return (key[1], str(labels.get(SERVICE_NAME, "")))
+
+    return [d for d in deletes if service_of(d[0]) not in held], since

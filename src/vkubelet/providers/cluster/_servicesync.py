@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from ._config import LowerConfig
 from ._convert import JSON, name_key
 from ._deps import DependencyPlan
 from ._lower import LowerCluster
-from ._services import SERVICE_NAME, plan_services, selects_anything
+from ._services import SERVICE_NAME, held_deletes, plan_services, selects_anything
 from ._stamps import Owner, is_ours
 from ._translate import PodTranslation
 
@@ -24,6 +25,8 @@ __all__ = ["ServiceReflection", "SharedServices"]
 
 _SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
 _KINDS = ("Service", "EndpointSlice")
+# Mirror mode: how long a shared Service no member needs stays below (`held_deletes`).
+SHARED_GRACE = 30.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class ServiceReflection:
         self._slices_tried = asyncio.Event()  # the upper EndpointSlices listed, or refused
         self._slices_refused = False  # reported once
         self._conflicts: set[tuple[str, str]] = set()  # reported once each
+        self._unneeded: dict[tuple[str, str, str], float] = {}  # see `held_deletes`
 
     def changed(self) -> None:
         """The pods changed: so may the Services they need below."""
@@ -202,6 +206,14 @@ class ServiceReflection:
         if self._still_adopting():
             plan.delete.clear()
             plan.replace.clear()  # a replacement deletes first
+        if self._shared is not None:
+            known = self.upper_services.keys()
+            before = self._unneeded
+            plan.delete, self._unneeded = held_deletes(
+                plan.delete, self._lower, known, before, time.monotonic(), SHARED_GRACE
+            )
+            if self._unneeded.keys() - before.keys():  # another pass once the grace is over
+                asyncio.get_running_loop().call_later(SHARED_GRACE, self._dirty.set)
         replaced = {("Service", *name_key(s)) for s in plan.replace}
         applied = await self.lower.apply_dependencies(
             DependencyPlan(

@@ -20,6 +20,7 @@ from vkubelet.providers.cluster import (
 from vkubelet.providers.cluster._services import (
     MANAGER,
     ServicePlan,
+    held_deletes,
     lower_endpoint_slice,
     lower_service,
     plan_services,
@@ -246,6 +247,24 @@ def test_turning_headless_or_a_copy_with_a_selector_deletes_and_recreates_it() -
     current["spec"]["selector"] = {"app": "web", "vkubelet.io/owner": OWNER.key}
     earlier = plan([service()], [pod({"app": "web"})], {("Service", "up-shop", "web"): current})
     assert [s["metadata"]["name"] for s in earlier.replace] == ["web"], "made by an earlier version"
+
+
+def test_a_shared_copy_no_member_needs_stays_for_the_grace_while_its_upper_service_exists() -> None:
+    copy = lower_service(service(), OWNER, "up-shop")
+    piece = lower_endpoint_slice(endpoint_slice("web-abc"), OWNER, "up-shop")
+    ours = {("Service", "up-shop", "web"): copy, ("EndpointSlice", "up-shop", "web-abc"): piece}
+    deletes = [(key, "uid") for key in ours]
+    exists = {("shop", "web")}
+    now, since = held_deletes(deletes, ours, exists, {}, 100.0, 30.0)
+    assert now == [], "kept, with its slices: a replica may be moving to another member"
+    later, since_then = held_deletes(deletes, ours, exists, since, 120.0, 30.0)
+    assert later == [] and since_then == since, "unneeded since the first pass"
+    after, _ = held_deletes(deletes, ours, exists, since, 130.0, 30.0)
+    assert after == deletes, "the grace is over"
+    gone, _ = held_deletes(deletes, ours, set(), {}, 100.0, 30.0)
+    assert gone == deletes, "the upper Service is gone: no reason to wait"
+    _, needed_again = held_deletes([], ours, exists, since, 120.0, 30.0)
+    assert needed_again == {}, "needed again: the next unneeded spell starts afresh"
 
 
 class UpperStub:
