@@ -1,7 +1,7 @@
 """Benchmark: request latency and throughput on the pod network, from a real worker pod.
 
     .venv/bin/python bench/pod_network.py [--cluster NAME] [--requests 400] [--seconds 5]
-        [--concurrency 8] [--no-vm]
+        [--concurrency 8] [--no-vm] [--no-cluster] [--no-migration] [--migration-rounds 2]
 
 In a dev cluster with two workers (started here unless `--cluster` names one that has them), a
 client pod on worker 0 measures HTTP requests to busybox httpd replicas:
@@ -16,6 +16,18 @@ client pod on worker 0 measures HTTP requests to busybox httpd replicas:
   httpd. Caveat: QEMU here runs under TCG (software emulation) with a user-space virtio-net (no
   vhost-net), so this figure is mostly the emulator's cost, not what KVM hardware would show;
   the virtual-pod row is the network path alone. `--no-vm` leaves the VM out (no root/QEMU).
+- pod -> pod *below* through an upper Service: a second dev cluster with one worker, joined to
+  this one as a virtual node by a cluster-provider agent on this machine; the Service's endpoint
+  is the lower pod's own address, routed through this machine. `--no-cluster` leaves it out.
+
+Then the poll gap during live migration (`--no-migration` leaves it out; it needs the VM too):
+two routed vm nodes with a /24 each of the virtual range and the whole range as
+`sharedPodCIDRs`, `vkubelet vm-controller`, a VirtualMachine behind a Service; from the client
+pod's netns one GET every 100 ms to the Service and one to the VM's address, while a
+VirtualMachineMigration moves it, back and forth (`--migration-rounds`). Printed per move: the
+longest time without an answer of each, beside QEMU's own downtime figure (the migration's
+status). The poll gap includes what QEMU's figure leaves out: the target's network taking over
+the address and, through the Service, the endpoint changing hands.
 
 Requests are made from the client pod's own network namespace (entered with nsenter from the
 host, found by the pod's cgroup), by a small Python client: one new TCP connection and one
@@ -29,21 +41,28 @@ It is a benchmark, not a test: it asserts nothing and only prints.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import json
+import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from _common import log, pct, print_table
 
 from vkubelet.devcluster import Cluster, list_clusters
+from vkubelet.providers.vm._net import PodNetwork
 from vkubelet.testing import (
     Kubectl,
     local_test_address,
@@ -55,6 +74,39 @@ from vkubelet.testing import (
 
 BIN = Path(sys.executable).parent
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists"}
+DNS = "10.96.0.10"  # the dev cluster's CoreDNS Service
+#: Started in the guest after each boot (the test guest has busybox, no init for services).
+SERVE = "mkdir -p /tmp/www && echo ok > /tmp/www/index.html && httpd -p 8080 -h /tmp/www"
+#: Label of the two vm nodes the migrated VM may run on.
+PAIR = "bench.vkubelet.io/migrate"
+TAGS = ("Service", "address")  # what the poller polls during a migration
+
+#: Runs inside the client pod's network namespace. argv: (tag url)...: one GET every 100 ms to
+#: each url, each answer printed as `tag <monotonic time>` (the host's clock: netns share it).
+POLLER = r"""
+import http.client, sys, threading, time
+from urllib.parse import urlsplit
+lock = threading.Lock()
+
+def poll(tag, url):
+    parts = urlsplit(url)
+    while True:
+        try:
+            connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=2)
+            connection.request("GET", parts.path or "/")
+            if connection.getresponse().status == 200:
+                with lock:
+                    sys.stdout.write(f"{tag} {time.monotonic()}\n")
+                    sys.stdout.flush()
+            connection.close()
+        except OSError:
+            pass
+        time.sleep(0.1)
+
+for tag, url in zip(sys.argv[1::2], sys.argv[2::2]):
+    threading.Thread(target=poll, args=(tag, url), daemon=True).start()
+threading.Event().wait()
+"""
 
 #: Runs inside the client pod's network namespace. argv: url requests seconds concurrency.
 CLIENT = r"""
@@ -158,9 +210,7 @@ def pod_netns(kubectl: Kubectl, ns: str, pod: str) -> str:
 @contextmanager
 def vm_serving(cluster: Cluster, kubectl: Kubectl, ns: str) -> Iterator[None]:
     """A vm node (routed) and a VM pod `vm` serving HTTP on :8080 behind the Service `vm`."""
-    image = subprocess.run(
-        [str(BIN / "vkubelet"), "dev", "vm-image"], capture_output=True, text=True, check=True
-    ).stdout.split()[-1]
+    image = guest_image()
     base = str(cluster.virtual_pod_cidr()).rsplit(".", 2)[0]
     work = Path(tempfile.mkdtemp(prefix="vkbn-", dir="/tmp"))  # short: QEMU's socket paths
     node = f"hv-bench-{uuid.uuid4().hex[:5]}"
@@ -172,8 +222,8 @@ def vm_serving(cluster: Cluster, kubectl: Kubectl, ns: str) -> Iterator[None]:
                 "accel": "tcg",
                 "podCIDR": f"{base}.252.0/24",
                 "reserved": {"memory": "1Gi"},
-                "translations": [{"name": "tiny", "url": Path(image).as_uri()}],
-                "network": {"clusterDNS": ["10.96.0.10"]},
+                "translations": [{"name": "tiny", "url": image.as_uri()}],
+                "network": {"clusterDNS": [DNS]},
             }
         )
     )
@@ -201,12 +251,9 @@ def vm_serving(cluster: Cluster, kubectl: Kubectl, ns: str) -> Iterator[None]:
             }
             for item in (vm, service("vm", {"app": "vm"})):
                 kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(item))
-            serve = (
-                "mkdir -p /tmp/www && echo ok > /tmp/www/index.html && httpd -p 8080 -h /tmp/www"
-            )
             wait_for(
                 lambda: (
-                    kubectl("-n", ns, "exec", "vm", "--", "sh", "-c", serve, check=False).returncode
+                    kubectl("-n", ns, "exec", "vm", "--", "sh", "-c", SERVE, check=False).returncode
                     == 0
                 ),
                 timeout=300,
@@ -222,6 +269,279 @@ def vm_serving(cluster: Cluster, kubectl: Kubectl, ns: str) -> Iterator[None]:
             agent.stop()
             kubectl("delete", "node", node, "--ignore-not-found", "--wait=false", check=False)
             shutil.rmtree(work, ignore_errors=True)
+
+
+def guest_image() -> Path:
+    """The small test guest (`vkubelet dev vm-image` builds it once and caches it)."""
+    built = subprocess.run(
+        [str(BIN / "vkubelet"), "dev", "vm-image"], capture_output=True, text=True, check=True
+    )
+    return Path(built.stdout.split()[-1])
+
+
+@contextmanager
+def lower_serving(cluster: Cluster, kubectl: Kubectl, ns: str, image: str) -> Iterator[None]:
+    """A second dev cluster with one worker, joined to `cluster` as a virtual node by a
+    cluster-provider agent on this machine, and `below` (httpd bound to that node, so a real
+    container on the lower worker) behind the upper Service `below`."""
+    lower = Cluster(f"bench-low-{uuid.uuid4().hex[:4]}")
+    work = Path(tempfile.mkdtemp(prefix="vkbl-", dir="/tmp"))
+    node = f"vk-below-{uuid.uuid4().hex[:5]}"
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, work, ignore_errors=True)
+        stack.callback(lower.down)
+        lower.up(workers=1, progress=log, tie_to_parent=True)
+        config = work / "lower.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "kubeconfig": str(lower.kubeconfig),
+                    "upperClusterID": f"bench-{uuid.uuid4().hex[:6]}",
+                    "namespaces": {"prefix": "up-"},
+                }
+            )
+        )
+        agent = start_agent(
+            cluster, work, provider="cluster", config=config, name=node, address="127.0.0.1"
+        )
+        stack.callback(kubectl, "delete", "node", node, "--ignore-not-found", "--wait=false")
+        stack.callback(agent.stop)
+        stack.callback(kubectl, "-n", ns, "delete", "pod", "below", "--wait=true", check=False)
+        wait_for(lambda: node_ready(kubectl, node), timeout=90, what=f"node {node} Ready")
+        below = httpd("below", image, None, {"app": "below"})
+        below["spec"] |= {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "tolerations": [TOLERATION],
+        }
+        for item in (below, service("below", {"app": "below"})):
+            kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(item))
+        kubectl(
+            "-n", ns, "wait", "--for=condition=Ready", "pod/below", "--timeout=180s", timeout=200
+        )
+        yield
+
+
+@dataclass
+class Move:
+    """One live migration seen by the poller."""
+
+    source: str
+    target: str
+    downtime_ms: int | None  # QEMU's own figure (the migration's status)
+    gaps: dict[str, float]  # per poll tag, the longest time without an answer, s
+    answers: dict[str, int]
+    seconds: float  # migration created -> target Ready and polled 20 times since
+    load: str
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def vm_status(kubectl: Kubectl, ns: str) -> dict[str, Any]:
+    return dict(kubectl.json("-n", ns, "get", "vm", "keep").get("status") or {})
+
+
+def ready_on(kubectl: Kubectl, ns: str, node: str) -> bool:
+    status = vm_status(kubectl, ns)
+    ready: dict[str, Any] = next(
+        (c for c in status.get("conditions") or [] if c["type"] == "Ready"), {}
+    )
+    return status.get("nodeName") == node and ready.get("status") == "True"
+
+
+def answers(poll_log: Path) -> list[tuple[str, float]]:
+    return [
+        (tag, float(at))
+        for tag, at in (line.split() for line in poll_log.read_text().splitlines() if line)
+    ]
+
+
+def longest_gap(start: float, end: float, seen: list[float]) -> float:
+    times = [start, *(t for t in seen if start <= t <= end), end]
+    return max(b - a for a, b in itertools.pairwise(times))
+
+
+def release_node(kubectl: Kubectl, node: str, state: Path, cidr: str) -> None:
+    """What outlives a vm agent: its QEMU processes and their pod networks; then the node."""
+    for pid_file in state.glob("vms/*/m/pid"):
+        try:
+            os.kill(int(pid_file.read_text().split()[0]), 9)
+        except (OSError, ValueError):
+            continue
+    network = PodNetwork(cidr)
+    for run_dir in state.glob("vms/*"):
+        try:
+            asyncio.run(network.detach(run_dir.name))
+        except Exception as error:  # clean-up goes on; say what stayed
+            log(f"detaching {run_dir.name} of {node}: {error}")
+    kubectl("delete", "node", node, "--ignore-not-found", "--wait=false", check=False)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def migration_gaps(
+    cluster: Cluster, kubectl: Kubectl, ns: str, netns: str, rounds: int
+) -> list[Move]:
+    """A VirtualMachine on two routed vm nodes sharing the virtual range, behind the Service
+    `keep`, moved back and forth `rounds` times while the client pod's netns polls it through
+    the Service and by its address."""
+    virtual = cluster.virtual_pod_cidr()
+    base = str(virtual).rsplit(".", 2)[0]
+    image = guest_image()
+    subprocess.run(
+        [str(BIN / "vkubelet"), "vm", "install-crds", "--kubeconfig", str(cluster.kubeconfig)],
+        capture_output=True,
+        check=True,
+    )
+    work = Path(tempfile.mkdtemp(prefix="vkbm-", dir="/tmp"))  # short: QEMU's socket paths
+    nodes: list[str] = []
+    moves: list[Move] = []
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, work, ignore_errors=True)
+        for index, third in enumerate(random.sample(range(1, 250), 2)):
+            workdir = work / f"n{index}"
+            workdir.mkdir()
+            cidr, name = f"{base}.{third}.0/24", f"hv-mig{index}-{uuid.uuid4().hex[:5]}"
+            config = workdir / "vm.yaml"
+            config.write_text(
+                json.dumps(
+                    {
+                        "stateDir": "state",
+                        "accel": "tcg",
+                        "podCIDR": cidr,
+                        "sharedPodCIDRs": [str(virtual)],
+                        "reserved": {"memory": "1Gi"},
+                        "translations": [{"name": "tiny", "url": image.as_uri()}],
+                        "network": {"clusterDNS": [DNS]},
+                    }
+                )
+            )
+            address = stack.enter_context(local_test_address())
+            agent = start_agent(
+                cluster, workdir, provider="vm", config=config, name=name, address=address
+            )
+            stack.callback(release_node, kubectl, name, workdir / "state", cidr)
+            stack.callback(agent.stop)
+            nodes.append(name)
+        for name in nodes:
+            wait_for(lambda name=name: node_ready(kubectl, name), timeout=90, what=f"{name} Ready")  # type: ignore[misc]
+            kubectl("label", "node", name, f"{PAIR}=yes", "--overwrite")
+        with (work / "controller.log").open("wb") as controller_log:
+            controller = subprocess.Popen(
+                [str(BIN / "vkubelet"), "vm-controller", "--kubeconfig", str(cluster.kubeconfig),
+                 "--namespace", ns, "--lease-namespace", ns, "--identity", "bench"],
+                stdout=controller_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        stack.callback(stop_process, controller)
+        k = ("-n", ns)
+        stack.callback(kubectl, *k, "delete", "vm", "keep", "--wait=true", check=False, timeout=180)
+        vm = {
+            "apiVersion": "vkubelet.io/v1alpha1",
+            "kind": "VirtualMachine",
+            "metadata": {"name": "keep"},
+            "spec": {
+                "replicas": 1,
+                "template": {
+                    "metadata": {"labels": {"app": "keep"}},
+                    "spec": {
+                        "nodeSelector": {PAIR: "yes"},
+                        "tolerations": [TOLERATION],
+                        "terminationGracePeriodSeconds": 10,
+                        "containers": [
+                            {
+                                "name": "vm",
+                                "image": "vm.vkubelet.io/tiny",
+                                "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                                "readinessProbe": {
+                                    "httpGet": {"path": "/", "port": 8080},
+                                    "periodSeconds": 1,
+                                },
+                            }
+                        ],
+                    },
+                },
+            },
+        }
+        for item in (vm, service("keep", {"app": "keep"})):
+            kubectl(*k, "apply", "-f", "-", input=json.dumps(item))
+        first = str(wait_for(lambda: vm_status(kubectl, ns).get("nodeName"), timeout=120))
+
+        def serving() -> bool:
+            pod = vm_status(kubectl, ns).get("podName")
+            started = pod and kubectl(*k, "exec", pod, "--", "sh", "-c", SERVE, check=False)
+            return bool(started and started.returncode == 0)
+
+        wait_for(serving, timeout=300, interval=2, what="httpd started in the guest")
+        wait_for(lambda: ready_on(kubectl, ns, first), timeout=120, what=f"keep Ready on {first}")
+        address = vm_status(kubectl, ns)["ip"]
+        cluster_ip = kubectl.json(*k, "get", "service", "keep")["spec"]["clusterIP"]
+        poll_log = work / "poll.log"
+        with poll_log.open("wb") as out:
+            poller = subprocess.Popen(
+                ["nsenter", f"--net={netns}", sys.executable, "-c", POLLER,
+                 "Service", f"http://{cluster_ip}/", "address", f"http://{address}:8080/"],
+                stdout=out, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        stack.callback(stop_process, poller)
+
+        def answered_since(start: float, count: int) -> bool:
+            seen = answers(poll_log)
+            return all(sum(t == tag and at > start for t, at in seen) >= count for tag in TAGS)
+
+        now = time.monotonic()
+        wait_for(lambda: answered_since(now, 20), timeout=60, what="both polls answered")
+        for number in range(rounds):
+            status = vm_status(kubectl, ns)
+            source = str(status["nodeName"])
+            target = next(n for n in nodes if n != source)
+            name = f"keep-move-{number}"
+            figures_at = load()
+            start = time.monotonic()
+            migration = {
+                "apiVersion": "vkubelet.io/v1alpha1",
+                "kind": "VirtualMachineMigration",
+                "metadata": {"name": name},
+                "spec": {"vmName": "keep", "targetNode": target},
+            }
+            kubectl(*k, "apply", "-f", "-", input=json.dumps(migration))
+
+            def succeeded(name: str = name) -> dict[str, Any] | None:
+                found = kubectl.json(*k, "get", "vmmigration", name).get("status") or {}
+                if found.get("phase") == "Failed":
+                    raise SystemExit(f"migration {name} failed: {found}")
+                return found if found.get("phase") == "Succeeded" else None
+
+            done = wait_for(succeeded, timeout=300, interval=1, what=f"{name} Succeeded")
+            wait_for(partial(ready_on, kubectl, ns, target), timeout=120, what=f"Ready on {target}")
+            after = time.monotonic()
+            wait_for(partial(answered_since, after, 20), timeout=60, what="the polls answered")
+            end = time.monotonic()
+            seen = answers(poll_log)
+            downtime = done.get("downtimeMilliseconds")
+            moves.append(
+                Move(
+                    source,
+                    target,
+                    None if downtime is None else int(downtime),
+                    {
+                        tag: longest_gap(start, end, [at for t, at in seen if t == tag])
+                        for tag in TAGS
+                    },
+                    {tag: sum(t == tag and start <= at <= end for t, at in seen) for tag in TAGS},
+                    end - start,
+                    figures_at,
+                )
+            )
+            log(f"migration {number + 1}: {source} -> {target}: {moves[-1]}")
+    return moves
 
 
 def measure(netns: str, url: str, args: argparse.Namespace) -> tuple[list[float], float]:
@@ -263,11 +583,18 @@ def run(cluster: Cluster, args: argparse.Namespace) -> None:
             address = stack.enter_context(virtual_pod(cluster, "ok\n"))
             if args.vm:
                 stack.enter_context(vm_serving(cluster, kubectl, ns))
+            if args.lower:
+                stack.enter_context(lower_serving(cluster, kubectl, ns, image))
             kubectl(*k, "apply", "-f", "-", input=json.dumps(endpoint_slice(address)))
             web_ip = kubectl.json(*k, "get", "pod", "web")["status"]["podIP"]
             ip_of = {
                 s: kubectl.json(*k, "get", "service", s)["spec"]["clusterIP"]
-                for s in ("web", "virt", *(["vm"] if args.vm else []))
+                for s in (
+                    "web",
+                    "virt",
+                    *(["vm"] if args.vm else []),
+                    *(["below"] if args.lower else []),
+                )
             }
             targets = {
                 "pod -> pod (address)": f"http://{web_ip}:8080/",
@@ -276,6 +603,8 @@ def run(cluster: Cluster, args: argparse.Namespace) -> None:
             }
             if args.vm:
                 targets["pod -> VM (Service; TCG)"] = f"http://{ip_of['vm']}/"
+            if args.lower:
+                targets["pod -> pod below (cross-cluster Service)"] = f"http://{ip_of['below']}/"
             netns = pod_netns(kubectl, ns, "client")
             figures = {name: Figures([], []) for name in targets}
             wait_for(
@@ -289,7 +618,10 @@ def run(cluster: Cluster, args: argparse.Namespace) -> None:
                     latencies, rate = measure(netns, url, args)
                     figures[name].latencies += latencies
                     figures[name].rates.append(rate)
-        report(figures, args)
+            measured_at = load()
+        report(figures, args, measured_at)  # first: the migrations take minutes
+        if args.vm and args.migration:
+            report_moves(migration_gaps(cluster, kubectl, ns, netns, args.migration_rounds))
     finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
@@ -314,7 +646,7 @@ def endpoint_slice(address: str) -> dict[str, Any]:
     }
 
 
-def report(figures: dict[str, Figures], args: argparse.Namespace) -> None:
+def report(figures: dict[str, Figures], args: argparse.Namespace, at_load: str) -> None:
     base = figures["pod -> pod (Service)"]
     rows: list[tuple[str, ...]] = [
         ("target", "p50 ms", "p99 ms", "req/s", "p50 vs Service", "req/s vs Service")
@@ -332,8 +664,32 @@ def report(figures: dict[str, Figures], args: argparse.Namespace) -> None:
         )
     print(
         f"\n{args.requests} sequential requests x2 (latency), {args.concurrency} connections "
-        f"for {args.seconds:g} s x2 (throughput); one TCP connection per request"
+        f"for {args.seconds:g} s x2 (throughput); one TCP connection per request; "
+        f"load average (1/5/15 min) after: {at_load}"
     )
+    print_table(rows)
+
+
+def report_moves(moves: list[Move]) -> None:
+    print(
+        "\nlive migration (TCG, 256 MiB guest), polled every 100 ms from the client pod: "
+        "longest time without an answer"
+    )
+    rows: list[tuple[str, ...]] = [
+        ("move", "QEMU downtime ms", "gap via Service s", "gap to address s", "move s", "load")
+    ]
+    for number, move in enumerate(moves, start=1):
+        downtime = "n/a" if move.downtime_ms is None else str(move.downtime_ms)
+        rows.append(
+            (
+                f"{number}: {move.source} -> {move.target}",
+                downtime,
+                f"{move.gaps['Service']:.2f}",
+                f"{move.gaps['address']:.2f}",
+                f"{move.seconds:.1f}",
+                move.load,
+            )
+        )
     print_table(rows)
 
 
@@ -343,7 +699,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--seconds", type=float, default=5)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--no-vm", dest="vm", action="store_false", help="leave the VM out")
+    parser.add_argument("--no-vm", dest="vm", action="store_false", help="leave the VMs out")
+    parser.add_argument(
+        "--no-cluster", dest="lower", action="store_false", help="leave the lower cluster out"
+    )
+    parser.add_argument(
+        "--no-migration", dest="migration", action="store_false", help="leave migration out"
+    )
+    parser.add_argument("--migration-rounds", type=int, default=2)
     args = parser.parse_args()
     if args.cluster:
         found = {c.name: c for c in list_clusters()}
