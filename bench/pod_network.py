@@ -59,6 +59,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 from _common import log, pct, print_table
 
 from vkubelet.devcluster import Cluster, list_clusters
@@ -389,10 +390,11 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 def migration_gaps(
     cluster: Cluster, kubectl: Kubectl, ns: str, netns: str, rounds: int
-) -> list[Move]:
+) -> tuple[list[Move], str | None]:
     """A VirtualMachine on two routed vm nodes sharing the virtual range, behind the Service
     `keep`, moved back and forth `rounds` times while the client pod's netns polls it through
-    the Service and by its address."""
+    the Service and by its address; and why a move failed (the moves after it are not made,
+    and the scratch directory with the agents' and the controller's logs is kept)."""
     virtual = cluster.virtual_pod_cidr()
     base = str(virtual).rsplit(".", 2)[0]
     image = guest_image()
@@ -405,7 +407,15 @@ def migration_gaps(
     nodes: list[str] = []
     moves: list[Move] = []
     with ExitStack() as stack:
-        stack.callback(shutil.rmtree, work, ignore_errors=True)
+        failure: str | None = None
+
+        def tidy() -> None:
+            if failure is None:
+                shutil.rmtree(work, ignore_errors=True)
+            else:
+                log(f"kept for a look: {work} (controller.log, n*/agent.log)")
+
+        stack.callback(tidy)
         for index, third in enumerate(random.sample(range(1, 250), 2)):
             workdir = work / f"n{index}"
             workdir.mkdir()
@@ -492,56 +502,63 @@ def migration_gaps(
             )  # fmt: skip
         stack.callback(stop_process, poller)
 
-        def answered_since(start: float, count: int) -> bool:
-            seen = answers(poll_log)
-            return all(sum(t == tag and at > start for t, at in seen) >= count for tag in TAGS)
-
         now = time.monotonic()
-        wait_for(lambda: answered_since(now, 20), timeout=60, what="both polls answered")
+        wait_for(partial(answered_since, poll_log, now, 20), timeout=60, what="both polls")
         for number in range(rounds):
-            status = vm_status(kubectl, ns)
-            source = str(status["nodeName"])
-            target = next(n for n in nodes if n != source)
-            name = f"keep-move-{number}"
-            figures_at = load()
-            start = time.monotonic()
-            migration = {
-                "apiVersion": "vkubelet.io/v1alpha1",
-                "kind": "VirtualMachineMigration",
-                "metadata": {"name": name},
-                "spec": {"vmName": "keep", "targetNode": target},
-            }
-            kubectl(*k, "apply", "-f", "-", input=json.dumps(migration))
+            try:
+                moves.append(move_once(kubectl, ns, nodes, f"keep-move-{number}", poll_log))
+            except (Exception, pytest.fail.Exception) as error:  # report the moves made
+                failure = f"move {number + 1} failed: {str(error).strip()[:300]}"
+                log(f"{failure}\nVM status: {json.dumps(vm_status(kubectl, ns))}")
+                break
+            log(f"migration {number + 1}: {moves[-1]}")
+    return moves, failure
 
-            def succeeded(name: str = name) -> dict[str, Any] | None:
-                found = kubectl.json(*k, "get", "vmmigration", name).get("status") or {}
-                if found.get("phase") == "Failed":
-                    raise SystemExit(f"migration {name} failed: {found}")
-                return found if found.get("phase") == "Succeeded" else None
 
-            done = wait_for(succeeded, timeout=300, interval=1, what=f"{name} Succeeded")
-            wait_for(partial(ready_on, kubectl, ns, target), timeout=120, what=f"Ready on {target}")
-            after = time.monotonic()
-            wait_for(partial(answered_since, after, 20), timeout=60, what="the polls answered")
-            end = time.monotonic()
-            seen = answers(poll_log)
-            downtime = done.get("downtimeMilliseconds")
-            moves.append(
-                Move(
-                    source,
-                    target,
-                    None if downtime is None else int(downtime),
-                    {
-                        tag: longest_gap(start, end, [at for t, at in seen if t == tag])
-                        for tag in TAGS
-                    },
-                    {tag: sum(t == tag and start <= at <= end for t, at in seen) for tag in TAGS},
-                    end - start,
-                    figures_at,
-                )
-            )
-            log(f"migration {number + 1}: {source} -> {target}: {moves[-1]}")
-    return moves
+def move_once(kubectl: Kubectl, ns: str, nodes: list[str], name: str, poll_log: Path) -> Move:
+    """Migrate the VM to the other node; the poll's gaps from the migration's creation until
+    the VM is Ready on the target and both polls answered 20 times since."""
+    k = ("-n", ns)
+    source = str(vm_status(kubectl, ns)["nodeName"])
+    target = next(n for n in nodes if n != source)
+    figures_at = load()
+    start = time.monotonic()
+    migration = {
+        "apiVersion": "vkubelet.io/v1alpha1",
+        "kind": "VirtualMachineMigration",
+        "metadata": {"name": name},
+        "spec": {"vmName": "keep", "targetNode": target},
+    }
+    kubectl(*k, "apply", "-f", "-", input=json.dumps(migration))
+
+    def succeeded() -> dict[str, Any] | None:
+        found = kubectl.json(*k, "get", "vmmigration", name).get("status") or {}
+        if found.get("phase") == "Failed":
+            raise RuntimeError(f"migration {name} failed: {found}")
+        return found if found.get("phase") == "Succeeded" else None
+
+    done = wait_for(succeeded, timeout=300, interval=1, what=f"{name} Succeeded")
+    wait_for(partial(ready_on, kubectl, ns, target), timeout=120, what=f"Ready on {target}")
+    after = time.monotonic()
+    wait_for(partial(answered_since, poll_log, after, 20), timeout=60, what="the polls answered")
+    end = time.monotonic()
+    seen = answers(poll_log)
+    downtime = done.get("downtimeMilliseconds")
+    return Move(
+        source,
+        target,
+        None if downtime is None else int(downtime),
+        {tag: longest_gap(start, end, [at for t, at in seen if t == tag]) for tag in TAGS},
+        {tag: sum(t == tag and start <= at <= end for t, at in seen) for tag in TAGS},
+        end - start,
+        figures_at,
+    )
+
+
+def answered_since(poll_log: Path, start: float, count: int) -> bool:
+    """Whether each of the poller's targets answered `count` times since `start`."""
+    seen = answers(poll_log)
+    return all(sum(t == tag and at > start for t, at in seen) >= count for tag in TAGS)
 
 
 def measure(netns: str, url: str, args: argparse.Namespace) -> tuple[list[float], float]:
@@ -621,7 +638,7 @@ def run(cluster: Cluster, args: argparse.Namespace) -> None:
             measured_at = load()
         report(figures, args, measured_at)  # first: the migrations take minutes
         if args.vm and args.migration:
-            report_moves(migration_gaps(cluster, kubectl, ns, netns, args.migration_rounds))
+            report_moves(*migration_gaps(cluster, kubectl, ns, netns, args.migration_rounds))
     finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
@@ -670,7 +687,7 @@ def report(figures: dict[str, Figures], args: argparse.Namespace, at_load: str) 
     print_table(rows)
 
 
-def report_moves(moves: list[Move]) -> None:
+def report_moves(moves: list[Move], failure: str | None) -> None:
     print(
         "\nlive migration (TCG, 256 MiB guest), polled every 100 ms from the client pod: "
         "longest time without an answer"
@@ -691,6 +708,8 @@ def report_moves(moves: list[Move]) -> None:
             )
         )
     print_table(rows)
+    if failure:
+        print(failure)
 
 
 def main() -> None:
