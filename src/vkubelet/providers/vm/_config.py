@@ -6,7 +6,9 @@
     reserved: {cpu: "1", memory: 1Gi}    # kept for the host; capacity = host minus this
     podCIDR: 10.213.0.0/24               # this node's VMs' addresses (no other route may cover it)
     network:                             # `_net`
-      mode: routed                       # routed (default) | host-only
+      mode: routed                       # routed (default) | host-only | bridged
+      # bridged only: an existing host bridge, its subnet, gateway and the VMs' address pool
+      # bridge: br0, subnet: 192.0.2.0/24, gateway: 192.0.2.1, pool: 192.0.2.100-192.0.2.150
       clusterDNS: [10.96.0.10]           # the guests' nameservers (default: none), and their
       clusterDomain: cluster.local       # search list <ns>.svc.<domain> svc.<domain> <domain>
     sharedPodCIDRs: [10.213.0.0/16]      # other vm nodes' ranges a VM migrated here keeps
@@ -46,12 +48,13 @@ from ...sdk.quantity import QuantityError, parse_quantity
 from ._persist import MachineGC
 from ._volumes import StorageConfig
 
-__all__ = ["ConfigError", "ConfigMapSource", "VMConfig", "load_config"]
+__all__ = ["Bridged", "ConfigError", "ConfigMapSource", "VMConfig", "load_config"]
 
 Accel = Literal["auto", "kvm", "tcg"]
 #: routed: the host forwards between its VMs and the pod network; host-only: only the host (and
-#: the agent on it) reaches them.
-NetworkMode = Literal["routed", "host-only"]
+#: the agent on it) reaches them; bridged: the VMs join an existing host bridge (a flat L2
+#: network of the site) with addresses from a pool.
+NetworkMode = Literal["routed", "host-only", "bridged"]
 
 _MIB = 2**20
 _DOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\.?")
@@ -94,6 +97,10 @@ class _Network(Section):
         default_factory=list, name="clusterDNS"
     )
     cluster_domain: _Text = "cluster.local"
+    bridge: _Text | None = None
+    subnet: _Text | None = None
+    gateway: _Text | None = None
+    pool: _Text | None = None
 
 
 class _File(Section):
@@ -137,6 +144,16 @@ class ConfigMapSource:
 
 
 @dataclass(frozen=True)
+class Bridged:
+    """Bridged mode's settings, checked: `pool` is (first, last), inclusive, inside `subnet`."""
+
+    bridge: str
+    subnet: str
+    gateway: str
+    pool: tuple[str, str]
+
+
+@dataclass(frozen=True)
 class VMConfig:
     state_dir: Path
     image_store: Path
@@ -147,6 +164,7 @@ class VMConfig:
     network_mode: NetworkMode = "routed"
     cluster_dns: tuple[str, ...] = ()  # the guests' nameservers; () = none
     cluster_domain: str = "cluster.local"
+    bridged: Bridged | None = None  # network.mode bridged
     # Other vm nodes' ranges whose addresses this node takes for a VM that moved here (it
     # keeps its address, `_net`): the cluster's virtual pod range the nodes share.
     shared_pod_cidrs: tuple[str, ...] = ()
@@ -225,6 +243,7 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
             raise fail(f"network.clusterDNS[{i}]", f"{server!r} is not an IP address") from None
     if not _DOMAIN.fullmatch(net.cluster_domain):
         raise fail("network.clusterDomain", f"{net.cluster_domain!r} is not a DNS domain")
+    bridged = _bridged(net, fail)
     shared = []
     for index, cidr in enumerate(raw.shared_pod_cidrs):
         try:
@@ -249,6 +268,7 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         network_mode=net.mode,
         cluster_dns=tuple(net.cluster_dns),
         cluster_domain=net.cluster_domain.rstrip("."),
+        bridged=bridged,
         shared_pod_cidrs=tuple(str(n) for n in shared),
         image_prefix=raw.image_prefix,
         translations=raw.translations,
@@ -264,6 +284,53 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         else None,
         **_hotplug(raw.hotplug or _Hotplug(), fail),
     )
+
+
+_BRIDGED_ONLY = ("bridge", "subnet", "gateway", "pool")
+
+
+def _bridged(net: _Network, fail: Callable[[str, str], ConfigError]) -> Bridged | None:
+    """Bridged mode's settings, all required there and refused elsewhere (a `pool` under routed
+    mode would be silently ignored); the pool and gateway must be host addresses of the subnet,
+    and the gateway outside the pool."""
+    values = {name: getattr(net, name) for name in _BRIDGED_ONLY}
+    if net.mode != "bridged":
+        for name, value in values.items():
+            if value is not None:
+                raise fail(f"network.{name}", "only for network.mode bridged")
+        return None
+    for name, value in values.items():
+        if value is None:
+            raise fail(f"network.{name}", "required with network.mode bridged")
+    bridge, subnet_text, gateway_text, pool_text = (str(values[n]) for n in _BRIDGED_ONLY)
+    if len(bridge) > 15 or any(c in bridge for c in "/ :") or bridge in (".", ".."):
+        raise fail("network.bridge", f"{bridge!r} is not a network interface name")
+    try:
+        subnet = ipaddress.IPv4Network(subnet_text)
+    except ValueError as e:
+        raise fail("network.subnet", f"not an IPv4 network: {e}") from None
+    if subnet.prefixlen > 30:
+        raise fail("network.subnet", f"{subnet} is too small for a gateway and guests")
+
+    def host(name: str, text: str) -> ipaddress.IPv4Address:
+        try:
+            address = ipaddress.IPv4Address(text.strip())
+        except ValueError:
+            raise fail(f"network.{name}", f"{text!r} is not an IPv4 address") from None
+        if address not in subnet or address in (subnet.network_address, subnet.broadcast_address):
+            raise fail(f"network.{name}", f"{address} is not a host address of subnet {subnet}")
+        return address
+
+    gateway = host("gateway", gateway_text)
+    first_text, dash, last_text = pool_text.partition("-")
+    if not dash:
+        raise fail("network.pool", f"{pool_text!r} is not a range first-last")
+    first, last = host("pool", first_text), host("pool", last_text)
+    if first > last:
+        raise fail("network.pool", f"{pool_text!r} ends before it starts")
+    if first <= gateway <= last:
+        raise fail("network.pool", f"{pool_text} holds the gateway {gateway}")
+    return Bridged(bridge, str(subnet), str(gateway), (str(first), str(last)))
 
 
 def _hotplug(raw: _Hotplug, fail: Callable[[str, str], ConfigError]) -> dict[str, int]:

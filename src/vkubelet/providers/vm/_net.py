@@ -10,7 +10,9 @@ switched on for that link alone (`net.ipv4.conf.<link>.forwarding`), never the m
 `ip_forward`, so a guest reaches the pod network through the host's routes and the rest of the
 machine forwards nothing new. Packets *to* a VM arrive on some other link of the host (a dev
 cluster's bridge, the host's uplink), which must forward too; the /32 route takes them on.
-*Host-only* mode leaves forwarding off: only the host reaches its VMs.
+*Host-only* mode leaves forwarding off: only the host reaches its VMs. *Bridged* mode
+(`BridgedNetwork`) puts the host end on an existing bridge of the site instead: no gateway
+address, no route, no forwarding on the host; the guest's address comes from a pool.
 
 The kernel is the state: a re-attach after an agent restart finds the netns and reads the guest
 address back from the host route, so nothing has to be stored. Names are derived from the key
@@ -55,12 +57,16 @@ class NetworkError(RuntimeError):
     """An `ip` command failed, or the CIDR has no free address."""
 
 
-class AddressRefused(NetworkError):
-    """A requested address this node cannot give: `reason` is the pod's waiting reason."""
+class NetworkRefused(NetworkError):
+    """A pod this node cannot attach as configured: `reason` is the pod's waiting reason."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class AddressRefused(NetworkRefused):
+    """A requested address this node cannot give (or, bridged, no address left in the pool)."""
 
 
 @dataclass(frozen=True)
@@ -194,8 +200,11 @@ class PodNetwork:
             else:
                 chosen = existing
             # Also on a link an earlier agent made: the mode may have changed since.
-            _link_settings(link, forward=self.forward)
+            await self._settle(link)
             return self._guest(key, chosen)
+
+    async def _settle(self, link: str) -> None:
+        _link_settings(link, forward=self.forward)
 
     async def claim(self, key: str) -> GuestNetwork:
         """The arrived guest's /32 routes over this VM's link from now on (a migration target's
@@ -246,15 +255,11 @@ class PodNetwork:
             await _ip("netns", "del", self.netns(key), check=False)
 
     async def _guest_address(self, link: str) -> str | None:
-        """The guest address routed over an existing host link (None: no such link, or broken)."""
+        """The guest address routed over this VM's host link (None: no such link, or broken)."""
         routes = await _ip("-4", "route", "show", "dev", link, check=False)
-        for line in routes.splitlines():
-            first = line.split()[0] if line.split() else ""
-            if first and "/" not in first and first != "default":
-                return first
         if routes == "" and await _ip("link", "show", link, check=False):
             await _ip("link", "del", link, check=False)  # half-made by an interrupted attach
-        return None
+        return _host_route(routes)
 
     async def _used_addresses(self) -> set[str]:
         """The gateway's and every attached VM's, as the kernel's links and routes say, and
@@ -268,7 +273,8 @@ class PodNetwork:
         for line in listing.splitlines():
             name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
             if is_vm_link(name, self.prefix):
-                address = await self._guest_address(name)
+                # Only read: another node's link (a bridged one routes nothing) is not ours to fix.
+                address = await _routed_address(name)
                 if address:
                     used.add(address)
         return used
@@ -281,9 +287,19 @@ class PodNetwork:
         raise NetworkError(f"pod CIDR {self.network} has no free address")
 
     async def _create(self, key: str, address: str, *, standby: bool = False) -> None:
+        """The VM's netns and links; a failure removes them again (nothing half-made stays)."""
         ns, link = self.netns(key), self.host_link(key)
         if not (await _ip("netns", "list", check=False)).count(ns):
             await _ip("netns", "add", ns)
+        try:
+            await self._create_links(ns, link)
+            await self._host_end(link, address, standby=standby)
+        except NetworkError:
+            await _ip("link", "del", link, check=False)
+            await _ip("netns", "del", ns, check=False)
+            raise
+
+    async def _create_links(self, ns: str, link: str) -> None:
         steps: list[tuple[str, ...]] = [
             ("link", "add", link, "type", "veth", "peer", "name", _PEER, "netns", ns),
             ("-n", ns, "link", "add", _BRIDGE, "type", "bridge"),
@@ -294,10 +310,6 @@ class PodNetwork:
             ("-n", ns, "link", "set", _PEER, "up"),
             ("-n", ns, "link", "set", TAP_NAME, "up"),
             ("-n", ns, "link", "set", _BRIDGE, "up"),
-            ("addr", "add", f"{self.gateway}/32", "dev", link),
-            ("link", "set", link, "up"),
-            ("route", "replace", f"{address}/32", "dev", link, "src", self.gateway)
-            + (("metric", str(STANDBY_METRIC)) if standby else ()),
         ]
         # A netns left by an interrupted attach may hold some of these already.
         await _ip("-n", ns, "link", "del", _BRIDGE, check=False)
@@ -305,6 +317,139 @@ class PodNetwork:
         await _ip("-n", ns, "link", "del", _PEER, check=False)
         for step in steps:
             await _ip(*step)
+
+    async def _host_end(self, link: str, address: str, *, standby: bool) -> None:
+        """The gateway address and the guest's /32 route on the host's end of the link."""
+        await _ip("addr", "add", f"{self.gateway}/32", "dev", link)
+        await _ip("link", "set", link, "up")
+        route = ("route", "replace", f"{address}/32", "dev", link, "src", self.gateway)
+        await _ip(*route, *(("metric", str(STANDBY_METRIC)) if standby else ()))
+
+
+async def _routed_address(link: str) -> str | None:
+    """The guest address of a /32 route over `link`, if any (only read)."""
+    return _host_route(await _ip("-4", "route", "show", "dev", link, check=False))
+
+
+def _host_route(routes: str) -> str | None:
+    """The first host route (an address without a prefix) of `ip route show` output."""
+    for line in routes.splitlines():
+        first = line.split()[0] if line.split() else ""
+        if first and "/" not in first and first != "default":
+            return first
+    return None
+
+
+def bridge_missing(bridge: str) -> str | None:
+    """Why `bridge` cannot take VMs (it does not exist, or is not a bridge), or None."""
+    if Path(f"/sys/class/net/{bridge}/bridge").is_dir():
+        return None
+    if Path(f"/sys/class/net/{bridge}").exists():
+        return f"network.bridge: {bridge} is not a bridge"
+    return f"network.bridge: bridge {bridge} does not exist on this host"
+
+
+#: Bridged mode records a VM's address on its host link (`ip link set <link> alias ...`).
+_ALIAS = "vkubelet-address="
+
+
+class BridgedNetwork(PodNetwork):
+    """Bridged mode: the host end of each VM's link joins an existing host `bridge` (the site's
+    flat L2 network), and the guest takes an address of `pool` in `subnet` with `gateway` as
+    its default route. The host routes and forwards nothing for it (no address, no route on the
+    link); the site's network carries its packets. The kernel is the state here too: the
+    address is the link's alias, read back by a restarted agent, and the aliases of every VM
+    link of this machine say which addresses of the pool are taken."""
+
+    def __init__(
+        self,
+        bridge: str,
+        subnet: str,
+        gateway: str,
+        pool: tuple[str, str],
+        *,
+        prefix: str = "vkvm",
+        reserved: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
+        super().__init__(subnet, prefix=prefix, forward=False, reserved=reserved)
+        self.bridge = bridge
+        self.gateway = gateway
+        self.pool = (ipaddress.IPv4Address(pool[0]), ipaddress.IPv4Address(pool[1]))
+
+    def pool_text(self) -> str:
+        return f"{self.pool[0]}-{self.pool[1]}"
+
+    def _check_bridge(self) -> None:
+        if (why := bridge_missing(self.bridge)) is not None:
+            raise NetworkRefused("BridgeMissing", why)
+
+    async def claim(self, key: str) -> GuestNetwork:
+        """Nothing routes to a bridged guest: it announces itself on the L2 network."""
+        async with self._lock:
+            address = await self._guest_address(self.host_link(key))
+            if address is None:
+                raise NetworkError(f"VM link {self.host_link(key)} is gone")
+            return self._guest(key, address)
+
+    def prefix_for(self, address: str) -> int:
+        if self.pool[0] <= ipaddress.IPv4Address(address) <= self.pool[1]:
+            return self.network.prefixlen
+        raise AddressRefused(
+            "AddressOutOfRange", f"address {address} is outside network.pool {self.pool_text()}"
+        )
+
+    def _guest(self, key: str, address: str) -> GuestNetwork:
+        return GuestNetwork(address, self.network.prefixlen, self.gateway, self.mac(key))
+
+    async def _settle(self, link: str) -> None:
+        """(Re)join the bridge: a bridge deleted and made again has lost its ports."""
+        self._check_bridge()
+        await _ip("link", "set", link, "master", self.bridge)
+        await _ip("link", "set", link, "up")  # an attach interrupted before it did
+
+    async def _guest_address(self, link: str) -> str | None:
+        listing = await _ip("-j", "link", "show", "dev", link, check=False)
+        links: list[dict[str, Any]] = json.loads(listing or "[]")
+        if not links:
+            return None
+        alias = str(links[0].get("ifalias", ""))
+        if alias.startswith(_ALIAS):
+            return alias.removeprefix(_ALIAS)
+        await _ip("link", "del", link, check=False)  # half-made by an interrupted attach
+        return None
+
+    async def _used_addresses(self) -> set[str]:
+        """The gateway's and the address on every VM link's alias (this node's and any other
+        node's on this machine sharing the pool)."""
+        used = {self.gateway}
+        listing: list[dict[str, Any]] = json.loads(await _ip("-j", "link", "show") or "[]")
+        for link in listing:
+            alias = str(link.get("ifalias", ""))
+            if is_vm_link(str(link.get("ifname", "")), self.prefix) and alias.startswith(_ALIAS):
+                used.add(alias.removeprefix(_ALIAS))
+        return used
+
+    async def _free_address(self) -> str:
+        used = await self._used_addresses() | set(self.reserved())
+        first, last = self.pool
+        for number in range(int(first), int(last) + 1):
+            if str(ipaddress.IPv4Address(number)) not in used:
+                return str(ipaddress.IPv4Address(number))
+        raise AddressRefused(
+            "AddressPoolExhausted",
+            f"network.pool {self.pool_text()}: every address is taken by a VM of this host",
+        )
+
+    async def _create(self, key: str, address: str, *, standby: bool = False) -> None:
+        self._check_bridge()  # before anything is made
+        await super()._create(key, address, standby=standby)
+
+    async def _host_end(self, link: str, address: str, *, standby: bool) -> None:
+        """The address in the link's alias first (a link on the bridge always says whose it
+        is), then the bridge; no address, no route, no forwarding on the host."""
+        await _ip("link", "set", link, "alias", _ALIAS + address)
+        await _ip("link", "set", link, "master", self.bridge)
+        await _ip("link", "set", link, "up")
 
 
 def _link_settings(link: str, *, forward: bool) -> None:

@@ -65,7 +65,7 @@ from ._config import VMConfig
 from ._console import ConsoleTailer
 from ._migrate import MIGRATION_SOURCE, MigrationError
 from ._migrations import Migrations
-from ._net import AddressRefused
+from ._net import AddressRefused, NetworkRefused
 from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
@@ -248,7 +248,11 @@ class VMProvider(RunnerProvider):
         uid = str(pod.metadata.uid)
         try:
             network = await self.runtime.attach_network(uid, wanted, standby=standby)
-        except AddressRefused as e:
+        except NetworkRefused as e:
+            if not isinstance(e, AddressRefused) or wanted is None:
+                # The node's network settings (bridged mode's bridge, its pool), named in the
+                # message: the pod waits and says why, retried (the site may fix it).
+                raise ProviderError(e.reason, str(e), permanent=False) from None
             if not (standby and e.reason == "AddressOutOfRange"):
                 raise ProviderError(e.reason, f"{field}: {e}") from None
             # A migration to a node that cannot route the VM's address (no shared range)
@@ -1056,12 +1060,16 @@ def _host_memory() -> int:
 def create(context: ProviderContext) -> VMProvider:
     """Entry point (`vkubelet.providers`: vm)."""
     from ._config import ConfigError, load_config
-    from ._net import foreign_routes, host_routes
+    from ._net import bridge_missing, foreign_routes, host_routes
     from ._runtime import QemuRuntime
 
     config = load_config(context.config_path)
-    # Before anything is made on the host: a range another route covers is a broken node.
-    if clash := foreign_routes(config.pod_cidr, host_routes()):
+    # Before anything is made on the host: a missing bridge, or a range another route covers,
+    # is a broken node.
+    if config.bridged is not None:
+        if (why := bridge_missing(config.bridged.bridge)) is not None:
+            raise ConfigError(f"{config.origin}: {why}")
+    elif clash := foreign_routes(config.pod_cidr, host_routes()):
         raise ConfigError(
             f"{config.origin}: podCIDR: {config.pod_cidr} overlaps route(s) of this host that "
             f"are not its VMs': {'; '.join(clash[:3])}. Give the node a range of its own."

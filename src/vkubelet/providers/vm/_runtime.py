@@ -22,7 +22,7 @@ from ._cloudinit import build_seed_content
 from ._config import ConfigError, VMConfig
 from ._disks import create_blank, create_overlay
 from ._machine import Disk, Machine, MachineSpec
-from ._net import GuestNetwork, PodNetwork, pod_dns_search
+from ._net import BridgedNetwork, GuestNetwork, PodNetwork, pod_dns_search
 from ._persist import machine_addresses
 from ._seed import write_seed_iso
 from ._store import ImageStore, StoredImage
@@ -51,12 +51,19 @@ class QemuRuntime:
         self._file_rules: list[TranslationRule] = []
         self._config_map_rules: list[TranslationRule] = []
         self.store = ImageStore(config.image_store)
-        self.network = PodNetwork(
-            config.pod_cidr,
-            forward=config.network_mode == "routed",
-            shared=config.shared_pod_cidrs,
-            reserved=lambda: machine_addresses(config.state_dir),
-        )
+        reserved = lambda: machine_addresses(config.state_dir)  # noqa: E731
+        self.network: PodNetwork
+        if (bridged := config.bridged) is not None:
+            self.network = BridgedNetwork(
+                bridged.bridge, bridged.subnet, bridged.gateway, bridged.pool, reserved=reserved
+            )
+        else:
+            self.network = PodNetwork(
+                config.pod_cidr,
+                forward=config.network_mode == "routed",
+                shared=config.shared_pod_cidrs,
+                reserved=reserved,
+            )
         self._networks: dict[str, GuestNetwork] = {}
 
     def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:

@@ -100,7 +100,7 @@ def test_the_network_is_routed_without_cluster_dns_unless_configured(tmp_path: P
 @pytest.mark.parametrize(
     ("text", "field"),
     [
-        ("network: {mode: bridged}\n", "network.mode"),
+        ("network: {mode: overlay}\n", "network.mode"),
         ("network: {clusterDNS: [10.96.0.10, dns.local]}\n", r"network\.clusterDNS\[1\]"),
         ("network: {clusterDomain: 'cluster local'}\n", "network.clusterDomain"),
     ],
@@ -108,4 +108,46 @@ def test_the_network_is_routed_without_cluster_dns_unless_configured(tmp_path: P
 def test_a_bad_network_setting_is_refused_naming_it(tmp_path: Path, text: str, field: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError, match=rf"^{path}: {field}:"):
+        load_config(path)
+
+
+BRIDGED = "{mode: bridged, bridge: br0, subnet: 192.0.2.0/24, gateway: 192.0.2.1, pool: %s}"
+
+
+def test_bridged_mode_takes_the_bridge_subnet_gateway_and_pool(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "network: " + BRIDGED % "192.0.2.100-192.0.2.150"))
+    assert config.network_mode == "bridged"
+    assert config.bridged is not None
+    assert (config.bridged.bridge, config.bridged.subnet, config.bridged.gateway) == (
+        "br0",
+        "192.0.2.0/24",
+        "192.0.2.1",
+    )
+    assert config.bridged.pool == ("192.0.2.100", "192.0.2.150")
+
+
+@pytest.mark.parametrize(
+    ("network", "field", "why"),
+    [
+        ("{mode: bridged, subnet: 192.0.2.0/24, gateway: 192.0.2.1, pool: 192.0.2.9-192.0.2.9}",
+         "network.bridge", "required"),
+        ("{mode: bridged, bridge: br0, subnet: 192.0.2.0/24, pool: 192.0.2.9-192.0.2.9}",
+         "network.gateway", "required"),
+        (BRIDGED % "192.0.2.100-192.0.3.150", "network.pool", "not a host address of subnet"),
+        (BRIDGED % "192.0.2.100", "network.pool", "not a range"),
+        (BRIDGED % "192.0.2.150-192.0.2.100", "network.pool", "ends before it starts"),
+        (BRIDGED % "192.0.2.1-192.0.2.20", "network.pool", "holds the gateway"),
+        (BRIDGED.replace("gateway: 192.0.2.1", "gateway: 198.51.100.1") % "192.0.2.9-192.0.2.9",
+         "network.gateway", "not a host address of subnet"),
+        (BRIDGED.replace("192.0.2.0/24", "192.0.2.0/33") % "192.0.2.9-192.0.2.9",
+         "network.subnet", "not an IPv4 network"),
+        (BRIDGED.replace("br0", "'a/b'") % "192.0.2.9-192.0.2.9", "network.bridge", "not a net"),
+        ("{mode: routed, pool: 192.0.2.9-192.0.2.9}", "network.pool", "only for network.mode"),
+    ],
+)  # fmt: skip
+def test_a_bad_bridged_setting_is_refused_naming_it(
+    tmp_path: Path, network: str, field: str, why: str
+) -> None:
+    path = write(tmp_path, f"network: {network}\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: {field}: .*{why}"):
         load_config(path)
