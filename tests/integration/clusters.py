@@ -31,6 +31,7 @@ from vkubelet.testing import (
     local_test_address,
     mock_node,
     node_ready,
+    start_agent,
     wait_for,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "ClusterNode",
     "LowerCluster",
     "LowerNodeSpec",
+    "lower_as_virtual_node",
     "lower_cluster_session",
     "mock_nodes_in_one_agent",
     "restart_clients_of_the_apiserver",
@@ -208,3 +210,29 @@ def lower_cluster_session(
                 )
             )
         yield LowerCluster(cluster, kubectl, nodes)
+
+
+@contextlib.contextmanager
+def lower_as_virtual_node(
+    upper: Cluster,
+    upper_kubectl: Kubectl,
+    lower: Cluster,
+    workdir: Path,
+    name: str,
+    settings: dict[str, Any] | None = None,
+) -> Iterator[ClusterNode]:
+    """A cluster-provider agent on this machine making `lower` the node `name` of `upper`,
+    Ready; `settings` are added to its provider config. Stopped, its node deleted and its log
+    tail printed (for a failed test's report) at the end."""
+    config = workdir / "lower.yaml"
+    config.write_text(yaml.safe_dump({"kubeconfig": str(lower.kubeconfig), **(settings or {})}))
+    agent = start_agent(
+        upper, workdir, provider="cluster", config=config, name=name, address="127.0.0.1"
+    )
+    try:
+        wait_for(lambda: node_ready(upper_kubectl, name), timeout=90, what=f"node {name} Ready")
+        yield ClusterNode(name, agent)
+    finally:
+        agent.stop()
+        upper_kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+        print(agent.log()[-8000:])

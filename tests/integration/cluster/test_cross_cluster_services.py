@@ -7,41 +7,22 @@ real containers below. Two dev clusters with workers on one machine (the session
 from __future__ import annotations
 
 import json
-import os
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import Kubectl, create_namespace, node_ready, start_agent, wait_for
+from vkubelet.testing import Kubectl, create_namespace, wait_for
 
-from ..clusters import TOLERATION, ClusterNode
+from ..clusters import TOLERATION, ClusterNode, lower_as_virtual_node
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("worker_cluster")]
 
 JSON = dict[str, Any]
 LABELS = {"app": "web"}
-
-
-@pytest.fixture(scope="module")
-def lower_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A second dev cluster with one real worker, for this module."""
-    root = tmp_path_factory.mktemp("lower-workers")
-    cluster = Cluster(f"lowers-{os.getpid()}", root=root)
-    try:
-        cluster.up(
-            workers=1,
-            progress=lambda m: print(f"[lower] {m}", file=sys.stderr, flush=True),
-            tie_to_parent=True,
-        )
-        yield cluster
-    finally:
-        cluster.down()
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +33,14 @@ def virtual_node(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ClusterNode]:
     """A cluster-provider agent: the lower cluster as one virtual node of the upper one."""
-    workdir = tmp_path_factory.mktemp("xsvc-agent")
-    name = f"vk-xsvc-{uuid.uuid4().hex[:6]}"
-    config = workdir / "lower.yaml"
-    config.write_text(yaml.safe_dump({"kubeconfig": str(lower_workers.kubeconfig)}))
-    agent = start_agent(
-        worker_cluster, workdir, provider="cluster", config=config, name=name, address="127.0.0.1"
-    )
-    try:
-        wait_for(lambda: node_ready(worker_kubectl, name), timeout=90, what=f"node {name} Ready")
-        yield ClusterNode(name, agent)
-    finally:
-        agent.stop()
-        worker_kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
-        print(agent.log()[-5000:])
+    with lower_as_virtual_node(
+        worker_cluster,
+        worker_kubectl,
+        lower_workers,
+        tmp_path_factory.mktemp("xsvc-agent"),
+        f"vk-xsvc-{uuid.uuid4().hex[:6]}",
+    ) as node:
+        yield node
 
 
 def httpd(image: str) -> JSON:

@@ -11,8 +11,6 @@ claims are proven with packets: busybox `wget` from real pods."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -26,13 +24,11 @@ from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     Kubectl,
     create_namespace,
-    node_ready,
     port_forward,
-    start_agent,
     wait_for,
 )
 
-from ..clusters import TOLERATION
+from ..clusters import TOLERATION, lower_as_virtual_node
 
 pytestmark = pytest.mark.usefixtures("worker_cluster")
 
@@ -44,50 +40,23 @@ PREFIX = "up-"
 
 
 @pytest.fixture(scope="module")
-def lower(worker_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A second dev cluster with one worker, beside the session's upper one, for this module."""
-    cluster = Cluster(f"lowerw-{os.getpid()}", root=tmp_path_factory.mktemp("lowerw"))
-    cluster.up(
-        workers=1,
-        progress=lambda m: print(f"[lowerw] {m}", file=sys.stderr, flush=True),
-        tie_to_parent=True,
-    )
-    try:
-        yield cluster
-    finally:
-        cluster.down()
-
-
-@pytest.fixture(scope="module")
 def virtual_node(
     worker_cluster: Cluster,
     worker_kubectl: Kubectl,
-    lower: Cluster,
+    lower_workers: Cluster,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
     """A cluster-provider agent on this machine: the lower cluster as a node of the upper one."""
-    workdir = tmp_path_factory.mktemp("vk-lowerw")
-    name = f"vk-lowerw-{uuid.uuid4().hex[:6]}"
-    config = workdir / "lower.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "kubeconfig": str(lower.kubeconfig),
-                "upperClusterID": f"rw-{uuid.uuid4().hex[:6]}",
-                "namespaces": {"prefix": PREFIX},
-            }
-        )
-    )
-    agent = start_agent(
-        worker_cluster, workdir, provider="cluster", config=config, name=name, address="127.0.0.1"
-    )
-    try:
-        wait_for(lambda: node_ready(worker_kubectl, name), timeout=90, what=f"node {name} Ready")
-        yield name
-    finally:
-        agent.stop()
-        worker_kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
-        print(agent.log()[-8000:])
+    settings = {"upperClusterID": f"rw-{uuid.uuid4().hex[:6]}", "namespaces": {"prefix": PREFIX}}
+    with lower_as_virtual_node(
+        worker_cluster,
+        worker_kubectl,
+        lower_workers,
+        tmp_path_factory.mktemp("vk-lowerw"),
+        f"vk-lowerw-{uuid.uuid4().hex[:6]}",
+        settings,
+    ) as node:
+        yield node.name
 
 
 @pytest.fixture(scope="module")
@@ -159,16 +128,16 @@ def fetch(kubectl: Kubectl, ns: str, pod: str, url: str) -> str:
     return result.stdout.strip() if result.returncode == 0 else ""
 
 
-def lower_pod(lower: Cluster, ns: str, name: str) -> JSON:
-    found: JSON = Kubectl(lower.kubeconfig).json("-n", PREFIX + ns, "get", "pod", name)
+def lower_pod(lower_workers: Cluster, ns: str, name: str) -> JSON:
+    found: JSON = Kubectl(lower_workers.kubeconfig).json("-n", PREFIX + ns, "get", "pod", name)
     return found
 
 
 def test_an_upper_pod_runs_as_a_real_container_on_the_lower_worker_with_its_address(
-    lower: Cluster, ns: str, pods: dict[str, JSON]
+    lower_workers: Cluster, ns: str, pods: dict[str, JSON]
 ) -> None:
-    below = lower_pod(lower, ns, "below")
-    (worker,) = lower.workers()
+    below = lower_pod(lower_workers, ns, "below")
+    (worker,) = lower_workers.workers()
     assert below["spec"]["nodeName"] == worker.name
     assert below["status"]["containerStatuses"][0]["ready"] is True
     ip = pods["below"]["status"]["podIP"]
@@ -235,14 +204,14 @@ def test_the_pod_below_reaches_an_upper_worker_pod_by_address(
 
 
 def test_the_pod_below_reaches_a_lower_service_by_its_lower_dns_name(
-    worker_kubectl: Kubectl, lower: Cluster, ns: str, pods: dict[str, JSON]
+    worker_kubectl: Kubectl, lower_workers: Cluster, ns: str, pods: dict[str, JSON]
 ) -> None:
     """Upper pods running below resolve names with the lower cluster's DNS (the lower kubelet's
     clusterDNS): a Service of the lower cluster is reached by its lower name."""
-    lk = Kubectl(lower.kubeconfig)
+    lk = Kubectl(lower_workers.kubeconfig)
     lower_ns = create_namespace(lk, f"lw-{uuid.uuid4().hex[:6]}")
     try:
-        image = lower.image_reference("busybox")
+        image = lower_workers.image_reference("busybox")
         for item in (busybox_pod(image, "local", HTTPD), service("local")):
             lk("-n", lower_ns, "apply", "-f", "-", input=json.dumps(item))
         lk("-n", lower_ns, "wait", "--for=condition=Ready", "pod/local", "--timeout=120s")
@@ -256,13 +225,13 @@ def test_the_pod_below_reaches_a_lower_service_by_its_lower_dns_name(
 
 
 def test_the_pod_below_runs_with_a_token_of_the_lower_service_account_that_the_lower_api_accepts(
-    worker_kubectl: Kubectl, lower: Cluster, ns: str, pods: dict[str, JSON], tmp_path: Path
+    worker_kubectl: Kubectl, lower_workers: Cluster, ns: str, pods: dict[str, JSON], tmp_path: Path
 ) -> None:
     """The lower cluster mints the token (`serviceAccountTokens: lower`): no upper credential
     goes down, and the one mounted works against the lower apiserver as the lower account."""
     path = "/var/run/secrets/kubernetes.io/serviceaccount/token"
     token = worker_kubectl("-n", ns, "exec", "below", "--", "cat", path).stdout.strip()
-    config = yaml.safe_load(lower.kubeconfig.read_text())
+    config = yaml.safe_load(lower_workers.kubeconfig.read_text())
     for user in config["users"]:
         user["user"] = {"token": token}
     as_pod = tmp_path / "as-pod.kubeconfig"
