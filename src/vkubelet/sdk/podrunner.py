@@ -68,7 +68,6 @@ class PodRunner:
         restart_counts: Mapping[str, int] | None = None,
         start_time: datetime | None = None,
         confirms_start: bool = False,
-        pod_ips_pending: bool = False,
     ) -> None:
         """`probe_transport`: how the probe engine reaches the containers; with it, the pod's
         liveness, readiness and startup probes run (a liveness failure ends the run: SIGTERM,
@@ -76,11 +75,7 @@ class PodRunner:
         their Events. `restart_counts`: where each container's runs start counting (a pod
         adopted after an agent restart keeps its restart counts). `start_time`: the pod's
         `status.startTime` (default: now; an adopted pod keeps its own). `confirms_start`: each
-        run is `Waiting: ContainerCreating` until the provider calls `confirm_start`.
-        `pod_ips_pending`: the status shows no pod IP until `publish_pod_ips` (the address is
-        the pod's only from then on: a VM's migration target holds the address its source
-        still serves, and an endpoint of it, not ready, would shadow the source's in
-        kube-proxy, which keeps one endpoint per address); probes use `pod_ips` already."""
+        run is `Waiting: ContainerCreating` until the provider calls `confirm_start`."""
         assert pod.metadata is not None and pod.spec is not None
         self.pod = pod
         self.reports: dict[str, ContainerReport] = {}
@@ -97,7 +92,6 @@ class PodRunner:
         self._run, self._signal = run, signal_container
         self._first_runs = dict(restart_counts or {})
         self._host_ip, self._pod_ips = host_ip, list(pod_ips)
-        self._pod_ips_pending = pod_ips_pending
         self._on_change = on_change
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()  # set at every container state change
@@ -149,12 +143,6 @@ class PodRunner:
         self._changed.set()
         self._on_change()
 
-    def publish_pod_ips(self) -> None:
-        """The pod's IPs are its own now: the status shows them (see `pod_ips_pending`)."""
-        if self._pod_ips_pending:
-            self._pod_ips_pending = False
-            self._on_change()
-
     def set_condition(
         self, kind: str, status: str, reason: str | None = None, message: str | None = None
     ) -> None:
@@ -187,8 +175,6 @@ class PodRunner:
             terminating=self.stopping,
             extra_conditions=list(self._conditions.values()),
         )
-        if self._pod_ips_pending:
-            self._status.podIP, self._status.podIPs = None, None
         return self._status
 
     def _shown(self, name: str, report: ContainerReport) -> ContainerReport:
@@ -370,7 +356,6 @@ class RunnerProvider:
         restart_counts: Mapping[str, int] | None = None,
         start_time: datetime | None = None,
         confirms_start: bool = False,
-        pod_ips_pending: bool = False,
     ) -> PodRunner:
         key, pod, events = f"{resolved.namespace}/{resolved.name}", resolved.pod, self.events
 
@@ -390,7 +375,6 @@ class RunnerProvider:
             restart_counts=restart_counts,
             start_time=start_time,
             confirms_start=confirms_start,
-            pod_ips_pending=pod_ips_pending,
         )
         self.runners[key] = runner
         runner.start()

@@ -175,15 +175,6 @@ class PodProbes:
         run = self._runs.get(container)
         return run is not None and run.started.is_set()
 
-    def probe_readiness_now(self, container: str) -> None:
-        """Run `container`'s readiness probe now rather than at its next period (its initial
-        delay still applies): the provider knows the container just became reachable (a VM
-        that arrived on this node by live migration), and a Service should not wait a period
-        for it."""
-        run = self._runs.get(container)
-        if run is not None and "readiness" in run.workers:
-            run.wake_readiness.set()
-
     def stop(self) -> None:
         for run in self._runs.values():
             run.stop()

@@ -271,16 +271,11 @@ def test_a_worker_pod_polling_the_vm_s_service_sees_one_address_through_power_an
     report = lab.kubectl.json("-n", lab.namespace, "get", "vmmigration", "keep-moves")["status"]
 
     log = lab.k("exec", "client", "--", "cat", "/tmp/poll.log").stdout
-    gaps: dict[tuple[str, str], float] = {}
     for tag, what in (("ok", "through the Service"), ("ip", "to the VM's address")):
         windows = _windows(log, tag)
         for name, (start, end, seen) in windows.items():
-            gaps[name, tag] = gap = _longest_gap(start, end, seen)
+            gap = _longest_gap(start, end, seen)
             count = f"{len(seen)} answers in {end - start:.1f} s"
             print(f"{name}, {what}: {count}, longest gap {gap:.2f} s")
         assert all(seen for _, _, seen in windows.values()), tag
     print(f"QEMU's downtime of the migration: {report.get('downtimeMilliseconds')} ms")
-    # The Service adds no gap of its own beyond the network's: the target pod has no podIP
-    # (no endpoint shadowing the source's) until the guest runs there, and is probed at once
-    # then (margin: one kube-proxy sync and TCG on a loaded machine).
-    assert gaps["migration", "ok"] <= gaps["migration", "ip"] + 1.5, gaps

@@ -279,33 +279,3 @@ async def test_finish_ends_the_pod_with_its_run_under_always_and_its_own_reason(
     assert terminated is not None and terminated.reason == "Migrated"
     await asyncio.sleep(0.2)
     assert runs == [0] and signals == []  # not restarted, nothing signalled
-
-
-async def test_pending_pod_ips_stay_out_of_the_status_until_published() -> None:
-    """A VM's migration target holds the address its source still serves: an endpoint of the
-    target (not ready) would shadow the source's in kube-proxy (one endpoint per address)."""
-    fake = Fake()
-    pushed: list[str | None] = []
-    runner: PodRunner | None = None
-
-    def on_change() -> None:
-        assert runner is not None
-        pushed.append(runner.status().podIP)
-
-    runner = PodRunner(
-        pod([{"name": "a"}]),
-        fake.run,
-        fake.signal,
-        host_ip="10.0.0.1",
-        pod_ips=["10.1.0.7"],
-        on_change=on_change,
-        pod_ips_pending=True,
-    )
-    runner.start()
-    await eventually(lambda: runner.running("a"))
-    status = runner.status()
-    assert status.podIP is None and status.podIPs is None  # not even the host's address
-    runner.publish_pod_ips()
-    assert pushed[-1] == "10.1.0.7"
-    assert [ip.ip for ip in runner.status().podIPs or []] == ["10.1.0.7"]
-    await runner.stop(5)

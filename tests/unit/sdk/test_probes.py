@@ -250,18 +250,6 @@ async def test_the_period_and_timeout_come_from_the_probe(harness: Harness) -> N
     assert harness.transport.limits[0] == pytest.approx(3 * SECOND)
 
 
-async def test_readiness_probed_now_runs_at_once_rather_than_at_the_next_period(
-    harness: Harness,
-) -> None:
-    harness.transport.canned["check"] = [1, 0]  # fails first (no route back yet), then passes
-    probes = harness.start(make_pod(readiness=exec_probe("check", periodSeconds=600)))
-    await eventually(lambda: len(harness.transport.probes) == 1)
-    assert not harness.ready
-    probes.probe_readiness_now("main")
-    await eventually(lambda: harness.ready, within=2)  # not 600 periods (30 s) later
-    assert harness.transport.probes == ["check", "check"]
-
-
 # -- startup --------------------------------------------------------------------------------------
 async def test_a_startup_probe_holds_liveness_and_readiness_back_until_it_succeeds(
     harness: Harness,

@@ -96,8 +96,7 @@ class Migrations:
             # Its route and gateway first: the console history may take seconds to come,
             # and until then answers from the guest would go to the source's gateway.
             network = await self._claim(vm)
-            self._runs_here(runner)
-            host.spawn(self._readdress(vm, machine, network, runner), name=f"readdress {vm.uid}")
+            host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
             history = await incoming.history(HISTORY_TIMEOUT)
             cri_log = host.log_path(vm.uid, vm.container, run)
             cri_log.parent.mkdir(parents=True, exist_ok=True)
@@ -118,12 +117,6 @@ class Migrations:
         vm.save()
         runner.set_condition(TARGET_CONDITION, "False", "Completed", "the VM runs here")
         self.host.event(vm, "Normal", "Migrated", "the VM arrived and runs here")
-
-    @staticmethod
-    def _runs_here(runner: PodRunner) -> None:
-        """The guest runs here (its route too): the pod's address is its own from now on, and
-        its status shows it (before, an endpoint of it would shadow the source's)."""
-        runner.publish_pod_ips()
 
     async def resume_incoming(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
         """An adopted target the VM had not (yet, as far as we knew) arrived at. Its ports died
@@ -146,11 +139,10 @@ class Migrations:
             raise
         self._arrived(vm, runner)
         network = await self._claim(vm)
-        self._runs_here(runner)
         log.warning("%s: the VM arrived while no agent ran: its console history is lost", vm.uid)
         with contextlib.suppress(MonitorUnavailable, ExecuteError):
             await monitor.execute("nbd-server-stop")
-        self.host.spawn(self._readdress(vm, machine, network, runner), name=f"readdress {vm.uid}")
+        self.host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
 
     async def _claim(self, vm: VM) -> GuestAddress | None:
         """The guest's address routes here now, first thing after its arrival: a VM that
@@ -162,11 +154,10 @@ class Migrations:
             return None
 
     async def _readdress(
-        self, vm: VM, machine: MachineHandle, network: GuestAddress | None, runner: PodRunner
+        self, vm: VM, machine: MachineHandle, network: GuestAddress | None
     ) -> None:
         """The guest still has the source's view of its network (its address, unless it
-        keeps it; the source's gateway): give it this node's. Then its readiness is probed
-        again at once: a probe before may have failed only for want of the route back."""
+        keeps it; the source's gateway): give it this node's."""
         if network is None or network.gateway is None or machine.agent is None:
             return
         try:
@@ -177,8 +168,6 @@ class Migrations:
         if why is not None:
             message = f"could not give the guest its address {network.address} here: {why}"
             self.host.event(vm, "Warning", "MigrationReaddressFailed", message)
-        if runner.probes is not None:
-            runner.probes.probe_readiness_now(vm.container)
 
     # -- source: the record ----------------------------------------------------------------------
     @staticmethod

@@ -339,9 +339,7 @@ class VMProvider(RunnerProvider):
             start_time=vm.start_time,
             previous=vm.status,
         )
-        # Not known yet (no address rather than the node's), or a migration target's,
-        # which is the source's until the VM arrives (see `PodRunner`'s `pod_ips_pending`).
-        if not vm.address or self.migrations.is_target(vm):
+        if not vm.address:  # not known yet: no address rather than the node's
             vm.status.podIP, vm.status.podIPs = None, None
         self._push(Pod(metadata=vm.pod.metadata, spec=vm.pod.spec, status=vm.status))
 
@@ -554,8 +552,6 @@ class VMProvider(RunnerProvider):
             restart_counts={vm.container: restart_count},
             start_time=vm.start_time,
             confirms_start=True,  # Running once the guest is up, not when QEMU starts
-            # A migration target: its address is the source's until the VM arrives.
-            pod_ips_pending=self.migrations.is_target(vm),
         )
 
     async def _run(self, key: str, vm: VM, count: int) -> int | Terminated:

@@ -53,11 +53,6 @@ class Runner:
     def __init__(self) -> None:
         self.conditions: dict[str, tuple[str, str, str]] = {}
         self.finished = False
-        self.probes = None
-        self.ips_published = False
-
-    def publish_pod_ips(self) -> None:
-        self.ips_published = True
 
     def set_condition(self, kind: str, status: str, reason: str, message: str) -> None:
         self.conditions[kind] = (status, reason, message)
@@ -161,7 +156,7 @@ def _target(tmp_path: Path) -> tuple[Migrations, Any, Runner]:
         event=lambda vm, kind, reason, message: None,
         spawn=lambda coro, name: spawned.append(coro.close()),
     )
-    vm = SimpleNamespace(dir=tmp_path, uid="u2", container="vm", launch=Launch(), save=lambda: None)
+    vm = SimpleNamespace(dir=tmp_path, uid="u2", launch=Launch(), save=lambda: None)
     return Migrations(host), vm, Runner()
 
 
@@ -177,7 +172,6 @@ async def test_a_restarted_target_agent_takes_a_vm_that_arrived_or_is_arriving(
     await migrations.resume_incoming(vm, SimpleNamespace(monitor=qemu), runner)  # type: ignore[arg-type]
     assert vm.launch.migrated_in is True
     assert runner.conditions["vm.vkubelet.io/MigrationTarget"][1] == "Completed"
-    assert runner.ips_published  # its address is its own now
 
 
 async def test_a_restarted_target_agent_stops_a_target_no_stream_reached(tmp_path: Path) -> None:
@@ -186,5 +180,5 @@ async def test_a_restarted_target_agent_stops_a_target_no_stream_reached(tmp_pat
     qemu = FakeTarget(["inmigrate"], None)
     with pytest.raises(MigrationError, match="restarted before the VM came"):
         await migrations.resume_incoming(vm, SimpleNamespace(monitor=qemu), runner)  # type: ignore[arg-type]
-    assert not vm.launch.migrated_in and not runner.ips_published
+    assert not vm.launch.migrated_in
     assert runner.conditions["vm.vkubelet.io/MigrationTarget"][1] == "Failed"
