@@ -1,8 +1,8 @@
 """Render the plain manifests deploy/manifests/<provider>.yaml from the chart (`make manifests`).
 
 Each is the chart with deploy/helm/vkubelet/ci/<provider>-values.yaml, in the namespace
-vkubelet-system (a Namespace object included), for the pinned Kubernetes version; the vm one
-with the VirtualMachine CRDs, which the chart's crds/ copies from src/vkubelet/vmcontroller/crds.
+vkubelet-system (a Namespace object included), for the pinned Kubernetes version. (No vm one:
+the chart refuses the vm provider, docs/host-install.md.)
 `--check` renders into memory and fails if a file differs: the integration test runs it, so the
 manifests cannot drift from the chart. helm is built from its Go module, cached on first use.
 """
@@ -20,9 +20,7 @@ DEPLOY = Path(__file__).resolve().parent
 CHART = DEPLOY / "helm" / "vkubelet"
 MANIFESTS = DEPLOY / "manifests"
 NAMESPACE = "vkubelet-system"
-PROVIDERS = ("mock", "ssh", "cluster", "vm")
-# The chart's crds/ copy the VM controller's own (which `vkubelet vm install-crds` applies).
-CRD_SOURCE = DEPLOY.parent / "src" / "vkubelet" / "vmcontroller" / "crds"
+PROVIDERS = ("mock", "ssh", "cluster")
 HEADER = (
     "# Rendered from deploy/helm/vkubelet with ci/{provider}-values.yaml by `make manifests`;\n"
     "# do not edit (tests/integration/test_helm_chart.py fails when it differs from the chart).\n"
@@ -41,7 +39,6 @@ def render(provider: str, helm: Path | None = None) -> str:
             NAMESPACE,
             "--kube-version",
             kubernetes_version(),
-            *(["--include-crds"] if provider == "vm" else []),
             "--values",
             str(CHART / "ci" / f"{provider}-values.yaml"),
             "--set",
@@ -59,13 +56,6 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if a file is out of date")
     args = parser.parse_args()
     stale = []
-    for source in sorted(CRD_SOURCE.glob("*.yaml")):
-        copy = CHART / "crds" / source.name
-        if args.check:
-            if not copy.is_file() or copy.read_bytes() != source.read_bytes():
-                stale.append(str(copy.relative_to(DEPLOY.parent)))
-        else:
-            copy.write_bytes(source.read_bytes())
     for provider in PROVIDERS:
         path = MANIFESTS / f"{provider}.yaml"
         text = render(provider)

@@ -41,8 +41,11 @@ vkubelet.io/provider: {{ include "vkubelet.provider" . }}
 {{- $names = list .Values.provider -}}
 {{- end -}}
 {{- range $names -}}
-{{- if not (has . (list "mock" "ssh" "cluster" "vm")) -}}
-{{- fail (printf "provider %q: expected one of mock, ssh, cluster, vm" .) -}}
+{{- if eq . "vm" -}}
+{{- fail "provider vm: the chart does not run VMs. QEMU in the agent's container would count guest memory against its limit, die with every agent restart and go unreaped, and a replica on another host would boot the VMs afresh without their disks. Run the vm provider as a service on each hypervisor host instead: docs/host-install.md" -}}
+{{- end -}}
+{{- if not (has . (list "mock" "ssh" "cluster")) -}}
+{{- fail (printf "provider %q: expected one of mock, ssh, cluster (vm: docs/host-install.md)" .) -}}
 {{- end -}}
 {{- end -}}
 {{- $names | uniq | sortAlpha | join "," -}}
