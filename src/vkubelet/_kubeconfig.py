@@ -50,9 +50,7 @@ def load_kubeconfig(path: Path | str | None = None) -> KubeConfig:
         return KubeConfig.from_file(default)
     account = service_account_dir()
     if (account / "token").is_file():
-        if not os.environ.get("KUBERNETES_SERVICE_PORT"):
-            raise ConfigError("KUBERNETES_SERVICE_HOST is set but KUBERNETES_SERVICE_PORT is not")
-        return KubeConfig.from_service_account(account)
+        return service_account_kubeconfig()
     if default.is_file():
         return KubeConfig.from_file(default)
     raise ConfigError(
@@ -60,6 +58,22 @@ def load_kubeconfig(path: Path | str | None = None) -> KubeConfig:
         f"(automountServiceAccountToken: false? ${SERVICE_ACCOUNT_DIR_ENV} names another "
         f"directory) and there is no kubeconfig ({default}, $KUBECONFIG or --kubeconfig)"
     )
+
+
+def service_account_kubeconfig() -> KubeConfig:
+    """The pod's own service account, whatever `$KUBECONFIG` says: what an agent in a pod
+    bootstraps its node identity with (`--bootstrap-in-cluster`)."""
+    account = service_account_dir()
+    if not in_cluster():
+        raise ConfigError("not in a pod: KUBERNETES_SERVICE_HOST is not set")
+    if not os.environ.get("KUBERNETES_SERVICE_PORT"):
+        raise ConfigError("KUBERNETES_SERVICE_HOST is set but KUBERNETES_SERVICE_PORT is not")
+    if not (account / "token").is_file():
+        raise ConfigError(
+            f"in a pod but {account}/token does not exist (automountServiceAccountToken: false? "
+            f"${SERVICE_ACCOUNT_DIR_ENV} names another directory)"
+        )
+    return KubeConfig.from_service_account(account)
 
 
 def load_context(path: Path | str | None = None, context: str | None = None) -> SingleConfig:

@@ -169,6 +169,14 @@ def run(
             "and write --kubeconfig with it (like a kubelet)."
         ),
     ] = None,
+    bootstrap_in_cluster: Annotated[
+        bool,
+        typer.Option(
+            help="As --bootstrap-kubeconfig, with the pod's own service account (it needs create "
+            "on certificatesigningrequests and certificatesigningrequests/nodeclient); with "
+            "--leader-elect that account writes the Leases (the Helm chart's identity: node)."
+        ),
+    ] = False,
     log_format: Annotated[LogFormat, typer.Option(help="Log line format.")] = LogFormat.text,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
     vm_controller: Annotated[
@@ -274,6 +282,7 @@ def run(
             agent_config.approve_csrs = approve_own_csrs
         if bootstrap_kubeconfig:
             agent_config.bootstrap_kubeconfig = bootstrap_kubeconfig
+        agent_config.bootstrap_in_cluster |= bootstrap_in_cluster
         agent_config.insecure_kubelet_api |= insecure_kubelet_api
         agent_config.kubelet_api &= kubelet_api
         replicas = _replica_options(
@@ -286,8 +295,11 @@ def run(
         if replicas is not None and agent_config.bootstrap_kubeconfig is not None:
             raise ConfigError(
                 "--leader-elect/--shard need an identity allowed to write Leases, not a "
-                "bootstrap (node) identity"
+                "bootstrap (node) identity (--bootstrap-in-cluster writes them with the pod's "
+                "service account)"
             )
+        if replicas is not None and replicas.shard and agent_config.bootstrap_in_cluster:
+            raise ConfigError("--shard shares several nodes; a node identity is one node's")
         if replicas is not None and not replicas.shard:
             from .agent import agent_factory, run_leader_elected
 

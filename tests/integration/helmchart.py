@@ -69,6 +69,7 @@ class Installed:
     account: str
     deployment: JSON
     files: dict[str, str]  # the projected /etc/vkubelet: ConfigMap and Secret files
+    identity: str  # the chart's `identity`: node, or serviceAccount
 
     @property
     def node(self) -> str:
@@ -76,7 +77,15 @@ class Installed:
 
     @property
     def user(self) -> str:
+        """The chart's ServiceAccount (with `identity: node` it only obtains the node's)."""
         return f"system:serviceaccount:{self.namespace}:{self.account}"
+
+    @property
+    def acting_as(self) -> tuple[str, ...]:
+        """kubectl's impersonation flags for whoever the agent acts as."""
+        if self.identity == "node":
+            return ("--as", f"system:node:{self.node}", "--as-group", "system:nodes")
+        return ("--as", self.user)
 
     @property
     def container(self) -> JSON:
@@ -113,9 +122,10 @@ def installed_chart(
     for secret in (d for d in docs if d["kind"] == "Secret"):
         files.update(secret.get("stringData") or {})
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    identity = values.get("identity", "node")  # the chart's default
     try:
         kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in others))
-        yield Installed(namespace, list(devices) or [node], account, deployment, files)
+        yield Installed(namespace, list(devices) or [node], account, deployment, files, identity)
     finally:
         for doc in others:
             if doc["kind"] in {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}:
@@ -191,11 +201,19 @@ def agent_as_pod(
     port = int(next(a for a in args if a.startswith("--kubelet-port=")).split("=")[1])
     running = PodAgent(proc, log_path, port, root / "home")
     try:
+        # The serving CSRs come from the agent's account, or from the node itself; a node
+        # identity's client CSR is kube-controller-manager's to approve, never ours.
+        requesters = {installed.user, *(f"system:node:{node}" for node in installed.nodes)}
 
         def approved_and_ready() -> bool:
-            """Approve what the account asked for so far (one CSR per node); all Ready?"""
+            """Approve the serving CSRs asked for so far (one per node); all Ready?"""
             for csr in kubectl.json("get", "csr")["items"]:
-                if csr["spec"].get("username") == installed.user and not csr.get("status"):
+                spec = csr["spec"]
+                if (
+                    spec.get("username") in requesters
+                    and spec.get("signerName") == "kubernetes.io/kubelet-serving"
+                    and not csr.get("status")
+                ):
                     kubectl("certificate", "approve", csr["metadata"]["name"])
             assert proc.poll() is None, running.log()
             return all(node_ready(kubectl, node) for node in installed.nodes)
@@ -247,8 +265,9 @@ def pod_runs_and_logs(kubectl: Kubectl, installed: Installed) -> str:
 
 
 def can_i(kubectl: Kubectl, installed: Installed, verb: str, resource: str, namespace: str) -> str:
-    """`kubectl auth can-i` as the chart's account; `resource` may be resource/subresource
-    (kubectl would read that as resource/name) or resource:name."""
+    """`kubectl auth can-i` as whoever the agent acts as (its node, or the chart's account);
+    `resource` may be resource/subresource (kubectl would read that as resource/name) or
+    resource:name."""
     args = ["auth", "can-i", verb]
     resource, _, name = resource.partition(":")
     resource, _, subresource = resource.partition("/")
@@ -257,7 +276,7 @@ def can_i(kubectl: Kubectl, installed: Installed, verb: str, resource: str, name
         args.append(f"--subresource={subresource}")
     if namespace:
         args += ["-n", namespace]
-    return kubectl(*args, "--as", installed.user, check=False).stdout.strip()
+    return kubectl(*args, *installed.acting_as, check=False).stdout.strip()
 
 
 def refusals(log: str) -> list[str]:

@@ -9,6 +9,7 @@ registers its node, runs a pod, serves its logs, and may do nothing it does not 
 
 from __future__ import annotations
 
+import json
 import ssl
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 import yaml
 
 from vkubelet.devcluster import Cluster, ensure_helm, kubernetes_version
-from vkubelet.testing import Kubectl
+from vkubelet.testing import Kubectl, wait_for
 
 from .helmchart import (
     CHART,
@@ -81,9 +82,11 @@ def test_each_provider_passes_lint_and_a_server_side_dry_run(
 
 @pytest.fixture(scope="module")
 def installed(helm: Path, kubectl: Kubectl) -> Iterator[Installed]:
-    """The mock chart's ServiceAccount, ConfigMap and RBAC exactly as rendered."""
+    """The mock chart's ServiceAccount, ConfigMap and RBAC exactly as rendered, with the
+    fallback identity (`identity: serviceAccount`): the grants below are its RBAC's."""
     node = f"vk-helm-{uuid.uuid4().hex[:6]}"
-    with installed_chart(helm, kubectl, node, {"providerConfig": {node: {"pods": "20"}}}) as chart:
+    values = {"identity": "serviceAccount", "providerConfig": {node: {"pods": "20"}}}
+    with installed_chart(helm, kubectl, node, values) as chart:
         yield chart
 
 
@@ -180,3 +183,87 @@ def test_the_charts_account_may_do_what_the_agent_needs(
     installed: Installed, kubectl: Kubectl, verb: str, resource: str, namespace: str
 ) -> None:
     assert can_i(kubectl, installed, verb, resource, namespace) == "yes"
+
+
+def test_the_default_node_identity_reads_only_what_its_pods_reference(
+    helm: Path, kube_cluster: Cluster, kubectl: Kubectl, tmp_path: Path
+) -> None:
+    """The chart's default, `identity: node`: the ServiceAccount only obtains the node's client
+    certificate (kube-controller-manager approves its CSR, no human step); the agent then acts as
+    system:node:<name> under the Node authorizer. Its pods run and serve logs, a Secret a pod
+    references is read, and neither the account nor the node may list Secrets cluster-wide."""
+    node = f"vk-helm-node-{uuid.uuid4().hex[:6]}"
+    values = {"providerConfig": {node: {"pods": "20"}}}  # the default identity
+    with (
+        installed_chart(helm, kubectl, node, values) as installed,
+        agent_as_pod(installed, kube_cluster, kubectl, tmp_path / "pod") as agent,
+    ):
+        assert "--bootstrap-in-cluster" in installed.container["args"]
+        # The node's client certificate: asked for by the account, approved by the controller.
+        (csr,) = [
+            c
+            for c in kubectl.json("get", "csr")["items"]
+            if c["spec"]["username"] == installed.user
+            and c["spec"]["signerName"] == "kubernetes.io/kube-apiserver-client-kubelet"
+        ]
+        assert csr["status"]["conditions"][0]["reason"] == "AutoApproved"
+        as_node = Kubectl(tmp_path / "pod" / "state" / "pki" / f"{node}.kubeconfig")
+        whoami = json.loads(as_node("auth", "whoami", "-o", "json").stdout)
+        assert whoami["status"]["userInfo"]["username"] == f"system:node:{node}"
+
+        # A pod whose env names a Secret runs (the node read that Secret) and serves its logs.
+        where = ("-n", installed.namespace)
+        kubectl(*where, "create", "secret", "generic", "mine", "--from-literal=k=from-a-secret")
+        kubectl(*where, "create", "secret", "generic", "other", "--from-literal=k=not-yours")
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "p",
+                "namespace": installed.namespace,
+                "annotations": {"mock.vkubelet.io/print-env": "true"},
+            },
+            "spec": {
+                "nodeName": node,
+                "tolerations": [{"operator": "Exists"}],
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "busybox",
+                        "env": [
+                            {
+                                "name": "K",
+                                "valueFrom": {"secretKeyRef": {"name": "mine", "key": "k"}},
+                            }
+                        ],
+                    }
+                ],
+            },
+        }
+        kubectl.apply(pod)
+        wait_for(
+            lambda: kubectl.json(*where, "get", "pod", "p")["status"].get("phase") == "Running",
+            what="pod p Running",
+        )
+        wait_for(
+            lambda: "K=from-a-secret" in kubectl(*where, "logs", "p", check=False).stdout,
+            what="the Secret's value in kubectl logs",
+        )
+
+        # With its own credentials, for real: no Secret it was not given, no list of any.
+        refused = as_node("get", "secrets", "-A", check=False)
+        assert refused.returncode != 0 and "forbidden" in refused.stderr.lower()
+        other = as_node(*where, "get", "secret", "other", check=False)
+        assert other.returncode != 0 and "forbidden" in other.stderr.lower()
+        assert as_node(*where, "get", "secret", "mine", "-o", "name").stdout.strip()
+        # ...and the account it was obtained with may not either.
+        for verb in ("list", "watch", "get"):
+            answer = kubectl("auth", "can-i", verb, "secrets", "-A", "--as", installed.user,
+                             check=False).stdout.strip()  # fmt: skip
+            assert answer == "no", (verb, answer)
+        # The Node authorizer's answer to the node: "no - node: No Object name found".
+        assert can_i(kubectl, installed, "list", "secrets", "").startswith("no")
+        assert can_i(kubectl, installed, "list", "configmaps", "").startswith("no")
+
+        kubectl(*where, "delete", "pod", "p", "--wait=true", timeout=90)
+        assert "forbidden" not in agent.log().lower(), agent.log()

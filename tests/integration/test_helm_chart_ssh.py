@@ -73,7 +73,12 @@ def lab(
     with ssh_lab(2, workdir / "lab") as devices:
         secret_files = {f"{d.name}.key": d.key_path.read_text() for d in devices}
         secret_files["known_hosts"] = "".join(d.known_hosts.read_text() for d in devices)
-        values = {"provider": "ssh", "providerConfig": inventory(devices), "logLevel": "debug"}
+        values = {
+            "provider": "ssh",
+            "identity": "serviceAccount",  # a fleet: one node identity would not do
+            "providerConfig": inventory(devices),
+            "logLevel": "debug",
+        }
         values["secretFiles"] = secret_files
         names = [d.name for d in devices]
         with (

@@ -48,6 +48,7 @@ def release(
             node: {"cpu": "8", "memory": "32Gi", "pods": "110", "stateFile": "/backend/state.json"}
         },
         "servingCertificate": {"approveOwnCSRs": True},
+        "identity": "serviceAccount",  # a node identity may not approve its own CSRs
         "logFormat": "text",
         "extraVolumes": [
             {"name": "backend", "hostPath": {"path": str(backend), "type": "Directory"}}
@@ -221,6 +222,7 @@ def test_the_cluster_provider_runs_as_a_pod_and_kubectl_exec_reaches_a_real_proc
         "providerConfig": {"kubeconfig": "lower.kubeconfig"},
         "secretFiles": {"lower.kubeconfig": lower_with_worker.kubeconfig.read_text()},
         "servingCertificate": {"approveOwnCSRs": True},
+        "identity": "serviceAccount",  # a node identity may not approve its own CSRs
         "logFormat": "text",
     }
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))

@@ -17,6 +17,7 @@ import socket
 import ssl
 import weakref
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from ..kube import KubeClient
 from ..kubelet import KubeletAuth, KubeletServer
@@ -165,15 +166,20 @@ class Agent:
             name in f.members or name in f.draining for f in self.fleets
         )
 
+    async def own_kubeconfig(self) -> Path | None:
+        """The kubeconfig the agent acts with: its node identity's, obtained first when it
+        bootstraps one; else the configured one (None: found as client-go finds it)."""
+        if self.identity is None:
+            return self.config.kubeconfig
+        await self.identity.ensure()
+        return self.identity.kubeconfig
+
     async def _connect(self) -> None:
         """Get a client identity if bootstrapping, then the client and the node agents."""
-        kubeconfig = self.config.kubeconfig
-        if self.identity is not None:
-            await self.identity.ensure()
-            kubeconfig = self.identity.kubeconfig
         if self._client is None:
+            kubeconfig = await self.own_kubeconfig()
             if self.replicas is not None and self.replicas.shard:
-                self._client = fenced_client(self.config, lambda: self._may_write())
+                self._client = fenced_client(kubeconfig, self.config.client, self._may_write)
             else:
                 self._client = KubeClient.from_kubeconfig(kubeconfig, options=self.config.client)
         self._services = ServiceCache(self.client)  # one Service watch for all nodes

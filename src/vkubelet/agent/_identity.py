@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 from ..kube import ApiError, KubeClient, Unreachable
 from ..node import AgentConfig, ClientIdentity, ConfigError, NodeAgent
@@ -16,17 +17,29 @@ log = logging.getLogger(__name__)
 
 
 def bootstrap_identity(config: AgentConfig) -> ClientIdentity | None:
-    """The node identity to obtain, when a bootstrap kubeconfig is given."""
-    if config.bootstrap_kubeconfig is None:
+    """The node identity to obtain, when a bootstrap kubeconfig (or the pod's service account,
+    `bootstrap_in_cluster`) is given."""
+    if config.bootstrap_kubeconfig is None and not config.bootstrap_in_cluster:
         return None
+    if config.bootstrap_kubeconfig is not None and config.bootstrap_in_cluster:
+        raise ConfigError("--bootstrap-kubeconfig or --bootstrap-in-cluster: not both")
     if len(config.nodes) != 1:
-        raise ConfigError("a bootstrap kubeconfig gives one node identity: serve one node")
+        raise ConfigError("a bootstrap identity gives one node identity: serve one node")
     name = config.nodes[0].settings.name
     return ClientIdentity(
         kubeconfig=config.kubeconfig or config.cert_dir / f"{name}.kubeconfig",
         bootstrap=config.bootstrap_kubeconfig,
+        bootstrap_in_cluster=config.bootstrap_in_cluster,
         node_name=name,
     )
+
+
+def lease_kubeconfig(config: AgentConfig) -> Path | None:
+    """Whose credentials write the replicas' Leases: the agent's own, but for a node identity
+    bootstrapped with the pod's service account, which may write Leases in its namespace where
+    `system:node:<name>` may not (there `--kubeconfig` names the node identity's file; None is
+    the environment's account, in a pod its service account)."""
+    return None if config.bootstrap_in_cluster else config.kubeconfig
 
 
 async def identify(client: KubeClient, nodes: Sequence[NodeAgent]) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from ..kube import KubeClient, KubeLeases, LeaderElector, LeaseTiming
 from ..node import AgentConfig
 from ._agent import Agent
+from ._identity import lease_kubeconfig
 from ._leases import (
     GROUP_LABEL,
     ROLE_LABEL,
@@ -67,7 +68,8 @@ async def run_leader_elected(
             await health.close()  # the kubelet API takes the port (and answers /healthz)
         try:
             agent = make_agent()
-            agent.use_client(fenced_client(agent.config, holds))
+            kubeconfig = await agent.own_kubeconfig()  # a node identity: obtained now
+            agent.use_client(fenced_client(kubeconfig, agent.config.client, holds))
             await agent.run()
         finally:
             if health is not None:
@@ -75,7 +77,8 @@ async def run_leader_elected(
 
     async def campaign() -> None:  # on the Leases' loop
         nonlocal elector
-        async with KubeClient.from_kubeconfig(config.kubeconfig, options=config.client) as client:
+        lease_config = lease_kubeconfig(config)
+        async with KubeClient.from_kubeconfig(lease_config, options=config.client) as client:
             elector = LeaderElector(
                 KubeLeases(client),
                 namespace=options.namespace,

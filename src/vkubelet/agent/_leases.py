@@ -17,10 +17,10 @@ import re
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any
 
-from ..kube import KubeClient, LeaseTiming, Unreachable
-from ..node import AgentConfig
+from ..kube import ClientOptions, KubeClient, LeaseTiming, Unreachable
 
 GROUP_LABEL = "vkubelet.io/replica-group"
 ROLE_LABEL = "vkubelet.io/replica-role"
@@ -72,9 +72,11 @@ class FencedClient(KubeClient):
             raise Unreachable(f"{self.server}: fenced: this replica's Lease expired")
 
 
-def fenced_client(config: AgentConfig, may_write: Callable[[], bool]) -> FencedClient:
+def fenced_client(
+    kubeconfig: Path | None, options: ClientOptions, may_write: Callable[[], bool]
+) -> FencedClient:
     """Made as the agent makes its client (the same kubeconfig, in-cluster rules and options)."""
-    client = FencedClient.from_kubeconfig(config.kubeconfig, options=config.client)
+    client = FencedClient.from_kubeconfig(kubeconfig, options=options)
     assert isinstance(client, FencedClient)
     client.may_write = may_write
     return client

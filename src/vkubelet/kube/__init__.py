@@ -7,7 +7,7 @@ events that are deduplicated and rate-limited, leader election that fences its w
 below the node agent and the providers and knows nothing of either.
 """
 
-from .._kubeconfig import httpx_params, load_context, load_kubeconfig
+from .._kubeconfig import httpx_params, load_context, load_kubeconfig, service_account_kubeconfig
 from ._client import STRATEGIC_MERGE_PATCH, ClientOptions, KubeClient
 from ._errors import ApiError, Unreachable
 from ._events import NORMAL, WARNING, EventRecorder, ObjectRef
@@ -67,4 +67,5 @@ __all__ = [
     "label_selector",
     "load_context",
     "load_kubeconfig",
+    "service_account_kubeconfig",
 ]

@@ -46,6 +46,9 @@ class AgentConfig:
     # A bootstrap token kubeconfig: the agent then obtains its own system:node client
     # certificate and writes `kubeconfig` (default: <cert_dir>/<node>.kubeconfig) with it.
     bootstrap_kubeconfig: Path | None = None
+    # Or the pod's own service account obtains it (`--bootstrap-in-cluster`, the chart's way);
+    # that account then also writes the replicas' Leases (a node identity may not).
+    bootstrap_in_cluster: bool = False
     insecure_kubelet_api: bool = False  # no authentication or authorization (loud warning)
 
 

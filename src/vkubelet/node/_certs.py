@@ -35,9 +35,10 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from lightkube.config.kubeconfig import KubeConfig
 
 from .._files import write_atomic, write_kubeconfig, write_private
-from ..kube import ApiError, KubeClient, Unreachable, load_kubeconfig
+from ..kube import ApiError, KubeClient, Unreachable, load_kubeconfig, service_account_kubeconfig
 from ..sdk.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -354,10 +355,11 @@ async def _wait_signed(
         await backoff.wait()
 
 
-def _cluster_of(kubeconfig: Path) -> tuple[str, bytes] | None:
+def _cluster_of(kubeconfig: Path | KubeConfig) -> tuple[str, bytes] | None:
     """(server, CA PEM) of a kubeconfig's current cluster; None if unreadable."""
     try:
-        config = load_kubeconfig(kubeconfig).get()
+        loaded = kubeconfig if isinstance(kubeconfig, KubeConfig) else load_kubeconfig(kubeconfig)
+        config = loaded.get()
         if config is None:
             return None
         cluster = config.cluster
@@ -379,12 +381,29 @@ class ClientIdentity:
     approves it when the cluster allows bootstrappers to, as kubeadm clusters do), writes a
     kubeconfig with the signed certificate, and renews it with its own identity at 80 % of its
     lifetime. A valid certificate already in the kubeconfig is reused across restarts.
+
+    `bootstrap_in_cluster`: the pod's service account asks instead of a bootstrap token (the
+    chart's way: the controller-manager approves it when the account may create
+    `certificatesigningrequests/nodeclient`, the right it checks for bootstrap tokens too).
     """
 
-    def __init__(self, *, kubeconfig: Path, bootstrap: Path | None, node_name: str) -> None:
+    def __init__(
+        self,
+        *,
+        kubeconfig: Path,
+        bootstrap: Path | None,
+        node_name: str,
+        bootstrap_in_cluster: bool = False,
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.bootstrap = bootstrap
+        self.bootstrap_in_cluster = bootstrap_in_cluster
         self.node_name = node_name
+
+    def _bootstrap_config(self) -> KubeConfig | None:
+        if self.bootstrap_in_cluster:
+            return service_account_kubeconfig()
+        return None if self.bootstrap is None else load_kubeconfig(self.bootstrap)
 
     def current(self) -> x509.Certificate | None:
         """The kubeconfig's certificate, if it is ours and has more than 20 % of its life left."""
@@ -399,15 +418,14 @@ class ClientIdentity:
             return None
         if dt.datetime.now(dt.UTC) > _renewal_due(cert):
             return None
-        if self.bootstrap is not None and _cluster_of(self.bootstrap) != _cluster_of(
-            self.kubeconfig
-        ):
+        bootstrap = self._bootstrap_config()
+        if bootstrap is not None and _cluster_of(bootstrap) != _cluster_of(self.kubeconfig):
             # Another cluster now (say after `dev cluster down && up`): this identity is void.
             log.info(
                 "node %s: %s is for another cluster than %s; obtaining a new identity",
                 self.node_name,
                 self.kubeconfig,
-                self.bootstrap,
+                "the service account's" if self.bootstrap_in_cluster else self.bootstrap,
             )
             return None
         return cert
@@ -418,12 +436,14 @@ class ClientIdentity:
                 "node %s: reusing the client certificate in %s", self.node_name, self.kubeconfig
             )
             return
-        if self.bootstrap is None:
+        bootstrap = self._bootstrap_config()
+        context = None if bootstrap is None else bootstrap.get()
+        if context is None:
             raise RuntimeError(
                 f"{self.kubeconfig} holds no valid client certificate for system:node:"
                 f"{self.node_name}, and no bootstrap kubeconfig was given to obtain one"
             )
-        async with KubeClient.from_kubeconfig(self.bootstrap) as client:
+        async with KubeClient(context) as client:
             await self._obtain(client)
 
     async def renew_forever(self, client: KubeClient) -> None:

@@ -272,3 +272,36 @@ def test_a_stored_client_identity_for_another_cluster_is_not_reused(tmp_path: Pa
             token="abcdef.0123456789abcdef",
         )
         assert (identity.current() is not None) == reused
+
+
+def test_a_node_identity_bootstrapped_in_cluster_is_reused_only_for_the_pods_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--bootstrap-in-cluster` (the chart's `identity: node`): the pod's service account is
+    the bootstrap identity, so its cluster (server, CA) is the one a stored certificate must
+    be for."""
+    old, new = TestCA("old cluster"), TestCA("new cluster")
+    old.issue(tmp_path / "c.crt", tmp_path / "c.key", name="vk-a", addresses=[])
+    kubeconfig, account = tmp_path / "node.kubeconfig", tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text("a-token")
+    (account / "namespace").write_text("vkubelet-system")
+    monkeypatch.setenv("VKUBELET_SERVICEACCOUNT_DIR", str(account))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "not-this-one"))  # the account, not this
+    write_kubeconfig(
+        kubeconfig,
+        cluster="default",
+        server="https://127.0.0.1:6443",
+        ca_pem=old.pem,
+        user="system:node:vk-a",
+        cert_pem=(tmp_path / "c.crt").read_bytes(),
+        key_pem=(tmp_path / "c.key").read_bytes(),
+    )
+    identity = ClientIdentity(
+        kubeconfig=kubeconfig, bootstrap=None, bootstrap_in_cluster=True, node_name="vk-a"
+    )
+    for ca, reused in ((old, True), (new, False)):
+        (account / "ca.crt").write_bytes(ca.pem)
+        assert (identity.current() is not None) == reused

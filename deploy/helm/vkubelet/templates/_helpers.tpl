@@ -84,3 +84,65 @@ vkubelet.io/provider: {{ include "vkubelet.provider" . }}
 {{- toYaml (dict .Values.nodeName (dict "cpu" "8" "memory" "32Gi" "pods" "110")) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The RBAC rules only some providers need, beyond a node's: granted to whoever the agent
+     acts as (`identity`). */}}
+{{- define "vkubelet.providerRules" -}}
+{{- $providers := splitList "," (include "vkubelet.providers" .) }}
+{{- $webhook := and (has "cluster" $providers) .Values.cluster.webhook }}
+  {{- if has "cluster" $providers }}
+  # The cluster provider: the upper cluster's identity (kube-system's UID stamps lower objects).
+  - apiGroups: [""]
+    resources: [namespaces]
+    resourceNames: [kube-system]
+    verbs: [get]
+  # The cluster provider: every ready endpoint of a Service reflected below, from the upper
+  # EndpointSlices (a system:node identity may not read them).
+  - apiGroups: [discovery.k8s.io]
+    resources: [endpointslices]
+    verbs: [list, watch]
+  {{- end }}
+  {{- if $webhook }}
+  # The constraint webhook: its configuration (server-side apply), and the audit of pods
+  # admitted without it.
+  - apiGroups: [admissionregistration.k8s.io]
+    resources: [mutatingwebhookconfigurations]
+    verbs: [create, patch]
+  - apiGroups: [""]
+    resources: [namespaces]
+    verbs: [list]
+  {{- end }}
+{{- end -}}
+
+{{/* The node a node identity is for: `nodeName`, or the one node of `agentConfig`. A node
+     identity is one node's: a fleet (ssh, several nodes) needs `identity: serviceAccount`. */}}
+{{- define "vkubelet.nodeIdentityName" -}}
+{{- $providers := splitList "," (include "vkubelet.providers" .) -}}
+{{- $nodes := .Values.agentConfig.nodes | default list -}}
+{{- if or (has "ssh" $providers) (gt (len $nodes) 1) -}}
+{{- fail "identity: node is one node's identity (system:node:<name>); a fleet of nodes (provider ssh, or several agentConfig nodes) needs identity: serviceAccount (docs/deploy.md)" -}}
+{{- end -}}
+{{- $name := .Values.nodeName -}}
+{{- if $nodes -}}{{- $name = (index $nodes 0).name -}}{{- end -}}
+{{- if not $name -}}
+{{- fail "identity: node needs the node's name: set nodeName" -}}
+{{- end -}}
+{{- if .Values.servingCertificate.approveOwnCSRs -}}
+{{- fail "servingCertificate.approveOwnCSRs: a node identity may not approve its own serving certificate; approve its CSR, name a TLS Secret in servingCertificate.secretName, or use identity: serviceAccount (docs/deploy.md)" -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{/* Who the agent acts as, as an RBAC subject: the node's own identity (which the Node
+     authorizer limits to what its pods reference), or the chart's ServiceAccount. */}}
+{{- define "vkubelet.agentSubject" -}}
+{{- if eq .Values.identity "node" -}}
+- apiGroup: rbac.authorization.k8s.io
+  kind: User
+  name: system:node:{{ include "vkubelet.nodeIdentityName" . }}
+{{- else -}}
+- kind: ServiceAccount
+  name: {{ include "vkubelet.serviceAccountName" . }}
+  namespace: {{ .Release.Namespace }}
+{{- end -}}
+{{- end -}}
