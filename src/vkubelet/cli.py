@@ -313,7 +313,7 @@ def run(
             run_agent = agent.run
     _tune_gc()
     if not vm_controller:
-        asyncio.run(_run_until_signalled(run_agent))
+        _run_until_signalled(run_agent)
         return
     from .vmcontroller import ControllerConfig, run_controller
 
@@ -322,7 +322,7 @@ def run(
             group.create_task(run_agent())
             group.create_task(run_controller(client, ControllerConfig()))
 
-    asyncio.run(_run_until_signalled(agent_and_controller))
+    _run_until_signalled(agent_and_controller)
 
 
 def _replica_options(
@@ -371,27 +371,22 @@ def _tune_gc() -> None:
     gc.set_threshold(10_000, 10, 10)
 
 
-async def _run_until_signalled(run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+# SIGTERM or SIGINT to exit, whatever the agent's providers and VMs are doing (systemd's
+# TimeoutStopSec and a pod's grace period are larger): the orderly stop gets most of it.
+STOP_SECONDS = 8.0
+
+
+def _run_until_signalled(run: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run the agent until SIGTERM or SIGINT, then let it stop in order (its controllers, its
-    kubelet servers, every provider's `aclose`) and return: the process exits 0."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.create_task(run(), name="agent")
-    stopping = False
+    kubelet servers, every provider's `aclose`) within `STOP_SECONDS`: the process exits 0, or
+    1 when the bound cut the stop short (what still ran is logged by name)."""
+    from .sdk.tasks import run_until_signalled
 
-    def stop(sig: signal.Signals) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            err.print(f"{sig.name}: stopping", highlight=False, markup=False)
-            task.cancel()
+    def stopping(sig: signal.Signals) -> None:
+        err.print(f"{sig.name}: stopping", highlight=False, markup=False)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop, sig)
-    try:
-        await task
-    except asyncio.CancelledError:
-        if not stopping:
-            raise
+    if not run_until_signalled(run, grace=STOP_SECONDS, on_signal=stopping):
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -677,7 +672,7 @@ def vm_controller(
         async with _kube_client(kubeconfig) as client:
             await run_controller(client, config)
 
-    asyncio.run(_run_until_signalled(controller))
+    _run_until_signalled(controller)
 
 
 def main() -> None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -106,13 +109,119 @@ class TaskSet:
             self._log.error("%s failed", task.get_name(), exc_info=error)
 
     async def aclose(self) -> None:
+        """Cancel every task and wait until all have ended (their failures are logged by
+        `_done`). A cancellation of the caller (a stop's bound) ends the wait: it is never
+        mistaken for one of the tasks' own and swallowed."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            await asyncio.wait(tasks)
         self._tasks.clear()
 
 
-__all__ = ["TaskSet", "run_supervised", "supervise"]
+# Of a process's stop bound, the share kept for the tasks that outlived its main one.
+_LEFTOVER_SHARE = 0.2
+
+
+def run_until_signalled(
+    main: Callable[[], Coroutine[Any, Any, None]],
+    *,
+    grace: float,
+    on_signal: Callable[[signal.Signals], None] = lambda _: None,
+) -> bool:
+    """Run `main()` in a new event loop until it returns, or until SIGTERM or SIGINT cancels it;
+    either way the process is done within `grace` seconds of that moment.
+
+    `asyncio.run` ends by cancelling every task left and waiting for all of them without a
+    limit: one task that swallows its cancellation, or whose clean-up waits on something that
+    never comes (a socket, a process), hangs the process forever after its work is done. Here
+    the main task gets most of `grace` for its orderly stop; then every task left is cancelled
+    (again, if need be) and waited for until `grace` is over; what still runs is logged by name
+    with where it waits, and abandoned. A worker thread that never returns cannot be abandoned
+    (the interpreter joins them at exit): the process then ends with `os._exit(1)`.
+
+    Returns whether the stop was clean (nothing abandoned). An exception of `main()` other than
+    the cancellation is raised after the clean-up.
+    """
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        clean = loop.run_until_complete(_until_signalled(main, grace, on_signal))
+        with contextlib.suppress(TimeoutError):
+            loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), 1.0))
+        try:
+            loop.run_until_complete(asyncio.wait_for(loop.shutdown_default_executor(), 1.0))
+        except TimeoutError:
+            log.error("stopping: a worker thread is still running; exiting anyway")
+            logging.shutdown()
+            os._exit(1)
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+    return clean
+
+
+async def _until_signalled(
+    main: Callable[[], Coroutine[Any, Any, None]],
+    grace: float,
+    on_signal: Callable[[signal.Signals], None],
+) -> bool:
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(main(), name="main")
+    signalled = asyncio.Event()
+
+    def stop(sig: signal.Signals) -> None:
+        if not signalled.is_set():
+            signalled.set()
+            on_signal(sig)
+            task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop, sig)
+    waiting = asyncio.create_task(signalled.wait(), name="signals")
+    await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    deadline = loop.time() + grace
+    waiting.cancel()
+    if not task.done():
+        await asyncio.wait({task}, timeout=grace * (1 - _LEFTOVER_SHARE))
+    stuck = await _cancel_all(deadline)
+    for leftover in stuck:
+        log.error(
+            "stopping: %s still running %.1f s after the stop began; abandoned at\n%s",
+            leftover.get_name(),
+            grace,
+            _where(leftover),
+        )
+    if signalled.is_set() and not stuck:
+        log.info("stopped in %.1f s", loop.time() - deadline + grace)
+    if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+        raise error
+    return not stuck
+
+
+async def _cancel_all(deadline: float) -> list[asyncio.Task[Any]]:
+    """Cancel every other task of the loop, and those their clean-up starts, until none is
+    left or `deadline` (loop time) passes; the tasks still running then."""
+    loop = asyncio.get_running_loop()
+    me = asyncio.current_task()
+    cancelled: set[asyncio.Task[Any]] = set()
+    while True:
+        pending = {t for t in asyncio.all_tasks() if t is not me and not t.done()}
+        for leftover in pending - cancelled:
+            leftover.cancel()
+        cancelled |= pending
+        left = deadline - loop.time()
+        if not pending or left <= 0:
+            return sorted(pending, key=lambda t: t.get_name())
+        await asyncio.wait(pending, timeout=left)
+
+
+def _where(task: asyncio.Task[Any]) -> str:
+    """Where a pending task waits (its coroutine's stack), for the log."""
+    out = io.StringIO()
+    task.print_stack(file=out)
+    return out.getvalue().rstrip()
+
+
+__all__ = ["TaskSet", "run_supervised", "run_until_signalled", "supervise"]

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,3 +86,73 @@ def test_the_sdk_imports_without_the_agent_internals() -> None:
         "'vkubelet.agent', 'vkubelet.cli'))]; print(bad); assert not bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_closing_a_task_set_under_a_timeout_gives_up_when_the_time_is_over() -> None:
+    """A task whose clean-up never ends must not swallow its closer's own cancellation: the
+    caller's bound (the agent's stop) holds."""
+    tasks = TaskSet("x")
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(3600)
+
+    task = tasks.spawn(stubborn(), name="stubborn")
+    await asyncio.sleep(0)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await tasks.aclose()
+    assert time.monotonic() - started < 2
+    task.cancel()
+
+
+_PROCESS = """
+import asyncio, logging, sys
+from vkubelet.sdk.tasks import run_until_signalled
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+async def stubborn() -> None:
+    while True:  # swallows every cancellation, as a buggy clean-up would
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+async def main() -> None:
+    if sys.argv[1] == "stubborn":
+        asyncio.get_running_loop().create_task(stubborn(), name="the stubborn one")
+    try:
+        print("ready", flush=True)
+        await asyncio.sleep(3600)
+    finally:
+        print("main stopped in order", flush=True)
+
+clean = run_until_signalled(main, grace=1.0, on_signal=lambda s: print(s.name, flush=True))
+print("clean" if clean else "cut short", flush=True)
+"""
+
+
+@pytest.mark.parametrize("leftover", ["none", "stubborn"])
+def test_a_signalled_process_stops_within_its_grace_whatever_its_tasks_do(leftover: str) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _PROCESS, leftover],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=10)
+    assert time.monotonic() - started < 3, (out, err)
+    assert process.returncode == 0, err
+    assert "SIGTERM\nmain stopped in order\n" in out
+    if leftover == "none":
+        assert out.endswith("clean\n") and "abandoned" not in err
+    else:
+        assert out.endswith("cut short\n")
+        assert "the stubborn one still running 1.0 s after the stop began; abandoned" in err
+        assert "in stubborn" in err  # where it waits

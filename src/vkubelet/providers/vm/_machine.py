@@ -181,6 +181,7 @@ class Machine:
         self.monitor = Monitor(run_dir / "qmp.sock")
         self.agent = GuestAgent(run_dir / "qga.sock")
         self._waiter: asyncio.Task[MachineExit] | None = None
+        self._waiting = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -231,11 +232,23 @@ class Machine:
     async def wait(self) -> MachineExit:
         """Until the guest is off (or QEMU gone); then QEMU is ended and the outcome returned.
 
-        Several callers may wait at once; they share one watcher.
+        Several callers may wait at once; they share one watcher, which lives as long as
+        someone waits: when the last waiter is cancelled (its pod's run ends because the agent
+        stops), the watcher is cancelled and awaited too, leaving QEMU running for the next
+        agent. A watcher nobody awaits would be cancelled only by asyncio's final sweep, and
+        its clean-up then waited forever on a QMP reply whose reader was cancelled with it.
         """
-        if self._waiter is None:
-            self._waiter = asyncio.create_task(self._watch())
-        return await asyncio.shield(self._waiter)
+        if self._waiter is None or self._waiter.cancelled():
+            self._waiter = asyncio.create_task(self._watch(), name=f"watch {self.run_dir.name}")
+        waiter = self._waiter
+        self._waiting += 1
+        try:
+            return await asyncio.shield(waiter)
+        finally:
+            self._waiting -= 1
+            if not self._waiting and not waiter.done():
+                waiter.cancel()
+                await asyncio.wait({waiter})
 
     async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
         """Until the guest agent answers; GuestAgentUnavailable on timeout or when QEMU is gone."""
@@ -263,8 +276,14 @@ class Machine:
 
     async def stop(self, grace: float) -> MachineExit:
         """Graceful: guest agent shutdown, then ACPI power button, then `quit` at the deadline."""
-        deadline = time.monotonic() + grace
         waiting = asyncio.ensure_future(self.wait())
+        try:
+            return await self._stop(grace, waiting)
+        finally:
+            waiting.cancel()  # when cancelled itself: its wait is not left behind
+
+    async def _stop(self, grace: float, waiting: asyncio.Future[MachineExit]) -> MachineExit:
+        deadline = time.monotonic() + grace
 
         async def ended(by: float) -> bool:
             with contextlib.suppress(TimeoutError):
@@ -289,9 +308,12 @@ class Machine:
     async def end(self, outcome: MachineExit) -> MachineExit:
         """End QEMU with `outcome` as the run's (its state was saved elsewhere: hibernation)."""
         waiting = asyncio.ensure_future(self.wait())
-        self._record(outcome)
-        await self.monitor.quit()
-        return await waiting
+        try:
+            self._record(outcome)
+            await self.monitor.quit()
+            return await waiting
+        finally:
+            waiting.cancel()  # when cancelled itself: its wait is not left behind
 
     async def kill(self) -> None:
         """End QEMU now (SIGKILL); waiters see exit code 137."""
@@ -363,22 +385,33 @@ class Machine:
             os.close(fd)
 
     async def _watch(self) -> MachineExit:
-        gone = asyncio.create_task(self._process_gone())
-        outcome: MachineExit | None = None
+        gone = asyncio.create_task(self._process_gone(), name=f"pidfd {self.run_dir.name}")
         try:
             outcome = await self._guest_outcome(gone)
-        finally:
-            if not gone.done():
-                if outcome is not None:
-                    self._record(outcome)
-                await self.monitor.quit()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(gone), 10)
-                if not gone.done() and self.running():
-                    os.kill(self.pid, signal.SIGKILL)
-                    await gone
-            await self.close()
+        except asyncio.CancelledError:
+            # Nobody waits any more (the agent stops): QEMU runs on for the next agent, which
+            # reads the guest's outcome from QMP. Quitting it here would end a running VM.
+            gone.cancel()
+            raise
+        except Exception:
+            await self._end_qemu(gone, None)
+            raise
+        await self._end_qemu(gone, outcome)
         return self._recorded() or outcome or MachineExit(1, "Error", "QEMU exited")
+
+    async def _end_qemu(self, gone: asyncio.Task[None], outcome: MachineExit | None) -> None:
+        """The guest is off (or its outcome unreadable): record why, end QEMU, drop our
+        connections."""
+        if not gone.done():
+            if outcome is not None:
+                self._record(outcome)
+            await self.monitor.quit()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(gone), 10)
+            if not gone.done() and self.running():
+                os.kill(self.pid, signal.SIGKILL)
+                await gone
+        await self.close()
 
     async def _guest_outcome(self, gone: asyncio.Task[None]) -> MachineExit | None:
         """What ended the guest, from QMP; None when QEMU went away without telling."""

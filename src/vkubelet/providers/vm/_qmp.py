@@ -31,6 +31,10 @@ __all__ = ["EventListener", "ExecuteError", "Monitor", "MonitorUnavailable"]
 logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 
 
+# How long QEMU may take to greet a new QMP connection (it answers in milliseconds when alive).
+CONNECT_SECONDS = 10.0
+
+
 class MonitorUnavailable(ConnectionError):
     """QEMU's monitor socket does not answer (QEMU not running, or exiting)."""
 
@@ -51,7 +55,16 @@ class Monitor:
                 with contextlib.suppress(Exception):
                     await self._client.disconnect()  # raises what ended the last session
             try:
-                await self._client.connect(str(self.socket_path))
+                async with asyncio.timeout(CONNECT_SECONDS):
+                    await self._client.connect(str(self.socket_path))
+            except TimeoutError:
+                # A stopped or wedged QEMU accepts the connection and never greets: without a
+                # limit every caller (a pod's status, a stop) would wait on it forever. (The
+                # client cleans up the session it was cancelled in.)
+                self._client = QMPClient(self._name)
+                raise MonitorUnavailable(
+                    f"QMP {self.socket_path}: no greeting within {CONNECT_SECONDS:g} s"
+                ) from None
             except (ConnectError, StateError, AssertionError) as e:
                 # AssertionError: qemu.qmp 0.0.6 trips its own state assertion when QEMU dies
                 # during the greeting; the client is not reusable after that, so start afresh.
