@@ -2,8 +2,10 @@
 annotations, as the VirtualMachineMigration controller drives them: a real control plane, two
 real agents, real QEMU under TCG, the small test guest.
 
-One VM boots on hv-1 and the tests take turns on it, in the order written: it migrates to hv-2
-while the guest counts, then a migration back is cut off by killing the target's QEMU.
+One VM boots on hv-1 and the tests take turns on it, in the order written: a `migrate-to` at
+an address of no vm node is refused, it migrates to hv-2 while the guest counts, then a
+migration back is cut off by killing the target's QEMU. (A target that dies after the stream
+completed: `test_vm_switchover.py`, at the provider's level.)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +41,7 @@ MIGRATE_TO = "vm.vkubelet.io/migrate-to"
 TARGET_READY = "vm.vkubelet.io/MigrationTarget"
 MIGRATION = "vm.vkubelet.io/Migration"
 TOKEN = "vm.vkubelet.io/migration-token"
+MACHINE = "vm.vkubelet.io/machine"
 DISK_MARKER = "migrated-disk-marker-42"
 # The guest counts on its console every 100 ms (its own clock: uptime).
 COUNTER = (
@@ -101,10 +105,13 @@ class Lab:
         states = status.get("containerStatuses") or [{}]
         return status.get("phase") == "Running" and "running" in states[0].get("state", {})
 
-    def target(self, name: str, source: str, node: VMNode) -> dict[str, Any]:
-        """Create a target pod on `node` (with a token, as the controller makes it) and wait
-        for its endpoint."""
-        self.apply(vm_pod(name, node.name, {SOURCE: source, TOKEN: secrets.token_hex(32)}))
+    def target(
+        self, name: str, source: str, node: VMNode, annotations: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Create a target pod on `node` (with a token, as the controller makes it; and more
+        `annotations`) and wait for its endpoint."""
+        given = {SOURCE: source, TOKEN: secrets.token_hex(32), **(annotations or {})}
+        self.apply(vm_pod(name, node.name, given))
         wait_for(
             lambda: self.condition(name, TARGET_READY).get("status") == "True",
             timeout=120,
@@ -198,6 +205,82 @@ class HostClock:
         return self.arrivals[first][0] - self.arrivals[last][0], last, first
 
 
+class Listener:
+    """A TCP port that counts who connects to it (a thread accepts)."""
+
+    def __init__(self, host: str) -> None:
+        self.server = socket.create_server((host, 0))
+        self.server.settimeout(0.2)
+        self.port = int(self.server.getsockname()[1])
+        self.peers: list[Any] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, peer = self.server.accept()
+            except TimeoutError:
+                continue
+            self.peers.append(peer)
+            connection.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.server.close()
+
+
+def _events(lab: Lab, pod: str, reason: str) -> list[str]:
+    found = lab.kubectl.json(
+        "-n", lab.namespace, "get", "events",
+        "--field-selector", f"involvedObject.name={pod},reason={reason}",
+    )  # fmt: skip
+    return [str(e.get("message")) for e in found["items"]]
+
+
+def test_a_migrate_to_at_an_address_of_no_vm_node_makes_no_connection_and_says_why(
+    lab: Lab,
+) -> None:
+    """Anyone who may annotate their own pod could otherwise make the agent connect anywhere
+    and write first (the token line, then NBD). Today's agent connected within a second."""
+    listener = Listener("127.0.0.1")
+    forged = {
+        "host": "127.0.0.1",
+        "migrationPort": listener.port,
+        "nbdPort": listener.port,
+        "consolePort": listener.port,
+        "disks": ["disk0", "disk1"],
+    }
+    try:
+        annotated = time.monotonic()
+        lab.kubectl(
+            "-n", lab.namespace, "annotate", "--overwrite", "pod", "vm",
+            f"{MIGRATE_TO}={json.dumps(forged)}", f"{TOKEN}={secrets.token_hex(32)}",
+        )  # fmt: skip
+        wait_for(
+            lambda: listener.peers or lab.condition("vm", MIGRATION).get("reason") == "Failed",
+            timeout=60,
+            interval=0.2,
+            what="the migrate-to refused (or a connection)",
+        )
+        # The window in which the former agent connected (at once, for the first disk's NBD),
+        # and then some: nothing comes.
+        deadline = max(annotated + 5, time.monotonic() + 2)
+        while time.monotonic() < deadline:
+            assert listener.peers == [], f"the agent connected to {forged}"
+            time.sleep(0.2)
+        error = json.loads(lab.condition("vm", MIGRATION)["message"])["error"]
+        print(f"refused: {error}")
+        assert "migrate-to refused" in error and "names no target pod" in error
+        wait_for(lambda: _events(lab, "vm", "MigrationRefused"), timeout=30, what="the Event")
+        assert lab.running("vm")
+    finally:
+        listener.close()
+        lab.kubectl("-n", lab.namespace, "annotate", "pod", "vm", f"{MIGRATE_TO}-", f"{TOKEN}-")
+
+
 def test_a_running_vm_migrates_to_the_other_node_with_its_disk_and_console(lab: Lab) -> None:
     source_ip = lab.pod("vm")["status"]["podIP"]
     endpoint = lab.target("vm-2", "vm", lab.hv2)
@@ -286,8 +369,13 @@ def test_a_running_vm_migrates_to_the_other_node_with_its_disk_and_console(lab: 
 
 
 def test_killing_the_target_midway_leaves_the_vm_running_at_the_source(lab: Lab) -> None:
-    """A migration back to hv-1, slowed down (1 MB/s) so that its target can be killed."""
-    endpoint = lab.target("vm-3", "vm-2", lab.hv1)
+    """A migration back to hv-1, slowed down (1 MB/s) so that its target can be killed. The
+    target is a persistent machine's (its disks in `machines/<id>`): once its pod is gone,
+    nothing of that machine stays on hv-1."""
+    machine = f"mig-{uuid.uuid4().hex[:8]}"
+    endpoint = lab.target("vm-3", "vm-2", lab.hv1, {MACHINE: machine})
+    target_uid = lab.pod("vm-3")["metadata"]["uid"]
+    assert (lab.hv1.state / "machines" / machine).is_dir()
     lab.migrate("vm-2", "vm-3", {**endpoint, "maxBandwidth": 1_000_000})
 
     _wait_migrating(lab, "vm-2")
@@ -307,7 +395,10 @@ def test_killing_the_target_midway_leaves_the_vm_running_at_the_source(lab: Lab)
     count = len(_ticks(lab.logs("vm-2")))
     wait_for(lambda: len(_ticks(lab.logs("vm-2"))) > count + 5, timeout=60, what="more ticks")
     assert lab.exec("vm-2", "head", "-c", str(len(DISK_MARKER)), "/dev/vdb") == DISK_MARKER
+    # The target pod goes (as the controller deletes it): its partial disk copy with it.
     lab.kubectl("-n", lab.namespace, "delete", "pod", "vm-3", "--wait=false")
+    left = (lab.hv1.state / "machines" / machine, lab.hv1.state / "vms" / target_uid)
+    wait_for(lambda: not any(p.exists() for p in left), timeout=60, what="the target's files gone")
 
 
 def _wait_migrating(lab: Lab, source: str) -> None:

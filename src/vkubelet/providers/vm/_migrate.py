@@ -13,7 +13,9 @@ No shared storage is assumed, so the disks travel too, the way libvirt moves the
   a small downtime limit. At the switchover QEMU stops the guest, so the mirrors hold the last
   write; the jobs are then cancelled (a ready mirror's cancel completes it without pivoting: the
   source keeps its own disks, the target's are a consistent copy). Then the source's console
-  history goes to the target's console port, and the source QEMU quits.
+  history goes to the target's console port, whose answer says whether the guest runs there:
+  only then does the source QEMU quit; if the target could not load the state, the source
+  resumes the guest (`cont`: its RAM and disks are still whole here).
 - Failure at any point before the switchover (target gone, a mirror error, QEMU's migration
   failing): the migration is cancelled, the mirror jobs are dropped, and the guest runs on at
   the source (QEMU resumes it itself when the migration fails after stopping it).
@@ -61,8 +63,8 @@ __all__ = [
     "Outcome",
     "block_jobs",
     "drop_jobs",
+    "hand_over",
     "migrate_out",
-    "send_history",
     "until_running",
 ]
 
@@ -77,6 +79,10 @@ MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
 MIGRATION_TOKEN = "vm.vkubelet.io/migration-token"  # noqa: S105 - its name, not its value
 _TOKEN_TIMEOUT = 10.0
 _TOKEN_MAX = 256
+# How long the target keeps the source's console connection open for its verdict (the guest
+# runs here, or the state could not be loaded); the source then asks the API instead.
+VERDICT_TIMEOUT = 60.0
+RUNNING = "running"  # the target's verdict when the guest runs there; else "failed: <why>"
 
 DEFAULT_BANDWIDTH = 128 * 2**20
 DOWNTIME_LIMIT_MS = 50  # issue 13's target; QEMU measured 15-26 ms here
@@ -129,6 +135,7 @@ class Endpoint:
     console_port: int
     disks: tuple[str, ...]  # NBD export names, in the machine's disk order
     max_bandwidth: int | None = None
+    pod: str = ""  # the target pod (same namespace): the source checks the endpoint against it
 
     @property
     def target(self) -> str:
@@ -143,6 +150,8 @@ class Endpoint:
             "consolePort": self.console_port,
             "disks": list(self.disks),
         }
+        if self.pod:
+            data["pod"] = self.pod
         if self.max_bandwidth is not None:
             data["maxBandwidth"] = self.max_bandwidth
         return json.dumps(data, separators=(",", ":"))
@@ -159,6 +168,7 @@ class Endpoint:
                 console_port=_port(data["consolePort"]),
                 disks=tuple(str(d) for d in data["disks"]),
                 max_bandwidth=int(bandwidth) if bandwidth is not None else None,
+                pod=str(data.get("pod") or ""),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise MigrationError(f"{MIGRATE_TO}: not a migration endpoint ({e})") from None
@@ -227,6 +237,9 @@ class IncomingMigration:
         self._sockets: list[socket.socket] = []
         self._accepting: asyncio.Task[None] | None = None
         self._history: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._answered = asyncio.Event()
+        self.streaming = False  # QEMU has the incoming stream
 
     async def open(self) -> Endpoint:
         if not self.token:
@@ -282,6 +295,7 @@ class IncomingMigration:
         try:
             await self.monitor.pass_fd("migration-in", connection.fileno())
             await self.monitor.execute("migrate-incoming", {"uri": "fd:migration-in"})
+            self.streaming = True
         except (MonitorUnavailable, ExecuteError):
             pass  # QEMU gone: wait() says so
         finally:
@@ -310,14 +324,36 @@ class IncomingMigration:
         await asyncio.gather(_pipe(reader, local_writer), _pipe(local_reader, writer))
 
     async def _console(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The source's console history in; our verdict out (`confirm`/`fail`): the source
+        quits its QEMU only on `running`, and resumes its guest on a failure."""
         try:
             if not await self._authenticate(reader, "console", writer.get_extra_info("peername")):
                 return
             data = await reader.read()
             if not self._history.done():
                 self._history.set_result(data)
+            with contextlib.suppress(TimeoutError, OSError):
+                verdict = await asyncio.wait_for(asyncio.shield(self._verdict), VERDICT_TIMEOUT)
+                writer.write(verdict.encode() + b"\n")
+                await writer.drain()
+                self._answered.set()
         finally:
             writer.close()
+
+    def confirm(self) -> None:
+        """The guest runs here: the source may quit its QEMU."""
+        if not self._verdict.done():
+            self._verdict.set_result(RUNNING)
+
+    def fail(self, why: str) -> None:
+        """The guest does not run here and never will (QEMU is gone): the source resumes it."""
+        if not self._verdict.done():
+            self._verdict.set_result(f"failed: {why}"[:_TOKEN_MAX])
+
+    async def answered(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Until a source got the verdict, or `timeout`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._answered.wait(), timeout)
 
     async def wait(self) -> None:
         """Until the guest runs here; MigrationError when QEMU went away (its incoming side
@@ -584,17 +620,26 @@ async def _nap(listener: EventListener) -> None:
         await asyncio.wait_for(listener.get(), POLL)
 
 
-async def send_history(endpoint: Endpoint, history: bytes, token: str) -> None:
+async def hand_over(endpoint: Endpoint, history: bytes, token: str) -> str | None:
     """The source's console history (its CRI log) to the target, which puts it first in its
-    own log."""
-    _, writer = await asyncio.wait_for(
-        asyncio.open_connection(endpoint.host, endpoint.console_port), 10
-    )
+    own log; the target's verdict back: `RUNNING`, `failed: <why>`, or None when it did not
+    say (unreachable, gone, or no answer within `VERDICT_TIMEOUT`)."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(endpoint.host, endpoint.console_port), 10
+        )
+    except (OSError, TimeoutError):
+        return None
     try:
         writer.write(_preamble(token))
         writer.write(history)
         await writer.drain()
         writer.write_eof()
+        line = await asyncio.wait_for(reader.readline(), VERDICT_TIMEOUT + 10)
+        verdict = line.decode(errors="replace").strip()
+        return verdict if verdict == RUNNING or verdict.startswith("failed: ") else None
+    except (OSError, TimeoutError):
+        return None
     finally:
         writer.close()
         with contextlib.suppress(OSError):

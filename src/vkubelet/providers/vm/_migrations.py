@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ..._files import write_private
+from ...kube import ApiError
 from ...sdk import PodRunner, Terminated
 from ._backend import GuestAddress, MachineHandle
 from ._console import ConsoleTailer
@@ -21,6 +25,7 @@ from ._migrate import (
     MIGRATION_SOURCE,
     MIGRATION_TOKEN,
     POLL,
+    RUNNING,
     TARGET_CONDITION,
     Endpoint,
     IncomingMigration,
@@ -28,16 +33,16 @@ from ._migrate import (
     Progress,
     block_jobs,
     drop_jobs,
+    hand_over,
     migrate_out,
     outcome_message,
-    send_history,
     until_running,
 )
 from ._net import readdress
 from ._qmp import ExecuteError, Monitor, MonitorUnavailable
 from ._vm import VM, VMHost
 
-__all__ = ["Migrations"]
+__all__ = ["Migrations", "endpoint_problem", "target_verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ def _monitor(machine: MachineHandle) -> Monitor:
 
 
 HISTORY_TIMEOUT = 30.0
+ANSWER_WAIT = 5.0  # a failed target keeps its console port this long for the source's question
+VM_NODE_CONDITION = "Accelerator"  # only the vm provider reports it (the controller's rule too)
 
 
 RECORD = "migration.json"  # the source's migration, in the VM's directory (see `Migrations`)
@@ -86,12 +93,13 @@ class Migrations:
                 _monitor(machine), host.host_ip, token, vm.dir / "nbd-in.sock"
             )
             try:
-                endpoint = await incoming.open()
+                endpoint = replace(await incoming.open(), pod=vm.key.split("/", 1)[-1])
             except (MonitorUnavailable, ExecuteError, OSError) as e:
                 raise MigrationError(f"could not prepare the target: {e}") from None
             runner.set_condition(TARGET_CONDITION, "True", "Ready", endpoint.to_json())
             host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
             await incoming.wait()
+            incoming.confirm()  # the source may quit its QEMU now, not before
             self._arrived(vm, runner)
             # Its route and gateway first: the console history may take seconds to come,
             # and until then answers from the guest would go to the source's gateway.
@@ -104,8 +112,15 @@ class Migrations:
                 out.write(history)
             await incoming.stop_exports()
         except MigrationError as e:
+            # QEMU surely gone first: the source resumes its guest on our word (the verdict, or
+            # this condition), so the guest must not run here too.
+            await machine.kill()
             runner.set_condition(TARGET_CONDITION, "False", "Failed", str(e))
             host.event(vm, "Warning", "MigrationFailed", str(e))
+            if incoming is not None:
+                incoming.fail(str(e))
+                if incoming.streaming:  # the stream may have ended: its source asks us now
+                    await incoming.answered(ANSWER_WAIT)
             raise
         finally:
             if incoming is not None:
@@ -183,14 +198,21 @@ class Migrations:
         """Atomically, readable by root only (it holds the token)."""
         write_private(vm.dir / RECORD, json.dumps(record))
 
-    def _failed(self, vm: VM, runner: PodRunner, record: dict[str, Any], error: str) -> None:
+    def _failed(
+        self,
+        vm: VM,
+        runner: PodRunner,
+        record: dict[str, Any],
+        error: str,
+        reason: str = "MigrationFailed",
+    ) -> None:
         target = None
         with contextlib.suppress(MigrationError):
             target = Endpoint.from_json(str(record.get("endpoint"))).target
         message = json.dumps({"error": error, "target": target})
         self._write_record(vm, **{**record, "state": "failed", "message": message})
         runner.set_condition(MIGRATION_CONDITION, "False", "Failed", message)
-        self.host.event(vm, "Warning", "MigrationFailed", f"the VM stays here: {error}")
+        self.host.event(vm, "Warning", reason, f"the VM stays here: {error}")
 
     # -- source ----------------------------------------------------------------------------------
     def update(self, vm: VM, runner: PodRunner | None, annotations: dict[str, str]) -> None:
@@ -234,19 +256,49 @@ class Migrations:
             message = {**json.loads(progress.message()), "target": endpoint.target}
             runner.set_condition(MIGRATION_CONDITION, "True", "Running", json.dumps(message))
 
+        try:
+            monitor = _monitor(machine)
+        except MigrationError as e:
+            self._failed(vm, runner, self._record(vm), str(e))
+            return
+        # Nothing goes out before the endpoint is known to be a vm node's, published for this
+        # migration: `migrate-to` is an annotation anyone who may edit the pod can write.
+        if (problem := await self._refusal(vm, endpoint, token)) is not None:
+            log.warning("%s: %s refused: %s", vm.uid, MIGRATE_TO, problem)
+            error = f"{MIGRATE_TO} refused: {problem}"
+            self._failed(vm, runner, self._record(vm), error, reason="MigrationRefused")
+            return
         report(Progress())
         log.info("%s: migrating to %s", vm.uid, endpoint.to_json())
         host.event(vm, "Normal", "Migrating", f"to {endpoint.host}")
         try:
-            outcome = await migrate_out(
-                _monitor(machine), endpoint, vm.dir / "nbd.sock", report, token=token
-            )
+            outcome = await migrate_out(monitor, endpoint, vm.dir / "nbd.sock", report, token=token)
         except MigrationError as e:
             log.warning("%s: migration failed, the VM stays here: %s", vm.uid, e)
             self._failed(vm, runner, self._record(vm), str(e))
             return
         message = json.dumps({**json.loads(outcome_message(outcome)), "target": endpoint.target})
         await self._switched_over(vm, machine, runner, endpoint, token, message)
+
+    async def _refusal(self, vm: VM, endpoint: Endpoint, token: str) -> str | None:
+        """Why the source must not connect to `endpoint` (None: it is the target's own)."""
+        api = self.host.upper_api
+        if api is None:
+            return "this agent has no API client to check the target with"
+        if not endpoint.pod:
+            return "it names no target pod"
+        namespace, source = vm.key.split("/", 1)
+        try:
+            target = await api.get(f"/api/v1/namespaces/{namespace}/pods/{endpoint.pod}")
+            node_name = str((target.get("spec") or {}).get("nodeName") or "")
+            node = await api.get(f"/api/v1/nodes/{node_name}") if node_name else None
+        except ApiError as e:
+            if e.not_found:
+                return f"target pod {endpoint.pod} or its node does not exist"
+            return f"could not read target pod {endpoint.pod} or its node: {e}"
+        except (OSError, TimeoutError) as e:
+            return f"could not read target pod {endpoint.pod} or its node: {e}"
+        return endpoint_problem(endpoint, token, source, self.host.node_name, target, node)
 
     async def _switched_over(
         self,
@@ -257,20 +309,31 @@ class Migrations:
         token: str,
         message: str,
     ) -> None:
-        """The guest runs at the target and is paused here for good: say so (first on disk),
-        send the console history (this run's log, with what the console printed last), end."""
+        """The stream ended, the guest is paused here: send the console history (this run's
+        log, with what the console printed last) and ask the target whether the guest runs
+        there. Only then end (QEMU quits); if it does not, the guest runs on here (`cont`):
+        its RAM and disks are whole here until this QEMU quits."""
         host = self.host
         self._write_record(vm, **{**self._record(vm), "state": "completed", "message": message})
         cri_log = host.log_path(vm.uid, vm.container, vm.run)
         tailer = ConsoleTailer(machine.console_log, cri_log, vm.dir / "console.offset")
         with contextlib.suppress(OSError):
-            while tailer.copy(final=True):
+            while tailer.copy():  # whole lines: a resumed guest finishes its last one here
                 pass
         try:
             history = cri_log.read_bytes() if cri_log.exists() else b""
-            await send_history(endpoint, history, token)
-        except (OSError, TimeoutError) as e:
-            host.event(vm, "Warning", "MigrationHistoryLost", f"console history: {e}")
+        except OSError:
+            history = b""
+        verdict = await hand_over(endpoint, history, token)
+        if verdict is None:
+            host.event(vm, "Warning", "MigrationUnconfirmed", "asking the API whether it runs")
+            verdict = await self._verdict_from_api(vm, endpoint)
+        if verdict != RUNNING:
+            await self._resume_here(vm, machine, runner, verdict)
+            return
+        with contextlib.suppress(OSError):
+            while tailer.copy(final=True):
+                pass
         log.info("%s: migrated: %s", vm.uid, message)
         vm.migrated = message
         runner.set_condition(MIGRATION_CONDITION, "True", "Completed", message)
@@ -278,6 +341,39 @@ class Migrations:
         runner.finish()  # the run's end is the pod's end: it never boots here again
         with contextlib.suppress(MigrationError):
             await _monitor(machine).quit()
+
+    async def _verdict_from_api(self, vm: VM, endpoint: Endpoint) -> str:
+        """The target's word from its pod, when its console port did not answer: until it is
+        certain (its `MigrationTarget` Completed, or Failed / gone: its QEMU is dead). Never a
+        guess: resuming here while the guest runs there would run it twice."""
+        namespace = vm.key.split("/", 1)[0]
+        path = f"/api/v1/namespaces/{namespace}/pods/{endpoint.pod}"
+        api = self.host.upper_api
+        while True:
+            if api is not None and endpoint.pod:
+                try:
+                    verdict = target_verdict(await api.get(path))
+                except ApiError as e:
+                    verdict = target_verdict(None) if e.not_found else None
+                except (OSError, TimeoutError):
+                    verdict = None
+                if verdict is not None:
+                    return verdict
+            await asyncio.sleep(POLL * 10)
+
+    async def _resume_here(
+        self, vm: VM, machine: MachineHandle, runner: PodRunner, verdict: str
+    ) -> None:
+        """The target does not run the guest: it runs on here (`cont` first, then the record:
+        a restart in between asks the target again and resumes again)."""
+        why = verdict.removeprefix("failed: ")
+        try:
+            await _monitor(machine).execute("cont")
+        except (MigrationError, MonitorUnavailable, ExecuteError) as e:
+            log.warning("%s: could not resume the guest here: %s", vm.uid, e)
+        error = f"the target could not run the VM ({why}): it runs here again"
+        log.warning("%s: %s", vm.uid, error)
+        self._failed(vm, runner, self._record(vm), error)
 
     async def resume_outgoing(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
         """An adopted source: re-report a finished migration, finish or roll back one the
@@ -353,3 +449,68 @@ class Migrations:
             runner.finish()
             return Terminated(1, reason="MigrationInterrupted", message=error)
         return None
+
+
+# -- the rules, from the objects alone -----------------------------------------------------------
+def _condition(pod: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == kind:
+            return dict(condition)
+    return {}
+
+
+def endpoint_problem(
+    endpoint: Endpoint,
+    token: str,
+    source: str,
+    own_node: str,
+    target: Mapping[str, Any],
+    node: Mapping[str, Any] | None,
+) -> str | None:
+    """Why `endpoint` (with `token`, on the pod `source`) is not the one a vm node's agent
+    published for migrating this pod; None when it is. The target pod's status and its node's
+    status are written only by the target node's agent (the Node authorizer, NodeRestriction),
+    so a tenant who can annotate their own pod cannot make this agent connect anywhere else."""
+    meta = target.get("metadata") or {}
+    name = endpoint.pod
+    annotations = meta.get("annotations") or {}
+    if meta.get("deletionTimestamp"):
+        return f"target pod {name} is being deleted"
+    if annotations.get(MIGRATION_SOURCE) != source:
+        return f"pod {name} is not a migration target of this pod"
+    if not hmac.compare_digest(str(annotations.get(MIGRATION_TOKEN, "")).encode(), token.encode()):
+        return f"{MIGRATION_TOKEN} is not the one of target pod {name}"
+    ready = _condition(target, TARGET_CONDITION)
+    published = None
+    if ready.get("status") == "True":
+        with contextlib.suppress(MigrationError):
+            published = Endpoint.from_json(str(ready.get("message")))
+    if published != replace(endpoint, max_bandwidth=None):
+        return f"the endpoint is not the one target pod {name} published"
+    node_name = (node or {}).get("metadata", {}).get("name")
+    if node is None or not node_name or node_name != (target.get("spec") or {}).get("nodeName"):
+        return f"target pod {name} is on no node"
+    if node_name == own_node:
+        return f"target pod {name} is on this node"
+    status = node.get("status") or {}
+    if not any(c.get("type") == VM_NODE_CONDITION for c in status.get("conditions") or []):
+        return f"node {node_name} is not a vm node"
+    addresses = status.get("addresses") or []
+    if endpoint.host not in [a.get("address") for a in addresses if a.get("type") == "InternalIP"]:
+        return f"{endpoint.host} is not an InternalIP address of node {node_name}"
+    return None
+
+
+def target_verdict(target: Mapping[str, Any] | None) -> str | None:
+    """The target's word on a migration whose stream ended, from its pod (None: the pod is
+    gone): `RUNNING`, `failed: <why>` once its QEMU is surely gone, or None (not yet known)."""
+    if target is None:
+        return "failed: the target pod is gone"
+    ready = _condition(target, TARGET_CONDITION)
+    if ready.get("reason") == "Completed":
+        return RUNNING
+    if ready.get("reason") == "Failed":
+        return f"failed: {ready.get('message') or 'the target failed'}"
+    if (target.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return "failed: the target pod ended"
+    return None

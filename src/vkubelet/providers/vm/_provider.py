@@ -55,7 +55,7 @@ from ...sdk import (
     build_pod_status,
 )
 from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
-from ...sdk.provider import EventSink, EventType
+from ...sdk.provider import EventSink, EventType, UpperAPI
 from ...sdk.retry import Backoff
 from . import _hibernate, _persist, _resize
 from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage, Runtime
@@ -136,6 +136,7 @@ class VMProvider(RunnerProvider):
         self.memory = max(memory - config.reserved_memory, 0)
         self.accel: tuple[str, str] | None = None  # (accel, reason) once probed
         self.disk_provisioner: DiskProvisioner | None = None  # PVC disks, with `storage`
+        self.upper_api: UpperAPI | None = None  # the agent's client (migrate-to's check)
         self._push: Callable[[Pod], None] = lambda pod: None
         self._node_changed: Callable[[Node], None] = lambda node: None
         self._grace: dict[str, int] = {}
@@ -148,6 +149,11 @@ class VMProvider(RunnerProvider):
         config.run_root.mkdir(parents=True, exist_ok=True)
         config.log_root.mkdir(parents=True, exist_ok=True)
         self.backups = BackupPods(config.backup_roots, self._backup_source, events)
+
+    def use_upper_api(self, api: UpperAPI) -> None:
+        """The agent's client: a source checks a `migrate-to` against the target pod and its
+        node with it before it connects anywhere (`_migrations`)."""
+        self.upper_api = api
 
     # -- node -----------------------------------------------------------------------------------
     def configure_node(self, node: Node) -> None:
@@ -800,7 +806,9 @@ class VMProvider(RunnerProvider):
             await self.runtime.detach_network(vm.uid)
         shutil.rmtree(vm.dir, ignore_errors=True)
         shutil.rmtree(self.log_dir / vm.uid, ignore_errors=True)
-        if vm.migrated is not None:  # the machine lives elsewhere now: no stale disks here
+        # Migrated away, the machine lives elsewhere now; or a migration target the VM never
+        # reached, its disks a partial copy of a VM that runs at its source: no stale disks here.
+        if vm.migrated is not None or self.migrations.is_target(vm):
             with contextlib.suppress(ValueError):
                 if (gone := _persist.machine_dir(self.config.state_dir, vm.pod)) is not None:
                     shutil.rmtree(gone, ignore_errors=True)

@@ -29,7 +29,7 @@ from lightkube.resources.core_v1 import Pod
 
 from ..._files import write_atomic
 from ...sdk import PodRunner, Waiting
-from ...sdk.provider import EventType
+from ...sdk.provider import EventType, UpperAPI
 from ._backend import GuestAddress, MachineHandle
 from ._config import VMConfig
 from ._spec import MachinePlan
@@ -211,6 +211,14 @@ class VMHost(Protocol):
 
     @property
     def host_ip(self) -> str: ...
+
+    @property
+    def node_name(self) -> str: ...
+
+    @property
+    def upper_api(self) -> UpperAPI | None:
+        """The agent's client of the cluster (None until the agent gave it)."""
+        ...
 
     @property
     def millicpu(self) -> int: ...  # allocatable

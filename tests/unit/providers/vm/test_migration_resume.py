@@ -16,7 +16,7 @@ from vkubelet.providers.vm._migrations import Migrations
 from vkubelet.providers.vm._qmp import Monitor
 from vkubelet.providers.vm._vm import Launch
 
-ENDPOINT = Endpoint("127.0.0.1", 1, 2, 3, ("disk0",))  # nothing listens there
+ENDPOINT = Endpoint("127.0.0.1", 1, 2, 3, ("disk0",), pod="vm-2")  # nothing listens there
 
 
 class FakeQEMU(Monitor):
@@ -61,15 +61,26 @@ class Runner:
         self.finished = True
 
 
+class TargetArrived:
+    """The API, where the target pod says the guest runs there (its console port, nothing
+    listening, gave no verdict)."""
+
+    async def get(self, path: str) -> dict[str, Any]:
+        assert path == "/api/v1/namespaces/ns/pods/vm-2"
+        ready = {"type": "vm.vkubelet.io/MigrationTarget", "status": "False", "reason": "Completed"}
+        return {"status": {"conditions": [ready]}}
+
+
 def _setup(tmp_path: Path, state: str, **record: Any) -> tuple[Migrations, Any, Runner]:
     events: list[tuple[str, str]] = []
     host = SimpleNamespace(
         event=lambda vm, kind, reason, message: events.append((reason, message)),
         log_path=lambda uid, container, run: tmp_path / "logs" / f"{run}.log",
         events=events,
+        upper_api=TargetArrived(),
     )
     vm = SimpleNamespace(
-        dir=tmp_path, uid="u1", container="vm", run=0, migrated=None, launch=Launch()
+        dir=tmp_path, uid="u1", key="ns/vm", container="vm", run=0, migrated=None, launch=Launch()
     )
     migrations = Migrations(host)
     migrations._write_record(
