@@ -47,6 +47,27 @@ def write_atomic(
             os.close(directory)
 
 
+def private_dir(path: Path) -> Path:
+    """A directory only its owner can enter (0700), made with its parents when missing; an
+    existing one is tightened. The directories that hold a tenant's disks and memory images."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o777 != 0o700:
+        path.chmod(0o700)
+    return path
+
+
+def make_private(root: Path) -> None:
+    """Tighten what an older version left readable: `root` and every directory below it 0700,
+    every file 0600. Symlinks are neither followed nor changed (their target may be anyone's)."""
+    if root.is_symlink():
+        return
+    for directory, _, files in os.walk(root, followlinks=False):
+        Path(directory).chmod(0o700)
+        for name in files:
+            if not (path := Path(directory, name)).is_symlink():
+                path.chmod(0o600)
+
+
 def write_private(path: Path, data: bytes | str) -> None:
     """A file only its owner can read (private keys, kubeconfigs, state holding secrets)."""
     write_atomic(path, data, mode=0o600)

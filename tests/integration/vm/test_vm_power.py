@@ -12,6 +12,7 @@ node) is a disk of all three pods.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import random
 import tempfile
@@ -288,6 +289,7 @@ def test_hibernate_and_resume_keep_memory_and_uptime_faster_than_a_cold_boot(
     assert terminated["reason"] == "Hibernated", terminated
     saved = node.state / "machines" / vm.machine / "hibernate" / "state"
     assert saved.is_file()
+    assert saved.stat().st_mode & 0o777 == 0o600  # the guest's memory: the agent's alone
     node.kubectl(
         "-n", node.namespace, "patch", "pod", vm.name, "--type=json",
         "-p", '[{"op":"remove","path":"/metadata/finalizers"}]',
@@ -408,6 +410,114 @@ def test_a_cold_boot_keeps_the_claim_s_data_a_failed_hibernation_shuts_down_and_
         what="the PV deleted",
     )
     assert not image.exists()
+
+
+def _checksums(*roots: Path) -> dict[str, str]:
+    return {
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+        for root in roots
+        for p in sorted([root] if root.is_file() else root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_another_namespace_cannot_use_a_machine_or_a_volume_and_what_the_node_keeps_is_private(
+    node: Node, vm: Booted
+) -> None:
+    """After the cold-boot test: the machine is powered off, its disks at rest. A pod of
+    namespace B naming the machine, and one whose claim is pre-bound to namespace A's volume,
+    are refused with a reason; A's files are unchanged. No VM boots (on today's code both would,
+    with A's disks)."""
+    machine = node.state / "machines" / vm.machine
+    # A's volume: a claim bound for a pod that never boots (an image without a rule)
+    claim = {**CLAIM, "metadata": {"name": "a-data"}}
+    holder = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "a-holder"},
+        "spec": {
+            "nodeName": node.name,
+            "tolerations": [TOLERATION],
+            "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "a-data"}}],
+            "containers": [{"name": "vm", "image": "vm.vkubelet.io/absent"}],
+        },
+    }
+    for manifest in (claim, holder):
+        node.kubectl("-n", node.namespace, "apply", "-f", "-", input=json.dumps(manifest))
+
+    def bound() -> str | None:
+        found = node.kubectl.json("-n", node.namespace, "get", "pvc", "a-data")
+        return str(found["spec"]["volumeName"]) if found["status"].get("phase") == "Bound" else None
+
+    pv_name = wait_for(bound, timeout=60, what="A's claim bound")
+    volume = Path(node.kubectl.json("get", "pv", pv_name)["spec"]["local"]["path"])
+    assert volume.is_file()
+    before = _checksums(machine, volume)
+
+    other = create_namespace(node.kubectl, f"tenant-b-{uuid.uuid4().hex[:6]}")
+    try:
+        intruder = _vm_pod(node, "b-machine", vm.machine, "1", "256Mi", power_off="Shutdown")
+        intruder["metadata"]["finalizers"] = []
+        intruder["spec"]["volumes"] = []
+        prebound = {**CLAIM, "metadata": {"name": "b-data"}}
+        prebound["spec"] = {**CLAIM["spec"], "volumeName": pv_name}  # type: ignore[dict-item]
+        taker = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "b-volume"},
+            "spec": {
+                "nodeName": node.name,
+                "tolerations": [TOLERATION],
+                "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "b-data"}}],
+                "containers": [{"name": "vm", "image": "vm.vkubelet.io/tiny"}],
+            },
+        }
+        for manifest in (intruder, prebound, taker):
+            node.kubectl("-n", other, "apply", "-f", "-", input=json.dumps(manifest))
+
+        def waiting(pod: str) -> dict[str, Any]:
+            found = node.kubectl.json("-n", other, "get", "pod", pod)
+            statuses = found["status"].get("containerStatuses") or [{}]
+            return dict((statuses[0].get("state") or {}).get("waiting") or {})
+
+        def event(pod: str, reason: str) -> str:
+            return str(
+                node.kubectl(
+                    "-n", other, "get", "events", "-o", "jsonpath={.items[*].message}",
+                    "--field-selector", f"involvedObject.name={pod},reason={reason}",
+                ).stdout
+            )  # fmt: skip
+
+        refused = wait_for(
+            lambda: waiting("b-machine").get("reason") == "MachineRefused" and waiting("b-machine"),
+            timeout=60,
+            what="the machine refused",
+        )
+        assert "belongs to another namespace" in refused["message"], refused
+        assert "belongs to another namespace" in wait_for(
+            lambda: event("b-machine", "MachineRefused"), timeout=30, what="the refusal's Event"
+        )
+        unattached = wait_for(
+            lambda: event("b-volume", "FailedMount"), timeout=60, what="the volume not attached"
+        )
+        assert f"volume {pv_name} is bound to another claim" in unattached
+        assert waiting("b-volume").get("reason") == "ContainerCreating"
+        pvc = node.kubectl.json("-n", other, "get", "pvc", "b-data")
+        assert pvc["status"]["phase"] == "Pending"  # the PV controller never binds it either
+        assert not event("b-machine", "Started") and not event("b-volume", "Started")
+    finally:
+        node.kubectl("delete", "namespace", other, "--wait=false", check=False)
+    assert _checksums(machine, volume) == before
+    # what a real run made (disks by qemu-img, the claim's disk, records) is the agent's alone
+    for directory in (node.state, machine, node.state / "volumes"):
+        assert _mode(directory) == 0o700, directory
+    for f in (machine / "root.qcow2", machine / "machine.json", volume):
+        assert _mode(f) == 0o600, f
+    node.kubectl("-n", node.namespace, "delete", "pod/a-holder", "pvc/a-data", "--wait=false")
 
 
 def test_a_retained_claim_keeps_its_pv_and_file_and_a_named_node_counts_as_selected(

@@ -60,7 +60,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..._files import write_atomic
+from ..._files import make_private, private_dir, write_atomic
 from ...sdk.logs import LogWriter
 from ...sdk.retry import Backoff
 from ._disks import DiskError, _qemu_img, resize
@@ -232,7 +232,7 @@ def read_manifest(chain_dir: Path) -> dict[str, Any] | None:
 
 
 def _write_manifest(chain_dir: Path, data: Mapping[str, Any]) -> None:
-    write_atomic(chain_dir / MANIFEST, json.dumps(data, indent=2) + "\n", durable=True)
+    write_atomic(chain_dir / MANIFEST, json.dumps(data, indent=2) + "\n", mode=0o600, durable=True)
 
 
 def _fsync(path: Path) -> None:
@@ -325,8 +325,10 @@ async def run_backup(
     chain_dir = target / source.namespace / source.vm_name
     bitmap = bitmap_name(chain_dir)
     run = _Run(machine, source, progress)
-    try:
-        chain_dir.mkdir(parents=True, exist_ok=True)
+    try:  # a tenant's disks: the agent's alone, older backups tightened too
+        private_dir(target / source.namespace)
+        private_dir(chain_dir)
+        make_private(chain_dir)
     except OSError as e:
         raise BackupError("TargetRefused", f"cannot create {chain_dir}: {e}") from None
     manifest = read_manifest(chain_dir) or {
@@ -365,7 +367,7 @@ async def run_backup(
     progress(f"{kind} backup {backup_id} of {source.namespace}/{source.pod} to {backup_dir}")
     shutil.rmtree(backup_dir, ignore_errors=True)  # a failed earlier attempt's leftovers
     await _check_space(chain_dir, source, devices, names, bitmap, kind)
-    backup_dir.mkdir()
+    backup_dir.mkdir(mode=0o700)
     files = [backup_dir / f"disk{i}.qcow2" for i in range(len(names))]
     consistency = ""
     listener: Any = None
@@ -673,7 +675,60 @@ def resolve_restore(text: str, allowed: Sequence[Path], namespace: str) -> list[
     for f in files:
         if not f.exists():
             raise BackupError("RestoreFailed", f"{RESTORE_FROM}: {f} is missing")
+        _inside(f, chain_dir)
     return files
+
+
+def _inside(path: Path, chain_dir: Path) -> Path:
+    """`path` with every symlink resolved, refused unless that is a file of the backup itself:
+    a link planted in a backup must not copy another VM's disk (or a host file) into the pod's."""
+    real, root = Path(os.path.realpath(path)), Path(os.path.realpath(chain_dir))
+    if root not in real.parents or not real.is_file():
+        raise BackupError(
+            "RestoreFailed",
+            f"{RESTORE_FROM}: {path} is not a file of the backup {chain_dir} (it resolves to "
+            f"{real}); a restore reads only the backup's own files",
+        )
+    return real
+
+
+async def check_chain(disk: Path, chain_dir: Path) -> Path:
+    """Refuse a backup file whose qcow2 chain leaves the backup: a backing file (or external
+    data file) elsewhere would be read into the restored disk. Each level is inspected without
+    opening its backing file (`qemu-img info` without --backing-chain), so a hostile name is
+    never opened; only plain relative or absolute paths to qcow2 files of the backup pass.
+    Returns the disk's resolved path, the one to read: QEMU resolves a relative backing name
+    against the directory of the name it opened, as this check does."""
+    top = current = _inside(disk, chain_dir)
+    seen: set[Path] = set()
+    while (real := _inside(current, chain_dir)) not in seen:
+        seen.add(real)
+        try:
+            out = await _qemu_img(
+                ["info", "--force-share", "--output=json", "-f", "qcow2", str(real)]
+            )
+            info = json.loads(out)
+        except (DiskError, ValueError) as e:
+            raise BackupError("RestoreFailed", f"{RESTORE_FROM}: {disk}: {e}") from None
+        specific = (info.get("format-specific") or {}).get("data") or {}
+        if specific.get("data-file"):
+            raise BackupError(
+                "RestoreFailed",
+                f"{RESTORE_FROM}: {current} keeps its data in an external file "
+                f"({specific['data-file']}); a backup's files are self-contained",
+            )
+        backing = info.get("backing-filename")
+        if not backing:
+            return top
+        fmt = info.get("backing-filename-format")
+        if ":" in str(backing) or fmt != "qcow2":
+            raise BackupError(
+                "RestoreFailed",
+                f"{RESTORE_FROM}: {current} is backed by {backing!r} ({fmt}); a backup's "
+                "chain holds only qcow2 files of the backup",
+            )
+        current = current.parent / str(backing)  # an absolute name stays itself, as in QEMU
+    raise BackupError("RestoreFailed", f"{RESTORE_FROM}: {disk}: its backing chain is a loop")
 
 
 async def restore_disks(sources: Sequence[Path], disks: Sequence[Path]) -> None:
@@ -719,7 +774,8 @@ async def restore_if_asked(
     text = annotations.get(RESTORE_FROM)
     if not text or disks[0].exists():
         return
-    sources = resolve_restore(text, allowed, namespace)
+    chain_dir = Path(text).parent  # a manifest's, or a backup directory's
+    sources = [await check_chain(s, chain_dir) for s in resolve_restore(text, allowed, namespace)]
     wanted = [(s, d) for s, d in zip(sources, disks, strict=False) if not d.exists()]
     await restore_disks([s for s, _ in wanted], [d for _, d in wanted])
     if root_size is not None:

@@ -77,12 +77,15 @@ def parse_size(value: str | int, *, field: str = "size") -> int:
 
 
 async def _qemu_img(args: Sequence[str], *, limit: float = _TIMEOUT) -> str:
+    """Run qemu-img; what it creates (disks, restores, backup files) is owner-only (umask 077):
+    a tenant's disk is never readable by the host's other users."""
     process = await asyncio.create_subprocess_exec(
         QEMU_IMG,
         *args,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        umask=0o077,
     )
     try:
         stdout, stderr = await asyncio.wait_for(process.communicate(), limit)

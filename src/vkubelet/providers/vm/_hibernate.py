@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shlex
 import shutil
 import time
@@ -33,7 +34,7 @@ from typing import Any
 
 from lightkube.resources.core_v1 import Pod
 
-from ..._files import write_atomic
+from ..._files import private_dir, write_atomic
 from . import _persist, _resize
 from ._backend import MachineHandle
 from ._machine import MachineExit
@@ -150,10 +151,11 @@ async def hibernate(
     """Pause the guest and save its state into `directory`; what was saved, for the record. The
     caller then ends QEMU (`Machine.end`). On failure the guest runs on (HibernateError): the
     caller shuts it down normally."""
-    where = _state_dir(directory)
-    where.mkdir(parents=True, exist_ok=True)
+    where = private_dir(_state_dir(directory))
     partial = where / "state.partial"
     partial.unlink(missing_ok=True)
+    # The guest's memory: created owner-only here, so that QEMU's `cat >` keeps that mode.
+    os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     (where / "meta.json").unlink(missing_ok=True)
     started = time.monotonic()
     try:
@@ -177,7 +179,7 @@ async def hibernate(
         "savedAt": time.time(),
         "seconds": time.monotonic() - started,
     }
-    write_atomic(where / "meta.json", json.dumps(meta))
+    write_atomic(where / "meta.json", json.dumps(meta), mode=0o600)
     size = (where / "state").stat().st_size
     return f"state saved ({size} bytes) in {time.monotonic() - started:.2f} s"
 

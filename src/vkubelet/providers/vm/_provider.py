@@ -35,7 +35,7 @@ from typing import Any
 
 from lightkube.resources.core_v1 import Node, Pod
 
-from ..._files import write_private
+from ..._files import make_private, private_dir, write_private
 from ...kube import ApiError, KubeClient
 from ...sdk import (
     AttachIO,
@@ -70,7 +70,7 @@ from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
 from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
 from ._vm import ADDRESS_ANNOTATION, VM, Launch, decorate, pod_annotations
-from ._volumes import DiskProvisioner, claim_disks, drive_args
+from ._volumes import DiskProvisioner, VolumeNotReady, claim_disks, drive_args
 
 __all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
 
@@ -146,7 +146,8 @@ class VMProvider(RunnerProvider):
         self._started: asyncio.Task[None] | None = None
         self._closed = False
         self.migrations = Migrations(self)
-        config.run_root.mkdir(parents=True, exist_ok=True)
+        private_dir(config.state_dir)  # tenants' disks and memory: the agent's alone
+        config.run_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         config.log_root.mkdir(parents=True, exist_ok=True)
         self.backups = BackupPods(config.backup_roots, self._backup_source, events)
 
@@ -212,6 +213,8 @@ class VMProvider(RunnerProvider):
             self.events.node_event(self.node_name, kind, "Accelerator", f"{accel}: {reason}")
         log.info("node %s: accelerator %s (%s)", self.node_name, accel, reason)
         self._node_changed(Node())  # the Accelerator condition, published now
+        for private in (self.config.state_dir / _persist.MACHINES, self.config.volume_root):
+            await asyncio.to_thread(make_private, private)  # what older versions left readable
         await self._adopt_all()
         self._tasks.spawn(self._gc_loop(), name="image gc")
         if self.config.machine_gc is not None:  # persistent machines (_persist)
@@ -228,6 +231,7 @@ class VMProvider(RunnerProvider):
     async def pod_ips(self, pod: Pod) -> list[str]:
         """The VM's address, known before it starts (so `status.podIP` in its env is right):
         the pod network is attached here (attaching is idempotent per pod UID)."""
+        await self._start()  # adopted VMs claim their machines before any new pod may
         spec, meta = pod.spec, pod.metadata
         image = spec.containers[0].image if spec and spec.containers else None
         if meta is None or not meta.uid or not self._is_vm_image(image or ""):
@@ -242,6 +246,10 @@ class VMProvider(RunnerProvider):
         controller sets `ADDRESS_ANNOTATION` from the VirtualMachine's status.ip); a refusal
         names the annotation and becomes the pod's reason. A machine's address is recorded in
         its directory, so that this node keeps it while the machine is powered off."""
+        try:  # before anything is attached: a refused pod leaves nothing on the host
+            _persist.machine_dir(self.config.state_dir, pod)
+        except _persist.MachineRefused as e:
+            raise ProviderError(e.reason, str(e)) from None
         field = f"metadata.annotations[{ADDRESS_ANNOTATION}]"
         wanted = pod_annotations(pod).get(ADDRESS_ANNOTATION, "").strip() or None
         if wanted is not None:
@@ -272,7 +280,11 @@ class VMProvider(RunnerProvider):
         return network
 
     def _keep_address(self, pod: Pod, address: str) -> None:
-        if (directory := _hibernate.machine_dir(pod, self.config.state_dir)) is not None:
+        try:
+            directory = _persist.claim_machine(self.config.state_dir, pod)
+        except _persist.MachineRefused as e:
+            raise ProviderError(e.reason, str(e)) from None
+        if directory is not None:
             _persist.record_address(directory, address)
 
     async def claim_network(self, vm: VM) -> GuestAddress:
@@ -384,8 +396,13 @@ class VMProvider(RunnerProvider):
                 return
             except Exception as e:
                 log.warning("%s: could not create the VM: %s", key, e)
-                self.event(vm, "Warning", "Failed", f"Error: {e}")
-                self._report_waiting(vm, Waiting("CreateContainerError", str(e)))
+                if isinstance(e, VolumeNotReady):  # the kubelet's words for unattached volumes
+                    message = f"Unable to attach or mount volumes: {e}"
+                    self.event(vm, "Warning", e.event_reason, message)
+                    self._report_waiting(vm, Waiting(e.reason, message))
+                else:
+                    self.event(vm, "Warning", "Failed", f"Error: {e}")
+                    self._report_waiting(vm, Waiting("CreateContainerError", str(e)))
                 await asyncio.sleep(backoff.next_delay() if retried else 1.0)
                 retried = True
         self._start_vm(key, vm, restart_count=0)
@@ -454,14 +471,14 @@ class VMProvider(RunnerProvider):
         in one pod at a time), or the pod's own run directory."""
         try:
             directory = _persist.machine_dir(self.config.state_dir, vm.pod)
-        except ValueError as e:
-            raise ProviderError("CreateContainerConfigError", str(e)) from None
+        except _persist.MachineRefused as e:
+            raise ProviderError(e.reason, str(e)) from None
         if directory is None:
             return vm.dir
         for other in list(self.vms.values()):
             if other.uid != vm.uid and directory.name in _persist.machines_in_use([other.pod]):
                 raise RuntimeError(f"machine {directory.name} is still in use by pod {other.key}")
-        directory.mkdir(parents=True, exist_ok=True)
+        _persist.claim_machine(self.config.state_dir, vm.pod)
         _persist.record_image(directory, vm.image_sha256)
         return directory
 
@@ -874,6 +891,10 @@ class VMProvider(RunnerProvider):
                 continue
             assert isinstance(pod, Pod) and pod.metadata is not None
             key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+            with contextlib.suppress(_persist.MachineRefused):  # (then its own pod never ran)
+                # Its machine is this pod's: recorded before any new pod may claim it (a machine
+                # an older version made has no owner yet).
+                _persist.claim_machine(self.config.state_dir, pod)
             vm = VM(pod, directory, address=state.get("address"))
             vm.image_sha256, vm.run = state.get("image"), state["run"]
             vm.launch = Launch.from_json(state["launch"]) if state["launch"] else None

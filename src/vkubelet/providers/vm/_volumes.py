@@ -26,8 +26,9 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
+from ..._files import private_dir
 from ...kube import ApiError, KubeClient
 from ...sdk import ProviderError
 from ._disks import parse_size
@@ -39,6 +40,8 @@ __all__ = [
     "ClaimDisk",
     "DiskProvisioner",
     "StorageConfig",
+    "VolumeNotReady",
+    "binding_refusal",
     "pv_for",
     "storage_class_manifest",
     "to_delete",
@@ -171,6 +174,31 @@ def to_delete(pv: dict[str, Any], node: str, volumes: Path) -> Path | None:
     return path
 
 
+class VolumeNotReady(RuntimeError):
+    """A claim's disk cannot be attached yet: the pod waits in ContainerCreating, as a kubelet's
+    does while its volumes are not attached, and retries."""
+
+    reason: Final = "ContainerCreating"
+    event_reason: Final = "FailedMount"
+
+
+def binding_refusal(pvc: dict[str, Any], pv: dict[str, Any]) -> str | None:
+    """Why `pv` is not the claim's disk (None: it is): both Bound, and the PV's claimRef names
+    exactly this claim (namespace, name, uid). `spec.volumeName` alone is what the claim's
+    author wrote: a claim pre-bound to another tenant's PV must not get that disk."""
+    meta = pvc.get("metadata") or {}
+    volume = (pvc.get("spec") or {}).get("volumeName")
+    ref = (pv.get("spec") or {}).get("claimRef") or {}
+    mine = (meta.get("namespace"), meta.get("name"), meta.get("uid"))
+    if (ref.get("namespace"), ref.get("name"), ref.get("uid")) != mine:
+        return f"volume {volume} is bound to another claim, not to this one"
+    if (pvc.get("status") or {}).get("phase") != "Bound":
+        return f"not Bound to volume {volume} yet"
+    if (pv.get("status") or {}).get("phase") != "Bound":
+        return f"volume {volume} is not Bound yet"
+    return None
+
+
 def drive_args(claims: Sequence[tuple[str, str]]) -> tuple[str, ...]:
     """QEMU options attaching a launch's claim disks, (path, serial) each (after the root,
     scratch and seed)."""
@@ -228,7 +256,7 @@ class DiskProvisioner:
                 raise
 
     async def run(self) -> None:
-        self.volumes.mkdir(parents=True, exist_ok=True)
+        private_dir(self.volumes)  # claim disks are tenants' data: the agent's alone
         while True:
             try:
                 await self.ensure_storage_class()
@@ -280,24 +308,26 @@ class DiskProvisioner:
         log.info("provisioned %s for claim %s/%s", path, meta["namespace"], meta["name"])
 
     async def claim_disk(self, namespace: str, claim: str) -> ClaimDisk:
-        """The disk of a bound claim of ours on this node; RuntimeError (retried) until then."""
+        """The disk of a bound claim of ours on this node; VolumeNotReady (retried) until then."""
         api = self._api()
         pvc = await api.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
         volume = (pvc.get("spec") or {}).get("volumeName")
         if not volume:
-            raise RuntimeError(f"claim {claim} is not bound yet")
+            raise VolumeNotReady(f"claim {claim} is not bound yet")
         pv = await api.get(f"{_VOLUMES}/{volume}")
+        if (why := binding_refusal(pvc, pv)) is not None:
+            raise VolumeNotReady(f"claim {claim}: {why}")
         path = Path((pv.get("spec", {}).get("local") or {}).get("path", ""))
         if _pv_node(pv) != self.node or path.parent != self.volumes or not _is_file(path):
-            raise RuntimeError(f"claim {claim}'s volume {volume} is not a disk of this node")
+            raise VolumeNotReady(f"claim {claim}'s volume {volume} is not a disk of this node")
         return ClaimDisk(claim, path)
 
 
 async def claim_disks(
     provisioner: DiskProvisioner | None, namespace: str, claims: Sequence[str]
 ) -> list[tuple[str, str]]:
-    """A pod's PVC disks for its launch, (path, serial) each; a claim not bound yet raises
-    RuntimeError (the pod's preparation retries with back-off)."""
+    """A pod's PVC disks for its launch, (path, serial) each; a claim not bound to its volume
+    raises VolumeNotReady (the pod's preparation retries with back-off)."""
     if not claims:
         return []
     if provisioner is None:

@@ -4,9 +4,11 @@ targets refused, full then incremental, and the guest thawed on every error path
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -14,11 +16,13 @@ from unittest import mock
 import pytest
 
 from vkubelet.providers.vm._backup import (
+    RESTORE_FROM,
     BackupError,
     BackupSource,
     bitmap_name,
     resolve_restore,
     resolve_target,
+    restore_if_asked,
     run_backup,
 )
 
@@ -410,3 +414,66 @@ def test_backup_directories_in_the_config_are_resolved_and_default_to_the_state_
     assert default.backup_roots == ((tmp_path / "s").resolve() / "backups",)
     with pytest.raises(ConfigError, match=r"vm\.yaml: backupDirectories"):
         parse_config({"backupDirectories": "/srv"}, origin="vm.yaml", base=tmp_path)
+
+
+def _restore(manifest: Path, allowed: Path, disks: list[Path]) -> None:
+    annotations = {RESTORE_FROM: str(manifest)}
+    asyncio.run(restore_if_asked("ns", annotations, disks, [allowed], None))
+
+
+def _qcow2(path: Path, *options: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", *options, str(path), "1M"], check=True
+    )
+
+
+def _sums(*paths: Path) -> list[str]:
+    return [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+
+
+def test_backups_are_private_and_restore_through_their_own_chain(tmp_path: Path) -> None:
+    machine = FakeMachine(FakeMonitor(), FakeAgent())
+    _backup(machine, tmp_path / "backups")
+    _backup(machine, tmp_path / "backups")  # incremental: backed by the full one, relatively
+    chain = tmp_path / "backups" / "ns" / "db"
+    for directory in (chain.parent, chain, chain / "0001-full", chain / "0002-incremental"):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+    for f in (chain / "manifest.json", *chain.glob("*/*.qcow2")):
+        assert f.stat().st_mode & 0o777 == 0o600, f
+    disks = [tmp_path / "pod" / "root.qcow2", tmp_path / "pod" / "empty-data.qcow2"]
+    disks[0].parent.mkdir()
+    _restore(chain / "manifest.json", tmp_path / "backups", disks)
+    assert all(d.stat().st_mode & 0o777 == 0o600 for d in disks)
+
+
+def test_a_restore_never_follows_a_symlink_or_a_backing_file_out_of_the_backup(
+    tmp_path: Path,
+) -> None:
+    machine = FakeMachine(FakeMonitor(), FakeAgent())
+    _backup(machine, tmp_path / "backups")
+    chain = tmp_path / "backups" / "ns" / "db"
+    # another namespace's VM disk, inside the backup directories, and a file of the host
+    theirs = tmp_path / "backups" / "other" / "db" / "0001-full" / "disk0.qcow2"
+    _qcow2(theirs)
+    host = tmp_path / "host-file"
+    host.write_bytes(b"secret" * 1000)
+    before = _sums(theirs, host)
+    pod_disk = tmp_path / "pod" / "root.qcow2"
+    pod_disk.parent.mkdir()
+    entry = chain / "0001-full" / "disk0.qcow2"
+    json_name = "json:" + json.dumps({"file.filename": str(host)})
+    planted: list[tuple[str, Callable[[], None]]] = [
+        ("not a file of the backup", lambda: entry.symlink_to(theirs)),
+        ("not a file of the backup", lambda: _qcow2(entry, "-b", str(theirs), "-F", "qcow2")),
+        ("is backed by", lambda: _qcow2(entry, "-b", str(host), "-F", "raw")),
+        ("is backed by", lambda: _qcow2(entry, "-u", "-b", json_name, "-F", "qcow2")),
+    ]
+    for words, plant in planted:
+        entry.unlink()
+        plant()
+        with pytest.raises(BackupError, match=words) as caught:
+            _restore(chain / "manifest.json", tmp_path / "backups", [pod_disk])
+        assert caught.value.reason == "RestoreFailed"
+        assert not pod_disk.exists()
+    assert _sums(theirs, host) == before

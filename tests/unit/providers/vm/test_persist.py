@@ -4,6 +4,8 @@ in one pod at a time, and machine directories go only when their VirtualMachine 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,20 +15,26 @@ from lightkube.resources.core_v1 import Pod
 from vkubelet.providers.vm import _persist
 from vkubelet.providers.vm._config import ConfigError, parse_config
 from vkubelet.providers.vm._provider import VMProvider
-from vkubelet.sdk import ResolvedPod
+from vkubelet.sdk import ProviderError, ResolvedPod
 from vkubelet.sdk.volumes import EmptyDirVolume
 from vkubelet.testing.harness import eventually
 
-from .fakes import FakeRuntime, launched, state
+from .fakes import Events, FakeRuntime, launched, provider_for, state
 
 
-def machine_pod(name: str, machine: str = "m-1", **spec: Any) -> Pod:
+def machine_pod(
+    name: str, machine: str = "m-1", *, namespace: str = "ns", vm: str | None = None, **spec: Any
+) -> Pod:
+    """A pod of machine `machine`; `vm`: the uid of the VirtualMachine controlling it."""
+    owner = {"apiVersion": "vkubelet.io/v1alpha1", "kind": "VirtualMachine", "name": "db"}
+    owners = [{**owner, "uid": vm, "controller": True}]
     body = {
         "metadata": {
             "name": name,
-            "namespace": "ns",
+            "namespace": namespace,
             "uid": f"uid-{name}",
             "annotations": {_persist.MACHINE_ANNOTATION: machine},
+            **({"ownerReferences": owners} if vm else {}),
         },
         "spec": {
             "containers": [{"name": "vm", "image": "vm.vkubelet.io/tiny"}],
@@ -144,3 +152,95 @@ def test_the_machine_gc_setting_is_checked(tmp_path: Path) -> None:
         parse_config(
             {"machineGC": {"kubeconfig": "k", "intervalSeconds": 0}}, origin="v", base=tmp_path
         )
+
+
+def _checksums(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+async def test_a_pod_of_another_namespace_naming_a_machine_is_refused_its_files_untouched(
+    provider: VMProvider, runtime: FakeRuntime, tmp_path: Path
+) -> None:
+    owner = machine_pod("db-a")
+    await provider.create_pod(resolved(owner))
+    await eventually(lambda: _running(provider, "db-a"))
+    machine = tmp_path / "s" / "machines" / "m-1"
+    (machine / "root.qcow2").write_bytes(b"namespace ns's data")
+    await provider.delete_pod(owner, 5)  # powered off: its disks wait for its next pod
+    await eventually(lambda: _gone(provider, "db-a"))
+    before = _checksums(machine)
+
+    with pytest.raises(ProviderError) as refused:
+        await provider.create_pod(resolved(machine_pod("db-b", namespace="other")))
+    assert refused.value.reason == "MachineRefused"
+    assert "machine m-1 belongs to another namespace" in refused.value.message
+    assert _checksums(machine) == before
+    assert len(runtime.launches) == 1
+    assert await provider.get_pod("other", "db-b") is None
+    # its owner's next pod boots it as before
+    await provider.create_pod(resolved(machine_pod("db-c")))
+    await eventually(lambda: _running(provider, "db-c"))
+    assert (machine / "root.qcow2").read_bytes() == b"namespace ns's data"
+
+
+def test_a_virtual_machine_s_machine_is_used_only_by_that_virtual_machine_s_pods(
+    tmp_path: Path,
+) -> None:
+    made = _persist.claim_machine(tmp_path, machine_pod("db-1", machine="uid-vm", vm="uid-vm"))
+    assert made == tmp_path / "machines" / "uid-vm"
+    assert _persist.machine_dir(tmp_path, machine_pod("db-2", machine="uid-vm", vm="uid-vm"))
+    for intruder in (
+        machine_pod("x", machine="uid-vm"),  # not a VirtualMachine's pod
+        machine_pod("x", machine="uid-vm", vm="uid-other"),  # another VirtualMachine's
+        machine_pod("x", machine="uid-vm", vm="uid-vm", namespace="other"),
+    ):
+        with pytest.raises(_persist.MachineRefused):
+            _persist.claim_machine(tmp_path, intruder)
+        with pytest.raises(_persist.MachineRefused):
+            _persist.machine_dir(tmp_path, intruder)
+
+
+def test_a_machine_an_older_version_made_is_adopted_by_its_first_claimant_and_tightened(
+    tmp_path: Path,
+) -> None:
+    machine = tmp_path / "machines" / "m-1"
+    (machine / "hibernate").mkdir(parents=True, mode=0o755)
+    (machine / "machine.json").write_text('{"images": ["abc"]}')
+    for name in ("root.qcow2", "hibernate/state"):
+        (machine / name).write_bytes(b"data")
+        (machine / name).chmod(0o644)
+    (machine / "link").symlink_to("/etc/hostname")  # never followed, never changed
+    mode = Path("/etc/hostname").stat().st_mode
+
+    assert _persist.claim_machine(tmp_path, machine_pod("db-1")) == machine
+    record = json.loads((machine / "machine.json").read_text())
+    assert record == {"images": ["abc"], "owner": {"namespace": "ns", "virtualMachine": None}}
+    for path in (machine, machine / "hibernate"):
+        assert path.stat().st_mode & 0o777 == 0o700
+    for name in ("root.qcow2", "hibernate/state", "machine.json"):
+        assert (machine / name).stat().st_mode & 0o777 == 0o600
+    assert Path("/etc/hostname").stat().st_mode == mode
+    with pytest.raises(_persist.MachineRefused):
+        _persist.claim_machine(tmp_path, machine_pod("x", namespace="other"))
+
+
+async def test_an_upgraded_agent_gives_an_adopted_vm_s_machine_to_its_pod_before_any_other(
+    tmp_path: Path, runtime: FakeRuntime, events: Events
+) -> None:
+    first = provider_for(tmp_path, runtime, events)
+    await first.create_pod(resolved(machine_pod("db-a")))
+    await eventually(lambda: _running(first, "db-a"))
+    record = tmp_path / "s" / "machines" / "m-1" / "machine.json"
+    older = {k: v for k, v in json.loads(record.read_text()).items() if k != "owner"}
+    record.write_text(json.dumps(older))  # as a version before owners left it
+    await first.aclose()  # the agent is upgraded; the VM runs on
+
+    second = provider_for(tmp_path, runtime, events)
+    with pytest.raises(ProviderError, match="belongs to another namespace"):
+        await second.pod_ips(machine_pod("db-b", namespace="other"))
+    assert json.loads(record.read_text())["owner"] == {"namespace": "ns", "virtualMachine": None}
+    assert len(runtime.launches) == 1

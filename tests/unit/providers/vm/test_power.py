@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,55 @@ def test_only_released_pvs_of_ours_with_delete_are_removed(tmp_path: Path) -> No
     assert _volumes.to_delete(retained, "hv-1", tmp_path) is None
 
 
+class _Api:
+    def __init__(self, objects: dict[str, dict[str, Any]]) -> None:
+        self.objects = objects
+
+    async def get(self, path: str) -> dict[str, Any]:
+        return self.objects[path]
+
+
+async def test_a_claim_gets_a_volume_only_when_the_volume_is_bound_to_exactly_that_claim(
+    tmp_path: Path,
+) -> None:
+    disk = tmp_path / "pvc-u-1.qcow2"
+    disk.write_bytes(b"namespace ns's disk")
+    pv = _volumes.pv_for(_claim(), "hv-1", disk, "Delete") | {"status": {"phase": "Bound"}}
+    mine = _claim() | {"status": {"phase": "Bound"}}
+    mine["spec"]["volumeName"] = "pvc-u-1"
+    # namespace other's claim, pre-bound by its author to ns's volume: the PV controller never
+    # binds it (the PV's claimRef names ns/data), so it stays Pending
+    theirs = _claim(namespace="other", uid="u-2") | {"status": {"phase": "Pending"}}
+    theirs["spec"]["volumeName"] = "pvc-u-1"
+    provisioner = _volumes.DiskProvisioner(
+        "hv-1", _volumes.StorageConfig(tmp_path / "k"), tmp_path, _no_blank
+    )
+    claims = "/api/v1/namespaces/{}/persistentvolumeclaims/data"
+    api = _Api(
+        {
+            claims.format("ns"): mine,
+            claims.format("other"): theirs,
+            "/api/v1/persistentvolumes/pvc-u-1": pv,
+        }
+    )
+    provisioner._client = api  # type: ignore[assignment]
+    assert (await provisioner.claim_disk("ns", "data")).path == disk
+    with pytest.raises(_volumes.VolumeNotReady, match="bound to another claim") as refused:
+        await provisioner.claim_disk("other", "data")
+    assert refused.value.reason == "ContainerCreating"
+    # the same name and namespace but another claim (deleted and made again): not its volume
+    again = _claim(uid="u-3") | {"status": {"phase": "Bound"}}
+    again["spec"]["volumeName"] = "pvc-u-1"
+    api.objects[claims.format("ns")] = again
+    with pytest.raises(_volumes.VolumeNotReady, match="bound to another claim"):
+        await provisioner.claim_disk("ns", "data")
+    assert disk.read_bytes() == b"namespace ns's disk"
+
+
+async def _no_blank(path: Path, size: int) -> None:
+    raise AssertionError("no disk is made here")
+
+
 def test_claim_disks_attach_with_the_claim_name_as_serial(tmp_path: Path) -> None:
     disk = _volumes.ClaimDisk("a-very-long-claim-name-indeed", tmp_path / "x.qcow2")
     assert disk.serial == "a-very-long-claim-na"  # virtio-blk keeps 20 bytes
@@ -288,3 +338,30 @@ async def test_a_failed_save_leaves_the_guest_running_and_says_why(
     if fail == "none":
         assert "disk full" in str(caught.value)
     assert _hibernate.saved_state(tmp_path) is None
+
+
+class _SavingMonitor:
+    """QEMU saving the guest's memory: `exec:` runs its command in a shell with QEMU's umask
+    (the agent's, 022 here)."""
+
+    async def execute(self, command: str, arguments: Any = None) -> Any:
+        if command == "migrate":
+            script = arguments["uri"].removeprefix("exec:")
+            shell = await asyncio.create_subprocess_exec(
+                "sh", "-c", f"umask 022; {script}", stdin=asyncio.subprocess.PIPE
+            )
+            await shell.communicate(b"RAM" * 100)
+        if command == "query-migrate":
+            return {"status": "completed"}
+        return {}
+
+
+async def test_a_hibernated_guest_s_memory_is_readable_only_by_the_agent(tmp_path: Path) -> None:
+    machine = tmp_path / "machine"
+    monitor: Any = _SavingMonitor()
+    await _hibernate.hibernate(monitor, machine, Launch(vcpus=1))
+    saved = _hibernate.saved_state(machine)
+    assert saved is not None and saved.state.read_bytes() == b"RAM" * 100
+    assert saved.state.parent.stat().st_mode & 0o777 == 0o700
+    for name in ("state", "meta.json"):
+        assert (saved.state.parent / name).stat().st_mode & 0o777 == 0o600
