@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -39,6 +40,10 @@ cluster_app = typer.Typer(
 vm_app = typer.Typer(no_args_is_help=True, help="VirtualMachine resources (docs/vm-resource.md).")
 app.add_typer(dev, name="dev")
 app.add_typer(vm_app, name="vm")
+host_app = typer.Typer(
+    no_args_is_help=True, help="The agent as a systemd service of this host (docs/host-install.md)."
+)
+app.add_typer(host_app, name="host")
 dev.add_typer(cluster_app, name="cluster")
 image_app = typer.Typer(
     no_args_is_help=True,
@@ -632,6 +637,52 @@ def vm_install_crds(
         names = asyncio.run(install())
     for name in names:
         out.print(f"{name} established", highlight=False)
+
+
+def _own_executable() -> Path:
+    """This `vkubelet` (a venv's, pipx's, a package's), for a unit's ExecStart."""
+    started = Path(sys.argv[0])
+    if started.name == "vkubelet" and started.exists():
+        return started.absolute()
+    return Path(sys.prefix) / "bin" / "vkubelet"
+
+
+@host_app.command("install")
+def host_install(
+    config: Annotated[
+        Path,
+        typer.Option(
+            help="The agent config (YAML) the service runs, e.g. /etc/vkubelet/agent.yaml."
+        ),
+    ],
+    bootstrap_kubeconfig: Annotated[
+        Path | None,
+        typer.Option(help="Bootstrap credentials: the node obtains its own identity from them."),
+    ] = None,
+    unit_dir: Annotated[Path, typer.Option(help="Where the units go.")] = Path(
+        "/etc/systemd/system"
+    ),
+    start: Annotated[
+        bool, typer.Option(help="Enable and (re)start the service (else only write the units).")
+    ] = True,
+) -> None:
+    """Install the agent as the systemd service `vkubelet` (VMs outlive its restarts) and start
+    it: one agent per hypervisor host."""
+    from .agent._hostinstall import install
+    from .node import ConfigError
+
+    with _failing(ConfigError, OSError, subprocess.CalledProcessError):
+        written = install(
+            config,
+            executable=_own_executable(),
+            unit_dir=unit_dir,
+            bootstrap_kubeconfig=bootstrap_kubeconfig,
+            start=start,
+        )
+    for path in written:
+        out.print(f"wrote {path}", highlight=False)
+    if start:
+        out.print("started vkubelet.service: journalctl -u vkubelet -f", highlight=False)
 
 
 @app.command("vm-controller")

@@ -194,7 +194,7 @@ async def _until_signalled(
             _where(leftover),
         )
     if signalled.is_set() and not stuck:
-        log.info("stopped in %.1f s", loop.time() - deadline + grace)
+        log.info("stopped in %.2f s", loop.time() - deadline + grace)
     if task.done() and not task.cancelled() and (error := task.exception()) is not None:
         raise error
     return not stuck

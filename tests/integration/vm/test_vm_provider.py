@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import random
 import shlex
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -493,6 +495,57 @@ def test_a_sigtermed_agent_exits_within_10_s_and_the_next_start_adopts_both_vms(
     assert code == 0, log[-3000:]
     assert survived
     _assert_adopted(vms, vm_node, kubectl, before, restarts)
+
+
+def test_the_host_install_s_service_stops_and_starts_again_with_both_vms_adopted(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
+    """docs/host-install.md: the unit `vkubelet host install` writes, its ExecStart run exactly
+    as written, stopped the way its KillMode and KillSignal say (the agent's process only),
+    started again. (systemd is not PID 1 here: `systemd-analyze verify` checks the unit in
+    tests/unit/agent/test_host_install.py.)"""
+    agent_yaml = vm_node.workdir / "agent.yaml"
+    node: dict[str, Any] = {"name": vm_node.name, "provider": "vm", "providerConfig": "vm.yaml"}
+    node |= {"kubeletPort": 0, "internalIP": vm_node.address}
+    settings = {"kubeconfig": str(vm_node.cluster.kubeconfig), "certDir": "pki"}
+    agent_yaml.write_text(json.dumps({**settings, "approveOwnCSRs": True, "nodes": [node]}))
+    units = vm_node.workdir / "units"
+    vkubelet = str(Path(sys.prefix) / "bin" / "vkubelet")
+    install = [vkubelet, "host", "install", "--config", str(agent_yaml), "--no-start"]
+    subprocess.run([*install, "--unit-dir", str(units)], check=True, timeout=60)
+    service = _unit_section((units / "vkubelet.service").read_text(), "Service")
+    assert service["KillMode"] == "process"  # the VMs are not the service's to stop
+    argv = shlex.split(service["ExecStart"])
+    environment = dict(item.split("=", 1) for item in shlex.split(service["Environment"]))
+    stop_signal = signal.Signals[service["KillSignal"]]
+    before, restarts = vm_node.qemu_pids(), _restart_counts(vms)
+    assert len(before) == 2
+    vm_node.agent.stop()  # the agent the module started
+    for start in ("first", "second"):
+        agent = AgentProcess(vm_node.cluster.kubeconfig, argv[2:], vm_node.workdir / "agent.log")
+        with agent.log_path.open("ab") as log:
+            agent.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **environment}
+            )
+        vm_node.agent = agent
+        _assert_adopted(vms, vm_node, kubectl, before, restarts)
+        if start == "first":
+            stopped, code = _sigterm(agent, stop_signal)
+            assert stopped <= 10.0 and code == 0, agent.log()[-3000:]
+            assert all(alive(pid) for pid in before.values())
+
+
+def _unit_section(text: str, section: str) -> dict[str, str]:
+    """`Key=value` lines of one section of a systemd unit."""
+    settings: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("["):
+            current = line.strip("[]")
+        elif current == section and "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            settings[key] = value
+    return settings
 
 
 def _sigterm(agent: AgentProcess, sig: int = signal.SIGTERM) -> tuple[float, int]:

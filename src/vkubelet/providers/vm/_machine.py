@@ -13,6 +13,9 @@ Design, and why:
 - An agent that ends a machine (kill, forced quit) writes exit.json first, so whoever waits learns
   it was killed (137) and not a crash.
 - The process is watched with a pidfd: it works for a process we did not start (adopted).
+- Under systemd (the host install, docs/host-install.md) each QEMU starts in a transient scope
+  of its own in `vkubelet-vms.slice` (`systemd-run --scope`): its memory is not accounted to the
+  agent's service, and a stop of that service never reaches it, whatever its KillMode.
 - Network: QEMU is started inside the VM's netns (`ip netns exec NS qemu ...`, argv only) on the
   tap the pod network made there; userspace virtio-net (no vhost-net on our hosts).
 """
@@ -23,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Sequence
@@ -100,6 +104,26 @@ class MachineError(RuntimeError):
 def _opt(value: object) -> str:
     """A value inside a QEMU option list: commas are doubled, so a pod field cannot add options."""
     return str(value).replace(",", ",,")
+
+
+# The slice of the VMs' scopes under systemd (the host install writes its unit).
+VM_SLICE = "vkubelet-vms.slice"
+# Present when the host booted with systemd (sd_booted()).
+SYSTEMD_RUNTIME = Path("/run/systemd/system")
+
+
+def scope_argv(name: str) -> list[str]:
+    """What QEMU's argv starts with: `systemd-run --scope` into `VM_SLICE` when the agent runs
+    as a systemd service (systemd sets INVOCATION_ID for those) on a host booted with systemd;
+    else nothing (a dev machine, a container)."""
+    booted = SYSTEMD_RUNTIME.is_dir()
+    systemd_run = shutil.which("systemd-run")
+    if not (os.environ.get("INVOCATION_ID") and booted and systemd_run):
+        return []
+    return [
+        systemd_run, "--scope", "--quiet", "--collect", f"--slice={VM_SLICE}",
+        f"--description=vkubelet VM {name}", "--",
+    ]  # fmt: skip
 
 
 def qemu_argv(spec: MachineSpec) -> list[str]:
@@ -200,6 +224,7 @@ class Machine:
             (run / stale).unlink(missing_ok=True)
         (run / "spec.json").write_text(json.dumps(_spec_to_json(spec), indent=2) + "\n")
         process = await asyncio.create_subprocess_exec(
+            *scope_argv(spec.name),
             *qemu_argv(spec),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,20 @@ def test_resize_headroom_adds_hotpluggable_cpus_and_memory_slots() -> None:
     fixed = qemu_argv(_spec(max_vcpus=2, max_memory_mib=512, memory_slots=2))
     assert _option(fixed, "-smp") == ["2"] and _option(fixed, "-m") == ["512M"]
     assert _spec_from_json(_spec_to_json(_spec(max_vcpus=4))).max_vcpus == 4
+
+
+def test_qemu_starts_in_a_scope_of_the_vm_slice_only_when_the_agent_is_a_systemd_service(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from vkubelet.providers.vm import _machine
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(_machine, "SYSTEMD_RUNTIME", tmp_path)  # booted with systemd
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    assert _machine.scope_argv("ns/web-0") == []  # run by hand: QEMU is the agent's child
+    monkeypatch.setenv("INVOCATION_ID", "0123")
+    scope = _machine.scope_argv("ns/web-0")
+    assert scope[:2] == ["/usr/bin/systemd-run", "--scope"]
+    assert "--slice=vkubelet-vms.slice" in scope and scope[-1] == "--"
+    monkeypatch.setattr(_machine, "SYSTEMD_RUNTIME", tmp_path / "absent")  # a container
+    assert _machine.scope_argv("ns/web-0") == []
