@@ -10,9 +10,10 @@ from the Debian mirror the host's apt already uses (no downloaded images, nothin
    suites, so the security kernel is the one the host's apt lists name);
 2. configure it like a cloud image (NoCloud only, networkd renders cloud-init's network config,
    host keys and machine-id removed so each VM makes its own, apt caches and docs dropped);
-3. write a partitioned raw disk without loop devices or mounts: an MBR with syslinux's boot code,
-   a FAT boot partition holding syslinux, kernel and initramfs (mtools), and the ext4 root written
-   straight into its partition by `mkfs.ext4 -E offset=... -d <tree>`; then `qemu-img convert`.
+3. write the disk the small guest has too (`_build.write_disk`, no loop devices or mounts): an MBR
+   with syslinux's boot code, a FAT boot partition holding syslinux, kernel and initramfs (mtools),
+   and the ext4 root written straight into its partition by `mkfs.ext4 -E offset=... -d <tree>`;
+   then `qemu-img convert`.
 
 It boots from its own disk (SeaBIOS -> syslinux -> kernel -> initramfs -> systemd) like any cloud
 image. The chroot step needs root (debootstrap, chroot, mounting proc/sys inside the tree).
@@ -28,7 +29,6 @@ import itertools
 import json
 import os
 import shutil
-import struct
 import subprocess
 import tempfile
 import uuid
@@ -38,12 +38,15 @@ from pathlib import Path
 
 from .. import _debian
 from ._build import (
+    BOOT_START,
     GuestImage,
     ImageBuildError,
+    Layout,
     Progress,
     default_cache_dir,
     publish,
     remembered,
+    write_disk,
 )
 
 RECIPE_VERSION = 1
@@ -96,9 +99,6 @@ DISABLED_UNITS = (
 )
 ENABLED_UNITS = ("systemd-networkd.service", "systemd-resolved.service")
 KERNEL_CMDLINE = "ro console=ttyS0 panic=-1"
-SYSLINUX_MBR = Path("/usr/lib/syslinux/mbr/mbr.bin")
-SECTOR = 512
-BOOT_START = 2048  # sectors: 1 MiB alignment, as partitioning tools do
 BOOT_MIB = 48
 ROOT_MIB = 2048  # virtual size; the qcow2 stores only what is used
 #: Compressed clusters: ~160 MB instead of ~415 MB for 3 s of zstd; QEMU inflates them on the
@@ -329,64 +329,18 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def _mbr(partitions: list[tuple[bool, int, int, int]]) -> bytes:
-    """A DOS partition table behind syslinux's MBR boot code.
-
-    Written here (a few bytes of struct) rather than with sfdisk, which Debian hosts without
-    `fdisk` lack; entries are LBA-only (CHS fields at their "use LBA" maximum), which SeaBIOS
-    and syslinux's mbr.bin read.
-    """
-    code = SYSLINUX_MBR.read_bytes()[:440] if SYSLINUX_MBR.is_file() else b""
-    if len(code) < 64:
-        raise ImageBuildError(f"{SYSLINUX_MBR} missing (apt-get install syslinux-common)")
-    lba_only = b"\xfe\xff\xff"
-    table = b"".join(
-        struct.pack("<B3sB3sII", 0x80 if active else 0, lba_only, kind, lba_only, start, count)
-        for active, kind, start, count in partitions
-    )
-    return code.ljust(440, b"\0") + b"\0" * 6 + table.ljust(64, b"\0") + b"\x55\xaa"
-
-
 def _write_disk(work: Path, root: Path, root_uuid: str, qcow2: Path) -> None:
-    boot_sectors = BOOT_MIB * 1024 * 1024 // SECTOR
-    root_start = BOOT_START + boot_sectors
-    root_sectors = ROOT_MIB * 1024 * 1024 // SECTOR
-    raw = work / "disk.raw"
-    with raw.open("wb") as disk:
-        disk.truncate((root_start + root_sectors) * SECTOR)
-        disk.write(
-            _mbr([(True, 0x0C, BOOT_START, boot_sectors), (False, 0x83, root_start, root_sectors)])
-        )
-
     kernel = next((root / "boot").glob("vmlinuz-*"), None)
     initrd = next((root / "boot").glob("initrd.img-*"), None)
     if kernel is None or initrd is None:
         raise ImageBuildError(f"no kernel or initramfs in {root / 'boot'} after installing")
-    fat = work / "boot.fat"
-    # Hidden sectors = the partition's start: syslinux's boot sector finds itself with it.
-    _run(
-        ["mkfs.fat", "-C", "-h", str(BOOT_START), "-n", "VKBOOT", str(fat), str(boot_sectors // 2)],
-        what="mkfs.fat",
-    )
-    _run(["syslinux", "--install", str(fat)], what="syslinux --install")
-    cfg = work / "syslinux.cfg"
-    cfg.write_text(
-        "DEFAULT linux\nPROMPT 0\nTIMEOUT 0\nLABEL linux\n  KERNEL /vmlinuz\n"
-        f"  INITRD /initrd.img\n  APPEND root=UUID={root_uuid} {KERNEL_CMDLINE}\n"
-    )
-    for src, name in ((kernel, "vmlinuz"), (initrd, "initrd.img"), (cfg, "syslinux.cfg")):
-        _run(["mcopy", "-o", "-i", str(fat), str(src), f"::{name}"], what=f"mcopy {name}")
-    with raw.open("r+b") as disk, fat.open("rb") as part:
-        disk.seek(BOOT_START * SECTOR)
-        shutil.copyfileobj(part, disk)
-
-    _run(
-        ["mkfs.ext4", "-q", "-F", "-L", "vkroot", "-U", root_uuid,
-         "-E", f"offset={root_start * SECTOR}", "-d", str(root), str(raw), f"{ROOT_MIB * 1024}k"],
-        what="mkfs.ext4 -d",
-    )  # fmt: skip
-    compress = ["-c", "-o", f"compression_type={COMPRESSION}"]
-    _run(
-        ["qemu-img", "convert", *compress, "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)],
-        what="qemu-img convert",
+    write_disk(
+        work,
+        qcow2,
+        kernel=kernel,
+        initrd=initrd,
+        cmdline=KERNEL_CMDLINE,
+        root=root,
+        root_uuid=root_uuid,
+        layout=Layout(boot_mib=BOOT_MIB, root_mib=ROOT_MIB, compression=COMPRESSION),
     )

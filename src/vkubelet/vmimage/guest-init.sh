@@ -1,16 +1,17 @@
 #!/bin/sh
-# PID 1 of vkubelet's small test guest (busybox). It reads the vkubelet/ extras of the seed (a
-# NoCloud seed or a ConfigDrive) as data (never eval'd), starts the QEMU guest agent and keeps a
-# shell on the serial console.
+# PID 1 of vkubelet's small test guest (busybox): /sbin/init of its root file system, on its root
+# disk (the initramfs loaded the modules, mounted the root and moved proc, sys and dev into it). It
+# reads the vkubelet/ extras of the seed (a NoCloud seed or a ConfigDrive) as data (never eval'd),
+# starts the QEMU guest agent and keeps a shell on the serial console.
 export PATH=/sbin:/bin
-mount -t proc proc /proc
-mount -t sysfs sys /sys
-mount -t devtmpfs dev /dev
-mkdir -p /dev/pts /run /tmp /var/run /var/log /seed /root
+[ -e /proc/mounts ] || mount -t proc proc /proc
+[ -d /sys/class ] || mount -t sysfs sys /sys
+[ -e /dev/null ] || mount -t devtmpfs dev /dev
+mount -t tmpfs -o mode=0755,nosuid,nodev run /run
+mkdir -p /dev/pts /tmp /var/log /seed /root
 mount -t devpts devpts /dev/pts
 log() { echo "vkubelet-guest: $*" > /dev/console; }
 
-while read -r mod; do insmod "/lib/modules/$mod.ko" 2>/dev/null; done < /etc/vkubelet-modules
 ip link set lo up
 
 seed=

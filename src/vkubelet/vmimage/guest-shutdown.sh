@@ -3,4 +3,5 @@
 # `shutdown -h -P +0`; busybox's own poweroff would signal PID 1, which is a plain shell here).
 echo "vkubelet-guest: shutdown requested" > /dev/console
 sync
+mount -o remount,ro / 2>/dev/null  # clean on disk: the next boot needs no journal replay
 exec busybox poweroff -f

@@ -2,10 +2,10 @@
 carrying the annotations the VirtualMachineBackup controller sets: a real control plane, real
 kubectl, real QEMU under TCG, the small test guest.
 
-The small guest's root is an initramfs, so the filesystem under test is an ext4-driver-mounted
-ext2 (busybox `mke2fs`; the cloud kernel has ext4 built in) on the VM's second disk (an emptyDir
-volume). One source VM serves every test, in the order written: a full backup while a writer
-runs, an incremental one, a restore into a new VM, the refusals.
+The filesystem under test is an ext4-driver-mounted ext2 (busybox `mke2fs`; the cloud kernel has
+ext4 built in) on the VM's second disk (an emptyDir volume). One source VM serves every test, in
+the order written: a full backup while a writer runs, an incremental one, a restore into a new VM,
+the refusals.
 """
 
 from __future__ import annotations

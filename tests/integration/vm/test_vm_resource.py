@@ -43,7 +43,7 @@ pytestmark = pytest.mark.integration
 BOOT_TIMEOUT = 300
 NAME_LABEL = "vm.vkubelet.io/name"
 DATA_SECTORS = 64 * 2**20 // 512  # the emptyDir disk's size: how the guest finds it
-ROOT_MARK_OFFSET = 900 * 2**20  # past the small FAT filesystem of the test image, inside 1Gi
+ROOT_MARK_OFFSET = 900 * 2**20  # past the test image's partitions, inside 1Gi
 
 
 @dataclass
@@ -473,6 +473,8 @@ def test_scale_to_zero_shuts_the_guest_down_and_scale_to_one_boots_the_same_disk
         f"echo {mark} | dd of=/dev/vda bs=1M seek={ROOT_MARK_OFFSET // 2**20} conv=fsync "
         "2>/dev/null && sync",
     )
+    # A file as a user writes it, no sync: the clean shutdown flushes it to the root disk.
+    lab.guest(pod, f"echo {mark} > /root/notes")
     started = time.monotonic()
     lab.k("scale", "vm/db", "--replicas=0")
     wait_for(lambda: lab.phase() == "Stopped", timeout=120, what="phase Stopped")
@@ -497,6 +499,7 @@ def test_scale_to_zero_shuts_the_guest_down_and_scale_to_one_boots_the_same_disk
         f"| head -c {len(mark)}"
     )
     assert lab.guest(second, root) == mark  # the root overlay kept
+    assert lab.guest(second, "cat /root/notes") == f"{mark}\n"  # and the guest's file system
 
 
 def test_hibernate_mode_keeps_the_guest_s_memory_and_uptime_across_a_power_cycle(

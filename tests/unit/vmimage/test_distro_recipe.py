@@ -1,8 +1,7 @@
-"""The distribution guest's recipe inputs: the host's Debian sources, package versions, the MBR."""
+"""The distribution guest's recipe inputs: the host's Debian sources, package versions."""
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 import pytest
@@ -92,20 +91,6 @@ def test_a_package_missing_from_the_apt_lists_is_named(monkeypatch: pytest.Monke
     _fake_apt(monkeypatch, {key: _policy(versions)})
     with pytest.raises(ImageBuildError, match="cloud-init not in the apt lists"):
         _distro.resolve_packages()
-
-
-def test_the_mbr_holds_syslinux_boot_code_and_an_active_boot_partition() -> None:
-    if not _distro.SYSLINUX_MBR.is_file():
-        pytest.skip("syslinux-common not installed")
-    mbr = _distro._mbr([(True, 0x0C, 2048, 98304), (False, 0x83, 100352, 4194304)])
-    assert len(mbr) == 512
-    assert mbr[:440] == _distro.SYSLINUX_MBR.read_bytes()[:440]
-    assert mbr[510:] == b"\x55\xaa"
-    first = struct.unpack("<B3sB3sII", mbr[446:462])
-    second = struct.unpack("<B3sB3sII", mbr[462:478])
-    assert (first[0], first[2], first[4], first[5]) == (0x80, 0x0C, 2048, 98304)
-    assert (second[0], second[2], second[4], second[5]) == (0, 0x83, 100352, 4194304)
-    assert mbr[478:510] == b"\0" * 32
 
 
 def test_resolution_is_remembered_until_the_apt_lists_change(
