@@ -305,6 +305,16 @@ def run(
             )
         if replicas is not None and replicas.shard and agent_config.bootstrap_in_cluster:
             raise ConfigError("--shard shares several nodes; a node identity is one node's")
+        hosted = [
+            spec.settings.name for spec in agent_config.nodes if spec.settings.provider == "vm"
+        ]
+        if replicas is not None and hosted:
+            # A standby elsewhere would boot every VM afresh, without the disks on this host.
+            raise ConfigError(
+                f"vm node {hosted[0]}: its VMs and their disks live on this host, so no replica "
+                "may take it over (--leader-elect/--shard); run one agent per hypervisor host "
+                "(docs/host-install.md)"
+            )
         if replicas is not None and not replicas.shard:
             from .agent import agent_factory, run_leader_elected
 

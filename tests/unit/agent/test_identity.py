@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from vkubelet.agent._identity import bootstrap_identity, lease_kubeconfig
-from vkubelet.cli import app
 from vkubelet.node import AgentConfig, ConfigError, NodeSettings, NodeSpec
+
+from .cli import invoke
 
 
 def config(*names: str, **kwargs: object) -> AgentConfig:
@@ -52,6 +52,6 @@ def test_a_node_identity_is_one_nodes_from_one_bootstrap(
 
 def test_sharding_is_refused_with_a_node_identity() -> None:
     args = ["run", "--provider", "mock", "--nodename", "a", "--shard", "--bootstrap-in-cluster"]
-    result = CliRunner().invoke(app, args)
+    result = invoke(*args)
     assert result.exit_code == 1
     assert "a node identity is one node's" in result.output

@@ -1,6 +1,6 @@
 """Replica options that must hold before anything starts: Lease names valid whatever the
-identity, one group for the same nodes, sharding refusing configs it cannot run; and the fenced
-client of work under a Lease."""
+identity, one group for the same nodes, sharding refusing configs it cannot run, no replica for
+a vm node; and the fenced client of work under a Lease."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from vkubelet.agent._sharding import check_shardable
 from vkubelet.kube import LeaseTiming, Unreachable
 from vkubelet.node import AgentConfig, ConfigError, NodeSettings, NodeSpec
 from vkubelet.testing.fakeapi import kubeconfig
+
+from .cli import invoke
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
@@ -72,3 +74,11 @@ async def test_a_fenced_client_sends_no_write_once_the_lease_lapsed_but_still_re
     await client.get("/api/v1/nodes/n")
     assert sent == ["PATCH", "GET"]
     await client.aclose()
+
+
+@pytest.mark.parametrize("flag", ["--leader-elect", "--shard"])
+def test_no_replica_may_take_over_a_vm_node_whose_disks_are_on_its_host(flag: str) -> None:
+    args = ["run", "--provider", "vm", "--nodename", "hv-1", flag]
+    result = invoke(*args)
+    assert result.exit_code == 1
+    assert "vm node hv-1: its VMs and their disks live on this host" in result.output
