@@ -659,8 +659,15 @@ def outcome_message(outcome: Outcome) -> str:
     )
 
 
+# Run states a target never leaves for `running` by itself: the state loaded but the guest not
+# started (QEMU could not take its disks back: paused), or stopped by the guest or an error.
+_NEVER_RUNS = ("paused", "guest-panicked", "internal-error", "io-error", "shutdown")
+
+
 async def until_running(monitor: Monitor) -> None:
-    """Until the guest runs here (the state arrived); MigrationError when QEMU exits first."""
+    """Until the guest runs here (the state arrived); MigrationError when QEMU exits first, or
+    stops in a state it never leaves by itself (it would wait for ever, and its source with
+    it; the caller kills it, so its source may resume the guest)."""
     while True:
         try:
             status = await monitor.status()
@@ -668,4 +675,6 @@ async def until_running(monitor: Monitor) -> None:
             raise MigrationError("the incoming migration failed (QEMU exited)") from None
         if status == "running":
             return
+        if status in _NEVER_RUNS:
+            raise MigrationError(f"the guest did not start here (QEMU: {status})")
         await asyncio.sleep(POLL)

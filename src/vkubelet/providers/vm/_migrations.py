@@ -295,6 +295,11 @@ class Migrations:
         except ApiError as e:
             if e.not_found:
                 return f"target pod {endpoint.pod} or its node does not exist"
+            if e.status == 403:  # a node identity reads only its own pods and Node
+                return (
+                    f"this agent may not read target pod {endpoint.pod} or its node ({e}): grant"
+                    " it get on pods and nodes (docs/vm-migration.md, Only a vm node's endpoint)"
+                )
             return f"could not read target pod {endpoint.pod} or its node: {e}"
         except (OSError, TimeoutError) as e:
             return f"could not read target pod {endpoint.pod} or its node: {e}"

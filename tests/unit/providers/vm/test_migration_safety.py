@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from vkubelet.providers.vm._migrate import Endpoint
+from vkubelet.providers.vm._migrate import Endpoint, MigrationError, until_running
 from vkubelet.providers.vm._migrations import Migrations, endpoint_problem, target_verdict
 from vkubelet.providers.vm._vm import Launch
 
-from .test_migration_resume import FakeQEMU, Runner
+from .test_migration_resume import FakeQEMU, FakeTarget, Runner
 
 TOKEN = "a" * 64
 PUBLISHED = Endpoint("10.0.0.2", 4000, 4001, 4002, ("disk0",), pod="vm-2")
@@ -163,3 +163,14 @@ async def test_the_source_quits_only_when_the_target_runs_the_guest_else_resumes
     assert "cont" in qemu.calls and not qemu.quitted and not runner.finished
     assert vm.migrated is None and "MigrationFailed" in events
     assert json.loads((tmp_path / "migration.json").read_text())["state"] == "failed"
+
+
+@pytest.mark.parametrize("stuck", ["paused", "guest-panicked"])
+async def test_a_target_whose_guest_loaded_but_never_runs_fails_instead_of_waiting_for_ever(
+    stuck: str,
+) -> None:
+    """Paused: QEMU loaded the state but could not take the disks back, so did not start the
+    guest; its source waits for the target's word, which must come."""
+    with pytest.raises(MigrationError, match=f"did not start here .QEMU: {stuck}"):
+        target = FakeTarget(["inmigrate", "inmigrate", stuck], "completed")
+        await asyncio.wait_for(until_running(target), 5)  # (the former rule waited for ever)
