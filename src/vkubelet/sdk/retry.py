@@ -38,7 +38,10 @@ class Backoff:
     def delay(self, failures: int, *, cap: float | None = None) -> float:
         """The wait after the `failures`-th failure in a row (1 is the first), jitter included."""
         limit = self.cap if cap is None else cap
-        base = min(self.initial * self.factor ** max(failures - 1, 0), limit)
+        try:
+            base = min(self.initial * self.factor ** max(failures - 1, 0), limit)
+        except OverflowError:  # so many failures in a row that the cap was reached long ago
+            base = limit
         return base * (1.0 + self.jitter * self.random())
 
     def next_delay(self, *, cap: float | None = None) -> float:

@@ -47,3 +47,12 @@ def test_wait_sleeps_the_delay_it_returns() -> None:
 
     assert asyncio.run(main()) == 0.01
     assert backoff.failures == 1
+
+
+def test_a_loop_failing_for_days_keeps_waiting_the_cap_instead_of_overflowing() -> None:
+    """1025 failures in a row (17 h of an unreachable peer at a 60 s cap; a minute of
+    `wait_for` polling every 50 ms) once made `factor ** failures` leave float's range: the
+    OverflowError ended the retry loop itself."""
+    backoff = Backoff(initial=1.0, cap=60.0, jitter=0.0)
+    assert backoff.delay(1025) == 60.0 and backoff.delay(10**6) == 60.0
+    assert Backoff(initial=0.05, cap=0.05, jitter=0.0).delay(5000) == 0.05
