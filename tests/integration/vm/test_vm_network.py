@@ -141,7 +141,10 @@ def _manifests(busybox: str, node: str) -> list[dict[str, Any]]:
                                 "command": ["sh", "-c", httpd],
                                 "readinessProbe": {"httpGet": {"path": "/", "port": 8080}},
                             }
-                        ]
+                        ],
+                        # httpd is the container's PID 1, which ignores SIGTERM: the default
+                        # 30 s grace made the module's teardown wait for the SIGKILL.
+                        "terminationGracePeriodSeconds": 1,
                     },
                 },
             },
