@@ -50,6 +50,14 @@ class _Backoff(Section):
     most: _Seconds = msgspec.field(default=MAX_SECONDS, name="max")
 
 
+class _Reconnect(Section):
+    """The link's reconnect back-off: short enough that a device back on the network is
+    connected again soon, long enough not to hammer one that is gone."""
+
+    initial: _Seconds = 1.0
+    most: _Seconds = msgspec.field(default=30.0, name="max")
+
+
 class _Settings(Section):
     """What `defaults` may set for every device."""
 
@@ -75,6 +83,7 @@ class _Settings(Section):
         Annotated[dict[str, Any], Meta(description="a mapping like {cpu: '4', memory: 4Gi}")] | None
     ) = None
     restart_backoff: _Backoff | None = None
+    reconnect_backoff: _Reconnect | None = None
 
 
 class _Device(_Settings, kw_only=True):
@@ -110,6 +119,8 @@ class DeviceConfig:
     capacity: tuple[tuple[str, str], ...] = ()
     backoff_initial: float = INITIAL_SECONDS  # the kubelet's restart back-off
     backoff_max: float = MAX_SECONDS
+    reconnect_initial: float = 1.0  # the link's reconnect back-off
+    reconnect_max: float = 30.0
 
     def runs_image(self, image: str) -> bool:
         return any(fnmatch.fnmatchcase(image, pattern) for pattern in self.host_images)
@@ -172,6 +183,9 @@ def _device(where: str, at: str, raw: _Device, base: Path) -> DeviceConfig:
     backoff = raw.restart_backoff or _Backoff()
     if backoff.most < backoff.initial:
         raise fail("restartBackoff.max", "must not be less than initial")
+    reconnect = raw.reconnect_backoff or _Reconnect()
+    if reconnect.most < reconnect.initial:
+        raise fail("reconnectBackoff.max", "must not be less than initial")
     return DeviceConfig(
         name=raw.name,
         address=raw.address,
@@ -192,4 +206,6 @@ def _device(where: str, at: str, raw: _Device, base: Path) -> DeviceConfig:
         capacity=tuple(sorted(capacity.items())),
         backoff_initial=backoff.initial,
         backoff_max=backoff.most,
+        reconnect_initial=reconnect.initial,
+        reconnect_max=reconnect.most,
     )

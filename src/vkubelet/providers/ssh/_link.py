@@ -86,9 +86,11 @@ class DeviceLink:
     # -- keeping the connection ---------------------------------------------------------------
     async def maintain(self) -> None:
         """Connect, probe every `pingInterval`, reconnect with back-off: runs until cancelled."""
-        # No jitter: devices reconnect each on their own, and "retrying in 30s" in the log says
-        # that the link waits its longest.
-        backoff = Backoff(initial=1.0, cap=30.0, jitter=0.0)
+        # No jitter: devices reconnect each on their own, and "retrying in <max>s" in the log
+        # says that the link waits its longest.
+        backoff = Backoff(
+            initial=self.config.reconnect_initial, cap=self.config.reconnect_max, jitter=0.0
+        )
         try:
             while True:
                 try:

@@ -37,6 +37,21 @@ devices:
     assert one.runs_image("host") and not one.runs_image("busybox")
 
 
+def test_the_reconnect_back_off_is_1_s_doubling_to_30_s_unless_set(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+defaults: {agent: true, knownHosts: kh}
+devices:
+  - {name: board-1, address: 10.0.0.5}
+  - {name: board-2, address: 10.0.0.6, reconnectBackoff: {initial: 0.5, max: 4}}
+""",
+    )
+    one, two = load_inventory(path).devices
+    assert (one.reconnect_initial, one.reconnect_max) == (1.0, 30.0)
+    assert (two.reconnect_initial, two.reconnect_max) == (0.5, 4.0)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -56,6 +71,11 @@ devices:
         (
             "devices: [{name: a, address: b, agent: true, knownHosts: k, taints: [nope]}]",
             "devices[0].taints:",
+        ),
+        (
+            "devices: [{name: a, address: b, agent: true, knownHosts: k,"
+            " reconnectBackoff: {initial: 5, max: 2}}]",
+            "devices[0].reconnectBackoff.max: must not be less than initial",
         ),
         ("devices: {a: 1}", "devices: expected a list"),
         ("devices: [", "not valid YAML"),
