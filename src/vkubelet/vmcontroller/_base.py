@@ -17,6 +17,7 @@ from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 import msgspec
 
 from ..kube import NODES, PODS, ApiError, EventRecorder, KubeClient, Resource, label_selector
+from ..sdk.scheduling import tolerates
 
 __all__ = [
     "BACKUP_OF_ANNOTATION",
@@ -27,6 +28,7 @@ __all__ = [
     "POWER_OFF_ANNOTATION",
     "ROOT_DISK_SIZE_ANNOTATION",
     "TERMINAL",
+    "VM_TOLERATION",
     "Context",
     "PodWatcher",
     "Reconciler",
@@ -40,6 +42,7 @@ __all__ = [
     "patch_pod",
     "read",
     "require_on_node",
+    "template_spec",
     "vm_pods",
     "write_status",
 ]
@@ -55,6 +58,15 @@ MIGRATION_SOURCE_ANNOTATION: Final = "vm.vkubelet.io/migration-source"  # on a m
 MIGRATE_TO_ANNOTATION: Final = "vm.vkubelet.io/migrate-to"  # on a migrating source pod
 BACKUP_OF_ANNOTATION: Final = "vm.vkubelet.io/backup-of"  # on a backup pod
 TERMINAL: Final = ("Succeeded", "Failed")  # the phases a pod (or a backup, a migration) ends in
+#: The vm provider's node taint as the agent sets it by default
+#: (`virtual-kubelet.io/provider=<provider>:NoSchedule`), tolerated by exactly this provider's
+#: value: `operator: Exists` would also let the scheduler put a VM on another provider's node.
+VM_TOLERATION: Final = {
+    "key": "virtual-kubelet.io/provider",
+    "operator": "Equal",
+    "value": "vm",
+    "effect": "NoSchedule",
+}
 
 
 @runtime_checkable
@@ -132,6 +144,21 @@ def controller_ref(kind: str, obj: Mapping[str, Any]) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+def template_spec(vm: Mapping[str, Any]) -> dict[str, Any]:
+    """The VM template's pod spec (a copy's top level) with the vm nodes' taint tolerated.
+
+    A VirtualMachine's pod can only run on a vm node, so its template need not say so: without
+    this the first VirtualMachine a user writes stays Pending with "untolerated taint". The
+    template's own tolerations are kept and the vm one is added only when none of them already
+    covers the taint (no duplicates, a broader one such as `operator: Exists` left alone).
+    """
+    spec = dict(((vm.get("spec") or {}).get("template") or {}).get("spec") or {})
+    tolerations = list(spec.get("tolerations") or [])
+    if not any(tolerates(t, VM_TOLERATION) for t in tolerations):
+        spec["tolerations"] = [*tolerations, dict(VM_TOLERATION)]
+    return spec
 
 
 def require_on_node(spec: dict[str, Any], kind: str, requirements: list[dict[str, Any]]) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..sdk.scheduling import term_matches, tolerates
-from ._base import TERMINAL
+from ._base import TERMINAL, template_spec
 
 __all__ = ["NODE_SELECTION_CONDITION", "Placement", "decide_placement", "node_admits"]
 
@@ -96,7 +96,7 @@ def decide_placement(
     """For the VM's running pod: does its node still match the template's node selection, and
     if not, where to move it. None when there is nothing to say (no node known yet)."""
     meta = vm.get("metadata") or {}
-    spec = dict(((vm.get("spec") or {}).get("template") or {}).get("spec") or {})
+    spec = template_spec(vm)
     here = str((pod.get("spec") or {}).get("nodeName") or "")
     if here not in nodes:
         return None

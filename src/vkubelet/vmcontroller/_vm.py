@@ -44,6 +44,7 @@ from ._base import (
     patch_pod,
     read,
     require_on_node,
+    template_spec,
     vm_pods,
     write_status,
 )
@@ -89,7 +90,7 @@ def root_size(annotations: Mapping[str, str]) -> str | None:
 
 def _template(vm: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     template = dict((vm.get("spec") or {}).get("template") or {})
-    return dict(template.get("metadata") or {}), dict(template.get("spec") or {})
+    return dict(template.get("metadata") or {}), template_spec(vm)
 
 
 def desired_labels(vm: Mapping[str, Any]) -> dict[str, str]:

@@ -235,10 +235,12 @@ def test_bad_input_is_refused_by_the_apiserver_with_the_reason(lab: Lab) -> None
     )
 
 
-def test_an_applied_vm_runs_and_a_service_selects_it_by_its_labels(
+def test_an_applied_vm_without_tolerations_runs_and_a_service_selects_it_by_its_labels(
     lab: Lab, leader: Controller
 ) -> None:
-    lab.kubectl("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(vm_manifest()))
+    manifest = vm_manifest()  # as a new user writes it: no toleration of the vm taint
+    del manifest["spec"]["template"]["spec"]["tolerations"]
+    lab.kubectl("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(manifest))
     pod_name = lab.running_pod()
     vm = lab.vm()
     status = vm["status"]
@@ -249,6 +251,9 @@ def test_an_applied_vm_runs_and_a_service_selects_it_by_its_labels(
     assert pod["metadata"]["name"] == pod_name
     assert pod["metadata"]["annotations"]["vm.vkubelet.io/machine"] == vm["metadata"]["uid"]
     assert pod["metadata"]["ownerReferences"][0]["uid"] == vm["metadata"]["uid"]
+    assert [t for t in pod["spec"]["tolerations"] if t.get("key") == TOLERATION["key"]] == [
+        TOLERATION
+    ]
     columns = lab.k("get", "vm", "db").stdout.split("\n")[0].split()
     assert columns == ["NAME", "PHASE", "NODE", "IP", "AGE"]
 

@@ -78,10 +78,14 @@ def test_no_matching_vm_node_changes_nothing_and_says_so() -> None:
     assert placement is not None and placement.create is None
     assert (placement.status, placement.reason) == ("False", "NoMatchingNode")
     assert "hv-1" in placement.message
-    # A node whose taint the template does not tolerate does not match either.
+    # A node whose taint the template does not tolerate does not match either (the vm
+    # provider's own taint is tolerated for every VM: another one).
     untolerant = vm(nodeSelector={"rack": "b"})
     untolerant["spec"]["template"]["spec"]["tolerations"] = []
-    placement = decide_placement(untolerant, POD, NODES, [])
+    dedicated = {"key": "dedicated", "value": "db", "effect": "NoSchedule"}
+    tainted = {**NODES, "hv-2": node("hv-2", rack="b")}
+    tainted["hv-2"]["spec"]["taints"].append(dedicated)
+    placement = decide_placement(untolerant, POD, tainted, [])
     assert placement is not None and placement.reason == "NoMatchingNode"
 
 
@@ -108,6 +112,13 @@ def test_a_users_migration_in_progress_is_left_to_end() -> None:
     }
     placement = decide_placement(vm(nodeSelector={"rack": "b"}), POD, NODES, [theirs])
     assert placement is not None and placement.create is None and placement.reason == "Migrating"
+
+
+def test_a_template_without_tolerations_moves_to_a_vm_node_all_the_same() -> None:
+    # The controller tolerates the vm taint for it, as in the pod it makes.
+    placement = decide_placement(vm(nodeSelector={"rack": "b"}, tolerations=[]), POD, NODES, [])
+    assert placement is not None and placement.create is not None
+    assert placement.create["spec"]["targetNode"] == "hv-2"
 
 
 def test_a_taint_the_template_does_not_tolerate_never_moves_a_running_vm() -> None:

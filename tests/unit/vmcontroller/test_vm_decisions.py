@@ -13,6 +13,7 @@ from vkubelet.vmcontroller._base import (
     NAME_LABEL,
     POWER_OFF_ANNOTATION,
     ROOT_DISK_SIZE_ANNOTATION,
+    VM_TOLERATION,
 )
 from vkubelet.vmcontroller._vm import decide, pod_for
 
@@ -316,3 +317,25 @@ def test_the_first_pod_asks_for_no_address_and_a_template_s_own_address_wins() -
     chosen = vm(meta={"annotations": {ADDRESS: "10.213.0.77"}})
     chosen["status"] = {"ip": "10.213.0.5"}
     assert pod_for(chosen)["metadata"]["annotations"][ADDRESS] == "10.213.0.77"
+
+
+def test_the_pod_tolerates_the_vm_taint_without_the_template_saying_so() -> None:
+    assert pod_for(vm())["spec"]["tolerations"] == [VM_TOLERATION]
+
+
+def test_the_template_s_tolerations_are_kept_and_the_vm_one_is_never_doubled() -> None:
+    other = {"key": "dedicated", "operator": "Equal", "value": "db", "effect": "NoSchedule"}
+    mock = {"key": "virtual-kubelet.io/provider", "value": "mock"}
+    # Without an effect it covers the taint already, as does `Exists`: left as written.
+    no_effect = {"key": "virtual-kubelet.io/provider", "value": "vm"}
+    spec = vm()["spec"]["template"]["spec"]
+    for tolerations, want in [
+        ([other], [other, VM_TOLERATION]),
+        ([mock], [mock, VM_TOLERATION]),
+        ([dict(VM_TOLERATION)], [VM_TOLERATION]),
+        ([no_effect], [no_effect]),
+        ([{"operator": "Exists"}], [{"operator": "Exists"}]),
+    ]:
+        template = vm(spec={**spec, "tolerations": tolerations})
+        assert pod_for(template)["spec"]["tolerations"] == want, tolerations
+        assert template["spec"]["template"]["spec"]["tolerations"] == tolerations  # untouched
