@@ -6,6 +6,8 @@ that never got its newline), the format containerd and CRI-O write and the kubel
 provider that keeps logs in files gets both halves here:
 
 - writing: `LogEncoder` (sans I/O) and `LogWriter`/`copy_to_log`, one file per container run;
+  `append_log` with a `LogRotation` rotates that file as the kubelet does (`containerLogMaxSize`,
+  `containerLogMaxFiles`: `<n>.log` renamed to `<n>.log.<time>`, the oldest removed);
 - reading: `read_log` serves a `ContainerLogOptions` from such a file with bounded memory: a tail
   is found by reading backwards from the end, `since` by scanning lines, and `follow` waits for
   appends (and for a rotated file) until the run has ended; `previous` is the caller's choice of
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import os
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, ClassVar
 
 from .provider import ContainerLogOptions, ProviderError
 
@@ -34,7 +37,9 @@ __all__ = [
     "LogEncoder",
     "LogLine",
     "LogParser",
+    "LogRotation",
     "LogWriter",
+    "append_log",
     "copy_to_log",
     "format_rfc3339_nano",
     "parse_rfc3339",
@@ -42,8 +47,10 @@ __all__ = [
     "read_log",
     "render",
     "render_chunks",
+    "rotated_logs",
     "run_log_path",
     "select_lines",
+    "stale_logs",
     "tail_offset",
 ]
 
@@ -251,6 +258,68 @@ async def copy_to_log(source: asyncio.StreamReader, writer: LogWriter, stream: s
     writer.end(stream)
 
 
+@dataclass(frozen=True)
+class LogRotation:
+    """The kubelet's container log rotation: a run's log file never grows past `max_bytes`, and
+    at most `max_files` files (the current one and the newest rotated ones) are kept, so a
+    chatty container cannot fill the disk. `kubectl logs` reads the current file (as from the
+    kubelet, rotated files are for whoever reads the directory); `-f` goes on into the next."""
+
+    max_bytes: int = 10 * 2**20  # containerLogMaxSize
+    max_files: int = 5  # containerLogMaxFiles
+
+    #: The least `max_bytes`: room for a few of the longest records (a line is cut into
+    #: `MAX_LINE_BYTES` pieces), so that a file always takes whole records.
+    MIN_BYTES: ClassVar[int] = 64 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < self.MIN_BYTES or self.max_files < 2:
+            raise ValueError(f"a log rotation needs at least {self.MIN_BYTES} bytes and 2 files")
+
+
+def rotated_logs(path: Path) -> list[Path]:
+    """The rotated files of the log `path`, oldest first (their suffix is the rotation time)."""
+    return sorted(path.parent.glob(f"{glob.escape(path.name)}.*"))
+
+
+def append_log(path: Path, records: bytes, rotation: LogRotation) -> None:
+    """Append whole CRI records (newline-terminated) to the log `path`, rotating it first
+    whenever they would make it larger than `rotation.max_bytes`.
+
+    Rotation renames the file (a reader following it keeps its open file to the end, then
+    opens the new one: `read_log`) and removes the oldest rotated files beyond
+    `rotation.max_files - 1`. The files are owner-only: logs may hold secrets.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while records:
+        size = path.stat().st_size if path.exists() else 0
+        room = rotation.max_bytes - size
+        cut = records.rfind(b"\n", 0, room) + 1 if len(records) > room else len(records)
+        if cut == 0:  # not one more whole record fits: a new file
+            if size == 0:  # one record longer than a file (not with a LogEncoder's records)
+                cut = records.find(b"\n") + 1 or len(records)
+            else:
+                _rotate(path, rotation)
+                continue
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, records[:cut])
+        finally:
+            os.close(fd)
+        records = records[cut:]
+
+
+def _rotate(path: Path, rotation: LogRotation) -> None:
+    """`<n>.log` -> `<n>.log.<time>` (the kubelet's name, to the microsecond: several rotations
+    may fall in one second, and a name taken twice would overwrite a file)."""
+    moment = datetime.now(UTC)
+    while (rotated := path.with_name(f"{path.name}.{moment:%Y%m%d-%H%M%S.%f}")).exists():
+        moment += timedelta(microseconds=1)
+    path.rename(rotated)
+    for old in rotated_logs(path)[: -(rotation.max_files - 1)]:
+        old.unlink(missing_ok=True)
+
+
 def run_log_path(directory: Path, container: str, restart_count: int) -> Path:
     """Where a container's run `restart_count` logs: `<directory>/<container>/<n>.log`.
 
@@ -258,6 +327,18 @@ def run_log_path(directory: Path, container: str, restart_count: int) -> Path:
     and deletes older ones when a run starts.
     """
     return directory / container / f"{int(restart_count)}.log"
+
+
+def stale_logs(directory: Path, run: int) -> list[Path]:
+    """The files of a container's log `directory` no longer needed once run `run` starts: those
+    of runs before the previous one, and the previous run's rotated files (`-p` reads only its
+    last file, as from the kubelet)."""
+    stale = []
+    for path in directory.glob("*.log*"):
+        number, _, rotated = path.name.partition(".log")
+        if number.isdigit() and (int(number) < run - 1 or (rotated and int(number) < run)):
+            stale.append(path)
+    return sorted(stale)
 
 
 def previous_not_found(container: str, pod: str) -> ProviderError:
@@ -302,6 +383,25 @@ def _same_file(file: BinaryIO, path: Path) -> bool:
     return (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino)
 
 
+def _next_file(file: BinaryIO, path: Path) -> BinaryIO | None:
+    """The file that follows `file`, rotated away from `path`: the oldest rotated file newer
+    than it (a writer faster than the reader may have rotated several times meanwhile), else
+    the current one. Rotated files are removed oldest first, so when `file` is no longer among
+    them every one left is newer (and its inode, held open, cannot have been reused)."""
+    then = os.fstat(file.fileno())
+    rotated = rotated_logs(path)
+    for index, candidate in enumerate(rotated):
+        with contextlib.suppress(FileNotFoundError):
+            now = candidate.stat()
+            if (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino):
+                rotated = rotated[index + 1 :]
+                break
+    for candidate in [*rotated, path]:
+        with contextlib.suppress(FileNotFoundError):
+            return candidate.open("rb")
+    return None
+
+
 async def read_log(
     path: Path,
     options: ContainerLogOptions,
@@ -313,9 +413,10 @@ async def read_log(
     previous run's path), in chunks, with bounded memory.
 
     With `follow`, appended lines are shown as they come (the file is polled every
-    `poll_seconds`; one that is rotated, i.e. replaced by a new file at `path`, is finished and
-    the new one read from its start) until `running()` turns false — the run has ended — and
-    everything it wrote has been shown. Without `running`, following lasts until cancelled.
+    `poll_seconds`; one that is rotated, i.e. replaced by a new file at `path`, is read to its
+    end, then the files after it from their start: `append_log`'s rotated ones first) until
+    `running()` turns false — the run has ended — and everything it wrote has been shown.
+    Without `running`, following lasts until cancelled.
     """
     since = options.earliest()
     remaining = options.limit_bytes
@@ -332,7 +433,7 @@ async def read_log(
                 await asyncio.sleep(poll_seconds)
         if tail is not None and tail >= 0:
             file.seek(tail_offset(file, tail))
-        ending = False
+        ending = rotated = False
         while True:
             data = file.read(_BLOCK)
             if data:
@@ -351,10 +452,17 @@ async def read_log(
                 continue
             if not options.follow or ending:
                 return
-            if not _same_file(file, path):  # rotated: the old file is complete
+            if rotated:  # the old file read to its end after the rename: the next one now
+                if (following := _next_file(file, path)) is None:
+                    await asyncio.sleep(poll_seconds)  # (not there yet)
+                    continue
                 file.close()
-                file = path.open("rb")
-                parser = LogParser()
+                file, rotated, parser = following, False, LogParser()
+                continue
+            if not _same_file(file, path):
+                # Rotated (renamed, a new file at `path`): what was written to the old file
+                # between the last read and the rename is read first.
+                rotated = True
                 continue
             if file.tell() > os.fstat(file.fileno()).st_size:  # truncated in place
                 file.seek(0)

@@ -13,12 +13,14 @@ import functools
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -46,6 +48,8 @@ from .vmlab import TOLERATION, alive, clean_up, require_vm_host, start_vm_agent
 pytestmark = pytest.mark.integration
 
 BOOT_TIMEOUT = 420  # two TCG boots on a busy 2-core machine
+# The console's log rotation of this module's agent: small, so that a guest fills it quickly.
+LOG_MAX_SIZE, LOG_MAX_FILES = 64 * 1024, 2
 
 
 @dataclass
@@ -105,6 +109,7 @@ def vm_node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> It
         agent = start_vm_agent(
             kube_cluster, workdir, name=name, address=address, cidr=cidr, image=vm_guest_image,
             guestAgentTimeoutSeconds=300,
+            containerLogMaxSize=LOG_MAX_SIZE, containerLogMaxFiles=LOG_MAX_FILES,
             translationConfigMap={
                 "namespace": "default",
                 "name": f"{name}-images",
@@ -587,6 +592,52 @@ def _assert_adopted(
         status = pod["status"]["containerStatuses"][0]
         assert pod["status"]["phase"] == "Running" and "running" in status["state"]
     assert _restart_counts(vms) == restarts
+
+
+def test_a_chatty_console_stays_within_the_log_rotation_and_logs_f_misses_no_line(
+    vms: VMs, vm_node: VMNode, kubectl: Kubectl
+) -> None:
+    name = _names(vms)[0]
+    uid = kubectl.json("-n", vms.namespace, "get", "pod", name)["metadata"]["uid"]
+    logs, console = vm_node.state / "logs" / uid, vm_node.state / "vms" / uid / "m" / "console.log"
+    follower = subprocess.Popen(
+        [*_kubectl_argv(kubectl, vms.namespace), "logs", "-f", name],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert follower.stdout is not None and follower.stdout.readline()  # connected
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(follower.stdout or ()), daemon=True)
+    reader.start()
+    count = 2000  # ~420 KB of console, ~500 KB of CRI log: 7 rotations of 64 KiB
+    loop = f"i=0; while [ $i -lt {count} ]; do echo chatty $i {'x' * 200}; i=$((i+1)); done"
+    loop += "; echo chatty-end"
+    kubectl("-n", vms.namespace, "exec", name, "--", "sh", "-c", f"({loop}) >/dev/console 2>&1 &")
+    largest = {"logs": 0, "console": 0}
+
+    def ended() -> bool:
+        files = [f for f in logs.rglob("*") if f.is_file()]
+        with contextlib.suppress(FileNotFoundError):  # (a file rotated away meanwhile)
+            largest["logs"] = max(largest["logs"], sum(f.stat().st_size for f in files))
+        largest["console"] = max(largest["console"], console.stat().st_blocks * 512)
+        return any("chatty-end" in line for line in lines)
+
+    wait_for(ended, timeout=300, interval=0.05, what="the guest's last chatty line")
+    try:
+        assert largest["logs"] <= LOG_MAX_SIZE * LOG_MAX_FILES, largest
+        assert largest["console"] <= 256 * 1024, largest  # copied bytes are given back
+        assert console.stat().st_size > count * 200  # (QEMU wrote them all)
+        # `kubectl logs -f` went on across every rotation: each line once, in order.
+        # (The first may follow the shell's prompt on the console, without a newline.)
+        chatty = [m[1] for line in lines if (m := re.search(r"chatty (\d+) x", line))]
+        assert chatty == [str(i) for i in range(count)]
+        assert len(list(logs.rglob("*.log.*"))) == LOG_MAX_FILES - 1
+        current = kubectl("-n", vms.namespace, "logs", name).stdout  # the current file's
+        assert "chatty-end" in current and f"chatty {count - 1} " in current
+        assert "chatty 0 " not in current
+    finally:
+        follower.kill()
+        follower.wait()
 
 
 def _start_times(pod: dict[str, Any]) -> tuple[str, str]:

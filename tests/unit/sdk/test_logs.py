@@ -13,17 +13,23 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vkubelet.sdk import logs
 from vkubelet.sdk.logs import (
+    MAX_LINE_BYTES,
     LogEncoder,
     LogLine,
     LogParser,
+    LogRotation,
     LogWriter,
+    append_log,
     format_rfc3339_nano,
     parse_rfc3339,
     read_log,
     render,
     render_chunks,
+    rotated_logs,
     select_lines,
+    stale_logs,
     tail_offset,
 )
 from vkubelet.sdk.provider import ContainerLogOptions
@@ -254,6 +260,120 @@ async def test_following_a_rotated_file_goes_on_with_the_new_one(tmp_path: Path)
     with pytest.raises(asyncio.CancelledError):
         await task
     writer.close()
+
+
+async def test_a_line_written_to_the_old_file_just_before_its_rotation_is_not_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race a chatty container hits: the reader has read the old file to its end, then the
+    writer appends one more line, renames the file and starts a new one, all before the reader
+    looks at the path again."""
+    path = tmp_path / "0.log"
+    path.write_bytes(b"2024-05-01T10:00:00Z stdout F one\n")
+    same_file = logs._same_file
+    raced = False
+
+    def rotate_first(file: object, at: Path) -> bool:
+        nonlocal raced
+        if not raced:
+            raced = True
+            with path.open("ab") as old:
+                old.write(b"2024-05-01T10:00:01Z stdout F two\n")
+            path.rename(tmp_path / "0.log.1")
+            path.write_bytes(b"2024-05-01T10:00:02Z stdout F three\n")
+        return same_file(file, at)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(logs, "_same_file", rotate_first)
+    seen: list[bytes] = []
+
+    async def follow() -> None:
+        async for chunk in read_log(path, ContainerLogOptions(follow=True), poll_seconds=0.01):
+            seen.append(chunk)
+
+    task = asyncio.create_task(follow())
+    await eventually(lambda: b"three" in b"".join(seen), what="the new file's line")
+    assert b"".join(seen) == b"one\ntwo\nthree\n"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def _records(first: int, count: int) -> bytes:
+    encoder = LogEncoder("stdout")
+    lines = (b"%06d " % i + b"x" * 93 + b"\n" for i in range(first, first + count))
+    return b"".join(encoder.feed(line, T0) for line in lines)
+
+
+def test_a_rotated_log_keeps_whole_records_within_its_size_and_file_count(tmp_path: Path) -> None:
+    path = tmp_path / "c" / "0.log"
+    rotation = LogRotation(max_bytes=LogRotation.MIN_BYTES, max_files=3)
+    written = 0
+    for batch in range(40):  # ~1 MB: in batches larger than a file, and small ones
+        count = 50 if batch % 2 else 500
+        append_log(path, _records(written, count), rotation)
+        written += count
+    rotated = rotated_logs(path)
+    assert len(rotated) == 2  # and the current file: 3
+    for file in [*rotated, path]:
+        data = file.read_bytes()
+        assert 0 < len(data) <= rotation.max_bytes and data.endswith(b"\n")
+        assert [line.content[:6] for line in LogParser().feed(data)]  # whole records only
+        assert file.stat().st_mode & 0o777 == 0o600
+    # Oldest first, and what is kept is the newest output, without a gap between the files.
+    numbers = [
+        int(line.content[:6]) for f in [*rotated, path] for line in LogParser().feed(f.read_bytes())
+    ]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    assert numbers[-1] == written - 1
+
+
+def test_a_new_run_leaves_the_previous_run_s_last_file_and_its_own(tmp_path: Path) -> None:
+    names = ["0.log", "0.log.20260101-000000.000001", "1.log", "1.log.20260101-000001.000001"]
+    names += ["2.log", "2.log.20260101-000002.000001", "notes.txt"]
+    for name in names:
+        (tmp_path / name).write_text("x")
+    stale = [p.name for p in stale_logs(tmp_path, 2)]
+    assert stale == ["0.log", "0.log.20260101-000000.000001", "1.log.20260101-000001.000001"]
+
+
+def test_a_rotation_needs_room_for_two_of_the_longest_records() -> None:
+    assert LogRotation.MIN_BYTES > 3 * MAX_LINE_BYTES
+    with pytest.raises(ValueError, match="at least"):
+        LogRotation(max_bytes=MAX_LINE_BYTES)
+    with pytest.raises(ValueError, match="2 files"):
+        LogRotation(max_files=1)
+
+
+@pytest.mark.parametrize("files", [2, 10])
+async def test_following_a_log_across_many_rotations_shows_every_line_once(
+    tmp_path: Path, files: int
+) -> None:
+    """With 2 files the reader keeps up with each rotation; with 10 it sees none of them
+    happen: the files rotated meanwhile are read in order, then the current one."""
+    path = tmp_path / "0.log"
+    rotation = LogRotation(max_bytes=LogRotation.MIN_BYTES, max_files=files)
+    seen: list[bytes] = []
+
+    async def follow() -> None:
+        options = ContainerLogOptions(follow=True)
+        async for chunk in read_log(path, options, poll_seconds=0.001):
+            seen.append(chunk)
+
+    encoder = LogEncoder("stdout")
+    append_log(path, encoder.feed(b"%06d first\n" % 0, T0), rotation)
+    task = asyncio.create_task(follow())
+    await eventually(lambda: bool(seen), what="the first line")
+    for i in range(1, 3000):  # ~400 KB through 64 KiB files: 5 rotations
+        append_log(path, encoder.feed(b"%06d " % i + b"y" * 90 + b"\n", T0), rotation)
+        if files == 2 and i % 20 == 0:
+            await asyncio.sleep(0)  # the reader keeps up (a file removed unread is lost)
+    await eventually(lambda: b"".join(seen).endswith(b"002999 " + b"y" * 90 + b"\n"), what="all")
+    numbers = [int(line[:6]) for line in b"".join(seen).splitlines()]
+    assert numbers == list(range(3000))
+    assert len(rotated_logs(path)) >= min(files - 1, 4)  # rotated, and kept for the reader
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 async def test_remote_chunks_render_line_by_line_with_since() -> None:

@@ -19,6 +19,8 @@
       {namespace: kube-system, name: vm-images, kubeconfig: reader.kubeconfig, intervalSeconds: 30}
     imageGCIntervalSeconds: 600
     guestAgentTimeoutSeconds: 300
+    containerLogMaxSize: 10Mi            # the console's CRI log rotates at this size (kubelet's)
+    containerLogMaxFiles: 5              # and keeps this many files (the current one included)
     defaults: {cpu: "1", memory: 256Mi}
     hotplug: {maxCpus: 4, maxMemory: 2Gi, memorySlots: 4}   # live-resize headroom (0: none)
     storage: {kubeconfig: provisioner.kubeconfig, intervalSeconds: 2}  # PVC disks (`_volumes`)
@@ -44,6 +46,7 @@ from msgspec import Meta
 
 from ..._fields import FilePath, PositiveNumber, Section, decode, read_file
 from ...sdk import ConfigError
+from ...sdk.logs import LogRotation
 from ...sdk.quantity import QuantityError, parse_quantity
 from ._persist import MachineGC
 from ._volumes import StorageConfig
@@ -123,6 +126,10 @@ class _File(Section):
         default=600.0, name="imageGCIntervalSeconds"
     )
     guest_agent_timeout_seconds: _Seconds = 300.0
+    container_log_max_size: str | int = "10Mi"
+    container_log_max_files: Annotated[
+        int, Meta(ge=2, description="a whole number, at least 2")
+    ] = 5
     defaults: _Resources | None = None
     machine_gc: _MachineGC | None = msgspec.field(default=None, name="machineGC")
     hotplug: _Hotplug | None = None
@@ -174,6 +181,7 @@ class VMConfig:
     translation_config_map: ConfigMapSource | None = None
     image_gc_interval: float = 600.0
     guest_agent_timeout: float = 300.0
+    log_rotation: LogRotation = field(default_factory=LogRotation)  # the console's CRI log
     default_millicpu: int = 1000
     default_memory: int = 256 * _MIB
     origin: str = "<defaults>"  # the file, for messages
@@ -275,6 +283,7 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         translations_file=base / raw.translations_file if raw.translations_file else None,
         image_gc_interval=raw.image_gc_interval_seconds,
         guest_agent_timeout=raw.guest_agent_timeout_seconds,
+        log_rotation=_log_rotation(raw, fail),
         default_millicpu=default_cpu,
         default_memory=default_memory,
         origin=origin,
@@ -331,6 +340,16 @@ def _bridged(net: _Network, fail: Callable[[str, str], ConfigError]) -> Bridged 
     if first <= gateway <= last:
         raise fail("network.pool", f"{pool_text} holds the gateway {gateway}")
     return Bridged(bridge, str(subnet), str(gateway), (str(first), str(last)))
+
+
+def _log_rotation(raw: _File, fail: Callable[[str, str], ConfigError]) -> LogRotation:
+    try:
+        size = quantity_bytes(raw.container_log_max_size)
+    except (QuantityError, ValueError) as e:
+        raise fail("containerLogMaxSize", str(e)) from None
+    if size < LogRotation.MIN_BYTES:
+        raise fail("containerLogMaxSize", f"at least {LogRotation.MIN_BYTES // 1024}Ki")
+    return LogRotation(max_bytes=size, max_files=raw.container_log_max_files)
 
 
 def _hotplug(raw: _Hotplug, fail: Callable[[str, str], ConfigError]) -> dict[str, int]:

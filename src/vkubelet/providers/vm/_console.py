@@ -5,30 +5,69 @@ or without anyone attached. A tailer copies that file, line by line, into the ru
 (`kubectl logs`, `-f`, `--tail`, `-p` come from the SDK's reader). The position reached is kept
 next to the console file, so a restarted agent resumes where the previous one stopped: no line
 twice, none lost (a line is copied whole, so a half-copied line cannot be repeated either).
+
+Neither file grows without bound, so a chatty guest cannot fill the host's disk. The CRI log is
+rotated as the kubelet rotates a container's (`sdk.logs.append_log`). The console file stays
+QEMU's alone to write (its chardev `logfile=`, which keeps every byte while no agent runs: no
+socket for the agent to reconnect to, no pipe whose buffer would stall the guest): once copied,
+its bytes' disk blocks are given back by punching a hole (`fallocate`), which leaves every
+offset as it was, so QEMU's appends and the saved position need no coordination. The file's
+apparent size still grows; what it takes on disk is what has not been copied yet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import logging
 import os
 from datetime import UTC, datetime
 from pathlib import Path
 
 from ..._files import write_atomic
-from ...sdk.logs import MAX_LINE_BYTES, LogEncoder
+from ...sdk.logs import MAX_LINE_BYTES, LogEncoder, LogRotation, append_log
 
 __all__ = ["ConsoleTailer"]
 
+log = logging.getLogger(__name__)
+
 _BLOCK = 64 * 1024
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _release_copied(console: Path, end: int) -> str | None:
+    """Give back the disk blocks of the console file's bytes before `end` (copied already):
+    they read as zeros from now on, the file's size and QEMU's appends are untouched. Why not,
+    when the file system cannot punch holes (None: done)."""
+    end -= end % 4096  # whole blocks only: the rest of a block is punched with the next copy
+    if end <= 0:
+        return None
+    try:
+        fd = os.open(console, os.O_WRONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, end) == 0:
+            return None
+        return os.strerror(ctypes.get_errno())
+    finally:
+        os.close(fd)
 
 
 class ConsoleTailer:
-    """Copies `console` (raw serial bytes) into the CRI log `log`, from the offset in `mark`."""
+    """Copies `console` (raw serial bytes) into the CRI log `log`, rotated by `rotation`, from
+    the offset in `mark`; the console's copied bytes are released from the disk."""
 
-    def __init__(self, console: Path, log: Path, mark: Path, *, poll: float = 0.2) -> None:
+    def __init__(
+        self, console: Path, log: Path, mark: Path, *, rotation: LogRotation, poll: float = 0.2
+    ) -> None:
         self.console, self.log, self.mark, self.poll = console, log, mark, poll
+        self.rotation = rotation
         self._encoder = LogEncoder("stdout")
+        self._punching = True
 
     def _offset(self) -> int:
         try:
@@ -61,14 +100,11 @@ class ConsoleTailer:
         records = self._encoder.feed(text, datetime.now(UTC))
         if final:
             records += self._encoder.flush()
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            if records:
-                os.write(fd, records)
-        finally:
-            os.close(fd)
+        append_log(self.log, records, self.rotation)
         self._save(offset + len(data))
+        if self._punching and (why := _release_copied(self.console, offset + len(data))):
+            self._punching = False  # (warned once per run)
+            log.warning("%s: cannot punch holes (%s): the file grows", self.console, why)
         return len(data)
 
     async def run(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from ..._files import write_private
 from ...kube import ApiError
 from ...sdk import PodRunner, Terminated
+from ...sdk.logs import append_log
 from ._backend import GuestAddress, MachineHandle
 from ._console import ConsoleTailer
 from ._migrate import (
@@ -106,10 +107,7 @@ class Migrations:
             network = await self._claim(vm)
             host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
             history = await incoming.history(HISTORY_TIMEOUT)
-            cri_log = host.log_path(vm.uid, vm.container, run)
-            cri_log.parent.mkdir(parents=True, exist_ok=True)
-            with cri_log.open("ab") as out:
-                out.write(history)
+            append_log(host.log_path(vm.uid, vm.container, run), history, host.config.log_rotation)
             await incoming.stop_exports()
         except MigrationError as e:
             # QEMU surely gone first: the source resumes its guest on our word (the verdict, or
@@ -321,7 +319,12 @@ class Migrations:
         host = self.host
         self._write_record(vm, **{**self._record(vm), "state": "completed", "message": message})
         cri_log = host.log_path(vm.uid, vm.container, vm.run)
-        tailer = ConsoleTailer(machine.console_log, cri_log, vm.dir / "console.offset")
+        tailer = ConsoleTailer(
+            machine.console_log,
+            cri_log,
+            vm.dir / "console.offset",
+            rotation=host.config.log_rotation,
+        )
         with contextlib.suppress(OSError):
             while tailer.copy():  # whole lines: a resumed guest finishes its last one here
                 pass

@@ -55,6 +55,7 @@ from ...sdk import (
     build_pod_status,
 )
 from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
+from ...sdk.logs import stale_logs
 from ...sdk.provider import EventSink, EventType, UpperAPI
 from ...sdk.retry import Backoff
 from . import _hibernate, _persist, _resize
@@ -622,7 +623,10 @@ class VMProvider(RunnerProvider):
                 self.migrations.resume_outgoing(vm, machine, runner), name=f"resume {key}"
             )
         tailer = ConsoleTailer(
-            machine.console_log, self.log_path(vm.uid, vm.container, count), console_mark
+            machine.console_log,
+            self.log_path(vm.uid, vm.container, count),
+            console_mark,
+            rotation=self.config.log_rotation,
         )
         tail = self._tasks.spawn(tailer.run(), name=f"console {key}")
         boot = self._tasks.spawn(self._boot(key, vm, machine, runner), name=f"boot {key}")
@@ -692,11 +696,8 @@ class VMProvider(RunnerProvider):
 
     def _drop_old_logs(self, vm: VM, run: int) -> None:
         """Keep the current and the previous run's log (`-p`), as the kubelet does."""
-        directory = self.log_path(vm.uid, vm.container, run).parent
-        for path in directory.glob("*.log"):
-            with contextlib.suppress(ValueError, OSError):
-                if int(path.stem) < run - 1:
-                    path.unlink()
+        for path in stale_logs(self.log_path(vm.uid, vm.container, run).parent, run):
+            path.unlink(missing_ok=True)
 
     def _signal(self, key: str, vm: VM, signum: int) -> None:
         """SIGTERM: a graceful stop (guest agent, ACPI, quit) within the grace period; SIGKILL:
@@ -920,6 +921,7 @@ class VMProvider(RunnerProvider):
                     vm.run_dir / "console.log",
                     self.log_path(vm.uid, vm.container, vm.run),
                     directory / "console.offset",
+                    rotation=self.config.log_rotation,
                 ).copy(final=True)
             self._start_vm(key, vm, restart_count=vm.run)
 

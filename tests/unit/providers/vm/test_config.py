@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from vkubelet.providers.vm._config import ConfigError, load_config
+from vkubelet.sdk.logs import LogRotation
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -21,6 +22,12 @@ def test_an_empty_file_gives_defaults_next_to_it(tmp_path: Path) -> None:
     assert config.image_store == tmp_path / "vm-state" / "images"
     assert config.accel == "auto"
     assert config.image_prefix == "vm.vkubelet.io"
+    assert config.log_rotation == LogRotation(max_bytes=10 * 2**20, max_files=5)  # the kubelet's
+
+
+def test_the_console_log_rotation_is_configured_as_the_kubelet_s(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "containerLogMaxSize: 1Mi\ncontainerLogMaxFiles: 2\n"))
+    assert config.log_rotation == LogRotation(max_bytes=2**20, max_files=2)
 
 
 def test_paths_are_relative_to_the_file_and_quantities_are_parsed(tmp_path: Path) -> None:
@@ -59,6 +66,9 @@ def test_paths_are_relative_to_the_file_and_quantities_are_parsed(tmp_path: Path
         ("imageGCIntervalSeconds: -1\n", "imageGCIntervalSeconds"),
         ("stateDirr: x\n", "stateDirr"),
         ("defaults: {memory: 1Mi}\n", "defaults"),
+        ("containerLogMaxSize: 1Ki\n", "containerLogMaxSize"),
+        ("containerLogMaxSize: big\n", "containerLogMaxSize"),
+        ("containerLogMaxFiles: 1\n", "containerLogMaxFiles"),
         ("translationConfigMap: {namespace: a, name: b}\n", "translationConfigMap.kubeconfig"),
         (
             "translationConfigMap: {namespace: a, name: b, kubeconfig: k, x: 1}\n",

@@ -15,6 +15,7 @@ from vkubelet.providers.vm._migrate import Endpoint, MigrationError
 from vkubelet.providers.vm._migrations import Migrations
 from vkubelet.providers.vm._qmp import Monitor
 from vkubelet.providers.vm._vm import Launch
+from vkubelet.sdk.logs import LogRotation
 
 ENDPOINT = Endpoint("127.0.0.1", 1, 2, 3, ("disk0",), pod="vm-2")  # nothing listens there
 
@@ -76,6 +77,7 @@ def _setup(tmp_path: Path, state: str, **record: Any) -> tuple[Migrations, Any, 
     host = SimpleNamespace(
         event=lambda vm, kind, reason, message: events.append((reason, message)),
         log_path=lambda uid, container, run: tmp_path / "logs" / f"{run}.log",
+        config=SimpleNamespace(log_rotation=LogRotation()),
         events=events,
         upper_api=TargetArrived(),
     )

@@ -16,6 +16,7 @@ import pytest
 from vkubelet.providers.vm._migrate import Endpoint, MigrationError, until_running
 from vkubelet.providers.vm._migrations import Migrations, endpoint_problem, target_verdict
 from vkubelet.providers.vm._vm import Launch
+from vkubelet.sdk.logs import LogRotation
 
 from .test_migration_resume import FakeQEMU, FakeTarget, Runner
 
@@ -140,6 +141,7 @@ async def test_the_source_quits_only_when_the_target_runs_the_guest_else_resumes
     host = SimpleNamespace(
         event=lambda vm, kind, reason, message: events.append(reason),
         log_path=lambda uid, container, run: tmp_path / "logs" / f"{run}.log",
+        config=SimpleNamespace(log_rotation=LogRotation()),
         upper_api=None,
     )
     vm = SimpleNamespace(
