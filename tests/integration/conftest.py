@@ -1,11 +1,13 @@
-"""Fixtures shared by integration tests: the cluster provider's lower cluster (see clusters.py)
-and one mock node for the modules that only talk to a node's kubelet API."""
+"""Fixtures shared by integration tests: the cluster provider's lower cluster (see clusters.py),
+a lower cluster with a real worker beside `worker_cluster`, and one mock node for the modules
+that only talk to a node's kubelet API."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +24,30 @@ def lower_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LowerClu
     """A second dev cluster with three mock nodes of different sizes and zones, for the session."""
     with lower_cluster_session(tmp_path_factory.mktemp("lower")) as lower:
         yield lower
+
+
+@pytest.fixture(scope="session")
+def lower_workers(
+    worker_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """A second dev cluster with one real worker, beside the session's upper `worker_cluster`
+    (started after it: routes between the two need both networks).
+
+    Starting one costs 30-60 s: the modules that need one below (the cluster provider's tests
+    with real workers on both sides, the chart's cluster provider run as a pod) share it for
+    the session. They all use `worker_cluster`, so tests/parallel.py runs them in one worker;
+    each has its own agent and namespaces, told apart by `upperClusterID` and namespace prefix.
+    """
+    cluster = Cluster(f"lowerw-{os.getpid()}", root=tmp_path_factory.mktemp("lowerw"))
+    cluster.up(  # a failed `up` leaves nothing behind
+        workers=1,
+        progress=lambda m: print(f"[lowerw] {m}", file=sys.stderr, flush=True),
+        tie_to_parent=True,
+    )
+    try:
+        yield cluster
+    finally:
+        cluster.down()
 
 
 @pytest.fixture(scope="session")

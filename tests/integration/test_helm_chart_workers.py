@@ -195,24 +195,14 @@ def test_deleting_the_leader_pod_hands_the_node_to_the_standby_without_restartin
     assert after["status"]["hostIP"] == standby_ip
 
 
-@pytest.fixture(scope="module")
-def lower_with_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A second dev cluster with one real worker: the cluster provider's lower cluster, whose
-    apiserver the upper cluster's pods reach at its bridge address."""
-    cluster = Cluster(f"pytest-lw{os.getpid()}", root=tmp_path_factory.mktemp("lower-workers"))
-    cluster.up(workers=1, tie_to_parent=True, progress=lambda m: print(m, file=sys.stderr))
-    yield cluster
-    cluster.down()
-
-
 def test_the_cluster_provider_runs_as_a_pod_and_kubectl_exec_reaches_a_real_process_below(
     worker_cluster: Cluster,
     worker_kubectl: Kubectl,
-    lower_with_worker: Cluster,
+    lower_workers: Cluster,
     release: dict[str, Any],
     tmp_path: Path,
 ) -> None:
-    k, lower = worker_kubectl, Kubectl(lower_with_worker.kubeconfig)
+    k, lower = worker_kubectl, Kubectl(lower_workers.kubeconfig)
     helm = ensure_helm(lambda m: print(m, file=sys.stderr))
     node = f"vk-lower-{uuid.uuid4().hex[:6]}"
     values = {
@@ -220,7 +210,7 @@ def test_the_cluster_provider_runs_as_a_pod_and_kubectl_exec_reaches_a_real_proc
         "nodeName": node,
         "replicas": 1,
         "providerConfig": {"kubeconfig": "lower.kubeconfig"},
-        "secretFiles": {"lower.kubeconfig": lower_with_worker.kubeconfig.read_text()},
+        "secretFiles": {"lower.kubeconfig": lower_workers.kubeconfig.read_text()},
         "servingCertificate": {"approveOwnCSRs": True},
         "identity": "serviceAccount",  # a node identity may not approve its own CSRs
         "logFormat": "text",
@@ -236,7 +226,7 @@ def test_the_cluster_provider_runs_as_a_pod_and_kubectl_exec_reaches_a_real_proc
     assert install.returncode == 0, install.stdout + install.stderr
     try:
         wait_for(lambda: node_ready(k, node), timeout=90, what=f"{node} Ready")
-        image = lower_with_worker.image_reference("busybox")
+        image = lower_workers.image_reference("busybox")
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -260,7 +250,7 @@ def test_the_cluster_provider_runs_as_a_pod_and_kubectl_exec_reaches_a_real_proc
         # worker's real kubelet -> a real process in a real container.
         lower_pods = lower.json("get", "pods", "-A")["items"]
         below = [p for p in lower_pods if p["metadata"]["name"].startswith("runs-below")]
-        assert below and below[0]["spec"]["nodeName"] == lower_with_worker.workers()[0].name
+        assert below and below[0]["spec"]["nodeName"] == lower_workers.workers()[0].name
         assert "below" in k("logs", "runs-below").stdout
         comm = k("exec", "runs-below", "--", "cat", "/proc/1/comm").stdout.strip()
         assert comm == "sleep"
