@@ -127,7 +127,11 @@ def test_a_second_up_reuses_a_dead_kubelet_is_reported_and_healed_and_down_leave
     state: Path, request: pytest.FixtureRequest
 ) -> None:
     before = host_paths()
-    up = vkubelet(state, "dev", "cluster", "up", "--name", "life", "--workers", "1")
+    # NotReady 20 s after the kubelet's last lease renewal, not Kubernetes' 50 s.
+    up = vkubelet(
+        state, "dev", "cluster", "up", "--name", "life", "--workers", "1",
+        "--node-monitor-grace-period", "20",
+    )  # fmt: skip
     cluster = Cluster("life", root=state)
     # A failed assertion must not leave namespaces, links and cgroups for the next tests.
     request.addfinalizer(
