@@ -32,6 +32,7 @@ from vkubelet.testing import (
 from vkubelet.testing.sshlab import TestDevice, ssh_inventory
 
 from .sshagent import TOLERATE, pod_manifest, start_agent, status
+from .test_kubectl_top import _mebibytes, _millicores, _top
 
 #: The lab's devices reconnect with back-off capped at 4 s, not the default 30 s: a device whose
 #: link went down reaches the longest back-off in seconds, and is back as soon after its link is.
@@ -45,9 +46,18 @@ class Lab:
     inventory_path: Path
     address: str
 
-    def write_inventory(self, devices: list[TestDevice], **extra: Any) -> None:
+    def write_inventory(
+        self,
+        devices: list[TestDevice],
+        *,
+        only: dict[str, dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> None:
+        """`extra` keys for every device; `only`: keys for the device of that name."""
         tmp = self.inventory_path.with_suffix(".tmp")
         inventory = ssh_inventory(devices, reconnectBackoff=RECONNECT_BACKOFF, **extra)
+        for entry in inventory["devices"]:
+            entry.update((only or {}).get(entry["name"], {}))
         tmp.write_text(yaml.safe_dump(inventory))
         tmp.replace(self.inventory_path)
 
@@ -634,3 +644,69 @@ def test_attach_sends_stdin_to_a_process_that_asked_for_it(lab: Lab, kubectl: Ku
         assert status(kubectl, name)["phase"] == "Running"  # no EOF when the client left
     finally:
         delete(kubectl, name)
+
+
+# -- usage ----------------------------------------------------------------------------------------
+def _capacity(kubectl: Kubectl, node: str) -> dict[str, str]:
+    found: dict[str, str] = kubectl.json("get", "node", node)["status"]["capacity"]
+    return found
+
+
+def test_kubectl_top_follows_a_cpu_burning_device_pod_and_capacity_follows_the_device(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    """metrics-server scrapes the device's node like a kubelet: the pod's CPU is its process
+    group's (a busy loop: about a core, then nothing once it stops), its memory what the group
+    holds (a 20 MB shell variable), the node's the device's /proc; the node's capacity is the
+    device's CPUs and memory, and what the inventory pins wins."""
+    device, pinned = lab.devices[1], lab.devices[2]
+    lab.write_inventory(
+        lab.devices, only={pinned.name: {"capacity": {"cpu": "3", "memory": "3Gi"}}}
+    )
+    burn = (
+        "x=$(head -c 20000000 /dev/zero | tr '\\0' a); while [ ! -e stop ]; do :; done; sleep 3600"
+    )
+    name = run_pod(kubectl, device.name, ["sh", "-c", burn])
+    try:
+        stat = Path("/proc/stat").read_text().splitlines()
+        cpus = sum(1 for line in stat if line.startswith("cpu") and line[3].isdigit())
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        [total] = [line.split()[1] for line in meminfo if line.startswith("MemTotal:")]
+        assert {k: _capacity(kubectl, device.name)[k] for k in ("cpu", "memory")} == {
+            "cpu": str(cpus),
+            "memory": f"{total}Ki",
+        }
+
+        def pod_cpu(check: Any) -> list[str] | None:
+            figures = _top(kubectl, "pod", name)
+            return figures if figures is not None and check(_millicores(figures[1])) else None
+
+        figures = wait_for(
+            lambda: pod_cpu(lambda m: m >= 500), timeout=120, interval=2, what="about a core"
+        )
+        assert _mebibytes(figures[2]) >= 15
+        node = wait_for(lambda: _top(kubectl, "node", device.name), timeout=60, interval=2)
+        assert _millicores(node[1]) >= 400
+        assert _mebibytes(node[3]) > _mebibytes(figures[2])
+        wait_for(
+            lambda: (
+                {k: _capacity(kubectl, pinned.name)[k] for k in ("cpu", "memory")}
+                == {"cpu": "3", "memory": "3Gi"}
+            ),
+            timeout=30,
+            what="the pinned capacity",
+        )
+
+        kubectl("exec", name, "--", "touch", "stop")
+        idle = wait_for(
+            lambda: pod_cpu(lambda m: m < 50), timeout=90, interval=2, what="the CPU falls"
+        )
+        assert _mebibytes(idle[2]) >= 15  # the shell still holds its variable
+    finally:
+        delete(kubectl, name)
+        lab.write_inventory(lab.devices)
+    wait_for(
+        lambda: _capacity(kubectl, pinned.name)["cpu"] == str(cpus),
+        timeout=30,
+        what="the device's own capacity again",
+    )

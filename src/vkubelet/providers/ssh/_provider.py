@@ -20,7 +20,7 @@ import shlex
 import signal
 import tarfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,11 +36,14 @@ from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.logs import LogParser, previous_not_found, render_chunks
 from ...sdk.probes import PodProbes, ProbeEvent
 from ...sdk.provider import EventSink
+from ...sdk.stats import ContainerUsage, CpuCounters, NodeUsage, PodUsage, Usage
+from ...sdk.stats import resource_metrics as format_metrics
+from ...sdk.stats import summary as format_summary
 from ...sdk.status import ContainerReport, Running, Terminated, Waiting, build_pod_status
 from ...sdk.stdio import forward_connection, initial_size, relay
 from ...sdk.tasks import TaskSet
 from ...sdk.volumes import EmptyDirVolume, FilesVolume, HostPathVolume
-from . import _remote
+from . import _remote, _usage
 from ._inventory import DeviceConfig
 from ._link import DeviceLink, Unreachable
 from ._probes import DEFAULT_HOST, DeviceProbes
@@ -50,6 +53,7 @@ log = logging.getLogger(__name__)
 _ARCHIVE_END = "VKUBELET_ARCHIVE_END"  # base64 never contains it
 _UID = re.compile(r"[a-z0-9][-a-z0-9]{0,62}")
 _SWEEP_INTERVAL = 5.0  # catch-up sweep; changes normally arrive through the event file
+_SAMPLE_REUSE = 1.0  # seconds a usage sample answers for: /stats and /metrics of one scrape
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "armv6l": "arm", "i686": "386"}
 
 
@@ -88,6 +92,11 @@ class DeviceProvider:
         self._notify: Callable[[Pod], None] | None = None
         self._node_notify: Callable[[Node], None] | None = None
         self._facts: dict[str, str] = {}
+        self._rediscover = True  # a (re)connected device may have changed: read its facts again
+        self._counters = CpuCounters()
+        self._sampling = asyncio.Lock()
+        self._sample: tuple[float, float, NodeUsage, list[PodUsage]] | None = None  # (monotonic,
+        # epoch seconds, node, pods) of the last usage sample
         self._tasks: list[asyncio.Task[None]] = []
         self._poked: set[str] = set()
         self._poke = asyncio.Event()
@@ -119,6 +128,7 @@ class DeviceProvider:
 
     def _on_connected(self) -> None:
         self._swept.clear()
+        self._rediscover = True
         self._poke.set()
 
     async def _follow_events(self) -> None:
@@ -162,7 +172,7 @@ class DeviceProvider:
                 continue
             if uids is None:
                 self._swept.set()
-                if not self._facts:
+                if self._rediscover:
                     await self._discover()
 
     async def _sweep(self, uids: set[str] | None) -> None:
@@ -207,6 +217,7 @@ class DeviceProvider:
             "echo cpus=$(getconf _NPROCESSORS_ONLN 2>/dev/null || nproc)\n"
             "echo mem=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)\n"
             "echo arch=$(uname -m)\necho kernel=$(uname -r)\necho os=$(uname -s)\n"
+            "echo hz=$(getconf CLK_TCK 2>/dev/null)\necho page=$(getconf PAGESIZE 2>/dev/null)\n"
             "( . /etc/os-release 2>/dev/null && echo image=$PRETTY_NAME )\n"
         )
         try:
@@ -215,8 +226,15 @@ class DeviceProvider:
             log.warning("device %s: cannot discover its resources: %s", self.config.name, e)
             return
         facts = dict(line.partition("=")[::2] for line in out.decode(errors="replace").splitlines())
-        self._facts = {k: v.strip() for k, v in facts.items() if v.strip()}
-        if self._node_notify is not None:  # the capacity is now known
+        self._rediscover = False
+        self._set_facts({k: v.strip() for k, v in facts.items() if v.strip()})
+
+    def _set_facts(self, facts: dict[str, str]) -> None:
+        """New facts of the device; the node is told when they change (its capacity follows)."""
+        if facts == self._facts:
+            return
+        self._facts = facts
+        if self._node_notify is not None:
             node = Node(metadata=ObjectMeta(labels={}), spec=NodeSpec(), status=NodeStatus())
             self.configure_node(node)
             self._node_notify(node)
@@ -726,6 +744,97 @@ class DeviceProvider:
         self._entry(namespace, pod)
         reader, writer = await self.link.open_connection("127.0.0.1", port)
         await forward_connection(stream, reader, writer)
+
+    # -- usage (kubectl top) --------------------------------------------------------------------
+    async def stats_summary(self) -> dict[str, Any]:
+        when, node, pods = await self._current_usage()
+        return format_summary(node, pods, when)
+
+    async def metrics_resource(self) -> str:
+        when, node, pods = await self._current_usage()
+        return format_metrics(node, pods, when)
+
+    async def _current_usage(self) -> tuple[float, NodeUsage, list[PodUsage]]:
+        """The device's usage: one sample (one SSH command for every pod) per scrape, shared by
+        the requests of that scrape (metrics-server and `/stats/summary` alike)."""
+        async with self._sampling:
+            if self._sample is None or time.monotonic() - self._sample[0] > _SAMPLE_REUSE:
+                when, node, pods = await self._measure()
+                self._sample = (time.monotonic(), when, node, pods)
+            return self._sample[1:]
+
+    async def _measure(self) -> tuple[float, NodeUsage, list[PodUsage]]:
+        running: dict[int, tuple[str, str]] = {}  # pid -> (uid, container)
+        starts: dict[tuple[str, str], tuple[int, float]] = {}  # (uid, container) -> pid, start
+        for entry in self._pods.values():
+            remote = entry.remote
+            for state in [*remote.init_containers, *remote.containers] if remote else []:
+                if state.state == "running" and state.pid and state.started_at is not None:
+                    running[state.pid] = (entry.uid, state.name)
+                    starts[(entry.uid, state.name)] = (state.pid, state.started_at.timestamp())
+        script = _usage.sample_script(sorted(running))
+        output = (await self.link.run(script, deadline=10)).check("usage sample")
+        when = time.time()
+        reading = _usage.parse_sample(
+            output,
+            running,
+            ticks_per_second=_positive(self._facts.get("hz"), 100),
+            page_size=_positive(self._facts.get("page"), 4096),
+        )
+        self._follow_capacity(reading)
+        cpu, rate = self._counters.update("node", reading.cpu_ns, when)
+        node = NodeUsage(
+            name=self.config.name,
+            started=reading.booted or when,
+            usage=Usage(cpu, rate, reading.working_set),
+            available_memory=reading.available if reading.memory else None,
+        )
+        pods: list[PodUsage] = []
+        keys: list[Hashable] = ["node"]
+        for entry in self._pods.values():
+            meta = entry.pod.metadata
+            assert meta is not None
+            containers = []
+            for (uid, name), used in reading.containers.items():
+                if uid != entry.uid:
+                    continue
+                pid, started = starts[(uid, name)]
+                key = (uid, name, pid)  # a new run is a new counter
+                cpu, rate = self._counters.update(key, used.cpu_ns, when)
+                keys.append(key)
+                containers.append(ContainerUsage(name, started, Usage(cpu, rate, used.working_set)))
+            if not containers:
+                continue
+            cpu, rate = self._counters.update(
+                entry.uid, sum(c.usage.cpu_ns for c in containers), when
+            )
+            keys.append(entry.uid)
+            memory = sum(c.usage.working_set for c in containers)
+            pods.append(
+                PodUsage(
+                    namespace=str(meta.namespace),
+                    name=str(meta.name),
+                    uid=entry.uid,
+                    started=entry.created.timestamp(),
+                    containers=sorted(containers, key=lambda c: c.name),
+                    usage=Usage(cpu, rate, memory),
+                )
+            )
+        self._counters.keep_only(keys)
+        return when, node, pods
+
+    def _follow_capacity(self, reading: _usage.Reading) -> None:
+        """The node's capacity follows the device's CPUs and memory as each sample reads them."""
+        facts = dict(self._facts)
+        if reading.cpus:
+            facts["cpus"] = str(reading.cpus)
+        if reading.memory:
+            facts["mem"] = str(reading.memory // 1024)
+        self._set_facts(facts)
+
+
+def _positive(text: str | None, default: int) -> int:
+    return int(text) if text is not None and text.isdigit() and int(text) > 0 else default
 
 
 def _exit_code(proc: asyncssh.SSHClientProcess[bytes]) -> int:

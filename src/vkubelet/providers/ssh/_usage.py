@@ -1,0 +1,118 @@
+"""What a device uses, sans I/O: the script that samples it and the reading of its output.
+
+One sample is one SSH command (on the device's one connection) whatever the number of pods: the
+device's `/proc/stat` (CPU time of the whole machine, its CPU count, its boot time),
+`/proc/meminfo`, and one pass of awk over every process's `/proc/<pid>/stat` that sums CPU
+time and resident memory per container. In command mode a container is its process group and
+session (`_remote` starts each with `setsid`, so its pid leads both): a process counts for the
+container whose pid is its session, its process group, or itself. CPU time includes what the
+group's reaped children used (`cutime`, `cstime`), so short-lived commands count too.
+
+A `Reading` is what a sample says in the device's units turned into bytes and nanoseconds: the
+node's figures and each container's by (pod uid, container name). A container runtime's `stats`
+fills the same `containers` mapping; the provider turns a reading into the kubelet's formats
+(`vkubelet.sdk.stats`) the same way for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ContainerReading", "Reading", "parse_sample", "sample_script"]
+
+# Busy CPU time of the machine: user, nice, system, irq, softirq, steal (guest time is already
+# in user); idle and iowait are not.
+_NODE = r"""awk '
+/^cpu / { printf "cpu %.0f\n", $2 + $3 + $4 + $7 + $8 + $9 }
+/^cpu[0-9]/ { n++ }
+/^btime / { printf "btime %.0f\n", $2 }
+END { printf "cpus %d\n", n }' /proc/stat
+awk '/^(MemTotal|MemAvailable|MemFree|Buffers|Cached):/ {
+	sub(":", "", $1); printf "mem %s %.0f\n", $1, $2 }' /proc/meminfo
+"""
+
+# Fields of /proc/<pid>/stat after the command name (which may hold spaces and parentheses, so
+# the line is cut after its last ") "): 1 state, 3 pgrp, 4 session, 12-15 utime, stime, cutime,
+# cstime (ticks), 22 rss (pages).
+_GROUPS = r"""cat /proc/[0-9]*/stat 2>/dev/null | awk -v want="$WANT" '
+BEGIN { n = split(want, w, " "); for (i = 1; i <= n; i++) keep[w[i]] = 1 }
+{
+	rest = $0
+	if (!sub(/^.*\) /, "", rest) || split(rest, f, " ") < 22) next
+	if (f[4] in keep) k = f[4]; else if (f[3] in keep) k = f[3]; else if ($1 in keep) k = $1
+	else next
+	ticks[k] += f[12] + f[13] + f[14] + f[15]
+	pages[k] += f[22]
+}
+END { for (k in ticks) printf "group %s %.0f %.0f\n", k, ticks[k], pages[k] }'
+"""
+
+
+@dataclass(frozen=True)
+class ContainerReading:
+    cpu_ns: int  # cumulative as read (it may drop: see `vkubelet.sdk.stats.CpuCounters`)
+    working_set: int  # bytes
+
+
+@dataclass(frozen=True)
+class Reading:
+    cpu_ns: int  # the machine's busy CPU time since boot
+    cpus: int  # online CPUs (0: unknown)
+    memory: int  # MemTotal, bytes (0: unknown)
+    available: int  # MemAvailable (or free + buffers + cached on old kernels), bytes
+    booted: float  # epoch seconds (0: unknown)
+    containers: dict[tuple[str, str], ContainerReading] = field(default_factory=dict)
+
+    @property
+    def working_set(self) -> int:
+        return max(self.memory - self.available, 0)
+
+
+def sample_script(pids: list[int]) -> str:
+    """The sample: the node, and the process groups of the containers whose pids are `pids`."""
+    want = " ".join(str(int(pid)) for pid in pids if int(pid) > 1)
+    script = "# vkubelet: usage sample\necho vkubelet-usage 1\n" + _NODE
+    if want:
+        script += f"WANT='{want}'\n" + _GROUPS
+    return script
+
+
+def parse_sample(
+    output: bytes,
+    containers: dict[int, tuple[str, str]],
+    *,
+    ticks_per_second: int,
+    page_size: int,
+) -> Reading:
+    """A sample's output as a `Reading`; `containers` maps the pids the script was given to
+    (pod uid, container name). Lines it does not know are skipped; a sample without the node's
+    CPU line (the device's /proc unreadable) raises ValueError."""
+    cpu: int | None = None
+    cpus = 0
+    booted = 0.0
+    memory: dict[str, int] = {}
+    found: dict[tuple[str, str], ContainerReading] = {}
+    tick_ns = 1_000_000_000 // max(ticks_per_second, 1)
+    for line in output.decode(errors="replace").splitlines():
+        words = line.split()
+        if not words or not all(w.isdigit() for w in words[2:]):
+            continue
+        match words:
+            case ["cpu", ticks] if ticks.isdigit():
+                cpu = int(ticks) * tick_ns
+            case ["cpus", count] if count.isdigit():
+                cpus = int(count)
+            case ["btime", seconds] if seconds.isdigit():
+                booted = float(seconds)
+            case ["mem", name, kib]:
+                memory[name] = int(kib) * 1024
+            case ["group", pid, ticks, pages] if pid.isdigit() and int(pid) in containers:
+                found[containers[int(pid)]] = ContainerReading(
+                    int(ticks) * tick_ns, int(pages) * page_size
+                )
+    if cpu is None:
+        raise ValueError("the device's /proc/stat could not be read")
+    available = memory.get("MemAvailable")
+    if available is None:  # kernels before 3.14
+        available = sum(memory.get(k, 0) for k in ("MemFree", "Buffers", "Cached"))
+    return Reading(cpu, cpus, memory.get("MemTotal", 0), available, booted, found)
