@@ -62,6 +62,9 @@ def mirror(
                 "kubeconfig": str(lower_cluster.kubeconfig),
                 "upperClusterID": f"mirror-{uuid.uuid4().hex[:6]}",
                 "mode": "mirror",
+                # A Service copy no member needs goes after 10 s, not the default 30 s: the
+                # test of its end waits for it (and a shorter hold only makes a gap likelier).
+                "sharedServiceGrace": 10,
             }
         )
     )
@@ -481,7 +484,7 @@ def test_members_share_one_lower_service_which_outlives_a_member_leaving(
         wait_for(member_gone_and_service_kept, timeout=120, what=f"{leaving} gone, web kept")
         kubectl("-n", namespace, "delete", "pod", "web-staying", "--wait=false")
         # No member has a replica any more: deleted after the grace that lets a lone replica
-        # move between members (SHARED_GRACE, 30 s).
+        # move between members (the lab's sharedServiceGrace).
         wait_for(lambda: lower_web() is None, timeout=90, what="web deleted below")
     finally:
         kubectl("delete", "namespace", namespace, "--wait=false")

@@ -17,6 +17,7 @@
     kubeApiQps: 50                   # client-side limit against the lower apiserver
     kubeApiBurst: 100
     mode: aggregate                  # or `mirror`: one virtual node per lower node
+    sharedServiceGrace: 30           # mirror: seconds a Service copy no member needs stays below
     fitCheck: true                   # aggregate: fail a pod no single lower node can take
     cannotFitBackoff: 10             # seconds the node is tainted after such a failure (doubling)
     unschedulableTimeout: 120        # a pod Unschedulable below this long fails (0: waits forever)
@@ -108,6 +109,7 @@ class _File(Section):
     kube_api_qps: PositiveNumber | None = None
     kube_api_burst: PositiveInt = 100
     mode: Literal["aggregate", "mirror"] = "aggregate"
+    shared_service_grace: _Seconds = 30.0
     fit_check: bool = True
     cannot_fit_backoff: _Seconds = 10.0
     unschedulable_timeout: _Seconds = 120.0
@@ -163,6 +165,9 @@ class LowerConfig:
     kube_api_qps: float | None = None
     kube_api_burst: int = 100
     mode: Literal["aggregate", "mirror"] = "aggregate"
+    # Mirror mode: how long a shared Service copy that no member needs stays below, so that a
+    # lone replica moving between members does not take its Service down (`held_deletes`).
+    shared_service_grace: float = 30.0
     fit_check: bool = True
     cannot_fit_backoff: float = 10.0
     unschedulable_timeout: float = 120.0  # a pod Unschedulable below this long fails; 0: never

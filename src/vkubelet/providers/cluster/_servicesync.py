@@ -25,8 +25,6 @@ __all__ = ["ServiceReflection", "SharedServices"]
 
 _SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
 _KINDS = ("Service", "EndpointSlice")
-# Mirror mode: how long a shared Service no member needs stays below (`held_deletes`).
-SHARED_GRACE = 30.0
 
 
 @dataclass(frozen=True)
@@ -209,11 +207,12 @@ class ServiceReflection:
         if self._shared is not None:
             known = self.upper_services.keys()
             before = self._unneeded
+            grace = self.config.shared_service_grace
             plan.delete, self._unneeded = held_deletes(
-                plan.delete, self._lower, known, before, time.monotonic(), SHARED_GRACE
+                plan.delete, self._lower, known, before, time.monotonic(), grace
             )
             if self._unneeded.keys() - before.keys():  # another pass once the grace is over
-                asyncio.get_running_loop().call_later(SHARED_GRACE, self._dirty.set)
+                asyncio.get_running_loop().call_later(grace, self._dirty.set)
         replaced = {("Service", *name_key(s)) for s in plan.replace}
         applied = await self.lower.apply_dependencies(
             DependencyPlan(

@@ -24,6 +24,7 @@ def test_only_a_kubeconfig_is_required_and_it_is_relative_to_the_file(tmp_path: 
     assert (config.dependency_names, config.service_accounts) == ("suffixed", "lower")
     assert config.upper_cluster_id is None and config.context is None
     assert config.publish_common_labels and config.resync.pods == 60
+    assert config.shared_service_grace == 30
 
 
 def test_every_option_is_read(tmp_path: Path) -> None:
@@ -43,6 +44,7 @@ excludeLabels: ["example.com/*"]
 resync: {pods: 10, nodes: 5, dependencies: 120}
 kubeApiQps: 20
 kubeApiBurst: 40
+sharedServiceGrace: 5
 """,
         )
     )
@@ -59,6 +61,7 @@ kubeApiBurst: 40
     assert config.label_excluded("example.com/rack") and not config.label_excluded("zone")
     assert (config.resync.pods, config.resync.nodes, config.resync.dependencies) == (10, 5, 120)
     assert (config.kube_api_qps, config.kube_api_burst) == (20.0, 40)
+    assert config.shared_service_grace == 5
 
 
 @pytest.mark.parametrize(
@@ -82,6 +85,7 @@ kubeApiBurst: 40
         ("kubeconfig: k\nresync: {pod: 3}\n", "lower.yaml: resync.pod: unknown field"),
         ("kubeconfig: k\nkubeApiQps: -1\n", "lower.yaml: kubeApiQps: expected a positive"),
         ("kubeconfig: k\nkubeApiBurst: 1.5\n", "lower.yaml: kubeApiBurst: expected a positive"),
+        ("kubeconfig: k\nsharedServiceGrace: -1\n", "lower.yaml: sharedServiceGrace: expected"),
         ("kubeconfig: k\nexcludeLabels: zone\n", "lower.yaml: excludeLabels: expected a list"),
         ("kubeconfig: k\npvcStorageClass: 3\n", "lower.yaml: pvcStorageClass: expected"),
         ("- kubeconfig: k\n", "expected a mapping with at least `kubeconfig: PATH`"),
