@@ -5,6 +5,7 @@ plane: a Deployment becomes Available, a Job Complete, restarts show in the stat
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import Kubectl, node_ready, start_agent, wait_for
+from vkubelet.testing import Kubectl, ephemeral_state, node_ready, start_agent, wait_for
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 PY = sys.executable  # the example runs commands as they are, without a PATH
@@ -41,7 +42,9 @@ def node(
     config.write_text("{}")
     provider = "local" if request.param == "local" else str(EXAMPLES / "tiny_provider.py")
     with pytest.MonkeyPatch.context() as env:  # the agent inherits it
-        env.setenv("PYTHONPATH", f"{tmp_path / 'site'}:{EXAMPLES}")
+        # After the caller's own (a worktree's src before the installed one).
+        inherited = os.environ.get("PYTHONPATH", "")
+        env.setenv("PYTHONPATH", f"{inherited}:{tmp_path / 'site'}:{EXAMPLES}".lstrip(":"))
         agent = start_agent(
             kube_cluster, tmp_path, provider=provider, config=config, name=name, address="127.0.0.1"
         )
@@ -182,5 +185,34 @@ def test_logs_follow_a_running_container_and_since_filters(node: str, kubectl: K
         recent = kubectl("logs", name, "--since=2s").stdout.splitlines()
         assert recent and len(recent) <= 6 and "tick 0" not in recent
         assert kubectl("logs", name, "--tail=2").stdout.count("\n") == 2
+    finally:
+        kubectl("delete", "pod", name, "--wait=false")
+
+
+def test_debug_on_a_provider_without_ephemeral_containers_says_so(
+    node: str, kubectl: Kubectl
+) -> None:
+    """Neither example runs ephemeral containers: `kubectl debug` is told why instead of
+    waiting forever for a container that never comes."""
+    name = f"sleeper-{uuid.uuid4().hex[:6]}"
+    kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": pod_spec(node, "import time; time.sleep(600)"),
+        }
+    )
+    try:
+        kubectl("wait", f"pod/{name}", "--for=condition=Ready", "--timeout=60s")
+        kubectl("debug", name, "--image=busybox", "-c", "dbg", "--", "sh")
+        waiting = wait_for(
+            lambda: ephemeral_state(kubectl, "default", name, "dbg").get("waiting"),
+            timeout=30,
+            what="the ephemeral container's waiting reason",
+        )
+        assert waiting["reason"] == "EphemeralContainersNotSupported"
+        assert node in waiting["message"]
+        assert kubectl.json("get", "pod", name)["status"]["phase"] == "Running"  # untouched
     finally:
         kubectl("delete", "pod", name, "--wait=false")

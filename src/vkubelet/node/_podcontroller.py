@@ -54,6 +54,7 @@ from ..kube import (
 )
 from ..sdk.provider import (
     AdoptsPods,
+    EphemeralContainers,
     PodLifecycleHandler,
     PodNotifier,
     ProviderError,
@@ -118,6 +119,7 @@ class PodController:
         self.node_name = node_name
         self._provider = provider
         self._adopts = provider if isinstance(provider, AdoptsPods) else None  # checked once
+        self._ephemeral = provider if isinstance(provider, EphemeralContainers) else None
         self._recorder = recorder
         self._status_poll_interval = status_poll_interval
         self.reflector: Reflector[PodRecord] = Reflector(
@@ -377,24 +379,70 @@ class PodController:
                 await self._create(key, record, resolved, applied, state)
                 return
             state.adopted(record.uid)  # never re-create
-        if state.applied != applied:
-            if state.applied is None:
-                # Adopted after a restart: update only if the provider's copy says it was given
-                # something else; a provider that keeps no annotations is not disturbed.
-                given = await self._given(key, record, existing)
-                if given in (None, applied.hex()):
-                    if self._adopts is not None:
-                        adopt = self._adopts.adopt_pod(resolved.pod)
-                        if not await self._told(record, adopt, "ProviderAdoptFailed"):
-                            return
-                    state.applied_now(applied)
-                    return
-            update = self._provider.update_pod(resolved.pod)
-            if not await self._told(record, update, "ProviderUpdateFailed"):
-                return
-            state.applied_now(applied)
-            self.updates += 1
-            self._event(record, NORMAL, "Updated", "provider updated the pod")
+        stale = state.applied != applied
+        if stale and not await self._apply(key, record, resolved.pod, applied, state, existing):
+            return
+        await self._sync_ephemeral(record, resolved.pod, state)
+
+    async def _apply(
+        self,
+        key: str,
+        record: PodRecord,
+        resolved: ResolvedPod,
+        applied: bytes,
+        state: PodState,
+        existing: Pod | None,
+    ) -> bool:
+        """Give the running pod's new spec to the provider (or, for a pod adopted after a
+        restart, only tell it of the pod); False if it refused for good."""
+        if state.applied is None:
+            # Adopted after a restart: update only if the provider's copy says it was given
+            # something else; a provider that keeps no annotations is not disturbed.
+            given = await self._given(key, record, existing)
+            if given in (None, applied.hex()):
+                if self._adopts is not None:
+                    adopt = self._adopts.adopt_pod(resolved)
+                    if not await self._told(record, adopt, "ProviderAdoptFailed"):
+                        return False
+                state.applied_now(applied)
+                return True
+        update = self._provider.update_pod(resolved)
+        if not await self._told(record, update, "ProviderUpdateFailed"):
+            return False
+        state.applied_now(applied)
+        self.updates += 1
+        self._event(record, NORMAL, "Updated", "provider updated the pod")
+        return True
+
+    async def _sync_ephemeral(
+        self, record: PodRecord, resolved: ResolvedPod, state: PodState
+    ) -> None:
+        """Hand each ephemeral container added to the running pod (`kubectl debug`) to the
+        provider, once. One it cannot run is reported waiting with the reason, not left
+        silent: `kubectl debug` would wait for it forever."""
+        spec = resolved.pod.spec
+        added = [c.name for c in (spec.ephemeralContainers if spec else None) or ()]
+        added = [name for name in added if name not in state.ephemeral]
+        if not added:
+            return
+        for name in added:
+            if self._ephemeral is None:
+                message = f"the provider of node {self.node_name} cannot run ephemeral containers"
+                waiting = {"reason": "EphemeralContainersNotSupported", "message": message}
+                self._event(record, WARNING, "EphemeralContainersNotSupported", message)
+            else:
+                try:
+                    await self._ephemeral.start_ephemeral_container(resolved, name)
+                except ProviderError as e:
+                    self._event(record, WARNING, "FailedToStartEphemeralContainer", e.message)
+                    if not e.permanent:
+                        raise
+                    waiting = {"reason": e.reason, "message": e.message}
+                else:
+                    waiting = None
+            state.ephemeral_handed(name, waiting)
+        if any(state.ephemeral.values()):
+            await self._write_ephemeral_waiting(record, state)
 
     async def _told(self, record: PodRecord, call: Awaitable[None], failed: str) -> bool:
         """Whether the provider took `call`; its ProviderError is a Warning event `failed`,
@@ -523,6 +571,11 @@ class PodController:
             await self._remove_from_api(record)
             return
         reported = state.report_for(record.uid)
+        refused = any(state.ephemeral.values())
+        if reported is not None and refused and "ephemeralContainerStatuses" in reported:
+            # A report replaces the whole list: keep the agent's word on those refused.
+            listed = reported["ephemeralContainerStatuses"]
+            reported["ephemeralContainerStatuses"] = _ephemeral_amended(record, state, listed)
         if reported is not None:
             wanted = visible_status(reported)
             if (
@@ -608,12 +661,43 @@ class PodController:
         if answer is not None:
             state.waiting_written(record.uid, reason, message)
 
+    async def _write_ephemeral_waiting(self, record: PodRecord, state: PodState) -> None:
+        """Report the ephemeral containers the provider cannot run as waiting, with why. The
+        list is replaced as a whole by a patch: the others keep what the API shows of them."""
+        current = _decode_status(record.raw).status or {}
+        statuses = _ephemeral_amended(record, state, current.get("ephemeralContainerStatuses"))
+        try:
+            await self._patch_status(record, {"ephemeralContainerStatuses": statuses})
+        except (ApiError, Unreachable) as e:
+            log.info("pod %s: ephemeral container status not written: %s", record.key, e)
+            raise
+
     async def _write_failed(self, record: PodRecord, reason: str, message: str) -> None:
         await self._patch_status(record, {"phase": "Failed", "reason": reason, "message": message})
 
     def _event(self, record: PodRecord, type: str, reason: str, message: str) -> None:
         ref = ObjectRef("Pod", record.namespace, record.name, record.uid)
         self._recorder.emit(ref, type, reason, message)
+
+
+def _ephemeral_amended(
+    record: PodRecord, state: PodState, statuses: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """`statuses` (a provider's report, or the API's) with the waiting state the agent reports
+    for each ephemeral container the provider cannot run."""
+    images = {c.name: c.image or "" for c in (record.pod().spec.ephemeralContainers or ())}  # type: ignore[union-attr]
+    by_name = {s.get("name"): s for s in statuses or []}
+    for name, waiting in state.ephemeral.items():
+        if waiting is not None and name in images:
+            by_name[name] = {
+                "name": name,
+                "image": images[name],
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "state": {"waiting": waiting},
+            }
+    return list(by_name.values())
 
 
 def _clearing_stale_reasons(status: dict[str, Any]) -> dict[str, Any]:
@@ -690,7 +774,11 @@ def _digest(pod: ResolvedPod) -> bytes:
     labels = meta.labels if meta else None
     annotations = dict((meta.annotations if meta else None) or {})
     annotations.pop(APPLIED_ANNOTATION, None)
-    parts: tuple[Any, ...] = (pod.pod.spec, labels, annotations, pod.volumes)
+    spec = pod.pod.spec
+    if spec is not None and spec.ephemeralContainers:
+        # Handed over by `start_ephemeral_container`, never as an update.
+        spec = msgspec.structs.replace(spec, ephemeralContainers=None)
+    parts: tuple[Any, ...] = (spec, labels, annotations, pod.volumes)
     if pod.references:  # only then: digests of pods adopted from an older agent stay the same
         parts += ([(ref, content(ref[0], pod.references[ref])) for ref in sorted(pod.references)],)
     return digest(parts)

@@ -74,6 +74,7 @@ def visible_status(status: dict[str, Any] | None) -> bytes:
             for c in items or []
         )
 
+    ephemeral = status.get("ephemeralContainerStatuses")
     return digest(
         (
             status.get("phase"),
@@ -86,6 +87,8 @@ def visible_status(status: dict[str, Any] | None) -> bytes:
             conditions(status.get("conditions")),
             containers(status.get("containerStatuses")),
             containers(status.get("initContainerStatuses")),
+            # Only when there are any: the digests of every other pod stay as they were.
+            *([containers(ephemeral)] if ephemeral else []),
         )
     )
 
@@ -107,6 +110,7 @@ _MERGED_LISTS = (
     ("conditions", "type"),
     ("containerStatuses", "name"),
     ("initContainerStatuses", "name"),
+    ("ephemeralContainerStatuses", "name"),
 )
 
 

@@ -39,6 +39,7 @@ class PodState:
     __slots__ = (
         "applied",
         "deleting",
+        "ephemeral",
         "gone",
         "report",
         "report_uid",
@@ -63,6 +64,9 @@ class PodState:
         self.written: tuple[bytes, bytes] | None = None
         self.waiting: tuple[str, str, str] | None = None  # (UID, reason, message) written
         self.gone: PodRecord | None = None  # the API's last copy of a pod deleted from it
+        # Ephemeral containers of `uid` handed to the provider (or reported unsupported), and
+        # the waiting state the agent reports itself for those the provider cannot run.
+        self.ephemeral: dict[str, dict[str, str] | None] = {}
 
     def __repr__(self) -> str:
         return (
@@ -88,6 +92,7 @@ class PodState:
             self.stopped = False
             self.written = None
             self.applied = None
+            self.ephemeral = {}
         self.uid = uid
         if self.report is not None:
             if self.report_uid in ("", uid):
@@ -111,6 +116,7 @@ class PodState:
         self.report_uid = ""
         self.written = None
         self.gone = None
+        self.ephemeral = {}
 
     # -- stopping ---------------------------------------------------------------------------------
     def deletion_requested(self, uid: str) -> None:
@@ -156,6 +162,11 @@ class PodState:
     def written_status(self, wanted: bytes, stored: bytes) -> None:
         """The API accepted our write of a status digesting `wanted`; it now digests `stored`."""
         self.written = (wanted, stored)
+
+    def ephemeral_handed(self, name: str, waiting: dict[str, str] | None = None) -> None:
+        """Ephemeral container `name` of the running pod was handed to the provider (never
+        again), or could not be: `waiting` is the reason and message the agent reports."""
+        self.ephemeral[name] = waiting
 
     def waiting_written(self, uid: str, reason: str, message: str) -> None:
         self.waiting = (uid, reason, message)

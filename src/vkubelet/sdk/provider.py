@@ -30,6 +30,7 @@ __all__ = [
     "ConditionStatus",
     "ContainerLogOptions",
     "ContainerLogs",
+    "EphemeralContainers",
     "EventSink",
     "EventType",
     "FleetNode",
@@ -271,6 +272,26 @@ class AdoptsPods(Protocol):
     Raise like `create_pod`: a `ProviderError` is an event and a retry (none if permanent)."""
 
     async def adopt_pod(self, pod: ResolvedPod) -> None: ...
+
+
+@runtime_checkable
+class EphemeralContainers(Protocol):
+    """Optional: `kubectl debug` (an ephemeral container added to a running pod).
+
+    The pods/ephemeralcontainers subresource adds to `pod.spec.ephemeralContainers`; the agent
+    hands each new one to the provider once, by name, with the pod as resolved now (its env
+    resolved like the others'). Return once it is accepted; report its state in the pod's
+    status as `ephemeralContainerStatuses` (the `build_pod_status` of `sdk.status` does, from
+    the containers' reports), waiting → running → terminated: `kubectl debug` waits for
+    running, then attaches through `ContainerAttach` with the ephemeral container's name.
+    After an agent restart a container the provider already runs may be handed again: ignore
+    it. Raise `ProviderError` as in `create_pod`: a permanent one is shown as the container's
+    waiting reason. Ephemeral containers are never part of `update_pod` (nor of its digest).
+    Without this capability the agent reports each one waiting with reason
+    `EphemeralContainersNotSupported`.
+    """
+
+    async def start_ephemeral_container(self, pod: ResolvedPod, name: str) -> None: ...
 
 
 @runtime_checkable

@@ -261,6 +261,7 @@ def build_pod_status(
 ) -> PodStatus:
     """The status the kubelet would report for a pod with `spec` whose containers (init and main,
     by name) are as `reports` says; a container without a report has not been created yet.
+    Ephemeral containers of `spec` (reported by name too) get `ephemeralContainerStatuses`.
 
     `previous` is the status built last time (or the API's): its conditions' transition times
     are kept where their status did not change, and a terminal phase is kept. `pod_ips` defaults
@@ -273,7 +274,8 @@ def build_pod_status(
     inits = spec.initContainers or []
     if terminating:
         names = [c.name for c in [*inits, *spec.containers]]
-        reports = {name: _final(reports.get(name) or ContainerReport()) for name in names}
+        ended = {name: _final(reports.get(name) or ContainerReport()) for name in names}
+        reports = {**reports, **ended}  # ephemeral containers' as reported
     phase = phase_of(spec, reports, terminating=terminating)
     if previous is not None and previous.phase in TERMINAL_PHASES:
         phase = previous.phase
@@ -361,4 +363,16 @@ def build_pod_status(
     )
     if init_statuses:
         status.initContainerStatuses = init_statuses
+    if spec.ephemeralContainers:
+        # `kubectl debug` waits for its container to run; ephemeral containers count for
+        # neither the phase nor readiness, and are never ready (as the kubelet reports them).
+        status.ephemeralContainerStatuses = [
+            _never_ready(_container_status(c, reports.get(c.name), "ContainerCreating", init=False))
+            for c in spec.ephemeralContainers
+        ]
+    return status
+
+
+def _never_ready(status: ContainerStatus) -> ContainerStatus:
+    status.ready = False
     return status

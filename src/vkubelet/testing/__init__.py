@@ -396,6 +396,52 @@ def terminal_session(command: str, *, cols: int = 120, rows: int = 40) -> Iterat
         subprocess.run(["tmux", "kill-session", "-t", name], check=False)
 
 
+def ephemeral_state(kubectl: Kubectl, namespace: str, pod: str, container: str) -> dict[str, Any]:
+    """The state of ephemeral container `container` as the pod's status shows it ({} if none)."""
+    status = kubectl.json("-n", namespace, "get", "pod", pod).get("status") or {}
+    for entry in status.get("ephemeralContainerStatuses") or []:
+        if entry.get("name") == container:
+            return dict(entry.get("state") or {})
+    return {}
+
+
+@contextlib.contextmanager
+def interactive_debug(
+    kubectl: Kubectl,
+    namespace: str,
+    pod: str,
+    container: str,
+    *,
+    image: str = "busybox",
+    shell: str = "sh",
+    timeout: float = 60,
+) -> Iterator[TerminalSession]:
+    """`kubectl debug -it POD --image=IMAGE -c CONTAINER -- SHELL` in a real terminal, handed
+    over once its shell answers: a line typed (again every few seconds, until kubectl has
+    attached) comes back as the shell's output, not only as its echo."""
+    command = (
+        f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} -n {namespace} debug -it {pod}"
+        f" --image={image} -c {container} -- {shell}"
+    )
+    with terminal_session(command) as terminal:
+        typed = [0.0]
+
+        def answers() -> bool:
+            lines = [line.strip() for line in terminal.screen().splitlines()]
+            if "ready" in lines:
+                return True
+            if time.monotonic() - typed[0] > 3:
+                terminal.type('echo "rea""dy"')
+                typed[0] = time.monotonic()
+            return False
+
+        try:
+            wait_for(answers, timeout=timeout, interval=0.5, what=f"a shell in {pod}/{container}")
+        except pytest.fail.Exception as e:
+            raise AssertionError(f"{e}; the terminal shows:\n{terminal.screen()}") from None
+        yield terminal
+
+
 # local_test_address() names its netns `vkt` + the creating process's pid (6 hex) + 3 random hex,
 # so that one left by a killed run can be told from one a live run still uses.
 _TEST_NETNS = re.compile(r"vkt([0-9a-f]{6})[0-9a-f]{3}")

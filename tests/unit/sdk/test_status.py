@@ -237,3 +237,20 @@ def test_pod_ips_default_to_the_host_ip_and_the_pod_reason_is_passed_on() -> Non
     assert [ip.ip for ip in status.podIPs or []] == ["10.244.0.5", "fd00::5"]
     assert (status.reason, status.message) == ("X", "why")
     assert build(spec(), {}).podIPs[0].ip == "10.0.0.1"  # type: ignore[index]
+
+
+def test_ephemeral_containers_are_reported_never_ready_and_leave_the_pod_alone() -> None:
+    debugged = spec(ephemeralContainers=[{"name": "dbg", "image": "busybox"}, {"name": "new"}])
+    status = build_pod_status(
+        debugged, {"c0": running(), "dbg": exited(3)}, host_ip="10.0.0.1", now=T0
+    )
+    assert status.phase == "Running"
+    assert {c.type: c.status for c in status.conditions or []}["Ready"] == "True"
+    ephemeral = {s.name: s for s in status.ephemeralContainerStatuses or []}
+    assert ephemeral["dbg"].state.terminated.exitCode == 3  # type: ignore[union-attr]
+    assert ephemeral["new"].state.waiting.reason == "ContainerCreating"  # type: ignore[union-attr]
+    assert not any(s.ready for s in ephemeral.values())
+    stopping = build_pod_status(
+        debugged, {"c0": exited(0), "dbg": exited(3)}, host_ip="10.0.0.1", terminating=True
+    )
+    assert stopping.ephemeralContainerStatuses[0].state.terminated is not None  # type: ignore[index,union-attr]

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
-from lightkube.models.core_v1 import Container, PodSpec, PodStatus
+from lightkube.models.core_v1 import Container, EphemeralContainer, PodSpec, PodStatus
 from lightkube.resources.core_v1 import Node, Pod
 
 from ..._files import write_private
@@ -35,10 +35,18 @@ from ...sdk.status import ContainerReport, Running, Terminated, build_pod_status
 from ._config import MockConfig
 from ._fs import Filesystem, container_filesystem, mount_volumes, write_mounted
 from ._probes import MockProbes
-from ._records import MockContainer, MockPod, containers_of, files_of, parse_time
+from ._records import (
+    MockContainer,
+    MockEphemeral,
+    MockPod,
+    containers_of,
+    files_of,
+    parse_time,
+)
 from ._shell import environment, run_command
 from ._stats import NodeStats
 from ._streams import attach, forward, log_lines
+from ._terminal import Collector
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,8 @@ class _State(msgspec.Struct):
 
 class MockProvider:
     """Implements the pod lifecycle, push notifications, node configuration and every optional
-    capability: logs, exec, attach, port-forward, stats and resource metrics."""
+    capability: logs, exec, attach, port-forward, stats, resource metrics and ephemeral
+    containers (`kubectl debug`)."""
 
     def __init__(
         self,
@@ -101,6 +110,8 @@ class MockProvider:
         # How often `logs -f` and an attach without stdin print a line; tests shorten it.
         self.tick_seconds = 1.0
         self.creates = 0
+        self._debugging: set[tuple[str, str]] = set()  # (uid, ephemeral container) attached
+        self._debug_runs: set[asyncio.Task[None]] = set()  # those without stdin, running
         # The next write of the state file, shared by every change made until it runs.
         self._flush: asyncio.Future[None] | None = None
         self._load_state()
@@ -303,6 +314,60 @@ class MockProvider:
         await self._saved()
         self._report(mock)
 
+    async def start_ephemeral_container(self, resolved: ResolvedPod, name: str) -> None:
+        """Running at once. Its command runs in the mock's shell (as `exec` does, in its own
+        files): without stdin now, its output kept as its log; with stdin (`debug -it`) when a
+        client attaches. It ends with its command, or with the pod (137)."""
+        mock = self._running_pod(resolved.namespace, resolved.name)
+        if mock.uid != resolved.uid or any(e.name == name for e in mock.ephemeral):
+            return  # another pod's, or handed again after an agent restart
+        spec = resolved.pod.spec
+        found = [c for c in (spec.ephemeralContainers if spec else None) or () if c.name == name]
+        if not found:
+            raise ProviderError(
+                "NotFound", f"pod {resolved.name} has no ephemeral container {name}"
+            )
+        debug = MockEphemeral.of(found[0], now_rfc3339())
+        mock.ephemeral.append(debug)
+        await self._saved()
+        self._report(mock)
+        if not debug.stdin:
+            output = Collector()
+            io = AttachIO(stdin=None, stdout=output, stderr=output)
+            task = asyncio.create_task(self._run_ephemeral(mock, debug, io, output))
+            self._debug_runs.add(task)
+            task.add_done_callback(self._debug_runs.discard)
+
+    async def _run_ephemeral(
+        self, mock: MockPod, debug: MockEphemeral, io: AttachIO, output: Collector | None = None
+    ) -> None:
+        stopped = self._stop_event(mock.uid)
+        fs = await self._filesystem(mock, debug.as_container())
+        env = environment(mock, debug.as_container())
+        code = await run_command(fs, env, mock.name, debug.command, io, stopped)
+        if output is not None:
+            debug.output = output.data[-65536:].decode(errors="replace")
+        debug.finished, debug.exit_code = now_rfc3339(), code
+        if self._pods.get(f"{mock.namespace}/{mock.name}") is mock:
+            await self._saved()
+            self._report(mock)
+
+    async def _attach_ephemeral(self, mock: MockPod, debug: MockEphemeral, io: AttachIO) -> None:
+        """`kubectl debug -it`: the client's stdio is its command's, which runs now."""
+        key = (mock.uid, debug.name)
+        pod = f"{mock.namespace}/{mock.name}"
+        if debug.finished is not None or not debug.stdin:
+            if io.stdout is not None:  # it ran on its own: what it printed
+                await io.stdout.write(debug.output.encode())
+            return
+        if key in self._debugging:
+            raise ProviderError("NotFound", f"container {debug.name} of {pod} is attached already")
+        self._debugging.add(key)
+        try:
+            await self._run_ephemeral(mock, debug, io)
+        finally:
+            self._debugging.discard(key)
+
     async def get_pod(self, namespace: str, name: str) -> Pod | None:
         mock = self._pods.get(f"{namespace}/{name}")
         return None if mock is None else self._to_pod(mock)
@@ -390,7 +455,14 @@ class MockProvider:
                     "uid": mock.uid,
                     "annotations": {APPLIED_ANNOTATION: mock.applied} if mock.applied else None,
                 },
-                "spec": {"nodeName": mock.node, "containers": containers},
+                "spec": {
+                    "nodeName": mock.node,
+                    "containers": containers,
+                    "ephemeralContainers": [
+                        {"name": e.name, "image": e.image} for e in mock.ephemeral
+                    ]
+                    or None,
+                },
             },
             Pod,
         )
@@ -509,6 +581,10 @@ class MockProvider:
         its env too); `logs -f` then prints `mock: tick N` every `tick_seconds` until the pod
         stops."""
         mock = self._pod(namespace, pod)
+        for debug in mock.ephemeral:
+            if debug.name == container:
+                yield debug.output.encode()
+                return
         found = mock.container(container)
         if options.previous:  # mock containers never restart
             raise previous_not_found(container, pod)
@@ -548,6 +624,11 @@ class MockProvider:
     ) -> None:
         """The container's main process echoes each line of stdin upper-cased, until stdin
         ends (or ^C with a TTY); without stdin it prints a line every `tick_seconds`."""
+        mock = self._running_pod(namespace, pod)
+        for debug in mock.ephemeral:
+            if debug.name == container:
+                await self._attach_ephemeral(mock, debug, io)
+                return
         mock, _ = self._running_container(namespace, pod, container)
         await attach(container, io, self._stop_event(mock.uid), self.tick_seconds)
 
@@ -581,7 +662,10 @@ def _status(
     spec = PodSpec(
         containers=[Container(name=c.name, image=c.image) for c in mock.containers if not c.init],
         initContainers=[Container(name=c.name, image=c.image) for c in mock.containers if c.init],
+        ephemeralContainers=[EphemeralContainer(name=e.name, image=e.image) for e in mock.ephemeral]
+        or None,
     )
+    debugging = {e.name: _ephemeral_report(mock, e) for e in mock.ephemeral}
     created = parse_time(mock.created)
 
     def report(
@@ -612,7 +696,7 @@ def _status(
     ) -> PodStatus:
         return build_pod_status(
             spec,
-            reports,
+            {**reports, **debugging},
             host_ip=host_ip,
             pod_ips=[mock.ip],
             start_time=created,
@@ -670,6 +754,20 @@ def _status(
                 )
         status = build(reports, stopped, status, stopped=True)
     return status
+
+
+def _ephemeral_report(mock: MockPod, debug: MockEphemeral) -> ContainerReport:
+    started = parse_time(debug.started)
+    state: Running | Terminated = Running(started)
+    if debug.finished is not None:
+        state = Terminated(debug.exit_code or 0, started, parse_time(debug.finished))
+    elif mock.stopped is not None:  # ended with its pod
+        state = Terminated(137, started, parse_time(mock.stopped))
+    return ContainerReport(
+        state=state,
+        container_id=f"mock://{mock.uid}/{debug.name}",
+        image_id=f"mock://{debug.image}",
+    )
 
 
 def create(context: ProviderContext) -> MockProvider:

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
-from lightkube.models.core_v1 import Container
+from lightkube.models.core_v1 import Container, EphemeralContainer
 from lightkube.resources.core_v1 import Pod
 
 from ...sdk import ProviderError, ResolvedPod
@@ -54,6 +54,37 @@ _PROBE_FIELDS = ("livenessProbe", "readinessProbe", "startupProbe", "ports")
 
 
 @dataclass(slots=True)
+class MockEphemeral:
+    """An ephemeral container (`kubectl debug`): its command runs in the mock's shell, at once
+    without stdin (its output is its log), else when a client attaches (`debug -it`)."""
+
+    name: str
+    image: str
+    command: list[str]
+    env: list[tuple[str, str]]
+    stdin: bool
+    started: str
+    finished: str | None = None
+    exit_code: int | None = None
+    output: str = ""  # what it printed with no client attached (its log)
+
+    @classmethod
+    def of(cls, c: EphemeralContainer, started: str) -> MockEphemeral:
+        return cls(
+            c.name,
+            c.image or "",
+            [*(c.command or ["sh"]), *(c.args or [])],
+            [(e.name, e.value or "") for e in c.env or []],
+            bool(c.stdin),
+            started,
+        )
+
+    def as_container(self) -> MockContainer:
+        """The container whose files and env its command sees (its own, not its target's)."""
+        return MockContainer(self.name, self.image, self.env)
+
+
+@dataclass(slots=True)
 class MockPod:
     """The little a fake backend must remember about a pod."""
 
@@ -73,6 +104,7 @@ class MockPod:
     # The agent's digest of what it gave the pod (its `vkubelet.io/applied` annotation), handed
     # back by get_pod: after a restart the agent updates an adopted pod only when it differs.
     applied: str | None = None
+    ephemeral: list[MockEphemeral] = field(default_factory=list)  # added by `kubectl debug`
 
     @property
     def running(self) -> bool:
