@@ -23,6 +23,8 @@ from vkubelet.devcluster import Cluster
 from vkubelet.testing import (
     AgentProcess,
     Kubectl,
+    ephemeral_state,
+    interactive_debug,
     local_test_address,
     node_ready,
     port_forward,
@@ -300,6 +302,48 @@ def test_exec_with_a_terminal_on_a_device(lab: Lab, kubectl: Kubectl) -> None:
 
             wait_for(resized, timeout=30, interval=1, what="the size after resize")
             terminal.type("exit")
+    finally:
+        delete(kubectl, name)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by .ci/run")
+def test_kubectl_debug_runs_a_shell_on_the_device_and_reports_its_status(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    """`kubectl debug -it` reaches a shell on the device (the pod's directory, the device's
+    user); the status goes running → terminated with the exit code; without stdin the
+    command runs at once and its output is its log; an image the device cannot run is said."""
+    node = lab.devices[2].name
+    name = run_pod(kubectl, node, ["sleep", "3600"])
+    try:
+        with interactive_debug(kubectl, "default", name, "dbg", image="host") as terminal:
+            assert "running" in ephemeral_state(kubectl, "default", name, "dbg")
+            terminal.type('echo "$(id -un)" in "$(basename "$VKUBELET_POD_DIR")" | tr a-z A-Z')
+            user, uid = lab.devices[2].user.upper(), kubectl.json("get", "pod", name)
+            expected = f"{user} IN {uid['metadata']['uid'].upper()}"
+            wait_for(lambda: expected in terminal.screen(), timeout=30, what="the device's answer")
+            terminal.type("exit 5")
+            ended = wait_for(
+                lambda: ephemeral_state(kubectl, "default", name, "dbg").get("terminated"),
+                timeout=30,
+                what="the debug container terminated",
+            )
+        assert ended["exitCode"] == 5
+        kubectl("debug", name, "--image=host", "-c", "once", "--", "sh", "-c", "echo 'a;b' $0")
+        wait_for(
+            lambda: ephemeral_state(kubectl, "default", name, "once").get("terminated"),
+            timeout=30,
+            what="the command without stdin terminated",
+        )
+        assert kubectl("logs", name, "-c", "once").stdout == "a;b sh\n"
+        kubectl("debug", name, "--image=busybox", "-c", "img", "--", "sh")
+        waiting = wait_for(
+            lambda: ephemeral_state(kubectl, "default", name, "img").get("waiting"),
+            timeout=30,
+            what="the refused image's reason",
+        )
+        assert waiting["reason"] == "ImageNotSupported" and "hostImages" in waiting["message"]
+        assert status(kubectl, name)["phase"] == "Running"
     finally:
         delete(kubectl, name)
 

@@ -69,6 +69,11 @@ class _PodEntry:
         self.removing = False  # a task removes it once its processes are gone
         self.prober: PodProbes | None = None
         self.status: PodStatus | None = None  # the last one reported
+        # Ephemeral containers (`kubectl debug`): their state, and what those without stdin
+        # printed (their log). Kept by the agent: their process is its SSH session.
+        self.debug: dict[str, ContainerReport] = {}
+        self.debug_output: dict[str, bytearray] = {}
+        self.debug_attached: set[str] = set()
 
 
 class DeviceProvider:
@@ -87,6 +92,7 @@ class DeviceProvider:
         self.events = events
         self.probe_second = probe_second  # how long a second of probe settings lasts (tests)
         self._removals = TaskSet(f"removals {config.name}", logger=log)
+        self._debug_runs = TaskSet(f"debug containers {config.name}", logger=log)
         self.root = config.pod_dir
         self._pods: dict[str, _PodEntry] = {}  # "namespace/name"
         self._notify: Callable[[Pod], None] | None = None
@@ -118,6 +124,7 @@ class DeviceProvider:
             if entry.prober is not None:
                 await entry.prober.aclose()
         await self._removals.aclose()
+        await self._debug_runs.aclose()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -570,6 +577,120 @@ class DeviceProvider:
             if self._notify is not None:
                 self._notify(self._pod_object(entry))
 
+    # -- ephemeral containers (kubectl debug) ---------------------------------------------------
+    async def start_ephemeral_container(self, pod: ResolvedPod, name: str) -> None:
+        """A process on the device, as `exec` runs one: in the pod's directory, with the
+        ephemeral container's env (from a file, never a command line), in a PTY with `tty`.
+        Without stdin it runs now (its output is its log); with stdin (`debug -it`) when a
+        client attaches, and it ends with that session. Command mode only: the image must be
+        named in `hostImages`, like any container's here."""
+        entry = self._pods.get(f"{pod.namespace}/{pod.name}")
+        if entry is None or entry.uid != pod.uid:
+            raise ProviderError("NotFound", f"pod {pod.namespace}/{pod.name} does not run here")
+        if name in entry.debug:
+            return  # handed again after an agent restart
+        spec = pod.pod.spec
+        found = [c for c in (spec.ephemeralContainers if spec else None) or () if c.name == name]
+        if not found:
+            raise ProviderError("NotFound", f"pod {pod.name} has no ephemeral container {name}")
+        plan = self._ephemeral_plan(found[0])
+        script = _remote.ephemeral_script(self.root, entry.uid, plan)
+        answer = await self.link.run(script)
+        answer.check(f"starting ephemeral container {name}")
+        entry.pod = pod.pod  # its spec names the ephemeral containers (the kubelet API checks)
+        now = datetime.now(UTC)
+        if answer.stdout.strip() == b"old":
+            message = "its process ended with the agent that ran it (the agent restarted)"
+            ended = Terminated(137, now, now, reason="ContainerStatusUnknown", message=message)
+            entry.debug[name] = ContainerReport(state=ended)
+        else:
+            entry.debug[name] = ContainerReport(
+                state=Running(now), container_id=f"ssh://{entry.uid}/{name}"
+            )
+        self._publish(entry)
+        if not plan.stdin and isinstance(entry.debug[name].state, Running):
+            output = entry.debug_output.setdefault(name, bytearray())
+            io = AttachIO(stdin=None, stdout=_Output(output), stderr=_Output(output))
+            self._debug_runs.spawn(self._run_ephemeral(entry, plan, io), name=f"debug {name}")
+
+    def _ephemeral_plan(self, container: Any) -> _remote.ContainerPlan:
+        """The ephemeral container as a process of command mode. (A device with a container
+        runtime would run it as a container sharing its target's namespaces: that goes here.)"""
+        image = container.image or ""
+        if not self.config.runs_image(image):
+            raise ProviderError(
+                "ImageNotSupported",
+                f"ephemeral container {container.name}: image {image!r} cannot run on device "
+                f"{self.config.name}: its pods run on the host; use an image named in "
+                f"hostImages ({', '.join(self.config.host_images)})",
+            )
+        argv = [*(container.command or []), *(container.args or [])]
+        if not argv:
+            raise ProviderError(
+                "NoCommand",
+                f"ephemeral container {container.name}: a device runs commands, not images: "
+                "give one (kubectl debug ... -- sh)",
+            )
+        try:
+            return _remote.ContainerPlan(
+                name=container.name,
+                argv=argv,
+                env={e.name: e.value or "" for e in container.env or []},
+                working_dir=container.workingDir,
+                stdin=bool(container.stdin),
+            )
+        except ValueError as e:
+            raise ProviderError("InvalidPod", str(e)) from None
+
+    async def _run_ephemeral(
+        self, entry: _PodEntry, plan: _remote.ContainerPlan, io: AttachIO
+    ) -> None:
+        """Run its process with `io` as its stdio; it has terminated when this returns."""
+        report = entry.debug[plan.name]
+        started = report.state.started_at if isinstance(report.state, Running) else None
+        line = _remote.exec_command(self.root, entry.uid, plan.name, plan.argv)
+        try:
+            code = await self._run_process(line, io)
+        except Exception as e:
+            ended = Terminated(137, started, datetime.now(UTC), message=str(e))
+        else:
+            ended = Terminated(code, started, datetime.now(UTC))
+        entry.debug[plan.name] = ContainerReport(state=ended, container_id=report.container_id)
+        self._publish(entry)
+
+    async def _run_process(self, line: str, io: AttachIO) -> int:
+        """`line` in an SSH session relayed to `io` (a PTY with its TTY); its exit code."""
+        term = await initial_size(io) if io.tty else None  # the client sends it first
+        async with self.link.process(line, term_size=term, stdin=io.stdin is not None) as proc:
+            await relay(
+                io,
+                stdin=proc.stdin if io.stdin is not None else None,
+                stdout=proc.stdout,
+                stderr=None if io.tty else proc.stderr,
+                resize=proc.change_terminal_size,
+            )
+            await proc.wait()
+            return _exit_code(proc)
+
+    async def _attach_ephemeral(self, entry: _PodEntry, name: str, io: AttachIO) -> None:
+        """`debug -it`: the client's stdio is its process's, which starts now. One without
+        stdin (or ended) shows what it printed."""
+        spec = entry.pod.spec
+        found = [c for c in (spec.ephemeralContainers if spec else None) or () if c.name == name]
+        running = isinstance(entry.debug[name].state, Running)
+        if not (found and found[0].stdin and running):
+            out = io.stdout or io.stderr
+            if out is not None:
+                await out.write(bytes(entry.debug_output.get(name, b"")))
+            return
+        if name in entry.debug_attached:
+            raise ProviderError("NotFound", f"ephemeral container {name} is attached already")
+        entry.debug_attached.add(name)
+        try:
+            await self._run_ephemeral(entry, self._ephemeral_plan(found[0]), io)
+        finally:
+            entry.debug_attached.discard(name)
+
     # -- kubectl verbs -------------------------------------------------------------------------
     def _entry(self, namespace: str, pod: str, container: str | None = None) -> _PodEntry:
         entry = self._pods.get(f"{namespace}/{pod}")
@@ -592,6 +713,10 @@ class DeviceProvider:
     async def container_logs(
         self, namespace: str, pod: str, container: str, options: ContainerLogOptions
     ) -> AsyncIterator[bytes]:
+        debugged = self._pods.get(f"{namespace}/{pod}")
+        if debugged is not None and container in debugged.debug:
+            yield bytes(debugged.debug_output.get(container, b""))  # ephemeral: kept in memory
+            return
         entry = self._entry(namespace, pod, container)
         state = self._container(entry, container)
         run = state.restart_count if state is not None else 0
@@ -678,17 +803,7 @@ class DeviceProvider:
         if not command:
             raise ProviderError("BadRequest", "no command given")
         line = _remote.exec_command(self.root, entry.uid, container, command)
-        term = await initial_size(io) if io.tty else None  # the client sends it first
-        async with self.link.process(line, term_size=term, stdin=io.stdin is not None) as proc:
-            await relay(
-                io,
-                stdin=proc.stdin if io.stdin is not None else None,
-                stdout=proc.stdout,
-                stderr=None if io.tty else proc.stderr,
-                resize=proc.change_terminal_size,
-            )
-            await proc.wait()
-            return _exit_code(proc)
+        return await self._run_process(line, io)
 
     async def attach_to_container(
         self, namespace: str, pod: str, container: str, io: AttachIO
@@ -696,6 +811,10 @@ class DeviceProvider:
         """The main process's output as it comes; with `stdin: true` in the container's spec,
         the client's stdin goes to the process (a FIFO on the device). There is no terminal:
         a device process was started detached, without one."""
+        debugged = self._pods.get(f"{namespace}/{pod}")
+        if debugged is not None and container in debugged.debug:
+            await self._attach_ephemeral(debugged, container, io)
+            return
         entry = self._entry(namespace, pod, container)
         spec = entry.pod.spec
         wants_stdin = io.stdin is not None and any(
@@ -924,12 +1043,23 @@ def pod_status(entry: _PodEntry, address: str) -> PodStatus:
         )
     return build_pod_status(
         spec,
-        reports,
+        {**reports, **entry.debug},
         host_ip=address,
         start_time=entry.created,
         previous=entry.status,
         terminating=entry.deleting,
     )
+
+
+class _Output:
+    """An ephemeral container's output with no client attached: its log, the last 64 KiB."""
+
+    def __init__(self, kept: bytearray) -> None:
+        self._kept = kept
+
+    async def write(self, data: bytes) -> None:
+        self._kept += data
+        del self._kept[:-65536]
 
 
 def _terminated(state: _remote.ContainerStatus) -> Terminated:

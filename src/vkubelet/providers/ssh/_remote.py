@@ -850,6 +850,21 @@ def exec_command(root: str, uid: str, container: str, argv: list[str]) -> str:
     return f"exec sh -c {shlex.quote(script)} vkubelet-exec {args}"
 
 
+def ephemeral_script(root: str, uid: str, container: ContainerPlan) -> str:
+    """Write the env file of ephemeral container `container` (`kubectl debug`), whose process
+    is an SSH session of the agent (`exec_command`); print `new`, or `old` when it was written
+    before: handed again after an agent restart, its process ended with the agent's session."""
+    name = container.name
+    return (
+        "umask 077\n"
+        f"P={pod_word(root, uid)}\n"
+        f'[ -d "$P/env" ] || {{ echo "pod {uid} is not on this device" >&2; exit 1; }}\n'
+        f'if [ -e "$P/env/{name}" ]; then echo old; exit 0; fi\n'
+        + _heredoc(f'cat >"$P/env/{name}.tmp"', _profile(container))
+        + f'mv -f "$P/env/{name}.tmp" "$P/env/{name}" && echo new\n'
+    )
+
+
 def logs_script(root: str, uid: str, container: str, *, previous: bool, follow: bool) -> str:
     """Print the log of the container's current run (or the one before), in the CRI format.
 
