@@ -41,6 +41,8 @@ from vkubelet.testing import (
     AgentProcess,
     Kubectl,
     create_namespace,
+    ephemeral_state,
+    interactive_debug,
     node_ready,
     port_forward,
     start_agent,
@@ -304,6 +306,21 @@ def test_a_deployment_of_six_replicas_runs_spread_over_the_lower_nodes_and_kubec
         ):
             conn.sendall(b"ping through two clusters\n")
             assert conn.makefile("rb").readline() == b"ping through two clusters\n"
+        # `kubectl debug -it`: the ephemeral container goes to the lower pod's subresource, the
+        # lower kubelet (a mock node: its shell) runs it, its status comes up, attach goes down.
+        with interactive_debug(kubectl, namespace, first, "dbg") as terminal:
+            assert "running" in ephemeral_state(kubectl, namespace, first, "dbg")
+            terminal.type('echo "$HOSTNAME"-below')
+            wait_for(lambda: f"{first}-below" in terminal.screen(), timeout=30, what="output")
+            terminal.type("exit 4")
+            ended = wait_for(
+                lambda: ephemeral_state(kubectl, namespace, first, "dbg").get("terminated"),
+                timeout=30,
+                what="the debug container terminated upstairs",
+            )
+        assert ended["exitCode"] == 4
+        lower_debug = lk.json("-n", namespace, "get", "pod", first)["spec"]["ephemeralContainers"]
+        assert [c["name"] for c in lower_debug] == ["dbg"]
         # `kubectl top pod`: the upper metrics-server scrapes the virtual node, which reads the
         # lower kubelets' figures through the lower apiserver.
         figures = wait_for(

@@ -54,7 +54,7 @@ from ._servicesync import ServiceReflection, SharedServices
 from ._stamps import Claim, Owner, claim, describe_owner, is_ours, upper_identity
 from ._status import gone_status, status_up, vanished_reason
 from ._tokenkeeper import UpperTokens
-from ._translate import PodTranslation, translate_pod
+from ._translate import PodTranslation, ephemeral_containers, translate_pod
 from ._verbs import LowerVerbs
 
 __all__ = ["RUN_DAEMON_SET_ANNOTATION", "ClusterProvider"]
@@ -533,6 +533,31 @@ class ClusterProvider:
                 self.lower.client.patch(f"{path}/resize", body, STRATEGIC_MERGE_PATCH),
                 what="resize the lower pod",
             )
+
+    async def start_ephemeral_container(self, pod: ResolvedPod, name: str) -> None:
+        """`kubectl debug` upstairs: the container is added to the lower pod through its
+        `ephemeralcontainers` subresource; the lower kubelet runs it, its status is reflected
+        up with the pod's, and attach reaches it through the lower apiserver."""
+        await self._ensure_owner()
+        key = f"{pod.namespace}/{pod.name}"
+        current = self._lower_pods.get(key)
+        if current is None or not is_ours(current, self.owner):
+            raise ProviderError(
+                "NotFound", f"pod {key} does not run in the lower cluster", permanent=False
+            )
+        self._pods[key] = pod  # its spec names the container (the kubelet API checks)
+        lower_spec = current.get("spec") or {}
+        if any(c.get("name") == name for c in lower_spec.get("ephemeralContainers") or []):
+            return  # handed again after an agent restart
+        added = [c for c in ephemeral_containers(to_json(pod.pod), self.how) if c["name"] == name]
+        metadata = current.get("metadata") or {}
+        path = PODS.path(str(metadata.get("namespace")), str(metadata.get("name")))
+        # A strategic merge patch merges ephemeral containers by name: only this one is added.
+        patch = {"metadata": {"uid": metadata.get("uid")}, "spec": {"ephemeralContainers": added}}
+        await self.lower.call(
+            self.lower.client.patch(f"{path}/ephemeralcontainers", patch, STRATEGIC_MERGE_PATCH),
+            what=f"add ephemeral container {name} to the lower pod",
+        )
 
     async def delete_pod(self, pod: Pod, grace_period_seconds: int) -> None:
         await self._ensure_owner()

@@ -31,6 +31,7 @@ _COPIED = (
     "startTime",
     "initContainerStatuses",
     "containerStatuses",
+    "ephemeralContainerStatuses",
     "qosClass",
     "reason",
     "message",
@@ -142,7 +143,7 @@ def gone_status(upper: Mapping[str, Any], *, reason: str, message: str, now: str
     status["phase"] = "Failed"
     status["reason"] = reason
     status["message"] = message
-    for key in ("initContainerStatuses", "containerStatuses"):
+    for key in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
         for container in status.get(key) or []:
             state = container.get("state") or {}
             if "terminated" in state:

@@ -18,7 +18,8 @@ What changes on the way down, and why:
   no upper credential goes down (with `serviceAccountTokens: upper` it is kept, its token
   source reading a per-pod Secret of short-lived upper tokens instead, see `_tokens`);
 - `readinessGates` are kept upstairs only: nobody below would ever set their conditions;
-- `ephemeralContainers` cannot be set on create.
+- `ephemeralContainers` cannot be set on create: `ephemeral_containers` translates them for
+  the lower pod's `ephemeralcontainers` subresource (`kubectl debug` upstairs).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ._refs import Reference, pod_references, rename_references
 from ._stamps import Owner, dependency_name, stamp
 from ._tokens import token_secret_name, token_sources, use_token_secret
 
-__all__ = ["PodTranslation", "needed_references", "translate_pod"]
+__all__ = ["PodTranslation", "ephemeral_containers", "needed_references", "translate_pod"]
 
 JSON = dict[str, Any]
 
@@ -105,6 +106,18 @@ def translate_pod(upper: Mapping[str, Any], how: PodTranslation) -> JSON:
     }
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": lower_metadata, "spec": spec}
     return stamp(pod, how.owner, namespace=namespace, name=name, uid=str(metadata.get("uid", "")))
+
+
+def ephemeral_containers(upper: Mapping[str, Any], how: PodTranslation) -> list[JSON]:
+    """The upper pod's ephemeral containers as the lower pod gets them: their references
+    renamed to the lower copies, like the other containers'."""
+    spec = {
+        "ephemeralContainers": copy.deepcopy(
+            (upper.get("spec") or {}).get("ephemeralContainers") or []
+        )
+    }
+    rename_references(spec, how.lower_name)
+    return list(spec["ephemeralContainers"])
 
 
 def needed_references(upper: Mapping[str, Any], how: PodTranslation) -> set[Reference]:

@@ -18,6 +18,7 @@ from vkubelet.providers.cluster import (
     translate_pod,
 )
 from vkubelet.providers.cluster._stamps import LABEL_OWNER, LABEL_UID
+from vkubelet.providers.cluster._translate import ephemeral_containers
 
 from .pods import OTHER, OWNER, TOKEN_MOUNT, how, upper_pod
 
@@ -221,6 +222,24 @@ def test_upper_only_fields_are_not_sent_down() -> None:
     spec = translate_pod(pod, how())["spec"]
     for field in ("readinessGates", "ephemeralContainers", "overhead", "priorityClassName"):
         assert field not in spec
+
+
+def test_ephemeral_containers_go_down_with_their_references_renamed() -> None:
+    debug = {
+        "name": "debug",
+        "image": "busybox",
+        "stdin": True,
+        "tty": True,
+        "targetContainerName": "app",
+        "env": [{"name": "PW", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "pw"}}}],
+    }
+    down = ephemeral_containers(upper_pod(ephemeralContainers=[debug]), how())
+    ref = down[0]["env"][0]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] != "creds" and ref["key"] == "pw"  # the lower copy's name
+    assert {k: v for k, v in down[0].items() if k != "env"} == {
+        k: v for k, v in debug.items() if k != "env"
+    }
+    assert ephemeral_containers(upper_pod(), how()) == []
 
 
 # -- properties -----------------------------------------------------------------------------
