@@ -325,7 +325,12 @@ def _ensure_root_login_possible() -> None:
 
 @contextlib.contextmanager
 def _ssh_device(
-    name: str, workdir: Path, *, root: bool, routed_in: ipaddress.IPv4Network | None
+    name: str,
+    workdir: Path,
+    *,
+    root: bool,
+    routed_in: ipaddress.IPv4Network | None,
+    containers: bool = False,
 ) -> Iterator[TestDevice]:
     tag = _free_tag()
     setup = _DeviceSetup(name)
@@ -431,7 +436,13 @@ Subsystem sftp /usr/lib/openssh/sftp-server
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # its privilege separation directory
 
         log = workdir / f"{name}-sshd.log"
-        argv = ["ip", "netns", "exec", netns]
+        # `ip netns exec` remounts /sys for the netns, where a container runtime finds no
+        # cgroups; nsenter enters the netns alone and keeps the host's mounts.
+        argv = (
+            ["nsenter", f"--net=/run/netns/{netns}"]
+            if containers
+            else ["ip", "netns", "exec", netns]
+        )
         argv += [SSHD, "-D", "-e", "-f", str(config)]  # sshd re-execs itself: absolute path
         with log.open("ab") as log_file:
             setup.sshd = subprocess.Popen(
@@ -462,7 +473,12 @@ Subsystem sftp /usr/lib/openssh/sftp-server
 
 @contextlib.contextmanager
 def ssh_lab(
-    count: int, workdir: Path, *, root: bool = False, routed_in: str | None = None
+    count: int,
+    workdir: Path,
+    *,
+    root: bool = False,
+    routed_in: str | None = None,
+    containers: bool = False,
 ) -> Iterator[list[TestDevice]]:
     """`count` SSH devices, each an sshd in its own netns behind a veth, logged in to with a
     key and verified with a known_hosts file, as the SSH provider meets real boards.
@@ -476,6 +492,9 @@ def ssh_lab(
     takes its address from a /30 of the range's 10.x.253-254.0 and a default route to the host,
     whose end of the link forwards (`forwarding=1` on that link alone), so the pods of a
     cluster whose workers route that range to the host reach the devices and get answers.
+
+    `containers=True` (with `root=True`): the devices can run podman (the host's, with its
+    storage: load images with `podman_load`); give their inventory `PODMAN_SETTINGS`.
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, not {count}")
@@ -487,10 +506,47 @@ def ssh_lab(
     with contextlib.ExitStack() as stack:
         yield [
             stack.enter_context(
-                _ssh_device(f"dev-{lab}-{i}", workdir, root=root, routed_in=network)
+                _ssh_device(
+                    f"dev-{lab}-{i}",
+                    workdir,
+                    root=root,
+                    routed_in=network,
+                    containers=containers,
+                )
             )
             for i in range(count)
         ]
+
+
+#: How the lab's devices call Debian's podman (see docs/ssh-devices.md): its default runtime, crun,
+#: refuses this host's hybrid cgroups, and its default rlimits exceed what the host allows.
+PODMAN_SETTINGS: dict[str, Any] = {
+    "containerRuntime": "podman",
+    "runtimeCommand": ["podman", "--runtime", "/usr/sbin/runc"],
+    "runtimeRunArgs": ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"],
+}
+
+
+def podman_unavailable() -> str | None:
+    """Why lab devices cannot run podman here (a pytest skip reason), or None."""
+    for tool in ("podman", "/usr/sbin/runc", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"containers on lab devices need `{tool}` (apt-get install podman runc)"
+    return None
+
+
+def podman_load(archive: Path) -> str:
+    """Load an OCI archive (a dev cluster image) into the host's podman storage, which the
+    lab's devices share; returns the image reference podman gives it."""
+    done = subprocess.run(
+        ["podman", *PODMAN_SETTINGS["runtimeCommand"][1:], "load", "-q", "-i", str(archive)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"podman load {archive}: {done.stderr.strip()}")
+    return done.stdout.strip().removeprefix("Loaded image: ").removeprefix("Loaded image(s): ")
 
 
 def ssh_inventory(devices: list[TestDevice], **extra: Any) -> dict[str, Any]:

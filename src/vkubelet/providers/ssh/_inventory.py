@@ -13,6 +13,9 @@
         capacity: {cpu: "4", memory: 4Gi, pods: "20"}   # what is left out is discovered
         podDir: .vkubelet           # relative to the user's home on the device
         hostImages: [host]          # images whose pods run as plain processes on the device
+        containerRuntime: none      # podman | docker | auto (detected) | none: other images
+        runtimeCommand: [podman]    # how to call it (default: its name)
+        runtimeRunArgs: []          # added to every `run` (e.g. --ulimit nofile=1024:1024)
         allowHostPath: false        # hostPath volumes are refused unless this is true
         maxSessions: 10             # the device's sshd MaxSessions (sshd's default is 10)
         restartBackoff: {initial: 10, max: 300}   # seconds, as a kubelet's CrashLoopBackOff
@@ -29,7 +32,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -72,6 +75,9 @@ class _Settings(Section):
         msgspec.field(default_factory=lambda: ["host"])
     )
     allow_host_path: bool = False
+    container_runtime: Literal["none", "podman", "docker", "auto"] = "none"
+    runtime_command: Annotated[list[_Text], Meta(min_length=1)] | None = None
+    runtime_run_args: list[_Text] = msgspec.field(default_factory=list)
     max_sessions: Annotated[float, Meta(ge=2, le=10000)] = 10
     connect_timeout: Annotated[float, Meta(ge=0.1, le=600)] = 10
     ping_interval: Annotated[float, Meta(ge=0.1, le=3600)] = 10
@@ -111,6 +117,9 @@ class DeviceConfig:
     pod_dir: str = ".vkubelet"
     host_images: tuple[str, ...] = ("host",)
     allow_host_path: bool = False
+    container_runtime: str = "none"  # none | podman | docker | auto: what runs other images
+    runtime_command: tuple[str, ...] = ()  # how to call the runtime; () = its name
+    runtime_run_args: tuple[str, ...] = ()
     max_sessions: int = 10
     connect_timeout: float = 10.0
     ping_interval: float = 10.0
@@ -198,6 +207,9 @@ def _device(where: str, at: str, raw: _Device, base: Path) -> DeviceConfig:
         pod_dir=raw.pod_dir,
         host_images=tuple(raw.host_images),
         allow_host_path=raw.allow_host_path,
+        container_runtime=raw.container_runtime,
+        runtime_command=tuple(raw.runtime_command or ()),
+        runtime_run_args=tuple(raw.runtime_run_args),
         max_sessions=int(raw.max_sessions),
         connect_timeout=raw.connect_timeout,
         ping_interval=raw.ping_interval,

@@ -11,7 +11,7 @@ NotReady already, and a container must not be restarted because a network link f
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ...sdk.probes import ExecResult, ProbeKind, ProbeReader, ProbeUnknown, ProbeWriter
@@ -37,10 +37,21 @@ class Link(Protocol):
 class DeviceProbes:
     """The `ProbeTransport` of one pod on a device, and its restart callback."""
 
-    def __init__(self, link: Link, root: str, uid: str) -> None:
+    def __init__(
+        self,
+        link: Link,
+        root: str,
+        uid: str,
+        *,
+        exec_line: Callable[[str, list[str]], str] | None = None,
+    ) -> None:
         self._link = link
         self._root = root
         self._uid = uid
+        # The command line of an exec in a container (a runtime container's differs).
+        self._exec_line = exec_line or (
+            lambda container, argv: _remote.exec_command(root, uid, container, argv)
+        )
 
     def available(self) -> bool:
         return self._link.connected
@@ -49,7 +60,7 @@ class DeviceProbes:
         """The command, killed on the device if it outlasts `limit` seconds: the engine only gives
         up on it, and a probe that hangs every period would pile up processes.
         (No `timeout` command: busybox's took other options before 1.30.)"""
-        line = _remote.exec_command(self._root, self._uid, container, list(command))
+        line = self._exec_line(container, list(command))
         seconds = max(1, math.ceil(limit))
         script = (
             f"{line} </dev/null &\n"

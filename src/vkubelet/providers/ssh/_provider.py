@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import re
 import shlex
 import signal
@@ -36,6 +37,7 @@ from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.logs import LogParser, previous_not_found, render_chunks
 from ...sdk.probes import PodProbes, ProbeEvent
 from ...sdk.provider import EventSink
+from ...sdk.quantity import QuantityError, parse_quantity
 from ...sdk.stats import ContainerUsage, CpuCounters, NodeUsage, PodUsage, Usage
 from ...sdk.stats import resource_metrics as format_metrics
 from ...sdk.stats import summary as format_summary
@@ -226,6 +228,9 @@ class DeviceProvider:
             "echo arch=$(uname -m)\necho kernel=$(uname -r)\necho os=$(uname -s)\n"
             "echo hz=$(getconf CLK_TCK 2>/dev/null)\necho page=$(getconf PAGESIZE 2>/dev/null)\n"
             "( . /etc/os-release 2>/dev/null && echo image=$PRETTY_NAME )\n"
+            "for r in podman docker; do\n"
+            "\tif command -v $r >/dev/null 2>&1; then echo runtime=$r; break; fi\n"
+            "done\n"
         )
         try:
             out = (await self.link.run(script, deadline=10)).check("discovery")
@@ -355,12 +360,7 @@ class DeviceProvider:
         def plan(container: Any) -> _remote.ContainerPlan:
             image = container.image or ""
             if not self.config.runs_image(image):
-                raise ProviderError(
-                    "ImageNotSupported",
-                    f"container {container.name}: image {image!r} cannot run on device "
-                    f"{self.config.name}: its pods run on the host; use an image named in "
-                    f"hostImages ({', '.join(self.config.host_images)})",
-                )
+                return self._image_plan(resolved, container)
             argv = [*(container.command or []), *(container.args or [])]
             if not argv:
                 raise ProviderError(
@@ -404,6 +404,105 @@ class DeviceProvider:
         except ValueError as e:
             raise ProviderError("InvalidPod", str(e)) from None
 
+    def runtime(self) -> _remote.Runtime | None:
+        """The device's container runtime as the inventory names it (`auto`: as discovered), or
+        None. Raises a transient error while `auto` has not looked yet."""
+        name = self.config.container_runtime
+        if name == "auto":
+            if not self._facts:
+                raise ProviderError(
+                    "ContainerRuntimeUnknown",
+                    f"device {self.config.name}: its container runtime is not detected yet "
+                    "(containerRuntime: auto)",
+                    permanent=False,
+                )
+            name = self._facts.get("runtime", "none")
+        if name not in ("podman", "docker"):
+            return None
+        command = list(self.config.runtime_command) or [name]
+        return _remote.Runtime(command, list(self.config.runtime_run_args))
+
+    def _image_plan(self, resolved: ResolvedPod, container: Any) -> _remote.ContainerPlan:
+        """A container of an image that is not a host image: a container of the device's
+        runtime, with the pod's volumes as bind mounts. Refused without a runtime."""
+        image = container.image or ""
+        runtime = self.runtime()
+        if runtime is None:
+            how = self.config.container_runtime
+            found = " found neither podman nor docker" if how == "auto" else f" is {how}"
+            raise ProviderError(
+                "ImageNotSupported",
+                f"container {container.name}: image {image!r} cannot run on device "
+                f"{self.config.name}: it has no container runtime (containerRuntime in the "
+                f"inventory{found}); name one (podman, docker, auto), or use an image named in "
+                f"hostImages ({', '.join(self.config.host_images)}) to run a command on the host",
+            )
+        mounts = []
+        for mount in container.volumeMounts or []:
+            volume = resolved.volumes.get(mount.name)
+            sub = (mount.subPath or "").strip("/")
+            if ".." in sub.split("/"):
+                raise ProviderError(
+                    "InvalidMountPath", f"volume {mount.name}: subPath {mount.subPath!r} leaves it"
+                )
+            if isinstance(volume, HostPathVolume):
+                source = f"{volume.path.rstrip('/')}/{sub}" if sub else volume.path
+            else:
+                source = f"volumes/{mount.name}/{sub}" if sub else f"volumes/{mount.name}"
+            mounts.append(_remote.Mount(source, mount.mountPath, bool(mount.readOnly)))
+        limits = (container.resources.limits if container.resources else None) or {}
+        try:
+            memory = limits.get("memory")
+            memory_bytes = math.ceil(parse_quantity(memory).to_fraction()) if memory else None
+            cpu = limits.get("cpu")
+            cpus = f"{float(parse_quantity(cpu).to_fraction()):.3f}" if cpu else None
+        except QuantityError as e:
+            raise ProviderError("InvalidPod", f"container {container.name}: limits: {e}") from None
+        tagged = "@" in image or ":" in image.rsplit("/", 1)[-1]
+        default_policy = "IfNotPresent" if tagged and not image.endswith(":latest") else "Always"
+        run = _remote.ImageRun(
+            runtime=runtime,
+            image=image,
+            pull_policy=container.imagePullPolicy or default_policy,
+            entrypoint=list(container.command) if container.command else None,
+            mounts=mounts,
+            memory_bytes=memory_bytes,
+            cpus=cpus,
+        )
+        try:
+            return _remote.ContainerPlan(
+                name=container.name,
+                argv=list(container.args or []),
+                env={e.name: e.value or "" for e in container.env or []},
+                working_dir=container.workingDir,
+                stdin=bool(container.stdin),
+                image=run,
+            )
+        except ValueError as e:
+            reason = "InvalidImageName" if "image reference" in str(e) else "InvalidPod"
+            raise ProviderError(reason, str(e)) from None
+
+    def in_runtime(self, entry: _PodEntry, container: str) -> _remote.Runtime | None:
+        """The runtime a container of this pod runs in, or None for a host process."""
+        spec = entry.pod.spec
+        for c in [*(spec.initContainers or []), *spec.containers] if spec else []:
+            if c.name == container and not self.config.runs_image(c.image or ""):
+                with contextlib.suppress(ProviderError):
+                    return self.runtime()
+        return None
+
+    def exec_line(
+        self, entry: _PodEntry, container: str, argv: list[str], *, stdin: bool, tty: bool
+    ) -> str:
+        """The SSH command line of an exec in a container: a host process with the container's
+        env, or the runtime's exec."""
+        runtime = self.in_runtime(entry, container)
+        if runtime is None:
+            return _remote.exec_command(self.root, entry.uid, container, argv)
+        return _remote.runtime_exec_command(
+            runtime, entry.uid, container, argv, stdin=stdin, tty=tty
+        )
+
     def _volume_script(self, resolved: ResolvedPod, uid: str, *, replace: bool) -> str:
         """A script part that writes the volumes' files on the device (a tar, in base64 in a
         quoted here-document: nothing of it is expanded, nor in any command line); mount paths
@@ -435,17 +534,12 @@ class DeviceProvider:
             "umask 077",
             f"mkdir -p {pod_dir}/volumes {pod_dir}/fs",
             f"cd {pod_dir}/volumes",
+            *(f"rm -rf {shlex.quote(name)}.new" for name in names),
             f"base64 -d <<'{_ARCHIVE_END}' | tar -x -f -\n{archive}{_ARCHIVE_END}",
+            'stamp="..$(date +%s)_$$"',
         ]
         for name in names:
-            q = shlex.quote(name)
-            lines += [
-                f"mkdir -p {q}.new",
-                f"rm -rf {q}.old",
-                f"[ ! -e {q} ] || mv {q} {q}.old",
-                f"mv {q}.new {q}",
-                f"rm -rf {q}.old",
-            ]
+            lines += _swap_volume_lines(shlex.quote(name))
         if not replace:
             for volume in resolved.volumes.values():
                 if isinstance(volume, EmptyDirVolume):
@@ -545,7 +639,12 @@ class DeviceProvider:
     def _probe(self, entry: _PodEntry) -> None:
         """Keep the pod's probe workers in step with the runs the device last reported."""
         if entry.prober is None:
-            transport = DeviceProbes(self.link, self.root, entry.uid)
+            transport = DeviceProbes(
+                self.link,
+                self.root,
+                entry.uid,
+                exec_line=lambda c, argv: self.exec_line(entry, c, argv, stdin=False, tty=False),
+            )
 
             def event(e: ProbeEvent) -> None:
                 if self.events is not None:
@@ -802,7 +901,10 @@ class DeviceProvider:
         entry = self._entry(namespace, pod, container)
         if not command:
             raise ProviderError("BadRequest", "no command given")
-        line = _remote.exec_command(self.root, entry.uid, container, command)
+        try:
+            line = self.exec_line(entry, container, command, stdin=io.stdin is not None, tty=io.tty)
+        except ValueError as e:
+            raise ProviderError("BadRequest", str(e)) from None
         return await self._run_process(line, io)
 
     async def attach_to_container(
@@ -956,6 +1058,34 @@ def _positive(text: str | None, default: int) -> int:
     return int(text) if text is not None and text.isdigit() and int(text) > 0 else default
 
 
+def _swap_volume_lines(q: str) -> list[str]:
+    """Shell lines that make `<q>.new` the content of volume directory `q`, as the kubelet's
+    atomic writer does: the files live in `q/..<stamp>/`, `q/..data` links to the current
+    one and is replaced by a rename, and each top-level entry of `q` links through `..data`.
+
+    The directory `q` itself stays: a runtime container's bind mount of it (which holds the
+    directory, not its path) sees every update, and a reader never sees half of one."""
+    return [
+        f"mkdir -p {q} {q}.new",
+        f'mv {q}.new {q}/"$stamp"',
+        f'ln -sfn "$stamp" {q}/..data_tmp',
+        f"mv -fT {q}/..data_tmp {q}/..data",
+        f'for e in {q}/"$stamp"/* {q}/"$stamp"/.[!.]*; do',
+        '\tif [ -e "$e" ] || [ -L "$e" ]; then',
+        "\t\tb=${e##*/}",
+        f'\t\tif [ ! -L {q}/"$b" ]; then rm -rf {q}/"$b"; fi',
+        f'\t\tln -sfn ..data/"$b" {q}/"$b"',
+        "\tfi",
+        "done",
+        f"for e in {q}/* {q}/.[!.]*; do",
+        f'\tif [ -L "$e" ] && [ ! -e {q}/..data/"${{e##*/}}" ]; then rm -f "$e"; fi',
+        "done",
+        f"for e in {q}/..[0-9]*; do",
+        f'\tif [ "$e" != {q}/"$stamp" ]; then rm -rf "$e"; fi',
+        "done",
+    ]
+
+
 def _exit_code(proc: asyncssh.SSHClientProcess[bytes]) -> int:
     """The exit status, or -N for a process killed by signal N (sshd reports its name)."""
     if proc.exit_status is not None and proc.exit_status >= 0:
@@ -1029,7 +1159,9 @@ def pod_status(entry: _PodEntry, address: str) -> PodStatus:
     for state in [*remote.init_containers, *remote.containers] if remote else []:
         probes = None if state.name in inits else entry.prober  # the engine probes main ones
         current = _state(state)
-        if isinstance(current, Waiting) and state.backoff_seconds is not None:
+        if isinstance(current, Waiting) and state.message is not None:
+            current = Waiting(current.reason, state.message)  # the runtime's words on an image
+        elif isinstance(current, Waiting) and state.backoff_seconds is not None:
             names = (str(meta.name), str(meta.namespace), entry.uid)
             message = crash_loop_message(state.backoff_seconds, state.name, *names)
             current = Waiting(current.reason, message)

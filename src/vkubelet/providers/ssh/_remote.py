@@ -41,6 +41,10 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
     pods/<uid>/c/<name>/pid       the running process's pid, which is its process group's id;
                                   removed when it has ended
     pods/<uid>/c/<name>/backoff   the pid of the `sleep` of a back-off in progress
+    pods/<uid>/c/<name>/pull, rm  a runtime container's (see ImageRun): get its image before a
+                                  run (exit 0: there; 1: pull failed; 2: absent, policy Never),
+                                  remove what a killed `run` left
+    pods/<uid>/c/<name>/message   the runtime's words while waiting on an image
     pods/<uid>/c/<name>/<n>.log   the log of run n (n = the restart count when it started), in
                                   the CRI format (see `vkubelet.sdk.logs`); the current and
                                   previous run's
@@ -65,9 +69,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
@@ -76,8 +81,11 @@ from ...sdk.logs import parse_rfc3339
 __all__ = [
     "ContainerPlan",
     "ContainerStatus",
+    "ImageRun",
+    "Mount",
     "PodPlan",
     "RemotePod",
+    "Runtime",
     "exec_command",
     "log_path",
     "logs_script",
@@ -86,6 +94,8 @@ __all__ = [
     "remove_pod_script",
     "restart_container_script",
     "root_word",
+    "runtime_exec_command",
+    "runtime_name",
     "start_pod_script",
     "stdin_path",
     "stop_pod_script",
@@ -97,9 +107,45 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _POLICIES = ("Always", "OnFailure", "Never")
 _REASON = re.compile(r"[A-Za-z]+")
+# An image reference as a runtime takes it: never an option (no leading "-"), no blanks.
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*")
 
 
 # -- plans ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Runtime:
+    """A container runtime on the device (podman, or docker: their CLIs agree on what is used
+    here) and how to call it: `command` is its argv prefix, from the trusted inventory."""
+
+    command: list[str]
+    run_args: list[str] = field(default_factory=list)  # added to every `run`
+
+    def words(self) -> str:
+        return " ".join(shlex.quote(word) for word in self.command)
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A bind mount: `source` is relative to the pod directory (a volume) or absolute (hostPath)."""
+
+    source: str
+    target: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class ImageRun:
+    """How a container of an image runs on the device's runtime instead of as a host process."""
+
+    runtime: Runtime
+    image: str
+    pull_policy: str  # Always | IfNotPresent | Never
+    entrypoint: list[str] | None = None  # the container's `command`: replaces the image's
+    mounts: list[Mount] = field(default_factory=list)
+    memory_bytes: int | None = None
+    cpus: str | None = None
+
+
 @dataclass(frozen=True)
 class ContainerPlan:
     """A container as the device runs it. Checked when made, so that a pod the device could not
@@ -111,10 +157,13 @@ class ContainerPlan:
     env: dict[str, str]  # literal values (may contain secrets)
     working_dir: str | None  # None or "": the pod's fs/ directory; relative: from there
     stdin: bool = False  # its stdin is a FIFO that `kubectl attach -i` writes to
+    image: ImageRun | None = None  # set: a runtime container; argv is then its args
 
     def __post_init__(self) -> None:
         _check_container(self.name)
-        if not self.argv:
+        if self.image is not None:
+            self._check_image_run(self.image)
+        elif not self.argv:
             raise ValueError(f"container {self.name}: no command to run")
         for i, arg in enumerate(self.argv):
             _check_text(arg, f"container {self.name}: command (word {i + 1} of command and args)")
@@ -122,6 +171,35 @@ class ContainerPlan:
             _check_env(self.name, name, value)
         if self.working_dir is not None:
             _check_text(self.working_dir, f"container {self.name}: workingDir")
+
+    def _check_image_run(self, run: ImageRun) -> None:
+        """What the runtime's CLI could misread: an image that looks like an option, a value
+        the env file (one `NAME=value` line each) cannot hold, a mount spec with its separator."""
+        if not _IMAGE.fullmatch(run.image):
+            raise ValueError(
+                f"container {self.name}: image {run.image!r} is not an image reference"
+            )
+        if run.pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise ValueError(f"container {self.name}: unknown imagePullPolicy {run.pull_policy!r}")
+        for i, arg in enumerate(run.entrypoint or []):
+            _check_text(arg, f"container {self.name}: command (word {i + 1})")
+        for name, value in self.env.items():
+            if "\n" in value or "\r" in value:
+                raise ValueError(
+                    f"container {self.name}: environment variable {name}: a value with a line "
+                    "break cannot reach a runtime container (its env file has a line per variable)"
+                )
+        for mount in run.mounts:
+            for part, what in ((mount.source, "volume path"), (mount.target, "mountPath")):
+                if any(c in part for c in ":,\n\0") or not part:
+                    raise ValueError(
+                        f"container {self.name}: {what} {part!r} cannot be a runtime bind mount "
+                        "(no ':', ',' or line breaks)"
+                    )
+            if not mount.target.startswith("/"):
+                raise ValueError(
+                    f"container {self.name}: mountPath {mount.target!r} must be absolute"
+                )
 
 
 @dataclass(frozen=True)
@@ -191,6 +269,7 @@ class ContainerStatus:
     restart_count: int
     last: ContainerStatus | None = None  # the previous termination
     backoff_seconds: int | None = None  # waiting in CrashLoopBackOff: the back-off in force
+    message: str | None = None  # waiting on an image: the runtime's words
 
 
 @dataclass
@@ -382,6 +461,7 @@ def start_pod_script(root: str, plan: PodPlan) -> str:
             _heredoc(f'cat >"$P/env/{name}"', _profile(container)),
             '[ -s "$P/env/' + name + '" ] || fail "cannot write env/' + name + '"\n',
             _heredoc(f'cat >"$P/c/{name}/cmd"', _container_script(plan.uid, container)),
+            *_image_files(plan.uid, container),
             f'd="$P/c/{name}"; rm -f "$d/pid" "$d/backoff"\n',
             '[ -s "$d/restarts" ] || echo 0 >"$d/restarts"\n',
             f'echo "waiting {reason}" >"$d/state.tmp" && mv -f "$d/state.tmp" "$d/state" '
@@ -403,10 +483,47 @@ def start_pod_script(root: str, plan: PodPlan) -> str:
     return "".join(parts)
 
 
+def runtime_name(uid: str, container: str) -> str:
+    """The runtime container's name: one per pod container, so that a new run replaces any
+    earlier one (`--replace`) and a pod's container is never running twice."""
+    _check_uid(uid)
+    _check_container(container)
+    return f"vk-{uid}-{container}"
+
+
+def _image_files(uid: str, container: ContainerPlan) -> list[str]:
+    """A runtime container's `pull` (run by the supervisor before each run: exit 0 when the
+    image is there, 1 when pulling failed, 2 when it is absent under `Never`; the runtime's
+    message on stdout and stderr) and `rm` (removes what a killed `run` left)."""
+    run = container.image
+    if run is None:
+        return []
+    rt = run.runtime.words()
+    image = shlex.quote(run.image)
+    present = f"{rt} image inspect {image} >/dev/null 2>&1"
+    never = f"Container image {run.image} is not present with pull policy of Never"
+    pull = {
+        "Always": f"exec {rt} pull -q {image}",
+        "IfNotPresent": f"{present} && exit 0\nexec {rt} pull -q {image}",
+        "Never": f"{present} && exit 0\necho {shlex.quote(never)}\nexit 2",
+    }[run.pull_policy]
+    name = runtime_name(uid, container.name)
+    d = f'"$P/c/{container.name}'
+    return [
+        _heredoc(f'cat >{d}/pull"', f"# vkubelet: image of container {container.name}\n{pull}\n"),
+        _heredoc(f'cat >{d}/rm"', f"{rt} rm -f {name} >/dev/null 2>&1\n"),
+    ]
+
+
 def _profile(container: ContainerPlan) -> str:
     """The env file: the working directory first, while no pod value can have replaced
     VKUBELET_POD_DIR, then the environment. A directory that is not there fails the run like a
-    runtime's StartError (exit 128), its message in the log."""
+    runtime's StartError (exit 128), its message in the log.
+
+    A runtime container's is the runtime's `--env-file`: a `NAME=value` line each, literal."""
+    if container.image is not None:
+        lines = [f"{name}={value}" for name, value in container.env.items()]
+        return "".join(line + "\n" for line in lines) or "# no environment\n"
     lines = [
         f"# vkubelet: working directory and environment of container {container.name} (secret)",
         'cd -- "$VKUBELET_POD_DIR/fs" || exit 128',
@@ -422,6 +539,12 @@ def _container_script(uid: str, container: ContainerPlan) -> str:
     records its pid (its group's id) and the running state before it becomes the command."""
     name = container.name
     argv = " ".join(shlex.quote(arg) for arg in container.argv)
+    # Working directory and environment (which may replace any variable: only literals follow);
+    # a runtime reads the env file itself, with the values as they are.
+    profile = f'. "$P/env/{name}"\n'
+    if container.image is not None:
+        argv = _run_words(uid, container, container.image)
+        profile = ""
     stdin = ""
     if container.stdin:
         # Opened read-write, the FIFO never blocks the start and never reads EOF when an
@@ -438,10 +561,48 @@ if [ -e "$P/stop" ] || [ ! -e "$P/run.sh" ]; then exit 143; fi
 echo "running $$ $(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$d/state.tmp" && mv -f "$d/state.tmp" "$d/state"
 echo "{uid} {name} running" >>"${{P%/pods/*}}/events"
 umask 022
-{stdin}# Working directory and environment (which may replace any variable: only literals follow).
-. "$P/env/{name}"
-exec {argv}
+{stdin}{profile}exec {argv}
 """
+
+
+def _run_words(uid: str, container: ContainerPlan, run: ImageRun) -> str:
+    """`<runtime> run` in the foreground, as shell words: its output goes to the log FIFOs, its
+    exit code is the container's, and TERM to it reaches the container (the runtime proxies
+    signals). The network is the device's, as for host processes: the pod IP is the device's
+    and port-forward reaches 127.0.0.1. Values are quoted; `$P` expands to the pod directory."""
+    q = shlex.quote
+    words = [
+        run.runtime.words(),
+        "run",
+        "--rm",
+        "--replace",
+        "--name",
+        runtime_name(uid, container.name),
+    ]
+    words += [
+        "--label",
+        q(f"io.vkubelet.pod-uid={uid}"),
+        "--label",
+        q(f"io.vkubelet.container={container.name}"),
+    ]
+    words += ["--network", "host", "--env-file", f'"$P/env/{container.name}"']
+    if container.stdin:
+        words.append("-i")
+    if container.working_dir:
+        words += ["--workdir", q(container.working_dir)]
+    for mount in run.mounts:
+        spec = f"{mount.target}{':ro' if mount.read_only else ''}"
+        source = mount.source if mount.source.startswith("/") else f'"$P"/{q(mount.source)}'
+        words += ["--volume", f"{source}:{q(spec)}"]
+    if run.memory_bytes is not None:
+        words += ["--memory", str(run.memory_bytes)]
+    if run.cpus is not None:
+        words += ["--cpus", q(run.cpus)]
+    words += [q(arg) for arg in run.runtime.run_args]
+    if run.entrypoint is not None:
+        words += ["--entrypoint", q(json.dumps(run.entrypoint))]
+    words += ["--", q(run.image), *(q(arg) for arg in container.argv)]
+    return " ".join(words)
 
 
 def _supervisor(plan: PodPlan) -> str:
@@ -546,8 +707,10 @@ run() {
 	CODE=$?
 	finished=$(now)
 	RAN=$(($(date +%s) - t0))
-	# As with a container's cgroup, what the main process leaves behind goes with it.
+	# As with a container's cgroup, what the main process leaves behind goes with it; a runtime
+	# container too, if its `run` was killed before it ended.
 	kill -KILL -"$cpid" 2>/dev/null
+	[ ! -f "$d/rm" ] || sh "$d/rm"
 	rm -f "$d/pid"
 	# Both stampers end at the end of their pipe. A process that left the group may hold it
 	# open: they get 2 seconds, then the log is complete as far as anyone can tell.
@@ -572,6 +735,33 @@ backoff() {
 	rm -f "$P/c/$1/backoff"
 }
 
+# pull CTR: until CTR's image is on the device (a runtime container's `pull` script says so),
+# like a kubelet: ErrImagePull (ErrImageNeverPull) with the runtime's words, then
+# ImagePullBackOff between attempts, BASE seconds doubling up to MAX. Fails if the pod is stopped.
+pull() {
+	p_dir=$P/c/$1
+	[ -f "$p_dir/pull" ] || return 0
+	p_delay=$BASE
+	p_reason=ErrImagePull
+	while [ ! -e "$P/stop" ]; do
+		sh "$p_dir/pull" >"$p_dir/pulled" 2>&1
+		p_code=$?
+		if [ "$p_code" -eq 0 ]; then
+			rm -f "$p_dir/message" "$p_dir/pulled"
+			return 0
+		fi
+		tail -c 1000 "$p_dir/pulled" >"$p_dir/message.tmp" &&
+			mv -f "$p_dir/message.tmp" "$p_dir/message"
+		if [ "$p_code" -eq 2 ]; then set_state "$1" waiting ErrImageNeverPull
+		else set_state "$1" waiting "$p_reason" "$p_delay"; fi
+		backoff "$1" "$p_delay"
+		p_reason=ImagePullBackOff
+		p_delay=$((p_delay * 2))
+		[ "$p_delay" -le "$MAX" ] || p_delay=$MAX
+	done
+	return 1
+}
+
 # supervise CTR POLICY: run CTR as POLICY says, backing off between runs like the kubelet (see
 # vkubelet.sdk.backoff): the first restart at once, then after BASE seconds, doubling up to MAX;
 # at once again when RESET seconds passed since the last restart. Until it is done or the pod is
@@ -581,6 +771,7 @@ supervise() {
 	restarted=0 # when the last restart happened, in seconds since the epoch
 	CODE=1
 	while [ ! -e "$P/stop" ]; do
+		pull "$1" || break
 		run "$1"
 		case $2 in
 		Never) break ;;
@@ -662,6 +853,9 @@ for P in {targets}; do
 		read -r state 2>/dev/null <"$d/state"
 		echo "state $state"
 		if read -r last 2>/dev/null <"$d/last"; then echo "last $last"; fi
+		case $state in "waiting Err"* | "waiting ImagePull"*)
+			[ ! -s "$d/message" ] || echo "message $(base64 <"$d/message" | tr -d '\\n')" ;;
+		esac
 	done <"$P/containers"
 	echo "end $uid"
 done
@@ -725,6 +919,10 @@ def _parse_record(lines: list[str], end_uid: str) -> RemotePod:
             status.last = _status(name, rest[i][len("last ") :].split(), status.restart_count)
             if status.last.state != "terminated":
                 raise _Malformed("last")
+            i += 1
+        if i < len(rest) and rest[i].startswith("message "):
+            text = base64.b64decode(rest[i][len("message ") :], validate=True)
+            status.message = text.decode(errors="replace").strip() or None
             i += 1
         (pod.init_containers if kind == "init" else pod.containers).append(status)
     return pod
@@ -823,6 +1021,9 @@ if supervisor_alive "$P"; then signal_group KILL "$SPID"; fi
 for f in "$P"/c/*/pid; do
 	if read -r p 2>/dev/null <"$f"; then signal_group KILL "$p"; fi
 done
+for f in "$P"/c/*/rm; do
+	[ ! -f "$f" ] || sh "$f"
+done
 rm -rf "$P"
 """
     )
@@ -863,6 +1064,20 @@ def ephemeral_script(root: str, uid: str, container: ContainerPlan) -> str:
         + _heredoc(f'cat >"$P/env/{name}.tmp"', _profile(container))
         + f'mv -f "$P/env/{name}.tmp" "$P/env/{name}" && echo new\n'
     )
+
+
+def runtime_exec_command(
+    runtime: Runtime, uid: str, container: str, argv: list[str], *, stdin: bool, tty: bool
+) -> str:
+    """`exec_command` for a runtime container: `<runtime> exec` into it, which gives the
+    container's own env and working directory; argv quoted."""
+    if not argv:
+        raise ValueError("exec: no command")
+    for arg in argv:
+        _check_text(arg, "exec: command")
+    flags = (" -i" if stdin else "") + (" -t" if tty else "")
+    args = " ".join(shlex.quote(arg) for arg in argv)
+    return f"exec {runtime.words()} exec{flags} {runtime_name(uid, container)} {args}"
 
 
 def logs_script(root: str, uid: str, container: str, *, previous: bool, follow: bool) -> str:

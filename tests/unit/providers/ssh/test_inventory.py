@@ -77,6 +77,14 @@ devices:
             " reconnectBackoff: {initial: 5, max: 2}}]",
             "devices[0].reconnectBackoff.max: must not be less than initial",
         ),
+        (
+            "devices: [{name: a, address: b, agent: true, knownHosts: k, containerRuntime: lxc}]",
+            "devices[0].containerRuntime: expected one of",
+        ),
+        (
+            "devices: [{name: a, address: b, agent: true, knownHosts: k, runtimeCommand: []}]",
+            "devices[0].runtimeCommand:",
+        ),
         ("devices: {a: 1}", "devices: expected a list"),
         ("devices: [", "not valid YAML"),
     ],
@@ -103,3 +111,21 @@ def test_duplicate_device_names_are_refused(tmp_path: Path) -> None:
 
 def test_an_empty_inventory_has_no_devices(tmp_path: Path) -> None:
     assert load_inventory(write(tmp_path, "")).devices == ()
+
+
+def test_a_device_runs_no_container_runtime_unless_the_inventory_names_one(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "defaults: {agent: true, insecureIgnoreHostKey: true}\n"
+        "devices:\n"
+        "  - {name: a, address: x}\n"
+        "  - {name: b, address: y, containerRuntime: podman,\n"
+        "     runtimeCommand: [podman, --runtime, /usr/sbin/runc], runtimeRunArgs: [--ulimit, x]}\n"
+        "  - {name: c, address: z, containerRuntime: auto}\n",
+    )
+    a, b, c = load_inventory(path).devices
+    assert (a.container_runtime, a.runtime_command, a.runtime_run_args) == ("none", (), ())
+    assert b.container_runtime == "podman"
+    assert b.runtime_command == ("podman", "--runtime", "/usr/sbin/runc")
+    assert b.runtime_run_args == ("--ulimit", "x")
+    assert c.container_runtime == "auto"

@@ -4,6 +4,7 @@ local sh in a temporary HOME): deletions, values it cannot carry, adoption after
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from lightkube.resources.core_v1 import Pod
 
 from vkubelet.providers.ssh._inventory import DeviceConfig
 from vkubelet.providers.ssh._provider import DeviceProvider
-from vkubelet.sdk import ProviderError, ResolvedPod
+from vkubelet.providers.ssh._remote import Runtime
+from vkubelet.sdk import ContainerLogOptions, ProviderError, ResolvedPod
 from vkubelet.testing.harness import eventually
 
 from .local_link import LocalLink
@@ -66,10 +68,11 @@ async def device(tmp_path: Path) -> AsyncIterator[Device]:
 
 def make_pod(name: str, uid: str, **container: Any) -> ResolvedPod:
     container.setdefault("command", ["sleep", "3600"])
+    container.setdefault("image", "host")
     pod = Pod(
         metadata=ObjectMeta(name=name, namespace="ns", uid=uid),
         spec=PodSpec(
-            containers=[Container(name="main", image="host", **container)],
+            containers=[Container(name="main", **container)],
             terminationGracePeriodSeconds=1,
         ),
     )
@@ -220,3 +223,59 @@ async def test_a_finished_pod_no_longer_holds_its_port(device: Device) -> None:
     await eventually(succeeded, within=15, what="the first pod to succeed")
     await provider.create_pod(make_pod("next", "u2", **serving(8080)))
     await wait_running(provider, "next")
+
+
+# -- container runtimes ---------------------------------------------------------------------------
+async def test_auto_runs_images_with_the_podman_it_finds_and_none_refuses_naming_the_setting(
+    device: Device, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A "podman" first on the device's PATH that runs the image's args as the container.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "podman"
+    fake.write_text(
+        '#!/bin/sh\ncase $1 in image) exit 0 ;; run) while [ "$1" != -- ]; do shift; done; '
+        'shift 2; exec "$@" ;; esac\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    image = {
+        "image": "busybox:1",
+        "command": None,
+        "args": ["sh", "-c", "echo in $0; exec sleep 60"],
+    }
+
+    none = DeviceProvider(DeviceConfig(name="dev", address="127.0.0.1"), link=device.link)  # type: ignore[arg-type]
+    with pytest.raises(ProviderError) as refused:
+        await none.create_pod(make_pod("p", "u1", **image))
+    assert refused.value.reason == "ImageNotSupported"
+    assert "containerRuntime in the inventory is none" in refused.value.message
+    assert "hostImages (host)" in refused.value.message
+
+    config = DeviceConfig(name="dev", address="127.0.0.1", container_runtime="auto")
+    provider = DeviceProvider(config, link=device.link)  # type: ignore[arg-type]
+    with pytest.raises(ProviderError) as early:  # before it has looked: retried, not failed
+        await provider.create_pod(make_pod("p", "u1", **image))
+    assert early.value.reason == "ContainerRuntimeUnknown" and not early.value.permanent
+    device.providers.append(provider)
+    provider.start()
+
+    def detected() -> bool:
+        try:
+            return provider.runtime() is not None
+        except ProviderError:
+            return False
+
+    await eventually(detected, within=15, what="podman detected")
+    assert provider.runtime() == Runtime(["podman"], [])
+    pod = make_pod("p", "u1", **image)
+    await provider.create_pod(pod)
+    await wait_running(provider, "p")
+
+    async def printed() -> bool:
+        logs = provider.container_logs("ns", "p", "main", ContainerLogOptions())
+        return b"".join([chunk async for chunk in logs]) == b"in sh\n"
+
+    await eventually(printed, within=15, what="the container's output")
+    await provider.delete_pod(pod.pod, 0)
+    await eventually(lambda: provider.pending_removals == 0, within=15, what="removed")

@@ -8,10 +8,12 @@ test's HOME in its environment is killed.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -31,14 +34,18 @@ from hypothesis import strategies as st
 from vkubelet.providers.ssh._remote import (
     ContainerPlan,
     ContainerStatus,
+    ImageRun,
+    Mount,
     PodPlan,
     RemotePod,
+    Runtime,
     exec_command,
     log_path,
     logs_script,
     parse_sweep,
     remove_pod_script,
     restart_container_script,
+    runtime_exec_command,
     start_pod_script,
     stop_pod_script,
     sweep_script,
@@ -843,3 +850,151 @@ def test_parse_sweep_never_fails_on_garbage(garbage: bytes | str) -> None:
 @given(st.lists(st.sampled_from(SAMPLE.split(b"\n")), max_size=30))
 def test_parse_sweep_never_fails_on_shuffled_lines(lines: list[bytes]) -> None:
     parse_sweep(b"\n".join(lines))
+
+
+# -- runtime containers ----------------------------------------------------------------------
+#: A stand-in for podman on the "device": `image inspect` finds only the image "present", `pull`
+#: of "bad*" fails with the registry's words, `run` records its argv and runs the image's args
+#: (after `--` and the image) as the container's command, so exit codes and output flow as
+#: with a runtime; `rm` records the name.
+FAKE_RUNTIME = r"""#!/bin/sh
+log=$(dirname "$0")/calls
+case $1 in
+image) [ "$3" = present ] ;;
+pull)
+	case $3 in bad*)
+		echo "Error: initializing source docker://$3: connection refused" >&2
+		exit 125
+		;;
+	esac
+	;;
+run)
+	printf '%s\n' "$@" >"$(dirname "$0")/run.args"
+	while [ "$1" != -- ]; do
+		[ "$1" != --env-file ] || cp "$2" "$(dirname "$0")/env.file"
+		shift
+	done
+	shift 2
+	exec "$@"
+	;;
+rm) echo "rm $3" >>"$log" ;;
+esac
+"""
+
+
+def fake_runtime(tmp_path: Path) -> Runtime:
+    bin_dir = tmp_path / "rt"
+    bin_dir.mkdir()
+    (bin_dir / "rt").write_text(FAKE_RUNTIME)
+    (bin_dir / "rt").chmod(0o755)
+    return Runtime([str(bin_dir / "rt")], ["--ulimit", "nofile=1024:1024"])
+
+
+def image_ctr(runtime: Runtime, image: str, args: list[str], **extra: Any) -> ContainerPlan:
+    env = extra.pop("env", {})
+    run = ImageRun(runtime, image, extra.pop("pull_policy", "IfNotPresent"), **extra)
+    return ContainerPlan("main", args, env, None, image=run)
+
+
+def test_a_runtime_container_gets_literal_arguments_its_env_in_a_file_and_its_labels(
+    device: Device, tmp_path: Path
+) -> None:
+    runtime = fake_runtime(tmp_path)
+    plan = ContainerPlan(
+        "main",
+        ["sh", "-c", 'printf "%s|" "$@"', "sh", *HOSTILE],
+        {"GREETING": "a 'b' $(c)"},
+        "/work dir",
+        image=ImageRun(
+            runtime,
+            "present",
+            "IfNotPresent",
+            mounts=[Mount("volumes/www", "/www", read_only=True), Mount("/srv/x", "/x")],
+            memory_bytes=67108864,
+            cpus="0.500",
+        ),
+    )
+    device.start(pod_plan(plan))
+    pod = device.wait(state_of())
+    assert status(pod).exit_code == 0
+    output = b"\n".join(line.content for line in device.log())
+    assert output == "".join(f"{a}|" for a in HOSTILE).encode()
+    argv = (tmp_path / "rt" / "run.args").read_text().split("\n")
+    p = device.pod_dir()
+    assert argv[: argv.index("--")] == [
+        "run", "--rm", "--replace", "--name", "vk-u1-main",
+        "--label", "io.vkubelet.pod-uid=u1", "--label", "io.vkubelet.container=main",
+        "--network", "host", "--env-file", f"{p}/env/main", "--workdir", "/work dir",
+        "--volume", f"{p}/volumes/www:/www:ro", "--volume", "/srv/x:/x",
+        "--memory", "67108864", "--cpus", "0.500", "--ulimit", "nofile=1024:1024",
+    ]  # fmt: skip
+    assert argv[argv.index("--") + 1] == "present"
+    assert "a 'b' $(c)" not in "\n".join(argv)  # env values are never arguments
+    assert (tmp_path / "rt" / "env.file").read_text() == "GREETING=a 'b' $(c)\n"
+    assert oct((p / "env" / "main").stat().st_mode & 0o777) == "0o600"
+    assert "rm vk-u1-main" in (tmp_path / "rt" / "calls").read_text()  # nothing left behind
+
+
+def test_a_pull_failure_is_err_image_pull_with_the_runtimes_words_then_back_off(
+    device: Device, tmp_path: Path
+) -> None:
+    runtime = fake_runtime(tmp_path)
+    device.start(pod_plan(image_ctr(runtime, "bad/image:1", ["true"]), policy="Always"))
+    pod = device.wait(lambda p: status(p).reason == "ErrImagePull")
+    assert "docker://bad/image:1" in (status(pod).message or "")
+    assert status(pod).restart_count == 0
+    pod = device.wait(lambda p: status(p).reason == "ImagePullBackOff", timeout=15)
+    assert "connection refused" in (status(pod).message or "")
+    device.run(stop_pod_script(ROOT, "u1", 1))
+    device.wait(lambda p: not p.supervisor_alive)
+
+
+def test_an_absent_image_under_never_is_err_image_never_pull(
+    device: Device, tmp_path: Path
+) -> None:
+    runtime = fake_runtime(tmp_path)
+    device.start(pod_plan(image_ctr(runtime, "absent", ["true"], pull_policy="Never")))
+    pod = device.wait(lambda p: status(p).reason == "ErrImageNeverPull")
+    assert "absent is not present with pull policy of Never" in (status(pod).message or "")
+
+
+@pytest.mark.parametrize("image", ["--privileged", "-v/:/h", "a b", "x;y", "", "$(x)"])
+def test_images_a_runtime_could_read_as_options_or_words_are_refused(image: str) -> None:
+    with pytest.raises(ValueError, match="not an image reference"):
+        image_ctr(Runtime(["podman"]), image, [])
+
+
+def test_values_a_runtime_container_cannot_take_are_refused() -> None:
+    runtime = Runtime(["podman"])
+    with pytest.raises(ValueError, match="environment variable A: a value with a line break"):
+        image_ctr(runtime, "busybox", [], env={"A": "1\n2"})
+    for target in ["/a:b", "/a,b", "relative"]:
+        with pytest.raises(ValueError, match="mountPath"):
+            image_ctr(runtime, "busybox", [], mounts=[Mount("volumes/v", target)])
+    with pytest.raises(ValueError, match="imagePullPolicy"):
+        image_ctr(runtime, "busybox", [], pull_policy="Sometimes")
+
+
+def test_exec_in_a_runtime_container_is_the_runtimes_exec_with_literal_arguments() -> None:
+    line = runtime_exec_command(
+        Runtime(["podman", "--runtime", "/usr/sbin/runc"]), "u1", "web", ["sh", "-c", "$(x)"],
+        stdin=True, tty=True,
+    )  # fmt: skip
+    assert shlex.split(line) == [
+        "exec", "podman", "--runtime", "/usr/sbin/runc", "exec", "-i", "-t", "vk-u1-web",
+        "sh", "-c", "$(x)",
+    ]  # fmt: skip
+
+
+def test_parse_sweep_reads_a_waiting_containers_message() -> None:
+    message = base64.b64encode(b"Error: pull refused\n").decode()
+    output = (
+        "pod u1 1 0\njson\n.\nmain main 0\nstate waiting ErrImagePull 10\n"
+        f"message {message}\nend u1\n"
+    )
+    main = status(parse_sweep(output)["u1"])
+    assert (main.reason, main.message, main.backoff_seconds) == (
+        "ErrImagePull",
+        "Error: pull refused",
+        10,
+    )

@@ -1,0 +1,404 @@
+"""Container images on SSH devices: real sshd devices (network namespaces) with Debian's podman,
+the dev cluster's busybox image loaded into it, `vkubelet run --provider ssh`, the real control
+plane and kubectl. One lab for the module: two devices with podman, one without a runtime."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+
+from vkubelet.devcluster import Cluster, build_image
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    local_test_address,
+    node_ready,
+    port_forward,
+    terminal_session,
+    wait_for,
+)
+from vkubelet.testing.sshlab import (
+    PODMAN_SETTINGS,
+    TestDevice,
+    podman_load,
+    podman_unavailable,
+    ssh_inventory,
+    ssh_lab,
+)
+
+from .sshagent import TOLERATE, start_agent, status
+from .test_ssh_devices import HOSTILE
+
+LABEL = "io.vkubelet.pod-uid"
+
+
+@dataclass
+class Lab:
+    devices: list[TestDevice]  # [podman, podman, no runtime]
+    agent: AgentProcess
+    image: str  # the busybox image as podman names it
+
+
+@pytest.fixture(scope="module")
+def lab(
+    kube_cluster: Cluster, kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Lab]:
+    if (reason := podman_unavailable()) is not None:
+        pytest.skip(reason)
+    image = podman_load(build_image("busybox", progress=lambda _: None).path)
+    workdir = tmp_path_factory.mktemp("ssh-containers")
+    with (
+        local_test_address() as address,
+        ssh_lab(3, workdir, root=True, containers=True) as devices,
+    ):
+        inventory = ssh_inventory(devices, restartBackoff={"initial": 2, "max": 4})
+        for entry in inventory["devices"][:2]:
+            entry.update(PODMAN_SETTINGS)
+        path = workdir / "inventory.yaml"
+        path.write_text(yaml.safe_dump(inventory))
+        agent = start_agent(kube_cluster, workdir, path, address)
+        try:
+            for device in devices:
+                wait_for(
+                    lambda d=device: node_ready(kubectl, d.name),  # type: ignore[misc]
+                    timeout=60,
+                    what=f"node {device.name} Ready",
+                )
+            yield Lab(devices, agent, image)
+        finally:
+            agent.stop()
+            for device in devices:
+                kubectl("delete", "node", device.name, "--ignore-not-found", "--wait=false")
+            _podman_rm_all()
+
+
+def _podman(*args: str) -> str:
+    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout
+
+
+def _podman_rm_all() -> None:
+    """What the lab's pods left in the host's podman storage (the devices share it)."""
+    ids = _podman("ps", "-aq", "--filter", f"label={LABEL}").split()
+    if ids:
+        subprocess.run(["podman", "rm", "-f", *ids], capture_output=True, timeout=60)
+
+
+def _containers(uid: str) -> list[dict[str, Any]]:
+    """The podman containers of a pod: the device runs them, the host's podman sees them."""
+    found: list[dict[str, Any]] = json.loads(
+        _podman("ps", "--format", "json", "--filter", f"label={LABEL}={uid}") or "[]"
+    )
+    return found
+
+
+def _pods(kubectl: Kubectl, selector: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = kubectl.json("get", "pods", "-l", selector)["items"]
+    return items
+
+
+def _first(pod: dict[str, Any]) -> dict[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+    first: dict[str, Any] = statuses[0]
+    return first
+
+
+def _pod(
+    name: str, node: str, container: dict[str, Any], restart: str = "Always"
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": node,
+            "restartPolicy": restart,
+            "tolerations": TOLERATE,
+            "terminationGracePeriodSeconds": 5,
+            "containers": [{"name": "main", **container}],
+        },
+    }
+
+
+def test_a_deployment_of_an_image_runs_as_podman_containers_on_two_devices(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    app = f"img-{uuid.uuid4().hex[:6]}"
+    port = 18000 + int(uuid.uuid4().hex[:3], 16) % 1000
+    devices = [d.name for d in lab.devices[:2]]
+    # Serves the ConfigMap (a bind mount), prints its env, and exits 3 once /tmp/stop exists.
+    script = (
+        f"echo hello $GREETING; httpd -p 127.0.0.1:{port} -h /www; "
+        "while [ ! -e /tmp/stop ]; do sleep 0.2; done; exit 3"
+    )
+    kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": app},
+            "data": {"index.html": f"served by {app}\n"},
+        }
+    )
+    kubectl.apply(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": app},
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": {"app": app}},
+                "template": {
+                    "metadata": {"labels": {"app": app}},
+                    "spec": {
+                        "tolerations": TOLERATE,
+                        "terminationGracePeriodSeconds": 5,
+                        "affinity": {
+                            "nodeAffinity": {
+                                "requiredDuringSchedulingIgnoredDuringExecution": {
+                                    "nodeSelectorTerms": [
+                                        {
+                                            "matchExpressions": [
+                                                {
+                                                    "key": "lab.vkubelet.io/device",
+                                                    "operator": "In",
+                                                    "values": devices,
+                                                }
+                                            ]
+                                        }
+                                    ]
+                                }
+                            }
+                        },
+                        "topologySpreadConstraints": [
+                            {
+                                "maxSkew": 1,
+                                "topologyKey": "lab.vkubelet.io/device",
+                                "whenUnsatisfiable": "DoNotSchedule",
+                                "labelSelector": {"matchLabels": {"app": app}},
+                            }
+                        ],
+                        "containers": [
+                            {
+                                "name": "web",
+                                "image": lab.image,
+                                "imagePullPolicy": "IfNotPresent",
+                                "command": ["sh", "-c", script],
+                                "env": [{"name": "GREETING", "value": "from a 'device' $HOME"}],
+                                "ports": [{"containerPort": port}],
+                                "resources": {"limits": {"memory": "64Mi", "cpu": "500m"}},
+                                "volumeMounts": [{"name": "www", "mountPath": "/www"}],
+                                # only in the container: proves exec probes run in it
+                                "readinessProbe": {
+                                    "exec": {"command": ["test", "-e", "/www/index.html"]},
+                                    "periodSeconds": 1,
+                                },
+                            }
+                        ],
+                        "volumes": [{"name": "www", "configMap": {"name": app}}],
+                    },
+                },
+            },
+        }
+    )
+    selector = f"app={app}"
+    try:
+
+        def running() -> list[dict[str, Any]]:
+            pods = _pods(kubectl, selector)
+            ok = len(pods) == 2 and all(_first(p).get("ready") for p in pods)
+            return pods if ok else []
+
+        pods = wait_for(running, timeout=120, what="both replicas Running and Ready")
+        assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(devices)
+        names = [p["metadata"]["name"] for p in pods]
+        uids = [p["metadata"]["uid"] for p in pods]
+        ids = {}
+        for uid in uids:
+            [found] = _containers(uid)  # one podman container per pod container
+            assert found["Image"] == lab.image and found["State"] == "running"
+            ids[uid] = found["Id"]
+            inspect = json.loads(_podman("inspect", found["Id"]))[0]
+            assert inspect["HostConfig"]["Memory"] == 64 * 1024 * 1024
+            assert inspect["HostConfig"]["NanoCpus"] == 500_000_000
+
+        # logs: the container's env, literally (no shell expanded it on the device)
+        for name in names:
+            wait_for(
+                lambda n=name: (
+                    kubectl("logs", n).stdout  # type: ignore[misc]
+                    == "hello from a 'device' $HOME\n"
+                ),
+                what="the container's output",
+            )
+        first = names[0]
+        # exec: in the container (its file system, its env), with a terminal for -it
+        assert kubectl("exec", first, "--", "cat", "/www/index.html").stdout == f"served by {app}\n"
+        assert kubectl("exec", first, "--", "sh", "-c", "exit 7", check=False).returncode == 7
+        assert kubectl("exec", "-i", first, "--", "cat", input="abc\n").stdout == "abc\n"
+        command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} exec -it {first} -- sh"
+        with terminal_session(command, cols=120, rows=40) as terminal:
+            wait_for(lambda: "#" in terminal.screen(), timeout=30, what="the container's prompt")
+            terminal.type("stty size; echo env=$GREETING")
+            wait_for(
+                lambda: "40 120" in terminal.screen() and "env=from a" in terminal.screen(),
+                timeout=30,
+                what="a terminal in the container",
+            )
+            terminal.type("exit")
+
+        # port-forward: the container's server, over the device's network
+        with port_forward(kubectl, first, port) as local:
+
+            def fetch() -> bytes:
+                try:
+                    url = f"http://127.0.0.1:{local}/index.html"
+                    with urllib.request.urlopen(url, timeout=5) as reply:
+                        return bytes(reply.read())
+                except OSError:
+                    return b""
+
+            wait_for(lambda: fetch() == f"served by {app}\n".encode(), what="HTTP via forward")
+
+        # a ConfigMap update reaches the running container's bind mount
+        kubectl("patch", "configmap", app, "-p", json.dumps({"data": {"index.html": "v2\n"}}))
+        wait_for(
+            lambda: kubectl("exec", first, "--", "cat", "/www/index.html").stdout == "v2\n",
+            what="the update in the container",
+        )
+
+        # restart by policy: the container exits 3, a new one runs, the old run's log is kept
+        kubectl("exec", first, "--", "touch", "/tmp/stop")
+
+        def restarted() -> dict[str, Any]:
+            found = _first(kubectl.json("get", "pod", first))
+            return found if found.get("restartCount") == 1 and "running" in found["state"] else {}
+
+        again = wait_for(restarted, timeout=60, what="restarted after its exit")
+        assert again["lastState"]["terminated"]["exitCode"] == 3
+        assert kubectl("logs", "--previous", first).stdout == "hello from a 'device' $HOME\n"
+        [new] = _containers(uids[0])
+        assert new["Id"] != ids[uids[0]]
+        ids[uids[0]] = new["Id"]
+
+        # kill -9 of the agent: the same containers after, none started twice
+        lab.agent.stop(9)
+        lab.agent.start()
+        for device in devices:
+            wait_for(lambda d=device: node_ready(kubectl, d), timeout=60, what="Ready again")  # type: ignore[misc]
+        pods = wait_for(running, timeout=60, what="both replicas Running after the restart")
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            assert [c["Id"] for c in _containers(uid)] == [ids[uid]]
+        assert [_first(p)["restartCount"] for p in pods if p["metadata"]["uid"] == uids[0]] == [1]
+    finally:
+        kubectl("delete", "deployment", app, "--wait=false", "--ignore-not-found")
+        kubectl("delete", "configmap", app, "--wait=false", "--ignore-not-found")
+    wait_for(lambda: not _pods(kubectl, selector), timeout=60, what="pods deleted")
+    wait_for(lambda: not any(_containers(uid) for uid in uids), what="containers removed")
+
+
+def test_bad_images_and_hostile_input_get_a_kubelets_reasons(lab: Lab, kubectl: Kubectl) -> None:
+    podman, bare = lab.devices[0], lab.devices[2]
+    tag = uuid.uuid4().hex[:6]
+    canary = f"/tmp/vk-canary-{tag}"
+    args = [h.format(canary=canary) for h in HOSTILE]
+    env = [{"name": f"HOSTILE_{i}", "value": a} for i, a in enumerate(args) if "\n" not in a]
+    script = 'printf "%s|" "$@" >/tmp/args; exec sleep 3600'
+    pods = {
+        # the registry refuses at once: the runtime's own words come back
+        f"pull-{tag}": _pod(
+            f"pull-{tag}",
+            podman.name,
+            {"image": "localhost:1/nothing:1", "imagePullPolicy": "IfNotPresent"},
+        ),
+        f"never-{tag}": _pod(
+            f"never-{tag}",
+            podman.name,
+            {"image": "localhost/absent:1", "imagePullPolicy": "Never"},
+        ),
+        f"opt-{tag}": _pod(f"opt-{tag}", podman.name, {"image": "--privileged"}),
+        f"bare-{tag}": _pod(f"bare-{tag}", bare.name, {"image": lab.image}),
+        f"nl-{tag}": _pod(
+            f"nl-{tag}",
+            podman.name,
+            {"image": lab.image, "env": [{"name": "TWO", "value": "line1\nline2"}]},
+        ),
+        f"attach-{tag}": _pod(
+            f"attach-{tag}",
+            podman.name,
+            {
+                "image": lab.image,
+                "imagePullPolicy": "Never",
+                "command": ["sh", "-c", "while read -r line; do echo got: $line; done"],
+                "stdin": True,
+            },
+        ),
+        f"hostile-{tag}": _pod(
+            f"hostile-{tag}",
+            podman.name,
+            {
+                "image": lab.image,
+                "imagePullPolicy": "Never",
+                "command": ["sh", "-c", script, "sh", *args],
+                "env": env,
+            },
+        ),
+    }
+    for manifest in pods.values():
+        kubectl.apply(manifest)
+    try:
+
+        def waiting(name: str, reason: str) -> dict[str, Any]:
+            found = _first(kubectl.json("get", "pod", name)).get("state", {}).get("waiting", {})
+            return found if found.get("reason") == reason else {}
+
+        pulled = wait_for(lambda: waiting(f"pull-{tag}", "ErrImagePull"), what="ErrImagePull")
+        assert "localhost:1" in pulled["message"]  # the runtime's message
+        wait_for(lambda: waiting(f"pull-{tag}", "ImagePullBackOff"), what="ImagePullBackOff")
+        never = wait_for(lambda: waiting(f"never-{tag}", "ErrImageNeverPull"), what="NeverPull")
+        assert "localhost/absent:1" in never["message"]
+        for name, reason, words in [
+            (f"opt-{tag}", "InvalidImageName", "not an image reference"),
+            (f"bare-{tag}", "ImageNotSupported", "containerRuntime"),
+            (f"nl-{tag}", "InvalidPod", "line break"),
+        ]:
+            wait_for(
+                lambda n=name: status(kubectl, n).get("phase") == "Failed",  # type: ignore[misc]
+                what=f"{name} Failed",
+            )
+            assert status(kubectl, name).get("reason") == reason
+            assert words in status(kubectl, name).get("message", "")
+        assert "hostImages" in status(kubectl, f"bare-{tag}")["message"]
+
+        hostile = f"hostile-{tag}"
+        wait_for(lambda: status(kubectl, hostile).get("phase") == "Running", what="Running")
+        wait_for(
+            lambda: kubectl("exec", hostile, "--", "cat", "/tmp/args", check=False).stdout,
+            what="its arguments written",
+        )
+        assert kubectl("exec", hostile, "--", "cat", "/tmp/args").stdout == "".join(
+            f"{a}|" for a in args
+        )
+        seen = kubectl("exec", hostile, "--", "env").stdout.splitlines()
+        for variable in env:
+            assert f"{variable['name']}={variable['value']}" in seen
+        out = kubectl("exec", hostile, "--", "printf", "%s|", *args).stdout
+        assert out == "".join(f"{a}|" for a in args)
+        assert podman.run(f"test -e {canary} && echo FOUND || echo none").stdout.strip() == "none"
+
+        attach = f"attach-{tag}"
+        wait_for(lambda: status(kubectl, attach).get("phase") == "Running", what="Running")
+        kubectl("attach", "-i", attach, input="hello attach\n", timeout=30, check=False)
+        wait_for(lambda: "got: hello attach" in kubectl("logs", attach).stdout, what="the echo")
+        assert status(kubectl, attach)["phase"] == "Running"  # no EOF when the client left
+        assert node_ready(kubectl, podman.name)  # bad pods leave the device Ready
+    finally:
+        kubectl("delete", "pod", *pods, "--wait=false", "--ignore-not-found")
