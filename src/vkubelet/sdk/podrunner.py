@@ -26,7 +26,14 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from lightkube.models.core_v1 import Container, PodCondition, PodStatus
+import msgspec
+from lightkube.models.core_v1 import (
+    Container,
+    EphemeralContainer,
+    PodCondition,
+    PodSpec,
+    PodStatus,
+)
 from lightkube.resources.core_v1 import Pod
 
 from .backoff import supervise_container
@@ -101,6 +108,8 @@ class PodRunner:
         self._up: dict[str, tuple[int, datetime]] = {}  # container -> (run, started_at) confirmed
         self._status: PodStatus | None = None
         self._conditions: dict[str, PodCondition] = {}  # the provider's own, by type
+        # Ephemeral containers (`kubectl debug`) as the provider reports them, by name.
+        self._ephemeral: dict[str, tuple[EphemeralContainer, ContainerReport]] = {}
         self._tasks = TaskSet(f"pod {pod.metadata.namespace}/{pod.metadata.name}")
         self._life: asyncio.Task[None] | None = None
 
@@ -153,6 +162,25 @@ class PodRunner:
         )
         self._on_change()
 
+    def report_ephemeral(self, container: EphemeralContainer, report: ContainerReport) -> None:
+        """The state of an ephemeral container the provider runs for this pod (`kubectl
+        debug`): in the pod's spec and `ephemeralContainerStatuses` from now on; pushed."""
+        self._ephemeral[container.name] = (container, report)
+        self._on_change()
+
+    def ephemeral(self, name: str) -> ContainerReport | None:
+        """The last report of ephemeral container `name`, None if there is none."""
+        found = self._ephemeral.get(name)
+        return None if found is None else found[1]
+
+    def _spec(self) -> PodSpec:
+        spec = self.pod.spec
+        assert spec is not None
+        if not self._ephemeral:
+            return spec
+        debug = [container for container, _ in self._ephemeral.values()]
+        return msgspec.structs.replace(spec, ephemeralContainers=debug)
+
     def finish(self) -> None:
         """No further runs: the current run's end is the pod's end, whatever the restart policy
         (its workload went elsewhere, say a VM migrated away). Nothing is signalled."""
@@ -162,11 +190,10 @@ class PodRunner:
             self._on_change()
 
     def status(self) -> PodStatus:
-        spec = self.pod.spec
-        assert spec is not None
         reports = {name: self._shown(name, report) for name, report in self.reports.items()}
+        reports.update((name, report) for name, (_, report) in self._ephemeral.items())
         self._status = build_pod_status(
-            spec,
+            self._spec(),
             reports,
             host_ip=self._host_ip,
             pod_ips=self._pod_ips,
@@ -190,7 +217,7 @@ class PodRunner:
 
     def as_pod(self) -> Pod:
         """The pod with its current status, as `get_pod`/`list_pods`/`notify_pods` report it."""
-        return Pod(metadata=self.pod.metadata, spec=self.pod.spec, status=self.status())
+        return Pod(metadata=self.pod.metadata, spec=self._spec(), status=self.status())
 
     async def stop(self, grace_period_seconds: int) -> None:
         """SIGTERM every running container, SIGKILL what is left after the grace period, and

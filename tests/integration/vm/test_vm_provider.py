@@ -36,6 +36,8 @@ from vkubelet.testing import (
     AgentProcess,
     Kubectl,
     create_namespace,
+    ephemeral_state,
+    interactive_debug,
     local_test_address,
     node_ready,
     start_agent,
@@ -270,6 +272,31 @@ def test_exec_with_a_terminal_is_refused_and_attach_reaches_the_serial_console(
             return "ATTACHED-42" in terminal.screen()
 
         wait_for(echoed, timeout=30, interval=2, what="the console's echo")
+
+
+def test_kubectl_debug_runs_a_command_through_the_guest_agent_and_it_is_the_console(
+    vms: VMs, kubectl: Kubectl
+) -> None:
+    """Without stdin the command runs through the guest agent, its output its log; `debug
+    -it` is the serial console (as `attach -it`), ended when the client detaches."""
+    name, ns = _names(vms)[0], vms.namespace
+    kubectl("-n", ns, "debug", name, "--image=busybox", "-c", "once", "--", "cat", "/etc/hostname")
+    ended = wait_for(
+        lambda: ephemeral_state(kubectl, ns, name, "once").get("terminated"),
+        timeout=60,
+        what="the guest agent's command ended",
+    )
+    assert ended["exitCode"] == 0
+    assert kubectl("-n", ns, "logs", name, "-c", "once").stdout.strip() == name
+    with interactive_debug(kubectl, ns, name, "console") as terminal:
+        assert "running" in ephemeral_state(kubectl, ns, name, "console")
+        terminal.type('echo "$((6 * 7))"-debugged')
+        wait_for(lambda: "42-debugged" in terminal.screen(), timeout=30, what="the console")
+    wait_for(
+        lambda: ephemeral_state(kubectl, ns, name, "console").get("terminated"),
+        timeout=30,
+        what="the console session ended with its client",
+    )
 
 
 def test_disks_volume_files_and_env_reach_the_guest_and_config_map_changes_follow(

@@ -750,6 +750,12 @@ class DeviceProvider:
         line = _remote.exec_command(self.root, entry.uid, plan.name, plan.argv)
         try:
             code = await self._run_process(line, io)
+        except asyncio.CancelledError:  # the client left: its session, so the process, ends
+            message = "its client detached: the SSH session it ran in was closed"
+            ended = Terminated(129, started, datetime.now(UTC), message=message)  # SIGHUP
+            entry.debug[plan.name] = ContainerReport(state=ended, container_id=report.container_id)
+            self._publish(entry)
+            raise
         except Exception as e:
             ended = Terminated(137, started, datetime.now(UTC), message=str(e))
         else:

@@ -27,12 +27,13 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from lightkube.models.core_v1 import EphemeralContainer
 from lightkube.resources.core_v1 import Node, Pod
 
 from ..._files import make_private, private_dir, write_private
@@ -40,6 +41,7 @@ from ...kube import ApiError, KubeClient
 from ...sdk import (
     AttachIO,
     ByteStream,
+    ContainerLogOptions,
     ContainerReport,
     ExecResult,
     NodeCondition,
@@ -49,6 +51,7 @@ from ...sdk import (
     ProviderError,
     ResolvedPod,
     RunnerProvider,
+    Running,
     TaskSet,
     Terminated,
     Waiting,
@@ -116,6 +119,24 @@ class _Transport:
 
 
 # -- the provider -------------------------------------------------------------------------------
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+class _Kept:
+    """An ephemeral container's output with no client attached: its log, the last 64 KiB."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    async def write(self, data: bytes) -> None:
+        self._data += data
+        del self._data[:-65536]
+
+    def data(self) -> bytes:
+        return bytes(self._data)
+
+
 class VMProvider(RunnerProvider):
     def __init__(
         self,
@@ -144,6 +165,8 @@ class VMProvider(RunnerProvider):
         self._preparing: dict[str, asyncio.Task[None]] = {}
         self._rates = CpuRates()
         self._tasks = TaskSet("vm provider")
+        # What ephemeral containers (`kubectl debug`) without a client printed: (uid, name).
+        self._debug_output: dict[tuple[str, str], bytes] = {}
         self._started: asyncio.Task[None] | None = None
         self._closed = False
         self.migrations = Migrations(self)
@@ -1007,10 +1030,102 @@ class VMProvider(RunnerProvider):
         assert machine is not None
         return await exec_through_agent(machine, command, io)
 
+    # -- ephemeral containers (kubectl debug) ---------------------------------------------------
+    async def start_ephemeral_container(self, pod: ResolvedPod, name: str) -> None:
+        """A command through the guest agent, as `exec` runs one (the image is not used; the
+        guest agent passes no env). Without stdin it runs now, its output its log. With stdin
+        it runs when a client attaches: `-i` sends stdin whole first, the output comes at the
+        end; `-it` (a terminal the guest agent cannot give) is the VM's serial console, as
+        `kubectl attach` is, and the container ends when the client detaches."""
+        key = f"{pod.namespace}/{pod.name}"
+        runner, vm = self.runners.get(key), self.vms.get(key)
+        if runner is None or vm is None or vm.uid != pod.uid or vm.machine is None:
+            raise ProviderError("NotFound", f"VM of pod {key} is not running", permanent=False)
+        if runner.ephemeral(name) is not None:
+            return  # handed again after an agent restart
+        spec = pod.pod.spec
+        found = [c for c in (spec.ephemeralContainers if spec else None) or () if c.name == name]
+        if not found:
+            raise ProviderError("NotFound", f"pod {pod.name} has no ephemeral container {name}")
+        container = found[0]
+        argv = [*(container.command or []), *(container.args or [])]
+        if not argv and not (container.stdin and container.tty):
+            raise ProviderError(
+                "NoCommand",
+                f"ephemeral container {name}: a VM runs a command through its guest agent: "
+                "give one (kubectl debug ... -- sh)",
+            )
+        now = datetime.now(UTC)
+        runner.report_ephemeral(container, ContainerReport(state=Running(now)))
+        if not container.stdin:
+            output = _Kept()
+            io = AttachIO(stdin=None, stdout=output, stderr=output)
+            run = self._run_ephemeral(runner, vm.machine, container, io, output)
+            self._tasks.spawn(run, name=f"debug {key}/{name}")
+
+    async def _run_ephemeral(
+        self,
+        runner: PodRunner,
+        machine: MachineHandle,
+        container: EphemeralContainer,
+        io: AttachIO,
+        output: _Kept | None = None,
+    ) -> None:
+        """Run it with `io` as its stdio (the console with a terminal); it has terminated when
+        this returns."""
+        report = runner.ephemeral(container.name)
+        started = report.state.started_at if report and isinstance(report.state, Running) else None
+        argv = [*(container.command or []), *(container.args or [])]
+        try:
+            if io.tty:
+                await attach_console(machine.console_socket, io)
+                code = 0
+            else:
+                code = await exec_through_agent(machine, argv, io)
+            ended = Terminated(code, started, datetime.now(UTC))
+        except asyncio.CancelledError:  # the client detached
+            if io.tty:  # from the console: that was the container
+                ended = Terminated(0, started, datetime.now(UTC))
+                runner.report_ephemeral(container, ContainerReport(state=ended))
+            raise  # (with -i: stdin was not complete, nothing ran; it may attach again)
+        except Exception as e:  # the guest agent failed: the container ends with its message
+            ended = Terminated(126, started, datetime.now(UTC), message=str(e))
+        if output is not None and runner.pod.metadata is not None:
+            self._debug_output[(str(runner.pod.metadata.uid), container.name)] = output.data()
+        runner.report_ephemeral(container, ContainerReport(state=ended))
+
+    def container_logs(
+        self, namespace: str, pod: str, container: str, options: ContainerLogOptions
+    ) -> AsyncIterator[bytes]:
+        """A VM's log is its console's; an ephemeral container's, what it printed."""
+        vm = self.vms.get(f"{namespace}/{pod}")
+        runner = self.runners.get(f"{namespace}/{pod}")
+        if vm is not None and runner is not None and runner.ephemeral(container) is not None:
+            return _once(self._debug_output.get((vm.uid, container), b""))
+        return super().container_logs(namespace, pod, container, options)
+
+    async def _attach_ephemeral(self, runner: PodRunner, vm: VM, name: str, io: AttachIO) -> None:
+        report = runner.ephemeral(name)
+        spec = runner.as_pod().spec
+        found = [c for c in (spec.ephemeralContainers if spec else None) or () if c.name == name]
+        if report is None or not found:
+            raise ProviderError("NotFound", f"container {name} is not valid for this pod")
+        if found[0].stdin and isinstance(report.state, Running) and vm.machine is not None:
+            await self._run_ephemeral(runner, vm.machine, found[0], io)
+            return
+        out = io.stdout or io.stderr
+        if out is not None:  # ran without stdin, or ended: what it printed
+            await out.write(self._debug_output.get((vm.uid, name), b""))
+
     async def attach_to_container(
         self, namespace: str, pod: str, container: str, io: AttachIO
     ) -> None:
         """The serial console, both ways (the console log keeps everything regardless)."""
+        key = f"{namespace}/{pod}"
+        runner, vm = self.runners.get(key), self.vms.get(key)
+        if runner is not None and vm is not None and runner.ephemeral(container) is not None:
+            await self._attach_ephemeral(runner, vm, container, io)
+            return
         machine = self._running(namespace, pod, container).machine
         assert machine is not None
         await attach_console(machine.console_socket, io)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import pytest
-from lightkube.models.core_v1 import EnvVar, VolumeMount
+from lightkube.models.core_v1 import EnvVar, EphemeralContainer, VolumeMount
 from lightkube.resources.core_v1 import Node, Pod
 
 from vkubelet.providers.vm._config import VMConfig
@@ -440,3 +441,57 @@ async def test_the_pod_kept_on_the_host_is_readable_by_its_owner_only(
     assert b"s3cret" in kept.read_bytes()
     assert kept.stat().st_mode & 0o777 == 0o600
     assert kept.parent.stat().st_mode & 0o077 == 0
+
+
+async def test_kubectl_debug_runs_its_command_through_the_guest_agent(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    """Without stdin at once (its output is its log); with stdin (`debug -i`) when attached,
+    stdin whole first. (`-it` is the serial console, as `attach` is: tests/integration/vm.)"""
+    pod = make_pod()
+    await provider.create_pod(ResolvedPod(pod))
+    await eventually(lambda: _logged(provider, b"booting"))
+    debugged = make_pod()
+    assert debugged.spec is not None
+    debugged.spec.ephemeralContainers = [
+        EphemeralContainer(name="once", image="busybox", command=["false"]),
+        EphemeralContainer(name="dbg", image="busybox", command=["cat"], stdin=True),
+    ]
+    await provider.start_ephemeral_container(ResolvedPod(debugged), "once")
+    await provider.start_ephemeral_container(ResolvedPod(debugged), "dbg")
+
+    async def ephemeral() -> dict[str, Any]:
+        found = await provider.get_pod("ns", "vm")
+        assert found is not None and found.status is not None
+        return {s.name: s.state for s in found.status.ephemeralContainerStatuses or []}
+
+    async def once_ended() -> bool:
+        state = (await ephemeral())["once"]
+        return state.terminated is not None and state.terminated.exitCode == 3
+
+    await eventually(once_ended)
+    chunks = [c async for c in provider.container_logs("ns", "vm", "once", ContainerLogOptions())]
+    assert b"".join(chunks) == b"no\n"
+    assert (await ephemeral())["dbg"].running is not None  # waits for its client
+
+    class In:
+        def __init__(self) -> None:
+            self.parts = [b"typed", b""]
+
+        async def read(self, max_bytes: int = 65536) -> bytes:
+            return self.parts.pop(0)
+
+    class Out:
+        data = b""
+
+        async def write(self, data: bytes) -> None:
+            self.data += data
+
+    out = Out()
+    await provider.attach_to_container("ns", "vm", "dbg", AttachIO(In(), out, out))
+    assert out.data == b"out:typed"
+    dbg = (await ephemeral())["dbg"]
+    assert dbg.terminated is not None and dbg.terminated.exitCode == 0
+    found = await provider.get_pod("ns", "vm")
+    assert found is not None and found.spec is not None
+    assert [c.name for c in found.spec.ephemeralContainers or []] == ["once", "dbg"]
