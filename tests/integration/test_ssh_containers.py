@@ -5,6 +5,7 @@ plane and kubectl. One lab for the module: two devices with podman, one without 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import urllib.request
 import uuid
@@ -19,6 +20,8 @@ from vkubelet.devcluster import Cluster, build_image
 from vkubelet.testing import (
     AgentProcess,
     Kubectl,
+    ephemeral_state,
+    interactive_debug,
     local_test_address,
     node_ready,
     port_forward,
@@ -303,6 +306,43 @@ def test_a_deployment_of_an_image_runs_as_podman_containers_on_two_devices(
         kubectl("delete", "configmap", app, "--wait=false", "--ignore-not-found")
     wait_for(lambda: not _pods(kubectl, selector), timeout=60, what="pods deleted")
     wait_for(lambda: not any(_containers(uid) for uid in uids), what="containers removed")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by .ci/run")
+def test_kubectl_debug_with_an_image_is_a_container_sharing_its_targets_processes(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    name = f"dbg-{uuid.uuid4().hex[:6]}"
+    command = ["sh", "-c", "exec sleep 3600"]
+    kubectl.apply(_pod(name, lab.devices[1].name, {"image": lab.image, "command": command}))
+    try:
+        wait_for(
+            lambda: kubectl.json("get", "pod", name)["status"].get("phase") == "Running",
+            timeout=60,
+            what=f"{name} Running",
+        )
+        uid = kubectl.json("get", "pod", name)["metadata"]["uid"]
+        with interactive_debug(
+            kubectl, "default", name, "dbg", image=lab.image, target="main"
+        ) as terminal:
+            assert "running" in ephemeral_state(kubectl, "default", name, "dbg")
+            assert len(_containers(uid)) == 2  # the pod's and the debug container
+            terminal.type('ps -o args | grep -q "sleep 360[0]" && echo "SHARED""-PIDS"')
+            wait_for(
+                lambda: "SHARED-PIDS" in terminal.screen().split(),
+                timeout=30,
+                what="the target's process seen from the debug container",
+            )
+            terminal.type("exit 6")
+            ended = wait_for(
+                lambda: ephemeral_state(kubectl, "default", name, "dbg").get("terminated"),
+                timeout=30,
+                what="the debug container terminated",
+            )
+        assert ended["exitCode"] == 6
+        wait_for(lambda: len(_containers(uid)) == 1, timeout=30, what="the debug container gone")
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", "--ignore-not-found")
 
 
 def test_bad_images_and_hostile_input_get_a_kubelets_reasons(lab: Lab, kubectl: Kubectl) -> None:

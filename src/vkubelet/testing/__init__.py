@@ -414,14 +414,15 @@ def interactive_debug(
     *,
     image: str = "busybox",
     shell: str = "sh",
+    target: str | None = None,
     timeout: float = 60,
 ) -> Iterator[TerminalSession]:
-    """`kubectl debug -it POD --image=IMAGE -c CONTAINER -- SHELL` in a real terminal, handed
-    over once its shell answers: a line typed (again every few seconds, until kubectl has
-    attached) comes back as the shell's output, not only as its echo."""
+    """`kubectl debug -it POD --image=IMAGE -c CONTAINER [--target=C] -- SHELL` in a real
+    terminal, handed over once its shell answers: a line typed (again every few seconds, until
+    kubectl has attached) comes back as the shell's output, not only as its echo."""
     command = (
         f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} -n {namespace} debug -it {pod}"
-        f" --image={image} -c {container} -- {shell}"
+        f" --image={image} -c {container}{f' --target={target}' if target else ''} -- {shell}"
     )
     with terminal_session(command) as terminal:
         typed = [0.0]

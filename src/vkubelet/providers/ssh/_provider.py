@@ -76,6 +76,7 @@ class _PodEntry:
         self.debug: dict[str, ContainerReport] = {}
         self.debug_output: dict[str, bytearray] = {}
         self.debug_attached: set[str] = set()
+        self.debug_plans: dict[str, tuple[_remote.ContainerPlan, str | None]] = {}  # and target
 
 
 class DeviceProvider:
@@ -692,7 +693,10 @@ class DeviceProvider:
         found = [c for c in (spec.ephemeralContainers if spec else None) or () if c.name == name]
         if not found:
             raise ProviderError("NotFound", f"pod {pod.name} has no ephemeral container {name}")
-        plan = self._ephemeral_plan(found[0])
+        plan = self._ephemeral_plan(pod, found[0])
+        target = found[0].targetContainerName
+        in_runtime = plan.image is not None and target and self.in_runtime(entry, target)
+        entry.debug_plans[name] = (plan, target if in_runtime else None)
         script = _remote.ephemeral_script(self.root, entry.uid, plan)
         answer = await self.link.run(script)
         answer.check(f"starting ephemeral container {name}")
@@ -710,19 +714,14 @@ class DeviceProvider:
         if not plan.stdin and isinstance(entry.debug[name].state, Running):
             output = entry.debug_output.setdefault(name, bytearray())
             io = AttachIO(stdin=None, stdout=_Output(output), stderr=_Output(output))
-            self._debug_runs.spawn(self._run_ephemeral(entry, plan, io), name=f"debug {name}")
+            self._debug_runs.spawn(self._run_ephemeral(entry, name, io), name=f"debug {name}")
 
-    def _ephemeral_plan(self, container: Any) -> _remote.ContainerPlan:
-        """The ephemeral container as a process of command mode. (A device with a container
-        runtime would run it as a container sharing its target's namespaces: that goes here.)"""
-        image = container.image or ""
-        if not self.config.runs_image(image):
-            raise ProviderError(
-                "ImageNotSupported",
-                f"ephemeral container {container.name}: image {image!r} cannot run on device "
-                f"{self.config.name}: its pods run on the host; use an image named in "
-                f"hostImages ({', '.join(self.config.host_images)})",
-            )
+    def _ephemeral_plan(self, resolved: ResolvedPod, container: Any) -> _remote.ContainerPlan:
+        """A host image's ephemeral container is a process, as `exec` runs one; any other
+        image's a container of the device's runtime (refused without one), in the process
+        namespace of its `--target` when that is a runtime container too."""
+        if not self.config.runs_image(container.image or ""):
+            return self._image_plan(resolved, container)
         argv = [*(container.command or []), *(container.args or [])]
         if not argv:
             raise ProviderError(
@@ -741,13 +740,17 @@ class DeviceProvider:
         except ValueError as e:
             raise ProviderError("InvalidPod", str(e)) from None
 
-    async def _run_ephemeral(
-        self, entry: _PodEntry, plan: _remote.ContainerPlan, io: AttachIO
-    ) -> None:
+    async def _run_ephemeral(self, entry: _PodEntry, name: str, io: AttachIO) -> None:
         """Run its process with `io` as its stdio; it has terminated when this returns."""
+        plan, target = entry.debug_plans[name]
         report = entry.debug[plan.name]
         started = report.state.started_at if isinstance(report.state, Running) else None
-        line = _remote.exec_command(self.root, entry.uid, plan.name, plan.argv)
+        if plan.image is None:
+            line = _remote.exec_command(self.root, entry.uid, plan.name, plan.argv)
+        else:
+            line = _remote.ephemeral_run_command(
+                self.root, entry.uid, plan, tty=io.tty, target=target
+            )
         try:
             code = await self._run_process(line, io)
         except asyncio.CancelledError:  # the client left: its session, so the process, ends
@@ -792,7 +795,7 @@ class DeviceProvider:
             raise ProviderError("NotFound", f"ephemeral container {name} is attached already")
         entry.debug_attached.add(name)
         try:
-            await self._run_ephemeral(entry, self._ephemeral_plan(found[0]), io)
+            await self._run_ephemeral(entry, name, io)
         finally:
             entry.debug_attached.discard(name)
 

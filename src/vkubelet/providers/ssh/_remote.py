@@ -72,6 +72,7 @@ import binascii
 import json
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -565,7 +566,7 @@ umask 022
 """
 
 
-def _run_words(uid: str, container: ContainerPlan, run: ImageRun) -> str:
+def _run_words(uid: str, container: ContainerPlan, run: ImageRun, extra: Sequence[str] = ()) -> str:
     """`<runtime> run` in the foreground, as shell words: its output goes to the log FIFOs, its
     exit code is the container's, and TERM to it reaches the container (the runtime proxies
     signals). The network is the device's, as for host processes: the pod IP is the device's
@@ -601,8 +602,23 @@ def _run_words(uid: str, container: ContainerPlan, run: ImageRun) -> str:
     words += [q(arg) for arg in run.runtime.run_args]
     if run.entrypoint is not None:
         words += ["--entrypoint", q(json.dumps(run.entrypoint))]
-    words += ["--", q(run.image), *(q(arg) for arg in container.argv)]
+    words += [*extra, "--", q(run.image), *(q(arg) for arg in container.argv)]
     return " ".join(words)
+
+
+def ephemeral_run_command(
+    root: str, uid: str, container: ContainerPlan, *, tty: bool, target: str | None
+) -> str:
+    """An ephemeral container of an image (`kubectl debug --image`): `<runtime> run` in the
+    foreground of an SSH exec channel (a PTY with `tty`), its env from the file
+    `ephemeral_script` wrote, in the process namespace of the runtime container `target`
+    (`--target`) when given."""
+    assert container.image is not None
+    extra = ["-t"] if tty else []
+    if target is not None:
+        extra += ["--pid", shlex.quote(f"container:{runtime_name(uid, target)}")]
+    words = _run_words(uid, container, container.image, extra)
+    return f"P={pod_word(root, uid)}; exec {words}"
 
 
 def _supervisor(plan: PodPlan) -> str:
