@@ -11,6 +11,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,7 +63,14 @@ def lab(
         local_test_address() as address,
         ssh_lab(3, workdir, root=True, containers=True) as devices,
     ):
-        inventory = ssh_inventory(devices, restartBackoff={"initial": 2, "max": 4})
+        # Short pings and reconnects: an SSH drop is seen, and over, within seconds.
+        inventory = ssh_inventory(
+            devices,
+            restartBackoff={"initial": 2, "max": 4},
+            reconnectBackoff={"initial": 1, "max": 2},
+            pingInterval=1,
+            connectTimeout=2,
+        )
         for entry in inventory["devices"][:2]:
             entry.update(PODMAN_SETTINGS)
         path = workdir / "inventory.yaml"
@@ -92,7 +100,7 @@ def _podman_rm_all() -> None:
     """What the lab's pods left in the host's podman storage (the devices share it)."""
     ids = _podman("ps", "-aq", "--filter", f"label={LABEL}").split()
     if ids:
-        subprocess.run(["podman", "rm", "-f", *ids], capture_output=True, timeout=60)
+        subprocess.run(["podman", "rm", "-f", "-t", "0", *ids], capture_output=True, timeout=60)
 
 
 def _containers(uid: str) -> list[dict[str, Any]]:
@@ -125,14 +133,14 @@ def _pod(
             "nodeName": node,
             "restartPolicy": restart,
             "tolerations": TOLERATE,
-            "terminationGracePeriodSeconds": 5,
+            "terminationGracePeriodSeconds": 1,
             "containers": [{"name": "main", **container}],
         },
     }
 
 
 def test_a_deployment_of_an_image_runs_as_podman_containers_on_two_devices(
-    lab: Lab, kubectl: Kubectl
+    lab: Lab, kubectl: Kubectl, tmp_path: Path
 ) -> None:
     app = f"img-{uuid.uuid4().hex[:6]}"
     port = 18000 + int(uuid.uuid4().hex[:3], 16) % 1000
@@ -162,7 +170,7 @@ def test_a_deployment_of_an_image_runs_as_podman_containers_on_two_devices(
                     "metadata": {"labels": {"app": app}},
                     "spec": {
                         "tolerations": TOLERATE,
-                        "terminationGracePeriodSeconds": 5,
+                        "terminationGracePeriodSeconds": 1,
                         "affinity": {
                             "nodeAffinity": {
                                 "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -301,6 +309,33 @@ def test_a_deployment_of_an_image_runs_as_podman_containers_on_two_devices(
             uid = pod["metadata"]["uid"]
             assert [c["Id"] for c in _containers(uid)] == [ids[uid]]
         assert [_first(p)["restartCount"] for p in pods if p["metadata"]["uid"] == uids[0]] == [1]
+
+        # an SSH drop: the device is cut off until the agent has found it unreachable
+        dropped = lab.devices[0]
+        offset = len(lab.agent.log())
+        dropped.link_down()
+        try:
+            wait_for(
+                lambda: any(
+                    f"device {dropped.name} (" in line and "unreachable" in line
+                    for line in lab.agent.log()[offset:].splitlines()
+                ),
+                timeout=30,
+                what="the agent losing the device",
+            )
+        finally:
+            dropped.link_up()
+        wait_for(lambda: node_ready(kubectl, dropped.name), timeout=60, what="Ready after the drop")
+        pods = wait_for(running, timeout=60, what="both replicas Running after the drop")
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            assert [c["Id"] for c in _containers(uid)] == [ids[uid]]
+
+        # cp: through the runtime's exec and the image's tar
+        source = tmp_path / "copied.txt"
+        source.write_text("copied in\n")
+        kubectl("cp", str(source), f"{first}:/tmp/copied.txt")
+        assert kubectl("exec", first, "--", "cat", "/tmp/copied.txt").stdout == "copied in\n"
     finally:
         kubectl("delete", "deployment", app, "--wait=false", "--ignore-not-found")
         kubectl("delete", "configmap", app, "--wait=false", "--ignore-not-found")

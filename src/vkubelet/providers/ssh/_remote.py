@@ -512,7 +512,12 @@ def _image_files(uid: str, container: ContainerPlan) -> list[str]:
     d = f'"$P/c/{container.name}'
     return [
         _heredoc(f'cat >{d}/pull"', f"# vkubelet: image of container {container.name}\n{pull}\n"),
-        _heredoc(f'cat >{d}/rm"', f"{rt} rm -f {name} >/dev/null 2>&1\n"),
+        # KILL first: the grace period is over when this runs, and `podman rm -f` would stop
+        # the container with its own 10 s timeout.
+        _heredoc(
+            f'cat >{d}/rm"',
+            f"{rt} kill {name} >/dev/null 2>&1\n{rt} rm -f {name} >/dev/null 2>&1\n",
+        ),
     ]
 
 
