@@ -61,6 +61,7 @@ from ...sdk.backoff import INITIAL_SECONDS, MAX_SECONDS
 from ...sdk.logs import stale_logs
 from ...sdk.provider import EventSink, EventType, UpperAPI
 from ...sdk.retry import Backoff
+from ...sdk.stats import NodeUsage, PodUsage, resource_metrics, summary
 from . import _hibernate, _persist, _resize
 from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage, Runtime
 from ._backup import BackupSource, is_backup_pod, restore_if_asked
@@ -71,7 +72,7 @@ from ._migrate import MIGRATION_SOURCE, MigrationError
 from ._migrations import Migrations
 from ._net import AddressRefused, NetworkRefused
 from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
-from ._stats import CpuRates, VMUsage, process_start, resource_metrics, summary
+from ._stats import QemuReading, VMUsage, process_start
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
 from ._vm import ADDRESS_ANNOTATION, VM, Launch, decorate, pod_annotations
 from ._volumes import DiskProvisioner, VolumeNotReady, claim_disks, drive_args
@@ -163,7 +164,7 @@ class VMProvider(RunnerProvider):
         self._node_changed: Callable[[Node], None] = lambda node: None
         self._grace: dict[str, int] = {}
         self._preparing: dict[str, asyncio.Task[None]] = {}
-        self._rates = CpuRates()
+        self._usage = VMUsage(self.node_name)
         self._tasks = TaskSet("vm provider")
         # What ephemeral containers (`kubectl debug`) without a client printed: (uid, name).
         self._debug_output: dict[tuple[str, str], bytes] = {}
@@ -1137,14 +1138,15 @@ class VMProvider(RunnerProvider):
         await forward_tcp(vm.address, port, stream)
 
     async def stats_summary(self) -> dict[str, Any]:
-        return summary(self.node_name, self.memory, await self._usages())
+        return summary(*await self._sample())
 
     async def metrics_resource(self) -> str:
-        return resource_metrics(await self._usages())
+        return resource_metrics(*await self._sample())
 
-    async def _usages(self) -> list[VMUsage]:
-        """Each running VM's QEMU usage (a VM stopping meanwhile is left out)."""
-        usages = []
+    async def _sample(self) -> tuple[NodeUsage, list[PodUsage], float]:
+        """The node's and each running VM's QEMU usage now (a VM stopping meanwhile is left
+        out)."""
+        readings = []
         for vm in list(self.vms.values()):
             if vm.machine is None:
                 continue
@@ -1155,8 +1157,8 @@ class VMProvider(RunnerProvider):
                 continue
             meta = vm.pod.metadata
             assert meta is not None
-            usages.append(
-                VMUsage(
+            readings.append(
+                QemuReading(
                     namespace=str(meta.namespace),
                     name=str(meta.name),
                     uid=vm.uid,
@@ -1164,10 +1166,10 @@ class VMProvider(RunnerProvider):
                     started=vm.started_wall,
                     cpu_ns=usage.cpu_ns,
                     memory_bytes=usage.memory_bytes,
-                    nanocores=self._rates.rate(vm.uid, usage.cpu_ns),
                 )
             )
-        return usages
+        when = time.time()
+        return *self._usage.sample(readings, self.memory, when), when
 
 
 def _uid(runner: PodRunner) -> str:

@@ -289,6 +289,31 @@ async def test_stats_report_each_vm_s_qemu(provider: VMProvider, runtime: FakeRu
     assert "# TYPE node_cpu_usage_seconds_total counter" in text
 
 
+async def test_the_node_cpu_counter_does_not_go_back_when_a_vm_stops(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    """metrics-server drops a node whose CPU counter decreases: a VM's QEMU time stays counted
+    after the VM is gone."""
+    first, second = make_pod(name="a"), make_pod(name="b")
+    for pod in (first, second):
+        await provider.create_pod(ResolvedPod(pod))
+
+    async def both_measured() -> bool:
+        return len((await provider.stats_summary())["pods"]) == 2
+
+    await eventually(both_measured)
+    await provider.delete_pod(first, 0)
+
+    async def one_measured() -> bool:
+        return len((await provider.stats_summary())["pods"]) == 1
+
+    await eventually(one_measured)
+    summary = await provider.stats_summary()
+    assert summary["node"]["cpu"]["usageCoreNanoSeconds"] == 10 * 10**9
+    assert summary["node"]["memory"]["workingSetBytes"] == 300 * 2**20
+    assert "node_cpu_usage_seconds_total 10.0 " in await provider.metrics_resource()
+
+
 async def test_images_no_pod_uses_are_garbage_collected(
     tmp_path: Path, runtime: FakeRuntime, events: Events
 ) -> None:
