@@ -45,6 +45,7 @@ from vkubelet.testing import (
     wait_for,
 )
 
+from ...unit.agent.units import unit_settings
 from .vmlab import TOLERATION, alive, clean_up, require_vm_host, start_vm_agent
 
 pytestmark = pytest.mark.integration
@@ -545,7 +546,7 @@ def test_the_host_install_s_service_stops_and_starts_again_with_both_vms_adopted
     vkubelet = str(Path(sys.prefix) / "bin" / "vkubelet")
     install = [vkubelet, "host", "install", "--config", str(agent_yaml), "--no-start"]
     subprocess.run([*install, "--unit-dir", str(units)], check=True, timeout=60)
-    service = _unit_section((units / "vkubelet.service").read_text(), "Service")
+    service = unit_settings((units / "vkubelet.service").read_text(), "Service")
     assert service["KillMode"] == "process"  # the VMs are not the service's to stop
     argv = shlex.split(service["ExecStart"])
     environment = dict(item.split("=", 1) for item in shlex.split(service["Environment"]))
@@ -565,19 +566,6 @@ def test_the_host_install_s_service_stops_and_starts_again_with_both_vms_adopted
             stopped, code = _sigterm(agent, stop_signal)
             assert stopped <= 10.0 and code == 0, agent.log()[-3000:]
             assert all(alive(pid) for pid in before.values())
-
-
-def _unit_section(text: str, section: str) -> dict[str, str]:
-    """`Key=value` lines of one section of a systemd unit."""
-    settings: dict[str, str] = {}
-    current = None
-    for line in text.splitlines():
-        if line.startswith("["):
-            current = line.strip("[]")
-        elif current == section and "=" in line and not line.startswith("#"):
-            key, value = line.split("=", 1)
-            settings[key] = value
-    return settings
 
 
 def _sigterm(agent: AgentProcess, sig: int = signal.SIGTERM) -> tuple[float, int]:

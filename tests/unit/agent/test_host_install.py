@@ -17,25 +17,14 @@ import pytest
 from vkubelet.agent import _hostinstall
 from vkubelet.node import ConfigError
 
+from .units import unit_settings
+
 AGENT_YAML = """\
 kubeconfig: /etc/vkubelet/kubeconfig
 certDir: /var/lib/vkubelet/pki
 nodes:
   - {name: hv-1, provider: vm, providerConfig: vm.yaml, internalIP: 10.0.0.5}
 """
-
-
-def unit_settings(text: str, section: str) -> dict[str, str]:
-    """`Key=value` lines of one section of a unit (the last one wins, as in systemd)."""
-    settings: dict[str, str] = {}
-    current = None
-    for line in text.splitlines():
-        if line.startswith("["):
-            current = line.strip("[]")
-        elif current == section and "=" in line and not line.startswith("#"):
-            key, value = line.split("=", 1)
-            settings[key] = value
-    return settings
 
 
 def test_the_units_run_this_vkubelet_with_the_config_and_spare_the_vms_on_stop(
