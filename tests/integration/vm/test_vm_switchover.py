@@ -31,6 +31,8 @@ from vkubelet.providers.vm._migrations import Migrations
 from vkubelet.providers.vm._vm import Launch
 from vkubelet.testing.harness import eventually
 
+from ...unit.providers.vm.fakes import FakeRunner
+
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.asyncio,
@@ -59,25 +61,11 @@ async def _launch(image: Path, run_dir: Path, incoming: bool) -> Machine:
     return await Machine.launch(spec)
 
 
-class Runner:
-    """The pod's runner, as far as the migration parts use it: its conditions."""
-
-    def __init__(self) -> None:
-        self.conditions: dict[str, tuple[str, str, str]] = {}
-        self.finished = False
-
-    def set_condition(self, kind: str, status: str, reason: str, message: str) -> None:
-        self.conditions[kind] = (status, reason, message)
-
-    def finish(self) -> None:
-        self.finished = True
-
-
 class API:
     """The cluster as the source's agent reads it: the target pod (its status from the target's
     runner) on hv-2, a vm node at 127.0.0.1."""
 
-    def __init__(self, target: Runner, token: str) -> None:
+    def __init__(self, target: FakeRunner, token: str) -> None:
         self.target, self.token = target, token
 
     async def get(self, path: str) -> dict[str, Any]:
@@ -143,7 +131,7 @@ async def test_a_target_killed_right_after_the_stream_completed_leaves_the_vm_at
         boot_id = (await source.exec(["cat", "/proc/sys/kernel/random/boot_id"])).stdout
         target = await _launch(vm_guest_image, tmp_path / "dst", incoming=True)
         token = secrets.token_hex(32)
-        target_runner, source_runner = Runner(), Runner()
+        target_runner, source_runner = FakeRunner(), FakeRunner()
 
         # The target's side: its agent's `receive`, its status poll held until the kill.
         completed = asyncio.Event()

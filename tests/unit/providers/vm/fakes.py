@@ -171,6 +171,21 @@ class Events:
         self.node.append((type, reason, message))
 
 
+class FakeRunner:
+    """A pod's runner as the migration parts (`Migrations`) use it: the conditions they set
+    and whether they ended its run."""
+
+    def __init__(self) -> None:
+        self.conditions: dict[str, tuple[str, str, str]] = {}
+        self.finished = False
+
+    def set_condition(self, kind: str, status: str, reason: str, message: str) -> None:
+        self.conditions[kind] = (status, reason, message)
+
+    def finish(self) -> None:
+        self.finished = True
+
+
 def make_pod(name: str = "vm", image: str = "vm.vkubelet.io/tiny", **spec: Any) -> Pod:
     body = {
         "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"},

@@ -17,6 +17,8 @@ from vkubelet.providers.vm._qmp import Monitor
 from vkubelet.providers.vm._vm import Launch
 from vkubelet.sdk.logs import LogRotation
 
+from .fakes import FakeRunner
+
 ENDPOINT = Endpoint("127.0.0.1", 1, 2, 3, ("disk0",), pod="vm-2")  # nothing listens there
 
 
@@ -50,18 +52,6 @@ class FakeQEMU(Monitor):
         self.quitted = True
 
 
-class Runner:
-    def __init__(self) -> None:
-        self.conditions: dict[str, tuple[str, str, str]] = {}
-        self.finished = False
-
-    def set_condition(self, kind: str, status: str, reason: str, message: str) -> None:
-        self.conditions[kind] = (status, reason, message)
-
-    def finish(self) -> None:
-        self.finished = True
-
-
 class TargetArrived:
     """The API, where the target pod says the guest runs there (its console port, nothing
     listening, gave no verdict)."""
@@ -72,7 +62,7 @@ class TargetArrived:
         return {"status": {"conditions": [ready]}}
 
 
-def _setup(tmp_path: Path, state: str, **record: Any) -> tuple[Migrations, Any, Runner]:
+def _setup(tmp_path: Path, state: str, **record: Any) -> tuple[Migrations, Any, FakeRunner]:
     events: list[tuple[str, str]] = []
     host = SimpleNamespace(
         event=lambda vm, kind, reason, message: events.append((reason, message)),
@@ -92,10 +82,10 @@ def _setup(tmp_path: Path, state: str, **record: Any) -> tuple[Migrations, Any, 
         state=state,
         **record,
     )
-    return migrations, vm, Runner()
+    return migrations, vm, FakeRunner()
 
 
-def _condition(runner: Runner) -> tuple[str, dict[str, Any]]:
+def _condition(runner: FakeRunner) -> tuple[str, dict[str, Any]]:
     _, reason, message = runner.conditions["vm.vkubelet.io/Migration"]
     return reason, json.loads(message)
 
@@ -163,14 +153,14 @@ class FakeTarget(Monitor):
         return {}
 
 
-def _target(tmp_path: Path) -> tuple[Migrations, Any, Runner]:
+def _target(tmp_path: Path) -> tuple[Migrations, Any, FakeRunner]:
     spawned: list[Any] = []
     host = SimpleNamespace(
         event=lambda vm, kind, reason, message: None,
         spawn=lambda coro, name: spawned.append(coro.close()),
     )
     vm = SimpleNamespace(dir=tmp_path, uid="u2", launch=Launch(), save=lambda: None)
-    return Migrations(host), vm, Runner()
+    return Migrations(host), vm, FakeRunner()
 
 
 @pytest.mark.parametrize(

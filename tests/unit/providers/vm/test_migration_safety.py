@@ -18,7 +18,8 @@ from vkubelet.providers.vm._migrations import Migrations, endpoint_problem, targ
 from vkubelet.providers.vm._vm import Launch
 from vkubelet.sdk.logs import LogRotation
 
-from .test_migration_resume import FakeQEMU, FakeTarget, Runner
+from .fakes import FakeRunner
+from .test_migration_resume import FakeQEMU, FakeTarget
 
 TOKEN = "a" * 64
 PUBLISHED = Endpoint("10.0.0.2", 4000, 4001, 4002, ("disk0",), pod="vm-2")
@@ -152,7 +153,7 @@ async def test_the_source_quits_only_when_the_target_runs_the_guest_else_resumes
     migrations._write_record(vm, **record, state="completed")  # type: ignore[arg-type]
     qemu = FakeQEMU("completed", running="postmigrate")
     machine = SimpleNamespace(monitor=qemu, console_log=tmp_path / "console.log")
-    runner = Runner()
+    runner = FakeRunner()
     async with server:
         await migrations.resume_outgoing(vm, machine, runner)  # type: ignore[arg-type]
     assert received == [TOKEN.encode() + b"\n"]  # the token first, then the (empty) history
