@@ -91,8 +91,12 @@ def lab(
             _podman_rm_all()
 
 
+#: podman as the lab's devices call it (its network lock in the lab's directory, not /etc/cni).
+PODMAN = [str(word) for word in PODMAN_SETTINGS["runtimeCommand"]]
+
+
 def _podman(*args: str) -> str:
-    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run([*PODMAN, *args], capture_output=True, text=True, timeout=60, check=True)
     return done.stdout
 
 
@@ -100,7 +104,7 @@ def _podman_rm_all() -> None:
     """What the lab's pods left in the host's podman storage (the devices share it)."""
     ids = _podman("ps", "-aq", "--filter", f"label={LABEL}").split()
     if ids:
-        subprocess.run(["podman", "rm", "-f", "-t", "0", *ids], capture_output=True, timeout=60)
+        subprocess.run([*PODMAN, "rm", "-f", "-t", "0", *ids], capture_output=True, timeout=60)
 
 
 def _containers(uid: str) -> list[dict[str, Any]]:

@@ -522,7 +522,16 @@ def ssh_lab(
 #: refuses this host's hybrid cgroups, and its default rlimits exceed what the host allows.
 PODMAN_SETTINGS: dict[str, Any] = {
     "containerRuntime": "podman",
-    "runtimeCommand": ["podman", "--runtime", "/usr/sbin/runc"],
+    # The network config dir is the lab's own: podman writes its lock there (even for
+    # `--network host`), and /etc/cni/net.d belongs to the worker nodes' CNI, whose tests check
+    # that nothing appears in it while they run.
+    "runtimeCommand": [
+        "podman",
+        "--runtime",
+        "/usr/sbin/runc",
+        "--network-config-dir",
+        "/run/vkubelet-lab/podman-networks",
+    ],
     "runtimeRunArgs": ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"],
 }
 
