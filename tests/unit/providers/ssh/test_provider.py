@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -53,17 +52,6 @@ class Device:
 
     def pod_fs(self, uid: str) -> Path:
         return self.home / ".vkubelet" / "pods" / uid / "fs"
-
-
-@pytest.fixture
-async def device(tmp_path: Path) -> AsyncIterator[Device]:
-    home = tmp_path / "home"
-    home.mkdir()
-    dev = Device(home)
-    yield dev
-    for provider in dev.providers:
-        await provider.aclose()
-    await dev.link.aclose()
 
 
 def make_pod(name: str, uid: str, **container: Any) -> ResolvedPod:

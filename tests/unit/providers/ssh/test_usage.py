@@ -5,7 +5,6 @@ process group, and the node's capacity following the device unless pinned."""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,17 +20,6 @@ from vkubelet.testing.harness import eventually
 from .test_provider import Device, make_pod, wait_running
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def device(tmp_path: Path) -> AsyncIterator[Device]:
-    home = tmp_path / "home"
-    home.mkdir()
-    dev = Device(home)
-    yield dev
-    for provider in dev.providers:
-        await provider.aclose()
-    await dev.link.aclose()
 
 
 def host_figures() -> tuple[int, str]:
