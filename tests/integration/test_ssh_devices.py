@@ -726,15 +726,17 @@ def test_kubectl_top_follows_a_cpu_burning_device_pod_and_capacity_follows_the_d
             return figures if figures is not None and check(_millicores(figures[1])) else None
 
         figures = wait_for(
-            # About a core; at least 400m while other tests share the machine's cores.
-            lambda: pod_cpu(lambda m: m >= 400),
+            # About a core alone; a busy loop gets less when other tests share the machine's
+            # two cores (a fresh-clone CI run at load 30 never showed 400m in 120 s): at least
+            # 200m, four times what the idle pod must fall under below.
+            lambda: pod_cpu(lambda m: m >= 200),
             timeout=120,
             interval=2,
             what="about a core",
         )
         assert _mebibytes(figures[2]) >= 15
         node = wait_for(lambda: _top(kubectl, "node", device.name), timeout=60, interval=2)
-        assert _millicores(node[1]) >= 300
+        assert _millicores(node[1]) >= 150
         assert _mebibytes(node[3]) > _mebibytes(figures[2])
         wait_for(
             lambda: (
