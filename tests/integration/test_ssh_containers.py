@@ -329,6 +329,14 @@ def test_a_deployment_of_an_image_runs_as_podman_containers_on_two_devices(
             )
         finally:
             dropped.link_up()
+
+        def reconnected() -> bool:
+            lines = lab.agent.log()[offset:].splitlines()
+            lost = [i for i, line in enumerate(lines) if "unreachable" in line]
+            connected = f"device {dropped.name} connected"
+            return bool(lost) and any(connected in line for line in lines[lost[0] :])
+
+        wait_for(reconnected, timeout=60, what="the agent connected to the device again")
         wait_for(lambda: node_ready(kubectl, dropped.name), timeout=60, what="Ready after the drop")
         pods = wait_for(running, timeout=60, what="both replicas Running after the drop")
         for pod in pods:

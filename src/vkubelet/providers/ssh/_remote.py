@@ -494,8 +494,9 @@ def runtime_name(uid: str, container: str) -> str:
 
 def _image_files(uid: str, container: ContainerPlan) -> list[str]:
     """A runtime container's `pull` (run by the supervisor before each run: exit 0 when the
-    image is there, 1 when pulling failed, 2 when it is absent under `Never`; the runtime's
-    message on stdout and stderr) and `rm` (removes what a killed `run` left)."""
+    image is there, 1 when pulling failed, 2 when it is absent under `Never`, 3 when the
+    runtime itself is not there; the message on stdout and stderr) and `rm` (removes what a
+    killed `run` left)."""
     run = container.image
     if run is None:
         return []
@@ -503,11 +504,23 @@ def _image_files(uid: str, container: ContainerPlan) -> list[str]:
     image = shlex.quote(run.image)
     present = f"{rt} image inspect {image} >/dev/null 2>&1"
     never = f"Container image {run.image} is not present with pull policy of Never"
-    pull = {
-        "Always": f"exec {rt} pull -q {image}",
-        "IfNotPresent": f"{present} && exit 0\nexec {rt} pull -q {image}",
-        "Never": f"{present} && exit 0\necho {shlex.quote(never)}\nexit 2",
-    }[run.pull_policy]
+    program = run.runtime.command[0]
+    missing = (
+        f"container runtime {program} is not on the device's PATH "
+        "(containerRuntime, runtimeCommand in the inventory)"
+    )
+    check = (
+        f"command -v {shlex.quote(program)} >/dev/null 2>&1 || "
+        f"{{ echo {shlex.quote(missing)}; exit 3; }}\n"
+    )
+    pull = (
+        check
+        + {
+            "Always": f"exec {rt} pull -q {image}",
+            "IfNotPresent": f"{present} && exit 0\nexec {rt} pull -q {image}",
+            "Never": f"{present} && exit 0\necho {shlex.quote(never)}\nexit 2",
+        }[run.pull_policy]
+    )
     name = runtime_name(uid, container.name)
     d = f'"$P/c/{container.name}'
     return [
@@ -773,8 +786,11 @@ pull() {
 		fi
 		tail -c 1000 "$p_dir/pulled" >"$p_dir/message.tmp" &&
 			mv -f "$p_dir/message.tmp" "$p_dir/message"
-		if [ "$p_code" -eq 2 ]; then set_state "$1" waiting ErrImageNeverPull
-		else set_state "$1" waiting "$p_reason" "$p_delay"; fi
+		case $p_code in
+		2) set_state "$1" waiting ErrImageNeverPull ;;
+		3) set_state "$1" waiting CreateContainerError "$p_delay" ;; # no runtime: retried
+		*) set_state "$1" waiting "$p_reason" "$p_delay" ;;
+		esac
 		backoff "$1" "$p_delay"
 		p_reason=ImagePullBackOff
 		p_delay=$((p_delay * 2))
@@ -874,7 +890,7 @@ for P in {targets}; do
 		read -r state 2>/dev/null <"$d/state"
 		echo "state $state"
 		if read -r last 2>/dev/null <"$d/last"; then echo "last $last"; fi
-		case $state in "waiting Err"* | "waiting ImagePull"*)
+		case $state in "waiting Err"* | "waiting ImagePull"* | "waiting CreateContainerError"*)
 			[ ! -s "$d/message" ] || echo "message $(base64 <"$d/message" | tr -d '\\n')" ;;
 		esac
 	done <"$P/containers"

@@ -1000,3 +1000,16 @@ def test_parse_sweep_reads_a_waiting_containers_message() -> None:
         "Error: pull refused",
         10,
     )
+
+
+def test_a_runtime_missing_on_the_device_is_create_container_error_naming_the_setting(
+    device: Device, tmp_path: Path
+) -> None:
+    runtime = Runtime([str(tmp_path / "no-such-podman")])
+    device.start(pod_plan(image_ctr(runtime, "busybox:1", ["true"]), policy="Always"))
+    pod = device.wait(lambda p: status(p).reason == "CreateContainerError")
+    assert "no-such-podman is not on the device's PATH" in (status(pod).message or "")
+    assert "runtimeCommand" in (status(pod).message or "")
+    assert status(pod).restart_count == 0
+    device.run(stop_pod_script(ROOT, "u1", 1))
+    device.wait(lambda p: not p.supervisor_alive)
