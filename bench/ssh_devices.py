@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/ssh_devices.py [--pods 100] [--devices 10] [--rate 0 10]
                                                [--execs 50] [--log-lines 50] [--cluster NAME]
+                                               [--image-pods 50] [--image-rate 10]
                                                [--logs DIR]
 
 The devices are real sshd's from `vkubelet.testing.ssh_lab` (each in its own network namespace,
@@ -25,6 +26,14 @@ all from an inventory file, one multiplexed SSH connection per device. It measur
 - log follow: a pod prints `date +%s.%N` every `--log-interval` s; `kubectl logs -f` and, as the
   floor, `ssh ... tail -F` of the same log file on the device read along; latency = receipt time
   - the printed time, over `--log-lines` lines.
+- images on a device: one more device, logged in to as root, runs Debian's podman (the lab's
+  `PODMAN_SETTINGS`; the busybox image of the dev cluster loaded into it). On it, `--image-pods`
+  pods at `--image-rate` pods/s, three ways one after the other: command pods (`image: host`),
+  image pods (busybox through podman, an emptyDir mounted), and the floor, the same image run
+  with `podman run -d` over an open SSH connection, no agent or API in the way. Each command
+  creates a file first thing; latency = the file's mtime - our clock before the create (or the
+  `ssh` request). Also: when the API saw Running (the floor: when `run -d` returned) and when
+  the pod's container script started (for an image pod: `podman run` invoked).
 
 Needs root (network namespaces, users, sshd). Starts a dev cluster unless `--cluster` names a
 running one, and removes everything it created, also on failure. It is a benchmark, not a test:
@@ -40,6 +49,7 @@ import itertools
 import json
 import os
 import platform
+import shlex
 import signal
 import ssl
 import statistics
@@ -49,7 +59,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,14 +86,22 @@ from _common import (
     wait_until,
 )
 
-from vkubelet.devcluster import Cluster
+from vkubelet.devcluster import Cluster, build_image
 from vkubelet.testing import (
     AgentProcess,
     find_kubectl,
     local_test_address,
 )
 from vkubelet.testing import start_agent as start_agent_process
-from vkubelet.testing.sshlab import TestDevice, ssh_inventory, ssh_lab, ssh_lab_unavailable
+from vkubelet.testing.sshlab import (
+    PODMAN_SETTINGS,
+    TestDevice,
+    podman_load,
+    podman_unavailable,
+    ssh_inventory,
+    ssh_lab,
+    ssh_lab_unavailable,
+)
 
 CONCURRENCY = 32  # creates in flight in the all-at-once run
 TOLERATE = [{"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}]
@@ -119,10 +137,17 @@ def devices_cpu(devices: list[TestDevice]) -> float:
 
 
 def start_agent(
-    cluster: Cluster, work: Path, devices: list[TestDevice], address: str, level: str
+    cluster: Cluster,
+    work: Path,
+    devices: list[TestDevice],
+    podman_devices: list[TestDevice],
+    address: str,
+    level: str,
 ) -> AgentProcess:
+    inventory = ssh_inventory(devices)  # maxSessions: the default
+    inventory["devices"] += ssh_inventory(podman_devices, **PODMAN_SETTINGS)["devices"]
     path = work / "inventory.yaml"
-    path.write_text(yaml.safe_dump(ssh_inventory(devices)))  # maxSessions: the default
+    path.write_text(yaml.safe_dump(inventory))
     return start_agent_process(
         cluster,
         work,
@@ -668,6 +693,248 @@ def report_logs(results: dict[str, list[float]], interval: float, busy: float) -
     print(f"(machine CPU busy meanwhile: {100 * busy:.0f} % of {os.cpu_count()} CPUs, anyone's)")
 
 
+# -- images on a device ---------------------------------------------------------------------------
+
+# Each way of starting creates a file first thing, then sleeps: the file's mtime (to the kernel's
+# clock tick) is when the command started. Busybox's `date` has no %N.
+IMAGE_SCRIPT = ": >/out/started; exec sleep 3600"
+FLOOR_LABEL = "io.vkubelet.bench"
+
+
+@dataclass
+class StartRun:
+    """Pods (or floor containers) started on one device at a steady rate: wall-clock times."""
+
+    label: str
+    sent: dict[str, float] = field(default_factory=dict)  # create request / `ssh` request
+    written: dict[str, float] = field(default_factory=dict)  # the start script wrote pod.json
+    supervised: dict[str, float] = field(default_factory=dict)  # supervisor.pid written
+    invoked: dict[str, float] = field(default_factory=dict)  # the pod's container script ran
+    started: dict[str, float] = field(default_factory=dict)  # the command's file appeared
+    running: dict[str, float] = field(default_factory=dict)  # API Running / `run -d` returned
+    elapsed: float = 0.0  # first request -> last command started
+    agent_cpu_s: float = 0.0
+    device_cpu_s: float = 0.0
+    control_plane_cpu_s: float = 0.0
+    machine_busy: float = 0.0
+
+    def since_sent(self, marks: dict[str, float]) -> list[float]:
+        return [marks[n] - self.sent[n] for n in self.sent if n in marks]
+
+    def span(self, start: str, end: str) -> list[float]:
+        """Per pod, the time from mark `start` to mark `end` (the names of the fields above;
+        "pod.json" and "supervisor" for `written` and `supervised`)."""
+        alias = {"pod.json": "written", "supervisor": "supervised"}
+        first: dict[str, float] = getattr(self, alias.get(start, start))
+        second: dict[str, float] = getattr(self, alias.get(end, end))
+        return [second[n] - first[n] for n in first if n in second]
+
+
+async def paced(
+    names: list[str], rate: float, start: Callable[[str], Coroutine[Any, Any, None]]
+) -> None:
+    """`start` each name at `rate` per second, not waiting for one to finish before the next."""
+    began = time.time()
+    tasks: list[asyncio.Task[None]] = []
+    for i, name in enumerate(names):
+        delay = began + i / rate - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(start(name)))
+    await asyncio.gather(*tasks)
+
+
+def mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime_ns / 1e9
+    except OSError:
+        return None
+
+
+def image_pod_body(name: str, node: str, image: str) -> dict[str, Any]:
+    body = pod_body(name, node, "")
+    body["spec"]["volumes"] = [{"name": "out", "emptyDir": {}}]
+    body["spec"]["containers"] = [
+        {
+            "name": "main",
+            "image": image,
+            "imagePullPolicy": "IfNotPresent",  # a kubelet's default for a tagged image
+            "command": ["sh", "-c", IMAGE_SCRIPT],
+            "volumeMounts": [{"name": "out", "mountPath": "/out"}],
+        }
+    ]
+    return body
+
+
+async def pods_run(
+    cluster: Cluster,
+    client: httpx.AsyncClient,
+    ns: str,
+    watcher: Watcher,
+    device: TestDevice,
+    image: str | None,
+    count: int,
+    rate: float,
+    agent_pid: int,
+) -> StartRun:
+    """`count` pods on `device` at `rate`: command pods (image None) or pods of `image`."""
+    run = StartRun("command pods" if image is None else "image pods (podman)")
+    prefix = f"{'c' if image is None else 'i'}{uuid.uuid4().hex[:4]}"
+    names = [f"{prefix}-{i}" for i in range(count)]
+    files: dict[str, Path] = {}  # the pod's directory on the device
+    await asyncio.gather(*(client.get(f"/api/v1/namespaces/{ns}") for _ in range(8)))
+    cpu_before = cpu_seconds(agent_pid), devices_cpu([device]), control_plane_cpu(cluster)
+    machine_before = machine_cpu()
+
+    async def create(name: str) -> None:
+        if image is None:
+            body = pod_body(name, device.name, ': >"$VKUBELET_POD_DIR/started"; exec sleep 3600')
+        else:
+            body = image_pod_body(name, device.name, image)
+        run.sent[name] = time.time()
+        response = await client.post(f"/api/v1/namespaces/{ns}/pods", json=body)
+        response.raise_for_status()
+        files[name] = pod_dir(device, response.json()["metadata"]["uid"])
+
+    started = "started" if image is None else "volumes/out/started"
+    marks = [
+        (run.written, "pod.json"),
+        (run.supervised, "supervisor.pid"),
+        (run.invoked, "c/main/pid"),
+        (run.started, started),
+    ]
+
+    def look() -> bool:
+        for name, directory in files.items():
+            for times, path in marks:
+                if name not in times and (at := mtime(directory / path)) is not None:
+                    times[name] = at
+        return len(run.started) == count and all(n in watcher.running_at for n in names)
+
+    await paced(names, rate, create)
+    await wait_until(look, 300, f"{run.label} started")
+    run.running = {n: watcher.running_at[n] for n in names}
+    run.elapsed = max(run.started.values()) - min(run.sent.values())
+    run.agent_cpu_s = cpu_seconds(agent_pid) - cpu_before[0]
+    run.device_cpu_s = devices_cpu([device]) - cpu_before[1]
+    run.control_plane_cpu_s = control_plane_cpu(cluster) - cpu_before[2]
+    run.machine_busy = busy_since(machine_before)
+    await delete_pods(client, ns, names, 1)
+    await wait_until(lambda: all(n in watcher.deleted_at for n in names), 300, "pods deleted")
+    return run
+
+
+async def floor_run(
+    cluster: Cluster, device: TestDevice, image: str, count: int, rate: float, work: Path
+) -> StartRun:
+    """The same image started with `podman run -d` over one open SSH connection (as the agent
+    keeps one per device), each in its own channel, at `rate`: what the device's runtime costs
+    without the agent, the API and the supervisor."""
+    run = StartRun("podman run -d over SSH (floor)")
+    tag = uuid.uuid4().hex[:6]
+    out = work / f"floor-{tag}"
+    runtime = " ".join(shlex.quote(str(word)) for word in PODMAN_SETTINGS["runtimeCommand"])
+    run_args = " ".join(shlex.quote(str(word)) for word in PODMAN_SETTINGS["runtimeRunArgs"])
+    names = [f"vkbench-{tag}-{i}" for i in range(count)]
+    conn = await asyncssh.connect(
+        device.address,
+        device.port,
+        username=device.user,
+        client_keys=[str(device.key_path)],
+        known_hosts=str(device.known_hosts),
+        config=[],
+    )
+    cpu_before = devices_cpu([device]), control_plane_cpu(cluster)
+    machine_before = machine_cpu()
+
+    async def start(name: str) -> None:
+        (out / name).mkdir(parents=True)
+        command = (
+            f"{runtime} run -d --rm --name {name} --label {FLOOR_LABEL}={tag} --network host "
+            f"{run_args} --volume {shlex.quote(str(out / name))}:/out -- {shlex.quote(image)} "
+            f"sh -c {shlex.quote(IMAGE_SCRIPT)}"
+        )
+        run.sent[name] = time.time()
+        await conn.run(command, check=True)
+        run.running[name] = time.time()
+
+    try:
+        await paced(names, rate, start)
+
+        def look() -> bool:
+            for name in names:
+                if name not in run.started and (at := mtime(out / name / "started")) is not None:
+                    run.started[name] = at
+            return len(run.started) == count
+
+        await wait_until(look, 300, "floor containers started")
+        run.elapsed = max(run.started.values()) - min(run.sent.values())
+        run.device_cpu_s = devices_cpu([device]) - cpu_before[0]
+        run.control_plane_cpu_s = control_plane_cpu(cluster) - cpu_before[1]
+        run.machine_busy = busy_since(machine_before)
+    finally:
+        await conn.run(
+            f"{runtime} rm -f -t 0 $({runtime} ps -aq --filter label={FLOOR_LABEL}={tag})",
+            check=False,
+        )
+        conn.close()
+    return run
+
+
+def report_images(runs: list[StartRun], rate: float) -> None:
+    count = len(runs[0].sent)
+    print(f"\n## images on one device: {count} pods at {rate:g} pods/s, each way in turn (ms)")
+    rows: list[tuple[str, ...]] = [("", *(r.label for r in runs))]
+
+    def quantiles(values: list[float]) -> str:
+        parts = (pct(values, 0.5), pct(values, 0.9), pct(values, 0.99), max(values, default=0))
+        return " / ".join(ms(v) for v in parts)
+
+    rows.append(("(p50 / p90 / p99 / max)", *("" for _ in runs)))
+    rows.append(("bind -> command started", *(quantiles(r.since_sent(r.started)) for r in runs)))
+    rows.append(
+        (
+            "bind -> API sees Running (floor: run -d returned)",
+            *(quantiles(r.since_sent(r.running)) for r in runs),
+        )
+    )
+    rows.append(
+        (
+            "bind -> container script (image: podman run invoked)",
+            *(quantiles(r.since_sent(r.invoked)) if r.invoked else "-" for r in runs),
+        )
+    )
+    rows.append(("first request -> last started", *(f"{r.elapsed:.1f} s" for r in runs)))
+    rows.append(("where the pods' time goes (p50 / p99 of each step):", *("" for _ in runs)))
+    steps = [
+        ("sent", "pod.json", "bind -> start script wrote pod.json"),
+        ("pod.json", "supervisor", "-> supervisor started"),
+        ("supervisor", "invoked", "-> container script (image: after the pull check)"),
+        ("invoked", "started", "-> command started (image: podman run)"),
+    ]
+    for start, end, what in steps:
+        spans = [r.span(start, end) for r in runs]
+        rows.append(
+            (f"  {what}", *(f"{ms(pct(v, 0.5))} / {ms(pct(v, 0.99))}" if v else "-" for v in spans))
+        )
+    rows.append(
+        (
+            "CPU s for the run: agent / device / ctl plane",
+            *(
+                f"{r.agent_cpu_s:.1f} / {r.device_cpu_s:.1f} / {r.control_plane_cpu_s:.1f}"
+                for r in runs
+            ),
+        )
+    )
+    rows.append(
+        (
+            f"machine CPU busy ({os.cpu_count()} CPUs, anyone's)",
+            *(f"{100 * r.machine_busy:.0f} %" for r in runs),
+        )
+    )
+    print_table(rows)
+
+
 # -- main -----------------------------------------------------------------------------------------
 
 
@@ -699,16 +966,22 @@ async def start_pod(
 
 
 async def benchmark(
-    cluster: Cluster, devices: list[TestDevice], address: str, work: Path, args: argparse.Namespace
+    cluster: Cluster,
+    devices: list[TestDevice],
+    podman_devices: list[TestDevice],
+    address: str,
+    work: Path,
+    args: argparse.Namespace,
 ) -> None:
     client = http_client(cluster.kubeconfig, CONCURRENCY)
-    agent = start_agent(cluster, work, devices, address, args.agent_log_level)
+    agent = start_agent(cluster, work, devices, podman_devices, address, args.agent_log_level)
     assert agent.proc is not None
     ns = ""
     watch_task: asyncio.Task[None] | None = None
+    everyone = devices + podman_devices
     try:
-        log(f"Waiting for {len(devices)} device nodes to be Ready ...")
-        await nodes_ready(client, [d.name for d in devices], 180)
+        log(f"Waiting for {len(everyone)} device nodes to be Ready ...")
+        await nodes_ready(client, [d.name for d in everyone], 180)
         ns = await new_namespace(client, "bench-ssh")
         watcher = Watcher(client, ns)
         watch_task = asyncio.create_task(watcher.run())
@@ -724,6 +997,18 @@ async def benchmark(
                     cluster, client, ns, watcher, devices, args.pods, rate, agent.proc.pid
                 )
             )
+        images: list[StartRun] = []
+        if podman_devices:
+            device, rate, count = podman_devices[0], args.image_rate, args.image_pods
+            log(f"images: {count} pods at {rate:g}/s on one device, 3 ways ...")
+            image = await asyncio.to_thread(podman_load, build_image("busybox", log).path)
+            for way in (None, image):
+                images.append(
+                    await pods_run(
+                        cluster, client, ns, watcher, device, way, count, rate, agent.proc.pid
+                    )
+                )
+            images.append(await floor_run(cluster, device, image, count, rate, work))
         exec_device, log_device = devices[0], devices[-1]
         await start_pod(client, ns, watcher, "exec-target", exec_device.name, "exec sleep 3600")
         ticker = f"while :; do date +%s.%N; sleep {args.log_interval}; done"
@@ -750,6 +1035,8 @@ async def benchmark(
         print(f"- 1-minute load average before measuring: {load:.2f}")
         if runs:
             report_bind(runs, len(devices))
+        if images:
+            report_images(images, args.image_rate)
         if methods:
             report_exec(methods, args.execs, exec_busy)
         if logs:
@@ -758,7 +1045,7 @@ async def benchmark(
         log("--- agent log (last 30 lines):\n" + "\n".join(agent.log().splitlines()[-30:]))
         raise
     finally:
-        await cleanup(client, ns, agent, devices, watch_task)
+        await cleanup(client, ns, agent, everyone, watch_task)
 
 
 async def cleanup(
@@ -820,13 +1107,19 @@ def main() -> None:
     parser.add_argument("--execs", type=int, default=50, help="exec calls per method (0: skip)")
     parser.add_argument("--log-lines", type=int, default=50, help="log lines to time (0: skip)")
     parser.add_argument("--log-interval", type=float, default=0.15, help="seconds between lines")
+    parser.add_argument(
+        "--image-pods", type=int, default=50, help="pods per way on the podman device (0: skip)"
+    )
+    parser.add_argument("--image-rate", type=float, default=10.0, help="their pods/s")
     parser.add_argument("--cluster", help="reuse a running `vkubelet dev cluster`")
     parser.add_argument("--logs", type=Path, help="keep the agent's and sshd's logs here")
     parser.add_argument("--agent-log-level", default="info")
     args = parser.parse_args()
-    reason = ssh_lab_unavailable()
+    reason = ssh_lab_unavailable() or (podman_unavailable() if args.image_pods else None)
     if reason:
         raise SystemExit(reason)
+    if args.image_pods and args.image_rate <= 0:
+        raise SystemExit("--image-rate must be above 0 pods/s")
     # A plain `kill` must still clean up: the lab's users, namespaces and sshd's, the cluster.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cluster, owned = cluster_for(args.cluster, "bench-ssh")
@@ -835,8 +1128,13 @@ def main() -> None:
             work_directory(args.logs) as work,
             local_test_address() as address,
             ssh_lab(args.devices, work / "lab") as devices,
+            contextlib.ExitStack() as stack,
         ):
-            asyncio.run(benchmark(cluster, devices, address, work, args))
+            podman_devices = []
+            if args.image_pods:
+                lab = work / "podman-lab"
+                podman_devices = stack.enter_context(ssh_lab(1, lab, root=True, containers=True))
+            asyncio.run(benchmark(cluster, devices, podman_devices, address, work, args))
     finally:
         if owned:
             cluster.down()
