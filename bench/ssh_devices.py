@@ -1029,7 +1029,9 @@ async def benchmark(
             )
             logs_busy = busy_since(before)
 
-        print(f"# SSH devices: {len(devices)} devices, one agent (`vkubelet run --provider ssh`)")
+        more = f" (+{len(podman_devices)} as root with podman)" if podman_devices else ""
+        agent_is = "one agent (`vkubelet run --provider ssh`)"
+        print(f"# SSH devices: {len(devices)} devices{more}, {agent_is}")
         for line in await asyncio.to_thread(versions, cluster):
             print(f"- {line}")
         print(f"- 1-minute load average before measuring: {load:.2f}")
