@@ -26,9 +26,10 @@ import pytest
 
 from vkubelet.kube import ApiError
 from vkubelet.providers.vm._machine import Disk, Machine, MachineSpec
-from vkubelet.providers.vm._migrate import MIGRATE_TO, MIGRATION_TOKEN, Endpoint
+from vkubelet.providers.vm._migrate import MIGRATE_TO, MIGRATION_TOKEN, Endpoint, MigrationError
 from vkubelet.providers.vm._migrations import Migrations
 from vkubelet.providers.vm._vm import Launch
+from vkubelet.sdk.logs import LogRotation
 from vkubelet.testing.harness import eventually
 
 from ...unit.providers.vm.fakes import FakeRunner
@@ -107,6 +108,7 @@ def _host(work: Path, api: API | None, tasks: list[asyncio.Task[Any]]) -> Simple
         spawn=spawn,
         log_path=lambda uid, container, run: work / "logs" / uid / f"{run}.log",
         claim_network=no_route,
+        config=SimpleNamespace(log_rotation=LogRotation()),
     )
 
 
@@ -172,6 +174,10 @@ async def test_a_target_killed_right_after_the_stream_completed_leaves_the_vm_at
         sending.update(source_vm, source_runner, annotations)  # type: ignore[arg-type]
 
         async def decided() -> bool:
+            for task in tasks:  # a part that crashed never decides: say why at once
+                crash = task.exception() if task.done() and not task.cancelled() else None
+                if crash is not None and not isinstance(crash, MigrationError):
+                    raise RuntimeError(f"{task!r} crashed") from crash
             return source_runner.conditions.get(MIGRATION, ("", ""))[1] in ("Completed", "Failed")
 
         await eventually(decided, within=120, interval=0.1)
