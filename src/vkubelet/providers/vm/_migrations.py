@@ -318,20 +318,7 @@ class Migrations:
         its RAM and disks are whole here until this QEMU quits."""
         host = self.host
         self._write_record(vm, **{**self._record(vm), "state": "completed", "message": message})
-        cri_log = host.log_path(vm.uid, vm.container, vm.run)
-        tailer = ConsoleTailer(
-            machine.console_log,
-            cri_log,
-            vm.dir / "console.offset",
-            rotation=host.config.log_rotation,
-        )
-        with contextlib.suppress(OSError):
-            while tailer.copy():  # whole lines: a resumed guest finishes its last one here
-                pass
-        try:
-            history = cri_log.read_bytes() if cri_log.exists() else b""
-        except OSError:
-            history = b""
+        history, tailer = self._console_history(vm, machine)
         verdict = await hand_over(endpoint, history, token)
         if verdict is None:
             host.event(vm, "Warning", "MigrationUnconfirmed", "asking the API whether it runs")
@@ -340,7 +327,7 @@ class Migrations:
             await self._resume_here(vm, machine, runner, verdict)
             return
         with contextlib.suppress(OSError):
-            while tailer.copy(final=True):
+            while tailer is not None and tailer.copy(final=True):
                 pass
         log.info("%s: migrated: %s", vm.uid, message)
         vm.migrated = message
@@ -349,6 +336,32 @@ class Migrations:
         runner.finish()  # the run's end is the pod's end: it never boots here again
         with contextlib.suppress(MigrationError):
             await _monitor(machine).quit()
+
+    def _console_history(
+        self, vm: VM, machine: MachineHandle
+    ) -> tuple[bytes, ConsoleTailer | None]:
+        """This run's console log, with what the console printed last (whole lines: a resumed
+        guest finishes its last one here). The history is a courtesy and the decision that
+        follows is not: whatever goes wrong here (a bug included) sends none rather than
+        leaving the guest paused at both ends."""
+        try:
+            cri_log = self.host.log_path(vm.uid, vm.container, vm.run)
+            tailer = ConsoleTailer(
+                machine.console_log,
+                cri_log,
+                vm.dir / "console.offset",
+                rotation=self.host.config.log_rotation,
+            )
+            with contextlib.suppress(OSError):
+                while tailer.copy():
+                    pass
+            try:
+                return (cri_log.read_bytes() if cri_log.exists() else b""), tailer
+            except OSError:
+                return b"", tailer
+        except Exception:
+            log.exception("%s: the console history is not sent to the target", vm.uid)
+            return b"", None
 
     async def _verdict_from_api(self, vm: VM, endpoint: Endpoint) -> str:
         """The target's word from its pod, when its console port did not answer: until it is

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from vkubelet.providers.vm import _migrations
 from vkubelet.providers.vm._migrate import Endpoint, MigrationError, until_running
 from vkubelet.providers.vm._migrations import Migrations, endpoint_problem, target_verdict
 from vkubelet.providers.vm._vm import Launch
@@ -118,6 +119,10 @@ def test_the_target_pods_word_is_final_only_when_its_qemu_runs_or_is_gone() -> N
     assert target_verdict({"status": {"phase": "Failed"}}) == "failed: the target pod ended"
 
 
+def _broken_tailer(*args: Any, **kwargs: Any) -> Any:
+    raise AttributeError("'SimpleNamespace' object has no attribute 'config'")
+
+
 async def _target_console(verdict: bytes) -> tuple[asyncio.Server, list[bytes]]:
     """A target's console port: takes the token and the history, answers `verdict`."""
     received: list[bytes] = []
@@ -131,10 +136,13 @@ async def _target_console(verdict: bytes) -> tuple[asyncio.Server, list[bytes]]:
     return await asyncio.start_server(serve, "127.0.0.1", 0), received
 
 
+@pytest.mark.parametrize("history", ["readable", "broken"])
 @pytest.mark.parametrize("verdict", [b"failed: load of migration failed\n", b"running\n"])
 async def test_the_source_quits_only_when_the_target_runs_the_guest_else_resumes_it(
-    tmp_path: Path, verdict: bytes
+    tmp_path: Path, verdict: bytes, history: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if history == "broken":  # a bug in the console's part must not leave the guest paused
+        monkeypatch.setattr(_migrations, "ConsoleTailer", _broken_tailer)
     server, received = await _target_console(verdict)
     port = server.sockets[0].getsockname()[1]
     endpoint = Endpoint("127.0.0.1", 1, 2, port, ("disk0",), pod="vm-2")
