@@ -39,6 +39,7 @@ from vkubelet.testing.sshlab import (
 )
 
 from .sshagent import TOLERATE, start_agent, status
+from .test_kubectl_top import _mebibytes, _millicores, _top
 from .test_ssh_devices import HOSTILE
 
 LABEL = "io.vkubelet.pod-uid"
@@ -388,6 +389,40 @@ def test_kubectl_debug_with_an_image_is_a_container_sharing_its_targets_processe
             )
         assert ended["exitCode"] == 6
         wait_for(lambda: len(_containers(uid)) == 1, timeout=30, what="the debug container gone")
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", "--ignore-not-found")
+
+
+def test_kubectl_top_follows_a_cpu_burning_container_from_its_cgroup(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    """A runtime container's processes run under conmon, outside the supervisor's process
+    groups: its figures are its cgroup's (a busy loop: about a core, then nothing once it
+    stops; the 20 MB its shell holds: busybox's sh would exec a last command, hence `exit`)."""
+    name = f"top-{uuid.uuid4().hex[:6]}"
+    burn = (
+        "x=$(head -c 20000000 /dev/zero | tr '\\0' a); "
+        "while [ ! -e /tmp/stop ]; do :; done; sleep 3600; exit"
+    )
+    container = {"image": lab.image, "command": ["sh", "-c", burn]}
+    kubectl.apply(_pod(name, lab.devices[0].name, container))
+    try:
+
+        def pod_cpu(check: Any) -> list[str] | None:
+            figures = _top(kubectl, "pod", name)
+            return figures if figures is not None and check(_millicores(figures[1])) else None
+
+        # About a core; at least 200m (four times the idle bound below) while other tests
+        # share CI's two cores, as the command-mode test in test_ssh_devices.py asks.
+        busy = wait_for(
+            lambda: pod_cpu(lambda m: m >= 200), timeout=120, interval=2, what="about a core"
+        )
+        assert _mebibytes(busy[2]) >= 15
+        kubectl("exec", name, "--", "touch", "/tmp/stop")
+        idle = wait_for(
+            lambda: pod_cpu(lambda m: m < 50), timeout=90, interval=2, what="the CPU falls"
+        )
+        assert _mebibytes(idle[2]) >= 15  # the shell still holds its variable
     finally:
         kubectl("delete", "pod", name, "--wait=false", "--ignore-not-found")
 

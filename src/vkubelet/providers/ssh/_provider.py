@@ -996,13 +996,19 @@ class DeviceProvider:
     async def _measure(self) -> tuple[float, NodeUsage, list[PodUsage]]:
         running: dict[int, tuple[str, str]] = {}  # pid -> (uid, container)
         starts: dict[tuple[str, str], tuple[int, float]] = {}  # (uid, container) -> pid, start
+        groups: list[int] = []  # host processes: their process groups
+        cidfiles: dict[int, str] = {}  # runtime containers (by their `run`'s pid): their cgroups
         for entry in self._pods.values():
             remote = entry.remote
             for state in [*remote.init_containers, *remote.containers] if remote else []:
                 if state.state == "running" and state.pid and state.started_at is not None:
                     running[state.pid] = (entry.uid, state.name)
                     starts[(entry.uid, state.name)] = (state.pid, state.started_at.timestamp())
-        script = _usage.sample_script(sorted(running))
+                    if self.in_runtime(entry, state.name) is None:
+                        groups.append(state.pid)
+                    else:
+                        cidfiles[state.pid] = _remote.cid_path(self.root, entry.uid, state.name)
+        script = _usage.sample_script(sorted(groups), cidfiles)
         output = (await self.link.run(script, deadline=10)).check("usage sample")
         when = time.time()
         reading = _usage.parse_sample(

@@ -45,6 +45,8 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
                                   run (exit 0: there; 1: pull failed; 2: absent, policy Never),
                                   remove what a killed `run` left
     pods/<uid>/c/<name>/message   the runtime's words while waiting on an image
+    pods/<uid>/c/<name>/cid       a runtime container's id (the runtime's `--cidfile`), which
+                                  names its cgroup for usage samples; removed before each run
     pods/<uid>/c/<name>/<n>.log   the log of run n (n = the restart count when it started), in
                                   the CRI format (see `vkubelet.sdk.logs`); the current and
                                   previous run's
@@ -87,6 +89,7 @@ __all__ = [
     "PodPlan",
     "RemotePod",
     "Runtime",
+    "cid_path",
     "exec_command",
     "log_path",
     "logs_script",
@@ -562,8 +565,9 @@ def _container_script(uid: str, container: ContainerPlan) -> str:
     # a runtime reads the env file itself, with the values as they are.
     profile = f'. "$P/env/{name}"\n'
     if container.image is not None:
-        argv = _run_words(uid, container, container.image)
-        profile = ""
+        # The runtime refuses a cid file that is there: the previous run's goes first.
+        argv = _run_words(uid, container, container.image, ["--cidfile", '"$d/cid"'])
+        profile = 'rm -f "$d/cid"\n'
     stdin = ""
     if container.stdin:
         # Opened read-write, the FIFO never blocks the start and never reads EOF when an
@@ -622,6 +626,13 @@ def _run_words(uid: str, container: ContainerPlan, run: ImageRun, extra: Sequenc
         words += ["--entrypoint", q(json.dumps(run.entrypoint))]
     words += [*extra, "--", q(run.image), *(q(arg) for arg in container.argv)]
     return " ".join(words)
+
+
+def cid_path(root: str, uid: str, container: str) -> str:
+    """Where a runtime container's id is, as a shell word (it may expand $HOME): to be used in
+    a command line as it is, never quoted again."""
+    _check_container(container)
+    return f"{pod_word(root, uid)}/c/{container}/cid"
 
 
 def ephemeral_run_command(

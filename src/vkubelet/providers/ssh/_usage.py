@@ -8,10 +8,19 @@ session (`_remote` starts each with `setsid`, so its pid leads both): a process 
 container whose pid is its session, its process group, or itself. CPU time includes what the
 group's reaped children used (`cutime`, `cstime`), so short-lived commands count too.
 
+A runtime container's processes run under the runtime (conmon, a shim), outside the
+supervisor's process groups, in a cgroup of their own: the same command reads that cgroup, as
+the kubelet's cAdvisor does, so its figures are exact and include every process the container
+ever ran (`exec` sessions too). Its id (the runtime's `--cidfile`) is found in the cgroup paths
+of `/proc/<pid>/cgroup`, the runtime's way of naming its cgroups whatever the manager (podman's
+`libpod-<id>`, docker's `docker-<id>.scope`); CPU is cgroup v1's `cpuacct.usage` or v2's
+`cpu.stat` `usage_usec`, the working set usage less inactive file pages (`memory.stat`), as
+cAdvisor reports it. No runtime command runs: `podman stats` would cost a process, the
+runtime's lock and rounded figures on every scrape.
+
 A `Reading` is what a sample says in the device's units turned into bytes and nanoseconds: the
-node's figures and each container's by (pod uid, container name). A container runtime's `stats`
-fills the same `containers` mapping; the provider turns a reading into the kubelet's formats
-(`vkubelet.sdk.stats`) the same way for both.
+node's figures and each container's by (pod uid, container name), from process groups and
+cgroups alike; the provider turns a reading into the kubelet's formats (`vkubelet.sdk.stats`).
 """
 
 from __future__ import annotations
@@ -47,6 +56,72 @@ BEGIN { n = split(want, w, " "); for (i = 1; i <= n; i++) keep[w[i]] = 1 }
 END { for (k in ticks) printf "group %s %.0f %.0f\n", k, ticks[k], pages[k] }'
 """
 
+# The cgroups of runtime containers. CIDS is "KEY=ID ..." (ids checked to be hex): grep finds
+# the lines of /proc/<pid>/cgroup that hold an id ("<file>:<hierarchy>:<controllers>:<path>"),
+# the path is cut after the component that holds it (a container may nest cgroups), and each
+# container's files are read from the hierarchy's mount under /sys/fs/cgroup: v1's cpuacct and
+# memory where mounted, else v2's (its root, or /sys/fs/cgroup/unified on hybrid hosts).
+_CGROUPS = r"""set --
+for kv in $CIDS; do set -- "$@" -e "${kv#*=}"; done
+grep -Hs -F "$@" /proc/[0-9]*/cgroup | awk -v cids="$CIDS" '
+function first(file, name,   line, f, found) {
+	found = ""
+	while ((getline line < file) > 0) {
+		split(line, f, " ")
+		if (name == "" || f[1] == name) { found = (name == "" ? f[1] : f[2]); break }
+	}
+	close(file)
+	return found
+}
+BEGIN {
+	n = split(cids, kv, " ")
+	for (i = 1; i <= n; i++) {
+		eq = index(kv[i], "=")
+		key[substr(kv[i], eq + 1)] = substr(kv[i], 1, eq - 1)
+	}
+	v2 = "/sys/fs/cgroup"
+	if ((getline x < (v2 "/cgroup.controllers")) < 0) v2 = "/sys/fs/cgroup/unified"
+}
+{
+	line = $0
+	if (!sub(/^[^:]*:[0-9]+:/, "", line)) next
+	c = index(line, ":"); ctrls = substr(line, 1, c - 1); path = substr(line, c + 1)
+	for (id in key) {
+		at = index(path, id)
+		if (!at) continue
+		rest = substr(path, at); slash = index(rest, "/")
+		if (slash) path = substr(path, 1, at + slash - 2)
+		k = key[id]; seen[k] = 1
+		if (ctrls == "") unified[k] = v2 path
+		m = split(ctrls, cs, ",")
+		for (j = 1; j <= m; j++) {
+			if (cs[j] == "cpuacct") cpu[k] = "/sys/fs/cgroup/" ctrls path
+			if (cs[j] == "memory") mem[k] = "/sys/fs/cgroup/" ctrls path
+		}
+	}
+}
+END {
+	for (k in seen) {
+		ns = ""; used = ""; inactive = ""
+		if (k in cpu) ns = first(cpu[k] "/cpuacct.usage", "")
+		else if (k in unified) {
+			us = first(unified[k] "/cpu.stat", "usage_usec")
+			if (us != "") ns = us "000"
+		}
+		if (k in mem) {
+			used = first(mem[k] "/memory.usage_in_bytes", "")
+			inactive = first(mem[k] "/memory.stat", "total_inactive_file")
+		} else if (k in unified) {
+			used = first(unified[k] "/memory.current", "")
+			inactive = first(unified[k] "/memory.stat", "inactive_file")
+		}
+		if (ns == "" || used == "") continue
+		ws = used - inactive
+		printf "cgroup %s %s %.0f\n", k, ns, (ws > 0 ? ws : 0)
+	}
+}'
+"""
+
 
 @dataclass(frozen=True)
 class ContainerReading:
@@ -68,12 +143,23 @@ class Reading:
         return max(self.memory - self.available, 0)
 
 
-def sample_script(pids: list[int]) -> str:
-    """The sample: the node, and the process groups of the containers whose pids are `pids`."""
+def sample_script(pids: list[int], cidfiles: dict[int, str] | None = None) -> str:
+    """The sample: the node, the process groups of the host containers whose pids are `pids`,
+    and the cgroups of the runtime containers whose id files are `cidfiles` (by the pid of their
+    `<runtime> run`, which keys their reading; the files are shell words, used as they are)."""
     want = " ".join(str(int(pid)) for pid in pids if int(pid) > 1)
     script = "# vkubelet: usage sample\necho vkubelet-usage 1\n" + _NODE
     if want:
         script += f"WANT='{want}'\n" + _GROUPS
+    if cidfiles:
+        script += "CIDS=\n"
+        for pid, path in sorted(cidfiles.items()):
+            # An id that is not hex never reaches grep: a file there is no runtime's id file.
+            script += (
+                f"c=$(cat {path} 2>/dev/null) && case $c in ''|*[!0-9a-f]*) ;; "
+                f'*) CIDS="$CIDS {int(pid)}=$c" ;; esac\n'
+            )
+        script += 'if [ -n "$CIDS" ]; then\n' + _CGROUPS + "fi\n"
     return script
 
 
@@ -110,6 +196,8 @@ def parse_sample(
                 found[containers[int(pid)]] = ContainerReading(
                     int(ticks) * tick_ns, int(pages) * page_size
                 )
+            case ["cgroup", pid, ns, working_set] if pid.isdigit() and int(pid) in containers:
+                found[containers[int(pid)]] = ContainerReading(int(ns), int(working_set))
     if cpu is None:
         raise ValueError("the device's /proc/stat could not be read")
     available = memory.get("MemAvailable")

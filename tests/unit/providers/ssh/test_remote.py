@@ -928,6 +928,7 @@ def test_a_runtime_container_gets_literal_arguments_its_env_in_a_file_and_its_la
         "--network", "host", "--env-file", f"{p}/env/main", "--workdir", "/work dir",
         "--volume", f"{p}/volumes/www:/www:ro", "--volume", "/srv/x:/x",
         "--memory", "67108864", "--cpus", "0.500", "--ulimit", "nofile=1024:1024",
+        "--cidfile", f"{p}/c/main/cid",
     ]  # fmt: skip
     assert argv[argv.index("--") + 1] == "present"
     assert "a 'b' $(c)" not in "\n".join(argv)  # env values are never arguments

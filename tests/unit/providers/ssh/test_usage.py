@@ -5,6 +5,7 @@ process group, and the node's capacity following the device unless pinned."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from lightkube.resources.core_v1 import Node
 
 from vkubelet.providers.ssh._inventory import DeviceConfig
 from vkubelet.providers.ssh._provider import DeviceProvider
-from vkubelet.providers.ssh._usage import parse_sample, sample_script
+from vkubelet.providers.ssh._usage import ContainerReading, parse_sample, sample_script
 from vkubelet.testing.harness import eventually
 
 from .test_provider import Device, make_pod, wait_running
@@ -123,3 +124,20 @@ def test_the_sample_script_names_only_safe_pids() -> None:
     script = sample_script([12, 1, 0, 345])
     assert "WANT='12 345'" in script
     assert "WANT" not in sample_script([])  # no pods: no pass over the processes
+
+
+def test_a_sample_reads_runtime_containers_cgroups_in_bytes_and_nanoseconds() -> None:
+    output = b"vkubelet-usage 1\ncpu 1000\ncgroup 42 1234567891 20480\ncgroup 9 1 1\n"
+    reading = parse_sample(output, {42: ("u1", "main")}, ticks_per_second=100, page_size=4096)
+    assert reading.containers == {("u1", "main"): ContainerReading(1234567891, 20480)}
+
+
+def test_a_cid_file_that_holds_no_runtime_id_never_reaches_grep(tmp_path: Path) -> None:
+    hostile = tmp_path / "hostile"
+    hostile.write_text(f"-e . -r / ; touch {tmp_path}/pwned\n")
+    unknown = tmp_path / "unknown"
+    unknown.write_text("0123456789abcdef" * 4 + "\n")  # an id no process's cgroup names
+    script = sample_script([], {42: str(hostile), 43: str(unknown), 44: str(tmp_path / "none")})
+    done = subprocess.run(["sh", "-c", script], capture_output=True, timeout=30, check=True)
+    assert not (tmp_path / "pwned").exists()
+    assert b"cgroup" not in done.stdout and b"vkubelet-usage 1" in done.stdout
