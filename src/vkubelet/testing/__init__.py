@@ -432,7 +432,9 @@ def interactive_debug(
             if "ready" in lines:
                 return True
             if time.monotonic() - typed[0] > 3:
-                terminal.type('echo "rea""dy"')
+                # No quotes: a line kubectl starts forwarding halfway through (a serial
+                # console's) must not leave the shell waiting for a closing quote for ever.
+                terminal.type("echo rea\\dy")
                 typed[0] = time.monotonic()
             return False
 
