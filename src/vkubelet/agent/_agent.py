@@ -260,6 +260,8 @@ class Agent:
         for provider in self.providers:
             await self.close_provider(provider)
         self._client_ca.close()
+        if self._services is not None:
+            await self._services.aclose()
         if self._client is not None:
             await self._client.aclose()
 

@@ -37,10 +37,13 @@ class WorkQueue:
         max_delay: float = 300.0,
         outage: tuple[type[Exception], ...] = (),
         outage_max_delay: float = 5.0,
+        explained: tuple[type[Exception], ...] = (),
     ) -> None:
         """`outage`: failures that say the apiserver is away rather than that the item is bad;
         they back off to `outage_max_delay` at most, so that every item is retried within a few
-        seconds of its return instead of up to twice the outage's length later."""
+        seconds of its return instead of up to twice the outage's length later. `explained`:
+        failures already told to the user (an Event, a status reason) whose message says it
+        all; logged without a stack, which would only point at the queue."""
         self._process = process
         self.name = name
         self._workers = workers
@@ -52,6 +55,7 @@ class WorkQueue:
         self._backoff = Backoff(initial=base_delay, cap=max_delay, jitter=0.0)
         self._outage = outage
         self._outage_max_delay = outage_max_delay
+        self._explained = explained
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
         self._processing: set[str] = set()
@@ -169,7 +173,7 @@ class WorkQueue:
                     e,
                     failures,
                     delay,
-                    exc_info=failures == _QUIET_RETRIES + 1,
+                    exc_info=failures == _QUIET_RETRIES + 1 and not isinstance(e, self._explained),
                 )
                 self.add_after(key, delay)
             else:

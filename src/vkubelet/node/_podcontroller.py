@@ -134,7 +134,11 @@ class PodController:
         self.objects = ObjectCache(client, self._on_object_change)
         self._resolver = resolver_factory(self.objects)
         self.sync_queue = WorkQueue(
-            self._sync, name=f"{node_name}/sync", workers=workers, outage=(Unreachable,)
+            self._sync,
+            name=f"{node_name}/sync",
+            workers=workers,
+            outage=(Unreachable,),
+            explained=(ResolutionFailed,),
         )
         self.status_queue = WorkQueue(
             self._sync_status, name=f"{node_name}/status", workers=workers, outage=(Unreachable,)

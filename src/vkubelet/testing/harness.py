@@ -195,11 +195,8 @@ class PodHarness:
         tb: TracebackType | None,
     ) -> None:
         crash = self.crashed()
-        tasks = list(self._tasks)
-        services = self.services._task
-        if services is not None:
-            tasks.append(services)
-        await cancel_and_wait(*tasks)
+        await cancel_and_wait(*self._tasks)
+        await self.services.aclose()
         await self.controller.objects.aclose()
         await self.client.aclose()
         if crash is not None and exc is None:

@@ -259,3 +259,26 @@ async def test_stopping_while_a_key_is_re_added_mid_processing_is_a_clean_cancel
     with pytest.raises(asyncio.CancelledError):
         await task
     assert queue.workers_running == 0
+
+
+class _Told(Exception):
+    """A failure already reported to the user."""
+
+
+@pytest.mark.parametrize(("failure", "stack"), [(ValueError, True), (_Told, False)])
+async def test_a_long_failing_item_is_logged_with_its_stack_unless_its_failure_is_explained(
+    running: Callable[[WorkQueue], None],
+    caplog: pytest.LogCaptureFixture,
+    failure: type[Exception],
+    stack: bool,
+) -> None:
+    async def process(key: str) -> None:
+        raise failure(f"{key} is bad")
+
+    queue = WorkQueue(process, name="q", base_delay=0.001, max_delay=0.001, explained=(_Told,))
+    running(queue)
+    queue.add("a")
+    await eventually(lambda: any(r.levelname == "WARNING" for r in caplog.records))
+    warning = next(r for r in caplog.records if r.levelname == "WARNING")
+    assert "a is bad" in warning.getMessage()
+    assert bool(warning.exc_info) is stack
