@@ -5,6 +5,7 @@ container without stdin runs its command at once, its output its log."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -59,3 +60,66 @@ def test_debug_without_stdin_runs_its_command_and_keeps_its_output(
     )
     assert ended["exitCode"] == 0
     assert kubectl("logs", pod, "-c", name).stdout == "one two\n"
+
+
+def add_ephemeral(kubectl: Kubectl, pod: str, container: dict[str, Any]) -> None:
+    """Add an ephemeral container as `kubectl debug` does, with the fields it cannot set (env)."""
+    patch = {"spec": {"ephemeralContainers": [container]}}
+    kubectl("patch", "pod", pod, "--subresource", "ephemeralcontainers", "-p", json.dumps(patch))
+
+
+def test_env_only_a_debug_container_references_is_resolved_and_a_missing_key_is_its_own_error(
+    pod: str, kubectl: Kubectl
+) -> None:
+    """The ConfigMap and the downward API field only the debug container names are resolved for
+    it; a key missing from the ConfigMap leaves that container waiting with the kubelet's
+    CreateContainerConfigError naming the key, the pod running, until the key is there."""
+    tag = uuid.uuid4().hex[:4]
+    config = f"dbg-env-{tag}"
+    kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": config},
+            "data": {"word": "from-the-configmap"},
+        }
+    )
+
+    def container(name: str, key: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "image": "busybox",
+            "command": ["sh", "-c", "echo $WORD $ME"],
+            "env": [
+                {"name": "WORD", "valueFrom": {"configMapKeyRef": {"name": config, "key": key}}},
+                {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            ],
+        }
+
+    def ended(name: str) -> dict[str, Any] | None:
+        found: dict[str, Any] | None = ephemeral_state(kubectl, "default", pod, name).get(
+            "terminated"
+        )
+        return found
+
+    try:
+        add_ephemeral(kubectl, pod, container(f"env-{tag}", "word"))
+        wait_for(lambda: ended(f"env-{tag}"), timeout=30, what="the debug container ran")
+        assert kubectl("logs", pod, "-c", f"env-{tag}").stdout == f"from-the-configmap {pod}\n"
+
+        add_ephemeral(kubectl, pod, container(f"miss-{tag}", "absent"))
+        waiting = wait_for(
+            lambda: ephemeral_state(kubectl, "default", pod, f"miss-{tag}").get("waiting"),
+            timeout=30,
+            what="the missing key's reason",
+        )
+        assert waiting["reason"] == "CreateContainerConfigError"
+        assert "absent" in waiting["message"] and config in waiting["message"]
+        assert kubectl.json("get", "pod", pod)["status"]["phase"] == "Running"
+
+        patch = {"data": {"absent": "here-now"}}
+        kubectl("patch", "configmap", config, "-p", json.dumps(patch))
+        wait_for(lambda: ended(f"miss-{tag}"), timeout=30, what="the debug container ran")
+        assert kubectl("logs", pod, "-c", f"miss-{tag}").stdout == f"here-now {pod}\n"
+    finally:
+        kubectl("delete", "configmap", config, "--wait=false", "--ignore-not-found")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -386,7 +386,7 @@ class PodController:
         stale = state.applied != applied
         if stale and not await self._apply(key, record, resolved.pod, applied, state, existing):
             return
-        await self._sync_ephemeral(record, resolved.pod, state)
+        await self._sync_ephemeral(record, resolved.pod, state, resolved.ephemeral_failures)
 
     async def _apply(
         self,
@@ -419,15 +419,36 @@ class PodController:
         return True
 
     async def _sync_ephemeral(
-        self, record: PodRecord, resolved: ResolvedPod, state: PodState
+        self,
+        record: PodRecord,
+        resolved: ResolvedPod,
+        state: PodState,
+        unresolved: Mapping[str, ResolutionFailed],
     ) -> None:
         """Hand each ephemeral container added to the running pod (`kubectl debug`) to the
         provider, once. One it cannot run is reported waiting with the reason, not left
-        silent: `kubectl debug` would wait for it forever."""
+        silent: `kubectl debug` would wait for it forever. One whose env cannot be resolved
+        (`unresolved`) waits with CreateContainerConfigError, as with the kubelet, until it
+        can be: the watch of what it references re-syncs the pod."""
         spec = resolved.pod.spec
         added = [c.name for c in (spec.ephemeralContainers if spec else None) or ()]
-        added = [name for name in added if name not in state.ephemeral]
-        if not added:
+        added = [
+            name
+            for name in added
+            if name not in state.ephemeral or _unresolved(state.ephemeral[name])
+        ]
+        changed = False
+        for name, error in unresolved.items():
+            said = {"reason": error.reason, "message": error.message}
+            if state.ephemeral.get(name) != said:
+                for reason, message in error.events or [(error.reason, error.message)]:
+                    self._event(record, WARNING, reason, message)
+                state.ephemeral_handed(name, said)
+                changed = True
+        retry = next((e for e in unresolved.values() if not e.permanent), None)
+        if not added and not changed:
+            if retry is not None:
+                raise retry
             return
         for name in added:
             if self._ephemeral is None:
@@ -447,6 +468,8 @@ class PodController:
             state.ephemeral_handed(name, waiting)
         if any(state.ephemeral.values()):
             await self._write_ephemeral_waiting(record, state)
+        if retry is not None:
+            raise retry  # a read that failed: tried again later
 
     async def _told(self, record: PodRecord, call: Awaitable[None], failed: str) -> bool:
         """Whether the provider took `call`; its ProviderError is a Warning event `failed`,
@@ -682,6 +705,11 @@ class PodController:
     def _event(self, record: PodRecord, type: str, reason: str, message: str) -> None:
         ref = ObjectRef("Pod", record.namespace, record.name, record.uid)
         self._recorder.emit(ref, type, reason, message)
+
+
+def _unresolved(waiting: dict[str, str] | None) -> bool:
+    """Whether an ephemeral container waits for its env to resolve (it may resolve now)."""
+    return waiting is not None and waiting.get("reason") == "CreateContainerConfigError"
 
 
 def _ephemeral_amended(

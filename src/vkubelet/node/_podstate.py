@@ -165,7 +165,8 @@ class PodState:
 
     def ephemeral_handed(self, name: str, waiting: dict[str, str] | None = None) -> None:
         """Ephemeral container `name` of the running pod was handed to the provider (never
-        again), or could not be: `waiting` is the reason and message the agent reports."""
+        again), or could not be: `waiting` is the reason and message the agent reports (one
+        waiting for its env to resolve is handed once it does)."""
         self.ephemeral[name] = waiting
 
     def waiting_written(self, uid: str, reason: str, message: str) -> None:

@@ -71,6 +71,9 @@ class Resolution:
     pod: ResolvedPod
     warnings: list[tuple[str, str]] = field(default_factory=list)
     refresh_after: float | None = None  # seconds until tokens must be renewed
+    # Ephemeral containers (`kubectl debug`) whose env cannot be resolved, by name: left out of
+    # `pod`. As with the kubelet, that container waits with the reason, the pod runs on.
+    ephemeral_failures: dict[str, ResolutionFailed] = field(default_factory=dict)
 
 
 log = logging.getLogger(__name__)
@@ -297,11 +300,13 @@ class Resolver:
         tokens = {} if self._tokens_on_demand else await self._fetch_tokens(key, raw)
         allocatable = self._allocatable()
         warnings: list[tuple[str, str]] = []
+        ephemeral = spec.get("ephemeralContainers") or []
         containers = [
             *(spec.get("initContainers") or []),
             *(spec.get("containers") or []),
-            *(spec.get("ephemeralContainers") or []),
+            *ephemeral,
         ]
+        failed: dict[str, ResolutionFailed] = {}
         try:  # the same for every container: computed once per pod
             service_env = self._pod_service_env(raw)
         except SourceReadError as e:
@@ -321,12 +326,16 @@ class Resolver:
                     service_env=service_env,
                 )
             except EnvResolutionError as e:
-                raise ResolutionFailed(
+                error = ResolutionFailed(
                     "CreateContainerConfigError",
                     str(e),
                     [(ev.reason, ev.message) for ev in e.events],
                     permanent=e.permanent,
-                ) from None
+                )
+                if any(container is c for c in ephemeral):
+                    failed[str(container.get("name"))] = error
+                    continue
+                raise error from None
             warnings += [(ev.reason, ev.message) for ev in result.events if ev.type == "Warning"]
             container["env"] = result.as_env_list()
             container.pop("envFrom", None)
@@ -336,6 +345,8 @@ class Resolver:
                 container["command"] = command
             if container.get("args") is not None:
                 container["args"] = args
+        if failed:
+            spec["ephemeralContainers"] = [c for c in ephemeral if c.get("name") not in failed]
         volumes = resolve_volumes(
             raw,
             self._sources,
@@ -361,6 +372,7 @@ class Resolver:
             ),
             warnings=warnings,
             refresh_after=None if refresh is None else max(refresh - time.monotonic(), 1.0),
+            ephemeral_failures=failed,
         )
 
     def _pod_service_env(self, raw: JSON) -> dict[str, str]:
