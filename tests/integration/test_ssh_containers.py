@@ -393,6 +393,53 @@ def test_kubectl_debug_with_an_image_is_a_container_sharing_its_targets_processe
         kubectl("delete", "pod", name, "--wait=false", "--ignore-not-found")
 
 
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by .ci/run")
+def test_a_tty_container_attaches_to_its_terminal_and_debug_containers_end_with_their_pod(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    """`tty: true` is `run -t` in a terminal held on the device: `attach -it` reaches the
+    container's terminal (`tty`, the client's resize in `stty size`) and `logs` has its output.
+    A debug container a killed agent left running is removed by the next agent, its status
+    says so; deleting the pod removes another."""
+    name = f"tty-{uuid.uuid4().hex[:6]}"
+    container = {"image": lab.image, "imagePullPolicy": "Never", "command": ["sh"]}
+    kubectl.apply(_pod(name, lab.devices[1].name, {**container, "stdin": True, "tty": True}))
+    uid = kubectl.json("get", "pod", name)["metadata"]["uid"]
+    try:
+        wait_for(lambda: status(kubectl, name).get("phase") == "Running", what=f"{name} Running")
+        command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} attach -it {name}"
+        with terminal_session(command, cols=120, rows=40) as terminal:
+
+            def answers(line: str, expected: str) -> bool:
+                terminal.type(line)  # again until kubectl has attached and the answer is there
+                return expected in terminal.screen()
+
+            wait_for(lambda: answers("tty", "/dev/pts/"), timeout=30, interval=2, what="a tty")
+            terminal.resize(100, 30)
+            wait_for(lambda: answers("stty size", "30 100"), timeout=30, interval=1, what="resize")
+        wait_for(lambda: "30 100" in kubectl("logs", name).stdout, what="the terminal's log")
+        assert "/dev/pts/" in kubectl("logs", name).stdout
+        assert status(kubectl, name)["phase"] == "Running"
+
+        debug = ["debug", name, f"--image={lab.image}", "--target=main", "--", "sleep", "3600"]
+        kubectl(*debug[:2], "-c", "bg", *debug[2:])
+        wait_for(lambda: len(_containers(uid)) == 2, timeout=30, what="the debug container")
+        lab.agent.stop(9)
+        lab.agent.start()
+        ended = wait_for(
+            lambda: ephemeral_state(kubectl, "default", name, "bg").get("terminated"),
+            timeout=60,
+            what="the debug container's end reported",
+        )
+        assert ended["reason"] == "ContainerStatusUnknown"
+        wait_for(lambda: len(_containers(uid)) == 1, timeout=30, what="the debug container gone")
+        kubectl(*debug[:2], "-c", "bg2", *debug[2:])
+        wait_for(lambda: len(_containers(uid)) == 2, timeout=30, what="another debug container")
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", "--ignore-not-found")
+    wait_for(lambda: not _containers(uid), timeout=60, what="every container of the pod gone")
+
+
 def test_kubectl_top_follows_a_cpu_burning_container_from_its_cgroup(
     lab: Lab, kubectl: Kubectl
 ) -> None:

@@ -34,6 +34,7 @@ from vkubelet.testing import (
 from vkubelet.testing.sshlab import TestDevice, ssh_inventory
 
 from .sshagent import TOLERATE, pod_manifest, start_agent, status
+from .test_kubectl_debug import add_ephemeral
 from .test_kubectl_top import _mebibytes, _millicores, _top
 
 #: The lab's devices reconnect with back-off capped at 4 s, not the default 30 s: a device whose
@@ -348,6 +349,58 @@ def test_kubectl_debug_runs_a_shell_on_the_device_and_reports_its_status(
         delete(kubectl, name)
 
 
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is installed by .ci/run")
+def test_a_tty_pod_attaches_to_a_terminal_and_its_debug_processes_end_with_it(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    """`tty: true` runs the command in a terminal on the device: `attach -it` reaches it (`tty`
+    names a /dev/pts, the client's size and its resize reach `stty size`) and `kubectl logs`
+    has its output. A debug container's process (its env from a ConfigMap only it names) ends
+    when the pod is deleted."""
+    device = lab.devices[1]
+    tag = uuid.uuid4().hex[:8]
+    config = f"dbg-{tag}"
+    kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": config},
+            "data": {"word": "from-the-configmap"},
+        }
+    )
+    name = run_pod(kubectl, device.name, ["sh"], container={"stdin": True, "tty": True})
+    try:
+        command = f"{kubectl.binary} --kubeconfig {kubectl.kubeconfig} attach -it {name}"
+        with terminal_session(command, cols=120, rows=40) as terminal:
+
+            def answers(line: str, expected: str) -> bool:
+                terminal.type(line)  # again until kubectl has attached and the answer is there
+                return expected in terminal.screen()
+
+            wait_for(lambda: answers("tty", "/dev/pts/"), timeout=30, interval=2, what="a tty")
+            wait_for(lambda: answers("stty size", "40 120"), timeout=30, interval=1, what="size")
+            terminal.resize(100, 30)
+            wait_for(lambda: answers("stty size", "30 100"), timeout=30, interval=1, what="resize")
+        wait_for(lambda: "30 100" in kubectl("logs", name).stdout, what="the terminal's log")
+        assert "/dev/pts/" in kubectl("logs", name).stdout
+        assert status(kubectl, name)["phase"] == "Running"  # the client left, the shell did not
+
+        env = [{"name": "WORD", "valueFrom": {"configMapKeyRef": {"name": config, "key": "word"}}}]
+        debug = {"name": "bg", "image": "host", "env": env}
+        add_ephemeral(
+            kubectl, name, {**debug, "command": ["sh", "-c", f"echo $WORD; sleep 3600; : {tag}"]}
+        )
+        wait_for(lambda: device.pids(f": {tag}"), timeout=30, what="the debug process")
+        wait_for(
+            lambda: kubectl("logs", name, "-c", "bg").stdout == "from-the-configmap\n",
+            what="the debug container's output",
+        )
+    finally:
+        delete(kubectl, name)
+        kubectl("delete", "configmap", config, "--wait=false", "--ignore-not-found")
+    wait_for(lambda: not device.pids(f": {tag}"), timeout=30, what="the debug process ended")
+
+
 def test_port_forward_reaches_a_server_on_the_device(lab: Lab, kubectl: Kubectl) -> None:
     node = lab.devices[1].name
     remote = 18000 + int(uuid.uuid4().hex[:3], 16) % 1000
@@ -520,9 +573,11 @@ def test_a_device_whose_link_goes_down_is_not_ready_and_keeps_its_processes(
         delete(kubectl, name)
 
 
-def test_pods_are_adopted_after_the_agent_is_killed_and_restarted(
+def test_pods_are_adopted_and_debug_processes_ended_after_the_agent_is_killed_and_restarted(
     lab: Lab, kubectl: Kubectl, kube_cluster: Cluster, tmp_path: Path
 ) -> None:
+    """The pods' processes are the same after; a debug container's process, which ran in the
+    killed agent's SSH session, is ended by the new agent and its status says so."""
     device = lab.devices[0]
     tag = uuid.uuid4().hex[:8]
     running = run_pod(kubectl, device.name, ["sh", "-c", f"sleep 3600; : {tag}"])
@@ -530,6 +585,9 @@ def test_pods_are_adopted_after_the_agent_is_killed_and_restarted(
         kubectl, device.name, ["sh", "-c", f"sleep 4; exit 5; : short-{tag}"], restart="Never"
     )
     pids = device.pids(f": {tag}")
+    debug = {"name": "bg", "image": "host", "command": ["sh", "-c", f"sleep 3600; : dbg-{tag}"]}
+    add_ephemeral(kubectl, running, debug)
+    wait_for(lambda: device.pids(f"dbg-{tag}"), timeout=30, what="the debug process")
     lab.agent.stop(9)
     # `short` ends while no agent watches.
     wait_for(lambda: not device.pids(f"short-{tag}"), timeout=30, what="short's process ended")
@@ -544,6 +602,13 @@ def test_pods_are_adopted_after_the_agent_is_killed_and_restarted(
         assert device.pids(f": {tag}") == pids
         assert status(kubectl, running)["phase"] == "Running"
         assert container(kubectl, running).get("restartCount") == 0
+        ended = wait_for(
+            lambda: ephemeral_state(kubectl, "default", running, "bg").get("terminated"),
+            timeout=30,
+            what="the debug container's end",
+        )
+        assert ended["reason"] == "ContainerStatusUnknown"
+        wait_for(lambda: not device.pids(f"dbg-{tag}"), timeout=30, what="no debug process")
     finally:
         delete(kubectl, running, short)
 

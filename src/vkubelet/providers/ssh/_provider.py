@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -376,6 +377,7 @@ class DeviceProvider:
                 env=env,
                 working_dir=container.workingDir,
                 stdin=bool(container.stdin),
+                tty=bool(container.tty),
             )
 
         metadata = {
@@ -477,6 +479,7 @@ class DeviceProvider:
                 env={e.name: e.value or "" for e in container.env or []},
                 working_dir=container.workingDir,
                 stdin=bool(container.stdin),
+                tty=bool(container.tty),
                 image=run,
             )
         except ValueError as e:
@@ -703,7 +706,7 @@ class DeviceProvider:
         entry.pod = pod.pod  # its spec names the ephemeral containers (the kubelet API checks)
         now = datetime.now(UTC)
         if answer.stdout.strip() == b"old":
-            message = "its process ended with the agent that ran it (the agent restarted)"
+            message = "the agent that ran its process restarted: what was left of it was ended"
             ended = Terminated(137, now, now, reason="ContainerStatusUnknown", message=message)
             entry.debug[name] = ContainerReport(state=ended)
         else:
@@ -721,7 +724,8 @@ class DeviceProvider:
         image's a container of the device's runtime (refused without one), in the process
         namespace of its `--target` when that is a runtime container too."""
         if not self.config.runs_image(container.image or ""):
-            return self._image_plan(resolved, container)
+            # Its terminal, if any, is its SSH session's (a PTY): not one `script` holds.
+            return dataclasses.replace(self._image_plan(resolved, container), tty=False)
         argv = [*(container.command or []), *(container.args or [])]
         if not argv:
             raise ProviderError(
@@ -745,12 +749,7 @@ class DeviceProvider:
         plan, target = entry.debug_plans[name]
         report = entry.debug[plan.name]
         started = report.state.started_at if isinstance(report.state, Running) else None
-        if plan.image is None:
-            line = _remote.exec_command(self.root, entry.uid, plan.name, plan.argv)
-        else:
-            line = _remote.ephemeral_run_command(
-                self.root, entry.uid, plan, tty=io.tty, target=target
-            )
+        line = _remote.ephemeral_command(self.root, entry.uid, plan, tty=io.tty, target=target)
         try:
             code = await self._run_process(line, io)
         except asyncio.CancelledError:  # the client left: its session, so the process, ends
@@ -920,17 +919,18 @@ class DeviceProvider:
         self, namespace: str, pod: str, container: str, io: AttachIO
     ) -> None:
         """The main process's output as it comes; with `stdin: true` in the container's spec,
-        the client's stdin goes to the process (a FIFO on the device). There is no terminal:
-        a device process was started detached, without one."""
+        the client's stdin goes to the process (a FIFO on the device). A `tty: true` container
+        runs in a terminal on the device (see `_remote`): `attach -t` gets that terminal's
+        output as it comes and sets its size."""
         debugged = self._pods.get(f"{namespace}/{pod}")
         if debugged is not None and container in debugged.debug:
             await self._attach_ephemeral(debugged, container, io)
             return
         entry = self._entry(namespace, pod, container)
         spec = entry.pod.spec
-        wants_stdin = io.stdin is not None and any(
-            c.name == container and c.stdin for c in (spec.containers if spec else [])
-        )
+        found = [c for c in (spec.containers if spec else []) if c.name == container]
+        wants_stdin = io.stdin is not None and bool(found and found[0].stdin)
+        in_terminal = io.tty and bool(found and found[0].tty)
         feeder: asyncio.Task[None] | None = None
         if wants_stdin:
             assert io.stdin is not None
@@ -944,7 +944,9 @@ class DeviceProvider:
                 if out is not None:
                     await out.write(data)
 
-        output = asyncio.create_task(relay())
+        output = asyncio.create_task(
+            self._relay_terminal(entry, container, io) if in_terminal else relay()
+        )
         try:
             if feeder is None:
                 await output
@@ -959,6 +961,39 @@ class DeviceProvider:
             for task in (output, feeder):
                 if task is not None:
                     task.cancel()
+
+    async def _relay_terminal(self, entry: _PodEntry, container: str, io: AttachIO) -> None:
+        """`attach -t`: the terminal's output from now on, unprocessed (a prompt shows before
+        its line ends), until the run ends; the client's window size set on the terminal."""
+        state = self._container(entry, container)
+        run = state.restart_count if state is not None else 0
+        output, pts = _remote.terminal_paths(self.root, entry.uid, container)
+        # Emptied once large (the log has it all); the script holds it in append mode.
+        command = (
+            f"{{ [ $(wc -c < {output}) -lt 1048576 ] || : > {output}; }} 2>/dev/null; "
+            f"wc -c < {output} 2>/dev/null || echo 0"
+        )
+        size = (await self.link.run(command)).stdout.strip()
+        offset = int(size) if size.isdigit() else 0
+
+        async def resize() -> None:
+            async for change in io.resizes:
+                rows, cols = int(change.height), int(change.width)
+                line = f'[ -s {pts} ] && stty -F "$(cat {pts})" rows {rows} cols {cols}'
+                try:
+                    (await self.link.run(line)).check("resizing the terminal")
+                except (Unreachable, RuntimeError) as e:
+                    log.info("device %s: %s", self.config.name, e)
+
+        resizer = asyncio.create_task(resize())
+        try:
+            async for data in self._follow(entry, container, run, output, offset):
+                if io.stdout is not None:
+                    await io.stdout.write(data)
+        finally:
+            resizer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await resizer
 
     async def _feed_stdin(self, fifo: str, source: Any) -> None:
         # `fifo` is a shell word from `_remote` (it may expand $HOME): used as it is.
@@ -1129,6 +1164,7 @@ _ADOPTED_FIELDS = (
     "readinessProbe",
     "startupProbe",
     "stdin",
+    "tty",
 )
 
 

@@ -53,6 +53,11 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
     pods/<uid>/c/<name>/out, err  the FIFOs from the process to its log stampers
     pods/<uid>/c/<name>/stdin     with `stdin: true`: the FIFO the process reads (opened
                                   read-write by it: no EOF when an attached writer leaves)
+    pods/<uid>/c/<name>/tty.sh, pts, code, tty.out   with `tty: true` (see `_container_script`)
+    pods/<uid>/e/<name>/pid       an ephemeral container's (`kubectl debug`) process, an SSH
+                                  session of the agent: "<pid> <boot id> <start time>" like
+                                  supervisor.pid; stopping and removing the pod end it
+    pods/<uid>/e/<name>/rm        an ephemeral runtime container's: removes it
 
 The supervisor reads VKUBELET_BACKOFF_BASE (10), VKUBELET_BACKOFF_MAX (300) and
 VKUBELET_BACKOFF_RESET (600), in seconds, from its environment: the kubelet's rule
@@ -161,6 +166,7 @@ class ContainerPlan:
     env: dict[str, str]  # literal values (may contain secrets)
     working_dir: str | None  # None or "": the pod's fs/ directory; relative: from there
     stdin: bool = False  # its stdin is a FIFO that `kubectl attach -i` writes to
+    tty: bool = False  # it runs in a terminal that `kubectl attach -t` reaches
     image: ImageRun | None = None  # set: a runtime container; argv is then its args
 
     def __post_init__(self) -> None:
@@ -319,6 +325,14 @@ def stdin_path(root: str, uid: str, container: str) -> str:
     return f"{pod_word(root, uid)}/c/{container}/stdin"
 
 
+def terminal_paths(root: str, uid: str, container: str) -> tuple[str, str]:
+    """A `tty: true` container's terminal output (tty.out) and the file naming its terminal
+    (pts), as shell words like `log_path`'s."""
+    _check_container(container)
+    directory = f"{pod_word(root, uid)}/c/{container}"
+    return f"{directory}/tty.out", f"{directory}/pts"
+
+
 # -- shell building blocks ------------------------------------------------------------------------
 def _heredoc(command: str, text: str) -> str:
     """`command` with `text` on its stdin, verbatim: the delimiter is quoted (no expansion) and
@@ -373,14 +387,21 @@ own_session() {
 	return 0
 }
 
+# alive_as FILE: the process FILE names ("<pid> <boot id> <start time>") is that very process,
+# still running (not a later one with its pid, nor a zombie). Sets APID.
+alive_as() {
+	read -r APID a_boot a_start 2>/dev/null <"$1" || return 1
+	[ "$a_boot" = "$BOOT" ] && is_pid "$APID" && kill -0 "$APID" 2>/dev/null || return 1
+	proc_start "$APID"
+	[ "$START" = "$a_start" ] && [ "$PSTATE" != Z ]
+}
+
 # supervisor_alive POD_DIR: the pod's supervisor is the process that was started, still runs
 # and has not finished. Sets SPID.
 supervisor_alive() {
 	[ ! -e "$1/done" ] || return 1
-	read -r SPID s_boot s_start 2>/dev/null <"$1/supervisor.pid" || return 1
-	[ "$s_boot" = "$BOOT" ] && is_pid "$SPID" && kill -0 "$SPID" 2>/dev/null || return 1
-	proc_start "$SPID"
-	[ "$START" = "$s_start" ] && [ "$PSTATE" != Z ]
+	alive_as "$1/supervisor.pid" || return 1
+	SPID=$APID
 }
 
 SETSID=
@@ -391,7 +412,7 @@ if command -v setsid >/dev/null 2>&1; then SETSID=setsid; fi
 # if FILE (a container's pid file) still names it, i.e. the same run has not ended yet.
 _KILLER = (
     'cd / && sleep "$1" && shift && while [ $# -ge 2 ]; do '
-    'if read -r p 2>/dev/null <"$1" && [ "$p" = "$2" ]; then '
+    'if read -r p rest 2>/dev/null <"$1" && [ "$p" = "$2" ]; then '
     'kill -KILL -"$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null; fi; shift 2; done'
 )
 
@@ -399,7 +420,10 @@ _KILLER = (
 def _terminate(pid_files: str, grace_seconds: int) -> str:
     """TERM the groups of the containers whose pid files `pid_files` (a glob) finds, then KILL
     those still running after the grace period, from a detached process: the script returns
-    at once, and works whoever runs it since these are plain kills of the user's processes."""
+    at once, and works whoever runs it since these are plain kills of the user's processes.
+
+    A pid file is a container's ("<pid>", removed when it ends) or an ephemeral container's
+    ("<pid> <boot id> <start time>", left behind: it is signalled only if still that process)."""
     grace = max(0, int(grace_seconds))
     # Only the killer itself in the background: a backgrounded `a || b` is a subshell, which bash
     # keeps around (with this script's stdout, so the SSH channel would stay open) until b ends.
@@ -412,7 +436,8 @@ def _terminate(pid_files: str, grace_seconds: int) -> str:
     return (
         "set --\n"
         f"for f in {pid_files}; do\n"
-        '\tif read -r p 2>/dev/null <"$f" && is_pid "$p"; then\n'
+        '\tif read -r p p_rest 2>/dev/null <"$f" && is_pid "$p" '
+        '&& { [ -z "$p_rest" ] || alive_as "$f"; }; then\n'
         f'\t\tsignal_group {"TERM" if grace else "KILL"} "$p" && set -- "$@" "$f" "$p"\n'
         "\tfi\n"
         "done\n" + (kill_later + "\n" if grace else "")
@@ -465,6 +490,11 @@ def start_pod_script(root: str, plan: PodPlan) -> str:
             _heredoc(f'cat >"$P/env/{name}"', _profile(container)),
             '[ -s "$P/env/' + name + '" ] || fail "cannot write env/' + name + '"\n',
             _heredoc(f'cat >"$P/c/{name}/cmd"', _container_script(plan.uid, container)),
+            *(
+                [_heredoc(f'cat >"$P/c/{name}/tty.sh"', _tty_script(plan.uid, container))]
+                if container.tty
+                else []
+            ),
             *_image_files(plan.uid, container),
             f'd="$P/c/{name}"; rm -f "$d/pid" "$d/backoff"\n',
             '[ -s "$d/restarts" ] || echo 0 >"$d/restarts"\n',
@@ -524,17 +554,18 @@ def _image_files(uid: str, container: ContainerPlan) -> list[str]:
             "Never": f"{present} && exit 0\necho {shlex.quote(never)}\nexit 2",
         }[run.pull_policy]
     )
-    name = runtime_name(uid, container.name)
     d = f'"$P/c/{container.name}'
     return [
         _heredoc(f'cat >{d}/pull"', f"# vkubelet: image of container {container.name}\n{pull}\n"),
-        # KILL first: the grace period is over when this runs, and `podman rm -f` would stop
-        # the container with its own 10 s timeout.
-        _heredoc(
-            f'cat >{d}/rm"',
-            f"{rt} kill {name} >/dev/null 2>&1\n{rt} rm -f {name} >/dev/null 2>&1\n",
-        ),
+        _heredoc(f'cat >{d}/rm"', _rm_script(run.runtime, uid, container.name)),
     ]
+
+
+def _rm_script(runtime: Runtime, uid: str, container: str) -> str:
+    """Remove the runtime container of a pod's container: KILL first, since the grace period
+    is over when this runs and `podman rm -f` would stop it with its own 10 s timeout."""
+    rt, name = runtime.words(), runtime_name(uid, container)
+    return f"{rt} kill {name} >/dev/null 2>&1\n{rt} rm -f {name} >/dev/null 2>&1\n"
 
 
 def _profile(container: ContainerPlan) -> str:
@@ -569,10 +600,14 @@ def _container_script(uid: str, container: ContainerPlan) -> str:
         argv = _run_words(uid, container, container.image, ["--cidfile", '"$d/cid"'])
         profile = 'rm -f "$d/cid"\n'
     stdin = ""
-    if container.stdin:
+    if container.stdin or container.tty:
         # Opened read-write, the FIFO never blocks the start and never reads EOF when an
-        # attached client leaves: stdin stays open, as with `stdin: true` on a kubelet.
+        # attached client leaves: stdin stays open, as with `stdin: true` on a kubelet (and a
+        # terminal without stdin is not handed an end of file).
         stdin = '[ -p "$d/stdin" ] || mkfifo -m 600 "$d/stdin"\nexec 0<>"$d/stdin"\n'
+    start = f"{profile}exec {argv}\n"
+    if container.tty:
+        start = _TTY_START.format(name=name)
     return f"""\
 # vkubelet: container {name} of pod {uid}; argument 1 is the pod directory.
 P=$1
@@ -584,7 +619,47 @@ if [ -e "$P/stop" ] || [ ! -e "$P/run.sh" ]; then exit 143; fi
 echo "running $$ $(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$d/state.tmp" && mv -f "$d/state.tmp" "$d/state"
 echo "{uid} {name} running" >>"${{P%/pods/*}}/events"
 umask 022
-{stdin}{profile}exec {argv}
+{stdin}{start}"""
+
+
+# A `tty: true` container's start: its command runs in a terminal that `script` (util-linux, or
+# busybox's) holds, a process of the container detached like any other, so the terminal outlives
+# SSH sessions and the agent. `script` copies the FIFO stdin to the terminal and the terminal's
+# output both to stdout (the log) and, unprocessed, to tty.out, which `kubectl attach -t` follows
+# (the log stamper would hold back a prompt until its line ends). tty.sh records the terminal's
+# name (pts), which a resize sets with `stty -F`, and the command's exit code (code): busybox's
+# script does not pass it on. TERM to the group reaches script, which ends the command.
+_TTY_START = """\
+if ! command -v script >/dev/null 2>&1; then
+	echo "vkubelet: container {name} has tty: true: a terminal needs script" \
+		"(util-linux or busybox) on the device" >&2
+	exit 127
+fi
+rm -f "$d/code" "$d/pts"
+[ -f "$d/tty.out" ] && [ "$(wc -c <"$d/tty.out")" -lt 1048576 ] || : >"$d/tty.out"
+SHELL=/bin/sh script -q -f -a -c 'exec sh "$VKUBELET_POD_DIR/c/{name}/tty.sh"' "$d/tty.out"
+s=$?
+read -r c 2>/dev/null <"$d/code" && exit "$c"
+exit "$s"
+"""
+
+
+def _tty_script(uid: str, container: ContainerPlan) -> str:
+    """What runs in a `tty: true` container's terminal (see `_TTY_START`): the command, as
+    `_container_script` would exec it."""
+    name = container.name
+    argv = " ".join(shlex.quote(arg) for arg in container.argv)
+    profile = f'. "$P/env/{name}"\n'
+    if container.image is not None:
+        argv = _run_words(uid, container, container.image, ["--cidfile", '"$d/cid"'])
+        profile = 'rm -f "$d/cid"\n'
+    return f"""\
+# vkubelet: container {name} of pod {uid} in its terminal.
+P=$VKUBELET_POD_DIR
+d=$P/c/{name}
+trap 'echo $? >"$d/code"' EXIT
+tty >"$d/pts.tmp" 2>/dev/null && mv -f "$d/pts.tmp" "$d/pts"
+{profile}{argv}
 """
 
 
@@ -611,6 +686,8 @@ def _run_words(uid: str, container: ContainerPlan, run: ImageRun, extra: Sequenc
     words += ["--network", "host", "--env-file", f'"$P/env/{container.name}"']
     if container.stdin:
         words.append("-i")
+    if container.tty:
+        words.append("-t")
     if container.working_dir:
         words += ["--workdir", q(container.working_dir)]
     for mount in run.mounts:
@@ -633,21 +710,6 @@ def cid_path(root: str, uid: str, container: str) -> str:
     a command line as it is, never quoted again."""
     _check_container(container)
     return f"{pod_word(root, uid)}/c/{container}/cid"
-
-
-def ephemeral_run_command(
-    root: str, uid: str, container: ContainerPlan, *, tty: bool, target: str | None
-) -> str:
-    """An ephemeral container of an image (`kubectl debug --image`): `<runtime> run` in the
-    foreground of an SSH exec channel (a PTY with `tty`), its env from the file
-    `ephemeral_script` wrote, in the process namespace of the runtime container `target`
-    (`--target`) when given."""
-    assert container.image is not None
-    extra = ["-t"] if tty else []
-    if target is not None:
-        extra += ["--pid", shlex.quote(f"container:{runtime_name(uid, target)}")]
-    words = _run_words(uid, container, container.image, extra)
-    return f"P={pod_word(root, uid)}; exec {words}"
 
 
 def _supervisor(plan: PodPlan) -> str:
@@ -1030,8 +1092,9 @@ def _pod_script(what: str, root: str, uid: str) -> str:
 
 
 def stop_pod_script(root: str, uid: str, grace_seconds: int) -> str:
-    """Stop the pod: no more (re)starts, TERM to every running container's process group, KILL
-    after `grace_seconds` to those still running. Returns at once; the supervisor then ends."""
+    """Stop the pod: no more (re)starts, TERM to every running container's process group, and
+    to its ephemeral containers' (`kubectl debug`), KILL after `grace_seconds` to those still
+    running. Returns at once; the supervisor then ends."""
     return (
         _pod_script(f"stop pod {uid}", root, uid)
         + """[ -d "$P" ] || exit 0
@@ -1041,7 +1104,7 @@ for f in "$P"/c/*/backoff; do
 	if read -r p 2>/dev/null <"$f" && is_pid "$p"; then kill "$p" 2>/dev/null; fi
 done
 """
-        + _terminate('"$P"/c/*/pid', grace_seconds)
+        + _terminate('"$P"/c/*/pid "$P"/e/*/pid', grace_seconds)
         + f'echo "{uid} - stopping" >>"${{P%/pods/*}}/events"\n'
     )
 
@@ -1056,7 +1119,8 @@ def restart_container_script(root: str, uid: str, container: str, grace_seconds:
 
 
 def remove_pod_script(root: str, uid: str) -> str:
-    """Kill whatever of the pod still runs and delete its directory, logs included."""
+    """Kill whatever of the pod still runs, its ephemeral containers' processes and runtime
+    containers included, and delete its directory, logs included."""
     return (
         _pod_script(f"remove pod {uid}", root, uid)
         + """[ -d "$P" ] || exit 0
@@ -1069,7 +1133,10 @@ if supervisor_alive "$P"; then signal_group KILL "$SPID"; fi
 for f in "$P"/c/*/pid; do
 	if read -r p 2>/dev/null <"$f"; then signal_group KILL "$p"; fi
 done
-for f in "$P"/c/*/rm; do
+for f in "$P"/e/*/pid; do
+	if alive_as "$f"; then signal_group KILL "$APID"; fi
+done
+for f in "$P"/c/*/rm "$P"/e/*/rm; do
 	[ ! -f "$f" ] || sh "$f"
 done
 rm -rf "$P"
@@ -1100,18 +1167,65 @@ def exec_command(root: str, uid: str, container: str, argv: list[str]) -> str:
 
 
 def ephemeral_script(root: str, uid: str, container: ContainerPlan) -> str:
-    """Write the env file of ephemeral container `container` (`kubectl debug`), whose process
-    is an SSH session of the agent (`exec_command`); print `new`, or `old` when it was written
-    before: handed again after an agent restart, its process ended with the agent's session."""
+    """Write the files of ephemeral container `container` (`kubectl debug`), whose process is
+    an SSH session of the agent (`ephemeral_command`): its env file and, for a runtime
+    container, its `rm`; print `new`. Print `old` when they were written before: handed again
+    after an agent restart, whatever is left of it is ended (the process, by the pid file
+    `ephemeral_command` wrote; the runtime container, by its `rm`), never left running."""
     name = container.name
+    _check_container(name)
+    e = f'"$P/e/{name}'
+    rm = []
+    if container.image is not None:
+        rm = [_heredoc(f'cat >{e}/rm"', _rm_script(container.image.runtime, uid, name))]
     return (
-        "umask 077\n"
-        f"P={pod_word(root, uid)}\n"
-        f'[ -d "$P/env" ] || {{ echo "pod {uid} is not on this device" >&2; exit 1; }}\n'
-        f'if [ -e "$P/env/{name}" ]; then echo old; exit 0; fi\n'
+        _pod_script(f"ephemeral container {name} of pod {uid}", root, uid)
+        + "umask 077\n"
+        + f'[ -d "$P/env" ] || {{ echo "pod {uid} is not on this device" >&2; exit 1; }}\n'
+        + f'if [ -e "$P/env/{name}" ]; then\n'
+        + f'\tif alive_as {e}/pid"; then signal_group KILL "$APID"; fi\n'
+        + f'\t[ ! -f {e}/rm" ] || sh {e}/rm"\n'
+        + "\techo old\n\texit 0\nfi\n"
+        + f'mkdir -p {e}" || exit 1\n'
+        + "".join(rm)
         + _heredoc(f'cat >"$P/env/{name}.tmp"', _profile(container))
         + f'mv -f "$P/env/{name}.tmp" "$P/env/{name}" && echo new\n'
     )
+
+
+# Run first by an ephemeral container's SSH session: its pid (the session's, which leads its
+# process group), boot id and start time to e/<name>/pid, so that stopping or removing the pod,
+# or an agent that restarted, can end it and only it; then nothing starts in a stopped pod.
+_EPHEMERAL_HEAD = (
+    "st() {{ S=-; read -r l 2>/dev/null </proc/$$/stat || return 0; "
+    "set -- ${{l##*)}}; S=${{20:--}}; }}; "
+    "st; B=-; read -r B 2>/dev/null </proc/sys/kernel/random/boot_id || B=-; "
+    'e="$P/e/{name}"; echo "$$ $B $S" >"$e/pid.tmp" && mv -f "$e/pid.tmp" "$e/pid" || exit 126; '
+    '[ ! -e "$P/stop" ] || exit 143; '
+)
+
+
+def ephemeral_command(
+    root: str, uid: str, container: ContainerPlan, *, tty: bool, target: str | None
+) -> str:
+    """The SSH command line of an ephemeral container's process (`kubectl debug`; a PTY with
+    `tty`), after `ephemeral_script`: a host process as `exec_command` runs one, or for an
+    image `<runtime> run` in the foreground, its env from the file `ephemeral_script` wrote, in
+    the process namespace of the runtime container `target` (`--target`) when given. Both
+    record their pid first (see `_EPHEMERAL_HEAD`)."""
+    name = container.name
+    _check_container(name)
+    head = f"P={pod_word(root, uid)}; " + _EPHEMERAL_HEAD.format(name=name)
+    if container.image is None:
+        for arg in container.argv:
+            _check_text(arg, "exec: command")
+        script = head + f'export VKUBELET_POD_DIR="$P"; . "$P/env/{name}" && exec "$@"'
+        args = " ".join(shlex.quote(arg) for arg in container.argv)
+        return f"exec sh -c {shlex.quote(script)} vkubelet-debug {args}"
+    extra = ["-t"] if tty else []
+    if target is not None:
+        extra += ["--pid", shlex.quote(f"container:{runtime_name(uid, target)}")]
+    return head + "exec " + _run_words(uid, container, container.image, extra)
 
 
 def runtime_exec_command(

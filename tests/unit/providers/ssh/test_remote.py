@@ -39,6 +39,8 @@ from vkubelet.providers.ssh._remote import (
     PodPlan,
     RemotePod,
     Runtime,
+    ephemeral_command,
+    ephemeral_script,
     exec_command,
     log_path,
     logs_script,
@@ -49,6 +51,7 @@ from vkubelet.providers.ssh._remote import (
     start_pod_script,
     stop_pod_script,
     sweep_script,
+    terminal_paths,
 )
 from vkubelet.sdk.logs import LogLine, LogParser
 from vkubelet.testing import wait_for
@@ -439,6 +442,77 @@ def test_remove_kills_everything_and_deletes_the_pod(device: Device) -> None:
     wait_for(lambda: not any(alive(pid) for pid in (supervisor, main, child)), timeout=2)
     assert device.sweep() == {}
     device.run(remove_pod_script(ROOT, "u1"))  # nothing left to remove: fine
+
+
+def test_an_ephemeral_process_ends_with_a_stop_a_removal_or_when_handed_again(
+    any_device: Device,
+) -> None:
+    """An ephemeral container's process runs in an SSH session (here: a session of its own, as
+    sshd gives one), not under the supervisor: the stop and removal scripts end it by its pid
+    file, and so does its script when an agent that restarted hands it again."""
+    device = any_device
+    device.start(pod_plan(ctr("main", "exec sleep 30"), policy="Always"))
+    device.wait(state_of("main", "running"))
+    debug = ctr("dbg", 'echo "$WORD"; exec sleep 30', env={"WORD": "debugging"})
+
+    def session() -> subprocess.Popen[bytes]:
+        line = ephemeral_command(ROOT, "u1", debug, tty=False, target=None)
+        return subprocess.Popen(
+            ["setsid", *device.shell, "-c", line],
+            stdout=subprocess.PIPE,
+            env=device.env,
+            cwd=device.home,
+        )
+
+    assert device.run(ephemeral_script(ROOT, "u1", debug)).stdout == b"new\n"
+    for end in ("stop", "again", "remove"):
+        process = session()
+        assert process.stdout is not None and process.stdout.readline() == b"debugging\n"
+        if end == "stop":
+            device.run(stop_pod_script(ROOT, "u1", 5))
+        elif end == "again":
+            assert device.run(ephemeral_script(ROOT, "u1", debug)).stdout == b"old\n"
+        else:
+            device.run(remove_pod_script(ROOT, "u1"))
+        assert process.wait(timeout=5) in (-signal.SIGTERM, -signal.SIGKILL)
+        (device.pod_dir() / "stop").unlink(missing_ok=True)
+
+
+def test_a_tty_container_runs_in_a_terminal_that_outlives_its_starter(device: Device) -> None:
+    """`tty: true`: the command's stdin, stdout and stderr are a terminal, whose name is kept for
+    resizes; its output reaches the log and the terminal's own file, its exit code the state."""
+    script = 'read -r line; tty; stty size; echo "got $line"; exit 3'
+    plan = ContainerPlan("main", ["sh", "-c", script], {}, None, stdin=True, tty=True)
+    device.start(pod_plan(plan))
+    device.wait(state_of("main", "running"))
+    output, pts = (
+        Path(word.replace('"$HOME"/', f"{device.home}/").replace("'", ""))
+        for word in terminal_paths(ROOT, "u1", "main")
+    )
+    wait_for(lambda: pts.exists(), timeout=5)
+    terminal = pts.read_text().strip()
+    assert terminal.startswith("/dev/pts/")
+    subprocess.run(["stty", "-F", terminal, "rows", "31", "cols", "99"], check=True)
+    with (device.pod_dir() / "c" / "main" / "stdin").open("w") as stdin:
+        stdin.write("hello\n")
+    pod = device.wait(state_of("main"))
+    assert status(pod).exit_code == 3
+    lines = [line.content.rstrip(b"\r") for line in device.log()]
+    assert [terminal.encode(), b"31 99", b"got hello"] == lines[-3:]
+    assert b"got hello" in output.read_bytes()
+
+
+def test_a_tty_container_without_script_on_the_device_says_so(tmp_path: Path) -> None:
+    device = make_device(tmp_path, "busybox")  # no script applet in this build
+    try:
+        if (Path(device.path) / "script").exists():
+            pytest.skip("this busybox has script")
+        plan = ContainerPlan("main", ["sh", "-c", "exit 0"], {}, None, tty=True)
+        device.start(pod_plan(plan))
+        assert status(device.wait(state_of("main"))).exit_code == 127
+        assert b"needs script" in b"".join(line.content for line in device.log())
+    finally:
+        device.cleanup()
 
 
 # -- detached and idempotent ----------------------------------------------------------------------
