@@ -154,6 +154,15 @@ def _container_state(pod: Mapping[str, Any]) -> dict[str, Any]:
     return dict((statuses[0] if statuses else {}).get("state") or {})
 
 
+def _runtime_of(pod: Mapping[str, Any] | None) -> str | None:
+    """The runtime the VM runs on (qemu, libvirt): its container ID's scheme, as a kubelet's
+    `containerd://...` names its runtime."""
+    statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or []
+    container_id = (statuses[0] if statuses else {}).get("containerID") or ""
+    scheme, found, _ = str(container_id).partition("://")
+    return scheme if found and scheme else None
+
+
 def _resources(spec: Mapping[str, Any]) -> tuple[str, dict[str, dict[str, str]]] | None:
     """(container name, its cpu/memory requests and limits) of a pod spec; requests default to
     the limits, as the apiserver defaults them."""
@@ -402,6 +411,7 @@ def decide(
             ),
             old_status.get("machineNode"),
         ),
+        "runtime": _runtime_of(kept) or old_status.get("runtime"),  # kept while off
         "observedGeneration": generation,
         "replicas": len(active),
         "selector": f"{NAME_LABEL}={meta.get('name')}",

@@ -339,3 +339,14 @@ def test_the_template_s_tolerations_are_kept_and_the_vm_one_is_never_doubled() -
         template = vm(spec={**spec, "tolerations": tolerations})
         assert pod_for(template)["spec"]["tolerations"] == want, tolerations
         assert template["spec"]["template"]["spec"]["tolerations"] == tolerations  # untouched
+
+
+def test_the_status_says_which_runtime_runs_the_vm_and_keeps_it_while_off() -> None:
+    on_libvirt = pod()
+    on_libvirt["status"]["containerStatuses"][0]["containerID"] = "libvirt://7"
+    running = decide(vm(), [on_libvirt])
+    assert running.status["runtime"] == "libvirt"
+    off = vm(replicas=0)
+    off["status"] = running.status
+    assert decide(off, []).status["runtime"] == "libvirt"
+    assert decide(vm(), [pod()]).status["runtime"] is None  # no container ID (older agent)

@@ -21,19 +21,36 @@ __all__ = [
     "GuestAddress",
     "LaunchSpec",
     "MachineHandle",
+    "MachineRefused",
     "PulledImage",
     "Runtime",
     "Usage",
 ]
 
 
+class MachineRefused(Exception):
+    """This pod's machine cannot be made here, whatever retries do (a libvirt domain of its
+    name that is not the pod's): `reason` is the pod's, the message says what to change."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class MachineHandle(Protocol):
-    """One running QEMU (`_machine.Machine`). Its monitor and guest agent are None for a
-    runtime without QEMU behind it (the provider's test fake): no hibernation, live resize,
-    backup or migration then."""
+    """One running machine: a QEMU (`_machine.Machine`) or a libvirt domain
+    (`_libvirt.LibvirtMachine`). Its monitor is None without QMP (libvirt, the provider's test
+    fake), its guest agent None without one: no hibernation, live resize, backup or migration
+    then."""
 
     @property
-    def pid(self) -> int: ...
+    def pid(self) -> int: ...  # QEMU's process; a libvirt domain's id
+
+    @property
+    def started(self) -> float: ...  # when the machine started, epoch seconds (kubectl top)
+
+    @property
+    def runtime(self) -> str: ...  # "qemu" or "libvirt": refusals name it
 
     @property
     def monitor(self) -> Monitor | None: ...
@@ -161,6 +178,15 @@ class Runtime(Protocol):
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:
         """(accel, reason) for `auto|kvm|tcg`."""
+        ...
+
+    async def ping(self) -> None:
+        """Raises, saying why, when this node cannot run machines (a tool missing, the libvirt
+        daemon unreachable): the node is NotReady with that message."""
+        ...
+
+    async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
+        """Raises MachineRefused when the pod's machine cannot be made (before its disks are)."""
         ...
 
     def gc_images(self, in_use: Collection[str]) -> list[str]: ...

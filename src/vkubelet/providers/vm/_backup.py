@@ -116,6 +116,9 @@ class Backupable(Protocol):
     @property
     def agent(self) -> Any: ...
 
+    @property
+    def runtime(self) -> str: ...  # named when it cannot back up
+
 
 @dataclass(frozen=True)
 class BackupSource:
@@ -320,7 +323,9 @@ async def run_backup(
     if mode not in ("Auto", "Full", "Incremental"):
         raise BackupError("BackupFailed", f"{BACKUP_MODE}: expected Auto, Full or Incremental")
     if machine.monitor is None or machine.agent is None:
-        raise BackupError("BackupFailed", "this node's runtime cannot back up a running VM")
+        raise BackupError(
+            "BackupFailed", f"the {machine.runtime} runtime cannot back up a running VM yet"
+        )
     started = time.monotonic()
     chain_dir = target / source.namespace / source.vm_name
     bitmap = bitmap_name(chain_dir)

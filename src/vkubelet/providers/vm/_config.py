@@ -3,6 +3,8 @@
     stateDir: /var/lib/vkubelet/vm      # run dirs of the VMs, CRI logs (relative: to this file)
     imageStore: images                   # default <stateDir>/images
     accel: auto                          # auto | kvm | tcg
+    runtime: qemu                        # qemu (QEMU driven directly) | libvirt (`_libvirt`)
+    libvirt: {uri: "qemu:///system"}     # runtime libvirt: the daemon, local or remote
     reserved: {cpu: "1", memory: 1Gi}    # kept for the host; capacity = host minus this
     podCIDR: 10.213.0.0/24               # this node's VMs' addresses (no other route may cover it)
     network:                             # `_net`
@@ -58,6 +60,9 @@ Accel = Literal["auto", "kvm", "tcg"]
 #: the agent on it) reaches them; bridged: the VMs join an existing host bridge (a flat L2
 #: network of the site) with addresses from a pool.
 NetworkMode = Literal["routed", "host-only", "bridged"]
+#: qemu: the agent starts QEMU itself on this host; libvirt: a libvirt daemon (local or remote,
+#: `libvirt.uri`) runs each VM as a domain.
+RuntimeKind = Literal["qemu", "libvirt"]
 
 _MIB = 2**20
 _DOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\.?")
@@ -106,10 +111,16 @@ class _Network(Section):
     pool: _Text | None = None
 
 
+class _Libvirt(Section):
+    uri: _Text = "qemu:///system"
+
+
 class _File(Section):
     state_dir: FilePath | None = None
     image_store: FilePath | None = None
     accel: Literal["auto", "kvm", "tcg"] = "auto"
+    runtime: RuntimeKind = "qemu"
+    libvirt: _Libvirt | None = None
     reserved: _Resources | None = None
     pod_cidr: _Text = msgspec.field(default="10.213.0.0/24", name="podCIDR")
     network: _Network | None = None
@@ -165,6 +176,8 @@ class VMConfig:
     state_dir: Path
     image_store: Path
     accel: Accel = "auto"
+    runtime: RuntimeKind = "qemu"
+    libvirt_uri: str = "qemu:///system"
     reserved_millicpu: int = 0
     reserved_memory: int = 256 * _MIB  # bytes
     pod_cidr: str = "10.213.0.0/24"
@@ -252,6 +265,14 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
     if not _DOMAIN.fullmatch(net.cluster_domain):
         raise fail("network.clusterDomain", f"{net.cluster_domain!r} is not a DNS domain")
     bridged = _bridged(net, fail)
+    if raw.libvirt is not None and raw.runtime != "libvirt":
+        raise fail("libvirt", "only for runtime: libvirt")
+    libvirt_uri = (raw.libvirt or _Libvirt()).uri
+    if "://" not in libvirt_uri:
+        raise fail(
+            "libvirt.uri",
+            f"{libvirt_uri!r} is not a libvirt URI (qemu:///system, qemu+ssh://host/system)",
+        )
     shared = []
     for index, cidr in enumerate(raw.shared_pod_cidrs):
         try:
@@ -270,6 +291,8 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         state_dir=state_dir,
         image_store=image_store,
         accel=raw.accel,
+        runtime=raw.runtime,
+        libvirt_uri=libvirt_uri,
         reserved_millicpu=reserved_cpu,
         reserved_memory=reserved_memory,
         pod_cidr=str(network),

@@ -306,6 +306,8 @@ def power_off(
     if directory is None or not (vm.power.hibernate or wants_hibernate(vm.pod)):
         return None
     if handle.monitor is None:
+        why = f"the {handle.runtime} runtime cannot hibernate a VM yet; shutting down"
+        host.event(vm, "Warning", HIBERNATE_FAILED, why)
         return None
     return _hibernate_or_stop(host, vm, handle, handle.monitor, directory, grace)
 

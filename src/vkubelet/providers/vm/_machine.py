@@ -39,6 +39,7 @@ import msgspec
 from ._net import TAP_NAME, GuestNetwork
 from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable
 from ._qmp import ExecuteError, Monitor, MonitorUnavailable
+from ._stats import process_start
 
 QEMU = "qemu-system-x86_64"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -196,9 +197,12 @@ def _alive(pid: int, run_dir: Path) -> bool:
 
 
 class Machine:
+    runtime = "qemu"
+
     def __init__(self, run_dir: Path, pid: int, spec: MachineSpec | None = None) -> None:
         self.run_dir = run_dir
         self.pid = pid
+        self.started = process_start(pid)
         self.spec = spec
         self.console_socket = run_dir / "console.sock"
         self.console_log = run_dir / "console.log"

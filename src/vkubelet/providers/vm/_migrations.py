@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 def _monitor(machine: MachineHandle) -> Monitor:
     if machine.monitor is None:
-        raise MigrationError("this runtime cannot migrate VMs (no QMP monitor)")
+        raise MigrationError(f"the {machine.runtime} runtime cannot migrate VMs yet")
     return machine.monitor
 
 

@@ -63,7 +63,14 @@ from ...sdk.provider import EventSink, EventType, UpperAPI
 from ...sdk.retry import Backoff
 from ...sdk.stats import NodeUsage, PodUsage, resource_metrics, summary
 from . import _hibernate, _persist, _resize
-from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage, Runtime
+from ._backend import (
+    GuestAddress,
+    LaunchSpec,
+    MachineHandle,
+    MachineRefused,
+    PulledImage,
+    Runtime,
+)
 from ._backup import BackupSource, is_backup_pod, restore_if_asked
 from ._backups import BackupPods
 from ._config import VMConfig
@@ -72,7 +79,7 @@ from ._migrate import MIGRATION_SOURCE, MigrationError
 from ._migrations import Migrations
 from ._net import AddressRefused, NetworkRefused
 from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
-from ._stats import QemuReading, VMUsage, process_start
+from ._stats import QemuReading, VMUsage
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
 from ._vm import ADDRESS_ANNOTATION, VM, Launch, decorate, pod_annotations
 from ._volumes import DiskProvisioner, VolumeNotReady, claim_disks, drive_args
@@ -200,11 +207,10 @@ class VMProvider(RunnerProvider):
         return [NodeCondition(ACCELERATOR_CONDITION, "True", why, reason)]
 
     async def ping(self) -> None:
-        """Unhealthy (the node NotReady, saying why) without QEMU or qemu-img."""
+        """Unhealthy (the node NotReady, saying why) when the runtime cannot run machines:
+        QEMU or qemu-img missing, the libvirt daemon unreachable (libvirt's message)."""
+        await self.runtime.ping()
         await self._start()
-        for tool in ("qemu-system-x86_64", "qemu-img"):
-            if shutil.which(tool) is None:
-                raise RuntimeError(f"{tool} is not installed (Debian: qemu-system-x86 qemu-utils)")
 
     def notify_node_status(self, callback: Callable[[Node], None]) -> None:
         self._node_changed = callback
@@ -218,7 +224,9 @@ class VMProvider(RunnerProvider):
         meta = pod.metadata
         vm = self.vms.get(f"{meta.namespace}/{meta.name}") if meta else None
         if vm is not None and pod.status is not None:
-            decorate(pod.status, vm.power, vm.container)
+            machine = vm.machine
+            container_id = f"{machine.runtime}://{machine.pid}" if machine is not None else None
+            decorate(pod.status, vm.power, vm.container, container_id)
         return pod
 
     async def _start(self) -> None:
@@ -524,6 +532,10 @@ class VMProvider(RunnerProvider):
     async def _make_machine(
         self, vm: VM, resolved: ResolvedPod, plan: MachinePlan, image: PulledImage
     ) -> None:
+        try:  # before anything is made for it (a libvirt domain of its name not the pod's)
+            await self.runtime.check_machine(resolved.namespace, resolved.name, vm.uid)
+        except MachineRefused as e:
+            raise ProviderError(e.reason, str(e)) from None
         vm.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         disk_dir = self._disk_dir(vm)
         root = disk_dir / "root.qcow2"
@@ -629,7 +641,7 @@ class VMProvider(RunnerProvider):
             # while still booting is up when its guest agent answers, as after a launch.)
             runner.confirm_start(vm.container, count, vm.started_at)
         vm.machine, vm.run = machine, count
-        vm.started_wall = process_start(machine.pid)
+        vm.started_wall = machine.started
         vm.save()
         self._drop_old_logs(vm, count)
         if incoming or resumed_target:  # a migration target: the VM arrives first
@@ -1222,10 +1234,17 @@ def create(context: ProviderContext) -> VMProvider:
             f"{config.origin}: podCIDR: {config.pod_cidr} overlaps route(s) of this host that "
             f"are not its VMs': {'; '.join(clash[:3])}. Give the node a range of its own."
         )
+    runtime: QemuRuntime
+    if config.runtime == "libvirt":
+        from ._libvirt import LibvirtRuntime
+
+        runtime = LibvirtRuntime(config, context.node_name)
+    else:
+        runtime = QemuRuntime(config)
     return VMProvider(
         context.node_name,
         config,
-        QemuRuntime(config),
+        runtime,
         host_ip=context.internal_ip,
         events=context.events,
     )

@@ -212,7 +212,7 @@ class ResizeError(RuntimeError):
 
 def _controls(machine: MachineHandle) -> tuple[Monitor, GuestAgent]:
     if machine.monitor is None or machine.agent is None:
-        raise ResizeError("this runtime cannot resize VMs live")
+        raise ResizeError(f"the {machine.runtime} runtime cannot resize VMs live yet")
     return machine.monitor, machine.agent
 
 

@@ -10,6 +10,7 @@ ConfigMap mounted into the agent's pod is such a file; its rules win).
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 
 class QemuRuntime:
+    tools: tuple[str, ...] = ("qemu-system-x86_64", "qemu-img")
+
     def __init__(self, config: VMConfig) -> None:
         self.config = config
         try:
@@ -186,6 +189,15 @@ class QemuRuntime:
 
     async def adopt(self, run_dir: Path) -> MachineHandle | None:
         return await Machine.adopt(run_dir)
+
+    async def ping(self) -> None:
+        """The tools this runtime runs here: QEMU, and qemu-img (disks are made here)."""
+        for tool in self.tools:
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"{tool} is not installed (Debian: qemu-system-x86 qemu-utils)")
+
+    async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
+        """Nothing to check: a QEMU machine is the pod's own directory."""
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:
         if mode == "tcg":

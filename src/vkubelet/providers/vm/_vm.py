@@ -248,9 +248,17 @@ class VMHost(Protocol):
         ...
 
 
-def decorate(status: PodStatus, power: PowerState, container: str) -> None:
-    """What only the VM knows on the status the SDK built: a hibernation's outcome as the
-    container's final state, the kubelet's in-place resize fields."""
+def decorate(
+    status: PodStatus, power: PowerState, container: str, container_id: str | None = None
+) -> None:
+    """What only the VM knows on the status the SDK built: the running machine's container ID
+    (`<runtime>://<pid or domain id>`, as a kubelet's names its runtime: the VM controller's
+    status.runtime), a hibernation's outcome as the container's final state, the kubelet's
+    in-place resize fields."""
+    if container_id is not None:
+        for cs in status.containerStatuses or []:
+            if cs.name == container:
+                cs.containerID = container_id
     if power.outcome is not None:
         reason, message = power.outcome
         for cs in status.containerStatuses or []:

@@ -6,6 +6,7 @@ Shared by the provider's tests of pods, persistent machines and migration."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,13 @@ from typing import Any
 
 from lightkube.resources.core_v1 import Pod
 
-from vkubelet.providers.vm._backend import GuestAddress, LaunchSpec, PulledImage, Usage
+from vkubelet.providers.vm._backend import (
+    GuestAddress,
+    LaunchSpec,
+    MachineRefused,
+    PulledImage,
+    Usage,
+)
 from vkubelet.providers.vm._config import VMConfig
 from vkubelet.providers.vm._machine import MachineExit
 from vkubelet.providers.vm._provider import VMProvider
@@ -25,10 +32,12 @@ GI = 2**30
 
 class FakeMachine:
     count = 0
+    runtime = "fake"
 
     def __init__(self, spec: LaunchSpec) -> None:
         FakeMachine.count += 1
         self.pid = 1000 + FakeMachine.count
+        self.started = time.time()
         self.spec = spec
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         self.console_log = spec.run_dir / "console.log"
@@ -91,6 +100,8 @@ class FakeRuntime:
     detached: list[str] = field(default_factory=list)
     attached: list[tuple[str, str | None, bool]] = field(default_factory=list)
     boot_at_once: bool = True
+    refused: str | None = None  # check_machine refuses every machine, saying this
+    unhealthy: str | None = None  # ping raises, saying this
 
     def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
         pass
@@ -154,6 +165,14 @@ class FakeRuntime:
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:
         return "tcg", "KVM cannot boot a guest here"
+
+    async def ping(self) -> None:
+        if self.unhealthy is not None:
+            raise RuntimeError(self.unhealthy)
+
+    async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
+        if self.refused is not None:
+            raise MachineRefused("DomainExists", self.refused)
 
     def gc_images(self, in_use: Collection[str]) -> list[str]:
         return []

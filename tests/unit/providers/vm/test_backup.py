@@ -127,6 +127,8 @@ class FakeMonitor:
 
 
 class FakeMachine:
+    runtime = "qemu"
+
     def __init__(self, monitor: FakeMonitor, agent: FakeAgent) -> None:
         self.monitor, self.agent = monitor, agent
         agent.log = monitor.commands  # one sequence of what QEMU and the guest were asked

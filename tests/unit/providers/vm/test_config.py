@@ -161,3 +161,29 @@ def test_a_bad_bridged_setting_is_refused_naming_it(
     path = write(tmp_path, f"network: {network}\n")
     with pytest.raises(ConfigError, match=rf"^{path}: {field}: .*{why}"):
         load_config(path)
+
+
+def test_the_runtime_is_qemu_unless_libvirt_is_chosen_with_its_uri(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "{}\n"))
+    assert (config.runtime, config.libvirt_uri) == ("qemu", "qemu:///system")
+    config = load_config(write(tmp_path, "runtime: libvirt\n"))
+    assert (config.runtime, config.libvirt_uri) == ("libvirt", "qemu:///system")
+    remote = "qemu+ssh://root@hv-2/system?keyfile=/k&no_tty=1"
+    config = load_config(write(tmp_path, f"runtime: libvirt\nlibvirt: {{uri: '{remote}'}}\n"))
+    assert config.libvirt_uri == remote
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("runtime: xen\n", "runtime"),
+        ("libvirt: {uri: 'qemu:///system'}\n", "libvirt"),
+        ("runtime: libvirt\nlibvirt: {uri: hv-2}\n", "libvirt.uri"),
+        ("runtime: libvirt\nlibvirt: {url: 'qemu:///system'}\n", "libvirt.url"),
+        ("runtime: libvirt\nlibvirt: {uri: ''}\n", "libvirt.uri"),
+    ],
+)
+def test_a_bad_runtime_setting_is_refused_naming_it(tmp_path: Path, text: str, field: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{path}: {field}:"):
+        load_config(path)

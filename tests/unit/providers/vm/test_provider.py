@@ -520,3 +520,32 @@ async def test_kubectl_debug_runs_its_command_through_the_guest_agent(
     found = await provider.get_pod("ns", "vm")
     assert found is not None and found.spec is not None
     assert [c.name for c in found.spec.ephemeralContainers or []] == ["once", "dbg"]
+
+
+async def test_a_machine_the_runtime_refuses_fails_the_pod_with_its_reason_and_makes_nothing(
+    provider: VMProvider, runtime: FakeRuntime, events: Events, tmp_path: Path
+) -> None:
+    runtime.refused = "libvirt has a domain 'ns_vm' that is not this pod's"
+    await provider.create_pod(ResolvedPod(make_pod()))
+
+    async def refused() -> bool:
+        _, status = await state(provider)
+        waiting = status.state.waiting if status else None
+        return waiting is not None and waiting.reason == "DomainExists"
+
+    await eventually(refused)
+    _, status = await state(provider)
+    assert "not this pod's" in status.state.waiting.message
+    assert ("Warning", "Failed", f"Error: {runtime.refused}") in events.pod
+    assert not runtime.machines
+    assert not list((tmp_path / "s" / "vms").glob("*/root.qcow2"))  # no disk was made
+
+
+async def test_a_runtime_that_cannot_run_machines_makes_the_node_unhealthy_saying_why(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    runtime.unhealthy = "libvirt qemu+ssh://hv-2/system: Cannot recv data: Permission denied"
+    with pytest.raises(RuntimeError, match="Permission denied"):
+        await provider.ping()
+    runtime.unhealthy = None
+    await provider.ping()

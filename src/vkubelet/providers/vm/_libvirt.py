@@ -1,0 +1,664 @@
+"""The libvirt runtime (`runtime: libvirt`): each VM is a libvirt domain, local or remote.
+
+What differs from the QEMU runtime (`_runtime`, `_machine`) is only the machine: images, disks,
+the seed and the pod network are the same parts (`LibvirtRuntime` is a `QemuRuntime` whose
+`launch` and `adopt` make and find domains). The domain's XML comes from `_domainxml`.
+
+- **One event loop, a blocking binding.** libvirt-python's calls block until the daemon
+  answers (a remote one over SSH: a round trip). Every RPC runs in this connection's own small
+  thread pool (`Connection.run`), so the loop stays responsive and a slow daemon cannot starve
+  `asyncio.to_thread` for the rest of the agent. Streams (the serial console) are not RPCs: they
+  are non-blocking and driven by the loop itself through libvirtaio, libvirt-python's asyncio
+  event implementation, which the connection registers before it opens (keepalives need it too).
+- **Ownership.** A domain is ours when its `<metadata>` names the pod's UID. `launch` never
+  touches a domain of that name that is not the pod's (`MachineRefused`, the pod fails with the
+  reason); one that is the pod's and runs already is taken as it is (a machine never starts
+  twice). The run directory keeps `domain.json` (URI, name, UUID, start time), which `adopt`
+  reads after an agent restart.
+- **Console.** The serial console is a pty in the domain; the agent holds libvirt's console
+  stream (`virDomainOpenConsole`, which works over any URI) from the domain's start, appends
+  what arrives to `console.log` in the run directory (the file the console tailer turns into
+  `kubectl logs`, as with QEMU's own console file) and relays it to `kubectl attach` clients
+  through `console.sock`. The domain starts paused until the stream is open, so the log has
+  the boot from its first byte. What the guest prints while no agent runs is not kept (the pty
+  drops it).
+- **Guest agent.** libvirt connects to the guest agent's channel itself; commands go through
+  `qemuAgentCommand` (`LibvirtGuestAgent`, the same `GuestAgent` interface the provider uses).
+- **End.** A domain that shut off is read for why (guest poweroff, crash, destroyed), the
+  outcome recorded in the run directory as the QEMU runtime records it, and the domain's
+  definition removed: `virsh list --all` shows only running VMs' domains.
+- **Not yet** (no QMP monitor here, so the provider's parts refuse with the runtime's name):
+  hibernation, live resize, backup, migration, PVC disks. No NIC either: the pod's address is
+  allocated but the domain has no interface yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..._files import write_atomic
+from ...sdk.retry import Backoff
+from ._backend import LaunchSpec, MachineHandle, MachineRefused
+from ._config import VMConfig
+from ._domainxml import METADATA_URI, Owner, domain_name, domain_xml, owner_of
+from ._machine import MachineError, MachineExit, Usage
+from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable, encode
+from ._runtime import QemuRuntime
+
+__all__ = ["Connection", "LibvirtMachine", "LibvirtRuntime"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DOMAIN_FILE = "domain.json"
+_CHUNK = 65536
+_POLL = 1.0  # seconds between state reads while a domain runs (the console's end wakes earlier)
+PING_SECONDS = 4.0
+
+
+def _libvirt() -> Any:
+    """The binding, imported when the runtime is used: the QEMU runtime does without it."""
+    try:
+        import libvirt
+    except ImportError:
+        raise MachineError(
+            "runtime: libvirt needs the Python binding: pip install libvirt-python "
+            "(it builds against libvirt-dev and pkg-config)"
+        ) from None
+    return libvirt
+
+
+def message_of(error: BaseException) -> str:
+    """libvirt's own words for an error (its exceptions' str() can be empty)."""
+    get = getattr(error, "get_error_message", None)
+    return str((get() if get is not None else None) or error)
+
+
+def _code(error: BaseException) -> int | None:
+    get = getattr(error, "get_error_code", None)
+    return int(get()) if get is not None else None
+
+
+class Connection:
+    """One connection to the daemon at `uri`, opened when first needed and again after it
+    dropped (a restarted libvirtd, a broken SSH link): domains are found again by UUID. One
+    attempt to open runs at a time, whoever waits for it; `last_error` is the last failed one's
+    message (libvirt's), for a caller that cannot wait as long as SSH takes."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.last_error: str | None = None
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="libvirt")
+        self._conn: Any = None
+        self._opening: asyncio.Future[Any] | None = None
+
+    async def run(self, call: Callable[..., T], *args: Any) -> T:
+        """A blocking binding call in this connection's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(call, *args))
+
+    async def get(self) -> Any:
+        """The open connection; raises MachineError with libvirt's message when it cannot."""
+        if self._conn is not None and self._conn.isAlive():
+            return self._conn
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.ensure_future(self._open())
+            self._opening.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return await asyncio.shield(self._opening)
+
+    async def _open(self) -> Any:
+        libvirt = _libvirt()
+        _register_event_loop(libvirt)
+        try:
+            self._conn = await self.run(_open, libvirt, self.uri)
+        except libvirt.libvirtError as e:
+            self.last_error = f"libvirt {self.uri}: {message_of(e)}"
+            raise MachineError(self.last_error) from None
+        self.last_error = None
+        return self._conn
+
+    async def domain(self, uuid: str) -> Any:
+        """The domain of `uuid`, or None when the daemon has none."""
+        libvirt = _libvirt()
+        conn = await self.get()
+        try:
+            return await self.run(conn.lookupByUUIDString, uuid)
+        except libvirt.libvirtError as e:
+            if _code(e) == libvirt.VIR_ERR_NO_DOMAIN:
+                return None
+            raise MachineError(f"libvirt {self.uri}: {message_of(e)}") from None
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await self.run(conn.close)
+        self._pool.shutdown(wait=False)
+
+
+_registered: list[asyncio.AbstractEventLoop] = []
+
+
+def _register_event_loop(libvirt: Any) -> None:
+    """libvirtaio as libvirt's event loop, on the running loop (once per loop; a process has
+    one, tests may have several in turn)."""
+    loop = asyncio.get_running_loop()
+    if _registered and _registered[-1] is loop:
+        return
+    import libvirtaio
+
+    libvirt.registerErrorHandler(lambda _ctx, _error: None, None)  # errors are raised, not printed
+    libvirtaio.virEventRegisterAsyncIOImpl(loop=loop)
+    _registered.append(loop)
+
+
+def _open(libvirt: Any, uri: str) -> Any:
+    """Open without prompting for credentials (the agent has no one to ask): missing or wrong
+    ones fail with libvirt's message."""
+    auth = [[libvirt.VIR_CRED_AUTHNAME, libvirt.VIR_CRED_PASSPHRASE], lambda creds, data: -1, None]
+    conn = libvirt.openAuth(uri, auth, 0)
+    conn.setKeepAlive(5, 3)  # a dead peer is noticed in ~20 s, not at the next call's timeout
+    return conn
+
+
+class LibvirtGuestAgent(GuestAgent):
+    """The guest agent through libvirt (`qemuAgentCommand`): libvirt owns the channel and its
+    synchronisation, so each call is one RPC. `exec` and the rest are `GuestAgent`'s."""
+
+    def __init__(self, connection: Connection, uuid: str, *, timeout: float = 10.0) -> None:
+        super().__init__(Path("/nonexistent"), timeout=timeout)
+        self._connection, self._uuid = connection, uuid
+
+    async def close(self) -> None:
+        return None
+
+    async def call(
+        self,
+        command: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the guest agent's own limit
+    ) -> Any:
+        libvirt = _libvirt()
+        import libvirt_qemu
+
+        domain = await self._connection.domain(self._uuid)
+        if domain is None:
+            raise GuestAgentUnavailable(f"guest agent: the domain {self._uuid} is gone")
+        seconds = max(1, round(timeout or self.timeout))
+        text = encode(command, arguments).decode()
+        try:
+            reply = await self._connection.run(
+                libvirt_qemu.qemuAgentCommand, domain, text, seconds, 0
+            )
+        except libvirt.libvirtError as e:
+            code, message = _code(e), message_of(e)
+            if code in (libvirt.VIR_ERR_AGENT_UNRESPONSIVE, libvirt.VIR_ERR_OPERATION_INVALID):
+                raise GuestAgentUnavailable(f"guest agent: {message}") from None
+            if code == libvirt.VIR_ERR_OPERATION_TIMEOUT:
+                raise TimeoutError(f"guest agent: {command} unanswered after {seconds} s") from None
+            raise GuestAgentError(command, "libvirt", message) from None
+        return json.loads(reply).get("return")
+
+    async def wait_ready(self, timeout: float) -> None:  # noqa: ASYNC109
+        deadline = time.monotonic() + timeout
+        pause = Backoff(initial=0.2, cap=1.0, factor=1.5, jitter=0.0)
+        while True:
+            try:
+                await self.call("guest-ping", timeout=2)
+                return
+            except (GuestAgentUnavailable, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise GuestAgentUnavailable(
+                        f"guest agent: no answer within {timeout:g} s"
+                    ) from None
+            await asyncio.sleep(pause.next_delay())
+
+    async def shutdown(self, mode: str = "powerdown") -> None:
+        """libvirt's agent shutdown (it knows that QGA does not answer one)."""
+        libvirt = _libvirt()
+        domain = await self._connection.domain(self._uuid)
+        if domain is None:
+            raise GuestAgentUnavailable("guest agent: the domain is gone")
+        try:
+            await self._connection.run(
+                domain.shutdownFlags, libvirt.VIR_DOMAIN_SHUTDOWN_GUEST_AGENT
+            )
+        except libvirt.libvirtError as e:
+            raise GuestAgentUnavailable(f"guest agent: {message_of(e)}") from None
+
+
+class _Console:
+    """libvirt's console stream of one domain: appended to `log`, relayed to the clients of
+    `socket` (kubectl attach). Driven by the event loop (libvirtaio), never a thread."""
+
+    def __init__(self, log: Path, socket: Path) -> None:
+        self.log, self.socket = log, socket
+        self.ended = asyncio.Event()
+        self._stream: Any = None
+        self._file: Any = None
+        self._clients: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+
+    async def open(self, connection: Connection, domain: Any) -> None:
+        libvirt = _libvirt()
+        conn = await connection.get()
+        stream = conn.newStream(libvirt.VIR_STREAM_NONBLOCK)
+        # FORCE: a stream an earlier agent left open is taken over.
+        await connection.run(domain.openConsole, None, stream, libvirt.VIR_DOMAIN_CONSOLE_FORCE)
+        self._file = self.log.open("ab")
+        self._stream = stream
+        events = (
+            libvirt.VIR_STREAM_EVENT_READABLE
+            | libvirt.VIR_STREAM_EVENT_ERROR
+            | libvirt.VIR_STREAM_EVENT_HANGUP
+        )
+        stream.eventAddCallback(events, self._readable, None)
+        self.socket.unlink(missing_ok=True)
+        self._server = await asyncio.start_unix_server(self._client, path=str(self.socket))
+
+    def _readable(self, stream: Any, _events: int, _opaque: object) -> None:
+        libvirt = _libvirt()
+        while True:
+            try:
+                data = stream.recv(_CHUNK)
+            except libvirt.libvirtError:
+                data = b""
+            if data == -2:  # nothing more now
+                return
+            if not data:
+                self._end()
+                return
+            self._file.write(data)
+            self._file.flush()
+            for client in list(self._clients):
+                client.write(data)
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._clients.add(writer)
+        try:
+            while (data := await reader.read(_CHUNK)) and not self.ended.is_set():
+                await self._send(data)
+        finally:
+            self._clients.discard(writer)
+            writer.close()
+
+    async def _send(self, data: bytes) -> None:
+        while data and self._stream is not None:
+            sent = self._stream.send(data)
+            if sent == -2:  # the stream's buffer is full: the guest reads slowly
+                await asyncio.sleep(0.01)
+                continue
+            data = data[sent:]
+
+    def _end(self) -> None:
+        if self.ended.is_set():
+            return
+        self.ended.set()
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.eventRemoveCallback()
+            with contextlib.suppress(Exception):
+                stream.abort()
+        if self._file is not None:
+            self._file.close()
+        for client in self._clients:
+            client.close()
+        if self._server is not None:
+            self._server.close()
+
+    def close(self) -> None:
+        self._end()
+
+
+def _outcome(libvirt: Any, state: int, reason: int) -> MachineExit | None:
+    """Why a domain in `state` ended (None: it has not)."""
+    if state == libvirt.VIR_DOMAIN_CRASHED:
+        return MachineExit(1, "Error", "guest kernel panic")
+    if state != libvirt.VIR_DOMAIN_SHUTOFF:
+        return None
+    if reason == libvirt.VIR_DOMAIN_SHUTOFF_SHUTDOWN:
+        return MachineExit(0, "Completed", "guest powered off")
+    if reason == libvirt.VIR_DOMAIN_SHUTOFF_CRASHED:
+        return MachineExit(1, "Error", "guest kernel panic")
+    if reason == libvirt.VIR_DOMAIN_SHUTOFF_DESTROYED:
+        return MachineExit(137, "Killed", "the domain was destroyed")
+    if reason == libvirt.VIR_DOMAIN_SHUTOFF_FAILED:
+        return MachineExit(1, "Error", "the domain failed to start")
+    return MachineExit(1, "Error", f"the domain shut off (libvirt reason {reason})")
+
+
+class LibvirtMachine:
+    """One domain, as the provider's `MachineHandle`."""
+
+    runtime = "libvirt"
+    monitor = None  # no QMP through libvirt here: no hibernation, resize, backup, migration
+
+    def __init__(
+        self, connection: Connection, run_dir: Path, uuid: str, domain_id: int, started: float
+    ) -> None:
+        self.connection, self.run_dir, self.uuid = connection, run_dir, uuid
+        self.pid = domain_id  # the domain's id, as `virsh list` shows it
+        self.started = started
+        self.console_log = run_dir / "console.log"
+        self.console_socket = run_dir / "console.sock"
+        self.agent = LibvirtGuestAgent(connection, uuid)
+        self._console = _Console(self.console_log, self.console_socket)
+        self._waiter: asyncio.Task[MachineExit] | None = None
+        self._waiting = 0
+
+    async def open_console(self, domain: Any) -> None:
+        await self._console.open(self.connection, domain)
+
+    async def wait(self) -> MachineExit:
+        """Until the domain is off; then its definition is removed and the outcome returned.
+        Waiters share one watcher, cancelled with the last of them (the agent stops: the
+        domain runs on for the next agent), as `_machine.Machine.wait`."""
+        if self._waiter is None or self._waiter.cancelled():
+            self._waiter = asyncio.create_task(self._watch(), name=f"watch domain {self.uuid}")
+        waiter = self._waiter
+        self._waiting += 1
+        try:
+            return await asyncio.shield(waiter)
+        finally:
+            self._waiting -= 1
+            if not self._waiting and not waiter.done():
+                waiter.cancel()
+                await asyncio.wait({waiter})
+                self._console.close()
+
+    async def _watch(self) -> MachineExit:
+        libvirt = _libvirt()
+        retry = Backoff(initial=1.0, cap=30.0)
+        while True:
+            try:
+                domain = await self.connection.domain(self.uuid)
+                if domain is None:
+                    return self._recorded() or MachineExit(137, "Killed", "domain removed")
+                state, reason = await self.connection.run(domain.state)
+                retry.reset()
+            except MachineError as e:  # the daemon away: the domain runs on, ask again later
+                log.warning("domain %s: %s; asking again", self.uuid, e)
+                await asyncio.sleep(retry.next_delay())
+                continue
+            if (outcome := _outcome(libvirt, state, reason)) is not None:
+                await self._remove()
+                self._console.close()
+                return self._recorded() or outcome
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._console.ended.wait(), _POLL)
+
+    async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
+        ready = asyncio.create_task(self.agent.wait_ready(timeout))
+        gone = asyncio.create_task(self._console.ended.wait())
+        try:
+            done, _ = await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if ready in done:
+            ready.result()
+            return
+        ready.cancel()
+        with contextlib.suppress(asyncio.CancelledError, GuestAgentUnavailable):
+            await ready
+        raise GuestAgentUnavailable(f"domain {self.uuid} ended before its guest agent answered")
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        stdin: bytes = b"",
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> ExecOutput:
+        return await self.agent.exec(argv, stdin=stdin, timeout=timeout)
+
+    async def stop(self, grace: float) -> MachineExit:
+        """Graceful, as the QEMU runtime's: the guest agent's shutdown, then the ACPI power
+        button, then destroyed at the end of the grace period."""
+        libvirt = _libvirt()
+        waiting = asyncio.ensure_future(self.wait())
+        deadline = time.monotonic() + grace
+
+        async def ended(by: float) -> bool:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(waiting), max(0.0, by - time.monotonic()))
+                return True
+            return False
+
+        try:
+            try:
+                await asyncio.wait_for(self.agent.shutdown(), max(0.1, min(2.0, grace / 2)))
+                asked_agent = True
+            except (GuestAgentUnavailable, MachineError, TimeoutError):
+                asked_agent = False
+            if not await ended(time.monotonic() + (grace / 2 if asked_agent else 0.0)):
+                with contextlib.suppress(MachineError, libvirt.libvirtError):
+                    domain = await self.connection.domain(self.uuid)
+                    if domain is not None:
+                        flag = libvirt.VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN
+                        await self.connection.run(domain.shutdownFlags, flag)
+                if not await ended(deadline):
+                    self._record(MachineExit(137, "Killed", f"not off after the {grace:g} s grace"))
+                    await self._remove()
+            return await waiting
+        finally:
+            waiting.cancel()
+
+    async def end(self, outcome: MachineExit) -> MachineExit:
+        waiting = asyncio.ensure_future(self.wait())
+        try:
+            self._record(outcome)
+            await self._remove()
+            return await waiting
+        finally:
+            waiting.cancel()
+
+    async def kill(self) -> None:
+        self._record(MachineExit(137, "Killed", "killed"))
+        await self._remove()
+        self._console.close()
+
+    async def usage(self) -> Usage:
+        domain = await self.connection.domain(self.uuid)
+        if domain is None:
+            raise MachineError(f"domain {self.uuid} is gone")
+        return await self.connection.run(_usage, domain)
+
+    async def _remove(self) -> None:
+        """Destroy the domain if it runs and drop its definition (it is ours: checked when it
+        was made or adopted)."""
+        libvirt = _libvirt()
+        domain = await self.connection.domain(self.uuid)
+        if domain is None:
+            return
+        with contextlib.suppress(libvirt.libvirtError):
+            if await self.connection.run(domain.isActive):
+                await self.connection.run(domain.destroy)
+        with contextlib.suppress(libvirt.libvirtError):
+            await self.connection.run(domain.undefine)
+
+    def _record(self, outcome: MachineExit) -> None:
+        path = self.run_dir / "exit.json"
+        if not path.exists():
+            path.write_text(json.dumps(asdict(outcome)) + "\n")
+
+    def _recorded(self) -> MachineExit | None:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            return MachineExit(**json.loads((self.run_dir / "exit.json").read_text()))
+        return None
+
+
+def _usage(domain: Any) -> Usage:
+    """CPU time and resident memory of the domain's QEMU, as libvirt reads them (`info` needs
+    no cgroups; `memoryStats`' rss is the process's, else the guest's memory)."""
+    info = domain.info()
+    rss = domain.memoryStats().get("rss")
+    memory = int(rss) * 1024 if rss else int(info[2]) * 1024
+    return Usage(cpu_ns=int(info[4]), memory_bytes=memory)
+
+
+class LibvirtRuntime(QemuRuntime):
+    """`QemuRuntime`'s images, seed and network; machines as domains of `config.libvirt_uri`."""
+
+    tools = ("qemu-img",)  # the disks are made here; QEMU runs where the daemon is
+
+    def __init__(self, config: VMConfig, node_name: str) -> None:
+        super().__init__(config)
+        self.node_name = node_name
+        self.connection = Connection(config.libvirt_uri)
+
+    async def ping(self) -> None:
+        """Unhealthy (the node NotReady) without qemu-img (disks are made here) or when the
+        daemon cannot be reached: libvirt's message, with the URI. Within `PING_SECONDS`
+        (the node's ping has 5 s): an SSH connection slower than that is still being made,
+        and the message is the previous attempt's."""
+        await super().ping()
+        try:
+            conn = await asyncio.wait_for(self.connection.get(), PING_SECONDS)
+        except TimeoutError:
+            last = self.connection.last_error
+            raise MachineError(
+                f"libvirt {self.connection.uri}: not connected after {PING_SECONDS:g} s"
+                + (f"; the last attempt: {last}" if last else "")
+            ) from None
+        libvirt = _libvirt()
+        try:
+            await self.connection.run(conn.getLibVersion)
+        except libvirt.libvirtError as e:
+            raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+
+    async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
+        await self._existing(namespace, name, pod_uid)
+
+    async def _existing(self, namespace: str, name: str, pod_uid: str) -> Any:
+        """The pod's domain if there is one; MachineRefused when a domain of its name is not
+        the pod's (left as it is)."""
+        libvirt = _libvirt()
+        conn = await self.connection.get()
+        wanted = domain_name(namespace, name)
+        try:
+            domain = await self.connection.run(conn.lookupByName, wanted)
+        except libvirt.libvirtError as e:
+            if _code(e) == libvirt.VIR_ERR_NO_DOMAIN:
+                return None
+            raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+        try:
+            metadata = await self.connection.run(
+                domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_URI
+            )
+        except libvirt.libvirtError:
+            metadata = None  # no vkubelet element
+        owner = owner_of(metadata)
+        if owner is None or owner.pod_uid != pod_uid:
+            whose = "no vkubelet pod" if owner is None else f"pod UID {owner.pod_uid}"
+            raise MachineRefused(
+                "DomainExists",
+                f"libvirt {self.connection.uri} has a domain {wanted!r} that is not this pod's "
+                f"(its metadata names {whose}); it is left as it is: rename or remove it",
+            )
+        return domain
+
+    async def launch(self, spec: LaunchSpec) -> MachineHandle:
+        libvirt = _libvirt()
+        namespace, _, name = spec.name.partition("/")
+        pod_uid = spec.network_key or spec.run_dir.parent.name
+        owner = Owner(pod_uid, namespace, name, self.node_name)
+        resolved = replace(
+            spec,
+            disks=tuple((path.resolve(), bus) for path, bus in spec.disks),
+            seed=spec.seed.resolve() if spec.seed is not None else None,
+        )
+        try:
+            xml = domain_xml(resolved, owner, kvm=spec.accel == "kvm")
+        except ValueError as e:
+            raise MachineRefused("UnsupportedByRuntime", str(e)) from None
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("console.sock", "exit.json"):
+            (spec.run_dir / stale).unlink(missing_ok=True)
+        if spec.network_key is not None:
+            await self.attach_network(spec.network_key, spec.network_address)
+        domain = await self._existing(namespace, name, pod_uid)
+        if domain is not None and await self.connection.run(domain.isActive):
+            log.info(
+                "domain %s of pod %s runs already: taken as it is",
+                domain_name(namespace, name),
+                spec.name,
+            )
+            uuid = await self.connection.run(domain.UUIDString)
+            return await self._handle(spec.run_dir, domain, uuid, _known_start(spec.run_dir, uuid))
+        conn = await self.connection.get()
+        try:
+            domain = await self.connection.run(conn.defineXML, xml)
+            uuid = await self.connection.run(domain.UUIDString)
+            await self.connection.run(domain.createWithFlags, libvirt.VIR_DOMAIN_START_PAUSED)
+            machine = await self._handle(spec.run_dir, domain, uuid, time.time())
+            await self.connection.run(domain.resume)
+        except (libvirt.libvirtError, OSError) as e:
+            with contextlib.suppress(Exception):  # nothing half-made is left behind
+                if domain is not None:
+                    if await self.connection.run(domain.isActive):
+                        await self.connection.run(domain.destroy)
+                    await self.connection.run(domain.undefine)
+            raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+        return machine
+
+    async def _handle(
+        self, run_dir: Path, domain: Any, uuid: str, started: float
+    ) -> LibvirtMachine:
+        domain_id = await self.connection.run(domain.ID)
+        record = {"uri": self.connection.uri, "uuid": uuid, "id": domain_id, "started": started}
+        write_atomic(run_dir / DOMAIN_FILE, json.dumps(record) + "\n")
+        machine = LibvirtMachine(self.connection, run_dir, uuid, domain_id, started)
+        await machine.open_console(domain)
+        return machine
+
+    async def adopt(self, run_dir: Path) -> MachineHandle | None:
+        """The domain `domain.json` names, if it still runs; one that shut off while no agent
+        ran has its outcome recorded (the provider reads it) and its definition removed."""
+        try:
+            record = json.loads((run_dir / DOMAIN_FILE).read_text())
+            uuid = str(record["uuid"])
+        except (OSError, ValueError, KeyError):
+            return None
+        libvirt = _libvirt()
+        domain = await self.connection.domain(uuid)
+        if domain is None:
+            return None
+        state, reason = await self.connection.run(domain.state)
+        machine = LibvirtMachine(
+            self.connection, run_dir, uuid, int(record.get("id", -1)), float(record["started"])
+        )
+        if (outcome := _outcome(libvirt, state, reason)) is not None:
+            machine._record(outcome)
+            await machine._remove()
+            return None
+        await machine.open_console(domain)
+        return machine
+
+    async def probe_accel(self, mode: str) -> tuple[str, str]:
+        """KVM when the config says so, or (auto) when the host's libvirt offers it; else TCG."""
+        if mode in ("tcg", "kvm"):
+            return mode, f"accel: {mode} in the config"
+        conn = await self.connection.get()
+        capabilities = await self.connection.run(conn.getCapabilities)
+        if "<domain type='kvm'" in capabilities or '<domain type="kvm"' in capabilities:
+            return "kvm", f"libvirt {self.connection.uri} offers KVM"
+        return "tcg", f"libvirt {self.connection.uri} offers no KVM: TCG"
+
+
+def _known_start(run_dir: Path, uuid: str) -> float:
+    """When the running domain started, as recorded (now, if not recorded for this domain)."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        record = json.loads((run_dir / DOMAIN_FILE).read_text())
+        if record["uuid"] == uuid:
+            return float(record["started"])
+    return time.time()

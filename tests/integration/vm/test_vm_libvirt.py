@@ -1,0 +1,243 @@
+"""The vm provider's libvirt runtime (issue 29) against a libvirt "host" of the lab
+(`vkubelet.testing.virtlab`: a libvirtd and an sshd in a network namespace of their own),
+reached over `qemu+ssh` as a remote hypervisor is.
+
+One VM is booted for the module (TCG boots are the expensive part) and the test checks what
+it can on it, in order: Running, the boot in `kubectl logs`, `kubectl exec`, the domain in
+`virsh list` on that host named after the pod and labelled with its UID, an agent killed with
+SIGKILL and restarted adopts the same domain (same id, same QEMU), and deleting the pod removes
+the domain. The refusals cost no boot: a domain of a pod's name that vkubelet does not own fails
+that pod and is left alone; a URI whose credentials are refused makes a node NotReady with
+libvirt's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    create_namespace,
+    local_test_address,
+    node_ready,
+    wait_for,
+)
+
+from .vmlab import TOLERATION, clean_up, require_vm_host, start_vm_agent
+
+pytestmark = pytest.mark.integration
+
+virtlab = pytest.importorskip(
+    "vkubelet.testing.virtlab", reason="the libvirt lab (vkubelet.testing.virtlab) is not here"
+)
+
+BOOT_TIMEOUT = 300  # one TCG boot on a busy 2-core machine
+METADATA = "https://vkubelet.io/xmlns/vm-domain/1"
+
+
+@dataclass
+class LibvirtNode:
+    name: str
+    agent: AgentProcess
+    workdir: Path
+    host: Any  # virtlab.LibvirtHost
+    restart: Any  # () -> AgentProcess
+    refused_node: str  # a node whose URI has a key the host does not know
+
+    def domain_pid(self, domain: str) -> int:
+        """The host's QEMU of `domain`, from libvirt's own pid file on that host."""
+        return int((self.host.dir / "run" / "qemu" / f"{domain}.pid").read_text().strip())
+
+
+@pytest.fixture(scope="module")
+def libvirt_node(
+    kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path
+) -> Iterator[LibvirtNode]:
+    require_vm_host()
+    if (why := virtlab.libvirt_lab_unavailable()) is not None:
+        pytest.skip(why)
+    workdir = Path(tempfile.mkdtemp(prefix="vklv-", dir="/tmp"))
+    name = f"lv-{uuid.uuid4().hex[:6]}"
+    cidr = f"10.213.{random.randrange(1, 250)}.0/24"  # noqa: S311
+    with contextlib.ExitStack() as stack:
+        (host,) = stack.enter_context(virtlab.libvirt_lab(1, workdir / "lab"))
+        address = stack.enter_context(local_test_address())
+        # The refused node's agent starts first and alongside: its test then costs no wait.
+        refused_dir = workdir / "refused"
+        refused_dir.mkdir()
+        wrong = refused_dir / "wrong.key"  # a key the host does not know
+        keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(wrong)]
+        subprocess.run(keygen, check=True, capture_output=True, timeout=30)
+        refused_uri = host.ssh_uri.replace(str(host.key_path), str(wrong))
+        refused_agent = start_vm_agent(
+            kube_cluster, refused_dir, name=f"{name}-refused", address=address,
+            cidr="10.213.250.0/24", image=vm_guest_image, runtime="libvirt",
+            libvirt={"uri": f"{refused_uri}&no_tty=1"},
+        )  # fmt: skip
+        stack.callback(kubectl, "delete", "node", f"{name}-refused", "--wait=false", check=False)
+        stack.callback(refused_agent.stop)
+        settings: dict[str, Any] = {
+            "runtime": "libvirt",
+            "libvirt": {"uri": f"{host.ssh_uri}&no_tty=1"},
+            "guestAgentTimeoutSeconds": 300,
+        }
+
+        def start() -> AgentProcess:
+            return start_vm_agent(
+                kube_cluster, workdir, name=name, address=address, cidr=cidr,
+                image=vm_guest_image, **settings,
+            )  # fmt: skip
+
+        node = LibvirtNode(name, start(), workdir, host, start, f"{name}-refused")
+        try:
+            wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
+            yield node
+        finally:
+            node.agent.stop()
+            clean_up(workdir / "state", cidr)
+            kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+
+
+def _pod(name: str, node: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": node,
+            "tolerations": [TOLERATION],
+            "terminationGracePeriodSeconds": 30,
+            "containers": [
+                {
+                    "name": "vm",
+                    "image": "vm.vkubelet.io/tiny",
+                    "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                }
+            ],
+        },
+    }
+
+
+def _get(kubectl: Kubectl, namespace: str, pod: str) -> dict[str, Any]:
+    result: dict[str, Any] = kubectl.json("-n", namespace, "get", "pod", pod)
+    return result
+
+
+def _running(kubectl: Kubectl, namespace: str, pod: str) -> bool:
+    statuses = _get(kubectl, namespace, pod).get("status", {}).get("containerStatuses") or []
+    return bool(statuses and statuses[0].get("state", {}).get("running"))
+
+
+def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_with_the_pod(
+    libvirt_node: LibvirtNode, kubectl: Kubectl
+) -> None:
+    namespace = create_namespace(kubectl, f"lv-{uuid.uuid4().hex[:6]}")
+    host, pod = libvirt_node.host, "guest"
+    domain = f"{namespace}_{pod}"
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(_pod(pod, libvirt_node.name)))
+    wait_for(lambda: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT, what="the VM Running")
+    uid = _get(kubectl, namespace, pod)["metadata"]["uid"]
+
+    # kubectl logs is the serial console through libvirt's stream, from the first boot line
+    logs = kubectl("-n", namespace, "logs", pod).stdout
+    assert f"vkubelet-guest: booted hostname={pod}" in logs
+    # kubectl exec goes through libvirt's guest agent command
+    assert kubectl("-n", namespace, "exec", pod, "--", "cat", "/etc/hostname").stdout.strip() == pod
+
+    # the host's own libvirt shows it, named after the pod, labelled with its UID
+    assert host.running() == [domain]
+    metadata = host.virsh("metadata", domain, METADATA).stdout
+    assert f'uid="{uid}"' in metadata and f'node="{libvirt_node.name}"' in metadata
+    domain_id, qemu = host.virsh("domid", domain).stdout.strip(), libvirt_node.domain_pid(domain)
+
+    # an agent killed and started again adopts the same domain: same id, same QEMU
+    libvirt_node.agent.stop(signal.SIGKILL)
+    libvirt_node.agent = libvirt_node.restart()
+    wait_for(lambda: node_ready(kubectl, libvirt_node.name), timeout=90, what="node Ready again")
+    wait_for(
+        lambda: libvirt_node.agent.log().count("listening on port") >= 2,
+        timeout=60,
+        what="the restarted agent's kubelet API",
+    )
+
+    def exec_answers() -> bool:
+        done = kubectl("-n", namespace, "exec", pod, "--", "cat", "/proc/uptime", check=False)
+        return done.returncode == 0
+
+    wait_for(exec_answers, timeout=60, what="exec after the restart")
+    assert host.running() == [domain]
+    assert host.virsh("domid", domain).stdout.strip() == domain_id
+    assert libvirt_node.domain_pid(domain) == qemu
+    status = _get(kubectl, namespace, pod)["status"]["containerStatuses"][0]
+    assert status["restartCount"] == 0 and "running" in status["state"]
+    assert kubectl("-n", namespace, "logs", pod).stdout.count("booted hostname=") == 1
+
+    # deleting the pod ends the domain and removes its definition
+    kubectl("-n", namespace, "delete", "pod", pod, "--wait=true", "--timeout=90s")
+    assert host.running() == []
+    assert host.virsh("list", "--all", "--name").stdout.split() == []
+
+
+def test_a_domain_of_the_pod_s_name_that_vkubelet_does_not_own_fails_the_pod_untouched(
+    libvirt_node: LibvirtNode, kubectl: Kubectl, vm_guest_image: Path
+) -> None:
+    namespace = create_namespace(kubectl, f"lv-{uuid.uuid4().hex[:6]}")
+    host, pod = libvirt_node.host, "clash"
+    domain = f"{namespace}_{pod}"
+    disk = host.overlay(vm_guest_image, domain)
+    xml = virtlab.guest_domain_xml(domain, disk)
+    (libvirt_node.workdir / "clash.xml").write_text(xml)
+    host.virsh("define", str(libvirt_node.workdir / "clash.xml"))
+    before = host.virsh("dumpxml", domain).stdout
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(_pod(pod, libvirt_node.name)))
+
+    def refused() -> dict[str, Any] | None:
+        statuses = _get(kubectl, namespace, pod).get("status", {}).get("containerStatuses") or []
+        waiting = statuses[0].get("state", {}).get("waiting") if statuses else None
+        return waiting if waiting and waiting.get("reason") == "DomainExists" else None
+
+    waiting = wait_for(refused, timeout=60, what="the pod refused with DomainExists")
+    assert domain in waiting["message"] and "not this pod's" in waiting["message"]
+    events = kubectl.json(
+        "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={pod}"
+    )
+    assert any(e["type"] == "Warning" and domain in e["message"] for e in events["items"]), events[
+        "items"
+    ]
+    # the domain is as it was: defined, not started, its XML unchanged
+    assert host.virsh("domstate", domain).stdout.strip() == "shut off"
+    assert host.virsh("dumpxml", domain).stdout == before
+    kubectl("-n", namespace, "delete", "pod", pod, "--wait=true", "--timeout=60s")
+    assert domain in host.virsh("list", "--all", "--name").stdout.split()
+    host.virsh("undefine", domain)
+
+
+def test_refused_credentials_make_the_node_not_ready_with_libvirt_s_message(
+    libvirt_node: LibvirtNode, kubectl: Kubectl
+) -> None:
+    def not_ready() -> str | None:
+        found = kubectl("get", "node", libvirt_node.refused_node, "-o", "json", check=False)
+        if found.returncode != 0:
+            return None
+        conditions = json.loads(found.stdout)["status"].get("conditions") or []
+        ready = [c for c in conditions if c["type"] == "Ready"]
+        if ready and ready[0]["status"] == "False" and "libvirt" in ready[0]["message"]:
+            return str(ready[0]["message"])
+        return None
+
+    message = wait_for(not_ready, timeout=90, what="the node NotReady saying why")
+    assert "qemu+ssh://" in message and "Permission denied" in message, message
