@@ -459,26 +459,30 @@ def _must(result: subprocess.CompletedProcess[str]) -> None:
         raise RuntimeError(f"{' '.join(map(str, result.args))}: {result.stderr.strip()}")
 
 
-def _claim_subnet(device: str, second: range, third: range, what: str) -> ipaddress.IPv4Network:
-    """Put the first address of a random /30 of 10.`second`.`third`.x that no interface of this
-    machine overlaps on `device`. A parallel run that takes the same one between the check and
-    the `ip addr add` is seen (two holders) and the later side moves on.
+def _claim_subnet(
+    device: str, second: range, third: range, what: str, *, prefix: int = 30
+) -> ipaddress.IPv4Network:
+    """Put the first address of a random /`prefix` (/25 to /30) of 10.`second`.`third`.x that no
+    interface of this machine overlaps on `device`. A parallel run that takes the same one
+    between the check and the `ip addr add` is seen (two holders) and the later side moves on.
     """
     for _ in range(50):
+        size = 1 << (32 - prefix)
+        fourth = size * random.randrange(256 // size)
         net = ipaddress.IPv4Network(
-            (f"10.{random.choice(second)}.{random.choice(third)}.{4 * random.randrange(64)}", 30)
+            (f"10.{random.choice(second)}.{random.choice(third)}.{fourth}", prefix)
         )
         listing = (line.split() for line in _ip("-4", "-o", "addr", "show").stdout.splitlines())
         in_use = [words[words.index("inet") + 1] for words in listing if "inet" in words]
         if any(net.overlaps(ipaddress.IPv4Interface(a).network) for a in in_use):
             continue
-        added = _ip("addr", "add", f"{net[1]}/30", "dev", device)
+        added = _ip("addr", "add", f"{net[1]}/{prefix}", "dev", device)
         if "File exists" in added.stderr:
             continue
         _must(added)
         if len(_ip("-4", "-o", "addr", "show", "to", str(net)).stdout.splitlines()) == 1:
             return net
-        _ip("addr", "del", f"{net[1]}/30", "dev", device)
+        _ip("addr", "del", f"{net[1]}/{prefix}", "dev", device)
         time.sleep(random.random() / 10)
     raise RuntimeError(f"no free {what}")
 
