@@ -1,7 +1,8 @@
 """The libvirt lab (`vkubelet.testing.virtlab`) is what the libvirt runtime's tests stand on: two
 hypervisor hosts, each a libvirt daemon reached over SSH, that keep their domains apart, define
-a domain at once (capabilities cached, not probed per define), reach a guest's agent, and
-live-migrate a domain to each other over the lab network without shared storage.
+a domain at once (capabilities cached, not probed per define), reach a guest's agent,
+live-migrate a domain to each other over the lab network without shared storage, and restart a
+daemon under a running guest.
 
 One test, one booting guest: every fact is checked on it (each boot costs seconds under TCG).
 """
@@ -77,7 +78,9 @@ def test_two_hosts_over_ssh_keep_their_domains_apart_and_migrate_one_live_withou
         for host in (source, target):
             name = names[host.name]
             disk = host.overlay(vm_guest_image, name)
-            xml = guest_domain_xml(name, disk, console_log=host.images / f"{name}.log")
+            xml = guest_domain_xml(
+                name, disk, memory_mib=128, console_log=host.images / f"{name}.log"
+            )
             started = time.monotonic()
             domain = connections[host.name].defineXML(xml)
             took = time.monotonic() - started
@@ -104,6 +107,13 @@ def test_two_hosts_over_ssh_keep_their_domains_apart_and_migrate_one_live_withou
         moved = connections[target.name].lookupByName(names[source.name])
         assert agent_answers(moved)
         assert guest_sh(moved, "cat /root/mark") == "written-at-the-source\n"
+
+        # a daemon restart leaves the guest running; connections made before it are dead
+        target.restart_libvirtd()
+        with pytest.raises(libvirt.libvirtError):
+            connections[target.name].listAllDomains()
+        moved = libvirt.open(target.ssh_uri).lookupByName(names[source.name])
+        assert target.running() == [names[source.name]] and agent_answers(moved)
         moved.destroy()
         assert source.running() == target.running() == []
 
@@ -111,10 +121,10 @@ def test_two_hosts_over_ssh_keep_their_domains_apart_and_migrate_one_live_withou
 def migrate_without_shared_disks(
     domain: Any, source: LibvirtHost, target: LibvirtHost, base: Path
 ) -> None:
-    """The recipe the lab was found to support (docs/vm-libvirt notes): peer to peer (the source's
-    daemon reaches the target's over qemu+ssh), the disk copied by the target's NBD server
-    (`NON_SHARED_INC`: only the overlay, its base exists on both), to a path of the target's
-    that the caller creates beforehand (libvirt creates it only inside a storage pool)."""
+    """The recipe found to work here (see vkubelet.testing.virtlab's docstring): peer to peer
+    (the source's daemon reaches the target's over qemu+ssh), the disk copied by the target's NBD
+    server (`NON_SHARED_INC`: only the overlay, its base exists on both), to a path of the
+    target's that the caller creates beforehand (libvirt creates it only inside a storage pool)."""
     name = domain.name()
     source_disk = str(source.images / f"{name}.qcow2")
     target_disk = target.overlay(base, name)
