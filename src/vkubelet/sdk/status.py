@@ -41,6 +41,7 @@ from lightkube.models.core_v1 import (
     PodSpec,
     PodStatus,
 )
+from lightkube.resources.core_v1 import Pod
 
 __all__ = [
     "ContainerReport",
@@ -48,6 +49,7 @@ __all__ = [
     "Terminated",
     "Waiting",
     "build_pod_status",
+    "ephemeral_run_before",
     "phase_of",
 ]
 
@@ -135,6 +137,35 @@ def _api_state(state: State | None) -> ContainerState:
                 waiting=ContainerStateWaiting(reason=reason, message=message or None)
             )
     return ContainerState()
+
+
+def ephemeral_run_before(pod: Pod, name: str) -> ContainerReport | None:
+    """Ephemeral container `name` (`kubectl debug`) as the pod's status shows it started, by an
+    agent that has restarted since (it is handed again): what to report instead of running it a
+    second time. Its termination as the API has it; one shown running is lost to this agent:
+    terminated, `ContainerStatusUnknown` (137), as a kubelet reports a container it lost.
+    None if it never started (a new one, or one that was refused)."""
+    statuses = (pod.status.ephemeralContainerStatuses if pod.status else None) or []
+    found = [status for status in statuses if status.name == name]
+    state = found[0].state if found else None
+    if state is None or (state.running is None and state.terminated is None):
+        return None
+    if state.terminated is not None:
+        ended = state.terminated
+        return ContainerReport(
+            state=Terminated(
+                ended.exitCode,
+                ended.startedAt,
+                ended.finishedAt,
+                reason=ended.reason or "",
+                message=ended.message or "",
+            ),
+            container_id=found[0].containerID,
+        )
+    started = state.running.startedAt if state.running is not None else None
+    message = "the agent that ran it restarted, and it was not found again"
+    lost = Terminated(137, started, started, reason="ContainerStatusUnknown", message=message)
+    return ContainerReport(state=lost, container_id=found[0].containerID)
 
 
 def _is_sidecar(container: object) -> bool:

@@ -465,7 +465,25 @@ def test_stats_summary_and_resource_metrics_report_each_vm_s_qemu(
 def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
     vms: VMs, vm_node: VMNode, kubectl: Kubectl
 ) -> None:
+    """The same QEMU processes, restart counts and start times, the console log going on; a
+    debug container that ran before is not run a second time (its status stays as it was)."""
     names = _names(vms)
+    ns = vms.namespace
+    kubectl("-n", ns, "debug", names[0], "--image=busybox", "-c", "before", "--", "true")
+    wait_for(
+        lambda: ephemeral_state(kubectl, ns, names[0], "before").get("terminated"),
+        timeout=60,
+        what="the debug command ended",
+    )
+
+    def debugged() -> dict[str, dict[str, Any]]:
+        found = {}
+        for pod in vms.pods():
+            for status in pod["status"].get("ephemeralContainerStatuses") or []:
+                found[f"{pod['metadata']['name']}/{status['name']}"] = status["state"]
+        return found
+
+    debug_states = debugged()
     before = vm_node.qemu_pids()
     restarts = {
         p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
@@ -514,6 +532,14 @@ def test_a_sigkilled_agent_adopts_the_same_qemu_processes_and_logs_go_on(
     # The restarted agent has published its status (it answered the execs): a kubelet keeps
     # the pod's startTime and the running container's startedAt.
     assert {p["metadata"]["name"]: _start_times(p) for p in vms.pods()} == times
+    # One added now is handed after those of before (in the pod's order): they were handed too.
+    kubectl("-n", ns, "debug", names[0], "--image=busybox", "-c", "after", "--", "true")
+    wait_for(
+        lambda: ephemeral_state(kubectl, ns, names[0], "after").get("terminated"),
+        timeout=60,
+        what="a debug command after the restart ended",
+    )
+    assert {k: v for k, v in debugged().items() if not k.endswith("/after")} == debug_states
 
 
 def test_a_sigtermed_agent_exits_within_10_s_and_the_next_start_adopts_both_vms(

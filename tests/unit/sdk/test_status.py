@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 from lightkube.models.core_v1 import PodSpec, PodStatus
+from lightkube.resources.core_v1 import Pod
 
 from vkubelet.sdk.status import (
     ContainerReport,
@@ -15,6 +16,7 @@ from vkubelet.sdk.status import (
     Terminated,
     Waiting,
     build_pod_status,
+    ephemeral_run_before,
 )
 
 T0 = datetime(2024, 5, 1, 10, 0, 0, tzinfo=UTC)
@@ -254,3 +256,44 @@ def test_ephemeral_containers_are_reported_never_ready_and_leave_the_pod_alone()
         debugged, {"c0": exited(0), "dbg": exited(3)}, host_ip="10.0.0.1", terminating=True
     )
     assert stopping.ephemeralContainerStatuses[0].state.terminated is not None  # type: ignore[index,union-attr]
+
+
+def test_an_ephemeral_container_shown_started_is_reported_as_shown_or_lost_never_run_again() -> (
+    None
+):
+    def shown(state: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "name": "dbg",
+            "image": "busybox",
+            "ready": False,
+            "restartCount": 0,
+            "imageID": "",
+            "containerID": "ssh://u/dbg",
+            "state": state,
+        }
+
+    def pod(*statuses: dict[str, Any]) -> Pod:
+        return msgspec.convert({"status": {"ephemeralContainerStatuses": list(statuses)}}, Pod)
+
+    ended = {
+        "terminated": {
+            "exitCode": 3,
+            "startedAt": "2024-05-01T10:00:00Z",
+            "finishedAt": "2024-05-01T10:00:05Z",
+            "reason": "Error",
+        }
+    }
+    report = ephemeral_run_before(pod(shown(ended)), "dbg")
+    assert report == ContainerReport(
+        state=Terminated(3, T0, T0 + timedelta(seconds=5), reason="Error"),
+        container_id="ssh://u/dbg",
+    )
+    report = ephemeral_run_before(
+        pod(shown({"running": {"startedAt": "2024-05-01T10:00:00Z"}})), "dbg"
+    )
+    assert report is not None and isinstance(report.state, Terminated)
+    assert (report.state.exit_code, report.state.reason) == (137, "ContainerStatusUnknown")
+    refused = shown({"waiting": {"reason": "ImageNotSupported"}})
+    assert ephemeral_run_before(pod(refused), "dbg") is None
+    assert ephemeral_run_before(pod(), "dbg") is None
+    assert ephemeral_run_before(Pod(), "dbg") is None

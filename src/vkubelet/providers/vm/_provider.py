@@ -62,6 +62,7 @@ from ...sdk.logs import stale_logs
 from ...sdk.provider import EventSink, EventType, UpperAPI
 from ...sdk.retry import Backoff
 from ...sdk.stats import NodeUsage, PodUsage, resource_metrics, summary
+from ...sdk.status import ephemeral_run_before
 from . import _hibernate, _persist, _resize
 from ._backend import (
     GuestAddress,
@@ -1055,12 +1056,16 @@ class VMProvider(RunnerProvider):
         if runner is None or vm is None or vm.uid != pod.uid or vm.machine is None:
             raise ProviderError("NotFound", f"VM of pod {key} is not running", permanent=False)
         if runner.ephemeral(name) is not None:
-            return  # handed again after an agent restart
+            return  # handed again
         spec = pod.pod.spec
         found = [c for c in (spec.ephemeralContainers if spec else None) or () if c.name == name]
         if not found:
             raise ProviderError("NotFound", f"pod {pod.name} has no ephemeral container {name}")
         container = found[0]
+        earlier = ephemeral_run_before(pod.pod, name)
+        if earlier is not None:  # run by the agent before a restart: never a second time
+            runner.report_ephemeral(container, earlier)
+            return
         argv = [*(container.command or []), *(container.args or [])]
         if not argv and not (container.stdin and container.tty):
             raise ProviderError(
