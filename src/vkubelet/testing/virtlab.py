@@ -52,7 +52,8 @@ How a host is made (each step is needed; the reasons are what was found on these
 
 Teardown destroys every domain, stops every process in the host's namespaces (daemons,
 QEMUs, sshd), and removes the veths, namespaces, bridge and the lab's known_hosts lines; the
-mount namespaces end with their last process.
+mount namespaces end with their last process. A run killed before its teardown leaves all that
+behind: the next lab removes it when it starts (a host's netns names the pid that made it).
 
 **Live migration without shared storage** between two hosts (what works here, 2026-11-29; see
 `tests/integration/vm/test_virtlab.py`): `virDomainMigrateToURI3(target.ssh_uri, params,
@@ -87,6 +88,7 @@ import contextlib
 import grp
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -454,7 +456,8 @@ def _libvirt_host(
         _write_config(host_dir, address, host_uuid)
         _seed_capabilities(host_dir)
 
-        netns, veth, peer = f"vkl-{tag}", f"vkl{tag}h", f"vkl{tag}n"
+        # the netns names the process that owns it: a killed run's are found and removed
+        netns, veth, peer = f"vkl-{os.getpid():x}-{tag}", f"vkl{tag}h", f"vkl{tag}n"
         _must(_ip("netns", "add", netns))
         setup.netns = netns
         _must(_ip("link", "add", veth, "type", "veth", "peer", "name", peer))
@@ -543,6 +546,36 @@ UseDNS no
         setup.close()
 
 
+_LAB_NETNS = re.compile(r"vkl-([0-9a-f]+)-([0-9a-f]{6})")
+
+
+def _remove_abandoned_hosts() -> None:
+    """Remove the hosts of runs that were killed before their teardown: their daemons and QEMUs
+    would run for ever, and their bridges keep a /28 of the lab's range. A host's netns names
+    the process that made it; its processes are killed, the netns deleted (its veth goes with
+    it), and its bridge removed once no host is left on it."""
+    run_netns = Path("/run/netns")
+    for entry in run_netns.iterdir() if run_netns.is_dir() else ():
+        found = _LAB_NETNS.fullmatch(entry.name)
+        if found is None:
+            continue
+        try:
+            os.kill(int(found.group(1), 16), 0)
+            continue  # its owner is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        master = Path(f"/sys/class/net/vkl{found.group(2)}h/master")
+        bridge = master.resolve().name if master.exists() else None
+        setup = _HostSetup(entry.name)
+        setup.netns = entry.name
+        with contextlib.suppress(RuntimeError):  # another run may be removing it too
+            setup.close()
+        if bridge is not None and not any(Path(f"/sys/class/net/{bridge}/brif").glob("*")):
+            _ip("link", "del", bridge)
+
+
 def _forget_host_keys(addresses: list[str]) -> None:
     """Remove what `ssh` (qemu+ssh with no_verify, from the machine or a host's daemon) added to
     root's known_hosts for the lab's addresses, and the backup ssh-keygen makes of it."""
@@ -564,6 +597,7 @@ def libvirt_lab(count: int, workdir: Path) -> Iterator[list[LibvirtHost]]:
     if not 1 <= count <= 12:
         raise ValueError(f"count must be 1 to 12 (a /28 per lab), not {count}")
     workdir.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_hosts()
     _ensure_libvirt_accounts()
     lab = uuid.uuid4().hex[:5]
     bridge = f"vkl{lab}b"
