@@ -72,8 +72,18 @@ def lab(
             pingInterval=1,
             connectTimeout=2,
         )
+        # A prestart hook makes podman take 3 s between creating and starting a container whose
+        # command is /bin/busybox (only the lifecycle test's): Running must wait for the start.
+        hooks = workdir / "hooks"
+        hooks.mkdir()
+        (hooks / "slow-start.json").write_text(json.dumps(SLOW_START_HOOK))
         for entry in inventory["devices"][:2]:
             entry.update(PODMAN_SETTINGS)
+            entry["runtimeCommand"] = [
+                *PODMAN_SETTINGS["runtimeCommand"],
+                "--hooks-dir",
+                str(hooks),
+            ]
         path = workdir / "inventory.yaml"
         path.write_text(yaml.safe_dump(inventory))
         agent = start_agent(kube_cluster, workdir, path, address)
@@ -91,6 +101,13 @@ def lab(
                 kubectl("delete", "node", device.name, "--ignore-not-found", "--wait=false")
             _podman_rm_all()
 
+
+SLOW_START_HOOK = {
+    "version": "1.0.0",
+    "hook": {"path": "/bin/sh", "args": ["sh", "-c", "sleep 3"]},
+    "when": {"commands": ["^/bin/busybox$"]},
+    "stages": ["prestart"],
+}
 
 #: podman as the lab's devices call it (its network lock in the lab's directory, not /etc/cni).
 PODMAN = [str(word) for word in PODMAN_SETTINGS["runtimeCommand"]]
@@ -571,3 +588,81 @@ def test_bad_images_and_hostile_input_get_a_kubelets_reasons(lab: Lab, kubectl: 
         assert node_ready(kubectl, podman.name)  # bad pods leave the device Ready
     finally:
         kubectl("delete", "pod", *pods, "--wait=false", "--ignore-not-found")
+
+
+def _events(kubectl: Kubectl, pod: str) -> list[tuple[str, str]]:
+    """(reason, message) of the pod's Events."""
+    found = kubectl.json("get", "events", "--field-selector", f"involvedObject.name={pod}")
+    return [(e.get("reason", ""), e.get("message", "")) for e in found["items"]]
+
+
+def test_container_states_are_the_runtimes_as_a_kubelet_reports_them(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    """Running once podman has started the container (not before `run`), a command podman
+    cannot start is StartError (128, podman's words) then CrashLoopBackOff, and each failed
+    pull is ErrImagePull then ImagePullBackOff, with the kubelet's Events."""
+    node = lab.devices[0].name
+    tag = uuid.uuid4().hex[:6]
+    slow, bad, pull = f"slow-{tag}", f"nocmd-{tag}", f"pull-{tag}"
+    busybox = {"image": lab.image, "imagePullPolicy": "Never"}
+    kubectl.apply(_pod(slow, node, {**busybox, "command": ["/bin/busybox", "sleep", "3600"]}))
+    kubectl.apply(_pod(bad, node, {**busybox, "command": ["no-such-command"]}))
+    kubectl.apply(_pod(pull, node, {"image": "localhost:1/nothing:2", "imagePullPolicy": "Always"}))
+    try:
+        # Running when podman says the container runs: the API's startedAt is not before
+        # podman's (3 s after `run` began, the hook's sleep).
+        def running() -> str:
+            return str(
+                _first(kubectl.json("get", "pod", slow))
+                .get("state", {})
+                .get("running", {})
+                .get("startedAt", "")
+            )
+
+        started = wait_for(running, timeout=60, what="Running")
+        uid = kubectl.json("get", "pod", slow)["metadata"]["uid"]
+        [found] = _containers(uid)
+        state = json.loads(_podman("inspect", found["Id"]))[0]["State"]
+        assert state["Running"] is True
+        assert started.rstrip("Z") >= state["StartedAt"][:19]  # to the second: RFC 3339 both
+
+        # A command podman cannot start: StartError with 128 and podman's words, then the
+        # restart back-off.
+        def start_error() -> dict[str, Any]:
+            found = _first(kubectl.json("get", "pod", bad))
+            last = found.get("lastState", {}).get("terminated", {})
+            waiting = found.get("state", {}).get("waiting", {})
+            ok = last.get("reason") == "StartError" and waiting.get("reason") == "CrashLoopBackOff"
+            return found if ok else {}
+
+        looping = wait_for(start_error, timeout=60, what="StartError, then CrashLoopBackOff")
+        ended = looping["lastState"]["terminated"]
+        assert ended["exitCode"] == 128
+        assert '"no-such-command": executable file not found' in ended["message"]
+        recorded = wait_for(
+            lambda: [e for e in _events(kubectl, bad) if e[0] in ("Failed", "BackOff")],
+            what="the start's Events",
+        )
+        assert any("no-such-command" in m for r, m in recorded if r == "Failed")
+
+        # Every failed pull is ErrImagePull (podman's words), then ImagePullBackOff.
+        def waiting(reason: str) -> dict[str, Any]:
+            found = _first(kubectl.json("get", "pod", pull)).get("state", {}).get("waiting", {})
+            return found if found.get("reason") == reason else {}
+
+        for attempt in (1, 2):
+            failed = wait_for(lambda: waiting("ErrImagePull"), what=f"ErrImagePull {attempt}")
+            assert "localhost:1" in failed["message"]
+            backing_off = wait_for(lambda: waiting("ImagePullBackOff"), what="ImagePullBackOff")
+            assert backing_off["message"].startswith(
+                'Back-off pulling image "localhost:1/nothing:2": ErrImagePull: '
+            )
+        recorded = _events(kubectl, pull)
+        assert any(
+            m.startswith('Failed to pull image "localhost:1/nothing:2": ') for _, m in recorded
+        )
+        assert ("BackOff", 'Back-off pulling image "localhost:1/nothing:2"') in recorded
+        assert node_ready(kubectl, node)
+    finally:
+        kubectl("delete", "pod", slow, bad, pull, "--wait=false", "--ignore-not-found")

@@ -24,7 +24,7 @@ import tarfile
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import asyncssh
 import msgspec
@@ -33,7 +33,6 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Node, Pod
 
 from ...sdk import ContainerLogOptions, ProviderError, ResolvedPod
-from ...sdk.backoff import crash_loop_message
 from ...sdk.capabilities import AttachIO, ByteStream
 from ...sdk.logs import LogParser, previous_not_found, render_chunks
 from ...sdk.probes import PodProbes, ProbeEvent
@@ -46,7 +45,7 @@ from ...sdk.status import ContainerReport, Running, Terminated, Waiting, build_p
 from ...sdk.stdio import forward_connection, initial_size, relay
 from ...sdk.tasks import TaskSet
 from ...sdk.volumes import EmptyDirVolume, FilesVolume, HostPathVolume
-from . import _remote, _usage
+from . import _lifecycle, _remote, _usage
 from ._inventory import DeviceConfig
 from ._link import DeviceLink, Unreachable
 from ._probes import DEFAULT_HOST, DeviceProbes
@@ -199,9 +198,22 @@ class DeviceProvider:
                 entry = self._adopt(remote)
                 if entry is None:
                     continue
+                entry.remote = remote  # adopted: what happened before is no news
+            self._record_events(entry, remote)
             entry.remote = remote
             self._probe(entry)
             self._publish(entry)
+
+    def _record_events(self, entry: _PodEntry, remote: _remote.RemotePod) -> None:
+        """The Events a kubelet records as containers enter the states this sweep found."""
+        if self.events is None:
+            return
+        before = _statuses(entry.remote)
+        names = _names(entry)
+        for after in [*remote.init_containers, *remote.containers]:
+            image = _image_of(entry.pod, after.name)
+            for record in _lifecycle.events(before.get(after.name), after, image, names):
+                self.events.pod_event(entry.pod, record.type, record.reason, record.message)
 
     def _adopt(self, remote: _remote.RemotePod) -> _PodEntry | None:
         """A pod found on the device that this process did not start: after an agent restart."""
@@ -423,7 +435,8 @@ class DeviceProvider:
         if name not in ("podman", "docker"):
             return None
         command = list(self.config.runtime_command) or [name]
-        return _remote.Runtime(command, list(self.config.runtime_run_args))
+        kind: Literal["podman", "docker"] = "podman" if name == "podman" else "docker"
+        return _remote.Runtime(command, list(self.config.runtime_run_args), kind)
 
     def _image_plan(self, resolved: ResolvedPod, container: Any) -> _remote.ContainerPlan:
         """A container of an image that is not a host image: a container of the device's
@@ -1210,12 +1223,10 @@ def pod_status(entry: _PodEntry, address: str) -> PodStatus:
     for state in [*remote.init_containers, *remote.containers] if remote else []:
         probes = None if state.name in inits else entry.prober  # the engine probes main ones
         current = _state(state)
-        if isinstance(current, Waiting) and state.message is not None:
-            current = Waiting(current.reason, state.message)  # the runtime's words on an image
-        elif isinstance(current, Waiting) and state.backoff_seconds is not None:
-            names = (str(meta.name), str(meta.namespace), entry.uid)
-            message = crash_loop_message(state.backoff_seconds, state.name, *names)
-            current = Waiting(current.reason, message)
+        if isinstance(current, Waiting):
+            image = _image_of(entry.pod, state.name)
+            message = _lifecycle.waiting_message(state, image, _names(entry))
+            current = Waiting(current.reason, message or "")
         reports[state.name] = ContainerReport(
             state=current,
             restart_count=state.restart_count,
@@ -1247,7 +1258,28 @@ class _Output:
 
 def _terminated(state: _remote.ContainerStatus) -> Terminated:
     code = state.exit_code if state.exit_code is not None else 0
+    if state.reason == "StartError":  # the runtime could not start it: its words
+        return Terminated(
+            code, state.started_at, state.finished_at, "StartError", state.message or ""
+        )
     return Terminated(code, state.started_at, state.finished_at)
+
+
+def _statuses(remote: _remote.RemotePod | None) -> dict[str, _remote.ContainerStatus]:
+    containers = [*remote.init_containers, *remote.containers] if remote else []
+    return {state.name: state for state in containers}
+
+
+def _names(entry: _PodEntry) -> _lifecycle.PodNames:
+    meta = entry.pod.metadata
+    assert meta is not None
+    return _lifecycle.PodNames(str(meta.name), str(meta.namespace), entry.uid)
+
+
+def _image_of(pod: Pod, container: str) -> str:
+    spec = pod.spec
+    containers = [*(spec.initContainers or []), *spec.containers] if spec else []
+    return next((c.image or "" for c in containers if c.name == container), "")
 
 
 def _state(state: _remote.ContainerStatus) -> Running | Terminated | Waiting:

@@ -34,8 +34,10 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
                                     waiting <Reason> [<back-off seconds>]
                                     running <pid> <startedAt>
                                     terminated <exitCode> <startedAt> <finishedAt>
+                                    terminated 128 <at> <at> StartError <message in base64>
                                   times are RFC 3339 UTC to the second; a process killed by
-                                  signal N exited with 128+N
+                                  signal N exited with 128+N; StartError: the runtime could not
+                                  start the container's command (see ImageRun)
     pods/<uid>/c/<name>/last      the previous termination (lastState), same format
     pods/<uid>/c/<name>/restarts  the restart count
     pods/<uid>/c/<name>/pid       the running process's pid, which is its process group's id;
@@ -44,7 +46,10 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
     pods/<uid>/c/<name>/pull, rm  a runtime container's (see ImageRun): get its image before a
                                   run (exit 0: there; 1: pull failed; 2: absent, policy Never),
                                   remove what a killed `run` left
-    pods/<uid>/c/<name>/message   the runtime's words while waiting on an image
+    pods/<uid>/c/<name>/started   a podman container's (see ImageRun): started by its `cmd`
+                                  beside `run`, reports it running once the runtime has started it
+    pods/<uid>/c/<name>/cpid      the podman container's process (`run --pidfile`), once created
+    pods/<uid>/c/<name>/message   the runtime's words while waiting on an image or a creation
     pods/<uid>/c/<name>/cid       a runtime container's id (the runtime's `--cidfile`), which
                                   names its cgroup for usage samples; removed before each run
     pods/<uid>/c/<name>/<n>.log   the log of run n (n = the restart count when it started), in
@@ -128,6 +133,9 @@ class Runtime:
 
     command: list[str]
     run_args: list[str] = field(default_factory=list)  # added to every `run`
+    # podman's `run` writes the container process's pid (`--pidfile`), so the supervisor can
+    # tell when the container has started and a start that failed; docker's cannot.
+    kind: Literal["podman", "docker"] = "podman"
 
     def words(self) -> str:
         return " ".join(shlex.quote(word) for word in self.command)
@@ -270,7 +278,8 @@ def _check_container(name: str) -> None:
 class ContainerStatus:
     name: str
     state: Literal["waiting", "running", "terminated"]
-    # waiting: ContainerCreating | PodInitializing | CrashLoopBackOff; terminated: Completed | Error
+    # waiting: ContainerCreating | PodInitializing | CrashLoopBackOff | ErrImagePull | ...;
+    # terminated: Completed | Error | StartError
     reason: str
     pid: int | None
     started_at: datetime | None  # UTC, aware
@@ -279,7 +288,7 @@ class ContainerStatus:
     restart_count: int
     last: ContainerStatus | None = None  # the previous termination
     backoff_seconds: int | None = None  # waiting in CrashLoopBackOff: the back-off in force
-    message: str | None = None  # waiting on an image: the runtime's words
+    message: str | None = None  # waiting on an image, or a start that failed: the runtime's words
 
 
 @dataclass
@@ -555,7 +564,11 @@ def _image_files(uid: str, container: ContainerPlan) -> list[str]:
         }[run.pull_policy]
     )
     d = f'"$P/c/{container.name}'
+    started = []
+    if run.runtime.kind == "podman":
+        started = [_heredoc(f'cat >{d}/started"', _started_script(uid, container.name))]
     return [
+        *started,
         _heredoc(f'cat >{d}/pull"', f"# vkubelet: image of container {container.name}\n{pull}\n"),
         _heredoc(f'cat >{d}/rm"', _rm_script(run.runtime, uid, container.name)),
     ]
@@ -566,6 +579,44 @@ def _rm_script(runtime: Runtime, uid: str, container: str) -> str:
     is over when this runs and `podman rm -f` would stop it with its own 10 s timeout."""
     rt, name = runtime.words(), runtime_name(uid, container)
     return f"{rt} kill {name} >/dev/null 2>&1\n{rt} rm -f {name} >/dev/null 2>&1\n"
+
+
+def _started_script(uid: str, name: str) -> str:
+    """Reports a podman container running once the runtime has started it, as a kubelet does
+    (arguments: the container's directory, the pid of its `run`).
+
+    `run` creates the container, then starts it: the runtime writes the pid of the container's
+    process (`--pidfile`) once it has created it, and that process, the runtime's init until
+    then (`runc:[2:INIT]`; crun, youki), becomes the container's command when it is started. So
+    it is running once that process has another name. No runtime command runs for it (each
+    costs a device ~50 ms of CPU): one read of /proc every 10 ms, then every 50 ms.
+    """
+    return f"""\
+# vkubelet: report container {name} of pod {uid} running once its runtime has started it
+d=$1
+n=0
+nap() {{
+	n=$((n + 1))
+	w=0.05
+	[ "$n" -gt 20 ] || w=0.01
+	sleep "$w" 2>/dev/null || sleep 1
+}}
+pid=
+while [ -z "$pid" ]; do # podman's pid file has no line break: read fails, yet reads it
+	read -r pid 2>/dev/null <"$d/cpid" || [ -n "$pid" ] || nap
+done
+while read -r comm 2>/dev/null <"/proc/$pid/comm"; do
+	case $comm in
+	runc:* | crun | crun:* | youki*) nap ;;
+	*)
+		echo "running $2 $(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$d/state.started" &&
+			mv -f "$d/state.started" "$d/state"
+		echo "{uid} {name} running" >>"${{d%/pods/*}}/events"
+		exit 0
+		;;
+	esac
+done
+"""
 
 
 def _profile(container: ContainerPlan) -> str:
@@ -595,10 +646,20 @@ def _container_script(uid: str, container: ContainerPlan) -> str:
     # Working directory and environment (which may replace any variable: only literals follow);
     # a runtime reads the env file itself, with the values as they are.
     profile = f'. "$P/env/{name}"\n'
+    running = (
+        'echo "running $$ $(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$d/state.tmp" '
+        '&& mv -f "$d/state.tmp" "$d/state"\n'
+        f'echo "{uid} {name} running" >>"${{P%/pods/*}}/events"\n'
+    )
     if container.image is not None:
-        # The runtime refuses a cid file that is there: the previous run's goes first.
-        argv = _run_words(uid, container, container.image, ["--cidfile", '"$d/cid"'])
-        profile = 'rm -f "$d/cid"\n'
+        argv = _run_words(uid, container, container.image, _files_of_run(container.image))
+        profile = 'rm -f "$d/cid"\n'  # the runtime refuses a cid file that is there
+        if container.image.runtime.kind == "podman":
+            # Running once podman has started it (see `started`), not before `run`.
+            profile = ""
+            running = (
+                'rm -f "$d/cid" "$d/cpid"\nsh "$d/started" "$d" $$ </dev/null >/dev/null 2>&1 &\n'
+            )
     stdin = ""
     if container.stdin or container.tty:
         # Opened read-write, the FIFO never blocks the start and never reads EOF when an
@@ -616,9 +677,7 @@ echo $$ >"$d/pid"
 # A stop may have come since the supervisor looked: the stop scripts create stop (and removal
 # deletes run.sh) before they read pid files, and this pid file is written before this check.
 if [ -e "$P/stop" ] || [ ! -e "$P/run.sh" ]; then exit 143; fi
-echo "running $$ $(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$d/state.tmp" && mv -f "$d/state.tmp" "$d/state"
-echo "{uid} {name} running" >>"${{P%/pods/*}}/events"
-umask 022
+{running}umask 022
 {stdin}{start}"""
 
 
@@ -651,8 +710,8 @@ def _tty_script(uid: str, container: ContainerPlan) -> str:
     argv = " ".join(shlex.quote(arg) for arg in container.argv)
     profile = f'. "$P/env/{name}"\n'
     if container.image is not None:
-        argv = _run_words(uid, container, container.image, ["--cidfile", '"$d/cid"'])
-        profile = 'rm -f "$d/cid"\n'
+        argv = _run_words(uid, container, container.image, _files_of_run(container.image))
+        profile = "" if container.image.runtime.kind == "podman" else 'rm -f "$d/cid"\n'
     return f"""\
 # vkubelet: container {name} of pod {uid} in its terminal.
 P=$VKUBELET_POD_DIR
@@ -661,6 +720,13 @@ trap 'echo $? >"$d/code"' EXIT
 tty >"$d/pts.tmp" 2>/dev/null && mv -f "$d/pts.tmp" "$d/pts"
 {profile}{argv}
 """
+
+
+def _files_of_run(run: ImageRun) -> list[str]:
+    """Where a container's `run` writes its id (for its cgroup) and, with podman, the pid of its
+    process (for its start: see `_started_script`)."""
+    files = ["--cidfile", '"$d/cid"']
+    return [*files, "--pidfile", '"$d/cpid"'] if run.runtime.kind == "podman" else files
 
 
 def _run_words(uid: str, container: ContainerPlan, run: ImageRun, extra: Sequence[str] = ()) -> str:
@@ -789,8 +855,18 @@ else
 	}
 fi
 
+# failure LOG: the runtime's last words in LOG (its last stderr line, without podman's "Error: "),
+# for a kubelet's message.
+failure() {
+	awk '$2 == "stderr" { sub(/^[^ ]* [^ ]* [^ ]* (Error: )?/, ""); m = $0 } END { print m }' \
+		"$1" 2>/dev/null | head -c 1000
+}
+
 # run CTR: one run of CTR, until it has ended and its log is complete (the agent relies on
-# "terminated" meaning that). Sets CODE, RAN (seconds it ran) and TERMINATED (its state).
+# "terminated" meaning that). Sets CODE, RAN (seconds it ran) and TERMINATED (its state); or,
+# when the runtime could not create the container (podman's 125 before any process of it
+# existed: a full disk, a bad mount), CREATED to nothing, its words in CTR's message file, the
+# state left as it was: that was no run, and the next attempt does not count as a restart.
 run() {
 	d=$P/c/$1
 	read -r n 2>/dev/null <"$d/restarts" || n=0
@@ -827,8 +903,27 @@ run() {
 	{ kill "$w" && wait "$w"; } 2>/dev/null
 	rm -f "$d/out" "$d/err"
 	started=$finished
+	word=
 	if read -r word pid at 2>/dev/null <"$d/state" && [ "$word" = running ]; then started=$at; fi
 	TERMINATED="terminated $CODE $started $finished"
+	CREATED=1
+	# A podman container that never got a process: the runtime could not create it (125) or
+	# start its command (126 not executable, 127 not found), as its last words in the log say.
+	if [ "$word" != running ] && [ -f "$d/started" ] && [ ! -s "$d/cpid" ] &&
+		[ ! -e "$P/stop" ]; then
+		case $CODE in
+		125)
+			CREATED=
+			failure "$d/$n.log" >"$d/message.tmp" && mv -f "$d/message.tmp" "$d/message"
+			rm -f "$d/$n.log"
+			return
+			;;
+		126 | 127)
+			TERMINATED="$TERMINATED StartError $(failure "$d/$n.log" | base64 | tr -d '\n')"
+			TERMINATED="terminated 128 ${TERMINATED#terminated $CODE }"
+			;;
+		esac
+	fi
 	set_state "$1" $TERMINATED
 }
 
@@ -843,13 +938,13 @@ backoff() {
 }
 
 # pull CTR: until CTR's image is on the device (a runtime container's `pull` script says so),
-# like a kubelet: ErrImagePull (ErrImageNeverPull) with the runtime's words, then
-# ImagePullBackOff between attempts, BASE seconds doubling up to MAX. Fails if the pod is stopped.
+# like a kubelet: after each failed attempt ErrImagePull with the runtime's words, for half the
+# back-off (2 s at most), then ImagePullBackOff until the next attempt; the back-off is BASE
+# seconds doubling up to MAX. ErrImageNeverPull under `Never`. Fails if the pod is stopped.
 pull() {
 	p_dir=$P/c/$1
 	[ -f "$p_dir/pull" ] || return 0
 	p_delay=$BASE
-	p_reason=ErrImagePull
 	while [ ! -e "$P/stop" ]; do
 		sh "$p_dir/pull" >"$p_dir/pulled" 2>&1
 		p_code=$?
@@ -859,13 +954,20 @@ pull() {
 		fi
 		tail -c 1000 "$p_dir/pulled" >"$p_dir/message.tmp" &&
 			mv -f "$p_dir/message.tmp" "$p_dir/message"
+		p_wait=$p_delay
 		case $p_code in
 		2) set_state "$1" waiting ErrImageNeverPull ;;
 		3) set_state "$1" waiting CreateContainerError "$p_delay" ;; # no runtime: retried
-		*) set_state "$1" waiting "$p_reason" "$p_delay" ;;
+		*)
+			p_wait=$((p_delay / 2))
+			[ "$p_wait" -le 2 ] || p_wait=2
+			set_state "$1" waiting ErrImagePull
+			backoff "$1" "$p_wait"
+			p_wait=$((p_delay - p_wait))
+			[ -e "$P/stop" ] || set_state "$1" waiting ImagePullBackOff
+			;;
 		esac
-		backoff "$1" "$p_delay"
-		p_reason=ImagePullBackOff
+		backoff "$1" "$p_wait"
 		p_delay=$((p_delay * 2))
 		[ "$p_delay" -le "$MAX" ] || p_delay=$MAX
 	done
@@ -879,10 +981,19 @@ pull() {
 supervise() {
 	delay=0     # the back-off in force: none before the first restart
 	restarted=0 # when the last restart happened, in seconds since the epoch
+	c_delay=$BASE # between attempts to create it, whatever the policy (it never ran)
 	CODE=1
 	while [ ! -e "$P/stop" ]; do
 		pull "$1" || break
 		run "$1"
+		if [ -z "$CREATED" ]; then
+			set_state "$1" waiting CreateContainerError "$c_delay"
+			backoff "$1" "$c_delay"
+			c_delay=$((c_delay * 2))
+			[ "$c_delay" -le "$MAX" ] || c_delay=$MAX
+			continue
+		fi
+		c_delay=$BASE
 		case $2 in
 		Never) break ;;
 		OnFailure) [ "$CODE" -ne 0 ] || break ;;
@@ -1082,6 +1193,15 @@ def _status(name: str, words: list[str], restarts: int) -> ContainerStatus:
             reason = "Completed" if exit_code == 0 else "Error"
             times = _time(started), _time(finished)
             return ContainerStatus(name, "terminated", reason, None, *times, exit_code, restarts)
+        case ["terminated", code, started, finished, "StartError", message]:
+            # the runtime could not start its command: its words
+            times = _time(started), _time(finished)
+            status = ContainerStatus(
+                name, "terminated", "StartError", None, *times, _count(code), restarts
+            )
+            text = base64.b64decode(message, validate=True).decode(errors="replace").strip()
+            status.message = text or None
+            return status
     raise _Malformed(" ".join(words))
 
 

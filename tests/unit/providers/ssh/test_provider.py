@@ -222,8 +222,8 @@ async def test_auto_runs_images_with_the_podman_it_finds_and_none_refuses_naming
     bin_dir.mkdir()
     fake = bin_dir / "podman"
     fake.write_text(
-        '#!/bin/sh\ncase $1 in image) exit 0 ;; run) while [ "$1" != -- ]; do shift; done; '
-        'shift 2; exec "$@" ;; esac\n'
+        '#!/bin/sh\ncase $1 in image) exit 0 ;; run) while [ "$1" != -- ]; do '
+        '[ "$1" != --pidfile ] || echo $$ >"$2"; shift; done; shift 2; exec "$@" ;; esac\n'
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")

@@ -943,12 +943,27 @@ pull)
 	esac
 	;;
 run)
-	printf '%s\n' "$@" >"$(dirname "$0")/run.args"
+	here=$(dirname "$0")
+	printf '%s\n' "$@" >"$here/run.args"
+	pidfile=
 	while [ "$1" != -- ]; do
-		[ "$1" != --env-file ] || cp "$2" "$(dirname "$0")/env.file"
+		[ "$1" != --env-file ] || cp "$2" "$here/env.file"
+		[ "$1" != --pidfile ] || pidfile=$2
 		shift
 	done
 	shift 2
+	# as podman with runc: what cannot be created or started fails before any pid file
+	if [ -e "$here/full" ]; then
+		echo "Error: creating container storage: no space left on device" >&2
+		exit 125
+	fi
+	if ! command -v "$1" >/dev/null 2>&1; then
+		echo "Error: runc create failed: exec: \"$1\": executable file not found in \$PATH" >&2
+		exit 127
+	fi
+	# created: this process (named crun) is the container's until it runs the command
+	[ -z "$pidfile" ] || printf %s $$ >"$pidfile" # no line break, as podman writes it
+	[ ! -e "$here/slow" ] || sleep 1
 	exec "$@"
 	;;
 kill) echo "kill $2" >>"$log" ;;
@@ -960,9 +975,9 @@ esac
 def fake_runtime(tmp_path: Path) -> Runtime:
     bin_dir = tmp_path / "rt"
     bin_dir.mkdir()
-    (bin_dir / "rt").write_text(FAKE_RUNTIME)
-    (bin_dir / "rt").chmod(0o755)
-    return Runtime([str(bin_dir / "rt")], ["--ulimit", "nofile=1024:1024"])
+    (bin_dir / "crun").write_text(FAKE_RUNTIME)
+    (bin_dir / "crun").chmod(0o755)
+    return Runtime([str(bin_dir / "crun")], ["--ulimit", "nofile=1024:1024"])
 
 
 def image_ctr(runtime: Runtime, image: str, args: list[str], **extra: Any) -> ContainerPlan:
@@ -1002,7 +1017,7 @@ def test_a_runtime_container_gets_literal_arguments_its_env_in_a_file_and_its_la
         "--network", "host", "--env-file", f"{p}/env/main", "--workdir", "/work dir",
         "--volume", f"{p}/volumes/www:/www:ro", "--volume", "/srv/x:/x",
         "--memory", "67108864", "--cpus", "0.500", "--ulimit", "nofile=1024:1024",
-        "--cidfile", f"{p}/c/main/cid",
+        "--cidfile", f"{p}/c/main/cid", "--pidfile", f"{p}/c/main/cpid",
     ]  # fmt: skip
     assert argv[argv.index("--") + 1] == "present"
     assert "a 'b' $(c)" not in "\n".join(argv)  # env values are never arguments
@@ -1024,6 +1039,67 @@ def test_a_pull_failure_is_err_image_pull_with_the_runtimes_words_then_back_off(
     assert "connection refused" in (status(pod).message or "")
     device.run(stop_pod_script(ROOT, "u1", 1))
     device.wait(lambda p: not p.supervisor_alive)
+
+
+def test_each_failed_pull_is_err_image_pull_then_image_pull_back_off_until_the_next(
+    device: Device, tmp_path: Path
+) -> None:
+    runtime = fake_runtime(tmp_path)
+    device.env_overrides["VKUBELET_BACKOFF_BASE"] = "2"
+    device.start(pod_plan(image_ctr(runtime, "bad/image:1", ["true"]), policy="Always"))
+    device.wait(lambda p: status(p).reason == "ErrImagePull")
+    device.wait(lambda p: status(p).reason == "ImagePullBackOff")
+    # the second attempt fails too: ErrImagePull again, with the runtime's words, then back-off
+    pod = device.wait(lambda p: status(p).reason == "ErrImagePull", timeout=15)
+    assert "connection refused" in (status(pod).message or "")
+    device.wait(lambda p: status(p).reason == "ImagePullBackOff", timeout=15)
+    device.run(stop_pod_script(ROOT, "u1", 1))
+    device.wait(lambda p: not p.supervisor_alive)
+
+
+def test_a_podman_container_is_running_once_its_runtime_has_started_it(
+    device: Device, tmp_path: Path
+) -> None:
+    runtime = fake_runtime(tmp_path)
+    (tmp_path / "rt" / "slow").touch()  # a second between creating it and starting it
+    device.start(pod_plan(image_ctr(runtime, "present", ["sleep", "30"]), policy="Always"))
+    created = device.pod_dir() / "c" / "main" / "cpid"
+    wait_for(created.exists, timeout=10, interval=0.01, what="the container created")
+    assert status(device.pod()).state == "waiting"  # created, its command not started yet
+    pod = device.wait(state_of(state="running"))
+    assert status(pod).pid is not None and alive(status(pod).pid or 0)
+    assert Path(f"/proc/{created.read_text().strip()}/comm").read_text() == "sleep\n"
+
+
+def test_a_command_the_runtime_cannot_start_is_start_error_128_then_crash_loop_back_off(
+    device: Device, tmp_path: Path
+) -> None:
+    runtime = fake_runtime(tmp_path)
+    device.start(pod_plan(image_ctr(runtime, "present", ["no-such-command"]), policy="Always"))
+    pod = device.wait(lambda p: status(p).reason == "CrashLoopBackOff", timeout=15)
+    last = status(pod).last
+    assert last is not None
+    assert (last.reason, last.exit_code) == ("StartError", 128)
+    assert last.message == (
+        'runc create failed: exec: "no-such-command": executable file not found in $PATH'
+    )
+    assert status(pod).restart_count >= 1
+    device.run(stop_pod_script(ROOT, "u1", 1))
+    device.wait(lambda p: not p.supervisor_alive)
+
+
+def test_a_container_the_runtime_cannot_create_waits_in_create_container_error_until_it_can(
+    device: Device, tmp_path: Path
+) -> None:
+    runtime = fake_runtime(tmp_path)
+    (tmp_path / "rt" / "full").touch()
+    device.start(pod_plan(image_ctr(runtime, "present", ["sleep", "30"]), policy="Never"))
+    pod = device.wait(lambda p: status(p).reason == "CreateContainerError")
+    assert status(pod).message == "creating container storage: no space left on device"
+    (tmp_path / "rt" / "full").unlink()
+    pod = device.wait(state_of(state="running"), timeout=15)
+    assert status(pod).restart_count == 0  # attempts to create it were no runs
+    assert status(pod).last is None
 
 
 def test_an_absent_image_under_never_is_err_image_never_pull(

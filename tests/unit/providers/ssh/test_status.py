@@ -46,3 +46,31 @@ def test_a_finished_pod_with_restart_policy_never_fails_on_a_non_zero_exit() -> 
     done = _remote.ContainerStatus("main", "terminated", "Error", None, T0, T0, 1, 0)
     status = pod_status(entry(done, policy="Never"), "10.0.0.9")
     assert status.phase == "Failed" and status.podIP == "10.0.0.9"
+
+
+def test_a_start_error_is_reported_with_128_and_the_runtimes_words_in_last_state() -> None:
+    words = 'runc create failed: exec: "nope": executable file not found in $PATH'
+    last = _remote.ContainerStatus("main", "terminated", "StartError", None, T0, T0, 128, 1)
+    last.message = words
+    waiting = _remote.ContainerStatus(
+        "main", "waiting", "CrashLoopBackOff", None, None, None, None, 1, last, 20
+    )
+    [main] = pod_status(entry(waiting), "10.0.0.9").containerStatuses or []
+    assert main.lastState and main.lastState.terminated
+    ended = main.lastState.terminated
+    assert (ended.exitCode, ended.reason, ended.message) == (128, "StartError", words)
+
+
+def test_image_pull_back_off_names_the_image_and_carries_the_last_error() -> None:
+    waiting = _remote.ContainerStatus(
+        "main", "waiting", "ImagePullBackOff", None, None, None, None, 0
+    )
+    waiting.message = "Error: connection refused"
+    found = entry(waiting)
+    assert found.pod.spec is not None
+    found.pod.spec.containers[0].image = "localhost:1/x:1"
+    [main] = pod_status(found, "10.0.0.9").containerStatuses or []
+    assert main.state and main.state.waiting
+    assert main.state.waiting.message == (
+        'Back-off pulling image "localhost:1/x:1": ErrImagePull: Error: connection refused'
+    )
