@@ -78,6 +78,13 @@ source, or `virsh migrate --live --p2p --copy-storage-inc --persistent --undefin
   is in it), destroy 1.5-1.8 s, lab teardown ~3.5 s. `qemu+ssh` connect ~0.5 s.
 - `restart_libvirtd()` (SIGTERM, start again: ~0.6 s): running domains keep their QEMU;
   connections made before it fail ("Cannot write data: Broken pipe"), a new one sees them.
+- Probed once, not in a test (a 128 MiB guest, load average ~27): managed save works
+  (`managedSave` 2.2 s, state shut off/saved, `/var/lib/libvirt/qemu/save/<name>.save`;
+  `create()` restores in 4.8 s, the agent answers 1.6 s later). The backup API works on
+  qcow2 overlays: a push backup with a checkpoint (`backupBegin(<domainbackup> with a
+  target file, <domaincheckpoint><name>c1</name>...)`, done in <1 s, 24 MiB full) and an
+  incremental one since it (`<incremental>c1</incremental>`, 4.6 MiB after 4 MiB written);
+  poll `jobInfo()` until `VIR_DOMAIN_JOB_NONE`. `qemuMonitorCommand` (HMP) passes through.
 - libvirtd warns "getaddrinfo failed for '<hostname>'" (a host's name resolves nowhere):
   harmless, migration_host is an address.
 """
