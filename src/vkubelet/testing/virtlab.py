@@ -78,6 +78,15 @@ source, or `virsh migrate --live --p2p --copy-storage-inc --persistent --undefin
   is in it), destroy 1.5-1.8 s, lab teardown ~3.5 s. `qemu+ssh` connect ~0.5 s.
 - `restart_libvirtd()` (SIGTERM, start again: ~0.6 s): running domains keep their QEMU;
   connections made before it fail ("Cannot write data: Broken pipe"), a new one sees them.
+- A refused migration (here: no target disk) leaves the guest running and defined at the
+  source, nothing at the target. The reason may not reach the caller: the target said
+  "pre-creation of storage targets for incremental storage migration is not supported"
+  (`NON_SHARED_INC`; with `NON_SHARED_DISK`: "Storage pool not found ...") and the source's
+  daemon logged it, but the client once got only "End of file while reading data: Warning:
+  Permanently added ... to the list of known hosts" (ssh's stderr as the p2p link closed).
+- Checkpoints do not travel with a `NON_SHARED_INC` migration: no checkpoint at the target and
+  no bitmap in its disk, so an incremental backup there fails ("Checkpoint 'c1' ... not
+  found"): the first backup after a move must be a full one.
 - Probed once, not in a test (a 128 MiB guest, load average ~27): managed save works
   (`managedSave` 2.2 s, state shut off/saved, `/var/lib/libvirt/qemu/save/<name>.save`;
   `create()` restores in 4.8 s, the agent answers 1.6 s later). The backup API works on
