@@ -19,7 +19,15 @@ from typing import Any
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import AgentProcess, Kubectl, MockNode, create_namespace, node_ready, wait_for
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    MockNode,
+    create_namespace,
+    ephemeral_state,
+    node_ready,
+    wait_for,
+)
 from vkubelet.testing import mock_node as start_mock_node
 
 from .clusters import restart_clients_of_the_apiserver
@@ -386,7 +394,7 @@ def test_deleting_the_node_object_gets_it_registered_again(
     wait_for(lambda: node_ready(kubectl, mock_node.name), timeout=30, what="node Ready again")
 
 
-def test_agent_restart_keeps_every_pod_without_recreating_it(
+def test_agent_restart_keeps_every_pod_without_recreating_it_and_reports_debug_commands_lost(
     mock_node: StatefulMockNode, kubectl: Kubectl, ns: str
 ) -> None:
     for name in ("keep-1", "keep-2"):
@@ -397,6 +405,9 @@ def test_agent_restart_keeps_every_pod_without_recreating_it(
         p["metadata"]["name"]: p["metadata"]["uid"]
         for p in kubectl.json("-n", ns, "get", "pods")["items"]
     }
+    # A debug command that dies with the agent: reported lost after the restart, not running.
+    kubectl("-n", ns, "debug", "keep-1", "--image=busybox", "-c", "bg", "--", "sleep", "3600")
+    wait_for(lambda: ephemeral_state(kubectl, ns, "keep-1", "bg").get("running"), what="bg runs")
     time.sleep(0.5)  # the mock writes its state file within 0.1 s
     creates = mock_node.state()["creates"]
 
@@ -419,6 +430,11 @@ def test_agent_restart_keeps_every_pod_without_recreating_it(
     assert after == uids
     assert all(phase(kubectl, ns, n) == "Running" for n in uids)
     assert mock_node.state()["creates"] == creates
+    lost = wait_for(
+        lambda: ephemeral_state(kubectl, ns, "keep-1", "bg").get("terminated"),
+        what="the debug command's end",
+    )
+    assert (lost["exitCode"], lost["reason"]) == (137, "ContainerStatusUnknown")
 
 
 def test_exec_of_a_missing_command_prints_one_plain_message_and_exits_127(

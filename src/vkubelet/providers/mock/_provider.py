@@ -125,6 +125,8 @@ class MockProvider:
         self.creates = state.creates
         for pod in state.pods:
             self._pods[f"{pod.namespace}/{pod.name}"] = pod
+            for debug in pod.ephemeral:
+                debug.lost(now_rfc3339())
             self._ips[pod.uid] = pod.ip
             self._used_ips[pod.ip] += 1
 
@@ -760,7 +762,8 @@ def _ephemeral_report(mock: MockPod, debug: MockEphemeral) -> ContainerReport:
     started = parse_time(debug.started)
     state: Running | Terminated = Running(started)
     if debug.finished is not None:
-        state = Terminated(debug.exit_code or 0, started, parse_time(debug.finished))
+        ended = parse_time(debug.finished)
+        state = Terminated(debug.exit_code or 0, started, ended, reason=debug.reason)
     elif mock.stopped is not None:  # ended with its pod
         state = Terminated(137, started, parse_time(mock.stopped))
     return ContainerReport(

@@ -67,6 +67,13 @@ class MockEphemeral:
     finished: str | None = None
     exit_code: int | None = None
     output: str = ""  # what it printed with no client attached (its log)
+    reason: str = ""  # of its termination, when not its command's exit
+
+    def lost(self, now: str) -> None:
+        """Its command ran in the agent that saved it, and ended with it: terminated, as a
+        kubelet reports a container it lost (one with stdin runs when a client attaches)."""
+        if self.finished is None and not self.stdin:
+            self.finished, self.exit_code, self.reason = now, 137, "ContainerStatusUnknown"
 
     @classmethod
     def of(cls, c: EphemeralContainer, started: str) -> MockEphemeral:
