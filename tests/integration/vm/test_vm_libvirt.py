@@ -3,12 +3,13 @@
 reached over `qemu+ssh` as a remote hypervisor is.
 
 One VM is booted for the module (TCG boots are the expensive part) and the test checks what
-it can on it, in order: Running, the boot in `kubectl logs`, `kubectl exec`, the domain in
-`virsh list` on that host named after the pod and labelled with its UID, an agent killed with
-SIGKILL and restarted adopts the same domain (same id, same QEMU), and deleting the pod removes
-the domain. The refusals cost no boot: a domain of a pod's name that vkubelet does not own fails
-that pod and is left alone; a URI whose credentials are refused makes a node NotReady with
-libvirt's message.
+it can on it, in order: Running, the boot in `kubectl logs`, `kubectl exec`, `kubectl attach`
+on the serial console, the domain in `virsh list` on that host named after the pod and labelled
+with its UID, an agent killed with SIGKILL and restarted adopts the same domain (same id, same
+QEMU), the host's libvirtd restarted under it (the agent reconnects: exec, and the console's
+new lines in the log), and deleting the pod removes the domain. The refusals cost no boot:
+a domain of a pod's name that vkubelet does not own fails that pod and is left alone; a URI
+whose credentials are refused makes a node NotReady with libvirt's message.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import shlex
 import signal
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,16 +36,15 @@ from vkubelet.testing import (
     create_namespace,
     local_test_address,
     node_ready,
+    terminal_session,
+    virtlab,
     wait_for,
 )
+from vkubelet.testing.virtlab import LibvirtHost
 
 from .vmlab import TOLERATION, clean_up, require_vm_host, start_vm_agent
 
 pytestmark = pytest.mark.integration
-
-virtlab = pytest.importorskip(
-    "vkubelet.testing.virtlab", reason="the libvirt lab (vkubelet.testing.virtlab) is not here"
-)
 
 BOOT_TIMEOUT = 300  # one TCG boot on a busy 2-core machine
 METADATA = "https://vkubelet.io/xmlns/vm-domain/1"
@@ -54,8 +55,8 @@ class LibvirtNode:
     name: str
     agent: AgentProcess
     workdir: Path
-    host: Any  # virtlab.LibvirtHost
-    restart: Any  # () -> AgentProcess
+    host: LibvirtHost
+    restart: Callable[[], AgentProcess]
     refused_node: str  # a node whose URI has a key the host does not know
 
     def domain_pid(self, domain: str) -> int:
@@ -158,6 +159,18 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     # kubectl exec goes through libvirt's guest agent command
     assert kubectl("-n", namespace, "exec", pod, "--", "cat", "/etc/hostname").stdout.strip() == pod
 
+    # kubectl attach is the serial console both ways, through libvirt's console stream
+    argv = [kubectl.binary, "--kubeconfig", str(kubectl.kubeconfig), "-n", namespace]
+    attach = shlex.join([*argv, "attach", "-it", pod])
+    with terminal_session(f"{attach}; sleep 60", cols=400) as terminal:
+
+        def echoed() -> bool:
+            # kubectl attach prints nothing until the console does: type until it is connected.
+            terminal.type("echo ATTACHED-$((6 * 7))")
+            return "ATTACHED-42" in terminal.screen()
+
+        wait_for(echoed, timeout=30, interval=2, what="the console's echo")
+
     # the host's own libvirt shows it, named after the pod, labelled with its UID
     assert host.running() == [domain]
     metadata = host.virsh("metadata", domain, METADATA).stdout
@@ -185,6 +198,17 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     status = _get(kubectl, namespace, pod)["status"]["containerStatuses"][0]
     assert status["restartCount"] == 0 and "running" in status["state"]
     assert kubectl("-n", namespace, "logs", pod).stdout.count("booted hostname=") == 1
+
+    # the host's libvirtd restarted under it: the domain runs on, the agent connects again
+    host.restart_libvirtd()
+
+    def marked_after_restart() -> bool:
+        mark = "echo MARK-AFTER-LIBVIRTD >/dev/console"
+        kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", mark, check=False)
+        return "MARK-AFTER-LIBVIRTD" in kubectl("-n", namespace, "logs", pod).stdout
+
+    wait_for(marked_after_restart, timeout=60, interval=2, what="exec and logs after libvirtd")
+    assert host.virsh("domid", domain).stdout.strip() == domain_id
 
     # deleting the pod ends the domain and removes its definition
     kubectl("-n", namespace, "delete", "pod", pod, "--wait=true", "--timeout=90s")

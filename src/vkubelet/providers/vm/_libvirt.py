@@ -126,6 +126,12 @@ class Connection:
         self.last_error = None
         return self._conn
 
+    @property
+    def current(self) -> Any:
+        """The connection now open (None before the first): streams opened on an earlier one
+        are dead, even though libvirt tells them nothing."""
+        return self._conn
+
     async def domain(self, uuid: str) -> Any:
         """The domain of `uuid`, or None when the daemon has none."""
         libvirt = _libvirt()
@@ -239,12 +245,16 @@ class LibvirtGuestAgent(GuestAgent):
 
 class _Console:
     """libvirt's console stream of one domain: appended to `log`, relayed to the clients of
-    `socket` (kubectl attach). Driven by the event loop (libvirtaio), never a thread."""
+    `socket` (kubectl attach). Driven by the event loop (libvirtaio), never a thread. The
+    stream ends with the domain, and also when its connection drops (a restarted libvirtd):
+    `open` again then gives a new stream to the same file and clients."""
 
     def __init__(self, log: Path, socket: Path) -> None:
         self.log, self.socket = log, socket
-        self.ended = asyncio.Event()
+        self.ended = asyncio.Event()  # the current stream ended (or none was opened)
+        self.ended.set()
         self._stream: Any = None
+        self.connection: Any = None  # the libvirt connection the stream belongs to
         self._file: Any = None
         self._clients: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
@@ -253,18 +263,22 @@ class _Console:
         libvirt = _libvirt()
         conn = await connection.get()
         stream = conn.newStream(libvirt.VIR_STREAM_NONBLOCK)
-        # FORCE: a stream an earlier agent left open is taken over.
+        # FORCE: a stream an earlier agent (or connection) left open is taken over.
         await connection.run(domain.openConsole, None, stream, libvirt.VIR_DOMAIN_CONSOLE_FORCE)
-        self._file = self.log.open("ab")
-        self._stream = stream
+        if self._file is None:
+            self._file = self.log.open("ab")
+        self._stream_ended()  # a stream of an earlier connection, if any
+        self._stream, self.connection = stream, conn
+        self.ended.clear()
         events = (
             libvirt.VIR_STREAM_EVENT_READABLE
             | libvirt.VIR_STREAM_EVENT_ERROR
             | libvirt.VIR_STREAM_EVENT_HANGUP
         )
         stream.eventAddCallback(events, self._readable, None)
-        self.socket.unlink(missing_ok=True)
-        self._server = await asyncio.start_unix_server(self._client, path=str(self.socket))
+        if self._server is None:
+            self.socket.unlink(missing_ok=True)
+            self._server = await asyncio.start_unix_server(self._client, path=str(self.socket))
 
     def _readable(self, stream: Any, _events: int, _opaque: object) -> None:
         libvirt = _libvirt()
@@ -276,18 +290,21 @@ class _Console:
             if data == -2:  # nothing more now
                 return
             if not data:
-                self._end()
+                self._stream_ended()
                 return
             self._file.write(data)
             self._file.flush()
             for client in list(self._clients):
-                client.write(data)
+                if not client.is_closing():
+                    client.write(data)
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._clients.add(writer)
         try:
-            while (data := await reader.read(_CHUNK)) and not self.ended.is_set():
-                await self._send(data)
+            while data := await reader.read(_CHUNK):
+                await self._send(data)  # (dropped while no stream is open)
+        except OSError:  # the client went away (kubectl attach ended)
+            pass
         finally:
             self._clients.discard(writer)
             writer.close()
@@ -300,9 +317,7 @@ class _Console:
                 continue
             data = data[sent:]
 
-    def _end(self) -> None:
-        if self.ended.is_set():
-            return
+    def _stream_ended(self) -> None:
         self.ended.set()
         stream, self._stream = self._stream, None
         if stream is not None:
@@ -310,15 +325,18 @@ class _Console:
                 stream.eventRemoveCallback()
             with contextlib.suppress(Exception):
                 stream.abort()
+
+    def close(self) -> None:
+        """The domain ended (or the agent stops): the stream, the file and the clients."""
+        self._stream_ended()
         if self._file is not None:
             self._file.close()
+            self._file = None
         for client in self._clients:
             client.close()
         if self._server is not None:
             self._server.close()
-
-    def close(self) -> None:
-        self._end()
+            self._server = None
 
 
 def _outcome(libvirt: Any, state: int, reason: int) -> MachineExit | None:
@@ -354,6 +372,7 @@ class LibvirtMachine:
         self.console_socket = run_dir / "console.sock"
         self.agent = LibvirtGuestAgent(connection, uuid)
         self._console = _Console(self.console_log, self.console_socket)
+        self._gone = asyncio.Event()  # the watcher saw the domain end
         self._waiter: asyncio.Task[MachineExit] | None = None
         self._waiting = 0
 
@@ -375,15 +394,21 @@ class LibvirtMachine:
             if not self._waiting and not waiter.done():
                 waiter.cancel()
                 await asyncio.wait({waiter})
-                self._console.close()
 
     async def _watch(self) -> MachineExit:
+        try:
+            return await self._watch_domain()
+        finally:
+            self._console.close()
+
+    async def _watch_domain(self) -> MachineExit:
         libvirt = _libvirt()
         retry = Backoff(initial=1.0, cap=30.0)
         while True:
             try:
                 domain = await self.connection.domain(self.uuid)
                 if domain is None:
+                    self._gone.set()
                     return self._recorded() or MachineExit(137, "Killed", "domain removed")
                 state, reason = await self.connection.run(domain.state)
                 retry.reset()
@@ -392,15 +417,26 @@ class LibvirtMachine:
                 await asyncio.sleep(retry.next_delay())
                 continue
             if (outcome := _outcome(libvirt, state, reason)) is not None:
+                self._gone.set()
                 await self._remove()
-                self._console.close()
                 return self._recorded() or outcome
+            # The stream's connection dropped (libvirtd restarted, the link broke) and another
+            # is open: the domain runs on, its console is opened again.
+            if self._console.connection is not self.connection.current:
+                self._console.ended.set()
+            if self._console.ended.is_set():
+                with contextlib.suppress(MachineError, OSError, libvirt.libvirtError):
+                    await self._console.open(self.connection, domain)
+                    log.info("domain %s: console stream open again", self.uuid)
+                if self._console.ended.is_set():
+                    await asyncio.sleep(_POLL)
+                    continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._console.ended.wait(), _POLL)
 
     async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
         ready = asyncio.create_task(self.agent.wait_ready(timeout))
-        gone = asyncio.create_task(self._console.ended.wait())
+        gone = asyncio.create_task(self._gone.wait())
         try:
             done, _ = await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -623,14 +659,23 @@ class LibvirtRuntime(QemuRuntime):
 
     async def adopt(self, run_dir: Path) -> MachineHandle | None:
         """The domain `domain.json` names, if it still runs; one that shut off while no agent
-        ran has its outcome recorded (the provider reads it) and its definition removed."""
+        ran has its outcome recorded (the provider reads it) and its definition removed. While
+        the daemon cannot be reached this waits and asks again: a VM that may be running is
+        never taken for ended (the node is NotReady meanwhile, saying why)."""
         try:
             record = json.loads((run_dir / DOMAIN_FILE).read_text())
             uuid = str(record["uuid"])
         except (OSError, ValueError, KeyError):
             return None
         libvirt = _libvirt()
-        domain = await self.connection.domain(uuid)
+        retry = Backoff(initial=1.0, cap=30.0)
+        while True:
+            try:
+                domain = await self.connection.domain(uuid)
+                break
+            except MachineError as e:
+                log.warning("%s: cannot adopt its domain yet: %s", run_dir.parent.name, e)
+                await asyncio.sleep(retry.next_delay())
         if domain is None:
             return None
         state, reason = await self.connection.run(domain.state)
