@@ -577,7 +577,8 @@ def test_pods_are_adopted_and_debug_processes_ended_after_the_agent_is_killed_an
     lab: Lab, kubectl: Kubectl, kube_cluster: Cluster, tmp_path: Path
 ) -> None:
     """The pods' processes are the same after; a debug container's process, which ran in the
-    killed agent's SSH session, is ended by the new agent and its status says so."""
+    killed agent's SSH session, is ended by the new agent and its status says so; one that had
+    ended keeps its status."""
     device = lab.devices[0]
     tag = uuid.uuid4().hex[:8]
     running = run_pod(kubectl, device.name, ["sh", "-c", f"sleep 3600; : {tag}"])
@@ -587,7 +588,13 @@ def test_pods_are_adopted_and_debug_processes_ended_after_the_agent_is_killed_an
     pids = device.pids(f": {tag}")
     debug = {"name": "bg", "image": "host", "command": ["sh", "-c", f"sleep 3600; : dbg-{tag}"]}
     add_ephemeral(kubectl, running, debug)
+    add_ephemeral(kubectl, running, {**debug, "name": "done", "command": ["sh", "-c", "exit 3"]})
     wait_for(lambda: device.pids(f"dbg-{tag}"), timeout=30, what="the debug process")
+    wait_for(
+        lambda: ephemeral_state(kubectl, "default", running, "done").get("terminated"),
+        timeout=30,
+        what="a debug command's end",
+    )
     lab.agent.stop(9)
     # `short` ends while no agent watches.
     wait_for(lambda: not device.pids(f"short-{tag}"), timeout=30, what="short's process ended")
@@ -609,6 +616,8 @@ def test_pods_are_adopted_and_debug_processes_ended_after_the_agent_is_killed_an
         )
         assert ended["reason"] == "ContainerStatusUnknown"
         wait_for(lambda: not device.pids(f"dbg-{tag}"), timeout=30, what="no debug process")
+        done = ephemeral_state(kubectl, "default", running, "done")["terminated"]
+        assert (done["exitCode"], done["reason"]) == (3, "Error")  # as it ended, not lost
     finally:
         delete(kubectl, running, short)
 

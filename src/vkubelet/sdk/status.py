@@ -139,12 +139,17 @@ def _api_state(state: State | None) -> ContainerState:
     return ContainerState()
 
 
-def ephemeral_run_before(pod: Pod, name: str) -> ContainerReport | None:
+def ephemeral_run_before(
+    pod: Pod,
+    name: str,
+    *,
+    lost: str = "the agent that ran it restarted, and it was not found again",
+) -> ContainerReport | None:
     """Ephemeral container `name` (`kubectl debug`) as the pod's status shows it started, by an
     agent that has restarted since (it is handed again): what to report instead of running it a
     second time. Its termination as the API has it; one shown running is lost to this agent:
-    terminated, `ContainerStatusUnknown` (137), as a kubelet reports a container it lost.
-    None if it never started (a new one, or one that was refused)."""
+    terminated, `ContainerStatusUnknown` (137), as a kubelet reports a container it lost, with
+    the message `lost`. None if it never started (a new one, or one that was refused)."""
     statuses = (pod.status.ephemeralContainerStatuses if pod.status else None) or []
     found = [status for status in statuses if status.name == name]
     state = found[0].state if found else None
@@ -163,9 +168,10 @@ def ephemeral_run_before(pod: Pod, name: str) -> ContainerReport | None:
             container_id=found[0].containerID,
         )
     started = state.running.startedAt if state.running is not None else None
-    message = "the agent that ran it restarted, and it was not found again"
-    lost = Terminated(137, started, started, reason="ContainerStatusUnknown", message=message)
-    return ContainerReport(state=lost, container_id=found[0].containerID)
+    gone = Terminated(
+        137, started, datetime.now(UTC), reason="ContainerStatusUnknown", message=lost
+    )
+    return ContainerReport(state=gone, container_id=found[0].containerID)
 
 
 def _is_sidecar(container: object) -> bool:

@@ -41,7 +41,14 @@ from ...sdk.quantity import QuantityError, parse_quantity
 from ...sdk.stats import ContainerUsage, CpuCounters, NodeUsage, PodUsage, Usage
 from ...sdk.stats import resource_metrics as format_metrics
 from ...sdk.stats import summary as format_summary
-from ...sdk.status import ContainerReport, Running, Terminated, Waiting, build_pod_status
+from ...sdk.status import (
+    ContainerReport,
+    Running,
+    Terminated,
+    Waiting,
+    build_pod_status,
+    ephemeral_run_before,
+)
 from ...sdk.stdio import forward_connection, initial_size, relay
 from ...sdk.tasks import TaskSet
 from ...sdk.volumes import EmptyDirVolume, FilesVolume, HostPathVolume
@@ -719,9 +726,11 @@ class DeviceProvider:
         entry.pod = pod.pod  # its spec names the ephemeral containers (the kubelet API checks)
         now = datetime.now(UTC)
         if answer.stdout.strip() == b"old":
+            # Run by the agent before a restart: ended as the API shows it, or by this agent.
             message = "the agent that ran its process restarted: what was left of it was ended"
             ended = Terminated(137, now, now, reason="ContainerStatusUnknown", message=message)
-            entry.debug[name] = ContainerReport(state=ended)
+            before = ephemeral_run_before(pod.pod, name, lost=message)
+            entry.debug[name] = before or ContainerReport(state=ended)
         else:
             entry.debug[name] = ContainerReport(
                 state=Running(now), container_id=f"ssh://{entry.uid}/{name}"
