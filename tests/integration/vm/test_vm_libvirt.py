@@ -18,6 +18,7 @@ import contextlib
 import json
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -30,6 +31,7 @@ from typing import Any
 import pytest
 
 from vkubelet.devcluster import Cluster
+from vkubelet.sdk.quantity import parse_quantity
 from vkubelet.testing import (
     AgentProcess,
     Kubectl,
@@ -75,6 +77,7 @@ def libvirt_node(
     name = f"lv-{uuid.uuid4().hex[:6]}"
     cidr = f"10.213.{random.randrange(1, 250)}.0/24"  # noqa: S311
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)  # last: after the lab's end
         (host,) = stack.enter_context(virtlab.libvirt_lab(1, workdir / "lab"))
         address = stack.enter_context(local_test_address())
         # The refused node's agent starts first and alongside: its test then costs no wait.
@@ -152,6 +155,15 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(_pod(pod, libvirt_node.name)))
     wait_for(lambda: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT, what="the VM Running")
     uid = _get(kubectl, namespace, pod)["metadata"]["uid"]
+
+    # the node's capacity is the hypervisor's (virNodeGetInfo), less the 1 GiB reserved
+    nodeinfo = dict(
+        line.split(":", 1) for line in host.virsh("nodeinfo").stdout.splitlines() if ":" in line
+    )
+    memory = int(nodeinfo["Memory size"].split()[0]) // 1024 * 2**20 - 2**30  # MiB, less 1Gi
+    capacity = kubectl.json("get", "node", libvirt_node.name)["status"]["capacity"]
+    assert capacity["cpu"] == nodeinfo["CPU(s)"].strip()
+    assert parse_quantity(capacity["memory"]).to_fraction() == memory
 
     # kubectl logs is the serial console through libvirt's stream, from the first boot line
     logs = kubectl("-n", namespace, "logs", pod).stdout

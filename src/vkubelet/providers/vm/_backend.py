@@ -180,6 +180,11 @@ class Runtime(Protocol):
         """(accel, reason) for `auto|kvm|tcg`."""
         ...
 
+    async def host_resources(self) -> tuple[int, int] | None:
+        """(millicores, memory bytes) of the host the machines run on when it may not be this
+        one (a libvirt daemon's host); None: this host's."""
+        ...
+
     async def ping(self) -> None:
         """Raises, saying why, when this node cannot run machines (a tool missing, the libvirt
         daemon unreachable): the node is NotReady with that message."""

@@ -572,6 +572,12 @@ class LibvirtRuntime(QemuRuntime):
         except libvirt.libvirtError as e:
             raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
 
+    async def host_resources(self) -> tuple[int, int] | None:
+        """The daemon's host's CPUs and memory (`virNodeGetInfo`): the node's capacity."""
+        conn = await self.connection.get()
+        info = await self.connection.run(conn.getInfo)  # [model, MiB, cpus, MHz, ...]
+        return int(info[2]) * 1000, int(info[1]) * 2**20
+
     async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
         await self._existing(namespace, name, pod_uid)
 

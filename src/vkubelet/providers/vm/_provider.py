@@ -242,6 +242,19 @@ class VMProvider(RunnerProvider):
         except Exception as e:  # a broken probe must not keep the node from running VMs
             accel, reason = "tcg", f"the KVM probe failed ({e}); using TCG"
         self.accel = (accel, reason)
+        try:  # a remote hypervisor's CPUs and memory are the node's capacity, not this host's
+            resources = await self.runtime.host_resources()
+        except Exception as e:
+            log.warning("node %s: the runtime's host resources are unknown: %s", self.node_name, e)
+            resources = None
+        if resources is not None:
+            cpus, memory = resources
+            self.millicpu = max(cpus - self.config.reserved_millicpu, 0)
+            self.memory = max(memory - self.config.reserved_memory, 0)
+            log.info(
+                "node %s: capacity from the runtime's host: %d CPU, %d MiB",
+                self.node_name, cpus // 1000, memory // 2**20,
+            )  # fmt: skip
         kind: EventType = "Normal" if accel == "kvm" or self.config.accel == "tcg" else "Warning"
         if self.events is not None:
             self.events.node_event(self.node_name, kind, "Accelerator", f"{accel}: {reason}")

@@ -196,6 +196,10 @@ class QemuRuntime:
             if shutil.which(tool) is None:
                 raise RuntimeError(f"{tool} is not installed (Debian: qemu-system-x86 qemu-utils)")
 
+    async def host_resources(self) -> tuple[int, int] | None:
+        """None: QEMU runs on this host, whose CPUs and memory the provider reads itself."""
+        return None
+
     async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
         """Nothing to check: a QEMU machine is the pod's own directory."""
 

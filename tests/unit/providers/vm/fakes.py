@@ -102,6 +102,7 @@ class FakeRuntime:
     boot_at_once: bool = True
     refused: str | None = None  # check_machine refuses every machine, saying this
     unhealthy: str | None = None  # ping raises, saying this
+    remote_host: tuple[int, int] | None = None  # host_resources: (millicores, bytes)
 
     def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
         pass
@@ -165,6 +166,9 @@ class FakeRuntime:
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:
         return "tcg", "KVM cannot boot a guest here"
+
+    async def host_resources(self) -> tuple[int, int] | None:
+        return self.remote_host
 
     async def ping(self) -> None:
         if self.unhealthy is not None:

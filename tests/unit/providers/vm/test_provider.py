@@ -549,3 +549,16 @@ async def test_a_runtime_that_cannot_run_machines_makes_the_node_unhealthy_sayin
         await provider.ping()
     runtime.unhealthy = None
     await provider.ping()
+
+
+async def test_a_runtime_on_another_host_gives_the_node_that_host_s_capacity(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    runtime.remote_host = (64000, 256 * GI)  # a libvirt daemon's host
+    await provider.ping()
+    node = Node.from_dict({"metadata": {"name": "hv-1"}, "spec": {}, "status": {}})
+    assert isinstance(node, Node)
+    provider.configure_node(node)
+    assert node.status is not None and node.status.capacity is not None
+    assert node.status.capacity["cpu"] == "63"  # less the 1 CPU and 1 GiB reserved
+    assert node.status.capacity["memory"] == f"{255 * GI // 1024}Ki"
