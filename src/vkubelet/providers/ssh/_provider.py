@@ -989,7 +989,7 @@ class DeviceProvider:
         its line ends), until the run ends; the client's window size set on the terminal."""
         state = self._container(entry, container)
         run = state.restart_count if state is not None else 0
-        output, pts = _remote.terminal_paths(self.root, entry.uid, container)
+        output, pts, _ = _remote.terminal_paths(self.root, entry.uid, container)
         # Emptied once large (the log has it all); the script holds it in append mode.
         command = (
             f"{{ [ $(wc -c < {output}) -lt 1048576 ] || : > {output}; }} 2>/dev/null; "
@@ -1055,17 +1055,23 @@ class DeviceProvider:
         starts: dict[tuple[str, str], tuple[int, float]] = {}  # (uid, container) -> pid, start
         groups: list[int] = []  # host processes: their process groups
         cidfiles: dict[int, str] = {}  # runtime containers (by their `run`'s pid): their cgroups
+        terminals: dict[int, str] = {}  # tty: true host containers: their terminal's session
         for entry in self._pods.values():
             remote = entry.remote
+            spec = entry.pod.spec
+            ttys = {c.name for c in (spec.containers if spec else []) if c.tty}
             for state in [*remote.init_containers, *remote.containers] if remote else []:
                 if state.state == "running" and state.pid and state.started_at is not None:
                     running[state.pid] = (entry.uid, state.name)
                     starts[(entry.uid, state.name)] = (state.pid, state.started_at.timestamp())
                     if self.in_runtime(entry, state.name) is None:
                         groups.append(state.pid)
+                        if state.name in ttys:
+                            paths = _remote.terminal_paths(self.root, entry.uid, state.name)
+                            terminals[state.pid] = paths[2]
                     else:
                         cidfiles[state.pid] = _remote.cid_path(self.root, entry.uid, state.name)
-        script = _usage.sample_script(sorted(groups), cidfiles)
+        script = _usage.sample_script(sorted(groups), cidfiles, terminals)
         output = (await self.link.run(script, deadline=10)).check("usage sample")
         when = time.time()
         reading = _usage.parse_sample(

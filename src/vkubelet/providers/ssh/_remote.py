@@ -58,7 +58,8 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
     pods/<uid>/c/<name>/out, err  the FIFOs from the process to its log stampers
     pods/<uid>/c/<name>/stdin     with `stdin: true`: the FIFO the process reads (opened
                                   read-write by it: no EOF when an attached writer leaves)
-    pods/<uid>/c/<name>/tty.sh, pts, code, tty.out   with `tty: true` (see `_container_script`)
+    pods/<uid>/c/<name>/tty.sh, pts, session, code, tty.out   with `tty: true` (see
+                                  `_TTY_START`)
     pods/<uid>/e/<name>/pid       an ephemeral container's (`kubectl debug`) process, an SSH
                                   session of the agent: "<pid> <boot id> <start time>" like
                                   supervisor.pid; stopping and removing the pod end it
@@ -334,12 +335,13 @@ def stdin_path(root: str, uid: str, container: str) -> str:
     return f"{pod_word(root, uid)}/c/{container}/stdin"
 
 
-def terminal_paths(root: str, uid: str, container: str) -> tuple[str, str]:
-    """A `tty: true` container's terminal output (tty.out) and the file naming its terminal
-    (pts), as shell words like `log_path`'s."""
+def terminal_paths(root: str, uid: str, container: str) -> tuple[str, str, str]:
+    """A `tty: true` container's terminal output (tty.out), the file naming its terminal (pts)
+    and the one with the pid that leads the terminal's session (session), as shell words like
+    `log_path`'s."""
     _check_container(container)
     directory = f"{pod_word(root, uid)}/c/{container}"
-    return f"{directory}/tty.out", f"{directory}/pts"
+    return f"{directory}/tty.out", f"{directory}/pts", f"{directory}/session"
 
 
 # -- shell building blocks ------------------------------------------------------------------------
@@ -686,8 +688,9 @@ if [ -e "$P/stop" ] || [ ! -e "$P/run.sh" ]; then exit 143; fi
 # SSH sessions and the agent. `script` copies the FIFO stdin to the terminal and the terminal's
 # output both to stdout (the log) and, unprocessed, to tty.out, which `kubectl attach -t` follows
 # (the log stamper would hold back a prompt until its line ends). tty.sh records the terminal's
-# name (pts), which a resize sets with `stty -F`, and the command's exit code (code): busybox's
-# script does not pass it on. TERM to the group reaches script, which ends the command.
+# name (pts), which a resize sets with `stty -F`, the pid leading the terminal's session
+# (session: its processes count for `kubectl top`), and the command's exit code (code):
+# busybox's script does not pass it on. TERM to the group reaches script, which ends the command.
 _TTY_START = """\
 if ! command -v script >/dev/null 2>&1; then
 	echo "vkubelet: container {name} has tty: true: a terminal needs script" \
@@ -717,6 +720,7 @@ def _tty_script(uid: str, container: ContainerPlan) -> str:
 P=$VKUBELET_POD_DIR
 d=$P/c/{name}
 trap 'echo $? >"$d/code"' EXIT
+echo $$ >"$d/session"
 tty >"$d/pts.tmp" 2>/dev/null && mv -f "$d/pts.tmp" "$d/pts"
 {profile}{argv}
 """

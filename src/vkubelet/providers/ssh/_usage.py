@@ -5,7 +5,9 @@ device's `/proc/stat` (CPU time of the whole machine, its CPU count, its boot ti
 `/proc/meminfo`, and one pass of awk over every process's `/proc/<pid>/stat` that sums CPU
 time and resident memory per container. In command mode a container is its process group and
 session (`_remote` starts each with `setsid`, so its pid leads both): a process counts for the
-container whose pid is its session, its process group, or itself. CPU time includes what the
+container whose pid is its session, its process group, or itself. A `tty: true` container's
+command runs in its terminal's own session, whose leader's pid `_remote` keeps in a file: that
+session counts for the container too. CPU time includes what the
 group's reaped children used (`cutime`, `cstime`), so short-lived commands count too.
 
 A runtime container's processes run under the runtime (conmon, a shim), outside the
@@ -43,13 +45,21 @@ awk '/^(MemTotal|MemAvailable|MemFree|Buffers|Cached):/ {
 # Fields of /proc/<pid>/stat after the command name (which may hold spaces and parentheses, so
 # the line is cut after its last ") "): 1 state, 3 pgrp, 4 session, 12-15 utime, stime, cutime,
 # cstime (ticks), 22 rss (pages).
-_GROUPS = r"""cat /proc/[0-9]*/stat 2>/dev/null | awk -v want="$WANT" '
-BEGIN { n = split(want, w, " "); for (i = 1; i <= n; i++) keep[w[i]] = 1 }
+_GROUPS = r"""cat /proc/[0-9]*/stat 2>/dev/null | awk -v want="$WANT" -v also="$ALSO" '
+BEGIN {
+	n = split(want, w, " "); for (i = 1; i <= n; i++) keep[w[i]] = 1
+	n = split(also, w, " ")
+	for (i = 1; i <= n; i++) {
+		eq = index(w[i], "="); s = substr(w[i], 1, eq - 1)
+		keep[s] = 1; to[s] = substr(w[i], eq + 1)
+	}
+}
 {
 	rest = $0
 	if (!sub(/^.*\) /, "", rest) || split(rest, f, " ") < 22) next
 	if (f[4] in keep) k = f[4]; else if (f[3] in keep) k = f[3]; else if ($1 in keep) k = $1
 	else next
+	if (k in to) k = to[k]
 	ticks[k] += f[12] + f[13] + f[14] + f[15]
 	pages[k] += f[22]
 }
@@ -143,14 +153,26 @@ class Reading:
         return max(self.memory - self.available, 0)
 
 
-def sample_script(pids: list[int], cidfiles: dict[int, str] | None = None) -> str:
-    """The sample: the node, the process groups of the host containers whose pids are `pids`,
-    and the cgroups of the runtime containers whose id files are `cidfiles` (by the pid of their
-    `<runtime> run`, which keys their reading; the files are shell words, used as they are)."""
+def sample_script(
+    pids: list[int],
+    cidfiles: dict[int, str] | None = None,
+    terminals: dict[int, str] | None = None,
+) -> str:
+    """The sample: the node, the process groups of the host containers whose pids are `pids`
+    (and the terminal sessions whose leaders' pid files are `terminals`, by their container's
+    pid), and the cgroups of the runtime containers whose id files are `cidfiles` (by the pid
+    of their `<runtime> run`, which keys their reading). The files are shell words, used as
+    they are."""
     want = " ".join(str(int(pid)) for pid in pids if int(pid) > 1)
     script = "# vkubelet: usage sample\necho vkubelet-usage 1\n" + _NODE
     if want:
-        script += f"WANT='{want}'\n" + _GROUPS
+        script += f"WANT='{want}'\nALSO=\n"
+        for pid, path in sorted((terminals or {}).items()):
+            script += (
+                f"t=$(cat {path} 2>/dev/null) && case $t in ''|0*|*[!0-9]*) ;; "
+                f'*) ALSO="$ALSO $t={int(pid)}" ;; esac\n'
+            )
+        script += _GROUPS
     if cidfiles:
         script += "CIDS=\n"
         for pid, path in sorted(cidfiles.items()):

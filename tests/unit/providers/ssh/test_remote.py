@@ -485,13 +485,15 @@ def test_a_tty_container_runs_in_a_terminal_that_outlives_its_starter(device: De
     plan = ContainerPlan("main", ["sh", "-c", script], {}, None, stdin=True, tty=True)
     device.start(pod_plan(plan))
     device.wait(state_of("main", "running"))
-    output, pts = (
+    output, pts, session = (
         Path(word.replace('"$HOME"/', f"{device.home}/").replace("'", ""))
         for word in terminal_paths(ROOT, "u1", "main")
     )
     wait_for(lambda: pts.exists(), timeout=5)
     terminal = pts.read_text().strip()
     assert terminal.startswith("/dev/pts/")
+    leader = int(session.read_text())
+    assert os.getsid(leader) == leader != status(device.pod()).pid  # the terminal's session
     subprocess.run(["stty", "-F", terminal, "rows", "31", "cols", "99"], check=True)
     with (device.pod_dir() / "c" / "main" / "stdin").open("w") as stdin:
         stdin.write("hello\n")

@@ -141,3 +141,20 @@ def test_a_cid_file_that_holds_no_runtime_id_never_reaches_grep(tmp_path: Path) 
     done = subprocess.run(["sh", "-c", script], capture_output=True, timeout=30, check=True)
     assert not (tmp_path / "pwned").exists()
     assert b"cgroup" not in done.stdout and b"vkubelet-usage 1" in done.stdout
+
+
+async def test_a_tty_pod_counts_the_processes_in_its_terminal(device: Device) -> None:
+    """A `tty: true` container's command runs in the terminal's session, not the container's
+    process group: it counts all the same (the 20 MB its shell holds)."""
+    provider = device.provider()
+    hold = "x=$(head -c 20000000 /dev/zero | tr '\\0' a); sleep 3600; exit"
+    await provider.create_pod(make_pod("tty", "u1", command=["sh", "-c", hold], tty=True))
+    await wait_running(provider, "tty")
+    await eventually(lambda: provider._facts.get("hz"), within=10, what="discovery")
+
+    async def holding() -> int | None:
+        pods = (await provider.stats_summary())["pods"]
+        held = int(pods[0]["memory"]["workingSetBytes"]) if pods else 0
+        return held if held >= 20_000_000 else None
+
+    await eventually(holding, within=20, interval=0.5, what="the memory held in the terminal")
