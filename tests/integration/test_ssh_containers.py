@@ -4,6 +4,7 @@ plane and kubectl. One lab for the module: two devices with podman, one without 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -47,9 +48,52 @@ LABEL = "io.vkubelet.pod-uid"
 
 @dataclass
 class Lab:
-    devices: list[TestDevice]  # [podman, podman, no runtime]
+    devices: list[TestDevice]  # [podman, podman, no runtime, podman on small disks]
     agent: AgentProcess
     image: str  # the busybox image as podman names it
+    archive: Path  # the same image as an OCI archive: `oci-archive:<archive>` pulls it
+    small: SmallDisks  # the last device's podDir and podman storage
+
+
+@dataclass
+class SmallDisks:
+    """A device's podDir and podman storage on small tmpfs mounts of their own, to fill."""
+
+    pods: Path
+    storage: Path
+    podman: list[str]  # podman as that device calls it (its own storage)
+
+    @contextlib.contextmanager
+    def full(self, disk: Path) -> Iterator[None]:
+        """`disk` full until the block ends."""
+        filler = disk / "filler"
+        with filler.open("wb", buffering=0) as out, contextlib.suppress(OSError):
+            while True:
+                out.write(b"\0" * 65536)
+        try:
+            yield
+        finally:
+            filler.unlink()
+
+    @classmethod
+    @contextlib.contextmanager
+    def mounted(cls, workdir: Path) -> Iterator[SmallDisks]:
+        disks = cls(workdir / "small-pods", workdir / "small-storage", [])
+        run = Path("/run/vkubelet-lab") / f"small-{uuid.uuid4().hex[:6]}"  # at most 50 characters
+        disks.podman = [
+            *PODMAN,
+            *("--root", str(disks.storage), "--runroot", str(run / "run")),
+            *("--tmpdir", str(run / "tmp")),
+        ]
+        with contextlib.ExitStack() as stack:
+            stack.callback(shutil.rmtree, run, ignore_errors=True)
+            for disk, size in ((disks.pods, "4m"), (disks.storage, "48m")):
+                disk.mkdir()
+                mount = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs"]
+                subprocess.run([*mount, str(disk)], check=True, capture_output=True)
+                stack.callback(subprocess.run, ["umount", "-l", str(disk)], capture_output=True)
+            stack.callback(_rm_all, disks.podman)
+            yield disks
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +102,13 @@ def lab(
 ) -> Iterator[Lab]:
     if (reason := podman_unavailable()) is not None:
         pytest.skip(reason)
-    image = podman_load(build_image("busybox", progress=lambda _: None).path)
+    archive = build_image("busybox", progress=lambda _: None).path
+    image = podman_load(archive)
     workdir = tmp_path_factory.mktemp("ssh-containers")
     with (
         local_test_address() as address,
-        ssh_lab(3, workdir, root=True, containers=True) as devices,
+        ssh_lab(4, workdir, root=True, containers=True) as devices,
+        SmallDisks.mounted(workdir) as small,
     ):
         # Short pings and reconnects: an SSH drop is seen, and over, within seconds.
         inventory = ssh_inventory(
@@ -84,6 +130,8 @@ def lab(
                 "--hooks-dir",
                 str(hooks),
             ]
+        inventory["devices"][3].update(PODMAN_SETTINGS)
+        inventory["devices"][3].update(runtimeCommand=small.podman, podDir=str(small.pods))
         path = workdir / "inventory.yaml"
         path.write_text(yaml.safe_dump(inventory))
         agent = start_agent(kube_cluster, workdir, path, address)
@@ -94,7 +142,7 @@ def lab(
                     timeout=60,
                     what=f"node {device.name} Ready",
                 )
-            yield Lab(devices, agent, image)
+            yield Lab(devices, agent, image, archive, small)
         finally:
             agent.stop()
             for device in devices:
@@ -120,16 +168,27 @@ def _podman(*args: str) -> str:
 
 def _podman_rm_all() -> None:
     """What the lab's pods left in the host's podman storage (the devices share it)."""
-    ids = _podman("ps", "-aq", "--filter", f"label={LABEL}").split()
-    if ids:
-        subprocess.run([*PODMAN, "rm", "-f", "-t", "0", *ids], capture_output=True, timeout=60)
+    _rm_all(PODMAN)
 
 
-def _containers(uid: str) -> list[dict[str, Any]]:
-    """The podman containers of a pod: the device runs them, the host's podman sees them."""
-    found: list[dict[str, Any]] = json.loads(
-        _podman("ps", "--format", "json", "--filter", f"label={LABEL}={uid}") or "[]"
+def _rm_all(podman: list[str]) -> None:
+    listed = subprocess.run(
+        [*podman, "ps", "-aq", "--filter", f"label={LABEL}"], capture_output=True, text=True
     )
+    if ids := listed.stdout.split():
+        subprocess.run([*podman, "rm", "-f", "-t", "0", *ids], capture_output=True, timeout=60)
+
+
+def _containers(uid: str, podman: list[str] = PODMAN) -> list[dict[str, Any]]:
+    """The podman containers of a pod: the device runs them, the host's podman sees them."""
+    listed = subprocess.run(
+        [*podman, "ps", "--format", "json", "--filter", f"label={LABEL}={uid}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    found: list[dict[str, Any]] = json.loads(listed.stdout or "[]")
     return found
 
 
@@ -666,3 +725,73 @@ def test_container_states_are_the_runtimes_as_a_kubelet_reports_them(
         assert node_ready(kubectl, node)
     finally:
         kubectl("delete", "pod", slow, bad, pull, "--wait=false", "--ignore-not-found")
+
+
+def test_a_full_disk_on_a_device_is_told_and_the_pods_recover_when_space_is_freed(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    """Podman's storage full: a pull is ErrImagePull, a creation CreateContainerError, both
+    naming "no space left on device", with Events; the podDir full: a command pod is
+    CreateContainerError saying so. The node stays Ready, a pod running there runs on, and
+    once space is freed every pod starts by itself."""
+    device, small = lab.devices[3], lab.small
+    tag = uuid.uuid4().hex[:6]
+    keeper, pulled, created, command = (f"{n}-{tag}" for n in ("keep", "pull", "make", "cmd"))
+    sleeping = {"command": ["sleep", "3600"]}
+    archive = f"oci-archive:{lab.archive}"
+    kubectl.apply(_pod(keeper, device.name, {"image": archive, **sleeping}))
+    names = [keeper]
+    try:
+        wait_for(lambda: status(kubectl, keeper).get("phase") == "Running", what="the keeper")
+        uid = kubectl.json("get", "pod", keeper)["metadata"]["uid"]
+        [kept] = [c["Id"] for c in _containers(uid, small.podman)]
+
+        def waiting(name: str, reason: str) -> dict[str, Any]:
+            found = _first(kubectl.json("get", "pod", name)).get("state", {}).get("waiting", {})
+            return found if found.get("reason") == reason else {}
+
+        with small.full(small.storage):
+            kubectl.apply(
+                _pod(
+                    pulled, device.name, {"image": archive, "imagePullPolicy": "Always", **sleeping}
+                )
+            )
+            kubectl.apply(
+                _pod(
+                    created,
+                    device.name,
+                    {"image": lab.image, "imagePullPolicy": "Never", **sleeping},
+                )
+            )
+            names += [pulled, created]
+            failed = wait_for(lambda: waiting(pulled, "ErrImagePull"), what="ErrImagePull")
+            assert "no space left on device" in failed["message"]
+            refused = wait_for(
+                lambda: waiting(created, "CreateContainerError"), what="CreateContainerError"
+            )
+            assert "no space left on device" in refused["message"]
+            assert any(
+                r == "Failed" and "no space left on device" in m
+                for r, m in _events(kubectl, created)
+            )
+            with small.full(small.pods):
+                kubectl.apply(_pod(command, device.name, {"image": "host", **sleeping}))
+                names.append(command)
+                told = wait_for(
+                    lambda: waiting(command, "CreateContainerError"), what="the podDir full"
+                )
+                assert "no space left on device" in told["message"]
+                assert any(r == "CreateContainerError" for r, _ in _events(kubectl, command))
+                assert node_ready(kubectl, device.name)
+                keeping = _first(kubectl.json("get", "pod", keeper))
+                assert "running" in keeping["state"] and keeping["restartCount"] == 0
+        # space again: each pod starts by itself
+        for name in (pulled, created, command):
+            wait_for(
+                lambda n=name: status(kubectl, n).get("phase") == "Running",  # type: ignore[misc]
+                timeout=60,
+                what=f"{name} Running once space is freed",
+            )
+        assert [c["Id"] for c in _containers(uid, small.podman)] == [kept]  # never restarted
+    finally:
+        kubectl("delete", "pod", *names, "--wait=false", "--ignore-not-found")

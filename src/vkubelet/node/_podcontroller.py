@@ -68,6 +68,10 @@ from ._resolution import Resolution, ResolutionFailed, Resolver
 
 log = logging.getLogger(__name__)
 
+# A provider's transient create failure with one of these reasons is the containers' waiting
+# reason while the create is retried (a kubelet's CreateContainerError: a full disk, say).
+_CONTAINER_WAITING = frozenset({"CreateContainerError"})
+
 # Failures of the status poll are logged at most this often (the poll runs every few seconds).
 POLL_ERROR_LOG_INTERVAL = 60.0
 # How long after its start a node still watches for the moment it is first in sync.
@@ -525,6 +529,8 @@ class PodController:
                 await self._write_failed(record, e.reason or "ProviderFailed", e.message)
                 state.adopted(record.uid)  # refused for good: never created again
                 return
+            if e.reason in _CONTAINER_WAITING:  # as a kubelet shows it while it retries
+                await self._write_waiting(record, resolved.pod.pod, state, e.reason, e.message)
             raise
         except Exception as e:
             self._event(record, WARNING, "ProviderCreateFailed", f"{type(e).__name__}: {e}")

@@ -9,6 +9,7 @@ import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from functools import partial
+from typing import Any
 
 import msgspec
 import pytest
@@ -830,6 +831,24 @@ async def test_a_plain_exception_from_the_provider_is_retried(
     await eventually(lambda: running(api, "web"), what="Running after retries")
     assert push.count("create", f"{NS}/web") == 3
     await eventually(lambda: "ProviderCreateFailed" in event_reasons(api, "web"))
+
+
+async def test_a_transient_create_container_error_is_the_containers_waiting_reason_until_it_runs(
+    api: FakeApiServer, push: PushProvider, push_node: PodHarness
+) -> None:
+    full = ProviderError("CreateContainerError", "no space left on device", permanent=False)
+    push.create_failures[f"{NS}/web"] = [full] * 3
+    api.create("pods", pod("web"))
+
+    def waiting() -> dict[str, Any]:
+        statuses = status_of(api, "web").get("containerStatuses") or [{}]
+        found: dict[str, Any] = statuses[0].get("state", {}).get("waiting", {})
+        return found
+
+    await eventually(lambda: waiting().get("reason") == "CreateContainerError")
+    assert waiting()["message"] == "no space left on device"
+    assert phase_of(api, "web") == "Pending"
+    await eventually(lambda: running(api, "web"), what="Running once the creation succeeds")
 
 
 async def test_the_mock_failure_ratio_fails_pods_with_its_reason(api: FakeApiServer) -> None:

@@ -54,7 +54,7 @@ from ...sdk.tasks import TaskSet
 from ...sdk.volumes import EmptyDirVolume, FilesVolume, HostPathVolume
 from . import _lifecycle, _remote, _usage
 from ._inventory import DeviceConfig
-from ._link import DeviceLink, Unreachable
+from ._link import Completed, DeviceLink, Unreachable
 from ._probes import DEFAULT_HOST, DeviceProbes
 
 log = logging.getLogger(__name__)
@@ -326,13 +326,34 @@ class DeviceProvider:
         else:  # adopted: the API's spec replaces what the device kept of it
             entry.pod = pod.pod
         try:
-            (await self.link.run(script)).check("starting the pod")
+            result = await self.link.run(script)
         except BaseException:
             if (entry := self._pods.get(key)) is not None and entry.remote is None:
                 del self._pods[key]
             raise
+        if result.exit_status != 0:
+            await self._start_failed(key, uid, result)
         self._poked.add(uid)
         self._poke.set()
+
+    async def _start_failed(self, key: str, uid: str, result: Completed) -> None:
+        """The device could not write the pod's files or start its supervisor (a full disk, a
+        directory it may not write): CreateContainerError with the device's words, retried by
+        the pod controller. A pod that never ran there leaves nothing behind."""
+        detail = result.stderr.decode(errors="replace").strip()[-500:]
+        entry = self._pods.get(key)
+        if entry is not None and entry.remote is None:
+            del self._pods[key]
+            with contextlib.suppress(Unreachable, RuntimeError):
+                await self.link.run(_remote.remove_pod_script(self.root, uid))
+        full = "no space left on device" if "no space left on device" in detail.lower() else ""
+        raise ProviderError(
+            "CreateContainerError",
+            f"device {self.config.name}: cannot start the pod in its podDir {self.root}"
+            + (f": {full}" if full else "")
+            + f" ({detail or f'exit {result.exit_status}'})",
+            permanent=False,
+        )
 
     def _check_ports(self, key: str, pod: Pod) -> None:
         """Refuse a pod that declares a port another pod of this device declares.
