@@ -105,7 +105,9 @@ async def test_an_exec_probe_runs_in_the_container_s_directory(harness: Harness)
 
 
 async def test_an_exec_probe_s_output_is_the_event_s_message(harness: Harness) -> None:
-    harness.start(make_pod(readinessProbe=exec_probe("sh -c 'echo not yet; exit 1'")))
+    # 5 s to answer (a probe second is 50 ms here): a loaded machine starts a shell slowly.
+    probe = exec_probe("sh -c 'echo not yet; exit 1'", timeoutSeconds=100)
+    harness.start(make_pod(readinessProbe=probe))
     await eventually(lambda: bool(harness.events))
     assert harness.events[0].message == "Readiness probe failed: not yet\n"
 
