@@ -6,10 +6,11 @@ pytest session: session fixtures (the dev cluster, the lower cluster) are per wo
 ports, state dirs and network namespaces already unique per process. What this plugin adds:
 
 - Work units. A unit runs in one worker: a module (its module fixtures are made once), or every
-  test using one of `ONE_PER_RUN`'s session fixtures, which cost a whole cluster: the run starts
-  it once instead of once per worker. xdist's own `--dist loadgroup` cannot group by fixture,
-  and under pytest 9 it cannot group at all (it renames node ids through an attribute pytest 9
-  no longer reads), so the workers write the units to a file the controller's scheduler reads.
+  test using one of `ONE_PER_RUN`'s session fixtures, which cost a whole cluster (or two vm
+  agents): the run starts it once instead of once per worker. xdist's own `--dist loadgroup`
+  cannot group by fixture, and under pytest 9 it cannot group at all (it renames node ids
+  through an attribute pytest 9 no longer reads), so the workers write the units to a file the
+  controller's scheduler reads.
 - Longest unit first: the units are ordered by the durations of earlier runs (kept in the
   vkubelet cache; a test never timed counts `UNKNOWN_*` seconds), so that the many short units
   fill the workers' ends instead of one long unit starting last.
@@ -36,8 +37,9 @@ import pytest
 
 from vkubelet.devcluster._build import cache_root
 
-#: Session fixtures whose tests all go to one worker (one lower cluster per run, not per worker).
-ONE_PER_RUN = ("lower_cluster", "worker_cluster")
+#: Session fixtures whose tests all go to one worker (one lower cluster, one pair of vm nodes per
+#: run, not per worker).
+ONE_PER_RUN = ("lower_cluster", "worker_cluster", "session_vm_nodes")
 #: Estimated seconds of a test without a recorded duration: integration tests wait for processes.
 UNKNOWN_INTEGRATION = 20.0
 UNKNOWN_UNIT = 0.2

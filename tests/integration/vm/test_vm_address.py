@@ -24,7 +24,7 @@ import pytest
 from vkubelet.devcluster import Cluster
 from vkubelet.testing import Kubectl, create_namespace, wait_for
 
-from .twonodes import VMNode, vm_node_pair  # noqa: F401 - the fixture
+from .twonodes import VMNode
 from .vmlab import TOLERATION, install_crds
 
 pytestmark = pytest.mark.integration
@@ -70,7 +70,7 @@ def serves(address: str) -> bool:
 
 @pytest.fixture(scope="module")
 def lab(
-    vm_node_pair: tuple[VMNode, VMNode],  # noqa: F811
+    vm_node_pair: tuple[VMNode, VMNode],
     kube_cluster: Cluster,
     kubectl: Kubectl,
     tmp_path_factory: pytest.TempPathFactory,

@@ -31,7 +31,7 @@ import pytest
 
 from vkubelet.testing import Kubectl, create_namespace, wait_for
 
-from .twonodes import VMNode, vm_node_pair  # noqa: F401 - the fixture
+from .twonodes import VMNode
 from .vmlab import TOLERATION, alive, install_crds
 
 pytestmark = pytest.mark.integration
@@ -130,7 +130,7 @@ class Lab:
 
 
 @pytest.fixture(scope="module")
-def lab(vm_node_pair: tuple[VMNode, VMNode], kubectl: Kubectl) -> Iterator[Lab]:  # noqa: F811
+def lab(vm_node_pair: tuple[VMNode, VMNode], kubectl: Kubectl) -> Iterator[Lab]:
     hv1, hv2 = vm_node_pair
     namespace = create_namespace(kubectl, f"mig-{uuid.uuid4().hex[:6]}")
     handle = Lab(namespace, kubectl, hv1, hv2)

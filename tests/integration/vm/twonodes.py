@@ -7,7 +7,13 @@ other: both share `SHARED`, so a VM keeps its address), and the gateway address 
 on its host links is the first of its own CIDR. What one machine does share is the host's
 routing table, so the two CIDRs must differ (they do: one random /24 each).
 
-Import the fixture into a test module: `from .twonodes import vm_node_pair  # noqa: F401`.
+Started once per test session, as the dev cluster and the guest image are, and lent to one
+module at a time (`vm_node_pair`). Both fixtures are registered in this folder's conftest.py (a
+session fixture imported into each test module would be one per module again), and
+tests/parallel.py runs every test that uses the pair in one worker. Between modules both nodes
+are cordoned: another module's unpinned VM (the VirtualMachine tests let the scheduler place
+theirs) never lands on them. A module that stops an agent starts it again; should it fail
+before, the next module starts it.
 """
 
 from __future__ import annotations
@@ -50,11 +56,11 @@ class VMNode:
         return None
 
 
-@pytest.fixture(scope="module")
-def vm_node_pair(
+@pytest.fixture(scope="session")
+def session_vm_nodes(
     kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path
 ) -> Iterator[tuple[VMNode, VMNode]]:
-    """hv-1 and hv-2 (names with a random suffix), both Ready."""
+    """hv-1 and hv-2 (names with a random suffix), both Ready, for the session."""
     require_vm_host()
     suffix = uuid.uuid4().hex[:5]
     thirds = random.sample(range(1, 250), 2)
@@ -85,3 +91,25 @@ def vm_node_pair(
                 clean_up(node.state, node.cidr)
                 kubectl("delete", "node", node.name, "--ignore-not-found", "--wait=false")
                 shutil.rmtree(node.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def vm_node_pair(
+    session_vm_nodes: tuple[VMNode, VMNode], kubectl: Kubectl
+) -> Iterator[tuple[VMNode, VMNode]]:
+    """The session's hv-1 and hv-2, both agents running and both nodes Ready and schedulable
+    for this module; cordoned again after it."""
+    for node in session_vm_nodes:
+        if not node.agent.running:  # an earlier module failed between an agent's stop and start
+            node.agent.start()
+        wait_for(
+            lambda node=node: node_ready(kubectl, node.name),  # type: ignore[misc]
+            timeout=90,
+            what=f"node {node.name} Ready",
+        )
+        kubectl("uncordon", node.name)
+    try:
+        yield session_vm_nodes
+    finally:
+        for node in session_vm_nodes:
+            kubectl("cordon", node.name, check=False)
