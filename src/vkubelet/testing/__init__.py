@@ -135,6 +135,24 @@ def create_namespace(kubectl: Kubectl, name: str, *, timeout: float = 60) -> str
     return name
 
 
+def delete_namespace(kubectl: Kubectl, name: str, *, timeout: float = 120) -> None:
+    """Delete a namespace and wait until it is gone, its pods ended the way their grace
+    allows (a teardown's: nothing fails here, a leftover is for the caller's checks).
+
+    Quicker than `kubectl delete namespace --wait=true` alone, which costs 5 s plus half the
+    longest grace period of its pods however soon they end (31 s for a VM's 60 s): the
+    namespace controller deletes the pods only 5 s after the namespace, then, finding them
+    still terminating, looks again only after half their grace. Deleting the pods at once (a
+    terminating namespace takes no new ones: their controllers cannot replace them) lets its
+    first look find them gone."""
+    kubectl("delete", "namespace", name, "--wait=false", check=False)
+    kubectl("-n", name, "delete", "pods", "--all", "--wait=false", check=False)
+    kubectl(
+        "wait", "--for=delete", f"namespace/{name}", f"--timeout={timeout:g}s",
+        check=False, timeout=timeout + 30,
+    )  # fmt: skip
+
+
 class AgentProcess:
     """`vkubelet run` as a child process, driven the way an operator would drive it."""
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import Kubectl, create_namespace, wait_for
+from vkubelet.testing import Kubectl, create_namespace, delete_namespace, wait_for
 
 from .twonodes import VMNode
 from .vmlab import TOLERATION, install_crds
@@ -94,7 +94,7 @@ def lab(
         controller.terminate()
         controller.wait(timeout=30)
         print(log_path.read_text(errors="replace")[-3000:])
-        kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=120)
+        delete_namespace(kubectl, namespace)
         for node in (hv1, hv2):
             kubectl("label", "node", node.name, f"{PAIR}-", check=False)
 

@@ -29,6 +29,7 @@ from vkubelet.testing import (
     AgentProcess,
     Kubectl,
     create_namespace,
+    delete_namespace,
     local_test_address,
     node_ready,
     wait_for,
@@ -84,7 +85,7 @@ def node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Itera
             wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
             yield handle
         finally:
-            kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=120)
+            delete_namespace(kubectl, namespace)
             handle.agent.stop()
             clean_up(workdir / "state", cidr)
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")

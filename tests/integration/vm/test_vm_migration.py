@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from vkubelet.testing import Kubectl, create_namespace, wait_for
+from vkubelet.testing import Kubectl, create_namespace, delete_namespace, wait_for
 
 from .twonodes import VMNode
 from .vmlab import TOLERATION, alive, install_crds
@@ -142,7 +142,7 @@ def lab(vm_node_pair: tuple[VMNode, VMNode], kubectl: Kubectl) -> Iterator[Lab]:
     try:
         yield handle
     finally:
-        kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=120)
+        delete_namespace(kubectl, namespace)
 
 
 def _ticks(text: str) -> list[tuple[int, float]]:
@@ -637,6 +637,6 @@ def test_changing_the_node_selection_migrates_the_vm_and_an_unmatched_one_says_s
         controller.wait(timeout=30)
         log.close()
         print((tmp_path / "controller.log").read_text(errors="replace")[-3000:])
-        k("delete", "namespace", namespace, "--wait=true", check=False, timeout=120)
+        delete_namespace(k, namespace)
         for node in (lab.hv1, lab.hv2):
             k("label", "node", node.name, f"{ZONE}-", check=False)

@@ -30,6 +30,7 @@ from vkubelet.testing import (
     AgentProcess,
     Kubectl,
     create_namespace,
+    delete_namespace,
     local_test_address,
     node_ready,
     start_agent,
@@ -214,7 +215,7 @@ def lab(worker_cluster: Cluster, worker_kubectl: Kubectl, vm_guest_image: Path) 
             )
             yield lab
         finally:
-            k("delete", "namespace", namespace, "--wait=true", check=False, timeout=120)
+            delete_namespace(k, namespace)
             lab.agent.stop()
             clean_up(workdir / "state", cidr)
             k("delete", "node", node, "--ignore-not-found", "--wait=false")

@@ -31,6 +31,7 @@ from vkubelet.testing import (
     AgentProcess,
     Kubectl,
     create_namespace,
+    delete_namespace,
     local_test_address,
     node_ready,
     wait_for,
@@ -96,7 +97,7 @@ def node(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Itera
                         "--type=json", "-p", '[{"op":"remove","path":"/metadata/finalizers"}]',
                         check=False,
                     )  # fmt: skip
-            kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=180)
+            delete_namespace(kubectl, namespace, timeout=180)
             handle.agent.stop()
             kill_qemus(handle.state)
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")

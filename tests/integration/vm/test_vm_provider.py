@@ -36,6 +36,7 @@ from vkubelet.testing import (
     AgentProcess,
     Kubectl,
     create_namespace,
+    delete_namespace,
     ephemeral_state,
     interactive_debug,
     local_test_address,
@@ -210,7 +211,7 @@ def vms(vm_node: VMNode, kubectl: Kubectl) -> Iterator[VMs]:
     try:
         yield handle
     finally:  # the VMs stop gracefully while the agent still runs
-        kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=180)
+        delete_namespace(kubectl, namespace, timeout=180)
 
 
 def _names(vms: VMs) -> list[str]:

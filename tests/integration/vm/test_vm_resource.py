@@ -31,6 +31,7 @@ from vkubelet.testing import (
     AgentProcess,
     Kubectl,
     create_namespace,
+    delete_namespace,
     local_test_address,
     node_ready,
     wait_for,
@@ -184,7 +185,7 @@ def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterat
             wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
             yield lab
         finally:
-            kubectl("delete", "namespace", namespace, "--wait=true", check=False, timeout=180)
+            delete_namespace(kubectl, namespace, timeout=180)
             for controller in lab.controllers:
                 controller.stop()
             lab.agent.stop()

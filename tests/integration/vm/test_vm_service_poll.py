@@ -29,7 +29,14 @@ from typing import Any
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import Kubectl, create_namespace, local_test_address, node_ready, wait_for
+from vkubelet.testing import (
+    Kubectl,
+    create_namespace,
+    delete_namespace,
+    local_test_address,
+    node_ready,
+    wait_for,
+)
 
 from .vmlab import TOLERATION, clean_up, install_crds, require_vm_host, start_vm_agent
 
@@ -133,7 +140,7 @@ def lab(
                 controller.terminate()
                 controller.wait(timeout=30)
                 print(log_path.read_text(errors="replace")[-2000:])
-            k("delete", "namespace", namespace, "--wait=true", check=False, timeout=120)
+            delete_namespace(k, namespace)
             stack.close()  # the agents stop
             for name, workdir, cidr in nodes:
                 clean_up(workdir / "state", cidr)
