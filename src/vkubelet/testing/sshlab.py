@@ -494,7 +494,8 @@ def ssh_lab(
     cluster whose workers route that range to the host reach the devices and get answers.
 
     `containers=True` (with `root=True`): the devices can run podman (the host's, with its
-    storage: load images with `podman_load`); give their inventory `PODMAN_SETTINGS`.
+    storage: load images with `podman_load`; give their inventory `PODMAN_SETTINGS`) or docker
+    (a daemon of each device's own from `docker_daemon`, whose `settings()` the inventory takes).
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, not {count}")
@@ -556,6 +557,129 @@ def podman_load(archive: Path) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"podman load {archive}: {done.stderr.strip()}")
     return done.stdout.strip().removeprefix("Loaded image: ").removeprefix("Loaded image(s): ")
+
+
+#: Debian's docker (docker.io): its daemon and the CLI of the same build, by absolute path (a
+#: machine may have another docker CLI earlier on PATH, such as a stand-alone client).
+DOCKERD = "/usr/sbin/dockerd"
+DOCKER = "/usr/bin/docker"
+
+
+def docker_unavailable() -> str | None:
+    """Why lab devices cannot run docker here (a pytest skip reason), or None."""
+    for tool in (DOCKERD, DOCKER, "/usr/sbin/runc"):
+        if not Path(tool).is_file():
+            return f"docker on lab devices needs {tool}: apt-get install docker.io"
+    if shutil.which("nsenter") is None:
+        return "docker on lab devices needs `nsenter` (util-linux)"
+    return None
+
+
+@dataclass
+class DockerDaemon:
+    """A dockerd of one lab device (`docker_daemon`): its containers are the device's."""
+
+    directory: Path  # data-root, exec-root, pid file, socket and log, all of this daemon's
+    process: subprocess.Popen[bytes]
+    cgroup: str  # the parent of its containers' cgroups, in each hierarchy
+
+    @property
+    def command(self) -> list[str]:
+        """The docker CLI talking to this daemon: a device's `runtimeCommand`."""
+        return [DOCKER, "--host", f"unix://{self.directory / 'docker.sock'}"]
+
+    def settings(self) -> dict[str, Any]:
+        """The device's inventory settings for containers of this daemon."""
+        return {"containerRuntime": "docker", "runtimeCommand": self.command}
+
+    def cli(self, *args: str, timeout: float = 60) -> str:
+        """`docker ARGS` against this daemon, from the host; its stdout (raises on failure)."""
+        done = subprocess.run(
+            [*self.command, *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"docker {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
+
+    def load(self, archive: Path) -> str:
+        """Load an image archive (a dev cluster image) into this daemon; its reference."""
+        out = self.cli("load", "-q", "-i", str(archive), timeout=120).strip()
+        return out.removeprefix("Loaded image: ").removeprefix("Loaded image ID: ")
+
+
+@contextlib.contextmanager
+def docker_daemon(device: TestDevice, directory: Path) -> Iterator[DockerDaemon]:
+    """A dockerd for `device` (a root device of a `containers=True` lab), in its network
+    namespace, everything under `directory`: the device's containers with `--network host` are
+    on the device's network. It changes nothing of the host's network (no bridge, no iptables
+    rules, no forwarding); the hybrid cgroups and the host's rlimits suit Debian's docker with
+    its default runc as they are. Its mounts and /run are its own, its containers' cgroups
+    under a parent of its own: on exit its containers are removed, it is stopped and its
+    cgroups removed, and nothing of it is left on the host but `directory` (and the trust key
+    that Debian's dockerd 20.10 writes to /etc/docker/key.json once)."""
+    directory.mkdir(parents=True)
+    cgroup = f"vkubelet-lab-{device.netns}"
+    # Its own mount namespace, whose /run is a directory of its own: what it mounts (layers,
+    # its netns file) is gone with it, and containerd's shims, which put their sockets in
+    # /run/containerd whatever the daemon's roots, leave nothing in the host's /run (where the
+    # worker nodes' tests look for traces).
+    run = directory / "run"
+    run.mkdir()
+    argv = ["nsenter", f"--net=/run/netns/{device.netns}"]
+    argv += ["unshare", "--mount", "--propagation", "private"]
+    argv += ["sh", "-c", 'mount --bind "$0" /run && exec "$@"', str(run), DOCKERD]
+    argv += ["--data-root", str(directory / "data"), "--exec-root", str(directory / "exec")]
+    argv += ["--pidfile", str(directory / "dockerd.pid")]
+    argv += ["--host", f"unix://{directory / 'docker.sock'}"]
+    argv += ["--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false"]
+    argv += ["--bridge=none", "--cgroup-parent", f"/{cgroup}"]
+    log = directory / "dockerd.log"
+    with log.open("ab") as log_file:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            cwd="/",
+            start_new_session=True,
+        )
+    daemon = DockerDaemon(directory, process, cgroup)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                tail = log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"dockerd of {device.name} exited {process.returncode}:\n{tail}")
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                daemon.cli("version", timeout=5)
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"dockerd of {device.name} did not answer within 60 s")
+            time.sleep(0.05)
+        yield daemon
+    finally:
+        _stop_docker(daemon)
+
+
+def _stop_docker(daemon: DockerDaemon) -> None:
+    """Remove the daemon's containers, stop it (its mounts go with its mount namespace), and
+    remove its cgroups."""
+    with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+        ids = daemon.cli("ps", "-aq", timeout=30).split()
+        if ids:
+            daemon.cli("rm", "-f", *ids, timeout=60)
+    if daemon.process.poll() is None:
+        daemon.process.terminate()
+        try:
+            daemon.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(daemon.process.pid, signal.SIGKILL)
+            daemon.process.wait(timeout=10)
+    for hierarchy in Path("/sys/fs/cgroup").iterdir():  # v1's, and v2's files are no directory
+        for parent in (hierarchy / daemon.cgroup, Path("/sys/fs/cgroup") / daemon.cgroup):
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
 
 def ssh_inventory(devices: list[TestDevice], **extra: Any) -> dict[str, Any]:

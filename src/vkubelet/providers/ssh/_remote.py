@@ -129,8 +129,9 @@ _IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*")
 # -- plans ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Runtime:
-    """A container runtime on the device (podman, or docker: their CLIs agree on what is used
-    here) and how to call it: `command` is its argv prefix, from the trusted inventory."""
+    """A container runtime on the device and how to call it: `command` is its argv prefix,
+    from the trusted inventory. podman's and docker's CLIs agree on what is used here but for
+    `run` (see `_run_words`): `kind` says which one it is."""
 
     command: list[str]
     run_args: list[str] = field(default_factory=list)  # added to every `run`
@@ -202,6 +203,9 @@ class ContainerPlan:
             raise ValueError(f"container {self.name}: unknown imagePullPolicy {run.pull_policy!r}")
         for i, arg in enumerate(run.entrypoint or []):
             _check_text(arg, f"container {self.name}: command (word {i + 1})")
+        if run.entrypoint and not run.entrypoint[0]:
+            # docker reads an empty --entrypoint as "the image's": another program would run
+            raise ValueError(f"container {self.name}: command: its first word is empty")
         for name, value in self.env.items():
             if "\n" in value or "\r" in value:
                 raise ValueError(
@@ -655,7 +659,8 @@ def _container_script(uid: str, container: ContainerPlan) -> str:
     )
     if container.image is not None:
         argv = _run_words(uid, container, container.image, _files_of_run(container.image))
-        profile = 'rm -f "$d/cid"\n'  # the runtime refuses a cid file that is there
+        # the runtime refuses a cid file that is there; docker has no `run --replace`
+        profile = 'rm -f "$d/cid"\n' + _replace_line(container.image.runtime, uid, name)
         if container.image.runtime.kind == "podman":
             # Running once podman has started it (see `started`), not before `run`.
             profile = ""
@@ -714,7 +719,9 @@ def _tty_script(uid: str, container: ContainerPlan) -> str:
     profile = f'. "$P/env/{name}"\n'
     if container.image is not None:
         argv = _run_words(uid, container, container.image, _files_of_run(container.image))
-        profile = "" if container.image.runtime.kind == "podman" else 'rm -f "$d/cid"\n'
+        runtime = container.image.runtime
+        profile = "" if runtime.kind == "podman" else 'rm -f "$d/cid"\n'
+        profile += _replace_line(runtime, uid, name)
     return f"""\
 # vkubelet: container {name} of pod {uid} in its terminal.
 P=$VKUBELET_POD_DIR
@@ -733,20 +740,31 @@ def _files_of_run(run: ImageRun) -> list[str]:
     return [*files, "--pidfile", '"$d/cpid"'] if run.runtime.kind == "podman" else files
 
 
+def _replace_line(runtime: Runtime, uid: str, container: str) -> str:
+    """What makes room for a run named as an earlier one (a `run` killed before it could
+    remove its container): podman's `run --replace` does it; docker has no such flag, so its
+    `rm -f` runs first (nothing else starts this name: the supervisor runs one at a time)."""
+    if runtime.kind != "docker":
+        return ""
+    return f"{runtime.words()} rm -f {runtime_name(uid, container)} >/dev/null 2>&1\n"
+
+
 def _run_words(uid: str, container: ContainerPlan, run: ImageRun, extra: Sequence[str] = ()) -> str:
     """`<runtime> run` in the foreground, as shell words: its output goes to the log FIFOs, its
     exit code is the container's, and TERM to it reaches the container (the runtime proxies
     signals). The network is the device's, as for host processes: the pod IP is the device's
-    and port-forward reaches 127.0.0.1. Values are quoted; `$P` expands to the pod directory."""
+    and port-forward reaches 127.0.0.1. Values are quoted; `$P` expands to the pod directory.
+
+    Where docker differs: no `--replace` (`_replace_line` stands in); `--entrypoint` is one
+    program, not podman's JSON list, so the command's other words go before the args (docker
+    drops the image's command when given an entrypoint, as podman does); and `--log-driver
+    none`, since the supervisor keeps the logs and the daemon's copy would grow unbounded."""
     q = shlex.quote
-    words = [
-        run.runtime.words(),
-        "run",
-        "--rm",
-        "--replace",
-        "--name",
-        runtime_name(uid, container.name),
-    ]
+    docker = run.runtime.kind == "docker"
+    words = [run.runtime.words(), "run", "--rm"]
+    if not docker:
+        words.append("--replace")
+    words += ["--name", runtime_name(uid, container.name)]
     words += [
         "--label",
         q(f"io.vkubelet.pod-uid={uid}"),
@@ -768,10 +786,16 @@ def _run_words(uid: str, container: ContainerPlan, run: ImageRun, extra: Sequenc
         words += ["--memory", str(run.memory_bytes)]
     if run.cpus is not None:
         words += ["--cpus", q(run.cpus)]
+    if docker:
+        words += ["--log-driver", "none"]
     words += [q(arg) for arg in run.runtime.run_args]
-    if run.entrypoint is not None:
+    args = container.argv
+    if run.entrypoint is not None and docker:
+        words.append(q(f"--entrypoint={run.entrypoint[0]}"))
+        args = [*run.entrypoint[1:], *args]
+    elif run.entrypoint is not None:
         words += ["--entrypoint", q(json.dumps(run.entrypoint))]
-    words += [*extra, "--", q(run.image), *(q(arg) for arg in container.argv)]
+    words += [*extra, "--", q(run.image), *(q(arg) for arg in args)]
     return " ".join(words)
 
 
@@ -1349,7 +1373,8 @@ def ephemeral_command(
     extra = ["-t"] if tty else []
     if target is not None:
         extra += ["--pid", shlex.quote(f"container:{runtime_name(uid, target)}")]
-    return head + "exec " + _run_words(uid, container, container.image, extra)
+    replace = _replace_line(container.image.runtime, uid, name).replace("\n", "; ")
+    return head + replace + "exec " + _run_words(uid, container, container.image, extra)
 
 
 def runtime_exec_command(

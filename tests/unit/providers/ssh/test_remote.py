@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from hypothesis import given
@@ -931,8 +931,8 @@ def test_parse_sweep_never_fails_on_shuffled_lines(lines: list[bytes]) -> None:
 # -- runtime containers ----------------------------------------------------------------------
 #: A stand-in for podman on the "device": `image inspect` finds only the image "present", `pull`
 #: of "bad*" fails with the registry's words, `run` records its argv and runs the image's args
-#: (after `--` and the image) as the container's command, so exit codes and output flow as
-#: with a runtime; `rm` records the name.
+#: (after `--` and the image, behind docker's `--entrypoint=PROGRAM`) as the container's
+#: command, so exit codes and output flow as with a runtime; `rm` records the name.
 FAKE_RUNTIME = r"""#!/bin/sh
 log=$(dirname "$0")/calls
 case $1 in
@@ -948,12 +948,15 @@ run)
 	here=$(dirname "$0")
 	printf '%s\n' "$@" >"$here/run.args"
 	pidfile=
+	entrypoint=
 	while [ "$1" != -- ]; do
 		[ "$1" != --env-file ] || cp "$2" "$here/env.file"
 		[ "$1" != --pidfile ] || pidfile=$2
+		case $1 in --entrypoint=*) entrypoint=${1#--entrypoint=} ;; esac
 		shift
 	done
 	shift 2
+	[ -z "$entrypoint" ] || set -- "$entrypoint" "$@"
 	# as podman with runc: what cannot be created or started fails before any pid file
 	if [ -e "$here/full" ]; then
 		echo "Error: creating container storage: no space left on device" >&2
@@ -974,12 +977,12 @@ esac
 """
 
 
-def fake_runtime(tmp_path: Path) -> Runtime:
+def fake_runtime(tmp_path: Path, kind: Literal["podman", "docker"] = "podman") -> Runtime:
     bin_dir = tmp_path / "rt"
     bin_dir.mkdir()
     (bin_dir / "crun").write_text(FAKE_RUNTIME)
     (bin_dir / "crun").chmod(0o755)
-    return Runtime([str(bin_dir / "crun")], ["--ulimit", "nofile=1024:1024"])
+    return Runtime([str(bin_dir / "crun")], ["--ulimit", "nofile=1024:1024"], kind)
 
 
 def image_ctr(runtime: Runtime, image: str, args: list[str], **extra: Any) -> ContainerPlan:
@@ -1027,6 +1030,35 @@ def test_a_runtime_container_gets_literal_arguments_its_env_in_a_file_and_its_la
     assert oct((p / "env" / "main").stat().st_mode & 0o777) == "0o600"
     # nothing left behind, at once
     assert (tmp_path / "rt" / "calls").read_text() == "kill vk-u1-main\nrm vk-u1-main\n"
+
+
+def test_a_docker_run_removes_a_stale_container_first_and_splits_the_command(
+    device: Device, tmp_path: Path
+) -> None:
+    """docker has no `run --replace` and takes one program as `--entrypoint`: the command's
+    other words come before the args; and the daemon keeps no log of its own."""
+    runtime = fake_runtime(tmp_path, "docker")
+    entrypoint = ["sh", "-c", 'printf "%s|" "$@"', "sh"]
+    plan = image_ctr(runtime, "present", HOSTILE, entrypoint=entrypoint)
+    device.start(pod_plan(plan))
+    pod = device.wait(state_of())
+    assert status(pod).exit_code == 0
+    output = b"\n".join(line.content for line in device.log())
+    assert output == "".join(f"{a}|" for a in HOSTILE).encode()
+    argv = (tmp_path / "rt" / "run.args").read_text().split("\n")
+    options = argv[: argv.index("--")]
+    assert "--replace" not in options
+    assert options[options.index("--log-driver") + 1] == "none"
+    assert "--entrypoint=sh" in options
+    assert argv[argv.index("--") + 1 :][:4] == ["present", "-c", 'printf "%s|" "$@"', "sh"]
+    # the name made free before the run, and the container gone after it
+    calls = (tmp_path / "rt" / "calls").read_text()
+    assert calls == "rm vk-u1-main\nkill vk-u1-main\nrm vk-u1-main\n"
+
+
+def test_a_command_whose_first_word_is_empty_is_refused_for_a_runtime() -> None:
+    with pytest.raises(ValueError, match="its first word is empty"):
+        image_ctr(Runtime(["docker"], kind="docker"), "busybox", [], entrypoint=["", "x"])
 
 
 def test_a_pull_failure_is_err_image_pull_with_the_runtimes_words_then_back_off(
