@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import importlib.util
 import os
 import pwd
 import re
@@ -661,6 +662,11 @@ def libvirt_lab_unavailable() -> str | None:
     ):
         if shutil.which(tool) is None:
             return f"the libvirt lab needs `{tool}` on PATH"
+    if importlib.util.find_spec("libvirt") is None:
+        return (
+            "the libvirt runtime needs its Python binding: apt-get install libvirt-dev"
+            " pkg-config, then pip install 'vkubelet[libvirt]'"
+        )
     return None
 
 
