@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vkubelet needs Python >= 3.11"'
 	$(PYTHON) -m venv $(VENV)
 	PIP_DISABLE_PIP_VERSION_CHECK=1 $(BIN)/pip install --quiet uv
-	@extras=dev; \
+	@mkdir -p $(WHEELS); extras=dev; \
 	if ls $(WHEELS)/libvirt_python-$(LIBVIRT_PYTHON)-*.whl >/dev/null 2>&1; then extras=dev,libvirt; \
 	elif pkg-config --exists libvirt 2>/dev/null; then \
 	  PIP_DISABLE_PIP_VERSION_CHECK=1 $(BIN)/pip wheel --quiet --no-deps -w $(WHEELS) \
