@@ -7,7 +7,10 @@ it can on it, in order: Running, the boot in `kubectl logs`, `kubectl exec`, `ku
 on the serial console, the domain in `virsh list` on that host named after the pod and labelled
 with its UID, an agent killed with SIGKILL and restarted adopts the same domain (same id, same
 QEMU), the host's libvirtd restarted under it (the agent reconnects: exec, and the console's
-new lines in the log), and deleting the pod removes the domain. The refusals cost no boot:
+new lines in the log), hibernation (libvirt's managed save: the domain shut off with its image,
+its name and metadata kept, through an agent restart) and the resume by the machine's next pod
+(what the guest kept in RAM is there, its uptime continued), and deleting that pod removes the
+domain. The refusals cost no boot:
 a domain of a pod's name that vkubelet does not own fails that pod and is left alone; a URI
 whose credentials are refused makes a node NotReady with libvirt's message.
 """
@@ -116,11 +119,11 @@ def libvirt_node(
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
 
 
-def _pod(name: str, node: str) -> dict[str, Any]:
+def _pod(name: str, node: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name},
+        "metadata": {"name": name, "annotations": annotations or {}},
         "spec": {
             "nodeName": node,
             "tolerations": [TOLERATION],
@@ -141,6 +144,14 @@ def _get(kubectl: Kubectl, namespace: str, pod: str) -> dict[str, Any]:
     return result
 
 
+def _managed_save(host: LibvirtHost, domain: str) -> str:
+    """`virsh dominfo`'s "Managed save:" (yes or no)."""
+    for line in host.virsh("dominfo", domain).stdout.splitlines():
+        if line.startswith("Managed save:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"no managed save line for {domain}")
+
+
 def _running(kubectl: Kubectl, namespace: str, pod: str) -> bool:
     statuses = _get(kubectl, namespace, pod).get("status", {}).get("containerStatuses") or []
     return bool(statuses and statuses[0].get("state", {}).get("running"))
@@ -152,7 +163,10 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     namespace = create_namespace(kubectl, f"lv-{uuid.uuid4().hex[:6]}")
     host, pod = libvirt_node.host, "guest"
     domain = f"{namespace}_{pod}"
-    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(_pod(pod, libvirt_node.name)))
+    # a persistent machine's pod (as the VirtualMachine controller makes them), to hibernate
+    machine = {"vm.vkubelet.io/machine": f"m-{uuid.uuid4().hex[:8]}"}
+    hibernating = _pod(pod, libvirt_node.name, {**machine, "vm.vkubelet.io/power-off": "Hibernate"})
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(hibernating))
     wait_for(lambda: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT, what="the VM Running")
     uid = _get(kubectl, namespace, pod)["metadata"]["uid"]
 
@@ -222,8 +236,54 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     wait_for(marked_after_restart, timeout=60, interval=2, what="exec and logs after libvirtd")
     assert host.virsh("domid", domain).stdout.strip() == domain_id
 
-    # deleting the pod ends the domain and removes its definition
+    # hibernate: what the guest keeps in RAM (/run is a tmpfs) and its uptime before
+    marker = uuid.uuid4().hex
+    keep = f"echo {marker} > /run/marker; cut -d' ' -f1 /proc/uptime"
+    uptime = float(kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", keep).stdout)
     kubectl("-n", namespace, "delete", "pod", pod, "--wait=true", "--timeout=90s")
+    hibernated = kubectl.json(
+        "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={pod}"
+    )["items"]
+    assert any(e["reason"] == "Hibernated" and "managed save" in e["message"] for e in hibernated)
+
+    def saved_domain() -> None:
+        """Shut off with a managed save image, its name and metadata kept."""
+        assert host.running() == []
+        assert host.virsh("list", "--all", "--name").stdout.split() == [domain]
+        assert host.virsh("domstate", "--reason", domain).stdout.strip() == "shut off (saved)"
+        assert _managed_save(host, domain) == "yes"
+        assert f'uid="{uid}"' in host.virsh("metadata", domain, METADATA).stdout
+
+    saved_domain()
+    # an agent restart while hibernated keeps it hibernated
+    libvirt_node.agent.stop()
+    libvirt_node.agent = libvirt_node.restart()
+    wait_for(lambda: node_ready(kubectl, libvirt_node.name), timeout=90, what="node Ready again")
+    saved_domain()
+
+    # the machine's next pod (another name, as the controller's are) resumes the same domain
+    resumed = "guest-2"
+    kubectl(
+        "-n", namespace, "apply", "-f", "-",
+        input=json.dumps(_pod(resumed, libvirt_node.name, machine)),
+    )  # fmt: skip
+    wait_for(lambda: _running(kubectl, namespace, resumed), timeout=120, what="the VM resumed")
+    after = "cat /run/marker; cut -d' ' -f1 /proc/uptime"
+    kept, now = kubectl("-n", namespace, "exec", resumed, "--", "sh", "-c", after).stdout.split()
+    assert kept == marker and float(now) > uptime
+    assert "booted hostname=" not in kubectl("-n", namespace, "logs", resumed).stdout
+    events = kubectl.json(
+        "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={resumed}"
+    )["items"]
+    assert any(e["reason"] == "Resumed" for e in events), [e["reason"] for e in events]
+    assert host.running() == [domain]  # libvirt renames no saved domain: the name stays
+    new_uid = _get(kubectl, namespace, resumed)["metadata"]["uid"]
+    metadata = host.virsh("metadata", domain, METADATA).stdout
+    assert f'uid="{new_uid}"' in metadata and f'name="{resumed}"' in metadata
+    assert _managed_save(host, domain) == "no"
+
+    # deleting the pod ends the domain and removes its definition
+    kubectl("-n", namespace, "delete", "pod", resumed, "--wait=true", "--timeout=90s")
     assert host.running() == []
     assert host.virsh("list", "--all", "--name").stdout.split() == []
 

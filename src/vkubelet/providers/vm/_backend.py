@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ._machine import MachineExit, Usage
 from ._qga import ExecOutput, GuestAgent
@@ -23,7 +23,9 @@ __all__ = [
     "MachineHandle",
     "MachineRefused",
     "PulledImage",
+    "RestoreFailed",
     "Runtime",
+    "SavingMachine",
     "Usage",
 ]
 
@@ -35,6 +37,11 @@ class MachineRefused(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class RestoreFailed(Exception):
+    """A hibernated machine's saved state cannot be restored (its domain is gone, or the
+    runtime refused the image): the machine boots cold. An unreachable daemon is not this."""
 
 
 class MachineHandle(Protocol):
@@ -84,6 +91,20 @@ class MachineHandle(Protocol):
     async def usage(self) -> Usage: ...
 
 
+@runtime_checkable
+class SavingMachine(Protocol):
+    """A machine whose runtime saves its memory and device state itself, with the machine's
+    definition (libvirt's managed save), rather than through a QMP monitor."""
+
+    @property
+    def reference(self) -> str: ...  # what a launch's `restore` names (a domain's UUID)
+
+    async def save_state(self, timeout: float) -> str:  # noqa: ASYNC109
+        """Save and stop; what was saved, for the record. Raises MachineError, the guest
+        running on, when the runtime refused or took too long."""
+        ...
+
+
 @dataclass(frozen=True)
 class PulledImage:
     path: Path
@@ -121,6 +142,9 @@ class LaunchSpec:
     # A live migration's target: QEMU waits for the state (`-incoming defer`) and its disks
     # may be written by others too (the NBD exports the source mirrors onto).
     incoming: bool = False
+    # A hibernated machine saved by its runtime (`SavingMachine.reference`): the
+    # launch restores it instead of booting; RestoreFailed when it cannot.
+    restore: str | None = None
 
 
 class Runtime(Protocol):
@@ -192,6 +216,11 @@ class Runtime(Protocol):
 
     async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
         """Raises MachineRefused when the pod's machine cannot be made (before its disks are)."""
+        ...
+
+    async def discard_saved(self, reference: str) -> None:
+        """Drop a hibernated machine's state that `SavingMachine.save_state` kept (the domain
+        and its managed save image); nothing for a runtime that keeps none."""
         ...
 
     def gc_images(self, in_use: Collection[str]) -> list[str]: ...

@@ -14,6 +14,10 @@ Pure: no daemon, no I/O, so every rule is unit-tested. What the domain holds, an
   over any URI); the guest agent's virtio-serial channel (libvirt connects to it, and answers
   `qemuAgentCommand`); a balloon; an ISA panic device (libvirt 9 refuses `pvpanic`), so a
   guest kernel panic ends the domain with reason `crashed`.
+- A hibernated domain (libvirt's managed save) is restored by the machine's next pod, whose
+  seed is another file and whose UID is another: `retarget` points the saved XML's disks at
+  the new pod's files and its metadata at the new pod. The name stays (libvirt renames no
+  domain with a managed save image).
 - vCPUs and memory with the live-resize headroom: `<vcpu current=...>max`, and `maxMemory`
   with its slots, which libvirt wants beside one NUMA cell holding the boot memory.
 """
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 from ._backend import LaunchSpec
 
-__all__ = ["METADATA_URI", "Owner", "domain_name", "domain_xml", "owner_of"]
+__all__ = ["METADATA_URI", "Owner", "domain_name", "domain_xml", "owner_of", "retarget"]
 
 #: The namespace of vkubelet's element in a domain's `<metadata>`.
 METADATA_URI = "https://vkubelet.io/xmlns/vm-domain/1"
@@ -171,3 +175,52 @@ def _disk(
     ET.SubElement(disk, "source", {"file": path})
     ET.SubElement(disk, "target", {"dev": _disk_target(bus, index), "bus": bus})
     return disk
+
+
+def _targets(spec: LaunchSpec) -> dict[str, str]:
+    """Each disk's target (vda, ...) and its file, as `domain_xml` attaches them."""
+    used: dict[str, int] = {}
+    files = [(str(path), bus) for path, bus in spec.disks]
+    if spec.seed is not None:
+        files.append((str(spec.seed), "virtio"))
+    targets = {}
+    for path, bus in files:
+        index = used.get(bus, 0)
+        used[bus] = index + 1
+        targets[_disk_target(bus, index)] = path
+    return targets
+
+
+def retarget(xml: str, spec: LaunchSpec, owner: Owner) -> str:
+    """A saved domain's XML for the machine's next pod: its disks' files are `spec`'s (the
+    same targets: the layout was checked to be the same), its metadata and title the new
+    pod's; the rest (name, devices, layout) as saved. ValueError when a disk of `spec` has no
+    target in the saved domain."""
+    root = ET.fromstring(xml)  # noqa: S314 - from the libvirt daemon we drive
+    targets = _targets(spec)
+    found = set()
+    for disk in root.iterfind("./devices/disk"):
+        target = disk.find("target")
+        dev = target.get("dev") if target is not None else None
+        if dev not in targets:
+            continue
+        source = disk.find("source")
+        if source is None:
+            source = ET.SubElement(disk, "source")
+        source.set("file", targets[dev])
+        found.add(dev)
+    if missing := sorted(set(targets) - found):
+        raise ValueError(f"the saved domain has no disk {', '.join(missing)}")
+    title = root.find("title")
+    if title is None:
+        title = ET.SubElement(root, "title")
+    title.text = f"pod {owner.namespace}/{owner.name} (vkubelet)"
+    metadata = root.find("metadata")
+    if metadata is None:
+        metadata = ET.SubElement(root, "metadata")
+    for old in metadata.findall(f"{{{METADATA_URI}}}pod"):
+        metadata.remove(old)
+    ours = owner.element()
+    ours.tag = f"{{{METADATA_URI}}}pod"
+    metadata.append(ours)
+    return ET.tostring(root, encoding="unicode")

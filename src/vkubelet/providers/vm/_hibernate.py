@@ -15,6 +15,12 @@ resize, all recorded in `meta.json` beside the state). A layout that no longer m
 new pod has other disks) is refused and the machine boots cold; the state is then dropped.
 
 The machine's directory is `_persist`'s (`<stateDir>/machines/<machine>/`).
+
+With the libvirt runtime the state is libvirt's own (managed save, `SavingMachine`): kept with
+the domain on the daemon's host, not in a file here; `meta.json` names the domain (URI, UUID)
+and the next pod's launch restores it (`LaunchSpec.restore`). Dropping such a state removes
+the domain and its image (`VMHost.discard_saved`). A state is resumed only by the runtime and
+daemon that saved it: another (the node's config changed) is `ResumeRefused`.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from lightkube.resources.core_v1 import Pod
 
 from ..._files import private_dir, write_atomic
 from . import _persist, _resize
-from ._backend import MachineHandle
-from ._machine import MachineExit
+from ._backend import MachineHandle, RestoreFailed, SavingMachine
+from ._config import VMConfig
+from ._machine import MachineError, MachineExit
 from ._net import readdress
 from ._qmp import ExecuteError, Monitor, MonitorUnavailable
 from ._vm import VM, Launch, ResizeState, VMHost, pod_annotations
@@ -86,12 +93,27 @@ def _state_dir(directory: Path) -> Path:
 
 @dataclass(frozen=True)
 class Saved:
-    """A saved state: the file and the launch layout it needs."""
+    """A saved state: the file (or the libvirt domain keeping it) and the launch layout it
+    needs."""
 
     state: Path
     launch: Launch
     saved_at: float
     size: int
+    domain: str | None = None  # libvirt's managed save: the domain's UUID (no state file)
+    uri: str | None = None  # ... on this daemon
+
+    def here(self, config: VMConfig) -> str | None:
+        """Why this node cannot resume the state, or None when it can: only the runtime (and
+        the libvirt daemon) that saved it can."""
+        if self.domain is None:
+            if config.runtime != "qemu":
+                return f"the state was saved by the qemu runtime; this node's is {config.runtime}"
+            return None
+        if config.runtime != "libvirt" or config.libvirt_uri != self.uri:
+            now = config.libvirt_uri if config.runtime == "libvirt" else "the qemu runtime"
+            return f"the state is kept by libvirt {self.uri}; this node uses {now}"
+        return None
 
     def compatible(self, launch: Launch) -> str | None:
         """Why `launch` cannot resume this state, or None when it can: the writable disks must
@@ -118,6 +140,9 @@ def saved_state(directory: Path | None) -> Saved | None:
         meta = json.loads((where / "meta.json").read_text())
         state = where / "state"
         launch = Launch.from_json(dict(meta["launch"]))
+        if (kept := meta.get("libvirt")) is not None:
+            domain, uri = str(kept["domain"]), str(kept["uri"])
+            return Saved(state, launch, float(meta["savedAt"]), 0, domain, uri)
         return Saved(state, launch, float(meta["savedAt"]), state.stat().st_size)
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -233,9 +258,10 @@ async def launch(host: VMHost, vm: VM) -> MachineHandle:
     saved = saved_state(directory)
     assert vm.launch is not None
     if saved is not None and directory is not None:
-        if (why := saved.compatible(vm.launch)) is not None:
+        why = saved.here(host.config) or saved.compatible(vm.launch)
+        if why is not None:
             host.event(vm, "Warning", "ResumeRefused", f"booting cold: {why}")
-            drop_state(directory)
+            await _drop(host, vm, directory, saved)
         else:
             handle = await _resume(host, vm, directory, saved)
             if handle is not None:
@@ -248,10 +274,32 @@ async def launch(host: VMHost, vm: VM) -> MachineHandle:
     return await host.launch_machine(vm)
 
 
+async def _drop(host: VMHost, vm: VM, directory: Path, saved: Saved) -> None:
+    """A state that will not be resumed: the runtime's part (a libvirt domain) and the file."""
+    if saved.domain is not None and saved.here(host.config) is None:
+        try:
+            await host.discard_saved(saved.domain)
+        except MachineError as e:
+            message = f"the hibernated domain {saved.domain} was not removed: {e}"
+            host.event(vm, "Warning", "DiscardFailed", message)
+    drop_state(directory)
+
+
 async def _resume(host: VMHost, vm: VM, directory: Path, saved: Saved) -> MachineHandle | None:
     assert vm.launch is not None
     vm.launch = resumed_launch(vm.launch, saved)
     vm.save()
+    if saved.domain is not None:  # libvirt's managed save: restored by the launch itself
+        started = time.monotonic()
+        try:
+            handle = await host.launch_machine(vm, restore=saved.domain)
+        except RestoreFailed as e:
+            host.event(vm, "Warning", "ResumeFailed", f"booting cold: {e}")
+            await _drop(host, vm, directory, saved)
+            return None
+        drop_state(directory)
+        took = time.monotonic() - started
+        return await _resumed(host, vm, handle, saved, took)
     handle = await host.launch_machine(vm, incoming_args(saved))
     if handle.monitor is None:
         return handle
@@ -263,6 +311,14 @@ async def _resume(host: VMHost, vm: VM, directory: Path, saved: Saved) -> Machin
             await handle.kill()
         drop_state(directory)
         return None
+    return await _resumed(host, vm, handle, saved, took)
+
+
+async def _resumed(
+    host: VMHost, vm: VM, handle: MachineHandle, saved: Saved, took: float
+) -> MachineHandle:
+    """The resumed machine's bookkeeping: its size, its address, the event."""
+    assert vm.launch is not None
     running = _resize.running_size(vm.launch)
     vm.power.resize = ResizeState(applied=_resize.resources(vm.pod))
     if vm.plan is not None and (vm.plan.vcpus, vm.plan.memory_mib) != (
@@ -288,11 +344,12 @@ async def _resume(host: VMHost, vm: VM, directory: Path, saved: Saved) -> Machin
         if why is not None:
             message = f"the resumed guest keeps its previous address {old} (not {vm.address}): "
             host.event(vm, "Warning", "ReaddressFailed", message + why)
+    what = f"{saved.size} bytes of state" if saved.domain is None else "libvirt's managed save"
     host.event(
         vm,
         "Normal",
         "Resumed",
-        f"resumed from hibernation in {took:.2f} s ({saved.size} bytes of state, "
+        f"resumed from hibernation in {took:.2f} s ({what}, "
         f"saved {time.time() - saved.saved_at:.0f} s ago)",
     )
     return handle
@@ -306,10 +363,43 @@ def power_off(
     if directory is None or not (vm.power.hibernate or wants_hibernate(vm.pod)):
         return None
     if handle.monitor is None:
+        if isinstance(handle, SavingMachine):
+            return _save_or_stop(host, vm, handle, handle, directory, grace)
         why = f"the {handle.runtime} runtime cannot hibernate a VM yet; shutting down"
         host.event(vm, "Warning", HIBERNATE_FAILED, why)
         return None
     return _hibernate_or_stop(host, vm, handle, handle.monitor, directory, grace)
+
+
+async def _save_or_stop(
+    host: VMHost,
+    vm: VM,
+    handle: MachineHandle,
+    saving: SavingMachine,
+    directory: Path,
+    grace: float,
+) -> object:
+    """Hibernation by the runtime itself (libvirt's managed save). The record is written
+    first, naming the domain: an agent that stops mid-save leaves a state its next pod finds."""
+    started = time.monotonic()
+    assert vm.launch is not None
+    where = private_dir(_state_dir(directory))
+    meta = {
+        "launch": replace(vm.launch, address=vm.address).to_json(),
+        "savedAt": time.time(),
+        "libvirt": {"uri": host.config.libvirt_uri, "domain": saving.reference},
+    }
+    try:
+        write_atomic(where / "meta.json", json.dumps(meta), mode=0o600)
+        message = await saving.save_state(max(grace * 0.8, 5.0))
+    except (MachineError, OSError) as e:
+        vm.power.outcome = (HIBERNATE_FAILED, str(e))
+        host.event(vm, "Warning", HIBERNATE_FAILED, f"shutting down: {e}")
+        drop_state(directory)
+        return await handle.stop(max(grace - (time.monotonic() - started), 1.0))
+    vm.power.outcome = (HIBERNATED, message)
+    host.event(vm, "Normal", HIBERNATED, message)
+    return await handle.end(MachineExit(0, HIBERNATED, message))
 
 
 async def _hibernate_or_stop(

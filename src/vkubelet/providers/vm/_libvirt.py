@@ -27,8 +27,13 @@ the seed and the pod network are the same parts (`LibvirtRuntime` is a `QemuRunt
 - **End.** A domain that shut off is read for why (guest poweroff, crash, destroyed), the
   outcome recorded in the run directory as the QEMU runtime records it, and the domain's
   definition removed: `virsh list --all` shows only running VMs' domains.
+- **Hibernation** is libvirt's managed save (`LibvirtMachine.save_state`): the domain stays
+  defined, shut off with its image, and nothing here removes it (`_remove` keeps a domain
+  with a managed save image); the machine's directory records its UUID (`_hibernate`). The
+  machine's next pod restores it (`LaunchSpec.restore`): the saved XML retargeted to that
+  pod's files (`_domainxml.retarget`), then started, which restores rather than boots.
 - **Not yet** (no QMP monitor here, so the provider's parts refuse with the runtime's name):
-  hibernation, live resize, backup, migration, PVC disks. No NIC either: the pod's address is
+  live resize, backup, migration, PVC disks. No NIC either: the pod's address is
   allocated but the domain has no interface yet.
 """
 
@@ -48,9 +53,9 @@ from typing import Any, TypeVar
 
 from ..._files import write_atomic
 from ...sdk.retry import Backoff
-from ._backend import LaunchSpec, MachineHandle, MachineRefused
+from ._backend import LaunchSpec, MachineHandle, MachineRefused, RestoreFailed
 from ._config import VMConfig
-from ._domainxml import METADATA_URI, Owner, domain_name, domain_xml, owner_of
+from ._domainxml import METADATA_URI, Owner, domain_name, domain_xml, owner_of, retarget
 from ._machine import MachineError, MachineExit, Usage
 from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable, encode
 from ._runtime import QemuRuntime
@@ -353,6 +358,8 @@ def _outcome(libvirt: Any, state: int, reason: int) -> MachineExit | None:
         return MachineExit(137, "Killed", "the domain was destroyed")
     if reason == libvirt.VIR_DOMAIN_SHUTOFF_FAILED:
         return MachineExit(1, "Error", "the domain failed to start")
+    if reason == libvirt.VIR_DOMAIN_SHUTOFF_SAVED:
+        return MachineExit(0, "Hibernated", "the domain was saved (libvirt's managed save)")
     return MachineExit(1, "Error", f"the domain shut off (libvirt reason {reason})")
 
 
@@ -360,7 +367,8 @@ class LibvirtMachine:
     """One domain, as the provider's `MachineHandle`."""
 
     runtime = "libvirt"
-    monitor = None  # no QMP through libvirt here: no hibernation, resize, backup, migration
+    monitor = None  # no QMP through libvirt here: no resize, backup, migration (hibernation is
+    # libvirt's own: `save_state`)
 
     def __init__(
         self, connection: Connection, run_dir: Path, uuid: str, domain_id: int, started: float
@@ -503,6 +511,34 @@ class LibvirtMachine:
         await self._remove()
         self._console.close()
 
+    @property
+    def reference(self) -> str:
+        return self.uuid
+
+    async def save_state(self, timeout: float) -> str:  # noqa: ASYNC109
+        """Hibernate: libvirt's managed save (the guest paused, its memory and devices written
+        to the daemon's host, the domain shut off with the image). Past `timeout` the save is
+        aborted and the guest runs on (MachineError)."""
+        libvirt = _libvirt()
+        domain = await self.connection.domain(self.uuid)
+        if domain is None:
+            raise MachineError(f"domain {self.uuid} is gone")
+        started = time.monotonic()
+        saving = asyncio.ensure_future(self.connection.run(domain.managedSave, 0))
+        try:
+            await asyncio.wait_for(asyncio.shield(saving), timeout)
+        except TimeoutError:
+            with contextlib.suppress(libvirt.libvirtError):
+                await self.connection.run(domain.abortJob)
+            with contextlib.suppress(libvirt.libvirtError):
+                await saving
+            if not await self.connection.run(domain.hasManagedSaveImage, 0):
+                raise MachineError(f"the managed save took longer than {timeout:g} s") from None
+        except libvirt.libvirtError as e:
+            raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+        took = time.monotonic() - started
+        return f"state saved by libvirt (managed save) in {took:.2f} s"
+
     async def usage(self) -> Usage:
         domain = await self.connection.domain(self.uuid)
         if domain is None:
@@ -511,11 +547,14 @@ class LibvirtMachine:
 
     async def _remove(self) -> None:
         """Destroy the domain if it runs and drop its definition (it is ours: checked when it
-        was made or adopted)."""
+        was made or adopted); a hibernated one (a managed save image) is kept for its resume."""
         libvirt = _libvirt()
         domain = await self.connection.domain(self.uuid)
         if domain is None:
             return
+        with contextlib.suppress(libvirt.libvirtError):
+            if await self.connection.run(domain.hasManagedSaveImage, 0):
+                return
         with contextlib.suppress(libvirt.libvirtError):
             if await self.connection.run(domain.isActive):
                 await self.connection.run(domain.destroy)
@@ -619,6 +658,8 @@ class LibvirtRuntime(QemuRuntime):
             disks=tuple((path.resolve(), bus) for path, bus in spec.disks),
             seed=spec.seed.resolve() if spec.seed is not None else None,
         )
+        if spec.restore is not None:
+            return await self._restore(resolved, owner, spec.restore)
         try:
             xml = domain_xml(resolved, owner, kvm=spec.accel == "kvm")
         except ValueError as e:
@@ -652,6 +693,64 @@ class LibvirtRuntime(QemuRuntime):
                     await self.connection.run(domain.undefine)
             raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
         return machine
+
+    async def _restore(self, spec: LaunchSpec, owner: Owner, uuid: str) -> MachineHandle:
+        """The hibernated domain `uuid`, restored for this pod: its saved XML (the image's and
+        the definition's) retargeted to the pod's files and metadata, then started paused
+        until the console stream is open, as a boot is. RestoreFailed when the domain or its
+        image is gone, or libvirt refuses it; MachineError when the daemon cannot be reached
+        (tried again: the state is kept)."""
+        libvirt = _libvirt()
+        domain = await self.connection.domain(uuid)
+        where = f"libvirt {self.connection.uri}: the hibernated domain {uuid}"
+        if domain is None:
+            raise RestoreFailed(f"{where} is gone")
+        try:
+            if await self.connection.run(domain.isActive):
+                raise MachineError(f"{where} runs (started by someone else); not started twice")
+            if not await self.connection.run(domain.hasManagedSaveImage, 0):
+                raise RestoreFailed(f"{where} has no managed save image any more")
+            saved = await self.connection.run(domain.managedSaveGetXMLDesc, 0)
+            await self.connection.run(domain.managedSaveDefineXML, retarget(saved, spec, owner), 0)
+            inactive = await self.connection.run(domain.XMLDesc, libvirt.VIR_DOMAIN_XML_INACTIVE)
+            conn = await self.connection.get()
+            await self.connection.run(conn.defineXML, retarget(inactive, spec, owner))
+            await self.connection.run(domain.createWithFlags, libvirt.VIR_DOMAIN_START_PAUSED)
+        except (libvirt.libvirtError, ValueError) as e:
+            raise RestoreFailed(f"{where}: {message_of(e)}") from None
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("console.sock", "exit.json"):
+            (spec.run_dir / stale).unlink(missing_ok=True)
+        try:
+            machine = await self._handle(spec.run_dir, domain, uuid, time.time())
+            await self.connection.run(domain.resume)
+        except (libvirt.libvirtError, OSError) as e:
+            with contextlib.suppress(Exception):  # restored, then lost: it boots cold
+                await self.connection.run(domain.destroy)
+                await self.connection.run(domain.undefine)
+            raise RestoreFailed(f"{where}: {message_of(e)}") from None
+        return machine
+
+    async def discard_saved(self, reference: str) -> None:
+        """A hibernated domain of ours that will not be restored: its image and definition
+        removed. One that runs (someone started it) or is not ours is left as it is."""
+        libvirt = _libvirt()
+        domain = await self.connection.domain(reference)
+        if domain is None:
+            return
+        try:
+            metadata = await self.connection.run(
+                domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_URI
+            )
+        except libvirt.libvirtError:
+            return  # no vkubelet element: not ours
+        if owner_of(metadata) is None or await self.connection.run(domain.isActive):
+            return
+        flags = libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
+        try:
+            await self.connection.run(domain.undefineFlags, flags)
+        except libvirt.libvirtError as e:
+            raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
 
     async def _handle(
         self, run_dir: Path, domain: Any, uuid: str, started: float

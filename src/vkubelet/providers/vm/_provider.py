@@ -423,9 +423,15 @@ class VMProvider(RunnerProvider):
         if (runner := self.runner(vm)) is not None:
             self._notify(runner.as_pod())
 
-    async def launch_machine(self, vm: VM, extra_args: tuple[str, ...] = ()) -> MachineHandle:
+    async def launch_machine(
+        self, vm: VM, extra_args: tuple[str, ...] = (), *, restore: str | None = None
+    ) -> MachineHandle:
         spec = self._launch_spec(vm)
-        return await self.runtime.launch(replace(spec, extra_args=spec.extra_args + extra_args))
+        extra = spec.extra_args + extra_args
+        return await self.runtime.launch(replace(spec, extra_args=extra, restore=restore))
+
+    async def discard_saved(self, reference: str) -> None:
+        await self.runtime.discard_saved(reference)
 
     async def _prepare(self, key: str, vm: VM, resolved: ResolvedPod) -> None:
         """Pull (with the kubelet's image back-off), make the disks, seed and network, boot."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage
+from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage, RestoreFailed
 from ._cloudinit import build_seed_content
 from ._config import ConfigError, VMConfig
 from ._disks import create_blank, create_overlay
@@ -159,6 +159,8 @@ class QemuRuntime:
         await self.network.detach(key)
 
     async def launch(self, spec: LaunchSpec) -> MachineHandle:
+        if spec.restore is not None:  # (its states are files: `_hibernate`'s -incoming)
+            raise RestoreFailed(f"the qemu runtime cannot restore {spec.restore}")
         network = None
         if spec.network_key is not None:
             network = self._networks.get(spec.network_key) or await self.network.attach(
@@ -210,6 +212,9 @@ class QemuRuntime:
 
         choice = await probe_accel(mode)  # type: ignore[arg-type]  # checked by the config
         return choice.accel, choice.reason
+
+    async def discard_saved(self, reference: str) -> None:
+        """Nothing: a hibernated QEMU's state is a file of the machine's directory."""
 
     def gc_images(self, in_use: Collection[str]) -> list[str]:
         return self.store.gc(in_use)

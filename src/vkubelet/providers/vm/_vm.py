@@ -238,8 +238,15 @@ class VMHost(Protocol):
         """The running VM's pod status, reported now (not at the runner's next change)."""
         ...
 
-    async def launch_machine(self, vm: VM, extra_args: tuple[str, ...] = ()) -> MachineHandle:
-        """The VM's machine, launched from `vm.launch`."""
+    async def launch_machine(
+        self, vm: VM, extra_args: tuple[str, ...] = (), *, restore: str | None = None
+    ) -> MachineHandle:
+        """The VM's machine, launched from `vm.launch` (`restore`: from the state its runtime
+        saved, `LaunchSpec.restore`)."""
+        ...
+
+    async def discard_saved(self, reference: str) -> None:
+        """The runtime's saved state of a hibernated machine, dropped (`Runtime.discard_saved`)."""
         ...
 
     async def claim_network(self, vm: VM) -> GuestAddress:

@@ -98,6 +98,7 @@ class FakeRuntime:
     launches: list[LaunchSpec] = field(default_factory=list)
     seeds: list[dict[str, Any]] = field(default_factory=list)
     detached: list[str] = field(default_factory=list)
+    discarded: list[str] = field(default_factory=list)  # discard_saved
     attached: list[tuple[str, str | None, bool]] = field(default_factory=list)
     boot_at_once: bool = True
     refused: str | None = None  # check_machine refuses every machine, saying this
@@ -177,6 +178,9 @@ class FakeRuntime:
     async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
         if self.refused is not None:
             raise MachineRefused("DomainExists", self.refused)
+
+    async def discard_saved(self, reference: str) -> None:
+        self.discarded.append(reference)
 
     def gc_images(self, in_use: Collection[str]) -> list[str]:
         return []

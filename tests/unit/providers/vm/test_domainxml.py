@@ -16,6 +16,7 @@ from vkubelet.providers.vm._domainxml import (
     domain_name,
     domain_xml,
     owner_of,
+    retarget,
 )
 
 OWNER = Owner("0f1e-uid", "team-a", "db-0", "hv-1")
@@ -127,3 +128,27 @@ def test_what_the_libvirt_runtime_does_not_do_yet_is_refused_naming_it(
 ) -> None:
     with pytest.raises(ValueError, match=f"libvirt runtime cannot .*{words}"):
         domain_xml(replace(SPEC, **change), OWNER, kvm=False)  # type: ignore[arg-type]
+
+
+def test_a_saved_domain_is_retargeted_to_the_next_pod_s_files_and_metadata() -> None:
+    """A hibernated domain restored by the machine's next pod: that pod's seed (another file)
+    and UID; the name and everything else as saved."""
+    saved = domain_xml(SPEC, OWNER, kvm=False)
+    nxt = replace(SPEC, name="team-a/db-1", seed=Path("/state/vms/new-uid/seed.iso"))
+    owner = Owner("new-uid", "team-a", "db-1", "hv-1")
+    root = ET.fromstring(retarget(saved, nxt, owner))  # noqa: S314 - our own output
+    assert root.findtext("name") == "team-a_db-0"  # libvirt renames no saved domain
+    sources = [d.find("source").get("file") for d in root.iter("disk")]  # type: ignore[union-attr]
+    assert sources == ["/state/root.qcow2", "/state/scratch0.qcow2", "/state/vms/new-uid/seed.iso"]
+    assert root.findtext("title") == "pod team-a/db-1 (vkubelet)"
+    (pod,) = root.find("metadata")  # type: ignore[misc]
+    assert owner_of(ET.tostring(pod, encoding="unicode")) == owner
+    before, after = parse(), root
+    for kept in ("vcpu", "memory", "devices/serial", "devices/channel"):
+        assert ET.tostring(before.find(kept)) == ET.tostring(after.find(kept))  # type: ignore[arg-type]
+
+
+def test_a_saved_domain_without_one_of_the_pod_s_disks_is_refused() -> None:
+    saved = domain_xml(replace(SPEC, seed=None), OWNER, kvm=False)
+    with pytest.raises(ValueError, match="no disk vdc"):
+        retarget(saved, SPEC, OWNER)

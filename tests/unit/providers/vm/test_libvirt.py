@@ -42,6 +42,11 @@ from vkubelet.providers.vm._libvirt import LibvirtRuntime, _outcome  # noqa: E40
             "VIR_DOMAIN_SHUTOFF_FAILED",
             MachineExit(1, "Error", "the domain failed to start"),
         ),
+        (
+            "VIR_DOMAIN_SHUTOFF",
+            "VIR_DOMAIN_SHUTOFF_SAVED",
+            MachineExit(0, "Hibernated", "the domain was saved (libvirt's managed save)"),
+        ),
     ],
 )
 def test_a_domain_s_end_is_a_container_exit_as_with_qemu(

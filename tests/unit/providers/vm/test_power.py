@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from lightkube.models.core_v1 import (
@@ -365,3 +365,131 @@ async def test_a_hibernated_guest_s_memory_is_readable_only_by_the_agent(tmp_pat
     assert saved.state.parent.stat().st_mode & 0o777 == 0o700
     for name in ("state", "meta.json"):
         assert (saved.state.parent / name).stat().st_mode & 0o777 == 0o600
+
+
+# -- hibernation by libvirt (managed save): the state is the domain's, the record names it ----
+URI = "qemu+ssh://root@hv-2/system"
+
+
+class _Domain:
+    """A libvirt machine as `_hibernate` sees it: it saves itself (`SavingMachine`)."""
+
+    runtime, monitor, agent, reference = "libvirt", None, None, "dom-uuid"
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.refuse, self.calls = refuse, list[str]()
+
+    async def save_state(self, timeout: float) -> str:  # noqa: ASYNC109
+        from vkubelet.providers.vm._machine import MachineError
+
+        self.calls.append("save")
+        if self.refuse is not None:
+            raise MachineError(self.refuse)
+        return "state saved by libvirt (managed save) in 1.00 s"
+
+    async def end(self, outcome: Any) -> Any:
+        self.calls.append(f"end {outcome.reason}")
+        return outcome
+
+    async def stop(self, grace: float) -> Any:
+        self.calls.append("stop")
+
+
+class _Host:
+    def __init__(
+        self, tmp_path: Path, runtime: Literal["qemu", "libvirt"] = "libvirt", uri: str = URI
+    ) -> None:
+        from vkubelet.providers.vm._config import VMConfig
+
+        extra: dict[str, Any] = {"libvirt_uri": uri} if runtime == "libvirt" else {}
+        self.config = VMConfig(
+            state_dir=tmp_path, image_store=tmp_path / "i", runtime=runtime, **extra
+        )
+        self.events: list[str] = []
+        self.restores: list[str | None] = []
+        self.discarded: list[str] = []
+        self.restore_fails: str | None = None
+
+    def event(self, vm: Any, kind: str, reason: str, message: str) -> None:
+        self.events.append(reason)
+
+    async def launch_machine(
+        self, vm: Any, extra_args: tuple[str, ...] = (), *, restore: str | None = None
+    ) -> Any:
+        from vkubelet.providers.vm._backend import RestoreFailed
+
+        self.restores.append(restore)
+        if restore is not None and self.restore_fails is not None:
+            raise RestoreFailed(self.restore_fails)
+        return _Domain()
+
+    async def discard_saved(self, reference: str) -> None:
+        self.discarded.append(reference)
+
+
+def _machine_vm(tmp_path: Path) -> Any:
+    from lightkube.models.core_v1 import Container, PodSpec
+
+    from vkubelet.providers.vm._vm import VM
+
+    pod = Pod(
+        metadata=ObjectMeta(name="db-1", uid="u1", annotations={"vm.vkubelet.io/machine": "m1"}),
+        spec=PodSpec(containers=[Container(name="vm", image="vm.vkubelet.io/tiny")]),
+    )
+    (tmp_path / "vms" / "u1").mkdir(parents=True, exist_ok=True)
+    return VM(pod, tmp_path / "vms" / "u1", launch=Launch(disks=[("r", "virtio")], seed="s"))
+
+
+async def _hibernated(tmp_path: Path) -> tuple[_Host, Any]:
+    host, vm, domain = _Host(tmp_path), _machine_vm(tmp_path), _Domain()
+    vm.power.hibernate = True
+    saving = _hibernate.power_off(host, vm, domain, 30.0)  # type: ignore[arg-type]
+    assert saving is not None
+    await saving
+    assert domain.calls == ["save", "end Hibernated"]
+    return host, vm
+
+
+async def test_libvirt_hibernates_by_managed_save_and_records_the_domain(tmp_path: Path) -> None:
+    host, vm = await _hibernated(tmp_path)
+    saved = _hibernate.saved_state(tmp_path / "machines" / "m1")
+    assert saved is not None and (saved.domain, saved.uri) == ("dom-uuid", URI)
+    assert vm.power.outcome[0] == "Hibernated" and host.events == ["Hibernated"]
+
+
+async def test_a_refused_managed_save_shuts_the_guest_down_and_keeps_no_record(
+    tmp_path: Path,
+) -> None:
+    host, vm, domain = _Host(tmp_path), _machine_vm(tmp_path), _Domain("disk full")
+    vm.power.hibernate = True
+    await _hibernate.power_off(host, vm, domain, 30.0)  # type: ignore[arg-type, misc]
+    assert domain.calls == ["save", "stop"]
+    assert vm.power.outcome == ("HibernateFailed", "disk full")
+    assert _hibernate.saved_state(tmp_path / "machines" / "m1") is None
+
+
+async def test_the_next_pod_restores_the_saved_domain_and_the_record_goes(tmp_path: Path) -> None:
+    host, _ = await _hibernated(tmp_path)
+    await _hibernate.launch(host, _machine_vm(tmp_path))  # type: ignore[arg-type]
+    assert host.restores == ["dom-uuid"] and host.events[-1] == "Resumed"
+    assert _hibernate.saved_state(tmp_path / "machines" / "m1") is None
+
+
+async def test_a_failed_restore_drops_the_domain_and_boots_cold(tmp_path: Path) -> None:
+    host, _ = await _hibernated(tmp_path)
+    host.restore_fails = "the hibernated domain dom-uuid is gone"
+    await _hibernate.launch(host, _machine_vm(tmp_path))  # type: ignore[arg-type]
+    assert host.restores == ["dom-uuid", None] and "ResumeFailed" in host.events
+    assert host.discarded == ["dom-uuid"]
+    assert _hibernate.saved_state(tmp_path / "machines" / "m1") is None
+
+
+@pytest.mark.parametrize(("runtime", "uri"), [("qemu", ""), ("libvirt", "qemu:///system")])
+async def test_only_the_daemon_that_saved_a_domain_resumes_it(
+    tmp_path: Path, runtime: Literal["qemu", "libvirt"], uri: str
+) -> None:
+    _, _ = await _hibernated(tmp_path)
+    other = _Host(tmp_path, runtime, uri)
+    await _hibernate.launch(other, _machine_vm(tmp_path))  # type: ignore[arg-type]
+    assert other.restores == [None] and "ResumeRefused" in other.events
+    assert other.discarded == []  # not this node's daemon: left for the one that has it
