@@ -214,8 +214,12 @@ class Runtime(Protocol):
         daemon unreachable): the node is NotReady with that message."""
         ...
 
-    async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
-        """Raises MachineRefused when the pod's machine cannot be made (before its disks are)."""
+    async def check_machine(
+        self, namespace: str, name: str, pod_uid: str, *, restoring: str | None = None
+    ) -> None:
+        """Raises MachineRefused when the pod's machine cannot be made (before its disks are);
+        `restoring`: the hibernated machine's saved state (`Launch.restore`) the pod resumes,
+        which is not in its way."""
         ...
 
     async def discard_saved(self, reference: str) -> None:

@@ -177,7 +177,10 @@ def _open(libvirt: Any, uri: str) -> Any:
     ones fail with libvirt's message."""
     auth = [[libvirt.VIR_CRED_AUTHNAME, libvirt.VIR_CRED_PASSPHRASE], lambda creds, data: -1, None]
     conn = libvirt.openAuth(uri, auth, 0)
-    conn.setKeepAlive(5, 3)  # a dead peer is noticed in ~20 s, not at the next call's timeout
+    # A dead peer is noticed in ~20 s, not at the next call's timeout. (A driver in this
+    # process, libvirt's test:///default, has no peer and no keepalive.)
+    with contextlib.suppress(libvirt.libvirtError):
+        conn.setKeepAlive(5, 3)
     return conn
 
 
@@ -617,12 +620,17 @@ class LibvirtRuntime(QemuRuntime):
         info = await self.connection.run(conn.getInfo)  # [model, MiB, cpus, MHz, ...]
         return int(info[2]) * 1000, int(info[1]) * 2**20
 
-    async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
-        await self._existing(namespace, name, pod_uid)
+    async def check_machine(
+        self, namespace: str, name: str, pod_uid: str, *, restoring: str | None = None
+    ) -> None:
+        await self._existing(namespace, name, pod_uid, restoring)
 
-    async def _existing(self, namespace: str, name: str, pod_uid: str) -> Any:
+    async def _existing(
+        self, namespace: str, name: str, pod_uid: str, restoring: str | None = None
+    ) -> Any:
         """The pod's domain if there is one; MachineRefused when a domain of its name is not
-        the pod's (left as it is)."""
+        the pod's (left as it is), unless it is the hibernated domain the pod restores (a pod
+        of the machine named as the one that hibernated it)."""
         libvirt = _libvirt()
         conn = await self.connection.get()
         wanted = domain_name(namespace, name)
@@ -632,6 +640,8 @@ class LibvirtRuntime(QemuRuntime):
             if _code(e) == libvirt.VIR_ERR_NO_DOMAIN:
                 return None
             raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+        if restoring is not None and await self.connection.run(domain.UUIDString) == restoring:
+            return None
         try:
             metadata = await self.connection.run(
                 domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_URI

@@ -32,7 +32,7 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -245,9 +245,16 @@ async def existing_machines(kubeconfig: Path) -> set[str] | None:
         await client.aclose()
 
 
-async def gc_machines(state_dir: Path, kubeconfig: Path, in_use: Collection[str]) -> list[str]:
+async def gc_machines(
+    state_dir: Path,
+    kubeconfig: Path,
+    in_use: Collection[str],
+    discard: Callable[[Path], Awaitable[None]] | None = None,
+) -> list[str]:
     """Remove the machine directories whose VirtualMachine is gone (and that no pod on this
-    node uses); the ids removed."""
+    node uses); the ids removed. `discard` first drops what the runtime keeps for a machine
+    elsewhere (a hibernated libvirt domain); when it fails the directory stays, for the next
+    round (it is what names that state)."""
     root = state_dir / MACHINES
     if not root.is_dir():
         return []
@@ -260,6 +267,12 @@ async def gc_machines(state_dir: Path, kubeconfig: Path, in_use: Collection[str]
     removed = []
     for path in candidates:
         if path.name not in existing:
+            if discard is not None:
+                try:
+                    await discard(path)
+                except Exception as e:
+                    log.warning("machine gc: %s kept: its runtime state stays: %s", path.name, e)
+                    continue
             await asyncio.to_thread(shutil.rmtree, path, True)
             removed.append(path.name)
     return removed

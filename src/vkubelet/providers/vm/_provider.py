@@ -541,7 +541,9 @@ class VMProvider(RunnerProvider):
         while True:
             in_use = _persist.machines_in_use(vm.pod for vm in self.vms.values())
             try:
-                removed = await _persist.gc_machines(self.config.state_dir, gc.kubeconfig, in_use)
+                removed = await _persist.gc_machines(
+                    self.config.state_dir, gc.kubeconfig, in_use, self._discard_hibernated
+                )
             except Exception as e:
                 log.warning("machine gc failed: %s", e)
                 removed = []
@@ -549,11 +551,25 @@ class VMProvider(RunnerProvider):
                 log.info("machine gc: removed machine %s (its VirtualMachine is gone)", ident)
             await asyncio.sleep(gc.interval)
 
+    async def _discard_hibernated(self, directory: Path) -> None:
+        """A machine going away: the hibernated state its runtime keeps (a libvirt domain with
+        its managed save image) goes too."""
+        saved = _hibernate.saved_state(directory)
+        if saved is not None and saved.domain is not None and saved.here(self.config) is None:
+            await self.runtime.discard_saved(saved.domain)
+
+    def _restoring(self, vm: VM) -> str | None:
+        """The runtime's saved state the VM's machine resumes from, if any (a libvirt domain)."""
+        saved = _hibernate.saved_state(_hibernate.machine_dir(vm.pod, self.config.state_dir))
+        return saved.domain if saved is not None else None
+
     async def _make_machine(
         self, vm: VM, resolved: ResolvedPod, plan: MachinePlan, image: PulledImage
     ) -> None:
         try:  # before anything is made for it (a libvirt domain of its name not the pod's)
-            await self.runtime.check_machine(resolved.namespace, resolved.name, vm.uid)
+            await self.runtime.check_machine(
+                resolved.namespace, resolved.name, vm.uid, restoring=self._restoring(vm)
+            )
         except MachineRefused as e:
             raise ProviderError(e.reason, str(e)) from None
         vm.dir.mkdir(mode=0o700, parents=True, exist_ok=True)

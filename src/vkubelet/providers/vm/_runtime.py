@@ -202,7 +202,9 @@ class QemuRuntime:
         """None: QEMU runs on this host, whose CPUs and memory the provider reads itself."""
         return None
 
-    async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
+    async def check_machine(
+        self, namespace: str, name: str, pod_uid: str, *, restoring: str | None = None
+    ) -> None:
         """Nothing to check: a QEMU machine is the pod's own directory."""
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:

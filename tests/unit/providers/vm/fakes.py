@@ -175,7 +175,9 @@ class FakeRuntime:
         if self.unhealthy is not None:
             raise RuntimeError(self.unhealthy)
 
-    async def check_machine(self, namespace: str, name: str, pod_uid: str) -> None:
+    async def check_machine(
+        self, namespace: str, name: str, pod_uid: str, *, restoring: str | None = None
+    ) -> None:
         if self.refused is not None:
             raise MachineRefused("DomainExists", self.refused)
 

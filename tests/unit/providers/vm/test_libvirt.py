@@ -15,6 +15,10 @@ libvirt = pytest.importorskip("libvirt", reason="libvirt-python is not installed
 
 from vkubelet.providers.vm._libvirt import LibvirtRuntime, _outcome  # noqa: E402
 
+# libvirt takes one event loop implementation per process (libvirtaio's, on the loop of the
+# first connection): every test that connects shares the module's loop.
+ONE_LOOP = pytest.mark.asyncio(loop_scope="module")
+
 
 @pytest.mark.parametrize(
     ("state", "reason", "outcome"),
@@ -56,6 +60,7 @@ def test_a_domain_s_end_is_a_container_exit_as_with_qemu(
     assert _outcome(libvirt, getattr(libvirt, state), code) == outcome
 
 
+@ONE_LOOP
 async def test_an_unreachable_daemon_is_named_with_its_uri_and_libvirt_s_words(
     tmp_path: Path,
 ) -> None:
@@ -67,3 +72,89 @@ async def test_an_unreachable_daemon_is_named_with_its_uri_and_libvirt_s_words(
     with pytest.raises(MachineError) as refused:
         await runtime.ping()
     assert str(refused.value).startswith(f"libvirt {uri}: Failed to connect socket")
+
+
+# -- hibernated domains, on libvirt's test driver (a daemon-less libvirt in this process) ------
+def _test_runtime(tmp_path: Path) -> LibvirtRuntime:
+    config = VMConfig(
+        state_dir=tmp_path,
+        image_store=tmp_path / "images",
+        runtime="libvirt",
+        libvirt_uri="test:///default",
+    )
+    return LibvirtRuntime(config, "hv-1")
+
+
+async def _saved_domain(runtime: LibvirtRuntime, name: str, *, ours: bool = True) -> str:
+    """A domain of the test driver, started and then managed-saved: a hibernated VM's."""
+    metadata = (
+        '<metadata><vkubelet:pod xmlns:vkubelet="https://vkubelet.io/xmlns/vm-domain/1" '
+        f'uid="old-uid" namespace="ns" name="{name}" node="hv-1"/></metadata>'
+        if ours
+        else ""
+    )
+    xml = (
+        f"<domain type='test'><name>ns_{name}</name><memory>65536</memory>"
+        f"<os><type>hvm</type></os>{metadata}</domain>"
+    )
+    conn = await runtime.connection.get()
+    domain = conn.defineXML(xml)
+    domain.create()
+    domain.managedSave(0)
+    assert domain.hasManagedSaveImage(0)
+    return str(domain.UUIDString())
+
+
+@ONE_LOOP
+async def test_the_hibernated_domain_a_pod_restores_is_not_a_name_clash(tmp_path: Path) -> None:
+    from vkubelet.providers.vm._backend import MachineRefused
+
+    runtime = _test_runtime(tmp_path)
+    uuid = await _saved_domain(runtime, "same-name")
+    # a pod of the machine named as the one that hibernated it (another UID): its restore
+    await runtime.check_machine("ns", "same-name", "new-uid", restoring=uuid)
+    with pytest.raises(MachineRefused):  # any other pod of that name: a clash
+        await runtime.check_machine("ns", "same-name", "new-uid")
+
+
+@ONE_LOOP
+async def test_a_restore_of_a_domain_gone_or_refused_by_libvirt_boots_cold(tmp_path: Path) -> None:
+    from vkubelet.providers.vm._backend import LaunchSpec, RestoreFailed
+
+    runtime = _test_runtime(tmp_path)
+    uuid = await _saved_domain(runtime, "refused")
+    spec = LaunchSpec("ns/next", tmp_path / "m", 1, 256, (), None, "new-uid", "tcg", restore=uuid)
+    with pytest.raises(RestoreFailed, match="not supported"):  # the test driver's refusal
+        await runtime.launch(spec)
+    gone = "00000000-0000-0000-0000-000000000001"
+    with pytest.raises(RestoreFailed, match="is gone"):
+        await runtime.launch(LaunchSpec(**{**spec.__dict__, "restore": gone}))
+
+
+@ONE_LOOP
+async def test_a_discarded_state_removes_our_domain_and_image_only(tmp_path: Path) -> None:
+    runtime = _test_runtime(tmp_path)
+    conn = await runtime.connection.get()
+    ours, theirs = (
+        await _saved_domain(runtime, "ours"),
+        await _saved_domain(runtime, "theirs", ours=False),
+    )
+    await runtime.discard_saved(ours)
+    await runtime.discard_saved(theirs)  # no vkubelet metadata: left as it is
+    names = conn.listDefinedDomains()
+    assert "ns_ours" not in names and "ns_theirs" in names
+    await runtime.discard_saved(ours)  # gone already: nothing to do
+
+
+@ONE_LOOP
+async def test_a_hibernated_domain_is_never_removed_as_an_ended_one(tmp_path: Path) -> None:
+    from vkubelet.providers.vm._libvirt import LibvirtMachine
+
+    runtime = _test_runtime(tmp_path)
+    uuid = await _saved_domain(runtime, "kept")
+    machine = LibvirtMachine(runtime.connection, tmp_path, uuid, -1, 0.0)
+    assert await machine.wait() == MachineExit(
+        0, "Hibernated", "the domain was saved (libvirt's managed save)"
+    )
+    conn = await runtime.connection.get()
+    assert "ns_kept" in conn.listDefinedDomains()

@@ -244,3 +244,25 @@ async def test_an_upgraded_agent_gives_an_adopted_vm_s_machine_to_its_pod_before
         await second.pod_ips(machine_pod("db-b", namespace="other"))
     assert json.loads(record.read_text())["owner"] == {"namespace": "ns", "virtualMachine": None}
     assert len(runtime.launches) == 1
+
+
+async def test_machine_gc_drops_the_runtime_s_state_first_and_keeps_a_machine_it_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for ident in ("saved", "unreachable"):
+        (tmp_path / "machines" / ident).mkdir(parents=True)
+
+    async def existing(kubeconfig: Path) -> set[str] | None:
+        return set()
+
+    discarded: list[str] = []
+
+    async def discard(directory: Path) -> None:
+        if directory.name == "unreachable":
+            raise RuntimeError("libvirt qemu+ssh://hv-2/system: Cannot recv data")
+        discarded.append(directory.name)
+
+    monkeypatch.setattr(_persist, "existing_machines", existing)
+    assert await _persist.gc_machines(tmp_path, Path("k"), set(), discard) == ["saved"]
+    assert discarded == ["saved"]
+    assert [p.name for p in (tmp_path / "machines").iterdir()] == ["unreachable"]
