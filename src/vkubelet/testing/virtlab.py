@@ -123,7 +123,13 @@ import pytest
 from .._files import write_atomic
 from ..devcluster._build import cache_root
 from . import _claim_subnet, _ip, _must
-from .sshlab import _keygen, _netns_inode, _processes, _retry_shadow_tool
+from .sshlab import (
+    _ensure_root_login_possible,
+    _keygen,
+    _netns_inode,
+    _processes,
+    _retry_shadow_tool,
+)
 
 LIBVIRTD = "/usr/sbin/libvirtd"
 VIRTLOGD = "/usr/sbin/virtlogd"
@@ -385,6 +391,8 @@ class _HostSetup:
         survivors = self._kill_processes()
         if survivors:
             problems.append(f"processes still alive: {survivors}")
+        if self.host is not None:
+            _end_ssh_clients(self.host.address)
         if self.veth is not None:
             _ip("link", "del", self.veth)
         if self.netns is not None:
@@ -414,6 +422,24 @@ class _HostSetup:
                         os.kill(pid, signal.SIGTERM if elapsed <= 5 else signal.SIGKILL)
                     signalled.add(pid)
             time.sleep(0.05)
+
+
+def _end_ssh_clients(address: str) -> None:
+    """SIGTERM the machine's `ssh` processes still connected to a host that is gone.
+
+    Its sshd's closing FIN sometimes never reached them (seen now and then under load, cause
+    not found): the ssh client of a libvirt connection then waited for ever,
+    and so did the binding closing that connection at the runner's exit. Ended, the client
+    makes libvirt see the connection closed, as a reset would."""
+    listing = subprocess.run(
+        ["ss", "-tnpH", "state", "established", "dst", f"{address}:22"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    for pid in re.findall(r'\("ssh",pid=(\d+),', listing):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGTERM)
 
 
 def _start_daemon(host: LibvirtHost, binary: str) -> None:
@@ -615,6 +641,7 @@ def libvirt_lab(count: int, workdir: Path) -> Iterator[list[LibvirtHost]]:
         raise ValueError(f"count must be 1 to 12 (a /28 per lab), not {count}")
     workdir.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_hosts()
+    _ensure_root_login_possible()  # the hosts' sshd logs root in
     _ensure_libvirt_accounts()
     lab = uuid.uuid4().hex[:5]
     bridge = f"vkl{lab}b"
