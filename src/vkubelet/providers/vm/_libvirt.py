@@ -26,7 +26,7 @@ the seed and the pod network are the same parts (`LibvirtRuntime` is a `QemuRunt
   `qemuAgentCommand` (`LibvirtGuestAgent`, the same `GuestAgent` interface the provider uses).
 - **End.** A domain that shut off is read for why (guest poweroff, crash, destroyed), the
   outcome recorded in the run directory as the QEMU runtime records it, and the domain's
-  definition removed: `virsh list --all` shows only running VMs' domains.
+  definition removed: `virsh list --all` shows only running and hibernated VMs' domains.
 - **Hibernation** is libvirt's managed save (`LibvirtMachine.save_state`): the domain stays
   defined, shut off with its image, and nothing here removes it (`_remove` keeps a domain
   with a managed save image); the machine's directory records its UUID (`_hibernate`). The
