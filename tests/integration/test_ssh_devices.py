@@ -622,6 +622,52 @@ def test_pods_are_adopted_and_debug_processes_ended_after_the_agent_is_killed_an
         delete(kubectl, running, short)
 
 
+def test_a_pod_whose_supervisor_was_killed_runs_again_with_or_without_an_agent_restart(
+    lab: Lab, kubectl: Kubectl
+) -> None:
+    """Like a kubelet whose container's shim died: the run is reported ended (137,
+    ContainerStatusUnknown) and restarted by the pod's policy, one process at a time. First
+    every process of the supervisor killed under a running agent, then its leader alone while
+    the agent is down (its shells live on, waiting on the container)."""
+    device = lab.devices[2]
+    tag = uuid.uuid4().hex[:8]
+    name = run_pod(kubectl, device.name, ["sh", "-c", f"sleep 3600; : {tag}"])
+    uid = kubectl.json("get", "pod", name)["metadata"]["uid"]
+
+    def supervisor() -> list[int]:
+        return device.pids(f"{uid}/run.sh")
+
+    def runs_again(restarts: int, before: list[int]) -> list[int]:
+        wait_for(
+            lambda: (
+                container(kubectl, name).get("restartCount") == restarts
+                and "running" in container(kubectl, name)["state"]
+            ),
+            timeout=60,
+            what=f"restart {restarts}",
+        )
+        last = container(kubectl, name)["lastState"]["terminated"]
+        assert (last["exitCode"], last["reason"]) == (137, "ContainerStatusUnknown")
+        now: list[int] = wait_for(lambda: device.pids(f": {tag}"), what="the new process")
+        assert len(now) == 1 and not set(now) & set(before)  # the old one ended first
+        assert len({os.getsid(p) for p in supervisor()}) == 1  # one supervisor
+        return now
+
+    try:
+        first = device.pids(f": {tag}")
+        for pid in supervisor():
+            os.kill(pid, 9)
+        second = runs_again(1, first)
+        lab.agent.stop(9)
+        [leader] = {os.getsid(p) for p in supervisor()}
+        os.kill(leader, 9)
+        lab.agent.start()
+        runs_again(2, second)
+        assert status(kubectl, name)["phase"] == "Running"
+    finally:
+        delete(kubectl, name)
+
+
 def test_a_device_removed_from_the_inventory_is_drained_then_its_node_deleted(
     lab: Lab, kubectl: Kubectl
 ) -> None:

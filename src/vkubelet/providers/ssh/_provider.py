@@ -38,6 +38,7 @@ from ...sdk.logs import LogParser, previous_not_found, render_chunks
 from ...sdk.probes import PodProbes, ProbeEvent
 from ...sdk.provider import EventSink
 from ...sdk.quantity import QuantityError, parse_quantity
+from ...sdk.retry import Backoff
 from ...sdk.stats import ContainerUsage, CpuCounters, NodeUsage, PodUsage, Usage
 from ...sdk.stats import resource_metrics as format_metrics
 from ...sdk.stats import summary as format_summary
@@ -84,6 +85,10 @@ class _PodEntry:
         self.debug_output: dict[str, bytearray] = {}
         self.debug_attached: set[str] = set()
         self.debug_plans: dict[str, tuple[_remote.ContainerPlan, str | None]] = {}  # and target
+        # Starting its supervisor: create_pod, or a revival after it died. One at a time.
+        self.starting = asyncio.Lock()
+        self.revivals: Backoff | None = None  # a supervisor that died: its revivals' back-off
+        self.revive_at = 0.0  # monotonic: not revived again before
 
 
 class DeviceProvider:
@@ -103,6 +108,7 @@ class DeviceProvider:
         self.probe_second = probe_second  # how long a second of probe settings lasts (tests)
         self._removals = TaskSet(f"removals {config.name}", logger=log)
         self._debug_runs = TaskSet(f"debug containers {config.name}", logger=log)
+        self._revivals = TaskSet(f"revivals {config.name}", logger=log)
         self.root = config.pod_dir
         self._pods: dict[str, _PodEntry] = {}  # "namespace/name"
         self._notify: Callable[[Pod], None] | None = None
@@ -135,6 +141,7 @@ class DeviceProvider:
                 await entry.prober.aclose()
         await self._removals.aclose()
         await self._debug_runs.aclose()
+        await self._revivals.aclose()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -210,6 +217,60 @@ class DeviceProvider:
             entry.remote = remote
             self._probe(entry)
             self._publish(entry)
+            self._revive_if_lost(entry, remote)
+
+    def _revive_if_lost(self, entry: _PodEntry, remote: _remote.RemotePod) -> None:
+        """A supervisor that died (killed on the device, OOM-killed) restarts nothing and leaves
+        "running" states of runs that have ended: like a kubelet whose container's shim died,
+        the agent ends them (ContainerStatusUnknown, 137) and starts the supervisor again, which
+        restarts them by the pod's restartPolicy. A supervisor that keeps dying is revived with
+        the restart back-off (the first time at once), reset once one lived for as long as the
+        kubelet's reset period."""
+        now = time.monotonic()
+        if not remote.supervisor_lost:
+            reset_after = 2 * self.config.backoff_max
+            if entry.revivals is not None and now - entry.revive_at > reset_after:
+                entry.revivals = None
+            return
+        if entry.starting.locked() or now < entry.revive_at:
+            return
+        if entry.revivals is None:
+            entry.revivals = Backoff(self.config.backoff_initial, self.config.backoff_max)
+            entry.revive_at = now  # the first revival at once
+        entry.revive_at = now + entry.revivals.next_delay()
+        self._revivals.spawn(self._revive(entry), name=f"revive {_key(entry)}")
+
+    async def _revive(self, entry: _PodEntry) -> None:
+        async with entry.starting:
+            script = self._backoff_env() + _remote.revive_pod_script(self.root, entry.uid)
+            try:
+                result = await self.link.run(script)
+            except Unreachable:
+                return  # the next sweep after reconnecting tells again
+        if result.exit_status != 0:
+            detail = result.stderr.decode(errors="replace").strip()[-500:]
+            log.warning(
+                "device %s: pod %s: its supervisor died and cannot be restarted: %s",
+                self.config.name,
+                _key(entry),
+                detail or f"exit {result.exit_status}",
+            )
+        elif result.stdout.strip():
+            log.warning(
+                "device %s: pod %s: its supervisor had died: restarted",
+                self.config.name,
+                _key(entry),
+            )
+        self._poked.add(entry.uid)
+        self._poke.set()
+
+    def _backoff_env(self) -> str:
+        """The restart back-off's settings, for the supervisor a script starts (see run.sh)."""
+        return (
+            f"export VKUBELET_BACKOFF_BASE={max(1, round(self.config.backoff_initial))}\n"
+            f"export VKUBELET_BACKOFF_MAX={max(1, round(self.config.backoff_max))}\n"
+            f"export VKUBELET_BACKOFF_RESET={max(2, round(2 * self.config.backoff_max))}\n"
+        )
 
     def _record_events(self, entry: _PodEntry, remote: _remote.RemotePod) -> None:
         """The Events a kubelet records as containers enter the states this sweep found."""
@@ -314,9 +375,7 @@ class DeviceProvider:
         # (a pod it runs already, e.g. after an agent restart, is left alone), so there is
         # nothing to ask first.
         script = (
-            f"export VKUBELET_BACKOFF_BASE={max(1, round(self.config.backoff_initial))}\n"
-            f"export VKUBELET_BACKOFF_MAX={max(1, round(self.config.backoff_max))}\n"
-            f"export VKUBELET_BACKOFF_RESET={max(2, round(2 * self.config.backoff_max))}\n"
+            self._backoff_env()
             + self._volume_script(pod, uid, replace=False)
             + _remote.start_pod_script(self.root, plan)
         )
@@ -326,7 +385,8 @@ class DeviceProvider:
         else:  # adopted: the API's spec replaces what the device kept of it
             entry.pod = pod.pod
         try:
-            result = await self.link.run(script)
+            async with self._pods[key].starting:  # not while a revival starts it
+                result = await self.link.run(script)
         except BaseException:
             if (entry := self._pods.get(key)) is not None and entry.remote is None:
                 del self._pods[key]
@@ -1294,9 +1354,10 @@ class _Output:
 
 def _terminated(state: _remote.ContainerStatus) -> Terminated:
     code = state.exit_code if state.exit_code is not None else 0
-    if state.reason == "StartError":  # the runtime could not start it: its words
+    # the runtime could not start it (its words), or it was lost with its supervisor
+    if state.reason in ("StartError", "ContainerStatusUnknown"):
         return Terminated(
-            code, state.started_at, state.finished_at, "StartError", state.message or ""
+            code, state.started_at, state.finished_at, state.reason, state.message or ""
         )
     return Terminated(code, state.started_at, state.finished_at)
 

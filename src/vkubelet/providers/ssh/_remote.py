@@ -28,6 +28,7 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
                             from a later process with the same pid; "-" where /proc lacks them)
     pods/<uid>/stop         exists once a stop was requested: nothing (re)starts any more
     pods/<uid>/done         the supervisor has finished: every container is done or stopped
+                            (or, stopped, it had died: see `revive_pod_script`)
     pods/<uid>/fs/          the default working directory
     pods/<uid>/c/<name>/cmd       the container's start script (its argv, quoted; no env)
     pods/<uid>/c/<name>/state     one line, replaced atomically (tmp + mv):
@@ -38,6 +39,8 @@ On-device layout, under the root (`podDir`: absolute, or relative to $HOME):
                                   times are RFC 3339 UTC to the second; a process killed by
                                   signal N exited with 128+N; StartError: the runtime could not
                                   start the container's command (see ImageRun)
+                                    terminated 137 <at> <at> ContainerStatusUnknown <msg in base64>
+                                  a run lost with a supervisor that died (see `revive_pod_script`)
     pods/<uid>/c/<name>/last      the previous termination (lastState), same format
     pods/<uid>/c/<name>/restarts  the restart count
     pods/<uid>/c/<name>/pid       the running process's pid, which is its process group's id;
@@ -108,6 +111,7 @@ __all__ = [
     "pod_word",
     "remove_pod_script",
     "restart_container_script",
+    "revive_pod_script",
     "root_word",
     "runtime_exec_command",
     "runtime_name",
@@ -304,6 +308,14 @@ class RemotePod:
     metadata_json: bytes
     init_containers: list[ContainerStatus]  # in plan order
     containers: list[ContainerStatus]
+    finished: bool = False  # the supervisor ended as it should (pods/<uid>/done)
+
+    @property
+    def supervisor_lost(self) -> bool:
+        """The supervisor died before it finished (killed, an OOM kill, a reboot): nothing
+        restarts the pod's containers, and a state file may still say "running" of a run that
+        has ended. `revive_pod_script` puts that right."""
+        return not self.supervisor_alive and not self.finished
 
 
 # -- paths as shell words -------------------------------------------------------------------------
@@ -488,13 +500,7 @@ def start_pod_script(root: str, plan: PodPlan) -> str:
         '\tread -r SPID rest 2>/dev/null <"$P/supervisor.pid" && echo "$SPID"\n',
         "\texit 0\n",
         "fi\n",
-        "# An earlier supervisor is gone: what it left running in this boot goes too.\n",
-        'if read -r o_pid o_boot o_rest 2>/dev/null <"$P/supervisor.pid" '
-        '&& [ "$o_boot" = "$BOOT" ]; then\n',
-        '\tfor f in "$P"/c/*/pid; do\n',
-        '\t\tif read -r p 2>/dev/null <"$f"; then signal_group KILL "$p"; fi\n',
-        "\tdone\n",
-        "fi\n\n",
+        _LOST,
         f'mkdir -p "$P/fs" "$P/env" {dirs} || fail "cannot create $P"\n',
         _heredoc('base64 -d >"$P/pod.json.tmp"', metadata),
         'mv -f "$P/pod.json.tmp" "$P/pod.json" || fail "cannot write pod.json"\n',
@@ -513,23 +519,85 @@ def start_pod_script(root: str, plan: PodPlan) -> str:
             *_image_files(plan.uid, container),
             f'd="$P/c/{name}"; rm -f "$d/pid" "$d/backoff"\n',
             '[ -s "$d/restarts" ] || echo 0 >"$d/restarts"\n',
-            f'echo "waiting {reason}" >"$d/state.tmp" && mv -f "$d/state.tmp" "$d/state" '
+            # a run that ended (or was lost) with an earlier supervisor: the new one goes on
+            'read -r word rest 2>/dev/null <"$d/state" && [ "$word" = terminated ] || '
+            f'{{ echo "waiting {reason}" >"$d/state.tmp" && mv -f "$d/state.tmp" "$d/state"; }} '
             f'|| fail "cannot write $d/state"\n',
         ]
     parts += [
         _heredoc('cat >"$P/run.sh"', _supervisor(plan)),
         _heredoc('cat >"$P/containers"', order),
-        "\n# The supervisor: in its own session, attached to nothing of this SSH session.\n",
-        'rm -f "$P/supervisor.pid"\n',
-        '$SETSID sh "$P/run.sh" "$P" </dev/null >>"$P/supervisor.log" 2>&1 &\n',
-        "SPID=$!\n",
-        '[ -z "$SETSID" ] || own_session "$SPID"\n',
-        'proc_start "$SPID"\n',
-        'echo "$SPID $BOOT $START" >"$P/supervisor.pid.tmp" '
-        '&& mv -f "$P/supervisor.pid.tmp" "$P/supervisor.pid" || fail "no supervisor.pid"\n',
-        'echo "$SPID"\n',
+        _LAUNCH,
     ]
     return "".join(parts)
+
+
+# Of start_pod_script and revive_pod_script, with the helpers and P, the pod directory. An
+# earlier supervisor is gone: its containers' runs are lost with it, as a kubelet's are when
+# their shim dies. What it left in this boot is killed, its runtime containers removed (a new
+# run never meets an old one), and a run it left "running" has ended: exit 137,
+# ContainerStatusUnknown, the new supervisor restarts it or not by the pod's restartPolicy.
+_LOST_MESSAGE = base64.b64encode(
+    b"the pod's supervisor on the device had died: the container's run was ended"
+).decode()
+_LOST = f"""
+# An earlier supervisor is gone: its runs are lost with it. Its shells (a subshell per
+# container, waiting on it and restarting it) may live on in its group: they go first. A pid
+# that no process has names that group still; one that another process got (another start
+# time) no longer can, since a pid is not given out while a group has it.
+lost=
+if read -r o_pid o_boot o_start 2>/dev/null <"$P/supervisor.pid" && [ "$o_boot" = "$BOOT" ]; then
+	lost=1
+	proc_start "$o_pid"
+	if is_pid "$o_pid" && {{ [ "$START" = - ] || [ "$START" = "$o_start" ]; }}; then
+		kill -KILL -"$o_pid" 2>/dev/null
+	fi
+fi
+for d in "$P"/c/*; do
+	[ -d "$d" ] || continue
+	if [ -n "$lost" ]; then
+		if read -r p 2>/dev/null <"$d/pid"; then signal_group KILL "$p"; fi
+		[ ! -f "$d/rm" ] || sh "$d/rm"
+	fi
+	rm -f "$d/pid" "$d/backoff"
+	if read -r word pid at 2>/dev/null <"$d/state" && [ "$word" = running ]; then
+		lost_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+		echo "terminated 137 $at $lost_at ContainerStatusUnknown {_LOST_MESSAGE}" >"$d/state.tmp" &&
+			mv -f "$d/state.tmp" "$d/state"
+	fi
+done
+"""
+
+_LAUNCH = """
+# The supervisor: in its own session, attached to nothing of this SSH session.
+rm -f "$P/supervisor.pid"
+$SETSID sh "$P/run.sh" "$P" </dev/null >>"$P/supervisor.log" 2>&1 &
+SPID=$!
+[ -z "$SETSID" ] || own_session "$SPID"
+proc_start "$SPID"
+echo "$SPID $BOOT $START" >"$P/supervisor.pid.tmp" &&
+	mv -f "$P/supervisor.pid.tmp" "$P/supervisor.pid" || fail "no supervisor.pid"
+echo "$SPID"
+"""
+
+
+def revive_pod_script(root: str, uid: str) -> str:
+    """Start the pod's supervisor again if it died (see `RemotePod.supervisor_lost`), from the
+    files it left, without the agent's plan (an adopted pod's env is only on the device): its
+    lost runs end (`_LOST`), and it restarts them by the pod's restartPolicy. A stopped pod is
+    not started again: it is done. Prints the new supervisor's pid, or nothing when there was
+    nothing to do (alive, finished, or being started: no supervisor.pid yet)."""
+    return (
+        _pod_script(f"revive pod {uid}", root, uid)
+        + 'fail() { echo "vkubelet: cannot restart the pod\'s supervisor: $*" >&2; exit 1; }\n'
+        + '[ -f "$P/containers" ] && [ -f "$P/run.sh" ] && [ -f "$P/supervisor.pid" ] || exit 0\n'
+        + 'if supervisor_alive "$P" || [ -e "$P/done" ]; then exit 0; fi\n'
+        + _LOST
+        + 'if [ -e "$P/stop" ]; then\n'
+        + f'\t: >"$P/done" && echo "{uid} - done" >>"${{P%/pods/*}}/events"\n'
+        + "\texit 0\nfi\n"
+        + _LAUNCH
+    )
 
 
 def runtime_name(uid: str, container: str) -> str:
@@ -1011,16 +1079,25 @@ supervise() {
 	restarted=0 # when the last restart happened, in seconds since the epoch
 	c_delay=$BASE # between attempts to create it, whatever the policy (it never ran)
 	CODE=1
+	# A run that ended under an earlier supervisor, which died (or was lost with it): as if it
+	# had just ended here.
+	resumed=
+	if read -r word code rest 2>/dev/null <"$P/c/$1/state" && [ "$word" = terminated ]; then
+		resumed=1 CODE=$code TERMINATED="terminated $code $rest"
+	fi
 	while [ ! -e "$P/stop" ]; do
-		pull "$1" || break
-		run "$1"
-		if [ -z "$CREATED" ]; then
-			set_state "$1" waiting CreateContainerError "$c_delay"
-			backoff "$1" "$c_delay"
-			c_delay=$((c_delay * 2))
-			[ "$c_delay" -le "$MAX" ] || c_delay=$MAX
-			continue
+		if [ -z "$resumed" ]; then
+			pull "$1" || break
+			run "$1"
+			if [ -z "$CREATED" ]; then
+				set_state "$1" waiting CreateContainerError "$c_delay"
+				backoff "$1" "$c_delay"
+				c_delay=$((c_delay * 2))
+				[ "$c_delay" -le "$MAX" ] || c_delay=$MAX
+				continue
+			fi
 		fi
+		resumed=
 		c_delay=$BASE
 		case $2 in
 		Never) break ;;
@@ -1089,7 +1166,9 @@ for P in {targets}; do
 	! supervisor_alive "$P" || alive=1
 	stopping=0
 	[ ! -e "$P/stop" ] || stopping=1
-	echo "pod $uid $alive $stopping"
+	done=0
+	[ ! -e "$P/done" ] || done=1
+	echo "pod $uid $alive $stopping $done"
 	echo json
 	base64 <"$P/pod.json" 2>/dev/null
 	echo .
@@ -1145,14 +1224,15 @@ def parse_sweep(output: str | bytes) -> dict[str, RemotePod]:
 
 def _parse_record(lines: list[str], end_uid: str) -> RemotePod:
     words = lines[0].split(" ")
-    if len(words) != 4 or words[1] != end_uid or not _UID.fullmatch(end_uid):
+    if len(words) not in (4, 5) or words[1] != end_uid or not _UID.fullmatch(end_uid):
         raise _Malformed("pod line")
     uid, alive, stopping = words[1], _flag(words[2]), _flag(words[3])
+    finished = len(words) == 5 and _flag(words[4])
     if lines[1] != "json" or "." not in lines:
         raise _Malformed("json")
     dot = lines.index(".")
     metadata = base64.b64decode("".join(lines[2:dot]), validate=True)
-    pod = RemotePod(uid, alive, stopping, metadata, [], [])
+    pod = RemotePod(uid, alive, stopping, metadata, [], [], finished)
     rest = lines[dot + 1 :]
     i = 0
     while i < len(rest):
@@ -1221,11 +1301,13 @@ def _status(name: str, words: list[str], restarts: int) -> ContainerStatus:
             reason = "Completed" if exit_code == 0 else "Error"
             times = _time(started), _time(finished)
             return ContainerStatus(name, "terminated", reason, None, *times, exit_code, restarts)
-        case ["terminated", code, started, finished, "StartError", message]:
-            # the runtime could not start its command: its words
+        case ["terminated", code, started, finished, reason, message] if reason in (
+            "StartError",  # the runtime could not start its command: its words
+            "ContainerStatusUnknown",  # lost with a supervisor that died
+        ):
             times = _time(started), _time(finished)
             status = ContainerStatus(
-                name, "terminated", "StartError", None, *times, _count(code), restarts
+                name, "terminated", reason, None, *times, _count(code), restarts
             )
             text = base64.b64decode(message, validate=True).decode(errors="replace").strip()
             status.message = text or None

@@ -47,6 +47,7 @@ from vkubelet.providers.ssh._remote import (
     parse_sweep,
     remove_pod_script,
     restart_container_script,
+    revive_pod_script,
     runtime_exec_command,
     start_pod_script,
     stop_pod_script,
@@ -580,6 +581,38 @@ def test_a_pod_whose_supervisor_died_starts_over_and_keeps_its_counts(device: De
     wait_for(lambda: not alive(first), timeout=2)  # what the old one left is killed
     pod = device.wait(lambda p: status(p).state == "running" and status(p).pid != first)
     assert status(pod).restart_count == 1  # run 0 happened: this one is a restart
+
+
+def test_a_revived_supervisor_ends_the_lost_run_and_restarts_it_by_policy(device: Device) -> None:
+    plan = pod_plan(ctr("main", "exec sleep 30"), policy="Always")
+    supervisor = device.start(plan)
+    first = status(device.wait(state_of("main", "running"))).pid
+    assert first is not None
+    assert device.run(revive_pod_script(ROOT, "u1")).stdout == b""  # alive: nothing to do
+    os.kill(supervisor, signal.SIGKILL)
+    pod = device.wait(lambda p: not p.supervisor_alive)
+    assert pod.supervisor_lost and status(pod).state == "running"  # stale: nobody ended it
+    assert int(device.run(revive_pod_script(ROOT, "u1")).stdout) != supervisor
+    wait_for(lambda: not alive(first), timeout=2)
+    pod = device.wait(lambda p: status(p).state == "running" and status(p).pid != first)
+    assert pod.supervisor_alive and status(pod).restart_count == 1
+    last = status(pod).last
+    assert last is not None
+    assert (last.exit_code, last.reason) == (137, "ContainerStatusUnknown")
+
+
+def test_a_stopped_pod_whose_supervisor_died_is_done_not_restarted(device: Device) -> None:
+    plan = pod_plan(ctr("main", "trap '' TERM; sleep 30 & wait"), policy="Always")
+    supervisor = device.start(plan)
+    first = status(device.wait(state_of("main", "running"))).pid
+    assert first is not None
+    os.kill(supervisor, signal.SIGKILL)
+    device.run(stop_pod_script(ROOT, "u1", 30))
+    assert device.run(revive_pod_script(ROOT, "u1")).stdout == b""
+    wait_for(lambda: not alive(first), timeout=2)
+    pod = device.pod()
+    assert pod.finished and not pod.supervisor_lost
+    assert (status(pod).state, status(pod).exit_code) == ("terminated", 137)
 
 
 # -- logs -----------------------------------------------------------------------------------------
