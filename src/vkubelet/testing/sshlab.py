@@ -628,7 +628,10 @@ def docker_daemon(device: TestDevice, directory: Path) -> Iterator[DockerDaemon]
     argv = ["nsenter", f"--net=/run/netns/{device.netns}"]
     argv += ["unshare", "--mount", "--propagation", "private"]
     argv += ["sh", "-c", 'mount --bind "$0" /run && exec "$@"', str(run), DOCKERD]
-    argv += ["--data-root", str(directory / "data"), "--exec-root", str(directory / "exec")]
+    # The exec root holds containerd's sockets (`containerd.sock.ttrpc`): inside the daemon's
+    # /run, since below a pytest-xdist worker's directory they passed the 107-byte limit of a
+    # socket path and containerd never started (CI: "timeout waiting for containerd").
+    argv += ["--data-root", str(directory / "data"), "--exec-root", "/run/docker"]
     argv += ["--pidfile", str(directory / "dockerd.pid")]
     argv += ["--host", f"unix://{directory / 'docker.sock'}"]
     argv += ["--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false"]
