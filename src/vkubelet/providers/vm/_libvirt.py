@@ -446,19 +446,9 @@ class LibvirtMachine:
                 await asyncio.wait_for(self._console.ended.wait(), _POLL)
 
     async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
-        ready = asyncio.create_task(self.agent.wait_ready(timeout))
-        gone = asyncio.create_task(self._gone.wait())
-        try:
-            done, _ = await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if ready in done:
-            ready.result()
-            return
-        ready.cancel()
-        with contextlib.suppress(asyncio.CancelledError, GuestAgentUnavailable):
-            await ready
-        raise GuestAgentUnavailable(f"domain {self.uuid} ended before its guest agent answered")
+        await self.agent.wait_ready_unless(
+            self._gone.wait(), timeout, f"domain {self.uuid} ended before its guest agent answered"
+        )
 
     async def exec(
         self,

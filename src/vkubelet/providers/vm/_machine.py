@@ -281,19 +281,11 @@ class Machine:
 
     async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
         """Until the guest agent answers; GuestAgentUnavailable on timeout or when QEMU is gone."""
-        ready = asyncio.create_task(self.agent.wait_ready(timeout))
-        gone = asyncio.create_task(self._process_gone())
-        try:
-            done, _ = await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if ready in done:
-            ready.result()
-            return
-        ready.cancel()
-        with contextlib.suppress(asyncio.CancelledError, GuestAgentUnavailable):
-            await ready
-        raise GuestAgentUnavailable(f"QEMU of {self.run_dir.name} exited before its guest agent")
+        await self.agent.wait_ready_unless(
+            self._process_gone(),
+            timeout,
+            f"QEMU of {self.run_dir.name} exited before its guest agent",
+        )
 
     async def exec(
         self,

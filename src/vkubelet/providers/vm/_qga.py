@@ -18,7 +18,7 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +114,29 @@ class GuestAgent:
                     if self._writer is None:  # QEMU not listening yet
                         await asyncio.sleep(0.05)
                     attempt = min(attempt * 1.5, 1.0)
+
+    async def wait_ready_unless(
+        self,
+        gone: Coroutine[Any, Any, object],
+        timeout: float,  # noqa: ASYNC109
+        why: str,
+    ) -> None:
+        """`wait_ready`, given up (GuestAgentUnavailable saying `why`) as soon as `gone`
+        returns: a machine that ended will never answer, and its pod should not wait out the
+        whole boot timeout to say so."""
+        ready = asyncio.create_task(self.wait_ready(timeout))
+        ended = asyncio.create_task(gone)
+        try:
+            done, _ = await asyncio.wait({ready, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+        if ready in done:
+            ready.result()
+            return
+        ready.cancel()
+        with contextlib.suppress(asyncio.CancelledError, GuestAgentUnavailable):
+            await ready
+        raise GuestAgentUnavailable(why)
 
     async def call(
         self,
