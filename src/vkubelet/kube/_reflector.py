@@ -101,6 +101,10 @@ class _List(msgspec.Struct):
 _list_decoder = msgspec.json.Decoder(_List)
 
 
+#: Refusals (403) in a row logged at INFO before they become warnings (0.2+0.4+0.8+1.6 s).
+_QUIET_FORBIDDEN = 4
+
+
 class Reflector(Generic[T]):
     def __init__(
         self,
@@ -161,7 +165,12 @@ class Reflector(Generic[T]):
                 delay = self._backoff.next_delay(
                     cap=UNREACHABLE_MAX_BACKOFF if overloaded else None
                 )
-                log.warning("%s: %s; retrying in %.1fs", self.name, e, delay)
+                # A node identity's first 403s are often the Node authorizer not yet knowing
+                # of the pod that references the object (it learns a moment after the pod
+                # appears): a warning only once the refusal lasts (~3 s).
+                quiet = e.status == 403 and self._backoff.failures <= _QUIET_FORBIDDEN
+                level = logging.INFO if quiet else logging.WARNING
+                log.log(level, "%s: %s; retrying in %.1fs", self.name, e, delay)
             except Unreachable as e:
                 if self._handler.on_error is not None:
                     self._handler.on_error(e)

@@ -5,6 +5,7 @@ patience while the apiserver is unreachable."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -285,6 +286,28 @@ async def test_from_now_replays_no_history_not_even_after_410_gone(api: FakeApiS
         api.create("pods", pod("newer"))
         await eventually(lambda: seen.changes == [("add", "new"), ("add", "newer")])
         assert reflector.items == {}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+
+
+@pytest.mark.parametrize(("refusals", "warned"), [(2, False), (5, True)])
+async def test_a_brief_refusal_is_no_warning_and_a_lasting_one_is(
+    api: FakeApiServer, caplog: pytest.LogCaptureFixture, refusals: int, warned: bool
+) -> None:
+    """A node identity's first 403s are the Node authorizer catching up with a new pod."""
+    caplog.set_level(logging.INFO, logger="vkubelet.kube._reflector")
+    api.create("pods", pod("a"))
+    api.fail("GET", "^/api/v1/pods$", status=403, times=refusals)
+    client = api.client()
+    reflector = Reflector(client, "/api/v1/pods", Pod, Seen().handler())
+    task = asyncio.create_task(reflector.run())
+    try:
+        await asyncio.wait_for(reflector.synced.wait(), 10)
+        refused = [r for r in caplog.records if "403" in r.getMessage()]
+        assert len(refused) == refusals
+        assert any(r.levelname == "WARNING" for r in refused) is warned
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
