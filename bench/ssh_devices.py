@@ -428,13 +428,15 @@ async def bind_run(
     return run
 
 
+def quantiles(values: list[float]) -> str:
+    """p50 / p90 / p99 / max, in ms, for a report's row."""
+    parts = (pct(values, 0.5), pct(values, 0.9), pct(values, 0.99), max(values, default=0))
+    return " / ".join(ms(v) for v in parts)
+
+
 def report_bind(runs: list[BindRun], devices: int) -> None:
     print(f"\n## bind -> command running: {runs[0].pods} pods over {devices} devices (ms)")
     rows: list[tuple[str, ...]] = [("", *(r.label for r in runs))]
-
-    def quantiles(values: list[float]) -> str:
-        parts = (pct(values, 0.5), pct(values, 0.9), pct(values, 0.99), max(values, default=0))
-        return " / ".join(ms(v) for v in parts)
 
     rows.append(("(p50 / p90 / p99 / max)", *("" for _ in runs)))
     rows.append(("bind -> command started", *(quantiles(r.span("sent", "started")) for r in runs)))
@@ -885,10 +887,6 @@ def report_images(runs: list[StartRun], rate: float) -> None:
     count = len(runs[0].sent)
     print(f"\n## images on one device: {count} pods at {rate:g} pods/s, each way in turn (ms)")
     rows: list[tuple[str, ...]] = [("", *(r.label for r in runs))]
-
-    def quantiles(values: list[float]) -> str:
-        parts = (pct(values, 0.5), pct(values, 0.9), pct(values, 0.99), max(values, default=0))
-        return " / ".join(ms(v) for v in parts)
 
     rows.append(("(p50 / p90 / p99 / max)", *("" for _ in runs)))
     rows.append(("bind -> command started", *(quantiles(r.since_sent(r.started)) for r in runs)))
