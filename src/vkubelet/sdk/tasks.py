@@ -17,13 +17,15 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx2 as httpx
 
 from .retry import Backoff
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A supervised task that ran this long without failing starts its next back-off from the bottom.
 _STEADY_SECONDS = 60.0
@@ -118,6 +120,37 @@ class TaskSet:
         if tasks:
             await asyncio.wait(tasks)
         self._tasks.clear()
+
+
+class SharedWatch(Generic[T]):
+    """One watcher task for any number of waiters, living as long as one of them waits.
+
+    A machine's end is watched once however many callers wait for it (the pod's run, a stop,
+    a kill). When the last waiter is cancelled (its pod's run ends because the agent stops), the
+    watcher is cancelled and awaited too, so what it watches runs on for the next agent. A
+    watcher nobody awaits would be cancelled only by asyncio's final sweep, and its clean-up
+    could then wait for ever on a reply whose reader was cancelled with it. A watcher that was
+    cancelled is started again by the next waiter; one that finished keeps its result.
+    """
+
+    def __init__(self, watch: Callable[[], Coroutine[Any, Any, T]], *, name: str) -> None:
+        self._watch = watch
+        self._name = name
+        self._task: asyncio.Task[T] | None = None
+        self._waiting = 0
+
+    async def wait(self) -> T:
+        if self._task is None or self._task.cancelled():
+            self._task = asyncio.create_task(self._watch(), name=self._name)
+        task = self._task
+        self._waiting += 1
+        try:
+            return await asyncio.shield(task)
+        finally:
+            self._waiting -= 1
+            if not self._waiting and not task.done():
+                task.cancel()
+                await asyncio.wait({task})
 
 
 # Of a process's stop bound, the share kept for the tasks that outlived its main one.

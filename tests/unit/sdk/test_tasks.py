@@ -10,6 +10,7 @@ import time
 import pytest
 
 from vkubelet.sdk import TaskSet, run_supervised
+from vkubelet.sdk.tasks import SharedWatch
 
 
 async def test_a_failing_supervised_task_is_logged_and_restarted(
@@ -156,3 +157,35 @@ def test_a_signalled_process_stops_within_its_grace_whatever_its_tasks_do(leftov
         assert out.endswith("cut short\n")
         assert "the stubborn one still running 1.0 s after the stop began; abandoned" in err
         assert "in stubborn" in err  # where it waits
+
+
+async def test_waiters_share_one_watcher_which_ends_with_the_last_of_them() -> None:
+    started = 0
+    release = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def watch() -> str:
+        nonlocal started
+        started += 1
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "off"
+
+    shared = SharedWatch(watch, name="watch")
+    first = asyncio.ensure_future(shared.wait())
+    second = asyncio.ensure_future(shared.wait())
+    await asyncio.sleep(0)
+    first.cancel()
+    await asyncio.wait({first})
+    assert not cancelled.is_set()  # the second still waits: the watcher lives on
+    second.cancel()
+    await asyncio.wait({second})
+    assert cancelled.is_set()  # the last waiter gone: so is the watcher, awaited
+    # The next waiter starts it again; a finished watcher keeps its result for later waiters.
+    release.set()
+    assert await shared.wait() == "off"
+    assert await shared.wait() == "off"
+    assert started == 2

@@ -32,7 +32,7 @@ import os
 import shlex
 import shutil
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -381,7 +381,6 @@ async def _save_or_stop(
 ) -> object:
     """Hibernation by the runtime itself (libvirt's managed save). The record is written
     first, naming the domain: an agent that stops mid-save leaves a state its next pod finds."""
-    started = time.monotonic()
     assert vm.launch is not None
     where = private_dir(_state_dir(directory))
     meta = {
@@ -389,28 +388,42 @@ async def _save_or_stop(
         "savedAt": time.time(),
         "libvirt": {"uri": host.config.libvirt_uri, "domain": saving.reference},
     }
-    try:
+
+    async def save(timeout: float) -> str:  # noqa: ASYNC109
         write_atomic(where / "meta.json", json.dumps(meta), mode=0o600)
-        message = await saving.save_state(max(grace * 0.8, 5.0))
-    except (MachineError, OSError) as e:
-        vm.power.outcome = (HIBERNATE_FAILED, str(e))
-        host.event(vm, "Warning", HIBERNATE_FAILED, f"shutting down: {e}")
-        drop_state(directory)
-        return await handle.stop(max(grace - (time.monotonic() - started), 1.0))
-    vm.power.outcome = (HIBERNATED, message)
-    host.event(vm, "Normal", HIBERNATED, message)
-    return await handle.end(MachineExit(0, HIBERNATED, message))
+        return await saving.save_state(timeout)
+
+    return await _saved_or_stopped(host, vm, handle, directory, grace, save, MachineError)
 
 
 async def _hibernate_or_stop(
     host: VMHost, vm: VM, handle: MachineHandle, monitor: Monitor, directory: Path, grace: float
 ) -> object:
-    started = time.monotonic()
     assert vm.launch is not None
+    launch = replace(vm.launch, address=vm.address)
+
+    async def save(timeout: float) -> str:  # noqa: ASYNC109
+        return await hibernate(monitor, directory, launch, timeout=timeout)
+
+    return await _saved_or_stopped(host, vm, handle, directory, grace, save, HibernateError)
+
+
+async def _saved_or_stopped(
+    host: VMHost,
+    vm: VM,
+    handle: MachineHandle,
+    directory: Path,
+    grace: float,
+    save: Callable[[float], Awaitable[str]],
+    refused: type[Exception],
+) -> object:
+    """The machine's state saved within 80 % of the grace period and the container ended as
+    hibernated; a save that fails leaves no state behind and the guest is shut down with the
+    rest of the grace."""
+    started = time.monotonic()
     try:
-        launch = replace(vm.launch, address=vm.address)
-        message = await hibernate(monitor, directory, launch, timeout=max(grace * 0.8, 5.0))
-    except (HibernateError, OSError) as e:
+        message = await save(max(grace * 0.8, 5.0))
+    except (refused, OSError) as e:
         vm.power.outcome = (HIBERNATE_FAILED, str(e))
         host.event(vm, "Warning", HIBERNATE_FAILED, f"shutting down: {e}")
         drop_state(directory)

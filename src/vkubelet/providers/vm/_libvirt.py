@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 
 from ..._files import write_atomic
 from ...sdk.retry import Backoff
+from ...sdk.tasks import SharedWatch
 from ._backend import LaunchSpec, MachineHandle, MachineRefused, RestoreFailed
 from ._config import VMConfig
 from ._domainxml import METADATA_URI, Owner, domain_name, domain_xml, owner_of, retarget
@@ -384,8 +385,7 @@ class LibvirtMachine:
         self.agent = LibvirtGuestAgent(connection, uuid)
         self._console = _Console(self.console_log, self.console_socket)
         self._gone = asyncio.Event()  # the watcher saw the domain end
-        self._waiter: asyncio.Task[MachineExit] | None = None
-        self._waiting = 0
+        self._watcher = SharedWatch(self._watch, name=f"watch domain {self.uuid}")
 
     async def open_console(self, domain: Any) -> None:
         await self._console.open(self.connection, domain)
@@ -393,18 +393,8 @@ class LibvirtMachine:
     async def wait(self) -> MachineExit:
         """Until the domain is off; then its definition is removed and the outcome returned.
         Waiters share one watcher, cancelled with the last of them (the agent stops: the
-        domain runs on for the next agent), as `_machine.Machine.wait`."""
-        if self._waiter is None or self._waiter.cancelled():
-            self._waiter = asyncio.create_task(self._watch(), name=f"watch domain {self.uuid}")
-        waiter = self._waiter
-        self._waiting += 1
-        try:
-            return await asyncio.shield(waiter)
-        finally:
-            self._waiting -= 1
-            if not self._waiting and not waiter.done():
-                waiter.cancel()
-                await asyncio.wait({waiter})
+        domain runs on for the next agent): `SharedWatch`."""
+        return await self._watcher.wait()
 
     async def _watch(self) -> MachineExit:
         try:

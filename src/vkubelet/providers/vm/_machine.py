@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from ...sdk.tasks import SharedWatch
 from ._net import TAP_NAME, GuestNetwork
 from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable
 from ._qmp import ExecuteError, Monitor, MonitorUnavailable
@@ -208,8 +209,7 @@ class Machine:
         self.console_log = run_dir / "console.log"
         self.monitor = Monitor(run_dir / "qmp.sock")
         self.agent = GuestAgent(run_dir / "qga.sock")
-        self._waiter: asyncio.Task[MachineExit] | None = None
-        self._waiting = 0
+        self._watcher = SharedWatch(self._watch, name=f"watch {self.run_dir.name}")
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -260,24 +260,9 @@ class Machine:
 
     async def wait(self) -> MachineExit:
         """Until the guest is off (or QEMU gone); then QEMU is ended and the outcome returned.
-
-        Several callers may wait at once; they share one watcher, which lives as long as
-        someone waits: when the last waiter is cancelled (its pod's run ends because the agent
-        stops), the watcher is cancelled and awaited too, leaving QEMU running for the next
-        agent. A watcher nobody awaits would be cancelled only by asyncio's final sweep, and
-        its clean-up then waited forever on a QMP reply whose reader was cancelled with it.
-        """
-        if self._waiter is None or self._waiter.cancelled():
-            self._waiter = asyncio.create_task(self._watch(), name=f"watch {self.run_dir.name}")
-        waiter = self._waiter
-        self._waiting += 1
-        try:
-            return await asyncio.shield(waiter)
-        finally:
-            self._waiting -= 1
-            if not self._waiting and not waiter.done():
-                waiter.cancel()
-                await asyncio.wait({waiter})
+        Waiters share one watcher (`SharedWatch`): QEMU runs on for the next agent when the
+        last of them is cancelled."""
+        return await self._watcher.wait()
 
     async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
         """Until the guest agent answers; GuestAgentUnavailable on timeout or when QEMU is gone."""
