@@ -9,8 +9,9 @@ with its UID, an agent killed with SIGKILL and restarted adopts the same domain 
 QEMU), the host's libvirtd restarted under it (the agent reconnects: exec, and the console's
 new lines in the log), hibernation (libvirt's managed save: the domain shut off with its image,
 its name and metadata kept, through an agent restart) and the resume by the machine's next pod
-(what the guest kept in RAM is there, its uptime continued), and deleting that pod removes the
-domain. The refusals cost no boot:
+(what the guest kept in RAM is there, its uptime continued), an agent stopped with SIGTERM while
+the domain runs exits cleanly and leaves it running for the next one, and deleting that pod removes
+the domain. The refusals cost no boot:
 a domain of a pod's name that vkubelet does not own fails that pod and is left alone; a URI
 whose credentials are refused makes a node NotReady with libvirt's message.
 """
@@ -25,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -281,6 +283,22 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     metadata = host.virsh("metadata", domain, METADATA).stdout
     assert f'uid="{new_uid}"' in metadata and f'name="{resumed}"' in metadata
     assert _managed_save(host, domain) == "no"
+
+    # SIGTERM of an agent with a domain running: a clean exit within its stop bound, the
+    # domain runs on (same id), and the next agent adopts it
+    domain_id = host.virsh("domid", domain).stdout.strip()
+    stopping = time.monotonic()
+    libvirt_node.agent.stop()
+    assert libvirt_node.agent.proc is not None and libvirt_node.agent.proc.returncode == 0
+    assert time.monotonic() - stopping < 10, "the agent's stop took longer than its bound"
+    assert host.running() == [domain] and host.virsh("domid", domain).stdout.strip() == domain_id
+    libvirt_node.agent = libvirt_node.restart()
+
+    def marker_read() -> bool:  # the node's old port is refused until the new agent's is in
+        done = kubectl("-n", namespace, "exec", resumed, "--", "cat", "/run/marker", check=False)
+        return done.returncode == 0 and done.stdout.strip() == marker
+
+    wait_for(marker_read, timeout=90, what="exec on the adopted domain after the restart")
 
     # deleting the pod ends the domain and removes its definition
     kubectl("-n", namespace, "delete", "pod", resumed, "--wait=true", "--timeout=90s")
