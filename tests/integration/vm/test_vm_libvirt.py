@@ -7,11 +7,12 @@ it can on it, in order: Running, the boot in `kubectl logs`, `kubectl exec`, `ku
 on the serial console, the domain in `virsh list` on that host named after the pod and labelled
 with its UID, an agent killed with SIGKILL and restarted adopts the same domain (same id, same
 QEMU), the host's libvirtd restarted under it (the agent reconnects: exec, and the console's
-new lines in the log), hibernation (libvirt's managed save: the domain shut off with its image,
-its name and metadata kept, through an agent restart) and the resume by the machine's next pod
-(what the guest kept in RAM is there, its uptime continued), an agent stopped with SIGTERM while
-the domain runs exits cleanly and leaves it running for the next one, and deleting that pod removes
-the domain. The refusals cost no boot:
+new lines in the log), a PVC disk (found by its serial, written and synced), hibernation
+(libvirt's managed save: the domain shut off with its image, its name and metadata kept,
+through an agent restart) and the resume by the machine's next pod (what the guest kept in RAM
+is there, its uptime continued, the claim's data read back from its disk with the page cache
+dropped), an agent stopped with SIGTERM while the domain runs exits cleanly and leaves it
+running for the next one, and deleting that pod removes the domain. The refusals cost no boot:
 a domain of a pod's name that vkubelet does not own fails that pod and is left alone; a URI
 whose credentials are refused makes a node NotReady with libvirt's message.
 """
@@ -103,6 +104,7 @@ def libvirt_node(
             "runtime": "libvirt",
             "libvirt": {"uri": f"{host.ssh_uri}&no_tty=1"},
             "guestAgentTimeoutSeconds": 300,
+            "storage": {"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 1},
         }
 
         def start() -> AgentProcess:
@@ -121,7 +123,10 @@ def libvirt_node(
             kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
 
 
-def _pod(name: str, node: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+def _pod(
+    name: str, node: str, annotations: dict[str, str] | None = None, *, claim: str | None = None
+) -> dict[str, Any]:
+    volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}] if claim else []
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -130,6 +135,7 @@ def _pod(name: str, node: str, annotations: dict[str, str] | None = None) -> dic
             "nodeName": node,
             "tolerations": [TOLERATION],
             "terminationGracePeriodSeconds": 30,
+            "volumes": volumes,
             "containers": [
                 {
                     "name": "vm",
@@ -139,6 +145,21 @@ def _pod(name: str, node: str, annotations: dict[str, str] | None = None) -> dic
             ],
         },
     }
+
+
+CLAIM = {
+    "apiVersion": "v1",
+    "kind": "PersistentVolumeClaim",
+    "metadata": {"name": "data"},
+    "spec": {
+        "storageClassName": "vkubelet-vm-disk",
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "16Mi"}},
+    },
+}
+FIND_CLAIM = (  # the PVC's disk, by its serial (the claim's name)
+    'for d in /sys/block/*; do [ "$(cat $d/serial 2>/dev/null)" = data ] && echo ${d##*/}; done'
+)
 
 
 def _get(kubectl: Kubectl, namespace: str, pod: str) -> dict[str, Any]:
@@ -167,7 +188,10 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     domain = f"{namespace}_{pod}"
     # a persistent machine's pod (as the VirtualMachine controller makes them), to hibernate
     machine = {"vm.vkubelet.io/machine": f"m-{uuid.uuid4().hex[:8]}"}
-    hibernating = _pod(pod, libvirt_node.name, {**machine, "vm.vkubelet.io/power-off": "Hibernate"})
+    hibernating = _pod(
+        pod, libvirt_node.name, {**machine, "vm.vkubelet.io/power-off": "Hibernate"}, claim="data"
+    )
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(CLAIM))
     kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(hibernating))
     wait_for(lambda: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT, what="the VM Running")
     uid = _get(kubectl, namespace, pod)["metadata"]["uid"]
@@ -238,6 +262,13 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     wait_for(marked_after_restart, timeout=60, interval=2, what="exec and logs after libvirtd")
     assert host.virsh("domid", domain).stdout.strip() == domain_id
 
+    # the PVC is a disk of the domain, found by its serial; what the guest writes on it is synced
+    claim_disk = kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", FIND_CLAIM).stdout.strip()
+    assert claim_disk.startswith("vd"), claim_disk
+    on_claim = f"claim-{uuid.uuid4().hex[:8]}"
+    write = f"echo {on_claim} | dd of=/dev/{claim_disk} bs=512 conv=sync && sync"
+    kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write)
+
     # hibernate: what the guest keeps in RAM (/run is a tmpfs) and its uptime before
     marker = uuid.uuid4().hex
     keep = f"echo {marker} > /run/marker; cut -d' ' -f1 /proc/uptime"
@@ -267,12 +298,16 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     resumed = "guest-2"
     kubectl(
         "-n", namespace, "apply", "-f", "-",
-        input=json.dumps(_pod(resumed, libvirt_node.name, machine)),
+        input=json.dumps(_pod(resumed, libvirt_node.name, machine, claim="data")),
     )  # fmt: skip
     wait_for(lambda: _running(kubectl, namespace, resumed), timeout=120, what="the VM resumed")
     after = "cat /run/marker; cut -d' ' -f1 /proc/uptime"
     kept, now = kubectl("-n", namespace, "exec", resumed, "--", "sh", "-c", after).stdout.split()
     assert kept == marker and float(now) > uptime
+    # the claim's data came through the domain's power cycle on its disk (the page cache
+    # dropped: read from the file, not from the restored RAM)
+    read = f"echo 3 > /proc/sys/vm/drop_caches; head -c {len(on_claim)} /dev/{claim_disk}"
+    assert kubectl("-n", namespace, "exec", resumed, "--", "sh", "-c", read).stdout == on_claim
     assert "booted hostname=" not in kubectl("-n", namespace, "logs", resumed).stdout
     events = kubectl.json(
         "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={resumed}"

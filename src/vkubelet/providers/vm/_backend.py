@@ -139,6 +139,8 @@ class LaunchSpec:
     max_memory_mib: int | None = None
     memory_slots: int = 0
     extra_args: tuple[str, ...] = ()
+    # PVC disks (`_volumes`): (qcow2 path, serial), attached after the seed as virtio disks.
+    claims: tuple[tuple[Path, str], ...] = ()
     # A live migration's target: QEMU waits for the state (`-incoming defer`) and its disks
     # may be written by others too (the NBD exports the source mirrors onto).
     incoming: bool = False

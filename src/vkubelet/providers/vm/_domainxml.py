@@ -9,11 +9,12 @@ Pure: no daemon, no I/O, so every rule is unit-tested. What the domain holds, an
   touches a domain without it (one a site made by hand).
 - `type='qemu'` (TCG) unless the accelerator probe chose KVM: libvirt advertises KVM whenever
   `/dev/kvm` exists, whether or not it can boot a guest.
-- The disks in order (root first, its boot order 1), the seed read-only after them, as the
-  QEMU runtime attaches them; a serial console on a pty (libvirt's console stream reaches it
-  over any URI); the guest agent's virtio-serial channel (libvirt connects to it, and answers
-  `qemuAgentCommand`); a balloon; an ISA panic device (libvirt 9 refuses `pvpanic`), so a
-  guest kernel panic ends the domain with reason `crashed`.
+- The disks in order (root first, its boot order 1), the seed read-only after them, then the
+  PVC disks (serial = the claim's name), as the QEMU runtime attaches them; a serial console
+  on a pty (libvirt's console stream reaches it over any URI); the guest agent's
+  virtio-serial channel (libvirt connects to it, and answers `qemuAgentCommand`); a balloon;
+  an ISA panic device (libvirt 9 refuses `pvpanic`), so a guest kernel panic ends the domain
+  with reason `crashed`.
 - A hibernated domain (libvirt's managed save) is restored by the machine's next pod, whose
   seed is another file and whose UID is another: `retarget` points the saved XML's disks at
   the new pod's files and its metadata at the new pod. The name stays (libvirt renames no
@@ -94,9 +95,7 @@ def domain_xml(spec: LaunchSpec, owner: Owner, *, kvm: bool) -> str:
     if spec.incoming:
         raise ValueError("the libvirt runtime cannot receive a live migration yet")
     if spec.extra_args:
-        raise ValueError(
-            "the libvirt runtime cannot attach PVC disks or restore hotplugged devices yet"
-        )
+        raise ValueError("the libvirt runtime cannot restore hotplugged devices yet")
     name = domain_name(owner.namespace, owner.name)
     root = ET.Element("domain", {"type": "kvm" if kvm else "qemu"})
     ET.SubElement(root, "name").text = name
@@ -152,6 +151,9 @@ def domain_xml(spec: LaunchSpec, owner: Owner, *, kvm: bool) -> str:
     if spec.seed is not None:
         seed = _disk(devices, str(spec.seed), "raw", "virtio", used)
         ET.SubElement(seed, "readonly")
+    for path, claim_serial in spec.claims:  # PVC disks, as QEMU's `-drive`s: after the seed
+        claim = _disk(devices, str(path), "qcow2", "virtio", used)
+        ET.SubElement(claim, "serial").text = claim_serial
     if any(bus == "scsi" for _, bus in spec.disks):
         ET.SubElement(devices, "controller", {"type": "scsi", "model": "virtio-scsi"})
     serial = ET.SubElement(devices, "serial", {"type": "pty"})
@@ -183,6 +185,7 @@ def _targets(spec: LaunchSpec) -> dict[str, str]:
     files = [(str(path), bus) for path, bus in spec.disks]
     if spec.seed is not None:
         files.append((str(spec.seed), "virtio"))
+    files += [(str(path), "virtio") for path, _ in spec.claims]
     targets = {}
     for path, bus in files:
         index = used.get(bus, 0)

@@ -33,7 +33,7 @@ the seed and the pod network are the same parts (`LibvirtRuntime` is a `QemuRunt
   machine's next pod restores it (`LaunchSpec.restore`): the saved XML retargeted to that
   pod's files (`_domainxml.retarget`), then started, which restores rather than boots.
 - **Not yet** (no QMP monitor here, so the provider's parts refuse with the runtime's name):
-  live resize, backup, migration, PVC disks. No NIC either: the pod's address is
+  live resize, backup, migration. No NIC either: the pod's address is
   allocated but the domain has no interface yet.
 """
 
@@ -647,6 +647,7 @@ class LibvirtRuntime(QemuRuntime):
             spec,
             disks=tuple((path.resolve(), bus) for path, bus in spec.disks),
             seed=spec.seed.resolve() if spec.seed is not None else None,
+            claims=tuple((path.resolve(), serial) for path, serial in spec.claims),
         )
         if spec.restore is not None:
             return await self._restore(resolved, owner, spec.restore)

@@ -83,7 +83,7 @@ from ._spec import ENV_FILE, MachinePlan, ScratchDisk, SpecError, plan_machine
 from ._stats import QemuReading, VMUsage
 from ._verbs import TTY_REFUSED, attach_console, exec_through_agent, forward_tcp
 from ._vm import ADDRESS_ANNOTATION, VM, Launch, decorate, pod_annotations
-from ._volumes import DiskProvisioner, VolumeNotReady, claim_disks, drive_args
+from ._volumes import DiskProvisioner, VolumeNotReady, claim_disks
 
 __all__ = ["ACCELERATOR_CONDITION", "VMProvider", "create"]
 
@@ -762,7 +762,8 @@ class VMProvider(RunnerProvider):
             max_vcpus=launch.max_vcpus,
             max_memory_mib=launch.max_memory_mib,
             memory_slots=launch.memory_slots,
-            extra_args=drive_args(launch.claims) + _resize.hotplug_args(launch),
+            extra_args=_resize.hotplug_args(launch),
+            claims=tuple((Path(p), serial) for p, serial in launch.claims),
             incoming=self.migrations.is_target(vm),
         )
 

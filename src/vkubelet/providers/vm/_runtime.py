@@ -34,6 +34,7 @@ from ._translate import (
     TranslationRule,
     parse_rules,
 )
+from ._volumes import drive_args
 
 __all__ = ["QemuRuntime"]
 
@@ -184,7 +185,9 @@ class QemuRuntime:
                 max_vcpus=spec.max_vcpus,
                 max_memory_mib=spec.max_memory_mib,
                 memory_slots=spec.memory_slots,
-                extra_args=spec.extra_args + (("-incoming", "defer") if spec.incoming else ()),
+                extra_args=drive_args(spec.claims)
+                + spec.extra_args
+                + (("-incoming", "defer") if spec.incoming else ()),
             )
         )
         return machine

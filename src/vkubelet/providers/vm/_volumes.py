@@ -199,7 +199,7 @@ def binding_refusal(pvc: dict[str, Any], pv: dict[str, Any]) -> str | None:
     return None
 
 
-def drive_args(claims: Sequence[tuple[str, str]]) -> tuple[str, ...]:
+def drive_args(claims: Sequence[tuple[str | Path, str]]) -> tuple[str, ...]:
     """QEMU options attaching a launch's claim disks, (path, serial) each (after the root,
     scratch and seed)."""
     args: list[str] = []

@@ -116,11 +116,25 @@ def test_a_pod_field_cannot_add_xml() -> None:
     assert len(root.findall("devices")) == 1
 
 
+def test_pvc_disks_follow_the_seed_as_virtio_disks_whose_serial_is_the_claim_s_name() -> None:
+    """As the QEMU runtime's `-drive`s (`_volumes.drive_args`): the guest finds each claim by
+    its serial; a hibernated domain's restore points them at the same files."""
+    spec = replace(SPEC, claims=((Path("/state/volumes/pvc-1.qcow2"), "data"),))
+    disks = parse(spec).findall("devices/disk")
+    assert [d.find("target").get("dev") for d in disks] == ["vda", "vdb", "vdc", "vdd"]  # type: ignore[union-attr]
+    claim = disks[-1]
+    assert claim.find("source").get("file") == "/state/volumes/pvc-1.qcow2"  # type: ignore[union-attr]
+    assert claim.find("driver").get("type") == "qcow2"  # type: ignore[union-attr]
+    assert claim.findtext("serial") == "data" and claim.find("readonly") is None
+    restored = ET.fromstring(retarget(domain_xml(spec, OWNER, kvm=False), spec, OWNER))  # noqa: S314
+    assert restored.findall("devices/disk")[-1].findtext("serial") == "data"
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [
         ({"incoming": True}, "live migration"),
-        ({"extra_args": ("-device", "x")}, "PVC disks"),
+        ({"extra_args": ("-device", "x")}, "hotplugged devices"),
     ],
 )
 def test_what_the_libvirt_runtime_does_not_do_yet_is_refused_naming_it(
