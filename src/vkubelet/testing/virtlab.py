@@ -112,7 +112,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -248,6 +248,12 @@ class LibvirtHost:
         argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(base)]
         subprocess.run([*argv, str(disk)], check=True, capture_output=True, timeout=60)
         return disk
+
+    def route_pods(self, cidr: str) -> None:
+        """Route `cidr` (a vm node's podCIDR on this host) from the machine to this host, as
+        every node of a cluster routes a hypervisor's pod range to it ("On several hosts" in
+        docs/vm-provider.md). The route goes with the lab bridge."""
+        _must(_ip("route", "replace", cidr, "via", self.address))
 
     def restart_libvirtd(self) -> None:
         """Stop the daemon (SIGTERM, as a package upgrade does) and start it again; running
@@ -488,7 +494,7 @@ def _wait_for_sshd(sshd: subprocess.Popen[bytes], address: str, log: Path) -> No
 
 @contextlib.contextmanager
 def _libvirt_host(
-    name: str, root: Path, bridge: str, address: str, tag: str
+    name: str, root: Path, bridge: str, address: str, tag: str, machine: str, routes: list[str]
 ) -> Iterator[LibvirtHost]:
     setup = _HostSetup(name)
     try:
@@ -510,6 +516,9 @@ def _libvirt_host(
         _must(_ip("-n", netns, "addr", "add", f"{address}/28", "dev", peer))
         _must(_ip("-n", netns, "link", "set", peer, "up"))
         _must(_ip("-n", netns, "link", "set", "lo", "up"))
+        _hypervisor_settings(netns)
+        for cidr in routes:  # what its VMs reach: through the machine
+            _must(_ip("-n", netns, "route", "replace", cidr, "via", machine))
 
         argv = ["nsenter", f"--net=/run/netns/{netns}", "unshare", "--mount", "--uts"]
         argv += ["--propagation", "private", "--", "sh", "-c", _HOLDER, "holder"]
@@ -632,11 +641,28 @@ def _forget_host_keys(addresses: list[str]) -> None:
         backup.unlink(missing_ok=True)
 
 
+def _hypervisor_settings(netns: str) -> None:
+    """What the libvirt runtime's pod network needs of a hypervisor host and libvirt does not
+    set (`providers.vm._lvnet`): forwarding, and proxy ARP on the taps libvirt will make (a
+    tap takes the `default` settings when it is made)."""
+    enter = ["ip", "netns", "exec", netns, "sysctl", "-q", "-w"]
+    for setting in ("net.ipv4.ip_forward=1", "net.ipv4.conf.default.proxy_arp=1"):
+        subprocess.run([*enter, setting], check=True, capture_output=True, timeout=30)
+
+
 @contextlib.contextmanager
-def libvirt_lab(count: int, workdir: Path) -> Iterator[list[LibvirtHost]]:
+def libvirt_lab(
+    count: int, workdir: Path, *, routes: Sequence[str] = ()
+) -> Iterator[list[LibvirtHost]]:
     """`count` libvirt hosts on one lab bridge (see the module's docstring), removed on exit,
     also after a failed setup. The hosts' files are under `workdir/<host name>/`; each
-    daemon's log is its `log/libvirtd.log`, sshd's `ssh/sshd.log`. Needs root."""
+    daemon's log is its `log/libvirtd.log`, sshd's `ssh/sshd.log`. Needs root.
+
+    Every host forwards and proxies ARP on its VMs' taps (what the libvirt runtime's network
+    needs of a hypervisor). `routes`: ranges the hosts route to the machine (a dev cluster's
+    pods and Services, say), which then forwards what arrives on the lab bridge; the other
+    way, `LibvirtHost.route_pods` routes a vm node's pod range from the machine to its host.
+    The machine's routes and forwarding go with the lab bridge."""
     if not 1 <= count <= 12:
         raise ValueError(f"count must be 1 to 12 (a /28 per lab), not {count}")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -652,11 +678,22 @@ def libvirt_lab(count: int, workdir: Path) -> Iterator[list[LibvirtHost]]:
             bridge, range(249, 250), range(256), "10.249.x.y/28 for a libvirt lab", prefix=28
         )
         _must(_ip("link", "set", bridge, "up"))
+        if routes:
+            Path(f"/proc/sys/net/ipv4/conf/{bridge}/forwarding").write_text("1")
         addresses = [str(net[2 + i]) for i in range(count)]
+        machine = str(net[1])
         with contextlib.ExitStack() as stack:
             hosts = [
                 stack.enter_context(
-                    _libvirt_host(f"lvh-{lab}-{i}", workdir, bridge, addresses[i], f"{lab}{i:x}")
+                    _libvirt_host(
+                        f"lvh-{lab}-{i}",
+                        workdir,
+                        bridge,
+                        addresses[i],
+                        f"{lab}{i:x}",
+                        machine,
+                        list(routes),
+                    )
                 )
                 for i in range(count)
             ]

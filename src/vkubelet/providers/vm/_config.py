@@ -265,6 +265,12 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
     if not _DOMAIN.fullmatch(net.cluster_domain):
         raise fail("network.clusterDomain", f"{net.cluster_domain!r} is not a DNS domain")
     bridged = _bridged(net, fail)
+    if raw.runtime == "libvirt" and net.mode == "host-only":
+        raise fail(
+            "network.mode",
+            "host-only is not available with runtime: libvirt (whether a VM's tap forwards is "
+            "the daemon's host's own setting, which libvirt does not set): use routed or bridged",
+        )
     if raw.libvirt is not None and raw.runtime != "libvirt":
         raise fail("libvirt", "only for runtime: libvirt")
     libvirt_uri = (raw.libvirt or _Libvirt()).uri

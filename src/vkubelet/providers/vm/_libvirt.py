@@ -1,8 +1,9 @@
 """The libvirt runtime (`runtime: libvirt`): each VM is a libvirt domain, local or remote.
 
-What differs from the QEMU runtime (`_runtime`, `_machine`) is only the machine: images, disks,
-the seed and the pod network are the same parts (`LibvirtRuntime` is a `QemuRuntime` whose
-`launch` and `adopt` make and find domains). The domain's XML comes from `_domainxml`.
+What differs from the QEMU runtime (`_runtime`, `_machine`) is the machine and where the pod
+network is made (`_lvnet`): images, disks, the seed and the address rules are the same parts
+(`LibvirtRuntime` is a `QemuRuntime` whose `launch` and `adopt` make and find domains). The
+domain's XML comes from `_domainxml`.
 
 - **One event loop, a blocking binding.** libvirt-python's calls block until the daemon
   answers (a remote one over SSH: a round trip). Every RPC runs in this connection's own small
@@ -32,9 +33,11 @@ the seed and the pod network are the same parts (`LibvirtRuntime` is a `QemuRunt
   with a managed save image); the machine's directory records its UUID (`_hibernate`). The
   machine's next pod restores it (`LaunchSpec.restore`): the saved XML retargeted to that
   pod's files (`_domainxml.retarget`), then started, which restores rather than boots.
+- **Network.** The pod's interface is in the domain's XML and libvirt makes it on the daemon's
+  host (`_lvnet`); the address book is the daemon's running domains, nothing on the agent's
+  host.
 - **Not yet** (no QMP monitor here, so the provider's parts refuse with the runtime's name):
-  live resize, backup, migration. No NIC either: the pod's address is
-  allocated but the domain has no interface yet.
+  live resize, backup, migration.
 """
 
 from __future__ import annotations
@@ -54,10 +57,12 @@ from typing import Any, TypeVar
 from ..._files import write_atomic
 from ...sdk.retry import Backoff
 from ...sdk.tasks import SharedWatch
-from ._backend import LaunchSpec, MachineHandle, MachineRefused, RestoreFailed
+from ._backend import GuestAddress, LaunchSpec, MachineHandle, MachineRefused, RestoreFailed
 from ._config import VMConfig
 from ._domainxml import METADATA_URI, Owner, domain_name, domain_xml, owner_of, retarget
+from ._lvnet import bridge_refused, libvirt_network, retarget_network, with_network
 from ._machine import MachineError, MachineExit, Usage
+from ._net import GuestNetwork
 from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable, encode
 from ._runtime import QemuRuntime
 
@@ -573,6 +578,32 @@ class LibvirtRuntime(QemuRuntime):
         super().__init__(config)
         self.node_name = node_name
         self.connection = Connection(config.libvirt_uri)
+        reserved = self.network.reserved
+        self.network = libvirt_network(config, self._running_domains, reserved)
+
+    async def _running_domains(self) -> list[str]:
+        """The XML of every running domain of the daemon: the network's address book."""
+        conn = await self.connection.get()
+        return await self.connection.run(_running_xml, _libvirt(), conn)
+
+    def _attached(self, key: str, network: GuestNetwork) -> GuestAddress:
+        """No netns here: the domain's tap is on the daemon's host (`_lvnet`)."""
+        return replace(super()._attached(key, network), netns=None)
+
+    def _new_pod(self, xml: str, spec: LaunchSpec) -> str:
+        """A hibernated domain's XML with the restoring pod's address and gateway on its
+        interface (`_lvnet.retarget_network`)."""
+        key = spec.network_key
+        if key is None or (network := self._networks.get(key)) is None:
+            return xml
+        return retarget_network(xml, key, network)
+
+    def _with_network(self, xml: str, key: str | None) -> str:
+        """The domain's XML with the pod's interface (`_lvnet`), once its network is attached."""
+        if key is None or (network := self._networks.get(key)) is None:
+            return xml
+        bridge = self.config.bridged.bridge if self.config.bridged is not None else None
+        return with_network(xml, key, self.network.host_link(key), network, bridge=bridge)
 
     async def ping(self) -> None:
         """Unhealthy (the node NotReady) without qemu-img (disks are made here) or when the
@@ -660,6 +691,7 @@ class LibvirtRuntime(QemuRuntime):
             (spec.run_dir / stale).unlink(missing_ok=True)
         if spec.network_key is not None:
             await self.attach_network(spec.network_key, spec.network_address)
+            xml = self._with_network(xml, spec.network_key)
         domain = await self._existing(namespace, name, pod_uid)
         if domain is not None and await self.connection.run(domain.isActive):
             log.info(
@@ -682,7 +714,10 @@ class LibvirtRuntime(QemuRuntime):
                     if await self.connection.run(domain.isActive):
                         await self.connection.run(domain.destroy)
                     await self.connection.run(domain.undefine)
-            raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+            message = f"libvirt {self.connection.uri}: {message_of(e)}"
+            if (refused := bridge_refused(self.config.bridged, message)) is not None:
+                raise refused from None
+            raise MachineError(message) from None
         return machine
 
     async def _restore(self, spec: LaunchSpec, owner: Owner, uuid: str) -> MachineHandle:
@@ -702,10 +737,13 @@ class LibvirtRuntime(QemuRuntime):
             if not await self.connection.run(domain.hasManagedSaveImage, 0):
                 raise RestoreFailed(f"{where} has no managed save image any more")
             saved = await self.connection.run(domain.managedSaveGetXMLDesc, 0)
-            await self.connection.run(domain.managedSaveDefineXML, retarget(saved, spec, owner), 0)
+            saved = self._new_pod(retarget(saved, spec, owner), spec)
+            await self.connection.run(domain.managedSaveDefineXML, saved, 0)
             inactive = await self.connection.run(domain.XMLDesc, libvirt.VIR_DOMAIN_XML_INACTIVE)
             conn = await self.connection.get()
-            await self.connection.run(conn.defineXML, retarget(inactive, spec, owner))
+            await self.connection.run(
+                conn.defineXML, self._new_pod(retarget(inactive, spec, owner), spec)
+            )
             await self.connection.run(domain.createWithFlags, libvirt.VIR_DOMAIN_START_PAUSED)
         except (libvirt.libvirtError, ValueError) as e:
             raise RestoreFailed(f"{where}: {message_of(e)}") from None
@@ -803,3 +841,12 @@ def _known_start(run_dir: Path, uuid: str) -> float:
         if record["uuid"] == uuid:
             return float(record["started"])
     return time.time()
+
+
+def _running_xml(libvirt: Any, conn: Any) -> list[str]:
+    """Each running domain's XML (one that ended meanwhile is skipped)."""
+    found = []
+    for domain in conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE):
+        with contextlib.suppress(libvirt.libvirtError):
+            found.append(domain.XMLDesc(0))
+    return found

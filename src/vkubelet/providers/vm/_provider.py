@@ -670,7 +670,11 @@ class VMProvider(RunnerProvider):
                 stale.unlink(missing_ok=True)
             vm.started_at = None
             self._machine_free(vm)
-            machine = await _hibernate.launch(self, vm)
+            try:
+                machine = await _hibernate.launch(self, vm)
+            except MachineRefused as e:  # (libvirt: the bridge missing on the daemon's host)
+                self.event(vm, "Warning", e.reason, str(e))
+                return Terminated(128, reason=e.reason, message=str(e))
             self.event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
         elif vm.started_at is not None:
             # Adopted, its guest up before the agent restarted: running since then. (One adopted
@@ -1266,8 +1270,10 @@ def create(context: ProviderContext) -> VMProvider:
 
     config = load_config(context.config_path)
     # Before anything is made on the host: a missing bridge, or a range another route covers,
-    # is a broken node.
-    if config.bridged is not None:
+    # is a broken node. (With libvirt the VMs' network is the daemon's host's: `_lvnet`.)
+    if config.runtime == "libvirt":
+        pass
+    elif config.bridged is not None:
         if (why := bridge_missing(config.bridged.bridge)) is not None:
             raise ConfigError(f"{config.origin}: {why}")
     elif clash := foreign_routes(config.pod_cidr, host_routes()):

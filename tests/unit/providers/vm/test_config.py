@@ -181,6 +181,7 @@ def test_the_runtime_is_qemu_unless_libvirt_is_chosen_with_its_uri(tmp_path: Pat
         ("runtime: libvirt\nlibvirt: {uri: hv-2}\n", "libvirt.uri"),
         ("runtime: libvirt\nlibvirt: {url: 'qemu:///system'}\n", "libvirt.url"),
         ("runtime: libvirt\nlibvirt: {uri: ''}\n", "libvirt.uri"),
+        ("runtime: libvirt\nnetwork: {mode: host-only}\n", "network.mode"),
     ],
 )
 def test_a_bad_runtime_setting_is_refused_naming_it(tmp_path: Path, text: str, field: str) -> None:
