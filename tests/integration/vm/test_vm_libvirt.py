@@ -11,8 +11,9 @@ new lines in the log), a PVC disk (found by its serial, written and synced), hib
 (libvirt's managed save: the domain shut off with its image, its name and metadata kept,
 through an agent restart) and the resume by the machine's next pod (what the guest kept in RAM
 is there, its uptime continued, the claim's data read back from its disk with the page cache
-dropped), an agent stopped with SIGTERM while the domain runs exits cleanly and leaves it
-running for the next one, and deleting that pod removes the domain. The refusals cost no boot:
+dropped, its interface carrying the new pod's address: the hypervisor pings it), an agent
+stopped with SIGTERM while the domain runs exits cleanly and leaves it running for the next one,
+and deleting that pod removes the domain. The refusals cost no boot:
 a domain of a pod's name that vkubelet does not own fails that pod and is left alone; a URI
 whose credentials are refused makes a node NotReady with libvirt's message.
 """
@@ -56,6 +57,7 @@ pytestmark = pytest.mark.integration
 
 BOOT_TIMEOUT = 300  # one TCG boot on a busy 2-core machine
 METADATA = "https://vkubelet.io/xmlns/vm-domain/1"
+NETWORK = "https://vkubelet.io/xmlns/vm-network/1"  # the pod's network (`_lvnet`)
 
 
 @dataclass
@@ -318,6 +320,10 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     metadata = host.virsh("metadata", domain, METADATA).stdout
     assert f'uid="{new_uid}"' in metadata and f'name="{resumed}"' in metadata
     assert _managed_save(host, domain) == "no"
+    # the restored interface carries the new pod's address: the hypervisor reaches the guest
+    address = _get(kubectl, namespace, resumed)["status"]["podIP"]
+    assert f'address="{address}"' in host.virsh("metadata", domain, NETWORK).stdout
+    assert host.run("busybox", "ping", "-c", "1", "-W", "5", address).returncode == 0
 
     # SIGTERM of an agent with a domain running: a clean exit within its stop bound, the
     # domain runs on (same id), and the next agent adopts it

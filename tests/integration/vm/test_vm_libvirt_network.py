@@ -145,6 +145,9 @@ def test_a_libvirt_vm_on_a_remote_host_is_on_the_pod_network_both_ways(lab: Lab)
     gateway = shown.split("inet ")[1].split()[0]
     assert f"peer {ip}/32" in shown
     assert f"{ip} dev {tap}" in lab.host.run("ip", "-4", "route").stdout
+    # the domain records the pod's network, for a restarted agent to read back
+    network = lab.host.virsh("metadata", domain, "https://vkubelet.io/xmlns/vm-network/1").stdout
+    assert f'address="{ip}"' in network and f'mac="{mac}"' in network, network
     # the guest's NIC has the MAC its seed names, with the pod's address and the gateway
     assert lab.run("vm", "cat", f"/sys/class/net/{_guest_nic(lab)}/address") == mac
     assert f"inet {ip}/24" in lab.run("vm", "ip", "-4", "addr")

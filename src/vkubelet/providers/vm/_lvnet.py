@@ -34,7 +34,9 @@ when it ends; a remote host needs nothing from the agent but the URI.
   Inactive domains do not count: a hibernated VM's address is kept by its machine's record, and
   its next pod asks for it. A hibernated domain's restore keeps its interface (libvirt checks
   that a restored device matches the saved one: the MAC and model stay), with the new pod's
-  address and gateway (`retarget_network`).
+  address and gateway (`retarget_network`). A move to another host (live migration, not done
+  yet with this runtime) would do the same to the destination XML: the MAC and tap name stay,
+  the host side becomes the target node's gateway with the kept address as its peer.
 """
 
 from __future__ import annotations
