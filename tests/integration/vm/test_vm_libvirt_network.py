@@ -3,11 +3,13 @@
 A libvirt "host" of the lab (`vkubelet.testing.virtlab`: libvirtd and sshd in a network
 namespace of their own, reached over `qemu+ssh`) is routed into the worker cluster's pod
 network as a hypervisor of a site would be: the host routes the workers' pods and the Services
-to the machine, the machine routes the vm node's `podCIDR` to the host. One VM (the small test
-guest) boots for the module; its tap, address and gateway are libvirt's work on that host
-(`providers.vm._lvnet`). A busybox pod on a real worker fetches the VM's HTTP server by pod
-IP and through a ClusterIP Service by DNS name, and the VM fetches a worker pod by its IP and a
-worker Service by its short name.
+to the machine, the machine routes the vm nodes' ranges to the host. Two VMs (the small test
+guest) boot side by side for the module, one per mode; their taps are libvirt's work on that
+host (`providers.vm._lvnet`). Routed: a busybox pod on a real worker fetches the VM's HTTP
+server by pod IP and through a ClusterIP Service by DNS name, and the VM fetches a worker pod by
+its IP and a worker Service by its short name. Bridged: the VM is a port of the host's bridge,
+which holds its gateway; a worker pod fetches it by pod IP, and it fetches a worker pod. The
+refusals cost no boot: an address a running domain holds, a bridge the host lacks.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ DNS = "10.96.0.10"  # the dev cluster's CoreDNS Service
 #: What the lab host routes to the machine: the workers' pods and the Services (the machine
 #: sends what the virtual range sends to a Service to worker 0, see devcluster._network).
 ROUTES = ("10.160.0.0/11", "10.96.0.0/16")
+LAB_BRIDGE = "vklbr0"  # the hypervisor's own L2 network, holding its gateway address
 MISSING_BRIDGE = "vknobr0"
-BRIDGED = {
+BRIDGED = {  # of the node whose bridge the host lacks (nothing is ever sent there)
     "subnet": "10.213.251.0/24",
     "gateway": "10.213.251.1",
     "pool": "10.213.251.100-10.213.251.110",
@@ -64,12 +67,16 @@ class Lab:
     node: str
     host: LibvirtHost
     agent: AgentProcess
-    bridged_node: str  # bridged mode on a bridge the host does not have
+    bridged_node: str  # bridged mode on the host's LAB_BRIDGE
+    missing_node: str  # bridged mode on a bridge the host does not have
 
     def run(self, pod: str, *argv: str) -> str:
         """A command in a pod ('' when it fails): the worker's client, or the VM."""
         done = self.kubectl("-n", self.namespace, "exec", pod, "--", *argv, check=False)
         return done.stdout.strip() if done.returncode == 0 else ""
+
+    def answers(self, pod: str) -> bool:
+        return self.run(pod, "echo", "up") == "up"
 
     def fetch(self, pod: str, url: str) -> str:
         return self.run(pod, "timeout", "5", "wget", "-q", "-O", "-", url)
@@ -85,7 +92,11 @@ def lab(worker_cluster: Cluster, worker_kubectl: Kubectl, vm_guest_image: Path) 
         pytest.skip(why)
     virtual = worker_cluster.virtual_pod_cidr()
     assert virtual is not None
-    cidr = f"{virtual.rsplit('.', 2)[0]}.{random.randrange(1, 250)}.0/24"  # noqa: S311
+    # the routed node's podCIDR and the bridged node's subnet: two /24s of the virtual range,
+    # which the workers route to the machine, and the machine to the lab host
+    first, second = random.sample(range(1, 250), 2)
+    cidr = f"{virtual.rsplit('.', 2)[0]}.{first}.0/24"
+    subnet = f"{virtual.rsplit('.', 2)[0]}.{second}"
     workdir = Path(tempfile.mkdtemp(prefix="vklvn-", dir="/tmp"))
     node = f"lv-net-{uuid.uuid4().hex[:6]}"
     k = worker_kubectl
@@ -93,38 +104,56 @@ def lab(worker_cluster: Cluster, worker_kubectl: Kubectl, vm_guest_image: Path) 
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)  # last: after the lab's end
         (host,) = stack.enter_context(virtlab.libvirt_lab(1, workdir / "lab", routes=ROUTES))
         host.route_pods(cidr)
+        host.route_pods(f"{subnet}.0/24")
+        for step in (
+            ("link", "add", LAB_BRIDGE, "type", "bridge"),
+            ("addr", "add", f"{subnet}.1/24", "dev", LAB_BRIDGE),
+            ("link", "set", LAB_BRIDGE, "up"),
+        ):
+            assert host.run("ip", *step).returncode == 0, step
         address = stack.enter_context(local_test_address())
         agent = start_vm_agent(
             worker_cluster, workdir, name=node, address=address, cidr=cidr, image=vm_guest_image,
             runtime="libvirt", libvirt={"uri": f"{host.ssh_uri}&no_tty=1"},
             network={"clusterDNS": [DNS]},
         )  # fmt: skip
-        # A bridged node whose bridge the host lacks starts alongside: its test costs no wait.
-        (workdir / "bridged").mkdir()
-        bridged = start_vm_agent(
-            worker_cluster, workdir / "bridged", name=f"{node}-br", address=address, cidr=cidr,
-            image=vm_guest_image, runtime="libvirt", libvirt={"uri": f"{host.ssh_uri}&no_tty=1"},
-            network={"mode": "bridged", "bridge": MISSING_BRIDGE, **BRIDGED},
-        )  # fmt: skip
-        stack.callback(k, "delete", "node", f"{node}-br", "--wait=false", check=False)
-        stack.callback(bridged.stop)
+        # Two bridged nodes start alongside: one on the host's bridge, one on a bridge the
+        # host lacks (its test then costs no wait).
+        bridged_networks = {
+            f"{node}-br": {
+                "mode": "bridged", "bridge": LAB_BRIDGE, "subnet": f"{subnet}.0/24",
+                "gateway": f"{subnet}.1", "pool": f"{subnet}.100-{subnet}.110",
+                "clusterDNS": [DNS],
+            },
+            f"{node}-nobr": {"mode": "bridged", "bridge": MISSING_BRIDGE, **BRIDGED},
+        }  # fmt: skip
+        for name, network in bridged_networks.items():
+            (workdir / name).mkdir()
+            other = start_vm_agent(
+                worker_cluster, workdir / name, name=name, address=address, cidr=cidr,
+                image=vm_guest_image, runtime="libvirt",
+                libvirt={"uri": f"{host.ssh_uri}&no_tty=1"}, network=network,
+            )  # fmt: skip
+            stack.callback(k, "delete", "node", name, "--wait=false", check=False)
+            stack.callback(other.stop)
         namespace = create_namespace(k, f"lvnet-{uuid.uuid4().hex[:6]}")
-        lab = Lab(k, namespace, node, host, agent, f"{node}-br")
+        lab = Lab(k, namespace, node, host, agent, f"{node}-br", f"{node}-nobr")
         try:
-            for name in (node, lab.bridged_node):
+            for name in (node, lab.bridged_node, lab.missing_node):
                 wait_for(partial(node_ready, k, name), timeout=90, what=f"node {name} Ready")
             busybox = worker_cluster.image_reference("busybox")
-            for item in _manifests(busybox, node):
+            for item in [*_manifests(busybox, node), vm_pod("bvm", lab.bridged_node)]:
                 k("-n", namespace, "apply", "-f", "-", input=json.dumps(item))
             k("-n", namespace, "rollout", "status", "deployment/web", "--timeout=120s", timeout=150)
             k("-n", namespace, "wait", "--for=condition=Ready", "pod/client", "--timeout=90s",
               timeout=120)  # fmt: skip
-            wait_for(
-                lambda: lab.run("vm", "echo", "up") == "up",
-                timeout=BOOT_TIMEOUT,
-                interval=2,
-                what="the VM's guest agent answering exec",
-            )
+            for vm in ("vm", "bvm"):  # (they boot side by side)
+                wait_for(
+                    partial(lab.answers, vm),
+                    timeout=BOOT_TIMEOUT,
+                    interval=2,
+                    what=f"the guest agent of {vm} answering exec",
+                )
             yield lab
         finally:
             delete_namespace(k, namespace)
@@ -177,10 +206,33 @@ def test_a_libvirt_vm_on_a_remote_host_is_on_the_pod_network_both_ways(lab: Lab)
     )
 
 
-def _guest_nic(lab: Lab) -> str:
+def _guest_nic(lab: Lab, vm: str = "vm") -> str:
     """The guest's one NIC (the first interface but lo)."""
-    names = lab.run("vm", "ls", "/sys/class/net").split()
+    names = lab.run(vm, "ls", "/sys/class/net").split()
     return next(name for name in names if name != "lo")
+
+
+def test_a_bridged_libvirt_vm_is_a_port_of_the_host_s_bridge_reached_from_a_worker(
+    lab: Lab,
+) -> None:
+    domain = f"{lab.namespace}_bvm"
+    (iface,) = [line.split() for line in lab.host.virsh("domiflist", domain).stdout.splitlines()]
+    tap, kind, source, mac = iface[0], iface[1], iface[2], iface[-1]
+    assert (kind, source) == ("bridge", LAB_BRIDGE)
+    assert f": {tap}:" in lab.host.run("ip", "-o", "link", "show", "master", LAB_BRIDGE).stdout
+    assert lab.host.run("ip", "-4", "-o", "addr", "show", "dev", tap).stdout == ""  # no route
+    ip = lab.pod("bvm")["status"]["podIP"]
+    subnet = ip.rsplit(".", 1)[0]
+    assert ip == f"{subnet}.100"  # the pool's first address
+    assert lab.run("bvm", "cat", f"/sys/class/net/{_guest_nic(lab, 'bvm')}/address") == mac
+    assert f"inet {ip}/24" in lab.run("bvm", "ip", "-4", "addr")
+    assert f"default via {subnet}.1" in lab.run("bvm", "ip", "route")
+    # a worker pod reaches it through the site's gateway (the host on its bridge), and back
+    assert lab.run("bvm", "sh", "-c", SERVE) == ""
+    wait_for(lambda: lab.fetch("client", f"http://{ip}:8080/") == "bvm", timeout=60, what="bvm")
+    pods = lab.kubectl.json("-n", lab.namespace, "get", "pods", "-l", "app=web")["items"]
+    web_ip = pods[0]["status"]["podIP"]
+    assert lab.fetch("bvm", f"http://{web_ip}:8080/") == pods[0]["metadata"]["name"]
 
 
 def test_an_address_clash_or_a_missing_bridge_fails_the_pod_naming_it_with_nothing_on_the_host(
@@ -190,7 +242,7 @@ def test_an_address_clash_or_a_missing_bridge_fails_the_pod_naming_it_with_nothi
     clash = vm_pod("clash", lab.node)
     clash["metadata"]["annotations"] = {"vm.vkubelet.io/address": lab.pod("vm")["status"]["podIP"]}
     lab.kubectl("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(clash))
-    nobridge = vm_pod("nobridge", lab.bridged_node)
+    nobridge = vm_pod("nobridge", lab.missing_node)
     lab.kubectl("-n", lab.namespace, "apply", "-f", "-", input=json.dumps(nobridge))
 
     def container(pod: str) -> dict[str, Any]:
@@ -219,6 +271,6 @@ def test_an_address_clash_or_a_missing_bridge_fails_the_pod_naming_it_with_nothi
     assert any(e["reason"] == "BridgeMissing" and e["type"] == "Warning" for e in events)
     # nothing of either is left on the host: no domain, no tap
     domains = lab.host.virsh("list", "--all", "--name").stdout.split()
-    assert domains == [f"{lab.namespace}_vm"], domains
+    assert sorted(domains) == [f"{lab.namespace}_bvm", f"{lab.namespace}_vm"], domains
     links = lab.host.run("ip", "-o", "link", "show").stdout
-    assert links.count("vkvm") == 1, links
+    assert links.count(": vkvm") == 2, links
