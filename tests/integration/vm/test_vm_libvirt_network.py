@@ -174,6 +174,10 @@ def test_a_libvirt_vm_on_a_remote_host_is_on_the_pod_network_both_ways(lab: Lab)
     gateway = shown.split("inet ")[1].split()[0]
     assert f"peer {ip}/32" in shown
     assert f"{ip} dev {tap}" in lab.host.run("ip", "-4", "route").stdout
+    # what libvirt does not set, the tap took from the host's defaults (the lab's, as documented)
+    proxy_arp = lab.host.run("sysctl", "-n", f"net.ipv4.conf.{tap}.proxy_arp").stdout.strip()
+    forwarding = lab.host.run("sysctl", "-n", f"net.ipv4.conf.{tap}.forwarding").stdout.strip()
+    assert (proxy_arp, forwarding) == ("1", "1")
     # the domain records the pod's network, for a restarted agent to read back
     network = lab.host.virsh("metadata", domain, "https://vkubelet.io/xmlns/vm-network/1").stdout
     assert f'address="{ip}"' in network and f'mac="{mac}"' in network, network
