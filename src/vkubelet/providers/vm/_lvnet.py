@@ -10,7 +10,9 @@ when it ends; a remote host needs nothing from the agent but the URI.
   prefix='32' peer=GUEST/>` libvirt 9.0 sets on the daemon's host: the tap holds the node's
   gateway (the same /32 on every VM's tap) and, through the peer, the kernel's /32 route to the
   guest. Checked on the lab: `inet <gateway> peer <guest>/32` on the tap and `<guest> dev
-  <tap> proto kernel scope link src <gateway>`; the tap goes with the domain.
+  <tap> proto kernel scope link src <gateway>`; the tap goes with the domain. Two domains'
+  taps with the same gateway and their own peers start side by side, and the host routes
+  between them (`ip route get <guest 2> from <guest 1> iif <tap 1>` names tap 2).
 - **What libvirt cannot set** is the host's own configuration, so it is a requirement of the
   hypervisor host (docs/vm-provider.md, The libvirt runtime): forwarding (`net.ipv4.ip_forward=1`,
   or `net.ipv4.conf.default.forwarding=1` and the uplink's), since a tap takes the `default`
