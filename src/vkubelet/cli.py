@@ -669,6 +669,77 @@ def vm_install_crds(
         out.print(f"{name} established", highlight=False)
 
 
+@vm_app.command("import")
+def vm_import(
+    domain: Annotated[str, typer.Argument(help="The libvirt domain's name on the node's host.")],
+    node: Annotated[str, typer.Option(help="The vm node whose libvirt host defines it.")],
+    name: Annotated[
+        str | None, typer.Option(help="The VirtualMachine's name (default: from the domain's).")
+    ] = None,
+    namespace: Annotated[str, typer.Option("--namespace", "-n")] = "default",
+    deletion_policy: Annotated[
+        str,
+        typer.Option(
+            help="Deleting the VirtualMachine: Retain (the domain stays defined) or Delete."
+        ),
+    ] = "Retain",
+    replicas: Annotated[
+        int, typer.Option(min=0, max=1, help="1: start it (one that runs is taken as it runs).")
+    ] = 1,
+    cpu: Annotated[str | None, typer.Option(help="What the scheduler counts for it.")] = None,
+    memory: Annotated[str | None, typer.Option(help="What the scheduler counts for it.")] = None,
+    wait: Annotated[
+        bool, typer.Option(help="Wait until it runs, or the node refuses it (then it is deleted).")
+    ] = True,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 300.0,
+    print_only: Annotated[
+        bool, typer.Option("--print", help="Print the VirtualMachine's YAML, create nothing.")
+    ] = False,
+    kubeconfig: KubeconfigOption = None,
+) -> None:
+    """Bring an existing libvirt domain (one vkubelet did not make) under a VirtualMachine:
+    replicas power it, kubectl exec and logs work on its pod (docs/vm-resource.md)."""
+    import yaml
+
+    from .vmcontroller import import_manifest, import_vm, vm_name_for
+
+    if deletion_policy not in ("Retain", "Delete"):
+        raise _fail(ValueError(f"--deletion-policy: {deletion_policy!r} is not Retain or Delete"))
+    with _failing(ValueError):
+        manifest = import_manifest(
+            domain,
+            node,
+            name=name or vm_name_for(domain),
+            namespace=namespace,
+            deletion_policy=deletion_policy,
+            replicas=replicas,
+            cpu=cpu,
+            memory=memory,
+        )
+    if print_only:
+        out.print(yaml.safe_dump(manifest, sort_keys=False), highlight=False, markup=False, end="")
+        return
+
+    async def create() -> Any:
+        async with _kube_client(kubeconfig) as client:
+            return await import_vm(client, manifest, wait_seconds=timeout if wait else None)
+
+    with _failing(Exception):
+        result = asyncio.run(create())
+    vm = f"virtualmachine/{manifest['metadata']['name']}"
+    if result.running or result.reason == "Created":
+        out.print(f"{vm}: domain {domain} imported: {result.message}", highlight=False)
+        return
+    if result.reason == "Timeout":
+        raise _fail(RuntimeError(f"{vm}: {result.message}"))
+    raise _fail(
+        RuntimeError(
+            f"{vm}: node {node} refused domain {domain} ({result.reason}): {result.message}; "
+            "the VirtualMachine was deleted, the domain is unchanged"
+        )
+    )
+
+
 def _own_executable() -> Path:
     """This `vkubelet` (a venv's, pipx's, a package's), for a unit's ExecStart."""
     started = Path(sys.argv[0])

@@ -15,6 +15,7 @@ from ._base import (
 )
 from ._controller import ControllerConfig, VMController, default_reconcilers, run_controller
 from ._crds import crd_yaml, install_crds
+from ._import import ImportResult, import_manifest, import_vm, vm_name_for
 from ._resources import VirtualMachine, VirtualMachineBackup, VirtualMachineMigration
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ROOT_DISK_SIZE_ANNOTATION",
     "Context",
     "ControllerConfig",
+    "ImportResult",
     "Reconciler",
     "VMController",
     "VirtualMachine",
@@ -32,6 +34,9 @@ __all__ = [
     "Watched",
     "crd_yaml",
     "default_reconcilers",
+    "import_manifest",
+    "import_vm",
     "install_crds",
     "run_controller",
+    "vm_name_for",
 ]

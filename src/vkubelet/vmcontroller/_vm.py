@@ -65,6 +65,10 @@ ROOT_SIZE_KEYS: Final = (
 RESTORE_FROM_ANNOTATION: Final = "vm.vkubelet.io/restore-from"
 # The address a VM's pod asks the vm provider for: the VM keeps its address (status.ip).
 ADDRESS_ANNOTATION: Final = "vm.vkubelet.io/address"
+# An imported libvirt domain the pod runs as (`spec.importDomain`), and what deleting the VM
+# does to it: the vm provider's `_domainimport` reads them.
+DOMAIN_ANNOTATION: Final = "vm.vkubelet.io/domain"
+DOMAIN_DELETION_POLICY_ANNOTATION: Final = "vm.vkubelet.io/domain-deletion-policy"
 _UNSETTLED_REQUEUE: Final = 5.0  # while starting or stopping: look again (the watch may lag)
 _FAILED_REQUEUE: Final = 30.0
 
@@ -100,9 +104,10 @@ def desired_labels(vm: Mapping[str, Any]) -> dict[str, str]:
 
 def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
     """The VM's pod: the template, named `<vm>-<random>`, owned by and labelled with the VM,
-    annotated with the machine (the VM's uid: the provider keeps its disks under it) and with
-    the VM's address (status.ip, kept across power cycles: its guest, Services' endpoints and
-    whoever remembers it expect it; a template that names an address itself wins)."""
+    annotated with the machine (the VM's uid: the provider keeps its disks under it), the
+    imported domain it runs as if any (`spec.importDomain`), and with the VM's address
+    (status.ip, kept across power cycles: its guest, Services' endpoints and whoever
+    remembers it expect it; a template that names an address itself wins)."""
     meta = meta_of(vm)
     tmeta, tspec = _template(vm)
     annotations = {**(tmeta.get("annotations") or {}), MACHINE_ANNOTATION: str(meta["uid"])}
@@ -111,6 +116,11 @@ def pod_for(vm: Mapping[str, Any]) -> dict[str, Any]:
     if (size := root_size(annotations)) is not None:
         annotations[ROOT_DISK_SIZE_ANNOTATION] = size
         annotations["vm.vkubelet.io/root-size"] = size
+    if imported := (vm.get("spec") or {}).get("importDomain"):
+        # The controller's word wins over the template's: the domain is the VM's own.
+        annotations[DOMAIN_ANNOTATION] = str(imported["name"])
+        policy = str(imported.get("deletionPolicy") or "Retain")
+        annotations[DOMAIN_DELETION_POLICY_ANNOTATION] = policy
     restore = (vm.get("spec") or {}).get("restoreFrom") or {}
     if restore.get("backup") and not (vm.get("status") or {}).get("machineNode"):
         # Only the first power-on restores: later ones boot the machine's own disks. The name

@@ -16,6 +16,9 @@ stopped with SIGTERM while the domain runs exits cleanly and leaves it running f
 and deleting that pod removes the domain. The refusals cost no boot:
 a domain of a pod's name that vkubelet does not own fails that pod and is left alone; a URI
 whose credentials are refused makes a node NotReady with libvirt's message.
+
+A domain defined with `virsh define` (the test guest, no seed) is imported with `vkubelet vm
+import` and boots twice (import, then replicas 0 -> 1); the refused imports run beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -43,6 +47,7 @@ from vkubelet.testing import (
     AgentProcess,
     Kubectl,
     create_namespace,
+    delete_namespace,
     local_test_address,
     node_ready,
     terminal_session,
@@ -51,7 +56,7 @@ from vkubelet.testing import (
 )
 from vkubelet.testing.virtlab import LibvirtHost
 
-from .vmlab import TOLERATION, clean_up, require_vm_host, start_vm_agent
+from .vmlab import TOLERATION, clean_up, install_crds, require_vm_host, start_vm_agent
 
 pytestmark = pytest.mark.integration
 
@@ -396,3 +401,119 @@ def test_refused_credentials_make_the_node_not_ready_with_libvirt_s_message(
 
     message = wait_for(not_ready, timeout=90, what="the node NotReady saying why")
     assert "qemu+ssh://" in message and "Permission denied" in message, message
+
+
+IMPORT_URI = "https://vkubelet.io/xmlns/vm-import/1"
+
+
+def _vkubelet(kube_cluster: Cluster, *args: str) -> subprocess.Popen[str]:
+    """The `vkubelet` command a user runs (this environment's, with its PYTHONPATH), started:
+    the test runs the imports it expects refused beside the work that boots."""
+    argv = [str(Path(sys.prefix) / "bin" / "vkubelet"), *args]
+    argv += ["--kubeconfig", str(kube_cluster.kubeconfig)]
+    pipe = subprocess.PIPE
+    return subprocess.Popen(argv, stdout=pipe, stderr=pipe, stdin=subprocess.DEVNULL, text=True)
+
+
+def _ended(command: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = command.communicate(timeout=360)
+    return command.returncode, out, err
+
+
+def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_and_retained(
+    libvirt_node: LibvirtNode, kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path
+) -> None:
+    """`vkubelet vm import`: the domain boots as it is defined (its own disk, no seed), exec and
+    logs work on its pod; a second import of it and one of a domain that does not exist are
+    refused (nothing left behind, the domain unchanged); replicas 0 shuts it off without
+    undefining it, replicas 1 starts the same domain (same UUID) with what the guest wrote;
+    deleting the VirtualMachine (Retain) leaves it defined."""
+    host, node = libvirt_node.host, libvirt_node.name
+    install_crds(kube_cluster)
+    namespace = create_namespace(kubectl, f"lvi-{uuid.uuid4().hex[:6]}")
+    domain = f"site-{uuid.uuid4().hex[:6]}"
+    xml_file = libvirt_node.workdir / f"{domain}.xml"
+    xml_file.write_text(virtlab.guest_domain_xml(domain, host.overlay(vm_guest_image, domain)))
+    host.virsh("define", str(xml_file))
+    domain_uuid = host.virsh("domuuid", domain).stdout.strip()
+    log_path = libvirt_node.workdir / "controller.log"
+    with log_path.open("wb") as log:
+        controller = subprocess.Popen(
+            [str(Path(sys.prefix) / "bin" / "vkubelet"), "vm-controller",
+             "--kubeconfig", str(kube_cluster.kubeconfig), "--namespace", namespace,
+             "--lease-namespace", namespace, "--identity", "lvi"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def vm(name: str) -> dict[str, Any]:
+        return dict(kubectl.json("-n", namespace, "get", "vm", name))
+
+    started: list[subprocess.Popen[str]] = []
+
+    def vm_import(name: str, *options: str) -> subprocess.Popen[str]:
+        command = _vkubelet(
+            kube_cluster, "vm", "import", name, "--node", node, "-n", namespace, *options
+        )
+        started.append(command)
+        return command
+
+    def phase_is(name: str, phase: str) -> str | None:
+        status = vm(name).get("status") or {}
+        return str(status.get("podName") or phase) if status.get("phase") == phase else None
+
+    try:
+        # a domain this node's host does not define: refused, the VirtualMachine deleted again
+        missing = vm_import("no-such-domain")
+        importing = vm_import(domain, "--name", "db")
+        code, _, err = _ended(missing)
+        assert code == 1 and "DomainNotFound" in err and "'no-such-domain'" in err, err
+        code, out, err = _ended(importing)
+        assert code == 0 and f"domain {domain} imported" in out, err
+        pod = str(wait_for(lambda: phase_is("db", "Running"), timeout=BOOT_TIMEOUT, what="Running"))
+        assert host.running() == [domain]  # the site's own domain: same name, same UUID
+        assert host.virsh("domuuid", domain).stdout.strip() == domain_uuid
+        machine = vm("db")["metadata"]["uid"]
+        assert f'machine="{machine}"' in host.virsh("metadata", domain, IMPORT_URI).stdout
+        assert "vkubelet-guest: booted" in kubectl("-n", namespace, "logs", pod).stdout
+        marker = uuid.uuid4().hex
+        write = f"echo {marker} > /root/imported && sync"
+        kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write)
+        assert vm("db")["status"]["runtime"] == "libvirt"
+
+        # the same domain for another VirtualMachine (refused naming the one that holds it,
+        # checked below) while replicas 0 shuts it off, still defined; replicas 1: the same
+        # domain runs again
+        again = vm_import(domain, "--name", "db2")
+        kubectl("-n", namespace, "scale", "vm/db", "--replicas=0")
+        wait_for(lambda: phase_is("db", "Stopped"), timeout=120, what="the VM Stopped")
+        assert host.running() == []
+        assert host.virsh("domstate", domain).stdout.strip() == "shut off"
+        assert host.virsh("domuuid", domain).stdout.strip() == domain_uuid
+        kubectl("-n", namespace, "scale", "vm/db", "--replicas=1")
+        pod = str(wait_for(lambda: phase_is("db", "Running"), timeout=BOOT_TIMEOUT, what="on"))
+        assert host.running() == [domain]
+        assert host.virsh("domuuid", domain).stdout.strip() == domain_uuid
+        kept = kubectl("-n", namespace, "exec", pod, "--", "cat", "/root/imported").stdout
+        assert kept.strip() == marker  # its own disk: what the guest wrote is there
+        code, _, err = _ended(again)
+        assert code == 1 and "DomainOwned" in err and f"{namespace}/db" in err, err
+        vms = kubectl.json("-n", namespace, "get", "vm")["items"]
+        assert [v["metadata"]["name"] for v in vms] == ["db"]  # the refused ones deleted
+
+        # deleting the VirtualMachine (Retain): the domain shut down and still defined
+        kubectl("-n", namespace, "delete", "vm", "db", "--wait=true", "--timeout=90s")
+
+        def pods_gone() -> bool:
+            return not kubectl.json("-n", namespace, "get", "pods")["items"]
+
+        wait_for(pods_gone, timeout=90, what="the VM's pod gone")
+        assert host.running() == []
+        assert domain in host.virsh("list", "--all", "--name").stdout.split()
+    finally:
+        processes: list[subprocess.Popen[Any]] = [*started, controller]
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
+        host.virsh("destroy", domain, check=False)
+        host.virsh("undefine", domain, check=False)
+        delete_namespace(kubectl, namespace)

@@ -48,6 +48,10 @@ def test_a_virtual_machine_scales_between_zero_and_one_and_shows_phase_node_ip()
     assert (replicas["minimum"], replicas["maximum"], replicas["default"]) == (0, 1, 1)
     assert spec["powerOffMode"]["enum"] == ["Shutdown", "Hibernate"]
     assert spec["restoreFrom"]["required"] == ["backup"]
+    imported = spec["importDomain"]
+    assert imported["required"] == ["name"]
+    assert imported["properties"]["deletionPolicy"]["enum"] == ["Retain", "Delete"]
+    assert imported["properties"]["deletionPolicy"]["default"] == "Retain"
 
 
 def test_a_backup_needs_a_vm_and_exactly_one_absolute_directory_or_claim() -> None:

@@ -350,3 +350,22 @@ def test_the_status_says_which_runtime_runs_the_vm_and_keeps_it_while_off() -> N
     off["status"] = running.status
     assert decide(off, []).status["runtime"] == "libvirt"
     assert decide(vm(), [pod()]).status["runtime"] is None  # no container ID (older agent)
+
+
+# -- an imported libvirt domain (issue 29) ------------------------------------------------------
+def test_an_imported_domain_and_its_deletion_policy_reach_every_pod_of_the_vm() -> None:
+    imported = vm()
+    imported["spec"]["importDomain"] = {"name": "legacy-db", "deletionPolicy": "Delete"}
+    imported["spec"]["template"]["metadata"] = {
+        "annotations": {"vm.vkubelet.io/domain": "someone-else"}  # the VM's field wins
+    }
+    for status in ({}, {"machineNode": "hv-1"}):  # first power on, and the next ones
+        imported["status"] = status
+        created = decide(imported, []).create
+        assert created is not None
+        annotations = created["metadata"]["annotations"]
+        assert annotations["vm.vkubelet.io/domain"] == "legacy-db"
+        assert annotations["vm.vkubelet.io/domain-deletion-policy"] == "Delete"
+        assert annotations["vm.vkubelet.io/machine"] == UID
+    plain = decide(vm(), []).create
+    assert plain is not None and "vm.vkubelet.io/domain" not in plain["metadata"]["annotations"]

@@ -18,6 +18,7 @@ from ._qga import ExecOutput, GuestAgent
 from ._qmp import Monitor
 
 __all__ = [
+    "DomainImport",
     "GuestAddress",
     "LaunchSpec",
     "MachineHandle",
@@ -122,6 +123,18 @@ class GuestAddress:
 
 
 @dataclass(frozen=True)
+class DomainImport:
+    """An existing libvirt domain a machine runs as (`_domainimport`): started and stopped,
+    never defined or undefined by the runtime; `policy` is what deleting its VirtualMachine
+    does to it (Retain or Delete)."""
+
+    name: str  # the domain's
+    machine: str  # the machine id (the VirtualMachine's uid)
+    owner: str  # namespace/name of the VirtualMachine
+    policy: str = "Retain"
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     name: str  # namespace/name
     run_dir: Path  # the machine's own directory (sockets, console log)
@@ -147,6 +160,8 @@ class LaunchSpec:
     # A hibernated machine saved by its runtime (`SavingMachine.reference`): the
     # launch restores it instead of booting; RestoreFailed when it cannot.
     restore: str | None = None
+    # An imported domain (libvirt): started as it is defined; disks, seed and network unused.
+    domain: DomainImport | None = None
 
 
 class Runtime(Protocol):
@@ -227,6 +242,17 @@ class Runtime(Protocol):
     async def discard_saved(self, reference: str) -> None:
         """Drop a hibernated machine's state that `SavingMachine.save_state` kept (the domain
         and its managed save image); nothing for a runtime that keeps none."""
+        ...
+
+    async def check_import(self, request: DomainImport) -> str:
+        """The UUID of the existing domain the pod asks to run as; MachineRefused (nothing
+        changed) when it cannot: none of that name, another machine's, lacking a console or
+        guest agent channel, or a runtime that imports nothing."""
+        ...
+
+    async def release_import(self, uuid: str, machine: str, *, delete: bool) -> None:
+        """The machine's VirtualMachine is gone: its imported domain is undefined (`delete`)
+        or left with vkubelet's metadata removed; a domain not claimed by `machine` is left."""
         ...
 
     def gc_images(self, in_use: Collection[str]) -> list[str]: ...

@@ -47,6 +47,7 @@ import contextlib
 import json
 import logging
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
@@ -57,8 +58,16 @@ from typing import Any, TypeVar
 from ..._files import write_atomic
 from ...sdk.retry import Backoff
 from ...sdk.tasks import SharedWatch
-from ._backend import GuestAddress, LaunchSpec, MachineHandle, MachineRefused, RestoreFailed
+from ._backend import (
+    DomainImport,
+    GuestAddress,
+    LaunchSpec,
+    MachineHandle,
+    MachineRefused,
+    RestoreFailed,
+)
 from ._config import VMConfig
+from ._domainimport import IMPORT_URI, ImportClaim, claim_of, refusal
 from ._domainxml import METADATA_URI, Owner, domain_name, domain_xml, owner_of, retarget
 from ._lvnet import bridge_refused, libvirt_network, retarget_network, with_network
 from ._machine import MachineError, MachineExit, Usage
@@ -380,9 +389,17 @@ class LibvirtMachine:
     # libvirt's own: `save_state`)
 
     def __init__(
-        self, connection: Connection, run_dir: Path, uuid: str, domain_id: int, started: float
+        self,
+        connection: Connection,
+        run_dir: Path,
+        uuid: str,
+        domain_id: int,
+        started: float,
+        *,
+        imported: bool = False,
     ) -> None:
         self.connection, self.run_dir, self.uuid = connection, run_dir, uuid
+        self.imported = imported  # a domain vkubelet did not make: stopped, never undefined
         self.pid = domain_id  # the domain's id, as `virsh list` shows it
         self.started = started
         self.console_log = run_dir / "console.log"
@@ -535,7 +552,8 @@ class LibvirtMachine:
 
     async def _remove(self) -> None:
         """Destroy the domain if it runs and drop its definition (it is ours: checked when it
-        was made or adopted); a hibernated one (a managed save image) is kept for its resume."""
+        was made or adopted); a hibernated one (a managed save image) is kept for its resume,
+        an imported one's definition is the site's (it is only destroyed)."""
         libvirt = _libvirt()
         domain = await self.connection.domain(self.uuid)
         if domain is None:
@@ -546,6 +564,8 @@ class LibvirtMachine:
         with contextlib.suppress(libvirt.libvirtError):
             if await self.connection.run(domain.isActive):
                 await self.connection.run(domain.destroy)
+        if self.imported:
+            return
         with contextlib.suppress(libvirt.libvirtError):
             await self.connection.run(domain.undefine)
 
@@ -674,6 +694,8 @@ class LibvirtRuntime(QemuRuntime):
         namespace, _, name = spec.name.partition("/")
         pod_uid = spec.network_key or spec.run_dir.parent.name
         owner = Owner(pod_uid, namespace, name, self.node_name)
+        if spec.domain is not None:
+            return await self._launch_imported(spec, spec.domain, owner)
         resolved = replace(
             spec,
             disks=tuple((path.resolve(), bus) for path, bus in spec.disks),
@@ -782,12 +804,16 @@ class LibvirtRuntime(QemuRuntime):
             raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
 
     async def _handle(
-        self, run_dir: Path, domain: Any, uuid: str, started: float
+        self, run_dir: Path, domain: Any, uuid: str, started: float, *, imported: bool = False
     ) -> LibvirtMachine:
         domain_id = await self.connection.run(domain.ID)
         record = {"uri": self.connection.uri, "uuid": uuid, "id": domain_id, "started": started}
+        if imported:
+            record["imported"] = True
         write_atomic(run_dir / DOMAIN_FILE, json.dumps(record) + "\n")
-        machine = LibvirtMachine(self.connection, run_dir, uuid, domain_id, started)
+        machine = LibvirtMachine(
+            self.connection, run_dir, uuid, domain_id, started, imported=imported
+        )
         await machine.open_console(domain)
         return machine
 
@@ -814,7 +840,12 @@ class LibvirtRuntime(QemuRuntime):
             return None
         state, reason = await self.connection.run(domain.state)
         machine = LibvirtMachine(
-            self.connection, run_dir, uuid, int(record.get("id", -1)), float(record["started"])
+            self.connection,
+            run_dir,
+            uuid,
+            int(record.get("id", -1)),
+            float(record["started"]),
+            imported=bool(record.get("imported")),
         )
         if (outcome := _outcome(libvirt, state, reason)) is not None:
             machine._record(outcome)
@@ -822,6 +853,129 @@ class LibvirtRuntime(QemuRuntime):
             return None
         await machine.open_console(domain)
         return machine
+
+    # -- imported domains (`_domainimport`): started and stopped, never defined or undefined --
+    async def check_import(self, request: DomainImport) -> str:
+        domain = await self._importable(request)
+        return str(await self.connection.run(domain.UUIDString))
+
+    async def _importable(self, request: DomainImport) -> Any:
+        """The domain `request` names, if it can be the machine's (reads only); else
+        MachineRefused with `_domainimport.refusal`'s reason, or DomainNotFound."""
+        libvirt = _libvirt()
+        conn = await self.connection.get()
+        where = f"libvirt {self.connection.uri}: domain {request.name!r}"
+        try:
+            domain = await self.connection.run(conn.lookupByName, request.name)
+            xml = await self.connection.run(domain.XMLDesc, libvirt.VIR_DOMAIN_XML_INACTIVE)
+            persistent = await self.connection.run(domain.isPersistent)
+        except libvirt.libvirtError as e:
+            if _code(e) == libvirt.VIR_ERR_NO_DOMAIN:
+                raise MachineRefused(
+                    "DomainNotFound",
+                    f"{where} does not exist: a domain is imported on the node whose libvirt "
+                    "host defines it",
+                ) from None
+            raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+        if not persistent:
+            raise MachineRefused(
+                "DomainUnsupported", f"{where} is transient: virsh define it to import it"
+            )
+        claim = claim_of(await self._metadata(domain, IMPORT_URI))
+        pod_owner = owner_of(await self._metadata(domain, METADATA_URI))
+        if (refused := refusal(where, request, xml, claim, pod_owner)) is not None:
+            raise MachineRefused(*refused)
+        return domain
+
+    async def _metadata(self, domain: Any, uri: str) -> str | None:
+        libvirt = _libvirt()
+        try:
+            return str(
+                await self.connection.run(domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, uri)
+            )
+        except libvirt.libvirtError:
+            return None  # no element of that namespace
+
+    async def _launch_imported(
+        self, spec: LaunchSpec, request: DomainImport, owner: Owner
+    ) -> MachineHandle:
+        """The imported domain, claimed in its metadata (the machine's import element and the
+        pod's element) and started as it is defined, paused until the console stream is open
+        as a boot of ours; one that runs already is taken as it runs. Its definition is
+        otherwise untouched."""
+        libvirt = _libvirt()
+        domain = await self._importable(request)
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("console.sock", "exit.json"):
+            (spec.run_dir / stale).unlink(missing_ok=True)
+        started_here = False
+        try:
+            uuid = await self.connection.run(domain.UUIDString)
+            active = await self.connection.run(domain.isActive)
+            flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG
+            if active:
+                flags |= libvirt.VIR_DOMAIN_AFFECT_LIVE
+            element = libvirt.VIR_DOMAIN_METADATA_ELEMENT
+            claim = ImportClaim.of(request, self.node_name).xml()
+            pod = ET.tostring(owner.element(), encoding="unicode")
+            await self.connection.run(
+                domain.setMetadata, element, claim, "vkubelet-import", IMPORT_URI, flags
+            )
+            await self.connection.run(
+                domain.setMetadata, element, pod, "vkubelet", METADATA_URI, flags
+            )
+            if active:
+                log.info("imported domain %s runs already: taken as it is", request.name)
+                started = _known_start(spec.run_dir, uuid)
+                return await self._handle(spec.run_dir, domain, uuid, started, imported=True)
+            await self.connection.run(domain.createWithFlags, libvirt.VIR_DOMAIN_START_PAUSED)
+            started_here = True
+            machine = await self._handle(spec.run_dir, domain, uuid, time.time(), imported=True)
+            await self.connection.run(domain.resume)
+        except (libvirt.libvirtError, OSError) as e:
+            with contextlib.suppress(Exception):  # started here, then lost: off, still defined
+                if started_here:
+                    await self.connection.run(domain.destroy)
+            raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+        return machine
+
+    async def release_import(self, uuid: str, machine: str, *, delete: bool) -> None:
+        libvirt = _libvirt()
+        domain = await self.connection.domain(uuid)
+        if domain is None:
+            return
+        claim = claim_of(await self._metadata(domain, IMPORT_URI))
+        if claim is None or claim.machine != machine:
+            return  # not (or no longer) this machine's: someone else's now
+        try:
+            active = await self.connection.run(domain.isActive)
+            if delete:
+                if active:
+                    await self.connection.run(domain.destroy)
+                flags = (
+                    libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
+                    | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
+                )
+                more = (  # what a site's domain may have that plain undefine refuses to drop
+                    libvirt.VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA
+                    | libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
+                )
+                try:
+                    await self.connection.run(domain.undefineFlags, flags | more)
+                except libvirt.libvirtError as e:  # a driver without them (libvirt's test://)
+                    if _code(e) != libvirt.VIR_ERR_INVALID_ARG:
+                        raise
+                    await self.connection.run(domain.undefineFlags, flags)
+                log.info("imported domain %s undefined (deletion policy Delete)", uuid)
+                return
+            flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG
+            if active:
+                flags |= libvirt.VIR_DOMAIN_AFFECT_LIVE
+            element = libvirt.VIR_DOMAIN_METADATA_ELEMENT
+            for uri in (METADATA_URI, IMPORT_URI):
+                await self.connection.run(domain.setMetadata, element, None, None, uri, flags)
+        except libvirt.libvirtError as e:
+            raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:
         """KVM when the config says so, or (auto) when the host's libvirt offers it; else TCG."""

@@ -28,7 +28,7 @@ import shutil
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from typing import Any
 from lightkube.models.core_v1 import EphemeralContainer
 from lightkube.resources.core_v1 import Node, Pod
 
-from ..._files import make_private, private_dir, write_private
+from ..._files import make_private, private_dir, write_atomic, write_private
 from ...kube import ApiError, KubeClient
 from ...sdk import (
     AttachIO,
@@ -63,8 +63,9 @@ from ...sdk.provider import EventSink, EventType, UpperAPI
 from ...sdk.retry import Backoff
 from ...sdk.stats import NodeUsage, PodUsage, resource_metrics, summary
 from ...sdk.status import ephemeral_run_before
-from . import _hibernate, _persist, _resize
+from . import _domainimport, _hibernate, _persist, _resize
 from ._backend import (
+    DomainImport,
     GuestAddress,
     LaunchSpec,
     MachineHandle,
@@ -97,6 +98,7 @@ _REPLACE_FILE = (
 log = logging.getLogger(__name__)
 
 ACCELERATOR_CONDITION = "Accelerator"
+_IMPORT_FILE = "import.json"  # a machine's imported domain (`_prepare_imported`)
 _MIB = 2**20
 
 
@@ -285,6 +287,8 @@ class VMProvider(RunnerProvider):
             return [self.host_ip]  # create_pod refuses it
         if is_backup_pod(meta.annotations):
             return [self.host_ip]  # a task on the host, not a VM
+        if _domainimport.DOMAIN_ANNOTATION in (meta.annotations or {}):
+            return [self.host_ip]  # an imported domain keeps its own NICs: no address of ours
         standby = bool(pod_annotations(pod).get(MIGRATION_SOURCE))  # not arrived: no VM yet
         return [(await self._attach(pod, standby=standby)).address]
 
@@ -375,9 +379,13 @@ class VMProvider(RunnerProvider):
             return  # adopted, or already being prepared
         try:
             plan = self._plan(pod)
+            request = self._import_request(pod)
         except SpecError as e:
             await self.runtime.detach_network(pod.uid)
             raise ProviderError("InvalidVMSpec", str(e)) from None
+        if request is not None:
+            self._create_imported(key, pod, plan, request)
+            return
         if not self._is_vm_image(plan.image):
             await self.runtime.detach_network(pod.uid)
             raise ProviderError(
@@ -392,6 +400,84 @@ class VMProvider(RunnerProvider):
         task = self._tasks.spawn(self._prepare(key, vm, pod), name=f"prepare {key}")
         self._preparing[key] = task
         task.add_done_callback(lambda _: self._preparing.pop(key, None))
+
+    # -- imported domains (`_domainimport`) --------------------------------------------------
+    @staticmethod
+    def _import_request(pod: ResolvedPod) -> DomainImport | None:
+        """The existing domain the pod runs as (`vm.vkubelet.io/domain`), None for a VM of its
+        own; SpecError naming the field for one the node cannot take (its disks are the
+        domain's own: no emptyDir or PVC disk is added to it)."""
+        meta = pod.pod.metadata
+        assert meta is not None
+        annotations = dict(meta.annotations or {})
+        vm_name = next((r.name for r in meta.ownerReferences or [] if r.controller), str(meta.name))
+        if _domainimport.DOMAIN_ANNOTATION not in annotations:
+            return None
+        try:
+            machine = _persist.machine_id(pod.pod)
+        except _persist.MachineRefused as e:
+            raise ProviderError(e.reason, str(e)) from None
+        request = _domainimport.requested(annotations, machine, f"{meta.namespace}/{vm_name}")
+        volumes = pod.pod.spec.volumes if pod.pod.spec is not None else None
+        disks = [v.name for v in volumes or [] if v.emptyDir or v.persistentVolumeClaim]
+        if disks:
+            raise SpecError(
+                f"spec.volumes[{disks[0]}]",
+                "an imported domain keeps its own disks; emptyDir and persistentVolumeClaim "
+                "volumes are not added to it",
+            )
+        return request
+
+    def _create_imported(
+        self, key: str, pod: ResolvedPod, plan: MachinePlan, request: DomainImport
+    ) -> None:
+        """A pod of an imported domain: no image pulled, no network attached (the domain keeps
+        its own NICs), checked and started by `_prepare_imported`."""
+        vm = VM(pod.pod, self.config.run_root / pod.uid, plan=plan)
+        self.vms[key] = vm
+        self._report_waiting(vm, Waiting())
+        task = self._tasks.spawn(self._prepare_imported(key, vm, request), name=f"prepare {key}")
+        self._preparing[key] = task
+        task.add_done_callback(lambda _: self._preparing.pop(key, None))
+
+    async def _prepare_imported(self, key: str, vm: VM, request: DomainImport) -> None:
+        """The domain checked (a refusal changes nothing and is the pod's reason: it is not
+        retried), the machine claimed (one pod at a time) and the domain recorded in the
+        machine's directory, for the machine GC's deletion policy; then started."""
+        retry = Backoff(initial=1.0, cap=30.0)
+        while True:
+            try:
+                uuid = await self.runtime.check_import(request)
+                directory = self._disk_dir(vm)
+                break
+            except (MachineRefused, ProviderError) as e:
+                message = str(e) if isinstance(e, MachineRefused) else e.message
+                self.event(vm, "Warning", "Failed", f"Error: {message}")
+                self._report_waiting(vm, Waiting(e.reason, message))
+                return
+            except Exception as e:  # the daemon away, the machine's previous pod still there
+                log.warning("%s: could not import domain %s: %s", key, request.name, e)
+                self.event(vm, "Warning", "Failed", f"Error: {e}")
+                self._report_waiting(vm, Waiting("CreateContainerError", str(e)))
+                await asyncio.sleep(retry.next_delay())
+        record = {**asdict(request), "uuid": uuid}
+        write_atomic(directory / _IMPORT_FILE, json.dumps(record) + "\n")
+        vm.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        vm.launch = Launch(name=key, domain=request)
+        _write_pod_file(vm)
+        vm.save()
+        self.event(vm, "Normal", "Created", f"Imported domain {request.name} (UUID {uuid})")
+        self._start_vm(key, vm, restart_count=0)
+
+    async def _release_imported(self, directory: Path) -> None:
+        """A machine going away: its imported domain is undefined (policy Delete) or left as it
+        is, vkubelet's metadata removed (Retain), so that it can be imported again."""
+        try:
+            record = json.loads((directory / _IMPORT_FILE).read_text())
+        except FileNotFoundError:
+            return
+        delete = record.get("policy") == "Delete"
+        await self.runtime.release_import(str(record["uuid"]), directory.name, delete=delete)
 
     def _report_waiting(self, vm: VM, waiting: Waiting) -> None:
         vm.waiting = waiting
@@ -542,7 +628,7 @@ class VMProvider(RunnerProvider):
             in_use = _persist.machines_in_use(vm.pod for vm in self.vms.values())
             try:
                 removed = await _persist.gc_machines(
-                    self.config.state_dir, gc.kubeconfig, in_use, self._discard_hibernated
+                    self.config.state_dir, gc.kubeconfig, in_use, self._machine_gone
                 )
             except Exception as e:
                 log.warning("machine gc failed: %s", e)
@@ -550,6 +636,10 @@ class VMProvider(RunnerProvider):
             for ident in removed:
                 log.info("machine gc: removed machine %s (its VirtualMachine is gone)", ident)
             await asyncio.sleep(gc.interval)
+
+    async def _machine_gone(self, directory: Path) -> None:
+        await self._discard_hibernated(directory)
+        await self._release_imported(directory)
 
     async def _discard_hibernated(self, directory: Path) -> None:
         """A machine going away: the hibernated state its runtime keeps (a libvirt domain with
@@ -769,6 +859,7 @@ class VMProvider(RunnerProvider):
             extra_args=_resize.hotplug_args(launch),
             claims=tuple((Path(p), serial) for p, serial in launch.claims),
             incoming=self.migrations.is_target(vm),
+            domain=launch.domain,
         )
 
     def _drop_old_logs(self, vm: VM, run: int) -> None:
@@ -791,7 +882,12 @@ class VMProvider(RunnerProvider):
             grace = spec.terminationGracePeriodSeconds if spec else None
         seconds = float(30 if grace is None else grace)
         stopping = key in self.runners and self.runners[key].stopping
-        if stopping and (power_off := _hibernate.power_off(self, vm, machine, seconds)) is not None:
+        imported = vm.launch is not None and vm.launch.domain is not None  # (shut down: no save)
+        if (
+            stopping
+            and not imported
+            and (power_off := _hibernate.power_off(self, vm, machine, seconds)) is not None
+        ):
             self._tasks.spawn(power_off, name=f"power off {key}")
             return
         self._tasks.spawn(machine.stop(seconds), name=f"stop {key}")
@@ -817,6 +913,8 @@ class VMProvider(RunnerProvider):
             self.migrations.update(vm, self.runners.get(key), annotations)
         if vm is None or vm.uid != pod.uid or vm.launch is None:
             return  # not made yet: the seed is written with the newest files anyway
+        if vm.launch.domain is not None:
+            return  # an imported domain: no seed, and nothing is written into its guest
         try:
             plan = self._plan(pod)
         except SpecError as e:

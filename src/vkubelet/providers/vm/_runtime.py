@@ -18,7 +18,15 @@ from typing import Any
 
 import yaml
 
-from ._backend import GuestAddress, LaunchSpec, MachineHandle, PulledImage, RestoreFailed
+from ._backend import (
+    DomainImport,
+    GuestAddress,
+    LaunchSpec,
+    MachineHandle,
+    MachineRefused,
+    PulledImage,
+    RestoreFailed,
+)
 from ._cloudinit import build_seed_content
 from ._config import ConfigError, VMConfig
 from ._disks import create_blank, create_overlay
@@ -160,6 +168,8 @@ class QemuRuntime:
         await self.network.detach(key)
 
     async def launch(self, spec: LaunchSpec) -> MachineHandle:
+        if spec.domain is not None:
+            await self.check_import(spec.domain)
         if spec.restore is not None:  # (its states are files: `_hibernate`'s -incoming)
             raise RestoreFailed(f"the qemu runtime cannot restore {spec.restore}")
         network = None
@@ -209,6 +219,16 @@ class QemuRuntime:
         self, namespace: str, name: str, pod_uid: str, *, restoring: str | None = None
     ) -> None:
         """Nothing to check: a QEMU machine is the pod's own directory."""
+
+    async def check_import(self, request: DomainImport) -> str:
+        raise MachineRefused(
+            "UnsupportedByRuntime",
+            f"metadata.annotations[vm.vkubelet.io/domain]: importing the domain "
+            f"{request.name!r} needs runtime: libvirt (this node runs qemu)",
+        )
+
+    async def release_import(self, uuid: str, machine: str, *, delete: bool) -> None:
+        """Nothing: this runtime imports no domain."""
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:
         if mode == "tcg":

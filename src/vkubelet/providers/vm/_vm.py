@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,7 +30,7 @@ from lightkube.resources.core_v1 import Pod
 from ..._files import write_atomic
 from ...sdk import PodRunner, Waiting
 from ...sdk.provider import EventType, UpperAPI
-from ._backend import GuestAddress, MachineHandle
+from ._backend import DomainImport, GuestAddress, MachineHandle
 from ._config import VMConfig
 from ._spec import MachinePlan
 
@@ -65,6 +65,7 @@ class Launch:
     claims: list[tuple[str, str]] = field(default_factory=list)  # PVC disks: (path, serial)
     migrated_in: bool = False  # a migration target whose VM arrived: it boots like any VM
     address: str | None = None  # the guest's address (kept with a hibernated state)
+    domain: DomainImport | None = None  # an imported domain: no disks, seed or network of ours
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -85,6 +86,8 @@ class Launch:
             data["migratedIn"] = True
         if self.address is not None:
             data["address"] = self.address
+        if self.domain is not None:
+            data["domain"] = asdict(self.domain)
         return data
 
     @classmethod
@@ -104,6 +107,7 @@ class Launch:
             claims=[(str(p), str(s)) for p, s in data.get("claims") or []],
             migrated_in=bool(data.get("migratedIn")),
             address=data.get("address"),
+            domain=DomainImport(**data["domain"]) if data.get("domain") else None,
         )
 
 

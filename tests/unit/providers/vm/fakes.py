@@ -15,6 +15,7 @@ from typing import Any
 from lightkube.resources.core_v1 import Pod
 
 from vkubelet.providers.vm._backend import (
+    DomainImport,
     GuestAddress,
     LaunchSpec,
     MachineRefused,
@@ -104,6 +105,8 @@ class FakeRuntime:
     refused: str | None = None  # check_machine refuses every machine, saying this
     unhealthy: str | None = None  # ping raises, saying this
     remote_host: tuple[int, int] | None = None  # host_resources: (millicores, bytes)
+    imports: dict[str, str] = field(default_factory=dict)  # importable domains: name -> UUID
+    released: list[tuple[str, str, bool]] = field(default_factory=list)  # release_import
 
     def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
         pass
@@ -183,6 +186,14 @@ class FakeRuntime:
 
     async def discard_saved(self, reference: str) -> None:
         self.discarded.append(reference)
+
+    async def check_import(self, request: DomainImport) -> str:
+        if request.name not in self.imports:
+            raise MachineRefused("DomainNotFound", f"domain {request.name!r} does not exist")
+        return self.imports[request.name]
+
+    async def release_import(self, uuid: str, machine: str, *, delete: bool) -> None:
+        self.released.append((uuid, machine, delete))
 
     def gc_images(self, in_use: Collection[str]) -> list[str]:
         return []

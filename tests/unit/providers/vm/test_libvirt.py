@@ -5,6 +5,7 @@ runs VMs on a real daemon over SSH."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,3 +159,91 @@ async def test_a_hibernated_domain_is_never_removed_as_an_ended_one(tmp_path: Pa
     )
     conn = await runtime.connection.get()
     assert "ns_kept" in conn.listDefinedDomains()
+
+
+# -- imported domains (`_domainimport`), on the test driver ------------------------------------
+DEVICES = (
+    "<devices><serial type='pty'><target port='0'/></serial><console type='pty'/>"
+    "<channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>"
+    "</devices>"
+)
+
+
+async def _site_domain(runtime: LibvirtRuntime, name: str, devices: str = DEVICES) -> str:
+    """A domain a site defined by hand (`virsh define`): no vkubelet metadata."""
+    xml = (
+        f"<domain type='test'><name>{name}</name><memory>65536</memory>"
+        f"<os><type>hvm</type></os>{devices}</domain>"
+    )
+    conn = await runtime.connection.get()
+    return str(conn.defineXML(xml).UUIDString())
+
+
+def _request(name: str, machine: str = "m-1", policy: str = "Retain") -> Any:
+    from vkubelet.providers.vm._backend import DomainImport
+
+    return DomainImport(name=name, machine=machine, owner="team-a/db", policy=policy)
+
+
+@ONE_LOOP
+async def test_an_import_that_cannot_be_taken_is_refused_naming_why_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    from vkubelet.providers.vm._backend import MachineRefused
+
+    runtime = _test_runtime(tmp_path)
+    conn = await runtime.connection.get()
+    uuid = await _site_domain(runtime, "site-db")
+    assert await runtime.check_import(_request("site-db")) == uuid
+
+    with pytest.raises(MachineRefused) as missing:
+        await runtime.check_import(_request("no-such-domain"))
+    assert missing.value.reason == "DomainNotFound" and "'no-such-domain'" in str(missing.value)
+
+    await _site_domain(runtime, "bare", devices="<devices/>")
+    before = conn.lookupByName("bare").XMLDesc(0)
+    with pytest.raises(MachineRefused) as bare:
+        await runtime.check_import(_request("bare"))
+    assert bare.value.reason == "DomainUnsupported"
+    assert "serial console" in str(bare.value) and "org.qemu.guest_agent.0" in str(bare.value)
+    assert conn.lookupByName("bare").XMLDesc(0) == before
+
+    ours = await _saved_domain(runtime, "made-for-a-pod")  # vkubelet's own, for a pod
+    with pytest.raises(MachineRefused) as made:
+        await runtime.check_import(_request("ns_made-for-a-pod"))
+    assert made.value.reason == "DomainOwned" and "pod ns/made-for-a-pod" in str(made.value)
+    assert conn.lookupByUUIDString(ours).hasManagedSaveImage(0)
+
+
+@ONE_LOOP
+async def test_an_imported_domain_is_one_machine_s_and_released_by_its_deletion_policy(
+    tmp_path: Path,
+) -> None:
+    from vkubelet.providers.vm._backend import MachineRefused
+    from vkubelet.providers.vm._domainimport import IMPORT_URI
+
+    runtime = _test_runtime(tmp_path)
+    conn = await runtime.connection.get()
+    for name in ("kept", "deleted"):
+        await _site_domain(runtime, name)
+        domain = conn.lookupByName(name)
+        # what the launch writes: the machine's claim (the test driver has no console stream)
+        claim = '<import machine="m-1" owner="team-a/db" node="hv-1" policy="Retain"/>'
+        flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG
+        element = libvirt.VIR_DOMAIN_METADATA_ELEMENT
+        domain.setMetadata(element, claim, "vkubelet-import", IMPORT_URI, flags)
+    with pytest.raises(MachineRefused) as taken:  # another VirtualMachine's machine
+        await runtime.check_import(_request("kept", machine="m-2"))
+    assert taken.value.reason == "DomainOwned" and "team-a/db" in str(taken.value)
+    assert await runtime.check_import(_request("kept"))  # its own machine: again and again
+
+    kept = conn.lookupByName("kept").UUIDString()
+    await runtime.release_import(kept, "m-2", delete=True)  # not that machine's: untouched
+    assert "kept" in conn.listDefinedDomains()
+    await runtime.release_import(kept, "m-1", delete=False)  # Retain: defined, claim dropped
+    assert "kept" in conn.listDefinedDomains()
+    assert await runtime.check_import(_request("kept", machine="m-2"))  # importable again
+    deleted = conn.lookupByName("deleted").UUIDString()
+    await runtime.release_import(deleted, "m-1", delete=True)
+    assert "deleted" not in conn.listDefinedDomains()
+    await runtime.release_import(deleted, "m-1", delete=True)  # gone already: nothing to do
