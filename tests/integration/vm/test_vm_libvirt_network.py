@@ -7,9 +7,11 @@ to the machine, the machine routes the vm nodes' ranges to the host. Two VMs (th
 guest) boot side by side for the module, one per mode; their taps are libvirt's work on that
 host (`providers.vm._lvnet`). Routed: a busybox pod on a real worker fetches the VM's HTTP
 server by pod IP and through a ClusterIP Service by DNS name, and the VM fetches a worker pod by
-its IP and a worker Service by its short name. Bridged: the VM is a port of the host's bridge,
-which holds its gateway; a worker pod fetches it by pod IP, and it fetches a worker pod. The
-refusals cost no boot: an address a running domain holds, a bridge the host lacks.
+its IP and a worker Service by its short name; after an agent restart (SIGKILL) and a poweroff
+the VM boots again with the address read back from its domain. Bridged: the VM is a port of the
+host's bridge, which holds its gateway; a worker pod fetches it by pod IP, and it fetches a
+worker pod. The refusals cost no boot: an address a running domain holds, a bridge the host
+lacks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import json
 import random
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -214,6 +217,36 @@ def _guest_nic(lab: Lab, vm: str = "vm") -> str:
     """The guest's one NIC (the first interface but lo)."""
     names = lab.run(vm, "ls", "/sys/class/net").split()
     return next(name for name in names if name != "lo")
+
+
+def test_a_restarted_agent_reads_the_vm_s_address_back_from_its_domain_and_a_reboot_keeps_it(
+    lab: Lab,
+) -> None:
+    ip = lab.pod("vm")["status"]["podIP"]
+    lab.agent.stop(signal.SIGKILL)  # the agent keeps nothing: the domain's XML says
+    lab.agent.start()
+    wait_for(
+        lambda: lab.agent.log().count("listening on port") >= 2,
+        timeout=60,
+        what="the restarted agent's kubelet API",
+    )
+    wait_for(partial(lab.answers, "vm"), timeout=90, what="exec after the restart")
+    # a cold boot of the adopted VM: its domain is made again with the address read back
+    lab.run("vm", "poweroff")
+
+    def rebooted() -> bool:
+        status = (lab.pod("vm")["status"].get("containerStatuses") or [{}])[0]
+        return status.get("restartCount", 0) >= 1 and "running" in status.get("state", {})
+
+    wait_for(rebooted, timeout=BOOT_TIMEOUT, what="the VM booted again")
+    wait_for(partial(lab.answers, "vm"), timeout=BOOT_TIMEOUT, what="exec after the reboot")
+    assert lab.pod("vm")["status"]["podIP"] == ip
+    assert lab.run("vm", "sh", "-c", SERVE) == ""
+    wait_for(
+        lambda: lab.fetch("client", f"http://{ip}:8080/") == "vm",
+        timeout=60,
+        what="the rebooted VM from a worker pod",
+    )
 
 
 def test_a_bridged_libvirt_vm_is_a_port_of_the_host_s_bridge_reached_from_a_worker(
