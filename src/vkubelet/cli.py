@@ -306,7 +306,9 @@ def run(
         if replicas is not None and replicas.shard and agent_config.bootstrap_in_cluster:
             raise ConfigError("--shard shares several nodes; a node identity is one node's")
         hosted = [
-            spec.settings.name for spec in agent_config.nodes if spec.settings.provider == "vm"
+            spec.settings.name
+            for spec in agent_config.nodes
+            if spec.settings.provider == "vm" and not _vm_fleet(spec.provider_config)
         ]
         if replicas is not None and hosted:
             # A standby elsewhere would boot every VM afresh, without the disks on this host.
@@ -374,6 +376,16 @@ def _replica_options(
         shard=shard,
         health_port=health_port,
     )
+
+
+def _vm_fleet(path: Path | None) -> bool:
+    """Whether a vm provider config is a fleet of libvirt hosts (`hosts`): its VMs and disks
+    live on those hosts, not on the agent's, so a standby replica may take the nodes over."""
+    if path is None:
+        return False
+    from .providers.vm import load_fleet
+
+    return load_fleet(path) is not None
 
 
 def _tune_gc() -> None:

@@ -50,6 +50,11 @@ PAUSE_TAG = "3.10"
 BUSYBOX_PACKAGE = "busybox-static"
 #: Debian 12's python3 is 3.11, the version deploy/image/requirements.lock was resolved for.
 PYTHON_PACKAGES = ("python3-minimal", "python3", "ca-certificates")
+#: What the vm provider's libvirt runtime needs in the agent's container (the chart's vm mode):
+#: the binding (Debian's, built for this same Debian Python, so no compiler and no libvirt-dev
+#: in the build; it brings libvirt0), `ssh` for qemu+ssh URIs, and `qemu-img`, with which the
+#: image store reads what it pulled.
+LIBVIRT_PACKAGES = ("python3-libvirt", "openssh-client", "qemu-utils")
 PYTHON_VERSION = "3.11"
 AGENT_HOME = "opt/vkubelet"
 SITE_DIR = f"{AGENT_HOME}/lib/python{PYTHON_VERSION}/site-packages"
@@ -252,6 +257,7 @@ def _agent_recipe(progress: Progress) -> _Recipe:
         )
     version = tomllib.loads(pyproject.read_text())["project"]["version"]
     packages = _debian_versions(PYTHON_PACKAGES, closure=True, progress=progress)
+    packages |= _debian_versions(LIBVIRT_PACKAGES, closure=True, progress=progress)
     if not packages["python3-minimal"].startswith(f"{PYTHON_VERSION}."):
         raise ImageBuildError(
             f"the agent image needs Debian's Python {PYTHON_VERSION} (Debian 12), the version "

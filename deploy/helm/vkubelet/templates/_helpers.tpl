@@ -40,12 +40,13 @@ vkubelet.io/provider: {{ include "vkubelet.provider" . }}
 {{- else -}}
 {{- $names = list .Values.provider -}}
 {{- end -}}
+{{- $remoteFleet := and (eq .Values.provider "vm") (not .Values.agentConfig.nodes) .Values.providerConfig.hosts -}}
 {{- range $names -}}
-{{- if eq . "vm" -}}
-{{- fail "provider vm: the chart does not run VMs. QEMU in the agent's container would count guest memory against its limit, die with every agent restart and go unreaped, and a replica on another host would boot the VMs afresh without their disks. Run the vm provider as a service on each hypervisor host instead: docs/host-install.md" -}}
+{{- if and (eq . "vm") (not $remoteFleet) -}}
+{{- fail "provider vm: the chart does not run VMs in its pod. QEMU in the agent's container would count guest memory against its limit, die with every agent restart and go unreaped, and a replica on another host would boot the VMs afresh without their disks. Run the vm provider as a service on each hypervisor host instead (docs/host-install.md), or have the chart drive libvirt hosts over qemu+ssh: providerConfig.hosts (deploy/helm/vkubelet/README.md)" -}}
 {{- end -}}
-{{- if not (has . (list "mock" "ssh" "cluster")) -}}
-{{- fail (printf "provider %q: expected one of mock, ssh, cluster (vm: docs/host-install.md)" .) -}}
+{{- if not (has . (list "mock" "ssh" "cluster" "vm")) -}}
+{{- fail (printf "provider %q: expected one of mock, ssh, cluster, vm" .) -}}
 {{- end -}}
 {{- end -}}
 {{- $names | uniq | sortAlpha | join "," -}}
@@ -76,9 +77,25 @@ vkubelet.io/provider: {{ include "vkubelet.provider" . }}
 {{- if or .Values.existingSecret .Values.secretFiles -}}true{{- end -}}
 {{- end -}}
 
-{{/* The provider config's content; the mock provider's has a default (one node). */}}
+{{/* The vm mode: a fleet of libvirt hosts over SSH, checked before anything is rendered. */}}
+{{- define "vkubelet.vmFleetChecks" -}}
+{{- range $i, $host := .Values.providerConfig.hosts -}}
+{{- if not (regexMatch "^qemu\\+(ssh|libssh|libssh2|tls)://[^/]+/" (toString $host.uri)) -}}
+{{- fail (printf "providerConfig.hosts[%d].uri: %q: the agent's pod has no libvirt daemon of its own; name a remote one (qemu+ssh://root@hv-1/system)" $i (toString $host.uri)) -}}
+{{- end -}}
+{{- if and (not $.Values.vm.knownHosts) (not $host.noVerify) -}}
+{{- fail (printf "providerConfig.hosts[%d]: vm.knownHosts is empty, so ssh cannot verify host %q: give its key in vm.knownHosts, or set noVerify: true on the host (not verified: see the chart's README)" $i (toString $host.name)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The provider config's content; the mock provider's has a default (one node); the vm
+     fleet's state is in the agent's state volume unless the config says otherwise. */}}
 {{- define "vkubelet.providerConfig" -}}
-{{- if .Values.providerConfig -}}
+{{- if and (eq .Values.provider "vm") .Values.providerConfig.hosts -}}
+{{- include "vkubelet.vmFleetChecks" . -}}
+{{- toYaml (merge (deepCopy .Values.providerConfig) (dict "stateDir" "/var/lib/vkubelet/vm")) -}}
+{{- else if .Values.providerConfig -}}
 {{- toYaml .Values.providerConfig -}}
 {{- else if eq .Values.provider "mock" -}}
 {{- toYaml (dict .Values.nodeName (dict "cpu" "8" "memory" "32Gi" "pods" "110")) -}}
@@ -119,8 +136,8 @@ vkubelet.io/provider: {{ include "vkubelet.provider" . }}
 {{- define "vkubelet.nodeIdentityName" -}}
 {{- $providers := splitList "," (include "vkubelet.providers" .) -}}
 {{- $nodes := .Values.agentConfig.nodes | default list -}}
-{{- if or (has "ssh" $providers) (gt (len $nodes) 1) -}}
-{{- fail "identity: node is one node's identity (system:node:<name>); a fleet of nodes (provider ssh, or several agentConfig nodes) needs identity: serviceAccount (docs/deploy.md)" -}}
+{{- if or (has "ssh" $providers) (has "vm" $providers) (gt (len $nodes) 1) -}}
+{{- fail "identity: node is one node's identity (system:node:<name>); a fleet of nodes (provider ssh or vm, or several agentConfig nodes) needs identity: serviceAccount (docs/deploy.md)" -}}
 {{- end -}}
 {{- $name := .Values.nodeName -}}
 {{- if $nodes -}}{{- $name = (index $nodes 0).name -}}{{- end -}}

@@ -5,6 +5,8 @@
     accel: auto                          # auto | kvm | tcg
     runtime: qemu                        # qemu (QEMU driven directly) | libvirt (`_libvirt`)
     libvirt: {uri: "qemu:///system"}     # runtime libvirt: the daemon, local or remote
+    # libvirt.pool: {name: vkubelet, path: /var/lib/libvirt/images/vkubelet}: the disks and
+    # the seed as volumes of this directory pool of the daemon (`_pool`), not agent files
     reserved: {cpu: "1", memory: 1Gi}    # kept for the host; capacity = host minus this
     podCIDR: 10.213.0.0/24               # this node's VMs' addresses (no other route may cover it)
     network:                             # `_net`
@@ -53,7 +55,14 @@ from ...sdk.quantity import QuantityError, parse_quantity
 from ._persist import MachineGC
 from ._volumes import StorageConfig
 
-__all__ = ["Bridged", "ConfigError", "ConfigMapSource", "VMConfig", "load_config"]
+__all__ = [
+    "Bridged",
+    "ConfigError",
+    "ConfigMapSource",
+    "LibvirtPool",
+    "VMConfig",
+    "load_config",
+]
 
 Accel = Literal["auto", "kvm", "tcg"]
 #: routed: the host forwards between its VMs and the pod network; host-only: only the host (and
@@ -111,8 +120,14 @@ class _Network(Section):
     pool: _Text | None = None
 
 
+class _Pool(Section):
+    name: _Text = "vkubelet"
+    path: _Text = "/var/lib/libvirt/images/vkubelet"
+
+
 class _Libvirt(Section):
     uri: _Text = "qemu:///system"
+    pool: _Pool | None = None
 
 
 class _File(Section):
@@ -172,12 +187,22 @@ class Bridged:
 
 
 @dataclass(frozen=True)
+class LibvirtPool:
+    """A directory storage pool of the libvirt daemon holding the VMs' disks and seeds, made
+    (defined, built, started) when missing: for a daemon that cannot see the agent's files."""
+
+    name: str = "vkubelet"
+    path: str = "/var/lib/libvirt/images/vkubelet"
+
+
+@dataclass(frozen=True)
 class VMConfig:
     state_dir: Path
     image_store: Path
     accel: Accel = "auto"
     runtime: RuntimeKind = "qemu"
     libvirt_uri: str = "qemu:///system"
+    libvirt_pool: LibvirtPool | None = None  # `_pool`: disks as volumes of the daemon's pool
     reserved_millicpu: int = 0
     reserved_memory: int = 256 * _MIB  # bytes
     pod_cidr: str = "10.213.0.0/24"
@@ -279,6 +304,9 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
             "libvirt.uri",
             f"{libvirt_uri!r} is not a libvirt URI (qemu:///system, qemu+ssh://host/system)",
         )
+    pool = (raw.libvirt or _Libvirt()).pool
+    if pool is not None and not pool.path.startswith("/"):
+        raise fail("libvirt.pool.path", f"{pool.path!r} is not an absolute path (the daemon's)")
     shared = []
     for index, cidr in enumerate(raw.shared_pod_cidrs):
         try:
@@ -299,6 +327,7 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         accel=raw.accel,
         runtime=raw.runtime,
         libvirt_uri=libvirt_uri,
+        libvirt_pool=LibvirtPool(pool.name, pool.path) if pool is not None else None,
         reserved_millicpu=reserved_cpu,
         reserved_memory=reserved_memory,
         pod_cidr=str(network),

@@ -1380,7 +1380,11 @@ def create(context: ProviderContext) -> VMProvider:
             f"are not its VMs': {'; '.join(clash[:3])}. Give the node a range of its own."
         )
     runtime: QemuRuntime
-    if config.runtime == "libvirt":
+    if config.runtime == "libvirt" and config.libvirt_pool is not None:
+        from ._pool import PooledLibvirtRuntime  # disks as the daemon's volumes
+
+        runtime = PooledLibvirtRuntime(config, context.node_name)
+    elif config.runtime == "libvirt":
         from ._libvirt import LibvirtRuntime
 
         runtime = LibvirtRuntime(config, context.node_name)

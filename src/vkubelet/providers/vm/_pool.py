@@ -1,0 +1,302 @@
+"""Disks and seeds as volumes of a libvirt storage pool (`libvirt.pool`), for a daemon that
+cannot see the agent's files: the agent in a pod, the hypervisor elsewhere.
+
+Without a pool the libvirt runtime gives the daemon paths under the agent's `stateDir`, which
+only works when the daemon's host sees them at the same path. With one, everything a domain
+reads is a volume of a directory pool on the daemon's host, made through libvirt's own APIs
+over the same connection (so over `qemu+ssh` too):
+
+- **Base images**: the image store's file, uploaded once per digest (`virStorageVolUpload`)
+  as `vkubelet-base-<sha256>`; a failed upload removes the volume, nothing half-written stays.
+- **Root overlay and emptyDir disks**: made by the daemon (`virStorageVolCreateXML`: a qcow2
+  over the base volume, or a blank qcow2), unless the volume exists: its name is the disk's
+  local path's, so it is that disk (an agent that lost its state directory finds its running
+  VMs' disks, never makes them anew). The provider's local file at the disk's path is a small
+  marker naming the volume, so the provider's "does the disk exist" stays a file test.
+- **The seed**: written locally as with QEMU, uploaded at each launch into its own volume.
+- **Names**: `vkubelet-<node>-<hash of the local path>-<file name>`: one per disk of each
+  pod, per node (two nodes may share a daemon and its pool). `collect` removes this node's
+  volumes whose local file is gone (the pod's directory was removed).
+
+The pool is defined, built and started when missing (a `dir` pool at `libvirt.pool.path`).
+Not done here: PVC disks, backups, restores from backups and root-disk growth of powered-off
+machines (they read local files); base volumes are kept until removed by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+from ..._files import write_atomic
+from ._backend import LaunchSpec, MachineHandle, MachineRefused, PulledImage
+from ._config import LibvirtPool, VMConfig
+from ._libvirt import Connection, LibvirtRuntime, _code, _libvirt, message_of
+from ._machine import MachineError
+
+__all__ = ["PooledLibvirtRuntime", "StoragePool", "volume_marker"]
+
+log = logging.getLogger(__name__)
+
+_MARKER_KEY = "libvirtVolume"
+_MARKER_MAX = 4096  # a marker is a line of JSON; a real disk or seed is far bigger
+_CHUNK = 1 << 20
+
+
+def volume_marker(path: Path) -> dict[str, str] | None:
+    """The volume a local marker file names (None: not a marker, or no file)."""
+    try:
+        if path.stat().st_size > _MARKER_MAX:
+            return None
+        found = json.loads(path.read_text())[_MARKER_KEY]
+        return {k: str(found[k]) for k in ("pool", "name", "path")}
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+
+
+class StoragePool:
+    """One directory pool of the daemon at `connection.uri`; every call is an RPC in the
+    connection's threads. Errors are MachineError with libvirt's message and the URI."""
+
+    def __init__(self, connection: Connection, config: LibvirtPool, node: str) -> None:
+        self.connection, self.config, self.node = connection, config, node
+
+    def volume_name(self, local: Path) -> str:
+        digest = hashlib.sha256(str(local.resolve()).encode()).hexdigest()[:12]
+        return f"vkubelet-{self.node}-{digest}-{local.name}"
+
+    def _error(self, error: BaseException) -> MachineError:
+        return MachineError(
+            f"libvirt {self.connection.uri}: pool {self.config.name}: {message_of(error)}"
+        )
+
+    async def pool(self) -> Any:
+        """The pool, made and started when missing."""
+        libvirt = _libvirt()
+        conn = await self.connection.get()
+        try:
+            return await self.connection.run(_ensure_pool, libvirt, conn, self.config)
+        except libvirt.libvirtError as e:
+            raise self._error(e) from None
+
+    async def base(self, image: PulledImage) -> str:
+        """The path on the daemon's host of `image`'s volume, uploaded when missing."""
+        libvirt = _libvirt()
+        pool = await self.pool()
+        conn = await self.connection.get()
+        name = f"vkubelet-base-{image.sha256}"
+        try:
+            return await self.connection.run(_uploaded, libvirt, conn, pool, name, image.path)
+        except (libvirt.libvirtError, OSError) as e:
+            raise self._error(e) from None
+
+    async def create(self, local: Path, xml_of: Callable[[str], str]) -> None:
+        """The marker at `local` naming its volume, made from `xml_of(name)` unless it exists:
+        the name is the local path's, so one that exists is this disk's own (an agent whose
+        state directory was lost, a pod's in an emptyDir, finds its running VMs' disks)."""
+        libvirt = _libvirt()
+        pool = await self.pool()
+        name = self.volume_name(local)
+        try:
+            path = await self.connection.run(_found_or_created, libvirt, pool, name, xml_of(name))
+        except libvirt.libvirtError as e:
+            raise self._error(e) from None
+        marker = {_MARKER_KEY: {"pool": self.config.name, "name": name, "path": path}}
+        local.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(local, json.dumps(marker) + "\n")
+
+    async def upload(self, local: Path) -> str:
+        """`local`'s bytes as a volume of their own (replaced if it exists); its path."""
+        libvirt = _libvirt()
+        pool = await self.pool()
+        conn = await self.connection.get()
+        name = self.volume_name(local)
+        try:
+            await self.connection.run(_delete_volume, libvirt, pool, name)
+            return await self.connection.run(_uploaded, libvirt, conn, pool, name, local)
+        except (libvirt.libvirtError, OSError) as e:
+            raise self._error(e) from None
+
+    def _live(self, local_root: Path) -> set[str]:
+        return {self.volume_name(p) for p in local_root.rglob("*") if p.is_file()}
+
+    async def collect(self, local_root: Path) -> list[str]:
+        """Remove this node's volumes whose local file (marker or seed) under `local_root` is
+        gone; returns their names."""
+        libvirt = _libvirt()
+        pool = await self.pool()
+        live = await asyncio.to_thread(self._live, local_root)
+        prefix = f"vkubelet-{self.node}-"
+        removed = []
+        try:
+            for volume in await self.connection.run(pool.listAllVolumes, 0):
+                name = await self.connection.run(volume.name)
+                if name.startswith(prefix) and name not in live:
+                    await self.connection.run(volume.delete, 0)
+                    removed.append(name)
+        except libvirt.libvirtError as e:
+            raise self._error(e) from None
+        return removed
+
+
+def _ensure_pool(libvirt: Any, conn: Any, config: LibvirtPool) -> Any:
+    try:
+        pool = conn.storagePoolLookupByName(config.name)
+    except libvirt.libvirtError as e:
+        if _code(e) != libvirt.VIR_ERR_NO_STORAGE_POOL:
+            raise
+        xml = (
+            f"<pool type='dir'><name>{escape(config.name)}</name>"
+            f"<target><path>{escape(config.path)}</path>"
+            "<permissions><mode>0700</mode></permissions></target></pool>"
+        )
+        pool = conn.storagePoolDefineXML(xml, 0)
+        pool.build(0)
+        with contextlib.suppress(libvirt.libvirtError):
+            pool.setAutostart(1)
+    if not pool.isActive():
+        pool.create(0)
+    return pool
+
+
+def _delete_volume(libvirt: Any, pool: Any, name: str) -> None:
+    try:
+        volume = pool.storageVolLookupByName(name)
+    except libvirt.libvirtError as e:
+        if _code(e) == libvirt.VIR_ERR_NO_STORAGE_VOL:
+            return
+        raise
+    volume.delete(0)
+
+
+def _found_or_created(libvirt: Any, pool: Any, name: str, xml: str) -> str:
+    try:
+        return str(pool.storageVolLookupByName(name).path())
+    except libvirt.libvirtError as e:
+        if _code(e) != libvirt.VIR_ERR_NO_STORAGE_VOL:
+            raise
+    return str(pool.createXML(xml, 0).path())
+
+
+def _uploaded(libvirt: Any, conn: Any, pool: Any, name: str, local: Path) -> str:
+    """The volume `name` holding `local`'s bytes: found, or created and uploaded (removed
+    again if the upload fails)."""
+    try:
+        return str(pool.storageVolLookupByName(name).path())
+    except libvirt.libvirtError as e:
+        if _code(e) != libvirt.VIR_ERR_NO_STORAGE_VOL:
+            raise
+    size = local.stat().st_size
+    xml = (
+        f"<volume><name>{escape(name)}</name><capacity unit='bytes'>{size}</capacity>"
+        "<target><format type='raw'/><permissions><mode>0600</mode></permissions></target>"
+        "</volume>"
+    )
+    volume = pool.createXML(xml, 0)
+    try:
+        stream = conn.newStream(0)
+        volume.upload(stream, 0, size, 0)
+        try:
+            with local.open("rb") as source:
+                while chunk := source.read(_CHUNK):
+                    view = memoryview(chunk)
+                    while view:
+                        sent = stream.send(bytes(view))
+                        view = view[sent:]
+            stream.finish()
+        except BaseException:
+            with contextlib.suppress(libvirt.libvirtError):
+                stream.abort()
+            raise
+    except BaseException:
+        with contextlib.suppress(libvirt.libvirtError):
+            volume.delete(0)
+        raise
+    return str(volume.path())
+
+
+def _overlay_xml(name: str, base: str, base_format: str, capacity: int) -> str:
+    return (
+        f"<volume><name>{escape(name)}</name><capacity unit='bytes'>{capacity}</capacity>"
+        "<target><format type='qcow2'/><permissions><mode>0600</mode></permissions></target>"
+        f"<backingStore><path>{escape(base)}</path><format type='{base_format}'/>"
+        "</backingStore></volume>"
+    )
+
+
+def _blank_xml(name: str, capacity: int) -> str:
+    return (
+        f"<volume><name>{escape(name)}</name><capacity unit='bytes'>{capacity}</capacity>"
+        "<target><format type='qcow2'/><permissions><mode>0600</mode></permissions></target>"
+        "</volume>"
+    )
+
+
+class PooledLibvirtRuntime(LibvirtRuntime):
+    """`LibvirtRuntime` whose disks and seed are volumes of `config.libvirt_pool` (see the
+    module): the daemon never reads a path of the agent's host."""
+
+    def __init__(self, config: VMConfig, node_name: str) -> None:
+        super().__init__(config, node_name)
+        assert config.libvirt_pool is not None
+        self.pool = StoragePool(self.connection, config.libvirt_pool, node_name)
+        self._collecting: asyncio.Task[None] | None = None
+
+    async def create_overlay(self, base: PulledImage, path: Path, size: int | None) -> None:
+        base_path = await self.pool.base(base)
+        capacity = max(size or 0, base.size)
+        await self.pool.create(
+            path, lambda name: _overlay_xml(name, base_path, base.format, capacity)
+        )
+
+    async def create_blank(self, path: Path, size: int) -> None:
+        await self.pool.create(path, lambda name: _blank_xml(name, size))
+
+    async def launch(self, spec: LaunchSpec) -> MachineHandle:
+        """The spec's disks and seed as the daemon's paths of their volumes; a disk that is a
+        local file (a PVC disk, a restored backup) is refused, naming it."""
+        if spec.claims:
+            raise MachineRefused(
+                "UnsupportedByRuntime",
+                "PVC disks are files of the agent's host: not with libvirt.pool (a fleet) yet",
+            )
+        disks = []
+        for path, bus in spec.disks:
+            marker = volume_marker(Path(path))
+            if marker is None:
+                raise MachineRefused(
+                    "UnsupportedByRuntime",
+                    f"disk {Path(path).name}: libvirt.pool holds the root and emptyDir disks "
+                    "only (not restored backups yet)",
+                )
+            disks.append((Path(marker["path"]), bus))
+        seed = await self.pool.upload(Path(spec.seed)) if spec.seed is not None else None
+        return await super().launch(
+            replace(spec, disks=tuple(disks), seed=Path(seed) if seed is not None else None)
+        )
+
+    def gc_images(self, in_use: Collection[str]) -> list[str]:
+        """The image store's GC, and (in the background: this is called from the provider's
+        GC loop, a sync call) the volumes of pods that are gone."""
+        if self._collecting is None or self._collecting.done():
+            self._collecting = asyncio.get_running_loop().create_task(
+                self._collect(), name="pool volume gc"
+            )
+        return super().gc_images(in_use)
+
+    async def _collect(self) -> None:
+        try:
+            removed = await self.pool.collect(self.config.state_dir)
+        except MachineError as e:
+            log.warning("node %s: volumes not collected: %s", self.node_name, e)
+            return
+        if removed:
+            log.info("node %s: removed volumes %s", self.node_name, ", ".join(removed))

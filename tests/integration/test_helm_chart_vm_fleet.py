@@ -1,0 +1,236 @@
+"""The chart's vm mode installed for real: `helm install` into a dev cluster with worker nodes,
+the agent image (built from this tree: the libvirt binding, ssh and qemu-img in it) running as
+a pod on a real kubelet, driving a fleet of two libvirt "hosts" of the lab
+(`vkubelet.testing.virtlab`) over `qemu+ssh`, one node per host. The SSH keys come from a
+Secret, the hosts' keys from the chart's `vm.knownHosts` (verified: no `noVerify`). The lab's
+network is routed into the cluster's (the worker's pods reach the hosts' sshd, the hosts answer
+the pods' addresses), as a site's hypervisors are reachable from its cluster.
+
+One VM boots for the module: on the first host, its disks and seed volumes of that host's
+storage pool (the daemon never sees the agent's pod's files); `kubectl logs` has its boot and
+`kubectl exec` runs in it; `virsh list` shows it on that host only and the other host's node
+stays Ready with no domain. Then the second host becomes unreachable (its link down): only its
+node goes NotReady, with libvirt's message, and the VM on the first host still answers.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vkubelet.devcluster import Cluster, build_image, ensure_helm
+from vkubelet.testing import Kubectl, node_ready, virtlab, wait_for
+from vkubelet.testing.virtlab import LibvirtHost
+
+from .helmchart import CHART
+
+pytestmark = pytest.mark.integration
+
+NAMESPACE = "vkubelet-vm-fleet"
+TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
+BOOT_TIMEOUT = 300  # one TCG boot on a busy 2-core machine
+
+
+@dataclass
+class Fleet:
+    hosts: list[LibvirtHost]
+    nodes: list[str]  # node i is host i's
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+def _lab_bridge(host: LibvirtHost) -> tuple[str, str]:
+    """The machine's bridge of the lab and its address there (the lab's .1)."""
+    route = subprocess.run(
+        ["ip", "-j", "route", "get", host.address], capture_output=True, text=True, check=True
+    )
+    found = json.loads(route.stdout)[0]
+    return str(found["dev"]), str(found["prefsrc"])
+
+
+def _route_lab_into_cluster(cluster: Cluster, hosts: list[LibvirtHost]) -> list[list[str]]:
+    """Workers route the lab's subnet to the machine, the hosts route the cluster's node and pod
+    ranges back to it, and the machine forwards what arrives from the lab (the worker bridge
+    forwards already). Returns the `ip` commands that undo the workers' routes."""
+    bridge, machine = _lab_bridge(hosts[0])
+    lab = str(ipaddress.IPv4Interface(f"{machine}/28").network)
+    undo = []
+    for worker in cluster.workers():
+        gateway = str(ipaddress.IPv4Interface(f"{worker.addresses.node_ip}/24").network[1])
+        netns = worker.addresses.netns
+        _ip("-n", netns, "route", "replace", lab, "via", gateway)
+        undo.append(["-n", netns, "route", "del", lab])
+    for host in hosts:
+        for cluster_range in ("10.160.0.0/11", "10.200.0.0/16"):
+            _ip("-n", host.netns, "route", "replace", cluster_range, "via", machine)
+    Path(f"/proc/sys/net/ipv4/conf/{bridge}/forwarding").write_text("1\n")
+    return undo
+
+
+def _ready_message(kubectl: Kubectl, node: str) -> tuple[str, str]:
+    conditions = kubectl.json("get", "node", node)["status"].get("conditions") or []
+    ready: dict[str, Any] = next((c for c in conditions if c["type"] == "Ready"), {})
+    return str(ready.get("status", "")), str(ready.get("message", ""))
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    worker_cluster: Cluster, worker_kubectl: Kubectl, vm_guest_image: Path
+) -> Iterator[Fleet]:
+    if (why := virtlab.libvirt_lab_unavailable()) is not None:
+        pytest.skip(why)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    helm = ensure_helm(log)
+    worker_cluster.load_image(build_image("agent", log).path)
+    k = worker_kubectl
+    env = {**os.environ, "KUBECONFIG": str(worker_cluster.kubeconfig)}
+    suffix = uuid.uuid4().hex[:5]
+    nodes = [f"lvf-{suffix}-a", f"lvf-{suffix}-b"]
+    workdir = Path(tempfile.mkdtemp(prefix="vklvf-", dir="/tmp"))
+    undo: list[list[str]] = []
+    with virtlab.libvirt_lab(2, workdir / "lab") as hosts:
+        try:
+            undo = _route_lab_into_cluster(worker_cluster, hosts)
+            k("create", "namespace", NAMESPACE)
+            keys = [f"--from-file={n}.key={h.key_path}" for n, h in zip(nodes, hosts, strict=True)]
+            k("-n", NAMESPACE, "create", "secret", "generic", "vm-ssh", *keys)
+            values: dict[str, Any] = {
+                "provider": "vm",
+                "identity": "serviceAccount",  # a fleet: one node identity would not do
+                "nodeName": "",
+                "replicas": 1,
+                "servingCertificate": {"approveOwnCSRs": True},
+                "logFormat": "text",
+                "vm": {
+                    "sshSecret": "vm-ssh",
+                    "knownHosts": "".join(h.known_hosts.read_text() for h in hosts),
+                },
+                "providerConfig": {
+                    "accel": "tcg",
+                    "guestAgentTimeoutSeconds": BOOT_TIMEOUT,
+                    "translations": [{"name": "tiny", "url": "file:///guest/tiny.qcow2"}],
+                    "hosts": [
+                        {
+                            "name": node,
+                            "uri": f"qemu+ssh://root@{host.address}/system?no_tty=1",
+                            "identityFile": f"/etc/vkubelet-ssh/{node}.key",
+                        }
+                        for node, host in zip(nodes, hosts, strict=True)
+                    ],
+                },
+                # The test guest, as a site would serve its images (file:// from a volume).
+                "extraVolumes": [
+                    {
+                        "name": "guest",
+                        "hostPath": {"path": str(vm_guest_image), "type": "File"},
+                    }
+                ],
+                "extraVolumeMounts": [
+                    {"name": "guest", "mountPath": "/guest/tiny.qcow2", "readOnly": True}
+                ],
+            }
+            values_file = workdir / "values.yaml"
+            values_file.write_text(yaml.safe_dump(values))
+            install = subprocess.run(
+                [str(helm), "install", "vkvm", str(CHART), "--namespace", NAMESPACE,
+                 "--values", str(values_file), "--wait", "--timeout", "180s"],
+                capture_output=True, text=True, env=env, check=False, timeout=240,
+            )  # fmt: skip
+            assert install.returncode == 0, install.stdout + install.stderr
+            wait_for(
+                lambda: all(node_ready(k, n) for n in nodes), timeout=120, what=f"{nodes} Ready"
+            )
+            yield Fleet(hosts, nodes)
+        finally:
+            print(k("-n", NAMESPACE, "logs", "-l", "app.kubernetes.io/instance=vkvm",
+                    "--tail=80", check=False).stdout, file=sys.stderr)  # fmt: skip
+            subprocess.run(
+                [str(helm), "uninstall", "vkvm", "--namespace", NAMESPACE, "--wait"],
+                capture_output=True, env=env, check=False, timeout=120,
+            )  # fmt: skip
+            for node in nodes:
+                k("delete", "node", node, "--ignore-not-found", "--wait=false", check=False)
+            k("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+            for command in undo:
+                subprocess.run(["ip", *command], capture_output=True, check=False)
+    subprocess.run(["rm", "-rf", str(workdir)], check=False)
+
+
+def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_and_a_vm_runs_on_one(
+    worker_kubectl: Kubectl, fleet: Fleet
+) -> None:
+    k = worker_kubectl
+    (first, second), (node, other) = fleet.hosts, fleet.nodes
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "vm-on-the-fleet", "namespace": NAMESPACE},
+        "spec": {
+            "nodeName": node,
+            "tolerations": [TOLERATION],
+            "containers": [
+                {
+                    "name": "vm",
+                    "image": "vm.vkubelet.io/tiny",
+                    "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                }
+            ],
+        },
+    }
+    k("apply", "-f", "-", input=json.dumps(pod))
+    name = ("-n", NAMESPACE, "vm-on-the-fleet")
+    k("-n", NAMESPACE, "wait", "--for=condition=Ready", "pod/vm-on-the-fleet",
+      f"--timeout={BOOT_TIMEOUT}s", timeout=BOOT_TIMEOUT + 30)  # fmt: skip
+    # The boot as the guest printed it on its serial console, through libvirt's console stream.
+    logs = wait_for(
+        lambda: "vkubelet-guest: booted" in (out := k("logs", *name).stdout) and out,
+        timeout=60,
+        what="the guest's boot in kubectl logs",
+    )
+    assert "hostname=vm-on-the-fleet" in logs
+    # kubectl exec runs in the guest (its guest agent, through libvirt on the host).
+    assert k("exec", *name, "--", "echo", "in-the-guest").stdout.strip() == "in-the-guest"
+    hostname = k("exec", *name, "--", "cat", "/proc/sys/kernel/hostname").stdout.strip()
+    assert hostname == "vm-on-the-fleet"
+    # The disks the guest sees are the host's pool volumes: root, and the seed read-only.
+    volumes = first.virsh("vol-list", "vkubelet").stdout
+    assert "vkubelet-base-" in volumes and "root.qcow2" in volumes and "seed.iso" in volumes
+    domain = f"{NAMESPACE}_vm-on-the-fleet"
+    assert first.running() == [domain]
+    assert second.running() == []
+    assert node_ready(k, other)
+
+    # The second host unreachable: its node alone goes NotReady, with libvirt's message.
+    peer = subprocess.run(
+        ["ip", "-n", second.netns, "-o", "link", "show", "up"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    link = next(
+        line.split(":")[1].strip().split("@")[0] for line in peer.splitlines() if "lo:" not in line
+    )
+    _ip("-n", second.netns, "link", "set", link, "down")
+    _, message = wait_for(
+        lambda: (r := _ready_message(k, other))[0] != "True" and r,
+        timeout=120,
+        what=f"{other} NotReady",
+    )
+    assert "libvirt qemu+ssh://" in message, message
+    assert node_ready(k, node)
+    assert k("exec", *name, "--", "echo", "still").stdout.strip() == "still"
+    print(f"{other} NotReady: {message}", file=sys.stderr)
+    k("-n", NAMESPACE, "delete", "pod", "vm-on-the-fleet", "--wait=false")
+    wait_for(lambda: first.running() == [], timeout=120, what="the domain gone with its pod")
