@@ -427,7 +427,8 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
     logs work on its pod; a second import of it and one of a domain that does not exist are
     refused (nothing left behind, the domain unchanged); replicas 0 shuts it off without
     undefining it, replicas 1 starts the same domain (same UUID) with what the guest wrote;
-    deleting the VirtualMachine (Retain) leaves it defined."""
+    hibernated (managed save) and resumed with what it kept in RAM; deleting the
+    VirtualMachine (Retain) leaves it defined."""
     host, node = libvirt_node.host, libvirt_node.name
     install_crds(kube_cluster)
     namespace = create_namespace(kubectl, f"lvi-{uuid.uuid4().hex[:6]}")
@@ -499,6 +500,22 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
         assert code == 1 and "DomainOwned" in err and f"{namespace}/db" in err, err
         vms = kubectl.json("-n", namespace, "get", "vm")["items"]
         assert [v["metadata"]["name"] for v in vms] == ["db"]  # the refused ones deleted
+
+        # powerOffMode Hibernate: libvirt's managed save of the site's domain, which stays
+        # defined with its image; the next power-on restores it (what the guest kept in RAM)
+        in_ram = uuid.uuid4().hex
+        kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", f"echo {in_ram} > /run/in-ram")
+        hibernate = '{"spec": {"powerOffMode": "Hibernate"}}'
+        kubectl("-n", namespace, "patch", "vm", "db", "--type=merge", "-p", hibernate)
+        kubectl("-n", namespace, "scale", "vm/db", "--replicas=0")
+        wait_for(lambda: phase_is("db", "Hibernated"), timeout=120, what="the VM Hibernated")
+        assert host.running() == []
+        assert host.virsh("domstate", "--reason", domain).stdout.strip() == "shut off (saved)"
+        kubectl("-n", namespace, "scale", "vm/db", "--replicas=1")
+        pod = str(wait_for(lambda: phase_is("db", "Running"), timeout=120, what="resumed"))
+        kept = kubectl("-n", namespace, "exec", pod, "--", "cat", "/run/in-ram").stdout
+        assert kept.strip() == in_ram and host.running() == [domain]
+        assert host.virsh("domuuid", domain).stdout.strip() == domain_uuid
 
         # deleting the VirtualMachine (Retain): the domain shut down and still defined
         kubectl("-n", namespace, "delete", "vm", "db", "--wait=true", "--timeout=90s")

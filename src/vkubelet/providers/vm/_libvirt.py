@@ -784,7 +784,8 @@ class LibvirtRuntime(QemuRuntime):
 
     async def discard_saved(self, reference: str) -> None:
         """A hibernated domain of ours that will not be restored: its image and definition
-        removed. One that runs (someone started it) or is not ours is left as it is."""
+        removed (an imported one's image only: its definition is the site's). One that runs
+        (someone started it) or is not ours is left as it is."""
         libvirt = _libvirt()
         domain = await self.connection.domain(reference)
         if domain is None:
@@ -797,8 +798,12 @@ class LibvirtRuntime(QemuRuntime):
             return  # no vkubelet element: not ours
         if owner_of(metadata) is None or await self.connection.run(domain.isActive):
             return
+        imported = claim_of(await self._metadata(domain, IMPORT_URI)) is not None
         flags = libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
         try:
+            if imported:
+                await self.connection.run(domain.managedSaveRemove, 0)
+                return
             await self.connection.run(domain.undefineFlags, flags)
         except libvirt.libvirtError as e:
             raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
@@ -901,10 +906,20 @@ class LibvirtRuntime(QemuRuntime):
     ) -> MachineHandle:
         """The imported domain, claimed in its metadata (the machine's import element and the
         pod's element) and started as it is defined, paused until the console stream is open
-        as a boot of ours; one that runs already is taken as it runs. Its definition is
-        otherwise untouched."""
+        as a boot of ours (a hibernated one, `spec.restore`, is restored by that start; its
+        image gone, RestoreFailed: it boots cold); one that runs already is taken as it runs.
+        Its definition is otherwise untouched."""
         libvirt = _libvirt()
         domain = await self._importable(request)
+        if spec.restore is not None:  # its hibernation: libvirt's start restores the image
+            where = f"libvirt {self.connection.uri}: the hibernated domain {request.name!r}"
+            try:
+                if await self.connection.run(domain.isActive):
+                    raise RestoreFailed(f"{where} runs (started by someone else)")
+                if not await self.connection.run(domain.hasManagedSaveImage, 0):
+                    raise RestoreFailed(f"{where} has no managed save image any more")
+            except libvirt.libvirtError as e:
+                raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in ("console.sock", "exit.json"):
             (spec.run_dir / stale).unlink(missing_ok=True)

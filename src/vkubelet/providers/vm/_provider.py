@@ -882,12 +882,7 @@ class VMProvider(RunnerProvider):
             grace = spec.terminationGracePeriodSeconds if spec else None
         seconds = float(30 if grace is None else grace)
         stopping = key in self.runners and self.runners[key].stopping
-        imported = vm.launch is not None and vm.launch.domain is not None  # (shut down: no save)
-        if (
-            stopping
-            and not imported
-            and (power_off := _hibernate.power_off(self, vm, machine, seconds)) is not None
-        ):
+        if stopping and (power_off := _hibernate.power_off(self, vm, machine, seconds)) is not None:
             self._tasks.spawn(power_off, name=f"power off {key}")
             return
         self._tasks.spawn(machine.stop(seconds), name=f"stop {key}")

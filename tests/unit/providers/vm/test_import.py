@@ -1,8 +1,8 @@
 """Imported libvirt domains in the provider (`_domainimport`), on the fake runtime: a pod of
 one starts the domain as it is (no image, disk, seed or network of ours), a refusal is the pod's
-reason with nothing made, a power off never hibernates it, and the machine GC applies the
-deletion policy. The libvirt side is tests/unit/providers/vm/test_libvirt.py and, on a real
-daemon, tests/integration/vm/test_vm_libvirt.py."""
+reason with nothing made, and the machine GC applies the deletion policy. The libvirt side is
+tests/unit/providers/vm/test_libvirt.py and, on a real daemon,
+tests/integration/vm/test_vm_libvirt.py."""
 
 from __future__ import annotations
 
@@ -134,11 +134,11 @@ async def test_an_import_the_node_cannot_take_is_refused_naming_the_field(
     assert runtime.launches == []
 
 
-async def test_an_imported_domain_is_shut_down_never_hibernated_and_released_by_its_policy(
+async def test_an_imported_domain_is_shut_down_with_its_pod_and_released_by_its_policy(
     provider: VMProvider, runtime: FakeRuntime, tmp_path: Path
 ) -> None:
     runtime.imports["site-db"] = UUID
-    pod = imported_pod({"vm.vkubelet.io/power-off": "Hibernate"})
+    pod = imported_pod()
     await provider.create_pod(ResolvedPod(pod))
 
     async def up() -> bool:
@@ -153,7 +153,7 @@ async def test_an_imported_domain_is_shut_down_never_hibernated_and_released_by_
         return await provider.get_pod("ns", "db-x1") is None
 
     await eventually(gone)
-    assert machine.stops == [5.0]  # the clean shutdown: an imported domain keeps no saved RAM
+    assert machine.stops == [5.0]  # the graceful stop, within the pod's grace
     directory = tmp_path / "s" / "machines" / "vm-uid"
     await provider._machine_gone(directory)  # its VirtualMachine deleted
     assert runtime.released == [(UUID, "vm-uid", True)]

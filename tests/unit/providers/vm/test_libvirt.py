@@ -247,3 +247,71 @@ async def test_an_imported_domain_is_one_machine_s_and_released_by_its_deletion_
     await runtime.release_import(deleted, "m-1", delete=True)
     assert "deleted" not in conn.listDefinedDomains()
     await runtime.release_import(deleted, "m-1", delete=True)  # gone already: nothing to do
+
+
+@ONE_LOOP
+async def test_an_imported_domain_that_ended_while_no_agent_ran_stays_defined(
+    tmp_path: Path,
+) -> None:
+    """After an agent restart the run directory's `domain.json` says the domain was imported:
+    its end is recorded as any domain's, and its definition (the site's) is kept; a domain
+    vkubelet made is undefined as before."""
+    import json
+
+    runtime = _test_runtime(tmp_path)
+    conn = await runtime.connection.get()
+    for name, imported in (("site-kept", True), ("ns_ours-gone", False)):
+        uuid = await _site_domain(runtime, name)
+        conn.lookupByName(name).create()
+        conn.lookupByName(name).destroy()  # ended meanwhile (destroyed: exit 137)
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        record = {"uri": "test:///default", "uuid": uuid, "id": 1, "started": 0.0}
+        (run_dir / "domain.json").write_text(json.dumps({**record, "imported": imported}))
+        assert await runtime.adopt(run_dir) is None
+        assert json.loads((run_dir / "exit.json").read_text())["code"] == 137
+    defined = conn.listDefinedDomains()
+    assert "site-kept" in defined and "ns_ours-gone" not in defined
+
+
+@ONE_LOOP
+async def test_an_imported_domain_killed_is_destroyed_but_stays_defined(tmp_path: Path) -> None:
+    from vkubelet.providers.vm._libvirt import LibvirtMachine
+
+    runtime = _test_runtime(tmp_path)
+    conn = await runtime.connection.get()
+    uuid = await _site_domain(runtime, "site-killed")
+    conn.lookupByName("site-killed").create()
+    machine = LibvirtMachine(runtime.connection, tmp_path, uuid, 1, 0.0, imported=True)
+    await machine.kill()  # the end of a grace period, or SIGKILL
+    domain = conn.lookupByName("site-killed")
+    assert not domain.isActive() and "site-killed" in conn.listDefinedDomains()
+
+
+@ONE_LOOP
+async def test_an_imported_domain_s_hibernation_is_dropped_by_its_image_only(
+    tmp_path: Path,
+) -> None:
+    """A state that will not be restored (the VirtualMachine gone, a resume refused): an
+    imported domain loses its managed save image, never its definition; a restore of one
+    whose image is gone boots cold (RestoreFailed)."""
+    from vkubelet.providers.vm._backend import LaunchSpec, RestoreFailed
+    from vkubelet.providers.vm._domainimport import IMPORT_URI, ImportClaim
+
+    runtime = _test_runtime(tmp_path)
+    conn = await runtime.connection.get()
+    uuid = await _site_domain(runtime, "site-saved")
+    domain = conn.lookupByName("site-saved")
+    flags, element = libvirt.VIR_DOMAIN_AFFECT_CONFIG, libvirt.VIR_DOMAIN_METADATA_ELEMENT
+    claim = ImportClaim("m-1", "team-a/db", "hv-1", "Retain").xml()
+    domain.setMetadata(element, claim, "vkubelet-import", IMPORT_URI, flags)
+    pod = '<pod uid="u" namespace="team-a" name="db-x" node="hv-1"/>'
+    domain.setMetadata(element, pod, "vkubelet", "https://vkubelet.io/xmlns/vm-domain/1", flags)
+    domain.create()
+    domain.managedSave(0)
+    await runtime.discard_saved(uuid)
+    assert not domain.hasManagedSaveImage(0) and "site-saved" in conn.listDefinedDomains()
+    spec = LaunchSpec("team-a/db-y", tmp_path / "m", 1, 256, (), None, None, "tcg")
+    resumed = LaunchSpec(**{**spec.__dict__, "restore": uuid, "domain": _request("site-saved")})
+    with pytest.raises(RestoreFailed, match="no managed save image"):
+        await runtime.launch(resumed)
