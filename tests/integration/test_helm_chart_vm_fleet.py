@@ -7,7 +7,8 @@ network is routed into the cluster's (the worker's pods reach the hosts' sshd, t
 the pods' addresses), as a site's hypervisors are reachable from its cluster.
 
 One VM boots for the module: on the first host, its disks and seed volumes of that host's
-storage pool (the daemon never sees the agent's pod's files); `kubectl logs` has its boot and
+storage pool (the daemon never sees the agent's pod's files), whose base image an earlier
+agent left half uploaded (the upload starts again); `kubectl logs` has its boot and
 `kubectl exec` runs in it; `virsh list` shows it on that host only and the other host's node
 stays Ready with no domain. Then the second host becomes unreachable (its link down): only its
 node goes NotReady, with libvirt's message, and the VM on the first host still answers.
@@ -15,6 +16,7 @@ node goes NotReady, with libvirt's message, and the VM on the first host still a
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -81,6 +83,19 @@ def _route_lab_into_cluster(cluster: Cluster, hosts: list[LibvirtHost]) -> list[
     return undo
 
 
+def _leave_a_half_upload(host: LibvirtHost, image: Path) -> None:
+    """What an agent killed in the middle of uploading the guest's base image leaves in the
+    pool: a short base volume with its `.uploading` mark. The next upload must replace it
+    (the VM then boots from a whole base)."""
+    digest = hashlib.sha256(image.read_bytes()).hexdigest()
+    path = "/var/lib/libvirt/images/vkubelet"
+    host.virsh("pool-define-as", "vkubelet", "dir", "--target", path)
+    host.virsh("pool-build", "vkubelet")
+    host.virsh("pool-start", "vkubelet")
+    for name in (f"vkubelet-base-{digest}", f"vkubelet-base-{digest}.uploading"):
+        host.virsh("vol-create-as", "vkubelet", name, "1M")
+
+
 def _ready_message(kubectl: Kubectl, node: str) -> tuple[str, str]:
     conditions = kubectl.json("get", "node", node)["status"].get("conditions") or []
     ready: dict[str, Any] = next((c for c in conditions if c["type"] == "Ready"), {})
@@ -105,6 +120,7 @@ def fleet(
     with virtlab.libvirt_lab(2, workdir / "lab") as hosts:
         try:
             undo = _route_lab_into_cluster(worker_cluster, hosts)
+            _leave_a_half_upload(hosts[0], vm_guest_image)
             k("create", "namespace", NAMESPACE)
             keys = [f"--from-file={n}.key={h.key_path}" for n, h in zip(nodes, hosts, strict=True)]
             k("-n", NAMESPACE, "create", "secret", "generic", "vm-ssh", *keys)
@@ -209,6 +225,7 @@ def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_and_a_vm_runs
     # The disks the guest sees are the host's pool volumes: root, and the seed read-only.
     volumes = first.virsh("vol-list", "vkubelet").stdout
     assert "vkubelet-base-" in volumes and "root.qcow2" in volumes and "seed.iso" in volumes
+    assert ".uploading" not in volumes
     domain = f"{NAMESPACE}_vm-on-the-fleet"
     assert first.running() == [domain]
     assert second.running() == []

@@ -7,7 +7,9 @@ reads is a volume of a directory pool on the daemon's host, made through libvirt
 over the same connection (so over `qemu+ssh` too):
 
 - **Base images**: the image store's file, uploaded once per digest (`virStorageVolUpload`)
-  as `vkubelet-base-<sha256>`; a failed upload removes the volume, nothing half-written stays.
+  as `vkubelet-base-<sha256>`, with `vkubelet-base-<sha256>.uploading` beside it until the
+  upload is complete: an agent killed mid-upload leaves both, and the next upload starts
+  again; one upload of an image at a time per node.
 - **Root overlay and emptyDir disks**: made by the daemon (`virStorageVolCreateXML`: a qcow2
   over the base volume, or a blank qcow2), unless the volume exists: its name is the disk's
   local path's, so it is that disk (an agent that lost its state directory finds its running
@@ -32,6 +34,7 @@ import json
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
@@ -68,6 +71,7 @@ class StoragePool:
 
     def __init__(self, connection: Connection, config: LibvirtPool, node: str) -> None:
         self.connection, self.config, self.node = connection, config, node
+        self._uploading: dict[str, asyncio.Lock] = {}
 
     def volume_name(self, local: Path) -> str:
         digest = hashlib.sha256(str(local.resolve()).encode()).hexdigest()[:12]
@@ -93,10 +97,13 @@ class StoragePool:
         pool = await self.pool()
         conn = await self.connection.get()
         name = f"vkubelet-base-{image.sha256}"
-        try:
-            return await self.connection.run(_uploaded, libvirt, conn, pool, name, image.path)
-        except (libvirt.libvirtError, OSError) as e:
-            raise self._error(e) from None
+        upload = partial(_uploaded, libvirt, conn, pool, name, image.path, staged=True)
+        async with self._uploading.setdefault(name, asyncio.Lock()):  # two pods, one image
+            try:
+                path = await self.connection.run(upload)
+            except (libvirt.libvirtError, OSError) as e:
+                raise self._error(e) from None
+        return path
 
     async def create(self, local: Path, xml_of: Callable[[str], str]) -> None:
         """The marker at `local` naming its volume, made from `xml_of(name)` unless it exists:
@@ -121,7 +128,8 @@ class StoragePool:
         name = self.volume_name(local)
         try:
             await self.connection.run(_delete_volume, libvirt, pool, name)
-            return await self.connection.run(_uploaded, libvirt, conn, pool, name, local)
+            upload = partial(_uploaded, libvirt, conn, pool, name, local, staged=False)
+            return await self.connection.run(upload)
         except (libvirt.libvirtError, OSError) as e:
             raise self._error(e) from None
 
@@ -130,15 +138,17 @@ class StoragePool:
 
     async def collect(self, local_root: Path) -> list[str]:
         """Remove this node's volumes whose local file (marker or seed) under `local_root` is
-        gone; returns their names."""
+        gone; returns their names. The volumes are listed before the files are: a disk made
+        meanwhile has its marker by the time the files are read, and is kept."""
         libvirt = _libvirt()
         pool = await self.pool()
-        live = await asyncio.to_thread(self._live, local_root)
         prefix = f"vkubelet-{self.node}-"
         removed = []
         try:
-            for volume in await self.connection.run(pool.listAllVolumes, 0):
-                name = await self.connection.run(volume.name)
+            volumes = await self.connection.run(pool.listAllVolumes, 0)
+            named = [(await self.connection.run(v.name), v) for v in volumes]
+            live = await asyncio.to_thread(self._live, local_root)
+            for name, volume in named:
                 if name.startswith(prefix) and name not in live:
                     await self.connection.run(volume.delete, 0)
                     removed.append(name)
@@ -186,21 +196,42 @@ def _found_or_created(libvirt: Any, pool: Any, name: str, xml: str) -> str:
     return str(pool.createXML(xml, 0).path())
 
 
-def _uploaded(libvirt: Any, conn: Any, pool: Any, name: str, local: Path) -> str:
+def _raw_xml(name: str, size: int) -> str:
+    return (
+        f"<volume><name>{escape(name)}</name><capacity unit='bytes'>{size}</capacity>"
+        "<target><format type='raw'/><permissions><mode>0600</mode></permissions></target>"
+        "</volume>"
+    )
+
+
+def _exists(libvirt: Any, pool: Any, name: str) -> bool:
+    try:
+        pool.storageVolLookupByName(name)
+    except libvirt.libvirtError as e:
+        if _code(e) != libvirt.VIR_ERR_NO_STORAGE_VOL:
+            raise
+        return False
+    return True
+
+
+def _uploaded(libvirt: Any, conn: Any, pool: Any, name: str, local: Path, *, staged: bool) -> str:
     """The volume `name` holding `local`'s bytes: found, or created and uploaded (removed
-    again if the upload fails)."""
+    again if the upload fails). `staged`: a volume `<name>.uploading` stands beside it while
+    it is written, so that one found without it is whole (an agent killed in the middle of an
+    upload leaves both, and the next upload starts again)."""
+    pending = f"{name}.uploading"
+    if staged and _exists(libvirt, pool, pending):
+        _delete_volume(libvirt, pool, name)
+        _delete_volume(libvirt, pool, pending)
     try:
         return str(pool.storageVolLookupByName(name).path())
     except libvirt.libvirtError as e:
         if _code(e) != libvirt.VIR_ERR_NO_STORAGE_VOL:
             raise
+    if staged:
+        pool.createXML(_raw_xml(pending, 0), 0)
     size = local.stat().st_size
-    xml = (
-        f"<volume><name>{escape(name)}</name><capacity unit='bytes'>{size}</capacity>"
-        "<target><format type='raw'/><permissions><mode>0600</mode></permissions></target>"
-        "</volume>"
-    )
-    volume = pool.createXML(xml, 0)
+    volume = pool.createXML(_raw_xml(name, size), 0)
     try:
         stream = conn.newStream(0)
         volume.upload(stream, 0, size, 0)
@@ -220,6 +251,8 @@ def _uploaded(libvirt: Any, conn: Any, pool: Any, name: str, local: Path) -> str
         with contextlib.suppress(libvirt.libvirtError):
             volume.delete(0)
         raise
+    if staged:
+        _delete_volume(libvirt, pool, pending)
     return str(volume.path())
 
 
