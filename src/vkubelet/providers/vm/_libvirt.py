@@ -36,6 +36,11 @@ domain's XML comes from `_domainxml`.
 - **Network.** The pod's interface is in the domain's XML and libvirt makes it on the daemon's
   host (`_lvnet`); the address book is the daemon's running domains, nothing on the agent's
   host.
+- **Imported domains** (`LaunchSpec.domain`, `_domainimport`): a domain vkubelet did not
+  make is checked (`check_import`: nothing changed on a refusal), claimed in its metadata,
+  started as defined (`_launch_imported`) and never undefined by its machine
+  (`LibvirtMachine.imported`, kept in `domain.json`); its VirtualMachine's deletion policy is
+  applied by `release_import`.
 - **Not yet** (no QMP monitor here, so the provider's parts refuse with the runtime's name):
   live resize, backup, migration.
 """

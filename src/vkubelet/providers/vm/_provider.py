@@ -410,9 +410,9 @@ class VMProvider(RunnerProvider):
         meta = pod.pod.metadata
         assert meta is not None
         annotations = dict(meta.annotations or {})
-        vm_name = next((r.name for r in meta.ownerReferences or [] if r.controller), str(meta.name))
         if _domainimport.DOMAIN_ANNOTATION not in annotations:
             return None
+        vm_name = next((r.name for r in meta.ownerReferences or [] if r.controller), str(meta.name))
         try:
             machine = _persist.machine_id(pod.pod)
         except _persist.MachineRefused as e:
