@@ -480,6 +480,16 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
         write = f"echo {marker} > /root/imported && sync"
         kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write)
         assert vm("db")["status"]["runtime"] == "libvirt"
+        # the apiserver keeps the VM that domain: no other name, no removal, no restoreFrom
+        for bad, words in (
+            ('[{"op": "replace", "path": "/spec/importDomain/name", "value": "x"}]', "change"),
+            ('[{"op": "remove", "path": "/spec/importDomain"}]', "added or removed"),
+            ('[{"op": "add", "path": "/spec/restoreFrom", "value": {"backup": "b"}}]', "own disks"),
+        ):
+            refused = kubectl(
+                "-n", namespace, "patch", "vm", "db", "--type=json", "-p", bad, check=False
+            )
+            assert refused.returncode != 0 and words in refused.stderr, refused.stderr
 
         # the same domain for another VirtualMachine (refused naming the one that holds it,
         # checked below) while replicas 0 shuts it off, still defined; replicas 1: the same
