@@ -5,17 +5,20 @@ reached over `qemu+ssh` as a remote hypervisor is.
 One VM is booted for the module (TCG boots are the expensive part) and the test checks what
 it can on it, in order: Running, the boot in `kubectl logs`, `kubectl exec`, `kubectl attach`
 on the serial console, the domain in `virsh list` on that host named after the pod and labelled
-with its UID, an agent killed with SIGKILL and restarted adopts the same domain (same id, same
-QEMU), the host's libvirtd restarted under it (the agent reconnects: exec, and the console's
-new lines in the log), a PVC disk (found by its serial, written and synced), hibernation
-(libvirt's managed save: the domain shut off with its image, its name and metadata kept,
-through an agent restart) and the resume by the machine's next pod (what the guest kept in RAM
-is there, its uptime continued, the claim's data read back from its disk with the page cache
-dropped, its interface carrying the new pod's address: the hypervisor pings it), an agent
-stopped with SIGTERM while the domain runs exits cleanly and leaves it running for the next one,
-and deleting that pod removes the domain. The refusals cost no boot:
-a domain of a pod's name that vkubelet does not own fails that pod and is left alone; a URI
-whose credentials are refused makes a node NotReady with libvirt's message.
+with its UID, live resize through libvirt (1 -> 2 vCPUs and +512 MiB: the guest's `nproc` and
+MemTotal in the same boot, the status, `virsh vcpucount` and `dominfo`; less memory deferred;
+the root disk grown), an agent killed with SIGKILL and restarted adopts the same domain (same
+id, same QEMU, the resized size), the host's libvirtd restarted under it (the agent
+reconnects: exec, and the console's new lines in the log), a PVC disk (found by its serial,
+written and synced), hibernation (libvirt's managed save: the domain shut off with its image,
+its name and metadata kept, through an agent restart) and the resume by the machine's next pod
+(what the guest kept in RAM is there, its uptime continued, the plugged vCPU and DIMM too, the
+claim's data read back from its disk with the page cache dropped, its interface carrying the
+new pod's address: the hypervisor pings it), an agent stopped with SIGTERM while the domain
+runs exits cleanly and leaves it running for the next one, and deleting that pod removes the
+domain. The refusals cost no boot: a domain of a pod's name that vkubelet does not own fails
+that pod and is left alone; a URI whose credentials are refused makes a node NotReady with
+libvirt's message.
 
 A domain defined with `virsh define` (the test guest, no seed) is imported with `vkubelet vm
 import` and boots twice (import, then replicas 0 -> 1); the refused imports run beside it.
@@ -236,6 +239,9 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     assert f'uid="{uid}"' in metadata and f'node="{libvirt_node.name}"' in metadata
     domain_id, qemu = host.virsh("domid", domain).stdout.strip(), libvirt_node.domain_pid(domain)
 
+    # live resize through libvirt (setVcpusFlags, a DIMM attached): 1 -> 2 vCPUs, +512 MiB
+    grown = _resize_live(kubectl, host, namespace, pod, domain)
+
     # an agent killed and started again adopts the same domain: same id, same QEMU
     libvirt_node.agent.stop(signal.SIGKILL)
     libvirt_node.agent = libvirt_node.restart()
@@ -257,6 +263,11 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     status = _get(kubectl, namespace, pod)["status"]["containerStatuses"][0]
     assert status["restartCount"] == 0 and "running" in status["state"]
     assert kubectl("-n", namespace, "logs", pod).stdout.count("booted hostname=") == 1
+    # ...with its size: the status and the guest as resized, nothing plugged again
+    assert _limits(kubectl, namespace, pod) == {"cpu": "2", "memory": "768Mi"}
+    assert _sh(kubectl, namespace, pod, "nproc") == "2"
+    assert _mem_total_kib(kubectl, namespace, pod) == grown
+    assert _vcpucount(host, domain) == {"current live": 2, "current config": 2, **MAX_VCPUS}
 
     # the host's libvirtd restarted under it: the domain runs on, the agent connects again
     host.restart_libvirtd()
@@ -315,6 +326,8 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     # dropped: read from the file, not from the restored RAM)
     read = f"echo 3 > /proc/sys/vm/drop_caches; head -c {len(on_claim)} /dev/{claim_disk}"
     assert kubectl("-n", namespace, "exec", resumed, "--", "sh", "-c", read).stdout == on_claim
+    assert _sh(kubectl, namespace, resumed, "nproc") == "2"  # the plugged vCPU came back too
+    assert _mem_total_kib(kubectl, namespace, resumed) == grown
     assert "booted hostname=" not in kubectl("-n", namespace, "logs", resumed).stdout
     events = kubectl.json(
         "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={resumed}"
@@ -350,6 +363,96 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     kubectl("-n", namespace, "delete", "pod", resumed, "--wait=true", "--timeout=90s")
     assert host.running() == []
     assert host.virsh("list", "--all", "--name").stdout.split() == []
+
+
+MAX_VCPUS = {"maximum live": 4, "maximum config": 4}  # the config's hotplug.maxCpus
+
+
+def _sh(kubectl: Kubectl, namespace: str, pod: str, command: str) -> str:
+    return kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", command).stdout.strip()
+
+
+def _mem_total_kib(kubectl: Kubectl, namespace: str, pod: str) -> int:
+    return int(_sh(kubectl, namespace, pod, "grep MemTotal /proc/meminfo").split()[1])
+
+
+def _limits(kubectl: Kubectl, namespace: str, pod: str) -> dict[str, str]:
+    status = _get(kubectl, namespace, pod)["status"]["containerStatuses"][0]
+    return dict((status.get("resources") or {}).get("limits") or {})
+
+
+def _vcpucount(host: LibvirtHost, domain: str) -> dict[str, int]:
+    """`virsh vcpucount`: {"maximum live": 4, "current config": 2, ...}."""
+    lines = [line.split() for line in host.virsh("vcpucount", domain).stdout.splitlines()]
+    return {f"{kind} {where}": int(count) for kind, where, count in filter(None, lines)}
+
+
+def _dominfo(host: LibvirtHost, domain: str) -> dict[str, str]:
+    lines = host.virsh("dominfo", domain).stdout.splitlines()
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines) if v}
+
+
+def _pending(kubectl: Kubectl, namespace: str, pod: str) -> dict[str, Any] | None:
+    for c in _get(kubectl, namespace, pod)["status"].get("conditions", []):
+        if c["type"] == "PodResizePending" and c["status"] == "True":
+            return dict(c)
+    return None
+
+
+def _resize_live(kubectl: Kubectl, host: LibvirtHost, namespace: str, pod: str, domain: str) -> int:
+    """1 -> 2 vCPUs and 256 -> 768 MiB on the running domain: the guest sees them in the same
+    boot, the status reports them, libvirt's own view (live and the definition) agrees; less
+    memory is then deferred to the next power cycle, as with QEMU; the root disk grows to 2 GiB.
+    The guest's MemTotal after."""
+    assert _sh(kubectl, namespace, pod, "nproc") == "1"
+    memory_before = _mem_total_kib(kubectl, namespace, pod)
+    boot_id = _sh(kubectl, namespace, pod, "cat /proc/sys/kernel/random/boot_id")
+
+    def resize(cpu: str, memory: str) -> None:
+        size = {"cpu": cpu, "memory": memory}
+        resources = {"requests": size, "limits": size}  # (the pod's QoS class stays)
+        patch = {"spec": {"containers": [{"name": "vm", "resources": resources}]}}
+        kubectl(
+            "-n", namespace, "patch", "pod", pod, "--subresource", "resize", "-p",
+            json.dumps(patch),
+        )  # fmt: skip
+
+    resize("2", "768Mi")
+    wait_for(
+        lambda: _limits(kubectl, namespace, pod) == {"cpu": "2", "memory": "768Mi"},
+        timeout=120,
+        what="status resources = the new size",
+    )
+    assert _sh(kubectl, namespace, pod, "nproc") == "2"
+    memory = _mem_total_kib(kubectl, namespace, pod)
+    assert 500 * 1024 <= memory - memory_before <= 520 * 1024, memory - memory_before
+    assert _sh(kubectl, namespace, pod, "cat /proc/sys/kernel/random/boot_id") == boot_id
+    assert _vcpucount(host, domain) == {"current live": 2, "current config": 2, **MAX_VCPUS}
+    info = _dominfo(host, domain)
+    assert info["CPU(s)"] == "2" and info["Max memory"] == f"{768 * 1024} KiB", info
+    dimms = host.virsh("dumpxml", "--inactive", domain).stdout.count("<memory model='dimm'>")
+    assert dimms == 1  # in the definition too
+    events = kubectl.json(
+        "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={pod}"
+    )["items"]
+    assert any(e["reason"] == "Resized" for e in events), [e["reason"] for e in events]
+
+    resize("2", "512Mi")  # less memory: not live, as on QEMU
+    pending = wait_for(lambda: _pending(kubectl, namespace, pod), timeout=60, what="pending")
+    assert pending["reason"] == "Deferred" and "applied at next power cycle" in pending["message"]
+    resize("2", "768Mi")  # back to what runs: nothing pending any more
+    wait_for(lambda: _pending(kubectl, namespace, pod) is None, timeout=60, what="not pending")
+    assert _mem_total_kib(kubectl, namespace, pod) == memory
+
+    # a bigger root disk (virDomainBlockResize): the guest sees it at once
+    assert int(_sh(kubectl, namespace, pod, "cat /sys/block/vda/size")) < 2 * 2**30 // 512
+    kubectl("-n", namespace, "annotate", "pod", pod, "vm.vkubelet.io/root-disk-size=2Gi")
+    wait_for(
+        lambda: _sh(kubectl, namespace, pod, "cat /sys/block/vda/size") == str(2 * 2**30 // 512),
+        timeout=60,
+        what="the guest sees a 2 GiB disk",
+    )
+    return memory
 
 
 def test_a_domain_of_the_pod_s_name_that_vkubelet_does_not_own_fails_the_pod_untouched(

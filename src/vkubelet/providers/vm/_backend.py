@@ -9,10 +9,11 @@ is the real implementation.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ._hotplug import Hotplug, HotplugRecords
 from ._machine import MachineExit, Usage
 from ._qga import ExecOutput, GuestAgent
 from ._qmp import Monitor
@@ -48,8 +49,8 @@ class RestoreFailed(Exception):
 class MachineHandle(Protocol):
     """One running machine: a QEMU (`_machine.Machine`) or a libvirt domain
     (`_libvirt.LibvirtMachine`). Its monitor is None without QMP (libvirt, the provider's test
-    fake), its guest agent None without one: no hibernation, live resize, backup or migration
-    then."""
+    fake), its guest agent None without one: no hibernation, backup or migration then. Live
+    resize goes through `hotplug` (QMP's or libvirt's; None: not live)."""
 
     @property
     def pid(self) -> int: ...  # QEMU's process; a libvirt domain's id
@@ -65,6 +66,9 @@ class MachineHandle(Protocol):
 
     @property
     def agent(self) -> GuestAgent | None: ...
+
+    @property
+    def hotplug(self) -> Hotplug | None: ...
 
     @property
     def console_log(self) -> Path: ...
@@ -147,10 +151,13 @@ class LaunchSpec:
     # The address the guest was configured with (its seed): a relaunch after the host's
     # network was reset (a reboot) must attach that one again, not the first free one.
     network_address: str | None = None
-    # Live resize and hibernation (`_resize`, `_hibernate`): headroom and extra QEMU options.
+    # Live resize and hibernation (`_resize`, `_hibernate`): headroom, the devices live resize
+    # plugged since the machine was first made (a resume or relaunch recreates them: with QEMU
+    # options, in a domain's XML), and extra QEMU options.
     max_vcpus: int | None = None
     max_memory_mib: int | None = None
     memory_slots: int = 0
+    hotplug: HotplugRecords = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     # PVC disks (`_volumes`): (qcow2 path, serial), attached after the seed as virtio disks.
     claims: tuple[tuple[Path, str], ...] = ()

@@ -20,7 +20,9 @@ Pure: no daemon, no I/O, so every rule is unit-tested. What the domain holds, an
   the new pod's files and its metadata at the new pod. The name stays (libvirt renames no
   domain with a managed save image).
 - vCPUs and memory with the live-resize headroom: `<vcpu current=...>max`, and `maxMemory`
-  with its slots, which libvirt wants beside one NUMA cell holding the boot memory.
+  with its slots, which libvirt wants beside one NUMA cell holding the boot memory. What live
+  resize plugged before (`LaunchSpec.hotplug`: a relaunch of a resized machine) is started
+  with: the vCPUs counted in `current`, each DIMM a `<memory model='dimm'>` device.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 from ._backend import LaunchSpec
 
-__all__ = ["METADATA_URI", "Owner", "domain_name", "domain_xml", "owner_of", "retarget"]
+__all__ = ["METADATA_URI", "Owner", "dimm", "domain_name", "domain_xml", "owner_of", "retarget"]
 
 #: The namespace of vkubelet's element in a domain's `<metadata>`.
 METADATA_URI = "https://vkubelet.io/xmlns/vm-domain/1"
@@ -95,7 +97,7 @@ def domain_xml(spec: LaunchSpec, owner: Owner, *, kvm: bool) -> str:
     if spec.incoming:
         raise ValueError("the libvirt runtime cannot receive a live migration yet")
     if spec.extra_args:
-        raise ValueError("the libvirt runtime cannot restore hotplugged devices yet")
+        raise ValueError("the libvirt runtime cannot pass QEMU options")
     name = domain_name(owner.namespace, owner.name)
     root = ET.Element("domain", {"type": "kvm" if kvm else "qemu"})
     ET.SubElement(root, "name").text = name
@@ -106,10 +108,11 @@ def domain_xml(spec: LaunchSpec, owner: Owner, *, kvm: bool) -> str:
     metadata.append(ours)
 
     max_vcpus = max(spec.vcpus, spec.max_vcpus or spec.vcpus)
+    vcpus, dimms = _plugged(spec)
     vcpu = ET.SubElement(root, "vcpu", {"placement": "static"})
     vcpu.text = str(max_vcpus)
-    if max_vcpus > spec.vcpus:
-        vcpu.set("current", str(spec.vcpus))
+    if max_vcpus > vcpus:
+        vcpu.set("current", str(vcpus))
     hotplug_memory = (
         spec.memory_slots > 0
         and spec.max_memory_mib is not None
@@ -118,8 +121,9 @@ def domain_xml(spec: LaunchSpec, owner: Owner, *, kvm: bool) -> str:
     if hotplug_memory:
         maximum = ET.SubElement(root, "maxMemory", {"slots": str(spec.memory_slots), "unit": "MiB"})
         maximum.text = str(spec.max_memory_mib)
-    ET.SubElement(root, "memory", {"unit": "MiB"}).text = str(spec.memory_mib)
-    ET.SubElement(root, "currentMemory", {"unit": "MiB"}).text = str(spec.memory_mib)
+    total = str(spec.memory_mib + sum(dimms))
+    ET.SubElement(root, "memory", {"unit": "MiB"}).text = total
+    ET.SubElement(root, "currentMemory", {"unit": "MiB"}).text = total
 
     os_ = ET.SubElement(root, "os")
     ET.SubElement(os_, "type", {"arch": "x86_64", "machine": "q35"}).text = "hvm"
@@ -164,7 +168,26 @@ def domain_xml(spec: LaunchSpec, owner: Owner, *, kvm: bool) -> str:
     ET.SubElement(channel, "target", {"type": "virtio", "name": "org.qemu.guest_agent.0"})
     ET.SubElement(devices, "memballoon", {"model": "virtio"})
     ET.SubElement(devices, "panic", {"model": "isa"})
+    devices.extend(dimm(mib) for mib in dimms)
     return ET.tostring(root, encoding="unicode")
+
+
+def _plugged(spec: LaunchSpec) -> tuple[int, list[int]]:
+    """The vCPUs to start with and the DIMMs (MiB) to define: the spec's size plus what live
+    resize plugged into the machine before (a relaunch keeps the size it had, as QEMU's does)."""
+    vcpus = spec.vcpus + len(spec.hotplug.get("cpus", ()))
+    return min(vcpus, max(spec.vcpus, spec.max_vcpus or spec.vcpus)), [
+        int(d["mib"]) for d in spec.hotplug.get("dimms", ())
+    ]
+
+
+def dimm(mib: int) -> ET.Element:
+    """One DIMM of `mib` MiB in NUMA cell 0, the domain's only cell (live resize's memory)."""
+    memory = ET.Element("memory", {"model": "dimm"})
+    target = ET.SubElement(memory, "target")
+    ET.SubElement(target, "size", {"unit": "MiB"}).text = str(mib)
+    ET.SubElement(target, "node").text = "0"
+    return memory
 
 
 def _disk(

@@ -41,8 +41,10 @@ domain's XML comes from `_domainxml`.
   started as defined (`_launch_imported`) and never undefined by its machine
   (`LibvirtMachine.imported`, kept in `domain.json`); its VirtualMachine's deletion policy is
   applied by `release_import`.
+- **Live resize** is libvirt's own calls (`_lvhotplug`, the machine's `hotplug`): vCPUs set,
+  DIMMs attached, the root disk resized, live and into the definition.
 - **Not yet** (no QMP monitor here, so the provider's parts refuse with the runtime's name):
-  live resize, backup, migration.
+  backup, migration.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from ._backend import (
 from ._config import VMConfig
 from ._domainimport import IMPORT_URI, ImportClaim, claim_of, refusal
 from ._domainxml import METADATA_URI, Owner, domain_name, domain_xml, owner_of, retarget
+from ._lvhotplug import LibvirtHotplug
 from ._lvnet import bridge_refused, libvirt_network, retarget_network, with_network
 from ._machine import MachineError, MachineExit, Usage
 from ._net import GuestNetwork
@@ -390,8 +393,8 @@ class LibvirtMachine:
     """One domain, as the provider's `MachineHandle`."""
 
     runtime = "libvirt"
-    monitor = None  # no QMP through libvirt here: no resize, backup, migration (hibernation is
-    # libvirt's own: `save_state`)
+    monitor = None  # no QMP through libvirt here: no backup, migration (hibernation is
+    # libvirt's own: `save_state`; live resize too: `hotplug`)
 
     def __init__(
         self,
@@ -410,6 +413,7 @@ class LibvirtMachine:
         self.console_log = run_dir / "console.log"
         self.console_socket = run_dir / "console.sock"
         self.agent = LibvirtGuestAgent(connection, uuid)
+        self.hotplug = LibvirtHotplug(connection, uuid)
         self._console = _Console(self.console_log, self.console_socket)
         self._gone = asyncio.Event()  # the watcher saw the domain end
         self._watcher = SharedWatch(self._watch, name=f"watch domain {self.uuid}")

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import msgspec
 
 from ...sdk.tasks import SharedWatch
+from ._hotplug import QmpHotplug
 from ._net import TAP_NAME, GuestNetwork
 from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable
 from ._qmp import ExecuteError, Monitor, MonitorUnavailable
@@ -209,6 +210,7 @@ class Machine:
         self.console_log = run_dir / "console.log"
         self.monitor = Monitor(run_dir / "qmp.sock")
         self.agent = GuestAgent(run_dir / "qga.sock")
+        self.hotplug = QmpHotplug(self.monitor)
         self._watcher = SharedWatch(self._watch, name=f"watch {self.run_dir.name}")
 
     # -- lifecycle --------------------------------------------------------------------------

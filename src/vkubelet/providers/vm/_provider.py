@@ -856,7 +856,7 @@ class VMProvider(RunnerProvider):
             max_vcpus=launch.max_vcpus,
             max_memory_mib=launch.max_memory_mib,
             memory_slots=launch.memory_slots,
-            extra_args=_resize.hotplug_args(launch),
+            hotplug=launch.hotplug,
             claims=tuple((Path(p), serial) for p, serial in launch.claims),
             incoming=self.migrations.is_target(vm),
             domain=launch.domain,

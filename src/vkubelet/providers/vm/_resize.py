@@ -6,15 +6,19 @@ is in the status: `containerStatuses[].allocatedResources` / `.resources` (what 
 conditions `PodResizeInProgress` and `PodResizePending` (reason `Deferred`: later; `Infeasible`:
 never on this node).
 
-What can be done live, and how (the decision is `decide`, pure and unit-tested):
-- more vCPUs, up to the headroom QEMU started with (`-smp N,maxcpus=M`): `device_add` of the CPU
-  type `query-hotpluggable-cpus` lists, then the guest agent onlines them (`guest-set-vcpus`);
+What can be done live, and how (the decision is `decide`, pure and unit-tested; the plugging is
+the machine's runtime's, `_hotplug.Hotplug`: QMP's `device_add` for QEMU, libvirt's own calls
+for a domain; this module sees only that interface):
+- more vCPUs, up to the headroom the machine started with (`-smp N,maxcpus=M`, a domain's
+  `<vcpu current=N>M`): one CPU plugged at a time, then the guest agent onlines them
+  (`guest-set-vcpus`);
 - more memory, in 128 MiB multiples (the guest's memory block), up to `maxmem` and while DIMM
-  slots are free: `object-add memory-backend-ram` + `device_add pc-dimm`, then the guest agent
-  onlines the new blocks (`guest-set-memory-blocks`);
-- a bigger root disk (annotation `vm.vkubelet.io/root-disk-size`): `block_resize`.
+  slots are free: one DIMM, then the guest agent onlines the new blocks
+  (`guest-set-memory-blocks`);
+- a bigger root disk (annotation `vm.vkubelet.io/root-disk-size`).
 Fewer vCPUs, less memory, more than the headroom: applied at the next power cycle (`Deferred`).
-More than the node has: `Infeasible`. A disk never shrinks (a Warning event).
+More than the node has: `Infeasible`. A disk never shrinks (a Warning event). A machine whose
+runtime cannot plug (no `hotplug`) fails the resize, saying so; it runs on as it was.
 
 Headroom costs: the guest reserves per-CPU areas for `maxcpus` possible CPUs and QEMU builds
 ACPI hotplug tables (no host memory is taken by `maxmem` until a DIMM is plugged); the devices
@@ -35,8 +39,9 @@ from lightkube.resources.core_v1 import Pod
 from ...sdk import ProviderError, ResolvedPod
 from ._backend import MachineHandle
 from ._config import VMConfig, quantity_bytes
+from ._hotplug import Hotplug, ResizeError
 from ._qga import GuestAgent, GuestAgentError, GuestAgentUnavailable
-from ._qmp import ExecuteError, Monitor, MonitorUnavailable
+from ._qmp import ExecuteError, MonitorUnavailable
 from ._spec import MachinePlan
 from ._vm import VM, Launch, ResizeState, VMHost, pod_annotations
 
@@ -45,10 +50,10 @@ __all__ = [
     "ROOT_DISK_ANNOTATIONS",
     "Decision",
     "Headroom",
+    "ResizeError",
     "Size",
     "decide",
     "headroom_for",
-    "hotplug_args",
     "resize",
 ]
 
@@ -155,19 +160,6 @@ def decide(
     return Decision(vcpus, memory, pending)
 
 
-def hotplug_args(launch: Launch) -> tuple[str, ...]:
-    """QEMU options that recreate the devices live resize plugged (for a resume: the incoming
-    machine must have the same devices as the one whose state it loads)."""
-    args: list[str] = []
-    for cpu in launch.hotplug.get("cpus", []):
-        props = ",".join(f"{k}={int(v)}" for k, v in sorted(cpu["props"].items()))
-        args += ["-device", f"{cpu['driver']},id={cpu['id']},{props}"]
-    for dimm in launch.hotplug.get("dimms", []):
-        args += ["-object", f"memory-backend-ram,id=mem-{dimm['id']},size={int(dimm['mib'])}M"]
-        args += ["-device", f"pc-dimm,id={dimm['id']},memdev=mem-{dimm['id']}"]
-    return tuple(args)
-
-
 def running_size(launch: Launch) -> Size:
     return Size(
         launch.vcpus + len(launch.hotplug.get("cpus", [])),
@@ -206,33 +198,21 @@ def sized(launch: Launch, pod: Pod, plan: MachinePlan, config: VMConfig) -> Laun
     )
 
 
-class ResizeError(RuntimeError):
-    pass
-
-
-def _controls(machine: MachineHandle) -> tuple[Monitor, GuestAgent]:
-    if machine.monitor is None or machine.agent is None:
+def _controls(machine: MachineHandle) -> tuple[Hotplug, GuestAgent]:
+    if machine.hotplug is None or machine.agent is None:
         raise ResizeError(f"the {machine.runtime} runtime cannot resize VMs live yet")
-    return machine.monitor, machine.agent
+    return machine.hotplug, machine.agent
 
 
 async def add_vcpus(machine: MachineHandle, launch: Launch, total: int, wait: float) -> None:
     """Plug CPUs until the machine has `total`, online them in the guest."""
-    monitor, agent = _controls(machine)
+    hotplug, agent = _controls(machine)
     cpus = launch.hotplug.setdefault("cpus", [])
     have = running_size(launch).vcpus
     if total <= have:
         return
-    slots = await monitor.execute("query-hotpluggable-cpus")
-    free = sorted(
-        (s for s in slots if not s.get("qom-path")),
-        key=lambda s: tuple(sorted(s["props"].items())),
-    )
-    for slot in free[: total - have]:
-        device = f"vcpu{len(cpus) + 1}"
-        props = {k: int(v) for k, v in slot["props"].items() if k.endswith("-id")}
-        await monitor.execute("device_add", {"driver": slot["type"], "id": device, **props})
-        cpus.append({"driver": slot["type"], "id": device, "props": props})
+    for count in range(have + 1, total + 1):  # one at a time: each is recorded once plugged
+        cpus.append(await hotplug.plug_vcpu(f"vcpu{len(cpus) + 1}", count))
     shows = f"the guest shows {{}} of {total} vCPUs"
     await _online(agent, "vcpus", "logical-id", "vcpus", total, wait, shows)
 
@@ -257,36 +237,25 @@ async def _online(
 
 async def add_memory(machine: MachineHandle, launch: Launch, total_mib: int, wait: float) -> None:
     """Plug one DIMM with the missing memory, online its blocks in the guest."""
-    monitor, agent = _controls(machine)
+    hotplug, agent = _controls(machine)
     dimms = launch.hotplug.setdefault("dimms", [])
     grow = total_mib - running_size(launch).memory_mib
     if grow <= 0:
         return
-    device = f"dimm{len(dimms) + 1}"
-    await monitor.execute(
-        "object-add",
-        {"qom-type": "memory-backend-ram", "id": f"mem-{device}", "size": grow * _MIB},
-    )
-    await monitor.execute(
-        "device_add", {"driver": "pc-dimm", "id": device, "memdev": f"mem-{device}"}
-    )
-    dimms.append({"id": device, "mib": grow})
+    dimms.append(await hotplug.plug_memory(f"dimm{len(dimms) + 1}", grow))
     blocks = -(-(total_mib - BLOCK_MIB) // BLOCK_MIB)  # the blocks that cover the new total
     failed = "the guest did not online the new memory"
     await _online(agent, "memory-blocks", "phys-index", "mem-blks", blocks, wait, failed)
 
 
 async def root_disk_size(machine: MachineHandle) -> int:
-    monitor, _ = _controls(machine)
-    for device in await monitor.execute("query-block"):
-        if device.get("device") == "disk0":
-            return int(device["inserted"]["image"]["virtual-size"])
-    raise ResizeError("the root disk is not attached")
+    hotplug, _ = _controls(machine)
+    return await hotplug.root_disk_size()
 
 
 async def grow_root_disk(machine: MachineHandle, size: int) -> None:
-    monitor, _ = _controls(machine)
-    await monitor.execute("block_resize", {"device": "disk0", "size": size})
+    hotplug, _ = _controls(machine)
+    await hotplug.grow_root_disk(size)
 
 
 # -- the pod's resize ---------------------------------------------------------------------------
@@ -346,7 +315,7 @@ async def resize(
     machine = vm.machine if vm.booted_at is not None else None
     if vm.plan is not None:
         vm.plan = replace(vm.plan, vcpus=plan.vcpus, memory_mib=plan.memory_mib)
-    if machine is None or machine.monitor is None or vm.launch is None:
+    if machine is None or vm.launch is None:
         # Not running (yet): the next launch takes the pod's size.
         state.applied = resources(vm.pod)
         _set_pending(vm, None)

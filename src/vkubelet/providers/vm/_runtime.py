@@ -30,6 +30,7 @@ from ._backend import (
 from ._cloudinit import build_seed_content
 from ._config import ConfigError, VMConfig
 from ._disks import create_blank, create_overlay
+from ._hotplug import qemu_args
 from ._machine import Disk, Machine, MachineSpec
 from ._net import BridgedNetwork, GuestNetwork, PodNetwork, pod_dns_search
 from ._persist import machine_addresses
@@ -197,6 +198,7 @@ class QemuRuntime:
                 memory_slots=spec.memory_slots,
                 extra_args=drive_args(spec.claims)
                 + spec.extra_args
+                + qemu_args(spec.hotplug)
                 + (("-incoming", "defer") if spec.incoming else ()),
             )
         )

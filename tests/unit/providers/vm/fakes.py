@@ -23,6 +23,7 @@ from vkubelet.providers.vm._backend import (
     Usage,
 )
 from vkubelet.providers.vm._config import VMConfig
+from vkubelet.providers.vm._hotplug import Hotplug
 from vkubelet.providers.vm._machine import MachineExit
 from vkubelet.providers.vm._provider import VMProvider
 from vkubelet.providers.vm._qga import ExecOutput, GuestAgent
@@ -46,6 +47,7 @@ class FakeMachine:
         self.agent_up = asyncio.Event()
         self.monitor: Monitor | None = None  # no QEMU: no hibernation, live resize, migration
         self.agent: GuestAgent | None = None
+        self.hotplug: Hotplug | None = None  # no live resize
         self.exit: asyncio.Future[MachineExit] = asyncio.get_running_loop().create_future()
         self.stops: list[float] = []
         self.execs: list[tuple[list[str], bytes]] = []

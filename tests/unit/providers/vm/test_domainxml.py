@@ -6,6 +6,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,6 +110,20 @@ def test_cpu_and_memory_leave_the_hotplug_room_the_spec_asks_for() -> None:
     assert fixed.find("maxMemory") is None and fixed.find("cpu") is None
 
 
+def test_a_relaunch_of_a_resized_machine_starts_with_what_live_resize_plugged() -> None:
+    plugged: dict[str, list[dict[str, Any]]] = {
+        "cpus": [{"id": "vcpu1"}],
+        "dimms": [{"id": "dimm1", "mib": 512}],
+    }
+    root = parse(replace(SPEC, hotplug=plugged))
+    assert root.find("vcpu").text == "4" and root.find("vcpu").get("current") == "3"  # type: ignore[union-attr]
+    assert root.findtext("memory") == "1024" and root.findtext("currentMemory") == "1024"
+    assert root.find("cpu/numa/cell").get("memory") == "512"  # type: ignore[union-attr]
+    (dimm,) = root.findall("devices/memory")
+    assert dimm.get("model") == "dimm" and dimm.find("target/size").attrib == {"unit": "MiB"}  # type: ignore[union-attr]
+    assert dimm.findtext("target/size") == "512" and dimm.findtext("target/node") == "0"
+
+
 def test_a_pod_field_cannot_add_xml() -> None:
     owner = Owner("u", "ns", "x'/><devices/>", "hv")
     root = ET.fromstring(domain_xml(SPEC, owner, kvm=False))  # noqa: S314 - our own output
@@ -134,7 +149,7 @@ def test_pvc_disks_follow_the_seed_as_virtio_disks_whose_serial_is_the_claim_s_n
     ("change", "words"),
     [
         ({"incoming": True}, "live migration"),
-        ({"extra_args": ("-device", "x")}, "hotplugged devices"),
+        ({"extra_args": ("-device", "x")}, "QEMU options"),
     ],
 )
 def test_what_the_libvirt_runtime_does_not_do_yet_is_refused_naming_it(

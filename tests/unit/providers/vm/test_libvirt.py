@@ -315,3 +315,39 @@ async def test_an_imported_domain_s_hibernation_is_dropped_by_its_image_only(
     resumed = LaunchSpec(**{**spec.__dict__, "restore": uuid, "domain": _request("site-saved")})
     with pytest.raises(RestoreFailed, match="no managed save image"):
         await runtime.launch(resumed)
+
+
+# -- live resize through libvirt's own calls (`_lvhotplug`), on the test driver ----------------
+@ONE_LOOP
+async def test_vcpus_are_plugged_live_and_into_the_definition_and_libvirt_s_refusal_is_told(
+    tmp_path: Path,
+) -> None:
+    from vkubelet.providers.vm._hotplug import ResizeError
+    from vkubelet.providers.vm._lvhotplug import LibvirtHotplug
+
+    runtime = _test_runtime(tmp_path)
+    conn = await runtime.connection.get()
+    disks = "".join(
+        f"<disk type='file' device='disk'><source file='/{n}.qcow2'/>"
+        f"<target dev='{n}' bus='virtio'/></disk>"
+        for n in ("vdb", "vda")
+    )
+    domain = conn.defineXML(
+        "<domain type='test'><name>ns_resized</name><memory unit='MiB'>256</memory>"
+        f"<vcpu current='1'>4</vcpu><os><type>hvm</type></os><devices>{disks}</devices></domain>"
+    )
+    domain.create()
+    hotplug = LibvirtHotplug(runtime.connection, domain.UUIDString())
+    assert await hotplug.plug_vcpu("vcpu1", 2) == {"id": "vcpu1"}
+    live, config = libvirt.VIR_DOMAIN_AFFECT_LIVE, libvirt.VIR_DOMAIN_AFFECT_CONFIG
+    assert (domain.vcpusFlags(live), domain.vcpusFlags(config)) == (2, 2)
+    # beyond the domain's maximum: libvirt's words, the URI; the domain as it was
+    with pytest.raises(ResizeError, match=r"^libvirt test:///default: .*5 > 4"):
+        await hotplug.plug_vcpu("vcpu2", 5)
+    assert domain.vcpusFlags(live) == 2 and domain.isActive()
+    # the root disk is the domain's first (as `domain_xml` attaches it), whatever its name
+    assert await hotplug.root_disk_size() == domain.blockInfo("vdb", 0)[0]
+    domain.destroy()
+    domain.undefine()
+    with pytest.raises(ResizeError, match="is gone"):
+        await hotplug.plug_memory("dimm1", 512)

@@ -17,7 +17,7 @@ from lightkube.models.core_v1 import (
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod
 
-from vkubelet.providers.vm import _hibernate, _resize, _volumes
+from vkubelet.providers.vm import _hibernate, _hotplug, _resize, _volumes
 from vkubelet.providers.vm._config import ConfigError, parse_config
 from vkubelet.providers.vm._resize import Decision, Headroom, Size, decide
 from vkubelet.providers.vm._vm import Launch, PowerState, ResizeState, decorate
@@ -100,7 +100,7 @@ def test_hotplugged_devices_are_recreated_for_a_resume() -> None:
             "dimms": [{"id": "dimm1", "mib": 512}],
         },
     )
-    assert _resize.hotplug_args(launch) == (
+    assert _hotplug.qemu_args(launch.hotplug) == (
         "-device", "qemu64-x86_64-cpu,id=vcpu1,core-id=1,socket-id=0",
         "-object", "memory-backend-ram,id=mem-dimm1,size=512M",
         "-device", "pc-dimm,id=dimm1,memdev=mem-dimm1",
