@@ -2,23 +2,23 @@
 (`vkubelet.testing.virtlab`: a libvirtd and an sshd in a network namespace of their own),
 reached over `qemu+ssh` as a remote hypervisor is.
 
-One VM is booted for the module (TCG boots are the expensive part) and the test checks what
-it can on it, in order: Running, the boot in `kubectl logs`, `kubectl exec`, `kubectl attach`
-on the serial console, the domain in `virsh list` on that host named after the pod and labelled
-with its UID, live resize through libvirt (1 -> 2 vCPUs and +512 MiB: the guest's `nproc` and
-MemTotal in the same boot, the status, `virsh vcpucount` and `dominfo`; less memory deferred;
-the root disk grown), an agent killed with SIGKILL and restarted adopts the same domain (same
-id, same QEMU, the resized size), the host's libvirtd restarted under it (the agent
-reconnects: exec, and the console's new lines in the log), a PVC disk (found by its serial,
-written and synced), hibernation (libvirt's managed save: the domain shut off with its image,
-its name and metadata kept, through an agent restart) and the resume by the machine's next pod
-(what the guest kept in RAM is there, its uptime continued, the plugged vCPU and DIMM too, the
-claim's data read back from its disk with the page cache dropped, its interface carrying the
-new pod's address: the hypervisor pings it), an agent stopped with SIGTERM while the domain
-runs exits cleanly and leaves it running for the next one, and deleting that pod removes the
-domain. The refusals cost no boot: a domain of a pod's name that vkubelet does not own fails
-that pod and is left alone; a URI whose credentials are refused makes a node NotReady with
-libvirt's message.
+One VM is booted for the module (TCG boots are the expensive part) and the test checks what it can
+on it, in order: Running, the boot in `kubectl logs`, `kubectl exec`, `kubectl attach` on the
+serial console, the domain in `virsh list` on that host named after the pod and labelled with its
+UID, live resize through libvirt (1 -> 2 vCPUs and +512 MiB: the guest's `nproc` and MemTotal in
+the same boot, the status, `virsh vcpucount` and `dominfo`; less memory deferred; the root disk
+grown), an agent killed with SIGKILL and restarted adopts the same domain (same id, same QEMU, the
+resized size), the host's libvirtd restarted under it (the agent reconnects: exec, and the
+console's new lines in the log), a PVC disk (found by its serial, written and synced), backups
+through libvirt's backup API (a full and an incremental one, restored to a second VM that reads
+what the guest wrote before each), hibernation (libvirt's managed save: the domain shut off with
+its image, its name and metadata kept, through an agent restart) and the resume by the machine's
+next pod (what the guest kept in RAM is there, its uptime continued, the plugged vCPU and DIMM too,
+the claim's data read back from its disk with the page cache dropped, its interface carrying the
+new pod's address: the hypervisor pings it), an agent stopped with SIGTERM while the domain runs
+exits cleanly and leaves it running for the next one, and deleting that pod removes the domain. The
+refusals cost no boot: a domain of a pod's name that vkubelet does not own fails that pod and is
+left alone; a URI whose credentials are refused makes a node NotReady with libvirt's message.
 
 A domain defined with `virsh define` (the test guest, no seed) is imported with `vkubelet vm
 import` and boots twice (import, then replicas 0 -> 1); the refused imports run beside it.
@@ -287,6 +287,9 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     write = f"echo {on_claim} | dd of=/dev/{claim_disk} bs=512 conv=sync && sync"
     kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write)
 
+    # backups through libvirt's backup API, full then incremental, restored to a new VM
+    _backed_up_and_restored(libvirt_node, kubectl, namespace, pod)
+
     # hibernate: what the guest keeps in RAM (/run is a tmpfs) and its uptime before
     marker = uuid.uuid4().hex
     keep = f"echo {marker} > /run/marker; cut -d' ' -f1 /proc/uptime"
@@ -453,6 +456,87 @@ def _resize_live(kubectl: Kubectl, host: LibvirtHost, namespace: str, pod: str, 
         what="the guest sees a 2 GiB disk",
     )
     return memory
+
+
+def _backup_pod(
+    node: LibvirtNode, kubectl: Kubectl, namespace: str, name: str, of: str, directory: Path
+) -> dict[str, Any]:
+    """A backup pod as the VirtualMachineBackup controller makes it, run to its end."""
+    backup = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "annotations": {
+                "vm.vkubelet.io/backup-of": of,
+                "vm.vkubelet.io/backup-target": json.dumps({"directory": str(directory)}),
+            },
+        },
+        "spec": {
+            "nodeName": node.name,
+            "restartPolicy": "Never",
+            "tolerations": [TOLERATION],
+            "containers": [{"name": "backup", "image": "vm.vkubelet.io/backup"}],
+        },
+    }
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(backup))
+
+    def ended() -> dict[str, Any] | None:
+        found = _get(kubectl, namespace, name)
+        return found if found["status"].get("phase") in ("Succeeded", "Failed") else None
+
+    result: dict[str, Any] = wait_for(ended, timeout=120, what=f"backup pod {name} ended")
+    return result
+
+
+def _backed_up_and_restored(node: LibvirtNode, kubectl: Kubectl, namespace: str, pod: str) -> None:
+    """A file written, a full backup, another file, an incremental backup (each a libvirt
+    push backup with a checkpoint, the guest frozen by libvirt), then a new VM restored from
+    the chain reads both; a target outside the backup directories is refused, the VM runs on
+    and no checkpoint is left of it. The VM's domain keeps its one checkpoint, so the
+    hibernation and the removal after this run with one."""
+    host, domain = node.host, f"{namespace}_{pod}"
+    target = node.workdir / "state" / "backups"  # the default backupDirectories
+    write = "echo {0} > /root/{0} && sync"
+    kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write.format("one"))
+    full = _backup_pod(node, kubectl, namespace, "backup-1", pod, target)
+    kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write.format("two"))
+    incremental = _backup_pod(node, kubectl, namespace, "backup-2", pod, target)
+    results = []
+    for done in (full, incremental):
+        terminated = done["status"]["containerStatuses"][0]["state"]["terminated"]
+        assert done["status"]["phase"] == "Succeeded", terminated
+        results.append(json.loads(terminated["message"]))
+    assert [r["kind"] for r in results] == ["full", "incremental"]
+    assert all(r["consistency"] == "filesystem-consistent" for r in results), results
+    assert results[1]["sizeBytes"] < results[0]["sizeBytes"] / 2, results
+    logs = kubectl("-n", namespace, "logs", "backup-2").stdout
+    assert "guest filesystems frozen" in logs and "done: incremental" in logs, logs
+    # one checkpoint per chain: the latest backup's, on the domain of the host
+    checkpoints = host.virsh("checkpoint-list", domain, "--name").stdout.split()
+    assert len(checkpoints) == 1 and checkpoints[0].endswith("-0002"), checkpoints
+
+    # a target outside the node's backup directories: refused, nothing made, the VM runs on
+    refused = _backup_pod(node, kubectl, namespace, "backup-bad", pod, Path("/etc/vkb-nope"))
+    terminated = refused["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert refused["status"]["phase"] == "Failed" and terminated["reason"] == "TargetRefused"
+    assert "backupDirectories" in terminated["message"]
+    assert host.virsh("checkpoint-list", domain, "--name").stdout.split() == checkpoints
+    assert host.running() == [domain]
+
+    # a new VM from the chain (the manifest: its latest backup) has both files
+    manifest = Path(results[1]["path"]).parent / "manifest.json"
+    restored = _pod("restored", node.name, {"vm.vkubelet.io/restore-from": str(manifest)})
+    kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(restored))
+    wait_for(
+        lambda: _running(kubectl, namespace, "restored"), timeout=BOOT_TIMEOUT, what="restored"
+    )
+    both = kubectl("-n", namespace, "exec", "restored", "--", "cat", "/root/one", "/root/two")
+    assert both.stdout.split() == ["one", "two"]
+    kubectl("-n", namespace, "delete", "pod", "restored", "--wait=true", "--timeout=90s")
+    for name in ("backup-1", "backup-2", "backup-bad"):
+        kubectl("-n", namespace, "delete", "pod", name, "--wait=false")
+    assert host.running() == [domain]
 
 
 def test_a_domain_of_the_pod_s_name_that_vkubelet_does_not_own_fails_the_pod_untouched(

@@ -7,30 +7,28 @@ message `{"kind","sizeBytes","durationSeconds","path"}`) or Failed with a reason
 `TargetRefused`, `BackupFailed`, ...). Its log is the task's progress. This module is the
 engine and knows no pod; `_backups` runs the pods.
 
-How a backup is taken, and why:
-- The guest's filesystems are frozen through the guest agent (`guest-fsfreeze-freeze`), so the
-  copy is what a clean unmount would leave. A guest without an answering agent is copied
-  crash-consistent, and the result says so.
-- One QMP `transaction` starts a `blockdev-backup` job per disk (and, for a full backup, creates
-  the persistent dirty bitmap the next incremental reads): all disks at the same instant. The
-  backup job's copy-before-write filter makes that instant the point in time, so the guest is
-  thawed as soon as the transaction returns; the copying goes on while the guest runs.
-- The thaw is in a `finally`: no error path leaves the guest frozen.
+How a backup is taken, and why (the same for every runtime; how each runtime copies the
+disks and counts the guest's writes is its `DiskBackup`: `_backupqmp` for QEMU through QMP,
+`_backuplibvirt` for libvirt's backup API):
+- The guest's filesystems are frozen through the guest agent, so the copy is what a clean
+  unmount would leave. A guest without an answering agent is copied crash-consistent, and the
+  result says so.
+- The runtime starts the copy of every disk at one instant (and, for a full backup, the chain's
+  record of writes from it: a dirty bitmap, a libvirt checkpoint); the copy-before-write of its
+  backup jobs holds that instant, so the guest is thawed as soon as the copy started; the
+  copying goes on while the guest runs.
+- The thaw is in a `finally`: no error path leaves the guest frozen. A failure or a cancel
+  stops the copy, drops this backup's new record of writes and removes its files.
 - A target without room for the copy is refused before the freeze (`qemu-img measure`, or the
-  bitmaps' dirty bytes): one that filled up mid-copy would fail the copy-before-write, i.e. the
-  guest's own writes (QEMU 7.2's blockdev-backup has no `on-cbw-error=break-snapshot`).
-- Target files reach QEMU as open descriptors (`add-fd`, `/dev/fdset/N`), not paths: QEMU runs
-  under `ip netns exec`, in a mount namespace of its own that does not see what was mounted on
-  the host after it started (a target volume, say). For the same reason an incremental target
-  is opened without its backing chain (`backing: null`); the job only writes into it, and
-  clusters that became zero are written as qcow2 zero flags, which mask the backing file.
-- A full backup copies every disk whole (`sync=full`) into a self-contained qcow2; an incremental
-  one (`sync=incremental` with the bitmap, cleared by QEMU only on success) copies the clusters
-  written since the previous backup into a qcow2 whose backing file is that backup's: the chain
-  of files is the disk at each backup. The bitmap's name is derived from the target directory,
-  so backups of one VM to two targets keep two independent chains. A disk without the bitmap (a
-  VM that was killed, whose bitmap QEMU then drops as inconsistent; a new disk) gets a full
-  backup, whatever the mode asked (`Incremental` then fails instead: it cannot be honoured).
+  runtime's count of the bytes written since the previous backup): one that filled up mid-copy
+  would fail the copy-before-write, i.e. the guest's own writes.
+- The target files are made here with qemu-img before the copy: a full backup's a
+  self-contained qcow2, an incremental one's a qcow2 whose backing file is the previous
+  backup's (relative path): the chain of files is the disk at each backup. The record of
+  writes is named after the target directory (`bitmap_name`), so backups of one VM to two
+  targets keep two independent chains. A disk whose runtime kept no record for this chain (a
+  VM that was killed, a new disk) gets a full backup, whatever the mode asked (`Incremental`
+  then fails instead: it cannot be honoured).
 
 Layout of a target: `<target>/<namespace>/<vm>/manifest.json` (the chain: every backup with
 kind, files, sizes, times, consistency, the VM's identity) and one directory per backup,
@@ -55,10 +53,10 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..._files import make_private, private_dir, write_atomic
 from ...sdk.logs import LogWriter
@@ -72,9 +70,13 @@ __all__ = [
     "BACKUP_TARGET",
     "RESTORE_FROM",
     "BackupError",
+    "BackupPlan",
     "BackupResult",
     "BackupSource",
     "Backupable",
+    "DiskBackup",
+    "DiskState",
+    "JobProgress",
     "is_backup_pod",
     "resolve_restore",
     "resolve_target",
@@ -106,18 +108,91 @@ class BackupError(Exception):
         self.reason, self.message = reason, message
 
 
+@dataclass(frozen=True)
+class DiskState:
+    """One disk of the running machine, as its runtime sees it before a backup."""
+
+    size: int  # virtual size, bytes: the target file's
+    incremental: bool  # the runtime counts this chain's writes since the previous backup
+    dirty: int = 0  # bytes written since then (what an incremental copies)
+
+
+@dataclass(frozen=True)
+class BackupPlan:
+    """One backup, decided by `run_backup`: what a runtime's `DiskBackup` carries out."""
+
+    kind: str  # full | incremental
+    backup_id: str  # 0001, 0002, ...: names this backup's jobs and records in the runtime
+    chain: str  # `bitmap_name` of the target: names the chain's record of writes
+    since: str | None  # the previous backup's id (what an incremental counts from)
+    disks: tuple[Path, ...]  # the machine's disk files, root first
+    files: tuple[Path, ...]  # the target qcow2 files, made already, one per disk
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    done: int  # bytes copied so far
+    total: int
+    finished: bool
+    error: str = ""  # the runtime's words when it finished failing
+
+
+class DiskBackup(Protocol):
+    """How one runtime copies a running machine's disks at one instant and counts what the
+    guest writes after it: QMP's block jobs and dirty bitmaps (`_backupqmp`), libvirt's backup
+    API and checkpoints (`_backuplibvirt`). What a backup is (targets, the chain of files, the
+    manifest, the space check, the freeze around the instant, cleaning up after a failure) is
+    `run_backup`'s and the same for every runtime. One instance serves one backup."""
+
+    @property
+    def runtime(self) -> str: ...  # named in errors
+
+    async def guest_ping(self, timeout: float) -> None: ...  # noqa: ASYNC109
+
+    async def freeze(self, timeout: float) -> int:  # noqa: ASYNC109
+        """Freeze the guest's filesystems (how many); raises when the agent cannot or did
+        not answer in time (TimeoutError: it may have frozen them)."""
+        ...
+
+    async def thaw(self, timeout: float) -> int: ...  # noqa: ASYNC109
+
+    async def thawed(self) -> bool: ...  # the guest agent says nothing is frozen
+
+    async def inspect(
+        self, disks: Sequence[Path], chain: str, since: str | None, progress: Callable[[str], None]
+    ) -> list[DiskState]:
+        """Each disk's state, once what an interrupted backup of this machine left is gone
+        (said through `progress`); BackupError when a disk is not the machine's."""
+        ...
+
+    async def prepare(self, plan: BackupPlan) -> None:
+        """Whatever must be ready before the instant (the targets opened), outside the freeze."""
+        ...
+
+    async def begin(self, plan: BackupPlan) -> None:
+        """The instant: every disk's copy starts at once, and a full backup starts the chain's
+        record of writes. Called with the guest frozen: it must return quickly."""
+        ...
+
+    async def progress(self) -> JobProgress: ...
+
+    async def finish(self, plan: BackupPlan) -> float | None:
+        """After the copy succeeded: the runtime's own resources released, records older than
+        this backup dropped; the copy's seconds as the runtime measured them (None: unknown)."""
+        ...
+
+    async def abort(self, plan: BackupPlan) -> None:
+        """After a failure or a cancel: no copy left running, no target left open, and this
+        backup's new record of writes dropped (the next backup counts from the last good one).
+        Never raises."""
+        ...
+
+
+@runtime_checkable
 class Backupable(Protocol):
-    """A running machine as the backup needs it: its QMP monitor and its guest agent (None: a
-    runtime without them, which cannot back up)."""
+    """A running machine that can be backed up: its runtime's `DiskBackup`."""
 
-    @property
-    def monitor(self) -> Any: ...
-
-    @property
-    def agent(self) -> Any: ...
-
-    @property
-    def runtime(self) -> str: ...  # named when it cannot back up
+    def disk_backup(self) -> DiskBackup: ...
 
 
 @dataclass(frozen=True)
@@ -250,64 +325,54 @@ def _now() -> str:
 
 # -- the backup -----------------------------------------------------------------------------
 @dataclass
-class _Run:
-    machine: Backupable
-    source: BackupSource
+class _Guest:
+    """The guest's filesystems during one backup: `frozen` until a thaw succeeded."""
+
+    engine: DiskBackup
     progress: Callable[[str], None]
     frozen: bool = False
-    targets: list[str] = field(default_factory=list)  # blockdev node names added
-    jobs: list[str] = field(default_factory=list)
-    # A full backup's new bitmaps: dropped if it fails, else the next incremental would count
-    # from this failed backup's instant instead of from the last good one.
-    new_bitmaps: list[tuple[str, str]] = field(default_factory=list)
-    fdsets: list[int] = field(default_factory=list)  # the target files, handed to QEMU
 
 
-async def _freeze(run: _Run) -> str:
+async def _freeze(guest: _Guest) -> str:
     """Freeze the guest's filesystems; the consistency the backup will have."""
     try:  # a quick ping first: a guest without an agent should not cost the freeze's timeout
-        await run.machine.agent.call("guest-ping", timeout=_PING_TIMEOUT)
+        await guest.engine.guest_ping(_PING_TIMEOUT)
     except Exception as e:
-        run.progress(f"guest agent not answering ({e}); the backup is crash-consistent")
+        guest.progress(f"guest agent not answering ({e}); the backup is crash-consistent")
         return f"crash-consistent (guest agent: {e})"
-    run.frozen = True  # from here on every path thaws (a freeze may act before it answers)
+    guest.frozen = True  # from here on every path thaws (a freeze may act before it answers)
     try:
-        count = await run.machine.agent.call("guest-fsfreeze-freeze", timeout=_FREEZE_TIMEOUT)
+        count = await guest.engine.freeze(_FREEZE_TIMEOUT)
     except Exception as e:  # no agent, an agent without fsfreeze, a timeout: crash-consistent
         # An agent that could not be reached, or refused (qemu-ga thaws what it froze when
         # the freeze fails), froze nothing; one that did not answer in time may have.
-        run.frozen = isinstance(e, TimeoutError)
-        run.progress(f"guest filesystems not frozen ({e}); the backup is crash-consistent")
+        guest.frozen = isinstance(e, TimeoutError)
+        guest.progress(f"guest filesystems not frozen ({e}); the backup is crash-consistent")
         return f"crash-consistent (guest agent: {e})"
-    run.progress(f"guest filesystems frozen ({count})")
+    guest.progress(f"guest filesystems frozen ({count})")
     return "filesystem-consistent"
 
 
-async def _thaw(run: _Run) -> None:
-    if not run.frozen:
+async def _thaw(guest: _Guest) -> None:
+    if not guest.frozen:
         return
     for attempt in range(_THAW_ATTEMPTS):
         try:
-            count = await run.machine.agent.call("guest-fsfreeze-thaw", timeout=_FREEZE_TIMEOUT)
-            run.frozen = False
-            run.progress(f"guest filesystems thawed ({count})")
+            count = await guest.engine.thaw(_FREEZE_TIMEOUT)
+            guest.frozen = False
+            guest.progress(f"guest filesystems thawed ({count})")
             return
         except Exception as e:
             with contextlib.suppress(Exception):  # not frozen at all (the freeze failed): done
-                if await run.machine.agent.call("guest-fsfreeze-status") == "thawed":
-                    run.frozen = False
+                if await guest.engine.thawed():
+                    guest.frozen = False
                     return
             if attempt == _THAW_ATTEMPTS - 1:
-                run.progress(f"could not thaw the guest's filesystems: {e}")
+                guest.progress(f"could not thaw the guest's filesystems: {e}")
                 raise BackupError(
                     "ThawFailed", f"could not thaw the guest's filesystems: {e}"
                 ) from None
             await asyncio.sleep(0.5)
-
-
-async def _block_devices(run: _Run) -> dict[str, dict[str, Any]]:
-    reply = await run.machine.monitor.execute("query-block")
-    return {str(b.get("device")): b for b in reply if b.get("inserted")}
 
 
 async def run_backup(
@@ -322,14 +387,15 @@ async def run_backup(
     """Take one backup of the running machine into `target`; raises BackupError."""
     if mode not in ("Auto", "Full", "Incremental"):
         raise BackupError("BackupFailed", f"{BACKUP_MODE}: expected Auto, Full or Incremental")
-    if machine.monitor is None or machine.agent is None:
+    if not source.disks:  # nothing of vkubelet's to copy: never a backup of nothing
         raise BackupError(
-            "BackupFailed", f"the {machine.runtime} runtime cannot back up a running VM yet"
+            "BackupFailed",
+            "the VM has no disk vkubelet made (an imported domain's disks are its own: "
+            "not backed up yet)",
         )
+    engine = machine.disk_backup()
     started = time.monotonic()
     chain_dir = target / source.namespace / source.vm_name
-    bitmap = bitmap_name(chain_dir)
-    run = _Run(machine, source, progress)
     try:  # a tenant's disks: the agent's alone, older backups tightened too
         private_dir(target / source.namespace)
         private_dir(chain_dir)
@@ -341,19 +407,19 @@ async def run_backup(
         "vm": {"namespace": source.namespace, "name": source.vm_name},
         "backups": [],
     }
-    try:
-        await _clear_leftovers(run)
-        devices = await _block_devices(run)
-    except Exception as e:  # QEMU going away, typically
-        raise BackupError("BackupFailed", f"{type(e).__name__}: {e}") from None
-    names = [f"disk{i}" for i in range(len(source.disks))]
-    missing = [n for n in names if n not in devices]
-    if missing:
-        raise BackupError("BackupFailed", f"the VM has no block device {missing[0]}")
     previous = manifest["backups"][-1] if manifest["backups"] else None
-    has_bitmap = all(_usable(_bitmap(devices, n, bitmap)) for n in names)
+    since = str(previous["id"]) if previous is not None else None
+    chain = bitmap_name(chain_dir)
+    try:
+        disks = await engine.inspect(source.disks, chain, since, progress)
+    except BackupError:
+        raise
+    except Exception as e:  # the machine going away, typically
+        raise BackupError("BackupFailed", f"{type(e).__name__}: {e}") from None
     can_increment = (
-        previous is not None and has_bitmap and len(previous.get("files", [])) == len(names)
+        previous is not None
+        and all(d.incremental for d in disks)
+        and len(previous.get("files", [])) == len(disks)
     )
     if mode == "Incremental" and not can_increment:
         why = (
@@ -371,102 +437,40 @@ async def run_backup(
     backup_dir = chain_dir / f"{backup_id}-{kind}"
     progress(f"{kind} backup {backup_id} of {source.namespace}/{source.pod} to {backup_dir}")
     shutil.rmtree(backup_dir, ignore_errors=True)  # a failed earlier attempt's leftovers
-    await _check_space(chain_dir, source, devices, names, bitmap, kind)
+    await _check_space(chain_dir, source, disks, kind)
     backup_dir.mkdir(mode=0o700)
-    files = [backup_dir / f"disk{i}.qcow2" for i in range(len(names))]
+    files = tuple(backup_dir / f"disk{i}.qcow2" for i in range(len(disks)))
+    plan = BackupPlan(kind, backup_id, chain, since, source.disks, files)
+    guest = _Guest(engine, progress)
     consistency = ""
-    listener: Any = None
     try:
-        for i, name in enumerate(names):
-            size = int(devices[name]["inserted"]["image"]["virtual-size"])
+        for i, disk in enumerate(disks):
             options = ["-f", "qcow2"]
             if kind == "incremental":
                 assert previous is not None
                 back = chain_dir / previous["files"][i]
                 # relative: the chain stays valid when the target directory is moved
                 options += ["-b", str(Path("..") / back.relative_to(chain_dir)), "-F", "qcow2"]
-            await _qemu_img(["create", "-q", *options, str(files[i]), str(size)])
-            node = f"vkb-{backup_id}-{i}"
-            # By descriptor, not path: QEMU's mount namespace may not see the target's mount.
-            # So the target is opened without its backing chain (which QEMU could not open by
-            # path either): the job only writes, and zero clusters are written as zero flags,
-            # which mask the backing file when the chain is read (checked with qemu-img compare).
-            fd = os.open(files[i], os.O_RDWR | os.O_CLOEXEC)
-            try:
-                run.fdsets.append(await machine.monitor.add_fd(fd))
-            finally:
-                os.close(fd)
-            target_node: dict[str, Any] = {
-                "driver": "qcow2",
-                "node-name": node,
-                "file": {"driver": "file", "filename": f"/dev/fdset/{run.fdsets[-1]}"},
-            }
-            if kind == "incremental":
-                target_node["backing"] = None
-            await machine.monitor.execute("blockdev-add", target_node)
-            run.targets.append(node)
-        actions: list[dict[str, Any]] = []
-        for i, name in enumerate(names):
-            job = f"vkb-{backup_id}-{i}"
-            backup: dict[str, Any] = {
-                "device": name,
-                "target": run.targets[i],
-                "job-id": job,
-                "auto-dismiss": False,
-            }
-            if kind == "full":
-                # The bitmap starts with this backup: cleared (or made) in the same transaction.
-                found = _bitmap(devices, name, bitmap)
-                if found is not None and not _usable(found):
-                    await machine.monitor.execute(
-                        "block-dirty-bitmap-remove", {"node": name, "name": bitmap}
-                    )
-                    found = None
-                action = (
-                    "block-dirty-bitmap-clear" if found is not None else "block-dirty-bitmap-add"
-                )
-                data: dict[str, Any] = {"node": name, "name": bitmap}
-                if found is None:
-                    data["persistent"] = True
-                actions.append({"type": action, "data": data})
-                backup["sync"] = "full"
-            else:
-                backup.update(sync="incremental", bitmap=bitmap)
-            actions.append({"type": "blockdev-backup", "data": backup})
-            run.jobs.append(job)
-        run_jobs = list(run.jobs)
-        # QEMU's own timestamps of the jobs' state changes time the copy: our polling and the
-        # thaw's round trip to the guest would blur it.
-        listen = getattr(machine.monitor, "listen", None)
-        listener = listen(("JOB_STATUS_CHANGE",)) if listen is not None else None
+            await _qemu_img(["create", "-q", *options, str(files[i]), str(disk.size)])
+        await engine.prepare(plan)
         copy_started = time.monotonic()
-        consistency = await _freeze(run)
+        consistency = await _freeze(guest)
         try:
-            await machine.monitor.execute("transaction", {"actions": actions})
-        except Exception:
-            run.jobs.clear()  # the transaction is all or nothing: no job started
-            raise
+            await engine.begin(plan)
         finally:
-            await _thaw(run)  # the jobs' copy-before-write holds the point in time now
-        if kind == "full":
-            run.new_bitmaps = [(name, bitmap) for name in names]
+            await _thaw(guest)  # the copy's copy-before-write holds the point in time now
         progress("backup jobs started, guest running")
-        await _wait_jobs(run)
-        copy_seconds = time.monotonic() - copy_started
-        if listener is not None:
-            copy_seconds = _job_seconds(listener.clear(), names=set(run_jobs)) or copy_seconds
-            machine.monitor.forget(listener)
+        await _wait(engine, progress)
+        copy_seconds = await engine.finish(plan) or time.monotonic() - copy_started
     except BaseException as e:  # cancelled too (the backup pod deleted): clean up, then go
-        if listener is not None:
-            machine.monitor.forget(listener)
         try:
-            await _clean_up(run, backup_dir)
+            await engine.abort(plan)
+            shutil.rmtree(backup_dir, ignore_errors=True)
         finally:
-            await _thaw(run)
+            await _thaw(guest)
         if isinstance(e, Exception) and not isinstance(e, BackupError):
             raise BackupError("BackupFailed", f"{type(e).__name__}: {e}") from None
         raise
-    await _drop_targets(run)
     size = sum(f.stat().st_size for f in files)
     for f in files:
         _fsync(f)
@@ -494,47 +498,14 @@ async def run_backup(
     return BackupResult(kind, size, duration, str(backup_dir), consistency, copy_seconds)
 
 
-def _bitmap(devices: Mapping[str, Any], device: str, name: str) -> dict[str, Any] | None:
-    """The device's dirty bitmap `name`, as `query-block` lists it."""
-    found = devices[device]["inserted"].get("dirty-bitmaps", [])
-    return next((m for m in found if m.get("name") == name), None)
-
-
-def _usable(bitmap: dict[str, Any] | None) -> bool:
-    """Counts writes since the last backup: persistent, and not dropped as inconsistent."""
-    return bitmap is not None and bool(bitmap.get("persistent")) and not bitmap.get("inconsistent")
-
-
-def _job_seconds(events: Sequence[Mapping[str, Any]], names: set[str]) -> float | None:
-    """From the first job running to the last one done, by QEMU's event timestamps."""
-    starts, ends = [], []
-    for event in events:
-        data, stamp = event.get("data") or {}, event.get("timestamp") or {}
-        if data.get("id") not in names or "seconds" not in stamp:
-            continue
-        moment = int(stamp["seconds"]) + int(stamp.get("microseconds", 0)) / 1e6
-        if data.get("status") == "running":
-            starts.append(moment)
-        elif data.get("status") in ("waiting", "pending", "concluded"):
-            ends.append(moment)
-    if not starts or not ends:
-        return None
-    return max(max(ends) - min(starts), 0.0)
-
-
 async def _check_space(
-    chain_dir: Path,
-    source: BackupSource,
-    devices: Mapping[str, Any],
-    names: Sequence[str],
-    bitmap: str,
-    kind: str,
+    chain_dir: Path, source: BackupSource, disks: Sequence[DiskState], kind: str
 ) -> None:
     """Refuse a target without room for the copy, before anything starts: a target that fills
-    up mid-copy fails the jobs' copy-before-write, i.e. the guest's own writes (and the drives'
+    up mid-copy fails the copy-before-write, i.e. the guest's own writes (and the drives'
     default `werror=enospc` pauses the VM)."""
-    needed = len(names) * _SPACE_MARGIN
-    for i, name in enumerate(names):
+    needed = len(disks) * _SPACE_MARGIN
+    for i, disk in enumerate(disks):
         if kind == "full":
             try:
                 out = await _qemu_img(
@@ -542,9 +513,9 @@ async def _check_space(
                 )
                 needed += int(json.loads(out)["required"])
             except (DiskError, ValueError, KeyError) as e:
-                raise BackupError("BackupFailed", f"cannot measure disk {name}: {e}") from None
+                raise BackupError("BackupFailed", f"cannot measure disk{i}: {e}") from None
         else:
-            needed += int((_bitmap(devices, name, bitmap) or {}).get("count", 0))
+            needed += disk.dirty
     free = shutil.disk_usage(chain_dir).free
     if free < needed:
         raise BackupError(
@@ -553,95 +524,22 @@ async def _check_space(
         )
 
 
-async def _wait_jobs(run: _Run) -> None:
+async def _wait(engine: DiskBackup, progress: Callable[[str], None]) -> None:
+    """Until the copy is done, its progress in the log every 10 %; BackupError when it failed."""
     shown = -1
     pause = Backoff(initial=0.01, cap=_POLL, jitter=0.0)  # a small incremental takes milliseconds
     while True:
-        jobs = {
-            str(j["id"]): j
-            for j in await run.machine.monitor.execute("query-jobs")
-            if j["id"] in run.jobs
-        }
-        done = sum(int(j.get("current-progress", 0)) for j in jobs.values())
-        total = sum(int(j.get("total-progress", 0)) for j in jobs.values()) or 1
-        percent = done * 100 // total
+        state = await engine.progress()
+        total = state.total or 1
+        percent = state.done * 100 // total
         if percent // 10 > shown // 10:
             shown = percent
-            run.progress(f"copied {percent}% ({done} of {total} bytes)")
-        if len(jobs) < len(run.jobs):
-            raise BackupError("BackupFailed", "a backup job vanished (the VM stopped?)")
-        errors = [f"{j['id']}: {j['error']}" for j in jobs.values() if j.get("error")]
-        if all(j["status"] == "concluded" for j in jobs.values()):
-            for job in list(run.jobs):
-                with contextlib.suppress(Exception):
-                    await run.machine.monitor.execute("job-dismiss", {"id": job})
-                run.jobs.remove(job)
-            if errors:
-                raise BackupError("BackupFailed", "; ".join(errors))
+            progress(f"copied {percent}% ({state.done} of {total} bytes)")
+        if state.finished:
+            if state.error:
+                raise BackupError("BackupFailed", state.error)
             return
         await pause.wait()
-
-
-async def _drop_targets(run: _Run) -> None:
-    for node in list(run.targets):
-        with contextlib.suppress(Exception):
-            await run.machine.monitor.execute("blockdev-del", {"node-name": node})
-        run.targets.remove(node)
-    for fdset in list(run.fdsets):
-        with contextlib.suppress(Exception):
-            await run.machine.monitor.execute("remove-fd", {"fdset-id": fdset})
-        run.fdsets.remove(fdset)
-
-
-async def _clear_leftovers(run: _Run) -> None:
-    """Jobs and target nodes an earlier backup left in this QEMU (its agent was killed midway):
-    they would hold the names this backup is about to use, and the target files open."""
-    monitor = run.machine.monitor
-    run.jobs = [str(j["id"]) for j in await monitor.execute("query-jobs") if _ours(j.get("id"))]
-    run.targets = [
-        str(n["node-name"])
-        for n in await monitor.execute("query-named-block-nodes", {"flat": True})
-        if _ours(n.get("node-name"))
-    ]
-    if run.jobs or run.targets:
-        run.progress(f"removing what an interrupted backup left: {run.jobs + run.targets}")
-        await _cancel_jobs(run)
-        await _drop_targets(run)
-
-
-def _ours(name: object) -> bool:
-    return isinstance(name, str) and name.startswith("vkb-")
-
-
-async def _clean_up(run: _Run, backup_dir: Path) -> None:
-    """After a failure: no job left running, no target left open, no partial files."""
-    await _cancel_jobs(run)
-    for node, name in run.new_bitmaps:
-        with contextlib.suppress(Exception):
-            await run.machine.monitor.execute(
-                "block-dirty-bitmap-remove", {"node": node, "name": name}
-            )
-    await _drop_targets(run)
-    shutil.rmtree(backup_dir, ignore_errors=True)
-
-
-async def _cancel_jobs(run: _Run) -> None:
-    for job in list(run.jobs):
-        with contextlib.suppress(Exception):
-            await run.machine.monitor.execute("job-cancel", {"id": job, "force": True})
-    for _ in range(50):
-        try:
-            live = {j["id"] for j in await run.machine.monitor.execute("query-jobs")}
-        except Exception:
-            break
-        pending = [j for j in run.jobs if j in live]
-        for job in pending:
-            with contextlib.suppress(Exception):
-                await run.machine.monitor.execute("job-dismiss", {"id": job})
-        if not pending:
-            break
-        await asyncio.sleep(_POLL)
-    run.jobs.clear()
 
 
 # -- restore -------------------------------------------------------------------------------

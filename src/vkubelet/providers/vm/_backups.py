@@ -16,6 +16,7 @@ from lightkube.resources.core_v1 import Pod
 
 from ...sdk import Terminated
 from ...sdk.provider import EventSink, EventType
+from ._backend import MachineHandle
 from ._backup import (
     BACKUP_MODE,
     BACKUP_OF,
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # A VM pod's running machine and identity (None: no such pod on this node; a None machine: its
 # VM is not up).
-FindVM = Callable[[str, str], "tuple[Backupable | None, BackupSource] | None"]
+FindVM = Callable[[str, str], "tuple[MachineHandle | None, BackupSource] | None"]
 
 
 class BackupPods:
@@ -99,6 +100,11 @@ class BackupPods:
                 if machine is None or source is None:
                     raise BackupError(
                         "VMNotRunning", f"the VM of pod {namespace}/{vm_pod} is not running"
+                    )
+                if not isinstance(machine, Backupable):  # each runtime's own way, or none
+                    raise BackupError(
+                        "BackupFailed",
+                        f"the {machine.runtime} runtime cannot back up a running VM",
                     )
                 result = await run_backup(
                     machine,

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import msgspec
 
 from ...sdk.tasks import SharedWatch
+from ._backupqmp import QmpDiskBackup
 from ._hotplug import QmpHotplug
 from ._net import TAP_NAME, GuestNetwork
 from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable
@@ -265,6 +266,10 @@ class Machine:
         Waiters share one watcher (`SharedWatch`): QEMU runs on for the next agent when the
         last of them is cancelled."""
         return await self._watcher.wait()
+
+    def disk_backup(self) -> QmpDiskBackup:
+        """Backups through QMP's block jobs and dirty bitmaps (`_backupqmp`)."""
+        return QmpDiskBackup(self.monitor, self.agent)
 
     async def wait_guest_agent(self, timeout: float) -> None:  # noqa: ASYNC109
         """Until the guest agent answers; GuestAgentUnavailable on timeout or when QEMU is gone."""

@@ -25,6 +25,7 @@ from vkubelet.providers.vm._backup import (
     restore_if_asked,
     run_backup,
 )
+from vkubelet.providers.vm._backupqmp import QmpDiskBackup
 
 pytestmark = pytest.mark.skipif(shutil.which("qemu-img") is None, reason="needs qemu-img")
 
@@ -132,6 +133,9 @@ class FakeMachine:
     def __init__(self, monitor: FakeMonitor, agent: FakeAgent) -> None:
         self.monitor, self.agent = monitor, agent
         agent.log = monitor.commands  # one sequence of what QEMU and the guest were asked
+
+    def disk_backup(self) -> QmpDiskBackup:
+        return QmpDiskBackup(self.monitor, self.agent)  # type: ignore[arg-type]
 
 
 def _source(where: Path, disks: int = 2) -> BackupSource:
@@ -349,7 +353,7 @@ def test_jobs_and_targets_an_interrupted_backup_left_in_qemu_are_removed_first(
 
 
 def test_the_copy_is_timed_by_qemu_s_job_events() -> None:
-    from vkubelet.providers.vm._backup import _job_seconds
+    from vkubelet.providers.vm._backupqmp import _job_seconds
 
     def event(job: str, status: str, at: float) -> dict[str, Any]:
         stamp = {"seconds": int(at), "microseconds": round((at % 1) * 1e6)}
