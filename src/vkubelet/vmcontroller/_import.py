@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..kube import ApiError, KubeClient
+from ..kube import NODES, ApiError, KubeClient
 from ._base import API_VERSION, condition_of
 from ._resources import VirtualMachine
 
@@ -102,10 +102,19 @@ def _verdict(vm: dict[str, Any]) -> ImportResult | None:
 async def import_vm(
     client: KubeClient, manifest: dict[str, Any], *, wait_seconds: float | None
 ) -> ImportResult:
-    """Create the VirtualMachine (an existing one of that name is an error, nothing changed);
-    with `wait_seconds`, until it runs or its node refuses the import, which deletes it again."""
+    """Create the VirtualMachine (a node that does not exist or a VirtualMachine of that name
+    is an error, nothing created); with `wait_seconds`, until it runs or its node refuses the
+    import, which deletes it again."""
     meta = manifest["metadata"]
     namespace, name = str(meta["namespace"]), str(meta["name"])
+    node = manifest["spec"]["template"]["spec"]["nodeSelector"]["kubernetes.io/hostname"]
+    try:
+        await client.get(NODES.path(name=node))
+    except ApiError as e:
+        if e.status == 404:
+            raise ValueError(f"--node: there is no node {node!r}") from None
+        if e.status != 403:  # (whoever may not read nodes imports unchecked)
+            raise
     try:
         await client.create(VirtualMachine.path(namespace), manifest)
     except ApiError as e:

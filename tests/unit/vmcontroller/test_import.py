@@ -31,6 +31,10 @@ class FakeClient:
         return dict(body)
 
     async def get(self, path: str, params: Any = None) -> dict[str, Any]:
+        if path.startswith("/api/v1/nodes/"):
+            if path != "/api/v1/nodes/hv-1":
+                raise ApiError(404, "NotFound", f"nodes {path.rsplit('/', 1)[1]!r} not found")
+            return {"metadata": {"name": "hv-1"}}
         status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
         return {**self.created[-1], "status": status}
 
@@ -82,7 +86,7 @@ async def test_a_refused_import_deletes_the_virtual_machine_it_created() -> None
     assert client.deleted == ["/apis/vkubelet.io/v1alpha1/namespaces/ns/virtualmachines/d"]
 
 
-async def test_a_running_import_is_kept_and_a_name_taken_is_an_error() -> None:
+async def test_a_running_import_is_kept_and_a_name_taken_or_an_unknown_node_is_an_error() -> None:
     running = {"phase": "Running", "podName": "d-x", "nodeName": "hv-1"}
     client = FakeClient(running)
     manifest = import_manifest("d", "hv-1", name="d", namespace="ns")
@@ -90,3 +94,8 @@ async def test_a_running_import_is_kept_and_a_name_taken_is_an_error() -> None:
     assert result.running and "d-x" in result.message and client.deleted == []
     with pytest.raises(ValueError, match="exists already"):
         await import_vm(FakeClient(running, exists=True), manifest, wait_seconds=30)  # type: ignore[arg-type]
+    elsewhere = import_manifest("d", "hv-9", name="d", namespace="ns")
+    absent = FakeClient(running)
+    with pytest.raises(ValueError, match="no node 'hv-9'"):
+        await import_vm(absent, elsewhere, wait_seconds=30)  # type: ignore[arg-type]
+    assert absent.created == []
