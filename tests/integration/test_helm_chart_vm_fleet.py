@@ -10,8 +10,10 @@ One VM boots for the module: on the first host, its disks and seed volumes of th
 storage pool (the daemon never sees the agent's pod's files), whose base image an earlier
 agent left half uploaded (the upload starts again); `kubectl logs` has its boot and
 `kubectl exec` runs in it; `virsh list` shows it on that host only and the other host's node
-stays Ready with no domain. Then the second host becomes unreachable (its link down): only its
-node goes NotReady, with libvirt's message, and the VM on the first host still answers.
+stays Ready with no domain. The agent's pod is replaced (its state volume starts empty): the
+new agent takes the running domain as it is (same domain id, the guest's uptime continues).
+Then the second host becomes unreachable (its link down): only its node goes NotReady, with
+libvirt's message, and the VM on the first host still answers.
 """
 
 from __future__ import annotations
@@ -94,6 +96,15 @@ def _leave_a_half_upload(host: LibvirtHost, image: Path) -> None:
     host.virsh("pool-start", "vkubelet")
     for name in (f"vkubelet-base-{digest}", f"vkubelet-base-{digest}.uploading"):
         host.virsh("vol-create-as", "vkubelet", name, "1M")
+
+
+def _agent_pods(kubectl: Kubectl, *, running: bool = False) -> list[str]:
+    pods = kubectl.json("-n", NAMESPACE, "get", "pods", "-l", "app.kubernetes.io/instance=vkvm")
+    return [
+        p["metadata"]["name"]
+        for p in pods["items"]
+        if not running or p["status"].get("phase") == "Running"
+    ]
 
 
 def _ready_message(kubectl: Kubectl, node: str) -> tuple[str, str]:
@@ -230,6 +241,26 @@ def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_and_a_vm_runs
     assert first.running() == [domain]
     assert second.running() == []
     assert node_ready(k, other)
+
+    # The agent's pod replaced (a rollout, an eviction): its state volume starts empty, and
+    # the new agent takes the running domain as it is (same domain id: no reboot) and serves it.
+    before_id = first.virsh("domid", domain).stdout.strip()
+    uptime = float(k("exec", *name, "--", "cat", "/proc/uptime").stdout.split()[0])
+    (old,) = _agent_pods(k)
+    k("-n", NAMESPACE, "delete", "pod", old, "--wait=false")
+    wait_for(
+        lambda: [p for p in _agent_pods(k, running=True) if p != old],
+        timeout=120,
+        what="a new agent pod",
+    )
+    wait_for(
+        lambda: k("exec", *name, "--", "echo", "again", check=False).stdout.strip() == "again",
+        timeout=120,
+        what="kubectl exec through the new agent",
+    )
+    assert first.virsh("domid", domain).stdout.strip() == before_id
+    assert float(k("exec", *name, "--", "cat", "/proc/uptime").stdout.split()[0]) > uptime
+    assert first.running() == [domain]
 
     # The second host unreachable: its node alone goes NotReady, with libvirt's message.
     peer = subprocess.run(
