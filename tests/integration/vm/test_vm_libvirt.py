@@ -6,19 +6,20 @@ One VM is booted for the module (TCG boots are the expensive part) and the test 
 on it, in order: Running, the boot in `kubectl logs`, `kubectl exec`, `kubectl attach` on the
 serial console, the domain in `virsh list` on that host named after the pod and labelled with its
 UID, live resize through libvirt (1 -> 2 vCPUs and +512 MiB: the guest's `nproc` and MemTotal in
-the same boot, the status, `virsh vcpucount` and `dominfo`; less memory deferred; the root disk
-grown), an agent killed with SIGKILL and restarted adopts the same domain (same id, same QEMU, the
-resized size), the host's libvirtd restarted under it (the agent reconnects: exec, and the
-console's new lines in the log), a PVC disk (found by its serial, written and synced), backups
-through libvirt's backup API (a full and an incremental one, restored to a second VM that reads
-what the guest wrote before each), hibernation (libvirt's managed save: the domain shut off with
-its image, its name and metadata kept, through an agent restart) and the resume by the machine's
-next pod (what the guest kept in RAM is there, its uptime continued, the plugged vCPU and DIMM too,
-the claim's data read back from its disk with the page cache dropped, its interface carrying the
-new pod's address: the hypervisor pings it), an agent stopped with SIGTERM while the domain runs
-exits cleanly and leaves it running for the next one, and deleting that pod removes the domain. The
-refusals cost no boot: a domain of a pod's name that vkubelet does not own fails that pod and is
-left alone; a URI whose credentials are refused makes a node NotReady with libvirt's message.
+the same boot, the status, `virsh vcpucount` and `dominfo`; less memory deferred; a DIMM libvirt
+refuses is ResizeFailed with its words; the root disk grown), an agent killed with SIGKILL and
+restarted adopts the same domain (same id, same QEMU, the resized size), the host's libvirtd
+restarted under it (the agent reconnects: exec, and the console's new lines in the log), a PVC disk
+(found by its serial, written and synced), backups through libvirt's backup API (a full and an
+incremental one, restored to a second VM that reads what the guest wrote before each), hibernation
+(libvirt's managed save: the domain shut off with its image, its name and metadata kept, through an
+agent restart) and the resume by the machine's next pod (what the guest kept in RAM is there, its
+uptime continued, the plugged vCPU and DIMM too, the claim's data read back from its disk with the
+page cache dropped, its interface carrying the new pod's address: the hypervisor pings it), an
+agent stopped with SIGTERM while the domain runs exits cleanly and leaves it running for the next
+one, and deleting that pod removes the domain. The refusals cost no boot: a domain of a pod's name
+that vkubelet does not own fails that pod and is left alone; a URI whose credentials are refused
+makes a node NotReady with libvirt's message.
 
 A domain defined with `virsh define` (the test guest, no seed) is imported with `vkubelet vm
 import` and boots twice (import, then replicas 0 -> 1); the refused imports run beside it.
@@ -240,7 +241,7 @@ def test_a_vm_pod_is_a_domain_on_the_remote_host_adopted_after_a_crash_and_gone_
     domain_id, qemu = host.virsh("domid", domain).stdout.strip(), libvirt_node.domain_pid(domain)
 
     # live resize through libvirt (setVcpusFlags, a DIMM attached): 1 -> 2 vCPUs, +512 MiB
-    grown = _resize_live(kubectl, host, namespace, pod, domain)
+    grown = _resize_live(kubectl, host, namespace, pod, domain, libvirt_node.workdir)
 
     # an agent killed and started again adopts the same domain: same id, same QEMU
     libvirt_node.agent.stop(signal.SIGKILL)
@@ -402,11 +403,14 @@ def _pending(kubectl: Kubectl, namespace: str, pod: str) -> dict[str, Any] | Non
     return None
 
 
-def _resize_live(kubectl: Kubectl, host: LibvirtHost, namespace: str, pod: str, domain: str) -> int:
+def _resize_live(
+    kubectl: Kubectl, host: LibvirtHost, namespace: str, pod: str, domain: str, workdir: Path
+) -> int:
     """1 -> 2 vCPUs and 256 -> 768 MiB on the running domain: the guest sees them in the same
     boot, the status reports them, libvirt's own view (live and the definition) agrees; less
-    memory is then deferred to the next power cycle, as with QEMU; the root disk grows to 2 GiB.
-    The guest's MemTotal after."""
+    memory is then deferred to the next power cycle, as with QEMU; a DIMM libvirt refuses is a
+    ResizeFailed, the domain running on; the root disk grows to 2 GiB. The guest's MemTotal
+    after."""
     assert _sh(kubectl, namespace, pod, "nproc") == "1"
     memory_before = _mem_total_kib(kubectl, namespace, pod)
     boot_id = _sh(kubectl, namespace, pod, "cat /proc/sys/kernel/random/boot_id")
@@ -446,6 +450,32 @@ def _resize_live(kubectl: Kubectl, host: LibvirtHost, namespace: str, pod: str, 
     resize("2", "768Mi")  # back to what runs: nothing pending any more
     wait_for(lambda: _pending(kubectl, namespace, pod) is None, timeout=60, what="not pending")
     assert _mem_total_kib(kubectl, namespace, pod) == memory
+
+    # a DIMM libvirt refuses (the free slots taken behind vkubelet's back): ResizeFailed with
+    # libvirt's words, the domain running on at the size it had; asked back, nothing is wrong
+    by_hand = workdir / "dimm.xml"
+    by_hand.write_text("<memory model='dimm'><target><size unit='MiB'>128</size>"
+                       "<node>0</node></target></memory>")  # fmt: skip
+    for _ in range(3):  # 1 plugged by vkubelet + 3 by hand = the 4 slots
+        host.virsh("attach-device", domain, str(by_hand), "--live")
+    resize("2", "896Mi")
+
+    def refused() -> dict[str, Any] | None:
+        for c in _get(kubectl, namespace, pod)["status"].get("conditions", []):
+            if c["type"] == "PodResizeInProgress" and c.get("reason") == "Error":
+                return dict(c) if c["status"] == "True" else None
+        return None
+
+    failed = wait_for(refused, timeout=60, what="PodResizeInProgress Error")
+    assert "live resize failed: libvirt qemu+ssh://" in failed["message"], failed
+    events = kubectl.json(
+        "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={pod}"
+    )["items"]
+    assert any(e["reason"] == "ResizeFailed" and e["type"] == "Warning" for e in events)
+    assert _limits(kubectl, namespace, pod) == {"cpu": "2", "memory": "768Mi"}
+    assert _mem_total_kib(kubectl, namespace, pod) == memory  # (running on, as it was)
+    resize("2", "768Mi")
+    wait_for(lambda: refused() is None, timeout=60, what="no resize error")
 
     # a bigger root disk (virDomainBlockResize): the guest sees it at once
     assert int(_sh(kubectl, namespace, pod, "cat /sys/block/vda/size")) < 2 * 2**30 // 512

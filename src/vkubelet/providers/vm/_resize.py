@@ -350,8 +350,8 @@ async def resize(
             if decision.pending is None:
                 state.applied = resources(vm.pod)
             _set_pending(vm, decision.pending)
-    else:
-        state.applied = resources(vm.pod)
+    else:  # the pod asks for what runs: a failed step before is over too
+        state.applied, state.error = resources(vm.pod), None
         _set_pending(vm, None)
     await _grow_root(host, vm, machine, _root_size_wanted(vm.pod, plan))
     host.publish(vm)

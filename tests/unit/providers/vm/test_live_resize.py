@@ -146,6 +146,11 @@ async def test_a_plug_the_runtime_refuses_fails_the_resize_with_its_words_and_th
     launch = provider.vms["ns/vm"].launch
     assert launch is not None and launch.hotplug == {"cpus": [{"id": "vcpu1"}], "dimms": []}
     assert not machine.exit.done() and not machine.stops
+    # asked for what runs (the vCPU was plugged): nothing to do, and nothing is wrong any more
+    await provider.update_pod(_sized("2", "256Mi"))
+    pod = await provider.get_pod("ns", "vm")
+    assert _conditions(pod)["PodResizeInProgress"] == ("False", None, None)
+    assert await _limits(provider) == {"cpu": "2", "memory": "256Mi"}
 
 
 async def test_a_machine_whose_runtime_cannot_plug_fails_the_resize_naming_the_runtime(
