@@ -373,14 +373,17 @@ class _Console:
             self._server = None
 
 
-async def undefine(connection: Connection, domain: Any, flags: int = 0) -> None:
-    """Remove a domain's definition with its backups' checkpoints (libvirt refuses to undefine
-    a domain that has any, `_backuplibvirt`); a driver that knows no checkpoints (libvirt's
-    test driver) refuses that flag, and is asked without it."""
+async def undefine(
+    connection: Connection, domain: Any, flags: int = 0, *, optional: int | None = None
+) -> None:
+    """Remove a domain's definition with what libvirt refuses to undefine a domain with unless
+    told: `optional`, by default its backups' checkpoints (`_backuplibvirt`). A driver that knows
+    no such thing (libvirt's test driver) refuses those flags, and is asked without them."""
     libvirt = _libvirt()
+    if optional is None:
+        optional = libvirt.VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA
     try:
-        with_checkpoints = flags | libvirt.VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA
-        await connection.run(domain.undefineFlags, with_checkpoints)
+        await connection.run(domain.undefineFlags, flags | optional)
     except libvirt.libvirtError as e:
         if _code(e) != libvirt.VIR_ERR_INVALID_ARG:
             raise
@@ -1005,12 +1008,7 @@ class LibvirtRuntime(QemuRuntime):
                     libvirt.VIR_DOMAIN_UNDEFINE_CHECKPOINTS_METADATA
                     | libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
                 )
-                try:
-                    await self.connection.run(domain.undefineFlags, flags | more)
-                except libvirt.libvirtError as e:  # a driver without them (libvirt's test://)
-                    if _code(e) != libvirt.VIR_ERR_INVALID_ARG:
-                        raise
-                    await self.connection.run(domain.undefineFlags, flags)
+                await undefine(self.connection, domain, flags, optional=more)
                 log.info("imported domain %s undefined (deletion policy Delete)", uuid)
                 return
             flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG
