@@ -908,8 +908,13 @@ class VMProvider(RunnerProvider):
             self.migrations.update(vm, self.runners.get(key), annotations)
         if vm is None or vm.uid != pod.uid or vm.launch is None:
             return  # not made yet: the seed is written with the newest files anyway
-        if vm.launch.domain is not None:
-            return  # an imported domain: no seed, and nothing is written into its guest
+        if vm.launch.domain is not None:  # no seed, nothing written into its guest
+            why = (
+                f"an imported domain keeps the size it is defined with ({vm.launch.domain.name}"
+                " on the node's libvirt host): change it there (virsh setvcpus, setmem)"
+            )
+            _resize.refuse(self, vm, pod.pod, why)
+            return
         try:
             plan = self._plan(pod)
         except SpecError as e:

@@ -296,6 +296,20 @@ def _root_size_wanted(pod: Pod, plan: MachinePlan | None) -> int | None:
     return plan.root_size if plan is not None else None
 
 
+def refuse(host: VMHost, vm: VM, pod: Pod, why: str) -> None:
+    """A machine whose size is not vkubelet's to change (an imported domain): a pod asking for
+    another size than it runs with is an `Infeasible` resize saying why, cleared when it asks
+    for the running size again; the status keeps reporting what runs."""
+    if vm.power.resize is None:
+        vm.power.resize = ResizeState(applied=resources(vm.pod))
+    state = vm.power.resize
+    vm.pod = pod
+    pending = None if resources(pod) == state.applied else ("Infeasible", why)
+    if pending != state.pending:
+        _set_pending(vm, pending)
+        host.publish(vm)
+
+
 async def resize(
     host: VMHost, vm: VM, resolved: ResolvedPod, plan: MachinePlan | None, refused: str | None
 ) -> bool:

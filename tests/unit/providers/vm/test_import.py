@@ -192,3 +192,37 @@ def test_an_imported_domain_s_launch_is_kept_for_an_agent_restart() -> None:
     launch = Launch(name="ns/db-x1", domain=DomainImport("site-db", "vm-uid", "ns/db", "Delete"))
     assert Launch.from_json(json.loads(json.dumps(launch.to_json()))) == launch
     assert "domain" not in Launch(name="ns/plain").to_json()  # what older agents wrote: no key
+
+
+async def test_a_resize_of_an_imported_domain_is_infeasible_saying_where_to_change_it(
+    provider: VMProvider, runtime: FakeRuntime
+) -> None:
+    runtime.imports["site-db"] = UUID
+    limits = {"cpu": "1", "memory": "512Mi"}
+    container = {"name": "vm", "image": "vm.vkubelet.io/imported", "resources": {"limits": limits}}
+    sized: dict[str, Any] = {"containers": [container]}
+    await provider.create_pod(ResolvedPod(imported_pod(None, **sized)))
+
+    async def running() -> bool:
+        _, status = await state(provider, "db-x1")
+        return bool(status and status.state.running)
+
+    await eventually(running)
+
+    async def pending() -> Any:
+        pod = await provider.get_pod("ns", "db-x1")
+        assert pod is not None and pod.status is not None
+        found = [c for c in pod.status.conditions or [] if c.type == "PodResizePending"]
+        return found[0] if found else None
+
+    bigger = imported_pod(None, **sized)
+    bigger.spec.containers[0].resources.limits["memory"] = "1Gi"  # type: ignore[index,union-attr]
+    await provider.update_pod(ResolvedPod(bigger))
+    condition = await pending()
+    assert condition is not None and condition.status == "True"
+    assert condition.reason == "Infeasible" and "virsh setvcpus" in condition.message
+    _, status = await state(provider, "db-x1")
+    assert status.resources.limits["memory"] == "512Mi"  # what runs
+    await provider.update_pod(ResolvedPod(imported_pod(None, **sized)))  # asks for what runs again
+    condition = await pending()
+    assert condition is not None and condition.status == "False"
