@@ -1,7 +1,7 @@
 """Benchmark: the VirtualMachine resource (power, migration, backup), driven as a user would.
 
     .venv/bin/python bench/vm_resource.py [--cluster NAME] [--power-rounds 3]
-        [--migration-rounds 3] [--backup-rounds 2] [--switchover-rounds 4]
+        [--migration-rounds 3] [--backup-rounds 2] [--switchover-rounds 4] [--runtime-rounds 3]
 
 Two vm nodes on this machine (`vkubelet run --provider vm`, each its own state directory, pod
 CIDR and address, as tests/integration/vm/twonodes.py), the CRDs installed with `vkubelet vm
@@ -23,7 +23,15 @@ measures:
   former tuning (`stream_buffer=0`: the kernel sizes the stream's socket buffers) and the current
   one, taking turns on one guest that hops from QEMU to QEMU;
 - backups of a VM with 160 MiB on its data disk: full vs incremental (16 MiB rewritten between
-  two backups), size, the block jobs' copy time and the whole backup's duration, MB/s of each.
+  two backups), size, the block jobs' copy time and the whole backup's duration, MB/s of each;
+- the QEMU runtime beside the libvirt runtime (`--runtime-rounds`, 0 to skip; needs the
+  libvirt lab's packages, `vkubelet.testing.virtlab`): two more vm nodes with `runtime:
+  libvirt`, each driving a libvirt host of a two-host lab over qemu+ssh, and in turns on each
+  pair of nodes one 256 MiB VM created -> its pod Ready (the guest agent answers) and its
+  live migration to the pair's other node (VirtualMachineMigration), with the downtime the
+  runtime reports (QEMU's, or libvirt's job-completed figure). Each section runs only with
+  rounds > 0, so `--power-rounds 0 --migration-rounds 0 --backup-rounds 0
+  --switchover-rounds 0` runs this one alone.
 
 It is a benchmark, not a test: it asserts nothing and only prints. It needs root and QEMU.
 """
@@ -64,7 +72,7 @@ from vkubelet.devcluster import Cluster
 from vkubelet.providers.vm._machine import Disk, Machine, MachineSpec
 from vkubelet.providers.vm._migrate import STREAM_BUFFER, IncomingMigration, migrate_out
 from vkubelet.providers.vm._net import PodNetwork
-from vkubelet.testing import AgentProcess, local_test_address, start_agent
+from vkubelet.testing import AgentProcess, local_test_address, start_agent, virtlab
 
 GROUP = "/apis/vkubelet.io/v1alpha1"
 NAME_LABEL = "vm.vkubelet.io/name"
@@ -94,7 +102,13 @@ def millis(values: list[float]) -> str:
 
 
 def vm_manifest(
-    name: str, memory: str, *, mode: str = "Shutdown", data: str | None = None, node: str = ""
+    name: str,
+    memory: str,
+    *,
+    mode: str = "Shutdown",
+    data: str | None = None,
+    node: str = "",
+    selector: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "tolerations": [TOLERATION],
@@ -109,6 +123,8 @@ def vm_manifest(
     }
     if data:
         spec["volumes"] = [{"name": "data", "emptyDir": {"sizeLimit": data}}]
+    if selector:  # the pair of nodes of one runtime (a migration stays within it)
+        spec["nodeSelector"] = selector
     if node:  # preferred, not required: a migration may not leave the template's selection
         term = {
             "matchExpressions": [
@@ -143,6 +159,7 @@ class PodWatch:
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     seen_at: dict[str, float] = field(default_factory=dict)
     ready_at: dict[str, float] = field(default_factory=dict)
+    deleted: set[str] = field(default_factory=set)
 
     async def run(self) -> None:
         await watch_pods(self.client, self.namespace, self._seen)
@@ -151,6 +168,8 @@ class PodWatch:
         name = pod["metadata"]["name"]
         self.pods[name] = pod
         self.seen_at.setdefault(name, now)
+        if kind == "DELETED":
+            self.deleted.add(name)
         conditions = pod.get("status", {}).get("conditions") or []
         if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
             self.ready_at.setdefault(name, now)
@@ -546,6 +565,77 @@ async def backups(lab: Lab, rounds: int, directory: Path) -> Backups:
     return result
 
 
+# -- the QEMU runtime beside the libvirt runtime ---------------------------------------------------
+RUNTIME_LABEL = "bench.vkubelet.io/runtime"
+
+
+@dataclass
+class RuntimeFigures:
+    boot: list[float] = field(default_factory=list)  # VM created -> its pod Ready, s
+    boot_provider: list[float] = field(default_factory=list)  # pod seen -> Ready, s
+    downtime: list[float] = field(default_factory=list)  # the runtime's figure, ms
+    whole: list[float] = field(default_factory=list)  # migration created -> Succeeded, s
+    wall: list[float] = field(default_factory=list)  # the source agent's, s
+    loads: list[str] = field(default_factory=list)
+
+
+async def runtimes(labs: dict[str, Lab], rounds: int) -> dict[str, RuntimeFigures]:
+    """In turns on each runtime's pair of nodes: one VM boots, migrates once, is deleted (and
+    gone before the next, so that one guest at a time runs)."""
+    results = {runtime: RuntimeFigures() for runtime in labs}
+    for number in range(rounds):
+        for runtime, lab in labs.items():
+            figures = results[runtime]
+            vm = f"rt-{runtime}-{number}"
+            figures.loads.append(load())
+            start = time.monotonic()
+            manifest = vm_manifest(
+                vm, "256Mi", node=lab.nodes[0], selector={RUNTIME_LABEL: runtime}
+            )
+            await lab.create("virtualmachines", manifest)
+            pod = await lab.ready_pod(vm, set())
+            figures.boot.append(lab.watch.ready_at[pod] - start)
+            figures.boot_provider.append(lab.watch.ready_at[pod] - lab.watch.seen_at[pod])
+            status = (await lab.get("virtualmachines", vm))["status"]
+            source_node, source_pod = status["nodeName"], status["podName"]
+            target = next(n for n in lab.nodes if n != source_node)
+            start = time.monotonic()
+            move = {
+                "apiVersion": "vkubelet.io/v1alpha1",
+                "kind": "VirtualMachineMigration",
+                "metadata": {"name": f"{vm}-move"},
+                "spec": {"vmName": vm, "targetNode": target},
+            }
+            await lab.create("virtualmachinemigrations", move)
+            await lab.status_until("virtualmachinemigrations", f"{vm}-move", ("Succeeded",))
+            figures.whole.append(time.monotonic() - start)
+            for condition in lab.watch.pods[source_pod]["status"].get("conditions") or []:
+                if condition["type"] == "vm.vkubelet.io/Migration" and condition.get("reason") == (
+                    "Completed"
+                ):
+                    outcome = json.loads(condition["message"])
+                    figures.downtime.append(float(outcome["downtimeMilliseconds"]))
+                    figures.wall.append(outcome["wallMilliseconds"] / 1000)
+            log(
+                f"runtime {runtime} round {number + 1}: Ready {figures.boot[-1]:.2f} s, "
+                f"downtime {figures.downtime[-1] if figures.downtime else -1:.0f} ms, "
+                f"migration {figures.whole[-1]:.1f} s, load {load()}"
+            )
+            await lab.client.delete(lab.path("virtualmachines", vm))
+            pods = set(lab.watch.of_vm(vm))
+            deleted = lab.watch.deleted
+            await wait(lambda: pods <= deleted, LIMIT, f"{vm}'s pods gone")  # noqa: B023
+    return results
+
+
+async def label_nodes(client: httpx.AsyncClient, nodes: list[str], runtime: str) -> None:
+    headers = {"Content-Type": "application/merge-patch+json"}
+    body = json.dumps({"metadata": {"labels": {RUNTIME_LABEL: runtime}}})
+    for node in nodes:
+        response = await client.patch(f"/api/v1/nodes/{node}", content=body, headers=headers)
+        response.raise_for_status()
+
+
 # -- the lab --------------------------------------------------------------------------------------
 
 
@@ -599,13 +689,15 @@ async def benchmark(args: argparse.Namespace, cluster: Cluster, work: Path) -> N
     client = http_client(cluster.kubeconfig, 8)
     ns = await new_namespace(client, "vmres")
     suffix = uuid.uuid4().hex[:4]
-    thirds = random.sample(range(1, 250), 2)
+    thirds = random.sample(range(1, 250), 4)
     agents: list[tuple[AgentProcess, Path, str, str]] = []
     controller: subprocess.Popen[bytes] | None = None
     switch: dict[int, dict[str, Switchover]] = {}
+    compared: dict[str, RuntimeFigures] = {}
     with contextlib.ExitStack() as stack:
         try:
-            for index, third in enumerate(thirds, start=1):
+
+            def start_node(index: int, third: int, **extra: Any) -> str:
                 workdir = work / f"n{index}"
                 workdir.mkdir()
                 (workdir / "backups").mkdir()
@@ -621,16 +713,21 @@ async def benchmark(args: argparse.Namespace, cluster: Cluster, work: Path) -> N
                             "guestAgentTimeoutSeconds": 300,
                             "backupDirectories": [str(workdir / "backups")],
                             "translations": [{"name": "tiny", "url": image.as_uri()}],
+                            **extra,
                         }
                     )
                 )
-                name = f"hv-{index}-{suffix}"
+                name = f"{'lv' if extra else 'hv'}-{index}-{suffix}"
                 address = stack.enter_context(local_test_address())
                 agent = start_agent(
                     cluster, workdir, provider="vm", config=config, name=name, address=address
                 )
                 agents.append((agent, workdir, cidr, name))
-            nodes = [name for _, _, _, name in agents]
+                return name
+
+            for index, third in enumerate(thirds[:2], start=1):
+                start_node(index, third)
+            nodes = [name for _, _, _, name in agents][:2]
             for node in nodes:
                 await wait_ready(client, node)
             controller = start_controller(work / "controller.log", kubeconfig, ns)
@@ -639,9 +736,38 @@ async def benchmark(args: argparse.Namespace, cluster: Cluster, work: Path) -> N
             kubectl = [str(BIN / "kubectl"), "--kubeconfig", kubeconfig]
             lab = Lab(client, ns, watch, kubectl, nodes)
             log(f"two vm nodes {nodes} Ready, load {load()}")
-            powered = await power(lab, args.power_rounds)
-            moved = await migrations(lab, args.migration_rounds)
-            copied = await backups(lab, args.backup_rounds, agents[0][1] / "backups")
+            powered = await power(lab, args.power_rounds) if args.power_rounds else None
+            moved = await migrations(lab, args.migration_rounds) if args.migration_rounds else {}
+            copied = (
+                await backups(lab, args.backup_rounds, agents[0][1] / "backups")
+                if args.backup_rounds
+                else None
+            )
+            if args.runtime_rounds:
+                # After the QEMU sections: their VMs prefer a node, and must find no other.
+                hosts = stack.enter_context(virtlab.libvirt_lab(2, work / "lab"))
+                libvirt_nodes = [
+                    start_node(
+                        index,
+                        third,
+                        runtime="libvirt",
+                        libvirt={
+                            "uri": f"{host.ssh_uri}&no_tty=1",
+                            "migrationURI": host.libssh_uri,
+                        },
+                    )
+                    for index, (host, third) in enumerate(zip(hosts, thirds[2:], strict=True), 3)
+                ]
+                for node in libvirt_nodes:
+                    await wait_ready(client, node)
+                await label_nodes(client, nodes, "qemu")
+                await label_nodes(client, libvirt_nodes, "libvirt")
+                log(f"two libvirt vm nodes {libvirt_nodes} Ready, load {load()}")
+                labs = {
+                    "qemu": lab,
+                    "libvirt": Lab(client, ns, watch, kubectl, libvirt_nodes),
+                }
+                compared = await runtimes(labs, args.runtime_rounds)
             watching.cancel()
             for size in (256, 1024) if args.switchover_rounds else ():
                 where = work / "switchover"
@@ -675,18 +801,32 @@ async def benchmark(args: argparse.Namespace, cluster: Cluster, work: Path) -> N
                 )
             await client.aclose()
 
-    report(powered, moved, switch, copied)
+    report(powered, moved, switch, copied, compared)
 
 
 def report(
-    powered: Power,
+    powered: Power | None,
     moved: dict[str, Moves],
     switch: dict[int, dict[str, Switchover]],
-    copied: Backups,
+    copied: Backups | None,
+    compared: dict[str, RuntimeFigures],
 ) -> None:
     print(f"# VirtualMachine resource benchmark, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
     print(f"# machine: {os.cpu_count()} CPUs, QEMU TCG, the small test guest, two vm nodes")
     print(f"# load average (1/5/15 min) at the end: {load()}")
+    if powered is not None:
+        report_power(powered)
+    if moved:
+        report_moves(moved)
+    if switch:
+        report_switchover(switch)
+    if copied is not None:
+        report_backups(copied)
+    if compared:
+        report_runtimes(compared)
+
+
+def report_power(powered: Power) -> None:
     print()
     print("power on -> pod Ready (guest agent answers), 256 MiB guest, median (min-max):")
     print_table(
@@ -710,6 +850,9 @@ def report(
     print(f"  load at each round's start: {', '.join(powered.loads)}")
     for message in powered.hibernated_messages[:1] + powered.resumed_events[:1]:
         print(f"  e.g. {message}")
+
+
+def report_moves(moved: dict[str, Moves]) -> None:
     print()
     print(
         "live migration (VirtualMachineMigration), 40 % of the guest's RAM filled, back and forth:"
@@ -747,10 +890,15 @@ def report(
         "  QEMU's figures from the source pod's Migration condition; migrations whose status "
         f"lacks them: {lacking} of {sum(len(m.whole) for m in moved.values())}"
     )
+
+
+def report_switchover(switch: dict[int, dict[str, Switchover]]) -> None:
     if switch:
         print()
         print("switchover, provider level (migrate_out between two QEMUs, idle guest), in turns:")
-        rows = [("", "QEMU downtime", "guest paused (stop -> run)", "RAM migration")]
+        rows: list[tuple[str, ...]] = [
+            ("", "QEMU downtime", "guest paused (stop -> run)", "RAM migration")
+        ]
         for size, results in switch.items():
             for tuning, found in results.items():
                 rows.append(
@@ -769,9 +917,14 @@ def report(
             "  former: the stream's socket buffers left to the kernel; current: "
             f"{STREAM_BUFFER // 1024} KiB each side (load {loads[0]} .. {loads[-1]})"
         )
+
+
+def report_backups(copied: Backups) -> None:
     print()
     print("backups, 160 MiB on the data disk (16 MiB rewritten before each incremental):")
-    rows = [("", "size", "copy (jobs)", "MB/s copy", "duration", "MB/s duration", "whole")]
+    rows: list[tuple[str, ...]] = [
+        ("", "size", "copy (jobs)", "MB/s copy", "duration", "MB/s duration", "whole")
+    ]
     for kind in ("full", "incremental"):
         found_rows = [r for r in copied.rows if r[0] == kind]
         if not found_rows:
@@ -792,6 +945,40 @@ def report(
     print(f"  load at each backup's start: {', '.join(copied.loads)}")
 
 
+def report_runtimes(compared: dict[str, RuntimeFigures]) -> None:
+    print()
+    print("QEMU runtime beside libvirt runtime (a pair of vm nodes each; libvirt: two lab hosts")
+    print("over qemu+ssh), 256 MiB guest, in turns, median (min-max):")
+    rows: list[tuple[str, ...]] = [
+        (
+            "",
+            "VM created -> pod Ready",
+            "pod seen -> Ready",
+            "downtime",
+            "migration created -> Succeeded",
+            "source agent's migration",
+        )
+    ]
+    for runtime, figures in compared.items():
+        rows.append(
+            (
+                runtime,
+                seconds(figures.boot),
+                seconds(figures.boot_provider),
+                millis(figures.downtime),
+                seconds(figures.whole),
+                seconds(figures.wall),
+            )
+        )
+    print_table(rows)
+    loads = [value for figures in compared.values() for value in figures.loads]
+    print(f"  load at each round's start: {', '.join(loads)}")
+    print(
+        "  downtime: QEMU's (query-migrate) or libvirt's (its job-completed event), as the"
+        " source pod's Migration condition reports it"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cluster", help="a running dev cluster (default: start one)")
@@ -799,6 +986,9 @@ def main() -> None:
     parser.add_argument("--migration-rounds", type=int, default=3)
     parser.add_argument("--backup-rounds", type=int, default=2)
     parser.add_argument("--switchover-rounds", type=int, default=4, help="0 to skip")
+    parser.add_argument(
+        "--runtime-rounds", type=int, default=3, help="QEMU beside libvirt (0 to skip)"
+    )
     args = parser.parse_args()
     run_vm_bench(lambda cluster, work: benchmark(args, cluster, work), args.cluster, "vmres")
 

@@ -7,6 +7,7 @@
     libvirt: {uri: "qemu:///system"}     # runtime libvirt: the daemon, local or remote
     # libvirt.pool: {name: vkubelet, path: /var/lib/libvirt/images/vkubelet}: the disks and
     # the seed as volumes of this directory pool of the daemon (`_pool`), not agent files
+    # libvirt: {migrationURI: ...}       # how other hosts' daemons reach this one (default: uri)
     reserved: {cpu: "1", memory: 1Gi}    # kept for the host; capacity = host minus this
     podCIDR: 10.213.0.0/24               # this node's VMs' addresses (no other route may cover it)
     network:                             # `_net`
@@ -128,6 +129,7 @@ class _Pool(Section):
 class _Libvirt(Section):
     uri: _Text = "qemu:///system"
     pool: _Pool | None = None
+    migration_uri: _Text | None = msgspec.field(default=None, name="migrationURI")
 
 
 class _File(Section):
@@ -203,6 +205,9 @@ class VMConfig:
     runtime: RuntimeKind = "qemu"
     libvirt_uri: str = "qemu:///system"
     libvirt_pool: LibvirtPool | None = None  # `_pool`: disks as volumes of the daemon's pool
+    # The URI other hosts' libvirt daemons reach this one's with, for a live migration to it
+    # (`_lvmigrate`); None: `libvirt_uri`.
+    libvirt_migration_uri: str | None = None
     reserved_millicpu: int = 0
     reserved_memory: int = 256 * _MIB  # bytes
     pod_cidr: str = "10.213.0.0/24"
@@ -307,6 +312,12 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
     pool = (raw.libvirt or _Libvirt()).pool
     if pool is not None and not pool.path.startswith("/"):
         raise fail("libvirt.pool.path", f"{pool.path!r} is not an absolute path (the daemon's)")
+    migration_uri = (raw.libvirt or _Libvirt()).migration_uri
+    if migration_uri is not None and "://" not in migration_uri:
+        raise fail(
+            "libvirt.migrationURI",
+            f"{migration_uri!r} is not a libvirt URI (qemu+ssh://host/system)",
+        )
     shared = []
     for index, cidr in enumerate(raw.shared_pod_cidrs):
         try:
@@ -328,6 +339,7 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         runtime=raw.runtime,
         libvirt_uri=libvirt_uri,
         libvirt_pool=LibvirtPool(pool.name, pool.path) if pool is not None else None,
+        libvirt_migration_uri=migration_uri,
         reserved_millicpu=reserved_cpu,
         reserved_memory=reserved_memory,
         pod_cidr=str(network),

@@ -32,7 +32,17 @@ from dataclasses import dataclass
 
 from ._backend import LaunchSpec
 
-__all__ = ["METADATA_URI", "Owner", "dimm", "domain_name", "domain_xml", "owner_of", "retarget"]
+__all__ = [
+    "METADATA_URI",
+    "Owner",
+    "dimm",
+    "disk_files",
+    "domain_name",
+    "domain_xml",
+    "owner_of",
+    "rehome",
+    "retarget",
+]
 
 #: The namespace of vkubelet's element in a domain's `<metadata>`.
 METADATA_URI = "https://vkubelet.io/xmlns/vm-domain/1"
@@ -222,21 +232,33 @@ def retarget(xml: str, spec: LaunchSpec, owner: Owner) -> str:
     same targets: the layout was checked to be the same), its metadata and title the new
     pod's; the rest (name, devices, layout) as saved. ValueError when a disk of `spec` has no
     target in the saved domain."""
+    return rehome(xml, disk_files(spec), owner)
+
+
+def disk_files(spec: LaunchSpec) -> dict[str, str]:
+    """Each disk's target (vda, ...) and its file, as `domain_xml` attaches them."""
+    return _targets(spec)
+
+
+def rehome(xml: str, files: dict[str, str], owner: Owner) -> str:
+    """A domain's XML for another pod's files: each disk's source the file `files` names for
+    its target (vda, ...), the metadata and title `owner`'s; the rest as given (a hibernated
+    domain's next pod, a migrated domain's target pod). ValueError when a target of `files`
+    is not a disk of the domain."""
     root = ET.fromstring(xml)  # noqa: S314 - from the libvirt daemon we drive
-    targets = _targets(spec)
     found = set()
     for disk in root.iterfind("./devices/disk"):
         target = disk.find("target")
         dev = target.get("dev") if target is not None else None
-        if dev not in targets:
+        if dev not in files:
             continue
         source = disk.find("source")
         if source is None:
             source = ET.SubElement(disk, "source")
-        source.set("file", targets[dev])
+        source.set("file", files[dev])
         found.add(dev)
-    if missing := sorted(set(targets) - found):
-        raise ValueError(f"the saved domain has no disk {', '.join(missing)}")
+    if missing := sorted(set(files) - found):
+        raise ValueError(f"the domain has no disk {', '.join(missing)}")
     title = root.find("title")
     if title is None:
         title = ET.SubElement(root, "title")

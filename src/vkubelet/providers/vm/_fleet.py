@@ -10,6 +10,9 @@
         uri: qemu+ssh://root@192.0.2.11/system
         identityFile: hv-1.key          # relative to this file: the URI's keyfile=
         noVerify: false                 # true: the URI's no_verify=1 (host key not checked)
+        # how the other hosts' daemons reach this one's for a live migration (`_lvmigrate`);
+        # default: uri, whose keyfile= is the agent's path: set it, with the hosts' own key
+        migrationURI: qemu+libssh://root@192.0.2.11/system?keyfile=/etc/vkubelet/migrate.key
         podCIDR: 10.213.1.0/24          # default: the shared one
         labels: {example.com/rack: r1}
         taints: ["example.com/hv=1:NoSchedule"]
@@ -55,6 +58,7 @@ class _Host(Section):
     uri: _Text
     identity_file: FilePath | None = None
     no_verify: bool = False
+    migration_uri: _Text | None = msgspec.field(default=None, name="migrationURI")
     pod_cidr: _Text | None = msgspec.field(default=None, name="podCIDR")
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     taints: list[_Text] | None = None
@@ -83,8 +87,9 @@ def parse_fleet(raw: dict[str, Any], *, origin: str, base: Path) -> list[FleetHo
         return ConfigError(f"{origin}: {field}: {why}")
 
     shared = {k: v for k, v in raw.items() if k != "hosts"}
-    if "uri" in (shared.get("libvirt") or {}):
-        raise fail("libvirt.uri", "a fleet's hosts each have their own: hosts[].uri")
+    for own in ("uri", "migrationURI"):
+        if own in (shared.get("libvirt") or {}):
+            raise fail(f"libvirt.{own}", f"a fleet's hosts each have their own: hosts[].{own}")
     shared.setdefault("runtime", "libvirt")
     if shared["runtime"] != "libvirt":
         raise fail("runtime", "a fleet of hosts is of libvirt hosts: runtime: libvirt")
@@ -114,9 +119,12 @@ def parse_fleet(raw: dict[str, Any], *, origin: str, base: Path) -> list[FleetHo
             origin=f"{origin}: {where}",
             base=base,
         )
+        if host.migration_uri is not None and "://" not in host.migration_uri:
+            raise fail(f"{where}.migrationURI", f"{host.migration_uri!r} is not a libvirt URI")
         config = replace(
             defaults,
             libvirt_uri=uri,
+            libvirt_migration_uri=host.migration_uri,
             libvirt_pool=pool,
             pod_cidr=checked.pod_cidr,
             state_dir=defaults.state_dir / host.name,

@@ -45,8 +45,9 @@ domain's XML comes from `_domainxml`.
   DIMMs attached, the root disk resized, live and into the definition.
 - **Backups** are libvirt's backup API with checkpoints (`_backuplibvirt`, `disk_backup`); a
   domain's checkpoints go with its definition (`UNDEFINE_CHECKPOINTS_METADATA`).
-- **Not yet** (no QMP monitor here, so the provider's parts refuse with the runtime's name):
-  migration.
+- **Live migration** is libvirt's own, peer to peer (`_lvmigrate`): `LibvirtMachine.migrate_to`
+  on the source, `IncomingLibvirtMachine` (the pod's disks and network, no domain until it
+  arrives) on the target.
 """
 
 from __future__ import annotations
@@ -78,10 +79,20 @@ from ._backend import (
 from ._backuplibvirt import LibvirtDiskBackup
 from ._config import VMConfig
 from ._domainimport import IMPORT_URI, ImportClaim, claim_of, refusal
-from ._domainxml import METADATA_URI, Owner, domain_name, domain_xml, owner_of, retarget
+from ._domainxml import (
+    METADATA_URI,
+    Owner,
+    disk_files,
+    domain_name,
+    domain_xml,
+    owner_of,
+    retarget,
+)
 from ._lvhotplug import LibvirtHotplug
+from ._lvmigrate import arrival, migrate_domain, target_uri
 from ._lvnet import bridge_refused, libvirt_network, retarget_network, with_network
 from ._machine import MachineError, MachineExit, Usage
+from ._migrate import DomainNetwork, DomainTarget, MigrationError, Outcome, Progress
 from ._net import GuestNetwork
 from ._qga import ExecOutput, GuestAgent, GuestAgentError, GuestAgentUnavailable, encode
 from ._runtime import QemuRuntime
@@ -413,8 +424,8 @@ class LibvirtMachine:
     """One domain, as the provider's `MachineHandle`."""
 
     runtime = "libvirt"
-    monitor = None  # no QMP through libvirt here: no migration (hibernation, live resize and
-    # backups are libvirt's own: `save_state`, `hotplug`, `disk_backup`)
+    monitor = None  # no QMP through libvirt here: hibernation, live resize, backups and
+    # migration are libvirt's own (`save_state`, `hotplug`, `disk_backup`, `migrate_to`)
 
     def __init__(
         self,
@@ -466,12 +477,19 @@ class LibvirtMachine:
                 if domain is None:
                     self._gone.set()
                     return self._recorded() or MachineExit(137, "Killed", "domain removed")
-                state, reason = await self.connection.run(domain.state)
+                try:
+                    state, reason = await self.connection.run(domain.state)
+                except libvirt.libvirtError as e:  # gone since the lookup, or the link broke:
+                    # the next lookup says which (a run must not end on a guess)
+                    raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
                 retry.reset()
             except MachineError as e:  # the daemon away: the domain runs on, ask again later
                 log.warning("domain %s: %s; asking again", self.uuid, e)
                 await asyncio.sleep(retry.next_delay())
                 continue
+            if (state, reason) == (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED):
+                self._gone.set()  # libvirt undefines it itself (`_lvmigrate`)
+                return MachineExit(0, "Migrated", "the domain migrated to another host")
             if (outcome := _outcome(libvirt, state, reason)) is not None:
                 self._gone.set()
                 await self._remove()
@@ -549,6 +567,21 @@ class LibvirtMachine:
         await self._remove()
         self._console.close()
 
+    async def migrate_to(
+        self,
+        target: DomainTarget,
+        report: Callable[[Progress], None],
+        *,
+        max_bandwidth: int | None = None,
+    ) -> Outcome:
+        """Live-migrate the domain to another libvirt host (`_lvmigrate`). Not an imported
+        one yet: its disks and definition are the site's, which the target pod does not know."""
+        if self.imported:
+            raise MigrationError("the libvirt runtime cannot live-migrate an imported domain yet")
+        return await migrate_domain(
+            self.connection, self.uuid, target, report, max_bandwidth=max_bandwidth
+        )
+
     @property
     def reference(self) -> str:
         return self.uuid
@@ -611,6 +644,70 @@ class LibvirtMachine:
         with contextlib.suppress(OSError, ValueError, TypeError):
             return MachineExit(**json.loads((self.run_dir / "exit.json").read_text()))
         return None
+
+
+class IncomingLibvirtMachine(LibvirtMachine):
+    """A live migration's target (`_lvmigrate`): no domain yet, its pod's disks made; the
+    domain arrives from the source's host under `target.domain`, labelled with this pod.
+    Once `arrive` returned it is the running domain's machine like any other."""
+
+    def __init__(self, connection: Connection, run_dir: Path, target: DomainTarget) -> None:
+        super().__init__(connection, run_dir, "", -1, time.time())
+        self.target = target
+        self._stopping = asyncio.Event()
+
+    async def arrive(self) -> None:
+        waiting = asyncio.ensure_future(
+            arrival(self.connection, self.target.domain, self.target.owner[0], self._seen)
+        )
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not waiting.done():
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            raise MigrationError("the target pod stopped before the VM arrived")
+        domain, uuid = waiting.result()
+        self._adopt(uuid, await self.connection.run(domain.ID))
+        if self._console.ended.is_set():  # not opened while it came in
+            await self.open_console(domain)
+
+    async def _seen(self, domain: Any) -> None:
+        """The domain exists here, paused while its state comes: its console stream is opened
+        now, so the first thing the guest prints here is in the log."""
+        with contextlib.suppress(MachineError, OSError, _libvirt().libvirtError):
+            await self.open_console(domain)
+
+    def _adopt(self, uuid: str, domain_id: int) -> None:
+        self.uuid, self.pid = uuid, domain_id
+        self.agent = LibvirtGuestAgent(self.connection, uuid)
+        record = {"uri": self.connection.uri, "uuid": uuid, "id": domain_id}
+        write_atomic(self.run_dir / DOMAIN_FILE, json.dumps({**record, "started": self.started}))
+
+    async def kill(self) -> None:
+        """Before the domain arrived: stop waiting, and destroy a domain of this pod that is
+        coming in (the source's libvirt then fails the migration and resumes the guest
+        there); after, as any domain."""
+        self._stopping.set()
+        if self.uuid:
+            await super().kill()
+            return
+        libvirt = _libvirt()
+        self._record(MachineExit(137, "Killed", "killed before the VM arrived"))
+        self._gone.set()
+        self._console.close()
+        with contextlib.suppress(MachineError, libvirt.libvirtError):
+            conn = await self.connection.get()
+            domain = await self.connection.run(conn.lookupByName, self.target.domain)
+            metadata = await self.connection.run(
+                domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_URI
+            )
+            owner = owner_of(metadata)
+            if owner is not None and owner.pod_uid == self.target.owner[0]:
+                await self.connection.run(domain.destroy)
 
 
 def _usage(domain: Any) -> Usage:
@@ -737,6 +834,8 @@ class LibvirtRuntime(QemuRuntime):
         )
         if spec.restore is not None:
             return await self._restore(resolved, owner, spec.restore)
+        if spec.incoming:
+            return await self._incoming(resolved, owner)
         try:
             xml = domain_xml(resolved, owner, kvm=spec.accel == "kvm")
         except ValueError as e:
@@ -774,6 +873,45 @@ class LibvirtRuntime(QemuRuntime):
                 raise refused from None
             raise MachineError(message) from None
         return machine
+
+    async def _incoming(self, spec: LaunchSpec, owner: Owner) -> MachineHandle:
+        """A live migration's target: the pod's disks are made, no domain is defined (it
+        arrives, `_lvmigrate`); a domain of the pod's name that is not the pod's refuses it."""
+        if spec.extra_args or spec.claims:
+            raise MachineRefused(
+                "UnsupportedByRuntime",
+                "the libvirt runtime cannot live-migrate a VM with PVC disks or hotplugged "
+                "devices yet",
+            )
+        await self._existing(owner.namespace, owner.name, owner.pod_uid)
+        try:
+            uri = target_uri(self.connection.uri, self.config.libvirt_migration_uri)
+        except MigrationError as e:
+            raise MachineRefused("MigrationUnsupported", str(e)) from None
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("console.sock", "exit.json", DOMAIN_FILE):
+            (spec.run_dir / stale).unlink(missing_ok=True)
+        network = None
+        if (key := spec.network_key) is not None:
+            await self.attach_network(key, spec.network_address, standby=True)
+            if (guest := self._networks.get(key)) is not None:
+                bridged = self.config.bridged
+                network = DomainNetwork(
+                    key=key,
+                    link=self.network.host_link(key),
+                    address=guest.address,
+                    prefix=guest.prefix,
+                    gateway=guest.gateway,
+                    bridge=bridged.bridge if bridged is not None else "",
+                )
+        target = DomainTarget(
+            uri=uri,
+            domain=domain_name(owner.namespace, owner.name),
+            files=tuple(sorted(disk_files(spec).items())),
+            owner=(owner.pod_uid, owner.namespace, owner.name, owner.node),
+            network=network,
+        )
+        return IncomingLibvirtMachine(self.connection, spec.run_dir, target)
 
     async def _restore(self, spec: LaunchSpec, owner: Owner, uuid: str) -> MachineHandle:
         """The hibernated domain `uuid`, restored for this pod: its saved XML (the image's and

@@ -36,9 +36,10 @@ when it ends; a remote host needs nothing from the agent but the URI.
   Inactive domains do not count: a hibernated VM's address is kept by its machine's record, and
   its next pod asks for it. A hibernated domain's restore keeps its interface (libvirt checks
   that a restored device matches the saved one: the MAC and model stay), with the new pod's
-  address and gateway (`retarget_network`). A move to another host (live migration, not done
-  yet with this runtime) would do the same to the destination XML: the MAC and tap name stay,
-  the host side becomes the target node's gateway with the kept address as its peer.
+  address and gateway (`retarget_network`). A live migration to another host (`_lvmigrate`)
+  does the same to the destination XML, and also names the target pod's tap (or bridge): the
+  MAC stays, the host side becomes the target node's gateway with the target pod's address
+  as its peer.
 """
 
 from __future__ import annotations
@@ -162,11 +163,20 @@ def addresses_in(xml: str) -> set[str]:
     return found
 
 
-def retarget_network(xml: str, key: str, network: GuestNetwork) -> str:
+def retarget_network(
+    xml: str,
+    key: str,
+    network: GuestNetwork,
+    *,
+    link: str | None = None,
+    bridge: str | None = None,
+) -> str:
     """A saved domain's XML for the machine's next pod: its routed tap's host side and the
     network element say the new pod's address and gateway. The interface itself (MAC, model,
     tap name) stays: libvirt refuses a restore whose devices differ from the saved ones. A
-    domain saved without vkubelet's element (no network) is returned as it was."""
+    domain saved without vkubelet's element (no network) is returned as it was. A live
+    migration's destination XML (`_lvmigrate`) also takes the target's tap name (`link`) or
+    bridge: host-side settings, which a migration may change (the MAC stays)."""
     root = ET.fromstring(xml)  # noqa: S314 - from the libvirt daemon we drive
     element = root.find(f"./metadata/{_TAG}")
     if element is None:
@@ -175,13 +185,20 @@ def retarget_network(xml: str, key: str, network: GuestNetwork) -> str:
     kept = GuestNetwork(network.address, network.prefix, network.gateway, mac)
     for interface in root.iterfind("./devices/interface"):
         found = interface.find("mac")
-        if interface.get("type") != "ethernet" or found is None or found.get("address") != mac:
+        if found is None or found.get("address") != mac:
             continue
         source = interface.find("source")
         if source is None:
             source = ET.SubElement(interface, "source")
+        if interface.get("type") == "bridge" and bridge:
+            source.set("bridge", bridge)
+        if interface.get("type") != "ethernet":
+            continue
         _host_side(source, kept)
-    link = element.get("link") or ""
+        target = interface.find("target")
+        if link and target is not None:
+            target.set("dev", link)
+    link = link or element.get("link") or ""
     metadata = root.find("metadata")
     assert metadata is not None
     metadata.remove(element)

@@ -46,7 +46,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ __all__ = [
     "MIGRATION_CONDITION",
     "MIGRATION_SOURCE",
     "TARGET_CONDITION",
+    "DomainNetwork",
+    "DomainTarget",
     "Endpoint",
     "IncomingMigration",
     "MigrationError",
@@ -125,9 +127,71 @@ def _refused(port: str, peer: object) -> None:
 
 
 @dataclass(frozen=True)
+class DomainNetwork:
+    """The target pod's network, for the domain's interface there (`_lvnet`): the tap's name
+    and host side (routed) or the bridge (bridged), and the metadata's record."""
+
+    key: str  # the target pod's UID
+    link: str
+    address: str
+    prefix: int
+    gateway: str
+    bridge: str = ""
+
+    @classmethod
+    def from_data(cls, data: Any) -> DomainNetwork:
+        return cls(
+            key=str(data["key"]),
+            link=str(data["link"]),
+            address=str(data["address"]),
+            prefix=int(data["prefix"]),
+            gateway=str(data["gateway"]),
+            bridge=str(data.get("bridge") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class DomainTarget:
+    """A libvirt target (`_lvmigrate`): the target host's daemon as the source host's daemon
+    reaches it, the domain's name there, the target pod's file for each disk (vda: ...) and
+    the target pod (`<metadata>`: uid, namespace, name, node)."""
+
+    uri: str
+    domain: str
+    files: tuple[tuple[str, str], ...]  # (target dev, file), sorted
+    owner: tuple[str, str, str, str]  # pod uid, namespace, name, node
+    network: DomainNetwork | None = None
+
+    def to_data(self) -> dict[str, Any]:
+        uid, namespace, name, node = self.owner
+        data: dict[str, Any] = {
+            "uri": self.uri,
+            "domain": self.domain,
+            "files": dict(self.files),
+            "pod": {"uid": uid, "namespace": namespace, "name": name, "node": node},
+        }
+        if self.network is not None:
+            data["network"] = asdict(self.network)
+        return data
+
+    @classmethod
+    def from_data(cls, data: Any) -> DomainTarget:
+        pod = data["pod"]
+        return cls(
+            uri=str(data["uri"]),
+            domain=str(data["domain"]),
+            files=tuple(sorted((str(k), str(v)) for k, v in dict(data["files"]).items())),
+            owner=(str(pod["uid"]), str(pod["namespace"]), str(pod["name"]), str(pod["node"])),
+            network=DomainNetwork.from_data(data["network"]) if data.get("network") else None,
+        )
+
+
+@dataclass(frozen=True)
 class Endpoint:
     """Where the target listens. The controller copies it from the target's condition into the
-    source's `migrate-to` annotation; `maxBandwidth` (bytes/s) may be added there."""
+    source's `migrate-to` annotation; `maxBandwidth` (bytes/s) may be added there. A libvirt
+    target (`libvirt`) has no ports of the agent's: the source's daemon reaches the target's
+    (its ports are 0), `disks` are the target devices the migration copies."""
 
     host: str
     migration_port: int
@@ -136,6 +200,7 @@ class Endpoint:
     disks: tuple[str, ...]  # NBD export names, in the machine's disk order
     max_bandwidth: int | None = None
     pod: str = ""  # the target pod (same namespace): the source checks the endpoint against it
+    libvirt: DomainTarget | None = None
 
     @property
     def target(self) -> str:
@@ -154,6 +219,8 @@ class Endpoint:
             data["pod"] = self.pod
         if self.max_bandwidth is not None:
             data["maxBandwidth"] = self.max_bandwidth
+        if self.libvirt is not None:
+            data["libvirt"] = self.libvirt.to_data()
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -161,14 +228,17 @@ class Endpoint:
         try:
             data = json.loads(text)
             bandwidth = data.get("maxBandwidth")
+            target = DomainTarget.from_data(data["libvirt"]) if "libvirt" in data else None
+            port = _port if target is None else _no_port
             return cls(
                 host=str(data["host"]),
-                migration_port=_port(data["migrationPort"]),
-                nbd_port=_port(data["nbdPort"]),
-                console_port=_port(data["consolePort"]),
+                migration_port=port(data["migrationPort"]),
+                nbd_port=port(data["nbdPort"]),
+                console_port=port(data["consolePort"]),
                 disks=tuple(str(d) for d in data["disks"]),
                 max_bandwidth=int(bandwidth) if bandwidth is not None else None,
                 pod=str(data.get("pod") or ""),
+                libvirt=target,
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise MigrationError(f"{MIGRATE_TO}: not a migration endpoint ({e})") from None
@@ -179,6 +249,12 @@ def _port(value: object) -> int:
     if not 0 < port < 65536:
         raise ValueError(f"port {port} out of range")
     return port
+
+
+def _no_port(value: object) -> int:
+    if int(str(value)) != 0:
+        raise ValueError("a libvirt target has no ports of the agent's (0)")
+    return 0
 
 
 @dataclass(frozen=True)

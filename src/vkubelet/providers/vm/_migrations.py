@@ -20,6 +20,7 @@ from ...sdk import PodRunner, Terminated
 from ...sdk.logs import append_log
 from ._backend import GuestAddress, MachineHandle
 from ._console import ConsoleTailer
+from ._lvmigrate import ArrivingDomain, MigratableDomain
 from ._migrate import (
     MIGRATE_TO,
     MIGRATION_CONDITION,
@@ -74,7 +75,7 @@ class Migrations:
 
     def __init__(self, host: VMHost) -> None:
         self.host = host
-        self._sending: set[str] = set()
+        self._sending: dict[str, asyncio.Task[None]] = {}
 
     @staticmethod
     def is_target(vm: VM) -> bool:
@@ -86,6 +87,9 @@ class Migrations:
     async def receive(self, vm: VM, machine: MachineHandle, runner: PodRunner, run: int) -> None:
         """Export the disks, publish the endpoint, wait for the VM; then its console history
         goes first into this run's log (before the console tailer starts)."""
+        if isinstance(machine, ArrivingDomain):
+            await self._receive_domain(vm, machine, runner)
+            return
         host = self.host
         incoming: IncomingMigration | None = None
         try:
@@ -123,6 +127,33 @@ class Migrations:
         finally:
             if incoming is not None:
                 await incoming.close()
+
+    async def _receive_domain(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
+        """A libvirt target: publish where the source's daemon sends the domain, then wait
+        for it (`_lvmigrate`). The source's console history is not carried over: this pod's
+        log starts where the domain arrived."""
+        assert isinstance(machine, ArrivingDomain)
+        host = self.host
+        endpoint = Endpoint(
+            host=host.host_ip,
+            migration_port=0,
+            nbd_port=0,
+            console_port=0,
+            disks=tuple(dev for dev, _ in machine.target.files),
+            pod=vm.key.split("/", 1)[-1],
+            libvirt=machine.target,
+        )
+        runner.set_condition(TARGET_CONDITION, "True", "Ready", endpoint.to_json())
+        host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
+        try:
+            await machine.arrive()
+        except MigrationError as e:
+            runner.set_condition(TARGET_CONDITION, "False", "Failed", str(e))
+            host.event(vm, "Warning", "MigrationFailed", str(e))
+            raise
+        self._arrived(vm, runner)
+        network = await self._claim(vm)
+        host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
 
     def _arrived(self, vm: VM, runner: PodRunner) -> None:
         assert vm.launch is not None
@@ -239,11 +270,19 @@ class Migrations:
             self._failed(vm, runner, record, "the VM is not running")
             return
         self._write_record(vm, **record, token=token)
-        self._sending.add(key)
         task = self.host.spawn(
             self._send(vm, vm.machine, runner, endpoint, token), name=f"migrate {key}"
         )
-        task.add_done_callback(lambda _: self._sending.discard(key))
+        self._sending[key] = task
+        task.add_done_callback(lambda _: self._sending.pop(key, None))
+
+    async def settled(self, vm: VM) -> None:
+        """Until the VM's migration, if one is being sent, has said how it ended: a libvirt
+        domain leaves this host (its machine ends) a moment before the call that moved it
+        returns, and the run's end must know it migrated."""
+        task = self._sending.get(vm.key)
+        if task is not None:
+            await asyncio.wait({task})
 
     async def _send(
         self, vm: VM, machine: MachineHandle, runner: PodRunner, endpoint: Endpoint, token: str
@@ -254,11 +293,18 @@ class Migrations:
             message = {**json.loads(progress.message()), "target": endpoint.target}
             runner.set_condition(MIGRATION_CONDITION, "True", "Running", json.dumps(message))
 
-        try:
-            monitor = _monitor(machine)
-        except MigrationError as e:
-            self._failed(vm, runner, self._record(vm), str(e))
+        if isinstance(machine, MigratableDomain) != (endpoint.libvirt is not None):
+            where = "a libvirt host" if endpoint.libvirt is not None else "a QEMU runtime's node"
+            error = f"the target is {where}; this VM runs on the {machine.runtime} runtime"
+            self._failed(vm, runner, self._record(vm), error, reason="MigrationRefused")
             return
+        monitor = None
+        if not isinstance(machine, MigratableDomain):
+            try:
+                monitor = _monitor(machine)
+            except MigrationError as e:
+                self._failed(vm, runner, self._record(vm), str(e))
+                return
         # Nothing goes out before the endpoint is known to be a vm node's, published for this
         # migration: `migrate-to` is an annotation anyone who may edit the pod can write.
         if (problem := await self._refusal(vm, endpoint, token)) is not None:
@@ -266,10 +312,19 @@ class Migrations:
             error = f"{MIGRATE_TO} refused: {problem}"
             self._failed(vm, runner, self._record(vm), error, reason="MigrationRefused")
             return
-        report(Progress())
+        report(Progress(phase="migrating" if endpoint.libvirt else "mirroring"))
         log.info("%s: migrating to %s", vm.uid, endpoint.to_json())
         host.event(vm, "Normal", "Migrating", f"to {endpoint.host}")
         try:
+            if isinstance(machine, MigratableDomain) and endpoint.libvirt is not None:
+                outcome = await machine.migrate_to(
+                    endpoint.libvirt, report, max_bandwidth=endpoint.max_bandwidth
+                )
+                message = outcome_message(outcome)
+                message = json.dumps({**json.loads(message), "target": endpoint.target})
+                self._moved(vm, runner, message)
+                return
+            assert monitor is not None
             outcome = await migrate_out(monitor, endpoint, vm.dir / "nbd.sock", report, token=token)
         except MigrationError as e:
             log.warning("%s: migration failed, the VM stays here: %s", vm.uid, e)
@@ -302,6 +357,16 @@ class Migrations:
         except (OSError, TimeoutError) as e:
             return f"could not read target pod {endpoint.pod} or its node: {e}"
         return endpoint_problem(endpoint, token, source, self.host.node_name, target, node)
+
+    def _moved(self, vm: VM, runner: PodRunner, message: str) -> None:
+        """libvirt moved the domain: it runs at the target and is gone from here (libvirt's
+        protocol decided; there is nothing to hand over or resume)."""
+        self._write_record(vm, **{**self._record(vm), "state": "completed", "message": message})
+        log.info("%s: migrated: %s", vm.uid, message)
+        vm.migrated = message
+        runner.set_condition(MIGRATION_CONDITION, "True", "Completed", message)
+        self.host.event(vm, "Normal", "Migrated", message)
+        runner.finish()
 
     async def _switched_over(
         self,
@@ -408,6 +473,12 @@ class Migrations:
             runner.set_condition(MIGRATION_CONDITION, "False", "Failed", str(record["message"]))
             return
         if state not in ("running", "completed"):
+            return
+        if isinstance(machine, MigratableDomain):
+            # libvirt's migration ended with the previous agent's call: the domain is still
+            # here (adopted), so it did not move.
+            error = "the source's agent restarted during the migration: the VM runs here"
+            self._failed(vm, runner, record, error)
             return
         try:
             endpoint = Endpoint.from_json(str(record.get("endpoint")))

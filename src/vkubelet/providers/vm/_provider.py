@@ -800,6 +800,7 @@ class VMProvider(RunnerProvider):
             end = await machine.wait()
             if self._closed:  # the agent is going: the next agent reports this exit
                 await asyncio.Future()
+            await self.migrations.settled(vm)  # (a libvirt domain leaves before it says so)
             if vm.migrated is not None:
                 return Terminated(0, reason="Migrated", message=vm.migrated)
             return end.code

@@ -1,0 +1,279 @@
+"""Live migration between two vm nodes on the libvirt runtime (issue 29): each node's agent
+drives its own libvirt "host" of a two-host lab (`vkubelet.testing.virtlab`) over qemu+ssh,
+and the source host's daemon sends the domain to the target's itself (peer to peer, the disk's
+overlay copied, no shared storage), driven by the seam's pod annotations as the
+VirtualMachineMigration controller drives them.
+
+One VM for the module, counting on its serial console; in order: a target host that refuses
+(its disk removed after the endpoint was published) leaves the VM running at the source, the
+source pod's Migration condition saying why; then the VM moves to the other node and keeps
+counting, the same guest (no boot), `virsh list` on each host showing exactly the running
+domain, named after and labelled with the pod that now runs it, its interface the target pod's
+network (packets between the target host and the guest, both ways).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import re
+import secrets
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vkubelet.devcluster import Cluster
+from vkubelet.testing import (
+    AgentProcess,
+    Kubectl,
+    create_namespace,
+    delete_namespace,
+    local_test_address,
+    node_ready,
+    virtlab,
+    wait_for,
+)
+from vkubelet.testing.virtlab import LibvirtHost
+
+from .vmlab import TOLERATION, clean_up, require_vm_host, start_vm_agent
+
+pytestmark = pytest.mark.integration
+
+SOURCE = "vm.vkubelet.io/migration-source"
+MIGRATE_TO = "vm.vkubelet.io/migrate-to"
+TARGET_READY = "vm.vkubelet.io/MigrationTarget"
+MIGRATION = "vm.vkubelet.io/Migration"
+TOKEN = "vm.vkubelet.io/migration-token"
+METADATA = "https://vkubelet.io/xmlns/vm-domain/1"
+SHARED = "10.212.0.0/16"
+COUNTER = (
+    "(i=0; while :; do i=$((i+1)); echo \"tick $i $(cut -d' ' -f1 /proc/uptime)\" > /dev/ttyS0;"
+    " usleep 100000; done) </dev/null >/dev/null 2>&1 &"
+)
+TICK = re.compile(r"^tick (\d+) ([\d.]+)\r?$", re.M)
+
+
+@dataclass
+class Node:
+    name: str
+    agent: AgentProcess
+    host: LibvirtHost
+    address: str
+
+
+@dataclass
+class Lab:
+    namespace: str
+    kubectl: Kubectl
+    source: Node
+    target: Node
+
+    def pod(self, name: str) -> dict[str, Any]:
+        return dict(self.kubectl.json("-n", self.namespace, "get", "pod", name))
+
+    def condition(self, name: str, kind: str) -> dict[str, Any]:
+        for condition in self.pod(name)["status"].get("conditions") or []:
+            if condition["type"] == kind:
+                return dict(condition)
+        return {}
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        self.kubectl("-n", self.namespace, "apply", "-f", "-", input=json.dumps(manifest))
+
+    def logs(self, name: str) -> str:
+        return str(self.kubectl("-n", self.namespace, "logs", name).stdout)
+
+    def running(self, name: str) -> bool:
+        status = self.pod(name)["status"]
+        states = status.get("containerStatuses") or [{}]
+        return status.get("phase") == "Running" and "running" in states[0].get("state", {})
+
+    def target_pod(self, name: str) -> dict[str, Any]:
+        """A target pod on the target node, as the controller makes it; its endpoint."""
+        given = {SOURCE: "vm", TOKEN: secrets.token_hex(32)}
+        self.apply(vm_pod(name, self.target.name, given))
+        wait_for(
+            lambda: self.condition(name, TARGET_READY).get("status") == "True",
+            timeout=120,
+            what=f"{name}'s endpoint",
+        )
+        return dict(json.loads(self.condition(name, TARGET_READY)["message"]))
+
+    def migrate(self, target: str, endpoint: dict[str, Any]) -> None:
+        token = self.pod(target)["metadata"]["annotations"][TOKEN]
+        self.kubectl(
+            "-n", self.namespace, "annotate", "--overwrite", "pod", "vm",
+            f"{MIGRATE_TO}={json.dumps(endpoint)}", f"{TOKEN}={token}",
+        )  # fmt: skip
+
+
+def vm_pod(name: str, node: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": annotations or {}},
+        "spec": {
+            "nodeName": node,
+            "tolerations": [TOLERATION],
+            "terminationGracePeriodSeconds": 5,
+            "containers": [
+                {
+                    "name": "vm",
+                    "image": "vm.vkubelet.io/tiny",
+                    "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                }
+            ],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterator[Lab]:
+    """Two libvirt hosts, a vm node on each (libvirt runtime over qemu+ssh), and one VM on
+    the first, counting on its console."""
+    require_vm_host()
+    if (why := virtlab.libvirt_lab_unavailable()) is not None:
+        pytest.skip(why)
+    workdir = Path(tempfile.mkdtemp(prefix="vklm-", dir="/tmp"))
+    suffix = uuid.uuid4().hex[:5]
+    nodes: list[Node] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)  # last: after the lab's end
+        hosts = stack.enter_context(virtlab.libvirt_lab(2, workdir / "lab"))
+        thirds = random.sample(range(1, 250), 2)
+        for index, host in enumerate(hosts):
+            name, cidr = f"lvm-{index + 1}-{suffix}", f"10.212.{thirds[index]}.0/24"
+            node_dir = workdir / name
+            node_dir.mkdir()
+            address = stack.enter_context(local_test_address())
+            agent = start_vm_agent(
+                kube_cluster, node_dir, name=name, address=address, cidr=cidr,
+                image=vm_guest_image, runtime="libvirt", sharedPodCIDRs=[SHARED],
+                libvirt={"uri": f"{host.ssh_uri}&no_tty=1", "migrationURI": host.libssh_uri},
+                guestAgentTimeoutSeconds=300,
+            )  # fmt: skip
+            stack.callback(kubectl, "delete", "node", name, "--ignore-not-found", "--wait=false")
+            stack.callback(clean_up, node_dir / "state", cidr)
+            stack.callback(agent.stop)
+            nodes.append(Node(name, agent, host, address))
+        for node in nodes:
+            wait_for(
+                lambda node=node: node_ready(kubectl, node.name),  # type: ignore[misc]
+                timeout=90,
+                what=f"node {node.name} Ready",
+            )
+        namespace = create_namespace(kubectl, f"lvm-{suffix}")
+        stack.callback(delete_namespace, kubectl, namespace)
+        handle = Lab(namespace, kubectl, nodes[0], nodes[1])
+        handle.apply(vm_pod("vm", nodes[0].name))
+        wait_for(lambda: handle.running("vm"), timeout=300, interval=2, what="the VM Running")
+        kubectl("-n", namespace, "exec", "vm", "--", "sh", "-c", COUNTER)
+        wait_for(lambda: len(TICK.findall(handle.logs("vm"))) >= 5, timeout=60, what="ticks")
+        yield handle
+
+
+def _ticks(text: str) -> list[tuple[int, float]]:
+    return [(int(n), float(t)) for n, t in TICK.findall(text)]
+
+
+def test_a_target_host_that_refuses_leaves_the_vm_running_at_the_source_saying_why(
+    lab: Lab,
+) -> None:
+    domain = f"{lab.namespace}_vm"
+    endpoint = lab.target_pod("refusing")
+    assert endpoint["libvirt"]["domain"] == f"{lab.namespace}_refusing"
+    # The target host loses the disk it would receive the VM's into.
+    Path(endpoint["libvirt"]["files"]["vda"]).unlink()
+    lab.migrate("refusing", endpoint)
+    wait_for(
+        lambda: lab.condition("vm", MIGRATION).get("reason") == "Failed",
+        timeout=120,
+        what="the migration failed",
+    )
+    error = json.loads(lab.condition("vm", MIGRATION)["message"])["error"]
+    print(f"refused: {error}")
+    # the target's own reason (over qemu+libssh: qemu+ssh loses it, see _lvmigrate.failure)
+    assert "pre-creation of storage targets" in error, error
+    # The VM runs on at the source, defined there alone; nothing at the target.
+    assert lab.source.host.running() == [domain]
+    assert lab.target.host.virsh("list", "--all", "--name").stdout.split() == []
+    assert lab.running("vm")
+    ticks = len(TICK.findall(lab.logs("vm")))
+    wait_for(lambda: len(TICK.findall(lab.logs("vm"))) > ticks + 5, timeout=30, what="ticking")
+    lab.kubectl("-n", lab.namespace, "delete", "pod", "refusing", "--wait=true", "--timeout=60s")
+
+
+def test_a_vm_moves_to_the_other_libvirt_host_and_keeps_counting(lab: Lab) -> None:
+    moved = f"{lab.namespace}_vm-2"
+    endpoint = lab.target_pod("vm-2")
+    assert endpoint["host"] == lab.target.address
+    before = _ticks(lab.logs("vm"))
+    earlier = lab.condition("vm", MIGRATION).get("message")  # the refused one's, if it ran
+
+    def outcome() -> bool:
+        condition = lab.condition("vm", MIGRATION)
+        ended = condition.get("reason") in ("Completed", "Failed")
+        return ended and condition.get("message") != earlier
+
+    lab.migrate("vm-2", endpoint)
+    wait_for(outcome, timeout=180, what="the migration's outcome")
+    result = lab.condition("vm", MIGRATION)
+    assert result["reason"] == "Completed", result
+    print(f"migration: {result['message']}")
+    wait_for(lambda: lab.running("vm-2"), timeout=120, what="the target Running")
+
+    # exactly the running VM on each host: gone from the source, at the target under the
+    # target pod's name and UID
+    left = lab.source.host.virsh("list", "--all", "--name").stdout.split()
+    states = [lab.source.host.virsh("domstate", "--reason", d).stdout.strip() for d in left]
+    assert left == [], states
+    assert lab.target.host.running() == [moved]
+    uid = lab.pod("vm-2")["metadata"]["uid"]
+    metadata = lab.target.host.virsh("metadata", moved, METADATA).stdout
+    assert f'uid="{uid}"' in metadata and f'node="{lab.target.name}"' in metadata
+
+    # the same guest counts on at the target: its counter and its clock go on, no boot
+    wait_for(lambda: len(_ticks(lab.logs("vm-2"))) >= 20, timeout=60, what="ticks at the target")
+    after = _ticks(lab.logs("vm-2"))
+    source_last, target_first = before[-1], after[0]
+    assert target_first[0] > source_last[0] and target_first[1] > source_last[1]
+    numbers = [n for n, _ in after]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "a tick was lost"
+    assert "booted hostname=" not in lab.logs("vm-2")
+    hostname = lab.kubectl("-n", lab.namespace, "exec", "vm-2", "--", "cat", "/etc/hostname")
+    assert hostname.stdout.strip() == "vm"
+
+    # its interface is the target pod's network there: the tap has the target node's gateway
+    # with the guest's new address as its peer, the guest was given that address, and packets
+    # go both ways between the target host and the guest
+    address = lab.pod("vm-2")["status"]["podIP"]
+    gateway = endpoint["libvirt"]["network"]["gateway"]
+    tap = endpoint["libvirt"]["network"]["link"]
+    shown = lab.target.host.run("ip", "-4", "-o", "addr", "show", "dev", tap).stdout
+    assert f"inet {gateway} peer {address}/32" in shown, shown
+
+    def guest_has(wanted: str) -> bool:
+        shown = lab.kubectl("-n", lab.namespace, "exec", "vm-2", "--", "ip", "-4", "addr")
+        return f"inet {wanted}/" in shown.stdout
+
+    wait_for(lambda: guest_has(address), timeout=60, what=f"the guest given {address}")
+    ping = ["busybox", "ping", "-c", "1", "-W", "5"]
+    assert lab.target.host.run(*ping, address).returncode == 0
+    lab.kubectl("-n", lab.namespace, "exec", "vm-2", "--", "ping", "-c", "1", "-W", "5", gateway)
+
+    def source_ended() -> bool:
+        state = lab.pod("vm")["status"]["containerStatuses"][0]["state"]
+        return bool(state.get("terminated", {}).get("reason") == "Migrated")
+
+    wait_for(source_ended, timeout=60, what="the source pod terminated: Migrated")
+
+    # deleting the target pod ends the domain there
+    lab.kubectl("-n", lab.namespace, "delete", "pod", "vm-2", "--wait=true", "--timeout=90s")
+    assert lab.target.host.virsh("list", "--all", "--name").stdout.split() == []
