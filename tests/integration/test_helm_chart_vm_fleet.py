@@ -153,7 +153,7 @@ def fleet(
                     "hosts": [
                         {
                             "name": node,
-                            "uri": f"qemu+ssh://root@{host.address}/system?no_tty=1",
+                            "uri": f"qemu+ssh://root@{host.address}/system",
                             "identityFile": f"/etc/vkubelet-ssh/{node}.key",
                         }
                         for node, host in zip(nodes, hosts, strict=True)

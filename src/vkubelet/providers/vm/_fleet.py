@@ -136,8 +136,9 @@ def parse_fleet(raw: dict[str, Any], *, origin: str, base: Path) -> list[FleetHo
 
 
 def host_uri(host: _Host, base: Path, fail: Callable[[str], ConfigError]) -> str:
-    """The host's URI with `keyfile=` (the identity file, absolute) and `no_verify=1` added;
-    the key's path is all that is ever written (logged, shown), never its content."""
+    """The host's URI with `keyfile=` (the identity file, absolute), `no_verify=1` and (ssh)
+    `no_tty=1` added; the key's path is all that is ever written (logged, shown), never its
+    content."""
     if "://" not in host.uri:
         raise fail(f"{host.uri!r} is not a libvirt URI (qemu+ssh://root@hv-1/system)")
     parts = urlsplit(host.uri)
@@ -154,6 +155,9 @@ def host_uri(host: _Host, base: Path, fail: Callable[[str], ConfigError]) -> str
         query.append(("keyfile", str((base / host.identity_file).absolute())))
     if host.no_verify and "no_verify" not in names:
         query.append(("no_verify", "1"))
+    if transport == "ssh" and "no_tty" not in names:
+        # The agent has no terminal: ssh must fail rather than wait for a passphrase.
+        query.append(("no_tty", "1"))
     return urlunsplit(parts._replace(query=urlencode(query, safe="/")))
 
 

@@ -48,7 +48,7 @@ def test_each_host_is_a_node_with_the_shared_defaults_its_uri_and_its_own_state(
     one, two = hosts
     assert (one.name, two.name) == ("hv-1", "hv-2")
     key = tmp_path / "keys" / "hv-1.key"
-    assert one.config.libvirt_uri == f"qemu+ssh://root@192.0.2.11/system?keyfile={key}"
+    assert one.config.libvirt_uri == f"qemu+ssh://root@192.0.2.11/system?keyfile={key}&no_tty=1"
     assert two.config.libvirt_uri == ("qemu+ssh://root@192.0.2.12:2222/system?no_tty=1&no_verify=1")
     for host in hosts:
         assert host.config.runtime == "libvirt"
