@@ -18,10 +18,12 @@ libvirt's message, and the VM on the first host still answers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -128,7 +130,9 @@ def fleet(
     nodes = [f"lvf-{suffix}-a", f"lvf-{suffix}-b"]
     workdir = Path(tempfile.mkdtemp(prefix="vklvf-", dir="/tmp"))
     undo: list[list[str]] = []
-    with virtlab.libvirt_lab(2, workdir / "lab") as hosts:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)  # last: after the lab's end
+        hosts = stack.enter_context(virtlab.libvirt_lab(2, workdir / "lab"))
         try:
             undo = _route_lab_into_cluster(worker_cluster, hosts)
             _leave_a_half_upload(hosts[0], vm_guest_image)
@@ -194,7 +198,6 @@ def fleet(
             k("delete", "namespace", NAMESPACE, "--wait=false", check=False)
             for command in undo:
                 subprocess.run(["ip", *command], capture_output=True, check=False)
-    subprocess.run(["rm", "-rf", str(workdir)], check=False)
 
 
 def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_and_a_vm_runs_on_one(
