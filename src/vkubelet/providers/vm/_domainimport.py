@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ._backend import DomainImport
-from ._domainxml import Owner
+from ._domainxml import Owner, metadata_values
 from ._spec import SpecError
 
 __all__ = [
@@ -104,18 +104,8 @@ class ImportClaim:
 
 def claim_of(metadata: str | None) -> ImportClaim | None:
     """The ImportClaim in vkubelet's import element as libvirt returns it (None: none)."""
-    if not metadata:
-        return None
-    try:
-        element = ET.fromstring(metadata)  # noqa: S314 - from the libvirt daemon we drive
-    except ET.ParseError:
-        return None
-    if element.tag.rsplit("}", 1)[-1] != "import":
-        return None
-    values = [element.get(k) for k in ("machine", "owner", "node", "policy")]
-    if not all(values):
-        return None
-    return ImportClaim(*(str(v) for v in values))
+    values = metadata_values(metadata, "import", ("machine", "owner", "node", "policy"))
+    return ImportClaim(*values) if values is not None else None
 
 
 def missing_devices(xml: str) -> list[str]:

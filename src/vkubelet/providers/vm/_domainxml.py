@@ -28,6 +28,7 @@ Pure: no daemon, no I/O, so every rule is unit-tested. What the domain holds, an
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._backend import LaunchSpec
@@ -78,18 +79,24 @@ def domain_name(namespace: str, name: str) -> str:
 
 def owner_of(metadata: str | None) -> Owner | None:
     """The Owner in vkubelet's `<metadata>` element as libvirt returns it (None: not ours)."""
+    values = metadata_values(metadata, "pod", ("uid", "namespace", "name", "node"))
+    return Owner(*values) if values is not None else None
+
+
+def metadata_values(metadata: str | None, tag: str, keys: Sequence[str]) -> list[str] | None:
+    """The attributes `keys` of one of vkubelet's `<metadata>` elements (`tag`, in whatever
+    namespace libvirt returns it), as libvirt returns it; None unless it is that element and
+    has every one of them."""
     if not metadata:
         return None
     try:
         element = ET.fromstring(metadata)  # noqa: S314 - from the libvirt daemon we drive
     except ET.ParseError:
         return None
-    if element.tag.rsplit("}", 1)[-1] != "pod":
+    if element.tag.rsplit("}", 1)[-1] != tag:
         return None
-    values = [element.get(k) for k in ("uid", "namespace", "name", "node")]
-    if not all(values):
-        return None
-    return Owner(*(str(v) for v in values))
+    values = [element.get(k) for k in keys]
+    return [str(v) for v in values] if all(values) else None
 
 
 def _disk_target(bus: str, index: int) -> str:
