@@ -275,14 +275,21 @@ class LibvirtHost:
 
 
 def guest_domain_xml(
-    name: str, disk: Path, *, memory_mib: int = 256, console_log: Path | None = None
+    name: str,
+    disk: Path,
+    *,
+    memory_mib: int = 256,
+    console_log: Path | None = None,
+    nic: bool = False,
 ) -> str:
     """A small TCG domain (q35) for the test guest (`vm_guest_image`): its disk on virtio, the
     serial console on a pty (`virsh console`; logged to `console_log` when given), the guest
-    agent's virtio-serial channel. `type='qemu'` always: a visible /dev/kvm makes libvirt
-    offer kvm, which cannot boot stock guests here. No graphics element (libvirt 9.0 rejects
-    `type='none'`)."""
+    agent's virtio-serial channel; with `nic`, a virtio NIC on a tap libvirt makes on the host
+    (no address: the guest's own to configure, as a site's DHCP would). `type='qemu'` always: a
+    visible /dev/kvm makes libvirt offer kvm, which cannot boot stock guests here. No graphics
+    element (libvirt 9.0 rejects `type='none'`)."""
     log = f"<log file={quoteattr(str(console_log))}/>" if console_log else ""
+    interface = "<interface type='ethernet'><model type='virtio'/></interface>" if nic else ""
     return f"""<domain type='qemu'>
   <name>{_text(name)}</name>
   <memory unit='MiB'>{memory_mib}</memory>
@@ -298,7 +305,7 @@ def guest_domain_xml(
     <serial type='pty'>{log}</serial>
     <console type='pty'/>
     <channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>
-    <memballoon model='none'/>
+    {interface}<memballoon model='none'/>
   </devices>
 </domain>
 """

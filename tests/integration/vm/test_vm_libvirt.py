@@ -22,7 +22,8 @@ that vkubelet does not own fails that pod and is left alone; a URI whose credent
 makes a node NotReady with libvirt's message.
 
 A domain defined with `virsh define` (the test guest, no seed) is imported with `vkubelet vm
-import` and boots twice (import, then replicas 0 -> 1); the refused imports run beside it.
+import` and boots twice (import, then replicas 0 -> 1); the refused imports run beside it. It
+has a NIC of its own: its pod's IP is the guest's address (none until the guest has one).
 """
 
 from __future__ import annotations
@@ -640,18 +641,20 @@ def _ended(command: subprocess.Popen[str]) -> tuple[int, str, str]:
 def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_and_retained(
     libvirt_node: LibvirtNode, kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path
 ) -> None:
-    """`vkubelet vm import`: the domain boots as it is defined (its own disk, no seed), exec and
-    logs work on its pod; a second import of it and one of a domain that does not exist are
-    refused (nothing left behind, the domain unchanged); replicas 0 shuts it off without
-    undefining it, replicas 1 starts the same domain (same UUID) with what the guest wrote;
-    hibernated (managed save) and resumed with what it kept in RAM; deleting the
-    VirtualMachine (Retain) leaves it defined."""
+    """`vkubelet vm import`: the domain boots as it is defined (its own disk and NIC, no seed),
+    exec and logs work on its pod, whose IP is the guest's own (none before the guest has one,
+    then followed through a new lease); a second import of it and one of a domain that does not
+    exist are refused (nothing left behind, the domain unchanged); replicas 0 shuts it off
+    without undefining it, replicas 1 starts the same domain (same UUID) with what the guest
+    wrote; hibernated (managed save) and resumed with what it kept in RAM (its address too);
+    deleting the VirtualMachine (Retain) leaves it defined."""
     host, node = libvirt_node.host, libvirt_node.name
     install_crds(kube_cluster)
     namespace = create_namespace(kubectl, f"lvi-{uuid.uuid4().hex[:6]}")
     domain = f"site-{uuid.uuid4().hex[:6]}"
     xml_file = libvirt_node.workdir / f"{domain}.xml"
-    xml_file.write_text(virtlab.guest_domain_xml(domain, host.overlay(vm_guest_image, domain)))
+    disk = host.overlay(vm_guest_image, domain)
+    xml_file.write_text(virtlab.guest_domain_xml(domain, disk, nic=True))
     host.virsh("define", str(xml_file))
     domain_uuid = host.virsh("domuuid", domain).stdout.strip()
     log_path = libvirt_node.workdir / "controller.log"
@@ -697,6 +700,32 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
         write = f"echo {marker} > /root/imported && sync"
         kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write)
         assert vm("db")["status"]["runtime"] == "libvirt"
+
+        # its own NIC, no address of ours: the pod has no IP (not the node's) until the guest
+        # has one, then the guest's as `ip -4 addr` shows it, and it follows a new lease
+        assert "podIP" not in _get(kubectl, namespace, pod)["status"]
+        names = kubectl("-n", namespace, "exec", pod, "--", "ls", "/sys/class/net").stdout
+        nic = next(name for name in names.split() if name != "lo")
+
+        def lease(address: str) -> None:  # what a DHCP client does, by hand
+            steps = f"ip addr flush dev {nic} && ip addr add {address}/24 dev {nic}"
+            kubectl(
+                "-n", namespace, "exec", pod, "--", "sh", "-c", f"{steps} && ip link set {nic} up"
+            )
+
+        def guest_ip() -> str:
+            shown = kubectl("-n", namespace, "exec", pod, "--", "ip", "-4", "addr", "show", nic)
+            (address,) = [w.split("/")[0] for w in shown.stdout.split("inet ")[1:]]
+            return address
+
+        def pod_ip_is(address: str) -> bool:
+            return bool(_get(kubectl, namespace, pod)["status"].get("podIP") == address)
+
+        lease("10.214.7.23")
+        assert guest_ip() == "10.214.7.23"
+        wait_for(lambda: pod_ip_is("10.214.7.23"), timeout=30, what="the guest's address")
+        lease("10.214.7.24")  # renewed: checked below (its re-read overlaps the next checks)
+        assert guest_ip() == "10.214.7.24"
         # the apiserver keeps the VM that domain: no other name, no removal, no restoreFrom
         for bad, words in (
             ('[{"op": "replace", "path": "/spec/importDomain/name", "value": "x"}]', "change"),
@@ -707,6 +736,8 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
                 "-n", namespace, "patch", "vm", "db", "--type=json", "-p", bad, check=False
             )
             assert refused.returncode != 0 and words in refused.stderr, refused.stderr
+        wait_for(lambda: pod_ip_is("10.214.7.24"), timeout=30, what="the guest's new address")
+        wait_for(lambda: vm("db")["status"].get("ip") == "10.214.7.24", timeout=30, what="VM ip")
 
         # the same domain for another VirtualMachine (refused naming the one that holds it,
         # checked below) while replicas 0 shuts it off, still defined; replicas 1: the same
@@ -723,6 +754,7 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
         assert host.virsh("domuuid", domain).stdout.strip() == domain_uuid
         kept = kubectl("-n", namespace, "exec", pod, "--", "cat", "/root/imported").stdout
         assert kept.strip() == marker  # its own disk: what the guest wrote is there
+        assert "podIP" not in _get(kubectl, namespace, pod)["status"]  # a boot with no lease
         code, _, err = _ended(again)
         assert code == 1 and "DomainOwned" in err and f"{namespace}/db" in err, err
         vms = kubectl.json("-n", namespace, "get", "vm")["items"]
@@ -732,6 +764,7 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
         # defined with its image; the next power-on restores it (what the guest kept in RAM)
         in_ram = uuid.uuid4().hex
         kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", f"echo {in_ram} > /run/in-ram")
+        lease("10.214.7.25")  # kept in RAM too: the resumed pod's IP
         hibernate = '{"spec": {"powerOffMode": "Hibernate"}}'
         kubectl("-n", namespace, "patch", "vm", "db", "--type=merge", "-p", hibernate)
         kubectl("-n", namespace, "scale", "vm/db", "--replicas=0")
@@ -742,6 +775,8 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
         pod = str(wait_for(lambda: phase_is("db", "Running"), timeout=120, what="resumed"))
         kept = kubectl("-n", namespace, "exec", pod, "--", "cat", "/run/in-ram").stdout
         assert kept.strip() == in_ram and host.running() == [domain]
+        wait_for(lambda: pod_ip_is("10.214.7.25"), timeout=30, what="the resumed guest's address")
+        assert guest_ip() == "10.214.7.25"
         assert host.virsh("domuuid", domain).stdout.strip() == domain_uuid
 
         # deleting the VirtualMachine (Retain): the domain shut down and still defined

@@ -40,7 +40,7 @@ domain's XML comes from `_domainxml`.
   make is checked (`check_import`: nothing changed on a refusal), claimed in its metadata,
   started as defined (`_launch_imported`) and never undefined by its machine
   (`LibvirtMachine.imported`, kept in `domain.json`); its VirtualMachine's deletion policy is
-  applied by `release_import`.
+  applied by `release_import`. Its pod's IP is the guest's own (`guest_address`, `_guestaddr`).
 - **Live resize** is libvirt's own calls (`_lvhotplug`, the machine's `hotplug`): vCPUs set,
   DIMMs attached, the root disk resized, live and into the definition.
 - **Backups** are libvirt's backup API with checkpoints (`_backuplibvirt`, `disk_backup`); a
@@ -88,6 +88,7 @@ from ._domainxml import (
     owner_of,
     retarget,
 )
+from ._guestaddr import first_ipv4, routed_peer
 from ._lvhotplug import LibvirtHotplug
 from ._lvmigrate import arrival, migrate_domain, target_uri
 from ._lvnet import bridge_refused, libvirt_network, retarget_network, with_network
@@ -615,6 +616,19 @@ class LibvirtMachine:
         if domain is None:
             raise MachineError(f"domain {self.uuid} is gone")
         return await self.connection.run(_usage, domain)
+
+    async def guest_address(self) -> str | None:
+        """The guest's own IPv4 address (an imported domain's pod IP, `_guestaddr`): its guest
+        agent's view; with no agent answering, a routed tap's peer in the live XML."""
+        libvirt = _libvirt()
+        domain = await self.connection.domain(self.uuid)
+        if domain is None:
+            return None
+        agent = libvirt.VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT
+        try:
+            return first_ipv4(await self.connection.run(domain.interfaceAddresses, agent, 0))
+        except libvirt.libvirtError:
+            return routed_peer(await self.connection.run(domain.XMLDesc, 0))
 
     async def _remove(self) -> None:
         """Destroy the domain if it runs and drop its definition (it is ours: checked when it

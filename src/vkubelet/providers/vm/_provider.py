@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from lightkube.models.core_v1 import EphemeralContainer
+from lightkube.models.core_v1 import EphemeralContainer, PodIP
 from lightkube.resources.core_v1 import Node, Pod
 
 from ..._files import make_private, private_dir, write_atomic, write_private
@@ -63,7 +63,7 @@ from ...sdk.provider import EventSink, EventType, UpperAPI
 from ...sdk.retry import Backoff
 from ...sdk.stats import NodeUsage, PodUsage, resource_metrics, summary
 from ...sdk.status import ephemeral_run_before
-from . import _domainimport, _hibernate, _persist, _resize
+from . import _domainimport, _guestaddr, _hibernate, _persist, _resize
 from ._backend import (
     DomainImport,
     GuestAddress,
@@ -122,6 +122,11 @@ class _Transport:
         return ExecResult(output.exit_code, output.stdout + output.stderr)
 
     async def open_connection(self, host: str, port: int) -> Any:
+        vm = self._provider.vms.get(self._key)
+        if vm is not None and _imported(vm):  # `host` is the pod IP the runner was started with
+            if vm.guest_address is None:
+                raise ProbeUnknown("the guest's address is not known yet")
+            host = vm.guest_address
         return await asyncio.open_connection(host, port)
 
     def available(self) -> bool:
@@ -230,6 +235,9 @@ class VMProvider(RunnerProvider):
             machine = vm.machine
             container_id = f"{machine.runtime}://{machine.pid}" if machine is not None else None
             decorate(pod.status, vm.power, vm.container, container_id)
+            if _imported(vm):  # the guest's address, or none yet (not the node's)
+                ip = vm.guest_address
+                pod.status.podIP, pod.status.podIPs = ip, [PodIP(ip=ip)] if ip else None
         return pod
 
     async def _start(self) -> None:
@@ -288,7 +296,7 @@ class VMProvider(RunnerProvider):
         if is_backup_pod(meta.annotations):
             return [self.host_ip]  # a task on the host, not a VM
         if _domainimport.DOMAIN_ANNOTATION in (meta.annotations or {}):
-            return [self.host_ip]  # an imported domain keeps its own NICs: no address of ours
+            return []  # its own NICs: no address until its guest tells (`_guestaddr`)
         standby = bool(pod_annotations(pod).get(MIGRATION_SOURCE))  # not arrived: no VM yet
         return [(await self._attach(pod, standby=standby)).address]
 
@@ -796,6 +804,7 @@ class VMProvider(RunnerProvider):
         )
         tail = self._tasks.spawn(tailer.run(), name=f"console {key}")
         boot = self._tasks.spawn(self._boot(key, vm, machine, runner), name=f"boot {key}")
+        address = self._follow_address(key, vm, machine)
         try:
             end = await machine.wait()
             if self._closed:  # the agent is going: the next agent reports this exit
@@ -807,11 +816,30 @@ class VMProvider(RunnerProvider):
         finally:
             boot.cancel()
             tail.cancel()
+            if address is not None:
+                address.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await tail
             with contextlib.suppress(OSError):
                 tailer.copy(final=True)
             vm.machine, vm.booted_at = None, None
+
+    def _follow_address(
+        self, key: str, vm: VM, machine: MachineHandle
+    ) -> asyncio.Task[None] | None:
+        """An imported domain's pod IP, read from its guest while it runs (`_guestaddr`): in
+        the background, so that a guest without an agent or an address starts all the same."""
+        if not _imported(vm) or not isinstance(machine, _guestaddr.AddressSource):
+            return None
+
+        def changed(address: str) -> None:
+            log.info("%s: the guest's address is %s", key, address)
+            vm.guest_address = address
+            self.publish(vm)
+
+        return self._tasks.spawn(
+            _guestaddr.follow(machine.guest_address, changed), name=f"address {key}"
+        )
 
     async def _boot(self, key: str, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
         """Running once the guest agent answers (or after the timeout, with a warning: an image
@@ -1326,6 +1354,11 @@ class VMProvider(RunnerProvider):
             )
         when = time.time()
         return *self._usage.sample(readings, self.memory, when), when
+
+
+def _imported(vm: VM) -> bool:
+    """The VM is an existing libvirt domain (`_domainimport`) with its own NICs."""
+    return _domainimport.DOMAIN_ANNOTATION in vm.annotations
 
 
 def _uid(runner: PodRunner) -> str:

@@ -157,6 +157,7 @@ class VM:
     started_at: datetime | None = None
     power: PowerState = field(default_factory=PowerState)  # hibernate, resize
     migrated: str | None = None  # migrated away: the outcome (JSON); the pod ends with the run
+    guest_address: str | None = None  # an imported domain's pod IP, as its guest says (_guestaddr)
 
     @property
     def uid(self) -> str:

@@ -51,6 +51,8 @@ class FakeMachine:
         self.exit: asyncio.Future[MachineExit] = asyncio.get_running_loop().create_future()
         self.stops: list[float] = []
         self.execs: list[tuple[list[str], bytes]] = []
+        self.address: str | None = None  # what its guest says it has (`guest_address`)
+        self.address_reads = 0
         self.console(b"SeaBIOS\r\nbooting vm\r\n")
 
     def console(self, data: bytes) -> None:
@@ -92,6 +94,10 @@ class FakeMachine:
 
     async def usage(self) -> Usage:
         return Usage(cpu_ns=5 * 10**9, memory_bytes=300 * 2**20)
+
+    async def guest_address(self) -> str | None:
+        self.address_reads += 1
+        return self.address
 
 
 @dataclass

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lightkube.models.core_v1 import PodIP
 from lightkube.resources.core_v1 import Pod
 
+from vkubelet.providers.vm import _guestaddr
 from vkubelet.providers.vm._backend import DomainImport
 from vkubelet.providers.vm._domainimport import (
     ImportClaim,
@@ -157,6 +159,46 @@ async def test_an_imported_domain_is_shut_down_with_its_pod_and_released_by_its_
     directory = tmp_path / "s" / "machines" / "vm-uid"
     await provider._machine_gone(directory)  # its VirtualMachine deleted
     assert runtime.released == [(UUID, "vm-uid", True)]
+
+
+async def test_an_imported_domain_s_pod_has_no_ip_until_its_guest_tells_then_the_guest_s(
+    provider: VMProvider, runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_guestaddr, "UNKNOWN_INTERVAL", 0.01)
+    monkeypatch.setattr(_guestaddr, "KNOWN_INTERVAL", 0.01)
+    runtime.imports["site-db"] = UUID
+    pod = imported_pod()
+    assert await provider.pod_ips(pod) == []  # not the node's: the downward API's is empty
+    await provider.create_pod(ResolvedPod(pod))
+
+    async def pod_ip() -> str | None:
+        status = (await provider.get_pod("ns", "db-x1")).status  # type: ignore[union-attr]
+        assert status is not None and status.hostIP == "192.0.2.1"
+        assert status.podIPs == ([PodIP(ip=status.podIP)] if status.podIP else None)
+        return status.podIP
+
+    async def running() -> bool:
+        _, status = await state(provider, "db-x1")
+        return bool(status and status.state.running)
+
+    await eventually(running)
+    (machine,) = runtime.machines.values()
+    assert await pod_ip() is None  # the guest has told nothing yet
+    pushed: list[Pod] = []
+    provider.notify_pods(pushed.append)
+    machine.address = "192.0.2.7"
+    assert await eventually(pod_ip) == "192.0.2.7"
+    assert any(p.status and p.status.podIP == "192.0.2.7" for p in pushed)  # pushed, not polled
+    machine.address = "192.0.2.8"  # a new lease
+
+    async def renewed() -> bool:
+        return await pod_ip() == "192.0.2.8"
+
+    await eventually(renewed)
+    machine.address = None  # the guest between two leases: the pod keeps its address
+    reads = machine.address_reads
+    await eventually(lambda: machine.address_reads > reads + 2)
+    assert await pod_ip() == "192.0.2.8"
 
 
 def test_what_a_pod_asks_to_import_and_the_claim_vkubelet_writes_on_the_domain() -> None:
