@@ -186,6 +186,16 @@ class Connection:
                 return None
             raise MachineError(f"libvirt {self.uri}: {message_of(e)}") from None
 
+    async def metadata(self, domain: Any, uri: str) -> str | None:
+        """The domain's `<metadata>` element of namespace `uri` as libvirt returns it (None:
+        it has none, or it is gone): how vkubelet's elements are read, whoever reads them."""
+        libvirt = _libvirt()
+        try:
+            found = await self.run(domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, uri)
+        except libvirt.libvirtError:
+            return None
+        return str(found)
+
     async def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -716,10 +726,7 @@ class IncomingLibvirtMachine(LibvirtMachine):
         with contextlib.suppress(MachineError, libvirt.libvirtError):
             conn = await self.connection.get()
             domain = await self.connection.run(conn.lookupByName, self.target.domain)
-            metadata = await self.connection.run(
-                domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_URI
-            )
-            owner = owner_of(metadata)
+            owner = owner_of(await self.connection.metadata(domain, METADATA_URI))
             if owner is not None and owner.pod_uid == self.target.owner[0]:
                 await self.connection.run(domain.destroy)
 
@@ -817,13 +824,7 @@ class LibvirtRuntime(QemuRuntime):
             raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
         if restoring is not None and await self.connection.run(domain.UUIDString) == restoring:
             return None
-        try:
-            metadata = await self.connection.run(
-                domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_URI
-            )
-        except libvirt.libvirtError:
-            metadata = None  # no vkubelet element
-        owner = owner_of(metadata)
+        owner = owner_of(await self.connection.metadata(domain, METADATA_URI))
         if owner is None or owner.pod_uid != pod_uid:
             whose = "no vkubelet pod" if owner is None else f"pod UID {owner.pod_uid}"
             raise MachineRefused(
@@ -975,15 +976,10 @@ class LibvirtRuntime(QemuRuntime):
         domain = await self.connection.domain(reference)
         if domain is None:
             return
-        try:
-            metadata = await self.connection.run(
-                domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_URI
-            )
-        except libvirt.libvirtError:
-            return  # no vkubelet element: not ours
+        metadata = await self.connection.metadata(domain, METADATA_URI)
         if owner_of(metadata) is None or await self.connection.run(domain.isActive):
             return
-        imported = claim_of(await self._metadata(domain, IMPORT_URI)) is not None
+        imported = claim_of(await self.connection.metadata(domain, IMPORT_URI)) is not None
         flags = libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
         try:
             if imported:
@@ -1071,20 +1067,11 @@ class LibvirtRuntime(QemuRuntime):
             raise MachineRefused(
                 "DomainUnsupported", f"{where} is transient: virsh define it to import it"
             )
-        claim = claim_of(await self._metadata(domain, IMPORT_URI))
-        pod_owner = owner_of(await self._metadata(domain, METADATA_URI))
+        claim = claim_of(await self.connection.metadata(domain, IMPORT_URI))
+        pod_owner = owner_of(await self.connection.metadata(domain, METADATA_URI))
         if (refused := refusal(where, request, xml, claim, pod_owner)) is not None:
             raise MachineRefused(*refused)
         return domain
-
-    async def _metadata(self, domain: Any, uri: str) -> str | None:
-        libvirt = _libvirt()
-        try:
-            return str(
-                await self.connection.run(domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, uri)
-            )
-        except libvirt.libvirtError:
-            return None  # no element of that namespace
 
     async def _launch_imported(
         self, spec: LaunchSpec, request: DomainImport, owner: Owner
@@ -1144,7 +1131,7 @@ class LibvirtRuntime(QemuRuntime):
         domain = await self.connection.domain(uuid)
         if domain is None:
             return
-        claim = claim_of(await self._metadata(domain, IMPORT_URI))
+        claim = claim_of(await self.connection.metadata(domain, IMPORT_URI))
         if claim is None or claim.machine != machine:
             return  # not (or no longer) this machine's: someone else's now
         try:

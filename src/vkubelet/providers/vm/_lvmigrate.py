@@ -287,13 +287,7 @@ async def arrival(
                 await asyncio.sleep(_POLL)
                 continue
             uuid = await connection.run(domain.UUIDString)
-            try:
-                metadata = await connection.run(
-                    domain.metadata, libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_URI
-                )
-            except libvirt.libvirtError:
-                metadata = None
-            owner = owner_of(metadata)
+            owner = owner_of(await connection.metadata(domain, METADATA_URI))
             if owner is None or owner.pod_uid != pod_uid:
                 raise MigrationError(
                     f"libvirt {connection.uri} has a domain {name!r} that is not this pod's"
