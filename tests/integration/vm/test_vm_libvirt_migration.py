@@ -52,6 +52,9 @@ TARGET_READY = "vm.vkubelet.io/MigrationTarget"
 MIGRATION = "vm.vkubelet.io/Migration"
 TOKEN = "vm.vkubelet.io/migration-token"
 METADATA = "https://vkubelet.io/xmlns/vm-domain/1"
+IMPORT_URI = "https://vkubelet.io/xmlns/vm-import/1"
+DOMAIN = "vm.vkubelet.io/domain"
+MACHINE = "vm.vkubelet.io/machine"
 SHARED = "10.212.0.0/16"
 COUNTER = (
     "(i=0; while :; do i=$((i+1)); echo \"tick $i $(cut -d' ' -f1 /proc/uptime)\" > /dev/ttyS0;"
@@ -66,6 +69,7 @@ class Node:
     agent: AgentProcess
     host: LibvirtHost
     address: str
+    state: Path  # the agent's stateDir
 
 
 @dataclass
@@ -95,9 +99,11 @@ class Lab:
         states = status.get("containerStatuses") or [{}]
         return status.get("phase") == "Running" and "running" in states[0].get("state", {})
 
-    def target_pod(self, name: str) -> dict[str, Any]:
+    def target_pod(
+        self, name: str, source: str = "vm", annotations: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """A target pod on the target node, as the controller makes it; its endpoint."""
-        given = {SOURCE: "vm", TOKEN: secrets.token_hex(32)}
+        given = {**(annotations or {}), SOURCE: source, TOKEN: secrets.token_hex(32)}
         self.apply(vm_pod(name, self.target.name, given))
         wait_for(
             lambda: self.condition(name, TARGET_READY).get("status") == "True",
@@ -106,15 +112,16 @@ class Lab:
         )
         return dict(json.loads(self.condition(name, TARGET_READY)["message"]))
 
-    def migrate(self, target: str, endpoint: dict[str, Any]) -> None:
+    def migrate(self, target: str, endpoint: dict[str, Any], source: str = "vm") -> None:
         token = self.pod(target)["metadata"]["annotations"][TOKEN]
         self.kubectl(
-            "-n", self.namespace, "annotate", "--overwrite", "pod", "vm",
+            "-n", self.namespace, "annotate", "--overwrite", "pod", source,
             f"{MIGRATE_TO}={json.dumps(endpoint)}", f"{TOKEN}={token}",
         )  # fmt: skip
 
 
 def vm_pod(name: str, node: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    imported = DOMAIN in (annotations or {})  # the domain's own disks: no image pulled
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -126,7 +133,7 @@ def vm_pod(name: str, node: str, annotations: dict[str, str] | None = None) -> d
             "containers": [
                 {
                     "name": "vm",
-                    "image": "vm.vkubelet.io/tiny",
+                    "image": "vm.vkubelet.io/imported" if imported else "vm.vkubelet.io/tiny",
                     "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
                 }
             ],
@@ -162,7 +169,7 @@ def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterat
             stack.callback(kubectl, "delete", "node", name, "--ignore-not-found", "--wait=false")
             stack.callback(clean_up, node_dir / "state", cidr)
             stack.callback(agent.stop)
-            nodes.append(Node(name, agent, host, address))
+            nodes.append(Node(name, agent, host, address, node_dir / "state"))
         for node in nodes:
             wait_for(
                 lambda node=node: node_ready(kubectl, node.name),  # type: ignore[misc]
@@ -277,3 +284,110 @@ def test_a_vm_moves_to_the_other_libvirt_host_and_keeps_counting(lab: Lab) -> No
     # deleting the target pod ends the domain there
     lab.kubectl("-n", lab.namespace, "delete", "pod", "vm-2", "--wait=true", "--timeout=90s")
     assert lab.target.host.virsh("list", "--all", "--name").stdout.split() == []
+
+
+def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
+    lab: Lab, vm_guest_image: Path
+) -> None:
+    """A domain defined with `virsh define` on the first host (a bridge NIC of its own),
+    imported there, moves to the other host: refused first while that host lacks its bridge
+    (the VM runs on at the source, the status saying which bridge; the target pod's pool gone
+    with its pod), then moved once the bridge is there: the same name, UUID and NIC, its disk
+    copied whole, what the guest wrote and its uptime kept, no boot; the import claim names
+    the target node, which records the domain for its deletion policy; the source's disk file
+    is left in place. Runs after the module's VM has left both hosts."""
+    source, target = lab.source.host, lab.target.host
+    domain = f"site-{uuid.uuid4().hex[:6]}"
+    disk = source.overlay(vm_guest_image, domain)
+    bridge = f"brs{uuid.uuid4().hex[:5]}"
+    source.run("ip", "link", "add", bridge, "type", "bridge")
+    source.run("ip", "link", "set", bridge, "up")
+    nic = f"<interface type='bridge'><source bridge='{bridge}'/><model type='virtio'/></interface>"
+    xml = virtlab.guest_domain_xml(domain, disk).replace("<memballoon", f"{nic}<memballoon")
+    xml_file = source.dir / f"{domain}.xml"
+    xml_file.write_text(xml)
+    source.virsh("define", str(xml_file))
+    domain_uuid = source.virsh("domuuid", domain).stdout.strip()
+    machine = uuid.uuid4().hex
+    imported = {DOMAIN: domain, MACHINE: machine}
+    lab.apply(vm_pod("imp", lab.source.name, imported))
+    wait_for(lambda: lab.running("imp"), timeout=300, interval=2, what="the imported VM Running")
+    marker = uuid.uuid4().hex
+
+    def guest(name: str, command: str) -> str:
+        done = lab.kubectl("-n", lab.namespace, "exec", name, "--", "sh", "-c", command)
+        return str(done.stdout)
+
+    def uptime(name: str) -> float:
+        return float(guest(name, "cut -d' ' -f1 /proc/uptime"))
+
+    wait_for(
+        lambda: lab.kubectl(
+            "-n", lab.namespace, "exec", "imp", "--", "true", check=False
+        ).returncode == 0,
+        timeout=120,
+        what="the guest agent",
+    )  # fmt: skip
+    guest("imp", f"echo {marker} > /root/imported && sync")
+
+    # refused: the target host has no bridge of that name; the VM runs on at the source
+    endpoint = lab.target_pod("imp-refused", "imp", imported)
+    assert endpoint["libvirt"]["domain"] == domain and endpoint["libvirt"]["directory"]
+    lab.migrate("imp-refused", endpoint, source="imp")
+    wait_for(
+        lambda: lab.condition("imp", MIGRATION).get("reason") == "Failed",
+        timeout=120,
+        what="the migration refused",
+    )
+    error = json.loads(lab.condition("imp", MIGRATION)["message"])["error"]
+    print(f"refused: {error}")
+    assert bridge in error, error
+    assert source.running() == [domain] and lab.running("imp")
+    assert target.virsh("list", "--all", "--name").stdout.split() == []
+    lab.kubectl(
+        "-n", lab.namespace, "delete", "pod", "imp-refused", "--wait=true", "--timeout=60s"
+    )  # fmt: skip
+    assert target.virsh("pool-list", "--all", "--name").stdout.split() == []
+
+    # moved, once the target host has the bridge
+    target.run("ip", "link", "add", bridge, "type", "bridge")
+    target.run("ip", "link", "set", bridge, "up")
+    before = uptime("imp")
+    earlier = lab.condition("imp", MIGRATION).get("message")
+    endpoint = lab.target_pod("imp-2", "imp", imported)
+
+    def outcome() -> bool:
+        condition = lab.condition("imp", MIGRATION)
+        ended = condition.get("reason") in ("Completed", "Failed")
+        return ended and condition.get("message") != earlier
+
+    lab.migrate("imp-2", endpoint, source="imp")
+    wait_for(outcome, timeout=180, what="the imported domain's migration")
+    result = lab.condition("imp", MIGRATION)
+    assert result["reason"] == "Completed", result
+    print(f"imported migration: {result['message']}")
+    wait_for(lambda: lab.running("imp-2"), timeout=120, what="the target Running")
+
+    assert source.virsh("list", "--all", "--name").stdout.split() == []
+    assert target.running() == [domain]
+    assert target.virsh("domuuid", domain).stdout.strip() == domain_uuid
+    defined = target.virsh("dumpxml", domain).stdout
+    assert f"<source bridge='{bridge}'/>" in defined
+    copy = Path(endpoint["libvirt"]["directory"]) / "vda.qcow2"
+    assert copy.parent == (lab.target.state / "imported" / lab.pod("imp-2")["metadata"]["uid"])
+    assert f"<source file='{copy}'" in defined
+    claim = target.virsh("metadata", domain, IMPORT_URI).stdout
+    assert f'node="{lab.target.name}"' in claim and f'machine="{machine}"' in claim
+    assert disk.exists()  # the source's file stays where it was
+    assert target.virsh("pool-list", "--all", "--name").stdout.split() == []
+    assert guest("imp-2", "cat /root/imported").strip() == marker
+    assert uptime("imp-2") > before  # the same guest, not booted again
+    assert "vkubelet-guest: booted" not in lab.logs("imp-2")
+    record = json.loads((lab.target.state / "machines" / machine / "import.json").read_text())
+    assert record["uuid"] == domain_uuid and record["name"] == domain
+
+    # deleting the target pod shuts the domain off there, still defined (it is the site's)
+    lab.kubectl("-n", lab.namespace, "delete", "pod", "imp-2", "--wait=true", "--timeout=90s")
+    assert target.running() == []
+    assert target.virsh("list", "--all", "--name").stdout.split() == [domain]
+    assert copy.exists()  # its disk, which outlives the pod

@@ -41,6 +41,8 @@ domain's XML comes from `_domainxml`.
   started as defined (`_launch_imported`) and never undefined by its machine
   (`LibvirtMachine.imported`, kept in `domain.json`); its VirtualMachine's deletion policy is
   applied by `release_import`. Its pod's IP is the guest's own (`guest_address`, `_guestaddr`).
+  It live-migrates with its disks copied whole into files the target's daemon makes in a
+  transient pool (`_incoming_imported`, `_lvimportmig`).
 - **Live resize** is libvirt's own calls (`_lvhotplug`, the machine's `hotplug`): vCPUs set,
   DIMMs attached, the root disk resized, live and into the definition.
 - **Backups** are libvirt's backup API with checkpoints (`_backuplibvirt`, `disk_backup`); a
@@ -90,6 +92,7 @@ from ._domainxml import (
 )
 from ._guestaddr import first_ipv4, routed_peer
 from ._lvhotplug import LibvirtHotplug
+from ._lvimportmig import imported_disks, pool_name, pool_xml
 from ._lvmigrate import arrival, migrate_domain, target_uri
 from ._lvnet import bridge_refused, libvirt_network, retarget_network, with_network
 from ._machine import MachineError, MachineExit, Usage
@@ -585,10 +588,11 @@ class LibvirtMachine:
         *,
         max_bandwidth: int | None = None,
     ) -> Outcome:
-        """Live-migrate the domain to another libvirt host (`_lvmigrate`). Not an imported
-        one yet: its disks and definition are the site's, which the target pod does not know."""
-        if self.imported:
-            raise MigrationError("the libvirt runtime cannot live-migrate an imported domain yet")
+        """Live-migrate the domain to another libvirt host (`_lvmigrate`; an imported one's
+        disks copied whole into files the target's daemon makes, `_lvimportmig`)."""
+        if self.imported != bool(target.directory):
+            whose = "an imported domain's" if target.directory else "a pod's own domain"
+            raise MigrationError(f"the target pod is {whose} target, not this VM's")
         return await migrate_domain(
             self.connection, self.uuid, target, report, max_bandwidth=max_bandwidth
         )
@@ -675,8 +679,10 @@ class IncomingLibvirtMachine(LibvirtMachine):
     domain arrives from the source's host under `target.domain`, labelled with this pod.
     Once `arrive` returned it is the running domain's machine like any other."""
 
-    def __init__(self, connection: Connection, run_dir: Path, target: DomainTarget) -> None:
-        super().__init__(connection, run_dir, "", -1, time.time())
+    def __init__(
+        self, connection: Connection, run_dir: Path, target: DomainTarget, *, imported: bool = False
+    ) -> None:
+        super().__init__(connection, run_dir, "", -1, time.time(), imported=imported)
         self.target = target
         self._stopping = asyncio.Event()
 
@@ -696,6 +702,7 @@ class IncomingLibvirtMachine(LibvirtMachine):
             raise MigrationError("the target pod stopped before the VM arrived")
         domain, uuid = waiting.result()
         self._adopt(uuid, await self.connection.run(domain.ID))
+        await self._drop_pool()
         if self._console.ended.is_set():  # not opened while it came in
             await self.open_console(domain)
 
@@ -705,10 +712,24 @@ class IncomingLibvirtMachine(LibvirtMachine):
         with contextlib.suppress(MachineError, OSError, _libvirt().libvirtError):
             await self.open_console(domain)
 
+    async def _drop_pool(self) -> None:
+        """An imported domain's transient pool (`_incoming_pool`) ends: its files stay, the
+        domain's disks now."""
+        if not self.target.directory:
+            return
+        libvirt = _libvirt()
+        with contextlib.suppress(MachineError, libvirt.libvirtError):
+            conn = await self.connection.get()
+            name = pool_name(self.target.owner[0])
+            pool = await self.connection.run(conn.storagePoolLookupByName, name)
+            await self.connection.run(pool.destroy)
+
     def _adopt(self, uuid: str, domain_id: int) -> None:
         self.uuid, self.pid = uuid, domain_id
         self.agent = LibvirtGuestAgent(self.connection, uuid)
-        record = {"uri": self.connection.uri, "uuid": uuid, "id": domain_id}
+        record: dict[str, object] = {"uri": self.connection.uri, "uuid": uuid, "id": domain_id}
+        if self.imported:
+            record["imported"] = True
         write_atomic(self.run_dir / DOMAIN_FILE, json.dumps({**record, "started": self.started}))
 
     async def kill(self) -> None:
@@ -716,6 +737,7 @@ class IncomingLibvirtMachine(LibvirtMachine):
         coming in (the source's libvirt then fails the migration and resumes the guest
         there); after, as any domain."""
         self._stopping.set()
+        await self._drop_pool()
         if self.uuid:
             await super().kill()
             return
@@ -839,6 +861,8 @@ class LibvirtRuntime(QemuRuntime):
         namespace, _, name = spec.name.partition("/")
         pod_uid = spec.network_key or spec.run_dir.parent.name
         owner = Owner(pod_uid, namespace, name, self.node_name)
+        if spec.domain is not None and spec.incoming:
+            return await self._incoming_imported(spec, spec.domain, owner)
         if spec.domain is not None:
             return await self._launch_imported(spec, spec.domain, owner)
         resolved = replace(
@@ -927,6 +951,64 @@ class LibvirtRuntime(QemuRuntime):
             network=network,
         )
         return IncomingLibvirtMachine(self.connection, spec.run_dir, target)
+
+    async def _incoming_imported(
+        self, spec: LaunchSpec, request: DomainImport, owner: Owner
+    ) -> MachineHandle:
+        """An imported domain's migration target (`_lvimportmig`): no files made here; a
+        transient storage pool over `<stateDir>/imported/<pod uid>/`, built by this host's daemon,
+        in which libvirt creates each disk's file as the copy arrives. A domain of that name on
+        this host refuses it (DomainExists, left as it is)."""
+        libvirt = _libvirt()
+        conn = await self.connection.get()
+        try:
+            await self.connection.run(conn.lookupByName, request.name)
+        except libvirt.libvirtError as e:
+            if _code(e) != libvirt.VIR_ERR_NO_DOMAIN:
+                raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+        else:
+            raise MachineRefused(
+                "DomainExists",
+                f"libvirt {self.connection.uri} has a domain {request.name!r} already: the "
+                "imported domain cannot move to this host; it is left as it is",
+            )
+        try:
+            uri = target_uri(self.connection.uri, self.config.libvirt_migration_uri)
+        except MigrationError as e:
+            raise MachineRefused("MigrationUnsupported", str(e)) from None
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("console.sock", "exit.json", DOMAIN_FILE):
+            (spec.run_dir / stale).unlink(missing_ok=True)
+        directory = str(imported_disks(self.config.state_dir, owner.pod_uid).resolve())
+        await self._incoming_pool(owner.pod_uid, directory)
+        target = DomainTarget(
+            uri=uri,
+            domain=request.name,
+            files=(),
+            owner=(owner.pod_uid, owner.namespace, owner.name, owner.node),
+            directory=directory,
+        )
+        return IncomingLibvirtMachine(self.connection, spec.run_dir, target, imported=True)
+
+    async def _incoming_pool(self, pod_uid: str, directory: str) -> None:
+        """The target's transient pool (`_lvimportmig.pool_xml`), its directory built by the
+        daemon; one left by a previous agent of this pod is taken as it is."""
+        libvirt = _libvirt()
+        conn = await self.connection.get()
+        with contextlib.suppress(libvirt.libvirtError):
+            await self.connection.run(conn.storagePoolLookupByName, pool_name(pod_uid))
+            return
+        try:
+            build = libvirt.VIR_STORAGE_POOL_CREATE_WITH_BUILD
+            await self.connection.run(
+                conn.storagePoolCreateXML, pool_xml(pod_uid, directory), build
+            )
+        except libvirt.libvirtError as e:
+            raise MachineRefused(
+                "MigrationUnsupported",
+                f"libvirt {self.connection.uri}: no storage pool for the imported domain's "
+                f"disks at {directory}: {message_of(e)}",
+            ) from None
 
     async def _restore(self, spec: LaunchSpec, owner: Owner, uuid: str) -> MachineHandle:
         """The hibernated domain `uuid`, restored for this pod: its saved XML (the image's and

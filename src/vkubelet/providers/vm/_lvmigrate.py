@@ -40,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from ...sdk.retry import Backoff
+from . import _lvimportmig
 from ._domainxml import METADATA_URI, Owner, owner_of, rehome
 from ._lvnet import retarget_network
 from ._machine import MachineError
@@ -96,13 +97,17 @@ def _libvirt() -> Any:
     return libvirt
 
 
-def flags(libvirt: Any) -> int:
-    """Live, peer to peer, the disks copied (their overlays), the domain defined at the target
-    and undefined here: what works between two hosts without shared storage."""
+def flags(libvirt: Any, *, whole_disks: bool = False) -> int:
+    """Live, peer to peer, the disks copied (their overlays; `whole_disks`: their whole chain,
+    an imported domain's, `_lvimportmig`), the domain defined at the target and undefined
+    here: what works between two hosts without shared storage."""
+    copy = (
+        libvirt.VIR_MIGRATE_NON_SHARED_DISK if whole_disks else libvirt.VIR_MIGRATE_NON_SHARED_INC
+    )
     return int(
         libvirt.VIR_MIGRATE_LIVE
         | libvirt.VIR_MIGRATE_PEER2PEER
-        | libvirt.VIR_MIGRATE_NON_SHARED_INC
+        | copy
         | libvirt.VIR_MIGRATE_PERSIST_DEST
         | libvirt.VIR_MIGRATE_UNDEFINE_SOURCE
     )
@@ -180,17 +185,27 @@ async def migrate_domain(
     domain = await connection.domain(uuid)
     if domain is None:
         raise MigrationError(f"the domain {uuid} is gone")
+    imported = bool(target.directory)  # an imported domain's target (`_lvimportmig`)
     try:
         xml = await connection.run(domain.XMLDesc, libvirt.VIR_DOMAIN_XML_MIGRATABLE)
-        destination = destination_xml(xml, target)
+        if imported:
+            owner = Owner(*target.owner)
+            destination, disks = _lvimportmig.destination_xml(xml, target.directory, owner)
+        else:
+            destination, disks = destination_xml(xml, target), copied_disks(xml)
     except libvirt.libvirtError as e:
         raise MigrationError(f"libvirt {connection.uri}: {_message(e)}") from None
     except ValueError as e:
-        raise MigrationError(f"the target pod's disks are not this VM's: {e}") from None
+        what = (
+            "this imported domain cannot move"
+            if imported
+            else "the target pod's disks are not this VM's"
+        )
+        raise MigrationError(f"{what}: {e}") from None
     params: dict[str, Any] = {
         libvirt.VIR_MIGRATE_PARAM_DEST_XML: destination,
         libvirt.VIR_MIGRATE_PARAM_DEST_NAME: target.domain,
-        libvirt.VIR_MIGRATE_PARAM_MIGRATE_DISKS: copied_disks(xml),
+        libvirt.VIR_MIGRATE_PARAM_MIGRATE_DISKS: disks,
     }
     if max_bandwidth:
         params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH] = max(1, max_bandwidth // 2**20)  # MiB/s
@@ -207,7 +222,9 @@ async def migrate_domain(
     progress = Progress(phase="migrating")
     watching = asyncio.ensure_future(_report(connection, domain, progress, report))
     try:
-        await connection.run(domain.migrateToURI3, target.uri, params, flags(libvirt))
+        await connection.run(
+            domain.migrateToURI3, target.uri, params, flags(libvirt, whole_disks=imported)
+        )
     except libvirt.libvirtError as e:
         if await _stays(connection, domain):
             raise MigrationError(failure(_message(e), target.uri)) from None

@@ -154,13 +154,16 @@ class DomainNetwork:
 class DomainTarget:
     """A libvirt target (`_lvmigrate`): the target host's daemon as the source host's daemon
     reaches it, the domain's name there, the target pod's file for each disk (vda: ...) and
-    the target pod (`<metadata>`: uid, namespace, name, node)."""
+    the target pod (`<metadata>`: uid, namespace, name, node). An imported domain's target
+    (`_lvimportmig`) names no files: `directory` is where its disks are copied, whole, into
+    files the target's daemon creates (a storage pool's)."""
 
     uri: str
     domain: str
     files: tuple[tuple[str, str], ...]  # (target dev, file), sorted
     owner: tuple[str, str, str, str]  # pod uid, namespace, name, node
     network: DomainNetwork | None = None
+    directory: str = ""  # an imported domain's target only
 
     def to_data(self) -> dict[str, Any]:
         uid, namespace, name, node = self.owner
@@ -172,6 +175,8 @@ class DomainTarget:
         }
         if self.network is not None:
             data["network"] = asdict(self.network)
+        if self.directory:
+            data["directory"] = self.directory
         return data
 
     @classmethod
@@ -183,6 +188,7 @@ class DomainTarget:
             files=tuple(sorted((str(k), str(v)) for k, v in dict(data["files"]).items())),
             owner=(str(pod["uid"]), str(pod["namespace"]), str(pod["name"]), str(pod["node"])),
             network=DomainNetwork.from_data(data["network"]) if data.get("network") else None,
+            directory=str(data.get("directory") or ""),
         )
 
 

@@ -72,6 +72,7 @@ from ._backend import (
     MachineRefused,
     PulledImage,
     Runtime,
+    SavingMachine,
 )
 from ._backup import BackupSource, is_backup_pod, restore_if_asked
 from ._backups import BackupPods
@@ -453,9 +454,10 @@ class VMProvider(RunnerProvider):
         retried), the machine claimed (one pod at a time) and the domain recorded in the
         machine's directory, for the machine GC's deletion policy; then started."""
         retry = Backoff(initial=1.0, cap=30.0)
+        target = self.migrations.is_target(vm)  # the domain arrives (`_lvimportmig`)
         while True:
             try:
-                uuid = await self.runtime.check_import(request)
+                uuid = "" if target else await self.runtime.check_import(request)
                 directory = self._disk_dir(vm)
                 break
             except (MachineRefused, ProviderError) as e:
@@ -468,14 +470,22 @@ class VMProvider(RunnerProvider):
                 self.event(vm, "Warning", "Failed", f"Error: {e}")
                 self._report_waiting(vm, Waiting("CreateContainerError", str(e)))
                 await asyncio.sleep(retry.next_delay())
-        record = {**asdict(request), "uuid": uuid}
-        write_atomic(directory / _IMPORT_FILE, json.dumps(record) + "\n")
+        if uuid:
+            self._record_import(directory, request, uuid)
         vm.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         vm.launch = Launch(name=key, domain=request)
         _write_pod_file(vm)
         vm.save()
-        self.event(vm, "Normal", "Created", f"Imported domain {request.name} (UUID {uuid})")
+        said = f"UUID {uuid}" if uuid else "arriving by live migration"
+        self.event(vm, "Normal", "Created", f"Imported domain {request.name} ({said})")
         self._start_vm(key, vm, restart_count=0)
+
+    @staticmethod
+    def _record_import(directory: Path, request: DomainImport, uuid: str) -> None:
+        """The machine's imported domain, for the machine GC's deletion policy on this node
+        (a migration target's once the domain arrived: its UUID is the source's)."""
+        record = {**asdict(request), "uuid": uuid}
+        write_atomic(directory / _IMPORT_FILE, json.dumps(record) + "\n")
 
     async def _release_imported(self, directory: Path) -> None:
         """A machine going away: its imported domain is undefined (policy Delete) or left as it
@@ -788,6 +798,9 @@ class VMProvider(RunnerProvider):
                     await self.migrations.receive(vm, machine, runner, count)
                 else:
                     await self.migrations.resume_incoming(vm, machine, runner)
+                imported = vm.launch.domain if vm.launch is not None else None
+                if imported is not None and isinstance(machine, SavingMachine):
+                    self._record_import(self._disk_dir(vm), imported, machine.reference)
             except MigrationError:
                 await machine.kill()
                 vm.machine = None
