@@ -69,10 +69,12 @@ manifests: install
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct)
 IMAGE_BASE ?= registry
 IMAGE_TARGET ?= agent
+# vkubelet:0.1.0 is the agent; another target's tag says which (vkubelet:0.1.0-libvirt).
+IMAGE_SUFFIX = $(if $(filter-out agent,$(IMAGE_TARGET)),-$(IMAGE_TARGET))
 IMAGE_BUILD = SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) $(PYTHON) deploy/image/build.py
 image:
 	$(IMAGE_BUILD) build --base $(IMAGE_BASE) --target $(IMAGE_TARGET) \
-	  --tag vkubelet:$(shell grep -m1 '^version' pyproject.toml | cut -d'"' -f2)
+	  --tag vkubelet:$(shell grep -m1 '^version' pyproject.toml | cut -d'"' -f2)$(IMAGE_SUFFIX)
 
 image-base-debian:
 	$(PYTHON) deploy/image/build.py base
@@ -82,7 +84,8 @@ image-verify:
 
 image-check: install
 	d=$$(mktemp -d) && trap 'rm -rf $$d' EXIT && \
-	for lock in deploy/image/requirements.lock deploy/image/build-requirements.lock; do \
+	for lock in deploy/image/requirements.lock deploy/image/build-requirements.lock \
+	  deploy/image/libvirt-requirements.lock deploy/image/libvirt-build-requirements.lock; do \
 	  $(BIN)/pip download --quiet --no-deps --require-hashes --dest $$d -r $$lock || exit 1; done
 
 unit: install

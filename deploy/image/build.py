@@ -176,7 +176,7 @@ def main() -> None:
     for name in ("build", "verify"):
         cmd = commands.add_parser(name)
         cmd.add_argument("--base", choices=["registry", "local"], default="registry")
-        cmd.add_argument("--target", choices=["agent", "vm"], default="agent")
+        cmd.add_argument("--target", choices=["agent", "vm", "libvirt"], default="agent")
         cmd.add_argument("--source-date-epoch", type=int, default=None)
         cmd.add_argument("--debian-mirror", help="the vm target's Debian source (DEBIAN_MIRROR)")
         cmd.add_argument("--tag", default=None)

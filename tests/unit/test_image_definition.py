@@ -73,26 +73,56 @@ def test_the_base_image_is_pinned_by_digest() -> None:
     for image, *alias in instructions("FROM"):
         assert image == "${BASE}" or image in stages, f"FROM {image}: not the pinned base"
         stages.update(alias[1:])  # ("AS", name)
-    assert stages == {"build", "agent", "vm"}
+    assert stages == {"build", "agent", "vm", "libvirt-build", "libvirt"}
 
 
 def test_every_dependency_is_installed_from_a_lock_with_hashes() -> None:
     runs = " && ".join(v[0] for v in instructions("RUN"))
     installs = re.findall(r"bin/pip install ([^&]+)", runs)
-    assert len(installs) == 3
+    assert len(installs) == 5
     for args in installs:
         assert "--no-deps" in args, args
-        # A lock, hash-checked; or the wheel just built from this tree.
-        assert "--require-hashes" in args or args.strip().endswith("/wheels/vkubelet-*.whl"), args
+        # A lock, hash-checked; or the wheel just built from this tree; or the libvirt binding's
+        # sdist, downloaded by hash and unpacked (a fixed build directory, see below).
+        built = ("/wheels/vkubelet-*.whl", "/src/libvirt-python")
+        assert "--require-hashes" in args or args.strip().endswith(built), args
+    downloads = re.findall(r"bin/pip download ([^&]+)", runs)
+    assert [d.split()[-1] for d in downloads] == ["/locks/libvirt-requirements.lock"]
+    assert "--require-hashes" in downloads[0]
     vm = INSTRUCTIONS[next(i for i, x in enumerate(INSTRUCTIONS) if x.value[-1] == "vm") :]
     before_vm = INSTRUCTIONS[: len(INSTRUCTIONS) - len(vm)]
     assert not any("apt-get" in x.value[0] for x in before_vm if x.cmd.upper() == "RUN")
-    # The vm stage's packages: from a dated snapshot unless the builder names another mirror.
-    (mirror,) = [x.value[0] for x in vm if x.cmd.upper() == "ARG"]
+    # The vm and libvirt stages' packages: from one dated snapshot unless the builder names
+    # another mirror.
+    mirrors = {x.value[0] for x in vm if x.cmd.upper() == "ARG"}
+    (mirror,) = mirrors
     snapshot = r"http://snapshot\.debian\.org/archive/debian/\d{8}T\d{6}Z"
     assert re.fullmatch(f"DEBIAN_MIRROR={snapshot}", mirror), mirror
     assert locked(IMAGE / "requirements.lock")
     assert "hatchling" in locked(IMAGE / "build-requirements.lock")
+    assert "setuptools" in locked(IMAGE / "libvirt-build-requirements.lock")
+
+
+def test_the_libvirt_target_carries_the_extras_binding_ssh_and_qemu_img_only() -> None:
+    """The chart's vm mode: libvirt-python at the version pyproject.toml's `libvirt` extra pins,
+    from its one sdist by hash (it has no wheels); libvirt0, ssh and qemu-img; no QEMU; the
+    chart's user named in /etc/passwd, which ssh needs."""
+    pyproject = (IMAGE.parents[1] / "pyproject.toml").read_text()
+    (pinned,) = re.findall(r'"libvirt-python==([^"]+)"', pyproject)
+    ((version, hashes),) = locked(IMAGE / "libvirt-requirements.lock").values()
+    assert (version, len(hashes)) == (pinned, 1)
+    at = next(i for i, x in enumerate(INSTRUCTIONS) if x.value[-1] == "libvirt")
+    stage = INSTRUCTIONS[
+        at : next(
+            i for i in range(at + 1, len(INSTRUCTIONS)) if INSTRUCTIONS[i].cmd.upper() == "FROM"
+        )
+    ]
+    runs = " ".join(x.value[0] for x in stage if x.cmd.upper() == "RUN")
+    packages = re.search(r"apt-get install -y --no-install-recommends ([^&]+)", runs)
+    assert packages and packages.group(1).split() == ["libvirt0", "openssh-client", "qemu-utils"]
+    assert [x.value for x in stage if x.cmd.upper() == "USER"][-1] == ("65532:65532",)
+    # ssh refuses a uid that /etc/passwd does not name.
+    assert '"nonroot:x:65532:65532:nonroot:' in runs
 
 
 def test_the_agent_runs_as_the_charts_unprivileged_user() -> None:
