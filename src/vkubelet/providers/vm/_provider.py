@@ -783,7 +783,9 @@ class VMProvider(RunnerProvider):
             except MachineRefused as e:  # (libvirt: the bridge missing on the daemon's host)
                 self.event(vm, "Warning", e.reason, str(e))
                 return Terminated(128, reason=e.reason, message=str(e))
-            self.event(vm, "Normal", "Started", f"Started VM {vm.container} (pid {machine.pid})")
+            which = "domain id" if machine.runtime == "libvirt" else "pid"
+            started = f"Started VM {vm.container} ({which} {machine.pid})"
+            self.event(vm, "Normal", "Started", started)
         elif vm.started_at is not None:
             # Adopted, its guest up before the agent restarted: running since then. (One adopted
             # while still booting is up when its guest agent answers, as after a launch.)
