@@ -93,7 +93,7 @@ unit: install
 
 # Test processes in parallel (pytest-xdist; tests/parallel.py says how the suite is shared out):
 # most of the suite waits rather than computes. `make test PARALLEL=0` runs it in one process.
-PARALLEL ?= 3
+PARALLEL ?= 4
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 test: lint build

@@ -1,4 +1,4 @@
-"""pytest plugin for parallel runs of this suite (`make test`: pytest-xdist, `-n 3`).
+"""pytest plugin for parallel runs of this suite (`make test`: pytest-xdist, `-n 4`).
 
 Most of the suite's time is waiting (outage windows, timeouts, QEMU boots, clusters starting),
 so a few workers on two cores finish it in a fraction of the serial time. Each worker is its own
