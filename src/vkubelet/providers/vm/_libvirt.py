@@ -923,13 +923,7 @@ class LibvirtRuntime(QemuRuntime):
                 "devices yet",
             )
         await self._existing(owner.namespace, owner.name, owner.pod_uid)
-        try:
-            uri = target_uri(self.connection.uri, self.config.libvirt_migration_uri)
-        except MigrationError as e:
-            raise MachineRefused("MigrationUnsupported", str(e)) from None
-        spec.run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("console.sock", "exit.json", DOMAIN_FILE):
-            (spec.run_dir / stale).unlink(missing_ok=True)
+        uri = self._incoming_run_dir(spec)
         network = None
         if (key := spec.network_key) is not None:
             await self.attach_network(key, spec.network_address, standby=True)
@@ -952,6 +946,18 @@ class LibvirtRuntime(QemuRuntime):
         )
         return IncomingLibvirtMachine(self.connection, spec.run_dir, target)
 
+    def _incoming_run_dir(self, spec: LaunchSpec) -> str:
+        """A migration target's run directory, cleared of what a previous machine there left;
+        the URI the source's daemon is to send the domain to."""
+        try:
+            uri = target_uri(self.connection.uri, self.config.libvirt_migration_uri)
+        except MigrationError as e:
+            raise MachineRefused("MigrationUnsupported", str(e)) from None
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("console.sock", "exit.json", DOMAIN_FILE):
+            (spec.run_dir / stale).unlink(missing_ok=True)
+        return uri
+
     async def _incoming_imported(
         self, spec: LaunchSpec, request: DomainImport, owner: Owner
     ) -> MachineHandle:
@@ -972,13 +978,7 @@ class LibvirtRuntime(QemuRuntime):
                 f"libvirt {self.connection.uri} has a domain {request.name!r} already: the "
                 "imported domain cannot move to this host; it is left as it is",
             )
-        try:
-            uri = target_uri(self.connection.uri, self.config.libvirt_migration_uri)
-        except MigrationError as e:
-            raise MachineRefused("MigrationUnsupported", str(e)) from None
-        spec.run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("console.sock", "exit.json", DOMAIN_FILE):
-            (spec.run_dir / stale).unlink(missing_ok=True)
+        uri = self._incoming_run_dir(spec)
         directory = str(imported_disks(self.config.state_dir, owner.pod_uid).resolve())
         await self._incoming_pool(owner.pod_uid, directory)
         target = DomainTarget(

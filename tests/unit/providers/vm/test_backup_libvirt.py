@@ -96,7 +96,11 @@ class FakeDomain:
     def backupBegin(self, backup: str, checkpoint: str, flags: int) -> int:
         self.calls.append(("backupBegin", (backup, checkpoint, flags)))
         if self.refuse:
-            raise libvirt.libvirtError(self.refuse)
+            # Its words set here: a bare libvirtError takes the thread's last libvirt error,
+            # which another test's real connection may have left (CI got "Broken pipe").
+            error = libvirt.libvirtError(self.refuse)
+            error.err = (libvirt.VIR_ERR_OPERATION_FAILED, 0, self.refuse, 0)
+            raise error
         name = ET.fromstring(checkpoint).findtext("name")  # noqa: S314 - the test's own
         assert name
         self.checkpoints[name] = FakeCheckpoint(self, name)  # libvirt keeps it if the job fails
