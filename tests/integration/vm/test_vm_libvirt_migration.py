@@ -42,7 +42,7 @@ from vkubelet.testing import (
 )
 from vkubelet.testing.virtlab import LibvirtHost
 
-from .vmlab import TOLERATION, clean_up, require_vm_host, start_vm_agent
+from .vmlab import TOLERATION, PodsOf, clean_up, require_vm_host, start_vm_agent
 
 pytestmark = pytest.mark.integration
 
@@ -73,23 +73,9 @@ class Node:
 
 
 @dataclass
-class Lab:
-    namespace: str
-    kubectl: Kubectl
+class Lab(PodsOf):
     source: Node
     target: Node
-
-    def pod(self, name: str) -> dict[str, Any]:
-        return dict(self.kubectl.json("-n", self.namespace, "get", "pod", name))
-
-    def condition(self, name: str, kind: str) -> dict[str, Any]:
-        for condition in self.pod(name)["status"].get("conditions") or []:
-            if condition["type"] == kind:
-                return dict(condition)
-        return {}
-
-    def apply(self, manifest: dict[str, Any]) -> None:
-        self.kubectl("-n", self.namespace, "apply", "-f", "-", input=json.dumps(manifest))
 
     def logs(self, name: str) -> str:
         return str(self.kubectl("-n", self.namespace, "logs", name).stdout)

@@ -32,7 +32,7 @@ import pytest
 from vkubelet.testing import Kubectl, create_namespace, delete_namespace, wait_for
 
 from .twonodes import VMNode
-from .vmlab import TOLERATION, alive, install_crds
+from .vmlab import TOLERATION, PodsOf, alive, install_crds
 
 pytestmark = pytest.mark.integration
 
@@ -76,23 +76,9 @@ def vm_pod(name: str, node: str, annotations: dict[str, str] | None = None) -> d
 
 
 @dataclass
-class Lab:
-    namespace: str
-    kubectl: Kubectl
+class Lab(PodsOf):
     hv1: VMNode
     hv2: VMNode
-
-    def pod(self, name: str) -> dict[str, Any]:
-        return dict(self.kubectl.json("-n", self.namespace, "get", "pod", name))
-
-    def condition(self, name: str, kind: str) -> dict[str, Any]:
-        for condition in self.pod(name)["status"].get("conditions") or []:
-            if condition["type"] == kind:
-                return dict(condition)
-        return {}
-
-    def apply(self, manifest: dict[str, Any]) -> None:
-        self.kubectl("-n", self.namespace, "apply", "-f", "-", input=json.dumps(manifest))
 
     def exec(self, name: str, *argv: str) -> str:
         return str(self.kubectl("-n", self.namespace, "exec", name, "--", *argv).stdout)

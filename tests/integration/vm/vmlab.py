@@ -14,13 +14,14 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vkubelet.devcluster import Cluster
-from vkubelet.testing import AgentProcess, start_agent
+from vkubelet.testing import AgentProcess, Kubectl, start_agent
 
 # The vm provider's own taint (its value is the provider's name), not every virtual-kubelet
 # taint: a worker's session-wide mock node (`api_node`) tolerated by `Exists` took a VM's pod.
@@ -104,3 +105,23 @@ def install_crds(cluster: Cluster) -> str:
     )  # fmt: skip
     assert install.returncode == 0, install.stderr
     return install.stdout
+
+
+@dataclass
+class PodsOf:
+    """The pods of one test namespace, read and written with kubectl (the migration labs)."""
+
+    namespace: str
+    kubectl: Kubectl
+
+    def pod(self, name: str) -> dict[str, Any]:
+        return dict(self.kubectl.json("-n", self.namespace, "get", "pod", name))
+
+    def condition(self, name: str, kind: str) -> dict[str, Any]:
+        for condition in self.pod(name)["status"].get("conditions") or []:
+            if condition["type"] == kind:
+                return dict(condition)
+        return {}
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        self.kubectl("-n", self.namespace, "apply", "-f", "-", input=json.dumps(manifest))

@@ -163,10 +163,12 @@ async def test_waiters_share_one_watcher_which_ends_with_the_last_of_them() -> N
     started = 0
     release = asyncio.Event()
     cancelled = asyncio.Event()
+    watching = asyncio.Event()
 
     async def watch() -> str:
         nonlocal started
         started += 1
+        watching.set()
         try:
             await release.wait()
         except asyncio.CancelledError:
@@ -177,7 +179,7 @@ async def test_waiters_share_one_watcher_which_ends_with_the_last_of_them() -> N
     shared = SharedWatch(watch, name="watch")
     first = asyncio.ensure_future(shared.wait())
     second = asyncio.ensure_future(shared.wait())
-    await asyncio.sleep(0)
+    await watching.wait()  # (the watcher runs after both waiters joined it)
     first.cancel()
     await asyncio.wait({first})
     assert not cancelled.is_set()  # the second still waits: the watcher lives on
