@@ -76,7 +76,7 @@ class LibvirtNode:
     agent: AgentProcess
     workdir: Path
     host: LibvirtHost
-    restart: Callable[[], AgentProcess]
+    restart: Callable[..., AgentProcess]  # (machine_gc=True: with the machine GC on)
     refused_node: str  # a node whose URI has a key the host does not know
 
     def domain_pid(self, domain: str) -> int:
@@ -119,10 +119,13 @@ def libvirt_node(
             "storage": {"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 1},
         }
 
-        def start() -> AgentProcess:
+        def start(machine_gc: bool = False) -> AgentProcess:
+            # Off by default: it would collect the first test's machine (no VirtualMachine)
+            # between its pods; the import test, the module's last, turns it on.
+            gc = {"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 1}
             return start_vm_agent(
                 kube_cluster, workdir, name=name, address=address, cidr=cidr,
-                image=vm_guest_image, **settings,
+                image=vm_guest_image, **settings, **({"machineGC": gc} if machine_gc else {}),
             )  # fmt: skip
 
         node = LibvirtNode(name, start(), workdir, host, start, f"{name}-refused")
@@ -520,13 +523,15 @@ def _backup_pod(
     return result
 
 
-def _backed_up_and_restored(node: LibvirtNode, kubectl: Kubectl, namespace: str, pod: str) -> None:
+def _backed_up_and_restored(
+    node: LibvirtNode, kubectl: Kubectl, namespace: str, pod: str, domain: str | None = None
+) -> None:
     """A file written, a full backup, another file, an incremental backup (each a libvirt
     push backup with a checkpoint, the guest frozen by libvirt), then a new VM restored from
     the chain reads both; a target outside the backup directories is refused, the VM runs on
     and no checkpoint is left of it. The VM's domain keeps its one checkpoint, so the
     hibernation and the removal after this run with one."""
-    host, domain = node.host, f"{namespace}_{pod}"
+    host, domain = node.host, domain or f"{namespace}_{pod}"
     target = node.workdir / "state" / "backups"  # the default backupDirectories
     write = "echo {0} > /root/{0} && sync"
     kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write.format("one"))
@@ -647,7 +652,8 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
     exist are refused (nothing left behind, the domain unchanged); replicas 0 shuts it off
     without undefining it, replicas 1 starts the same domain (same UUID) with what the guest
     wrote; hibernated (managed save) and resumed with what it kept in RAM (its address too);
-    deleting the VirtualMachine (Retain) leaves it defined."""
+    its own disk backed up, full then incremental, and restored into a new VM; deleting the
+    VirtualMachine (Retain) leaves it defined, without vkubelet's backup checkpoint."""
     host, node = libvirt_node.host, libvirt_node.name
     install_crds(kube_cluster)
     namespace = create_namespace(kubectl, f"lvi-{uuid.uuid4().hex[:6]}")
@@ -779,7 +785,14 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
         assert guest_ip() == "10.214.7.25"
         assert host.virsh("domuuid", domain).stdout.strip() == domain_uuid
 
-        # deleting the VirtualMachine (Retain): the domain shut down and still defined
+        # its own disk backed up (full, then incremental) and restored into a new VM
+        _backed_up_and_restored(libvirt_node, kubectl, namespace, pod, domain)
+
+        # deleting the VirtualMachine (Retain): the domain shut down and still defined, its
+        # claim and the backup's checkpoint dropped by the machine GC (turned on here)
+        libvirt_node.agent.stop()
+        libvirt_node.agent = libvirt_node.restart(machine_gc=True)
+        wait_for(lambda: node_ready(kubectl, node), timeout=90, what="node Ready again")
         kubectl("-n", namespace, "delete", "vm", "db", "--wait=true", "--timeout=90s")
 
         def pods_gone() -> bool:
@@ -788,6 +801,13 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
         wait_for(pods_gone, timeout=90, what="the VM's pod gone")
         assert host.running() == []
         assert domain in host.virsh("list", "--all", "--name").stdout.split()
+
+        def released() -> bool:  # by the machine GC, once it sees the VirtualMachine gone
+            claim = host.virsh("metadata", domain, IMPORT_URI, check=False)
+            checkpoints = host.virsh("checkpoint-list", domain, "--name").stdout.split()
+            return claim.returncode != 0 and not checkpoints
+
+        wait_for(released, timeout=60, what="claim and backup checkpoint gone")
     finally:
         processes: list[subprocess.Popen[Any]] = [*started, controller]
         for process in processes:

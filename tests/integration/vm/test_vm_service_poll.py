@@ -16,6 +16,7 @@ import ipaddress
 import itertools
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,7 @@ pytestmark = pytest.mark.integration
 DNS = "10.96.0.10"  # the dev cluster's CoreDNS Service
 PAIR = "vm-poll-test.vkubelet.io/pair"
 SERVE = "mkdir -p /tmp/www && echo keep > /tmp/www/index.html && httpd -p 8080 -h /tmp/www"
+OOPS = re.compile(r"BUG: unable to handle|Oops:|Kernel panic")
 # Every 100 ms one GET to `$1`; each answer is logged as `$2 <the pod's uptime>`.
 POLL = (
     'while :; do if timeout 5 wget -q -O /dev/null "$1"; then read up rest < /proc/uptime; '
@@ -72,6 +74,20 @@ class Lab:
             (c for c in status.get("conditions") or [] if c["type"] == "Ready"), {}
         )
         return status.get("nodeName") == node and ready.get("status") == "True"
+
+    def explain_not_ready(self) -> None:
+        """Print what the VM's pod went through; a guest kernel that oopsed on arrival is QEMU's
+        (TCG) defect under heavy load, recorded in docs/benchmarks.md: xfail with its words."""
+        status = self.status()
+        print("VM status:", json.dumps(status))
+        events = self.k("get", "events", "--sort-by=.lastTimestamp", check=False).stdout
+        print(events[-4000:])
+        pod = status.get("podName")
+        console = self.k("logs", str(pod), check=False).stdout if pod else ""
+        print(console[-4000:])
+        oops = [line for line in console.splitlines() if OOPS.search(line)]
+        if oops:
+            pytest.xfail(f"the guest kernel crashed after the move (QEMU TCG): {oops[:3]}")
 
     def serve(self) -> None:
         """Start the guest's httpd (after a boot): the pod turns Ready once it answers."""
@@ -270,7 +286,11 @@ def test_a_worker_pod_polling_the_vm_s_service_sees_one_address_through_power_an
         return bool(found.get("status", {}).get("phase") == "Succeeded")
 
     wait_for(migrated, timeout=300, interval=1, what="the migration Succeeded")
-    wait_for(lambda: lab.ready_on(second), timeout=120, what=f"keep Ready on {second}")
+    try:
+        wait_for(lambda: lab.ready_on(second), timeout=120, what=f"keep Ready on {second}")
+    except pytest.fail.Exception:
+        lab.explain_not_ready()
+        raise
     assert lab.status()["ip"] == address
     before = answers()
     wait_for(lambda: answers() >= before + 20, timeout=60, what="the poll answered after the move")

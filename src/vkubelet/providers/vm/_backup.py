@@ -112,6 +112,7 @@ class BackupError(Exception):
 class DiskState:
     """One disk of the running machine, as its runtime sees it before a backup."""
 
+    path: Path  # its file, as the runtime names it (on the runtime's host)
     size: int  # virtual size, bytes: the target file's
     incremental: bool  # the runtime counts this chain's writes since the previous backup
     dirty: int = 0  # bytes written since then (what an incremental copies)
@@ -162,7 +163,9 @@ class DiskBackup(Protocol):
         self, disks: Sequence[Path], chain: str, since: str | None, progress: Callable[[str], None]
     ) -> list[DiskState]:
         """Each disk's state, once what an interrupted backup of this machine left is gone
-        (said through `progress`); BackupError when a disk is not the machine's."""
+        (said through `progress`); BackupError when a disk is not the machine's. No `disks`:
+        the machine's own disks, every one it has (an imported domain's: vkubelet made none),
+        or BackupError when the runtime cannot list them."""
         ...
 
     async def prepare(self, plan: BackupPlan) -> None:
@@ -204,7 +207,9 @@ class BackupSource:
     pod_uid: str
     vm_name: str  # the VirtualMachine's name (label vm.vkubelet.io/name) or the pod's
     machine: str | None  # vm.vkubelet.io/machine, when the pod is an incarnation of one
-    disks: tuple[Path, ...]  # root first; QEMU's device ids are disk0, disk1, ...
+    # Root first; QEMU's device ids are disk0, disk1, ... None made by vkubelet (an imported
+    # domain): the runtime backs up the domain's own disks.
+    disks: tuple[Path, ...]
 
 
 @dataclass(frozen=True)
@@ -292,8 +297,11 @@ def resolve_target(raw: str | None, allowed: Sequence[Path]) -> Path:
     )
 
 
+CHAIN_PREFIX = "vkubelet-backup-"  # every chain's bitmaps (QEMU) and checkpoints (libvirt)
+
+
 def bitmap_name(chain_dir: Path) -> str:
-    return "vkubelet-backup-" + hashlib.sha256(str(chain_dir).encode()).hexdigest()[:16]
+    return CHAIN_PREFIX + hashlib.sha256(str(chain_dir).encode()).hexdigest()[:16]
 
 
 # -- the manifest ------------------------------------------------------------------------------
@@ -387,12 +395,6 @@ async def run_backup(
     """Take one backup of the running machine into `target`; raises BackupError."""
     if mode not in ("Auto", "Full", "Incremental"):
         raise BackupError("BackupFailed", f"{BACKUP_MODE}: expected Auto, Full or Incremental")
-    if not source.disks:  # nothing of vkubelet's to copy: never a backup of nothing
-        raise BackupError(
-            "BackupFailed",
-            "the VM has no disk vkubelet made (an imported domain's disks are its own: "
-            "not backed up yet)",
-        )
     engine = machine.disk_backup()
     started = time.monotonic()
     chain_dir = target / source.namespace / source.vm_name
@@ -416,6 +418,9 @@ async def run_backup(
         raise
     except Exception as e:  # the machine going away, typically
         raise BackupError("BackupFailed", f"{type(e).__name__}: {e}") from None
+    if not disks:  # never a backup of nothing
+        raise BackupError("BackupFailed", "the VM has no disk to back up")
+    paths = tuple(d.path for d in disks)
     can_increment = (
         previous is not None
         and all(d.incremental for d in disks)
@@ -437,10 +442,10 @@ async def run_backup(
     backup_dir = chain_dir / f"{backup_id}-{kind}"
     progress(f"{kind} backup {backup_id} of {source.namespace}/{source.pod} to {backup_dir}")
     shutil.rmtree(backup_dir, ignore_errors=True)  # a failed earlier attempt's leftovers
-    await _check_space(chain_dir, source, disks, kind)
+    await _check_space(chain_dir, disks, kind)
     backup_dir.mkdir(mode=0o700)
     files = tuple(backup_dir / f"disk{i}.qcow2" for i in range(len(disks)))
-    plan = BackupPlan(kind, backup_id, chain, since, source.disks, files)
+    plan = BackupPlan(kind, backup_id, chain, since, paths, files)
     guest = _Guest(engine, progress)
     consistency = ""
     try:
@@ -498,18 +503,18 @@ async def run_backup(
     return BackupResult(kind, size, duration, str(backup_dir), consistency, copy_seconds)
 
 
-async def _check_space(
-    chain_dir: Path, source: BackupSource, disks: Sequence[DiskState], kind: str
-) -> None:
+async def _check_space(chain_dir: Path, disks: Sequence[DiskState], kind: str) -> None:
     """Refuse a target without room for the copy, before anything starts: a target that fills
     up mid-copy fails the copy-before-write, i.e. the guest's own writes (and the drives'
     default `werror=enospc` pauses the VM)."""
     needed = len(disks) * _SPACE_MARGIN
     for i, disk in enumerate(disks):
-        if kind == "full":
+        if kind == "full" and not disk.path.exists():  # on a remote runtime host
+            needed += disk.size  # at most the disk's virtual size
+        elif kind == "full":
             try:
                 out = await _qemu_img(
-                    ["measure", "-U", "--output=json", "-O", "qcow2", str(source.disks[i])]
+                    ["measure", "-U", "--output=json", "-O", "qcow2", str(disk.path)]
                 )
                 needed += int(json.loads(out)["required"])
             except (DiskError, ValueError, KeyError) as e:

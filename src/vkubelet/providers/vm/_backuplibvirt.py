@@ -33,6 +33,7 @@ import os
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -74,8 +75,8 @@ class LibvirtDiskBackup:
 
     def __init__(self, connection: DomainConnection, uuid: str, agent: GuestAgent) -> None:
         self.connection, self.uuid, self.agent = connection, uuid, agent
-        self._targets: list[str] = []  # the domain's disk targets (vda, ...), disk order
-        self._others: list[str] = []  # its other disks (the seed ISO): not backed up
+        self._disks: list[FileDisk] = []  # the disks backed up, disk order
+        self._others: list[str] = []  # the domain's other disk targets (the seed): not backed up
         self._elapsed: float | None = None
 
     def _failed(self, error: BaseException) -> BackupError:
@@ -122,11 +123,10 @@ class LibvirtDiskBackup:
         try:
             await self._abort_leftover_job(domain, progress)
             xml = await self.connection.run(domain.XMLDesc, 0)
-            by_file, self._others = _disk_targets(xml)
-            self._targets = _match(by_file, disks)
-            for other in list(self._others):
-                if other in self._targets:
-                    self._others.remove(other)
+            files, every = domain_disks(xml)
+            self._disks = _match(files, disks)
+            targets = [d.target for d in self._disks]
+            self._others = [t for t in every if t not in targets]
             wanted = f"{chain}-{since}" if since is not None else None
             names = await self._checkpoints(domain, chain)
             stale = [n for n in names if n != wanted]
@@ -136,13 +136,14 @@ class LibvirtDiskBackup:
                     await self._delete_checkpoint(domain, name)
             dirty = await self._dirty(domain, wanted) if wanted in names else None
             states = []
-            for target in self._targets:
-                info = await self.connection.run(domain.blockInfo, target, 0)
+            for disk in self._disks:
+                info = await self.connection.run(domain.blockInfo, disk.target, 0)
                 states.append(
                     DiskState(
+                        path=Path(disk.path),
                         size=int(info[0]),
-                        incremental=dirty is not None and target in dirty,
-                        dirty=(dirty or {}).get(target, 0),
+                        incremental=dirty is not None and disk.target in dirty,
+                        dirty=(dirty or {}).get(disk.target, 0),
                     )
                 )
         except libvirt.libvirtError as e:
@@ -201,8 +202,9 @@ class LibvirtDiskBackup:
     async def begin(self, plan: BackupPlan) -> None:
         libvirt = _binding()
         domain = await self._domain()
-        backup = backup_xml(plan, self._targets, self._others)
-        checkpoint = checkpoint_xml(f"{plan.chain}-{plan.backup_id}", self._targets, self._others)
+        targets = [d.target for d in self._disks]
+        backup = backup_xml(plan, targets, self._others)
+        checkpoint = checkpoint_xml(f"{plan.chain}-{plan.backup_id}", self._disks, self._others)
         flags = libvirt.VIR_DOMAIN_BACKUP_BEGIN_REUSE_EXTERNAL
         try:
             await self.connection.run(domain.backupBegin, backup, checkpoint, flags)
@@ -252,36 +254,59 @@ class LibvirtDiskBackup:
             await self._delete_checkpoint(domain, f"{plan.chain}-{plan.backup_id}")
 
 
-def _disk_targets(xml: str) -> tuple[dict[str, str], list[str]]:
-    """The domain's file disks by resolved path → target, and every disk target."""
+@dataclass(frozen=True)
+class FileDisk:
+    """A disk of the domain that is a file: what a backup copies."""
+
+    target: str  # vda, sdb, ...
+    path: str  # as the domain names it, on the daemon's host
+    format: str  # its driver's type: only qcow2 keeps a checkpoint's bitmap
+
+    @property
+    def bitmaps(self) -> bool:
+        return self.format == "qcow2"
+
+
+def domain_disks(xml: str) -> tuple[list[FileDisk], list[str]]:
+    """The domain's file disks (not CD-ROMs), in its order, and every disk target."""
     root = ET.fromstring(xml)  # noqa: S314 - from the libvirt daemon we drive
-    by_file: dict[str, str] = {}
+    files: list[FileDisk] = []
     every: list[str] = []
     for disk in root.iterfind("./devices/disk"):
-        target, source = disk.find("target"), disk.find("source")
+        target, source, driver = disk.find("target"), disk.find("source"), disk.find("driver")
         dev = target.get("dev") if target is not None else None
         if not dev:
             continue
         every.append(dev)
         path = source.get("file") if source is not None else None
         if path and disk.get("device", "disk") == "disk":
-            by_file[os.path.realpath(path)] = dev
-    return by_file, every
+            fmt = (driver.get("type") if driver is not None else None) or "raw"
+            files.append(FileDisk(dev, path, fmt))
+    return files, every
 
 
-def _match(by_file: dict[str, str], disks: Sequence[Path]) -> list[str]:
-    """The domain's target of each disk file (they are given resolved to libvirt)."""
-    targets = []
+def _match(files: Sequence[FileDisk], disks: Sequence[Path]) -> list[FileDisk]:
+    """The domain's disk of each file vkubelet made (given resolved, as libvirt has them); no
+    files given: every file disk of the domain (an imported domain's own)."""
+    if not disks:
+        if not files:
+            raise BackupError(
+                "BackupFailed",
+                "the domain has no file disk (block devices and network disks are not backed up)",
+            )
+        return list(files)
+    by_file = {os.path.realpath(f.path): f for f in files}
+    matched = []
     for disk in disks:
-        target = by_file.get(os.path.realpath(disk))
-        if target is None:
+        found = by_file.get(os.path.realpath(disk))
+        if found is None:
             raise BackupError(
                 "BackupFailed",
                 f"the domain has no disk {disk}: its disks are not the agent's files "
                 "(libvirt.pool, a fleet: not backed up yet)",
             )
-        targets.append(target)
-    return targets
+        matched.append(found)
+    return matched
 
 
 def backup_xml(plan: BackupPlan, targets: Sequence[str], others: Sequence[str]) -> str:
@@ -300,13 +325,18 @@ def backup_xml(plan: BackupPlan, targets: Sequence[str], others: Sequence[str]) 
     return ET.tostring(root, encoding="unicode")
 
 
-def checkpoint_xml(name: str, targets: Sequence[str], others: Sequence[str]) -> str:
-    """libvirt's `<domaincheckpoint>`: a bitmap on each backed-up disk, none elsewhere."""
+def checkpoint_xml(name: str, backed_up: Sequence[FileDisk], others: Sequence[str]) -> str | None:
+    """libvirt's `<domaincheckpoint>`: a bitmap on each backed-up qcow2 disk, none elsewhere;
+    None when no disk can keep one (raw files: every backup of them is full)."""
+    if not any(d.bitmaps for d in backed_up):
+        return None
     root = ET.Element("domaincheckpoint")
     ET.SubElement(root, "name").text = name
     disks = ET.SubElement(root, "disks")
-    for target in targets:
-        ET.SubElement(disks, "disk", {"name": target, "checkpoint": "bitmap"})
+    for disk in backed_up:
+        ET.SubElement(
+            disks, "disk", {"name": disk.target, "checkpoint": "bitmap" if disk.bitmaps else "no"}
+        )
     for other in others:
         ET.SubElement(disks, "disk", {"name": other, "checkpoint": "no"})
     return ET.tostring(root, encoding="unicode")

@@ -72,6 +72,8 @@ class QmpDiskBackup:
     async def inspect(
         self, disks: Sequence[Path], chain: str, since: str | None, progress: Callable[[str], None]
     ) -> list[DiskState]:
+        if not disks:  # this runtime runs only machines vkubelet made, with their disks
+            raise BackupError("BackupFailed", "the VM has no disk vkubelet made")
         await self._clear_leftovers(progress)
         reply = await self.monitor.execute("query-block")
         self._devices = {str(b.get("device")): b for b in reply if b.get("inserted")}
@@ -80,10 +82,11 @@ class QmpDiskBackup:
         if missing:
             raise BackupError("BackupFailed", f"the VM has no block device {missing[0]}")
         states = []
-        for name in self._names:
+        for name, path in zip(self._names, disks, strict=True):
             bitmap = _bitmap(self._devices, name, chain)
             states.append(
                 DiskState(
+                    path=path,
                     size=int(self._devices[name]["inserted"]["image"]["virtual-size"]),
                     incremental=_usable(bitmap),
                     dirty=int((bitmap or {}).get("count", 0)),

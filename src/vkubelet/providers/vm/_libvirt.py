@@ -78,6 +78,7 @@ from ._backend import (
     MachineRefused,
     RestoreFailed,
 )
+from ._backup import CHAIN_PREFIX
 from ._backuplibvirt import LibvirtDiskBackup
 from ._config import VMConfig
 from ._domainimport import IMPORT_URI, ImportClaim, claim_of, refusal
@@ -1181,6 +1182,7 @@ class LibvirtRuntime(QemuRuntime):
         try:
             uuid = await self.connection.run(domain.UUIDString)
             active = await self.connection.run(domain.isActive)
+            await self._drop_backup_checkpoints(domain)
             flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG
             if active:
                 flags |= libvirt.VIR_DOMAIN_AFFECT_LIVE
@@ -1232,6 +1234,7 @@ class LibvirtRuntime(QemuRuntime):
                 await undefine(self.connection, domain, flags, optional=more)
                 log.info("imported domain %s undefined (deletion policy Delete)", uuid)
                 return
+            await self._drop_backup_checkpoints(domain)
             flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG
             if active:
                 flags |= libvirt.VIR_DOMAIN_AFFECT_LIVE
@@ -1240,6 +1243,32 @@ class LibvirtRuntime(QemuRuntime):
                 await self.connection.run(domain.setMetadata, element, None, None, uri, flags)
         except libvirt.libvirtError as e:
             raise MachineError(f"libvirt {self.connection.uri}: {message_of(e)}") from None
+
+    async def _drop_backup_checkpoints(self, domain: Any) -> None:
+        """A retained domain goes back without vkubelet's backup checkpoints (`virsh undefine`
+        refuses a domain with any). libvirt 9 deletes a shut-off domain's checkpoint only as
+        metadata: the disk keeps its small bitmap (16 KiB per GiB), which the site can drop
+        with `qemu-img bitmap --remove`."""
+        libvirt = _libvirt()
+        try:
+            checkpoints = await self.connection.run(domain.listAllCheckpoints, 0)
+        except libvirt.libvirtError:  # a driver without checkpoints has none of ours
+            return
+        for checkpoint in checkpoints:
+            name = str(checkpoint.getName())
+            if not name.startswith(CHAIN_PREFIX):
+                continue  # the site's own
+            try:
+                try:
+                    await self.connection.run(checkpoint.delete, 0)
+                except libvirt.libvirtError as e:
+                    if e.get_error_code() != libvirt.VIR_ERR_OPERATION_UNSUPPORTED:
+                        raise
+                    only = libvirt.VIR_DOMAIN_CHECKPOINT_DELETE_METADATA_ONLY
+                    await self.connection.run(checkpoint.delete, only)
+                    log.info("backup checkpoint %s dropped; its bitmap stays in the disk", name)
+            except libvirt.libvirtError as e:  # kept: the domain is released all the same
+                log.warning("could not delete backup checkpoint %s: %s", name, message_of(e))
 
     async def probe_accel(self, mode: str) -> tuple[str, str]:
         """KVM when the config says so, or (auto) when the host's libvirt offers it; else TCG."""

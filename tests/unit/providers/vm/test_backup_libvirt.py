@@ -27,8 +27,8 @@ SIZE = 1 << 20
 
 
 class FakeCheckpoint:
-    def __init__(self, domain: FakeDomain, name: str) -> None:
-        self.domain, self.name = domain, name
+    def __init__(self, domain: FakeDomain, name: str, bitmaps: tuple[str, ...] = ("vda", "vdb")):
+        self.domain, self.name, self.bitmaps = domain, name, bitmaps
 
     def getName(self) -> str:
         return self.name
@@ -40,8 +40,12 @@ class FakeCheckpoint:
     def getXMLDesc(self, flags: int) -> str:
         return (
             f"<domaincheckpoint><name>{self.name}</name><disks>"
-            f"<disk name='vda' checkpoint='bitmap' size='{self.domain.dirty}'/>"
-            "<disk name='vdb' checkpoint='bitmap' size='0'/></disks></domaincheckpoint>"
+            + "".join(
+                f"<disk name='{disk}' checkpoint='bitmap' "
+                f"size='{self.domain.dirty if disk == 'vda' else 0}'/>"
+                for disk in self.bitmaps
+            )
+            + "</disks></domaincheckpoint>"
         )
 
 
@@ -51,6 +55,8 @@ class FakeDomain:
 
     def __init__(self, disks: tuple[Path, ...], seed: Path) -> None:
         self.disks, self.seed = disks, seed
+        self.formats = ("qcow2", "qcow2")  # the disks' driver types
+        self.seed_device = "disk"  # vkubelet's seed; a site's domain may have a CD-ROM there
         self.checkpoints: dict[str, FakeCheckpoint] = {}
         self.calls: list[tuple[str, Any]] = []
         self.frozen = False
@@ -64,9 +70,13 @@ class FakeDomain:
 
     def XMLDesc(self, flags: int) -> str:
         disks = "".join(
-            f"<disk type='file' device='disk'><source file='{path}'/>"
-            f"<target dev='{dev}' bus='virtio'/></disk>"
-            for path, dev in [(self.disks[0], "vda"), (self.disks[1], "vdb"), (self.seed, "vdc")]
+            f"<disk type='file' device='{device}'><driver name='qemu' type='{fmt}'/>"
+            f"<source file='{path}'/><target dev='{dev}' bus='virtio'/></disk>"
+            for path, dev, fmt, device in [
+                (self.disks[0], "vda", self.formats[0], "disk"),
+                (self.disks[1], "vdb", self.formats[1], "disk"),
+                (self.seed, "vdc", "raw", self.seed_device),
+            ]
         )
         return f"<domain><devices>{disks}</devices></domain>"
 
@@ -93,7 +103,7 @@ class FakeDomain:
         self.frozen = False
         return 2
 
-    def backupBegin(self, backup: str, checkpoint: str, flags: int) -> int:
+    def backupBegin(self, backup: str, checkpoint: str | None, flags: int) -> int:
         self.calls.append(("backupBegin", (backup, checkpoint, flags)))
         if self.refuse:
             # Its words set here: a bare libvirtError takes the thread's last libvirt error,
@@ -101,9 +111,16 @@ class FakeDomain:
             error = libvirt.libvirtError(self.refuse)
             error.err = (libvirt.VIR_ERR_OPERATION_FAILED, 0, self.refuse, 0)
             raise error
-        name = ET.fromstring(checkpoint).findtext("name")  # noqa: S314 - the test's own
-        assert name
-        self.checkpoints[name] = FakeCheckpoint(self, name)  # libvirt keeps it if the job fails
+        if checkpoint is not None:
+            root = ET.fromstring(checkpoint)  # noqa: S314 - the test's own
+            name = root.findtext("name")
+            assert name
+            bitmaps = tuple(
+                str(d.get("name"))
+                for d in root.iterfind("./disks/disk")
+                if d.get("checkpoint") == "bitmap"
+            )
+            self.checkpoints[name] = FakeCheckpoint(self, name, bitmaps)  # kept if the job fails
         self.job = self.steps + 1
         return 0
 
@@ -198,6 +215,52 @@ def _begins(domain: FakeDomain) -> list[tuple[ET.Element, ET.Element, int]]:
         for c, a in domain.calls
         if c == "backupBegin"
     ]
+
+
+def _imported(machine: FakeMachine, source: BackupSource) -> BackupSource:
+    """The same domain as an imported one: vkubelet made none of its disks, and the seed is
+    the site's CD-ROM."""
+    machine.domain.seed_device = "cdrom"
+    return BackupSource(source.namespace, source.pod, source.pod_uid, source.vm_name, None, ())
+
+
+def test_an_imported_domain_s_own_file_disks_are_backed_up_full_then_incrementally(
+    tmp_path: Path,
+) -> None:
+    machine, source = _machine(tmp_path)
+    imported = _imported(machine, source)
+    first = _backup(machine, imported, tmp_path / "backups")
+    second = _backup(machine, imported, tmp_path / "backups")
+    assert (first.kind, second.kind) == ("full", "incremental")
+    (backup, checkpoint, _), (incremental, _, _) = _begins(machine.domain)
+    copied = {d.get("name"): d.get("backup") for d in backup.iterfind("./disks/disk")}
+    assert copied == {"vda": "yes", "vdb": "yes", "vdc": "no"}  # its file disks, not its CD-ROM
+    marks = {d.get("name"): d.get("checkpoint") for d in checkpoint.iterfind("./disks/disk")}
+    assert marks == {"vda": "bitmap", "vdb": "bitmap", "vdc": "no"}
+    assert incremental.findtext("incremental") is not None
+    manifest = (tmp_path / "backups" / "ns" / "db" / "manifest.json").read_text()
+    assert "0002-incremental/disk1.qcow2" in manifest
+
+
+def test_a_raw_disk_keeps_no_checkpoint_and_every_backup_of_it_is_full(tmp_path: Path) -> None:
+    machine, source = _machine(tmp_path)
+    domain = machine.domain
+    imported = _imported(machine, source)
+    domain.formats = ("qcow2", "raw")  # a site's raw disk beside a qcow2 one: no bitmap on it
+    _backup(machine, imported, tmp_path / "backups")
+    _, checkpoint, _ = _begins(domain)[0]
+    marks = {d.get("name"): d.get("checkpoint") for d in checkpoint.iterfind("./disks/disk")}
+    assert marks == {"vda": "bitmap", "vdb": "no", "vdc": "no"}
+    assert _backup(machine, imported, tmp_path / "backups").kind == "full"
+    with pytest.raises(BackupError, match="incremental backup is impossible"):
+        _backup(machine, imported, tmp_path / "backups", "Incremental")
+
+    domain.formats = ("raw", "raw")  # nothing can keep a checkpoint: libvirt is asked for none
+    domain.checkpoints.clear()
+    domain.calls.clear()
+    assert _backup(machine, imported, tmp_path / "raw").kind == "full"
+    ((_, args),) = [c for c in domain.calls if c[0] == "backupBegin"]
+    assert args[1] is None and not domain.checkpoints
 
 
 def test_a_full_then_an_incremental_backup_through_libvirt_s_backup_api_and_checkpoints(
@@ -325,10 +388,17 @@ def test_a_disk_that_is_not_the_domain_s_file_is_refused_before_anything_is_made
     assert machine.domain.calls == [] and not list((tmp_path / "ns" / "db").iterdir())
 
 
-def test_a_vm_without_disks_of_vkubelet_s_an_imported_domain_is_refused(tmp_path: Path) -> None:
-    machine, _ = _machine(tmp_path)
-    imported = BackupSource("ns", "db-abcde", "uid-1", "db", None, ())
-    with pytest.raises(BackupError, match="imported domain") as caught:
-        _backup(machine, imported, tmp_path)
-    assert caught.value.reason == "BackupFailed" and machine.domain.calls == []
-    assert not (tmp_path / "ns").exists()
+def test_an_imported_domain_without_a_file_disk_is_refused_and_nothing_is_made(
+    tmp_path: Path,
+) -> None:
+    machine, source = _machine(tmp_path)
+    block = (
+        "<domain><devices><disk type='block' device='disk'><source dev='/dev/vg0/db'/>"
+        "<target dev='vda' bus='virtio'/></disk></devices></domain>"
+    )
+    machine.domain.XMLDesc = lambda flags: block  # type: ignore[method-assign]
+    with pytest.raises(BackupError, match="no file disk") as caught:
+        _backup(machine, _imported(machine, source), tmp_path)
+    assert caught.value.reason == "BackupFailed"
+    assert [c for c, _ in machine.domain.calls] == [] and not machine.domain.checkpoints
+    assert list((tmp_path / "ns" / "db").iterdir()) == []
