@@ -626,6 +626,64 @@ def test_refused_credentials_make_the_node_not_ready_with_libvirt_s_message(
     assert "qemu+ssh://" in message and "Permission denied" in message, message
 
 
+def test_a_pool_s_pvc_disk_is_a_host_volume_kept_across_pods_and_removed_with_its_claim(
+    libvirt_node: LibvirtNode, kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path
+) -> None:
+    """`libvirt.pool` (what a fleet always uses: the daemon never reads the agent's files): a
+    claim's disk is a blank qcow2 volume the daemon makes in the pool, the domain's disk is that
+    volume's path on the host; what a pod wrote is read by the claim's next pod; the claim
+    deleted (policy Delete), its volume leaves the pool."""
+    host = libvirt_node.host
+    workdir = libvirt_node.workdir / "pooled"
+    workdir.mkdir()
+    pool = f"vkt-{uuid.uuid4().hex[:6]}"
+    name, cidr = f"{libvirt_node.name}-pool", f"10.213.{random.randrange(1, 250)}.0/24"  # noqa: S311
+    namespace = create_namespace(kubectl, f"lvp-{uuid.uuid4().hex[:6]}")
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(local_test_address())
+        agent = start_vm_agent(
+            kube_cluster, workdir, name=name, address=address, cidr=cidr, image=vm_guest_image,
+            runtime="libvirt", imageGCIntervalSeconds=1,
+            libvirt={"uri": f"{host.ssh_uri}&no_tty=1",
+                     "pool": {"name": pool, "path": str(workdir / "pool")}},
+            storage={"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 1},
+        )  # fmt: skip
+        stack.callback(kubectl, "delete", "node", name, "--wait=false", check=False)
+        stack.callback(clean_up, workdir / "state", cidr)
+        stack.callback(agent.stop)
+        stack.callback(delete_namespace, kubectl, namespace)
+        wait_for(lambda: node_ready(kubectl, name), timeout=90, what=f"node {name} Ready")
+
+        def volumes() -> list[str]:
+            listing = host.virsh("vol-list", pool).stdout.splitlines()  # name, path
+            return [line.split()[0] for line in listing if line.strip()]
+
+        kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(CLAIM))
+        marker = uuid.uuid4().hex
+        for pod, command in (
+            ("writer", f"echo {marker} | dd of=/dev/$d bs=512 conv=sync && sync"),
+            ("reader", f"echo 3 > /proc/sys/vm/drop_caches; head -c {len(marker)} /dev/$d"),
+        ):
+            kubectl(
+                "-n", namespace, "apply", "-f", "-", input=json.dumps(_pod(pod, name, claim="data"))
+            )
+            wait_for(lambda pod=pod: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT,  # type: ignore[misc]
+                     what=f"{pod} Running")  # fmt: skip
+            domain = f"{namespace}_{pod}"
+            files = host.virsh("domblklist", domain).stdout
+            pv = kubectl.json("-n", namespace, "get", "pvc", "data")["spec"]["volumeName"]
+            (claim_volume,) = [v for v in volumes() if pv in v]
+            assert f"{workdir / 'pool'}/{claim_volume}" in files, files  # the pool's volume
+            found = f"d=$({FIND_CLAIM}); {command}"
+            out = kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", found).stdout
+            kubectl("-n", namespace, "delete", "pod", pod, "--wait=true", "--timeout=90s")
+        assert out == marker  # the reader read what the writer wrote, from the host's volume
+
+        kubectl("-n", namespace, "delete", "pvc", "data", "--wait=true", "--timeout=60s")
+        wait_for(lambda: not [v for v in volumes() if pv in v], timeout=60, what="volume gone")
+        assert host.running() == []
+
+
 IMPORT_URI = "https://vkubelet.io/xmlns/vm-import/1"
 
 

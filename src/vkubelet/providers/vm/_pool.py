@@ -21,8 +21,12 @@ over the same connection (so over `qemu+ssh` too):
   volumes whose local file is gone (the pod's directory was removed).
 
 The pool is defined, built and started when missing (a `dir` pool at `libvirt.pool.path`).
-Not done here: PVC disks, backups, restores from backups and root-disk growth of powered-off
-machines (they read local files); base volumes are kept until removed by hand.
+- **PVC disks**: the claim provisioner (`_volumes`) makes them with this runtime's
+  `create_blank`, so they are blank qcow2 volumes with a marker at the PV's local path; a claim
+  deleted with `Delete` removes the marker, and `collect` the volume.
+
+Not done here: backups, restores from backups and root-disk growth of powered-off machines
+(they read local files); base volumes are kept until removed by hand.
 """
 
 from __future__ import annotations
@@ -196,6 +200,15 @@ def _found_or_created(libvirt: Any, pool: Any, name: str, xml: str) -> str:
     return str(pool.createXML(xml, 0).path())
 
 
+def _volume_path(local: Path, what: str) -> Path:
+    """The daemon's path of the volume `local`'s marker names; MachineRefused naming the disk
+    when `local` is no marker (a file only the agent's host has)."""
+    marker = volume_marker(Path(local))
+    if marker is None:
+        raise MachineRefused("UnsupportedByRuntime", f"disk {Path(local).name}: {what}")
+    return Path(marker["path"])
+
+
 def _raw_xml(name: str, size: int) -> str:
     return (
         f"<volume><name>{escape(name)}</name><capacity unit='bytes'>{size}</capacity>"
@@ -294,26 +307,24 @@ class PooledLibvirtRuntime(LibvirtRuntime):
         await self.pool.create(path, lambda name: _blank_xml(name, size))
 
     async def launch(self, spec: LaunchSpec) -> MachineHandle:
-        """The spec's disks and seed as the daemon's paths of their volumes; a disk that is a
-        local file (a PVC disk, a restored backup) is refused, naming it."""
-        if spec.claims:
-            raise MachineRefused(
-                "UnsupportedByRuntime",
-                "PVC disks are files of the agent's host: not with libvirt.pool (a fleet) yet",
-            )
-        disks = []
-        for path, bus in spec.disks:
-            marker = volume_marker(Path(path))
-            if marker is None:
-                raise MachineRefused(
-                    "UnsupportedByRuntime",
-                    f"disk {Path(path).name}: libvirt.pool holds the root and emptyDir disks "
-                    "only (not restored backups yet)",
-                )
-            disks.append((Path(marker["path"]), bus))
+        """The spec's disks, PVC disks and seed as the daemon's paths of their volumes; a disk
+        that is a local file (a restored backup) is refused, naming it."""
+        disks = [(_volume_path(path, "libvirt.pool holds the root, emptyDir and PVC disks "
+                               "only (not restored backups yet)"), bus)
+                 for path, bus in spec.disks]  # fmt: skip
+        claims = [
+            # the provisioner made them with this runtime's `create_blank`: markers too
+            (_volume_path(path, "a PVC disk of another node's provisioner"), serial)
+            for path, serial in spec.claims
+        ]
         seed = await self.pool.upload(Path(spec.seed)) if spec.seed is not None else None
         return await super().launch(
-            replace(spec, disks=tuple(disks), seed=Path(seed) if seed is not None else None)
+            replace(
+                spec,
+                disks=tuple(disks),
+                claims=tuple(claims),
+                seed=Path(seed) if seed is not None else None,
+            )
         )
 
     def gc_images(self, in_use: Collection[str]) -> list[str]:
