@@ -631,8 +631,9 @@ def test_a_pool_s_pvc_disk_is_a_host_volume_kept_across_pods_and_removed_with_it
 ) -> None:
     """`libvirt.pool` (what a fleet always uses: the daemon never reads the agent's files): a
     claim's disk is a blank qcow2 volume the daemon makes in the pool, the domain's disk is that
-    volume's path on the host; what a pod wrote is read by the claim's next pod; the claim
-    deleted (policy Delete), its volume leaves the pool."""
+    volume's path on the host; what a pod wrote is read by the claim's next pod, whose machine's
+    root disk (a volume too) was grown while powered off; the claim deleted (policy Delete), its
+    volume leaves the pool."""
     host = libvirt_node.host
     workdir = libvirt_node.workdir / "pooled"
     workdir.mkdir()
@@ -660,13 +661,15 @@ def test_a_pool_s_pvc_disk_is_a_host_volume_kept_across_pods_and_removed_with_it
 
         kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(CLAIM))
         marker = uuid.uuid4().hex
-        for pod, command in (
-            ("writer", f"echo {marker} | dd of=/dev/$d bs=512 conv=sync && sync"),
-            ("reader", f"echo 3 > /proc/sys/vm/drop_caches; head -c {len(marker)} /dev/$d"),
-        ):
-            kubectl(
-                "-n", namespace, "apply", "-f", "-", input=json.dumps(_pod(pod, name, claim="data"))
-            )
+        machine = {"vm.vkubelet.io/machine": f"m-{uuid.uuid4().hex[:8]}"}
+        for pod, command, annotations in (
+            ("writer", f"echo {marker} | dd of=/dev/$d bs=512 conv=sync && sync", machine),
+            # the machine's next pod asks a bigger root disk: its volume grown while off
+            ("reader", f"echo 3 > /proc/sys/vm/drop_caches; head -c {len(marker)} /dev/$d",
+             {**machine, "vm.vkubelet.io/root-size": "1Gi"}),
+        ):  # fmt: skip
+            manifest = _pod(pod, name, annotations, claim="data")
+            kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(manifest))
             wait_for(lambda pod=pod: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT,  # type: ignore[misc]
                      what=f"{pod} Running")  # fmt: skip
             domain = f"{namespace}_{pod}"
@@ -676,8 +679,10 @@ def test_a_pool_s_pvc_disk_is_a_host_volume_kept_across_pods_and_removed_with_it
             assert f"{workdir / 'pool'}/{claim_volume}" in files, files  # the pool's volume
             found = f"d=$({FIND_CLAIM}); {command}"
             out = kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", found).stdout
+            sectors = kubectl("-n", namespace, "exec", pod, "--", "cat", "/sys/block/vda/size")
             kubectl("-n", namespace, "delete", "pod", pod, "--wait=true", "--timeout=90s")
         assert out == marker  # the reader read what the writer wrote, from the host's volume
+        assert int(sectors.stdout) * 512 == 2**30  # the reader's root disk: 1Gi
 
         kubectl("-n", namespace, "delete", "pvc", "data", "--wait=true", "--timeout=60s")
         wait_for(lambda: not [v for v in volumes() if pv in v], timeout=60, what="volume gone")

@@ -191,6 +191,11 @@ class Runtime(Protocol):
 
     async def create_blank(self, path: Path, size: int) -> None: ...
 
+    async def grow_disk(self, path: Path, size: int) -> None:
+        """A powered-off machine's disk (made by `create_overlay`/`create_blank`) grown to
+        `size` bytes before it boots; never shrunk (a smaller size is ignored)."""
+        ...
+
     def write_seed(
         self,
         path: Path,

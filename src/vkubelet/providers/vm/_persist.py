@@ -288,12 +288,3 @@ def machines_in_use(pods: Iterable[Pod]) -> set[str]:
         if ident is not None:
             ids.add(ident)
     return ids
-
-
-async def grow_root(root: Path, size: int) -> None:
-    """A machine's root disk asked bigger while it was powered off: grown before it boots
-    (never shrunk: a smaller size is ignored, the disk keeps its data)."""
-    from ._disks import image_info, resize
-
-    if (await image_info(root)).virtual_size < size:
-        await resize(root, size)

@@ -25,8 +25,10 @@ The pool is defined, built and started when missing (a `dir` pool at `libvirt.po
   `create_blank`, so they are blank qcow2 volumes with a marker at the PV's local path; a claim
   deleted with `Delete` removes the marker, and `collect` the volume.
 
-Not done here: backups, restores from backups and root-disk growth of powered-off machines
-(they read local files); base volumes are kept until removed by hand.
+- **Root-disk growth** of a powered-off machine: `virStorageVolResize` of its volume.
+
+Not done here: backups and restores from backups (they read local files); base volumes are
+kept until removed by hand.
 """
 
 from __future__ import annotations
@@ -123,6 +125,22 @@ class StoragePool:
         marker = {_MARKER_KEY: {"pool": self.config.name, "name": name, "path": path}}
         local.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(local, json.dumps(marker) + "\n")
+
+    async def grow(self, local: Path, size: int) -> None:
+        """The volume `local`'s marker names grown to `size` bytes (`virStorageVolResize`);
+        never shrunk."""
+        libvirt = _libvirt()
+        pool = await self.pool()
+        marker = volume_marker(local)
+        if marker is None:
+            raise MachineRefused("UnsupportedByRuntime", f"disk {local.name}: not a pool volume")
+        try:
+            volume = await self.connection.run(pool.storageVolLookupByName, marker["name"])
+            capacity = int((await self.connection.run(volume.info))[1])
+            if capacity < size:
+                await self.connection.run(volume.resize, size, 0)
+        except libvirt.libvirtError as e:
+            raise self._error(e) from None
 
     async def upload(self, local: Path) -> str:
         """`local`'s bytes as a volume of their own (replaced if it exists); its path."""
@@ -305,6 +323,9 @@ class PooledLibvirtRuntime(LibvirtRuntime):
 
     async def create_blank(self, path: Path, size: int) -> None:
         await self.pool.create(path, lambda name: _blank_xml(name, size))
+
+    async def grow_disk(self, path: Path, size: int) -> None:
+        await self.pool.grow(path, size)
 
     async def launch(self, spec: LaunchSpec) -> MachineHandle:
         """The spec's disks, PVC disks and seed as the daemon's paths of their volumes; a disk

@@ -703,7 +703,7 @@ class VMProvider(RunnerProvider):
         if not root.exists():
             await self.runtime.create_overlay(image, root, plan.root_size)
         elif disk_dir != vm.dir and plan.root_size is not None:
-            await _persist.grow_root(root, plan.root_size)  # asked bigger while powered off
+            await self.runtime.grow_disk(root, plan.root_size)  # asked bigger while powered off
         for scratch, path in zip(plan.scratch, scratch_paths, strict=True):
             if not path.exists():
                 await self.runtime.create_blank(path, scratch.size)

@@ -29,7 +29,7 @@ from ._backend import (
 )
 from ._cloudinit import build_seed_content
 from ._config import ConfigError, VMConfig
-from ._disks import create_blank, create_overlay
+from ._disks import create_blank, create_overlay, image_info, resize
 from ._hotplug import qemu_args
 from ._machine import Disk, Machine, MachineSpec
 from ._net import BridgedNetwork, GuestNetwork, PodNetwork, pod_dns_search
@@ -128,6 +128,10 @@ class QemuRuntime:
 
     async def create_blank(self, path: Path, size: int) -> None:
         await create_blank(path, size)
+
+    async def grow_disk(self, path: Path, size: int) -> None:
+        if (await image_info(path)).virtual_size < size:
+            await resize(path, size)
 
     def write_seed(
         self,

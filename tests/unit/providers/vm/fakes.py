@@ -115,6 +115,7 @@ class FakeRuntime:
     remote_host: tuple[int, int] | None = None  # host_resources: (millicores, bytes)
     imports: dict[str, str] = field(default_factory=dict)  # importable domains: name -> UUID
     released: list[tuple[str, str, bool]] = field(default_factory=list)  # release_import
+    grown: list[tuple[Path, int]] = field(default_factory=list)  # grow_disk
 
     def set_translation_overrides(self, data: Mapping[str, Any] | None, origin: str) -> None:
         pass
@@ -136,6 +137,9 @@ class FakeRuntime:
 
     async def create_blank(self, path: Path, size: int) -> None:
         path.write_bytes(b"blank")
+
+    async def grow_disk(self, path: Path, size: int) -> None:
+        self.grown.append((path, size))
 
     def write_seed(
         self,
