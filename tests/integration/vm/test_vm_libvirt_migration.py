@@ -9,7 +9,9 @@ One VM for the module, counting on its serial console; in order: a target host t
 source pod's Migration condition saying why; then the VM moves to the other node and keeps
 counting, the same guest (no boot), `virsh list` on each host showing exactly the running
 domain, named after and labelled with the pod that now runs it, its interface the target pod's
-network (packets between the target host and the guest, both ways).
+network (packets between the target host and the guest, both ways). Then a domain defined
+with `virsh define` and imported moves whole to the other host, where its VirtualMachine's
+deletion policy is applied when it is deleted (the module's agents run the machine GC).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import secrets
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,14 @@ from vkubelet.testing import (
 )
 from vkubelet.testing.virtlab import LibvirtHost
 
-from .vmlab import TOLERATION, PodsOf, clean_up, require_vm_host, start_vm_agent
+from .vmlab import (
+    TOLERATION,
+    PodsOf,
+    clean_up,
+    install_crds,
+    require_vm_host,
+    start_vm_agent,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -55,6 +64,7 @@ METADATA = "https://vkubelet.io/xmlns/vm-domain/1"
 IMPORT_URI = "https://vkubelet.io/xmlns/vm-import/1"
 DOMAIN = "vm.vkubelet.io/domain"
 MACHINE = "vm.vkubelet.io/machine"
+POLICY = "vm.vkubelet.io/domain-deletion-policy"
 SHARED = "10.212.0.0/16"
 COUNTER = (
     "(i=0; while :; do i=$((i+1)); echo \"tick $i $(cut -d' ' -f1 /proc/uptime)\" > /dev/ttyS0;"
@@ -70,6 +80,12 @@ class Node:
     host: LibvirtHost
     address: str
     state: Path  # the agent's stateDir
+    start: Callable[[], AgentProcess]  # this node's agent, on its config and stateDir
+
+    def restart(self) -> None:
+        """The agent stopped (SIGTERM: its domains run on) and started again."""
+        self.agent.stop()
+        self.agent = self.start()
 
 
 @dataclass
@@ -146,16 +162,33 @@ def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterat
             node_dir = workdir / name
             node_dir.mkdir()
             address = stack.enter_context(local_test_address())
-            agent = start_vm_agent(
-                kube_cluster, node_dir, name=name, address=address, cidr=cidr,
-                image=vm_guest_image, runtime="libvirt", sharedPodCIDRs=[SHARED],
-                libvirt={"uri": f"{host.ssh_uri}&no_tty=1", "migrationURI": host.libssh_uri},
-                guestAgentTimeoutSeconds=300,
-            )  # fmt: skip
+            settings = {
+                "runtime": "libvirt",
+                "sharedPodCIDRs": [SHARED],
+                "libvirt": {"uri": f"{host.ssh_uri}&no_tty=1", "migrationURI": host.libssh_uri},
+                "guestAgentTimeoutSeconds": 300,
+                # the imported domain's deletion policy, applied once its VirtualMachine is
+                # gone (the module's other pods have no machine: nothing of theirs is touched)
+                "machineGC": {"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 1},
+            }
+
+            def start(
+                node_dir: Path = node_dir,
+                name: str = name,
+                address: str = address,
+                cidr: str = cidr,
+                settings: dict[str, Any] = settings,
+            ) -> AgentProcess:
+                return start_vm_agent(
+                    kube_cluster, node_dir, name=name, address=address, cidr=cidr,
+                    image=vm_guest_image, **settings,
+                )  # fmt: skip
+
             stack.callback(kubectl, "delete", "node", name, "--ignore-not-found", "--wait=false")
             stack.callback(clean_up, node_dir / "state", cidr)
-            stack.callback(agent.stop)
-            nodes.append(Node(name, agent, host, address, node_dir / "state"))
+            node = Node(name, start(), host, address, node_dir / "state", start)
+            stack.callback(lambda node=node: node.agent.stop())  # type: ignore[misc]
+            nodes.append(node)
         for node in nodes:
             wait_for(
                 lambda node=node: node_ready(kubectl, node.name),  # type: ignore[misc]
@@ -170,6 +203,28 @@ def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterat
         kubectl("-n", namespace, "exec", "vm", "--", "sh", "-c", COUNTER)
         wait_for(lambda: len(TICK.findall(handle.logs("vm"))) >= 5, timeout=60, what="ticks")
         yield handle
+
+
+def virtual_machine(name: str, domain: str, policy: str) -> dict[str, Any]:
+    """A VirtualMachine importing `domain`, powered off: no controller runs in the module, it
+    is what the machine GC lists (its uid names the machine)."""
+    return {
+        "apiVersion": "vkubelet.io/v1alpha1",
+        "kind": "VirtualMachine",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 0,
+            "importDomain": {"name": domain, "deletionPolicy": policy},
+            "template": {
+                "spec": {"containers": [{"name": "vm", "image": "vm.vkubelet.io/imported"}]}
+            },
+        },
+    }
+
+
+def target_qemu(lab: Lab, domain: str) -> int:
+    """The target host's QEMU of `domain`, from libvirt's own pid file on that host."""
+    return int((lab.target.host.dir / "run" / "qemu" / f"{domain}.pid").read_text().strip())
 
 
 def _ticks(text: str) -> list[tuple[int, float]]:
@@ -273,15 +328,22 @@ def test_a_vm_moves_to_the_other_libvirt_host_and_keeps_counting(lab: Lab) -> No
 
 
 def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
-    lab: Lab, vm_guest_image: Path
+    lab: Lab, vm_guest_image: Path, kube_cluster: Cluster
 ) -> None:
     """A domain defined with `virsh define` on the first host (a bridge NIC of its own),
-    imported there, moves to the other host: refused first while that host lacks its bridge
-    (the VM runs on at the source, the status saying which bridge; the target pod's pool gone
-    with its pod), then moved once the bridge is there: the same name, UUID and NIC, its disk
-    copied whole, what the guest wrote and its uptime kept, no boot; the import claim names
-    the target node, which records the domain for its deletion policy; the source's disk file
-    is left in place. Runs after the module's VM has left both hosts."""
+    imported there by a VirtualMachine (deletionPolicy Delete), moves to the other host:
+    refused first while that host lacks its bridge (the VM runs on at the source, the status
+    saying which bridge; the target pod's pool gone with its pod), then moved once the bridge
+    is there: the same name, UUID and NIC, its disk copied whole, what the guest wrote and its
+    uptime kept, no boot; the import claim names the target node, which records the domain for
+    its deletion policy; the source's disk file is left in place. The target's agent restarted
+    adopts it (same UUID, same QEMU). Deleting the VirtualMachine applies the policy on the
+    target host (undefined there) and leaves nothing of it on the source host; both nodes'
+    machine directories go, the disk files stay. Runs after the module's VM has left both
+    hosts.
+
+    No controller runs here: the test makes the pods as the controller does (its annotations);
+    the VirtualMachine is what the machine GC asks about (its uid is the machine)."""
     source, target = lab.source.host, lab.target.host
     domain = f"site-{uuid.uuid4().hex[:6]}"
     disk = source.overlay(vm_guest_image, domain)
@@ -294,8 +356,10 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     xml_file.write_text(xml)
     source.virsh("define", str(xml_file))
     domain_uuid = source.virsh("domuuid", domain).stdout.strip()
-    machine = uuid.uuid4().hex
-    imported = {DOMAIN: domain, MACHINE: machine}
+    install_crds(kube_cluster)
+    lab.apply(virtual_machine("imp", domain, "Delete"))
+    machine = lab.kubectl.json("-n", lab.namespace, "get", "vm", "imp")["metadata"]["uid"]
+    imported = {DOMAIN: domain, MACHINE: machine, POLICY: "Delete"}
     lab.apply(vm_pod("imp", lab.source.name, imported))
     wait_for(lambda: lab.running("imp"), timeout=300, interval=2, what="the imported VM Running")
     marker = uuid.uuid4().hex
@@ -371,9 +435,50 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     assert "vkubelet-guest: booted" not in lab.logs("imp-2")
     record = json.loads((lab.target.state / "machines" / machine / "import.json").read_text())
     assert record["uuid"] == domain_uuid and record["name"] == domain
+    assert record["policy"] == "Delete"
+
+    # the target's agent restarted adopts the moved domain: the same UUID and QEMU, the pod
+    # Running in the same run, exec through the new agent
+    domain_id, qemu = target.virsh("domid", domain).stdout.strip(), target_qemu(lab, domain)
+    lab.target.restart()
+    wait_for(lambda: node_ready(lab.kubectl, lab.target.name), timeout=90, what="target Ready")
+    wait_for(
+        lambda: lab.target.agent.log().count("listening on port") >= 2,
+        timeout=60,
+        what="the restarted agent's kubelet API",
+    )
+    wait_for(
+        lambda: lab.kubectl(
+            "-n", lab.namespace, "exec", "imp-2", "--", "cat", "/root/imported", check=False
+        ).stdout.strip() == marker,
+        timeout=60,
+        what="exec after the target's agent restart",
+    )  # fmt: skip
+    assert target.running() == [domain]
+    assert target.virsh("domuuid", domain).stdout.strip() == domain_uuid
+    assert target.virsh("domid", domain).stdout.strip() == domain_id
+    assert target_qemu(lab, domain) == qemu
+    status = lab.pod("imp-2")["status"]["containerStatuses"][0]
+    assert status["restartCount"] == 0 and "running" in status["state"]
 
     # deleting the target pod shuts the domain off there, still defined (it is the site's)
     lab.kubectl("-n", lab.namespace, "delete", "pod", "imp-2", "--wait=true", "--timeout=90s")
     assert target.running() == []
     assert target.virsh("list", "--all", "--name").stdout.split() == [domain]
     assert copy.exists()  # its disk, which outlives the pod
+
+    # deleting the VirtualMachine (its source pod first, as the controller deletes a migrated
+    # one): the machine GC applies Delete on the target host, where the domain lives now; the
+    # source host has nothing of it; no transient pool anywhere; the disk files stay
+    lab.kubectl("-n", lab.namespace, "delete", "pod", "imp", "--wait=true", "--timeout=60s")
+    lab.kubectl("-n", lab.namespace, "delete", "vm", "imp", "--wait=true", "--timeout=60s")
+    machines = [node.state / "machines" / machine for node in (lab.source, lab.target)]
+
+    def collected() -> bool:
+        return not any(directory.exists() for directory in machines)
+
+    wait_for(collected, timeout=60, what="both nodes' machine GC")
+    for host in (source, target):
+        assert host.virsh("list", "--all", "--name").stdout.split() == [], host.dir
+        assert host.virsh("pool-list", "--all", "--name").stdout.split() == [], host.dir
+    assert copy.exists() and disk.exists()
