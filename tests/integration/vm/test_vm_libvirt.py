@@ -493,7 +493,7 @@ def _resize_live(
 
 
 def _backup_pod(
-    node: LibvirtNode, kubectl: Kubectl, namespace: str, name: str, of: str, directory: Path
+    node: str, kubectl: Kubectl, namespace: str, name: str, of: str, directory: Path
 ) -> dict[str, Any]:
     """A backup pod as the VirtualMachineBackup controller makes it, run to its end."""
     backup = {
@@ -507,7 +507,7 @@ def _backup_pod(
             },
         },
         "spec": {
-            "nodeName": node.name,
+            "nodeName": node,
             "restartPolicy": "Never",
             "tolerations": [TOLERATION],
             "containers": [{"name": "backup", "image": "vm.vkubelet.io/backup"}],
@@ -535,9 +535,9 @@ def _backed_up_and_restored(
     target = node.workdir / "state" / "backups"  # the default backupDirectories
     write = "echo {0} > /root/{0} && sync"
     kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write.format("one"))
-    full = _backup_pod(node, kubectl, namespace, "backup-1", pod, target)
+    full = _backup_pod(node.name, kubectl, namespace, "backup-1", pod, target)
     kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", write.format("two"))
-    incremental = _backup_pod(node, kubectl, namespace, "backup-2", pod, target)
+    incremental = _backup_pod(node.name, kubectl, namespace, "backup-2", pod, target)
     results = []
     for done in (full, incremental):
         terminated = done["status"]["containerStatuses"][0]["state"]["terminated"]
@@ -553,7 +553,7 @@ def _backed_up_and_restored(
     assert len(checkpoints) == 1 and checkpoints[0].endswith("-0002"), checkpoints
 
     # a target outside the node's backup directories: refused, nothing made, the VM runs on
-    refused = _backup_pod(node, kubectl, namespace, "backup-bad", pod, Path("/etc/vkb-nope"))
+    refused = _backup_pod(node.name, kubectl, namespace, "backup-bad", pod, Path("/etc/vkb-nope"))
     terminated = refused["status"]["containerStatuses"][0]["state"]["terminated"]
     assert refused["status"]["phase"] == "Failed" and terminated["reason"] == "TargetRefused"
     assert "backupDirectories" in terminated["message"]
@@ -626,14 +626,16 @@ def test_refused_credentials_make_the_node_not_ready_with_libvirt_s_message(
     assert "qemu+ssh://" in message and "Permission denied" in message, message
 
 
-def test_a_pool_s_pvc_disk_is_a_host_volume_kept_across_pods_and_removed_with_its_claim(
+def test_with_libvirt_pool_pvc_disks_backups_restores_and_growth_use_host_volumes(
     libvirt_node: LibvirtNode, kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path
 ) -> None:
     """`libvirt.pool` (what a fleet always uses: the daemon never reads the agent's files): a
-    claim's disk is a blank qcow2 volume the daemon makes in the pool, the domain's disk is that
-    volume's path on the host; what a pod wrote is read by the claim's next pod, whose machine's
-    root disk (a volume too) was grown while powered off; the claim deleted (policy Delete), its
-    volume leaves the pool."""
+    claim's disk is a blank qcow2 volume the daemon makes in the pool (the domain's disk is that
+    volume's path on the host); a full and an incremental backup are copied by libvirt into
+    volumes, then fetched into the agent's backup files; what the pod wrote is on the claim for
+    the machine's next pod, whose root disk (a volume) was grown while powered off, and in the
+    backup chain, which a new VM is restored from (uploaded as its volume); the claim deleted
+    (policy Delete), its volume leaves the pool, and no backup volume is left there."""
     host = libvirt_node.host
     workdir = libvirt_node.workdir / "pooled"
     workdir.mkdir()
@@ -644,7 +646,7 @@ def test_a_pool_s_pvc_disk_is_a_host_volume_kept_across_pods_and_removed_with_it
         address = stack.enter_context(local_test_address())
         agent = start_vm_agent(
             kube_cluster, workdir, name=name, address=address, cidr=cidr, image=vm_guest_image,
-            runtime="libvirt", imageGCIntervalSeconds=1,
+            runtime="libvirt", imageGCIntervalSeconds=1, guestAgentTimeoutSeconds=300,
             libvirt={"uri": f"{host.ssh_uri}&no_tty=1",
                      "pool": {"name": pool, "path": str(workdir / "pool")}},
             storage={"kubeconfig": str(kube_cluster.kubeconfig), "intervalSeconds": 1},
@@ -659,30 +661,56 @@ def test_a_pool_s_pvc_disk_is_a_host_volume_kept_across_pods_and_removed_with_it
             listing = host.virsh("vol-list", pool).stdout.splitlines()  # name, path
             return [line.split()[0] for line in listing if line.strip()]
 
+        def sh(pod: str, command: str) -> str:
+            return str(kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", command).stdout)
+
+        def boot(pod: str, annotations: dict[str, str], claim: str | None = "data") -> None:
+            manifest = _pod(pod, name, annotations, claim=claim)
+            kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(manifest))
+            wait_for(lambda: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT,
+                     what=f"{pod} Running")  # fmt: skip
+
+        def delete(pod: str) -> None:
+            kubectl("-n", namespace, "delete", "pod", pod, "--wait=true", "--timeout=90s")
+
         kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(CLAIM))
         marker = uuid.uuid4().hex
         machine = {"vm.vkubelet.io/machine": f"m-{uuid.uuid4().hex[:8]}"}
-        for pod, command, annotations in (
-            ("writer", f"echo {marker} | dd of=/dev/$d bs=512 conv=sync && sync", machine),
-            # the machine's next pod asks a bigger root disk: its volume grown while off
-            ("reader", f"echo 3 > /proc/sys/vm/drop_caches; head -c {len(marker)} /dev/$d",
-             {**machine, "vm.vkubelet.io/root-size": "1Gi"}),
-        ):  # fmt: skip
-            manifest = _pod(pod, name, annotations, claim="data")
-            kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(manifest))
-            wait_for(lambda pod=pod: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT,  # type: ignore[misc]
-                     what=f"{pod} Running")  # fmt: skip
-            domain = f"{namespace}_{pod}"
-            files = host.virsh("domblklist", domain).stdout
-            pv = kubectl.json("-n", namespace, "get", "pvc", "data")["spec"]["volumeName"]
-            (claim_volume,) = [v for v in volumes() if pv in v]
-            assert f"{workdir / 'pool'}/{claim_volume}" in files, files  # the pool's volume
-            found = f"d=$({FIND_CLAIM}); {command}"
-            out = kubectl("-n", namespace, "exec", pod, "--", "sh", "-c", found).stdout
-            sectors = kubectl("-n", namespace, "exec", pod, "--", "cat", "/sys/block/vda/size")
-            kubectl("-n", namespace, "delete", "pod", pod, "--wait=true", "--timeout=90s")
-        assert out == marker  # the reader read what the writer wrote, from the host's volume
-        assert int(sectors.stdout) * 512 == 2**30  # the reader's root disk: 1Gi
+        boot("writer", machine)
+        files = host.virsh("domblklist", f"{namespace}_writer").stdout
+        pv = kubectl.json("-n", namespace, "get", "pvc", "data")["spec"]["volumeName"]
+        (claim_volume,) = [v for v in volumes() if pv in v]
+        assert f"{workdir / 'pool'}/{claim_volume}" in files, files  # the pool's volume
+        sh("writer", f"d=$({FIND_CLAIM}); echo {marker} | dd of=/dev/$d bs=512 conv=sync; sync")
+
+        # backups: full, then incremental, each copied into volumes and fetched
+        target = workdir / "state" / "backups"
+        results = []
+        for number, file in ((1, "one"), (2, "two")):
+            sh("writer", f"echo {file} > /root/{file} && sync")
+            done = _backup_pod(name, kubectl, namespace, f"backup-{number}", "writer", target)
+            terminated = done["status"]["containerStatuses"][0]["state"]["terminated"]
+            assert done["status"]["phase"] == "Succeeded", terminated
+            results.append(json.loads(terminated["message"]))
+        assert [r["kind"] for r in results] == ["full", "incremental"], results
+        assert results[1]["sizeBytes"] < results[0]["sizeBytes"] / 2, results
+        assert not [v for v in volumes() if v.startswith("vkubelet.backup-")]
+        delete("writer")
+
+        # the machine's next pod asks a bigger root disk: its volume grown while off
+        boot("reader", {**machine, "vm.vkubelet.io/root-size": "1Gi"})
+        read = (
+            f"d=$({FIND_CLAIM}); echo 3 > /proc/sys/vm/drop_caches; head -c {len(marker)} /dev/$d"
+        )
+        assert sh("reader", read) == marker  # from the host's volume
+        assert int(sh("reader", "cat /sys/block/vda/size")) * 512 == 2**30  # was 257 MiB
+        delete("reader")
+
+        # a new VM from the chain: both files
+        manifest = Path(results[1]["path"]).parent / "manifest.json"
+        boot("restored", {"vm.vkubelet.io/restore-from": str(manifest)}, claim=None)
+        assert sh("restored", "cat /root/one /root/two").split() == ["one", "two"]
+        delete("restored")
 
         kubectl("-n", namespace, "delete", "pvc", "data", "--wait=true", "--timeout=60s")
         wait_for(lambda: not [v for v in volumes() if pv in v], timeout=60, what="volume gone")

@@ -46,6 +46,29 @@ T = TypeVar("T")
 _ABORT_WAIT = 30.0
 
 
+class BackupStaging(Protocol):
+    """Where a daemon that cannot see the agent's files (`libvirt.pool`) writes a backup: its
+    own volumes, whose bytes are fetched into the agent's target files once the copy is done
+    (`_pool.PoolBackupStaging`). The chain, manifest and restore stay the agent's files."""
+
+    def host_path(self, disk: Path) -> Path:
+        """A disk of the pod (the agent's marker file) as the daemon's path of its volume."""
+        ...
+
+    async def targets(self, plan: BackupPlan, sizes: Sequence[int]) -> list[Path]:
+        """One blank qcow2 volume per disk, of its virtual size; their paths on the host."""
+        ...
+
+    async def fetch(self, plan: BackupPlan) -> None:
+        """The volumes' bytes into `plan.files` (an incremental one keeping its backing file),
+        then the volumes removed."""
+        ...
+
+    async def drop(self, plan: BackupPlan) -> None:
+        """This backup's volumes removed, if any; never raises."""
+        ...
+
+
 class DomainConnection(Protocol):
     """What this needs of `_libvirt.Connection`: its URI, its thread pool, a domain by UUID."""
 
@@ -73,8 +96,17 @@ class LibvirtDiskBackup:
 
     runtime = "libvirt"
 
-    def __init__(self, connection: DomainConnection, uuid: str, agent: GuestAgent) -> None:
+    def __init__(
+        self,
+        connection: DomainConnection,
+        uuid: str,
+        agent: GuestAgent,
+        staging: BackupStaging | None = None,
+    ) -> None:
         self.connection, self.uuid, self.agent = connection, uuid, agent
+        self.staging = staging
+        self._files: list[Path] = []  # where libvirt writes each disk's copy
+        self._sizes: list[int] = []  # each disk's virtual size
         self._disks: list[FileDisk] = []  # the disks backed up, disk order
         self._others: list[str] = []  # the domain's other disk targets (the seed): not backed up
         self._elapsed: float | None = None
@@ -124,6 +156,8 @@ class LibvirtDiskBackup:
             await self._abort_leftover_job(domain, progress)
             xml = await self.connection.run(domain.XMLDesc, 0)
             files, every = domain_disks(xml)
+            if self.staging is not None:  # the pod's disks are markers of the host's volumes
+                disks = [self.staging.host_path(d) for d in disks]
             self._disks = _match(files, disks)
             targets = [d.target for d in self._disks]
             self._others = [t for t in every if t not in targets]
@@ -148,6 +182,7 @@ class LibvirtDiskBackup:
                 )
         except libvirt.libvirtError as e:
             raise self._failed(e) from None
+        self._sizes = [s.size for s in states]
         return states
 
     async def _abort_leftover_job(self, domain: Any, progress: Callable[[str], None]) -> None:
@@ -197,13 +232,17 @@ class LibvirtDiskBackup:
         return checkpoint_sizes(xml)
 
     async def prepare(self, plan: BackupPlan) -> None:
-        return None  # libvirt opens the target files itself, by path
+        """libvirt opens the target files itself, by path: the agent's, or the staging's."""
+        if self.staging is None:
+            self._files = list(plan.files)
+            return
+        self._files = await self.staging.targets(plan, self._sizes)
 
     async def begin(self, plan: BackupPlan) -> None:
         libvirt = _binding()
         domain = await self._domain()
         targets = [d.target for d in self._disks]
-        backup = backup_xml(plan, targets, self._others)
+        backup = backup_xml(plan, targets, self._files, self._others)
         checkpoint = checkpoint_xml(f"{plan.chain}-{plan.backup_id}", self._disks, self._others)
         flags = libvirt.VIR_DOMAIN_BACKUP_BEGIN_REUSE_EXTERNAL
         try:
@@ -236,6 +275,8 @@ class LibvirtDiskBackup:
 
     async def finish(self, plan: BackupPlan) -> float | None:
         """The chain's older checkpoints deleted: the next incremental counts from this one."""
+        if self.staging is not None:  # fails the backup (then `abort`) when it cannot
+            await self.staging.fetch(plan)
         libvirt = _binding()
         domain = await self._domain()
         current = f"{plan.chain}-{plan.backup_id}"
@@ -252,6 +293,8 @@ class LibvirtDiskBackup:
             if stats.get("operation") == _binding().VIR_DOMAIN_JOB_OPERATION_BACKUP:
                 await self._abort_job(domain)
             await self._delete_checkpoint(domain, f"{plan.chain}-{plan.backup_id}")
+        if self.staging is not None:  # after the job: nothing writes them any more
+            await self.staging.drop(plan)
 
 
 @dataclass(frozen=True)
@@ -309,14 +352,16 @@ def _match(files: Sequence[FileDisk], disks: Sequence[Path]) -> list[FileDisk]:
     return matched
 
 
-def backup_xml(plan: BackupPlan, targets: Sequence[str], others: Sequence[str]) -> str:
+def backup_xml(
+    plan: BackupPlan, targets: Sequence[str], files: Sequence[Path], others: Sequence[str]
+) -> str:
     """libvirt's `<domainbackup>` in push mode: each disk into its (existing) target file."""
     root = ET.Element("domainbackup", {"mode": "push"})
     if plan.kind == "incremental":
         assert plan.since is not None
         ET.SubElement(root, "incremental").text = f"{plan.chain}-{plan.since}"
     disks = ET.SubElement(root, "disks")
-    for target, path in zip(targets, plan.files, strict=True):
+    for target, path in zip(targets, files, strict=True):
         disk = ET.SubElement(disks, "disk", {"name": target, "backup": "yes", "type": "file"})
         ET.SubElement(disk, "target", {"file": str(path)})
         ET.SubElement(disk, "driver", {"type": "qcow2"})

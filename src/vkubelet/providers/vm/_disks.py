@@ -31,6 +31,7 @@ __all__ = [
     "create_overlay",
     "image_info",
     "parse_size",
+    "rebase_unsafe",
     "resize",
 ]
 
@@ -168,6 +169,12 @@ async def resize(path: Path, size: int | str, *, format: str = "qcow2") -> None:
         )
     if wanted != current:
         await _qemu_img(["resize", "-q", "-f", format, str(path), str(wanted)])
+
+
+async def rebase_unsafe(path: Path, backing: str, *, backing_format: str = "qcow2") -> None:
+    """Name `backing` as the backing file of the qcow2 at `path` without touching its data
+    (`qemu-img rebase -u`): for a copy that holds only what changed since that file."""
+    await _qemu_img(["rebase", "-u", "-f", "qcow2", "-b", backing, "-F", backing_format, str(path)])
 
 
 async def create_blank(path: Path, size: int | str, *, format: str = "qcow2") -> None:

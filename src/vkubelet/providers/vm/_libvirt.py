@@ -79,7 +79,7 @@ from ._backend import (
     RestoreFailed,
 )
 from ._backup import CHAIN_PREFIX
-from ._backuplibvirt import LibvirtDiskBackup
+from ._backuplibvirt import BackupStaging, LibvirtDiskBackup
 from ._config import VMConfig
 from ._domainimport import IMPORT_URI, ImportClaim, claim_of, refusal
 from ._domainxml import (
@@ -451,9 +451,11 @@ class LibvirtMachine:
         started: float,
         *,
         imported: bool = False,
+        staging: BackupStaging | None = None,
     ) -> None:
         self.connection, self.run_dir, self.uuid = connection, run_dir, uuid
         self.imported = imported  # a domain vkubelet did not make: stopped, never undefined
+        self.staging = staging  # where its backups are written (`libvirt.pool`'s volumes)
         self.pid = domain_id  # the domain's id, as `virsh list` shows it
         self.started = started
         self.console_log = run_dir / "console.log"
@@ -469,7 +471,7 @@ class LibvirtMachine:
 
     def disk_backup(self) -> LibvirtDiskBackup:
         """Backups through libvirt's backup API and checkpoints (`_backuplibvirt`)."""
-        return LibvirtDiskBackup(self.connection, self.uuid, self.agent)
+        return LibvirtDiskBackup(self.connection, self.uuid, self.agent, self.staging)
 
     async def wait(self) -> MachineExit:
         """Until the domain is off; then its definition is removed and the outcome returned.
@@ -772,6 +774,7 @@ class LibvirtRuntime(QemuRuntime):
         super().__init__(config)
         self.node_name = node_name
         self.connection = Connection(config.libvirt_uri)
+        self.backup_staging: BackupStaging | None = None  # `libvirt.pool` sets its own
         reserved = self.network.reserved
         self.network = libvirt_network(config, self._running_domains, reserved)
 
@@ -1081,8 +1084,9 @@ class LibvirtRuntime(QemuRuntime):
             record["imported"] = True
         write_atomic(run_dir / DOMAIN_FILE, json.dumps(record) + "\n")
         machine = LibvirtMachine(
-            self.connection, run_dir, uuid, domain_id, started, imported=imported
-        )
+            self.connection, run_dir, uuid, domain_id, started, imported=imported,
+            staging=self.backup_staging,
+        )  # fmt: skip
         await machine.open_console(domain)
         return machine
 
@@ -1115,6 +1119,7 @@ class LibvirtRuntime(QemuRuntime):
             int(record.get("id", -1)),
             float(record["started"]),
             imported=bool(record.get("imported")),
+            staging=self.backup_staging,
         )
         if (outcome := _outcome(libvirt, state, reason)) is not None:
             machine._record(outcome)

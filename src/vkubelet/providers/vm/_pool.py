@@ -27,8 +27,11 @@ The pool is defined, built and started when missing (a `dir` pool at `libvirt.po
 
 - **Root-disk growth** of a powered-off machine: `virStorageVolResize` of its volume.
 
-Not done here: backups and restores from backups (they read local files); base volumes are
-kept until removed by hand.
+- **Backups** (`PoolBackupStaging`): libvirt copies each disk into a blank volume, which the
+  agent downloads into its own backup files; the chain, manifest and restores stay the agent's
+  files. A disk restored from them is uploaded as its volume at the first launch (`adopt`).
+
+Base volumes are kept until removed by hand.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -47,7 +50,9 @@ from xml.sax.saxutils import escape
 
 from ..._files import write_atomic
 from ._backend import LaunchSpec, MachineHandle, MachineRefused, PulledImage
+from ._backup import BackupError, BackupPlan
 from ._config import LibvirtPool, VMConfig
+from ._disks import image_info, rebase_unsafe
 from ._libvirt import Connection, LibvirtRuntime, _code, _libvirt, message_of
 from ._machine import MachineError
 
@@ -154,6 +159,48 @@ class StoragePool:
             return await self.connection.run(upload)
         except (libvirt.libvirtError, OSError) as e:
             raise self._error(e) from None
+
+    async def blank(self, name: str, size: int) -> Path:
+        """A new blank qcow2 volume `name` (one left by an interrupted run is replaced)."""
+        libvirt = _libvirt()
+        pool = await self.pool()
+        try:
+            await self.connection.run(_delete_volume, libvirt, pool, name)
+            volume = await self.connection.run(pool.createXML, _blank_xml(name, size), 0)
+            return Path(await self.connection.run(volume.path))
+        except libvirt.libvirtError as e:
+            raise self._error(e) from None
+
+    async def download(self, name: str, local: Path) -> None:
+        """Volume `name`'s bytes into the file `local` (made or replaced)."""
+        libvirt = _libvirt()
+        pool = await self.pool()
+        conn = await self.connection.get()
+        try:
+            await self.connection.run(_downloaded, libvirt, conn, pool, name, local)
+        except (libvirt.libvirtError, OSError) as e:
+            raise self._error(e) from None
+
+    async def delete(self, name: str) -> None:
+        libvirt = _libvirt()
+        pool = await self.pool()
+        try:
+            await self.connection.run(_delete_volume, libvirt, pool, name)
+        except libvirt.libvirtError as e:
+            raise self._error(e) from None
+
+    async def adopt(self, local: Path) -> None:
+        """A disk file the agent made (a restored backup) uploaded as its volume, then
+        replaced by the marker naming it: from then on it is a disk like the others."""
+        uploaded = await self.upload(local)
+        marker = {
+            _MARKER_KEY: {
+                "pool": self.config.name,
+                "name": self.volume_name(local),
+                "path": uploaded,
+            }
+        }
+        write_atomic(local, json.dumps(marker) + "\n")
 
     def _live(self, local_root: Path) -> set[str]:
         return {self.volume_name(p) for p in local_root.rglob("*") if p.is_file()}
@@ -287,10 +334,73 @@ def _uploaded(libvirt: Any, conn: Any, pool: Any, name: str, local: Path, *, sta
     return str(volume.path())
 
 
+def _downloaded(libvirt: Any, conn: Any, pool: Any, name: str, local: Path) -> None:
+    volume = pool.storageVolLookupByName(name)
+    stream = conn.newStream(0)
+    volume.download(stream, 0, 0, 0)  # the whole volume
+    try:
+        with local.open("wb") as out:
+            while data := stream.recv(_CHUNK):
+                out.write(data)
+        stream.finish()
+    except BaseException:
+        with contextlib.suppress(libvirt.libvirtError):
+            stream.abort()
+        raise
+
+
+class PoolBackupStaging:
+    """Backups on a daemon that cannot see the agent's files (`_backuplibvirt.BackupStaging`):
+    libvirt copies each disk into a blank volume of the pool, named after the chain and the
+    backup (`vkubelet.backup-...`, which the volume GC leaves alone), whose bytes the agent then
+    downloads into its target file; an incremental one gets its backing file back (`qemu-img
+    rebase -u`: the copy holds only what changed, so the chain reads through it as with QEMU)."""
+
+    def __init__(self, pool: StoragePool) -> None:
+        self.pool = pool
+
+    def host_path(self, disk: Path) -> Path:
+        marker = volume_marker(disk)
+        if marker is None:
+            raise BackupError("BackupFailed", f"disk {disk.name}: not a volume of libvirt.pool")
+        return Path(marker["path"])
+
+    def _names(self, plan: BackupPlan) -> list[str]:
+        node = self.pool.node
+        return [
+            f"vkubelet.backup-{node}-{plan.chain}-{plan.backup_id}-{i}"
+            for i in range(len(plan.files))
+        ]
+
+    async def targets(self, plan: BackupPlan, sizes: Sequence[int]) -> list[Path]:
+        return [await self.pool.blank(n, s) for n, s in zip(self._names(plan), sizes, strict=True)]
+
+    async def fetch(self, plan: BackupPlan) -> None:
+        for name, local in zip(self._names(plan), plan.files, strict=True):
+            backing = (await image_info(local)).backing_file  # what `run_backup` made it over
+            part = local.with_name(local.name + ".part")
+            try:
+                await self.pool.download(name, part)
+                if backing is not None:
+                    await rebase_unsafe(part, backing)
+                part.replace(local)
+            finally:
+                part.unlink(missing_ok=True)
+            await self.pool.delete(name)
+
+    async def drop(self, plan: BackupPlan) -> None:
+        for name in self._names(plan):
+            try:
+                await self.pool.delete(name)
+            except MachineError as e:
+                log.warning("backup volume %s not removed: %s", name, e)
+
+
 def _overlay_xml(name: str, base: str, base_format: str, capacity: int) -> str:
     return (
         f"<volume><name>{escape(name)}</name><capacity unit='bytes'>{capacity}</capacity>"
-        "<target><format type='qcow2'/><permissions><mode>0600</mode></permissions></target>"
+        "<target><format type='qcow2'/><compat>1.1</compat>"
+        "<permissions><mode>0600</mode></permissions></target>"
         f"<backingStore><path>{escape(base)}</path><format type='{base_format}'/>"
         "</backingStore></volume>"
     )
@@ -299,7 +409,8 @@ def _overlay_xml(name: str, base: str, base_format: str, capacity: int) -> str:
 def _blank_xml(name: str, capacity: int) -> str:
     return (
         f"<volume><name>{escape(name)}</name><capacity unit='bytes'>{capacity}</capacity>"
-        "<target><format type='qcow2'/><permissions><mode>0600</mode></permissions></target>"
+        "<target><format type='qcow2'/><compat>1.1</compat>"
+        "<permissions><mode>0600</mode></permissions></target>"
         "</volume>"
     )
 
@@ -312,6 +423,7 @@ class PooledLibvirtRuntime(LibvirtRuntime):
         super().__init__(config, node_name)
         assert config.libvirt_pool is not None
         self.pool = StoragePool(self.connection, config.libvirt_pool, node_name)
+        self.backup_staging = PoolBackupStaging(self.pool)
         self._collecting: asyncio.Task[None] | None = None
 
     async def create_overlay(self, base: PulledImage, path: Path, size: int | None) -> None:
@@ -329,10 +441,12 @@ class PooledLibvirtRuntime(LibvirtRuntime):
 
     async def launch(self, spec: LaunchSpec) -> MachineHandle:
         """The spec's disks, PVC disks and seed as the daemon's paths of their volumes; a disk
-        that is a local file (a restored backup) is refused, naming it."""
-        disks = [(_volume_path(path, "libvirt.pool holds the root, emptyDir and PVC disks "
-                               "only (not restored backups yet)"), bus)
-                 for path, bus in spec.disks]  # fmt: skip
+        that is a local file (restored from a backup) is uploaded as its volume first."""
+        disks = []
+        for path, bus in spec.disks:
+            if volume_marker(Path(path)) is None:  # a disk restored from a backup
+                await self.pool.adopt(Path(path))
+            disks.append((_volume_path(path, "not a volume of libvirt.pool"), bus))
         claims = [
             # the provisioner made them with this runtime's `create_blank`: markers too
             (_volume_path(path, "a PVC disk of another node's provisioner"), serial)

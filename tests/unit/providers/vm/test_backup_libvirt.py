@@ -181,15 +181,37 @@ class FakeAgent:
         raise AssertionError(command)
 
 
+class FakeStaging:
+    """A pool's staging: the pod's disks are markers (`<name>.marker`) of the domain's files;
+    libvirt writes into `<host>/<backup id>-<i>`, fetched into the agent's files."""
+
+    def __init__(self, host: Path) -> None:
+        self.host = host
+        self.fetched: list[str] = []
+        self.dropped: list[str] = []
+
+    def host_path(self, disk: Path) -> Path:
+        return disk.with_name(disk.name.removesuffix(".marker"))
+
+    async def targets(self, plan: Any, sizes: Any) -> list[Path]:
+        return [self.host / f"{plan.backup_id}-{i}" for i in range(len(sizes))]
+
+    async def fetch(self, plan: Any) -> None:
+        self.fetched.append(plan.backup_id)
+
+    async def drop(self, plan: Any) -> None:
+        self.dropped.append(plan.backup_id)
+
+
 class FakeMachine:
     runtime = "libvirt"
 
-    def __init__(self, domain: FakeDomain) -> None:
-        self.domain = domain
+    def __init__(self, domain: FakeDomain, staging: FakeStaging | None = None) -> None:
+        self.domain, self.staging = domain, staging
 
     def disk_backup(self) -> LibvirtDiskBackup:
         agent: Any = FakeAgent(self.domain)
-        return LibvirtDiskBackup(FakeConnection(self.domain), "uuid-1", agent)
+        return LibvirtDiskBackup(FakeConnection(self.domain), "uuid-1", agent, self.staging)
 
 
 def _machine(where: Path) -> tuple[FakeMachine, BackupSource]:
@@ -318,6 +340,27 @@ def _nothing_left(machine: FakeMachine, tmp_path: Path) -> None:
     assert not domain.checkpoints and not domain.frozen
     assert not list((tmp_path / "ns" / "db").glob("0001-*"))
     assert not (tmp_path / "ns" / "db" / "manifest.json").exists()
+
+
+def test_with_a_staging_libvirt_copies_into_its_volumes_which_are_fetched_or_dropped(
+    tmp_path: Path,
+) -> None:
+    """`libvirt.pool`: the pod's disks are markers, mapped to the domain's volumes; libvirt
+    writes into the staging's targets, fetched after a success, dropped after a failure."""
+    machine, source = _machine(tmp_path)
+    staging = FakeStaging(tmp_path / "host")
+    pooled = FakeMachine(machine.domain, staging)
+    markers = tuple(d.with_name(d.name + ".marker") for d in source.disks)
+    marked = BackupSource("ns", "db-abcde", "uid-1", "db", None, markers)
+    assert _backup(pooled, marked, tmp_path / "backups").kind == "full"
+    backup, _, _ = _begins(machine.domain)[0]
+    files = {d.get("name"): d.find("target") for d in backup.iterfind("./disks/disk")}
+    assert files["vda"].get("file") == str(tmp_path / "host" / "0001-0")  # type: ignore[union-attr]
+    assert staging.fetched == ["0001"] and staging.dropped == []
+    machine.domain.refuse = "Could not open the target"
+    with pytest.raises(BackupError, match="Could not open"):
+        _backup(pooled, marked, tmp_path / "backups")
+    assert staging.fetched == ["0001"] and staging.dropped == ["0002"]
 
 
 def test_a_backup_libvirt_refuses_fails_with_its_words_and_leaves_nothing(
