@@ -7,11 +7,13 @@ VirtualMachineMigration controller drives them.
 One VM for the module, counting on its serial console; in order: a target host that refuses
 (its disk removed after the endpoint was published) leaves the VM running at the source, the
 source pod's Migration condition saying why; then the VM moves to the other node and keeps
-counting, the same guest (no boot), `virsh list` on each host showing exactly the running
-domain, named after and labelled with the pod that now runs it, its interface the target pod's
-network (packets between the target host and the guest, both ways). Then a domain defined
-with `virsh define` and imported moves whole to the other host, where its VirtualMachine's
-deletion policy is applied when it is deleted (the module's agents run the machine GC).
+counting, the same guest (no boot), the target pod's `kubectl logs` beginning with the source's
+console history (the boot, the ticks printed before the move) and going on with the ticks
+printed there, each once, `virsh list` on each host showing exactly the running domain, named
+after and labelled with the pod that now runs it, its interface the target pod's network
+(packets between the target host and the guest, both ways). Then a domain defined with `virsh
+define` and imported moves whole to the other host, where its VirtualMachine's deletion policy
+is applied when it is deleted (the module's agents run the machine GC).
 """
 
 from __future__ import annotations
@@ -258,7 +260,9 @@ def test_a_target_host_that_refuses_leaves_the_vm_running_at_the_source_saying_w
     lab.kubectl("-n", lab.namespace, "delete", "pod", "refusing", "--wait=true", "--timeout=60s")
 
 
-def test_a_vm_moves_to_the_other_libvirt_host_and_keeps_counting(lab: Lab) -> None:
+def test_a_vm_moves_to_the_other_libvirt_host_and_counts_on_in_one_console_history(
+    lab: Lab,
+) -> None:
     moved = f"{lab.namespace}_vm-2"
     endpoint = lab.target_pod("vm-2")
     assert endpoint["host"] == lab.target.address
@@ -287,14 +291,32 @@ def test_a_vm_moves_to_the_other_libvirt_host_and_keeps_counting(lab: Lab) -> No
     metadata = lab.target.host.virsh("metadata", moved, METADATA).stdout
     assert f'uid="{uid}"' in metadata and f'node="{lab.target.name}"' in metadata
 
-    # the same guest counts on at the target: its counter and its clock go on, no boot
-    wait_for(lambda: len(_ticks(lab.logs("vm-2"))) >= 20, timeout=60, what="ticks at the target")
-    after = _ticks(lab.logs("vm-2"))
-    source_last, target_first = before[-1], after[0]
-    assert target_first[0] > source_last[0] and target_first[1] > source_last[1]
+    def source_ended() -> bool:
+        state = lab.pod("vm")["status"]["containerStatuses"][0]["state"]
+        return bool(state.get("terminated", {}).get("reason") == "Migrated")
+
+    wait_for(source_ended, timeout=60, what="the source pod terminated: Migrated")
+    source_log = lab.logs("vm")  # final: the source's run ended
+    source_last = _ticks(source_log)[-1]  # the last tick the guest printed before the move
+
+    # kubectl logs of the target: the source's console history first (the guest's boot, the
+    # ticks printed before the move), then the ticks printed here, each once and none lost;
+    # the same guest counts on (its counter and its clock go on), no second boot
+    def printed_here(text: str) -> list[tuple[int, float]]:
+        return [tick for tick in _ticks(text) if tick[0] > source_last[0]]
+
+    wait_for(
+        lambda: len(printed_here(lab.logs("vm-2"))) >= 10, timeout=60, what="ticks at the target"
+    )
+    text = lab.logs("vm-2")
+    after, here = _ticks(text), printed_here(text)
+    assert text.startswith(source_log[:200]), text[:400]
+    assert text.count("vkubelet-guest: booted hostname=vm") == 1, text[:400]
+    assert after[: len(before)] == before  # printed before the move, as the source logged them
     numbers = [n for n, _ in after]
-    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "a tick was lost"
-    assert "booted hostname=" not in lab.logs("vm-2")
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "a tick lost or twice"
+    assert numbers.count(source_last[0]) == 1 and numbers.count(here[0][0]) == 1
+    assert here[0][1] > source_last[1]
     hostname = lab.kubectl("-n", lab.namespace, "exec", "vm-2", "--", "cat", "/etc/hostname")
     assert hostname.stdout.strip() == "vm"
 
@@ -315,12 +337,6 @@ def test_a_vm_moves_to_the_other_libvirt_host_and_keeps_counting(lab: Lab) -> No
     ping = ["busybox", "ping", "-c", "1", "-W", "5"]
     assert lab.target.host.run(*ping, address).returncode == 0
     lab.kubectl("-n", lab.namespace, "exec", "vm-2", "--", "ping", "-c", "1", "-W", "5", gateway)
-
-    def source_ended() -> bool:
-        state = lab.pod("vm")["status"]["containerStatuses"][0]["state"]
-        return bool(state.get("terminated", {}).get("reason") == "Migrated")
-
-    wait_for(source_ended, timeout=60, what="the source pod terminated: Migrated")
 
     # deleting the target pod ends the domain there
     lab.kubectl("-n", lab.namespace, "delete", "pod", "vm-2", "--wait=true", "--timeout=90s")

@@ -9,7 +9,8 @@ pods' side, the same as for the QEMU runtime's engine `_migrate`).
   pod's), its file for each disk, and the target pod (the domain's `<metadata>`). It then
   waits for a domain of that name labelled with its pod's UID (`arrival`): it appears paused
   while the state comes in, when the agent opens its console stream (nothing the guest prints
-  after the switchover is lost), and runs once libvirt finished the migration.
+  after the switchover is lost), and runs once libvirt finished the migration. The console
+  history before it comes as on QEMU, to the target pod's console port (`_migrations`).
 - **Source** (`migrate-to` with that endpoint): `virDomainMigrateToURI3(uri, params, LIVE |
   PEER2PEER | NON_SHARED_INC | PERSIST_DEST | UNDEFINE_SOURCE)`. The source's daemon connects
   to the target's itself; `DEST_XML` is the domain's migratable XML with the target's files

@@ -16,6 +16,8 @@ No shared storage is assumed, so the disks travel too, the way libvirt moves the
   history goes to the target's console port, whose answer says whether the guest runs there:
   only then does the source QEMU quit; if the target could not load the state, the source
   resumes the guest (`cont`: its RAM and disks are still whole here).
+- The console port (`ConsolePort`) is the libvirt runtime's too: there the daemons move the
+  domain (`_lvmigrate`), then the source's agent sends its history the same way.
 - Failure at any point before the switchover (target gone, a mirror error, QEMU's migration
   failing): the migration is cancelled, the mirror jobs are dropped, and the guest runs on at
   the source (QEMU resumes it itself when the migration fails after stopping it).
@@ -57,6 +59,7 @@ __all__ = [
     "MIGRATION_CONDITION",
     "MIGRATION_SOURCE",
     "TARGET_CONDITION",
+    "ConsolePort",
     "DomainNetwork",
     "DomainTarget",
     "Endpoint",
@@ -77,7 +80,7 @@ MIGRATE_TO = "vm.vkubelet.io/migrate-to"
 TARGET_CONDITION = "vm.vkubelet.io/MigrationTarget"
 MIGRATION_CONDITION = "vm.vkubelet.io/Migration"
 # The per-migration secret (on both pods, set by the controller): every connection to the
-# target's ports must start with it (see `_authenticate`). Never logged, never in a condition.
+# target's ports must start with it (see `_authenticated`). Never logged, never in a condition.
 MIGRATION_TOKEN = "vm.vkubelet.io/migration-token"  # noqa: S105 - its name, not its value
 _TOKEN_TIMEOUT = 10.0
 _TOKEN_MAX = 256
@@ -196,8 +199,9 @@ class DomainTarget:
 class Endpoint:
     """Where the target listens. The controller copies it from the target's condition into the
     source's `migrate-to` annotation; `maxBandwidth` (bytes/s) may be added there. A libvirt
-    target (`libvirt`) has no ports of the agent's: the source's daemon reaches the target's
-    (its ports are 0), `disks` are the target devices the migration copies."""
+    target (`libvirt`) has no migration or NBD port of the agent's: the source's daemon reaches
+    the target's (those ports are 0); its console port takes the history as on QEMU (0: it
+    takes none), `disks` are the target devices the migration copies."""
 
     host: str
     migration_port: int
@@ -236,11 +240,12 @@ class Endpoint:
             bandwidth = data.get("maxBandwidth")
             target = DomainTarget.from_data(data["libvirt"]) if "libvirt" in data else None
             port = _port if target is None else _no_port
+            console = _port if target is None else _console_port
             return cls(
                 host=str(data["host"]),
                 migration_port=port(data["migrationPort"]),
                 nbd_port=port(data["nbdPort"]),
-                console_port=port(data["consolePort"]),
+                console_port=console(data["consolePort"]),
                 disks=tuple(str(d) for d in data["disks"]),
                 max_bandwidth=int(bandwidth) if bandwidth is not None else None,
                 pod=str(data.get("pod") or ""),
@@ -259,8 +264,14 @@ def _port(value: object) -> int:
 
 def _no_port(value: object) -> int:
     if int(str(value)) != 0:
-        raise ValueError("a libvirt target has no ports of the agent's (0)")
+        raise ValueError("a libvirt target has no ports of the agent's but its console port (0)")
     return 0
+
+
+def _console_port(value: object) -> int:
+    """A libvirt target's console port: 0 when it takes no console history (an imported
+    domain's target)."""
+    return 0 if int(str(value)) == 0 else _port(value)
 
 
 @dataclass(frozen=True)
@@ -301,6 +312,86 @@ async def _disk_devices(monitor: Monitor) -> dict[str, str]:
 
 
 # -- target --------------------------------------------------------------------------------------
+async def _authenticated(reader: asyncio.StreamReader, token: str, port: str, peer: object) -> bool:
+    """Whether a connection to one of the target's ports starts with the migration's token."""
+    try:
+        line = await asyncio.wait_for(reader.readline(), _TOKEN_TIMEOUT)
+    except (TimeoutError, OSError, ValueError):
+        line = b""
+    if _token_ok(line, token):
+        return True
+    _refused(port, peer)
+    return False
+
+
+class ConsolePort:
+    """The target's console port, on either runtime: after the switchover the source sends its
+    console history here (the migration's token first, then its CRI log to EOF), and reads back
+    one line, the target's verdict: `RUNNING` or `failed: <why>`. On QEMU the verdict decides
+    whether the source quits its QEMU or resumes the guest (`_migrations`); on libvirt the
+    daemons decided already and the verdict only tells the source that the history was taken.
+    One port, one token check and one verdict for both, so a history is never taken from
+    anyone but the migration's source."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._server: asyncio.Server | None = None
+        self._history: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._answered = asyncio.Event()
+
+    async def open(self, host: str) -> int:
+        """Listen on `host`; the port. MigrationError without a token: a port anybody could
+        feed a history would put their lines in the pod's log."""
+        if not self.token:
+            raise MigrationError(f"the target pod has no {MIGRATION_TOKEN}")
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The source's console history in; our verdict out (`confirm`/`fail`)."""
+        try:
+            peer = writer.get_extra_info("peername")
+            if not await _authenticated(reader, self.token, "console", peer):
+                return
+            data = await reader.read()
+            if not self._history.done():
+                self._history.set_result(data)
+            with contextlib.suppress(TimeoutError, OSError):
+                verdict = await asyncio.wait_for(asyncio.shield(self._verdict), VERDICT_TIMEOUT)
+                writer.write(verdict.encode() + b"\n")
+                await writer.drain()
+                self._answered.set()
+        finally:
+            writer.close()
+
+    def confirm(self) -> None:
+        """The guest runs here."""
+        if not self._verdict.done():
+            self._verdict.set_result(RUNNING)
+
+    def fail(self, why: str) -> None:
+        """The guest does not run here and never will."""
+        if not self._verdict.done():
+            self._verdict.set_result(f"failed: {why}"[:_TOKEN_MAX])
+
+    async def answered(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Until a source got the verdict, or `timeout`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._answered.wait(), timeout)
+
+    async def history(self, timeout: float) -> bytes:  # noqa: ASYNC109
+        """The source's console history (CRI log lines), b"" when none came in time."""
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(asyncio.shield(self._history), timeout)
+        return b""
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
 class IncomingMigration:
     """The target's side: QEMU waits (`-incoming defer`) for the state, its disks exported."""
 
@@ -318,9 +409,7 @@ class IncomingMigration:
         self._servers: list[asyncio.Server] = []
         self._sockets: list[socket.socket] = []
         self._accepting: asyncio.Task[None] | None = None
-        self._history: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._answered = asyncio.Event()
+        self.console = ConsolePort(token)
         self.streaming = False  # QEMU has the incoming stream
 
     async def open(self) -> Endpoint:
@@ -347,15 +436,14 @@ class IncomingMigration:
         migration.setblocking(False)
         self._sockets.append(migration)
         self._accepting = asyncio.create_task(self._incoming(migration))
-        console = await asyncio.start_server(self._console, self.host, 0)
-        self._servers.append(console)
+        console_port = await self.console.open(self.host)
         nbd = await asyncio.start_server(self._nbd, self.host, 0)
         self._servers.append(nbd)
         return Endpoint(
             host=self.host,
             migration_port=migration.getsockname()[1],
             nbd_port=nbd.sockets[0].getsockname()[1],
-            console_port=console.sockets[0].getsockname()[1],
+            console_port=console_port,
             disks=tuple(devices),
         )
 
@@ -383,19 +471,9 @@ class IncomingMigration:
         finally:
             connection.close()  # QEMU holds its own copy of the descriptor
 
-    async def _authenticate(self, reader: asyncio.StreamReader, port: str, peer: object) -> bool:
-        try:
-            line = await asyncio.wait_for(reader.readline(), _TOKEN_TIMEOUT)
-        except (TimeoutError, OSError, ValueError):
-            line = b""
-        if _token_ok(line, self.token):
-            return True
-        _refused(port, peer)
-        return False
-
     async def _nbd(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The source's NBD client (through its agent's relay) -> QEMU's NBD server."""
-        if not await self._authenticate(reader, "NBD", writer.get_extra_info("peername")):
+        if not await _authenticated(reader, self.token, "NBD", writer.get_extra_info("peername")):
             writer.close()
             return
         try:
@@ -405,37 +483,17 @@ class IncomingMigration:
             return
         await asyncio.gather(_pipe(reader, local_writer), _pipe(local_reader, writer))
 
-    async def _console(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The source's console history in; our verdict out (`confirm`/`fail`): the source
-        quits its QEMU only on `running`, and resumes its guest on a failure."""
-        try:
-            if not await self._authenticate(reader, "console", writer.get_extra_info("peername")):
-                return
-            data = await reader.read()
-            if not self._history.done():
-                self._history.set_result(data)
-            with contextlib.suppress(TimeoutError, OSError):
-                verdict = await asyncio.wait_for(asyncio.shield(self._verdict), VERDICT_TIMEOUT)
-                writer.write(verdict.encode() + b"\n")
-                await writer.drain()
-                self._answered.set()
-        finally:
-            writer.close()
-
     def confirm(self) -> None:
         """The guest runs here: the source may quit its QEMU."""
-        if not self._verdict.done():
-            self._verdict.set_result(RUNNING)
+        self.console.confirm()
 
     def fail(self, why: str) -> None:
         """The guest does not run here and never will (QEMU is gone): the source resumes it."""
-        if not self._verdict.done():
-            self._verdict.set_result(f"failed: {why}"[:_TOKEN_MAX])
+        self.console.fail(why)
 
     async def answered(self, timeout: float) -> None:  # noqa: ASYNC109
         """Until a source got the verdict, or `timeout`."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._answered.wait(), timeout)
+        await self.console.answered(timeout)
 
     async def wait(self) -> None:
         """Until the guest runs here; MigrationError when QEMU went away (its incoming side
@@ -444,9 +502,7 @@ class IncomingMigration:
 
     async def history(self, timeout: float) -> bytes:  # noqa: ASYNC109
         """The source's console history (CRI log lines), b"" when none came in time."""
-        with contextlib.suppress(TimeoutError):
-            return await asyncio.wait_for(asyncio.shield(self._history), timeout)
-        return b""
+        return await self.console.history(timeout)
 
     async def stop_exports(self) -> None:
         with contextlib.suppress(MonitorUnavailable, ExecuteError):
@@ -455,6 +511,7 @@ class IncomingMigration:
     async def close(self) -> None:
         if self._accepting is not None and not self._accepting.done():
             self._accepting.cancel()
+        self.console.close()
         for server in self._servers:
             server.close()
         self._servers.clear()

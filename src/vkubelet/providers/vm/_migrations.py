@@ -29,6 +29,7 @@ from ._migrate import (
     POLL,
     RUNNING,
     TARGET_CONDITION,
+    ConsolePort,
     Endpoint,
     IncomingMigration,
     MigrationError,
@@ -56,6 +57,7 @@ def _monitor(machine: MachineHandle) -> Monitor:
 
 
 HISTORY_TIMEOUT = 30.0
+CONSOLE_DRAIN = 5.0  # a moved domain's console stream ends this soon after libvirt's call
 ANSWER_WAIT = 5.0  # a failed target keeps its console port this long for the source's question
 VM_NODE_CONDITION = "Accelerator"  # only the vm provider reports it (the controller's rule too)
 
@@ -88,7 +90,7 @@ class Migrations:
         """Export the disks, publish the endpoint, wait for the VM; then its console history
         goes first into this run's log (before the console tailer starts)."""
         if isinstance(machine, ArrivingDomain):
-            await self._receive_domain(vm, machine, runner)
+            await self._receive_domain(vm, machine, runner, run)
             return
         host = self.host
         incoming: IncomingMigration | None = None
@@ -128,32 +130,53 @@ class Migrations:
             if incoming is not None:
                 await incoming.close()
 
-    async def _receive_domain(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
+    async def _receive_domain(
+        self, vm: VM, machine: MachineHandle, runner: PodRunner, run: int
+    ) -> None:
         """A libvirt target: publish where the source's daemon sends the domain, then wait
-        for it (`_lvmigrate`). The source's console history is not carried over: this pod's
-        log starts where the domain arrived."""
+        for it (`_lvmigrate`). The console history comes as on QEMU, to our console port once
+        the domain runs here, and goes first into this run's log (before the console tailer
+        starts: what the guest prints here meanwhile waits in the console file). An imported
+        domain's target takes none yet (its console port is 0): its log starts at the arrival."""
         assert isinstance(machine, ArrivingDomain)
         host = self.host
-        endpoint = Endpoint(
-            host=host.host_ip,
-            migration_port=0,
-            nbd_port=0,
-            console_port=0,
-            disks=tuple(dev for dev, _ in machine.target.files),
-            pod=vm.key.split("/", 1)[-1],
-            libvirt=machine.target,
-        )
-        runner.set_condition(TARGET_CONDITION, "True", "Ready", endpoint.to_json())
-        host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
+        token = vm.annotations.get(MIGRATION_TOKEN, "")
+        console = None if machine.target.directory else ConsolePort(token)
         try:
+            try:
+                port = await console.open(host.host_ip) if console is not None else 0
+            except OSError as e:
+                raise MigrationError(f"could not prepare the target: {e}") from None
+            endpoint = Endpoint(
+                host=host.host_ip,
+                migration_port=0,
+                nbd_port=0,
+                console_port=port,
+                disks=tuple(dev for dev, _ in machine.target.files),
+                pod=vm.key.split("/", 1)[-1],
+                libvirt=machine.target,
+            )
+            runner.set_condition(TARGET_CONDITION, "True", "Ready", endpoint.to_json())
+            host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
             await machine.arrive()
+            if console is not None:
+                console.confirm()  # (libvirt decided: the source only learns its history came)
+            self._arrived(vm, runner)
+            network = await self._claim(vm)
+            host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
+            if console is not None:
+                history = await console.history(HISTORY_TIMEOUT)
+                log_path = host.log_path(vm.uid, vm.container, run)
+                append_log(log_path, history, host.config.log_rotation)
         except MigrationError as e:
             runner.set_condition(TARGET_CONDITION, "False", "Failed", str(e))
             host.event(vm, "Warning", "MigrationFailed", str(e))
+            if console is not None:
+                console.fail(str(e))
             raise
-        self._arrived(vm, runner)
-        network = await self._claim(vm)
-        host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
+        finally:
+            if console is not None:
+                console.close()
 
     def _arrived(self, vm: VM, runner: PodRunner) -> None:
         assert vm.launch is not None
@@ -320,17 +343,19 @@ class Migrations:
                 outcome = await machine.migrate_to(
                     endpoint.libvirt, report, max_bandwidth=endpoint.max_bandwidth
                 )
-                message = outcome_message(outcome)
-                message = json.dumps({**json.loads(message), "target": endpoint.target})
-                self._moved(vm, runner, message)
-                return
-            assert monitor is not None
-            outcome = await migrate_out(monitor, endpoint, vm.dir / "nbd.sock", report, token=token)
+            else:
+                assert monitor is not None
+                outcome = await migrate_out(
+                    monitor, endpoint, vm.dir / "nbd.sock", report, token=token
+                )
         except MigrationError as e:
             log.warning("%s: migration failed, the VM stays here: %s", vm.uid, e)
             self._failed(vm, runner, self._record(vm), str(e))
             return
         message = json.dumps({**json.loads(outcome_message(outcome)), "target": endpoint.target})
+        if endpoint.libvirt is not None:
+            await self._moved(vm, machine, runner, endpoint, token, message)
+            return
         await self._switched_over(vm, machine, runner, endpoint, token, message)
 
     async def _refusal(self, vm: VM, endpoint: Endpoint, token: str) -> str | None:
@@ -358,15 +383,45 @@ class Migrations:
             return f"could not read target pod {endpoint.pod} or its node: {e}"
         return endpoint_problem(endpoint, token, source, self.host.node_name, target, node)
 
-    def _moved(self, vm: VM, runner: PodRunner, message: str) -> None:
+    async def _moved(
+        self,
+        vm: VM,
+        machine: MachineHandle,
+        runner: PodRunner,
+        endpoint: Endpoint,
+        token: str,
+        message: str,
+    ) -> None:
         """libvirt moved the domain: it runs at the target and is gone from here (libvirt's
-        protocol decided; there is nothing to hand over or resume)."""
+        protocol decided; there is nothing to resume). The console history goes to the
+        target's console port first, as after QEMU's switchover (`_domain_history`)."""
         self._write_record(vm, **{**self._record(vm), "state": "completed", "message": message})
+        if endpoint.console_port:  # (0: the target takes none, an imported domain's)
+            await self._domain_history(vm, machine, endpoint, token)
         log.info("%s: migrated: %s", vm.uid, message)
         vm.migrated = message
         runner.set_condition(MIGRATION_CONDITION, "True", "Completed", message)
         self.host.event(vm, "Normal", "Migrated", message)
         runner.finish()
+
+    async def _domain_history(
+        self, vm: VM, machine: MachineHandle, endpoint: Endpoint, token: str
+    ) -> None:
+        """A moved domain's console history to the target. Its console stream here ends with
+        its QEMU, a moment after libvirt's call returned, and the machine's end waits for that
+        (bounded: the history is a courtesy): then the guest's last lines here are in the
+        console file, and what it prints next goes to the target's. The target's verdict only
+        says whether it took the history: libvirt's word on where the guest runs was final."""
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(machine.wait(), CONSOLE_DRAIN)
+            history, _ = self._console_history(vm, machine)
+            verdict = await hand_over(endpoint, history, token)
+        except Exception:
+            log.exception("%s: the console history is not sent to the target", vm.uid)
+            return
+        if verdict != RUNNING:
+            log.warning("%s: the target took no console history (%s)", vm.uid, verdict)
 
     async def _switched_over(
         self,
