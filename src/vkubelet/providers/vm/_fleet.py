@@ -14,8 +14,13 @@
         # default: uri, whose keyfile= is the agent's path: set it, with the hosts' own key
         migrationURI: qemu+libssh://root@192.0.2.11/system?keyfile=/etc/vkubelet/migrate.key
         podCIDR: 10.213.1.0/24          # default: the shared one
+        network: {clusterDNS: [10.96.0.10]}   # merged over the shared `network`
         labels: {example.com/rack: r1}
         taints: ["example.com/hv=1:NoSchedule"]
+
+The addresses each host hands out (routed: its podCIDR; bridged: its network.pool) must not
+overlap another host's: each host picks its VMs' addresses alone, and a site routes each
+routed host's range to it, so two hosts of one range would give out the same address.
 
 The agent's fleet mechanism runs the nodes (`NodeFleet`, as the ssh provider's devices): each
 host is a `VMProvider` with its own libvirt connection, so an unreachable host makes only its
@@ -28,6 +33,7 @@ agent starts (the chart restarts the agent when its ConfigMap changes).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -60,6 +66,7 @@ class _Host(Section):
     no_verify: bool = False
     migration_uri: _Text | None = msgspec.field(default=None, name="migrationURI")
     pod_cidr: _Text | None = msgspec.field(default=None, name="podCIDR")
+    network: dict[str, Any] | None = None
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     taints: list[_Text] | None = None
 
@@ -113,26 +120,49 @@ def parse_fleet(raw: dict[str, Any], *, origin: str, base: Path) -> list[FleetHo
             taints = None if host.taints is None else [parse_taint(t) for t in host.taints]
         except ConfigError as e:
             raise fail(f"{where}.taints", str(e)) from None
-        # podCIDR, checked as the single-node config checks it.
-        checked = parse_config(
-            {**shared, **({"podCIDR": host.pod_cidr} if host.pod_cidr else {})},
-            origin=f"{origin}: {where}",
-            base=base,
-        )
+        # podCIDR and network, checked as the single-node config checks them.
+        mine: dict[str, Any] = {"podCIDR": host.pod_cidr} if host.pod_cidr else {}
+        if host.network is not None:
+            mine["network"] = {**(shared.get("network") or {}), **host.network}
+        checked = parse_config({**shared, **mine}, origin=f"{origin}: {where}", base=base)
         if host.migration_uri is not None and "://" not in host.migration_uri:
             raise fail(f"{where}.migrationURI", f"{host.migration_uri!r} is not a libvirt URI")
         config = replace(
-            defaults,
+            checked,
             libvirt_uri=uri,
             libvirt_migration_uri=host.migration_uri,
             libvirt_pool=pool,
-            pod_cidr=checked.pod_cidr,
             state_dir=defaults.state_dir / host.name,
             image_store=defaults.image_store / host.name,
             origin=f"{origin}: {where}",
         )
         fleet.append(FleetHost(host.name, config, dict(host.labels), taints))
+    _refuse_overlaps(fleet, fail)
     return fleet
+
+
+def handed_out(config: VMConfig) -> tuple[str, list[ipaddress.IPv4Network]]:
+    """The field naming the addresses a host gives its VMs, and those addresses."""
+    if (bridged := config.bridged) is not None:
+        first, last = (ipaddress.IPv4Address(a) for a in bridged.pool)
+        return "network.pool", list(ipaddress.summarize_address_range(first, last))
+    return "podCIDR", [ipaddress.IPv4Network(config.pod_cidr)]
+
+
+def _refuse_overlaps(fleet: Sequence[FleetHost], fail: Callable[[str, str], ConfigError]) -> None:
+    """Two hosts that may give out the same address are refused, naming the later one's field
+    (see the module)."""
+    seen: list[tuple[str, str, list[ipaddress.IPv4Network]]] = []
+    for index, host in enumerate(fleet):
+        field, ranges = handed_out(host.config)
+        for name, other_field, others in seen:
+            if any(a.overlaps(b) for a in ranges for b in others):
+                raise fail(
+                    f"hosts[{index}].{field}",
+                    f"overlaps {name}'s {other_field} (each host hands out its own addresses: "
+                    "give every host a range of its own)",
+                )
+        seen.append((host.name, field, ranges))
 
 
 def host_uri(host: _Host, base: Path, fail: Callable[[str], ConfigError]) -> str:

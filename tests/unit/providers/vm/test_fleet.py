@@ -61,6 +61,33 @@ def test_each_host_is_a_node_with_the_shared_defaults_its_uri_and_its_own_state(
     assert two.taints == [{"key": "example.com/hv", "value": "2", "effect": "NoSchedule"}]
 
 
+BRIDGED = "{mode: bridged, bridge: br0, subnet: 10.9.0.0/24, gateway: 10.9.0.1, pool: 10.9.0.10-10.9.0.30}"  # noqa: E501
+
+
+def test_a_host_s_network_is_merged_over_the_shared_one_and_its_addresses_are_its_own(
+    tmp_path: Path,
+) -> None:
+    text = f"""
+network: {BRIDGED}
+hosts:
+  - {{name: hv-1, uri: 'qemu+ssh://hv-1/system'}}
+  - {{name: hv-2, uri: 'qemu+ssh://hv-2/system', network: {{pool: 10.9.0.40-10.9.0.50}}}}
+  - {{name: hv-3, uri: 'qemu+ssh://hv-3/system', network: {{mode: routed, clusterDNS: [10.96.0.10],
+      bridge: null, subnet: null, gateway: null, pool: null}}, podCIDR: 10.213.3.0/24}}
+"""
+    hosts = load_fleet(write(tmp_path, text))
+    assert hosts is not None
+    one, two, three = (host.config for host in hosts)
+    assert one.bridged is not None and two.bridged is not None
+    assert (one.bridged.pool, two.bridged.pool) == (
+        ("10.9.0.10", "10.9.0.30"),
+        ("10.9.0.40", "10.9.0.50"),
+    )
+    assert two.bridged.bridge == "br0" and two.bridged.gateway == "10.9.0.1"  # (shared)
+    assert (three.bridged, three.network_mode, three.pod_cidr) == (None, "routed", "10.213.3.0/24")
+    assert three.cluster_dns == ("10.96.0.10",)
+
+
 def test_a_fleet_without_a_pool_gets_the_default_pool(tmp_path: Path) -> None:
     hosts = load_fleet(write(tmp_path, "hosts: [{name: hv-1, uri: 'qemu+ssh://hv-1/system'}]"))
     assert hosts is not None
@@ -95,6 +122,18 @@ def test_a_config_without_hosts_is_a_single_node(tmp_path: Path) -> None:
         ("libvirt: {uri: 'qemu:///system'}\nhosts: [{name: a, uri: 'x://a'}]", "libvirt.uri"),
         ("libvirt: {pool: {path: vms}}\nhosts: [{name: a, uri: 'x://a'}]", "libvirt.pool.path"),
         ("hosts: [{name: a, uri: 'qemu+ssh://a/s'}]\ndefaults: {cpu: x}", "defaults.cpu"),
+        ("hosts: [{name: a, uri: 'qemu+ssh://a/s', network: {mode: nope}}]", "network.mode"),
+        ("hosts: [{name: a, uri: 'qemu+ssh://a/s', network: [x]}]", "hosts[0].network"),
+        # two hosts that would hand out the same addresses (the shared podCIDR, one pool)
+        (
+            "hosts: [{name: a, uri: 'qemu+ssh://a/s'}, {name: b, uri: 'qemu+ssh://b/s'}]",
+            "hosts[1].podCIDR",
+        ),
+        (
+            f"network: {BRIDGED}\nhosts: [{{name: a, uri: 'qemu+ssh://a/s'}},"
+            " {name: b, uri: 'qemu+ssh://b/s', network: {pool: 10.9.0.20-10.9.0.40}}]",
+            "hosts[1].network.pool",
+        ),
     ],
 )
 def test_a_bad_fleet_config_names_the_file_and_the_field(

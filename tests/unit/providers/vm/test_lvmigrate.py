@@ -208,7 +208,7 @@ def test_a_fleet_s_hosts_each_say_how_the_others_reach_them(tmp_path: Path) -> N
         "hosts:\n"
         "  - {name: hv-1, uri: 'qemu+ssh://root@hv-1/system',"
         " migrationURI: 'qemu+libssh://root@hv-1/system?keyfile=/etc/m.key'}\n"
-        "  - {name: hv-2, uri: 'qemu+ssh://root@hv-2/system'}\n"
+        "  - {name: hv-2, uri: 'qemu+ssh://root@hv-2/system', podCIDR: 10.213.2.0/24}\n"
     )
     hosts = load_fleet(config)
     assert hosts is not None
