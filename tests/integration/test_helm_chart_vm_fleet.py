@@ -6,14 +6,18 @@ Secret, the hosts' keys from the chart's `vm.knownHosts` (verified: no `noVerify
 network is routed into the cluster's (the worker's pods reach the hosts' sshd, the hosts answer
 the pods' addresses), as a site's hypervisors are reachable from its cluster.
 
-One VM boots for the module: on the first host, its disks and seed volumes of that host's
-storage pool (the daemon never sees the agent's pod's files), whose base image an earlier
-agent left half uploaded (the upload starts again); `kubectl logs` has its boot and
-`kubectl exec` runs in it; `virsh list` shows it on that host only and the other host's node
-stays Ready with no domain. The agent's pod is replaced (its state volume starts empty): the
-new agent takes the running domain as it is (same domain id, the guest's uptime continues).
-Then the second host becomes unreachable (its link down): only its node goes NotReady, with
-libvirt's message, and the VM on the first host still answers.
+One VM boots for the module: on the first host, its disks and seed volumes of that host's storage
+pool (the daemon never sees the agent's pod's files), whose base image an earlier agent left half
+uploaded (the upload starts again; the pool's GC, run every few seconds, spares it all while the VM
+runs and removes it all once the VM is gone); `kubectl logs` has its boot and `kubectl exec` runs
+in it; `virsh list` shows it on that host only and the other host's node stays Ready with no
+domain. The agent's pod is replaced (its state volume starts empty): the new agent takes the
+running domain as it is (same domain id, the guest's uptime continues). The VM is on the cluster's
+pod network with real packets: each host has a `podCIDR` of its own, cut from the cluster's virtual
+range and routed to that host (as a site routes each hypervisor's range), and a busybox pod on a
+real worker fetches the VM's httpd by pod IP while the VM fetches the worker pod's. Then the second
+host becomes unreachable (its link down): only its node goes NotReady, with libvirt's message, and
+the VM on the first host still answers.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -47,12 +52,20 @@ pytestmark = pytest.mark.integration
 NAMESPACE = "vkubelet-vm-fleet"
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 BOOT_TIMEOUT = 300  # one TCG boot on a busy 2-core machine
+GC_INTERVAL = 3  # seconds
 
 
 @dataclass
 class Fleet:
     hosts: list[LibvirtHost]
     nodes: list[str]  # node i is host i's
+    cidrs: list[str]  # host i's podCIDR
+
+
+#: A busybox pod on a worker that serves its name over HTTP: the VM's peer on the pod network.
+SERVE_NAME = "mkdir -p /www && hostname > /www/index.html && exec httpd -f -p 8080 -h /www"
+#: The same in the guest (its busybox httpd), started through kubectl exec.
+GUEST_SERVE = "mkdir -p /tmp/www && hostname > /tmp/www/index.html && httpd -p 8080 -h /tmp/www"
 
 
 def _ip(*args: str) -> None:
@@ -100,6 +113,14 @@ def _leave_a_half_upload(host: LibvirtHost, image: Path) -> None:
         host.virsh("vol-create-as", "vkubelet", name, "1M")
 
 
+def _fetch(kubectl: Kubectl, pod: str, url: str) -> str:
+    """`url` fetched from inside `pod` (a worker's container, or the VM through its guest
+    agent) with busybox wget, '' when it fails (`timeout 5`: busybox's `wget -T` crashes here)."""
+    argv = ("-n", NAMESPACE, "exec", pod, "--", "timeout", "5", "wget", "-q", "-O", "-", url)
+    done = kubectl(*argv, check=False)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def _agent_pods(kubectl: Kubectl, *, running: bool = False) -> list[str]:
     pods = kubectl.json("-n", NAMESPACE, "get", "pods", "-l", "app.kubernetes.io/instance=vkvm")
     return [
@@ -128,6 +149,12 @@ def fleet(
     env = {**os.environ, "KUBECONFIG": str(worker_cluster.kubeconfig)}
     suffix = uuid.uuid4().hex[:5]
     nodes = [f"lvf-{suffix}-a", f"lvf-{suffix}-b"]
+    # Each host's podCIDR: a /24 of the cluster's virtual range (the workers route that range
+    # to the machine; the machine routes each /24 to its host, see LibvirtHost.route_pods).
+    virtual = worker_cluster.virtual_pod_cidr()
+    assert virtual is not None
+    prefix = virtual.rsplit(".", 2)[0]
+    cidrs = [f"{prefix}.{third}.0/24" for third in random.sample(range(1, 250), 2)]
     workdir = Path(tempfile.mkdtemp(prefix="vklvf-", dir="/tmp"))
     undo: list[list[str]] = []
     with contextlib.ExitStack() as stack:
@@ -135,6 +162,8 @@ def fleet(
         hosts = stack.enter_context(virtlab.libvirt_lab(2, workdir / "lab"))
         try:
             undo = _route_lab_into_cluster(worker_cluster, hosts)
+            for host, cidr in zip(hosts, cidrs, strict=True):
+                host.route_pods(cidr)  # (the route goes with the lab's bridge)
             _leave_a_half_upload(hosts[0], vm_guest_image)
             k("create", "namespace", NAMESPACE)
             keys = [f"--from-file={n}.key={h.key_path}" for n, h in zip(nodes, hosts, strict=True)]
@@ -153,14 +182,18 @@ def fleet(
                 "providerConfig": {
                     "accel": "tcg",
                     "guestAgentTimeoutSeconds": BOOT_TIMEOUT,
+                    # the GC of the hosts' pools runs often: it must spare what runs, and
+                    # removes the VM's volumes and their base once the VM is gone
+                    "imageGCIntervalSeconds": GC_INTERVAL,
                     "translations": [{"name": "tiny", "url": "file:///guest/tiny.qcow2"}],
                     "hosts": [
                         {
                             "name": node,
                             "uri": f"qemu+ssh://root@{host.address}/system",
                             "identityFile": f"/etc/vkubelet-ssh/{node}.key",
+                            "podCIDR": cidr,
                         }
-                        for node, host in zip(nodes, hosts, strict=True)
+                        for node, host, cidr in zip(nodes, hosts, cidrs, strict=True)
                     ],
                 },
                 # The test guest, as a site would serve its images (file:// from a volume).
@@ -185,7 +218,7 @@ def fleet(
             wait_for(
                 lambda: all(node_ready(k, n) for n in nodes), timeout=120, what=f"{nodes} Ready"
             )
-            yield Fleet(hosts, nodes)
+            yield Fleet(hosts, nodes, cidrs)
         finally:
             print(k("-n", NAMESPACE, "logs", "-l", "app.kubernetes.io/instance=vkvm",
                     "--tail=80", check=False).stdout, file=sys.stderr)  # fmt: skip
@@ -200,8 +233,8 @@ def fleet(
                 subprocess.run(["ip", *command], capture_output=True, check=False)
 
 
-def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_and_a_vm_runs_on_one(
-    worker_kubectl: Kubectl, fleet: Fleet
+def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_a_vm_on_the_pod_network(
+    worker_cluster: Cluster, worker_kubectl: Kubectl, fleet: Fleet
 ) -> None:
     k = worker_kubectl
     (first, second), (node, other) = fleet.hosts, fleet.nodes
@@ -221,7 +254,25 @@ def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_and_a_vm_runs
             ],
         },
     }
-    k("apply", "-f", "-", input=json.dumps(pod))
+    busybox = worker_cluster.image_reference("busybox")
+    peer_pod = {  # a pod on a real worker (the vm nodes are tainted): the VM's peer
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "peer", "namespace": NAMESPACE},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,  # httpd as PID 1 ignores SIGTERM
+            "containers": [
+                {
+                    "name": "httpd",
+                    "image": busybox,
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", SERVE_NAME],
+                }
+            ],
+        },
+    }
+    for item in (pod, peer_pod):
+        k("apply", "-f", "-", input=json.dumps(item))
     name = ("-n", NAMESPACE, "vm-on-the-fleet")
     k("-n", NAMESPACE, "wait", "--for=condition=Ready", "pod/vm-on-the-fleet",
       f"--timeout={BOOT_TIMEOUT}s", timeout=BOOT_TIMEOUT + 30)  # fmt: skip
@@ -236,6 +287,20 @@ def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_and_a_vm_runs
     assert k("exec", *name, "--", "echo", "in-the-guest").stdout.strip() == "in-the-guest"
     hostname = k("exec", *name, "--", "cat", "/proc/sys/kernel/hostname").stdout.strip()
     assert hostname == "vm-on-the-fleet"
+
+    # The pod network, with packets: the VM's address is of its host's podCIDR; a busybox pod
+    # on a real worker fetches the VM's httpd by pod IP, and the VM fetches the worker pod's.
+    ip = k.json(*name[:2], "get", "pod", name[2])["status"]["podIP"]
+    assert ipaddress.IPv4Address(ip) in ipaddress.IPv4Network(fleet.cidrs[0]), ip
+    assert k("exec", *name, "--", "sh", "-c", GUEST_SERVE).returncode == 0
+    k("-n", NAMESPACE, "wait", "--for=condition=Ready", "pod/peer", "--timeout=90s", timeout=120)
+    peer_ip = k.json("-n", NAMESPACE, "get", "pod", "peer")["status"]["podIP"]
+    wait_for(
+        lambda: _fetch(k, "peer", f"http://{ip}:8080/") == "vm-on-the-fleet",
+        timeout=30,
+        what="the fleet VM's httpd from a worker pod, by pod IP",
+    )
+    assert _fetch(k, "vm-on-the-fleet", f"http://{peer_ip}:8080/") == "peer"
     # The disks the guest sees are the host's pool volumes: root, and the seed read-only.
     volumes = first.virsh("vol-list", "vkubelet").stdout
     assert "vkubelet-base-" in volumes and "root.qcow2" in volumes and "seed.iso" in volumes
@@ -262,6 +327,8 @@ def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_and_a_vm_runs
         what="kubectl exec through the new agent",
     )
     assert first.virsh("domid", domain).stdout.strip() == before_id
+    volumes = first.virsh("vol-list", "vkubelet").stdout  # the GC spared what the VM uses
+    assert "root.qcow2" in volumes and "vkubelet-base-" in volumes, volumes
     assert float(k("exec", *name, "--", "cat", "/proc/uptime").stdout.split()[0]) > uptime
     assert first.running() == [domain]
 
@@ -282,6 +349,13 @@ def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_and_a_vm_runs
     assert "libvirt qemu+ssh://" in message, message
     assert node_ready(k, node)
     assert k("exec", *name, "--", "echo", "still").stdout.strip() == "still"
+    assert _fetch(k, "peer", f"http://{ip}:8080/") == "vm-on-the-fleet"
     print(f"{other} NotReady: {message}", file=sys.stderr)
     k("-n", NAMESPACE, "delete", "pod", "vm-on-the-fleet", "--wait=false")
     wait_for(lambda: first.running() == [], timeout=120, what="the domain gone with its pod")
+    # The pool GC: the pod's volumes go, then the base image volume nothing is backed by now.
+    wait_for(
+        lambda: "vkubelet-" not in first.virsh("vol-list", "vkubelet").stdout,
+        timeout=60,
+        what="the pod's volumes and the base image removed from the host's pool",
+    )

@@ -9,7 +9,11 @@ over the same connection (so over `qemu+ssh` too):
 - **Base images**: the image store's file, uploaded once per digest (`virStorageVolUpload`)
   as `vkubelet-base-<sha256>`, with `vkubelet-base-<sha256>.uploading` beside it until the
   upload is complete: an agent killed mid-upload leaves both, and the next upload starts
-  again; one upload of an image at a time per node.
+  again; one upload of an image at a time per node. A base is removed by the image GC
+  (`collect_bases`) once no volume of the pool is backed by it and no domain's disk names it.
+  That cannot race a pod starting on this node: a start holds the base's lock from the base's
+  upload (or lookup) until its overlay exists, and the GC decides on a fresh listing under the
+  same lock, so it sees the overlay, or the start finds no base and uploads it again.
 - **Root overlay and emptyDir disks**: made by the daemon (`virStorageVolCreateXML`: a qcow2
   over the base volume, or a blank qcow2), unless the volume exists: its name is the disk's
   local path's, so it is that disk (an agent that lost its state directory finds its running
@@ -18,7 +22,9 @@ over the same connection (so over `qemu+ssh` too):
 - **The seed**: written locally as with QEMU, uploaded at each launch into its own volume.
 - **Names**: `vkubelet-<node>-<hash of the local path>-<file name>`: one per disk of each
   pod, per node (two nodes may share a daemon and its pool). `collect` removes this node's
-  volumes whose local file is gone (the pod's directory was removed).
+  volumes whose local file is gone (the pod's directory was removed) unless a domain names
+  them as a disk (an agent that lost its state directory writes its running VMs' markers
+  only when it takes their pods again).
 
 The pool is defined, built and started when missing (a `dir` pool at `libvirt.pool.path`).
 - **PVC disks**: the claim provisioner (`_volumes`) makes them with this runtime's
@@ -31,7 +37,9 @@ The pool is defined, built and started when missing (a `dir` pool at `libvirt.po
   agent downloads into its own backup files; the chain, manifest and restores stay the agent's
   files. A disk restored from them is uploaded as its volume at the first launch (`adopt`).
 
-Base volumes are kept until removed by hand.
+Two nodes that share one daemon's pool share its base volumes but not their locks: a base
+removed by one node's GC while the other makes an overlay over it fails that start (libvirt
+finds no backing file), and the pod's next start uploads it again.
 """
 
 from __future__ import annotations
@@ -41,8 +49,10 @@ import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import replace
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,13 +66,36 @@ from ._disks import image_info, rebase_unsafe
 from ._libvirt import Connection, LibvirtRuntime, _code, _libvirt, message_of
 from ._machine import MachineError
 
-__all__ = ["PooledLibvirtRuntime", "StoragePool", "volume_marker"]
+__all__ = ["PoolVolume", "PooledLibvirtRuntime", "StoragePool", "unbacked_bases", "volume_marker"]
 
 log = logging.getLogger(__name__)
 
 _MARKER_KEY = "libvirtVolume"
 _MARKER_MAX = 4096  # a marker is a line of JSON; a real disk or seed is far bigger
 _CHUNK = 1 << 20
+_BASE = re.compile(r"vkubelet-base-[0-9a-f]{64}")
+_UPLOADING = ".uploading"
+
+
+@dataclass(frozen=True)
+class PoolVolume:
+    """What the base GC needs of a volume: its path and the path of what backs it."""
+
+    path: str
+    backing: str | None = None
+
+
+def unbacked_bases(volumes: Mapping[str, PoolVolume], domain_disks: Collection[str]) -> list[str]:
+    """The names of the base volumes to remove: whole ones (no `.uploading` mark beside them:
+    a half upload is the next upload's to redo) whose path backs no other volume of the pool
+    and is no domain's disk file or backing file (`domain_disks`)."""
+    used = {*domain_disks, *(v.backing for v in volumes.values() if v.backing is not None)}
+    return sorted(
+        name
+        for name, volume in volumes.items()
+        if _BASE.fullmatch(name) and f"{name}{_UPLOADING}" not in volumes
+        and volume.path not in used
+    )  # fmt: skip
 
 
 def volume_marker(path: Path) -> dict[str, str] | None:
@@ -102,19 +135,47 @@ class StoragePool:
         except libvirt.libvirtError as e:
             raise self._error(e) from None
 
-    async def base(self, image: PulledImage) -> str:
-        """The path on the daemon's host of `image`'s volume, uploaded when missing."""
+    def _base_lock(self, name: str) -> asyncio.Lock:
+        """Held by a start from its base's upload until its overlay exists, and by the base GC
+        while it decides on that base (see the module)."""
+        return self._uploading.setdefault(name, asyncio.Lock())
+
+    @contextlib.asynccontextmanager
+    async def base(self, image: PulledImage) -> AsyncIterator[str]:
+        """The path on the daemon's host of `image`'s volume, uploaded when missing; the base
+        GC leaves it alone until the block ends (make the overlay over it in the block)."""
         libvirt = _libvirt()
         pool = await self.pool()
         conn = await self.connection.get()
         name = f"vkubelet-base-{image.sha256}"
         upload = partial(_uploaded, libvirt, conn, pool, name, image.path, staged=True)
-        async with self._uploading.setdefault(name, asyncio.Lock()):  # two pods, one image
+        async with self._base_lock(name):  # two pods, one image; or the GC
             try:
                 path = await self.connection.run(upload)
             except (libvirt.libvirtError, OSError) as e:
                 raise self._error(e) from None
-        return path
+            yield path
+
+    async def collect_bases(self) -> list[str]:
+        """Remove the base volumes nothing uses any more (`unbacked_bases`); returns their
+        names. Each is decided again under its lock on a fresh listing, so an overlay a start
+        made meanwhile keeps it."""
+        libvirt = _libvirt()
+        pool = await self.pool()
+        conn = await self.connection.get()
+        removed = []
+        try:
+            volumes = await self.connection.run(_pool_volumes, libvirt, pool)
+            for name in unbacked_bases(volumes, ()):  # candidates; domains read below
+                async with self._base_lock(name):
+                    volumes = await self.connection.run(_pool_volumes, libvirt, pool)
+                    disks = await self.connection.run(_domain_disks, libvirt, conn)
+                    if name in unbacked_bases(volumes, disks):
+                        await self.connection.run(_delete_volume, libvirt, pool, name)
+                        removed.append(name)
+        except libvirt.libvirtError as e:
+            raise self._error(e) from None
+        return removed
 
     async def create(self, local: Path, xml_of: Callable[[str], str]) -> None:
         """The marker at `local` naming its volume, made from `xml_of(name)` unless it exists:
@@ -207,19 +268,23 @@ class StoragePool:
 
     async def collect(self, local_root: Path) -> list[str]:
         """Remove this node's volumes whose local file (marker or seed) under `local_root` is
-        gone; returns their names. The volumes are listed before the files are: a disk made
-        meanwhile has its marker by the time the files are read, and is kept."""
+        gone and that no domain names as a disk; returns their names. The volumes are listed
+        before the files are: a disk made meanwhile has its marker by the time the files are
+        read, and is kept. A domain's disk is kept without its marker: an agent that starts
+        with an empty `stateDir` writes the markers of its running VMs' disks only when it
+        takes each VM's pod again."""
         libvirt = _libvirt()
         pool = await self.pool()
+        conn = await self.connection.get()
         prefix = f"vkubelet-{self.node}-"
         removed = []
         try:
-            volumes = await self.connection.run(pool.listAllVolumes, 0)
-            named = [(await self.connection.run(v.name), v) for v in volumes]
+            volumes = await self.connection.run(_pool_volumes, libvirt, pool)
+            disks = await self.connection.run(_domain_disks, libvirt, conn)
             live = await asyncio.to_thread(self._live, local_root)
-            for name, volume in named:
-                if name.startswith(prefix) and name not in live:
-                    await self.connection.run(volume.delete, 0)
+            for name, volume in volumes.items():
+                if name.startswith(prefix) and name not in live and volume.path not in disks:
+                    await self.connection.run(_delete_volume, libvirt, pool, name)
                     removed.append(name)
         except libvirt.libvirtError as e:
             raise self._error(e) from None
@@ -244,6 +309,36 @@ def _ensure_pool(libvirt: Any, conn: Any, config: LibvirtPool) -> Any:
     if not pool.isActive():
         pool.create(0)
     return pool
+
+
+def _pool_volumes(libvirt: Any, pool: Any) -> dict[str, PoolVolume]:
+    """The pool's volumes by name, refreshed first (the pool's directory is read again); one
+    that vanished while listed is left out."""
+    with contextlib.suppress(libvirt.libvirtError):
+        pool.refresh(0)  # (a volume being written refuses it: the listing is then libvirt's)
+    found = {}
+    for volume in pool.listAllVolumes(0):
+        try:
+            root = ET.fromstring(volume.XMLDesc(0))  # noqa: S314 - from the daemon we drive
+        except libvirt.libvirtError:
+            continue
+        name, path = root.findtext("name"), root.findtext("target/path")
+        if name and path:
+            found[name] = PoolVolume(path, root.findtext("backingStore/path") or None)
+    return found
+
+
+def _domain_disks(libvirt: Any, conn: Any) -> set[str]:
+    """Every file any domain of the daemon names as a disk or a disk's backing file (running
+    domains' XML carries the backing chain)."""
+    files = set()
+    for domain in conn.listAllDomains(0):
+        try:
+            root = ET.fromstring(domain.XMLDesc(0))  # noqa: S314 - from the daemon we drive
+        except libvirt.libvirtError:
+            continue  # gone meanwhile
+        files |= {str(s.get("file")) for s in root.iterfind("./devices/disk//source[@file]")}
+    return files
 
 
 def _delete_volume(libvirt: Any, pool: Any, name: str) -> None:
@@ -427,11 +522,11 @@ class PooledLibvirtRuntime(LibvirtRuntime):
         self._collecting: asyncio.Task[None] | None = None
 
     async def create_overlay(self, base: PulledImage, path: Path, size: int | None) -> None:
-        base_path = await self.pool.base(base)
         capacity = max(size or 0, base.size)
-        await self.pool.create(
-            path, lambda name: _overlay_xml(name, base_path, base.format, capacity)
-        )
+        async with self.pool.base(base) as base_path:  # (the base GC waits for the overlay)
+            await self.pool.create(
+                path, lambda name: _overlay_xml(name, base_path, base.format, capacity)
+            )
 
     async def create_blank(self, path: Path, size: int) -> None:
         await self.pool.create(path, lambda name: _blank_xml(name, size))
@@ -464,7 +559,8 @@ class PooledLibvirtRuntime(LibvirtRuntime):
 
     def gc_images(self, in_use: Collection[str]) -> list[str]:
         """The image store's GC, and (in the background: this is called from the provider's
-        GC loop, a sync call) the volumes of pods that are gone."""
+        GC loop, a sync call) the volumes of pods that are gone, then the base volumes no
+        volume or domain uses any more."""
         if self._collecting is None or self._collecting.done():
             self._collecting = asyncio.get_running_loop().create_task(
                 self._collect(), name="pool volume gc"
@@ -474,6 +570,7 @@ class PooledLibvirtRuntime(LibvirtRuntime):
     async def _collect(self) -> None:
         try:
             removed = await self.pool.collect(self.config.state_dir)
+            removed += await self.pool.collect_bases()  # (after: the overlays just removed)
         except MachineError as e:
             log.warning("node %s: volumes not collected: %s", self.node_name, e)
             return
