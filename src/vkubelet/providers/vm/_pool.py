@@ -312,10 +312,9 @@ def _ensure_pool(libvirt: Any, conn: Any, config: LibvirtPool) -> Any:
 
 
 def _pool_volumes(libvirt: Any, pool: Any) -> dict[str, PoolVolume]:
-    """The pool's volumes by name, refreshed first (the pool's directory is read again); one
-    that vanished while listed is left out."""
-    with contextlib.suppress(libvirt.libvirtError):
-        pool.refresh(0)  # (a volume being written refuses it: the listing is then libvirt's)
+    """The pool's volumes by name as libvirt knows them (an overlay made through it carries
+    its backing store; a refresh is not asked: a failed one stops the pool); one that
+    vanished while listed is left out."""
     found = {}
     for volume in pool.listAllVolumes(0):
         try:

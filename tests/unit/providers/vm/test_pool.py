@@ -86,9 +86,6 @@ class FakePool:
     def isActive(self) -> bool:
         return True
 
-    def refresh(self, flags: int) -> None:
-        pass
-
     def storageVolLookupByName(self, name: str) -> FakeVolume:
         if name not in self.volumes:
             raise _Error(FAKE_LIBVIRT.VIR_ERR_NO_STORAGE_VOL)
