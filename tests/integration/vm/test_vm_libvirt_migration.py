@@ -349,10 +349,11 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     """A domain defined with `virsh define` on the first host (a bridge NIC of its own),
     imported there by a VirtualMachine (deletionPolicy Delete), moves to the other host:
     refused first while that host lacks its bridge (the VM runs on at the source, the status
-    saying which bridge; the target pod's pool gone with its pod), then moved once the bridge
-    is there: the same name, UUID and NIC, its disk copied whole, what the guest wrote and its
-    uptime kept, no boot; the import claim names the target node, which records the domain for
-    its deletion policy; the source's disk file is left in place. The target's agent restarted
+    saying which bridge; the target pod's pool and the copy libvirt made in it gone with its
+    pod), then moved once the bridge is there: the same name, UUID and NIC, its disk copied
+    whole, what the guest wrote and its uptime kept, no boot; the import claim names the target
+    node, which records the domain for its deletion policy; the source's disk file is left in
+    place. The target's agent restarted
     adopts it (same UUID, same QEMU). Deleting the VirtualMachine applies the policy on the
     target host (undefined there) and leaves nothing of it on the source host; both nodes'
     machine directories go, the disk files stay. Runs after the module's VM has left both
@@ -414,6 +415,8 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
         "-n", lab.namespace, "delete", "pod", "imp-refused", "--wait=true", "--timeout=60s"
     )  # fmt: skip
     assert target.virsh("pool-list", "--all", "--name").stdout.split() == []
+    # ...with the copy libvirt had made in it (the size of the domain's disk)
+    assert not Path(endpoint["libvirt"]["directory"]).exists()
 
     # moved, once the target host has the bridge
     target.run("ip", "link", "add", bridge, "type", "bridge")

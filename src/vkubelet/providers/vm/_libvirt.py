@@ -715,9 +715,12 @@ class IncomingLibvirtMachine(LibvirtMachine):
         with contextlib.suppress(MachineError, OSError, _libvirt().libvirtError):
             await self.open_console(domain)
 
-    async def _drop_pool(self) -> None:
+    async def _drop_pool(self, *, discard: bool = False) -> None:
         """An imported domain's transient pool (`_incoming_pool`) ends: its files stay, the
-        domain's disks now."""
+        domain's disks now. `discard` (the domain never arrived): what libvirt created in it is
+        a copy of a VM that runs on at its source, of the size of its disks: its volumes are
+        deleted through the daemon (on its host), then the empty directory where the agent
+        sees it."""
         if not self.target.directory:
             return
         libvirt = _libvirt()
@@ -725,7 +728,14 @@ class IncomingLibvirtMachine(LibvirtMachine):
             conn = await self.connection.get()
             name = pool_name(self.target.owner[0])
             pool = await self.connection.run(conn.storagePoolLookupByName, name)
+            if discard:
+                await self.connection.run(pool.refresh, 0)
+                for volume in await self.connection.run(pool.listAllVolumes, 0):
+                    await self.connection.run(volume.delete, 0)
             await self.connection.run(pool.destroy)
+        if discard:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(Path(self.target.directory).rmdir)
 
     def _adopt(self, uuid: str, domain_id: int) -> None:
         self.uuid, self.pid = uuid, domain_id
@@ -736,24 +746,37 @@ class IncomingLibvirtMachine(LibvirtMachine):
         write_atomic(self.run_dir / DOMAIN_FILE, json.dumps({**record, "started": self.started}))
 
     async def kill(self) -> None:
-        """Before the domain arrived: stop waiting, and destroy a domain of this pod that is
+        """Before the domain arrived: stop waiting, destroy a domain of this pod that is
         coming in (the source's libvirt then fails the migration and resumes the guest
-        there); after, as any domain."""
+        there), and discard an imported domain's copied disks unless it came after all; after,
+        as any domain."""
         self._stopping.set()
-        await self._drop_pool()
         if self.uuid:
+            await self._drop_pool()
             await super().kill()
             return
-        libvirt = _libvirt()
         self._record(MachineExit(137, "Killed", "killed before the VM arrived"))
         self._gone.set()
         self._console.close()
-        with contextlib.suppress(MachineError, libvirt.libvirtError):
+        await self._drop_pool(discard=not await self._destroy_incoming())
+
+    async def _destroy_incoming(self) -> bool:
+        """Destroy this pod's domain if one is coming in; whether one of this pod's is still
+        defined here (it arrived after all: its disks are kept; so too when the daemon cannot
+        tell)."""
+        libvirt = _libvirt()
+        try:
             conn = await self.connection.get()
             domain = await self.connection.run(conn.lookupByName, self.target.domain)
             owner = owner_of(await self.connection.metadata(domain, METADATA_URI))
-            if owner is not None and owner.pod_uid == self.target.owner[0]:
-                await self.connection.run(domain.destroy)
+            if owner is None or owner.pod_uid != self.target.owner[0]:
+                return False  # another's: the pool and its directory are this pod's alone
+            await self.connection.run(domain.destroy)  # a transient incoming one vanishes
+            return bool(await self.connection.run(domain.isPersistent))
+        except MachineError:
+            return True
+        except libvirt.libvirtError as e:
+            return bool(_code(e) != libvirt.VIR_ERR_NO_DOMAIN)
 
 
 def _usage(domain: Any) -> Usage:

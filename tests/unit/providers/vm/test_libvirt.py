@@ -351,3 +351,67 @@ async def test_vcpus_are_plugged_live_and_into_the_definition_and_libvirt_s_refu
     domain.undefine()
     with pytest.raises(ResizeError, match="is gone"):
         await hotplug.plug_memory("dimm1", 512)
+
+
+# -- an imported domain's migration target (`_lvimportmig`), on the test driver -----------------
+async def _incoming_target(runtime: LibvirtRuntime, tmp_path: Path, uid: str) -> Any:
+    """A target pod's machine for an imported domain, its pool holding the disk libvirt made
+    for the copy (as its migration's pre-creation does)."""
+    from vkubelet.providers.vm._libvirt import IncomingLibvirtMachine
+    from vkubelet.providers.vm._lvimportmig import pool_xml
+    from vkubelet.providers.vm._migrate import DomainTarget
+
+    directory = str(tmp_path / "imported" / uid)
+    (tmp_path / uid).mkdir()  # the pod's run directory
+    conn = await runtime.connection.get()
+    pool = conn.storagePoolCreateXML(pool_xml(uid, directory), 0)  # (the driver cannot build)
+    volume = "<volume><name>vda.qcow2</name><capacity>1048576</capacity></volume>"
+    pool.createXML(volume, 0)
+    target = DomainTarget(
+        uri="test:///default",
+        domain=f"site-{uid}",
+        files=(),
+        owner=(uid, "ns", f"imp-{uid}", "hv-1"),
+        directory=directory,
+    )
+    return IncomingLibvirtMachine(runtime.connection, tmp_path / uid, target, imported=True)
+
+
+def _pools(conn: Any) -> dict[str, list[str]]:
+    return {
+        str(p.name()): [str(v.name()) for v in p.listAllVolumes(0)]
+        for p in conn.listAllStoragePools(0)
+    }
+
+
+@ONE_LOOP
+async def test_a_target_the_imported_domain_never_reached_discards_the_copy_libvirt_made(
+    tmp_path: Path,
+) -> None:
+    """A refused or abandoned move: the copy in the target's pool (the size of the domain's
+    disks) goes with the target pod; one that arrived after all (defined here) keeps it."""
+    from vkubelet.providers.vm._lvimportmig import pool_name
+
+    runtime = _test_runtime(tmp_path)
+    conn = await runtime.connection.get()
+    refused = await _incoming_target(runtime, tmp_path, "refused-uid")
+    assert _pools(conn)[pool_name("refused-uid")] == ["vda.qcow2"]
+    await refused.kill()
+    assert pool_name("refused-uid") not in _pools(conn)  # its volume deleted, then the pool
+
+    arrived = await _incoming_target(runtime, tmp_path, "arrived-uid")
+    metadata = (
+        '<metadata><vkubelet:pod xmlns:vkubelet="https://vkubelet.io/xmlns/vm-domain/1" '
+        'uid="arrived-uid" namespace="ns" name="imp-arrived-uid" node="hv-1"/></metadata>'
+    )
+    xml = (
+        "<domain type='test'><name>site-arrived-uid</name><memory>65536</memory>"
+        f"<os><type>hvm</type></os>{metadata}</domain>"
+    )
+    domain = conn.defineXML(xml)  # arrived, persistent, before the agent took it
+    domain.create()
+    assert await arrived._destroy_incoming()  # destroyed, still defined: its disks kept
+    assert not domain.isActive() and domain.isPersistent()
+    await arrived.kill()
+    assert pool_name("arrived-uid") not in _pools(conn)  # the pool ends all the same
+    domain.undefine()
