@@ -728,8 +728,7 @@ class IncomingLibvirtMachine(LibvirtMachine):
             conn = await self.connection.get()
             name = pool_name(self.target.owner[0])
             pool = await self.connection.run(conn.storagePoolLookupByName, name)
-            if discard:
-                await self.connection.run(pool.refresh, 0)
+            if discard:  # (no refresh: the pool made them; a failed refresh stops a pool)
                 for volume in await self.connection.run(pool.listAllVolumes, 0):
                     await self.connection.run(volume.delete, 0)
             await self.connection.run(pool.destroy)
