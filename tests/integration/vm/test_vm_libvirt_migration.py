@@ -68,6 +68,7 @@ DOMAIN = "vm.vkubelet.io/domain"
 MACHINE = "vm.vkubelet.io/machine"
 POLICY = "vm.vkubelet.io/domain-deletion-policy"
 SHARED = "10.212.0.0/16"
+POOL = "vklm-"  # the target node's storage pool's name, and a suffix
 COUNTER = (
     "(i=0; while :; do i=$((i+1)); echo \"tick $i $(cut -d' ' -f1 /proc/uptime)\" > /dev/ttyS0;"
     " usleep 100000; done) </dev/null >/dev/null 2>&1 &"
@@ -167,7 +168,17 @@ def lab(kube_cluster: Cluster, kubectl: Kubectl, vm_guest_image: Path) -> Iterat
             settings = {
                 "runtime": "libvirt",
                 "sharedPodCIDRs": [SHARED],
-                "libvirt": {"uri": f"{host.ssh_uri}&no_tty=1", "migrationURI": host.libssh_uri},
+                "libvirt": {
+                    "uri": f"{host.ssh_uri}&no_tty=1",
+                    "migrationURI": host.libssh_uri,
+                    # the target's disks are volumes of a pool (as in a fleet): the VM moves
+                    # from a host of files to one of volumes
+                    **(
+                        {"pool": {"name": f"vklm-{suffix}", "path": str(node_dir / "pool")}}
+                        if index == 1
+                        else {}
+                    ),
+                },
                 "guestAgentTimeoutSeconds": 300,
                 # the imported domain's deletion policy, applied once its VirtualMachine is
                 # gone (the module's other pods have no machine: nothing of theirs is touched)
@@ -222,6 +233,12 @@ def virtual_machine(name: str, domain: str, policy: str) -> dict[str, Any]:
             },
         },
     }
+
+
+def transient_pools(host: LibvirtHost) -> list[str]:
+    """The host's storage pools but the target node's own (`libvirt.pool`)."""
+    pools = host.virsh("pool-list", "--all", "--name").stdout.split()
+    return [p for p in pools if not p.startswith(POOL)]
 
 
 def target_qemu(lab: Lab, domain: str) -> int:
@@ -414,7 +431,7 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     lab.kubectl(
         "-n", lab.namespace, "delete", "pod", "imp-refused", "--wait=true", "--timeout=60s"
     )  # fmt: skip
-    assert target.virsh("pool-list", "--all", "--name").stdout.split() == []
+    assert transient_pools(target) == []
     # ...with the copy libvirt had made in it (the size of the domain's disk)
     assert not Path(endpoint["libvirt"]["directory"]).exists()
 
@@ -448,7 +465,7 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     claim = target.virsh("metadata", domain, IMPORT_URI).stdout
     assert f'node="{lab.target.name}"' in claim and f'machine="{machine}"' in claim
     assert disk.exists()  # the source's file stays where it was
-    assert target.virsh("pool-list", "--all", "--name").stdout.split() == []
+    assert transient_pools(target) == []
     assert guest("imp-2", "cat /root/imported").strip() == marker
     assert uptime("imp-2") > before  # the same guest, not booted again
     assert "vkubelet-guest: booted" not in lab.logs("imp-2")
@@ -499,5 +516,5 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     wait_for(collected, timeout=60, what="both nodes' machine GC")
     for host in (source, target):
         assert host.virsh("list", "--all", "--name").stdout.split() == [], host.dir
-        assert host.virsh("pool-list", "--all", "--name").stdout.split() == [], host.dir
+        assert transient_pools(host) == [], host.dir
     assert copy.exists() and disk.exists()
