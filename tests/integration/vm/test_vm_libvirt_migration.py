@@ -105,11 +105,16 @@ class Lab(PodsOf):
         return status.get("phase") == "Running" and "running" in states[0].get("state", {})
 
     def target_pod(
-        self, name: str, source: str = "vm", annotations: dict[str, str] | None = None
+        self,
+        name: str,
+        source: str = "vm",
+        annotations: dict[str, str] | None = None,
+        node: str | None = None,
     ) -> dict[str, Any]:
-        """A target pod on the target node, as the controller makes it; its endpoint."""
+        """A target pod on the target node (or `node`), as the controller makes it; its
+        endpoint."""
         given = {**(annotations or {}), SOURCE: source, TOKEN: secrets.token_hex(32)}
-        self.apply(vm_pod(name, self.target.name, given))
+        self.apply(vm_pod(name, node or self.target.name, given))
         wait_for(
             lambda: self.condition(name, TARGET_READY).get("status") == "True",
             timeout=120,
@@ -371,9 +376,10 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     whole, what the guest wrote and its uptime kept, no boot; the import claim names the target
     node, which records the domain for its deletion policy; the source's disk file is left in
     place. The target's agent restarted
-    adopts it (same UUID, same QEMU). Deleting the VirtualMachine applies the policy on the
-    target host (undefined there) and leaves nothing of it on the source host; both nodes'
-    machine directories go, the disk files stay. Runs after the module's VM has left both
+    adopts it (same UUID, same QEMU). It moves back: the second host keeps nothing of it (its
+    copy of the disk deleted). Deleting the VirtualMachine applies the policy on the host it
+    lives on (undefined there) and leaves nothing of it on the other; both nodes' machine
+    directories go, the disk files stay. Runs after the module's VM has left both
     hosts.
 
     No controller runs here: the test makes the pods as the controller does (its annotations);
@@ -497,16 +503,39 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     status = lab.pod("imp-2")["status"]["containerStatuses"][0]
     assert status["restartCount"] == 0 and "running" in status["state"]
 
-    # deleting the target pod shuts the domain off there, still defined (it is the site's)
-    lab.kubectl("-n", lab.namespace, "delete", "pod", "imp-2", "--wait=true", "--timeout=90s")
-    assert target.running() == []
-    assert target.virsh("list", "--all", "--name").stdout.split() == [domain]
-    assert copy.exists()  # its disk, which outlives the pod
-
-    # deleting the VirtualMachine (its source pod first, as the controller deletes a migrated
-    # one): the machine GC applies Delete on the target host, where the domain lives now; the
-    # source host has nothing of it; no transient pool anywhere; the disk files stay
+    # it moves on, back to the first host (the migrated source pod deleted first, as the
+    # controller does: the machine is free there again): the second host keeps nothing of it,
+    # its copy of the disk deleted with the definition
     lab.kubectl("-n", lab.namespace, "delete", "pod", "imp", "--wait=true", "--timeout=60s")
+    endpoint = lab.target_pod("imp-3", "imp-2", imported, node=lab.source.name)
+    lab.migrate("imp-3", endpoint, source="imp-2")
+    wait_for(
+        lambda: lab.condition("imp-2", MIGRATION).get("reason") in ("Completed", "Failed"),
+        timeout=180,
+        what="the move back",
+    )
+    result = lab.condition("imp-2", MIGRATION)
+    assert result["reason"] == "Completed", result
+    wait_for(lambda: lab.running("imp-3"), timeout=120, what="imp-3 Running")
+    assert target.virsh("list", "--all", "--name").stdout.split() == []
+    assert transient_pools(target) == []
+    assert not copy.parent.exists()
+    assert source.running() == [domain]
+    assert source.virsh("domuuid", domain).stdout.strip() == domain_uuid
+    back = Path(endpoint["libvirt"]["directory"]) / "vda.qcow2"
+    assert back.parent == lab.source.state / "imported" / lab.pod("imp-3")["metadata"]["uid"]
+    assert guest("imp-3", "cat /root/imported").strip() == marker
+
+    # deleting its pod shuts the domain off there, still defined (it is the site's)
+    lab.kubectl("-n", lab.namespace, "delete", "pod", "imp-3", "--wait=true", "--timeout=90s")
+    assert source.running() == []
+    assert source.virsh("list", "--all", "--name").stdout.split() == [domain]
+    assert back.exists()  # its disk, which outlives the pod
+
+    # deleting the VirtualMachine (the migrated pod first, as the controller deletes it): the
+    # machine GC applies Delete on the host the domain lives on; the other host has nothing of
+    # it; no transient pool anywhere; the disk files stay
+    lab.kubectl("-n", lab.namespace, "delete", "pod", "imp-2", "--wait=true", "--timeout=60s")
     lab.kubectl("-n", lab.namespace, "delete", "vm", "imp", "--wait=true", "--timeout=60s")
     machines = [node.state / "machines" / machine for node in (lab.source, lab.target)]
 
@@ -517,4 +546,4 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     for host in (source, target):
         assert host.virsh("list", "--all", "--name").stdout.split() == [], host.dir
         assert transient_pools(host) == [], host.dir
-    assert copy.exists() and disk.exists()
+    assert back.exists() and disk.exists()

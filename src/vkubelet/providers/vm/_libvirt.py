@@ -93,7 +93,7 @@ from ._domainxml import (
 )
 from ._guestaddr import first_ipv4, routed_peer
 from ._lvhotplug import LibvirtHotplug
-from ._lvimportmig import imported_disks, pool_name, pool_xml
+from ._lvimportmig import copies_in, imported_disks, imported_root, pool_name, pool_xml
 from ._lvmigrate import arrival, migrate_domain, target_uri
 from ._lvnet import bridge_refused, libvirt_network, retarget_network, with_network
 from ._machine import MachineError, MachineExit, Usage
@@ -416,6 +416,24 @@ async def undefine(
         await connection.run(domain.undefineFlags, flags)
 
 
+async def discard_copies(connection: Connection, directory: Path) -> None:
+    """Delete the files of `directory` (an imported domain's disks copied there by a move,
+    `_lvimportmig`) through the daemon, on its host: a transient pool over the directory, its
+    volumes deleted, the pool ended; then the empty directory where the agent sees it."""
+    libvirt = _libvirt()
+    conn = await connection.get()
+    xml = pool_xml(directory.name, str(directory))
+    pool = await connection.run(conn.storagePoolCreateXML, xml, 0)
+    try:
+        for volume in await connection.run(pool.listAllVolumes, 0):
+            await connection.run(volume.delete, 0)
+    finally:
+        with contextlib.suppress(libvirt.libvirtError):
+            await connection.run(pool.destroy)
+    with contextlib.suppress(OSError):
+        await asyncio.to_thread(directory.rmdir)
+
+
 def _outcome(libvirt: Any, state: int, reason: int) -> MachineExit | None:
     """Why a domain in `state` ended (None: it has not)."""
     if state == libvirt.VIR_DOMAIN_CRASHED:
@@ -452,9 +470,11 @@ class LibvirtMachine:
         *,
         imported: bool = False,
         staging: BackupStaging | None = None,
+        copies: Path | None = None,
     ) -> None:
         self.connection, self.run_dir, self.uuid = connection, run_dir, uuid
         self.imported = imported  # a domain vkubelet did not make: stopped, never undefined
+        self.copies = copies  # an imported one's: where moves copy its disks on this node
         self.staging = staging  # where its backups are written (`libvirt.pool`'s volumes)
         self.pid = domain_id  # the domain's id, as `virsh list` shows it
         self.started = started
@@ -596,9 +616,32 @@ class LibvirtMachine:
         if self.imported != bool(target.directory):
             whose = "an imported domain's" if target.directory else "a pod's own domain"
             raise MigrationError(f"the target pod is {whose} target, not this VM's")
-        return await migrate_domain(
+        xml = None
+        if self.copies is not None:  # its disks here, to know which were copies of ours
+            with contextlib.suppress(MachineError, _libvirt().libvirtError):
+                if (domain := await self.connection.domain(self.uuid)) is not None:
+                    xml = await self.connection.run(domain.XMLDesc, 0)
+        outcome = await migrate_domain(
             self.connection, self.uuid, target, report, max_bandwidth=max_bandwidth
         )
+        if xml is not None and self.copies is not None:
+            await self._discard_left_copies(xml, self.copies)
+        return outcome
+
+    async def _discard_left_copies(self, xml: str, root: Path) -> None:
+        """The imported domain moved on: the copies of its disks an earlier move made here
+        (`copies_in`) are no one's now. Deleted, unless the domain is still defined here."""
+        libvirt = _libvirt()
+        try:
+            if await self.connection.domain(self.uuid) is not None:
+                return
+            for directory in copies_in(xml, root):
+                await discard_copies(self.connection, directory)
+                log.info(
+                    "domain %s moved on: its disks' copies in %s deleted", self.uuid, directory
+                )
+        except (MachineError, libvirt.libvirtError) as e:
+            log.warning("domain %s moved on; its disks' copies here stay: %s", self.uuid, e)
 
     @property
     def reference(self) -> str:
@@ -683,9 +726,15 @@ class IncomingLibvirtMachine(LibvirtMachine):
     Once `arrive` returned it is the running domain's machine like any other."""
 
     def __init__(
-        self, connection: Connection, run_dir: Path, target: DomainTarget, *, imported: bool = False
+        self,
+        connection: Connection,
+        run_dir: Path,
+        target: DomainTarget,
+        *,
+        imported: bool = False,
+        copies: Path | None = None,
     ) -> None:
-        super().__init__(connection, run_dir, "", -1, time.time(), imported=imported)
+        super().__init__(connection, run_dir, "", -1, time.time(), imported=imported, copies=copies)
         self.target = target
         self._stopping = asyncio.Event()
 
@@ -797,6 +846,7 @@ class LibvirtRuntime(QemuRuntime):
         self.node_name = node_name
         self.connection = Connection(config.libvirt_uri)
         self.backup_staging: BackupStaging | None = None  # `libvirt.pool` sets its own
+        self._copies = imported_root(config.state_dir).resolve()  # (as the targets name it)
         reserved = self.network.reserved
         self.network = libvirt_network(config, self._running_domains, reserved)
 
@@ -1014,7 +1064,9 @@ class LibvirtRuntime(QemuRuntime):
             owner=(owner.pod_uid, owner.namespace, owner.name, owner.node),
             directory=directory,
         )
-        return IncomingLibvirtMachine(self.connection, spec.run_dir, target, imported=True)
+        return IncomingLibvirtMachine(
+            self.connection, spec.run_dir, target, imported=True, copies=self._copies
+        )
 
     async def _incoming_pool(self, pod_uid: str, directory: str) -> None:
         """The target's transient pool (`_lvimportmig.pool_xml`), its directory built by the
@@ -1107,7 +1159,7 @@ class LibvirtRuntime(QemuRuntime):
         write_atomic(run_dir / DOMAIN_FILE, json.dumps(record) + "\n")
         machine = LibvirtMachine(
             self.connection, run_dir, uuid, domain_id, started, imported=imported,
-            staging=self.backup_staging,
+            staging=self.backup_staging, copies=self._copies if imported else None,
         )  # fmt: skip
         await machine.open_console(domain)
         return machine
@@ -1142,6 +1194,7 @@ class LibvirtRuntime(QemuRuntime):
             float(record["started"]),
             imported=bool(record.get("imported")),
             staging=self.backup_staging,
+            copies=self._copies if record.get("imported") else None,
         )
         if (outcome := _outcome(libvirt, state, reason)) is not None:
             machine._record(outcome)

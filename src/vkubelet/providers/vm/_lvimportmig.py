@@ -31,17 +31,46 @@ from xml.sax.saxutils import escape
 from ._domainimport import IMPORT_URI
 from ._domainxml import METADATA_URI, Owner
 
-__all__ = ["POOL_PREFIX", "destination_xml", "imported_disks", "pool_name", "pool_xml"]
+__all__ = [
+    "POOL_PREFIX",
+    "copies_in",
+    "destination_xml",
+    "imported_disks",
+    "imported_root",
+    "pool_name",
+    "pool_xml",
+]
 
 #: The transient storage pool a target's imported disks are created in, per target pod.
 POOL_PREFIX: Final = "vkubelet-incoming-"
 
 
+def imported_root(state_dir: Path) -> Path:
+    return state_dir / "imported"
+
+
 def imported_disks(state_dir: Path, pod_uid: str) -> Path:
     """Where a target pod's imported domain's disks are copied: the agent's `stateDir`, not
     the pod's run directory, which goes with the pod (the disks are the domain's: they stay
-    when the pod or the VirtualMachine is deleted)."""
-    return state_dir / "imported" / pod_uid
+    when the pod or the VirtualMachine is deleted, until the domain moves on)."""
+    return imported_root(state_dir) / pod_uid
+
+
+def copies_in(xml: str, root: Path) -> list[Path]:
+    """The directories of `root` (a node's `imported_root`, as the domain's XML names it)
+    that hold the domain's writable file disks: copies an earlier move made on this node.
+    Once the domain moved on they are no one's (its disks are the next host's copies)."""
+    found: list[Path] = []
+    for disk in ET.fromstring(xml).iterfind("./devices/disk"):  # noqa: S314 - our daemon's
+        source = disk.find("source")
+        if disk.get("type") != "file" or disk.get("device") != "disk" or source is None:
+            continue
+        if disk.find("readonly") is not None or not source.get("file"):
+            continue
+        directory = Path(str(source.get("file"))).parent
+        if directory.parent == root and directory not in found:
+            found.append(directory)
+    return found
 
 
 def pool_name(pod_uid: str) -> str:

@@ -5,12 +5,13 @@ given and what the target publishes, checked without a daemon
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
 from vkubelet.providers.vm._domainimport import IMPORT_URI, ImportClaim, claim_of
 from vkubelet.providers.vm._domainxml import METADATA_URI, Owner, owner_of
-from vkubelet.providers.vm._lvimportmig import destination_xml, pool_name, pool_xml
+from vkubelet.providers.vm._lvimportmig import copies_in, destination_xml, pool_name, pool_xml
 from vkubelet.providers.vm._lvmigrate import flags
 from vkubelet.providers.vm._migrate import DomainTarget, Endpoint
 
@@ -116,3 +117,24 @@ def test_an_imported_domain_s_target_round_trips_with_its_directory() -> None:
     )
     endpoint = Endpoint("10.0.0.3", 0, 0, 0, (), pod="db-1", libvirt=target)
     assert Endpoint.from_json(endpoint.to_json()) == endpoint
+
+
+def test_the_copies_a_domain_leaves_behind_are_its_disks_in_this_node_s_imported_directory() -> (
+    None
+):
+    """What a move made here (one directory per receiving pod) and nothing else: not the
+    site's own files, not a read-only image, not a directory deeper or elsewhere."""
+    root = Path("/var/lib/vk/imported")
+    xml = """<domain><devices>
+      <disk type='file' device='disk'><source file='/var/lib/vk/imported/p1/vda.qcow2'/></disk>
+      <disk type='file' device='disk'><source file='/var/lib/vk/imported/p1/vdb.raw'/></disk>
+      <disk type='file' device='disk'><source file='/var/lib/vk/imported/p0/vdc.qcow2'/></disk>
+      <disk type='file' device='disk'><source file='/srv/images/site.qcow2'/></disk>
+      <disk type='file' device='disk'><source file='/var/lib/vk/imported/x/y/vdd.qcow2'/></disk>
+      <disk type='file' device='cdrom'><source file='/var/lib/vk/imported/p2/cd.iso'/></disk>
+      <disk type='file' device='disk'><source file='/var/lib/vk/imported/p3/ro.qcow2'/>
+        <readonly/></disk>
+      <disk type='block' device='disk'><source dev='/var/lib/vk/imported/p4/blk'/></disk>
+    </devices></domain>"""
+    assert copies_in(xml, root) == [root / "p1", root / "p0"]
+    assert copies_in(SITE_DOMAIN, root) == []
