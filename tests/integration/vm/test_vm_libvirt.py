@@ -718,6 +718,9 @@ def test_with_libvirt_pool_pvc_disks_backups_restores_and_growth_use_host_volume
 
 
 IMPORT_URI = "https://vkubelet.io/xmlns/vm-import/1"
+POLICY_TO_DELETE = (
+    '[{"op": "replace", "path": "/spec/importDomain/deletionPolicy", "value": "Delete"}]'
+)
 
 
 def _vkubelet(kube_cluster: Cluster, *args: str) -> subprocess.Popen[str]:
@@ -828,6 +831,7 @@ def test_a_domain_defined_with_virsh_is_imported_powered_off_and_on_by_replicas_
             ('[{"op": "replace", "path": "/spec/importDomain/name", "value": "x"}]', "change"),
             ('[{"op": "remove", "path": "/spec/importDomain"}]', "added or removed"),
             ('[{"op": "add", "path": "/spec/restoreFrom", "value": {"backup": "b"}}]', "own disks"),
+            (POLICY_TO_DELETE, "deletionPolicy cannot change"),
         ):
             refused = kubectl(
                 "-n", namespace, "patch", "vm", "db", "--type=json", "-p", bad, check=False

@@ -272,7 +272,8 @@ def test_a_target_host_that_refuses_leaves_the_vm_running_at_the_source_saying_w
     error = json.loads(lab.condition("vm", MIGRATION)["message"])["error"]
     print(f"refused: {error}")
     # the target's own reason (over qemu+libssh: qemu+ssh loses it, see _lvmigrate.failure)
-    assert "pre-creation of storage targets" in error, error
+    # (or, now and then over libssh too, the lost channel, saying where the reason is)
+    assert "pre-creation of storage targets" in error or "libvirtd log has it" in error, error
     # The VM runs on at the source, defined there alone; nothing at the target.
     assert lab.source.host.running() == [domain]
     assert lab.target.host.virsh("list", "--all", "--name").stdout.split() == []
@@ -474,7 +475,8 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     assert transient_pools(target) == []
     assert guest("imp-2", "cat /root/imported").strip() == marker
     assert uptime("imp-2") > before  # the same guest, not booted again
-    assert "vkubelet-guest: booted" not in lab.logs("imp-2")
+    # its console history came along: the one boot, at the source, is in the target's log
+    assert lab.logs("imp-2").count("vkubelet-guest: booted") == 1
     record = json.loads((lab.target.state / "machines" / machine / "import.json").read_text())
     assert record["uuid"] == domain_uuid and record["name"] == domain
     assert record["policy"] == "Delete"

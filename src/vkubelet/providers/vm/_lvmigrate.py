@@ -156,12 +156,18 @@ def failure(message: str, uri: str) -> str:
     """What a failed migration's status says: libvirt's message, and where to find the
     target's reason when libvirt lost it. Over the `ssh` binary (qemu+ssh) libvirt 9.0
     replaces the target's error with the end of that ssh connection, closed after the
-    failure ("End of file while reading data"); over libssh (qemu+libssh) it keeps it."""
+    failure ("End of file while reading data"); over libssh (qemu+libssh) it keeps it, but
+    not always: now and then it reports the closed channel instead ("libssh transport
+    error: Remote command terminated ...", seen once in a dozen refusals here)."""
     said = f"libvirt: {message}"
     if message.startswith("End of file while reading data") and uri.startswith("qemu+ssh:"):
         said += (
             " (the target's reason is lost over qemu+ssh: the source host's libvirtd log has"
             " it; a qemu+libssh libvirt.migrationURI reports it here)"
+        )
+    elif message.startswith("libssh transport error"):
+        said += (
+            " (the target's reason is lost with the channel: the source host's libvirtd log has it)"
         )
     return said
 

@@ -136,15 +136,15 @@ class Migrations:
         """A libvirt target: publish where the source's daemon sends the domain, then wait
         for it (`_lvmigrate`). The console history comes as on QEMU, to our console port once
         the domain runs here, and goes first into this run's log (before the console tailer
-        starts: what the guest prints here meanwhile waits in the console file). An imported
-        domain's target takes none yet (its console port is 0): its log starts at the arrival."""
+        starts: what the guest prints here meanwhile waits in the console file), an imported
+        domain's as any other's."""
         assert isinstance(machine, ArrivingDomain)
         host = self.host
         token = vm.annotations.get(MIGRATION_TOKEN, "")
-        console = None if machine.target.directory else ConsolePort(token)
+        console = ConsolePort(token)
         try:
             try:
-                port = await console.open(host.host_ip) if console is not None else 0
+                port = await console.open(host.host_ip)
             except OSError as e:
                 raise MigrationError(f"could not prepare the target: {e}") from None
             endpoint = Endpoint(
@@ -159,24 +159,20 @@ class Migrations:
             runner.set_condition(TARGET_CONDITION, "True", "Ready", endpoint.to_json())
             host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
             await machine.arrive()
-            if console is not None:
-                console.confirm()  # (libvirt decided: the source only learns its history came)
+            console.confirm()  # (libvirt decided: the source only learns its history came)
             self._arrived(vm, runner)
             network = await self._claim(vm)
             host.spawn(self._readdress(vm, machine, network), name=f"readdress {vm.uid}")
-            if console is not None:
-                history = await console.history(HISTORY_TIMEOUT)
-                log_path = host.log_path(vm.uid, vm.container, run)
-                append_log(log_path, history, host.config.log_rotation)
+            history = await console.history(HISTORY_TIMEOUT)
+            log_path = host.log_path(vm.uid, vm.container, run)
+            append_log(log_path, history, host.config.log_rotation)
         except MigrationError as e:
             runner.set_condition(TARGET_CONDITION, "False", "Failed", str(e))
             host.event(vm, "Warning", "MigrationFailed", str(e))
-            if console is not None:
-                console.fail(str(e))
+            console.fail(str(e))
             raise
         finally:
-            if console is not None:
-                console.close()
+            console.close()
 
     def _arrived(self, vm: VM, runner: PodRunner) -> None:
         assert vm.launch is not None

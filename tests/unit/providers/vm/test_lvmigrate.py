@@ -124,6 +124,9 @@ def test_a_failure_whose_reason_ssh_lost_says_where_it_is() -> None:
     assert said.startswith(f"libvirt: {eof}") and "qemu+libssh" in said
     refused = "Operation not supported: pre-creation of storage targets ..."
     assert failure(refused, "qemu+libssh://root@hv-2/system") == f"libvirt: {refused}"
+    closed = "libssh transport error: Remote command terminated with non-zero code: -1"
+    said = failure(closed, "qemu+libssh://root@hv-2/system")
+    assert said.startswith(f"libvirt: {closed}") and "libvirtd log" in said
 
 
 # -- what the source decides from libvirt's answers (the binding, no daemon) --------------------

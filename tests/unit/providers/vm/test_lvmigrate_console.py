@@ -223,15 +223,15 @@ async def test_the_target_s_log_starts_with_the_source_s_console_history_each_li
     assert log == source_log  # what `kubectl logs` showed at the source
 
 
-async def test_an_imported_domain_s_target_takes_no_history_and_its_source_sends_none(
+async def test_an_imported_domain_s_history_comes_along_as_any_domain_s(
     tmp_path: Path,
 ) -> None:
     pair = await _pair(tmp_path, imported=True)
-    assert pair.endpoint.console_port == 0
+    assert pair.endpoint.console_port != 0
     await pair.migrate()
-    await asyncio.wait_for(pair.receiving, 10)  # no wait for a history that never comes
+    await asyncio.wait_for(pair.receiving, 10)
     assert pair.source_runner.conditions[MIGRATION][1] == "Completed"
-    assert pair.target_log() == b""
+    assert pair.target_log() == pair.source.host.log_path("u1", "vm", 0).read_bytes()
 
 
 async def test_a_refused_libvirt_migration_sends_no_history_and_the_vm_runs_on_at_the_source(
