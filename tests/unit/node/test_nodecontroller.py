@@ -111,8 +111,9 @@ async def test_registration_creates_the_node_and_its_lease(api: FakeApiServer) -
         [owner] = lease["metadata"]["ownerReferences"]
         assert owner == {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": controller.uid}
 
+        # (whether renewals come on time is a benchmark's figure: at a 50 ms interval a
+        # loaded CI machine makes some late, which says nothing about the code)
         await eventually(lambda: renewals(api) >= 3, what="lease renewals")
-        assert controller.late_renewals == 0
 
 
 async def test_the_taint_can_be_replaced_or_removed(api: FakeApiServer) -> None:
