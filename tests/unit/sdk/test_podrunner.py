@@ -132,7 +132,7 @@ async def test_a_failing_liveness_probe_ends_the_run_and_the_restart_policy_rest
     )
     runner.start()
     runner.status()  # the provider publishes a status: the probes start with the run
-    await eventually(lambda: runner.restart_count("a") >= 1 and runner.status(), within=10)
+    await eventually(lambda: runner.restart_count("a") >= 1 and runner.status(), within=30)
     assert ("a", signal.SIGTERM) in fake.signals
     assert "Unhealthy" in events
     [state] = runner.status().containerStatuses or []
