@@ -109,3 +109,20 @@ def test_helm_install_of_vm_mode_fails_and_leaves_nothing(
         assert kubectl("get", "clusterroles,clusterrolebindings", *selector).stdout == ""
     finally:
         kubectl("delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
+
+
+@pytest.mark.parametrize("uri", ["qemu:///system", "hv-2", "qemu+libssh:///system"])
+def test_helm_template_refuses_a_migration_uri_that_names_no_host(
+    helm: Path, uri: str, tmp_path: Path
+) -> None:
+    """The other hosts' daemons reach a host's with its migrationURI: a local one is refused,
+    naming the field, before anything is rendered."""
+    host = {"name": "hv-2", "uri": "qemu+ssh://root@hv-2/system", "noVerify": True}
+    hosts = [{**host, "migrationURI": uri}]
+    values = {"provider": "vm", "identity": "serviceAccount", "providerConfig": {"hosts": hosts}}
+    out = helm_run(
+        helm, "template", "vk", "--kube-version", kubernetes_version(),
+        values=values, tmp_path=tmp_path,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert f'providerConfig.hosts[0].migrationURI: "{uri}"' in out.stderr, out.stderr

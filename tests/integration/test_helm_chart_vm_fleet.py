@@ -18,6 +18,11 @@ range and routed to that host (as a site routes each hypervisor's range), and a 
 real worker fetches the VM's httpd by pod IP while the VM fetches the worker pod's. Then the second
 host becomes unreachable (its link down): only its node goes NotReady, with libvirt's message, and
 the VM on the first host still answers.
+
+Before that, a VirtualMachine (the CRDs and `vkubelet vm-controller` run beside the chart) boots on
+the first host and a VirtualMachineMigration moves it to the other host of the same agent: libvirt
+peer to peer, each host's `migrationURI` naming a key and known_hosts file of the lab's hosts (not
+the agent's Secret). One boot more for the module (~25 s with the move).
 """
 
 from __future__ import annotations
@@ -136,6 +141,26 @@ def _ready_message(kubectl: Kubectl, node: str) -> tuple[str, str]:
     return str(ready.get("status", "")), str(ready.get("message", ""))
 
 
+def _peer_pod(cluster: Cluster) -> dict[str, Any]:
+    """A pod on a real worker (the vm nodes are tainted) serving its name: the VM's peer."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "peer", "namespace": NAMESPACE},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,  # httpd as PID 1 ignores SIGTERM
+            "containers": [
+                {
+                    "name": "httpd",
+                    "image": cluster.image_reference("busybox"),
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", SERVE_NAME],
+                }
+            ],
+        },
+    }
+
+
 @pytest.fixture(scope="module")
 def fleet(
     worker_cluster: Cluster, worker_kubectl: Kubectl, vm_guest_image: Path
@@ -192,6 +217,10 @@ def fleet(
                             "uri": f"qemu+ssh://root@{host.address}/system",
                             "identityFile": f"/etc/vkubelet-ssh/{node}.key",
                             "podCIDR": cidr,
+                            # how the other host's daemon reaches this one for a live
+                            # migration: a key and known_hosts file on the hosts (the
+                            # lab's), not the agent's
+                            "migrationURI": host.libssh_uri,
                         }
                         for node, host, cidr in zip(nodes, hosts, cidrs, strict=True)
                     ],
@@ -233,6 +262,156 @@ def fleet(
                 subprocess.run(["ip", *command], capture_output=True, check=False)
 
 
+def _vm_controller(cluster: Cluster, log: Path) -> subprocess.Popen[bytes]:
+    """The CRDs installed and `vkubelet vm-controller` started on this machine, for the
+    module's namespace (the chart does not run the controller)."""
+    vkubelet = str(Path(sys.prefix) / "bin" / "vkubelet")
+    kubeconfig = ("--kubeconfig", str(cluster.kubeconfig))
+    crds = subprocess.run(
+        [vkubelet, "vm", "install-crds", *kubeconfig],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert crds.returncode == 0, crds.stderr
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [vkubelet, "vm-controller", *kubeconfig, "--namespace", NAMESPACE,
+             "--lease-namespace", NAMESPACE, "--identity", "lvf"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+
+def test_a_virtualmachinemigration_moves_a_fleet_vm_to_the_agents_other_host_live(
+    worker_cluster: Cluster, worker_kubectl: Kubectl, fleet: Fleet, tmp_path: Path
+) -> None:
+    """A VirtualMachine on the first host of the fleet moves to the other host of the same agent
+    (libvirt peer to peer over the hosts' own `migrationURI`s): its status names the other
+    node, `virsh list` on each host shows exactly the running domain, the guest did not boot
+    again (same boot id, uptime going on, the boot once in the target pod's `kubectl logs`),
+    and a worker pod reaches its httpd at its new pod IP (of the other host's podCIDR). Runs
+    before the chart's other test, which needs both hosts up and empty; it leaves them so."""
+    k = worker_kubectl
+    controller = _vm_controller(worker_cluster, tmp_path / "controller.log")
+    # either host, never a worker
+    hostname_in = {"key": "kubernetes.io/hostname", "operator": "In", "values": fleet.nodes}
+    terms = {"nodeSelectorTerms": [{"matchExpressions": [hostname_in]}]}
+    on_the_fleet = {"requiredDuringSchedulingIgnoredDuringExecution": terms}
+    try:
+        vm = {
+            "apiVersion": "vkubelet.io/v1alpha1",
+            "kind": "VirtualMachine",
+            "metadata": {"name": "mover", "namespace": NAMESPACE},
+            "spec": {
+                "replicas": 1,
+                "template": {
+                    "spec": {
+                        "tolerations": [TOLERATION],
+                        "affinity": {"nodeAffinity": on_the_fleet},
+                        "containers": [{
+                            "name": "vm", "image": "vm.vkubelet.io/tiny",
+                            "resources": {"limits": {"cpu": "1", "memory": "256Mi"}},
+                        }],
+                    }
+                },
+            },
+        }  # fmt: skip
+        # It boots on the first host (the second cordoned meanwhile) and moves to the second:
+        # the other way, the machine's volumes would stay in the first host's pool once the VM
+        # is deleted (the chart's agent runs no machine GC), which the next test checks empty.
+        k("cordon", fleet.nodes[1])
+        k.apply(vm)
+        k.apply(_peer_pod(worker_cluster))
+
+        def status() -> dict[str, Any]:
+            return dict(k.json("-n", NAMESPACE, "get", "vm", "mover").get("status") or {})
+
+        first = wait_for(
+            lambda: (s := status()).get("phase") == "Running" and s,
+            timeout=BOOT_TIMEOUT,
+            what="the VirtualMachine Running",
+        )
+        k("uncordon", fleet.nodes[1])
+        source, target = fleet.nodes
+        assert first["nodeName"] == source
+        hosts = dict(zip(fleet.nodes, fleet.hosts, strict=True))
+        pod = ("-n", NAMESPACE, first["podName"])
+        k("-n", NAMESPACE, "wait", "--for=condition=Ready", f"pod/{pod[2]}",
+          f"--timeout={BOOT_TIMEOUT}s", timeout=BOOT_TIMEOUT + 30)  # fmt: skip
+        assert k("exec", *pod, "--", "sh", "-c", GUEST_SERVE).returncode == 0
+        boot_id = k("exec", *pod, "--", "cat", "/proc/sys/kernel/random/boot_id").stdout.strip()
+        uptime = float(k("exec", *pod, "--", "cat", "/proc/uptime").stdout.split()[0])
+        assert hosts[source].running() == [f"{NAMESPACE}_{pod[2]}"]
+
+        k.apply(
+            {
+                "apiVersion": "vkubelet.io/v1alpha1",
+                "kind": "VirtualMachineMigration",
+                "metadata": {"name": "move", "namespace": NAMESPACE},
+                "spec": {"vmName": "mover", "targetNode": target},
+            }
+        )
+        done = wait_for(
+            lambda: (
+                (m := k.json("-n", NAMESPACE, "get", "vmmigration", "move").get("status", {})).get(
+                    "phase"
+                )
+                in ("Succeeded", "Failed")
+                and m
+            ),
+            timeout=180,
+            what="the migration's outcome",
+        )
+        assert done["phase"] == "Succeeded", done
+        print(f"fleet migration: {done}", file=sys.stderr)
+        moved = wait_for(
+            lambda: (s := status()).get("nodeName") == target and s.get("phase") == "Running" and s,
+            timeout=60,
+            what=f"the VirtualMachine's status naming {target}",
+        )
+        # exactly the running domain on each host: none left on the source
+        assert hosts[target].running() == [f"{NAMESPACE}_{moved['podName']}"]
+        assert hosts[source].virsh("list", "--all", "--name").stdout.split() == []
+        # the same guest, no boot: its boot id, and its uptime went on
+        after = ("-n", NAMESPACE, moved["podName"])
+        assert (
+            k("exec", *after, "--", "cat", "/proc/sys/kernel/random/boot_id").stdout.strip()
+            == boot_id
+        )
+        assert float(k("exec", *after, "--", "cat", "/proc/uptime").stdout.split()[0]) > uptime
+        # one console history: the target pod's log begins with the boot at the source
+        logs = k("logs", *after).stdout
+        assert logs.count(f"vkubelet-guest: booted hostname={pod[2]}") == 1, logs[:400]
+        # packets: a worker pod fetches the guest's httpd at its new pod IP, the other host's
+        ip = k.json("-n", NAMESPACE, "get", "pod", moved["podName"])["status"]["podIP"]
+        assert ipaddress.IPv4Address(ip) in ipaddress.IPv4Network(
+            fleet.cidrs[fleet.nodes.index(target)]
+        ), ip
+        k(
+            "-n",
+            NAMESPACE,
+            "wait",
+            "--for=condition=Ready",
+            "pod/peer",
+            "--timeout=90s",
+            timeout=120,
+        )
+        wait_for(
+            lambda: _fetch(k, "peer", f"http://{ip}:8080/") == pod[2],
+            timeout=60,
+            what="the moved VM's httpd from a worker pod, by its new pod IP",
+        )
+        k("-n", NAMESPACE, "delete", "vm", "mover", "--wait=true", "--timeout=120s", timeout=150)
+        wait_for(
+            lambda: all(h.running() == [] for h in fleet.hosts),
+            timeout=120,
+            what="no domain left on either host",
+        )
+    finally:
+        k("uncordon", fleet.nodes[1], check=False)
+        controller.terminate()
+        controller.wait(timeout=30)
+        print((tmp_path / "controller.log").read_text()[-3000:], file=sys.stderr)
+
+
 def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_a_vm_on_the_pod_network(
     worker_cluster: Cluster, worker_kubectl: Kubectl, fleet: Fleet
 ) -> None:
@@ -254,24 +433,7 @@ def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_a_vm_on_the_p
             ],
         },
     }
-    busybox = worker_cluster.image_reference("busybox")
-    peer_pod = {  # a pod on a real worker (the vm nodes are tainted): the VM's peer
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "peer", "namespace": NAMESPACE},
-        "spec": {
-            "terminationGracePeriodSeconds": 1,  # httpd as PID 1 ignores SIGTERM
-            "containers": [
-                {
-                    "name": "httpd",
-                    "image": busybox,
-                    "imagePullPolicy": "Never",
-                    "command": ["sh", "-c", SERVE_NAME],
-                }
-            ],
-        },
-    }
-    for item in (pod, peer_pod):
+    for item in (pod, _peer_pod(worker_cluster)):
         k("apply", "-f", "-", input=json.dumps(item))
     name = ("-n", NAMESPACE, "vm-on-the-fleet")
     k("-n", NAMESPACE, "wait", "--for=condition=Ready", "pod/vm-on-the-fleet",

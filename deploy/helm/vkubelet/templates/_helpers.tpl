@@ -83,6 +83,9 @@ vkubelet.io/provider: {{ include "vkubelet.provider" . }}
 {{- if not (regexMatch "^qemu\\+(ssh|libssh|libssh2|tls)://[^/]+/" (toString $host.uri)) -}}
 {{- fail (printf "providerConfig.hosts[%d].uri: %q: the agent's pod has no libvirt daemon of its own; name a remote one (qemu+ssh://root@hv-1/system)" $i (toString $host.uri)) -}}
 {{- end -}}
+{{- if and $host.migrationURI (not (regexMatch "^[a-z0-9+]+://[^/?]+/" (toString $host.migrationURI))) -}}
+{{- fail (printf "providerConfig.hosts[%d].migrationURI: %q: the other hosts' libvirt daemons reach this host's with it (a live migration): name this host, with a key on those hosts (qemu+libssh://root@hv-1/system?keyfile=/etc/vkubelet/migrate.key)" $i (toString $host.migrationURI)) -}}
+{{- end -}}
 {{- if and (not $.Values.vm.knownHosts) (not $host.noVerify) -}}
 {{- fail (printf "providerConfig.hosts[%d]: vm.knownHosts is empty, so ssh cannot verify host %q: give its key in vm.knownHosts, or set noVerify: true on the host (not verified: see the chart's README)" $i (toString $host.name)) -}}
 {{- end -}}

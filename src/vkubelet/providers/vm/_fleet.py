@@ -10,8 +10,9 @@
         uri: qemu+ssh://root@192.0.2.11/system
         identityFile: hv-1.key          # relative to this file: the URI's keyfile=
         noVerify: false                 # true: the URI's no_verify=1 (host key not checked)
-        # how the other hosts' daemons reach this one's for a live migration (`_lvmigrate`);
-        # default: uri, whose keyfile= is the agent's path: set it, with the hosts' own key
+        # how the other hosts' daemons reach this one's for a live migration (`_lvmigrate`),
+        # with a key and known hosts on *those hosts*; default: uri, whose keyfile= is the
+        # agent's path: set it
         migrationURI: qemu+libssh://root@192.0.2.11/system?keyfile=/etc/vkubelet/migrate.key
         podCIDR: 10.213.1.0/24          # default: the shared one
         network: {clusterDNS: [10.96.0.10]}   # merged over the shared `network`
@@ -125,12 +126,17 @@ def parse_fleet(raw: dict[str, Any], *, origin: str, base: Path) -> list[FleetHo
         if host.network is not None:
             mine["network"] = {**(shared.get("network") or {}), **host.network}
         checked = parse_config({**shared, **mine}, origin=f"{origin}: {where}", base=base)
-        if host.migration_uri is not None and "://" not in host.migration_uri:
-            raise fail(f"{where}.migrationURI", f"{host.migration_uri!r} is not a libvirt URI")
+        migration = host.migration_uri
+        if migration is not None and ("://" not in migration or not urlsplit(migration).hostname):
+            raise fail(
+                f"{where}.migrationURI",
+                f"{migration!r} is not a libvirt URI naming this host as the other hosts reach "
+                "it (qemu+libssh://root@hv-1/system?keyfile=/etc/vkubelet/migrate.key)",
+            )
         config = replace(
             checked,
             libvirt_uri=uri,
-            libvirt_migration_uri=host.migration_uri,
+            libvirt_migration_uri=migration,
             libvirt_pool=pool,
             state_dir=defaults.state_dir / host.name,
             image_store=defaults.image_store / host.name,

@@ -61,6 +61,16 @@ def test_each_host_is_a_node_with_the_shared_defaults_its_uri_and_its_own_state(
     assert two.taints == [{"key": "example.com/hv", "value": "2", "effect": "NoSchedule"}]
 
 
+@pytest.mark.parametrize("uri", ["hv-2", "qemu:///system", "qemu+ssh:///system"])
+def test_a_migration_uri_that_names_no_host_is_refused_naming_the_field(
+    tmp_path: Path, uri: str
+) -> None:
+    """The other hosts' daemons reach this host's with it: one naming no host cannot be."""
+    path = write(tmp_path, f"hosts: [{{name: a, uri: 'qemu+ssh://a/s', migrationURI: '{uri}'}}]")
+    with pytest.raises(ConfigError, match=r"hosts\[0\]\.migrationURI: .* naming this host"):
+        load_fleet(path)
+
+
 BRIDGED = "{mode: bridged, bridge: br0, subnet: 10.9.0.0/24, gateway: 10.9.0.1, pool: 10.9.0.10-10.9.0.30}"  # noqa: E501
 
 
