@@ -13,7 +13,9 @@ printed there, each once, `virsh list` on each host showing exactly the running 
 after and labelled with the pod that now runs it, its interface the target pod's network
 (packets between the target host and the guest, both ways). Then a domain defined with `virsh
 define` and imported moves whole to the other host, where its VirtualMachine's deletion policy
-is applied when it is deleted (the module's agents run the machine GC).
+is applied when it is deleted (the module's agents run the machine GC). Last, a second VM's
+move outlives its source's agent (SIGKILLed mid-copy): libvirt's daemon finishes it, and the
+restarted agent reports it Completed, its run ending Migrated.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import random
 import re
 import secrets
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -85,9 +88,10 @@ class Node:
     state: Path  # the agent's stateDir
     start: Callable[[], AgentProcess]  # this node's agent, on its config and stateDir
 
-    def restart(self) -> None:
-        """The agent stopped (SIGTERM: its domains run on) and started again."""
-        self.agent.stop()
+    def restart(self, sig: int = signal.SIGTERM) -> None:
+        """The agent stopped (SIGTERM: its domains run on; SIGKILL: a crash) and started
+        again."""
+        self.agent.stop(sig)
         self.agent = self.start()
 
 
@@ -549,3 +553,56 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
         assert host.virsh("list", "--all", "--name").stdout.split() == [], host.dir
         assert transient_pools(host) == [], host.dir
     assert back.exists() and disk.exists()
+
+
+def test_a_source_agent_killed_mid_migration_comes_back_to_the_move_libvirt_finished(
+    lab: Lab,
+) -> None:
+    """The source's agent SIGKILLed while libvirt copies the VM (its bandwidth held at
+    4 MiB/s, so the copy takes ~20 s): the source host's daemon goes on with the peer to peer
+    migration its dead client started, and the restarted agent follows that job: the source
+    pod's Migration condition Completed and its run ended Migrated (never booted again there),
+    the target pod Running with the domain, the same guest (its boot id), `virsh list` on
+    each host exactly the running domain. Runs last: its VM is the module's second boot."""
+    moved = f"{lab.namespace}_lvk-2"
+    lab.apply(vm_pod("lvk", lab.source.name))
+    wait_for(lambda: lab.running("lvk"), timeout=300, interval=2, what="the VM Running")
+
+    def guest(name: str, command: str) -> str:
+        done = lab.kubectl("-n", lab.namespace, "exec", name, "--", "sh", "-c", command)
+        return str(done.stdout).strip()
+
+    boot_id = guest("lvk", "cat /proc/sys/kernel/random/boot_id")
+    endpoint = lab.target_pod("lvk-2", "lvk")
+    lab.migrate("lvk-2", {**endpoint, "maxBandwidth": 4 * 2**20}, source="lvk")
+
+    def copying() -> bool:
+        condition = lab.condition("lvk", MIGRATION)
+        return condition.get("reason") == "Running" and bool(
+            json.loads(condition["message"]).get("progress")
+        )
+
+    wait_for(copying, timeout=120, interval=0.5, what="libvirt copying the VM")
+    lab.source.restart(signal.SIGKILL)
+    # killed mid-copy: the domain was still at the source, the target's still coming in
+    assert f"{lab.namespace}_lvk" in lab.source.host.running()
+    incoming = lab.target.host.virsh("domstate", "--reason", moved).stdout.strip()
+    print(f"after the SIGKILL: the target's domain is {incoming}")
+    assert incoming.startswith("paused"), incoming
+
+    wait_for(
+        lambda: lab.condition("lvk", MIGRATION).get("reason") in ("Completed", "Failed"),
+        timeout=180,
+        what="the restarted source's word on the migration",
+    )
+    result = lab.condition("lvk", MIGRATION)
+    print(f"after the restart: {result['reason']} {result['message']}")
+    assert result["reason"] == "Completed", result
+    wait_for(lambda: lab.running("lvk-2"), timeout=120, what="the target Running")
+    status = lab.pod("lvk")["status"]["containerStatuses"][0]
+    assert status["state"]["terminated"]["reason"] == "Migrated", status
+    assert status["restartCount"] == 0, status
+    assert lab.condition("lvk-2", TARGET_READY)["reason"] == "Completed"
+    assert f"{lab.namespace}_lvk" not in lab.source.host.virsh("list", "--all", "--name").stdout
+    assert lab.target.host.running() == [moved]
+    assert guest("lvk-2", "cat /proc/sys/kernel/random/boot_id") == boot_id

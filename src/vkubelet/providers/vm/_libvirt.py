@@ -94,7 +94,7 @@ from ._domainxml import (
 from ._guestaddr import first_ipv4, routed_peer
 from ._lvhotplug import LibvirtHotplug
 from ._lvimportmig import copies_in, imported_disks, imported_root, pool_name, pool_xml
-from ._lvmigrate import arrival, migrate_domain, target_uri
+from ._lvmigrate import arrival, follow_outgoing, migrate_domain, target_uri
 from ._lvnet import bridge_refused, libvirt_network, retarget_network, with_network
 from ._machine import MachineError, MachineExit, Usage
 from ._migrate import DomainNetwork, DomainTarget, MigrationError, Outcome, Progress
@@ -643,6 +643,10 @@ class LibvirtMachine:
         except (MachineError, libvirt.libvirtError) as e:
             log.warning("domain %s moved on; its disks' copies here stay: %s", self.uuid, e)
 
+    async def follow_migration(self, report: Callable[[Progress], None]) -> Outcome:
+        """The migration an earlier agent started, which the daemon runs on (`_lvmigrate`)."""
+        return await follow_outgoing(self.connection, self.uuid, report)
+
     @property
     def reference(self) -> str:
         return self.uuid
@@ -1186,6 +1190,8 @@ class LibvirtRuntime(QemuRuntime):
         if domain is None:
             return None
         state, reason = await self.connection.run(domain.state)
+        if (state, reason) == (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED):
+            return None  # it left for another host a moment ago (libvirt undefines it here)
         machine = LibvirtMachine(
             self.connection,
             run_dir,

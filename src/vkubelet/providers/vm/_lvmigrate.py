@@ -56,6 +56,7 @@ __all__ = [
     "destination_xml",
     "failure",
     "flags",
+    "follow_outgoing",
     "migrate_domain",
     "target_uri",
 ]
@@ -63,6 +64,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _POLL = 0.1  # the target's look for its domain; the source's progress is read every second
+_FOLLOW = 1.0  # a restarted source's look at the job its daemon runs on (`follow_outgoing`)
 
 
 @runtime_checkable
@@ -76,6 +78,10 @@ class MigratableDomain(Protocol):
         *,
         max_bandwidth: int | None = None,
     ) -> Outcome: ...
+
+    async def follow_migration(self, report: Callable[[Progress], None]) -> Outcome:
+        """A migration of this domain an earlier agent started (`follow_outgoing`)."""
+        ...
 
 
 @runtime_checkable
@@ -251,6 +257,83 @@ async def migrate_domain(
         total_ms=int(completed.get("time_elapsed", 0)),
         wall_ms=int((time.monotonic() - started) * 1000),
         ram_bytes=int(completed.get("memory_processed", 0)),
+        disk_bytes=int(completed.get("disk_processed", progress.disk_done)),
+    )
+
+
+async def follow_outgoing(
+    connection: Any, uuid: str, report: Callable[[Progress], None]
+) -> Outcome:
+    """A migration of the domain `uuid` that the source host's daemon runs on its own: the
+    agent whose call started it died. libvirt 9.0 goes on with a peer-to-peer migration whose
+    client went away (found on the lab: the client SIGKILLed mid-copy, the daemon finished the
+    move), so a restarted agent only follows the job: its progress to `report` until it
+    ends; the Outcome (libvirt's figures, from its job-completed event, when it comes) once the
+    domain left this host; MigrationError when the job ended with the domain still here,
+    running (libvirt keeps no reason for a failed job: the source host's libvirtd log has it),
+    or there is no migration job at all."""
+    libvirt = _libvirt()
+    started = time.monotonic()
+    domain = await connection.domain(uuid)
+    if domain is None:
+        return Outcome(0, 0, 0, 0, 0)  # it left before we looked
+    completed: dict[str, Any] = {}
+    conn = await connection.get()
+
+    def job_completed(_conn: Any, _domain: Any, stats: dict[str, Any], _opaque: object) -> None:
+        completed.update(stats)
+
+    event = libvirt.VIR_DOMAIN_EVENT_ID_JOB_COMPLETED
+    callback = conn.domainEventRegisterAny(domain, event, job_completed, None)
+    progress = Progress(phase="migrating")
+    retry = Backoff(initial=1.0, cap=10.0)
+    try:
+        while True:
+            try:
+                state, reason = await connection.run(domain.state)
+                if state == libvirt.VIR_DOMAIN_SHUTOFF:
+                    if reason == libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED:
+                        break  # left: libvirt undefines it here itself
+                    raise MigrationError("the domain shut off here during its migration")
+                stats = await connection.run(domain.jobStats)
+            except libvirt.libvirtError as e:
+                if e.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                    break  # left (and undefined here)
+                log.warning("domain %s: following its migration: %s", uuid, _message(e))
+                await asyncio.sleep(retry.next_delay())  # the daemon away: ask again
+                continue
+            except MachineError as e:
+                log.warning("domain %s: following its migration: %s", uuid, e)
+                await asyncio.sleep(retry.next_delay())
+                continue
+            retry.reset()
+            if stats.get("type", libvirt.VIR_DOMAIN_JOB_NONE) == libvirt.VIR_DOMAIN_JOB_NONE:
+                # Over (or none): a domain that moved is shut off or gone by then, the state
+                # read before the job may be older than its end
+                if await _stays(connection, domain):
+                    raise MigrationError(
+                        "libvirt's migration ended without moving the VM while no agent "
+                        "watched it (libvirt keeps no reason: the source host's libvirtd log "
+                        "has it)"
+                    )
+                break
+            if stats.get("operation") != libvirt.VIR_DOMAIN_JOB_OPERATION_MIGRATION_OUT:
+                raise MigrationError("the domain runs a job that is not its migration")
+            progress.disk_done = int(stats.get("disk_processed", 0))
+            progress.disk_total = int(stats.get("disk_total", 0))
+            progress.ram_done = int(stats.get("memory_processed", 0))
+            progress.ram_total = int(stats.get("memory_total", 0))
+            report(progress)
+            await asyncio.sleep(_FOLLOW)
+        await asyncio.sleep(_POLL)  # the job-completed event, dispatched by the loop
+    finally:
+        with contextlib.suppress(libvirt.libvirtError):
+            conn.domainEventDeregisterAny(callback)
+    return Outcome(
+        downtime_ms=int(completed.get("downtime", 0)),
+        total_ms=int(completed.get("time_elapsed", 0)),
+        wall_ms=int((time.monotonic() - started) * 1000),
+        ram_bytes=int(completed.get("memory_processed", progress.ram_done)),
         disk_bytes=int(completed.get("disk_processed", progress.disk_done)),
     )
 

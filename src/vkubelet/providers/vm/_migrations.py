@@ -10,7 +10,7 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -59,6 +59,7 @@ def _monitor(machine: MachineHandle) -> Monitor:
 HISTORY_TIMEOUT = 30.0
 CONSOLE_DRAIN = 5.0  # a moved domain's console stream ends this soon after libvirt's call
 ANSWER_WAIT = 5.0  # a failed target keeps its console port this long for the source's question
+DEPARTED_WAIT = 60.0  # a source whose domain left while no agent ran waits this long for the target
 VM_NODE_CONDITION = "Accelerator"  # only the vm provider reports it (the controller's rule too)
 
 
@@ -73,7 +74,8 @@ class Migrations:
     A restarted agent finishes or rolls back what the previous one left (`resume_incoming`,
     `resume_outgoing`, `ended_while_away`, from the adopted VM's run): the source writes its
     migration's state (`RECORD`: endpoint, token, running/completed/failed, the condition's
-    message) before each step that matters, and QEMU itself says where the stream is."""
+    message) before each step that matters, and QEMU itself says where the stream is (on
+    libvirt: the daemon's migration job, which goes on without the agent that started it)."""
 
     def __init__(self, host: VMHost) -> None:
         self.host = host
@@ -307,11 +309,7 @@ class Migrations:
         self, vm: VM, machine: MachineHandle, runner: PodRunner, endpoint: Endpoint, token: str
     ) -> None:
         host = self.host
-
-        def report(progress: Progress) -> None:
-            message = {**json.loads(progress.message()), "target": endpoint.target}
-            runner.set_condition(MIGRATION_CONDITION, "True", "Running", json.dumps(message))
-
+        report = self._reporter(runner, endpoint)
         if isinstance(machine, MigratableDomain) != (endpoint.libvirt is not None):
             where = "a libvirt host" if endpoint.libvirt is not None else "a QEMU runtime's node"
             error = f"the target is {where}; this VM runs on the {machine.runtime} runtime"
@@ -353,6 +351,16 @@ class Migrations:
             await self._moved(vm, machine, runner, endpoint, token, message)
             return
         await self._switched_over(vm, machine, runner, endpoint, token, message)
+
+    @staticmethod
+    def _reporter(runner: PodRunner, endpoint: Endpoint) -> Callable[[Progress], None]:
+        """The source's progress, as its `Migration` condition (Running)."""
+
+        def report(progress: Progress) -> None:
+            message = {**json.loads(progress.message()), "target": endpoint.target}
+            runner.set_condition(MIGRATION_CONDITION, "True", "Running", json.dumps(message))
+
+        return report
 
     async def _refusal(self, vm: VM, endpoint: Endpoint, token: str) -> str | None:
         """Why the source must not connect to `endpoint` (None: it is the target's own)."""
@@ -512,6 +520,15 @@ class Migrations:
         log.warning("%s: %s", vm.uid, error)
         self._failed(vm, runner, self._record(vm), error)
 
+    def resume(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
+        """`resume_outgoing` in the background, as the VM's migration being sent: the run's
+        end waits for its word (`settled`; a libvirt domain the daemon moves meanwhile leaves
+        before it is reported), and `update` starts no other."""
+        key = vm.key
+        task = self.host.spawn(self.resume_outgoing(vm, machine, runner), name=f"resume {key}")
+        self._sending[key] = task
+        task.add_done_callback(lambda _: self._sending.pop(key, None))
+
     async def resume_outgoing(self, vm: VM, machine: MachineHandle, runner: PodRunner) -> None:
         """An adopted source: re-report a finished migration, finish or roll back one the
         previous agent left running. It never lets both guests run: the switchover needs this
@@ -526,10 +543,7 @@ class Migrations:
         if state not in ("running", "completed"):
             return
         if isinstance(machine, MigratableDomain):
-            # libvirt's migration ended with the previous agent's call: the domain is still
-            # here (adopted), so it did not move.
-            error = "the source's agent restarted during the migration: the VM runs here"
-            self._failed(vm, runner, record, error)
+            await self._follow_domain(vm, machine, runner, record)
             return
         try:
             endpoint = Endpoint.from_json(str(record.get("endpoint")))
@@ -575,6 +589,58 @@ class Migrations:
         error = "the source's agent restarted during the migration: cancelled, the VM runs here"
         log.warning("%s: %s", vm.uid, error)
         self._failed(vm, runner, record, error)
+
+    async def _follow_domain(
+        self, vm: VM, machine: MachineHandle, runner: PodRunner, record: dict[str, Any]
+    ) -> None:
+        """An adopted libvirt source in the middle of a migration. Its daemon runs a peer to
+        peer migration on when the agent whose call started it dies (found on the lab), so this
+        agent follows libvirt's job to its end (`_lvmigrate.follow_outgoing`): the domain moved
+        (reported as after the call: the console history to the target, `Completed`, the run
+        ends `Migrated`) or it runs on here (`Failed`)."""
+        assert isinstance(machine, MigratableDomain)
+        try:
+            endpoint = Endpoint.from_json(str(record.get("endpoint")))
+        except MigrationError as e:
+            self._failed(vm, runner, record, str(e))
+            return
+        try:
+            outcome = await machine.follow_migration(self._reporter(runner, endpoint))
+        except MigrationError as e:
+            error = f"the source's agent restarted during the migration: {e}; the VM runs here"
+            log.warning("%s: %s", vm.uid, error)
+            self._failed(vm, runner, record, error)
+            return
+        log.info("%s: libvirt finished the migration the previous agent started", vm.uid)
+        message = json.dumps({**json.loads(outcome_message(outcome)), "target": endpoint.target})
+        token = str(record.get("token") or "")
+        await self._moved(vm, machine, runner, endpoint, token, message)
+
+    async def departed(self, vm: VM) -> None:
+        """A libvirt source whose domain was gone from its host when this agent started, in the
+        middle of a migration (the record `running`): its daemon may have finished the move
+        while no agent ran (it goes on without its client). The target's word (its pod, as
+        `_verdict_from_api`) says whether the guest runs there: then the record becomes
+        `completed` and the run ends `Migrated` (`ended_while_away`). No word within
+        `DEPARTED_WAIT`: the record stays, the run ends `MigrationInterrupted` (never booted
+        here again; the controller decides from the target's word)."""
+        record = self._record(vm)
+        if record.get("state") != "running":
+            return
+        try:
+            endpoint = Endpoint.from_json(str(record.get("endpoint")))
+        except MigrationError:
+            return
+        if endpoint.libvirt is None:
+            return  # QEMU's source QEMU ended: its stream cannot have gone on without it
+        try:
+            verdict = await asyncio.wait_for(self._verdict_from_api(vm, endpoint), DEPARTED_WAIT)
+        except TimeoutError:
+            return
+        if verdict == RUNNING:
+            log.info("%s: the domain moved while no agent ran", vm.uid)
+            message = json.dumps({"progress": 100, "target": endpoint.target})
+            self._write_record(vm, **{**record, "state": "completed", "message": message})
 
     def ended_while_away(self, vm: VM, runner: PodRunner) -> Terminated | None:
         """The source's QEMU ended while no agent ran, in the middle of a migration: the pod

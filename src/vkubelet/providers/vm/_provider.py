@@ -763,6 +763,7 @@ class VMProvider(RunnerProvider):
         runner = self.runners[key]
         if vm.ended is not None:  # this run ended while no agent ran
             code, vm.ended = vm.ended, None
+            await self.migrations.departed(vm)  # (a libvirt domain may have moved meanwhile)
             if (interrupted := self.migrations.ended_while_away(vm, runner)) is not None:
                 return interrupted
             return code
@@ -808,9 +809,7 @@ class VMProvider(RunnerProvider):
                 vm.machine = None
                 return 1
         elif adopted:  # a migration the previous agent left: finish it or roll it back
-            self._tasks.spawn(
-                self.migrations.resume_outgoing(vm, machine, runner), name=f"resume {key}"
-            )
+            self.migrations.resume(vm, machine, runner)
         tailer = ConsoleTailer(
             machine.console_log,
             self.log_path(vm.uid, vm.container, count),

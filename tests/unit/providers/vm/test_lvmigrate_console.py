@@ -69,6 +69,9 @@ class SourceDomain:
         self.gone.set()  # its console stream ends with its QEMU
         return Outcome(downtime_ms=80, total_ms=3000, wall_ms=3100, ram_bytes=1, disk_bytes=2)
 
+    async def follow_migration(self, report: Callable[[Progress], None]) -> Outcome:
+        raise MigrationError("no migration job")  # (this fake's moves are its own calls)
+
     async def wait(self) -> MachineExit:
         await self.gone.wait()
         return MachineExit(0, "Migrated")
