@@ -19,10 +19,13 @@ real worker fetches the VM's httpd by pod IP while the VM fetches the worker pod
 host becomes unreachable (its link down): only its node goes NotReady, with libvirt's message, and
 the VM on the first host still answers.
 
-Before that, a VirtualMachine (the CRDs and `vkubelet vm-controller` run beside the chart) boots on
-the first host and a VirtualMachineMigration moves it to the other host of the same agent: libvirt
-peer to peer, each host's `migrationURI` naming a key and known_hosts file of the lab's hosts (not
-the agent's Secret). One boot more for the module (~25 s with the move).
+Before that, a VirtualMachine boots on the first host and a VirtualMachineMigration moves it to
+the other host of the same agent: libvirt peer to peer, each host's `migrationURI` naming a key and
+known_hosts file of the lab's hosts (not the agent's Secret). The chart runs all of it: its hook
+Job applies the CRDs, its VM controller Deployment (own ServiceAccount) powers the VM on, moves
+it, powers it off and on again, and the agent's machine GC (listing VirtualMachines as the
+agent's ServiceAccount) removes the machine's volumes from the pool of the host it last ran on
+once the VirtualMachine is deleted. Two boots more for the module (~40 s with the move).
 """
 
 from __future__ import annotations
@@ -129,7 +132,8 @@ def _fetch(kubectl: Kubectl, pod: str, url: str) -> str:
 
 
 def _agent_pods(kubectl: Kubectl, *, running: bool = False) -> list[str]:
-    pods = kubectl.json("-n", NAMESPACE, "get", "pods", "-l", "app.kubernetes.io/instance=vkvm")
+    agents = "app.kubernetes.io/name=vkubelet,app.kubernetes.io/instance=vkvm"  # not the controller
+    pods = kubectl.json("-n", NAMESPACE, "get", "pods", "-l", agents)
     return [
         p["metadata"]["name"]
         for p in pods["items"]
@@ -205,6 +209,8 @@ def fleet(
                 "vm": {
                     "sshSecret": "vm-ssh",
                     "knownHosts": "".join(h.known_hosts.read_text() for h in hosts),
+                    # the controller and the CRDs are the chart's defaults in vm mode
+                    "machineGC": {"enabled": True, "intervalSeconds": GC_INTERVAL},
                 },
                 "providerConfig": {
                     "accel": "tcg",
@@ -264,35 +270,30 @@ def fleet(
                 subprocess.run(["ip", *command], capture_output=True, check=False)
 
 
-def _vm_controller(cluster: Cluster, log: Path) -> subprocess.Popen[bytes]:
-    """The CRDs installed and `vkubelet vm-controller` started on this machine, for the
-    module's namespace (the chart does not run the controller)."""
-    vkubelet = str(Path(sys.prefix) / "bin" / "vkubelet")
-    kubeconfig = ("--kubeconfig", str(cluster.kubeconfig))
-    crds = subprocess.run(
-        [vkubelet, "vm", "install-crds", *kubeconfig],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert crds.returncode == 0, crds.stderr
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [vkubelet, "vm-controller", *kubeconfig, "--namespace", NAMESPACE,
-             "--lease-namespace", NAMESPACE, "--identity", "lvf"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-
-
-def test_a_virtualmachinemigration_moves_a_fleet_vm_to_the_agents_other_host_live(
-    worker_cluster: Cluster, worker_kubectl: Kubectl, fleet: Fleet, tmp_path: Path
+def test_the_charts_vm_controller_moves_and_powers_a_fleet_vm_and_its_gc_empties_the_pool(
+    worker_cluster: Cluster, worker_kubectl: Kubectl, fleet: Fleet
 ) -> None:
-    """A VirtualMachine on the first host of the fleet moves to the other host of the same agent
-    (libvirt peer to peer over the hosts' own `migrationURI`s): its status names the other
-    node, `virsh list` on each host shows exactly the running domain, the guest did not boot
-    again (same boot id, uptime going on, the boot once in the target pod's `kubectl logs`),
-    and a worker pod reaches its httpd at its new pod IP (of the other host's podCIDR). Runs
-    before the chart's other test, which needs both hosts up and empty; it leaves them so."""
+    """The chart's own VM controller and machine GC. A VirtualMachine on the first host of the
+    fleet moves to the other host of the same agent (libvirt peer to peer over the hosts' own
+    `migrationURI`s): its status names the other node, `virsh list` on each host shows exactly
+    the running domain, the guest did not boot again (same boot id, uptime going on, the boot
+    once in the target pod's `kubectl logs`), and a worker pod reaches its httpd at its new pod
+    IP (of the other host's podCIDR). Powered off (`kubectl scale --replicas=0`) its domain
+    leaves the host; powered on it boots again there (a new boot id). Deleted, its volumes leave
+    that host's pool (the machine GC, then the pool's). Runs before the chart's other test,
+    which needs both hosts up and empty; it leaves them so."""
     k = worker_kubectl
-    controller = _vm_controller(worker_cluster, tmp_path / "controller.log")
+    # The grants: the GC's account may list VirtualMachines and do nothing else with them; the
+    # controller's may not touch CRDs (the hook's account did, and is gone).
+    agent_sa = f"--as=system:serviceaccount:{NAMESPACE}:vkvm-vkubelet"
+    controller_sa = f"--as=system:serviceaccount:{NAMESPACE}:vkvm-vkubelet-vm-controller"
+    can = lambda *a: k("auth", "can-i", *a, check=False).stdout.strip()  # noqa: E731
+    assert can("list", "virtualmachines.vkubelet.io", "-A", agent_sa) == "yes"
+    for verb in ("get", "watch", "delete", "patch"):
+        assert can(verb, "virtualmachines.vkubelet.io", "-A", agent_sa) == "no", verb
+    assert can("patch", "customresourcedefinitions", controller_sa) == "no"
+    assert k("-n", NAMESPACE, "get", "serviceaccount", "vkvm-vkubelet-vm-crds",
+             check=False).returncode != 0  # fmt: skip
     # either host, never a worker
     hostname_in = {"key": "kubernetes.io/hostname", "operator": "In", "values": fleet.nodes}
     terms = {"nodeSelectorTerms": [{"matchExpressions": [hostname_in]}]}
@@ -316,9 +317,7 @@ def test_a_virtualmachinemigration_moves_a_fleet_vm_to_the_agents_other_host_liv
                 },
             },
         }  # fmt: skip
-        # It boots on the first host (the second cordoned meanwhile) and moves to the second:
-        # the other way, the machine's volumes would stay in the first host's pool once the VM
-        # is deleted (the chart's agent runs no machine GC), which the next test checks empty.
+        # It boots on the first host (the second cordoned meanwhile) and moves to the second.
         k("cordon", fleet.nodes[1])
         k.apply(vm)
         k.apply(_peer_pod(worker_cluster))
@@ -387,17 +386,48 @@ def test_a_virtualmachinemigration_moves_a_fleet_vm_to_the_agents_other_host_liv
             timeout=60,
             what="the moved VM's httpd from a worker pod, by its new pod IP",
         )
+        # Powered off and on by the chart's controller: the domain leaves the host, then the
+        # machine boots again where its disks are (the target).
+        k("-n", NAMESPACE, "scale", "vm/mover", "--replicas=0")
+        wait_for(
+            lambda: status().get("phase") == "Stopped" and hosts[target].running() == [],
+            timeout=120,
+            what="the VirtualMachine Stopped, its domain gone from the host",
+        )
+        k("-n", NAMESPACE, "scale", "vm/mover", "--replicas=1")
+        on = wait_for(
+            lambda: (s := status()).get("phase") == "Running" and s,
+            timeout=BOOT_TIMEOUT,
+            what="the VirtualMachine Running again",
+        )
+        assert on["nodeName"] == target, on
+        again = ("-n", NAMESPACE, on["podName"])
+        k("-n", NAMESPACE, "wait", "--for=condition=Ready", f"pod/{again[2]}",
+          f"--timeout={BOOT_TIMEOUT}s", timeout=BOOT_TIMEOUT + 30)  # fmt: skip
+        assert k("exec", *again, "--", "cat", BOOT_ID).stdout.strip() != boot_id
+        assert hosts[target].running() == [f"{NAMESPACE}_{on['podName']}"]
+        assert "root.qcow2" in hosts[target].virsh("vol-list", "vkubelet").stdout
+        uid = k.json("-n", NAMESPACE, "get", "vm", "mover")["metadata"]["uid"]
         k("-n", NAMESPACE, "delete", "vm", "mover", "--wait=true", "--timeout=120s", timeout=150)
         wait_for(
             lambda: all(h.running() == [] for h in fleet.hosts),
             timeout=120,
             what="no domain left on either host",
         )
+        # The machine GC (the VirtualMachine gone), then the pool's GC: no volume of the
+        # machine, nor its base, stays on the host it last ran on (nor on the first).
+        wait_for(
+            lambda: all("vkubelet-" not in h.virsh("vol-list", "vkubelet").stdout
+                        for h in fleet.hosts),
+            timeout=90,
+            what="the deleted VirtualMachine's volumes gone from the hosts' pools",
+        )  # fmt: skip
+        agent = k("-n", NAMESPACE, "logs", "deployment/vkvm-vkubelet").stdout
+        assert f"machine gc: removed machine {uid}" in agent
     finally:
         k("uncordon", fleet.nodes[1], check=False)
-        controller.terminate()
-        controller.wait(timeout=30)
-        print((tmp_path / "controller.log").read_text()[-3000:], file=sys.stderr)
+        print(k("-n", NAMESPACE, "logs", "deployment/vkvm-vkubelet-vm-controller", "--tail=60",
+                check=False).stdout, file=sys.stderr)  # fmt: skip
 
 
 def test_the_chart_drives_two_libvirt_hosts_over_ssh_one_node_each_a_vm_on_the_pod_network(

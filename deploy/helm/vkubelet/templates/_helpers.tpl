@@ -93,11 +93,16 @@ vkubelet.io/provider: {{ include "vkubelet.provider" . }}
 {{- end -}}
 
 {{/* The provider config's content; the mock provider's has a default (one node); the vm
-     fleet's state is in the agent's state volume unless the config says otherwise. */}}
+     fleet's state is in the agent's state volume and its machine GC lists VirtualMachines as
+     the pod's ServiceAccount (no kubeconfig), unless the config says otherwise. */}}
 {{- define "vkubelet.providerConfig" -}}
 {{- if and (eq .Values.provider "vm") .Values.providerConfig.hosts -}}
 {{- include "vkubelet.vmFleetChecks" . -}}
-{{- toYaml (merge (deepCopy .Values.providerConfig) (dict "stateDir" "/var/lib/vkubelet/vm")) -}}
+{{- $defaults := dict "stateDir" "/var/lib/vkubelet/vm" -}}
+{{- if .Values.vm.machineGC.enabled -}}
+{{- $_ := set $defaults "machineGC" (dict "intervalSeconds" .Values.vm.machineGC.intervalSeconds) -}}
+{{- end -}}
+{{- toYaml (merge (deepCopy .Values.providerConfig) $defaults) -}}
 {{- else if .Values.providerConfig -}}
 {{- toYaml .Values.providerConfig -}}
 {{- else if eq .Values.provider "mock" -}}
@@ -165,4 +170,9 @@ vkubelet.io/provider: {{ include "vkubelet.provider" . }}
   name: {{ include "vkubelet.serviceAccountName" . }}
   namespace: {{ .Release.Namespace }}
 {{- end -}}
+{{- end -}}
+
+{{/* The vm fleet: the chart's agent drives libvirt hosts (the only vm mode it renders). */}}
+{{- define "vkubelet.vmFleet" -}}
+{{- if has "vm" (splitList "," (include "vkubelet.providers" .)) -}}true{{- end -}}
 {{- end -}}

@@ -94,7 +94,7 @@ class _ConfigMap(Section):
 
 
 class _MachineGC(Section):  # _persist
-    kubeconfig: FilePath
+    kubeconfig: FilePath | None = None  # None: the process's own (a pod's service account)
     interval_seconds: PositiveNumber = 300.0
 
 
@@ -357,7 +357,9 @@ def parse_config(data: object, *, origin: str, base: Path) -> VMConfig:
         default_millicpu=default_cpu,
         default_memory=default_memory,
         origin=origin,
-        machine_gc=MachineGC(base / gc.kubeconfig, gc.interval_seconds) if gc else None,
+        machine_gc=MachineGC(base / gc.kubeconfig if gc.kubeconfig else None, gc.interval_seconds)
+        if gc
+        else None,
         storage=StorageConfig(base / storage.kubeconfig, storage.interval_seconds)
         if storage
         else None,

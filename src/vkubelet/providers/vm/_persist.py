@@ -20,8 +20,10 @@ directories and what they hold are private to the agent (0700, 0600), tightened 
 `machine.json` also records the image the root overlay is backed by, so that the
 image GC keeps it while the machine is powered off. Machine directories are removed only when no
 VirtualMachine with that uid exists any more (`gc_machines`): the provider lists the
-VirtualMachines with the credentials of `machineGC.kubeconfig`; without that setting, or while
-the CRD is not installed, nothing is ever removed.
+VirtualMachines with the credentials of `machineGC.kubeconfig`, or, when the setting names none,
+the ones the process finds as kubectl would (`$KUBECONFIG`, a pod's service account: what the
+Helm chart's agent gives it, since its pod's kubelet keeps that token fresh); without
+`machineGC`, or while the CRD is not installed or cannot be listed, nothing is ever removed.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MachineGC:
-    kubeconfig: Path
+    kubeconfig: Path | None  # None: $KUBECONFIG, else the pod's service account
     interval: float = 300.0
 
 
@@ -229,7 +231,7 @@ def machine_addresses(state_dir: Path) -> set[str]:
     return {str(data["address"]) for data in _records(state_dir) if data.get("address")}
 
 
-async def existing_machines(kubeconfig: Path) -> set[str] | None:
+async def existing_machines(kubeconfig: Path | None) -> set[str] | None:
     """The uids of all VirtualMachines, or None when that cannot be known (the CRD absent, the
     apiserver away, no permission): then nothing may be deleted."""
     client = KubeClient.from_kubeconfig(kubeconfig)
@@ -247,7 +249,7 @@ async def existing_machines(kubeconfig: Path) -> set[str] | None:
 
 async def gc_machines(
     state_dir: Path,
-    kubeconfig: Path,
+    kubeconfig: Path | None,
     in_use: Collection[str],
     discard: Callable[[Path], Awaitable[None]] | None = None,
 ) -> list[str]:

@@ -154,6 +154,14 @@ def test_the_machine_gc_setting_is_checked(tmp_path: Path) -> None:
         )
 
 
+def test_a_machine_gc_without_a_kubeconfig_uses_the_process_s_own_credentials(
+    tmp_path: Path,
+) -> None:
+    """What the Helm chart's agent sets: the pod's service account (found as kubectl would)."""
+    config = parse_config({"machineGC": {"intervalSeconds": 5}}, origin="vm.yaml", base=tmp_path)
+    assert config.machine_gc == _persist.MachineGC(None, 5.0)
+
+
 def _checksums(directory: Path) -> dict[str, str]:
     return {
         str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
