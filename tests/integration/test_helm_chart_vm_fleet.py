@@ -287,7 +287,10 @@ def test_the_charts_vm_controller_moves_and_powers_a_fleet_vm_and_its_gc_empties
     # controller's may not touch CRDs (the hook's account did, and is gone).
     agent_sa = f"--as=system:serviceaccount:{NAMESPACE}:vkvm-vkubelet"
     controller_sa = f"--as=system:serviceaccount:{NAMESPACE}:vkvm-vkubelet-vm-controller"
-    can = lambda *a: k("auth", "can-i", *a, check=False).stdout.strip()  # noqa: E731
+
+    def can(*args: str) -> str:
+        return k("auth", "can-i", *args, check=False).stdout.strip()
+
     assert can("list", "virtualmachines.vkubelet.io", "-A", agent_sa) == "yes"
     for verb in ("get", "watch", "delete", "patch"):
         assert can(verb, "virtualmachines.vkubelet.io", "-A", agent_sa) == "no", verb
