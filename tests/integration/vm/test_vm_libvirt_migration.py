@@ -14,8 +14,9 @@ after and labelled with the pod that now runs it, its interface the target pod's
 (packets between the target host and the guest, both ways). Then a domain defined with `virsh
 define` and imported moves whole to the other host, where its VirtualMachine's deletion policy
 is applied when it is deleted (the module's agents run the machine GC). Last, a second VM's
-move outlives its source's agent (SIGKILLed mid-copy): libvirt's daemon finishes it, and the
-restarted agent reports it Completed, its run ending Migrated.
+moves outlive their agents (SIGKILLed mid-copy): one libvirt abandons (the VM runs on at the
+source, both pods say why), one libvirt's daemons finish (Completed, the source's run ending
+Migrated, the target Running in its first run).
 """
 
 from __future__ import annotations
@@ -555,15 +556,19 @@ def test_an_imported_domain_moves_whole_to_the_other_host_keeping_its_identity(
     assert back.exists() and disk.exists()
 
 
-def test_a_source_agent_killed_mid_migration_comes_back_to_the_move_libvirt_finished(
-    lab: Lab,
-) -> None:
-    """The source's agent SIGKILLed while libvirt copies the VM (its bandwidth held at
+def test_agents_killed_mid_migration_come_back_to_the_move_libvirt_finished(lab: Lab) -> None:
+    """Both nodes' agents SIGKILLed while libvirt copies the VM (its bandwidth held at
     4 MiB/s, so the copy takes ~20 s): the source host's daemon goes on with the peer to peer
-    migration its dead client started, and the restarted agent follows that job: the source
-    pod's Migration condition Completed and its run ended Migrated (never booted again there),
-    the target pod Running with the domain, the same guest (its boot id), `virsh list` on
-    each host exactly the running domain. Runs last: its VM is the module's second boot."""
+    migration its dead client started, and the target host's daemon takes the domain in
+    without any agent. The restarted source agent follows libvirt's job, the restarted target
+    agent waits for the domain again under the endpoint it had published: the source pod's
+    Migration condition Completed and its run ended Migrated (never booted again there), the
+    target pod Running with the domain in its first run, its log beginning with the source's
+    console history, the same guest (its boot id), `virsh list` on each host exactly the
+    running domain. Before that, a move of the same VM that libvirt abandons while the source's
+    agent is away (its job aborted with `virsh domjobabort`): the restarted agent says Failed,
+    the VM running on at the source (the same boot), and the target pod, which saw the domain
+    come in and go, fails saying why. Runs last: its VM is the module's second boot."""
     moved = f"{lab.namespace}_lvk-2"
     lab.apply(vm_pod("lvk", lab.source.name))
     wait_for(lambda: lab.running("lvk"), timeout=300, interval=2, what="the VM Running")
@@ -573,8 +578,6 @@ def test_a_source_agent_killed_mid_migration_comes_back_to_the_move_libvirt_fini
         return str(done.stdout).strip()
 
     boot_id = guest("lvk", "cat /proc/sys/kernel/random/boot_id")
-    endpoint = lab.target_pod("lvk-2", "lvk")
-    lab.migrate("lvk-2", {**endpoint, "maxBandwidth": 4 * 2**20}, source="lvk")
 
     def copying() -> bool:
         condition = lab.condition("lvk", MIGRATION)
@@ -582,19 +585,60 @@ def test_a_source_agent_killed_mid_migration_comes_back_to_the_move_libvirt_fini
             json.loads(condition["message"]).get("progress")
         )
 
+    def ended(earlier: str | None) -> bool:
+        condition = lab.condition("lvk", MIGRATION)
+        done = condition.get("reason") in ("Completed", "Failed")
+        return done and condition.get("message") != earlier
+
+    # abandoned by libvirt while the source's agent is away
+    endpoint = lab.target_pod("lvk-x", "lvk")
+    lab.migrate("lvk-x", {**endpoint, "maxBandwidth": 4 * 2**20}, source="lvk")
     wait_for(copying, timeout=120, interval=0.5, what="libvirt copying the VM")
-    lab.source.restart(signal.SIGKILL)
+    lab.source.agent.stop(signal.SIGKILL)
+    lab.source.host.virsh("domjobabort", f"{lab.namespace}_lvk")
+    lab.source.agent = lab.source.start()
+    wait_for(lambda: ended(None), timeout=120, what="the restarted source's word")
+    failed = lab.condition("lvk", MIGRATION)
+    print(f"abandoned: {failed['reason']} {failed['message']}")
+    assert failed["reason"] == "Failed" and "without moving the VM" in failed["message"], failed
+
+    def target_failed() -> str:  # (its run then starts again as a new target, as on QEMU)
+        events = lab.kubectl(
+            "-n", lab.namespace, "get", "events", "-o", "jsonpath={.items[*].message}",
+            "--field-selector", "involvedObject.name=lvk-x,reason=MigrationFailed",
+        )  # fmt: skip
+        return str(events.stdout)
+
+    said = wait_for(target_failed, timeout=60, what="the target that never got the domain failed")
+    print(f"the target: {said}")
+    assert "went away before it ran here" in said, said
+    assert f"{lab.namespace}_lvk" in lab.source.host.running() and lab.running("lvk")
+    assert f"{lab.namespace}_lvk-x" not in lab.target.host.virsh("list", "--all", "--name").stdout
+    wait_for(
+        lambda: lab.kubectl(
+            "-n", lab.namespace, "exec", "lvk", "--", "cat", "/proc/sys/kernel/random/boot_id",
+            check=False,
+        ).stdout.strip() == boot_id,
+        timeout=60,
+        what="the same guest at the source, through the restarted agent",
+    )  # fmt: skip
+    lab.kubectl("-n", lab.namespace, "delete", "pod", "lvk-x", "--wait=true", "--timeout=60s")
+    earlier = str(failed["message"])
+
+    # finished by libvirt while both agents are away
+    endpoint = lab.target_pod("lvk-2", "lvk")
+    lab.migrate("lvk-2", {**endpoint, "maxBandwidth": 4 * 2**20}, source="lvk")
+    wait_for(copying, timeout=120, interval=0.5, what="libvirt copying the VM")
+    lab.source.agent.stop(signal.SIGKILL)
+    lab.target.agent.stop(signal.SIGKILL)
+    lab.source.agent, lab.target.agent = lab.source.start(), lab.target.start()
     # killed mid-copy: the domain was still at the source, the target's still coming in
     assert f"{lab.namespace}_lvk" in lab.source.host.running()
     incoming = lab.target.host.virsh("domstate", "--reason", moved).stdout.strip()
     print(f"after the SIGKILL: the target's domain is {incoming}")
     assert incoming.startswith("paused"), incoming
 
-    wait_for(
-        lambda: lab.condition("lvk", MIGRATION).get("reason") in ("Completed", "Failed"),
-        timeout=180,
-        what="the restarted source's word on the migration",
-    )
+    wait_for(lambda: ended(earlier), timeout=180, what="the restarted agents' word")
     result = lab.condition("lvk", MIGRATION)
     print(f"after the restart: {result['reason']} {result['message']}")
     assert result["reason"] == "Completed", result
@@ -603,6 +647,8 @@ def test_a_source_agent_killed_mid_migration_comes_back_to_the_move_libvirt_fini
     assert status["state"]["terminated"]["reason"] == "Migrated", status
     assert status["restartCount"] == 0, status
     assert lab.condition("lvk-2", TARGET_READY)["reason"] == "Completed"
+    assert lab.pod("lvk-2")["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert lab.logs("lvk-2").count("vkubelet-guest: booted hostname=lvk") == 1
     assert f"{lab.namespace}_lvk" not in lab.source.host.virsh("list", "--all", "--name").stdout
     assert lab.target.host.running() == [moved]
     assert guest("lvk-2", "cat /proc/sys/kernel/random/boot_id") == boot_id

@@ -108,6 +108,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DOMAIN_FILE = "domain.json"
+INCOMING_FILE = "incoming.json"  # a migration target's `DomainTarget`, until its domain came
 _CHUNK = 65536
 _POLL = 1.0  # seconds between state reads while a domain runs (the console's end wakes earlier)
 PING_SECONDS = 4.0
@@ -1024,6 +1025,7 @@ class LibvirtRuntime(QemuRuntime):
             owner=(owner.pod_uid, owner.namespace, owner.name, owner.node),
             network=network,
         )
+        _record_incoming(spec.run_dir, target)
         return IncomingLibvirtMachine(self.connection, spec.run_dir, target)
 
     def _incoming_run_dir(self, spec: LaunchSpec) -> str:
@@ -1034,7 +1036,7 @@ class LibvirtRuntime(QemuRuntime):
         except MigrationError as e:
             raise MachineRefused("MigrationUnsupported", str(e)) from None
         spec.run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("console.sock", "exit.json", DOMAIN_FILE):
+        for stale in ("console.sock", "exit.json", DOMAIN_FILE, INCOMING_FILE):
             (spec.run_dir / stale).unlink(missing_ok=True)
         return uri
 
@@ -1068,6 +1070,7 @@ class LibvirtRuntime(QemuRuntime):
             owner=(owner.pod_uid, owner.namespace, owner.name, owner.node),
             directory=directory,
         )
+        _record_incoming(spec.run_dir, target)
         return IncomingLibvirtMachine(
             self.connection, spec.run_dir, target, imported=True, copies=self._copies
         )
@@ -1177,7 +1180,7 @@ class LibvirtRuntime(QemuRuntime):
             record = json.loads((run_dir / DOMAIN_FILE).read_text())
             uuid = str(record["uuid"])
         except (OSError, ValueError, KeyError):
-            return None
+            return self._incoming_of(run_dir)
         libvirt = _libvirt()
         retry = Backoff(initial=1.0, cap=30.0)
         while True:
@@ -1208,6 +1211,19 @@ class LibvirtRuntime(QemuRuntime):
             return None
         await machine.open_console(domain)
         return machine
+
+    def _incoming_of(self, run_dir: Path) -> IncomingLibvirtMachine | None:
+        """The migration target a previous agent left waiting in `run_dir` (None: not one):
+        libvirt's daemon receives the domain without the agent, so this one waits again."""
+        try:
+            target = DomainTarget.from_data(json.loads((run_dir / INCOMING_FILE).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        imported = bool(target.directory)
+        copies = self._copies if imported else None
+        return IncomingLibvirtMachine(
+            self.connection, run_dir, target, imported=imported, copies=copies
+        )
 
     # -- imported domains (`_domainimport`): started and stopped, never defined or undefined --
     async def check_import(self, request: DomainImport) -> str:
@@ -1365,6 +1381,12 @@ class LibvirtRuntime(QemuRuntime):
         if "<domain type='kvm'" in capabilities or '<domain type="kvm"' in capabilities:
             return "kvm", f"libvirt {self.connection.uri} offers KVM"
         return "tcg", f"libvirt {self.connection.uri} offers no KVM: TCG"
+
+
+def _record_incoming(run_dir: Path, target: DomainTarget) -> None:
+    """A migration target's `DomainTarget`, for an agent restarted before the domain came
+    (`LibvirtRuntime._incoming_of`)."""
+    write_atomic(run_dir / INCOMING_FILE, json.dumps(target.to_data()) + "\n")
 
 
 def _known_start(run_dir: Path, uuid: str) -> float:

@@ -376,9 +376,12 @@ async def arrival(
     seen: Callable[[Any], Awaitable[None]],
 ) -> tuple[Any, str]:
     """Until the domain `name`, labelled with `pod_uid`, runs at `connection`'s host: the
-    domain and its UUID. `seen` is called once it exists (paused: the state is coming), and
-    again if it went away and came back (a failed attempt, then another). An unreachable
-    daemon is waited for; a domain of that name that is not the pod's raises MigrationError."""
+    domain and its UUID. `seen` is called once it exists (paused: the state is coming). One
+    that went away before it ran here raises MigrationError: its migration failed or was
+    cancelled at the source (the guest runs on there), and no other attempt comes to this
+    endpoint (the source tries each endpoint once), as a QEMU target's incoming QEMU exits
+    when its source cancels. An unreachable daemon is waited for; a domain of that name that
+    is not the pod's raises MigrationError."""
     libvirt = _libvirt()
     retry = Backoff(initial=1.0, cap=10.0)
     shown: str | None = None
@@ -390,12 +393,19 @@ async def arrival(
             except libvirt.libvirtError as e:
                 if e.get_error_code() != libvirt.VIR_ERR_NO_DOMAIN:
                     raise MachineError(f"libvirt {connection.uri}: {_message(e)}") from None
-                shown = None
+                if shown is not None:
+                    raise MigrationError(
+                        "the domain went away before it ran here: its migration failed or was "
+                        "cancelled at the source, where the VM runs on"
+                    ) from None
                 await asyncio.sleep(_POLL)
                 continue
             uuid = await connection.run(domain.UUIDString)
             owner = owner_of(await connection.metadata(domain, METADATA_URI))
             if owner is None or owner.pod_uid != pod_uid:
+                # (no metadata is also what a domain that went away meanwhile answers: the
+                # next lookup tells)
+                await connection.run(conn.lookupByName, name)
                 raise MigrationError(
                     f"libvirt {connection.uri} has a domain {name!r} that is not this pod's"
                 )
@@ -405,8 +415,7 @@ async def arrival(
             state, _reason = await connection.run(domain.state)
             retry.reset()
         except libvirt.libvirtError:
-            shown = None  # it went away between two calls
-            await asyncio.sleep(_POLL)
+            await asyncio.sleep(_POLL)  # it went away between two calls? the lookup says
             continue
         except MachineError as e:
             log.warning("migration target %s: %s; asking again", name, e)

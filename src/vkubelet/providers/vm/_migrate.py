@@ -340,12 +340,18 @@ class ConsolePort:
         self._verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._answered = asyncio.Event()
 
-    async def open(self, host: str) -> int:
-        """Listen on `host`; the port. MigrationError without a token: a port anybody could
-        feed a history would put their lines in the pod's log."""
+    async def open(self, host: str, port: int = 0) -> int:
+        """Listen on `host` (on `port` if it is free: the one an earlier agent published);
+        the port. MigrationError without a token: a port anybody could feed a history would
+        put their lines in the pod's log."""
         if not self.token:
             raise MigrationError(f"the target pod has no {MIGRATION_TOKEN}")
-        self._server = await asyncio.start_server(self._serve, host, 0)
+        try:
+            self._server = await asyncio.start_server(self._serve, host, port)
+        except OSError:
+            if not port:
+                raise
+            self._server = await asyncio.start_server(self._serve, host, 0)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -64,6 +64,7 @@ VM_NODE_CONDITION = "Accelerator"  # only the vm provider reports it (the contro
 
 
 RECORD = "migration.json"  # the source's migration, in the VM's directory (see `Migrations`)
+TARGET_RECORD = "migration-target.json"  # a libvirt target's published endpoint (no token)
 _ACTIVE = ("setup", "active", "pre-switchover", "device", "cancelling", "wait-unplug")
 
 
@@ -133,7 +134,7 @@ class Migrations:
                 await incoming.close()
 
     async def _receive_domain(
-        self, vm: VM, machine: MachineHandle, runner: PodRunner, run: int
+        self, vm: VM, machine: MachineHandle, runner: PodRunner, run: int, *, port: int = 0
     ) -> None:
         """A libvirt target: publish where the source's daemon sends the domain, then wait
         for it (`_lvmigrate`). The console history comes as on QEMU, to our console port once
@@ -146,7 +147,7 @@ class Migrations:
         console = ConsolePort(token)
         try:
             try:
-                port = await console.open(host.host_ip)
+                port = await console.open(host.host_ip, port)
             except OSError as e:
                 raise MigrationError(f"could not prepare the target: {e}") from None
             endpoint = Endpoint(
@@ -160,6 +161,7 @@ class Migrations:
             )
             runner.set_condition(TARGET_CONDITION, "True", "Ready", endpoint.to_json())
             host.event(vm, "Normal", "MigrationTargetReady", endpoint.to_json())
+            write_private(vm.dir / TARGET_RECORD, endpoint.to_json())  # (`resume_incoming`)
             await machine.arrive()
             console.confirm()  # (libvirt decided: the source only learns its history came)
             self._arrived(vm, runner)
@@ -187,7 +189,16 @@ class Migrations:
         """An adopted target the VM had not (yet, as far as we knew) arrived at. Its ports died
         with the previous agent: a stream QEMU already reads goes on (the source decides its
         end), one not started never will (MigrationError: the caller stops this QEMU, so the
-        source's migration fails and its guest runs on there)."""
+        source's migration fails and its guest runs on there). A libvirt target waits for its
+        domain again, as its first run did: the target host's daemon receives it without any
+        agent; its endpoint stays the one published (the console port opened again on the same
+        port when it is free), so a source yet to send its history still can."""
+        if isinstance(machine, ArrivingDomain):
+            port = 0
+            with contextlib.suppress(OSError, MigrationError):
+                port = Endpoint.from_json((vm.dir / TARGET_RECORD).read_text()).console_port
+            await self._receive_domain(vm, machine, runner, vm.run, port=port)
+            return
         monitor = _monitor(machine)
         try:
             try:

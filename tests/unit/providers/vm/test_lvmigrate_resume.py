@@ -218,3 +218,77 @@ async def test_a_restarted_source_whose_domain_runs_here_without_a_job_says_it_d
     backup = {"type": libvirt.VIR_DOMAIN_JOB_UNBOUNDED, "operation": 9}  # not a migration
     with pytest.raises(MigrationError, match="not its migration"):
         await _lvmigrate.follow_outgoing(_Connection(_Job((running, backup))), "u-1", print)
+
+
+async def test_a_restarted_target_opens_its_console_port_again_on_the_published_port() -> None:
+    """So its endpoint stays the one the source was given (a history yet to come still can)."""
+    from vkubelet.providers.vm._migrate import ConsolePort
+
+    first = ConsolePort("t" * 64)
+    port = await first.open("127.0.0.1")
+    first.close()
+    await asyncio.sleep(0)  # (the listening socket closes with the loop's next turn)
+    again = ConsolePort("t" * 64)
+    assert await again.open("127.0.0.1", port) == port
+    taken = ConsolePort("t" * 64)  # the port is someone else's now: another one
+    other = await taken.open("127.0.0.1", port)
+    assert other not in (0, port)
+    again.close()
+    taken.close()
+
+
+def _gone(libvirt: Any) -> BaseException:
+    class Gone(libvirt.libvirtError):  # type: ignore[misc]
+        def get_error_code(self) -> int:
+            return int(libvirt.VIR_ERR_NO_DOMAIN)
+
+    return Gone("no domain")
+
+
+class _Arriving:
+    """The target host, where the incoming domain is seen once (paused), then is gone."""
+
+    uri = "qemu+ssh://root@hv-2/system"
+
+    def __init__(self, libvirt: Any) -> None:
+        self.libvirt, self.looks = libvirt, 0
+        owner = '<pod xmlns="https://vkubelet.io/xmlns/vm-domain/1" uid="uid-2"/>'
+        self.domain = SimpleNamespace(
+            UUIDString=lambda: "u-2",
+            state=lambda: (libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_MIGRATION),
+        )
+        self.owner = owner
+
+    async def get(self) -> Any:
+        return SimpleNamespace(lookupByName=self.lookup)
+
+    def lookup(self, name: str) -> Any:
+        self.looks += 1
+        if self.looks > 1:
+            raise _gone(self.libvirt)
+        return self.domain
+
+    async def run(self, call: Any, *args: Any) -> Any:
+        return call(*args)
+
+    async def metadata(self, domain: Any, uri: str) -> str:
+        return self.owner
+
+
+async def test_a_target_whose_incoming_domain_went_away_fails_saying_the_vm_runs_at_the_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    libvirt = pytest.importorskip("libvirt", reason="libvirt-python is not installed")
+    from vkubelet.providers.vm import _lvmigrate
+
+    monkeypatch.setattr(_lvmigrate, "_POLL", 0.0)
+    monkeypatch.setattr(_lvmigrate, "owner_of", lambda xml: SimpleNamespace(pod_uid="uid-2"))
+    seen: list[Any] = []
+
+    async def saw(domain: Any) -> None:
+        seen.append(domain)
+
+    host = _Arriving(libvirt)
+    with pytest.raises(MigrationError, match="went away before it ran here"):
+        await _lvmigrate.arrival(host, "ns_vm-2", "uid-2", saw)
+    assert seen == [host.domain]
