@@ -116,6 +116,7 @@ class StoragePool:
     def __init__(self, connection: Connection, config: LibvirtPool, node: str) -> None:
         self.connection, self.config, self.node = connection, config, node
         self._uploading: dict[str, asyncio.Lock] = {}
+        self._seen: set[str] = set()  # volumes whose local file this process saw (`collect`)
 
     def volume_name(self, local: Path) -> str:
         digest = hashlib.sha256(str(local.resolve()).encode()).hexdigest()[:12]
@@ -191,6 +192,7 @@ class StoragePool:
         marker = {_MARKER_KEY: {"pool": self.config.name, "name": name, "path": path}}
         local.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(local, json.dumps(marker) + "\n")
+        self._seen.add(name)
 
     async def grow(self, local: Path, size: int) -> None:
         """The volume `local`'s marker names grown to `size` bytes (`virStorageVolResize`);
@@ -217,9 +219,11 @@ class StoragePool:
         try:
             await self.connection.run(_delete_volume, libvirt, pool, name)
             upload = partial(_uploaded, libvirt, conn, pool, name, local, staged=False)
-            return await self.connection.run(upload)
+            path = await self.connection.run(upload)
         except (libvirt.libvirtError, OSError) as e:
             raise self._error(e) from None
+        self._seen.add(name)
+        return path
 
     async def blank(self, name: str, size: int) -> Path:
         """A new blank qcow2 volume `name` (one left by an interrupted run is replaced)."""
@@ -267,12 +271,14 @@ class StoragePool:
         return {self.volume_name(p) for p in local_root.rglob("*") if p.is_file()}
 
     async def collect(self, local_root: Path) -> list[str]:
-        """Remove this node's volumes whose local file (marker or seed) under `local_root` is
-        gone and that no domain names as a disk; returns their names. The volumes are listed
-        before the files are: a disk made meanwhile has its marker by the time the files are
-        read, and is kept. A domain's disk is kept without its marker: an agent that starts
-        with an empty `stateDir` writes the markers of its running VMs' disks only when it
-        takes each VM's pod again."""
+        """Remove this node's volumes whose local file (marker or seed) under `local_root` this
+        process saw, or made, and that is gone now, and that no domain names as a disk; returns
+        their names. The volumes are listed before the files are: a disk made meanwhile has its
+        marker by the time the files are read, and is kept. A volume whose marker this process
+        never saw is kept: an agent that starts with an empty `stateDir` (the chart's pod
+        replaced: an emptyDir) writes a machine's markers only when the machine's next pod
+        runs, and a powered-off machine has no domain to name its disks meanwhile (its volumes
+        leak if its VirtualMachine is deleted before that: a leak, never a lost disk)."""
         libvirt = _libvirt()
         pool = await self.pool()
         conn = await self.connection.get()
@@ -282,9 +288,12 @@ class StoragePool:
             volumes = await self.connection.run(_pool_volumes, libvirt, pool)
             disks = await self.connection.run(_domain_disks, libvirt, conn)
             live = await asyncio.to_thread(self._live, local_root)
+            self._seen |= live & set(volumes)
             for name, volume in volumes.items():
-                if name.startswith(prefix) and name not in live and volume.path not in disks:
+                gone = name in self._seen and name not in live
+                if name.startswith(prefix) and gone and volume.path not in disks:
                     await self.connection.run(_delete_volume, libvirt, pool, name)
+                    self._seen.discard(name)
                     removed.append(name)
         except libvirt.libvirtError as e:
             raise self._error(e) from None

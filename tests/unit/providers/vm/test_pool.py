@@ -16,7 +16,13 @@ import pytest
 from vkubelet.providers.vm import _pool
 from vkubelet.providers.vm._backend import PulledImage
 from vkubelet.providers.vm._config import LibvirtPool
-from vkubelet.providers.vm._pool import PoolVolume, StoragePool, _overlay_xml, unbacked_bases
+from vkubelet.providers.vm._pool import (
+    PoolVolume,
+    StoragePool,
+    _overlay_xml,
+    unbacked_bases,
+    volume_marker,
+)
 
 A, B = "a" * 64, "b" * 64
 DIR = "/var/lib/libvirt/images/vkubelet"
@@ -208,3 +214,22 @@ async def test_a_volume_a_domain_uses_is_kept_without_its_local_marker(
     daemon.domains = []  # the domain gone: its volume goes, then its base
     assert await pool.collect(tmp_path / "vms") == [overlay]
     assert await pool.collect_bases() == [base(A)]
+
+
+async def test_a_new_agent_keeps_a_powered_off_machine_s_volumes_whose_marker_it_never_saw(
+    daemon: FakeConn, tmp_path: Path
+) -> None:
+    """The chart's pod replaced (its stateDir an emptyDir): a powered-off machine has no domain
+    and no marker; the new agent keeps its disk, which the machine's next pod finds again."""
+    root = tmp_path / "vms" / "m-1" / "root.qcow2"
+    first = StoragePool(FakeConnection(daemon), LibvirtPool(), "hv-1")  # type: ignore[arg-type]
+    await make_overlay(first, image(tmp_path, A), root)
+    disk = first.volume_name(root)
+    root.unlink()  # the old pod's emptyDir is gone
+    second = StoragePool(FakeConnection(daemon), LibvirtPool(), "hv-1")  # type: ignore[arg-type]
+    assert await second.collect(tmp_path / "vms") == []
+    assert disk in daemon.pool.volumes
+    await make_overlay(second, image(tmp_path, A), root)  # the machine's next pod: its own disk
+    assert volume_marker(root) is not None and disk in daemon.pool.volumes
+    root.unlink()  # this agent removed it (the machine's VirtualMachine gone): now it goes
+    assert await second.collect(tmp_path / "vms") == [disk]
