@@ -252,13 +252,7 @@ async def migrate_domain(
             await asyncio.wait_for(done.wait(), 2.0)
         with contextlib.suppress(libvirt.libvirtError):
             conn.domainEventDeregisterAny(callback)
-    return Outcome(
-        downtime_ms=int(completed.get("downtime", 0)),
-        total_ms=int(completed.get("time_elapsed", 0)),
-        wall_ms=int((time.monotonic() - started) * 1000),
-        ram_bytes=int(completed.get("memory_processed", 0)),
-        disk_bytes=int(completed.get("disk_processed", progress.disk_done)),
-    )
+    return _outcome(completed, progress, started)
 
 
 async def follow_outgoing(
@@ -329,13 +323,7 @@ async def follow_outgoing(
     finally:
         with contextlib.suppress(libvirt.libvirtError):
             conn.domainEventDeregisterAny(callback)
-    return Outcome(
-        downtime_ms=int(completed.get("downtime", 0)),
-        total_ms=int(completed.get("time_elapsed", 0)),
-        wall_ms=int((time.monotonic() - started) * 1000),
-        ram_bytes=int(completed.get("memory_processed", progress.ram_done)),
-        disk_bytes=int(completed.get("disk_processed", progress.disk_done)),
-    )
+    return _outcome(completed, progress, started)
 
 
 async def _stays(connection: Any, domain: Any) -> bool:
@@ -424,3 +412,14 @@ async def arrival(
         if state == libvirt.VIR_DOMAIN_RUNNING:
             return domain, uuid
         await asyncio.sleep(_POLL)
+
+
+def _outcome(completed: dict[str, Any], progress: Progress, started: float) -> Outcome:
+    """libvirt's job-completed figures (what was last seen of the job where one is missing)."""
+    return Outcome(
+        downtime_ms=int(completed.get("downtime", 0)),
+        total_ms=int(completed.get("time_elapsed", 0)),
+        wall_ms=int((time.monotonic() - started) * 1000),
+        ram_bytes=int(completed.get("memory_processed", progress.ram_done)),
+        disk_bytes=int(completed.get("disk_processed", progress.disk_done)),
+    )
