@@ -273,9 +273,8 @@ class LeaderElector:
         except LeaseConflict:
             self._mine = None  # someone else wrote it: read it again next time
             return False
-        except Exception as e:  # the apiserver away, a timeout
-            log_failure = log.info if self.is_leader else log.debug  # a leader's renewal: tell
-            log_failure("leader election: attempt on Lease %s failed: %r", self.name, e)
+        except Exception as e:  # the apiserver away, a timeout: said by leader and standby
+            log.info("leader election: attempt on Lease %s failed: %r", self.name, e)
             return False
         self._renewed_at = started  # the write came later: others' expiry counts from after it
         return True
