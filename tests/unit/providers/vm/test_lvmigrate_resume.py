@@ -226,8 +226,7 @@ async def test_a_restarted_target_opens_its_console_port_again_on_the_published_
 
     first = ConsolePort("t" * 64)
     port = await first.open("127.0.0.1")
-    first.close()
-    await asyncio.sleep(0)  # (the listening socket closes with the loop's next turn)
+    first.close()  # (asyncio's Server.close closes the listening socket there and then)
     again = ConsolePort("t" * 64)
     assert await again.open("127.0.0.1", port) == port
     taken = ConsolePort("t" * 64)  # the port is someone else's now: another one

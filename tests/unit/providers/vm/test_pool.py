@@ -23,6 +23,7 @@ from vkubelet.providers.vm._pool import (
     unbacked_bases,
     volume_marker,
 )
+from vkubelet.testing.harness import eventually
 
 A, B = "a" * 64, "b" * 64
 DIR = "/var/lib/libvirt/images/vkubelet"
@@ -88,6 +89,7 @@ class FakePool:
     def __init__(self) -> None:
         self.volumes: dict[str, FakeVolume] = {}
         self.uploads: list[str] = []
+        self.listings = 0  # listAllVolumes calls
 
     def isActive(self) -> bool:
         return True
@@ -98,6 +100,7 @@ class FakePool:
         return self.volumes[name]
 
     def listAllVolumes(self, flags: int) -> list[FakeVolume]:
+        self.listings += 1
         return list(self.volumes.values())
 
     def createXML(self, xml: str, flags: int) -> FakeVolume:
@@ -187,8 +190,8 @@ async def test_the_gc_cannot_remove_the_base_a_starting_pod_makes_its_overlay_ov
     pulled = image(tmp_path, A)
     async with pool.base(pulled) as path:  # the start has its base, no overlay yet
         collecting = asyncio.create_task(pool.collect_bases())
-        for _ in range(20):  # the GC lists the base as unused, then waits for the start
-            await asyncio.sleep(0)
+        # the GC lists the base as unused, then waits for the start's lock
+        await eventually(lambda: daemon.pool.listings >= 1, what="the GC's listing")
         assert not collecting.done()
         local = tmp_path / "vms" / "uid-1" / "root.qcow2"
         await pool.create(local, lambda name: _overlay_xml(name, path, "qcow2", 1 << 20))
