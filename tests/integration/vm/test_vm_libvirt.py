@@ -667,8 +667,14 @@ def test_with_libvirt_pool_pvc_disks_backups_restores_and_growth_use_host_volume
         def boot(pod: str, annotations: dict[str, str], claim: str | None = "data") -> None:
             manifest = _pod(pod, name, annotations, claim=claim)
             kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(manifest))
-            wait_for(lambda: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT,
-                     what=f"{pod} Running")  # fmt: skip
+            try:
+                wait_for(lambda: _running(kubectl, namespace, pod), timeout=BOOT_TIMEOUT,
+                         what=f"{pod} Running")  # fmt: skip
+            except pytest.fail.Exception:  # why (it failed once in CI without a word)
+                print(kubectl("-n", namespace, "describe", "pod", pod, check=False).stdout)
+                print(kubectl("-n", namespace, "get", "pvc,events", check=False).stdout)
+                print(agent.log()[-6000:])
+                raise
 
         def delete(pod: str) -> None:
             kubectl("-n", namespace, "delete", "pod", pod, "--wait=true", "--timeout=90s")
